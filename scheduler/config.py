@@ -1,0 +1,49 @@
+"""Scheduler limits. Frozen: nothing writes to config at run time."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from scheduler.kv_layout import KV_STEP
+
+Policy = Literal["decode-first", "prefill-first"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    # KV bytes available: the memory budget minus the weights.
+    kv_budget_bytes: int
+    # K and V of one token across all layers (2 x layers x kv_heads x head_dim x dtype bytes).
+    kv_bytes_per_token: int
+    # Longest prompt + output the model accepts.
+    max_model_len: int
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    # Prefill chunk; a multiple of KV_STEP so a prefilling cache holds exactly round_up(tokens).
+    prefill_step_size: int = 512
+    # decode-first: every step decodes all running requests and fills the rest of the token budget
+    # with prefill chunks. prefill-first: a step with prefill work does only prefill.
+    policy: Policy = "decode-first"
+    # Pool rows grow in powers of two up to this, then in multiples of it.
+    row_step: int = 8
+    # Pure-decode steps one plan may cover (1 for real execution; more lets a simulator skip ahead).
+    max_lookahead_steps: int = 1
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.kv_bytes_per_token > 0, "kv_bytes_per_token must be > 0"),
+            (self.max_model_len > 0, "max_model_len must be > 0"),
+            (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.prefill_step_size >= KV_STEP and self.prefill_step_size % KV_STEP == 0,
+             f"prefill_step_size must be a positive multiple of {KV_STEP}"),
+            (self.max_num_batched_tokens >= max(self.prefill_step_size, self.max_num_seqs),
+             "max_num_batched_tokens must be >= prefill_step_size and >= max_num_seqs"),
+            (self.policy in ("decode-first", "prefill-first"),
+             "policy must be 'decode-first' or 'prefill-first'"),
+            (self.row_step >= 1, "row_step must be >= 1"),
+            (self.max_lookahead_steps >= 1, "max_lookahead_steps must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)

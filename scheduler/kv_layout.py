@@ -1,0 +1,107 @@
+"""How KV memory is laid out, as pure arithmetic shared by the scheduler (admission), the executors
+(allocation) and `size` (per-Mac limits).
+
+batchsim's real executor holds two kinds of KV:
+- a *pool* for decoding requests: per layer one K and one V array of shape
+  (rows, kv_heads, capacity, head_dim). Every row is padded to `capacity`, which grows in
+  `KV_STEP`-token steps (mlx-lm's cache step) to cover the longest running sequence. Rows are
+  added in powers of two up to `row_step`, then in multiples of it, so a join usually lands in a
+  spare row instead of copying the whole pool.
+- a *private* mlx-lm KVCache per request while its prompt is prefilled, grown by mlx-lm in
+  KV_STEP-token steps (prefill chunks are multiples of KV_STEP, so it holds round_up(tokens)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+KV_STEP = 256  # mlx-lm's KVCache.step / BatchKVCache.step
+PAGE_TOKENS = 16  # a typical paged-attention block (vLLM, vllm-mlx)
+
+
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def round_down(x: int, multiple: int) -> int:
+    return x // multiple * multiple
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolGeometry:
+    rows: int  # allocated rows (>= requests in the pool)
+    capacity_tokens: int  # tokens per row, a multiple of KV_STEP
+
+    def nbytes(self, kv_bytes_per_token: int) -> int:
+        return self.rows * self.capacity_tokens * kv_bytes_per_token
+
+
+EMPTY_POOL = PoolGeometry(0, 0)
+
+
+def rows_for(num_seqs: int, row_step: int, max_rows: int) -> int:
+    """Rows to allocate for `num_seqs` requests: 1, 2, 4, ... below row_step, then multiples of it."""
+    if num_seqs <= 0:
+        return 0
+    if num_seqs < row_step:
+        rows = 1
+        while rows < num_seqs:
+            rows *= 2
+    else:
+        rows = round_up(num_seqs, row_step)
+    return max(num_seqs, min(rows, max_rows))
+
+
+def next_geometry(
+    current: PoolGeometry,
+    num_seqs: int,
+    max_len: int,
+    row_step: int,
+    max_rows: int,
+    max_bytes: int,
+    kv_bytes_per_token: int,
+) -> PoolGeometry | None:
+    """The pool geometry after a step in which `num_seqs` rows hold at most `max_len` tokens.
+
+    Grows when needed; shrinks when a whole row step or KV step (twice, for rows) is idle, so a
+    batch size or length hovering at a boundary does not copy the pool every step. When the
+    preferred geometry does not fit `max_bytes`, the tightest one that does is used. None: nothing
+    that holds these rows fits.
+    """
+    if num_seqs == 0:
+        return EMPTY_POOL
+    need_cap = round_up(max(max_len, 1), KV_STEP)
+    rows, cap = current.rows, current.capacity_tokens
+    if rows < num_seqs or rows >= rows_for(num_seqs, row_step, max_rows) + 2 * row_step:
+        rows = rows_for(num_seqs, row_step, max_rows)
+    if cap < need_cap or cap >= need_cap + 2 * KV_STEP:
+        cap = need_cap
+    geom = PoolGeometry(rows, cap)
+    if geom.nbytes(kv_bytes_per_token) <= max_bytes:
+        return geom
+    tight = PoolGeometry(num_seqs, need_cap)
+    if tight.nbytes(kv_bytes_per_token) > max_bytes:
+        return None
+    # Keep as many spare rows as fit.
+    fit_rows = max_bytes // (need_cap * kv_bytes_per_token)
+    return PoolGeometry(min(max(num_seqs, fit_rows), max(rows, num_seqs)), need_cap)
+
+
+def private_cache_tokens(computed_tokens: int) -> int:
+    """Tokens an mlx-lm KVCache holds after prefilling `computed_tokens` in KV_STEP-aligned chunks."""
+    return round_up(computed_tokens, KV_STEP)
+
+
+def padded_batch_bytes(lengths: Iterable[int], kv_bytes_per_token: int) -> int:
+    """A batch cache that pads every row to the longest, grown in KV_STEP steps (mlx-lm's
+    BatchKVCache, batchsim's pool with no spare rows)."""
+    lengths = list(lengths)
+    if not lengths:
+        return 0
+    return len(lengths) * round_up(max(lengths), KV_STEP) * kv_bytes_per_token
+
+
+def paged_bytes(lengths: Iterable[int], kv_bytes_per_token: int, page_tokens: int = PAGE_TOKENS) -> int:
+    """Fixed-size pages with no padding between sequences (vLLM, vllm-mlx)."""
+    return sum(round_up(n, page_tokens) for n in lengths) * kv_bytes_per_token

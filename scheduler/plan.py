@@ -1,0 +1,74 @@
+"""The two messages between scheduler and executor: what to run this step, and what came of it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from scheduler.kv_layout import PoolGeometry
+from scheduler.request import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NewRequest:
+    """A request the executor has not seen (or must rebuild after preemption)."""
+
+    request_id: int
+    token_ids: tuple[int, ...] | None  # prompt + output so far; None in simulation
+    sampling: SamplingParams
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    request_id: int
+    start: int  # position of the chunk's first token (= tokens already in the request's cache)
+    num_tokens: int  # tokens computed by this chunk
+    sample: bool  # the chunk reaches the request's last known token: sample the next one
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepPlan:
+    step_index: int
+    # KV to release before running: finished, aborted or preempted requests.
+    free_ids: tuple[int, ...]
+    new_requests: tuple[NewRequest, ...]
+    prefills: tuple[PrefillChunk, ...]
+    # Requests in the decode pool that feed their last token and sample one, in one forward pass.
+    decode_ids: tuple[int, ...]
+    # Their cached tokens before this step (their positions), aligned with decode_ids.
+    decode_positions: tuple[int, ...]
+    # Pool geometry the executor must hold after this step.
+    pool: PoolGeometry
+    # KV bytes held after this step by the scheduler's account (pool + private prefill caches).
+    kv_bytes: int
+    # A pure-decode plan may be repeated this many times with nothing else changing
+    # (the simulator fast-forwards; the real executor always runs 1).
+    num_steps: int = 1
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.decode_ids) + sum(c.num_tokens for c in self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.decode_ids or self.prefills)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepResult:
+    step_index: int
+    # Requests that sampled a token (decode ids, then prefill chunks with sample=True).
+    sampled_ids: tuple[int, ...]
+    # The sampled token per request and step: one tuple per executed step; None in simulation.
+    token_ids: tuple[tuple[int, ...], ...] | None
+    # Duration of each executed step in seconds (measured, or predicted by a cost model).
+    step_durations_s: tuple[float, ...]
+    # KV bytes the executor holds after the step, counted from its own arrays.
+    kv_bytes: int
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.step_durations_s)
+
+    @property
+    def elapsed_s(self) -> float:
+        return sum(self.step_durations_s)

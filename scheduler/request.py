@@ -1,0 +1,89 @@
+"""A request is counters, not modes: `num_computed_tokens` catches up to `num_tokens` (prompt plus
+output so far). A step that brings it level samples one more token. Prefill and decode are worked
+out per step from the gap; a preempted request restarts from zero computed tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    REJECTED = "rejected"
+    ABORTED = "aborted"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int  # output tokens to generate at most
+    temperature: float = 0.0  # 0: greedy
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Request:
+    request_id: int
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    arrival_s: float
+    # Token ids: None in simulation, where only counts matter.
+    prompt_token_ids: list[int] | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_output_tokens: int = 0
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_preemptions: int = 0
+    finish_reason: str | None = None  # "length" | "stop" | "abort" | rejection reason
+
+    # Timeline, in engine clock seconds and engine step indices.
+    first_scheduled_s: float | None = None
+    finished_s: float | None = None
+    # Steps at which tokens were emitted, as [first_step, count] runs (compact in long simulations).
+    token_runs: list[list[int]] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 1:
+            raise ValueError(f"request {self.request_id}: prompt must have >= 1 token")
+        if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.num_prompt_tokens:
+            raise ValueError(f"request {self.request_id}: prompt ids do not match num_prompt_tokens")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.sampling.max_tokens
+
+    @property
+    def remaining_output_tokens(self) -> int:
+        return self.sampling.max_tokens - self.num_output_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.REJECTED, RequestStatus.ABORTED)
+
+    def all_token_ids(self) -> list[int] | None:
+        if self.prompt_token_ids is None:
+            return None
+        return self.prompt_token_ids + self.output_token_ids
+
+    def record_tokens(self, step_index: int, count: int) -> None:
+        runs = self.token_runs
+        if runs and runs[-1][0] + runs[-1][1] == step_index:
+            runs[-1][1] += count
+        else:
+            runs.append([step_index, count])

@@ -1,0 +1,82 @@
+"""`batchsim`: one command per question. Each subcommand module in scripts/ has `add_parser` and
+`run(args) -> dict`; the dict is printed as the last stdout line (JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (subcommand, module, one-line help) in the order `--help` lists them.
+COMMANDS = [
+    ("run", "scripts.run_cmd", "replay traffic through the continuous-batching engine (real or simulated)"),
+    ("bench-decode", "scripts.bench_decode", "decode tok/s per batch size: bare loop vs executor vs mlx-lm"),
+    ("compare", "scripts.compare", "the same workload at batch 1 and batched, side by side"),
+    ("sweep", "scripts.sweep", "step the batch size up to where the KV cache overruns the budget"),
+    ("size", "scripts.size", "batch limits and decode speed per Mac, from the roofline (no model run)"),
+    ("roofline", "scripts.roofline", "GEMV vs GEMM on this device, against measured ceilings"),
+    ("calibrate", "scripts.calibrate", "measure this device and write a profile for the simulator"),
+    ("validate", "scripts.validate", "run workloads real and simulated, report the prediction error"),
+    ("serve", "scripts.serve_cmd", "OpenAI-compatible HTTP server on the continuous-batching engine"),
+    ("models", "scripts.models_cmd", "list the model zoo, or build a model directory"),
+]
+
+DESCRIPTION = """\
+batchsim: how much batching speeds up decode on this machine, how many requests fit before the
+KV cache overruns memory, and how a server behaves under realistic traffic. Real MLX compute on
+models built from real architecture configs (or your own model directory / hub id), and a
+calibrated roofline simulator for Macs you do not have.
+
+Every command prints tables for people, then one JSON document as its last stdout line."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="batchsim", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module, help_text in COMMANDS:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue  # a command not built yet
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        mod.add_parser(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Choose MLX's BLAS before anything imports mlx (see server/blas.py).
+    from server import blas
+
+    blas.preload()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    from configs import ConfigError
+    from scripts.common import emit_json, err
+
+    warning = blas.warning()
+    if warning:
+        err.print(f"[yellow]{warning}[/yellow]")
+    try:
+        summary = args._run(args)
+    except ConfigError as exc:
+        err.print(f"[red]batchsim {args.command}: {exc}[/red]")
+        return 2
+    except KeyboardInterrupt:
+        err.print(f"[yellow]batchsim {args.command}: interrupted[/yellow]")
+        return 130
+    if summary is not None:
+        emit_json(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Token-length distributions for prompts, outputs and contexts: seeded, integer, >= 1, clipped."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import numpy as np
+
+from configs import ConfigError
+
+Dist = Literal["fixed", "uniform", "normal", "lognormal", "zipf", "empirical"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthSpec:
+    """`fixed`: value. `uniform`: integers in [min, max]. `normal` / `lognormal`: mean and std of
+    the length itself. `zipf`: exponent `a` over [min, max]. `empirical`: resample `values`
+    (e.g. a trace column). Every draw is clipped to [min, max]."""
+
+    dist: Dist = "fixed"
+    value: int | None = None
+    min: int = 1
+    max: int | None = None
+    mean: float | None = None
+    std: float | None = None
+    a: float | None = None
+    values: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        need = {
+            "fixed": ("value",), "uniform": ("max",), "normal": ("mean", "std"),
+            "lognormal": ("mean", "std"), "zipf": ("a", "max"), "empirical": ("values",),
+        }
+        if self.dist not in need:
+            raise ConfigError(f"length dist {self.dist!r} is not allowed; allowed: {', '.join(need)}")
+        for key in need[self.dist]:
+            if not getattr(self, key):
+                raise ConfigError(f"length dist {self.dist!r} needs a positive {key!r}")
+        if self.min < 1 or (self.max is not None and self.max < self.min):
+            raise ConfigError(f"length bounds must satisfy 1 <= min <= max, got [{self.min}, {self.max}]")
+        if self.dist == "zipf" and self.a is not None and self.a <= 1:
+            raise ConfigError("zipf needs a > 1")
+
+    @property
+    def upper(self) -> int:
+        """The largest length this spec can produce."""
+        if self.dist == "fixed":
+            return min(self.value, self.max) if self.max else int(self.value)
+        if self.dist == "empirical":
+            top = max(self.values)
+            return min(top, self.max) if self.max else top
+        return int(self.max) if self.max else 1 << 31
+
+    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        d = self.dist
+        if d == "fixed":
+            x = np.full(n, self.value, dtype=np.float64)
+        elif d == "uniform":
+            x = rng.integers(self.min, self.max + 1, size=n).astype(np.float64)
+        elif d == "normal":
+            x = rng.normal(self.mean, self.std, size=n)
+        elif d == "lognormal":
+            sigma2 = np.log1p((self.std / self.mean) ** 2)
+            x = rng.lognormal(np.log(self.mean) - sigma2 / 2, np.sqrt(sigma2), size=n)
+        elif d == "zipf":
+            ranks = np.arange(self.min, self.max + 1, dtype=np.float64)
+            p = ranks ** -self.a
+            x = rng.choice(ranks, size=n, p=p / p.sum())
+        else:
+            x = rng.choice(np.asarray(self.values, dtype=np.float64), size=n)
+        hi = self.max if self.max is not None else np.inf
+        return np.clip(np.rint(x), self.min, hi).astype(np.int64)
+
+
+def parse_length(text: str) -> LengthSpec:
+    """Compact CLI form: `128`, `fixed:128`, `uniform:64:512`, `normal:MEAN:STD[:MAX]`,
+    `lognormal:MEAN:STD[:MAX]`, `zipf:A:MIN:MAX`."""
+    parts = text.split(":")
+    try:
+        if len(parts) == 1:
+            return LengthSpec("fixed", value=int(parts[0]))
+        kind, args = parts[0], [float(p) for p in parts[1:]]
+        if kind == "fixed" and len(args) == 1:
+            return LengthSpec("fixed", value=int(args[0]))
+        if kind == "uniform" and len(args) == 2:
+            return LengthSpec("uniform", min=int(args[0]), max=int(args[1]))
+        if kind in ("normal", "lognormal") and len(args) in (2, 3):
+            top = int(args[2]) if len(args) == 3 else None
+            return LengthSpec(kind, mean=args[0], std=args[1], max=top)
+        if kind == "zipf" and len(args) == 3:
+            return LengthSpec("zipf", a=args[0], min=int(args[1]), max=int(args[2]))
+    except ValueError:
+        pass
+    raise ConfigError(
+        f"length {text!r}: expected N, fixed:N, uniform:MIN:MAX, normal:MEAN:STD[:MAX], "
+        "lognormal:MEAN:STD[:MAX] or zipf:A:MIN:MAX"
+    )

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,54 +12,18 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from server.jsonio import append_jsonl, dumps, jsonable, timestamp, write_jsonl  # noqa: F401
+
 # Tables and notes for people go to stdout before the closing JSON line; progress goes to stderr.
 _WIDE = 160  # tables stay readable when piped to a file
 out = Console(width=None if sys.stdout.isatty() else _WIDE)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else _WIDE)
 
 
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
-        return obj.item()
-    return obj
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(_jsonable(obj), separators=(",", ":"))
-
-
 def emit_json(obj: Any) -> None:
     """The last stdout line of every command: one JSON document."""
     sys.stdout.flush()
     print(dumps(obj), flush=True)
-
-
-def append_jsonl(path: Path, rows: Iterable[dict]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        for row in rows:
-            f.write(dumps(row) + "\n")
-    return path
-
-
-def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for row in rows:
-            f.write(dumps(row) + "\n")
-    return path
-
-
-def timestamp() -> str:
-    return time.strftime("%Y%m%d-%H%M%S")
 
 
 def int_list(text: str) -> list[int]:

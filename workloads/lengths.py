@@ -75,8 +75,11 @@ class LengthSpec:
 
 def parse_length(text: str) -> LengthSpec:
     """Compact CLI form: `128`, `fixed:128`, `uniform:64:512`, `normal:MEAN:STD[:MAX]`,
-    `lognormal:MEAN:STD[:MAX]`, `zipf:A:MIN:MAX`."""
+    `lognormal:MEAN:STD[:MAX]`, `zipf:A:MIN:MAX`, `trace:FILE[:input|output[:MAX]]` (resample a
+    trace column; FILE relative to configs/traces/ or the working directory)."""
     parts = text.split(":")
+    if parts[0] == "trace" and 2 <= len(parts) <= 4:
+        return _trace_length(parts[1:])
     try:
         if len(parts) == 1:
             return LengthSpec("fixed", value=int(parts[0]))
@@ -94,5 +97,16 @@ def parse_length(text: str) -> LengthSpec:
         pass
     raise ConfigError(
         f"length {text!r}: expected N, fixed:N, uniform:MIN:MAX, normal:MEAN:STD[:MAX], "
-        "lognormal:MEAN:STD[:MAX] or zipf:A:MIN:MAX"
+        "lognormal:MEAN:STD[:MAX], zipf:A:MIN:MAX or trace:FILE[:input|output[:MAX]]"
     )
+
+
+def _trace_length(args: list[str]) -> LengthSpec:
+    from workloads.traces import trace_lengths  # traces imports this module
+
+    column = args[1] if len(args) > 1 else "input"
+    try:
+        max_len = int(args[2]) if len(args) > 2 else None
+    except ValueError:
+        raise ConfigError(f"length trace:{':'.join(args)}: MAX must be an integer") from None
+    return trace_lengths(args[0], column, max_len=max_len)  # type: ignore[arg-type]

@@ -1,0 +1,290 @@
+"""`batchsim size`: per Mac and memory size, how much memory the GPU may use, how many sequences fit
+before the KV cache overruns it (padded vs paged layout), and the roofline decode tok/s. Arithmetic
+only: no model runs and no MLX."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+
+from configs import ConfigError
+from scheduler.kv_layout import KV_STEP, PAGE_TOKENS, round_up
+from scripts.common import append_jsonl, fmt, gib, out, positive_float, table, timestamp
+from server import macs
+from server.costmodel import compute_dtype, decode_step_s, decode_tok_s
+from server.modelspec import FLOAT_DTYPES, QUANT_BITS, ModelSpec, zoo_names, zoo_spec
+from workloads.lengths import parse_length
+
+MAX_BATCH_CAP = 4096  # no Mac in the catalog decodes more rows usefully; keeps the search bounded
+FIT_TRIALS = 256  # seeded batches drawn per batch size for a length distribution
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextFit:
+    """Tokens of KV a batch of B sequences occupies, for B = 0..cap, at the fit quantile."""
+
+    label: str  # the context spec as given
+    fixed: bool  # one length for every sequence: each batch size has one exact answer
+    mean_tokens: float  # mean sequence length (KV read per sequence in the tok/s estimate)
+    padded_tokens: np.ndarray  # B x round_up(longest of the B, KV_STEP)
+    paged_tokens: np.ndarray  # sum over the B of round_up(length, PAGE_TOKENS)
+    quantile: float
+    trials: int
+
+
+def context_fit(text: str, max_tokens: int, quantile: float = 0.95, seed: int = 0,
+                cap: int = MAX_BATCH_CAP, trials: int = FIT_TRIALS) -> ContextFit:
+    """Batch i of size B is the first B lengths of trial row i, so bytes grow with B in every trial
+    and the quantile curve is monotone (the max batch is one searchsorted)."""
+    spec = parse_length(text)
+    if spec.dist == "fixed" and spec.upper > max_tokens:
+        raise ConfigError(f"context {spec.upper} exceeds the model's {max_tokens}-token context")
+    n = 1 if spec.dist == "fixed" else trials
+    lengths = spec.sample(n * cap, np.random.default_rng(seed)).reshape(n, cap)
+    lengths = np.minimum(lengths, max_tokens)  # a server would not admit longer sequences
+    batch = np.arange(1, cap + 1)
+    padded = batch * round_up(np.maximum.accumulate(lengths, axis=1), KV_STEP)
+    paged = np.cumsum(round_up(lengths, PAGE_TOKENS), axis=1)
+
+    def curve(tokens: np.ndarray) -> np.ndarray:
+        # "higher": the value of a drawn batch, never an interpolation between two.
+        q = np.quantile(tokens, quantile, axis=0, method="higher")
+        return np.concatenate([[0], q]).astype(np.int64)
+
+    return ContextFit(text, n == 1, float(lengths.mean()), curve(padded), curve(paged), quantile, n)
+
+
+def max_batch(tokens_curve: np.ndarray, budget_bytes: int, kv_bytes_per_token: int) -> int:
+    """The largest B whose KV bytes fit the budget (0 when not even one sequence fits)."""
+    if budget_bytes <= 0:
+        return 0
+    return int(np.searchsorted(tokens_curve * kv_bytes_per_token, budget_bytes, side="right")) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    dtype: str
+    quantize_bits: int | None
+    bandwidth_efficiency: float
+    compute_efficiency: float
+    os_reserve_gb: float
+
+
+def mac_row(spec: ModelSpec, mac: macs.Mac, memory_gb: float, ctx: ContextFit, s: Settings,
+            ws: macs.MetalWorkingSet) -> dict:
+    """One table row: a Mac with `memory_gb` of RAM running `spec` under `s`."""
+    weights = spec.weight_bytes(s.dtype, s.quantize_bits)
+    kv_tok = spec.kv_bytes_per_token(compute_dtype(s.dtype, s.quantize_bits))
+    usable = macs.default_working_set_bytes(memory_gb, ws)
+    raised = macs.raised_working_set_bytes(memory_gb, ws, s.os_reserve_gb)
+    padded, paged, padded_r, paged_r = (
+        max_batch(curve, limit - weights, kv_tok)
+        for limit in (usable, raised) for curve in (ctx.padded_tokens, ctx.paged_tokens)
+    )
+    profile = mac.profile(s.bandwidth_efficiency, s.compute_efficiency)
+    ctx_len = round(ctx.mean_tokens)
+
+    def tok_s(batch: int) -> float | None:
+        if not batch:
+            return None
+        return decode_tok_s(spec, profile, s.dtype, s.quantize_bits, batch, ctx_len)
+
+    return {
+        "chip": mac.chip, "gpu_cores": mac.gpu_cores, "label": mac.label, "memory_gb": memory_gb,
+        "bandwidth_gbs": mac.bw_gbs, "peaks_estimated": mac.estimate,
+        "compute_known": mac.compute_known,
+        "usable_bytes": usable, "usable_bytes_raised": raised, "weight_bytes": weights,
+        "kv_bytes_per_token": kv_tok, "kv_bytes_per_seq": round(ctx.mean_tokens * kv_tok),
+        "max_batch": padded, "max_batch_padded": padded, "max_batch_paged": paged,
+        "max_batch_padded_raised": padded_r, "max_batch_paged_raised": paged_r,
+        "capped": MAX_BATCH_CAP in (padded, paged, padded_r, paged_r),
+        # Fits: the weights and one sequence (the tightest layout) fit.
+        "fits": paged >= 1, "fits_raised": paged_r >= 1,
+        "decode_tok_s_b1": tok_s(1 if paged else 0), "decode_tok_s_max_batch": tok_s(padded),
+        "bound_at_max_batch": _bound(spec, profile, s, padded, ctx_len),
+    }
+
+
+def _bound(spec: ModelSpec, profile, s: Settings, batch: int, ctx_len: int) -> str | None:
+    """Which roofline term sets the step time: compare with the same profile at infinite FLOP/s."""
+    if not batch:
+        return None
+    args = (s.dtype, s.quantize_bits, batch, batch * ctx_len)
+    bw_only = dataclasses.replace(profile, peak_tflops={k: math.inf for k in profile.peak_tflops})
+    t, t_bw = decode_step_s(spec, profile, *args), decode_step_s(spec, bw_only, *args)
+    return "compute" if t > t_bw * (1 + 1e-9) else "bandwidth"
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-3.1-8b", help=f"zoo model: {', '.join(zoo_names())}")
+    p.add_argument("--dtype", default="float16", choices=list(FLOAT_DTYPES), help="weights dtype")
+    p.add_argument("--quantize", type=int, choices=list(QUANT_BITS), default=None,
+                   help="mlx-lm affine quantization (group 64) to 4 or 8 bits")
+    ctx = p.add_mutually_exclusive_group()
+    ctx.add_argument("--context", type=int, default=4096, help="fixed tokens per sequence")
+    ctx.add_argument("--context-dist", default=None,
+                     help="tokens per sequence as a distribution, e.g. lognormal:2000:1500:8192 "
+                          "(any form of workloads.lengths.parse_length)")
+    p.add_argument("--fit-quantile", type=_fraction, default=0.95,
+                   help=f"a distribution's max batch: the largest B whose KV bytes, at this "
+                        f"quantile of {FIT_TRIALS} seeded batches of B draws, fit the budget "
+                        f"(padded: B x longest rounded up to {KV_STEP}; paged: sum of lengths "
+                        f"rounded up to {PAGE_TOKENS})")
+    p.add_argument("--seed", type=int, default=0, help="seed of the distribution's draws")
+    p.add_argument("--mac", default=None,
+                   help="only this chip (exact name, substring, or a label like 'M2 Ultra 76c')")
+    p.add_argument("--memory-gb", type=positive_float, default=None,
+                   help="this RAM size (GB as Apple sells it, i.e. GiB) instead of the catalog's")
+    p.add_argument("--os-reserve-gb", type=float, default=None,
+                   help="GB left to macOS after raising iogpu.wired_limit_mb (default: the "
+                        "catalog's 8, the low end of the 8-16 GB a public devnote advises)")
+    p.add_argument("--bandwidth-efficiency", type=_fraction, default=None,
+                   help="achievable fraction of peak bandwidth in decode (default: the median "
+                        "measured in llama.cpp discussion #4167 for this weight format)")
+    p.add_argument("--compute-efficiency", type=_fraction, default=None,
+                   help="achievable fraction of peak FLOP/s (default: the median F16 prompt "
+                        "rate in #4167)")
+    p.add_argument("--out", type=Path, default=Path("results"),
+                   help="directory for size.jsonl and the PNG")
+
+
+def _fraction(text: str) -> float:
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return value
+
+
+def run(args: argparse.Namespace) -> dict:
+    spec = zoo_spec(args.model)
+    catalog = macs.load_catalog()
+    ws = catalog.metal_working_set
+    chosen = catalog.select(args.mac)
+    ctx = context_fit(args.context_dist or str(args.context), spec.max_context,
+                      args.fit_quantile, args.seed)
+    meta = _meta(args, spec, catalog, ctx)
+    s = Settings(args.dtype, args.quantize, meta["bandwidth_efficiency"],
+                 meta["compute_efficiency"], meta["os_reserve_gb"])
+    rows = [mac_row(spec, m, gb, ctx, s, ws)
+            for m in chosen for gb in ([args.memory_gb] if args.memory_gb else m.mem_gb)]
+    _print(rows, meta, spec)
+    tag = f"{spec.name}-{f'q{args.quantize}' if args.quantize else args.dtype}"
+    stamp = timestamp()
+    jsonl = append_jsonl(args.out / "size.jsonl",
+                         [{"kind": "size", "time": stamp, **meta, **r} for r in rows])
+    png = _plot(rows, meta, args.out / f"size-{tag}-{stamp}.png")
+    out.print(f"rows appended to {jsonl}; plot {png}")
+    return {"rows": rows, **meta, "fits_any": any(r["fits"] for r in rows),
+            "fits_any_raised": any(r["fits_raised"] for r in rows),
+            "jsonl": str(jsonl), "png": str(png)}
+
+
+def _meta(args: argparse.Namespace, spec: ModelSpec, catalog: macs.Catalog,
+          ctx: ContextFit) -> dict:
+    """Run-level settings, each with where it comes from (flags override the catalog)."""
+    ws = catalog.metal_working_set
+    bw_eff, bw_src = macs.bandwidth_efficiency(catalog, macs.weight_format(args.quantize))
+    cmp_eff, cmp_src = macs.compute_efficiency(catalog)
+    if args.bandwidth_efficiency is not None:
+        bw_eff, bw_src = args.bandwidth_efficiency, "--bandwidth-efficiency"
+    if args.compute_efficiency is not None:
+        cmp_eff, cmp_src = args.compute_efficiency, "--compute-efficiency"
+    return {
+        "model": spec.name, "dtype": args.dtype, "quantize_bits": args.quantize,
+        "context": ctx.label, "context_fixed": ctx.fixed, "context_mean_tokens": ctx.mean_tokens,
+        "fit_quantile": ctx.quantile, "fit_trials": ctx.trials, "seed": args.seed,
+        "max_batch_cap": MAX_BATCH_CAP, "kv_step_tokens": KV_STEP, "page_tokens": PAGE_TOKENS,
+        "os_reserve_gb": ws.os_reserve_gb if args.os_reserve_gb is None else args.os_reserve_gb,
+        "working_set_rule": ws.default_rule_of_thumb,
+        "bandwidth_efficiency": bw_eff, "bandwidth_efficiency_source": bw_src,
+        "compute_efficiency": cmp_eff, "compute_efficiency_source": cmp_src,
+        "max_batch_is": "padded layout (mlx-lm BatchKVCache, batchsim's executor), default limit",
+        "decode_tok_s_context": "KV read per sequence = the mean context; batch = max_batch",
+    }
+
+
+def _print(rows: list[dict], meta: dict, spec: ModelSpec) -> None:
+    what = f"{spec.name} {_weights_tag(meta)}, context {meta['context']}"
+    out.print(table(
+        f"Batch limits per Mac: {what} (padded = rows padded to the longest in {KV_STEP}-token "
+        f"steps; paged = {PAGE_TOKENS}-token blocks)",
+        ["chip", "GPU", "mem GB", "usable GiB dflt/raised", "weights GiB", "KV/seq MiB",
+         "max batch padded/paged", "raised padded/paged", "tok/s b1", "tok/s @max", "fits"],
+        [[r["chip"], r["gpu_cores"], r["memory_gb"],
+          f"{fmt(gib(r['usable_bytes']))} / {fmt(gib(r['usable_bytes_raised']))}",
+          gib(r["weight_bytes"]), r["kv_bytes_per_seq"] / (1 << 20),
+          f"{r['max_batch_padded']} / {r['max_batch_paged']}",
+          f"{r['max_batch_padded_raised']} / {r['max_batch_paged_raised']}",
+          _tok(r, "decode_tok_s_b1"), _tok(r, "decode_tok_s_max_batch"),
+          "yes" if r["fits"] else ("raised" if r["fits_raised"] else "no")] for r in rows],
+    ))
+    for line in _notes(rows, meta, what):
+        out.print(line)
+
+
+def _notes(rows: list[dict], meta: dict, what: str) -> list[str]:
+    notes = [
+        f"Usable: Metal's default working set ({meta['working_set_rule']}); raised: "
+        f"iogpu.wired_limit_mb = RAM - {meta['os_reserve_gb']:g} GB. Budget = usable - weights.",
+        "Fixed context: every batch is exact." if meta["context_fixed"] else
+        f"Distribution: max batch = the largest B whose p{meta['fit_quantile'] * 100:g} KV bytes "
+        f"over {meta['fit_trials']} seeded batches fit; mean context "
+        f"{meta['context_mean_tokens']:.0f}.",
+        f"Decode tok/s: roofline at the mean context; max batch = the padded one. Bandwidth "
+        f"efficiency {meta['bandwidth_efficiency']:.2f} ({meta['bandwidth_efficiency_source']}); "
+        f"compute efficiency {meta['compute_efficiency']:.2f}.",
+    ]
+    if any(not r["compute_known"] for r in rows):
+        notes.append("* peak FLOP/s not public (M5): bound by bandwidth only.")
+    if any(r["capped"] for r in rows):
+        notes.append(f"Max batch is capped at {MAX_BATCH_CAP}.")
+    if not any(r["fits"] for r in rows):
+        raised = [f"{r['label']} {r['memory_gb']:g}GB" for r in rows if r["fits_raised"]]
+        notes.append(f"[bold red]{what} fits no Mac here at the default Metal limit[/bold red]"
+                     + (f"; with iogpu.wired_limit_mb raised: {', '.join(raised)}." if raised
+                        else ", nor with iogpu.wired_limit_mb raised."))
+    return notes
+
+
+def _weights_tag(meta: dict) -> str:
+    q = meta["quantize_bits"]
+    return f"{q}-bit" if q else meta["dtype"]
+
+
+def _tok(row: dict, key: str) -> str:
+    value = row[key]
+    return "-" if value is None else fmt(value) + ("" if row["compute_known"] else "*")
+
+
+def _plot(rows: list[dict], meta: dict, path: Path) -> Path:
+    """Max batch (padded vs paged) and predicted tok/s (batch 1 vs max batch) per Mac config."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    y = np.arange(len(rows))
+    fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(12, 1.5 + 0.18 * len(rows)), sharey=True)
+    bars = [
+        (ax_b, "max_batch_padded", f"padded ({KV_STEP}-token steps)", -0.2),
+        (ax_b, "max_batch_paged", f"paged ({PAGE_TOKENS}-token blocks)", 0.2),
+        (ax_t, "decode_tok_s_b1", "batch 1", -0.2),
+        (ax_t, "decode_tok_s_max_batch", "max batch (padded)", 0.2),
+    ]
+    for ax, key, label, dy in bars:
+        ax.barh(y + dy, [r[key] or 0 for r in rows], 0.4, label=label)
+        ax.legend(loc="lower right")
+    ax_b.set_xlabel("max concurrent sequences (default Metal limit)")
+    ax_t.set_xlabel("predicted decode tok/s (roofline)")
+    ax_b.set_yticks(y, [f"{r['label']} {r['memory_gb']:g}GB" for r in rows], fontsize=7)
+    ax_b.invert_yaxis()
+    fig.suptitle(f"{meta['model']} {_weights_tag(meta)}, context {meta['context']}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

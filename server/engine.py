@@ -1,0 +1,140 @@
+"""The engine loop: schedule, execute, update, record. Requests arrive from asyncio tasks (a workload
+driver or HTTP handlers) while a step computes: the real executor runs in its own thread, the
+simulated one advances a virtual clock."""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import concurrent.futures
+from collections.abc import Callable, Sequence
+
+from scheduler.plan import StepPlan, StepResult
+from scheduler.request import Request, RequestStatus
+from scheduler.scheduler import Scheduler
+from server.executor import Executor
+from server.recorder import RunRecorder
+
+StepHook = Callable[["Engine", StepPlan, StepResult], None]
+
+
+class Engine:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executor: Executor,
+        *,
+        virtual_time: bool = False,
+        arrival_times_s: Sequence[float] = (),
+        on_step: StepHook | None = None,
+    ):
+        self.scheduler = scheduler
+        self.executor = executor
+        self.virtual_time = virtual_time
+        self.recorder = RunRecorder()
+        self._arrivals = list(arrival_times_s)  # sorted open-loop arrivals bound simulated lookahead
+        self._on_step = on_step
+        self._t0 = 0.0
+        self._wake = asyncio.Event()
+        self._done: dict[int, asyncio.Future] = {}
+        self._stopping = False
+        self._thread = None if virtual_time else concurrent.futures.ThreadPoolExecutor(1, "executor")
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time() - self._t0
+
+    def start_clock(self) -> None:
+        self._t0 = asyncio.get_running_loop().time()
+
+    # -- requests ------------------------------------------------------------------------------
+    def add(self, request: Request) -> asyncio.Future:
+        """Queue a request; the future resolves with it once finished, rejected or aborted."""
+        fut = asyncio.get_running_loop().create_future()
+        self.recorder.on_arrival(request)
+        if self.scheduler.add_request(request):
+            self._done[request.request_id] = fut
+            self._wake.set()
+        else:
+            request.finished_s = self.now()
+            fut.set_result(request)
+        return fut
+
+    def abort(self, request_id: int) -> None:
+        request = self.scheduler.abort(request_id)
+        if request is not None:
+            request.finished_s = self.now()
+            self._resolve([request])
+            self._wake.set()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    # -- the loop ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        while not self._stopping:
+            if not self.scheduler.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            plan = self.scheduler.schedule()
+            start = self.now()
+            result = await self._execute(plan)
+            finished = self.scheduler.update_from_output(plan, result)
+            self._record(plan, result, start)
+            self._resolve(finished)
+
+    async def _execute(self, plan: StepPlan) -> StepResult:
+        if self._thread is not None:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._thread, self.executor.execute, plan)
+        horizon = self._next_arrival() - self.now()
+        result = self.executor.execute(plan, max_elapsed_s=horizon)
+        await asyncio.sleep(result.elapsed_s)
+        return result
+
+    def _next_arrival(self) -> float:
+        i = bisect.bisect_right(self._arrivals, self.now())
+        return self._arrivals[i] if i < len(self._arrivals) else float("inf")
+
+    def _record(self, plan: StepPlan, result: StepResult, start: float) -> None:
+        end = self.now()
+        if self._thread is None:
+            ends = _cumsum(start, result.step_durations_s)
+        else:
+            ends = [end]  # what a client sees: the loop's time when the step's tokens are out
+        for new in plan.new_requests:
+            r = self.scheduler.requests.get(new.request_id)
+            if r is not None and r.first_scheduled_s is None:
+                r.first_scheduled_s = start
+        self.recorder.on_step(plan, result, start, ends, self.scheduler)
+        if self._on_step is not None:
+            self._on_step(self, plan, result)
+
+    def _resolve(self, finished: list[Request]) -> None:
+        now = self.now()
+        for r in finished:
+            if r.finished_s is None:
+                r.finished_s = now
+            fut = self._done.pop(r.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(r)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+
+    def unfinished(self) -> list[Request]:
+        return [r for r in self.recorder.requests.values() if not r.is_finished]
+
+
+def _cumsum(start: float, durations: Sequence[float]) -> list[float]:
+    out, t = [], start
+    for d in durations:
+        t += d
+        out.append(t)
+    return out
+
+
+def finished_ok(request: Request) -> bool:
+    return request.status is RequestStatus.FINISHED

@@ -1,0 +1,48 @@
+"""JSON for results: non-finite floats and numpy scalars made portable; JSONL writers."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+
+def jsonable(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
+        return obj.item()
+    return obj
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(jsonable(obj), separators=(",", ":"))
+
+
+def append_jsonl(path: Path, rows: Iterable[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for row in rows:
+            f.write(dumps(row) + "\n")
+    return path
+
+
+def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for row in rows:
+            f.write(dumps(row) + "\n")
+    return path
+
+
+def timestamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")

@@ -1,0 +1,376 @@
+"""Serving metrics: per-request and per-step records of a run, summarized with the definitions and
+JSON keys of `vllm bench serve` (vllm/benchmarks/serve.py, `calculate_metrics`), plus batchsim's
+batch/memory view, partly under mlx-lm's names (prompt_tps, generation_tps, peak_memory).
+
+Latency metrics (TTFT, TPOT, ITL, E2EL, queue) cover completed requests only (status "finished",
+vLLM's `success`); a rejected, aborted or unfinished request counts in `failed` and nowhere else.
+Empty distributions report 0, as vLLM's `np.mean(x or 0)` does."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from rich.table import Table
+
+from configs import ConfigError
+from scripts.common import fmt, table
+
+REQUEST_STATUSES = ("finished", "rejected", "aborted", "unfinished")
+SLO_KEYS = ("ttft", "tpot", "e2el")  # goodput SLOs, in milliseconds, as vLLM's --goodput
+_MS = 1000.0
+_GB = 1e9  # mlx-lm prints peak memory in GB of 1e9 bytes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One request's timeline; times are seconds on the run's clock (0 = start of the run)."""
+
+    request_id: int
+    status: str  # one of REQUEST_STATUSES; "unfinished": still in flight when the run stopped
+    arrival_s: float  # when the client sent it (vLLM's start_time)
+    first_scheduled_s: float | None  # first step that ran it (a preemption does not reset it)
+    token_times_s: tuple[float, ...]  # emission time of each output token, in order
+    finished_s: float | None  # when it left the engine (finished, rejected or aborted)
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.status not in REQUEST_STATUSES:
+            raise ValueError(f"request {self.request_id}: status {self.status!r} "
+                             f"not in {REQUEST_STATUSES}")
+        if len(self.token_times_s) != self.num_output_tokens:
+            raise ValueError(f"request {self.request_id}: {len(self.token_times_s)} token times "
+                             f"for {self.num_output_tokens} output tokens")
+        if self.status == "finished" and not self.token_times_s:
+            raise ValueError(f"request {self.request_id}: finished without an output token")
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Arrival to first token, queueing and prefill included (vLLM's TTFT)."""
+        return self.token_times_s[0] - self.arrival_s if self.token_times_s else None
+
+    @property
+    def e2el_s(self) -> float | None:
+        """Arrival to the end of the response; the last token's time when finished_s is unknown."""
+        if self.finished_s is not None:
+            return self.finished_s - self.arrival_s
+        return self.token_times_s[-1] - self.arrival_s if self.token_times_s else None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """(E2EL - TTFT) / (output tokens - 1); None below 2 tokens (vLLM leaves it out)."""
+        ttft, e2el = self.ttft_s, self.e2el_s
+        if self.num_output_tokens < 2 or ttft is None or e2el is None:
+            return None
+        return (e2el - ttft) / (self.num_output_tokens - 1)
+
+    @property
+    def itls_s(self) -> tuple[float, ...]:
+        """Gaps between consecutive tokens; a preemption shows up as one long gap."""
+        t = self.token_times_s
+        return tuple(b - a for a, b in zip(t, t[1:]))
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.first_scheduled_s is None else self.first_scheduled_s - self.arrival_s
+
+    def to_json(self) -> dict[str, Any]:
+        row = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        row["token_times_s"] = list(self.token_times_s)
+        for name in ("ttft", "tpot", "e2el", "queue"):
+            value = getattr(self, f"{name}_s")
+            row[f"{name}_ms"] = None if value is None else value * _MS
+        row["itls_ms"] = [gap * _MS for gap in self.itls_s]
+        return row
+
+    @classmethod
+    def from_json(cls, row: Mapping[str, Any]) -> RequestRecord:
+        return _from_row(cls, {**row, "token_times_s": tuple(row.get("token_times_s", ()))})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One engine step, or `num_steps` identical pure-decode steps run back to back. The counters
+    batch_size and num_prefill_* are per step; the rest describe the record as a whole."""
+
+    step_index: int
+    start_s: float
+    end_s: float  # end of the record's last step
+    num_steps: int  # >= 1
+    batch_size: int  # requests decoded in one forward pass
+    num_prefill_tokens: int  # prompt (or recompute) tokens computed in the step
+    num_prefill_requests: int
+    num_running: int  # after the record
+    num_waiting: int
+    kv_bytes: int  # scheduler's account after the record
+    kv_bytes_measured: int | None  # what the executor counted from its arrays; None: not measured
+    pool_rows: int
+    pool_capacity_tokens: int
+    num_preemptions: int  # decided when the record's plan was made
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1:
+            raise ValueError(f"step {self.step_index}: num_steps must be >= 1, "
+                             f"got {self.num_steps}")
+        if self.end_s < self.start_s:
+            raise ValueError(f"step {self.step_index}: ends at {self.end_s} before it starts")
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls, row: Mapping[str, Any]) -> StepRecord:
+        return _from_row(cls, row)
+
+
+def _from_row(cls: Any, row: Mapping[str, Any]) -> Any:
+    """Build a record from a JSONL row; derived keys (ttft_ms, ...) are ignored."""
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in row:
+            kwargs[f.name] = row[f.name]
+        elif f.default is dataclasses.MISSING:
+            raise ValueError(f"{cls.__name__}: row has no {f.name!r}")
+    return cls(**kwargs)
+
+
+def percentile_label(p: float) -> str:
+    """vLLM's key spelling: 99 -> "99", 99.0 -> "99", 99.9 -> "99.9"."""
+    return str(int(p)) if int(p) == p else str(p)
+
+
+def parse_goodput(items: Sequence[str] | str) -> dict[str, float]:
+    """["ttft:500", "tpot:50"] (or "ttft:500,tpot:50") -> {"ttft": 500.0, "tpot": 50.0}, in ms."""
+    if isinstance(items, str):
+        items = items.replace(",", " ").split()
+    slo: dict[str, float] = {}
+    for item in items:
+        key, sep, value = item.partition(":")
+        key = key.strip()
+        try:
+            ms = float(value) if sep else math.nan
+        except ValueError:
+            ms = math.nan
+        if key not in SLO_KEYS or not ms >= 0:
+            raise ConfigError(f"goodput {item!r}: expected KEY:MILLISECONDS (a number >= 0) "
+                              f"with KEY one of {', '.join(SLO_KEYS)}")
+        if key in slo:
+            raise ConfigError(f"goodput {item!r}: {key} given twice")
+        slo[key] = ms
+    return slo
+
+
+def _rate(count: float, duration_s: float) -> float:
+    return count / duration_s if duration_s > 0 else 0.0
+
+
+def _distribution(
+    name: str, values_s: Sequence[float], percentiles: Sequence[float]
+) -> dict[str, float]:
+    """mean/median/std (population) and linear-interpolated percentiles, in ms, as vLLM."""
+    x: Any = list(values_s) or 0  # vLLM: np.mean(x or 0)
+    out = {
+        f"mean_{name}_ms": float(np.mean(x)) * _MS,
+        f"median_{name}_ms": float(np.median(x)) * _MS,
+        f"std_{name}_ms": float(np.std(x)) * _MS,
+    }
+    for p in percentiles:
+        out[f"p{percentile_label(p)}_{name}_ms"] = float(np.percentile(x, p)) * _MS
+    return out
+
+
+def _num_good(done: Sequence[RequestRecord], slo_ms: Mapping[str, float]) -> int:
+    """vLLM: good when every given SLO holds (value <= SLO); a 1-token request has TPOT 0."""
+    good = 0
+    for r in done:
+        value_s = {"ttft": r.ttft_s, "tpot": r.tpot_s or 0.0, "e2el": r.e2el_s}
+        good += all(value_s[k] <= ms / _MS for k, ms in slo_ms.items())
+    return good
+
+
+def _peaks(done: Sequence[RequestRecord]) -> dict[str, float | int]:
+    """vLLM's peaks over 1 s buckets counted from the first completed request's arrival: the most
+    output tokens emitted in a bucket, and the most requests active (arrived, not yet ended) at some
+    moment of a bucket, which can exceed the true peak concurrency. Either maximum may come from a
+    different bucket. Completed requests only."""
+    if not done:
+        return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
+    t0 = min(r.arrival_s for r in done)
+    ends = [r.arrival_s + (r.e2el_s or 0.0) for r in done]  # vLLM: start_time + latency
+    n = int(np.ceil(max(ends) - t0)) + 1
+    tokens, active = np.zeros(n), np.zeros(n)
+    for r, end in zip(done, ends):
+        for t in r.token_times_s:
+            if 0 <= int(t - t0) < n:
+                tokens[int(t - t0)] += 1
+        active[int(r.arrival_s - t0): int(end - t0) + 1] += 1
+    return {"max_output_tokens_per_s": float(tokens.max()),
+            "max_concurrent_requests": int(active.max())}
+
+
+def _emits_token(sorted_times_s: Sequence[float], step: StepRecord) -> bool:
+    """A token time falls in (start_s, end_s]: tokens are stamped with their step's end."""
+    i = bisect.bisect_right(sorted_times_s, step.start_s)
+    return i < len(sorted_times_s) and sorted_times_s[i] <= step.end_s
+
+
+def _batch_view(
+    requests: Sequence[RequestRecord], steps: Sequence[StepRecord], kv_budget_bytes: int | None,
+    weight_bytes: int | None, peak_memory_bytes: int | None,
+) -> dict[str, Any]:
+    decode_steps = sum(s.num_steps for s in steps if s.batch_size > 0)
+    token_times = sorted(t for r in requests for t in r.token_times_s)
+    prompt_time_s = sum(s.duration_s for s in steps if s.num_prefill_tokens > 0)
+    # A step with both prefill and decode counts in both times (they share the forward pass).
+    gen_time_s = sum(s.duration_s for s in steps
+                     if s.batch_size > 0 or _emits_token(token_times, s))
+    prompt_tokens = sum(s.num_prefill_tokens * s.num_steps for s in steps)
+    peak_kv = max((s.kv_bytes for s in steps), default=0)
+    measured = [s.kv_bytes_measured for s in steps if s.kv_bytes_measured is not None]
+    if peak_memory_bytes is not None:
+        peak, source = peak_memory_bytes, "measured"
+    elif weight_bytes is not None:
+        peak, source = weight_bytes + peak_kv, "weights+kv"
+    else:
+        peak, source = None, None
+    return {
+        # Mean requests per decode forward pass, over the steps that decoded (a record with
+        # num_steps > 1 counts that many times).
+        "mean_batch_size": _rate(sum(s.batch_size * s.num_steps for s in steps), decode_steps),
+        "max_batch_size": max((s.batch_size for s in steps), default=0),
+        "num_engine_steps": sum(s.num_steps for s in steps),
+        # Preemptions the scheduler decided, from the steps; the same total as the requests'
+        # num_preemptions. Without step records (client-side runs) the requests' sum is used.
+        "num_preemptions": sum(s.num_preemptions for s in steps) if steps
+        else sum(r.num_preemptions for r in requests),
+        "peak_kv_bytes": peak_kv,
+        "peak_kv_bytes_measured": max(measured) if measured else None,
+        "kv_budget_bytes": kv_budget_bytes,
+        "weight_bytes": weight_bytes,
+        # mlx-lm's names. Prompt tokens include recompute after preemption; generation tokens are
+        # every token emitted, failed requests included; each rate divides by the summed durations
+        # of the steps that prefilled, or that decoded or sampled a token.
+        "prompt_tokens": prompt_tokens,
+        "prompt_tps": _rate(prompt_tokens, prompt_time_s),
+        "generation_tokens": len(token_times),
+        "generation_tps": _rate(len(token_times), gen_time_s),
+        "peak_memory": None if peak is None else peak / _GB,
+        "peak_memory_source": source,  # "measured" | "weights+kv" (an estimate) | None
+    }
+
+
+def summarize(
+    requests: Sequence[RequestRecord],
+    steps: Sequence[StepRecord],
+    *,
+    duration_s: float,
+    percentiles: Sequence[float] = (50, 90, 95, 99),
+    goodput_slo_ms: Mapping[str, float] | None = None,
+    kv_budget_bytes: int | None = None,
+    weight_bytes: int | None = None,
+    peak_memory_bytes: int | None = None,
+) -> dict[str, Any]:
+    """One run's summary. `duration_s` is the benchmark duration (vLLM: start until the last request
+    ends); every throughput divides by it, and is 0 when it is 0. `request_goodput` is None unless
+    SLOs are given, as in vLLM's JSON."""
+    slo = parse_goodput([f"{k}:{v}" for k, v in goodput_slo_ms.items()]) if goodput_slo_ms else None
+    done = [r for r in requests if r.status == "finished"]
+    total_in = sum(r.num_prompt_tokens for r in done)
+    total_out = sum(r.num_output_tokens for r in done)
+    out: dict[str, Any] = {
+        "duration": duration_s,
+        "completed": len(done),
+        "failed": len(requests) - len(done),
+        **{f"num_{s}": sum(r.status == s for r in requests) for s in REQUEST_STATUSES[1:]},
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": _rate(len(done), duration_s),
+        "request_goodput": None if slo is None else _rate(_num_good(done, slo), duration_s),
+        "goodput_slo_ms": slo,
+        "output_throughput": _rate(total_out, duration_s),
+        "total_token_throughput": _rate(total_in + total_out, duration_s),
+        **_peaks(done),
+    }
+    latencies_s = {
+        "ttft": [r.ttft_s for r in done],
+        "tpot": [r.tpot_s for r in done if r.tpot_s is not None],
+        "itl": [gap for r in done for gap in r.itls_s],  # pooled over requests, as vLLM
+        "e2el": [r.e2el_s for r in done],
+        "queue": [r.queue_s for r in done if r.queue_s is not None],  # arrival to first scheduled
+    }
+    for name, values in latencies_s.items():
+        out.update(_distribution(name, values, percentiles))  # type: ignore[arg-type]
+    queue_p99 = _distribution("queue", latencies_s["queue"], [99])["p99_queue_ms"]
+    out.setdefault("p99_queue_ms", queue_p99)  # always reported, whatever the percentiles
+    out.update(_batch_view(requests, steps, kv_budget_bytes, weight_bytes, peak_memory_bytes))
+    return out
+
+
+_SECTIONS = (
+    ("ttft", "TTFT", "Time to First Token"),
+    ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+    ("itl", "ITL", "Inter-token Latency"),
+    ("e2el", "E2EL", "End-to-end Latency"),
+    ("queue", "Queue", "Queue delay (arrival to first scheduled)"),
+)
+_THROUGHPUT_ROWS = (
+    ("Output token throughput (tok/s)", "output_throughput"),
+    ("Peak output token throughput (tok/s)", "max_output_tokens_per_s"),
+    ("Peak concurrent requests", "max_concurrent_requests"),
+    ("Total token throughput (tok/s)", "total_token_throughput"),
+)
+_BATCH_ROWS = (
+    ("Mean decode batch size", "mean_batch_size"), ("Max decode batch size", "max_batch_size"),
+    ("Engine steps", "num_engine_steps"), ("Preemptions", "num_preemptions"),
+    ("Prompt tokens (incl. recompute)", "prompt_tokens"), ("Prompt tok/s", "prompt_tps"),
+    ("Generation tokens", "generation_tokens"), ("Generation tok/s", "generation_tps"),
+    ("Peak KV (GB)", "peak_kv_bytes"), ("KV budget (GB)", "kv_budget_bytes"),
+)
+
+
+def summary_table(summary: Mapping[str, Any]) -> Table:
+    """vLLM's "Serving Benchmark Result" block, then the batch and memory view."""
+    s = {**summary}
+    for key in ("peak_kv_bytes", "kv_budget_bytes"):
+        s[key] = None if s.get(key) is None else s[key] / _GB
+    failed = (f"Failed requests ({s.get('num_rejected', 0)} rejected, "
+              f"{s.get('num_aborted', 0)} aborted, {s.get('num_unfinished', 0)} unfinished)")
+    rows: list[tuple[str, Any] | None] = [
+        ("Successful requests", s.get("completed")), (failed, s.get("failed")),
+        ("Benchmark duration (s)", s.get("duration")),
+        ("Total input tokens", s.get("total_input_tokens")),
+        ("Total generated tokens", s.get("total_output_tokens")),
+        ("Request throughput (req/s)", s.get("request_throughput")),
+    ]
+    if s.get("request_goodput") is not None:
+        rows.append((f"Request goodput (req/s) {s.get('goodput_slo_ms')}", s["request_goodput"]))
+    rows += [(label, s.get(key)) for label, key in _THROUGHPUT_ROWS]
+    for key, label, header in _SECTIONS:
+        suffix = f"_{key}_ms"
+        rows += [None, (f"[bold]{header}[/bold]", ""),
+                 (f"Mean {label} (ms)", s.get(f"mean{suffix}")),
+                 (f"Median {label} (ms)", s.get(f"median{suffix}"))]
+        rows += [(f"P{k[1:-len(suffix)]} {label} (ms)", v) for k, v in s.items()
+                 if k.startswith("p") and k[1:2].isdigit() and k.endswith(suffix)]
+    rows += [None, ("[bold]Batch and memory[/bold]", "")]
+    rows += [(label, s.get(key)) for label, key in _BATCH_ROWS]
+    source = s.get("peak_memory_source") or "unknown"
+    rows.append((f"Peak memory (GB, {source})", s.get("peak_memory")))
+    t = table("Serving Benchmark Result", ["metric", "value"], [])
+    for row in rows:
+        if row is None:
+            t.add_section()
+        else:
+            t.add_row(row[0], fmt(row[1]))
+    return t

@@ -1,0 +1,65 @@
+"""Synchronous drivers that feed requests to a scheduler by step index (no asyncio, no clock)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.config import SchedulerConfig
+from scheduler.plan import StepPlan
+from scheduler.request import Request, SamplingParams
+from scheduler.scheduler import Scheduler
+
+
+@dataclass
+class Trace:
+    plans: list[StepPlan] = field(default_factory=list)
+    admitted: list[int] = field(default_factory=list)  # first admissions, in order
+    requests: dict[int, Request] = field(default_factory=dict)
+    steps: int = 0
+
+
+def make_request(rid: int, prompt_len: int, max_tokens: int, ids: bool = False, vocab: int = 512,
+                 ignore_eos: bool = True) -> Request:
+    prompt = [(rid * 31 + i * 17) % vocab for i in range(prompt_len)] if ids else None
+    return Request(rid, prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
+                   arrival_s=0.0, prompt_token_ids=prompt)
+
+
+def drive(scheduler: Scheduler, executor, arrivals: list[tuple[int, Request]],
+          check=True, max_steps: int = 100_000) -> Trace:
+    """Add each request at its arrival step; run until everything is done."""
+    trace = Trace()
+    pending = sorted(arrivals, key=lambda a: a[0])
+    i = 0
+    while i < len(pending) or scheduler.has_work():
+        while i < len(pending) and pending[i][0] <= trace.steps:
+            r = pending[i][1]
+            trace.requests[r.request_id] = r
+            scheduler.add_request(r)
+            i += 1
+        if not scheduler.has_work():
+            if i == len(pending):
+                break
+            trace.steps = pending[i][0]
+            continue
+        plan = scheduler.schedule()
+        for new in plan.new_requests:
+            if new.request_id not in trace.admitted:
+                trace.admitted.append(new.request_id)
+        horizon = pending[i][0] - trace.steps if i < len(pending) else float("inf")
+        result = executor.execute(plan, max_elapsed_s=horizon)  # a 1 s fake step = one step index
+        scheduler.update_from_output(plan, result)
+        trace.plans.append(plan)
+        trace.steps += result.num_steps
+        if check:
+            scheduler.check_integrity()
+            assert result.kv_bytes == plan.kv_bytes
+        if trace.steps > max_steps:
+            raise AssertionError("no progress: the scheduler starves a request")
+    return trace
+
+
+def config(**kw) -> SchedulerConfig:
+    base = dict(kv_budget_bytes=1 << 40, kv_bytes_per_token=512, max_model_len=8192)
+    base.update(kw)
+    return SchedulerConfig(**base)

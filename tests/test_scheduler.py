@@ -1,0 +1,170 @@
+"""Scheduler policy against a fake executor: budgets hold, FCFS holds, nothing starves, preemption
+recomputes, lookahead changes nothing but speed. Property tests run thousands of random cases."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler.kv_layout import KV_STEP, PoolGeometry, round_up
+from scheduler.kv_manager import KVAccountError
+from scheduler.request import RequestStatus
+from scheduler.scheduler import Scheduler
+from server.fake_executor import FakeExecutor
+from tests.drivers import config, drive, make_request
+
+EXAMPLES = int(os.environ.get("BATCHSIM_PROPERTY_EXAMPLES", "1500"))
+KVT = 512  # KV bytes per token in these tests
+
+
+def test_scheduler_does_not_import_mlx():
+    # Policy is pure Python: importing it must not pull in MLX.
+    import subprocess
+
+    code = "import scheduler.scheduler, sys; print('mlx' in sys.modules or 'mlx.core' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_decode_batch_and_prefill_chunks_share_a_step():
+    s = Scheduler(config(max_num_seqs=4, max_num_batched_tokens=600, prefill_step_size=512))
+    ex = FakeExecutor()
+    a, b = make_request(1, 10, 5), make_request(2, 1000, 5)
+    s.add_request(a)
+    plan = s.schedule()
+    assert [c.num_tokens for c in plan.prefills] == [10] and plan.decode_ids == ()
+    s.update_from_output(plan, ex.execute(plan))
+    s.add_request(b)
+    plan = s.schedule()
+    # a decodes (1 token); b gets the rest of the 600-token budget rounded down to a KV step.
+    assert plan.decode_ids == (1,) and plan.decode_positions == (10,)
+    assert [(c.request_id, c.start, c.num_tokens, c.sample) for c in plan.prefills] == [(2, 0, 512, False)]
+
+
+def test_prefill_first_runs_prefill_only_steps():
+    s = Scheduler(config(max_num_seqs=4, policy="prefill-first"))
+    ex = FakeExecutor()
+    s.add_request(make_request(1, 10, 5))
+    plan = s.schedule()
+    s.update_from_output(plan, ex.execute(plan))
+    s.add_request(make_request(2, 300, 5))
+    plan = s.schedule()
+    assert plan.decode_ids == () and plan.prefills[0].request_id == 2
+
+
+def test_rejects_what_can_never_fit():
+    s = Scheduler(config(kv_budget_bytes=KVT * 512, max_model_len=2048))
+    too_long = make_request(1, 2000, 100)
+    too_big = make_request(2, 600, 10)  # round_up(610, 256) = 768 tokens > 512-token budget
+    fits = make_request(3, 400, 100)  # 500 -> 512 tokens
+    assert not s.add_request(too_long) and "context" in too_long.finish_reason
+    assert not s.add_request(too_big) and "KV budget" in too_big.finish_reason
+    assert s.add_request(fits)
+    assert too_long.status is RequestStatus.REJECTED and s.num_rejected == 2
+
+
+def test_newest_request_is_preempted_and_recomputed():
+    # Budget for 3 KV steps of tokens: two 200-token requests grow past 256 and collide.
+    s = Scheduler(config(kv_budget_bytes=KVT * 3 * KV_STEP, max_num_seqs=2, row_step=1))
+    ex = FakeExecutor()
+    old, new = make_request(1, 200, 100), make_request(2, 200, 100)
+    trace = drive(s, ex, [(0, old), (0, new)])
+    assert new.num_preemptions >= 1 and old.num_preemptions == 0
+    assert trace.admitted[:2] == [1, 2]
+    for r in (old, new):
+        assert r.status is RequestStatus.FINISHED and r.num_output_tokens == 100
+        assert r.output_token_ids == [FakeExecutor.token_for(r.request_id, 200 + i, 32000)
+                                      for i in range(100)]
+
+
+def test_pool_geometry_grows_in_steps_and_frees_when_idle():
+    s = Scheduler(config(max_num_seqs=16, row_step=8))
+    ex = FakeExecutor()
+    reqs = [make_request(i, 100, 3) for i in range(3)]
+    trace = drive(s, ex, [(0, r) for r in reqs])
+    decode_plans = [p for p in trace.plans if p.decode_ids]
+    assert decode_plans[0].pool == PoolGeometry(4, KV_STEP)  # 3 rows -> power of two
+    assert trace.plans[-1].pool == PoolGeometry(0, 0) or s.kv.pool_bytes == 0 or s.has_work() is False
+    plan = s.schedule()  # frees the finished rows
+    assert plan.kv_bytes == 0 and plan.pool == PoolGeometry(0, 0)
+
+
+def test_integrity_check_catches_a_corrupt_account():
+    s = Scheduler(config())
+    ex = FakeExecutor()
+    s.add_request(make_request(1, 300, 5))
+    plan = s.schedule()
+    s.update_from_output(plan, ex.execute(plan))
+    s.kv.private_tokens[1] += KV_STEP
+    with pytest.raises(KVAccountError):
+        s.check_integrity()
+
+
+def test_lookahead_plans_match_single_steps():
+    arrivals = [(i * 3, make_request(i, 50 + 37 * i, 20 + 11 * i)) for i in range(8)]
+    single = drive(Scheduler(config(max_num_seqs=4)), FakeExecutor(), arrivals)
+    arrivals = [(i * 3, make_request(i, 50 + 37 * i, 20 + 11 * i)) for i in range(8)]
+    sched = Scheduler(config(max_num_seqs=4, max_lookahead_steps=64))
+    multi = drive(sched, FakeExecutor(step_s=1.0, max_lookahead_steps=64), arrivals)
+    assert len(multi.plans) < len(single.plans)
+    assert any(p.num_steps > 1 for p in multi.plans)
+    for rid, r in single.requests.items():
+        m = multi.requests[rid]
+        assert m.token_runs == r.token_runs
+        assert m.output_token_ids == r.output_token_ids
+
+
+@st.composite
+def workloads(draw):
+    n = draw(st.integers(1, 24))
+    reqs = [(draw(st.integers(0, 40)), draw(st.integers(1, 1500)), draw(st.integers(1, 48)))
+            for _ in range(n)]
+    prefill = draw(st.sampled_from([256, 512]))
+    seqs = draw(st.integers(1, 12))
+    cfg = dict(
+        kv_budget_bytes=KVT * draw(st.integers(256, 12_000)),
+        kv_bytes_per_token=KVT,
+        max_model_len=2048,
+        max_num_seqs=seqs,
+        prefill_step_size=prefill,
+        max_num_batched_tokens=draw(st.integers(max(prefill, seqs), 3000)),
+        policy=draw(st.sampled_from(["decode-first", "prefill-first"])),
+        row_step=draw(st.sampled_from([1, 2, 8])),
+        max_lookahead_steps=draw(st.sampled_from([1, 1, 16])),
+    )
+    return reqs, cfg
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_random_workloads_keep_every_promise(case):
+    reqs, cfg = case
+    s = Scheduler(config(**cfg))
+    ex = FakeExecutor(step_s=1.0, max_lookahead_steps=cfg["max_lookahead_steps"])
+    arrivals = [(step, make_request(i, p, o)) for i, (step, p, o) in enumerate(reqs)]
+    order = [r.request_id for _, r in sorted(arrivals, key=lambda a: a[0])]
+    trace = drive(s, ex, arrivals)  # checks integrity and executor == scheduler bytes every step
+    for plan in trace.plans:
+        assert plan.kv_bytes <= cfg["kv_budget_bytes"]
+        assert plan.num_scheduled_tokens <= cfg["max_num_batched_tokens"]
+        assert len(plan.decode_ids) <= cfg["max_num_seqs"]
+        for c in plan.prefills:  # only a request's final chunk ends off a KV step
+            assert c.sample or (c.start + c.num_tokens) % KV_STEP == 0
+    accepted = [rid for rid in order if trace.requests[rid].status is not RequestStatus.REJECTED]
+    assert trace.admitted == accepted  # FCFS: first admissions in arrival order
+    for rid, r in trace.requests.items():
+        if r.status is RequestStatus.REJECTED:
+            assert r.finish_reason and r.max_total_tokens > 0
+            assert (r.max_total_tokens > cfg["max_model_len"]
+                    or round_up(r.max_total_tokens, KV_STEP) * KVT > cfg["kv_budget_bytes"])
+            continue
+        assert r.status is RequestStatus.FINISHED and r.finish_reason == "length"
+        assert r.num_output_tokens == r.sampling.max_tokens
+        p = r.num_prompt_tokens
+        expected = [FakeExecutor.token_for(rid, p + i, 32000) for i in range(r.num_output_tokens)]
+        assert r.output_token_ids == expected  # preempted requests recompute the same tokens
+    assert s.kv.private_tokens == {} and not s.running and not s.waiting

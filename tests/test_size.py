@@ -1,0 +1,229 @@
+"""`batchsim size`: the Mac catalog, working-set arithmetic, KV bytes and max batch against
+hand-computed values, padded vs paged under a length distribution, and the output contract."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from configs import ConfigError
+from scheduler.kv_layout import padded_batch_bytes, paged_bytes
+from scripts import size
+from scripts.common import dumps
+from server import macs
+from server.modelspec import zoo_spec
+
+GIB = 1 << 30
+KV_8B_FP16 = 2 * 32 * 8 * 128 * 2  # llama-3.1-8b: K and V x layers x kv_heads x head_dim x fp16
+
+
+@pytest.fixture(scope="module")
+def catalog() -> macs.Catalog:
+    return macs.load_catalog()
+
+
+def settings(catalog, quantize_bits=None, dtype="float16", reserve=None) -> size.Settings:
+    bw, _ = macs.bandwidth_efficiency(catalog, macs.weight_format(quantize_bits))
+    cmp, _ = macs.compute_efficiency(catalog)
+    ws = catalog.metal_working_set
+    reserve = ws.os_reserve_gb if reserve is None else reserve
+    return size.Settings(dtype, quantize_bits, bw, cmp, reserve)
+
+
+def one_mac(catalog, label: str) -> macs.Mac:
+    (mac,) = [m for m in catalog.chips if m.label == label]
+    return mac
+
+
+def row_for(catalog, model: str, label: str, memory_gb: float, context: str = "4096",
+            quantize_bits: int | None = None) -> dict:
+    spec = zoo_spec(model)
+    ctx = size.context_fit(context, spec.max_context)
+    return size.mac_row(spec, one_mac(catalog, label), memory_gb, ctx,
+                        settings(catalog, quantize_bits), catalog.metal_working_set)
+
+
+def test_catalog_loads_with_sources(catalog):
+    assert len(catalog.chips) == 34
+    assert all(m.src and set(m.src) <= set(catalog.sources) for m in catalog.chips)
+    m5 = [m for m in catalog.chips if m.chip.startswith("M5")]
+    assert m5 and all(not m.compute_known for m in m5)
+    assert one_mac(catalog, "M3 Max 40c").estimate and not one_mac(catalog, "M2 Max 38c").estimate
+    assert [u.chip for u in catalog.unconfirmed] == ["M5 Ultra"]
+    assert macs.CATALOG_PATH.parent.name == "configs"  # never ../shared at run time
+
+
+def test_catalog_is_strict(tmp_path):
+    data = yaml.safe_load(macs.CATALOG_PATH.read_text())
+    data["chips"][0]["gpu_core"] = 7  # a typo
+    bad = tmp_path / "macs.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="gpu_core"):
+        macs.load_catalog(bad)
+    data = yaml.safe_load(macs.CATALOG_PATH.read_text())
+    data["chips"][0]["src"] = ["nowhere"]
+    bad.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="nowhere"):
+        macs.load_catalog(bad)
+
+
+def test_usable_memory_rule(catalog):
+    ws = catalog.metal_working_set
+    # <= 36 GB: 2/3 of RAM; larger: 3/4 (Apple's "GB" of RAM is GiB).
+    assert macs.default_working_set_bytes(16, ws) == int(16 * GIB * 2 / 3) == 11_453_246_122
+    assert macs.default_working_set_bytes(36, ws) == 24 * GIB
+    assert macs.default_working_set_bytes(128, ws) == 96 * GIB
+    # Raised: RAM - 8 GB reserve, never below the default.
+    assert macs.raised_working_set_bytes(128, ws) == 120 * GIB
+    assert macs.raised_working_set_bytes(16, ws) == macs.default_working_set_bytes(16, ws)
+    assert macs.raised_working_set_bytes(16, ws, os_reserve_gb=4) == 12 * GIB
+
+
+def test_kv_bytes_per_sequence_llama_8b_fp16(catalog):
+    row = row_for(catalog, "llama-3.1-8b", "M2 Ultra 76c", 192)
+    assert row["kv_bytes_per_token"] == KV_8B_FP16 == 131_072
+    assert row["kv_bytes_per_seq"] == 4096 * 131_072 == 536_870_912
+
+
+def test_max_batch_padded_vs_paged_fixed_context():
+    # L=300: padded rows hold round_up(300, 256)=512 tokens, pages round_up(300, 16)=304.
+    ctx = size.context_fit("300", 131072)
+    budget = GIB
+    assert size.max_batch(ctx.padded_tokens, budget, KV_8B_FP16) == 16  # 2^30 / (512 x 2^17)
+    assert size.max_batch(ctx.paged_tokens, budget, KV_8B_FP16) == 26  # floor(2^30 / (304 x 2^17))
+    kvt = KV_8B_FP16
+    assert padded_batch_bytes([300] * 16, kvt) <= budget < padded_batch_bytes([300] * 17, kvt)
+    assert paged_bytes([300] * 26, kvt) <= budget < paged_bytes([300] * 27, kvt)
+    assert size.max_batch(ctx.padded_tokens, 512 * KV_8B_FP16 - 1, KV_8B_FP16) == 0
+    assert size.max_batch(ctx.padded_tokens, -5, KV_8B_FP16) == 0
+
+
+def test_max_batch_is_capped():
+    ctx = size.context_fit("16", 131072)
+    assert size.max_batch(ctx.paged_tokens, 1 << 50, 1) == size.MAX_BATCH_CAP
+
+
+def test_row_budget_is_usable_minus_weights(catalog):
+    row = row_for(catalog, "llama-3.1-8b", "M4 Max 40c", 64, "300", quantize_bits=4)
+    weights = zoo_spec("llama-3.1-8b").weight_bytes("float16", 4)
+    assert row["weight_bytes"] == weights
+    assert row["max_batch"] == row["max_batch_padded"] == (48 * GIB - weights) // (512 * KV_8B_FP16)
+    assert row["max_batch_paged"] == (48 * GIB - weights) // (304 * KV_8B_FP16)
+    assert row["max_batch_padded_raised"] == (56 * GIB - weights) // (512 * KV_8B_FP16)
+    assert row["fits"] and row["max_batch_padded"] < row["max_batch_paged"]
+
+
+def test_model_that_does_not_fit(catalog):
+    row = row_for(catalog, "llama-3.1-70b", "M4 Max 40c", 128)
+    assert row["weight_bytes"] > row["usable_bytes_raised"]
+    assert row["max_batch"] == row["max_batch_paged"] == row["max_batch_paged_raised"] == 0
+    assert row["fits"] is False and row["fits_raised"] is False
+    assert row["decode_tok_s_b1"] is None and row["decode_tok_s_max_batch"] is None
+
+
+def test_distribution_fit_is_seeded_and_padded_le_paged():
+    a = size.context_fit("lognormal:2000:1500:8192", 131072, seed=7)
+    b = size.context_fit("lognormal:2000:1500:8192", 131072, seed=7)
+    c = size.context_fit("lognormal:2000:1500:8192", 131072, seed=8)
+    assert np.array_equal(a.padded_tokens, b.padded_tokens)
+    assert np.array_equal(a.paged_tokens, b.paged_tokens)
+    assert not np.array_equal(a.paged_tokens, c.paged_tokens)
+    for curve in (a.padded_tokens, a.paged_tokens):
+        assert np.all(np.diff(curve) >= 0)  # what makes one searchsorted the max batch
+    assert np.all(a.padded_tokens >= a.paged_tokens)
+    for budget in (GIB, 8 * GIB, 40 * GIB):
+        padded = size.max_batch(a.padded_tokens, budget, KV_8B_FP16)
+        paged = size.max_batch(a.paged_tokens, budget, KV_8B_FP16)
+        assert 0 < padded < paged
+    assert 1800 < a.mean_tokens < 2200
+
+
+def test_degenerate_distribution_matches_fixed():
+    fixed = size.context_fit("300", 131072)
+    dist = size.context_fit("uniform:300:300", 131072)
+    assert dist.trials == size.FIT_TRIALS and not dist.fixed
+    assert np.array_equal(fixed.padded_tokens, dist.padded_tokens)
+    assert np.array_equal(fixed.paged_tokens, dist.paged_tokens)
+
+
+def test_fit_quantile_is_a_drawn_batch():
+    # Lengths in [100, 300]: one sequence pads to 256 or 512 tokens; 22% exceed 256, so p95 is 512.
+    ctx = size.context_fit("uniform:100:300", 131072, quantile=0.95)
+    assert ctx.padded_tokens[1] == 512
+    assert size.context_fit("uniform:100:300", 131072, quantile=0.5).padded_tokens[1] == 256
+
+
+def test_efficiency_derived_from_4167(catalog):
+    fr = dict(macs.bandwidth_fractions(catalog.decode_reference, "F16"))
+    # M2 Ultra 76c: 41.02 tok/s x 12.55 GiB / 800 GB/s.
+    assert fr["M2 Ultra 76c"] == pytest.approx(41.02 * 12.55 * GIB / 800e9)
+    assert "M1 8c" not in fr  # no F16 measurement for the 8 GB M1
+    assert macs.bandwidth_efficiency(catalog, "Q4_0")[0] == pytest.approx(0.717, abs=1e-3)
+    assert macs.bandwidth_efficiency(catalog, "F16")[0] == pytest.approx(0.834, abs=1e-3)
+    assert macs.compute_efficiency(catalog)[0] == pytest.approx(0.748, abs=1e-3)
+
+
+def test_decode_tok_s_batch_1_by_hand(catalog):
+    row = row_for(catalog, "llama-3.1-8b", "M2 Ultra 76c", 192, quantize_bits=4)
+    eff = macs.bandwidth_efficiency(catalog, "Q4_0")[0]
+    weights = zoo_spec("llama-3.1-8b").weight_bytes("float16", 4)
+    moved = weights + 4097 * KV_8B_FP16  # weights + KV read + one KV write
+    assert row["decode_tok_s_b1"] == pytest.approx(800e9 * eff / moved)
+    assert row["decode_tok_s_max_batch"] > row["decode_tok_s_b1"]
+
+
+def test_unknown_peak_predicts_from_bandwidth_only(catalog):
+    row = row_for(catalog, "llama-3.1-8b", "M5 Max 40c", 128, quantize_bits=4)
+    assert row["compute_known"] is False and row["bound_at_max_batch"] == "bandwidth"
+    assert row["decode_tok_s_max_batch"] > 0
+
+
+def test_mac_filter(catalog):
+    assert [m.label for m in catalog.select("M2")] == ["M2 8c", "M2 10c"]  # exact chip first
+    assert [m.label for m in catalog.select("m2 ultra")] == ["M2 Ultra 60c", "M2 Ultra 76c"]
+    assert [m.label for m in catalog.select("Ultra 76")] == ["M2 Ultra 76c"]
+    assert len(catalog.select(None)) == len(catalog.chips)
+    with pytest.raises(ConfigError, match="M4 Pro"):
+        catalog.select("M9 Hyper")
+
+
+def run_size(tmp_path, *argv: str) -> dict:
+    parser = argparse.ArgumentParser()
+    size.add_parser(parser)
+    return size.run(parser.parse_args([*argv, "--out", str(tmp_path)]))
+
+
+def test_command_contract_and_files(tmp_path, capsys):
+    summary = run_size(tmp_path, "--model", "llama-3.1-8b", "--quantize", "4", "--mac", "M4 Max")
+    rows = summary["rows"]
+    configs = [(r["gpu_cores"], r["memory_gb"]) for r in rows]
+    assert configs == [(32, 36), (40, 48), (40, 64), (40, 128)]
+    keys = {"chip", "gpu_cores", "memory_gb", "usable_bytes", "max_batch", "decode_tok_s_b1",
+            "decode_tok_s_max_batch"}
+    assert all(keys <= set(r) for r in rows)
+    assert summary["fit_quantile"] == 0.95 and "4167" in summary["bandwidth_efficiency_source"]
+    assert json.loads(dumps(summary))["rows"][0]["chip"] == "M4 Max"
+    lines = (tmp_path / "size.jsonl").read_text().splitlines()
+    assert len(lines) == 4 and json.loads(lines[0])["model"] == "llama-3.1-8b"
+    png = list(tmp_path.glob("size-llama-3.1-8b-q4-*.png"))
+    assert len(png) == 1 and png[0].read_bytes()[:4] == b"\x89PNG"
+    assert "M4 Max" in capsys.readouterr().out
+
+
+def test_command_memory_override_and_no_fit(tmp_path, capsys):
+    summary = run_size(tmp_path, "--model", "llama-3.1-70b", "--mac", "M4 Max 40c",
+                       "--memory-gb", "96", "--bandwidth-efficiency", "0.5")
+    (row,) = summary["rows"]
+    assert row["memory_gb"] == 96 and row["usable_bytes"] == 72 * GIB
+    assert row["max_batch"] == 0 and not row["fits"] and not summary["fits_any"]
+    assert summary["bandwidth_efficiency"] == 0.5
+    assert "fits no Mac" in capsys.readouterr().out
+
+
+def test_context_longer_than_model_is_an_error():
+    with pytest.raises(ConfigError, match="exceeds"):
+        size.context_fit("200000", 131072)

@@ -1,0 +1,174 @@
+"""Send a request list to a server (real or simulated) on the asyncio clock.
+
+Time comes only from `loop.time()` and `asyncio.sleep`, so the same driver runs on a real event
+loop or on one whose clock is virtual (the simulator's): nothing here reads wall-clock time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from asyncio_throttle import Throttler
+
+from workloads.requests import RequestSpec
+from workloads.spec import WorkloadSpec
+
+Submit = Callable[[RequestSpec], Awaitable[Any]]
+OnIssue = Callable[[RequestSpec, float], None]
+_EPS_S = 1e-9  # float slack so a virtual clock landing a hair short of an expiry still frees it
+
+
+class LoopThrottler(Throttler):
+    """asyncio_throttle.Throttler (at most `rate_limit` acquisitions in any `period` seconds) on
+    the running loop's clock instead of time.monotonic(), so it also works under a virtual-time
+    loop. It sleeps until the oldest slot expires rather than polling every retry_interval
+    (polling would cost a loop turn per 10 ms of virtual time)."""
+
+    def __init__(self, rate_limit: int, period: float = 1.0, retry_interval: float = 0.01) -> None:
+        super().__init__(rate_limit, period, retry_interval)
+        self._issued_s: deque[float] = deque()
+
+    def flush(self) -> None:
+        now = asyncio.get_running_loop().time()
+        while self._issued_s and now - self._issued_s[0] >= self.period - _EPS_S:
+            self._issued_s.popleft()
+
+    async def acquire(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self.flush()
+            if len(self._issued_s) < self.rate_limit:
+                break
+            await asyncio.sleep(max(self._issued_s[0] + self.period - loop.time(), 0.0))
+        self._issued_s.append(loop.time())
+
+
+def rate_throttler(max_request_rate: float | None) -> LoopThrottler | None:
+    # One issue per 1/rate seconds: fractional rates (2.5/s) work and issues never bunch up.
+    if max_request_rate is None:
+        return None
+    return LoopThrottler(rate_limit=1, period=1.0 / max_request_rate)
+
+
+async def _settle(tasks: Sequence[asyncio.Task]) -> None:
+    """Cancel what is still running and wait for it, retrieving every exception (no log noise)."""
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _first_failure(tasks: Sequence[asyncio.Task]) -> BaseException | None:
+    for task in tasks:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            return task.exception()
+    return None
+
+
+async def drive(
+    spec: WorkloadSpec,
+    requests: Sequence[RequestSpec],
+    submit: Submit,
+    *,
+    on_issue: OnIssue | None = None,
+) -> None:
+    """Issue `requests` following `spec` and return when every submit has finished.
+
+    Open loop: each request is issued at t0 + arrival_s (later if max_request_rate or
+    max_concurrency holds it back; issues stay in order). Closed loop: `concurrency` workers share
+    the list, each awaiting submit, then thinking think_time_s. `on_issue(req, offset_s)` is called
+    as each submit starts. The first exception from submit cancels the rest and propagates;
+    cancelling drive cancels every submit in flight.
+    """
+    if not requests:
+        return
+    if spec.closed_loop:
+        await _drive_closed(spec, requests, submit, on_issue)
+    else:
+        await _drive_open(spec, requests, submit, on_issue)
+
+
+async def _drive_open(
+    spec: WorkloadSpec, requests: Sequence[RequestSpec], submit: Submit, on_issue: OnIssue | None
+) -> None:
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    throttler = rate_throttler(spec.max_request_rate)
+    slots = asyncio.Semaphore(spec.max_concurrency) if spec.max_concurrency else None
+    tasks: list[asyncio.Task] = []
+
+    async def run(req: RequestSpec) -> None:
+        try:
+            await submit(req)
+        finally:
+            if slots is not None:
+                slots.release()
+
+    def on_done(task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            dispatcher.cancel()  # fail fast: stop issuing
+
+    async def dispatch() -> None:
+        # Sequential, so the semaphore and throttle hold back requests strictly in arrival order.
+        for req in requests:
+            delay_s = t0 + req.arrival_s - loop.time()
+            if delay_s > 0:
+                await asyncio.sleep(delay_s)
+            if throttler is not None:
+                await throttler.acquire()
+            if slots is not None:
+                await slots.acquire()
+            if on_issue is not None:
+                on_issue(req, loop.time() - t0)
+            task = loop.create_task(run(req))
+            task.add_done_callback(on_done)
+            tasks.append(task)
+
+    dispatcher = loop.create_task(dispatch())
+    try:
+        try:
+            await dispatcher
+        except asyncio.CancelledError:
+            failure = _first_failure(tasks)
+            if failure is None:  # drive itself was cancelled
+                raise
+            raise failure from None
+        await asyncio.gather(*tasks)
+    finally:
+        await _settle([dispatcher, *tasks])
+
+
+async def _drive_closed(
+    spec: WorkloadSpec, requests: Sequence[RequestSpec], submit: Submit, on_issue: OnIssue | None
+) -> None:
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    throttler = rate_throttler(spec.max_request_rate)
+    cursor = 0  # the next request to issue, shared by all users
+
+    async def user() -> None:
+        nonlocal cursor
+        while True:
+            if throttler is not None:
+                await throttler.acquire()
+            if cursor >= len(requests):
+                return
+            req = requests[cursor]  # taken after the throttle, so issues stay in order
+            cursor += 1
+            if on_issue is not None:
+                on_issue(req, loop.time() - t0)
+            await submit(req)
+            # Think only while requests remain: the run ends at the last completion.
+            if spec.think_time_s > 0 and cursor < len(requests):
+                await asyncio.sleep(spec.think_time_s)
+
+    assert spec.concurrency is not None
+    users = [loop.create_task(user()) for _ in range(min(spec.concurrency, len(requests)))]
+    try:
+        await asyncio.gather(*users)
+    finally:
+        await _settle(users)

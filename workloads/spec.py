@@ -1,0 +1,219 @@
+"""What traffic to send: a frozen WorkloadSpec (arrival process, token lengths, limits) and the
+strict loaders for configs/workloads/*.yaml."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+from configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
+from workloads.lengths import LengthSpec, parse_length
+
+WORKLOAD_DIR = CONFIG_DIR / "workloads"
+TRACE_DIR = CONFIG_DIR / "traces"
+
+Arrival = Literal["poisson", "gamma", "constant", "ramp", "closed", "trace"]
+OPEN_LOOP: tuple[str, ...] = ("poisson", "gamma", "constant", "ramp", "trace")
+
+# Settings that mean something for some arrival processes only; setting one elsewhere is an error
+# (a typo'd arrival would otherwise silently ignore it).
+_ONLY_FOR: dict[str, tuple[str, ...]] = {
+    "burstiness": ("gamma", "ramp"),
+    "ramp_end_rate": ("ramp",),
+    "concurrency": ("closed",),
+    "think_time_s": ("closed",),
+    "max_concurrency": OPEN_LOOP,
+    "trace": ("trace",),
+}
+
+
+def _require(ok: bool, key: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: must be {rule}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceSpec:
+    """Replay a request trace: arrival times and token lengths come from its rows."""
+
+    path: str  # absolute, or relative to configs/traces/ (e.g. "azure_conv_2023_slice.csv")
+    format: Literal["auto", "azure", "mooncake"] = "auto"  # auto: .csv azure, .jsonl mooncake
+    time_scale: float = 1.0  # arrival_s = (t - t0) * time_scale; 0.1 replays ten times faster
+    input_scale: float = 1.0  # lengths are multiplied, rounded, kept >= 1, then capped
+    output_scale: float = 1.0
+    max_input_len: int | None = None
+    max_output_len: int | None = None
+    start: int = 0  # first row used
+
+    def __post_init__(self) -> None:
+        _require(bool(self.path), "trace.path", "a trace file", self.path)
+        scale = self.time_scale
+        _require(0 <= scale < math.inf, "trace.time_scale", ">= 0 and finite", scale)
+        for key in ("input_scale", "output_scale"):
+            value = getattr(self, key)
+            _require(0 < value < math.inf, f"trace.{key}", "> 0 and finite", value)
+        for key in ("max_input_len", "max_output_len"):
+            value = getattr(self, key)
+            _require(value is None or value >= 1, f"trace.{key}", ">= 1", value)
+        _require(self.start >= 0, "trace.start", ">= 0", self.start)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadSpec:
+    """One run's traffic. Open loop (every arrival but 'closed'): requests arrive on a schedule
+    whatever the server does. Closed loop: `concurrency` users each send, wait, think, repeat."""
+
+    name: str = "workload"
+    num_prompts: int = 64
+    arrival: Arrival = "poisson"
+    request_rate: float = 1.0  # req/s; inf = all at once
+    burstiness: float = 1.0  # gamma shape (vLLM's): 1.0 = Poisson; < 1 burstier; inf = constant
+    ramp_end_rate: float | None = None  # 'ramp': rate rises linearly from request_rate to this
+    concurrency: int | None = None  # 'closed': this many requests always in flight
+    think_time_s: float = 0.0  # 'closed': pause between a completion and that user's next request
+    max_concurrency: int | None = None  # open loop: cap on requests in flight (vLLM's)
+    max_request_rate: float | None = None  # cap on the issue rate (req/s), any arrival
+    input_len: LengthSpec = LengthSpec("uniform", min=64, max=256)
+    output_len: LengthSpec = LengthSpec("uniform", min=32, max=128)
+    trace: TraceSpec | None = None  # required iff arrival == 'trace'; lengths then come from it
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.name, str) and bool(self.name), "name", "a non-empty string",
+                 self.name)
+        _require(self.num_prompts >= 1, "num_prompts", ">= 1", self.num_prompts)
+        _require(self.request_rate > 0, "request_rate", "> 0 (inf: all at once)", self.request_rate)
+        _require(self.burstiness > 0, "burstiness", "> 0 (1.0 = Poisson)", self.burstiness)
+        _require(self.seed >= 0, "seed", ">= 0", self.seed)
+        think_s = self.think_time_s
+        _require(0 <= think_s < math.inf, "think_time_s", ">= 0 and finite", think_s)
+        if self.max_concurrency is not None:
+            _require(self.max_concurrency >= 1, "max_concurrency", ">= 1", self.max_concurrency)
+        if self.max_request_rate is not None:
+            _require(0 < self.max_request_rate < math.inf, "max_request_rate", "> 0 and finite",
+                     self.max_request_rate)
+        self._check_arrival()
+
+    def _check_arrival(self) -> None:
+        if self.arrival == "ramp":
+            _require(self.request_rate < math.inf, "request_rate", "finite for arrival 'ramp'",
+                     self.request_rate)
+            end = self.ramp_end_rate
+            _require(end is not None and 0 < end < math.inf, "ramp_end_rate",
+                     "> 0 and finite for arrival 'ramp'", end)
+        if self.arrival == "closed":
+            _require(self.concurrency is not None and self.concurrency >= 1, "concurrency",
+                     ">= 1 for arrival 'closed'", self.concurrency)
+        if self.arrival == "trace":
+            _require(isinstance(self.trace, TraceSpec), "trace", "set for arrival 'trace'",
+                     self.trace)
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for key, arrivals in _ONLY_FOR.items():
+            if getattr(self, key) != defaults[key] and self.arrival not in arrivals:
+                raise ConfigError(
+                    f"{key}: applies only to arrival {' / '.join(map(repr, arrivals))}; "
+                    f"this workload's arrival is {self.arrival!r}"
+                )
+
+    @property
+    def closed_loop(self) -> bool:
+        return self.arrival == "closed"
+
+
+def _with_context(exc: ConfigError, where: str) -> ConfigError:
+    msg = str(exc)
+    return exc if msg.startswith(where) else ConfigError(f"{where}: {msg}")
+
+
+def _prepare(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """Accept the CLI shorthand for lengths (`uniform:32:256`, `128`), and build nested sections
+    once first so that their errors name the file and the section."""
+    data = dict(data)
+    for key, cls in (("input_len", LengthSpec), ("output_len", LengthSpec), ("trace", TraceSpec)):
+        value = data.get(key)
+        where = f"{source}: {key}"
+        try:
+            if cls is LengthSpec and isinstance(value, (str, int)) and not isinstance(value, bool):
+                data[key] = dataclasses.asdict(parse_length(str(value)))
+            elif isinstance(value, dict):
+                from_dict(cls, value, where)
+        except ConfigError as exc:
+            raise _with_context(exc, where) from None
+    return data
+
+
+def load_workload(path: str | Path) -> WorkloadSpec:
+    """Load one workload YAML; the name defaults to the file's stem. Unknown keys, wrong types and
+    impossible values are ConfigErrors naming the file and the key."""
+    path = Path(path)
+    data = _prepare(load_yaml(path), str(path))
+    data.setdefault("name", path.stem)
+    try:
+        spec = from_dict(WorkloadSpec, data, str(path))
+        if spec.trace is not None:
+            resolve_trace_path(spec.trace.path)  # a missing trace fails here, naming this file
+    except ConfigError as exc:
+        raise _with_context(exc, str(path)) from None
+    return spec
+
+
+def shipped_traces() -> list[str]:
+    return sorted(p.name for p in TRACE_DIR.iterdir() if p.suffix in (".csv", ".jsonl"))
+
+
+def resolve_trace_path(path: str | Path) -> Path:
+    """Absolute paths as given; relative ones in configs/traces/ first, then the working
+    directory."""
+    given = Path(path).expanduser()
+    candidates = [given] if given.is_absolute() else [TRACE_DIR / given, Path.cwd() / given]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    looked = ", ".join(str(c) for c in candidates)
+    shipped = ", ".join(shipped_traces())
+    raise ConfigError(f"trace {str(path)!r}: no such file (looked in {looked}); shipped: {shipped}")
+
+
+def builtin_workload_names() -> list[str]:
+    return sorted(p.stem for p in WORKLOAD_DIR.glob("*.yaml"))
+
+
+def builtin_workload(name: str) -> WorkloadSpec:
+    names = builtin_workload_names()
+    if name not in names:
+        raise ConfigError(f"workload {name!r}: no such built-in; available: {', '.join(names)}")
+    return load_workload(WORKLOAD_DIR / f"{name}.yaml")
+
+
+def resolve_workload(name_or_path: str | Path) -> WorkloadSpec:
+    """A built-in name (`bursty`) or a YAML path (`my.yaml`, `dir/w.yaml`)."""
+    text = str(name_or_path)
+    if text.endswith((".yaml", ".yml")) or "/" in text or Path(text).is_file():
+        return load_workload(text)
+    return builtin_workload(text)
+
+
+def with_overrides(spec: WorkloadSpec, **changes: Any) -> WorkloadSpec:
+    """dataclasses.replace ignoring None values, re-validated. Lengths may be given in the CLI form
+    (`uniform:32:256`). Switching `arrival` resets the old process's own settings to their defaults
+    (e.g. closed -> poisson drops `concurrency`) unless they are given too."""
+    changes = {k: v for k, v in changes.items() if v is not None}
+    fields = {f.name: f for f in dataclasses.fields(WorkloadSpec)}
+    unknown = sorted(set(changes) - set(fields))
+    if unknown:
+        allowed = ", ".join(fields)
+        raise ConfigError(f"workload override {unknown[0]!r}: unknown; allowed: {allowed}")
+    for key in ("input_len", "output_len"):
+        if isinstance(changes.get(key), (str, int)):
+            changes[key] = parse_length(str(changes[key]))
+    new_arrival = changes.get("arrival", spec.arrival)
+    if new_arrival != spec.arrival:
+        for key, arrivals in _ONLY_FOR.items():
+            if key not in changes and new_arrival not in arrivals:
+                changes[key] = fields[key].default
+    try:
+        return dataclasses.replace(spec, **changes)
+    except TypeError as exc:  # e.g. a string where a number belongs
+        raise ConfigError(f"workload override: {exc}") from None

@@ -1,0 +1,159 @@
+"""Read request traces (Azure LLM inference CSV, Mooncake JSONL) into arrival times and lengths.
+
+The shipped slices live in configs/traces/ (see SOURCES.md there); they come from large GPU
+clusters, so a replay on one machine usually needs TraceSpec.time_scale and length scales/caps.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from itertools import islice
+from pathlib import Path
+from typing import Literal
+
+from configs import ConfigError
+from workloads.lengths import LengthSpec
+from workloads.requests import RequestSpec
+from workloads.spec import TraceSpec, resolve_trace_path
+
+TraceFormat = Literal["auto", "azure", "mooncake"]
+_AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+_MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
+# Azure writes 7 fractional digits; Python's datetime takes at most 6.
+_AZURE_TIME = re.compile(r"^(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d)(?:\.(\d+))?(.*)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceRow:
+    t_s: float  # seconds after the first row used
+    input_len: int  # prompt tokens
+    output_len: int  # generated tokens
+
+
+def detect_format(path: Path) -> Literal["azure", "mooncake"]:
+    if path.suffix == ".csv":
+        return "azure"
+    if path.suffix in (".jsonl", ".json"):
+        return "mooncake"
+    with path.open() as f:
+        return "mooncake" if f.readline().lstrip().startswith("{") else "azure"
+
+
+def parse_azure_time(text: str) -> float:
+    """Seconds since the epoch for an Azure TIMESTAMP (naive times are read as UTC)."""
+    match = _AZURE_TIME.match(text.strip())
+    if match is None:
+        raise ValueError(f"not a datetime: {text!r}")
+    head, frac, tail = match.groups()
+    stamp = datetime.fromisoformat(f"{head}.{(frac or '0')[:6].ljust(6, '0')}{tail}")
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=timezone.utc)
+    return stamp.timestamp()
+
+
+def _read_azure(path: Path) -> Iterator[tuple[float, int, int]]:
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in _AZURE_COLUMNS if c not in (reader.fieldnames or ())]
+        if missing:
+            raise ConfigError(
+                f"{path}: missing column {missing[0]!r}; an Azure trace has "
+                f"{', '.join(_AZURE_COLUMNS)} "
+                f"(found: {', '.join(reader.fieldnames or ())})"
+            )
+        for row in reader:
+            try:
+                yield (parse_azure_time(row["TIMESTAMP"]), int(row["ContextTokens"]),
+                       int(row["GeneratedTokens"]))
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{path}:{reader.line_num}: {exc}") from None
+
+
+def _read_mooncake(path: Path) -> Iterator[tuple[float, int, int]]:
+    with path.open() as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                yield row["timestamp"] / 1000.0, int(row["input_length"]), int(row["output_length"])
+            except KeyError as exc:
+                raise ConfigError(
+                    f"{path}:{line_no}: missing key {exc}; a Mooncake row has "
+                    f"{', '.join(_MOONCAKE_KEYS)}"
+                ) from None
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{path}:{line_no}: {exc}") from None
+
+
+def read_trace(
+    path: str | Path, format: TraceFormat = "auto", start: int = 0, limit: int | None = None
+) -> list[TraceRow]:
+    """Rows start .. start+limit-1 of a trace, with times relative to the first row used."""
+    resolved = resolve_trace_path(path)
+    kind = detect_format(resolved) if format == "auto" else format
+    if kind not in ("azure", "mooncake"):
+        raise ConfigError(
+            f"trace format {format!r} is not allowed; allowed: 'auto', 'azure', 'mooncake'"
+        )
+    reader = _read_azure if kind == "azure" else _read_mooncake
+    raw = list(islice(reader(resolved), start, None if limit is None else start + limit))
+    t0 = raw[0][0] if raw else 0.0
+    return [TraceRow(t - t0, n_in, n_out) for t, n_in, n_out in raw]
+
+
+def scale_length(n: int, scale: float, cap: int | None) -> int:
+    """n * scale rounded, at least 1, at most cap."""
+    scaled = max(1, round(n * scale))
+    return min(scaled, cap) if cap is not None else scaled
+
+
+def trace_requests(trace: TraceSpec, num_prompts: int) -> list[RequestSpec]:
+    """num_prompts requests from trace.start on, sorted by arrival, times and lengths scaled."""
+    rows = read_trace(trace.path, trace.format, trace.start, num_prompts)
+    if len(rows) < num_prompts:
+        raise ConfigError(
+            f"trace {trace.path!r}: only {len(rows)} rows from row {trace.start}, "
+            f"but num_prompts is {num_prompts}"
+        )
+    rows = sorted(rows, key=lambda r: r.t_s)  # stable; production traces are already in order
+    t0 = rows[0].t_s
+    return [
+        RequestSpec(
+            index=i,
+            arrival_s=(row.t_s - t0) * trace.time_scale,
+            prompt_len=scale_length(row.input_len, trace.input_scale, trace.max_input_len),
+            output_len=scale_length(row.output_len, trace.output_scale, trace.max_output_len),
+        )
+        for i, row in enumerate(rows)
+    ]
+
+
+def trace_lengths(
+    path: str | Path,
+    column: Literal["input", "output"] = "input",
+    *,
+    format: TraceFormat = "auto",
+    start: int = 0,
+    limit: int | None = None,
+    scale: float = 1.0,
+    max_len: int | None = None,
+) -> LengthSpec:
+    """An empirical LengthSpec resampling one trace column (scaled, capped): e.g. the context
+    lengths a KV-cache sizing should plan for."""
+    if column not in ("input", "output"):
+        raise ConfigError(f"trace column {column!r} is not allowed; allowed: 'input', 'output'")
+    if not (0 < scale < math.inf):
+        raise ConfigError(f"trace length scale: must be > 0 and finite, got {scale!r}")
+    rows = read_trace(path, format, start, limit)
+    if not rows:
+        raise ConfigError(f"trace {str(path)!r}: no rows from row {start}")
+    raw = (r.input_len if column == "input" else r.output_len for r in rows)
+    values = tuple(scale_length(n, scale, max_len) for n in raw)
+    return LengthSpec("empirical", values=values, max=max_len)

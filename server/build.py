@@ -19,10 +19,10 @@ from typing import Callable
 from server.modelspec import ModelSpec, dtype_bytes
 from server.tokenizer_build import build_tokenizer
 
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 MARKER = "batchsim.json"
 SHARD_BYTES = 2 << 30
-INIT_STD = 0.02
+EMBED_STD = 0.02
 
 
 def cache_root() -> Path:
@@ -38,8 +38,10 @@ def _param_key(seed: int, name: str) -> int:
 
 
 def _random_params(model, dtype: str, seed: int) -> dict:
-    """Seeded per-parameter values (independent of traversal order): N(0, 0.02) matrices,
-    ones for norms, zeros for biases."""
+    """Seeded per-parameter values (independent of traversal order). Projections get
+    N(0, 1/fan_in) so every layer moves the residual stream (outputs then depend on the context,
+    as a trained model's do, instead of echoing the input token through tied embeddings);
+    embeddings N(0, 0.02); ones for norms, zeros for biases."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -52,7 +54,8 @@ def _random_params(model, dtype: str, seed: int) -> dict:
             params[name] = mx.zeros(value.shape, dtype=mx_dtype)
         else:
             key = mx.random.key(_param_key(seed, name))
-            params[name] = (mx.random.normal(value.shape, key=key) * INIT_STD).astype(mx_dtype)
+            std = EMBED_STD if "embed" in name else value.shape[-1] ** -0.5
+            params[name] = (mx.random.normal(value.shape, key=key) * std).astype(mx_dtype)
         mx.eval(params[name])
     return params
 

@@ -39,6 +39,7 @@ class Engine:
         self._done: dict[int, asyncio.Future] = {}
         self._stopping = False
         self._thread = None if virtual_time else concurrent.futures.ThreadPoolExecutor(1, "executor")
+        self._streams: dict[int, asyncio.Queue] = {}
 
     def now(self) -> float:
         return asyncio.get_running_loop().time() - self._t0
@@ -58,6 +59,19 @@ class Engine:
             request.finished_s = self.now()
             fut.set_result(request)
         return fut
+
+    def stream(self, request: Request) -> asyncio.Queue:
+        """Queue a request and get its tokens as they come: lists of new token ids, then the
+        finished Request itself (finished, rejected or aborted)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request.request_id] = queue
+
+        def close(fut: asyncio.Future) -> None:
+            if self._streams.pop(request.request_id, None) is not None:
+                queue.put_nowait(fut.result())
+
+        self.add(request).add_done_callback(close)
+        return queue
 
     def abort(self, request_id: int) -> None:
         request = self.scheduler.abort(request_id)
@@ -108,6 +122,12 @@ class Engine:
             if r is not None and r.first_scheduled_s is None:
                 r.first_scheduled_s = start
         self.recorder.on_step(plan, result, start, ends, self.scheduler)
+        if self._streams and result.token_ids is not None:
+            k = len(result.token_ids)
+            for i, rid in enumerate(result.sampled_ids):
+                queue = self._streams.get(rid)
+                if queue is not None:
+                    queue.put_nowait([result.token_ids[s][i] for s in range(k)])
         if self._on_step is not None:
             self._on_step(self, plan, result)
 

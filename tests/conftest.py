@@ -1,0 +1,39 @@
+"""Shared fixtures: models built once per session (seeded random weights, real architectures),
+loaded through mlx-lm. BATCHSIM_TEST_HOME reuses builds across runs; otherwise a temp dir."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from server import blas
+
+blas.preload()  # before anything imports mlx, as the CLI does
+
+
+@pytest.fixture(scope="session")
+def batchsim_home(tmp_path_factory) -> Path:
+    home = os.environ.get("BATCHSIM_TEST_HOME")
+    path = Path(home) if home else tmp_path_factory.mktemp("batchsim-home")
+    os.environ["BATCHSIM_HOME"] = str(path)
+    return path
+
+
+def _load(name: str, dtype: str, quantize: int | None = None):
+    from server.loader import load, resolve
+
+    ref = resolve(name, dtype, quantize)
+    model, tokenizer = load(ref)
+    return ref, model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny(batchsim_home):
+    return _load("tiny", "float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2(batchsim_home):
+    return _load("smollm2-135m", "float32")

@@ -81,6 +81,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         k_tp, v_tp = get_args(tp) or (Any, Any)
         return {_coerce(k, k_tp, where): _coerce(v, v_tp, f"{where}.{k}") for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):  # already built (e.g. a section loaded with its own rules)
+            return value
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping for {tp.__name__}, got {value!r}")
         return from_dict(tp, value, where)

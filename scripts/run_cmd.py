@@ -4,10 +4,12 @@ weights (or the simulator) and report vLLM-compatible serving metrics."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from scripts.common import err, out, positive_float
-from server.run_config import RunConfig, load_run_config, resolve_workload, with_run_overrides
+from server.run_config import RunConfig, load_run_config, with_run_overrides
+from workloads.spec import resolve_workload
 from workloads.lengths import parse_length
 from workloads.spec import TraceSpec
 
@@ -82,7 +84,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
     cfg = load_run_config(args.config) if args.config else RunConfig()
     if args.workload:
-        cfg = with_run_overrides(cfg, {}, workload=resolve_workload(args.workload))
+        cfg = dataclasses.replace(cfg, workload=resolve_workload(args.workload))
     trace = None
     if args.trace:
         trace = TraceSpec(path=args.trace, time_scale=args.time_scale or 1.0,

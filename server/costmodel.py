@@ -8,8 +8,50 @@ rate, plus a fixed per-forward overhead."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from server.modelspec import ModelSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmFit:
+    """Time of one linear layer (m x k) @ (k x n) on a device, fitted by `batchsim calibrate`:
+    t = weight_ns * k*n  +  flop_ns(m) * 2*m*k*n  +  call_us.
+    The first term streams (and, on CPU BLAS, packs) the weights once per call; the second is the
+    arithmetic, whose cost per FLOP falls as more rows share the weights."""
+
+    weight_ns: float
+    flop_ns: dict[int, float]  # rows m -> ns per FLOP; interpolated in log2(m), clamped at the ends
+    call_us: float = 0.0
+
+    def flop_ns_at(self, m: int) -> float:
+        pts = sorted(self.flop_ns.items())
+        if m <= pts[0][0]:
+            return pts[0][1]
+        for (m0, v0), (m1, v1) in zip(pts, pts[1:]):
+            if m <= m1:
+                w = (math.log2(m) - math.log2(m0)) / (math.log2(m1) - math.log2(m0))
+                return v0 + w * (v1 - v0)
+        return pts[-1][1]
+
+    def seconds(self, m: int, k: int, n: int) -> float:
+        return (self.weight_ns * k * n + self.flop_ns_at(m) * 2 * m * k * n) * 1e-9 + self.call_us * 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What `batchsim calibrate` measured on one device, beyond the roofline ceilings."""
+
+    gemm: dict[str, GemmFit]  # by weight format: float32, float16, bfloat16, q4, q8
+    attention_decode_ns_per_byte: float  # per K/V byte a decode step's attention reads
+    attention_prefill_ns_per_flop: float  # per score/value FLOP of a prefill chunk's attention
+    elementwise_ns_per_byte: float  # norms, RoPE, activations, residuals, logits
+    layer_overhead_us: float  # per layer per forward pass (op dispatch, graph building)
+    forward_overhead_us: float  # per forward pass
+    copy_gbs: float  # KV pool copies: joins, compaction, regrowth
+    step_overhead_us: float  # engine bookkeeping per step (scheduling, thread hand-off, sync)
+    calibrated_on: tuple[str, ...] = ()
+    measured_at: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +68,8 @@ class DeviceProfile:
     # Fixed cost per forward pass (kernel launches, Python, graph building), seconds.
     forward_overhead_s: float = 0.0
     source: str = ""
+    # Operator-level terms measured by `batchsim calibrate` (None: the plain roofline above).
+    calibration: Calibration | None = None
 
     def tflops(self, dtype: str) -> float:
         try:

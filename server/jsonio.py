@@ -24,6 +24,15 @@ def jsonable(obj: Any) -> Any:
     return obj
 
 
+def yamlable(obj: Any) -> Any:
+    """Like jsonable but keeps mapping keys as they are (YAML has integer keys)."""
+    if isinstance(obj, dict):
+        return {k: yamlable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [yamlable(v) for v in obj]
+    return jsonable(obj)
+
+
 def dumps(obj: Any) -> str:
     return json.dumps(jsonable(obj), separators=(",", ":"))
 

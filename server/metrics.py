@@ -114,6 +114,9 @@ class StepRecord:
     pool_rows: int
     pool_capacity_tokens: int
     num_preemptions: int  # decided when the record's plan was made
+    # Seconds the executor itself spent (its own clock); the rest of end_s - start_s is the engine
+    # handing the step to the executor thread and back. Predicted, not measured, in simulation.
+    compute_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:

@@ -18,7 +18,7 @@ from server.kv_pool import DecodePool
 
 
 @dataclass(slots=True)
-class _Seq:
+class SeqState:
     token_ids: list[int]  # prompt + every sampled token
     sampling: SamplingParams
     cache: list | None = None  # private mlx-lm caches while prefilling
@@ -38,7 +38,7 @@ class MLXExecutor:
         self.head_dim = model.args.head_dim or model.args.hidden_size // model.args.num_attention_heads
         self.dtype = self._activation_dtype()
         self.pool = DecodePool(self.num_layers, self.kv_heads, self.head_dim, self.dtype)
-        self.seqs: dict[int, _Seq] = {}
+        self.seqs: dict[int, SeqState] = {}
         self._split_head = self._head_fn()
         if cache_limit_bytes is not None:
             # Keep freed buffers for reuse: re-faulting large buffers every step costs bandwidth.
@@ -107,7 +107,7 @@ class MLXExecutor:
     def _register(self, new: NewRequest) -> None:
         if new.token_ids is None:
             raise ValueError(f"request {new.request_id}: the MLX executor needs token ids")
-        self.seqs[new.request_id] = _Seq(list(new.token_ids), new.sampling)
+        self.seqs[new.request_id] = SeqState(list(new.token_ids), new.sampling)
 
     def _join(self, plan: StepPlan) -> None:
         in_pool = set(self.pool.row_ids)

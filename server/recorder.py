@@ -45,6 +45,7 @@ class RunRecorder:
             pool_rows=plan.pool.rows,
             pool_capacity_tokens=plan.pool.capacity_tokens,
             num_preemptions=preempted,
+            compute_s=result.elapsed_s,
         ))
 
     def token_times(self, request: Request) -> tuple[float, ...]:

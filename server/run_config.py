@@ -8,7 +8,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from configs import ConfigError, from_dict, load_yaml
-from workloads.spec import WorkloadSpec, builtin_workload, load_workload, with_overrides
+from workloads.spec import (
+    WorkloadSpec,
+    builtin_workload,
+    load_workload,
+    resolve_workload,
+    with_overrides,
+    workload_from_dict,
+)
 
 ExecutorName = Literal["mlx", "sim", "fake"]
 
@@ -44,14 +51,6 @@ class RunConfig:
             raise ConfigError(f"memory_gb must be > 0, got {self.memory_gb}")
 
 
-def resolve_workload(ref: str) -> WorkloadSpec:
-    """A built-in workload name or a workload YAML path."""
-    path = Path(ref)
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        return load_workload(path)
-    return builtin_workload(ref)
-
-
 def load_run_config(path: str | Path) -> RunConfig:
     """A run config YAML (`model:`, `scheduler:`, `workload:` ...), or a bare workload YAML."""
     data = load_yaml(path)
@@ -62,9 +61,9 @@ def load_run_config(path: str | Path) -> RunConfig:
     data = dict(data)
     wl = data.get("workload")
     if isinstance(wl, str):
-        data["workload"] = dataclasses.asdict(resolve_workload(wl))
+        data["workload"] = resolve_workload(wl)
     elif isinstance(wl, dict):
-        data["workload"] = {"name": Path(path).stem, **wl}
+        data["workload"] = workload_from_dict({"name": Path(path).stem, **wl}, f"{path}: workload")
     return from_dict(RunConfig, data, str(path))
 
 

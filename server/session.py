@@ -62,6 +62,16 @@ class Session:
     def new_scheduler(self, **overrides: Any) -> Scheduler:
         return Scheduler(self.scheduler_config(**overrides))
 
+    def with_config(self, cfg: RunConfig) -> Session:
+        """The same loaded model under other scheduler limits, budget or workload."""
+        if (cfg.model, cfg.dtype, cfg.quantize, cfg.executor) != (
+                self.config.model, self.config.dtype, self.config.quantize, self.config.executor):
+            raise ValueError("with_config keeps the model and executor; open a new session instead")
+        budget, source = memory_budget(cfg.memory_gb)
+        new = dataclasses.replace(self, config=cfg, memory_budget_bytes=budget, budget_source=source)
+        _check_fits(new)
+        return new
+
     def environment(self) -> dict[str, Any]:
         return env.environment(
             model=self.ref.name, dtype=self.dtype, quantize_bits=self.ref.quantize_bits,

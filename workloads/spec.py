@@ -144,19 +144,25 @@ def _prepare(data: dict[str, Any], source: str) -> dict[str, Any]:
     return data
 
 
+def workload_from_dict(data: dict[str, Any], source: str) -> WorkloadSpec:
+    """A workload from a mapping (a YAML file or a section of one); errors name `source`."""
+    data = _prepare(data, source)
+    try:
+        spec = from_dict(WorkloadSpec, data, source)
+        if spec.trace is not None:
+            resolve_trace_path(spec.trace.path)  # a missing trace fails here, naming the source
+    except ConfigError as exc:
+        raise _with_context(exc, source) from None
+    return spec
+
+
 def load_workload(path: str | Path) -> WorkloadSpec:
     """Load one workload YAML; the name defaults to the file's stem. Unknown keys, wrong types and
     impossible values are ConfigErrors naming the file and the key."""
     path = Path(path)
-    data = _prepare(load_yaml(path), str(path))
+    data = load_yaml(path)
     data.setdefault("name", path.stem)
-    try:
-        spec = from_dict(WorkloadSpec, data, str(path))
-        if spec.trace is not None:
-            resolve_trace_path(spec.trace.path)  # a missing trace fails here, naming this file
-    except ConfigError as exc:
-        raise _with_context(exc, str(path)) from None
-    return spec
+    return workload_from_dict(data, str(path))
 
 
 def shipped_traces() -> list[str]:

@@ -1,0 +1,135 @@
+"""`batchsim calibrate`: measure this device and write a profile the simulator (`--executor sim`)
+uses: bandwidth and matmul ceilings, a GEMM timing model, copy bandwidth, and the per-forward
+terms fitted on real decode and prefill steps of calibration models."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from scripts.common import append_jsonl, err, out, str_list, table
+
+DEFAULT_MODELS = ["smollm2-135m", "tiny"]  # two depths separate per-layer from per-forward costs
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", type=str_list, default=DEFAULT_MODELS,
+                   help="calibration models (keep validation models out of this list)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--name", default="local", help="profile name (written to $BATCHSIM_HOME/devices)")
+    p.add_argument("--profile-out", help="also write the profile YAML here")
+    p.add_argument("--batches", type=str_list, default=["1", "2", "4", "8", "16", "32", "64"])
+    p.add_argument("--widths", type=str_list, default=["128", "512", "1024"],
+                   help="decode attention widths (context tokens)")
+    p.add_argument("--chunks", type=str_list, default=["16", "64", "256", "512"], help="prefill chunks")
+    p.add_argument("--starts", type=str_list, default=["0", "512"], help="tokens before a chunk")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", default="results", help="directory for calibrate.jsonl")
+
+
+def run(args: argparse.Namespace) -> dict:
+    import mlx.core as mx
+
+    from server import calibration as cal
+    from server import env
+    from server.costmodel import DeviceProfile
+    from server.devices import save_profile, user_dir
+    from server.microbench import measure_bandwidth_gbs
+    from server.run_config import RunConfig
+    from server.session import open_session
+    from server.stepcost import StepCost
+
+    dtype = env.default_dtype() if args.dtype == "auto" else args.dtype
+    mx_dtype = getattr(mx, dtype)
+    when = time.strftime("%Y-%m-%dT%H:%M:%S")
+    err.print(f"calibrating {dtype} on {env.environment()['cpu']} ({env.backend()}, "
+              f"BLAS {env.environment()['blas']})")
+    bandwidth = measure_bandwidth_gbs()
+    gemm, gemm_samples = cal.measure_gemm(mx_dtype, reps=args.reps, log=err.print)
+    peak_gflops = max(2 * m * k * n / t for (m, k, n), t in gemm_samples.items()) / 1e9
+    copy_gbs = cal.measure_copy_gbs(args.reps)
+    err.print(f"bandwidth {bandwidth:.1f} GB/s, peak {peak_gflops:.1f} GFLOP/s, copy {copy_gbs:.1f} GB/s")
+
+    samples, sessions = [], {}
+    for name in args.models:
+        s = open_session(RunConfig(model=name, dtype=dtype))
+        sessions[name] = s
+        err.print(f"{name}: decode steps")
+        samples += cal.decode_samples(name, s.model, s.spec, s.kv_bytes_per_token,
+                                      [int(b) for b in args.batches], [int(w) for w in args.widths])
+        err.print(f"{name}: prefill chunks")
+        samples += cal.prefill_samples(name, s.model, s.spec, s.kv_bytes_per_token,
+                                       [int(c) for c in args.chunks], [int(x) for x in args.starts])
+    overhead_us = _engine_overhead_us(sessions[args.models[0]])
+
+    base = DeviceProfile(name=args.name, bandwidth_gbs=bandwidth,
+                         peak_tflops={dtype: peak_gflops / 1e3}, bandwidth_efficiency=1.0,
+                         compute_efficiency=1.0)
+    zero = cal.calibration_from({dtype: gemm}, dict.fromkeys(_TERMS, 0.0), copy_gbs, 0.0,
+                                args.models, when)
+    costs0 = {n: StepCost(s.spec, _with(base, zero), dtype, None) for n, s in sessions.items()}
+    terms = cal.fit_forward_terms(samples, costs0)
+    calib = cal.calibration_from({dtype: gemm}, terms, copy_gbs, overhead_us, args.models, when)
+    env_info = env.environment(dtype=dtype)
+    profile = _with(base, calib, source=f"batchsim calibrate {when}: {env_info['cpu']}, "
+                    f"{env_info['backend']}, BLAS {env_info['blas']}, models {', '.join(args.models)}")
+    paths = [save_profile(profile, user_dir() / f"{args.name}.yaml")]
+    if args.profile_out:
+        paths.append(save_profile(profile, Path(args.profile_out)))
+
+    costs = {n: StepCost(s.spec, profile, dtype, None) for n, s in sessions.items()}
+    rows = [dict(model=s.model, kind=s.kind, rows=s.rows, context=s.context, measured_s=s.seconds,
+                 predicted_s=cal.predict(s, costs[s.model])) for s in samples]
+    for r in rows:
+        r["error"] = r["predicted_s"] / r["measured_s"] - 1
+    _print(rows, terms, gemm, overhead_us)
+    errors = sorted(abs(r["error"]) for r in rows)
+    summary = {"profile": str(paths[0]), "profile_paths": [str(p) for p in paths],
+               "bandwidth_gbs": bandwidth, "peak_gflops": {dtype: peak_gflops}, "copy_gbs": copy_gbs,
+               "terms": terms, "step_overhead_us": overhead_us,
+               "median_abs_err": errors[len(errors) // 2], "max_abs_err": errors[-1],
+               "samples": rows, "env": env_info}
+    append_jsonl(Path(args.out) / "calibrate.jsonl", [summary])
+    out.print(f"profile written to {', '.join(str(p) for p in paths)}; use it with "
+              f"`batchsim run --executor sim --device-profile {args.name}`")
+    return summary
+
+
+_TERMS = ("attention_decode_ns_per_byte", "attention_prefill_ns_per_flop", "elementwise_ns_per_byte",
+          "layer_overhead_us", "forward_overhead_us")
+
+
+def _with(profile, calibration, source: str | None = None):
+    import dataclasses
+
+    return dataclasses.replace(profile, calibration=calibration, source=source or profile.source)
+
+
+def _engine_overhead_us(session) -> float:
+    """The engine's own time per step (scheduling, hand-off to the executor thread and back):
+    consecutive busy steps' spacing minus the executor's own time, on a short real run."""
+    import numpy as np
+
+    from server.runner import run_workload
+    from workloads.spec import WorkloadSpec
+    from workloads.lengths import LengthSpec
+
+    spec = WorkloadSpec(name="calibrate-overhead", num_prompts=8, arrival="poisson",
+                        request_rate=float("inf"), input_len=LengthSpec("fixed", value=16),
+                        output_len=LengthSpec("fixed", value=24), seed=0)
+    steps = run_workload(session, spec, out_dir=None, label="calibrate").steps
+    gaps = [b.end_s - a.end_s - b.compute_s for a, b in zip(steps, steps[1:])
+            if b.start_s - a.end_s < 0.005 and b.compute_s is not None]
+    return max(0.0, float(np.median(gaps)) * 1e6) if gaps else 0.0
+
+
+def _print(rows: list[dict], terms: dict, gemm, overhead_us: float) -> None:
+    out.print(table("Calibration fit: executor step time, measured vs predicted",
+                    ["model", "kind", "rows", "context", "measured ms", "predicted ms", "error %"],
+                    [[r["model"], r["kind"], r["rows"], r["context"], r["measured_s"] * 1e3,
+                      r["predicted_s"] * 1e3, 100 * r["error"]] for r in rows]))
+    out.print(table("Fitted terms", ["metric", "value"],
+                    [[k, v] for k, v in terms.items()]
+                    + [["gemm weight_ns", gemm.weight_ns], ["gemm call_us", gemm.call_us],
+                       ["engine step_overhead_us", overhead_us]]))

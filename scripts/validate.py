@@ -1,0 +1,153 @@
+"""`batchsim validate`: run a matrix of workloads for real and simulated on this machine, with a model
+that calibration did not see, and report how far the simulator's predictions are off."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from configs import CONFIG_DIR, ConfigError, load_yaml
+from scripts.common import append_jsonl, err, out, table, timestamp
+
+MATRIX = CONFIG_DIR / "validation" / "matrix.yaml"
+METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "p99_ttft_ms", "p99_tpot_ms")
+EXTRA = ("max_batch_size",)
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="qwen2.5-0.5b", help="validation model (not a calibration one)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--device-profile", default="local", help="calibrated profile to validate")
+    p.add_argument("--matrix", default=str(MATRIX), help="cases YAML")
+    p.add_argument("--cases", help="comma-separated case names to run (default: all)")
+    p.add_argument("--out", default="results", help="directory for validate.jsonl, PNG, run dirs")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from server.devices import resolve_profile
+    from server.run_config import RunConfig
+    from server.session import open_session
+
+    profile = resolve_profile(args.device_profile)
+    if profile.calibration and args.model in profile.calibration.calibrated_on:
+        raise ConfigError(f"--model {args.model} was used to calibrate {args.device_profile}; "
+                          "validate on a model the profile has not seen")
+    cases = _load_cases(Path(args.matrix), args.cases)
+    real = open_session(RunConfig(model=args.model, dtype=args.dtype))
+    sim = open_session(RunConfig(model=args.model, dtype=real.dtype, executor="sim",
+                                 device_profile=args.device_profile))
+    out_dir = Path(args.out) / f"validate-{timestamp()}"
+    rows = []
+    for i, case in enumerate(cases):
+        err.print(f"[{i + 1}/{len(cases)}] {case['name']}: real run")
+        cfg = _case_config(real.config, case, real.weight_bytes)
+        measured = _run(real.with_config(cfg), out_dir, case["name"] + "-real")
+        cfg_sim = dataclasses.replace(cfg, executor="sim", device_profile=args.device_profile,
+                                      dtype=real.dtype)
+        predicted = _run(sim.with_config(cfg_sim), out_dir, case["name"] + "-sim")
+        rows.append(_compare(case["name"], measured, predicted))
+        err.print("   " + "  ".join(f"{m} {100 * rows[-1]['error'][m]:+.1f}%" for m in METRICS))
+    summary = _summarize(rows)
+    summary.update({"model": args.model, "device_profile": args.device_profile,
+                    "profile_source": profile.source, "env": real.environment(),
+                    "png": str(_plot(rows, out_dir)), "run_dir": str(out_dir)})
+    _print(rows, summary)
+    append_jsonl(Path(args.out) / "validate.jsonl", [summary])
+    return summary
+
+
+def _load_cases(path: Path, names: str | None) -> list[dict[str, Any]]:
+    cases = load_yaml(path).get("cases") or []
+    if names:
+        wanted = [n.strip() for n in names.split(",")]
+        known = {c["name"] for c in cases}
+        missing = [n for n in wanted if n not in known]
+        if missing:
+            raise ConfigError(f"{path}: no case {missing[0]!r}; cases: {', '.join(sorted(known))}")
+        cases = [c for c in cases if c["name"] in wanted]
+    return cases
+
+
+def _case_config(base, case: dict[str, Any], weight_bytes: int):
+    from server.run_config import SchedulerSettings
+    from workloads.spec import workload_from_dict
+
+    allowed = {"name", "max_num_seqs", "memory_gb", "policy", "workload"}
+    unknown = set(case) - allowed
+    if unknown:
+        raise ConfigError(f"validation case {case.get('name')}: unknown key {sorted(unknown)[0]!r}; "
+                          f"allowed: {', '.join(sorted(allowed))}")
+    memory = case.get("memory_gb")
+    if isinstance(memory, str) and memory.startswith("weights+"):
+        memory = weight_bytes / (1 << 30) + float(memory.split("+", 1)[1])
+    workload = workload_from_dict({"name": case["name"], **case["workload"]},
+                                  f"validation case {case['name']}: workload")
+    sched = SchedulerSettings(max_num_seqs=case["max_num_seqs"],
+                              policy=case.get("policy", "decode-first"))
+    return dataclasses.replace(base, scheduler=sched, memory_gb=memory, workload=workload)
+
+
+def _run(session, out_dir: Path, label: str) -> dict:
+    from server.runner import run_workload
+
+    return run_workload(session, session.config.workload, out_dir=out_dir, label=label).summary
+
+
+def _compare(name: str, measured: dict, predicted: dict) -> dict:
+    error = {}
+    for m in METRICS + EXTRA:
+        real, sim = measured.get(m) or 0.0, predicted.get(m) or 0.0
+        error[m] = (sim - real) / real if real else (0.0 if sim == real else float("inf"))
+    return {"case": name, "measured": {m: measured.get(m) for m in METRICS + EXTRA + ("num_preemptions",)},
+            "predicted": {m: predicted.get(m) for m in METRICS + EXTRA + ("num_preemptions",)},
+            "error": error, "sim_speedup": predicted.get("sim_speedup"),
+            "real_run_dir": measured.get("run_dir"), "sim_run_dir": predicted.get("run_dir")}
+
+
+def _summarize(rows: list[dict]) -> dict:
+    med = {m: float(np.median([abs(r["error"][m]) for r in rows])) for m in METRICS + EXTRA}
+    worst = {}
+    for m in METRICS + EXTRA:
+        r = max(rows, key=lambda r: abs(r["error"][m]))
+        worst[m] = {"abs_err": abs(r["error"][m]), "case": r["case"]}
+    return {"cases": rows, "median_abs_err": med,
+            "max_abs_err": {m: w["abs_err"] for m, w in worst.items()},
+            "worst_case": {m: w["case"] for m, w in worst.items()}}
+
+
+def _print(rows: list[dict], summary: dict) -> None:
+    cols = ["case"] + [f"{m} err %" for m in METRICS] + ["peak batch real/sim"]
+    body = [[r["case"]] + [100 * r["error"][m] for m in METRICS]
+            + [f"{r['measured']['max_batch_size']}/{r['predicted']['max_batch_size']}"] for r in rows]
+    body.append(["median |err|"] + [100 * summary["median_abs_err"][m] for m in METRICS] + [""])
+    body.append(["max |err|"] + [100 * summary["max_abs_err"][m] for m in METRICS] + [""])
+    out.print(table("Simulator vs real runs (error = predicted / measured - 1)", cols, body))
+
+
+def _plot(rows: list[dict], out_dir: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 4))
+    for ax, m in zip(axes, METRICS):
+        xs = [r["measured"][m] or 0 for r in rows]
+        ys = [r["predicted"][m] or 0 for r in rows]
+        ax.scatter(xs, ys, s=18)
+        top = max(xs + ys + [1e-9]) * 1.1
+        ax.plot([0, top], [0, top], "k--", lw=0.8)
+        ax.set_title(m)
+        ax.set_xlabel("measured")
+        ax.set_ylabel("predicted")
+    fig.suptitle("batchsim validate: predicted vs measured per case")
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "validate.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

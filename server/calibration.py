@@ -1,0 +1,207 @@
+"""Measure this device for the simulator: a GEMM timing model, copy bandwidth, and the remaining
+per-forward terms fitted on real executor steps of calibration models.
+
+The GEMM model is device-level (shapes on a grid, no model involved); attention, elementwise and
+fixed costs are fitted on decode and prefill steps of two models of different depth, so a per-layer
+cost can be told from a per-forward one. Models used for validation must not be used here."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from scheduler.config import SchedulerConfig
+from scheduler.kv_layout import KV_STEP, PoolGeometry, round_up
+from scheduler.plan import StepPlan
+from scheduler.request import Request, SamplingParams
+from scheduler.scheduler import Scheduler
+from server.costmodel import Calibration, GemmFit
+from server.mlx_executor import MLXExecutor, SeqState
+from server.microbench import median_time_s
+from server.modelspec import ModelSpec
+from server.stepcost import StepCost
+
+GEMM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+GEMM_SHAPES = ((1024, 1024), (2048, 2048), (1024, 4096), (4096, 1024), (2048, 8192))  # (k, n)
+STREAM_BYTES = 256 << 20  # distinct weights per timed call: more than any last-level cache
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSample:
+    model: str
+    kind: str  # "decode" | "prefill"
+    rows: int  # batch (decode) or chunk tokens (prefill)
+    context: int  # attention width (decode) or tokens before the chunk (prefill)
+    seconds: float
+
+
+def time_linear(m: int, k: int, n: int, dtype: mx.Dtype, reps: int = 5) -> float:
+    """Seconds for one (m, k) @ (k, n)^T as nn.Linear computes it, weights streamed from memory:
+    each timed call cycles through enough distinct weight matrices to defeat the caches."""
+    copies = max(1, min(64, STREAM_BYTES // (k * n * dtype.size)))
+    ws = [mx.random.normal((n, k)).astype(dtype) for _ in range(copies)]
+    x = mx.random.normal((m, k)).astype(dtype)
+    mx.eval(ws, x)
+
+    def run() -> None:
+        mx.eval([x @ w.T for w in ws])
+
+    return median_time_s(run, reps) / copies
+
+
+def fit_gemm(samples: dict[tuple[int, int, int], float]) -> GemmFit:
+    """From t(m, k, n): the weight term and call cost from the small-m intercept, then the cost per
+    FLOP at each m as what remains (averaged over shapes in log space)."""
+    rows = sorted({m for m, _, _ in samples})
+    small = [m for m in rows if m <= 4]
+    a, b = [], []
+    for (m, k, n), t in samples.items():
+        if m in small:
+            a.append([k * n, 2 * m * k * n, 1.0])
+            b.append(t)
+    w = np.asarray(a) / np.asarray(b)[:, None]  # relative error
+    coef, *_ = np.linalg.lstsq(w, np.ones(len(b)), rcond=None)
+    weight_s, _, call_s = (max(float(c), 0.0) for c in coef)
+    flop_ns = {}
+    for m in rows:
+        vals = [(t - weight_s * k * n - call_s) / (2 * m * k * n)
+                for (mm, k, n), t in samples.items() if mm == m]
+        vals = [v for v in vals if v > 0] or [1e-12]
+        flop_ns[m] = float(np.exp(np.mean(np.log(vals)))) * 1e9
+    return GemmFit(weight_ns=weight_s * 1e9, flop_ns=flop_ns, call_us=call_s * 1e6)
+
+
+def measure_gemm(dtype: mx.Dtype, rows: Sequence[int] = GEMM_ROWS, shapes=GEMM_SHAPES,
+                 reps: int = 5, log: Callable[[str], None] = print) -> tuple[GemmFit, dict]:
+    samples = {}
+    for k, n in shapes:
+        for m in rows:
+            samples[(m, k, n)] = time_linear(m, k, n, dtype, reps)
+        log(f"gemm {k}x{n}: " + ", ".join(f"m={m} {samples[(m, k, n)] * 1e3:.2f}ms" for m in rows))
+    return fit_gemm(samples), samples
+
+
+def measure_copy_gbs(reps: int = 5) -> float:
+    """Bytes per second that the pool's copies (pad, gather, scatter) move."""
+    a = mx.random.normal((64, 4, 1024, 128))  # 128 MiB, pool-shaped
+    mx.eval(a)
+
+    def run() -> None:
+        mx.eval(mx.pad(a[:, :, :768], [(0, 0), (0, 0), (0, 256), (0, 0)]))
+
+    return a.nbytes / median_time_s(run, reps) / 1e9
+
+
+def _scheduler(kvt: int, batch: int, prefill: int) -> Scheduler:
+    return Scheduler(SchedulerConfig(
+        kv_budget_bytes=1 << 50, kv_bytes_per_token=kvt, max_model_len=1 << 20,
+        max_num_seqs=batch, max_num_batched_tokens=max(4096, batch, prefill), prefill_step_size=prefill,
+    ))
+
+
+def _prefilled(model, ex: MLXExecutor, spec: ModelSpec, batch: int, width: int) -> None:
+    """Requests whose prompts are already in private caches (random K/V): decode timing without
+    paying for the prefills."""
+    rng = np.random.default_rng(width)
+    for rid in range(batch):
+        cache = make_prompt_cache(model)
+        for c in cache:
+            shape = (1, ex.kv_heads, round_up(width, KV_STEP), ex.head_dim)
+            c.keys = mx.random.normal(shape).astype(ex.dtype)
+            c.values = mx.random.normal(shape).astype(ex.dtype)
+            c.offset = width
+        mx.eval([c.state for c in cache])
+        ids = rng.integers(0, spec.vocab_size, width).tolist()
+        ex.seqs[rid] = SeqState(ids, SamplingParams(1 << 20, ignore_eos=True), cache)
+
+
+def decode_samples(name: str, model, spec: ModelSpec, kvt: int, batches: Sequence[int],
+                   widths: Sequence[int], steps: int = 5) -> list[StepSample]:
+    """Executor-timed decode steps at each (batch, context width); the first (joining) step of
+    each configuration is not counted."""
+    out = []
+    for width in widths:
+        for b in batches:
+            ex = MLXExecutor(model)
+            _prefilled(model, ex, spec, b, width)
+            geom = PoolGeometry(b, round_up(width + steps + 2, KV_STEP))
+            times = []
+            for i in range(steps + 1):
+                plan = StepPlan(i, (), (), (), tuple(range(b)), tuple([width + i] * b), geom,
+                                geom.nbytes(kvt))
+                times.append(ex.execute(plan).elapsed_s)
+            out.append(StepSample(name, "decode", b, width + 1 + steps // 2,
+                                  float(np.median(times[1:]))))
+            del ex
+    return out
+
+
+def prefill_samples(name: str, model, spec: ModelSpec, kvt: int, chunks: Sequence[int],
+                    starts: Sequence[int], reps: int = 3) -> list[StepSample]:
+    """Executor-timed final prefill chunks of n tokens after `start` cached tokens."""
+    out = []
+    rng = np.random.default_rng(1)
+    for start in starts:
+        for n in chunks:
+            times = []
+            for _ in range(reps):
+                sched = _scheduler(kvt, 1, max(start, 256))
+                ex = MLXExecutor(model)
+                ids = rng.integers(0, spec.vocab_size, start + n).tolist()
+                sched.add_request(Request(0, start + n, SamplingParams(1, ignore_eos=True), 0.0, ids))
+                while sched.has_work():
+                    plan = sched.schedule()
+                    result = ex.execute(plan)
+                    sched.update_from_output(plan, result)
+                    if plan.prefills and plan.prefills[0].sample:
+                        times.append(result.elapsed_s)
+            out.append(StepSample(name, "prefill", n, start, float(np.median(times))))
+    return out
+
+
+def fit_forward_terms(samples: Sequence[StepSample], costs: dict[str, StepCost]) -> dict[str, float]:
+    """Least squares (relative error, non-negative) for what the GEMM model leaves unexplained."""
+    names = ["attention_decode_ns_per_byte", "attention_prefill_ns_per_flop",
+             "elementwise_ns_per_byte", "layer_overhead_us", "forward_overhead_us"]
+    rows, target = [], []
+    for s in samples:
+        c = costs[s.model]
+        if s.kind == "decode":
+            linear = c.linear_layers_s(s.rows) + c.lm_head_s(s.rows)
+            feats = [c.decode_attention_bytes(s.rows, s.context) * 1e-9, 0.0,
+                     c._elementwise_bytes(s.rows, logits=True) * 1e-9]
+        else:
+            linear = c.linear_layers_s(s.rows) + c.lm_head_s(1)
+            feats = [0.0, c.prefill_attention_flops(s.rows, s.context) * 1e-9,
+                     c._elementwise_bytes(s.rows, logits=False) * 1e-9]
+        rows.append(feats + [c.spec.num_layers * 1e-6, 1e-6])
+        target.append(s.seconds - linear)
+    a = np.asarray(rows) / np.asarray([s.seconds for s in samples])[:, None]
+    b = np.asarray(target) / np.asarray([s.seconds for s in samples])
+    active = list(range(len(names)))
+    while True:
+        coef, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        if (coef >= 0).all() or not active:
+            break
+        active.pop(int(np.argmin(coef)))
+    values = dict.fromkeys(names, 0.0)
+    for i, c in zip(active, coef):
+        values[names[i]] = float(c)
+    return values
+
+
+def predict(sample: StepSample, cost: StepCost) -> float:
+    if sample.kind == "decode":
+        return cost.decode_forward_s(sample.rows, sample.context)
+    return cost.prefill_forward_s(sample.rows, sample.context, sample=True)
+
+
+def calibration_from(gemm: dict[str, GemmFit], terms: dict[str, float], copy_gbs: float,
+                     step_overhead_us: float, models: Sequence[str], when: str) -> Calibration:
+    return Calibration(gemm=gemm, copy_gbs=copy_gbs, step_overhead_us=step_overhead_us,
+                       calibrated_on=tuple(models), measured_at=when, **terms)

@@ -1,0 +1,98 @@
+"""The simulated executor: the real executor's bookkeeping (pool rows, private prefill caches,
+copies) with every piece of compute timed by the device profile instead of run. Nothing sleeps:
+the engine advances a virtual clock by the predicted durations. A pure-decode plan covering many
+steps is timed in one call, stopping at the next arrival."""
+
+from __future__ import annotations
+
+from scheduler.kv_layout import EMPTY_POOL, private_cache_tokens
+from scheduler.plan import StepPlan, StepResult
+from server.stepcost import StepCost
+
+
+class SimExecutor:
+    name = "sim"
+    needs_token_ids = False
+    max_lookahead_steps = 1 << 16
+
+    def __init__(self, cost: StepCost):
+        self.cost = cost
+        self.kvt = cost.kv_bytes_per_token
+        self.geometry = EMPTY_POOL
+        self.rows: list[int] = []  # request per pool row, in the real pool's order
+        self.private: dict[int, int] = {}  # request id -> tokens in its private prefill cache
+
+    def execute(self, plan: StepPlan, max_elapsed_s: float = float("inf")) -> StepResult:
+        cost = self.cost
+        t = cost.step_overhead_s + self._free(plan.free_ids)
+        for new in plan.new_requests:
+            self.private[new.request_id] = 0
+        t += self._resize(plan)
+        t += self._join(plan)
+        sampled: list[int] = []
+        for c in plan.prefills:
+            t += cost.prefill_forward_s(c.num_tokens, c.start, c.sample)
+            self.private[c.request_id] = c.start + c.num_tokens
+            if c.sample:
+                sampled.append(c.request_id)
+        durations = [t]
+        if plan.decode_ids:
+            sampled.extend(plan.decode_ids)
+            width = max(plan.decode_positions) + 1
+            batch = len(plan.decode_ids)
+            durations[0] += cost.decode_forward_s(batch, width)
+            elapsed = durations[0]
+            for i in range(1, plan.num_steps):
+                d = cost.step_overhead_s + cost.decode_forward_s(batch, width + i)
+                if elapsed + d > max_elapsed_s:
+                    break
+                durations.append(d)
+                elapsed += d
+        return StepResult(plan.step_index, tuple(sampled), None, tuple(durations), self.kv_bytes())
+
+    def kv_bytes(self) -> int:
+        private = sum(private_cache_tokens(n) for n in self.private.values())
+        return (self.geometry.nbytes(1) + private) * self.kvt
+
+    # -- the pool's copies, as the real DecodePool makes them ------------------------------------
+    def _free(self, free_ids: tuple[int, ...]) -> float:
+        if not free_ids:
+            return 0.0
+        gone = set(free_ids)
+        for rid in gone:
+            self.private.pop(rid, None)
+        rows = self.rows
+        keep = len(rows) - sum(1 for r in rows if r in gone)
+        holes = [i for i in range(keep) if rows[i] in gone]
+        movers = [i for i in range(keep, len(rows)) if rows[i] not in gone]
+        for h, m in zip(holes, movers):
+            rows[h] = rows[m]
+        del rows[keep:]
+        return self.cost.copy_s(2 * len(movers) * self.geometry.capacity_tokens * self.kvt)
+
+    def _resize(self, plan: StepPlan) -> float:
+        new, old = plan.pool, self.geometry
+        if new == old:
+            return 0.0
+        self.geometry = new
+        if new.rows == 0 or old.rows == 0:
+            return self.cost.copy_s(new.nbytes(self.kvt)) / 2  # fresh zeros, write only
+        kept = min(old.rows, new.rows) * min(old.capacity_tokens, new.capacity_tokens) * self.kvt
+        return self.cost.copy_s(kept) + self.cost.copy_s(new.nbytes(self.kvt) - kept) / 2
+
+    def _join(self, plan: StepPlan) -> float:
+        in_pool = set(self.rows)
+        t = 0.0
+        for rid, pos in zip(plan.decode_ids, plan.decode_positions):
+            if rid not in in_pool:
+                self.rows.append(rid)
+                self.private.pop(rid, None)
+                t += self.cost.copy_s(pos * self.kvt)
+        return t
+
+
+def open_sim_executor(cfg, ref) -> SimExecutor:
+    from server.devices import resolve_profile
+
+    profile = resolve_profile(cfg.device_profile, ref.quantize_bits)
+    return SimExecutor(StepCost(ref.spec, profile, ref.dtype, ref.quantize_bits))

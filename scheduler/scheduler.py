@@ -95,16 +95,22 @@ class Scheduler:
         """One step's plan. decode_step=False plans prefill only and returns None if there is none."""
         cfg, kv = self.config, self.kv
         kvt = cfg.kv_bytes_per_token
-        if decode_step:
-            pool = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        else:
-            pool = [r for r in self.running if r.request_id in kv.pool_members]
+        pool: list[Request] = []  # rows after this step (decoding, or untouched in a prefill step)
+        prefilling: list[Request] = []
+        members = kv.pool_members
+        for r in self.running:  # one pass: this runs every step over every running request
+            gap = r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens
+            if gap > 1:
+                prefilling.append(r)
+            elif decode_step or r.request_id in members:
+                pool.append(r)
         in_pool = {r.request_id for r in pool}
         private = {rid: t for rid, t in kv.private_tokens.items() if rid not in in_pool}
 
-        def geometry() -> PoolGeometry | None:
+        def geometry(reserve_bytes: int = 0) -> PoolGeometry | None:
             max_len = max((r.num_computed_tokens + decode_step for r in pool), default=0)
-            return kv.geometry_for(len(pool), max_len, cfg.kv_budget_bytes - sum(private.values()) * kvt)
+            room = cfg.kv_budget_bytes - sum(private.values()) * kvt - reserve_bytes
+            return kv.geometry_for(len(pool), max_len, room)
 
         def preempt_newest() -> Request:
             victim = self.running[-1]
@@ -126,19 +132,41 @@ class Scheduler:
         prefills: list[PrefillChunk] = []
         new_requests: list[NewRequest] = []
 
-        def avail() -> int:
-            return cfg.kv_budget_bytes - geom.nbytes(kvt) - sum(private.values()) * kvt
+        def fit(r: Request, n: int) -> int:
+            """The largest chunk up to n whose cache growth fits, dropping the pool's spare rows
+            and capacity first, then whole KV steps of the chunk."""
+            nonlocal geom
+            c = r.num_computed_tokens
+            while n > 0:
+                need = kv.private_bytes_after(r.request_id, c + n)
+                if need <= cfg.kv_budget_bytes - geom.nbytes(kvt) - sum(private.values()) * kvt:
+                    return n
+                tighter = geometry(reserve_bytes=need)
+                if tighter is not None:
+                    geom = tighter
+                    return n
+                n = round_down(c + n - 1, KV_STEP) - c
+            return 0
+
+        # Admission also asks whether the request could decode beside everyone running, so a
+        # request that would only be preempted again when it joins the pool waits instead.
+        rows_later = len(self.running)
+        len_later = max((x.num_tokens + 1 for x in self.running), default=0)
+
+        def can_join_later(r: Request) -> bool:
+            width = max(len_later, r.num_tokens + 1)
+            return kv.geometry_for(rows_later + 1, width, cfg.kv_budget_bytes) is not None
 
         blocked = False
-        for r in list(self.running):
+        for r in prefilling:
             gap = r.num_tokens - r.num_computed_tokens
             if r.status is not RequestStatus.RUNNING or gap <= 1 or tok_budget <= 0:
                 continue
-            n = self._fit_chunk(r, self._chunk_size(gap, tok_budget), avail())
+            n = fit(r, self._chunk_size(gap, tok_budget))
             while n == 0 and decode_step and self.running[-1] is not r:
                 preempt_newest()  # an older request grows before newer ones keep theirs
                 geom = geometry() or geom
-                n = self._fit_chunk(r, self._chunk_size(gap, tok_budget), avail())
+                n = fit(r, self._chunk_size(gap, tok_budget))
             if n == 0:
                 blocked = True
                 continue
@@ -147,6 +175,8 @@ class Scheduler:
 
         while not blocked and self.waiting and len(self.running) < cfg.max_num_seqs and tok_budget > 0:
             r = self.waiting[0]
+            if not can_join_later(r):
+                break
             if r.num_tokens == 1:  # a one-token prompt is decode-ready on arrival: it joins the pool
                 if not decode_step:
                     break
@@ -159,7 +189,7 @@ class Scheduler:
                 in_pool.add(r.request_id)
                 tok_budget -= 1
             else:
-                n = self._fit_chunk(r, self._chunk_size(r.num_tokens, tok_budget), avail())
+                n = fit(r, self._chunk_size(r.num_tokens, tok_budget))
                 if n == 0:
                     break
                 self._add_chunk(r, n, prefills, private)
@@ -167,6 +197,7 @@ class Scheduler:
             self.waiting.popleft()
             r.status = RequestStatus.RUNNING
             self.running.append(r)
+            rows_later, len_later = rows_later + 1, max(len_later, r.num_tokens + 1)
             ids = r.all_token_ids()
             new_requests.append(NewRequest(r.request_id, tuple(ids) if ids else None, r.sampling))
 
@@ -176,7 +207,7 @@ class Scheduler:
         decodes = pool if decode_step else []
         return StepPlan(
             step_index=self.num_steps,
-            free_ids=tuple(free_ids),
+            free_ids=tuple(sorted(free_ids)),
             new_requests=tuple(new_requests),
             prefills=tuple(prefills),
             decode_ids=tuple(r.request_id for r in decodes),
@@ -190,13 +221,6 @@ class Scheduler:
         n = min(self.config.prefill_step_size, gap, tok_budget)
         # Only a request's final chunk may end off a KV_STEP boundary.
         return n if n == gap else round_down(n, KV_STEP)
-
-    def _fit_chunk(self, r: Request, n: int, avail_bytes: int) -> int:
-        """The largest chunk up to n whose cache growth fits avail_bytes (dropping whole KV steps)."""
-        c = r.num_computed_tokens
-        while n > 0 and self.kv.private_bytes_after(r.request_id, c + n) > avail_bytes:
-            n = round_down(c + n - 1, KV_STEP) - c
-        return max(n, 0)
 
     @staticmethod
     def _add_chunk(r: Request, n: int, prefills: list[PrefillChunk], private: dict[int, int]) -> None:
@@ -235,29 +259,33 @@ class Scheduler:
         k = result.num_steps
         if k != 1 and (k > plan.num_steps or plan.prefills):
             raise ValueError(f"executor ran {k} steps of a plan allowing {plan.num_steps}")
-        requests = self.requests
+        requests, running = self.requests, RequestStatus.RUNNING
+        prefill_ids = set()
         for chunk in plan.prefills:
             r = requests.get(chunk.request_id)
-            if r is not None and r.status is RequestStatus.RUNNING:
+            if r is not None and r.status is running:
                 r.num_computed_tokens += chunk.num_tokens
-        for rid in plan.decode_ids:
-            r = requests.get(rid)
-            if r is not None and r.status is RequestStatus.RUNNING:
-                r.num_computed_tokens += k
+                prefill_ids.add(chunk.request_id)
         finished: list[Request] = []
         step = self.num_steps
         token_ids = result.token_ids
-        for i, rid in enumerate(result.sampled_ids):
+        for i, rid in enumerate(result.sampled_ids):  # every decode row and sampling prefill
             r = requests.get(rid)
-            if r is None or r.status is not RequestStatus.RUNNING:
+            if r is None or r.status is not running:
                 continue
+            if rid not in prefill_ids:
+                r.num_computed_tokens += k
             last = None
             if token_ids is not None:
                 new = [token_ids[s][i] for s in range(k)]
                 r.output_token_ids.extend(new)
                 last = new[-1]
             r.num_output_tokens += k
-            r.record_tokens(step, k)
+            runs = r.token_runs  # Request.record_tokens, inlined: this is the hot loop
+            if runs and runs[-1][0] + runs[-1][1] == step:
+                runs[-1][1] += k
+            else:
+                runs.append([step, k])
             reason = self._stop_reason(r, last)
             if reason is not None:
                 self._finish(r, reason)

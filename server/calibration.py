@@ -176,9 +176,10 @@ def fit_forward_terms(samples: Sequence[StepSample], costs: dict[str, StepCost])
             feats = [c.decode_attention_bytes(s.rows, s.context) * 1e-9, 0.0,
                      c._elementwise_bytes(s.rows, logits=True) * 1e-9]
         else:
-            linear = c.linear_layers_s(s.rows) + c.lm_head_s(1)
+            linear = c.linear_layers_s(s.rows) + c.lm_head_s(1)  # a final chunk: one row's logits
+            logits = c._elementwise_bytes(1, logits=True) - c._elementwise_bytes(1, logits=False)
             feats = [0.0, c.prefill_attention_flops(s.rows, s.context) * 1e-9,
-                     c._elementwise_bytes(s.rows, logits=False) * 1e-9]
+                     (c._elementwise_bytes(s.rows, logits=False) + logits) * 1e-9]
         rows.append(feats + [c.spec.num_layers * 1e-6, 1e-6])
         target.append(s.seconds - linear)
     a = np.asarray(rows) / np.asarray([s.seconds for s in samples])[:, None]

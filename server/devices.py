@@ -40,6 +40,25 @@ def profile_names() -> list[str]:
     return sorted(names)
 
 
+def mac_budget(name: str | None) -> tuple[int, str] | None:
+    """For a Mac profile: its largest memory option's default Metal working set."""
+    if not name or any(p.suffix in (".yaml", ".yml") and p.is_file() for p in _candidates(name)):
+        return None
+    from server import macs
+
+    catalog = macs.load_catalog()
+    try:
+        chips = catalog.select(name)
+    except ConfigError:
+        return None
+    if not chips:
+        return None
+    mac = chips[0]
+    ram = max(mac.mem_gb)
+    usable = macs.default_working_set_bytes(ram, catalog.metal_working_set)
+    return usable, f"{mac.label} {ram} GB: default Metal working set"
+
+
 def resolve_profile(name: str | None, quantize_bits: int | None = None) -> DeviceProfile:
     """A YAML path, a calibrated profile name, or a Mac from the catalog ("M2 Max", "M4 Max 40c")."""
     name = name or LOCAL_NAME
@@ -61,6 +80,6 @@ def resolve_profile(name: str | None, quantize_bits: int | None = None) -> Devic
     hint = "run `batchsim calibrate` to measure this machine" if name == LOCAL_NAME else ""
     raise ConfigError(
         f"device profile {name!r} not found; calibrated profiles: "
-        f"{', '.join(profile_names()) or 'none'}; or a Mac chip: {', '.join(catalog.chip_names())}"
+        f"{', '.join(profile_names()) or 'none'}; or a Mac chip: {', '.join(catalog.chip_names)}"
         + (f"; {hint}" if hint else "")
     )

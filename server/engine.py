@@ -35,6 +35,7 @@ class Engine:
         self._arrivals = list(arrival_times_s)  # sorted open-loop arrivals bound simulated lookahead
         self._on_step = on_step
         self._t0 = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = asyncio.Event()
         self._done: dict[int, asyncio.Future] = {}
         self._stopping = False
@@ -42,10 +43,11 @@ class Engine:
         self._streams: dict[int, asyncio.Queue] = {}
 
     def now(self) -> float:
-        return asyncio.get_running_loop().time() - self._t0
+        return self._loop.time() - self._t0
 
     def start_clock(self) -> None:
-        self._t0 = asyncio.get_running_loop().time()
+        self._loop = asyncio.get_running_loop()
+        self._t0 = self._loop.time()
 
     # -- requests ------------------------------------------------------------------------------
     def add(self, request: Request) -> asyncio.Future:

@@ -16,6 +16,8 @@ def jsonable(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {str(k): jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
+        if all(type(v) is float or type(v) is int for v in obj) and all(map(math.isfinite, obj)):
+            return obj  # long numeric lists (token times) need no walk
         return [jsonable(v) for v in obj]
     if isinstance(obj, Path):
         return str(obj)
@@ -34,7 +36,10 @@ def yamlable(obj: Any) -> Any:
 
 
 def dumps(obj: Any) -> str:
-    return json.dumps(jsonable(obj), separators=(",", ":"))
+    try:  # the common case: plain, finite data needs no walk (millions of token times)
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False)
+    except (ValueError, TypeError):
+        return json.dumps(jsonable(obj), separators=(",", ":"))
 
 
 def append_jsonl(path: Path, rows: Iterable[dict]) -> Path:

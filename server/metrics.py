@@ -87,8 +87,7 @@ class RequestRecord:
         for name in ("ttft", "tpot", "e2el", "queue"):
             value = getattr(self, f"{name}_s")
             row[f"{name}_ms"] = None if value is None else value * _MS
-        row["itls_ms"] = [gap * _MS for gap in self.itls_s]
-        return row
+        return row  # ITLs are the differences of token_times_s (not stored twice)
 
     @classmethod
     def from_json(cls, row: Mapping[str, Any]) -> RequestRecord:
@@ -212,14 +211,15 @@ def _peaks(done: Sequence[RequestRecord]) -> dict[str, float | int]:
     t0 = min(r.arrival_s for r in done)
     ends = [r.arrival_s + (r.e2el_s or 0.0) for r in done]  # vLLM: start_time + latency
     n = int(np.ceil(max(ends) - t0)) + 1
-    tokens, active = np.zeros(n), np.zeros(n)
-    for r, end in zip(done, ends):
-        for t in r.token_times_s:
-            if 0 <= int(t - t0) < n:
-                tokens[int(t - t0)] += 1
-        active[int(r.arrival_s - t0): int(end - t0) + 1] += 1
+    times = np.fromiter((t for r in done for t in r.token_times_s), dtype=np.float64)
+    buckets = (times - t0).astype(np.int64)
+    tokens = np.bincount(buckets[(buckets >= 0) & (buckets < n)], minlength=n)
+    # Requests active in bucket b: arrived in a bucket <= b and ended in a bucket >= b.
+    starts = np.array([int(r.arrival_s - t0) for r in done])
+    stops = np.array([int(end - t0) + 1 for end in ends])
+    active = np.cumsum(np.bincount(starts, minlength=n + 1) - np.bincount(stops, minlength=n + 1))
     return {"max_output_tokens_per_s": float(tokens.max()),
-            "max_concurrent_requests": int(active.max())}
+            "max_concurrent_requests": int(active[:n].max())}
 
 
 def _emits_token(sorted_times_s: Sequence[float], step: StepRecord) -> bool:

@@ -98,6 +98,10 @@ def memory_budget(memory_gb: float | None) -> tuple[int, str]:
 def open_session(cfg: RunConfig, executor: Executor | None = None) -> Session:
     dtype = env.default_dtype() if cfg.dtype == "auto" else cfg.dtype
     budget, source = memory_budget(cfg.memory_gb)
+    if cfg.executor == "sim" and cfg.memory_gb is None:
+        from server.devices import mac_budget
+
+        budget, source = mac_budget(cfg.device_profile) or (budget, source)
     if cfg.executor == "mlx" and executor is None:
         return _open_mlx(cfg, dtype, budget, source)
     ref = resolve(cfg.model, dtype, cfg.quantize, build=False)

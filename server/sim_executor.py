@@ -40,10 +40,12 @@ class SimExecutor:
             sampled.extend(plan.decode_ids)
             width = max(plan.decode_positions) + 1
             batch = len(plan.decode_ids)
-            durations[0] += cost.decode_forward_s(batch, width)
+            base, per_width = cost.decode_parts(batch)
+            durations[0] += base + per_width * width
+            base += cost.step_overhead_s
             elapsed = durations[0]
-            for i in range(1, plan.num_steps):
-                d = cost.step_overhead_s + cost.decode_forward_s(batch, width + i)
+            for w in range(width + 1, width + plan.num_steps):  # each step reads one more token
+                d = base + per_width * w
                 if elapsed + d > max_elapsed_s:
                     break
                 durations.append(d)

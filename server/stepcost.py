@@ -41,6 +41,7 @@ class StepCost:
             self.gemm = self.cal.gemm[self.fmt]
         self.layer_shapes = spec.layer_linear_shapes  # (out, in) per layer
         self._decode_cached = lru_cache(maxsize=None)(self._decode_parts)
+        self.linear_layers_s = lru_cache(maxsize=4096)(self.linear_layers_s)  # per instance
 
     # -- building blocks -----------------------------------------------------------------------
     def _linear_s(self, m: int, k: int, n: int) -> float:
@@ -92,6 +93,10 @@ class StepCost:
         if self.cal is not None:
             return base, per_width * self.cal.attention_decode_ns_per_byte * 1e-9
         return base, per_width / self.profile.bytes_per_s
+
+    def decode_parts(self, batch: int) -> tuple[float, float]:
+        """(seconds independent of the attention width, seconds per token of width)."""
+        return self._decode_cached(batch)
 
     def decode_forward_s(self, batch: int, width: int) -> float:
         base, per_width = self._decode_cached(batch)

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Set up batchsim in ./.venv: Python >= 3.10, the package (editable), and on Linux an optimized
+# BLAS for MLX's CPU backend (see server/blas.py). `--test` adds the test dependencies.
+# Idempotent: rerunning only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras=""
+if [ "${1:-}" = "--test" ]; then extras="[test]"; fi
+
+py=""
+for c in python3.13 python3.12 python3.11 python3.10 python3; do
+  if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
+    py="$c"; break
+  fi
+done
+if [ -z "$py" ]; then
+  echo "batchsim setup: needs Python >= 3.10 (macOS: brew install python@3.12)" >&2
+  exit 1
+fi
+
+[ -x .venv/bin/python ] || "$py" -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extras}"
+
+# Linux: the mlx-cpu wheel bundles a reference BLAS (float32 GEMM ~30x slower). batchsim loads an
+# optimized one at start-up when it finds one; install Debian's OpenBLAS if we can.
+have_blas() { ldconfig -p 2>/dev/null | grep -q 'libopenblas\.so'; }
+if [ "$(uname -s)" = "Linux" ] && [ -z "${BATCHSIM_SKIP_BLAS:-}" ] && ! have_blas; then
+  sudo_cmd=""
+  if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo_cmd="sudo"; fi
+  if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = 0 ] || [ -n "$sudo_cmd" ]; }; then
+    echo "batchsim setup: installing OpenBLAS (libopenblas0-pthread)" >&2
+    $sudo_cmd apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1 \
+      || { $sudo_cmd apt-get update -q >/dev/null 2>&1 && $sudo_cmd apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1; } \
+      || echo "batchsim setup: could not install OpenBLAS; MLX will use its slow reference BLAS" >&2
+  elif [ -z "$extras" ] && [ "$(uname -m)" = "x86_64" ]; then
+    echo "batchsim setup: no OpenBLAS and no root: installing Intel MKL from PyPI into .venv" \
+         "(about 1 GB; BATCHSIM_SKIP_BLAS=1 skips)" >&2
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[mkl]"
+  else
+    echo "batchsim setup: no optimized BLAS; float32 matmuls will be slow. Fix: install" \
+         "libopenblas0-pthread, or pip install 'batchsim[mkl]'" >&2
+  fi
+fi

@@ -1,0 +1,277 @@
+"""`batchsim sweep`: step the batch size of a fixed-length workload (B requests arriving at once,
+max_num_seqs = B) under one memory budget, and find the batch that breaks local serving: the
+analytic limit (weights + B padded KV rows at full length fit) against the first batch the engine
+could not run together (queued or preempted), and where decode tok/s stopped scaling."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from pathlib import Path
+
+from configs import ConfigError
+from scheduler.kv_layout import KV_STEP
+from scripts.common import append_jsonl, fmt, int_list, out, positive_float, table, timestamp
+from scripts.run_cmd import add_model_args
+from server import sweep_math
+from server.run_config import RunConfig, with_run_overrides
+from workloads.lengths import LengthSpec
+from workloads.spec import WorkloadSpec
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.description = (f"{p.description}. Analytic limit: the largest batch B whose weights + B "
+                     f"padded KV rows of round_up(prompt + output - 1, {KV_STEP}) tokens fit the "
+                     "budget. Measured overrun: the first batch the engine never decoded together "
+                     "(requests queued for memory) or had to preempt.")
+    add_model_args(p)
+    # The shared flag's help names the device default; here the default is --limit-batch.
+    p._option_string_actions["--memory-gb"].help = (
+        "memory budget for weights + KV in GiB (emulate a Mac); default: sized by --limit-batch")
+    g = p.add_argument_group("sweep")
+    g.add_argument("--prompt-len", type=int, default=192, help="prompt tokens of every request")
+    g.add_argument("--output-len", type=int, default=64, help="output tokens of every request")
+    g.add_argument("--limit-batch", type=int, default=12,
+                   help="without --memory-gb: a budget of weights + this many sequences' KV at "
+                   f"full length (padded to {KV_STEP} tokens) + half a sequence, so the analytic "
+                   "limit is exactly this batch and the default sweep finishes in minutes")
+    g.add_argument("--device-budget", action="store_true",
+                   help="use the device's own budget (MLX working set, or 75%% of RAM on the CPU "
+                   "backend) instead of --limit-batch")
+    g.add_argument("--batches", type=int_list,
+                   help="batch sizes to run; default: 1, 2, 4, ... to the first power of two past "
+                   "the analytic limit + 2, plus limit-1 .. limit+2, capped by --max-batch")
+    g.add_argument("--max-batch", type=int, default=64, help="largest default batch")
+    g.add_argument("--min-gain", type=positive_float, default=0.05,
+                   help="throughput stops scaling at the first point gaining less decode tok/s "
+                   "than this fraction per doubling of the decoded batch")
+    g.add_argument("--seed", type=int, default=0, help="workload seed (prompt ids)")
+    g.add_argument("--out", type=Path, default=Path("results"),
+                   help="directory for sweep.jsonl and the PNG")
+    g.add_argument("--runs-dir", type=Path, default=Path("runs"),
+                   help="directory for the run directories (one per batch)")
+    g.add_argument("--no-progress", action="store_true", help="no live progress line")
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.prompt_len < 1 or args.output_len < 2 or args.limit_batch < 1:
+        # One output token is sampled by the prefill: nothing would decode.
+        raise ConfigError("--prompt-len and --limit-batch must be >= 1, --output-len >= 2")
+    base, budget, source = _base_session(args)
+    kvt, weights = base.kv_bytes_per_token, base.weight_bytes
+    if args.prompt_len + args.output_len > base.spec.max_context:
+        raise ConfigError(f"context {args.prompt_len + args.output_len} exceeds the model's "
+                          f"{base.spec.max_context} tokens")
+    limit = sweep_math.analytic_max_batch(budget, weights, args.prompt_len, args.output_len, kvt)
+    batches = sorted(set(args.batches)) if args.batches else sweep_math.default_batches(
+        limit, args.max_batch)
+    meta = _meta(args, base, budget, source)
+    _announce(meta, batches)
+    rows = [_run_point(base, budget, source, b, args) for b in batches]
+    for row in rows:
+        row["kv_bytes_analytic"] = sweep_math.batch_kv_bytes(
+            row["batch"], args.prompt_len, args.output_len, kvt)
+        row["fits_analytic"] = row["batch"] <= limit
+    verdict = _verdict(batches, rows, limit, args.min_gain)
+    _print(rows, meta, verdict)
+    stamp, env = timestamp(), base.environment()
+    jsonl = append_jsonl(args.out / "sweep.jsonl", [
+        {"kind": "sweep", "time": stamp, **meta, **verdict, **row, "env": env} for row in rows])
+    name = f"sweep-{meta['model'].replace('/', '_')}-{meta['dtype']}-{stamp}.png"
+    png = _plot(rows, meta, verdict, args.out / name)
+    out.print(f"rows appended to {jsonl}; plot {png}")
+    return {"rows": rows, **verdict, **meta, "jsonl": str(jsonl), "png": str(png), "env": env}
+
+
+def _base_session(args: argparse.Namespace):
+    """One session (the model loaded once) and the budget every point runs under."""
+    from server.session import memory_budget, open_session
+
+    cfg = with_run_overrides(RunConfig(), {}, model=args.model, dtype=args.dtype,
+                             quantize=args.quantize, executor=args.executor,
+                             device_profile=args.device_profile, memory_gb=args.memory_gb)
+    base = open_session(cfg)
+    if args.memory_gb is not None or args.device_budget:
+        return base, base.memory_budget_bytes, base.budget_source
+    budget_bytes = sweep_math.budget_for_limit(args.limit_batch, base.weight_bytes,
+                                               args.prompt_len, args.output_len,
+                                               base.kv_bytes_per_token)
+    # Through memory_gb so that simulated sessions opened per point get the same bytes.
+    budget, _ = memory_budget(budget_bytes / GIB)
+    return base, budget, f"--limit-batch {args.limit_batch}"
+
+
+def _run_point(base, budget: int, source: str, batch: int, args: argparse.Namespace) -> dict:
+    """B requests at once, max_num_seqs = B, same budget; the row of this batch size."""
+    from scripts.progress import RunProgress
+    from server.runner import run_workload
+
+    spec = WorkloadSpec(name=f"sweep-b{batch}", num_prompts=batch, request_rate=math.inf,
+                        input_len=LengthSpec("fixed", value=args.prompt_len),
+                        output_len=LengthSpec("fixed", value=args.output_len), seed=args.seed)
+    sched = dataclasses.replace(base.config.scheduler, max_num_seqs=batch)
+    cfg = dataclasses.replace(base.config, workload=spec, memory_gb=budget / GIB, scheduler=sched)
+    session = dataclasses.replace(base, config=cfg, executor=_fresh_executor(base, cfg),
+                                  memory_budget_bytes=budget, budget_source=source)
+    active = _ActiveMemory(cfg.executor == "mlx")
+    label = f"{base.ref.name.replace('/', '_')}-sweep-b{batch}-{cfg.executor}"
+    with RunProgress(batch, label, enabled=not args.no_progress) as bar:
+        def on_step(engine, plan, result) -> None:
+            bar.on_step(engine, plan, result)
+            active.sample()
+
+        outcome = run_workload(session, spec, out_dir=args.runs_dir, label=label, on_step=on_step)
+    next_chunk = min(args.prompt_len, sched.prefill_step_size)
+    return sweep_math.point_row(batch, outcome.summary, outcome.steps,
+                                sched.max_num_batched_tokens, next_chunk, active.max_active_bytes)
+
+
+def _fresh_executor(base, cfg: RunConfig):
+    """A new executor per point (request ids restart at 0); the MLX one shares the loaded model."""
+    if cfg.executor == "mlx":
+        from server.mlx_executor import MLXExecutor
+
+        return MLXExecutor(base.model)
+    from server.session import open_session
+
+    return open_session(cfg).executor
+
+
+class _ActiveMemory:
+    """MLX's active bytes sampled after every step (the pool is freed by the end of a run)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.max_active_bytes: int | None = None
+        if enabled:
+            import mlx.core as mx
+
+            mx.reset_peak_memory()
+            self._mx = mx
+
+    def sample(self) -> None:
+        if self.enabled:
+            active = int(self._mx.get_active_memory())
+            self.max_active_bytes = max(self.max_active_bytes or 0, active)
+
+
+def _verdict(batches: list[int], rows: list[dict], limit: int, min_gain: float) -> dict:
+    measured = next((r["batch"] for r in rows if r["overrun"]), None)
+    return {
+        "analytic_overrun_batch": limit,  # the largest batch whose weights + KV fit
+        "analytic_first_overrun_batch": sweep_math.analytic_first_overrun(batches, limit),
+        "measured_overrun_batch": measured,  # the first batch that queued, preempted or rejected
+        "agree_within_one_step": sweep_math.agree_within_one_step(batches, limit, measured),
+        "scaling_stopped_batch": sweep_math.scaling_stop(
+            batches, [r["decoded_batch"] for r in rows], [r["decode_tok_s"] for r in rows],
+            min_gain),
+    }
+
+
+def _meta(args: argparse.Namespace, base, budget: int, source: str) -> dict:
+    kvt = base.kv_bytes_per_token
+    return {
+        "model": base.ref.name, "dtype": base.dtype, "quantize_bits": base.ref.quantize_bits,
+        "executor": base.executor.name, "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "seq_kv_tokens": sweep_math.seq_kv_tokens(args.prompt_len, args.output_len),
+        "memory_budget_bytes": budget, "budget_source": source, "weight_bytes": base.weight_bytes,
+        "kv_budget_bytes": budget - base.weight_bytes, "kv_bytes_per_token": kvt,
+        "kv_bytes_per_seq": sweep_math.batch_kv_bytes(1, args.prompt_len, args.output_len, kvt),
+        "max_num_batched_tokens": base.config.scheduler.max_num_batched_tokens,
+        "min_gain": args.min_gain, "seed": args.seed,
+    }
+
+
+def _announce(meta: dict, batches: list[int]) -> None:
+    out.print(f"batchsim sweep: {meta['model']} ({meta['dtype']}) on {meta['executor']}, "
+              f"{meta['prompt_len']} + {meta['output_len']} tokens per request, budget "
+              f"{_size(meta['memory_budget_bytes'])} ({meta['budget_source']}): weights "
+              f"{meta['weight_bytes'] / MIB:.1f} MiB + KV {meta['kv_bytes_per_seq'] / MIB:.2f} MiB "
+              f"per sequence; batches {', '.join(map(str, batches))}")
+
+
+def _status(row: dict) -> str:
+    flags = [k for k in ("rejected", "preempted", "queued") if row[k]]
+    return ", ".join(flags) or "ok"
+
+
+def _print(rows: list[dict], meta: dict, verdict: dict) -> None:
+    out.print(table(
+        f"Sweep: {meta['model']} {meta['dtype']} on {meta['executor']}, context "
+        f"{meta['prompt_len']}+{meta['output_len']}, budget {_size(meta['memory_budget_bytes'])}",
+        ["batch", "fits", "decoded", "decode tok/s", "step ms", "TPOT ms", "out tok/s",
+         "KV MiB sched / exec", "KV MiB analytic", "active / peak MiB", "waits", "status"],
+        [[r["batch"], "yes" if r["fits_analytic"] else "no", r["decoded_batch"], r["decode_tok_s"],
+          r["step_ms"], r["median_tpot_ms"], r["output_throughput"],
+          f"{fmt(r['kv_bytes'] / MIB)} / {fmt(_mib(r['kv_bytes_measured']))}",
+          r["kv_bytes_analytic"] / MIB,
+          f"{fmt(_mib(r['active_memory_bytes']))} / {fmt(_mib(r['peak_memory_bytes']))}",
+          r["memory_wait_steps"], _status(r)] for r in rows],
+    ))
+    agree = "agree" if verdict["agree_within_one_step"] else "DISAGREE"
+    out.print(
+        f"Analytic limit: batch {verdict['analytic_overrun_batch']} (weights + B x "
+        f"{meta['seq_kv_tokens']} tokens x {meta['kv_bytes_per_token']} B fit); first listed "
+        f"overrun {fmt(verdict['analytic_first_overrun_batch'])}. Measured overrun (first batch "
+        f"not decoded together, or preempted): {fmt(verdict['measured_overrun_batch'])}: {agree} "
+        f"within one step. Throughput stopped scaling at {fmt(verdict['scaling_stopped_batch'])}.")
+    out.print("decoded: largest batch decoded in one step; decode tok/s and step ms: median over "
+              "pure-decode steps of that batch; waits: steps after which requests waited with a "
+              "seat and token budget free (held back by KV memory); active: MLX's active bytes "
+              "after a step (mlx); peak: MLX's peak, activations included (mlx), else weights + "
+              "peak KV.")
+
+
+def _mib(nbytes: int | None) -> float | None:
+    return None if nbytes is None else nbytes / MIB
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.1f} MiB"
+
+
+def _plot(rows: list[dict], meta: dict, verdict: dict, path: Path) -> Path:
+    """Decode tok/s and KV bytes against batch, the analytic limit and the measured overrun."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = [r["batch"] for r in rows]
+    fig, (ax_t, ax_k) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax_t.plot(batches, [r["decode_tok_s"] or math.nan for r in rows], "o-", label="decode tok/s")
+    ax_t.set_ylabel("decode tok/s (steady state)")
+    if verdict["scaling_stopped_batch"] is not None:
+        ax_t.axvline(verdict["scaling_stopped_batch"], color="gray", ls=":",
+                     label="stopped scaling")
+    for key, label in (("kv_bytes", "scheduler peak"), ("kv_bytes_measured", "executor peak"),
+                       ("kv_bytes_analytic", "analytic (full length)")):
+        style = "s:" if key == "kv_bytes_measured" else "o-"
+        ax_k.plot(batches, [(r[key] or math.nan) / MIB for r in rows], style, label=label,
+                  ms=4 if key == "kv_bytes_measured" else 6)
+    ax_k.axhline(meta["kv_budget_bytes"] / MIB, color="gray", ls=":", label="KV budget")
+    ax_k.set_ylabel("KV MiB")
+    measured = verdict["measured_overrun_batch"]
+    for ax, key in ((ax_t, "decode_tok_s"), (ax_k, "kv_bytes")):
+        ax.axvline(verdict["analytic_overrun_batch"], color="red", ls="--", label="analytic limit")
+        if measured is not None:
+            row = next(r for r in rows if r["batch"] == measured)
+            y = (row[key] or 0) / (MIB if key == "kv_bytes" else 1)
+            ax.plot([measured], [y], "X", color="black", ms=12, label="measured overrun")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches], fontsize=7, rotation=90)
+        ax.set_xlabel("batch (requests at once, max_num_seqs)")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{meta['model']} {meta['dtype']} on {meta['executor']}: context "
+                 f"{meta['prompt_len']}+{meta['output_len']}, budget "
+                 f"{_size(meta['memory_budget_bytes'])} ({meta['budget_source']})")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

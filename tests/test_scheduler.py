@@ -168,3 +168,27 @@ def test_random_workloads_keep_every_promise(case):
         expected = [FakeExecutor.token_for(rid, p + i, 32000) for i in range(r.num_output_tokens)]
         assert r.output_token_ids == expected  # preempted requests recompute the same tokens
     assert s.kv.private_tokens == {} and not s.running and not s.waiting
+
+
+def test_scheduler_step_costs_under_a_millisecond_at_batch_64():
+    # The policy's own time per step must never limit a real run (decode steps take 10-1000 ms).
+    import time
+
+    s = Scheduler(config(max_num_seqs=64, max_num_batched_tokens=4096))
+    ex = FakeExecutor()
+    for i in range(64):
+        assert s.add_request(make_request(i, 100, 2_000))
+    for _ in range(10):  # admissions and prefills
+        plan = s.schedule()
+        s.update_from_output(plan, ex.execute(plan))
+    assert len(s.running) == 64 and all(r.num_tokens - r.num_computed_tokens == 1 for r in s.running)
+    times = []
+    for _ in range(300):
+        t0 = time.perf_counter()
+        plan = s.schedule()
+        result = ex.execute(plan)
+        s.update_from_output(plan, result)
+        times.append(time.perf_counter() - t0)
+        assert len(plan.decode_ids) == 64
+    times.sort()
+    assert times[len(times) // 2] < 1e-3, f"median {times[len(times) // 2] * 1e6:.0f} us"

@@ -1,0 +1,200 @@
+"""Soak `batchsim serve`: thousands of requests with Poisson arrivals, some clients disconnecting
+mid-stream and a few deliberately invalid, then check that the server answered nothing it should
+not have, freed every KV byte, and kept its memory flat.
+
+    .venv/bin/python benchmarks/soak_http.py --num-requests 2000 --rate 25
+
+Not part of the test suite. The last stdout line is one JSON document."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from server.prometheus import parse as parse_metrics  # noqa: E402
+from server.sse import SSEParser  # noqa: E402
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "scripts.cli", "serve", "--model", args.model, "--port", "0",
+           "--max-queue", str(args.max_queue)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    for line in proc.stderr:
+        if "listening on " in line:
+            return proc, line.split("listening on ", 1)[1].strip()
+    raise RuntimeError(f"server exited with {proc.wait()} before listening")
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace, url: str, pid: int):
+        self.args, self.url, self.pid = args, url, pid
+        self.rng = np.random.default_rng(args.seed)
+        self.statuses: collections.Counter[str] = collections.Counter()
+        self.unexpected: list[str] = []
+        self.rss: list[tuple[float, int, int]] = []  # (elapsed s, requests sent, RSS bytes)
+        self.mlx: list[tuple[int, float, float]] = []  # (requests sent, MLX active, MLX cache)
+        self.sent = 0
+
+    async def one(self, http: aiohttp.ClientSession, kind: str, body: dict, cut: int) -> None:
+        try:
+            async with http.post(f"{self.url}/v1/completions", json=body) as resp:
+                expected = 400 if kind == "invalid" else 200
+                self.statuses[f"{kind}:{resp.status}"] += 1
+                if resp.status != expected:
+                    self.unexpected.append(f"{kind}: http {resp.status} {await resp.text()}")
+                    return
+                if kind == "invalid":
+                    return
+                parser, chunks, done = SSEParser(), 0, False
+                async for data in resp.content.iter_any():
+                    for event in parser.feed(data):
+                        done = done or event.is_done
+                        chunks += not event.is_done and bool(event.json().get("choices"))
+                    if kind == "disconnect" and chunks >= cut:
+                        resp.close()  # drop the connection mid-stream
+                        return
+                if not done or chunks != body["max_tokens"]:
+                    self.unexpected.append(f"{kind}: {chunks} chunks, done={done}")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            self.unexpected.append(f"{kind}: {type(exc).__name__} {exc}")
+
+    def request(self) -> tuple[str, dict, int]:
+        a, rng = self.args, self.rng
+        body = {"model": a.model, "prompt": rng.integers(3, 500, rng.integers(16, 129)).tolist(),
+                "max_tokens": int(rng.integers(16, 49)), "ignore_eos": True, "stream": True}
+        u = rng.random()
+        if u < a.invalid_frac:
+            return "invalid", {**body, "max_tokens": -1}, 0
+        if u < a.invalid_frac + a.disconnect_frac:
+            return "disconnect", body, int(rng.integers(1, body["max_tokens"] // 2))
+        return "ok", body, 0
+
+    async def sample_memory(self, http: aiohttp.ClientSession, t0: float) -> None:
+        while True:
+            self.rss.append((time.monotonic() - t0, self.sent, rss_bytes(self.pid)))
+            async with http.get(f"{self.url}/metrics") as resp:
+                m = parse_metrics(await resp.text())
+            self.mlx.append((self.sent, m["batchsim_mlx_active_bytes"],
+                             m["batchsim_mlx_cache_bytes"]))
+            await asyncio.sleep(0.5)
+
+    async def run(self) -> float:
+        gaps = self.rng.exponential(1.0 / self.args.rate, self.args.num_requests)
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector,
+                                         timeout=aiohttp.ClientTimeout(total=600)) as http:
+            t0 = time.monotonic()
+            sampler = asyncio.create_task(self.sample_memory(http, t0))
+            tasks, due = [], t0
+            for gap in gaps:
+                due += gap
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
+                tasks.append(asyncio.create_task(self.one(http, *self.request())))
+                self.sent += 1
+            await asyncio.gather(*tasks)
+            elapsed = time.monotonic() - t0
+            await asyncio.sleep(1.0)  # let the server free the last disconnects' KV
+            sampler.cancel()
+            self.rss.append((time.monotonic() - t0, self.sent, rss_bytes(self.pid)))
+            async with http.get(f"{self.url}/metrics") as resp:
+                self.metrics = parse_metrics(await resp.text())
+        return elapsed
+
+
+def rss_report(samples: list[tuple[float, int, int]], warmup_requests: int) -> dict:
+    after = [(t, r) for t, sent, r in samples if sent >= warmup_requests]
+    start, end = after[0][1], after[-1][1]
+    slope = np.polyfit([t for t, _ in after], [r for _, r in after], 1)[0] if len(after) > 2 else 0
+    peak = max(r for _, r in after)
+    return {"rss_start_mb": samples[0][2] / 2**20, "rss_after_warmup_mb": start / 2**20,
+            "rss_end_mb": end / 2**20, "rss_peak_after_warmup_mb": peak / 2**20,
+            "rss_growth_after_warmup": (end - start) / start,
+            "rss_peak_growth_after_warmup": (peak - start) / start,
+            "rss_slope_mb_per_min": float(slope) * 60 / 2**20, "rss_samples": len(samples)}
+
+
+def mlx_report(samples: list[tuple[int, float, float]], end: dict[str, float],
+               warmup_requests: int) -> dict:
+    """MLX's active memory and buffer cache after warm-up and at the end: RSS growth that is
+    cache (freed buffers kept for reuse, bounded by MLX's cache limit) is not a leak."""
+    after = [s for s in samples if s[0] >= warmup_requests] or samples
+    return {"mlx_active_after_warmup_mb": after[0][1] / 2**20,
+            "mlx_active_end_mb": end["batchsim_mlx_active_bytes"] / 2**20,
+            "mlx_cache_after_warmup_mb": after[0][2] / 2**20,
+            "mlx_cache_end_mb": end["batchsim_mlx_cache_bytes"] / 2**20,
+            "mlx_peak_mb": end["batchsim_mlx_peak_bytes"] / 2**20}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--num-requests", type=int, default=2000)
+    p.add_argument("--rate", type=float, default=25.0, help="Poisson arrivals per second")
+    p.add_argument("--disconnect-frac", type=float, default=0.10)
+    p.add_argument("--invalid-frac", type=float, default=0.01)
+    p.add_argument("--warmup-frac", type=float, default=0.2, help="requests before RSS is judged")
+    p.add_argument("--rss-tolerance", type=float, default=0.05)
+    p.add_argument("--max-queue", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    os.environ.setdefault("BATCHSIM_HOME", "/tmp/bshome")
+    proc, url = start_server(args)
+    try:
+        soak = Soak(args, url, proc.pid)
+        elapsed = asyncio.run(soak.run())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        exit_code = proc.wait(60)
+    m = soak.metrics
+    result = {
+        "num_requests": args.num_requests, "rate": args.rate, "elapsed_s": elapsed,
+        "statuses": dict(sorted(soak.statuses.items())), "unexpected": len(soak.unexpected),
+        "unexpected_examples": soak.unexpected[:5],
+        "kv_bytes_end": m["batchsim_kv_bytes"],
+        "kv_bytes_measured_end": m["batchsim_kv_bytes_measured"],
+        "running_end": m["batchsim_requests_running"],
+        "waiting_end": m["batchsim_requests_waiting"],
+        "requests_total": {k.split('"')[1]: v for k, v in m.items()
+                           if k.startswith("batchsim_requests_total")},
+        "max_batch_size": m["batchsim_decode_batch_size_max"],
+        "mean_batch_size": m["batchsim_decode_batch_size_steps_sum"]
+        / max(1.0, m["batchsim_decode_batch_size_steps_count"]),
+        "generation_tokens": m["batchsim_generation_tokens_total"],
+        "server_exit_code": exit_code,
+        **rss_report(soak.rss, int(args.warmup_frac * args.num_requests)),
+        **mlx_report(soak.mlx, m, int(args.warmup_frac * args.num_requests)),
+    }
+    result["ok"] = bool(
+        result["unexpected"] == 0 and result["kv_bytes_end"] == 0
+        and result["kv_bytes_measured_end"] == 0 and result["running_end"] == 0
+        and abs(result["rss_growth_after_warmup"]) <= args.rss_tolerance and exit_code == 0)
+    for key, value in result.items():
+        print(f"{key:>30}: {value}")
+    print(json.dumps(result))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

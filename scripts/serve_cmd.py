@@ -1,0 +1,88 @@
+"""`batchsim serve --model NAME`: an OpenAI-compatible HTTP server (completions, chat, streaming,
+/metrics) on the continuous-batching engine of `batchsim run`. Point any OpenAI client, or
+`batchsim run --target http://HOST:PORT/v1`, at it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from scripts.run_cmd import add_model_args, add_scheduler_args
+
+LISTENING = "batchsim serve: listening on "  # tests and scripts parse this stderr line
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    add_scheduler_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    g.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one")
+    g.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/* routes")
+    g.add_argument("--served-model-name", help="model name clients send [default: --model]")
+    g.add_argument("--max-queue", type=int, default=256,
+                   help="waiting requests beyond which new ones get 429 with Retry-After")
+    g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body")
+    g.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGINT/SIGTERM, how long in-flight requests may finish before abort")
+
+
+def _config(args: argparse.Namespace):
+    from configs import ConfigError
+    from server.run_config import RunConfig, with_run_overrides
+
+    if args.executor not in (None, "mlx") or args.device_profile:
+        raise ConfigError("serve: runs real MLX compute only (no --executor sim/fake, "
+                          "no --device-profile)")
+    checks = [(args.max_queue >= 1, "--max-queue must be >= 1"),
+              (args.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024"),
+              (args.drain_timeout_s >= 0, "--drain-timeout-s must be >= 0"),
+              (0 <= args.port <= 65535, "--port must be in 0..65535")]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(f"serve: {message}")
+    return with_run_overrides(
+        RunConfig(), {}, model=args.model, dtype=args.dtype, quantize=args.quantize,
+        memory_gb=args.memory_gb,
+        **{"scheduler.max_num_seqs": args.max_num_seqs,
+           "scheduler.max_num_batched_tokens": args.max_num_batched_tokens,
+           "scheduler.prefill_step_size": args.prefill_step_size,
+           "scheduler.policy": args.policy},
+    )
+
+
+def run(args: argparse.Namespace) -> dict:
+    import asyncio
+
+    from scripts.common import err
+    from server.engine import Engine
+    from server.http_server import Server, ServeOptions, serve
+    from server.session import open_session
+
+    cfg = _config(args)
+    session = open_session(cfg)
+    options = ServeOptions(
+        served_model_name=args.served_model_name or cfg.model, api_key=args.api_key,
+        max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+        drain_timeout_s=args.drain_timeout_s, max_model_len=session.spec.max_context,
+        vocab_size=session.spec.vocab_size, kv_budget_bytes=session.kv_budget_bytes,
+    )
+    err.print(f"batchsim serve: {session.ref.name} ({session.dtype}) as "
+              f"{options.served_model_name!r}, max_num_seqs {cfg.scheduler.max_num_seqs}, "
+              f"KV budget {session.kv_budget_bytes / 2**30:.3f} GiB ({session.budget_source})")
+
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        err.print(f"[yellow]batchsim serve: bound to {args.host} without --api-key: anyone "
+                  "who can reach this port can use it[/yellow]")
+
+    def announce(url: str) -> None:
+        print(f"{LISTENING}{url}", file=sys.stderr, flush=True)
+
+    async def main() -> dict:
+        engine = Engine(session.new_scheduler(), session.executor)
+        return await serve(Server(engine, session.tokenizer, options), args.host, args.port,
+                           announce)
+
+    totals = asyncio.run(main())
+    err.print(f"batchsim serve: stopped; {totals['requests']}")
+    return {"command": "serve", "model": session.ref.name, **totals}

@@ -1,0 +1,111 @@
+"""The command line as users run it: real processes, the JSON contract on the last stdout line, clear
+errors for bad input, and Ctrl-C leaving a usable run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+RUN_KEYS = {
+    "completed", "request_throughput", "output_throughput", "total_token_throughput",
+    "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms",
+    "mean_e2el_ms", "mean_batch_size", "max_batch_size", "peak_kv_bytes", "kv_budget_bytes",
+    "num_preemptions", "num_rejected", "run_dir", "prompt_tps", "generation_tps", "peak_memory",
+}
+
+
+def batchsim(*args: str, home: Path, timeout: float = 300, check: bool = True):
+    env = {**os.environ, "BATCHSIM_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "scripts.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def test_help_lists_every_command(batchsim_home):
+    out = batchsim("--help", home=batchsim_home).stdout
+    for cmd in ("run", "bench-decode", "compare", "sweep", "size", "roofline", "calibrate",
+                "validate", "serve", "models"):
+        assert cmd in out
+    assert "--request-rate" in batchsim("run", "--help", home=batchsim_home).stdout
+
+
+def test_models_json_contract(batchsim_home):
+    doc = last_json(batchsim("models", "--json", home=batchsim_home).stdout)
+    names = {m["name"] for m in doc["models"]}
+    assert {"tiny", "smollm2-135m", "qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b"} <= names
+    llama = next(m for m in doc["models"] if m["name"] == "llama-3.1-8b")
+    assert llama["kv_bytes_per_token"]["float16"] == 2 * 32 * 8 * 128 * 2
+    assert llama["weight_bytes"]["float16"] == 2 * llama["params"]
+    assert set(llama["weight_bytes"]) >= {"float32", "float16", "bfloat16", "q4", "q8"}
+
+
+def test_real_run_writes_records_and_the_vllm_summary(batchsim_home, tmp_path):
+    proc = batchsim("run", "--model", "tiny", "--num-prompts", "12", "--request-rate", "40",
+                    "--input-len", "uniform:8:64", "--output-len", "uniform:4:16",
+                    "--out", str(tmp_path), "--no-progress", home=batchsim_home)
+    summary = last_json(proc.stdout)
+    assert RUN_KEYS <= set(summary)
+    assert summary["completed"] == 12 and summary["kv_account_mismatches"] == 0
+    assert summary["mean_batch_size"] > 1
+    run_dir = Path(summary["run_dir"])
+    rows = [json.loads(x) for x in (run_dir / "requests.jsonl").read_text().splitlines()]
+    assert len(rows) == 12 and all(r["status"] == "finished" for r in rows)
+    assert all(len(r["token_times_s"]) == r["num_output_tokens"] for r in rows)
+    steps = [json.loads(x) for x in (run_dir / "steps.jsonl").read_text().splitlines()]
+    assert max(s["batch_size"] for s in steps) == summary["max_batch_size"]
+    assert (run_dir / "config.yaml").read_text().count("kv_budget_bytes") >= 1
+    assert json.loads((run_dir / "summary.json").read_text())["completed"] == 12
+
+
+def test_a_config_typo_names_the_file_and_the_key(batchsim_home, tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("model: tiny\nscheduler:\n  max_num_seq: 4\n")
+    proc = batchsim("run", str(cfg), "--executor", "fake", home=batchsim_home, check=False)
+    assert proc.returncode == 2
+    assert "bad.yaml" in proc.stderr and "max_num_seq" in proc.stderr and "max_num_seqs" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_an_unreachable_hub_id_is_a_clear_error(batchsim_home):
+    proc = batchsim("run", "--model", "nobody/no-such-model", "--num-prompts", "1",
+                    home=batchsim_home, check=False)
+    assert proc.returncode == 2
+    assert "nobody/no-such-model" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_ctrl_c_ends_the_run_with_records_intact(batchsim_home, tmp_path):
+    env = {**os.environ, "BATCHSIM_HOME": str(batchsim_home)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scripts.cli", "run", "--model", "tiny", "--num-prompts", "400",
+         "--request-rate", "20", "--out", str(tmp_path), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    time.sleep(8)  # model load, then a few seconds of traffic
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    summary = last_json(out)
+    assert summary["interrupted"] is True and 0 < summary["completed"] < 400
+    rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "requests.jsonl").read_text().splitlines()]
+    assert sum(r["status"] == "finished" for r in rows) == summary["completed"]
+    assert all(r["status"] in ("finished", "unfinished") for r in rows)
+
+
+@pytest.mark.parametrize("command", ["size", "models"])
+def test_pure_arithmetic_commands_do_not_load_mlx(command):
+    code = (f"import sys, scripts.{'size' if command == 'size' else 'models_cmd'}; "
+            "print('mlx.core' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,478 @@
+"""`batchsim serve` end to end: the real server in a subprocess on loopback (tiny model), driven by
+raw HTTP and by the official openai client. Stop strings are also checked in isolation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from scripts.serve_cmd import LISTENING
+from server.prometheus import parse as parse_metrics
+from server.sse import SSEParser
+from server.text_stream import TextStream
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "sk-batchsim-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+# 2 MiB of memory leaves the tiny model (~0.4 MB of weights) ~1.7 MB of KV (~3,300 tokens at 512
+# bytes each): a 3,400-token prompt fits the 4,096-token context but not the KV budget.
+MEMORY_GB = "0.002"
+
+
+class ServerProcess:
+    def __init__(self, home: Path, *args: str):
+        cmd = [sys.executable, "-m", "scripts.cli", "serve", "--model", "tiny", "--port", "0",
+               *args]
+        env = {**os.environ, "BATCHSIM_HOME": str(home)}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.stderr: list[str] = []
+        found = threading.Event()
+        self.url = ""
+
+        def read() -> None:  # keep draining stderr so the pipe never fills
+            for line in self.proc.stderr:
+                self.stderr.append(line)
+                if LISTENING in line and not found.is_set():
+                    self.url = line.split(LISTENING, 1)[1].strip()
+                    found.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not found.wait(90):
+            self.proc.kill()
+            raise RuntimeError("server did not start:\n" + "".join(self.stderr))
+        self.client = httpx.Client(base_url=self.url, timeout=60)
+        assert self.client.get("/health").json() == {"status": "ok"}
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(self.client.get("/metrics").text)
+
+    def wait_idle(self, timeout_s: float = 20) -> dict[str, float]:
+        """Metrics once nothing runs or waits and both KV counts are back to zero."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self.metrics()
+            idle = (m["batchsim_requests_running"] == m["batchsim_requests_waiting"] == 0
+                    and m["batchsim_kv_bytes"] == m["batchsim_kv_bytes_measured"] == 0)
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.05)
+
+    def stop(self, timeout_s: float = 30) -> int:
+        self.client.close()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def srv(batchsim_home):
+    s = ServerProcess(batchsim_home, "--api-key", KEY, "--memory-gb", MEMORY_GB)
+    yield s
+    assert s.stop() == 0, "".join(s.stderr)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(srv, batchsim_home):
+    from mlx_lm.tokenizer_utils import load
+
+    from server.env import default_dtype
+    from server.loader import resolve
+
+    return load(resolve("tiny", default_dtype()).path)  # the build the server made
+
+
+def post(srv: ServerProcess, path: str, body: dict, **kw) -> httpx.Response:
+    return srv.client.post(path, json=body, headers=AUTH, **kw)
+
+
+def stream_events(srv: ServerProcess, path: str, body: dict) -> list:
+    parser, events = SSEParser(), []
+    with srv.client.stream("POST", path, json={**body, "stream": True}, headers=AUTH) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for data in r.iter_bytes():
+            events += parser.feed(data)
+    return events + parser.close()
+
+
+def stream_text(events: list, chat: bool) -> str:
+    key = (lambda c: c["delta"].get("content", "")) if chat else (lambda c: c["text"])
+    return "".join(key(e.json()["choices"][0]) for e in events
+                   if not e.is_done and e.json()["choices"])
+
+
+# -- stop strings in isolation -------------------------------------------------------------------
+class CharDetokenizer:
+    """Token id = a character code, released one character at a time."""
+
+    def __init__(self) -> None:
+        self.text, self.offset = "", 0
+
+    def add_token(self, token: int) -> None:
+        self.text += chr(token)
+
+    def finalize(self) -> None:
+        pass
+
+    @property
+    def last_segment(self) -> str:
+        segment, self.offset = self.text[self.offset:], len(self.text)
+        return segment
+
+
+@pytest.mark.parametrize("text,stop,expected", [
+    ("hello world", ("wor",), "hello "),
+    ("hello world", ("xyz",), "hello world"),
+    ("aaab", ("aab",), "a"),  # overlapping prefixes
+    ("abcabd", ("abd", "ca"), "ab"),  # the earliest match wins
+    ("hello", ("lo!",), "hello"),  # a held-back prefix is released at the end
+])
+def test_text_stream_stop_strings(text, stop, expected):
+    ts = TextStream(CharDetokenizer(), stop)
+    released = ""
+    for ch in text:
+        released += ts.add([ord(ch)])
+        assert not any(s in released for s in stop)
+        if ts.stopped:
+            break
+    released += ts.finish()
+    assert released == expected
+    assert ts.stopped == (expected != text)
+
+
+def test_text_stream_skips_eos():
+    ts = TextStream(CharDetokenizer(), (), skip_ids=frozenset({0}))
+    assert ts.add([ord("a"), 0]) + ts.finish() == "a"
+
+
+def test_generation_reads_every_queued_token_of_a_finished_request():
+    """A slow reader finds its request already finished with several steps' tokens queued."""
+    from scheduler.request import Request, RequestStatus, SamplingParams
+    from server.openai_api import GenerationParams
+    from server.text_stream import Generation
+
+    request = Request(1, 1, SamplingParams(max_tokens=3), 0.0, [5])
+    request.status, request.finish_reason, request.num_output_tokens = (
+        RequestStatus.FINISHED, "length", 3)
+
+    class Engine:
+        def stream(self, r: Request) -> asyncio.Queue:
+            q: asyncio.Queue = asyncio.Queue()
+            for item in ([ord("a")], [ord("b")], [ord("c")], r):
+                q.put_nowait(item)
+            return q
+
+    class Tokenizer:
+        detokenizer = CharDetokenizer()
+
+    params = GenerationParams("completion", (5,), 3, 0.0, None, (), False, False, False)
+
+    async def read() -> tuple[list[str], str | None]:
+        gen = Generation(Engine(), request, params, Tokenizer())
+        parts = []
+        while not gen.done:
+            parts.append(await gen.next())
+        return parts, gen.finish_reason
+
+    assert asyncio.run(read()) == (["a", "b", "c"], "length")
+
+
+# -- the server ----------------------------------------------------------------------------------
+def test_health_models_metrics(srv):
+    assert srv.client.get("/health").json() == {"status": "ok"}
+    models = srv.client.get("/v1/models", headers=AUTH).json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
+    r = srv.client.get("/metrics")
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    m = parse_metrics(r.text)
+    for name in ("batchsim_requests_running", "batchsim_requests_waiting", "batchsim_kv_bytes",
+                 "batchsim_kv_budget_bytes", "batchsim_preemptions_total",
+                 "batchsim_generation_tokens_total", "batchsim_step_seconds_count",
+                 'batchsim_step_seconds_bucket{le="+Inf"}'):
+        assert name in m
+
+
+def test_completions_stream_and_not(srv, tokenizer):
+    prompt = "The quick brown fox"
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 9, "ignore_eos": True}
+    full = post(srv, "/v1/completions", body).json()
+    n_prompt = len(tokenizer.encode(prompt))
+    assert full["object"] == "text_completion"
+    assert full["choices"][0]["finish_reason"] == "length"
+    assert full["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 9,
+                             "total_tokens": n_prompt + 9}
+    events = stream_events(srv, "/v1/completions",
+                           {**body, "stream_options": {"include_usage": True}})
+    assert events[-1].is_done
+    usage_chunk = events[-2].json()
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == full["usage"]
+    token_chunks = [e.json() for e in events[:-2]]
+    assert len(token_chunks) == 9  # one chunk per token
+    assert [c["choices"][0]["finish_reason"] for c in token_chunks] == [None] * 8 + ["length"]
+    assert stream_text(events, chat=False) == full["choices"][0]["text"]  # greedy: same text
+    ids = post(srv, "/v1/completions", {**body, "prompt": [5, 6, 7, 8]}).json()
+    assert ids["usage"]["prompt_tokens"] == 4
+
+
+def test_chat_stream_and_not(srv, tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 6, "ignore_eos": True}
+    full = post(srv, "/v1/chat/completions", body).json()
+    n_prompt = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    assert full["object"] == "chat.completion"
+    assert full["choices"][0]["message"]["role"] == "assistant"
+    assert full["usage"]["prompt_tokens"] == n_prompt
+    assert full["usage"]["completion_tokens"] == 6
+    events = stream_events(srv, "/v1/chat/completions", body)  # no include_usage: no usage chunk
+    assert events[-1].is_done and len(events) == 7
+    chunks = [e.json() for e in events[:-1]]
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("usage" not in c for c in chunks)
+    assert stream_text(events, chat=True) == full["choices"][0]["message"]["content"]
+
+
+def test_stop_strings_and_seed(srv):
+    body = {"prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True}
+    text = post(srv, "/v1/completions", body).json()["choices"][0]["text"]
+    stop = next(text[i:i + 2] for i in range(3, len(text) - 2) if text.find(text[i:i + 2]) > 0)
+    expected = text[: text.find(stop)]
+    stopped = post(srv, "/v1/completions", {**body, "stop": [stop, "never matches"]}).json()
+    assert stopped["choices"][0] == {**stopped["choices"][0], "text": expected,
+                                     "finish_reason": "stop"}
+    assert stopped["usage"]["completion_tokens"] < 24
+    assert stream_text(stream_events(srv, "/v1/completions", {**body, "stop": stop}),
+                       chat=False) == expected
+    sampled = {**body, "temperature": 1.0, "seed": 7}
+    a, b = (post(srv, "/v1/completions", sampled).json()["choices"][0]["text"] for _ in range(2))
+    c = post(srv, "/v1/completions", {**sampled, "seed": 8}).json()["choices"][0]["text"]
+    assert a == b != c
+    negative = post(srv, "/v1/completions", {**sampled, "seed": -5, "temperature": None})
+    assert negative.status_code == 200  # any 64-bit seed; null means the default
+
+
+def test_concurrent_requests_share_decode_steps(srv):
+    before = srv.metrics()
+
+    async def one(client: httpx.AsyncClient, i: int) -> dict:
+        body = {"prompt": f"request {i}", "max_tokens": 40, "ignore_eos": True}
+        return (await client.post("/v1/completions", json=body, headers=AUTH)).json()
+
+    async def all_at_once() -> list[dict]:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(6)))
+
+    results = asyncio.run(all_at_once())
+    assert all(r["usage"]["completion_tokens"] == 40 for r in results)
+    after = srv.wait_idle()
+    hist = "batchsim_decode_batch_size_steps"
+    steps = after[f"{hist}_count"] - before[f"{hist}_count"]
+    rows = after[f"{hist}_sum"] - before[f"{hist}_sum"]
+    assert after["batchsim_decode_batch_size_max"] >= 2
+    assert rows / steps > 2  # six requests of 40 tokens took far fewer than 240 decode steps
+    assert after["batchsim_kv_bytes"] == 0 and after["batchsim_kv_bytes_measured"] == 0
+
+
+def _bad_requests() -> list[tuple[str, object, int, str | None]]:
+    ok = {"prompt": "hi", "max_tokens": 4}
+    return [  # (path, body (raw bytes or JSON), status, param or code)
+        ("/v1/completions", b"{not json", 400, None),
+        ("/v1/completions", b"[1, 2]", 400, None),
+        ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+        ("/v1/completions", {"prompt": 42}, 400, "prompt"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [600]}, 400, "prompt"),
+        ("/v1/completions", {**ok, "max_tokens": -1}, 400, "max_tokens"),
+        ("/v1/completions", {**ok, "max_tokens": 0}, 400, "max_tokens"),
+        ("/v1/completions", {**ok, "max_tokens": "10"}, 400, "max_tokens"),
+        ("/v1/completions", {**ok, "max_tokens": 2.5}, 400, "max_tokens"),
+        ("/v1/completions", {**ok, "max_tokens": True}, 400, "max_tokens"),
+        ("/v1/completions", {**ok, "max_tokens": 10**9}, 400, "context_length_exceeded"),
+        ("/v1/completions", {**ok, "temperature": -1}, 400, "temperature"),
+        ("/v1/completions", {**ok, "temperature": "hot"}, 400, "temperature"),
+        ("/v1/completions", {**ok, "seed": "x"}, 400, "seed"),
+        ("/v1/completions", {**ok, "seed": 2**64}, 400, "seed"),
+        ("/v1/completions", {**ok, "stop": 5}, 400, "stop"),
+        ("/v1/completions", {**ok, "stop": [""]}, 400, "stop"),
+        ("/v1/completions", {**ok, "ignore_eos": "yes"}, 400, "ignore_eos"),
+        ("/v1/completions", {**ok, "stream": "yes"}, 400, "stream"),
+        ("/v1/completions", {**ok, "n": 2}, 400, "n"),
+        ("/v1/completions", {**ok, "stream_options": {"include_usage": True}}, 400,
+         "stream_options"),
+        ("/v1/completions", {"prompt": [7] * 5000}, 400, "context_length_exceeded"),
+        ("/v1/completions", {"prompt": [7] * 3400, "max_tokens": 10}, 400, "kv_budget_exceeded"),
+        ("/v1/completions", {**ok, "model": "gpt-4"}, 404, "model_not_found"),
+        ("/v1/completions", {**ok, "model": 3}, 400, "model"),
+        ("/v1/chat/completions", {"max_tokens": 4}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,
+         "messages[0]"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400,
+         "messages[0].content"),
+        ("/v1/completions", {"prompt": "x" * (2 << 20)}, 413, "request_too_large"),
+        ("/v1/nowhere", ok, 404, None),
+    ]
+
+
+@pytest.mark.parametrize("path,body,status,what", _bad_requests())
+def test_bad_input_gets_openai_error(srv, path, body, status, what):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = srv.client.post(path, content=raw, headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if what is not None:
+        assert what in (error["param"], error["code"]), error
+    if body == {"prompt": [7] * 3400, "max_tokens": 10}:
+        assert "KV budget" in error["message"]
+
+
+def test_auth_method_and_health_after_bad_input(srv):
+    body = {"prompt": "hi", "max_tokens": 3}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = srv.client.post("/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert srv.client.get("/v1/completions", headers=AUTH).status_code == 405
+    assert srv.client.get("/health").status_code == 200  # /health and /metrics need no key
+    assert post(srv, "/v1/completions", body).json()["usage"]["completion_tokens"] >= 1
+    m = srv.wait_idle()
+    assert m['batchsim_http_responses_total{code="400"}'] >= 20
+
+
+def test_client_disconnect_frees_kv(srv):
+    before = srv.metrics()
+    body = {"prompt": "a long one", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=srv.url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body, headers=AUTH) as r:
+            lines = r.iter_lines()
+            for _ in range(10):
+                next(lines)
+            assert srv.metrics()["batchsim_kv_bytes"] > 0
+    # a non-streaming client that gives up
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{srv.url}/v1/completions", json={**body, "stream": False}, headers=AUTH,
+                   timeout=httpx.Timeout(60, read=0.5))
+    after = srv.wait_idle()
+    assert after["batchsim_kv_bytes"] == 0 and after["batchsim_kv_bytes_measured"] == 0
+    assert after["batchsim_requests_running"] == 0
+    aborted = 'batchsim_requests_total{status="aborted"}'
+    assert after[aborted] - before[aborted] == 2
+    tokens = "batchsim_generation_tokens_total"
+    generated = after[tokens] - before[tokens]
+    assert generated < 3000  # both stopped long before their max_tokens
+
+
+def test_openai_client(srv):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0)
+    extra = {"ignore_eos": True}
+    c = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, extra_body=extra)
+    assert c.usage.completion_tokens == 5 and c.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(model="tiny", prompt="Hello", max_tokens=5, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body=extra))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 5
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4,
+                                          extra_body=extra)
+    assert chat.usage.completion_tokens == 4 and chat.choices[0].message.role == "assistant"
+    parts = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=4,
+                                                stream=True, stream_options={"include_usage": True},
+                                                extra_body=extra))
+    text = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+    assert text == chat.choices[0].message.content
+    assert parts[-1].usage.completion_tokens == 4
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="Hello", max_tokens=2)
+
+
+# -- queue limit and shutdown on a second, small server ------------------------------------------
+def test_queue_full_then_sigterm_drains(batchsim_home):
+    small = ServerProcess(batchsim_home, "--max-num-seqs", "1", "--max-queue", "1",
+                          "--drain-timeout-s", "2")
+    try:
+        _check_queue_and_drain(small)
+    finally:
+        if small.proc.poll() is None:
+            small.proc.kill()
+
+
+def _check_queue_and_drain(small: ServerProcess) -> None:
+    long_body = {"prompt": "x", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    results: dict[str, list] = {}
+
+    def consume(name: str, body: dict) -> None:
+        results[name] = stream_events(small, "/v1/completions", body)
+
+    running = threading.Thread(target=consume, args=("running", long_body))
+    running.start()
+    _wait_for(small, "batchsim_requests_running", 1)
+    waiting = threading.Thread(target=consume, args=("waiting", {**long_body, "max_tokens": 5}))
+    waiting.start()
+    _wait_for(small, "batchsim_requests_waiting", 1)
+    r = small.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+    assert r.json()["error"]["code"] == "queue_full"
+    assert small.client.get("/health").status_code == 200
+
+    small.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 1.5  # draining: new requests are refused
+    while small.client.get("/health").status_code != 503:
+        assert time.monotonic() < deadline
+    assert small.client.post("/v1/completions", json={"prompt": "x"}).status_code == 503
+    running.join(30)
+    waiting.join(30)
+    assert small.proc.wait(30) == 0, "".join(small.stderr)
+    finals = {k: [e.json() for e in v if not e.is_done][-1]["choices"][0]["finish_reason"]
+              for k, v in results.items()}
+    assert finals == {"running": "abort", "waiting": "abort"}  # past the 2 s drain timeout
+    assert all(v[-1].is_done for v in results.values())
+    assert '"aborted_at_shutdown":2' in small.proc.stdout.read()
+
+
+def _wait_for(s: ServerProcess, name: str, value: float, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while s.metrics()[name] != value:
+        assert time.monotonic() < deadline, f"{name} never reached {value}"
+        time.sleep(0.02)
+
+
+# -- the load generator against the server -------------------------------------------------------
+def test_run_target_reports_like_in_process(srv, tmp_path, monkeypatch):
+    import dataclasses
+
+    from scripts.http_load import run_http
+    from server.run_config import RunConfig
+    from workloads.lengths import parse_length
+    from workloads.spec import WorkloadSpec
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    spec = WorkloadSpec(name="t", num_prompts=6, request_rate=float("inf"),
+                        input_len=parse_length("uniform:8:40"), output_len=parse_length("12"))
+    cfg = dataclasses.replace(RunConfig(model="tiny", workload=spec), target=f"{srv.url}/v1")
+    summary = run_http(cfg, tmp_path, progress=False)
+    assert summary["completed"] == 6 and summary["failed"] == 0
+    assert summary["total_output_tokens"] == 6 * 12
+    assert summary["mean_ttft_ms"] > 0 and summary["mean_tpot_ms"] > 0
+    assert summary["max_batch_size"] >= 2 and summary["batch_view_source"] == "server /metrics"
+    rows = [json.loads(line) for line in Path(summary["run_dir"], "requests.jsonl").open()]
+    assert [r["num_output_tokens"] for r in rows] == [12] * 6
+    assert all(r["num_prompt_tokens"] == r["prompt_tokens_local"] for r in rows)
+    chat = run_http(dataclasses.replace(cfg, target=f"{srv.url}/v1/chat/completions"), tmp_path,
+                    progress=False)
+    assert chat["completed"] == 6
+    assert chat["total_input_tokens"] > summary["total_input_tokens"]  # the chat template's tokens

@@ -18,9 +18,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", type=int, choices=[4, 8])
     p.add_argument("--batch", type=int_list, default=[1, 2, 4, 8, 16, 32, 64], help="batch sizes")
     p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
-    p.add_argument("--steps", type=int, default=16, help="timed decode steps per repetition")
-    p.add_argument("--reps", type=int, default=3, help="repetitions (median reported)")
+    p.add_argument("--steps", type=int, default=8, help="decode steps per timed window")
+    p.add_argument("--reps", type=int, default=5, help="timed windows per mode, interleaved "
+                   "across modes (median reported); the context grows by steps x reps")
     p.add_argument("--modes", type=str_list, default=list(MODES), help="subset of bare,executor,mlx_lm")
+    p.add_argument("--continuous", type=int_list, default=[], metavar="B,B",
+                   help="also compare continuous batching at these batch limits: 4 x B requests "
+                   "with 16-64 output tokens, all queued at once, executor vs mlx-lm (joins and "
+                   "leaves are where mlx-lm's BatchGenerator copies its whole cache)")
     p.add_argument("--out", default="results", help="directory for bench-decode.jsonl")
 
 
@@ -35,28 +40,64 @@ def run(args: argparse.Namespace) -> dict:
         raise ConfigError(f"--modes: {bad[0]!r} is not allowed; allowed: {', '.join(MODES)}")
     session = open_session(RunConfig(model=args.model, dtype=args.dtype, quantize=args.quantize))
     model, vocab, kvt = session.model, session.spec.vocab_size, session.kv_bytes_per_token
-    runners = {
-        "bare": lambda b: db.bare(model, b, args.context, args.steps, vocab),
-        "executor": lambda b: db.executor(model, b, args.context, args.steps, vocab, kvt),
-        "mlx_lm": lambda b: db.mlx_lm_batch_generator(model, b, args.context, args.steps, vocab),
+    makers = {
+        "bare": lambda b: db.Bare(model, b, args.context, vocab),
+        "executor": lambda b: db.Executor(model, b, args.context, vocab, kvt),
+        "mlx_lm": lambda b: db.MlxLmBatchGenerator(model, b, args.context, vocab),
     }
     samples: dict[tuple[int, str], list[float]] = {}
     for b in args.batch:
+        runners = {}
+        for mode in args.modes:  # each prefills its batch once
+            err.print(f"batch {b:3d}: preparing {mode}")
+            runners[mode] = makers[mode](b)
         for rep in range(args.reps):
-            for mode in args.modes:  # interleaved: drift hits every mode alike
-                tok_s = runners[mode](b)
+            for mode in args.modes:  # interleaved windows: drift hits every mode alike
+                tok_s = b * args.steps / runners[mode].steps(args.steps)
                 samples.setdefault((b, mode), []).append(tok_s)
                 err.print(f"batch {b:3d} rep {rep + 1}/{args.reps} {mode:8s} {tok_s:8.1f} tok/s")
+        for r in runners.values():
+            getattr(r, "close", lambda: None)()
+        del runners
+    continuous = _continuous(args, model, vocab, kvt) if args.continuous else []
     env = session.environment()
     rows = []
     for (b, mode), vals in samples.items():
         rows.append({"batch": b, "mode": mode, "decode_tok_s": median(vals), "samples_tok_s": vals,
-                     "context": args.context, "steps": args.steps, "reps": args.reps})
+                     "context": args.context, "steps": args.steps, "reps": args.reps,
+                     "dtype": session.dtype, "model": session.ref.name})
     _add_ratios(rows)
     _print(rows, args.modes, session)
     path = append_jsonl(Path(args.out) / "bench-decode.jsonl", ({**r, "env": env} for r in rows))
-    out.print(f"appended {len(rows)} rows to {path}")
-    return {"rows": rows, "env": env}
+    if continuous:
+        append_jsonl(path, ({**r, "kind": "continuous", "env": env} for r in continuous))
+        out.print(table("Continuous batching: generated tok/s (prefill included), same requests",
+                        ["batch", "requests", "executor tok/s", "mlx_lm tok/s", "executor/mlx_lm"],
+                        [[r["batch"], r["requests"], r["executor_tok_s"], r["mlx_lm_tok_s"],
+                          r["executor_tok_s"] / r["mlx_lm_tok_s"]] for r in continuous]))
+    out.print(f"appended {len(rows) + len(continuous)} rows to {path}")
+    return {"rows": rows, "continuous": continuous, "env": env}
+
+
+def _continuous(args: argparse.Namespace, model, vocab: int, kvt: int) -> list[dict]:
+    from server import decode_bench as db
+
+    results = []
+    for b in args.continuous:
+        lens = db.continuous_lengths(4 * b)
+        samples = {"executor": [], "mlx_lm": []}
+        for rep in range(max(1, args.reps // 2)):
+            for mode in samples:  # alternate, as above
+                if mode == "executor":
+                    n, secs = db.continuous_executor(model, b, args.context, vocab, kvt, lens)
+                else:
+                    n, secs = db.continuous_mlx_lm(model, b, args.context, vocab, lens)
+                samples[mode].append(n / secs)
+                err.print(f"continuous batch {b:3d} rep {rep + 1} {mode:8s} {n / secs:8.1f} tok/s")
+        results.append({"batch": b, "requests": len(lens), "context": args.context,
+                        "executor_tok_s": median(samples["executor"]),
+                        "mlx_lm_tok_s": median(samples["mlx_lm"]), "samples_tok_s": samples})
+    return results
 
 
 def _add_ratios(rows: list[dict]) -> None:

@@ -96,8 +96,9 @@ def run(args: argparse.Namespace) -> dict:
     return summary
 
 
-_TERMS = ("attention_decode_ns_per_byte", "attention_prefill_ns_per_flop", "elementwise_ns_per_byte",
-          "layer_overhead_us", "forward_overhead_us")
+_TERMS = ("attention_decode_ns_per_byte", "attention_prefill_ns_per_flop",
+          "attention_prefill_ns_per_score_byte", "elementwise_ns_per_byte", "layer_overhead_us",
+          "forward_overhead_us")
 
 
 def _with(profile, calibration, source: str | None = None):
@@ -131,5 +132,6 @@ def _print(rows: list[dict], terms: dict, gemm, overhead_us: float) -> None:
                       r["predicted_s"] * 1e3, 100 * r["error"]] for r in rows]))
     out.print(table("Fitted terms", ["metric", "value"],
                     [[k, v] for k, v in terms.items()]
-                    + [["gemm weight_ns", gemm.weight_ns], ["gemm call_us", gemm.call_us],
-                       ["engine step_overhead_us", overhead_us]]))
+                    + [[f"gemm ns/weight at {kn:,} weights", ns] for kn, ns in sorted(gemm.weight_ns.items())]
+                    + [[f"gemm ns/FLOP at m={m}", ns] for m, ns in sorted(gemm.flop_ns.items())]
+                    + [["engine step_overhead_us", overhead_us]]))

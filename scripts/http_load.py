@@ -30,7 +30,8 @@ from scripts.common import err, out
 from scripts.http_client import Outcome, endpoint, send
 from scripts.http_prompts import PromptMaker
 from server.jsonio import jsonable, timestamp, write_jsonl
-from server.metrics import RequestRecord, percentile_label, summarize, summary_table
+from scripts.report import summary_table
+from server.metrics import RequestRecord, percentile_label, summarize
 from server.prometheus import parse as parse_metrics
 from server.run_config import RunConfig
 from workloads.driver import drive

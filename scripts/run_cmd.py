@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> dict:
 def run_in_process(cfg: RunConfig, out_dir: Path, progress: bool = True, label: str | None = None,
                    quiet: bool = False) -> dict:
     from scripts.progress import RunProgress
-    from server.metrics import summary_table
+    from scripts.report import summary_table
     from server.runner import run_workload
     from server.session import open_session
 

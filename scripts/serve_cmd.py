@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"{LISTENING}{url}", file=sys.stderr, flush=True)
 
     async def main() -> dict:
-        engine = Engine(session.new_scheduler(), session.executor)
+        engine = Engine(session.new_scheduler(), session.executor, on_error="abort")
         return await serve(Server(engine, session.tokenizer, options), args.host, args.port,
                            announce)
 

@@ -16,7 +16,8 @@ from scheduler.kv_layout import KV_STEP, PAGE_TOKENS, round_up
 from scripts.common import append_jsonl, fmt, gib, out, positive_float, table, timestamp
 from server import macs
 from server.costmodel import compute_dtype, decode_step_s, decode_tok_s
-from server.modelspec import FLOAT_DTYPES, QUANT_BITS, ModelSpec, zoo_names, zoo_spec
+from server.loader import spec_for
+from server.modelspec import FLOAT_DTYPES, QUANT_BITS, ModelSpec, zoo_names
 from workloads.lengths import parse_length
 
 MAX_BATCH_CAP = 4096  # no Mac in the catalog decodes more rows usefully; keeps the search bounded
@@ -120,7 +121,7 @@ def _bound(spec: ModelSpec, profile, s: Settings, batch: int, ctx_len: int) -> s
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="llama-3.1-8b", help=f"zoo model: {', '.join(zoo_names())}")
+    p.add_argument("--model", default="llama-3.1-8b", help=f"zoo model ({', '.join(zoo_names())}), a model directory, or a hub id")
     p.add_argument("--dtype", default="float16", choices=list(FLOAT_DTYPES), help="weights dtype")
     p.add_argument("--quantize", type=int, choices=list(QUANT_BITS), default=None,
                    help="mlx-lm affine quantization (group 64) to 4 or 8 bits")
@@ -160,7 +161,7 @@ def _fraction(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    spec = zoo_spec(args.model)
+    spec = spec_for(args.model)
     catalog = macs.load_catalog()
     ws = catalog.metal_working_set
     chosen = catalog.select(args.mac)

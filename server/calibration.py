@@ -27,7 +27,9 @@ from server.modelspec import ModelSpec
 from server.stepcost import StepCost
 
 GEMM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-GEMM_SHAPES = ((1024, 1024), (2048, 2048), (1024, 4096), (4096, 1024), (2048, 8192))  # (k, n)
+# (k, n): from small projections to a wide output head, so the per-weight cost can follow size.
+GEMM_SHAPES = ((512, 512), (512, 2048), (2048, 512), (1024, 1024), (1024, 4096), (4096, 1024),
+               (2048, 2048), (2048, 8192), (1024, 32768))
 STREAM_BYTES = 256 << 20  # distinct weights per timed call: more than any last-level cache
 
 
@@ -55,25 +57,24 @@ def time_linear(m: int, k: int, n: int, dtype: mx.Dtype, reps: int = 5) -> float
 
 
 def fit_gemm(samples: dict[tuple[int, int, int], float]) -> GemmFit:
-    """From t(m, k, n): the weight term and call cost from the small-m intercept, then the cost per
-    FLOP at each m as what remains (averaged over shapes in log space)."""
-    rows = sorted({m for m, _, _ in samples})
-    small = [m for m in rows if m <= 4]
-    a, b = [], []
-    for (m, k, n), t in samples.items():
-        if m in small:
-            a.append([k * n, 2 * m * k * n, 1.0])
-            b.append(t)
-    w = np.asarray(a) / np.asarray(b)[:, None]  # relative error
-    coef, *_ = np.linalg.lstsq(w, np.ones(len(b)), rcond=None)
-    weight_s, _, call_s = (max(float(c), 0.0) for c in coef)
+    """From t(m, k, n): per matrix size, the weight term is the small-m intercept of t against
+    2*m*k*n; the cost per FLOP at each m is what remains, averaged over shapes in log space."""
+    weight_ns: dict[int, list[float]] = {}
+    for k, n in {(k, n) for _, k, n in samples}:
+        pts = sorted((m, t) for (m, kk, nn), t in samples.items() if (kk, nn) == (k, n) and m <= 4)
+        a = np.asarray([[1.0, 2 * m * k * n] for m, _ in pts])
+        b = np.asarray([t for _, t in pts])
+        coef, *_ = np.linalg.lstsq(a / b[:, None], np.ones(len(b)), rcond=None)  # relative error
+        intercept = coef[0] if coef[0] > 0 else min(b)
+        weight_ns.setdefault(k * n, []).append(float(intercept) / (k * n) * 1e9)
+    weights = {kn: float(np.exp(np.mean(np.log(v)))) for kn, v in weight_ns.items()}
+    w_at = GemmFit(weights, {1: 0.0}).seconds
     flop_ns = {}
-    for m in rows:
-        vals = [(t - weight_s * k * n - call_s) / (2 * m * k * n)
-                for (mm, k, n), t in samples.items() if mm == m]
+    for m in sorted({m for m, _, _ in samples}):
+        vals = [(t - w_at(1, k, n)) / (2 * m * k * n) for (mm, k, n), t in samples.items() if mm == m]
         vals = [v for v in vals if v > 0] or [1e-12]
         flop_ns[m] = float(np.exp(np.mean(np.log(vals)))) * 1e9
-    return GemmFit(weight_ns=weight_s * 1e9, flop_ns=flop_ns, call_us=call_s * 1e6)
+    return GemmFit(weight_ns=weights, flop_ns=flop_ns)
 
 
 def measure_gemm(dtype: mx.Dtype, rows: Sequence[int] = GEMM_ROWS, shapes=GEMM_SHAPES,
@@ -149,8 +150,9 @@ def prefill_samples(name: str, model, spec: ModelSpec, kvt: int, chunks: Sequenc
     for start in starts:
         for n in chunks:
             times = []
+            step = max(512, round_up(max(start, n), KV_STEP))  # one chunk to `start`, then n
             for _ in range(reps):
-                sched = _scheduler(kvt, 1, max(start, 256))
+                sched = _scheduler(kvt, 1, step)
                 ex = MLXExecutor(model)
                 ids = rng.integers(0, spec.vocab_size, start + n).tolist()
                 sched.add_request(Request(0, start + n, SamplingParams(1, ignore_eos=True), 0.0, ids))
@@ -159,6 +161,8 @@ def prefill_samples(name: str, model, spec: ModelSpec, kvt: int, chunks: Sequenc
                     result = ex.execute(plan)
                     sched.update_from_output(plan, result)
                     if plan.prefills and plan.prefills[0].sample:
+                        chunk = plan.prefills[0]
+                        assert (chunk.start, chunk.num_tokens) == (start, n), chunk
                         times.append(result.elapsed_s)
             out.append(StepSample(name, "prefill", n, start, float(np.median(times))))
     return out
@@ -167,19 +171,21 @@ def prefill_samples(name: str, model, spec: ModelSpec, kvt: int, chunks: Sequenc
 def fit_forward_terms(samples: Sequence[StepSample], costs: dict[str, StepCost]) -> dict[str, float]:
     """Least squares (relative error, non-negative) for what the GEMM model leaves unexplained."""
     names = ["attention_decode_ns_per_byte", "attention_prefill_ns_per_flop",
-             "elementwise_ns_per_byte", "layer_overhead_us", "forward_overhead_us"]
+             "attention_prefill_ns_per_score_byte", "elementwise_ns_per_byte",
+             "layer_overhead_us", "forward_overhead_us"]
     rows, target = [], []
     for s in samples:
         c = costs[s.model]
         if s.kind == "decode":
             linear = c.linear_layers_s(s.rows) + c.lm_head_s(s.rows)
-            feats = [c.decode_attention_bytes(s.rows, s.context) * 1e-9, 0.0,
-                     c._elementwise_bytes(s.rows, logits=True) * 1e-9]
+            feats = [c.decode_attention_bytes(s.rows, s.context) * 1e-9, 0.0, 0.0,
+                     c.elementwise_bytes(s.rows, logits=True) * 1e-9]
         else:
             linear = c.linear_layers_s(s.rows) + c.lm_head_s(1)  # a final chunk: one row's logits
-            logits = c._elementwise_bytes(1, logits=True) - c._elementwise_bytes(1, logits=False)
+            logits = c.elementwise_bytes(1, logits=True) - c.elementwise_bytes(1, logits=False)
             feats = [0.0, c.prefill_attention_flops(s.rows, s.context) * 1e-9,
-                     (c._elementwise_bytes(s.rows, logits=False) + logits) * 1e-9]
+                     c.prefill_score_bytes(s.rows, s.context) * 1e-9,
+                     (c.elementwise_bytes(s.rows, logits=False) + logits) * 1e-9]
         rows.append(feats + [c.spec.num_layers * 1e-6, 1e-6])
         target.append(s.seconds - linear)
     a = np.asarray(rows) / np.asarray([s.seconds for s in samples])[:, None]

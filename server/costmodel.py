@@ -16,26 +16,29 @@ from server.modelspec import ModelSpec
 @dataclasses.dataclass(frozen=True)
 class GemmFit:
     """Time of one linear layer (m x k) @ (k x n) on a device, fitted by `batchsim calibrate`:
-    t = weight_ns * k*n  +  flop_ns(m) * 2*m*k*n  +  call_us.
-    The first term streams (and, on CPU BLAS, packs) the weights once per call; the second is the
-    arithmetic, whose cost per FLOP falls as more rows share the weights."""
+    t = weight_ns(k*n) * k*n  +  flop_ns(m) * 2*m*k*n.
+    The first term streams (and, on CPU BLAS, packs) the weights once per call, per weight
+    element; small matrices pay more per element (call overhead), so it depends on the matrix
+    size. The second is the arithmetic, whose cost per FLOP falls as more rows share the weights.
+    Both tables are interpolated in log space and clamped at their ends."""
 
-    weight_ns: float
-    flop_ns: dict[int, float]  # rows m -> ns per FLOP; interpolated in log2(m), clamped at the ends
-    call_us: float = 0.0
-
-    def flop_ns_at(self, m: int) -> float:
-        pts = sorted(self.flop_ns.items())
-        if m <= pts[0][0]:
-            return pts[0][1]
-        for (m0, v0), (m1, v1) in zip(pts, pts[1:]):
-            if m <= m1:
-                w = (math.log2(m) - math.log2(m0)) / (math.log2(m1) - math.log2(m0))
-                return v0 + w * (v1 - v0)
-        return pts[-1][1]
+    weight_ns: dict[int, float]  # weights in the matrix (k*n) -> ns per weight element
+    flop_ns: dict[int, float]  # rows m -> ns per FLOP
 
     def seconds(self, m: int, k: int, n: int) -> float:
-        return (self.weight_ns * k * n + self.flop_ns_at(m) * 2 * m * k * n) * 1e-9 + self.call_us * 1e-6
+        kn = k * n
+        return (_log_interp(self.weight_ns, kn) * kn + _log_interp(self.flop_ns, m) * 2 * m * kn) * 1e-9
+
+
+def _log_interp(table: dict[int, float], x: int) -> float:
+    pts = sorted(table.items())
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, v0), (x1, v1) in zip(pts, pts[1:]):
+        if x <= x1:
+            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return v0 + w * (v1 - v0)
+    return pts[-1][1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +48,7 @@ class Calibration:
     gemm: dict[str, GemmFit]  # by weight format: float32, float16, bfloat16, q4, q8
     attention_decode_ns_per_byte: float  # per K/V byte a decode step's attention reads
     attention_prefill_ns_per_flop: float  # per score/value FLOP of a prefill chunk's attention
+    attention_prefill_ns_per_score_byte: float  # per byte of its (heads x n x context) scores
     elementwise_ns_per_byte: float  # norms, RoPE, activations, residuals, logits
     layer_overhead_us: float  # per layer per forward pass (op dispatch, graph building)
     forward_overhead_us: float  # per forward pass

@@ -27,6 +27,7 @@ class Engine:
         virtual_time: bool = False,
         arrival_times_s: Sequence[float] = (),
         on_step: StepHook | None = None,
+        on_error: str = "raise",
     ):
         self.scheduler = scheduler
         self.executor = executor
@@ -34,6 +35,10 @@ class Engine:
         self.recorder = RunRecorder()
         self._arrivals = list(arrival_times_s)  # sorted open-loop arrivals bound simulated lookahead
         self._on_step = on_step
+        # "raise": an executor failure ends the run (batchsim run). "abort": the running requests
+        # fail, the executor starts clean, and everyone else is still served (batchsim serve).
+        self._on_error = on_error
+        self.num_executor_errors = 0
         self._t0 = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = asyncio.Event()
@@ -88,6 +93,17 @@ class Engine:
 
     # -- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
+        try:
+            await self._loop_steps()
+        except BaseException as exc:
+            # Whoever awaits a request must hear that the engine died, not wait forever.
+            for fut in self._done.values():
+                if not fut.done():
+                    fut.set_exception(exc if isinstance(exc, Exception) else RuntimeError("engine stopped"))
+            self._done.clear()
+            raise
+
+    async def _loop_steps(self) -> None:
         while not self._stopping:
             if not self.scheduler.has_work():
                 self._wake.clear()
@@ -95,7 +111,13 @@ class Engine:
                 continue
             plan = self.scheduler.schedule()
             start = self.now()
-            result = await self._execute(plan)
+            try:
+                result = await self._execute(plan)
+            except Exception:
+                if self._on_error == "raise":
+                    raise
+                self._recover()
+                continue
             finished = self.scheduler.update_from_output(plan, result)
             self._record(plan, result, start)
             self._resolve(finished)
@@ -108,6 +130,18 @@ class Engine:
         result = self.executor.execute(plan, max_elapsed_s=horizon)
         await asyncio.sleep(result.elapsed_s)
         return result
+
+    def _recover(self) -> None:
+        """After a failed step nothing the executor holds can be trusted: fail every running
+        request and start the executor empty; waiting requests are untouched."""
+        import logging
+
+        logging.getLogger("batchsim").exception("executor failed; aborting the running requests")
+        self.num_executor_errors += 1
+        for r in list(self.scheduler.running):
+            self.abort(r.request_id)
+            r.finish_reason = "error"
+        self.executor.reset()
 
     def _next_arrival(self) -> float:
         i = bisect.bisect_right(self._arrivals, self.now())

@@ -21,3 +21,7 @@ class Executor(Protocol):
     def kv_bytes(self) -> int:
         """KV bytes held now, counted from the executor's own state."""
         ...
+
+    def reset(self) -> None:
+        """Drop every request and all KV (after a failed step)."""
+        ...

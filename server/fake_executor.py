@@ -57,5 +57,9 @@ class FakeExecutor:
         return StepResult(plan.step_index, tuple(sampled), tuple(tokens),
                           tuple([self.step_s] * steps), plan.kv_bytes)
 
+    def reset(self) -> None:
+        self.positions.clear()
+        self._kv_bytes = 0
+
     def kv_bytes(self) -> int:
         return self._kv_bytes

@@ -79,6 +79,26 @@ def _download(hub_id: str) -> Path:
         ) from None
 
 
+def spec_for(ref: str) -> ModelSpec:
+    """The shapes of a zoo model, a model directory, or a hub id (its config.json alone)."""
+    if ref in zoo_names():
+        return zoo_spec(ref)
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return _from_dir(ref, path).spec
+    try:
+        from huggingface_hub import hf_hub_download
+
+        config_path = Path(hf_hub_download(ref, "config.json"))
+    except Exception as exc:  # unreachable hub, unknown repo, bad id: one clear message
+        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise ModelNotFoundError(
+            f"model {ref!r}: not a zoo model or a model directory, and its config.json could not "
+            f"be fetched from the hub ({reason}); zoo models: {', '.join(zoo_names())}"
+        ) from None
+    return spec_from_hf_config(ref, json.loads(config_path.read_text()))
+
+
 def load(ref: ModelRef) -> tuple[Any, Any]:
     """(model, tokenizer) through mlx_lm.load, the loader users run."""
     import mlx_lm

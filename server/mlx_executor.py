@@ -91,6 +91,10 @@ class MLXExecutor:
             kv_bytes=self.kv_bytes(),
         )
 
+    def reset(self) -> None:
+        self.pool = DecodePool(self.num_layers, self.kv_heads, self.head_dim, self.dtype)
+        self.seqs.clear()
+
     def kv_bytes(self) -> int:
         private = sum(c.nbytes for s in self.seqs.values() if s.cache for c in s.cache)
         return self.pool.nbytes + private

@@ -52,6 +52,9 @@ class SimExecutor:
                 elapsed += d
         return StepResult(plan.step_index, tuple(sampled), None, tuple(durations), self.kv_bytes())
 
+    def reset(self) -> None:
+        self.geometry, self.rows, self.private = EMPTY_POOL, [], {}
+
     def kv_bytes(self) -> int:
         private = sum(private_cache_tokens(n) for n in self.private.values())
         return (self.geometry.nbytes(1) + private) * self.kvt

@@ -59,14 +59,14 @@ class StepCost:
     def lm_head_s(self, m: int) -> float:
         return self._linear_s(m, self.spec.hidden_size, self.spec.vocab_size)
 
-    def _elementwise_bytes(self, m: int, logits: bool) -> float:
+    def elementwise_bytes(self, m: int, logits: bool) -> float:
         s = self.spec
         per_layer = 6 * s.hidden_size + 3 * s.intermediate_size + 2 * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         total = m * s.num_layers * per_layer * self.act_bytes
         return total + (m * s.vocab_size * 4 if logits else 0)
 
     def _elementwise_s(self, m: int, logits: bool) -> float:
-        nbytes = self._elementwise_bytes(m, logits)
+        nbytes = self.elementwise_bytes(m, logits)
         if self.cal is not None:
             return nbytes * self.cal.elementwise_ns_per_byte * 1e-9
         return nbytes / self.profile.bytes_per_s
@@ -83,6 +83,11 @@ class StepCost:
     def prefill_attention_flops(self, n: int, start: int) -> int:
         s = self.spec
         return 4 * s.num_layers * s.num_heads * s.head_dim * n * (start + n)
+
+    def prefill_score_bytes(self, n: int, start: int) -> int:
+        """The attention scores a chunk writes and rereads (mask, softmax): heads x n x context."""
+        s = self.spec
+        return s.num_layers * s.num_heads * n * (start + n) * 4
 
     # -- a forward pass ------------------------------------------------------------------------
     def _decode_parts(self, batch: int) -> tuple[float, float]:
@@ -108,7 +113,8 @@ class StepCost:
             t += self.lm_head_s(1) + self._elementwise_s(1, logits=True) - self._elementwise_s(1, False)
         flops = self.prefill_attention_flops(n, start)
         if self.cal is not None:
-            return t + flops * self.cal.attention_prefill_ns_per_flop * 1e-9
+            return t + (flops * self.cal.attention_prefill_ns_per_flop + self.prefill_score_bytes(
+                n, start) * self.cal.attention_prefill_ns_per_score_byte) * 1e-9
         kv_read = (start + n) * self.kv_bytes_per_token
         return t + max(flops / self.profile.flops_per_s(self.act_dtype), kv_read / self.profile.bytes_per_s)
 

@@ -30,13 +30,13 @@ import pytest
 from rich.console import Console
 
 from configs import ConfigError
+from scripts.report import summary_table
 from server.metrics import (
     RequestRecord,
     StepRecord,
     parse_goodput,
     percentile_label,
     summarize,
-    summary_table,
 )
 
 approx = pytest.approx

@@ -25,8 +25,10 @@ PROFILE = DeviceProfile(
     name="test", bandwidth_gbs=20.0, peak_tflops={"float32": 0.1}, bandwidth_efficiency=1.0,
     compute_efficiency=1.0,
     calibration=Calibration(
-        gemm={"float32": GemmFit(weight_ns=0.2, flop_ns={1: 0.05, 64: 0.02}, call_us=5.0)},
+        gemm={"float32": GemmFit(weight_ns={10_000: 0.6, 10_000_000: 0.2},
+                                 flop_ns={1: 0.05, 64: 0.02})},
         attention_decode_ns_per_byte=0.3, attention_prefill_ns_per_flop=0.02,
+        attention_prefill_ns_per_score_byte=0.4,
         elementwise_ns_per_byte=0.5, layer_overhead_us=40.0, forward_overhead_us=300.0,
         copy_gbs=5.0, step_overhead_us=200.0,
     ),
@@ -118,9 +120,10 @@ def test_roofline_profile_without_calibration_is_bandwidth_bound_at_batch_1(smol
 
 
 def test_gemm_fit_recovers_known_parameters():
-    true = GemmFit(weight_ns=0.3, flop_ns={1: 0.08, 2: 0.07, 4: 0.06, 16: 0.03, 64: 0.02}, call_us=0.0)
+    true = GemmFit(weight_ns={512 * 512: 0.5, 2048 * 2048: 0.3, 1024 * 32768: 0.25},
+                   flop_ns={1: 0.08, 2: 0.07, 4: 0.06, 16: 0.03, 64: 0.02})
     samples = {(m, k, n): true.seconds(m, k, n) for m in true.flop_ns
-               for k, n in ((512, 512), (1024, 4096), (2048, 2048))}
+               for k, n in ((512, 512), (2048, 2048), (1024, 32768))}
     fit = cal.fit_gemm(samples)
     for (m, k, n), t in samples.items():
         assert fit.seconds(m, k, n) == pytest.approx(t, rel=0.02)
@@ -138,12 +141,14 @@ def test_forward_terms_fit_recovers_known_coefficients(smollm2_spec, tiny_spec):
         for n, start in ((16, 0), (256, 0), (256, 512)):
             samples.append(cal.StepSample(name, "prefill", n, start, c.prefill_forward_s(n, start, True)))
     zero = dataclasses.replace(true, attention_decode_ns_per_byte=0, attention_prefill_ns_per_flop=0,
-                               elementwise_ns_per_byte=0, layer_overhead_us=0, forward_overhead_us=0)
+                               attention_prefill_ns_per_score_byte=0, elementwise_ns_per_byte=0,
+                               layer_overhead_us=0, forward_overhead_us=0)
     costs0 = {n: StepCost(c.spec, dataclasses.replace(PROFILE, calibration=zero), "float32", None)
               for n, c in costs.items()}
     terms = cal.fit_forward_terms(samples, costs0)
     for key in ("attention_decode_ns_per_byte", "attention_prefill_ns_per_flop",
-                "elementwise_ns_per_byte", "layer_overhead_us", "forward_overhead_us"):
+                "attention_prefill_ns_per_score_byte", "elementwise_ns_per_byte",
+                "layer_overhead_us", "forward_overhead_us"):
         assert terms[key] == pytest.approx(getattr(true, key), rel=1e-3), key
 
 

@@ -121,6 +121,8 @@ class Engine:
             finished = self.scheduler.update_from_output(plan, result)
             self._record(plan, result, start)
             self._resolve(finished)
+            if finished:  # a closed-loop client sends its next request before the next plan
+                await asyncio.sleep(0)
 
     async def _execute(self, plan: StepPlan) -> StepResult:
         if self._thread is not None:

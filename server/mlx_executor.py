@@ -35,7 +35,8 @@ class MLXExecutor:
         attn = layers[0].self_attn
         self.num_layers = len(layers)
         self.kv_heads = attn.n_kv_heads
-        self.head_dim = model.args.head_dim or model.args.hidden_size // model.args.num_attention_heads
+        # From the weights: not every architecture's args carry head_dim (qwen2 derives it).
+        self.head_dim = attn.k_proj.weight.shape[0] // attn.n_kv_heads
         self.dtype = self._activation_dtype()
         self.pool = DecodePool(self.num_layers, self.kv_heads, self.head_dim, self.dtype)
         self.seqs: dict[int, SeqState] = {}

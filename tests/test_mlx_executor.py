@@ -115,3 +115,26 @@ def test_kv_bytes_match_arrays_formula_and_active_memory(tiny):
         assert abs(held - result.kv_bytes) <= 64 * 1024, (held, result.kv_bytes)
         seen_growth |= plan.pool.capacity_tokens > KV_STEP
     assert seen_growth
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_batched_equals_single_on_other_architectures(model_type, tmp_path):
+    # Tiny shapes of the Qwen2 (QKV bias, head_dim derived) and Qwen3 (q/k norms) families.
+    from server.build import build_model
+    from server.loader import ModelRef, load
+    from server.modelspec import ModelSpec
+
+    config = dict(model_type=model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                  max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0,
+                  tie_word_embeddings=model_type == "qwen3", bos_token_id=1, eos_token_id=2)
+    if model_type == "qwen3":
+        config["head_dim"] = 16
+    spec = ModelSpec(name=f"tiny-{model_type}", config=config)
+    path = build_model(spec, "float32", out_dir=tmp_path / model_type)
+    model, _ = load(ModelRef(spec.name, path, spec, "float32", None))
+    kvt = spec.kv_bytes_per_token("float32")
+    specs = _requests(spec.vocab_size, 6, seed=7, max_prompt=400, max_out=20)
+    batched, _, trace = _run(model, kvt, specs, max_num_seqs=6)
+    assert max(len(p.decode_ids) for p in trace.plans) >= 3
+    assert batched == _alone(model, kvt, specs)

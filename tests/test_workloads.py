@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+import yaml
 
 from configs import CONFIG_DIR, ConfigError
 from workloads.driver import LoopThrottler, drive
@@ -180,8 +181,11 @@ def test_every_shipped_workload_loads_and_builds():
         assert spec.name == name
         reqs = build_requests(spec)
         assert len(reqs) == spec.num_prompts
+    # The built-in default is exactly what its YAML says (no hidden defaults override the file).
     default = builtin_workload("default")
-    assert (default.arrival, default.request_rate, default.num_prompts) == ("poisson", 2.0, 40)
+    raw = yaml.safe_load((CONFIG_DIR / "workloads" / "default.yaml").read_text())
+    assert (default.arrival, default.request_rate, default.num_prompts) == (
+        raw["arrival"], raw["request_rate"], raw["num_prompts"])
     assert resolve_workload("bursty") == builtin_workload("bursty")
 
 

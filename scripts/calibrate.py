@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> dict:
         bandwidth = measure_bandwidth_gbs()
         gemm, gemm_samples = cal.measure_gemm(mx_dtype, reps=args.reps, log=err.print)
         copy_gbs = cal.measure_copy_gbs(args.reps)
+        probe_before = cal.speed_probe_ms(mx_dtype)
     peak_gflops = max(2 * m * k * n / t for (m, k, n), t in gemm_samples.items()) / 1e9
     err.print(f"bandwidth {bandwidth:.1f} GB/s, peak {peak_gflops:.1f} GFLOP/s, copy {copy_gbs:.1f} GB/s")
 
@@ -63,6 +64,15 @@ def run(args: argparse.Namespace) -> dict:
         samples += cal.prefill_samples(name, s.model, s.spec, s.kv_bytes_per_token,
                                        [int(c) for c in args.chunks], [int(x) for x in args.starts])
     overhead_us = _engine_overhead_us(sessions[args.models[0]])
+    with cache_limit():
+        probe_after = cal.speed_probe_ms(mx_dtype)
+    # The device's speed while it was measured: the mean of the probe at the start and the end.
+    probe_ms = {k: (probe_before[k] + probe_after[k]) / 2 for k in probe_before}
+    drift = cal.probe_speed(probe_after, probe_before)
+    if any(abs(v - 1) > 0.1 for v in drift.values()):
+        err.print("[yellow]warning: the device's speed changed during calibration ("
+                  + ", ".join(f"{k} x{v:.2f}" for k, v in drift.items())
+                  + "); another process or a busy host. Calibrate on a quiet machine.[/yellow]")
 
     base = DeviceProfile(name=args.name, bandwidth_gbs=bandwidth,
                          peak_tflops={dtype: peak_gflops / 1e3}, bandwidth_efficiency=1.0,
@@ -71,7 +81,8 @@ def run(args: argparse.Namespace) -> dict:
                                 args.models, when)
     costs0 = {n: StepCost(s.spec, _with(base, zero), dtype, None) for n, s in sessions.items()}
     terms = cal.fit_forward_terms(samples, costs0)
-    calib = cal.calibration_from({dtype: gemm}, terms, copy_gbs, overhead_us, args.models, when)
+    calib = cal.calibration_from({dtype: gemm}, terms, copy_gbs, overhead_us, args.models, when,
+                                 probe_ms)
     env_info = env.environment(dtype=dtype)
     profile = _with(base, calib, source=f"batchsim calibrate {when}: {env_info['cpu']}, "
                     f"{env_info['backend']}, BLAS {env_info['blas']}, models {', '.join(args.models)}")
@@ -88,7 +99,8 @@ def run(args: argparse.Namespace) -> dict:
     errors = sorted(abs(r["error"]) for r in rows)
     summary = {"profile": str(paths[0]), "profile_paths": [str(p) for p in paths],
                "bandwidth_gbs": bandwidth, "peak_gflops": {dtype: peak_gflops}, "copy_gbs": copy_gbs,
-               "terms": terms, "step_overhead_us": overhead_us,
+               "terms": terms, "step_overhead_us": overhead_us, "speed_probe_ms": probe_ms,
+               "speed_drift": drift,
                "median_abs_err": errors[len(errors) // 2], "max_abs_err": errors[-1],
                "samples": rows, "env": env_info}
     append_jsonl(Path(args.out) / "calibrate.jsonl", [summary])

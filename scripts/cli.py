@@ -30,20 +30,25 @@ calibrated roofline simulator for Macs you do not have.
 Every command prints tables for people, then one JSON document as its last stdout line."""
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it is None/False or the help already states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default:" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="batchsim", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module, help_text in COMMANDS:
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-            continue  # a command not built yet
+        mod = importlib.import_module(module)
         p = sub.add_parser(name, help=help_text, description=help_text,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=_DefaultsFormatter)
         mod.add_parser(p)
         p.set_defaults(_run=mod.run)
     return parser

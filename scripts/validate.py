@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -41,16 +42,20 @@ def run(args: argparse.Namespace) -> dict:
     sim = open_session(RunConfig(model=args.model, dtype=real.dtype, executor="sim",
                                  device_profile=args.device_profile))
     out_dir = Path(args.out) / f"validate-{timestamp()}"
+    probe = _speed_probe(profile, real.dtype)
     rows = []
     for i, case in enumerate(cases):
         err.print(f"[{i + 1}/{len(cases)}] {case['name']}: real run")
         cfg = _case_config(real.config, case, real.weight_bytes)
+        before = probe()
         measured = _run(real.with_config(cfg), out_dir, case["name"] + "-real")
+        speed = _mean_speed(before, probe())
         cfg_sim = dataclasses.replace(cfg, executor="sim", device_profile=args.device_profile,
                                       dtype=real.dtype)
         predicted = _run(sim.with_config(cfg_sim), out_dir, case["name"] + "-sim")
-        rows.append(_compare(case["name"], measured, predicted))
-        err.print("   " + "  ".join(f"{m} {100 * rows[-1]['error'][m]:+.1f}%" for m in METRICS))
+        rows.append(_compare(case["name"], measured, predicted) | {"device_speed": speed})
+        err.print("   " + "  ".join(f"{m} {100 * rows[-1]['error'][m]:+.1f}%" for m in METRICS)
+                  + "  device speed " + _fmt_speed(speed))
     summary = _summarize(rows)
     summary.update({"model": args.model, "device_profile": args.device_profile,
                     "profile_source": profile.source, "env": real.environment(),
@@ -58,6 +63,33 @@ def run(args: argparse.Namespace) -> dict:
     _print(rows, summary)
     append_jsonl(Path(args.out) / "validate.jsonl", [summary])
     return summary
+
+
+def _speed_probe(profile, dtype: str) -> Callable[[], dict[str, float]]:
+    """Reruns calibration's speed probe: the device's speed now relative to when the profile was
+    measured, per probe (1.0 = same; {} when the profile has no probe)."""
+    import mlx.core as mx
+
+    from server.calibration import probe_speed, speed_probe_ms
+    from server.microbench import cache_limit
+
+    calibrated = profile.calibration.speed_probe_ms if profile.calibration else {}
+
+    def probe() -> dict[str, float]:
+        if not calibrated:
+            return {}
+        with cache_limit():
+            return probe_speed(speed_probe_ms(getattr(mx, dtype)), calibrated)
+
+    return probe
+
+
+def _mean_speed(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: (before[k] + after[k]) / 2 for k in before if k in after}
+
+
+def _fmt_speed(speed: dict[str, float]) -> str:
+    return ", ".join(f"{k} x{v:.2f}" for k, v in speed.items()) or "n/a"
 
 
 def _load_cases(path: Path, names: str | None) -> list[dict[str, Any]]:
@@ -114,18 +146,27 @@ def _summarize(rows: list[dict]) -> dict:
     for m in METRICS + EXTRA:
         r = max(rows, key=lambda r: abs(r["error"][m]))
         worst[m] = {"abs_err": abs(r["error"][m]), "case": r["case"]}
+    speeds = [v for r in rows for v in r.get("device_speed", {}).values()]
     return {"cases": rows, "median_abs_err": med,
+            "device_speed_range": [min(speeds), max(speeds)] if speeds else None,
             "max_abs_err": {m: w["abs_err"] for m, w in worst.items()},
             "worst_case": {m: w["case"] for m, w in worst.items()}}
 
 
 def _print(rows: list[dict], summary: dict) -> None:
-    cols = ["case"] + [f"{m} err %" for m in METRICS] + ["peak batch real/sim"]
+    cols = (["case"] + [f"{m} err %" for m in METRICS]
+            + ["peak batch real/sim", "device speed vs calibration"])
     body = [[r["case"]] + [100 * r["error"][m] for m in METRICS]
-            + [f"{r['measured']['max_batch_size']}/{r['predicted']['max_batch_size']}"] for r in rows]
-    body.append(["median |err|"] + [100 * summary["median_abs_err"][m] for m in METRICS] + [""])
-    body.append(["max |err|"] + [100 * summary["max_abs_err"][m] for m in METRICS] + [""])
+            + [f"{r['measured']['max_batch_size']}/{r['predicted']['max_batch_size']}",
+               _fmt_speed(r.get("device_speed", {}))] for r in rows]
+    body.append(["median |err|"] + [100 * summary["median_abs_err"][m] for m in METRICS] + ["", ""])
+    body.append(["max |err|"] + [100 * summary["max_abs_err"][m] for m in METRICS] + ["", ""])
     out.print(table("Simulator vs real runs (error = predicted / measured - 1)", cols, body))
+    lo_hi = summary.get("device_speed_range")
+    if lo_hi and (lo_hi[0] < 0.9 or lo_hi[1] > 1.1):
+        err.print(f"[yellow]the device ran at x{lo_hi[0]:.2f}-x{lo_hi[1]:.2f} of its calibrated "
+                  "speed (fixed GEMV/GEMM probe): errors that large are the machine drifting, "
+                  "not the model. Recalibrate right before validating, on a quiet machine.[/yellow]")
 
 
 def _plot(rows: list[dict], out_dir: Path) -> Path:

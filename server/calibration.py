@@ -42,18 +42,27 @@ class StepSample:
     seconds: float
 
 
-def time_linear(m: int, k: int, n: int, dtype: mx.Dtype, reps: int = 5) -> float:
+def streamed_weights(k: int, n: int, dtype: mx.Dtype) -> list[mx.array]:
+    """Enough distinct (n, k) weight matrices that cycling through them defeats the caches."""
+    copies = max(1, min(64, STREAM_BYTES // (k * n * dtype.size)))
+    base = mx.random.normal((n, k)).astype(dtype)
+    ws = [base + i for i in range(copies)]  # distinct buffers; values do not change the timing
+    mx.eval(ws)
+    return ws
+
+
+def time_linear(m: int, k: int, n: int, dtype: mx.Dtype, reps: int = 5,
+                weights: list[mx.array] | None = None) -> float:
     """Seconds for one (m, k) @ (k, n)^T as nn.Linear computes it, weights streamed from memory:
     each timed call cycles through enough distinct weight matrices to defeat the caches."""
-    copies = max(1, min(64, STREAM_BYTES // (k * n * dtype.size)))
-    ws = [mx.random.normal((n, k)).astype(dtype) for _ in range(copies)]
+    ws = weights or streamed_weights(k, n, dtype)
     x = mx.random.normal((m, k)).astype(dtype)
-    mx.eval(ws, x)
+    mx.eval(x)
 
     def run() -> None:
         mx.eval([x @ w.T for w in ws])
 
-    return median_time_s(run, reps) / copies
+    return median_time_s(run, reps) / len(ws)
 
 
 def fit_gemm(samples: dict[tuple[int, int, int], float]) -> GemmFit:
@@ -85,6 +94,24 @@ def measure_gemm(dtype: mx.Dtype, rows: Sequence[int] = GEMM_ROWS, shapes=GEMM_S
             samples[(m, k, n)] = time_linear(m, k, n, dtype, reps)
         log(f"gemm {k}x{n}: " + ", ".join(f"m={m} {samples[(m, k, n)] * 1e3:.2f}ms" for m in rows))
     return fit_gemm(samples), samples
+
+
+PROBE_SHAPE = (1024, 4096)  # (k, n) of the speed probe's linear layer
+PROBE_ROWS = {"gemv": 1, "gemm": 64}  # memory-bound and compute-bound
+
+
+def speed_probe_ms(dtype: mx.Dtype, reps: int = 5) -> dict[str, float]:
+    """A few seconds of fixed GEMV and GEMM timings. Shared machines drift (a busy SMT sibling
+    slows matmuls by a third for minutes at a time); comparing this probe with its value in the
+    profile says how far the device is from the one that was calibrated."""
+    k, n = PROBE_SHAPE
+    ws = streamed_weights(k, n, dtype)
+    return {kind: time_linear(m, k, n, dtype, reps, ws) * 1e3 for kind, m in PROBE_ROWS.items()}
+
+
+def probe_speed(now_ms: dict[str, float], calibrated_ms: dict[str, float]) -> dict[str, float]:
+    """Device speed now relative to calibration, per probe (1.0 = same, 0.8 = 20% slower)."""
+    return {k: calibrated_ms[k] / now_ms[k] for k in now_ms if k in calibrated_ms and now_ms[k] > 0}
 
 
 def measure_copy_gbs(reps: int = 5) -> float:
@@ -209,6 +236,8 @@ def predict(sample: StepSample, cost: StepCost) -> float:
 
 
 def calibration_from(gemm: dict[str, GemmFit], terms: dict[str, float], copy_gbs: float,
-                     step_overhead_us: float, models: Sequence[str], when: str) -> Calibration:
+                     step_overhead_us: float, models: Sequence[str], when: str,
+                     probe_ms: dict[str, float] | None = None) -> Calibration:
     return Calibration(gemm=gemm, copy_gbs=copy_gbs, step_overhead_us=step_overhead_us,
-                       calibrated_on=tuple(models), measured_at=when, **terms)
+                       calibrated_on=tuple(models), measured_at=when,
+                       speed_probe_ms=dict(probe_ms or {}), **terms)

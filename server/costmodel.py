@@ -56,6 +56,9 @@ class Calibration:
     step_overhead_us: float  # engine bookkeeping per step (scheduling, thread hand-off, sync)
     calibrated_on: tuple[str, ...] = ()
     measured_at: str = ""
+    # `speed_probe` timings (ms) at calibration time: `validate` reruns the probe to tell a stale
+    # profile (the device got slower or faster since) from a wrong model.
+    speed_probe_ms: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -109,3 +109,44 @@ def test_pure_arithmetic_commands_do_not_load_mlx(command):
             "print('mlx.core' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_validate_contract_on_the_tiny_model(batchsim_home, tmp_path):
+    """`validate` end to end: two small cases run real and simulated, the issue's JSON contract,
+    the device-speed probe beside every case, and the refusal to validate on a calibration model."""
+    import yaml
+
+    shipped = Path(__file__).parent.parent / "configs" / "devices" / "linux-x86_64-openblas-2core.yaml"
+    profile = yaml.safe_load(shipped.read_text())
+    profile["calibration"]["calibrated_on"] = ["smollm2-135m"]  # so that tiny counts as unseen
+    profile["calibration"]["speed_probe_ms"] = {"gemv": 2.0, "gemm": 30.0}
+    profile_path = tmp_path / "profile.yaml"
+    profile_path.write_text(yaml.safe_dump(profile))
+    matrix = tmp_path / "matrix.yaml"
+    matrix.write_text(yaml.safe_dump({"cases": [
+        {"name": "b1", "max_num_seqs": 1, "workload": {
+            "num_prompts": 3, "arrival": "poisson", "request_rate": "inf",
+            "input_len": "fixed:8", "output_len": "fixed:6", "seed": 1}},
+        {"name": "b4", "max_num_seqs": 4, "workload": {
+            "num_prompts": 4, "arrival": "poisson", "request_rate": "inf",
+            "input_len": "fixed:8", "output_len": "fixed:6", "seed": 2}},
+    ]}))
+    args = ["validate", "--model", "tiny", "--device-profile", str(profile_path),
+            "--matrix", str(matrix), "--out", str(tmp_path / "results")]
+    summary = last_json(batchsim(*args, home=batchsim_home).stdout)
+    metrics = {"output_throughput", "mean_ttft_ms", "mean_tpot_ms", "p99_ttft_ms", "p99_tpot_ms"}
+    assert metrics <= set(summary["median_abs_err"]) and metrics <= set(summary["max_abs_err"])
+    assert [c["case"] for c in summary["cases"]] == ["b1", "b4"]
+    for case in summary["cases"]:
+        assert set(case["device_speed"]) == {"gemv", "gemm"}
+        assert all(v > 0 for v in case["device_speed"].values())
+        # Same requests, same scheduler: peak batch is decided by policy, not timing.
+        assert case["measured"]["max_batch_size"] == case["predicted"]["max_batch_size"]
+    assert summary["cases"][1]["measured"]["max_batch_size"] == 4
+    assert Path(summary["png"]).exists()
+    assert (tmp_path / "results" / "validate.jsonl").exists()
+
+    profile["calibration"]["calibrated_on"] = ["tiny"]
+    profile_path.write_text(yaml.safe_dump(profile))
+    refused = batchsim(*args, home=batchsim_home, check=False)
+    assert refused.returncode == 2 and "used to calibrate" in refused.stderr

@@ -9,6 +9,12 @@ CPU backend. On macOS nothing is done: MLX runs on Metal.
 BATCHSIM_BLAS selects: `auto` (default: MKL from this environment, else a system OpenBLAS, else the
 reference BLAS with a warning), `openblas`, `mkl`, `none` (keep the bundled reference BLAS), or a
 path to any shared library exporting the CBLAS symbols.
+
+OpenBLAS picks its kernels from the CPU model at load time; a CPU newer than the OpenBLAS build
+(e.g. an Emerald Rapids Xeon under Debian 12's 0.3.21) falls back to the generic "Prescott" SSE3
+kernels, three times slower at sgemm. batchsim checks which core a fresh process gets and, when
+it is such a fallback, sets OPENBLAS_CORETYPE from the CPU's own flags (AVX-512 or AVX2) before
+loading. A user-set OPENBLAS_CORETYPE is left alone.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import ctypes.util
 import dataclasses
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -83,6 +90,58 @@ def _version(lib: ctypes.CDLL, name: str) -> str | None:
     return None
 
 
+# Cores OpenBLAS falls back to when it does not know the CPU model (generic SSE-era kernels).
+_FALLBACK_CORES = {"prescott", "core2", "penryn", "dunnington", "nehalem", "katmai", "coppermine",
+                   "northwood", "banias", "atom", "unknown"}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def coretype_for(flags: set[str]) -> str | None:
+    """The best OpenBLAS x86-64 kernel set these CPU flags can run, or None."""
+    if {"avx512f", "avx512vl", "avx512bw", "avx512dq"} <= flags:
+        return "Cooperlake" if "avx512_bf16" in flags else "SkylakeX"
+    if {"avx2", "fma"} <= flags:
+        return "Haswell"
+    return None
+
+
+def _openblas_corename(path: str) -> str | None:
+    """The core a fresh process's OpenBLAS picks (its choice is fixed once loaded, so ask another
+    process rather than this one)."""
+    code = ("import ctypes,sys; f=ctypes.CDLL(sys.argv[1]).openblas_get_corename; "
+            "f.restype=ctypes.c_char_p; print(f().decode())")
+    try:
+        out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
+                             timeout=30, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+def _fix_openblas_coretype(paths: list[str]) -> str:
+    """Sets OPENBLAS_CORETYPE when OpenBLAS would fall back to generic kernels; returns a note."""
+    if os.environ.get("OPENBLAS_CORETYPE") or platform.machine() not in ("x86_64", "AMD64") or not paths:
+        return ""
+    want = coretype_for(_cpu_flags())
+    detected = _openblas_corename(paths[0]) if want else None
+    if not want or not detected or detected.lower() not in _FALLBACK_CORES:
+        return ""
+    os.environ["OPENBLAS_CORETYPE"] = want
+    return (f"; OpenBLAS did not know this CPU and chose {detected} kernels, so "
+            f"OPENBLAS_CORETYPE={want} was set from the CPU flags")
+
+
 def _load(name: str, paths: list[str], note: str) -> BlasChoice | None:
     for path in paths:
         try:
@@ -113,11 +172,13 @@ def preload(request: str | None = None) -> BlasChoice:
     elif request == "mkl":
         choice = _load("mkl", _mkl_paths(), f"{ENV_VAR}=mkl")
     elif request == "openblas":
-        choice = _load("openblas", _openblas_paths(), f"{ENV_VAR}=openblas")
+        paths = _openblas_paths()
+        choice = _load("openblas", paths, f"{ENV_VAR}=openblas" + _fix_openblas_coretype(paths))
     elif request == "auto":
-        choice = _load("mkl", _mkl_paths(), "auto: MKL installed in this environment") or _load(
-            "openblas", _openblas_paths(), "auto: system OpenBLAS"
-        )
+        choice = _load("mkl", _mkl_paths(), "auto: MKL installed in this environment")
+        if choice is None:
+            paths = _openblas_paths()
+            choice = _load("openblas", paths, "auto: system OpenBLAS" + _fix_openblas_coretype(paths))
         if choice is None:
             choice = BlasChoice("reference", None, None, "auto: no optimized BLAS found")
     else:

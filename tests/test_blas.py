@@ -1,0 +1,58 @@
+"""Choosing MLX's CBLAS on Linux: the OpenBLAS kernel fix-up and the user's overrides."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from server import blas
+
+AVX512 = {"avx512f", "avx512vl", "avx512bw", "avx512dq", "avx2", "fma"}
+
+
+def test_coretype_from_cpu_flags():
+    assert blas.coretype_for(AVX512 | {"avx512_bf16"}) == "Cooperlake"
+    assert blas.coretype_for(AVX512) == "SkylakeX"
+    assert blas.coretype_for({"avx2", "fma", "sse4_2"}) == "Haswell"
+    assert blas.coretype_for({"avx512f", "avx2"}) is None  # no fma: not even Haswell is safe
+    assert blas.coretype_for({"sse4_2"}) is None
+
+
+def _choice_in_subprocess(**env: str) -> str:
+    code = "from server import blas; c = blas.preload(); print(c.name, '|', c.version, '|', c.note)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, **env}, cwd=os.path.dirname(os.path.dirname(__file__)))
+    return out.stdout.strip()
+
+
+needs_openblas = pytest.mark.skipif(not blas._openblas_paths() or sys.platform != "linux",
+                                    reason="no system OpenBLAS")
+
+
+@needs_openblas
+def test_user_coretype_is_left_alone():
+    line = _choice_in_subprocess(BATCHSIM_BLAS="openblas", OPENBLAS_CORETYPE="Haswell")
+    name, version, note = (p.strip() for p in line.split("|"))
+    assert name == "openblas" and "Haswell" in version and "OPENBLAS_CORETYPE" not in note
+
+
+@needs_openblas
+def test_openblas_never_runs_generic_kernels_on_a_modern_cpu():
+    want = blas.coretype_for(blas._cpu_flags())
+    if want is None:
+        pytest.skip("CPU without AVX2/FMA")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    code = "from server import blas; print(blas.preload().version)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**env, "BATCHSIM_BLAS": "openblas"},
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    core = out.stdout.split()[-2].lower()  # "... DYNAMIC_ARCH NO_AFFINITY <core> MAX_THREADS=64"
+    assert core not in blas._FALLBACK_CORES, out.stdout
+
+
+def test_none_keeps_the_reference_blas():
+    line = _choice_in_subprocess(BATCHSIM_BLAS="none")
+    assert line.startswith("reference") or line.startswith("metal")

@@ -150,8 +150,7 @@ class Scheduler:
 
         # Admission also asks whether the request could decode beside everyone running, so a
         # request that would only be preempted again when it joins the pool waits instead.
-        rows_later = len(self.running)
-        len_later = max((x.num_tokens + 1 for x in self.running), default=0)
+        rows_later, len_later = 0, 0  # set when admission starts (most steps admit nobody)
 
         def can_join_later(r: Request) -> bool:
             width = max(len_later, r.num_tokens + 1)
@@ -173,6 +172,9 @@ class Scheduler:
             self._add_chunk(r, n, prefills, private)
             tok_budget -= n
 
+        if self.waiting:
+            rows_later = len(self.running)
+            len_later = max((x.num_tokens + 1 for x in self.running), default=0)
         while not blocked and self.waiting and len(self.running) < cfg.max_num_seqs and tok_budget > 0:
             r = self.waiting[0]
             if not can_join_later(r):

@@ -41,6 +41,7 @@ class StepCost:
             self.gemm = self.cal.gemm[self.fmt]
         self.layer_shapes = spec.layer_linear_shapes  # (out, in) per layer
         self._decode_cached = lru_cache(maxsize=None)(self._decode_parts)
+        self._elementwise_s = lru_cache(maxsize=4096)(self._elementwise_s)  # per instance
         self.linear_layers_s = lru_cache(maxsize=4096)(self.linear_layers_s)  # per instance
 
     # -- building blocks -----------------------------------------------------------------------

@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from scripts.common import append_jsonl, err, out, table, timestamp
+from scripts.common import append_jsonl, err, out, pyplot, save_figure, table, timestamp
 from scripts.run_cmd import add_model_args, add_workload_args, config_from_args, run_in_process
 from server.run_config import RunConfig, with_run_overrides
 from workloads.lengths import LengthSpec
@@ -146,10 +146,7 @@ def _print(batch1: dict, batched: dict, batch: int, rat: dict) -> None:
 
 def _plot(batch1: dict, batched: dict, batch: int, speedup: float | None, path: Path) -> Path:
     """Output tok/s per run; mean/median/P99 TTFT, TPOT and E2EL per run (log scale)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     names = ["batch 1", f"batch {batch}"]
@@ -171,8 +168,4 @@ def _plot(batch1: dict, batched: dict, batch: int, speedup: float | None, path: 
     ax_l.legend()
     fig.suptitle(f"{batched['model']} {batched['dtype']} on {batched['executor']}, workload "
                  f"{batched['workload']}: batch 1 vs batch {batch}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

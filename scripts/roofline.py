@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from scripts.common import (append_jsonl, err, int_list, out, positive_float, str_list, table,
-                            timestamp)
+from scripts.common import (append_jsonl, err, int_list, out, positive_float, pyplot, save_figure,
+                            str_list, table, timestamp)
 from server import microbench as mb
 
 DEFAULT_NS = "1024,2048,4096,8192,12288"
@@ -215,10 +215,7 @@ def _records(stamp: str, summary: dict, settings: dict):
 
 
 def _plot(path: Path, summary: dict) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     bw, peaks = summary["bandwidth_gbs"], summary["peak_gflops"]
@@ -255,8 +252,4 @@ def _plot(path: Path, summary: dict) -> Path:
     ax.set_ylim(top=top * 4)  # the memory roof runs on far above the compute roofs
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=100)

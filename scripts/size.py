@@ -13,7 +13,8 @@ import numpy as np
 
 from configs import ConfigError
 from scheduler.kv_layout import KV_STEP, PAGE_TOKENS, round_up
-from scripts.common import append_jsonl, fmt, gib, out, positive_float, table, timestamp
+from scripts.common import (append_jsonl, fmt, gib, out, positive_float, pyplot, save_figure, table,
+                            timestamp)
 from server import macs
 from server.costmodel import compute_dtype, decode_step_s, decode_tok_s
 from server.loader import spec_for
@@ -263,10 +264,7 @@ def _tok(row: dict, key: str) -> str:
 
 def _plot(rows: list[dict], meta: dict, path: Path) -> Path:
     """Max batch (padded vs paged) and predicted tok/s (batch 1 vs max batch) per Mac config."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     y = np.arange(len(rows))
     fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(12, 1.5 + 0.18 * len(rows)), sharey=True)
@@ -284,8 +282,4 @@ def _plot(rows: list[dict], meta: dict, path: Path) -> Path:
     ax_b.set_yticks(y, [f"{r['label']} {r['memory_gb']:g}GB" for r in rows], fontsize=7)
     ax_b.invert_yaxis()
     fig.suptitle(f"{meta['model']} {_weights_tag(meta)}, context {meta['context']}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

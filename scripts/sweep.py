@@ -12,7 +12,8 @@ from pathlib import Path
 
 from configs import ConfigError
 from scheduler.kv_layout import KV_STEP
-from scripts.common import append_jsonl, fmt, int_list, out, positive_float, table, timestamp
+from scripts.common import (append_jsonl, fmt, int_list, out, positive_float, pyplot, save_figure,
+                            table, timestamp)
 from scripts.run_cmd import add_model_args
 from server import sweep_math
 from server.run_config import RunConfig, with_run_overrides
@@ -237,10 +238,7 @@ def _size(nbytes: int) -> str:
 
 def _plot(rows: list[dict], meta: dict, verdict: dict, path: Path) -> Path:
     """Decode tok/s and KV bytes against batch, the analytic limit and the measured overrun."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     batches = [r["batch"] for r in rows]
     fig, (ax_t, ax_k) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -270,8 +268,4 @@ def _plot(rows: list[dict], meta: dict, verdict: dict, path: Path) -> Path:
     fig.suptitle(f"{meta['model']} {meta['dtype']} on {meta['executor']}: context "
                  f"{meta['prompt_len']}+{meta['output_len']}, budget "
                  f"{_size(meta['memory_budget_bytes'])} ({meta['budget_source']})")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

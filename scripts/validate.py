@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from configs import CONFIG_DIR, ConfigError, load_yaml
-from scripts.common import append_jsonl, err, out, table, timestamp
+from scripts.common import append_jsonl, err, out, pyplot, save_figure, table, timestamp
 
 MATRIX = CONFIG_DIR / "validation" / "matrix.yaml"
 METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "p99_ttft_ms", "p99_tpot_ms")
@@ -170,10 +170,7 @@ def _print(rows: list[dict], summary: dict) -> None:
 
 
 def _plot(rows: list[dict], out_dir: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 4))
     for ax, m in zip(axes, METRICS):
@@ -186,9 +183,4 @@ def _plot(rows: list[dict], out_dir: Path) -> Path:
         ax.set_xlabel("measured")
         ax.set_ylabel("predicted")
     fig.suptitle("batchsim validate: predicted vs measured per case")
-    fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "validate.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out_dir / "validate.png")

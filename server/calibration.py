@@ -22,15 +22,14 @@ from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
 from server.costmodel import Calibration, GemmFit
 from server.mlx_executor import MLXExecutor, SeqState
-from server.microbench import median_time_s
+from server.microbench import median_time_s, working_set_bytes
 from server.modelspec import ModelSpec
 from server.stepcost import StepCost
 
 GEMM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # (k, n): from small projections to a wide output head, so the per-weight cost can follow size.
 GEMM_SHAPES = ((512, 512), (512, 2048), (2048, 512), (1024, 1024), (1024, 4096), (4096, 1024),
-               (2048, 2048), (2048, 8192), (1024, 32768))
-STREAM_BYTES = 256 << 20  # distinct weights per timed call: more than any last-level cache
+               (2048, 2048), (2048, 8192), (1024, 32768), (1024, 131072))  # up to a 128k-vocab head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +42,9 @@ class StepSample:
 
 
 def streamed_weights(k: int, n: int, dtype: mx.Dtype) -> list[mx.array]:
-    """Enough distinct (n, k) weight matrices that cycling through them defeats the caches."""
-    copies = max(1, min(64, STREAM_BYTES // (k * n * dtype.size)))
+    """Enough distinct (n, k) weight matrices that cycling through them defeats the caches (twice
+    the last-level cache), as a model's weights do in a decode step."""
+    copies = max(1, min(1024, working_set_bytes() // (k * n * dtype.size)))
     base = mx.random.normal((n, k)).astype(dtype)
     ws = [base + i for i in range(copies)]  # distinct buffers; values do not change the timing
     mx.eval(ws)
@@ -149,24 +149,27 @@ def _prefilled(model, ex: MLXExecutor, spec: ModelSpec, batch: int, width: int) 
 
 
 def decode_samples(name: str, model, spec: ModelSpec, kvt: int, batches: Sequence[int],
-                   widths: Sequence[int], steps: int = 5) -> list[StepSample]:
+                   widths: Sequence[int], steps: int = 5, rounds: int = 3) -> list[StepSample]:
     """Executor-timed decode steps at each (batch, context width); the first (joining) step of
-    each configuration is not counted."""
-    out = []
-    for width in widths:
-        for b in batches:
-            ex = MLXExecutor(model)
-            _prefilled(model, ex, spec, b, width)
-            geom = PoolGeometry(b, round_up(width + steps + 2, KV_STEP))
-            times = []
-            for i in range(steps + 1):
-                plan = StepPlan(i, (), (), (), tuple(range(b)), tuple([width + i] * b), geom,
-                                geom.nbytes(kvt))
-                times.append(ex.execute(plan).elapsed_s)
-            out.append(StepSample(name, "decode", b, width + 1 + steps // 2,
-                                  float(np.median(times[1:]))))
-            del ex
-    return out
+    each configuration is not counted. The grid is measured `rounds` times over and each point
+    takes the median of its rounds, so a shared machine's slow minutes spread over every point
+    instead of bending a few."""
+    times: dict[tuple[int, int], list[float]] = {}
+    for _ in range(rounds):
+        for width in widths:
+            for b in batches:
+                ex = MLXExecutor(model)
+                _prefilled(model, ex, spec, b, width)
+                geom = PoolGeometry(b, round_up(width + steps + 2, KV_STEP))
+                step_s = []
+                for i in range(steps + 1):
+                    plan = StepPlan(i, (), (), (), tuple(range(b)), tuple([width + i] * b), geom,
+                                    geom.nbytes(kvt))
+                    step_s.append(ex.execute(plan).elapsed_s)
+                times.setdefault((width, b), []).append(float(np.median(step_s[1:])))
+                del ex
+    return [StepSample(name, "decode", b, width + 1 + steps // 2, float(np.median(t)))
+            for (width, b), t in times.items()]
 
 
 def prefill_samples(name: str, model, spec: ModelSpec, kvt: int, chunks: Sequence[int],

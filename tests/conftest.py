@@ -37,3 +37,8 @@ def tiny(batchsim_home):
 @pytest.fixture(scope="session")
 def smollm2(batchsim_home):
     return _load("smollm2-135m", "float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_q4(batchsim_home):
+    return _load("tiny", "float16", 4)

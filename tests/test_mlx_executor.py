@@ -56,6 +56,16 @@ def test_batched_equals_single_tiny(tiny):
     assert batched == alone
 
 
+def test_batched_equals_single_quantized(tiny_q4):
+    # 4-bit weights, float16 activations: quantized matmuls for one row and for many.
+    ref, model, _ = tiny_q4
+    kvt = _kvt(ref, "float16")
+    specs = _requests(ref.spec.vocab_size, 6, seed=3, max_prompt=300, max_out=20)
+    batched, _, trace = _run(model, kvt, specs, max_num_seqs=6)
+    assert max(len(p.decode_ids) for p in trace.plans) >= 3
+    assert batched == _alone(model, kvt, specs)
+
+
 def test_preempted_requests_recompute_the_same_tokens(tiny):
     ref, model, _ = tiny
     specs = [(0, ids, out) for _, ids, out in _requests(ref.spec.vocab_size, 6, 2, 240, 60)]

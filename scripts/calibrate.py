@@ -10,7 +10,9 @@ from pathlib import Path
 
 from scripts.common import append_jsonl, err, out, str_list, table
 
-DEFAULT_MODELS = ["smollm2-135m", "tiny"]  # two depths separate per-layer from per-forward costs
+# Two depths separate per-layer from per-forward costs; three grouped-query ratios (3:1, 2:1, 8:1)
+# separate attention's cost per K/V byte from its cost per query head.
+DEFAULT_MODELS = ["smollm2-135m", "tiny", "gqa8-probe"]
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:

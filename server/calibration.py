@@ -202,7 +202,7 @@ def fit_forward_terms(samples: Sequence[StepSample], costs: dict[str, StepCost])
     """Least squares (relative error, non-negative) for what the GEMM model leaves unexplained."""
     names = ["attention_decode_ns_per_byte", "attention_prefill_ns_per_flop",
              "attention_prefill_ns_per_score_byte", "elementwise_ns_per_byte",
-             "layer_overhead_us", "forward_overhead_us"]
+             "layer_overhead_us", "forward_overhead_us", "attention_decode_ns_per_head_byte"]
     rows, target = [], []
     for s in samples:
         c = costs[s.model]
@@ -216,7 +216,8 @@ def fit_forward_terms(samples: Sequence[StepSample], costs: dict[str, StepCost])
             feats = [0.0, c.prefill_attention_flops(s.rows, s.context) * 1e-9,
                      c.prefill_score_bytes(s.rows, s.context) * 1e-9,
                      (c.elementwise_bytes(s.rows, logits=False) + logits) * 1e-9]
-        rows.append(feats + [c.spec.num_layers * 1e-6, 1e-6])
+        head_bytes = c.decode_attention_head_bytes(s.rows, s.context) if s.kind == "decode" else 0
+        rows.append(feats + [c.spec.num_layers * 1e-6, 1e-6, head_bytes * 1e-9])
         target.append(s.seconds - linear)
     a = np.asarray(rows) / np.asarray([s.seconds for s in samples])[:, None]
     b = np.asarray(target) / np.asarray([s.seconds for s in samples])

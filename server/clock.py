@@ -47,7 +47,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def advance(self, dt: float) -> bool:
         """Moves the clock dt forward in place when nothing else could run in between: no callback
         ready and no timer due by then. That is exactly what `await asyncio.sleep(dt)` would do,
-        without the trip through the loop (a third of a simulation's time). False: sleep instead."""
+        without a turn of the loop per plan. False: sleep instead."""
         ready, timers = getattr(self, "_ready", None), getattr(self, "_scheduled", None)
         if ready is None or timers is None or ready:
             return False

@@ -81,6 +81,11 @@ class StepCost:
         """K and V every layer's attention reads: all rows padded to the longest (width)."""
         return batch * width * self.kv_bytes_per_token
 
+    def decode_attention_head_bytes(self, batch: int, width: int) -> int:
+        """The same K/V bytes counted once per query head that reads them (x the GQA ratio)."""
+        s = self.spec
+        return self.decode_attention_bytes(batch, width) * s.num_heads // s.num_kv_heads
+
     def prefill_attention_flops(self, n: int, start: int) -> int:
         s = self.spec
         return 4 * s.num_layers * s.num_heads * s.head_dim * n * (start + n)
@@ -97,7 +102,9 @@ class StepCost:
                 + self._elementwise_s(batch, logits=True) + self._fixed_s())
         per_width = self.decode_attention_bytes(batch, 1)
         if self.cal is not None:
-            return base, per_width * self.cal.attention_decode_ns_per_byte * 1e-9
+            ns = (per_width * self.cal.attention_decode_ns_per_byte
+                  + self.decode_attention_head_bytes(batch, 1) * self.cal.attention_decode_ns_per_head_byte)
+            return base, ns * 1e-9
         return base, per_width / self.profile.bytes_per_s
 
     def decode_parts(self, batch: int) -> tuple[float, float]:

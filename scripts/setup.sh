@@ -10,7 +10,7 @@ if [ "${1:-}" = "--test" ]; then extras="[test]"; fi
 
 py=""
 for c in python3.13 python3.12 python3.11 python3.10 python3; do
-  if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
+  if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
     py="$c"; break
   fi
 done

@@ -69,18 +69,18 @@ def run(args: argparse.Namespace) -> dict:
     with cache_limit():
         probe_after = cal.speed_probe_ms(mx_dtype)
     # The device's speed while it was measured: the mean of the probe at the start and the end.
-    probe_ms = {k: (probe_before[k] + probe_after[k]) / 2 for k in probe_before}
+    probe_ms = cal.mean_by_key(probe_before, probe_after)
     drift = cal.probe_speed(probe_after, probe_before)
     if any(abs(v - 1) > 0.1 for v in drift.values()):
         err.print("[yellow]warning: the device's speed changed during calibration ("
-                  + ", ".join(f"{k} x{v:.2f}" for k, v in drift.items())
+                  + cal.format_speed(drift)
                   + "); another process or a busy host. Calibrate on a quiet machine.[/yellow]")
 
     base = DeviceProfile(name=args.name, bandwidth_gbs=bandwidth,
                          peak_tflops={dtype: peak_gflops / 1e3}, bandwidth_efficiency=1.0,
                          compute_efficiency=1.0)
-    zero = cal.calibration_from({dtype: gemm}, dict.fromkeys(_TERMS, 0.0), copy_gbs, 0.0,
-                                args.models, when)
+    zero = cal.calibration_from({dtype: gemm}, dict.fromkeys(cal.FORWARD_TERMS, 0.0), copy_gbs,
+                                0.0, args.models, when)
     costs0 = {n: StepCost(s.spec, _with(base, zero), dtype, None) for n, s in sessions.items()}
     terms = cal.fit_forward_terms(samples, costs0)
     calib = cal.calibration_from({dtype: gemm}, terms, copy_gbs, overhead_us, args.models, when,
@@ -109,11 +109,6 @@ def run(args: argparse.Namespace) -> dict:
     out.print(f"profile written to {', '.join(str(p) for p in paths)}; use it with "
               f"`batchsim run --executor sim --device-profile {args.name}`")
     return summary
-
-
-_TERMS = ("attention_decode_ns_per_byte", "attention_prefill_ns_per_flop",
-          "attention_prefill_ns_per_score_byte", "elementwise_ns_per_byte", "layer_overhead_us",
-          "forward_overhead_us")
 
 
 def _with(profile, calibration, source: str | None = None):

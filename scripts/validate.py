@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from server.calibration import format_speed, mean_by_key
     from server.devices import resolve_profile
     from server.run_config import RunConfig
     from server.session import open_session
@@ -49,13 +50,13 @@ def run(args: argparse.Namespace) -> dict:
         cfg = _case_config(real.config, case, real.weight_bytes)
         before = probe()
         measured = _run(real.with_config(cfg), out_dir, case["name"] + "-real")
-        speed = _mean_speed(before, probe())
+        speed = mean_by_key(before, probe())
         cfg_sim = dataclasses.replace(cfg, executor="sim", device_profile=args.device_profile,
                                       dtype=real.dtype)
         predicted = _run(sim.with_config(cfg_sim), out_dir, case["name"] + "-sim")
         rows.append(_compare(case["name"], measured, predicted) | {"device_speed": speed})
         err.print("   " + "  ".join(f"{m} {100 * rows[-1]['error'][m]:+.1f}%" for m in METRICS)
-                  + "  device speed " + _fmt_speed(speed))
+                  + "  device speed " + format_speed(speed))
     summary = _summarize(rows)
     summary.update({"model": args.model, "device_profile": args.device_profile,
                     "profile_source": profile.source, "env": real.environment(),
@@ -82,14 +83,6 @@ def _speed_probe(profile, dtype: str) -> Callable[[], dict[str, float]]:
             return probe_speed(speed_probe_ms(getattr(mx, dtype)), calibrated)
 
     return probe
-
-
-def _mean_speed(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: (before[k] + after[k]) / 2 for k in before if k in after}
-
-
-def _fmt_speed(speed: dict[str, float]) -> str:
-    return ", ".join(f"{k} x{v:.2f}" for k, v in speed.items()) or "n/a"
 
 
 def _load_cases(path: Path, names: str | None) -> list[dict[str, Any]]:
@@ -154,11 +147,13 @@ def _summarize(rows: list[dict]) -> dict:
 
 
 def _print(rows: list[dict], summary: dict) -> None:
+    from server.calibration import format_speed
+
     cols = (["case"] + [f"{m} err %" for m in METRICS]
             + ["peak batch real/sim", "device speed vs calibration"])
     body = [[r["case"]] + [100 * r["error"][m] for m in METRICS]
             + [f"{r['measured']['max_batch_size']}/{r['predicted']['max_batch_size']}",
-               _fmt_speed(r.get("device_speed", {}))] for r in rows]
+               format_speed(r.get("device_speed", {}))] for r in rows]
     body.append(["median |err|"] + [100 * summary["median_abs_err"][m] for m in METRICS] + ["", ""])
     body.append(["max |err|"] + [100 * summary["max_abs_err"][m] for m in METRICS] + ["", ""])
     out.print(table("Simulator vs real runs (error = predicted / measured - 1)", cols, body))

@@ -114,6 +114,15 @@ def probe_speed(now_ms: dict[str, float], calibrated_ms: dict[str, float]) -> di
     return {k: calibrated_ms[k] / now_ms[k] for k in now_ms if k in calibrated_ms and now_ms[k] > 0}
 
 
+def mean_by_key(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """Two probe readings (timings or speeds) averaged, per probe."""
+    return {k: (a[k] + b[k]) / 2 for k in a if k in b}
+
+
+def format_speed(speed: dict[str, float]) -> str:
+    return ", ".join(f"{k} x{v:.2f}" for k, v in speed.items()) or "n/a"
+
+
 def measure_copy_gbs(reps: int = 5) -> float:
     """Bytes per second that the pool's copies (pad, gather, scatter) move."""
     a = mx.random.normal((64, 4, 1024, 128))  # 128 MiB, pool-shaped
@@ -198,11 +207,15 @@ def prefill_samples(name: str, model, spec: ModelSpec, kvt: int, chunks: Sequenc
     return out
 
 
+# The Calibration fields fitted on executor steps, in the order of fit_forward_terms's columns.
+FORWARD_TERMS = ("attention_decode_ns_per_byte", "attention_prefill_ns_per_flop",
+                 "attention_prefill_ns_per_score_byte", "elementwise_ns_per_byte",
+                 "layer_overhead_us", "forward_overhead_us", "attention_decode_ns_per_head_byte")
+
+
 def fit_forward_terms(samples: Sequence[StepSample], costs: dict[str, StepCost]) -> dict[str, float]:
     """Least squares (relative error, non-negative) for what the GEMM model leaves unexplained."""
-    names = ["attention_decode_ns_per_byte", "attention_prefill_ns_per_flop",
-             "attention_prefill_ns_per_score_byte", "elementwise_ns_per_byte",
-             "layer_overhead_us", "forward_overhead_us", "attention_decode_ns_per_head_byte"]
+    names = FORWARD_TERMS
     rows, target = [], []
     for s in samples:
         c = costs[s.model]

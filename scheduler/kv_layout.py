@@ -13,8 +13,8 @@ batchsim's real executor holds two kinds of KV:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
+from typing import NamedTuple
 
 KV_STEP = 256  # mlx-lm's KVCache.step / BatchKVCache.step
 PAGE_TOKENS = 16  # a typical paged-attention block (vLLM, vllm-mlx)
@@ -28,8 +28,7 @@ def round_down(x: int, multiple: int) -> int:
     return x // multiple * multiple
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class PoolGeometry:
+class PoolGeometry(NamedTuple):  # a named tuple: built several times per step
     rows: int  # allocated rows (>= requests in the pool)
     capacity_tokens: int  # tokens per row, a multiple of KV_STEP
 
@@ -45,9 +44,7 @@ def rows_for(num_seqs: int, row_step: int, max_rows: int) -> int:
     if num_seqs <= 0:
         return 0
     if num_seqs < row_step:
-        rows = 1
-        while rows < num_seqs:
-            rows *= 2
+        rows = 1 << (num_seqs - 1).bit_length()  # the next power of two
     else:
         rows = round_up(num_seqs, row_step)
     return max(num_seqs, min(rows, max_rows))
@@ -77,7 +74,8 @@ def next_geometry(
         rows = rows_for(num_seqs, row_step, max_rows)
     if cap < need_cap or cap >= need_cap + 2 * KV_STEP:
         cap = need_cap
-    geom = PoolGeometry(rows, cap)
+    # Most steps keep the pool as it is: no new object (this runs several times per step).
+    geom = current if rows == current.rows and cap == current.capacity_tokens else PoolGeometry(rows, cap)
     if geom.nbytes(kv_bytes_per_token) <= max_bytes:
         return geom
     tight = PoolGeometry(num_seqs, need_cap)

@@ -58,12 +58,15 @@ class KVManager:
         pool: PoolGeometry,
         pool_members: set[int],
         private_tokens: dict[int, int],
-    ) -> None:
+    ) -> int:
+        """Apply a plan's KV; returns the bytes now held."""
         self.pool = pool
         self.pool_members = pool_members
         self.private_tokens = private_tokens
-        if self.kv_bytes > self.budget_bytes:
-            raise KVAccountError(f"plan holds {self.kv_bytes} KV bytes > budget {self.budget_bytes}")
+        held = self.kv_bytes
+        if held > self.budget_bytes:
+            raise KVAccountError(f"plan holds {held} KV bytes > budget {self.budget_bytes}")
+        return held
 
     def check(self, computed_tokens: dict[int, int], releasing: set[int] = frozenset()) -> None:
         """Integrity: geometry covers the members, private caches match their tokens, budget holds.

@@ -98,27 +98,39 @@ class Scheduler:
         pool: list[Request] = []  # rows after this step (decoding, or untouched in a prefill step)
         prefilling: list[Request] = []
         members = kv.pool_members
+        width = 0  # the pool's longest row after this step, in tokens
+        longest = 0  # the longest running request, prompt + output so far
         for r in self.running:  # one pass: this runs every step over every running request
-            gap = r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens
-            if gap > 1:
+            c = r.num_computed_tokens
+            n = r.num_prompt_tokens + r.num_output_tokens
+            longest = n if n > longest else longest
+            if n - c > 1:
                 prefilling.append(r)
             elif decode_step or r.request_id in members:
                 pool.append(r)
+                width = max(width, c + decode_step)
         in_pool = {r.request_id for r in pool}
-        private = {rid: t for rid, t in kv.private_tokens.items() if rid not in in_pool}
+        private = kv.private_tokens
+        if private:
+            private = {rid: t for rid, t in private.items() if rid not in in_pool}
+        else:
+            private = {}
+        preempted = False
 
         def geometry(reserve_bytes: int = 0) -> PoolGeometry | None:
-            max_len = max((r.num_computed_tokens + decode_step for r in pool), default=0)
             room = cfg.kv_budget_bytes - sum(private.values()) * kvt - reserve_bytes
-            return kv.geometry_for(len(pool), max_len, room)
+            return kv.geometry_for(len(pool), width, room)
 
         def preempt_newest() -> Request:
+            nonlocal width, preempted
             victim = self.running[-1]
             self._preempt(victim, free_ids)
+            preempted = True
             private.pop(victim.request_id, None)
             if victim.request_id in in_pool:
                 in_pool.discard(victim.request_id)
                 pool.remove(victim)
+                width = max((r.num_computed_tokens + decode_step for r in pool), default=0)
             return victim
 
         geom = geometry()
@@ -174,7 +186,9 @@ class Scheduler:
 
         if self.waiting:
             rows_later = len(self.running)
-            len_later = max((x.num_tokens + 1 for x in self.running), default=0)
+            if preempted:
+                longest = max((x.num_tokens for x in self.running), default=0)
+            len_later = longest + 1 if self.running else 0
         while not blocked and self.waiting and len(self.running) < cfg.max_num_seqs and tok_budget > 0:
             r = self.waiting[0]
             if not can_join_later(r):
@@ -183,9 +197,11 @@ class Scheduler:
                 if not decode_step:
                     break
                 pool.append(r)
+                width_before, width = width, max(width, r.num_computed_tokens + decode_step)
                 trial = geometry()
                 if trial is None:
                     pool.pop()
+                    width = width_before
                     break
                 geom = trial
                 in_pool.add(r.request_id)
@@ -205,18 +221,18 @@ class Scheduler:
 
         if not decode_step and not prefills:
             return None
-        kv.commit(geom, in_pool, private)
+        kv_bytes = kv.commit(geom, in_pool, private)
         decodes = pool if decode_step else []
         return StepPlan(
             step_index=self.num_steps,
-            free_ids=tuple(sorted(free_ids)),
+            free_ids=tuple(sorted(free_ids)) if free_ids else (),
             new_requests=tuple(new_requests),
             prefills=tuple(prefills),
-            decode_ids=tuple(r.request_id for r in decodes),
-            decode_positions=tuple(r.num_computed_tokens for r in decodes),
+            decode_ids=tuple([r.request_id for r in decodes]),
+            decode_positions=tuple([r.num_computed_tokens for r in decodes]),
             pool=geom,
-            kv_bytes=kv.kv_bytes,
-            num_steps=self._lookahead(decodes, geom) if not (prefills or new_requests) else 1,
+            kv_bytes=kv_bytes,
+            num_steps=self._lookahead(decodes, geom, width) if not (prefills or new_requests) else 1,
         )
 
     def _chunk_size(self, gap: int, tok_budget: int) -> int:
@@ -230,20 +246,21 @@ class Scheduler:
         prefills.append(PrefillChunk(r.request_id, c, n, sample=c + n == r.num_tokens))
         private[r.request_id] = private_cache_tokens(c + n)
 
-    def _lookahead(self, decodes: list[Request], geom: PoolGeometry) -> int:
+    def _lookahead(self, decodes: list[Request], geom: PoolGeometry, width: int) -> int:
         """How many identical pure-decode steps this plan may stand for: until a request finishes or
-        the pool must grow. Queued requests cannot be admitted meanwhile: memory only grows."""
+        the pool must grow (`width`: its longest row after the first). Queued requests cannot be
+        admitted meanwhile: memory only grows."""
         limit = self.config.max_lookahead_steps
         if limit == 1 or not decodes:
             return 1
         steps = limit
-        max_len = 0
         for r in decodes:
-            if r.prompt_token_ids is not None and not r.sampling.ignore_eos:
+            sampling = r.sampling
+            if r.prompt_token_ids is not None and not sampling.ignore_eos:
                 return 1  # a real token could be EOS
-            steps = min(steps, r.sampling.max_tokens - r.num_output_tokens)
-            max_len = max(max_len, r.num_computed_tokens + 1)
-        return max(1, min(steps, geom.capacity_tokens - max_len + 1))
+            left = sampling.max_tokens - r.num_output_tokens
+            steps = left if left < steps else steps
+        return max(1, min(steps, geom.capacity_tokens - width + 1))
 
     def _preempt(self, request: Request, free_ids: list[int]) -> None:
         self.running.remove(request)
@@ -277,18 +294,18 @@ class Scheduler:
                 continue
             if rid not in prefill_ids:
                 r.num_computed_tokens += k
-            last = None
-            if token_ids is not None:
-                new = [token_ids[s][i] for s in range(k)]
-                r.output_token_ids.extend(new)
-                last = new[-1]
             r.num_output_tokens += k
             runs = r.token_runs  # Request.record_tokens, inlined: this is the hot loop
             if runs and runs[-1][0] + runs[-1][1] == step:
                 runs[-1][1] += k
             else:
                 runs.append([step, k])
-            reason = self._stop_reason(r, last)
+            if token_ids is None:  # simulation: only the length can stop a request
+                reason = "length" if r.num_output_tokens >= r.sampling.max_tokens else None
+            else:
+                new = [token_ids[s][i] for s in range(k)]
+                r.output_token_ids.extend(new)
+                reason = self._stop_reason(r, new[-1])
             if reason is not None:
                 self._finish(r, reason)
                 finished.append(r)
@@ -296,12 +313,11 @@ class Scheduler:
         return finished
 
     @staticmethod
-    def _stop_reason(r: Request, last_token: int | None) -> str | None:
-        if last_token is not None:
-            if not r.sampling.ignore_eos and last_token in r.eos_token_ids:
-                return "stop"
-            if last_token in r.sampling.stop_token_ids:
-                return "stop"
+    def _stop_reason(r: Request, last_token: int) -> str | None:
+        if not r.sampling.ignore_eos and last_token in r.eos_token_ids:
+            return "stop"
+        if last_token in r.sampling.stop_token_ids:
+            return "stop"
         if r.num_output_tokens >= r.sampling.max_tokens:
             return "length"
         return None

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from scheduler.plan import StepPlan, StepResult
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
+from server import clock
 from server.executor import Executor
 from server.recorder import RunRecorder
 
@@ -130,9 +131,7 @@ class Engine:
             return await loop.run_in_executor(self._thread, self.executor.execute, plan)
         horizon = self._next_arrival() - self.now()
         result = self.executor.execute(plan, max_elapsed_s=horizon)
-        advance = getattr(asyncio.get_running_loop(), "advance", None)  # the virtual-time loop
-        if advance is None or not advance(result.elapsed_s):
-            await asyncio.sleep(result.elapsed_s)
+        await clock.sleep(result.elapsed_s)
         return result
 
     def _recover(self) -> None:

@@ -15,7 +15,8 @@ class Executor(Protocol):
     needs_token_ids: bool
 
     def execute(self, plan: StepPlan, max_elapsed_s: float = float("inf")) -> StepResult:
-        """Run one plan. A multi-step plan stops once `max_elapsed_s` has passed (at least one step)."""
+        """Run one plan. A multi-step plan runs the steps that start before `max_elapsed_s` (at
+        least one): what arrives meanwhile waits for the next plan, as on a real server."""
         ...
 
     def kv_bytes(self) -> int:

@@ -3,6 +3,8 @@ the KV bytes the plan says. It drives policy tests and measures the scheduler's 
 
 from __future__ import annotations
 
+import math
+
 from scheduler.plan import StepPlan, StepResult
 
 
@@ -30,7 +32,8 @@ class FakeExecutor:
             self.positions[new.request_id] = 0
         steps = 1
         if plan.num_steps > 1 and self.step_s > 0:
-            steps = int(min(plan.num_steps, max(1, max_elapsed_s // self.step_s)))
+            horizon_steps = max_elapsed_s / self.step_s  # run the steps that start before it
+            steps = plan.num_steps if horizon_steps >= plan.num_steps else max(1, math.ceil(horizon_steps))
         elif plan.num_steps > 1:
             steps = plan.num_steps
         sampled: list[int] = []

@@ -20,19 +20,21 @@ class SimExecutor:
         self.kvt = cost.kv_bytes_per_token
         self.geometry = EMPTY_POOL
         self.rows: list[int] = []  # request per pool row, in the real pool's order
+        self.in_pool: set[int] = set()  # the same ids, for membership tests
         self.private: dict[int, int] = {}  # request id -> tokens in its private prefill cache
+        self._private_tokens = 0  # what those caches hold, rounded up as mlx-lm allocates
 
     def execute(self, plan: StepPlan, max_elapsed_s: float = float("inf")) -> StepResult:
         cost = self.cost
         t = cost.step_overhead_s + self._free(plan.free_ids)
         for new in plan.new_requests:
-            self.private[new.request_id] = 0
+            self._set_private(new.request_id, 0)
         t += self._resize(plan)
         t += self._join(plan)
         sampled: list[int] = []
         for c in plan.prefills:
             t += cost.prefill_forward_s(c.num_tokens, c.start, c.sample)
-            self.private[c.request_id] = c.start + c.num_tokens
+            self._set_private(c.request_id, c.start + c.num_tokens)
             if c.sample:
                 sampled.append(c.request_id)
         durations = [t]
@@ -45,19 +47,29 @@ class SimExecutor:
             base += cost.step_overhead_s
             elapsed = durations[0]
             for w in range(width + 1, width + plan.num_steps):  # each step reads one more token
-                d = base + per_width * w
-                if elapsed + d > max_elapsed_s:
+                if elapsed >= max_elapsed_s:  # this step would start after an arrival: replan
                     break
+                d = base + per_width * w
                 durations.append(d)
                 elapsed += d
         return StepResult(plan.step_index, tuple(sampled), None, tuple(durations), self.kv_bytes())
 
     def reset(self) -> None:
-        self.geometry, self.rows, self.private = EMPTY_POOL, [], {}
+        self.geometry, self.rows, self.in_pool = EMPTY_POOL, [], set()
+        self.private, self._private_tokens = {}, 0
 
     def kv_bytes(self) -> int:
-        private = sum(private_cache_tokens(n) for n in self.private.values())
-        return (self.geometry.nbytes(1) + private) * self.kvt
+        return (self.geometry.nbytes(1) + self._private_tokens) * self.kvt
+
+    def _set_private(self, request_id: int, tokens: int) -> None:
+        self._drop_private(request_id)
+        self.private[request_id] = tokens
+        self._private_tokens += private_cache_tokens(tokens)
+
+    def _drop_private(self, request_id: int) -> None:
+        tokens = self.private.pop(request_id, None)
+        if tokens is not None:
+            self._private_tokens -= private_cache_tokens(tokens)
 
     # -- the pool's copies, as the real DecodePool makes them ------------------------------------
     def _free(self, free_ids: tuple[int, ...]) -> float:
@@ -65,9 +77,13 @@ class SimExecutor:
             return 0.0
         gone = set(free_ids)
         for rid in gone:
-            self.private.pop(rid, None)
+            self._drop_private(rid)
+        leaving = gone & self.in_pool
+        if not leaving:
+            return 0.0
+        self.in_pool -= leaving
         rows = self.rows
-        keep = len(rows) - sum(1 for r in rows if r in gone)
+        keep = len(rows) - len(leaving)
         holes = [i for i in range(keep) if rows[i] in gone]
         movers = [i for i in range(keep, len(rows)) if rows[i] not in gone]
         for h, m in zip(holes, movers):
@@ -86,12 +102,13 @@ class SimExecutor:
         return self.cost.copy_s(kept) + self.cost.copy_s(new.nbytes(self.kvt) - kept) / 2
 
     def _join(self, plan: StepPlan) -> float:
-        in_pool = set(self.rows)
+        in_pool = self.in_pool
         t = 0.0
         for rid, pos in zip(plan.decode_ids, plan.decode_positions):
             if rid not in in_pool:
                 self.rows.append(rid)
-                self.private.pop(rid, None)
+                in_pool.add(rid)
+                self._drop_private(rid)
                 t += self.cost.copy_s(pos * self.kvt)
         return t
 

@@ -43,6 +43,7 @@ class StepCost:
         self._decode_cached = lru_cache(maxsize=None)(self._decode_parts)
         self._elementwise_s = lru_cache(maxsize=4096)(self._elementwise_s)  # per instance
         self.linear_layers_s = lru_cache(maxsize=4096)(self.linear_layers_s)  # per instance
+        self._prefill_dense_s = lru_cache(maxsize=8192)(self._prefill_dense_s)
 
     # -- building blocks -----------------------------------------------------------------------
     def _linear_s(self, m: int, k: int, n: int) -> float:
@@ -115,10 +116,15 @@ class StepCost:
         base, per_width = self._decode_cached(batch)
         return base + per_width * width
 
-    def prefill_forward_s(self, n: int, start: int, sample: bool) -> float:
+    def _prefill_dense_s(self, n: int, sample: bool) -> float:
+        """The part of a prefill chunk that does not depend on its start (no attention)."""
         t = self.linear_layers_s(n) + self._elementwise_s(n, logits=False) + self._fixed_s()
         if sample:
             t += self.lm_head_s(1) + self._elementwise_s(1, logits=True) - self._elementwise_s(1, False)
+        return t
+
+    def prefill_forward_s(self, n: int, start: int, sample: bool) -> float:
+        t = self._prefill_dense_s(n, sample)
         flops = self.prefill_attention_flops(n, start)
         if self.cal is not None:
             return t + (flops * self.cal.attention_prefill_ns_per_flop + self.prefill_score_bytes(

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from scripts.common import append_jsonl, err, out, str_list, table
 
-# Two depths separate per-layer from per-forward costs; three grouped-query ratios (3:1, 2:1, 8:1)
-# separate attention's cost per K/V byte from its cost per query head.
+# Two depths separate per-layer from per-forward costs; three head shapes (3:1 GQA x 64, 2:1 x 16,
+# 8:1 x 32) separate attention's cost per K/V byte from its cost per score.
 DEFAULT_MODELS = ["smollm2-135m", "tiny", "gqa8-probe"]
 
 
@@ -21,7 +21,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--name", default="local", help="profile name (written to $BATCHSIM_HOME/devices)")
     p.add_argument("--profile-out", help="also write the profile YAML here")
-    p.add_argument("--batches", type=str_list, default=["1", "2", "4", "8", "16", "32", "64"])
+    p.add_argument("--batches", type=str_list, default=["1", "2", "4", "8", "12", "16", "24", "32", "64"])
     p.add_argument("--widths", type=str_list, default=["128", "512", "1024"],
                    help="decode attention widths (context tokens)")
     p.add_argument("--chunks", type=str_list, default=["16", "64", "256", "512"], help="prefill chunks")

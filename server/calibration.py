@@ -26,7 +26,9 @@ from server.microbench import median_time_s, working_set_bytes
 from server.modelspec import ModelSpec
 from server.stepcost import StepCost
 
-GEMM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# Every row count up to 32, then steps of 8: CPU BLAS kernels block rows by the vector width (16
+# float32 on AVX-512), so m = 12 or 24 can take longer than m = 16 or 32. Powers of two alone hide it.
+GEMM_ROWS = (*range(1, 33), 40, 48, 56, 64, 96, 128, 256, 512)
 # (k, n): from small projections to a wide output head, so the per-weight cost can follow size.
 GEMM_SHAPES = ((512, 512), (512, 2048), (2048, 512), (1024, 1024), (1024, 4096), (4096, 1024),
                (2048, 2048), (2048, 8192), (1024, 32768), (1024, 131072))  # up to a 128k-vocab head
@@ -210,7 +212,7 @@ def prefill_samples(name: str, model, spec: ModelSpec, kvt: int, chunks: Sequenc
 # The Calibration fields fitted on executor steps, in the order of fit_forward_terms's columns.
 FORWARD_TERMS = ("attention_decode_ns_per_byte", "attention_prefill_ns_per_flop",
                  "attention_prefill_ns_per_score_byte", "elementwise_ns_per_byte",
-                 "layer_overhead_us", "forward_overhead_us", "attention_decode_ns_per_head_byte")
+                 "layer_overhead_us", "forward_overhead_us", "attention_decode_ns_per_score")
 
 
 def fit_forward_terms(samples: Sequence[StepSample], costs: dict[str, StepCost]) -> dict[str, float]:
@@ -229,8 +231,8 @@ def fit_forward_terms(samples: Sequence[StepSample], costs: dict[str, StepCost])
             feats = [0.0, c.prefill_attention_flops(s.rows, s.context) * 1e-9,
                      c.prefill_score_bytes(s.rows, s.context) * 1e-9,
                      (c.elementwise_bytes(s.rows, logits=False) + logits) * 1e-9]
-        head_bytes = c.decode_attention_head_bytes(s.rows, s.context) if s.kind == "decode" else 0
-        rows.append(feats + [c.spec.num_layers * 1e-6, 1e-6, head_bytes * 1e-9])
+        scores = c.decode_attention_scores(s.rows, s.context) if s.kind == "decode" else 0
+        rows.append(feats + [c.spec.num_layers * 1e-6, 1e-6, scores * 1e-9])
         target.append(s.seconds - linear)
     a = np.asarray(rows) / np.asarray([s.seconds for s in samples])[:, None]
     b = np.asarray(target) / np.asarray([s.seconds for s in samples])

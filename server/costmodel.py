@@ -54,9 +54,10 @@ class Calibration:
     forward_overhead_us: float  # per forward pass
     copy_gbs: float  # KV pool copies: joins, compaction, regrowth
     step_overhead_us: float  # engine bookkeeping per step (scheduling, thread hand-off, sync)
-    # Per K/V byte per query head sharing it: attention without a fused grouped-query kernel (MLX's
-    # CPU backend) works once per query head, so cost grows with the GQA ratio, not only with bytes.
-    attention_decode_ns_per_head_byte: float = 0.0
+    # Per attention score a decode step computes (layers x rows x query heads x width): without a
+    # fused kernel (MLX's CPU backend) each score costs its matmul slice, mask, softmax and
+    # transposes, whatever the head size: 20-30 ns each on a 2-core Xeon, 10-100x a K/V byte.
+    attention_decode_ns_per_score: float = 0.0
     calibrated_on: tuple[str, ...] = ()
     measured_at: str = ""
     # `speed_probe` timings (ms) at calibration time: `validate` reruns the probe to tell a stale

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import concurrent.futures
+import itertools
 from collections.abc import Callable, Sequence
 
 from scheduler.plan import StepPlan, StepResult
@@ -188,11 +189,9 @@ class Engine:
 
 
 def _cumsum(start: float, durations: Sequence[float]) -> list[float]:
-    out, t = [], start
-    for d in durations:
-        t += d
-        out.append(t)
-    return out
+    ends = list(itertools.accumulate(durations, initial=start))
+    del ends[0]
+    return ends
 
 
 def finished_ok(request: Request) -> bool:

@@ -92,7 +92,7 @@ class RequestRecord:
         return _from_row(cls, {**row, "token_times_s": tuple(row.get("token_times_s", ()))})
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)  # not frozen: one is built per plan, and freezing costs 5x
 class StepRecord:
     """One engine step, or `num_steps` identical pure-decode steps run back to back. The counters
     batch_size and num_prefill_* are per step; the rest describe the record as a whole."""

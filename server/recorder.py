@@ -36,7 +36,7 @@ class RunRecorder:
             end_s=ends_s[-1],
             num_steps=len(ends_s),
             batch_size=len(plan.decode_ids),
-            num_prefill_tokens=sum(c.num_tokens for c in plan.prefills),
+            num_prefill_tokens=sum([c.num_tokens for c in plan.prefills]) if plan.prefills else 0,
             num_prefill_requests=len(plan.prefills),
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),

@@ -82,10 +82,10 @@ class StepCost:
         """K and V every layer's attention reads: all rows padded to the longest (width)."""
         return batch * width * self.kv_bytes_per_token
 
-    def decode_attention_head_bytes(self, batch: int, width: int) -> int:
-        """The same K/V bytes counted once per query head that reads them (x the GQA ratio)."""
+    def decode_attention_scores(self, batch: int, width: int) -> int:
+        """Scores a decode step's attention computes: one per layer, row, query head and position."""
         s = self.spec
-        return self.decode_attention_bytes(batch, width) * s.num_heads // s.num_kv_heads
+        return s.num_layers * batch * s.num_heads * width
 
     def prefill_attention_flops(self, n: int, start: int) -> int:
         s = self.spec
@@ -104,7 +104,7 @@ class StepCost:
         per_width = self.decode_attention_bytes(batch, 1)
         if self.cal is not None:
             ns = (per_width * self.cal.attention_decode_ns_per_byte
-                  + self.decode_attention_head_bytes(batch, 1) * self.cal.attention_decode_ns_per_head_byte)
+                  + self.decode_attention_scores(batch, 1) * self.cal.attention_decode_ns_per_score)
             return base, ns * 1e-9
         return base, per_width / self.profile.bytes_per_s
 

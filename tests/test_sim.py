@@ -30,7 +30,7 @@ PROFILE = DeviceProfile(
         attention_decode_ns_per_byte=0.3, attention_prefill_ns_per_flop=0.02,
         attention_prefill_ns_per_score_byte=0.4,
         elementwise_ns_per_byte=0.5, layer_overhead_us=40.0, forward_overhead_us=300.0,
-        copy_gbs=5.0, step_overhead_us=200.0, attention_decode_ns_per_head_byte=0.05,
+        copy_gbs=5.0, step_overhead_us=200.0, attention_decode_ns_per_score=20.0,
     ),
 )
 
@@ -151,8 +151,8 @@ def test_gemm_fit_recovers_known_parameters():
 def test_forward_terms_fit_recovers_known_coefficients(smollm2_spec, tiny_spec):
     from server.modelspec import zoo_spec
 
-    # Three grouped-query ratios (3:1, 2:1, 8:1), as `calibrate` uses, make the per-byte and the
-    # per-query-head attention terms separable.
+    # Three head shapes (3:1 x 64, 2:1 x 16, 8:1 x 32), as `calibrate` uses, make the per-K/V-byte
+    # and the per-score attention terms separable.
     true = dataclasses.replace(PROFILE.calibration, gemm=PROFILE.calibration.gemm)
     costs = {n: StepCost(s, dataclasses.replace(PROFILE, calibration=true), "float32", None)
              for n, s in (("smol", smollm2_spec), ("tiny", tiny_spec),
@@ -167,13 +167,13 @@ def test_forward_terms_fit_recovers_known_coefficients(smollm2_spec, tiny_spec):
     zero = dataclasses.replace(true, attention_decode_ns_per_byte=0, attention_prefill_ns_per_flop=0,
                                attention_prefill_ns_per_score_byte=0, elementwise_ns_per_byte=0,
                                layer_overhead_us=0, forward_overhead_us=0,
-                               attention_decode_ns_per_head_byte=0)
+                               attention_decode_ns_per_score=0)
     costs0 = {n: StepCost(c.spec, dataclasses.replace(PROFILE, calibration=zero), "float32", None)
               for n, c in costs.items()}
     terms = cal.fit_forward_terms(samples, costs0)
     for key in ("attention_decode_ns_per_byte", "attention_prefill_ns_per_flop",
                 "attention_prefill_ns_per_score_byte", "elementwise_ns_per_byte",
-                "layer_overhead_us", "forward_overhead_us", "attention_decode_ns_per_head_byte"):
+                "layer_overhead_us", "forward_overhead_us", "attention_decode_ns_per_score"):
         assert terms[key] == pytest.approx(getattr(true, key), rel=1e-3), key
 
 

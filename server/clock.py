@@ -58,7 +58,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         return True
 
     def callbacks_ready(self) -> bool:
-        return bool(getattr(self, "_ready", True))
+        return bool(getattr(self, "_ready", None))  # unknown loop internals: take the timer way
 
 
 async def sleep(dt: float) -> None:

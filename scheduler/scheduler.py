@@ -110,11 +110,7 @@ class Scheduler:
                 pool.append(r)
                 width = max(width, c + decode_step)
         in_pool = {r.request_id for r in pool}
-        private = kv.private_tokens
-        if private:
-            private = {rid: t for rid, t in private.items() if rid not in in_pool}
-        else:
-            private = {}
+        private = {rid: t for rid, t in kv.private_tokens.items() if rid not in in_pool}
         preempted = False
 
         def geometry(reserve_bytes: int = 0) -> PoolGeometry | None:
@@ -225,7 +221,7 @@ class Scheduler:
         decodes = pool if decode_step else []
         return StepPlan(
             step_index=self.num_steps,
-            free_ids=tuple(sorted(free_ids)) if free_ids else (),
+            free_ids=tuple(sorted(free_ids)),
             new_requests=tuple(new_requests),
             prefills=tuple(prefills),
             decode_ids=tuple([r.request_id for r in decodes]),
@@ -300,12 +296,12 @@ class Scheduler:
                 runs[-1][1] += k
             else:
                 runs.append([step, k])
-            if token_ids is None:  # simulation: only the length can stop a request
-                reason = "length" if r.num_output_tokens >= r.sampling.max_tokens else None
-            else:
+            last = None  # simulation: no token ids, only the length can stop a request
+            if token_ids is not None:
                 new = [token_ids[s][i] for s in range(k)]
                 r.output_token_ids.extend(new)
-                reason = self._stop_reason(r, new[-1])
+                last = new[-1]
+            reason = self._stop_reason(r, last)
             if reason is not None:
                 self._finish(r, reason)
                 finished.append(r)
@@ -313,11 +309,12 @@ class Scheduler:
         return finished
 
     @staticmethod
-    def _stop_reason(r: Request, last_token: int) -> str | None:
-        if not r.sampling.ignore_eos and last_token in r.eos_token_ids:
-            return "stop"
-        if last_token in r.sampling.stop_token_ids:
-            return "stop"
+    def _stop_reason(r: Request, last_token: int | None) -> str | None:
+        if last_token is not None:
+            if not r.sampling.ignore_eos and last_token in r.eos_token_ids:
+                return "stop"
+            if last_token in r.sampling.stop_token_ids:
+                return "stop"
         if r.num_output_tokens >= r.sampling.max_tokens:
             return "length"
         return None

@@ -25,6 +25,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-profile", default="local", help="calibrated profile to validate")
     p.add_argument("--matrix", default=str(MATRIX), help="cases YAML")
     p.add_argument("--cases", help="comma-separated case names to run (default: all)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="real runs per case, taken round-robin over the matrix so a shared machine's "
+                        "slow minutes spread over every case; the simulator is compared with their "
+                        "median, and their spread is reported as the noise floor (default: 3)")
     p.add_argument("--out", default="results", help="directory for validate.jsonl, PNG, run dirs")
 
 
@@ -34,6 +38,8 @@ def run(args: argparse.Namespace) -> dict:
     from server.run_config import RunConfig
     from server.session import open_session
 
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be at least 1, got {args.repeats}")
     profile = resolve_profile(args.device_profile)
     if profile.calibration and args.model in profile.calibration.calibrated_on:
         raise ConfigError(f"--model {args.model} was used to calibrate {args.device_profile}; "
@@ -44,21 +50,30 @@ def run(args: argparse.Namespace) -> dict:
                                  device_profile=args.device_profile))
     out_dir = Path(args.out) / f"validate-{timestamp()}"
     probe = _speed_probe(profile, real.dtype)
-    rows = []
-    for i, case in enumerate(cases):
-        err.print(f"[{i + 1}/{len(cases)}] {case['name']}: real run")
-        cfg = _case_config(real.config, case, real.weight_bytes)
-        before = probe()
-        measured = _run(real.with_config(cfg), out_dir, case["name"] + "-real")
-        speed = mean_by_key(before, probe())
+    predicted, configs = {}, {}
+    for case in cases:  # deterministic: one simulated run per case
+        cfg = configs[case["name"]] = _case_config(real.config, case, real.weight_bytes)
         cfg_sim = dataclasses.replace(cfg, executor="sim", device_profile=args.device_profile,
                                       dtype=real.dtype)
-        predicted = _run(sim.with_config(cfg_sim), out_dir, case["name"] + "-sim")
-        rows.append(_compare(case["name"], measured, predicted) | {"device_speed": speed})
-        err.print("   " + "  ".join(f"{m} {100 * rows[-1]['error'][m]:+.1f}%" for m in METRICS)
-                  + "  device speed " + format_speed(speed))
+        predicted[case["name"]] = _run(sim.with_config(cfg_sim), out_dir, case["name"] + "-sim")
+    runs: dict[str, list[dict]] = {c["name"]: [] for c in cases}
+    speeds: dict[str, list[dict]] = {c["name"]: [] for c in cases}
+    total = len(cases) * args.repeats
+    for rep in range(args.repeats):
+        for i, case in enumerate(cases):
+            name = case["name"]
+            err.print(f"[{rep * len(cases) + i + 1}/{total}] {name}: real run {rep + 1}/{args.repeats}")
+            before = probe()
+            measured = _run(real.with_config(configs[name]), out_dir, f"{name}-real{rep + 1}")
+            speeds[name].append(mean_by_key(before, probe()))
+            runs[name].append(measured)
+            this = _compare(name, measured, predicted[name])["error"]
+            err.print("   " + "  ".join(f"{m} {100 * this[m]:+.1f}%" for m in METRICS)
+                      + "  device speed " + format_speed(speeds[name][-1]))
+    rows = [_compare(c["name"], _median_run(runs[c["name"]]), predicted[c["name"]])
+            | _repeat_stats(runs[c["name"]], speeds[c["name"]]) for c in cases]
     summary = _summarize(rows)
-    summary.update({"model": args.model, "device_profile": args.device_profile,
+    summary.update({"model": args.model, "device_profile": args.device_profile, "repeats": args.repeats,
                     "profile_source": profile.source, "env": real.environment(),
                     "png": str(_plot(rows, out_dir)), "run_dir": str(out_dir)})
     _print(rows, summary)
@@ -122,6 +137,28 @@ def _run(session, out_dir: Path, label: str) -> dict:
     return run_workload(session, session.config.workload, out_dir=out_dir, label=label).summary
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """Per metric, the median over a case's real runs (each metric on its own)."""
+    keys = set(METRICS + EXTRA + ("num_preemptions",))
+    med = {k: float(np.median([r.get(k) or 0.0 for r in runs])) for k in keys}
+    return med | {"run_dir": [r.get("run_dir") for r in runs]}
+
+
+def _repeat_stats(runs: list[dict], speeds: list[dict[str, float]]) -> dict:
+    """How far one real run falls from the median of its repeats (mean |x / median - 1|): the
+    machine's own noise, a floor under any simulator's error. Plus each run's values and speed."""
+    med = _median_run(runs)
+    spread = {}
+    for m in METRICS:
+        devs = [abs((r.get(m) or 0.0) / med[m] - 1) if med[m] else 0.0 for r in runs]
+        spread[m] = float(np.mean(devs))
+    keys = list(speeds[0]) if speeds else []
+    return {"repeat_abs_dev": spread,
+            "real_runs": [{m: r.get(m) for m in METRICS + EXTRA} for r in runs],
+            "device_speed": {k: float(np.mean([s[k] for s in speeds if k in s])) for k in keys},
+            "device_speed_runs": speeds}
+
+
 def _compare(name: str, measured: dict, predicted: dict) -> dict:
     error = {}
     for m in METRICS + EXTRA:
@@ -139,8 +176,10 @@ def _summarize(rows: list[dict]) -> dict:
     for m in METRICS + EXTRA:
         r = max(rows, key=lambda r: abs(r["error"][m]))
         worst[m] = {"abs_err": abs(r["error"][m]), "case": r["case"]}
-    speeds = [v for r in rows for v in r.get("device_speed", {}).values()]
-    return {"cases": rows, "median_abs_err": med,
+    speeds = [v for r in rows for s in r.get("device_speed_runs", []) for v in s.values()]
+    noise = {m: float(np.median([r["repeat_abs_dev"][m] for r in rows])) for m in METRICS
+             } if all("repeat_abs_dev" in r for r in rows) else {}
+    return {"cases": rows, "median_abs_err": med, "noise_floor": noise,
             "device_speed_range": [min(speeds), max(speeds)] if speeds else None,
             "max_abs_err": {m: w["abs_err"] for m, w in worst.items()},
             "worst_case": {m: w["case"] for m, w in worst.items()}}
@@ -156,7 +195,13 @@ def _print(rows: list[dict], summary: dict) -> None:
                format_speed(r.get("device_speed", {}))] for r in rows]
     body.append(["median |err|"] + [100 * summary["median_abs_err"][m] for m in METRICS] + ["", ""])
     body.append(["max |err|"] + [100 * summary["max_abs_err"][m] for m in METRICS] + ["", ""])
+    if summary.get("noise_floor") and summary.get("repeats", 1) > 1:
+        body.append(["real run vs its repeats"] + [100 * summary["noise_floor"][m] for m in METRICS]
+                    + ["", ""])
     out.print(table("Simulator vs real runs (error = predicted / measured - 1)", cols, body))
+    if summary.get("repeats", 1) > 1:
+        err.print(f"measured = median of {summary['repeats']} real runs per case; the last row is "
+                  "how far one real run falls from that median (the machine's own noise)")
     lo_hi = summary.get("device_speed_range")
     if lo_hi and (lo_hi[0] < 0.9 or lo_hi[1] > 1.1):
         err.print(f"[yellow]the device ran at x{lo_hi[0]:.2f}-x{lo_hi[1]:.2f} of its calibrated "
@@ -171,11 +216,13 @@ def _plot(rows: list[dict], out_dir: Path) -> Path:
     for ax, m in zip(axes, METRICS):
         xs = [r["measured"][m] or 0 for r in rows]
         ys = [r["predicted"][m] or 0 for r in rows]
-        ax.scatter(xs, ys, s=18)
+        lo = [x - min(run[m] or 0 for run in r.get("real_runs", [r["measured"]])) for x, r in zip(xs, rows)]
+        hi = [max(run[m] or 0 for run in r.get("real_runs", [r["measured"]])) - x for x, r in zip(xs, rows)]
+        ax.errorbar(xs, ys, xerr=[lo, hi], fmt="o", ms=4, elinewidth=0.8)  # bars: real runs' range
         top = max(xs + ys + [1e-9]) * 1.1
         ax.plot([0, top], [0, top], "k--", lw=0.8)
         ax.set_title(m)
         ax.set_xlabel("measured")
         ax.set_ylabel("predicted")
-    fig.suptitle("batchsim validate: predicted vs measured per case")
+    fig.suptitle("batchsim validate: predicted vs measured (median of real runs, bars: their range)")
     return save_figure(fig, out_dir / "validate.png")

@@ -112,8 +112,9 @@ def test_pure_arithmetic_commands_do_not_load_mlx(command):
 
 
 def test_validate_contract_on_the_tiny_model(batchsim_home, tmp_path):
-    """`validate` end to end: two small cases run real and simulated, the issue's JSON contract,
-    the device-speed probe beside every case, and the refusal to validate on a calibration model."""
+    """`validate` end to end: two small cases run twice real and once simulated, the issue's JSON
+    contract, the median of the real runs as the measurement with their spread as the noise floor,
+    the device-speed probe beside every run, and the refusal to validate on a calibration model."""
     import yaml
 
     shipped = Path(__file__).parent.parent / "configs" / "devices" / "linux-x86_64-openblas-2core.yaml"
@@ -132,13 +133,19 @@ def test_validate_contract_on_the_tiny_model(batchsim_home, tmp_path):
             "input_len": "fixed:8", "output_len": "fixed:6", "seed": 2}},
     ]}))
     args = ["validate", "--model", "tiny", "--device-profile", str(profile_path),
-            "--matrix", str(matrix), "--out", str(tmp_path / "results")]
+            "--matrix", str(matrix), "--out", str(tmp_path / "results"), "--repeats", "2"]
     summary = last_json(batchsim(*args, home=batchsim_home).stdout)
     metrics = {"output_throughput", "mean_ttft_ms", "mean_tpot_ms", "p99_ttft_ms", "p99_tpot_ms"}
     assert metrics <= set(summary["median_abs_err"]) and metrics <= set(summary["max_abs_err"])
+    assert metrics <= set(summary["noise_floor"]) and summary["repeats"] == 2
     assert [c["case"] for c in summary["cases"]] == ["b1", "b4"]
     for case in summary["cases"]:
-        assert set(case["device_speed"]) == {"gemv", "gemm"}
+        assert len(case["real_runs"]) == 2 and len(case["real_run_dir"]) == 2
+        tputs = [r["output_throughput"] for r in case["real_runs"]]
+        assert case["measured"]["output_throughput"] == pytest.approx(sum(tputs) / 2)  # median of 2
+        dev = case["repeat_abs_dev"]["output_throughput"]
+        assert dev == pytest.approx(abs(tputs[0] - tputs[1]) / sum(tputs))  # each half the gap
+        assert len(case["device_speed_runs"]) == 2 and set(case["device_speed"]) == {"gemv", "gemm"}
         assert all(v > 0 for v in case["device_speed"].values())
         # Same requests, same scheduler: peak batch is decided by policy, not timing.
         assert case["measured"]["max_batch_size"] == case["predicted"]["max_batch_size"]
@@ -150,3 +157,5 @@ def test_validate_contract_on_the_tiny_model(batchsim_home, tmp_path):
     profile_path.write_text(yaml.safe_dump(profile))
     refused = batchsim(*args, home=batchsim_home, check=False)
     assert refused.returncode == 2 and "used to calibrate" in refused.stderr
+    bad = batchsim(*args[:-1], "0", home=batchsim_home, check=False)
+    assert bad.returncode == 2 and "--repeats must be at least 1" in bad.stderr

@@ -51,14 +51,16 @@ def run(args: argparse.Namespace) -> dict:
         bandwidth = measure_bandwidth_gbs()
         gemm, gemm_samples = cal.measure_gemm(mx_dtype, reps=args.reps, log=err.print)
         copy_gbs = cal.measure_copy_gbs(args.reps)
-        probe_before = cal.speed_probe_ms(mx_dtype)
     peak_gflops = max(2 * m * k * n / t for (m, k, n), t in gemm_samples.items()) / 1e9
     err.print(f"bandwidth {bandwidth:.1f} GB/s, peak {peak_gflops:.1f} GFLOP/s, copy {copy_gbs:.1f} GB/s")
 
     samples, sessions = [], {}
+    probe_before: dict[str, float] = {}
     for name in args.models:
         s = open_session(RunConfig(model=name, dtype=dtype))
         sessions[name] = s
+        if not probe_before:
+            probe_before = _probe(s, name)
         err.print(f"{name}: decode steps")
         samples += cal.decode_samples(name, s.model, s.spec, s.kv_bytes_per_token,
                                       [int(b) for b in args.batches], [int(w) for w in args.widths])
@@ -66,12 +68,14 @@ def run(args: argparse.Namespace) -> dict:
         samples += cal.prefill_samples(name, s.model, s.spec, s.kv_bytes_per_token,
                                        [int(c) for c in args.chunks], [int(x) for x in args.starts])
     overhead_us = _engine_overhead_us(sessions[args.models[0]])
-    with cache_limit():
-        probe_after = cal.speed_probe_ms(mx_dtype)
-    # The device's speed while it was measured: the mean of the probe at the start and the end.
-    probe_ms = cal.mean_by_key(probe_before, probe_after)
+    probe_after = _probe(sessions[args.models[0]], args.models[0])
+    # The probe's reference: calibration's own grid medians at the probe points (three rounds
+    # spread over the whole run), else the mean of the probe at the start and the end.
+    probe_ms = cal.mean_by_key(probe_before, probe_after) | {
+        cal.probe_key(x): x.seconds * 1e3 for x in samples
+        if x.model == args.models[0] and cal.is_probe_point(x)}
     drift = cal.probe_speed(probe_after, probe_before)
-    if any(abs(v - 1) > 0.1 for v in drift.values()):
+    if abs((cal.device_speed(drift) or 1.0) - 1) > 0.1:
         err.print("[yellow]warning: the device's speed changed during calibration ("
                   + cal.format_speed(drift)
                   + "); another process or a busy host. Calibrate on a quiet machine.[/yellow]")
@@ -109,6 +113,12 @@ def run(args: argparse.Namespace) -> dict:
     out.print(f"profile written to {', '.join(str(p) for p in paths)}; use it with "
               f"`batchsim run --executor sim --device-profile {args.name}`")
     return summary
+
+
+def _probe(session, name: str) -> dict[str, float]:
+    from server import calibration as cal
+
+    return cal.speed_probe_ms(name, session.model, session.spec, session.kv_bytes_per_token)
 
 
 def _with(profile, calibration, source: str | None = None):

@@ -33,8 +33,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from server.calibration import format_speed, mean_by_key
-    from server.devices import resolve_profile
+    from server.calibration import device_speed, mean_by_key
+    from server.costmodel import at_speed
+    from server.devices import resolve_profile, save_profile
     from server.run_config import RunConfig
     from server.session import open_session
 
@@ -53,11 +54,10 @@ def run(args: argparse.Namespace) -> dict:
     predicted, configs = {}, {}
     for case in cases:  # deterministic: one simulated run per case
         cfg = configs[case["name"]] = _case_config(real.config, case, real.weight_bytes)
-        cfg_sim = dataclasses.replace(cfg, executor="sim", device_profile=args.device_profile,
-                                      dtype=real.dtype)
-        predicted[case["name"]] = _run(sim.with_config(cfg_sim), out_dir, case["name"] + "-sim")
+        predicted[case["name"]] = _run(sim.with_config(_sim_config(cfg, args.device_profile, real.dtype)),
+                                       out_dir, case["name"] + "-sim")
     runs: dict[str, list[dict]] = {c["name"]: [] for c in cases}
-    speeds: dict[str, list[dict]] = {c["name"]: [] for c in cases}
+    speeds: dict[str, list[float]] = {c["name"]: [] for c in cases}
     total = len(cases) * args.repeats
     for rep in range(args.repeats):
         for i, case in enumerate(cases):
@@ -65,13 +65,26 @@ def run(args: argparse.Namespace) -> dict:
             err.print(f"[{rep * len(cases) + i + 1}/{total}] {name}: real run {rep + 1}/{args.repeats}")
             before = probe()
             measured = _run(real.with_config(configs[name]), out_dir, f"{name}-real{rep + 1}")
-            speeds[name].append(mean_by_key(before, probe()))
+            speed = device_speed(mean_by_key(before, probe()))
+            if speed is not None:
+                speeds[name].append(speed)
             runs[name].append(measured)
             this = _compare(name, measured, predicted[name])["error"]
             err.print("   " + "  ".join(f"{m} {100 * this[m]:+.1f}%" for m in METRICS)
-                      + "  device speed " + format_speed(speeds[name][-1]))
-    rows = [_compare(c["name"], _median_run(runs[c["name"]]), predicted[c["name"]])
-            | _repeat_stats(runs[c["name"]], speeds[c["name"]]) for c in cases]
+                      + (f"  device speed x{speed:.2f}" if speed else ""))
+    rows = []
+    for case in cases:
+        name = case["name"]
+        row = _compare(name, _median_run(runs[name]), predicted[name]) | _repeat_stats(runs[name])
+        if speeds[name]:  # the same simulation on the device as probed around this case's runs
+            row["device_speed"] = speed = float(np.exp(np.mean(np.log(speeds[name]))))
+            row["device_speed_runs"] = speeds[name]
+            path = save_profile(at_speed(profile, speed), out_dir / f"{name}-profile-x{speed:.3f}.yaml")
+            at_probed = open_session(dataclasses.replace(sim.config, device_profile=str(path)))
+            adjusted = _run(at_probed.with_config(_sim_config(configs[name], str(path), real.dtype)),
+                            out_dir, name + "-sim-at-probed-speed")
+            row["at_probed_speed"] = _compare(name, row["measured"], adjusted)["error"]
+        rows.append(row)
     summary = _summarize(rows)
     summary.update({"model": args.model, "device_profile": args.device_profile, "repeats": args.repeats,
                     "profile_source": profile.source, "env": real.environment(),
@@ -81,21 +94,30 @@ def run(args: argparse.Namespace) -> dict:
     return summary
 
 
+def _sim_config(cfg, device_profile: str, dtype: str):
+    return dataclasses.replace(cfg, executor="sim", device_profile=device_profile, dtype=dtype)
+
+
 def _speed_probe(profile, dtype: str) -> Callable[[], dict[str, float]]:
-    """Reruns calibration's speed probe: the device's speed now relative to when the profile was
-    measured, per probe (1.0 = same; {} when the profile has no probe)."""
-    import mlx.core as mx
-
+    """Reruns calibration's speed probe (real steps of the first calibration model): the device's
+    speed now relative to calibration, per probe point (1.0 = same; {} when the profile has no
+    model-step probe, e.g. one calibrated before it existed)."""
     from server.calibration import probe_speed, speed_probe_ms
-    from server.microbench import cache_limit
+    from server.run_config import RunConfig
+    from server.session import open_session
 
-    calibrated = profile.calibration.speed_probe_ms if profile.calibration else {}
+    cal = profile.calibration
+    model = cal.calibrated_on[0] if cal and cal.calibrated_on else None
+    calibrated = {k: v for k, v in (cal.speed_probe_ms if cal else {}).items()
+                  if k.startswith(f"{model}:")}
+    if not calibrated:
+        err.print("[yellow]this profile has no model-step speed probe; rerun `batchsim calibrate` "
+                  "to see the device's drift beside each case[/yellow]")
+        return dict
+    s = open_session(RunConfig(model=model, dtype=dtype))
 
     def probe() -> dict[str, float]:
-        if not calibrated:
-            return {}
-        with cache_limit():
-            return probe_speed(speed_probe_ms(getattr(mx, dtype)), calibrated)
+        return probe_speed(speed_probe_ms(model, s.model, s.spec, s.kv_bytes_per_token), calibrated)
 
     return probe
 
@@ -144,19 +166,15 @@ def _median_run(runs: list[dict]) -> dict:
     return med | {"run_dir": [r.get("run_dir") for r in runs]}
 
 
-def _repeat_stats(runs: list[dict], speeds: list[dict[str, float]]) -> dict:
+def _repeat_stats(runs: list[dict]) -> dict:
     """How far one real run falls from the median of its repeats (mean |x / median - 1|): the
-    machine's own noise, a floor under any simulator's error. Plus each run's values and speed."""
+    machine's own noise, a floor under any simulator's error. Plus each run's values."""
     med = _median_run(runs)
     spread = {}
     for m in METRICS:
         devs = [abs((r.get(m) or 0.0) / med[m] - 1) if med[m] else 0.0 for r in runs]
         spread[m] = float(np.mean(devs))
-    keys = list(speeds[0]) if speeds else []
-    return {"repeat_abs_dev": spread,
-            "real_runs": [{m: r.get(m) for m in METRICS + EXTRA} for r in runs],
-            "device_speed": {k: float(np.mean([s[k] for s in speeds if k in s])) for k in keys},
-            "device_speed_runs": speeds}
+    return {"repeat_abs_dev": spread, "real_runs": [{m: r.get(m) for m in METRICS + EXTRA} for r in runs]}
 
 
 def _compare(name: str, measured: dict, predicted: dict) -> dict:
@@ -170,43 +188,60 @@ def _compare(name: str, measured: dict, predicted: dict) -> dict:
             "real_run_dir": measured.get("run_dir"), "sim_run_dir": predicted.get("run_dir")}
 
 
-def _summarize(rows: list[dict]) -> dict:
-    med = {m: float(np.median([abs(r["error"][m]) for r in rows])) for m in METRICS + EXTRA}
-    worst = {}
+def _abs_err_stats(rows: list[dict], key: str) -> tuple[dict, dict, dict]:
+    """Median and max |error| per metric over the cases, and the worst case per metric."""
+    med, worst, case = {}, {}, {}
     for m in METRICS + EXTRA:
-        r = max(rows, key=lambda r: abs(r["error"][m]))
-        worst[m] = {"abs_err": abs(r["error"][m]), "case": r["case"]}
-    speeds = [v for r in rows for s in r.get("device_speed_runs", []) for v in s.values()]
-    noise = {m: float(np.median([r["repeat_abs_dev"][m] for r in rows])) for m in METRICS
-             } if all("repeat_abs_dev" in r for r in rows) else {}
-    return {"cases": rows, "median_abs_err": med, "noise_floor": noise,
-            "device_speed_range": [min(speeds), max(speeds)] if speeds else None,
-            "max_abs_err": {m: w["abs_err"] for m, w in worst.items()},
-            "worst_case": {m: w["case"] for m, w in worst.items()}}
+        errs = [abs(r[key][m]) for r in rows]
+        med[m] = float(np.median(errs))
+        i = int(np.argmax(errs))
+        worst[m], case[m] = errs[i], rows[i]["case"]
+    return med, worst, case
+
+
+def _summarize(rows: list[dict]) -> dict:
+    med, worst, worst_case = _abs_err_stats(rows, "error")
+    speeds = [v for r in rows for v in r.get("device_speed_runs", [])]
+    noise = {m: float(np.median([r["repeat_abs_dev"][m] for r in rows])) for m in METRICS}
+    summary = {"cases": rows, "median_abs_err": med, "max_abs_err": worst, "worst_case": worst_case,
+               "noise_floor": noise, "device_speed_range": [min(speeds), max(speeds)] if speeds else None}
+    if rows and all("at_probed_speed" in r for r in rows):
+        amed, aworst, acase = _abs_err_stats(rows, "at_probed_speed")
+        summary["at_probed_speed"] = {"median_abs_err": amed, "max_abs_err": aworst, "worst_case": acase}
+    return summary
 
 
 def _print(rows: list[dict], summary: dict) -> None:
-    from server.calibration import format_speed
-
     cols = (["case"] + [f"{m} err %" for m in METRICS]
-            + ["peak batch real/sim", "device speed vs calibration"])
+            + ["peak batch real/sim", "device speed (probe)", "tok/s err % at probed speed"])
     body = [[r["case"]] + [100 * r["error"][m] for m in METRICS]
-            + [f"{r['measured']['max_batch_size']}/{r['predicted']['max_batch_size']}",
-               format_speed(r.get("device_speed", {}))] for r in rows]
-    body.append(["median |err|"] + [100 * summary["median_abs_err"][m] for m in METRICS] + ["", ""])
-    body.append(["max |err|"] + [100 * summary["max_abs_err"][m] for m in METRICS] + ["", ""])
-    if summary.get("noise_floor") and summary.get("repeats", 1) > 1:
-        body.append(["real run vs its repeats"] + [100 * summary["noise_floor"][m] for m in METRICS]
-                    + ["", ""])
+            + [f"{r['measured']['max_batch_size']:g}/{r['predicted']['max_batch_size']}",
+               f"x{r['device_speed']:.2f}" if "device_speed" in r else "n/a",
+               100 * r["at_probed_speed"]["output_throughput"] if "at_probed_speed" in r else ""]
+            for r in rows]
+    body.append(["median |err|"] + [100 * summary["median_abs_err"][m] for m in METRICS] + ["", "", ""])
+    body.append(["max |err|"] + [100 * summary["max_abs_err"][m] for m in METRICS] + ["", "", ""])
+    if summary.get("repeats", 1) > 1:
+        body.append(["one real run vs median"] + [100 * summary["noise_floor"][m] for m in METRICS]
+                    + ["", "", ""])
+    adj = summary.get("at_probed_speed")
+    if adj:
+        body.append(["at probed speed: median"] + [100 * adj["median_abs_err"][m] for m in METRICS]
+                    + ["", "", ""])
+        body.append(["at probed speed: max"] + [100 * adj["max_abs_err"][m] for m in METRICS]
+                    + ["", "", ""])
     out.print(table("Simulator vs real runs (error = predicted / measured - 1)", cols, body))
     if summary.get("repeats", 1) > 1:
-        err.print(f"measured = median of {summary['repeats']} real runs per case; the last row is "
-                  "how far one real run falls from that median (the machine's own noise)")
+        err.print(f"measured = median of {summary['repeats']} real runs per case. 'one real run vs "
+                  "median': how far a single real run falls from that median, the machine's own noise.")
+    if adj:
+        err.print("'at probed speed': the same simulation with the device scaled to the speed the "
+                  "probe (real steps of a calibration model) measured around each case's runs.")
     lo_hi = summary.get("device_speed_range")
     if lo_hi and (lo_hi[0] < 0.9 or lo_hi[1] > 1.1):
         err.print(f"[yellow]the device ran at x{lo_hi[0]:.2f}-x{lo_hi[1]:.2f} of its calibrated "
-                  "speed (fixed GEMV/GEMM probe): errors that large are the machine drifting, "
-                  "not the model. Recalibrate right before validating, on a quiet machine.[/yellow]")
+                  "speed: errors that large are the machine drifting, not the model. Recalibrate "
+                  "right before validating, on a quiet machine.[/yellow]")
 
 
 def _plot(rows: list[dict], out_dir: Path) -> Path:

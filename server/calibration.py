@@ -98,17 +98,38 @@ def measure_gemm(dtype: mx.Dtype, rows: Sequence[int] = GEMM_ROWS, shapes=GEMM_S
     return fit_gemm(samples), samples
 
 
-PROBE_SHAPE = (1024, 4096)  # (k, n) of the speed probe's linear layer
-PROBE_ROWS = {"gemv": 1, "gemm": 64}  # memory-bound and compute-bound
+# The speed probe: three executor steps of the first calibration model, points of calibration's
+# own grid (decode at batch 1 and 8, 128 tokens of context; a 64-token prefill), so the profile
+# keeps what calibration measured for them. A fixed GEMV/GEMM probe did not follow this VM's slow
+# phases (it read x1.0-1.2 while model steps ran 10-15% slower than calibrated); model steps do.
+PROBE_DECODE_BATCHES = (1, 8)
+PROBE_WIDTH = 128
+PROBE_CHUNK = 64
+PROBE_STEPS = 5  # decode steps per probe point (the first, joining step not counted)
 
 
-def speed_probe_ms(dtype: mx.Dtype, reps: int = 5) -> dict[str, float]:
-    """A few seconds of fixed GEMV and GEMM timings. Shared machines drift (a busy SMT sibling
-    slows matmuls by a third for minutes at a time); comparing this probe with its value in the
-    profile says how far the device is from the one that was calibrated."""
-    k, n = PROBE_SHAPE
-    ws = streamed_weights(k, n, dtype)
-    return {kind: time_linear(m, k, n, dtype, reps, ws) * 1e3 for kind, m in PROBE_ROWS.items()}
+def probe_key(sample: StepSample) -> str:
+    return f"{sample.model}:{sample.kind}:{sample.rows}x{sample.context}"
+
+
+def is_probe_point(sample: StepSample) -> bool:
+    if sample.kind == "decode":
+        return sample.rows in PROBE_DECODE_BATCHES and sample.context == PROBE_WIDTH + 1 + PROBE_STEPS // 2
+    return sample.rows == PROBE_CHUNK and sample.context == 0
+
+
+def speed_probe_ms(name: str, model, spec: ModelSpec, kvt: int) -> dict[str, float]:
+    """A few seconds of real executor steps on a calibration model, keyed by grid point."""
+    samples = decode_samples(name, model, spec, kvt, PROBE_DECODE_BATCHES, [PROBE_WIDTH],
+                             steps=PROBE_STEPS, rounds=1)
+    samples += prefill_samples(name, model, spec, kvt, [PROBE_CHUNK], [0], reps=2)
+    return {probe_key(x): x.seconds * 1e3 for x in samples}
+
+
+def device_speed(speeds: dict[str, float]) -> float | None:
+    """One number for a probe reading: the geometric mean of its points' speeds."""
+    vals = [v for v in speeds.values() if v > 0]
+    return float(np.exp(np.mean(np.log(vals)))) if vals else None
 
 
 def probe_speed(now_ms: dict[str, float], calibrated_ms: dict[str, float]) -> dict[str, float]:

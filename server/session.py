@@ -64,8 +64,8 @@ class Session:
 
     def with_config(self, cfg: RunConfig) -> Session:
         """The same loaded model under other scheduler limits, budget or workload."""
-        if (cfg.model, cfg.dtype, cfg.quantize, cfg.executor) != (
-                self.config.model, self.config.dtype, self.config.quantize, self.config.executor):
+        keep = ("model", "dtype", "quantize", "executor", "device_profile")  # what built the executor
+        if any(getattr(cfg, k) != getattr(self.config, k) for k in keep):
             raise ValueError("with_config keeps the model and executor; open a new session instead")
         budget, source = memory_budget(cfg.memory_gb)
         new = dataclasses.replace(self, config=cfg, memory_budget_bytes=budget, budget_source=source)

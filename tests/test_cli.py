@@ -119,8 +119,10 @@ def test_validate_contract_on_the_tiny_model(batchsim_home, tmp_path):
 
     shipped = Path(__file__).parent.parent / "configs" / "devices" / "linux-x86_64-openblas-2core.yaml"
     profile = yaml.safe_load(shipped.read_text())
-    profile["calibration"]["calibrated_on"] = ["smollm2-135m"]  # so that tiny counts as unseen
-    profile["calibration"]["speed_probe_ms"] = {"gemv": 2.0, "gemm": 30.0}
+    # gqa8-probe as the calibration model: tiny counts as unseen, and the speed probe runs on it.
+    profile["calibration"]["calibrated_on"] = ["gqa8-probe"]
+    profile["calibration"]["speed_probe_ms"] = {
+        "gqa8-probe:decode:1x131": 20.0, "gqa8-probe:decode:8x131": 32.0, "gqa8-probe:prefill:64x0": 65.0}
     profile_path = tmp_path / "profile.yaml"
     profile_path.write_text(yaml.safe_dump(profile))
     matrix = tmp_path / "matrix.yaml"
@@ -138,6 +140,7 @@ def test_validate_contract_on_the_tiny_model(batchsim_home, tmp_path):
     metrics = {"output_throughput", "mean_ttft_ms", "mean_tpot_ms", "p99_ttft_ms", "p99_tpot_ms"}
     assert metrics <= set(summary["median_abs_err"]) and metrics <= set(summary["max_abs_err"])
     assert metrics <= set(summary["noise_floor"]) and summary["repeats"] == 2
+    assert metrics <= set(summary["at_probed_speed"]["median_abs_err"])
     assert [c["case"] for c in summary["cases"]] == ["b1", "b4"]
     for case in summary["cases"]:
         assert len(case["real_runs"]) == 2 and len(case["real_run_dir"]) == 2
@@ -145,8 +148,12 @@ def test_validate_contract_on_the_tiny_model(batchsim_home, tmp_path):
         assert case["measured"]["output_throughput"] == pytest.approx(sum(tputs) / 2)  # median of 2
         dev = case["repeat_abs_dev"]["output_throughput"]
         assert dev == pytest.approx(abs(tputs[0] - tputs[1]) / sum(tputs))  # each half the gap
-        assert len(case["device_speed_runs"]) == 2 and set(case["device_speed"]) == {"gemv", "gemm"}
-        assert all(v > 0 for v in case["device_speed"].values())
+        assert len(case["device_speed_runs"]) == 2 and case["device_speed"] > 0
+        # Re-simulated on the device as probed: with every request at t=0 the whole timeline
+        # stretches by 1/speed, so throughput scales by the speed itself.
+        adjusted = 1 + case["at_probed_speed"]["output_throughput"]
+        assert adjusted * case["measured"]["output_throughput"] == pytest.approx(
+            case["predicted"]["output_throughput"] * case["device_speed"], rel=1e-6)
         # Same requests, same scheduler: peak batch is decided by policy, not timing.
         assert case["measured"]["max_batch_size"] == case["predicted"]["max_batch_size"]
     assert summary["cases"][1]["measured"]["max_batch_size"] == 4

@@ -12,7 +12,7 @@ import pytest
 
 from scheduler.scheduler import Scheduler
 from server import calibration as cal
-from server.costmodel import Calibration, DeviceProfile, GemmFit
+from server.costmodel import Calibration, DeviceProfile, GemmFit, at_speed
 from server.run_config import RunConfig, SchedulerSettings
 from server.runner import run_workload
 from server.session import open_session
@@ -43,11 +43,11 @@ def workload(n=12, rate=float("inf"), seed=3, out="uniform:4:24") -> WorkloadSpe
                         seed=seed)
 
 
-def sim_session(model="tiny", lookahead=True, **cfg):
+def sim_session(model="tiny", lookahead=True, profile=PROFILE, **cfg):
     spec = cfg.pop("workload", workload())
     rc = RunConfig(model=model, dtype="float32", executor="sim", workload=spec, **cfg)
     ref_session = open_session(dataclasses.replace(rc, executor="fake"))
-    ex = SimExecutor(StepCost(ref_session.spec, PROFILE, "float32", None))
+    ex = SimExecutor(StepCost(ref_session.spec, profile, "float32", None))
     if not lookahead:
         ex.max_lookahead_steps = 1
     return open_session(rc, executor=ex)
@@ -175,6 +175,33 @@ def test_forward_terms_fit_recovers_known_coefficients(smollm2_spec, tiny_spec):
                 "attention_prefill_ns_per_score_byte", "elementwise_ns_per_byte",
                 "layer_overhead_us", "forward_overhead_us", "attention_decode_ns_per_score"):
         assert terms[key] == pytest.approx(getattr(true, key), rel=1e-3), key
+
+
+@pytest.mark.parametrize("calibrated", [True, False])
+def test_a_device_at_half_speed_takes_twice_as_long_for_everything(calibrated):
+    """`validate` re-simulates each case on the device as probed (`at_speed`): every term must
+    scale, or the timeline would not stretch by exactly 1/speed (all arrivals at t=0)."""
+    base = PROFILE if calibrated else dataclasses.replace(PROFILE, calibration=None)
+    runs = [run_workload(sim_session(profile=p, scheduler=SchedulerSettings(max_num_seqs=4)),
+                         workload(), out_dir=None, label="t") for p in (base, at_speed(base, 0.5))]
+    fast, slow = (r.summary for r in runs)
+    assert slow["duration"] == pytest.approx(2 * fast["duration"], rel=1e-9)
+    assert slow["mean_ttft_ms"] == pytest.approx(2 * fast["mean_ttft_ms"], rel=1e-9)
+    assert [s.batch_size for s in runs[0].steps] == [s.batch_size for s in runs[1].steps]
+
+
+def test_speed_probe_points_are_calibration_grid_points(tiny):
+    """The profile stores calibration's grid medians as the probe's reference: the probe's keys
+    must name exactly the grid points `is_probe_point` picks out."""
+    ref, model, _ = tiny
+    spec, kvt = ref.spec, ref.spec.kv_bytes_per_token("float32")
+    grid = cal.decode_samples("tiny", model, spec, kvt, [1, 2, 8], [128, 512], steps=5, rounds=1)
+    grid += cal.prefill_samples("tiny", model, spec, kvt, [16, 64], [0, 512], reps=1)
+    picked = {cal.probe_key(x) for x in grid if cal.is_probe_point(x)}
+    probe = cal.speed_probe_ms("tiny", model, spec, kvt)
+    assert set(probe) == picked and len(picked) == 3
+    assert all(v > 0 for v in probe.values())
+    assert cal.device_speed(cal.probe_speed({k: 2 * v for k, v in probe.items()}, probe)) == pytest.approx(0.5)
 
 
 @pytest.fixture(scope="module")

@@ -75,7 +75,8 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     for case in cases:
         name = case["name"]
-        row = _compare(name, _median_run(runs[name]), predicted[name]) | _repeat_stats(runs[name])
+        median = _median_run(runs[name])
+        row = _compare(name, median, predicted[name]) | _repeat_stats(runs[name], median)
         if speeds[name]:  # the same simulation on the device as probed around this case's runs
             row["device_speed"] = speed = float(np.exp(np.mean(np.log(speeds[name]))))
             row["device_speed_runs"] = speeds[name]
@@ -166,10 +167,9 @@ def _median_run(runs: list[dict]) -> dict:
     return med | {"run_dir": [r.get("run_dir") for r in runs]}
 
 
-def _repeat_stats(runs: list[dict]) -> dict:
+def _repeat_stats(runs: list[dict], med: dict) -> dict:
     """How far one real run falls from the median of its repeats (mean |x / median - 1|): the
     machine's own noise, a floor under any simulator's error. Plus each run's values."""
-    med = _median_run(runs)
     spread = {}
     for m in METRICS:
         devs = [abs((r.get(m) or 0.0) / med[m] - 1) if med[m] else 0.0 for r in runs]
@@ -251,8 +251,8 @@ def _plot(rows: list[dict], out_dir: Path) -> Path:
     for ax, m in zip(axes, METRICS):
         xs = [r["measured"][m] or 0 for r in rows]
         ys = [r["predicted"][m] or 0 for r in rows]
-        lo = [x - min(run[m] or 0 for run in r.get("real_runs", [r["measured"]])) for x, r in zip(xs, rows)]
-        hi = [max(run[m] or 0 for run in r.get("real_runs", [r["measured"]])) - x for x, r in zip(xs, rows)]
+        lo = [x - min(run[m] or 0 for run in r["real_runs"]) for x, r in zip(xs, rows)]
+        hi = [max(run[m] or 0 for run in r["real_runs"]) - x for x, r in zip(xs, rows)]
         ax.errorbar(xs, ys, xerr=[lo, hi], fmt="o", ms=4, elinewidth=0.8)  # bars: real runs' range
         top = max(xs + ys + [1e-9]) * 1.1
         ax.plot([0, top], [0, top], "k--", lw=0.8)

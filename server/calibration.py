@@ -114,7 +114,8 @@ def probe_key(sample: StepSample) -> str:
 
 def is_probe_point(sample: StepSample) -> bool:
     if sample.kind == "decode":
-        return sample.rows in PROBE_DECODE_BATCHES and sample.context == PROBE_WIDTH + 1 + PROBE_STEPS // 2
+        return (sample.rows in PROBE_DECODE_BATCHES
+                and sample.context == decode_sample_context(PROBE_WIDTH, PROBE_STEPS))
     return sample.rows == PROBE_CHUNK and sample.context == 0
 
 
@@ -180,6 +181,11 @@ def _prefilled(model, ex: MLXExecutor, spec: ModelSpec, batch: int, width: int) 
         ex.seqs[rid] = SeqState(ids, SamplingParams(1 << 20, ignore_eos=True), cache)
 
 
+def decode_sample_context(width: int, steps: int) -> int:
+    """The attention width a decode sample stands for: its middle timed step's."""
+    return width + 1 + steps // 2
+
+
 def decode_samples(name: str, model, spec: ModelSpec, kvt: int, batches: Sequence[int],
                    widths: Sequence[int], steps: int = 5, rounds: int = 3) -> list[StepSample]:
     """Executor-timed decode steps at each (batch, context width); the first (joining) step of
@@ -200,7 +206,7 @@ def decode_samples(name: str, model, spec: ModelSpec, kvt: int, batches: Sequenc
                     step_s.append(ex.execute(plan).elapsed_s)
                 times.setdefault((width, b), []).append(float(np.median(step_s[1:])))
                 del ex
-    return [StepSample(name, "decode", b, width + 1 + steps // 2, float(np.median(t)))
+    return [StepSample(name, "decode", b, decode_sample_context(width, steps), float(np.median(t)))
             for (width, b), t in times.items()]
 
 

@@ -96,12 +96,6 @@ class DeviceProfile:
         return self.tflops(dtype) * 1e12 * self.compute_efficiency
 
 
-# Calibration terms that are a time per unit of work (scaled by `at_speed`); copy_gbs is a rate.
-_TIME_TERMS = ("attention_decode_ns_per_byte", "attention_prefill_ns_per_flop",
-               "attention_prefill_ns_per_score_byte", "elementwise_ns_per_byte", "layer_overhead_us",
-               "forward_overhead_us", "step_overhead_us", "attention_decode_ns_per_score")
-
-
 def at_speed(profile: DeviceProfile, speed: float) -> DeviceProfile:
     """The same device running `speed` times as fast (0.9: every step takes 1/0.9 as long): what a
     shared machine's slow phase does to every term at once."""
@@ -113,7 +107,10 @@ def at_speed(profile: DeviceProfile, speed: float) -> DeviceProfile:
             forward_overhead_s=profile.forward_overhead_s / speed)
     gemm = {f: GemmFit({kn: v / speed for kn, v in g.weight_ns.items()},
                        {m: v / speed for m, v in g.flop_ns.items()}) for f, g in c.gemm.items()}
-    terms = {t: getattr(c, t) / speed for t in _TIME_TERMS}
+    # Every float term is a time per unit of work, but copy_gbs, a rate: derived from the fields
+    # so that a term added later is scaled too.
+    terms = {f.name: getattr(c, f.name) / speed for f in dataclasses.fields(c)
+             if f.type == "float" and f.name != "copy_gbs"}
     return dataclasses.replace(profile, calibration=dataclasses.replace(
         c, gemm=gemm, copy_gbs=c.copy_gbs * speed, **terms))
 

@@ -54,7 +54,7 @@ def streamed_weights(k: int, n: int, dtype: mx.Dtype) -> list[mx.array]:
 
 
 def time_linear(m: int, k: int, n: int, dtype: mx.Dtype, reps: int = 5,
-                weights: list[mx.array] | None = None) -> float:
+                weights: list[mx.array] | None = None, warmup: int = 1) -> float:
     """Seconds for one (m, k) @ (k, n)^T as nn.Linear computes it, weights streamed from memory:
     each timed call cycles through enough distinct weight matrices to defeat the caches."""
     ws = weights or streamed_weights(k, n, dtype)
@@ -64,7 +64,7 @@ def time_linear(m: int, k: int, n: int, dtype: mx.Dtype, reps: int = 5,
     def run() -> None:
         mx.eval([x @ w.T for w in ws])
 
-    return median_time_s(run, reps) / len(ws)
+    return median_time_s(run, reps, warmup) / len(ws)
 
 
 def fit_gemm(samples: dict[tuple[int, int, int], float]) -> GemmFit:
@@ -90,10 +90,19 @@ def fit_gemm(samples: dict[tuple[int, int, int], float]) -> GemmFit:
 
 def measure_gemm(dtype: mx.Dtype, rows: Sequence[int] = GEMM_ROWS, shapes=GEMM_SHAPES,
                  reps: int = 5, log: Callable[[str], None] = print) -> tuple[GemmFit, dict]:
-    samples = {}
+    """Each (m, k, n) timed once per pass over the whole grid, `reps` passes, median per point: a
+    shared machine's slow minutes then touch every point a little instead of bending a few (timed
+    back to back, one shape's whole row sweep could fall into one slow phase)."""
+    weights = {(k, n): streamed_weights(k, n, dtype) for k, n in shapes}
+    times: dict[tuple[int, int, int], list[float]] = {}
+    for rep in range(reps):
+        for k, n in shapes:
+            for m in rows:
+                times.setdefault((m, k, n), []).append(
+                    time_linear(m, k, n, dtype, reps=1, weights=weights[(k, n)], warmup=int(rep == 0)))
+        log(f"gemm pass {rep + 1}/{reps} done")
+    samples = {key: float(np.median(v)) for key, v in times.items()}
     for k, n in shapes:
-        for m in rows:
-            samples[(m, k, n)] = time_linear(m, k, n, dtype, reps)
         log(f"gemm {k}x{n}: " + ", ".join(f"m={m} {samples[(m, k, n)] * 1e3:.2f}ms" for m in rows))
     return fit_gemm(samples), samples
 
@@ -236,6 +245,24 @@ def prefill_samples(name: str, model, spec: ModelSpec, kvt: int, chunks: Sequenc
     return out
 
 
+def grid_samples(models: dict[str, tuple], batches: Sequence[int], widths: Sequence[int],
+                 chunks: Sequence[int], starts: Sequence[int], rounds: int = 3,
+                 log: Callable[[str], None] = print) -> list[StepSample]:
+    """The decode and prefill grid of every calibration model ({name: (model, spec, kv bytes per
+    token)}), measured `rounds` times round-robin over the models, median per point. Model by
+    model, each model's samples would sit in one phase of a shared machine, and the fit would
+    read a phase as a difference between models."""
+    times: dict[tuple[str, str, int, int], list[float]] = {}
+    for r in range(rounds):
+        for name, (model, spec, kvt) in models.items():
+            log(f"round {r + 1}/{rounds}: {name} decode steps and prefill chunks")
+            got = decode_samples(name, model, spec, kvt, batches, widths, rounds=1)
+            got += prefill_samples(name, model, spec, kvt, chunks, starts, reps=1)
+            for x in got:
+                times.setdefault((x.model, x.kind, x.rows, x.context), []).append(x.seconds)
+    return [StepSample(*key, float(np.median(v))) for key, v in times.items()]
+
+
 # The Calibration fields fitted on executor steps, in the order of fit_forward_terms's columns.
 FORWARD_TERMS = ("attention_decode_ns_per_byte", "attention_prefill_ns_per_flop",
                  "attention_prefill_ns_per_score_byte", "elementwise_ns_per_byte",
@@ -279,6 +306,25 @@ def predict(sample: StepSample, cost: StepCost) -> float:
     if sample.kind == "decode":
         return cost.decode_forward_s(sample.rows, sample.context)
     return cost.prefill_forward_s(sample.rows, sample.context, sample=True)
+
+
+def transfer_errors(samples: Sequence[StepSample], costs: dict[str, StepCost]) -> dict[str, dict[str, float]]:
+    """Leave one model out: fit the forward terms on the other models, predict the one left out
+    ({model: median |error|, median error}). Every model the simulator is used on is one the fit
+    has not seen, so this, not the in-sample error, is what to expect on a new model. `costs`
+    are StepCosts whose profile carries the GEMM fit (their forward terms are not used)."""
+    out = {}
+    for held, c in costs.items():
+        train = [s for s in samples if s.model != held]
+        test = [s for s in samples if s.model == held]
+        if not train or not test or c.cal is None:
+            continue
+        terms = fit_forward_terms(train, costs)
+        profile = dataclasses.replace(c.profile, calibration=dataclasses.replace(c.cal, **terms))
+        cost = StepCost(c.spec, profile, c.fmt, None)
+        errs = np.asarray([predict(s, cost) / s.seconds - 1 for s in test])
+        out[held] = {"median_abs_err": float(np.median(np.abs(errs))), "median_err": float(np.median(errs))}
+    return out
 
 
 def calibration_from(gemm: dict[str, GemmFit], terms: dict[str, float], copy_gbs: float,

@@ -148,33 +148,49 @@ def test_gemm_fit_recovers_known_parameters():
         assert fit.seconds(m, k, n) == pytest.approx(t, rel=0.02)
 
 
-def test_forward_terms_fit_recovers_known_coefficients(smollm2_spec, tiny_spec):
+FORWARD_ZERO = dataclasses.replace(PROFILE.calibration, **dict.fromkeys(cal.FORWARD_TERMS, 0.0))
+
+
+def _exact_samples(names: tuple[str, ...]) -> tuple[list, dict]:
+    """Step samples every model's timings of which PROFILE predicts exactly, and StepCosts with the
+    forward terms zeroed, as `calibrate` fits them."""
     from server.modelspec import zoo_spec
 
-    # Three head shapes (3:1 x 64, 2:1 x 16, 8:1 x 32), as `calibrate` uses, make the per-K/V-byte
-    # and the per-score attention terms separable.
-    true = dataclasses.replace(PROFILE.calibration, gemm=PROFILE.calibration.gemm)
-    costs = {n: StepCost(s, dataclasses.replace(PROFILE, calibration=true), "float32", None)
-             for n, s in (("smol", smollm2_spec), ("tiny", tiny_spec),
-                          ("gqa8", zoo_spec("gqa8-probe")))}
-    samples = []
-    for name, c in costs.items():
+    samples, costs0 = [], {}
+    for name in names:
+        c = StepCost(zoo_spec(name), PROFILE, "float32", None)
+        costs0[name] = StepCost(c.spec, dataclasses.replace(PROFILE, calibration=FORWARD_ZERO),
+                                "float32", None)
         for b in (1, 4, 16):
             for w in (100, 700):
                 samples.append(cal.StepSample(name, "decode", b, w, c.decode_forward_s(b, w)))
         for n, start in ((16, 0), (256, 0), (256, 512)):
             samples.append(cal.StepSample(name, "prefill", n, start, c.prefill_forward_s(n, start, True)))
-    zero = dataclasses.replace(true, attention_decode_ns_per_byte=0, attention_prefill_ns_per_flop=0,
-                               attention_prefill_ns_per_score_byte=0, elementwise_ns_per_byte=0,
-                               layer_overhead_us=0, forward_overhead_us=0,
-                               attention_decode_ns_per_score=0)
-    costs0 = {n: StepCost(c.spec, dataclasses.replace(PROFILE, calibration=zero), "float32", None)
-              for n, c in costs.items()}
+    return samples, costs0
+
+
+def test_forward_terms_fit_recovers_known_coefficients():
+    # Three head shapes (3:1 x 64, 2:1 x 16, 8:1 x 32), as `calibrate` uses, make the per-K/V-byte
+    # and the per-score attention terms separable.
+    samples, costs0 = _exact_samples(("smollm2-135m", "tiny", "gqa8-probe"))
     terms = cal.fit_forward_terms(samples, costs0)
-    for key in ("attention_decode_ns_per_byte", "attention_prefill_ns_per_flop",
-                "attention_prefill_ns_per_score_byte", "elementwise_ns_per_byte",
-                "layer_overhead_us", "forward_overhead_us", "attention_decode_ns_per_score"):
-        assert terms[key] == pytest.approx(getattr(true, key), rel=1e-3), key
+    for key in cal.FORWARD_TERMS:
+        assert terms[key] == pytest.approx(getattr(PROFILE.calibration, key), rel=1e-3), key
+
+
+def test_leave_one_model_out_error_measures_what_the_others_cannot_explain():
+    names = ("smollm2-135m", "tiny", "gqa8-probe", "qwen2.5-0.5b")
+    samples, costs0 = _exact_samples(names)
+    exact = cal.transfer_errors(samples, costs0)
+    assert set(exact) == set(names)
+    assert all(e["median_abs_err"] < 1e-6 for e in exact.values())
+    # One model runs 25% slower than the others explain: fitted without it, it is predicted at
+    # 1/1.25 of its time, so its transfer error says -20%, which its in-sample error would hide.
+    slow = [dataclasses.replace(s, seconds=s.seconds * 1.25) if s.model == "qwen2.5-0.5b" else s
+            for s in samples]
+    err = cal.transfer_errors(slow, costs0)["qwen2.5-0.5b"]
+    assert err["median_err"] == pytest.approx(-0.2, abs=1e-6)
+    assert err["median_abs_err"] == pytest.approx(0.2, abs=1e-6)
 
 
 @pytest.mark.parametrize("calibrated", [True, False])
@@ -202,6 +218,39 @@ def test_speed_probe_points_are_calibration_grid_points(tiny):
     assert set(probe) == picked and len(picked) == 3
     assert all(v > 0 for v in probe.values())
     assert cal.device_speed(cal.probe_speed({k: 2 * v for k, v in probe.items()}, probe)) == pytest.approx(0.5)
+
+
+def test_step_grid_goes_round_robin_over_models_and_keeps_each_points_median(monkeypatch):
+    """A slow phase must touch every calibration model, not just the one being measured."""
+    calls, speed = [], iter([1.0, 1.0, 9.0, 1.1, 1.2, 1.3])  # a 9x stall in round 2, model a
+
+    def fake_decode(name, *args, **kw):
+        assert kw.get("rounds") == 1
+        calls.append(name)
+        return [cal.StepSample(name, "decode", 1, 131, next(speed))]
+
+    monkeypatch.setattr(cal, "decode_samples", fake_decode)
+    monkeypatch.setattr(cal, "prefill_samples", lambda *a, **kw: [])
+    got = cal.grid_samples({"a": (None, None, 0), "b": (None, None, 0)}, [1], [128], [16], [0],
+                           rounds=3, log=lambda _: None)
+    assert calls == ["a", "b", "a", "b", "a", "b"]
+    assert {s.model: s.seconds for s in got} == {"a": 1.2, "b": 1.1}  # medians: the stall is outvoted
+
+
+def test_gemm_grid_is_timed_in_passes_and_keeps_each_points_median(monkeypatch):
+    order, t = [], iter(range(1, 100))
+
+    def fake_time(m, k, n, dtype, reps, weights, warmup):
+        order.append((m, k, n, warmup))
+        return float(next(t)) if (m, k, n) != (2, 8, 8) or len(order) > 4 else 1e3  # one outlier
+
+    monkeypatch.setattr(cal, "streamed_weights", lambda k, n, dtype: [])
+    monkeypatch.setattr(cal, "time_linear", fake_time)
+    _, samples = cal.measure_gemm(None, rows=(1, 2), shapes=((8, 8), (8, 16)), reps=3, log=lambda _: None)
+    assert [o[:3] for o in order[:4]] == [(1, 8, 8), (2, 8, 8), (1, 8, 16), (2, 8, 16)]
+    assert [o[:3] for o in order] == [o[:3] for o in order[:4]] * 3  # whole passes, not one point x3
+    assert [o[3] for o in order] == [1] * 4 + [0] * 8  # warm-up on the first pass only
+    assert samples[(2, 8, 8)] == 9.0  # median of (1000, 5, 9): the outlier pass is outvoted
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,9 @@ from scripts.common import append_jsonl, err, out, str_list, table
 # predicted 14% fast (leave-one-model-out on the 02:43 calibration's samples).
 DEFAULT_MODELS = ["smollm2-135m", "tiny", "gqa8-probe", "qwen3-0.6b"]
 
+# Of the device's memory, what one decode grid point's KV (private caches and pool) may hold.
+KV_CAP_FRACTION = 0.3
+
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", type=str_list, default=DEFAULT_MODELS,
@@ -43,7 +46,7 @@ def run(args: argparse.Namespace) -> dict:
     from server import env
     from server.costmodel import DeviceProfile
     from server.devices import save_profile, user_dir
-    from server.microbench import cache_limit, measure_bandwidth_gbs
+    from server.microbench import cache_limit, measure_bandwidth_gbs, memory_budget_bytes
     from server.run_config import RunConfig
     from server.session import open_session
     from server.stepcost import StepCost
@@ -67,7 +70,8 @@ def run(args: argparse.Namespace) -> dict:
     samples = cal.grid_samples(
         {n: (s.model, s.spec, s.kv_bytes_per_token) for n, s in sessions.items()},
         [int(b) for b in args.batches], [int(w) for w in args.widths], [int(c) for c in args.chunks],
-        [int(x) for x in args.starts], rounds=args.rounds, log=err.print)
+        [int(x) for x in args.starts], rounds=args.rounds,
+        max_kv_bytes=memory_budget_bytes(KV_CAP_FRACTION), log=err.print)
     overhead_us = _engine_overhead_us(sessions[args.models[0]])
     probe_after = _probe(sessions[args.models[0]], args.models[0])
     # The probe's reference: calibration's own grid medians at the probe points (three rounds

@@ -195,16 +195,24 @@ def decode_sample_context(width: int, steps: int) -> int:
     return width + 1 + steps // 2
 
 
+def decode_kv_bytes(kvt: int, batch: int, width: int, steps: int = 5) -> int:
+    """Memory a decode grid point holds: each row's private cache and the pool it is joined into."""
+    return 2 * batch * round_up(width + steps + 2, KV_STEP) * kvt
+
+
 def decode_samples(name: str, model, spec: ModelSpec, kvt: int, batches: Sequence[int],
-                   widths: Sequence[int], steps: int = 5, rounds: int = 3) -> list[StepSample]:
+                   widths: Sequence[int], steps: int = 5, rounds: int = 3,
+                   max_kv_bytes: int | None = None) -> list[StepSample]:
     """Executor-timed decode steps at each (batch, context width); the first (joining) step of
     each configuration is not counted. The grid is measured `rounds` times over and each point
     takes the median of its rounds, so a shared machine's slow minutes spread over every point
-    instead of bending a few."""
+    instead of bending a few. Points whose KV would pass `max_kv_bytes` are skipped."""
     times: dict[tuple[int, int], list[float]] = {}
     for _ in range(rounds):
         for width in widths:
             for b in batches:
+                if max_kv_bytes is not None and decode_kv_bytes(kvt, b, width, steps) > max_kv_bytes:
+                    continue
                 ex = MLXExecutor(model)
                 _prefilled(model, ex, spec, b, width)
                 geom = PoolGeometry(b, round_up(width + steps + 2, KV_STEP))
@@ -247,16 +255,24 @@ def prefill_samples(name: str, model, spec: ModelSpec, kvt: int, chunks: Sequenc
 
 def grid_samples(models: dict[str, tuple], batches: Sequence[int], widths: Sequence[int],
                  chunks: Sequence[int], starts: Sequence[int], rounds: int = 3,
-                 log: Callable[[str], None] = print) -> list[StepSample]:
+                 max_kv_bytes: int | None = None, log: Callable[[str], None] = print) -> list[StepSample]:
     """The decode and prefill grid of every calibration model ({name: (model, spec, kv bytes per
     token)}), measured `rounds` times round-robin over the models, median per point. Model by
     model, each model's samples would sit in one phase of a shared machine, and the fit would
-    read a phase as a difference between models."""
+    read a phase as a difference between models. Decode points whose KV would pass `max_kv_bytes`
+    are skipped (a 0.6B model with 8 KV heads of 128 holds 15 GB at 64 rows of 1024 tokens)."""
     times: dict[tuple[str, str, int, int], list[float]] = {}
+    for name, (_, _, kvt) in models.items():
+        skipped = [f"{b}x{w}" for w in widths for b in batches
+                   if max_kv_bytes is not None and decode_kv_bytes(kvt, b, w) > max_kv_bytes]
+        if skipped:
+            log(f"{name}: decode points over the KV cap of {max_kv_bytes / 2**30:.1f} GiB skipped "
+                f"(batch x width): {', '.join(skipped)}")
     for r in range(rounds):
         for name, (model, spec, kvt) in models.items():
             log(f"round {r + 1}/{rounds}: {name} decode steps and prefill chunks")
-            got = decode_samples(name, model, spec, kvt, batches, widths, rounds=1)
+            got = decode_samples(name, model, spec, kvt, batches, widths, rounds=1,
+                                 max_kv_bytes=max_kv_bytes)
             got += prefill_samples(name, model, spec, kvt, chunks, starts, reps=1)
             for x in got:
                 times.setdefault((x.model, x.kind, x.rows, x.context), []).append(x.seconds)

@@ -237,6 +237,15 @@ def test_step_grid_goes_round_robin_over_models_and_keeps_each_points_median(mon
     assert {s.model: s.seconds for s in got} == {"a": 1.2, "b": 1.1}  # medians: the stall is outvoted
 
 
+def test_decode_grid_skips_points_whose_kv_would_pass_the_cap(tiny):
+    ref, model, _ = tiny
+    spec, kvt = ref.spec, ref.spec.kv_bytes_per_token("float32")
+    cap = cal.decode_kv_bytes(kvt, 2, 512)
+    got = cal.decode_samples("tiny", model, spec, kvt, [1, 2, 4], [128, 512], rounds=1, max_kv_bytes=cap)
+    assert sorted((s.rows, s.context) for s in got) == sorted(
+        (b, cal.decode_sample_context(w, 5)) for b, w in ((1, 128), (2, 128), (4, 128), (1, 512), (2, 512)))
+
+
 def test_gemm_grid_is_timed_in_passes_and_keeps_each_points_median(monkeypatch):
     order, t = [], iter(range(1, 100))
 

@@ -195,9 +195,14 @@ def decode_sample_context(width: int, steps: int) -> int:
     return width + 1 + steps // 2
 
 
+def decode_geometry(batch: int, width: int, steps: int) -> PoolGeometry:
+    """The pool a decode grid point runs in: `batch` rows with room for `steps` more tokens."""
+    return PoolGeometry(batch, round_up(width + steps + 2, KV_STEP))
+
+
 def decode_kv_bytes(kvt: int, batch: int, width: int, steps: int = 5) -> int:
     """Memory a decode grid point holds: each row's private cache and the pool it is joined into."""
-    return 2 * batch * round_up(width + steps + 2, KV_STEP) * kvt
+    return 2 * decode_geometry(batch, width, steps).nbytes(kvt)
 
 
 def decode_samples(name: str, model, spec: ModelSpec, kvt: int, batches: Sequence[int],
@@ -215,7 +220,7 @@ def decode_samples(name: str, model, spec: ModelSpec, kvt: int, batches: Sequenc
                     continue
                 ex = MLXExecutor(model)
                 _prefilled(model, ex, spec, b, width)
-                geom = PoolGeometry(b, round_up(width + steps + 2, KV_STEP))
+                geom = decode_geometry(b, width, steps)
                 step_s = []
                 for i in range(steps + 1):
                     plan = StepPlan(i, (), (), (), tuple(range(b)), tuple([width + i] * b), geom,

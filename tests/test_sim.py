@@ -152,7 +152,7 @@ FORWARD_ZERO = dataclasses.replace(PROFILE.calibration, **dict.fromkeys(cal.FORW
 
 
 def _exact_samples(names: tuple[str, ...]) -> tuple[list, dict]:
-    """Step samples every model's timings of which PROFILE predicts exactly, and StepCosts with the
+    """Step samples of each model timed exactly as PROFILE predicts them, and StepCosts with the
     forward terms zeroed, as `calibrate` fits them."""
     from server.modelspec import zoo_spec
 
@@ -267,11 +267,3 @@ def smollm2_spec():
     from server.modelspec import zoo_spec
 
     return zoo_spec("smollm2-135m")
-
-
-@pytest.fixture(scope="module")
-def tiny_spec():
-    from server.modelspec import zoo_spec
-
-    return zoo_spec("tiny")
-

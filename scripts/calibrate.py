@@ -93,9 +93,9 @@ def run(args: argparse.Namespace) -> dict:
     costs0 = {n: StepCost(s.spec, _with(base, zero), dtype, None) for n, s in sessions.items()}
     terms = cal.fit_forward_terms(samples, costs0)
     transfer = cal.transfer_errors(samples, costs0)
-    calib = cal.calibration_from({dtype: gemm}, terms, copy_gbs, overhead_us, args.models, when,
-                                 probe_ms)
     env_info = env.environment(dtype=dtype)
+    calib = cal.calibration_from({dtype: gemm}, terms, copy_gbs, overhead_us, args.models, when,
+                                 probe_ms, device=cal.device_id(env_info))
     profile = _with(base, calib, source=f"batchsim calibrate {when}: {env_info['cpu']}, "
                     f"{env_info['backend']}, BLAS {env_info['blas']}, models {', '.join(args.models)}")
     paths = [save_profile(profile, user_dir() / f"{args.name}.yaml")]

@@ -17,6 +17,8 @@ from scripts.common import append_jsonl, err, out, pyplot, save_figure, table, t
 MATRIX = CONFIG_DIR / "validation" / "matrix.yaml"
 METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "p99_ttft_ms", "p99_tpot_ms")
 EXTRA = ("max_batch_size",)
+# The cost model's error on the real runs' own steps (each real plan timed by the simulator too).
+STEP = "step_time_err"
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -33,11 +35,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from server.calibration import device_speed, mean_by_key
+    from server.calibration import device_id, device_speed, mean_by_key
     from server.costmodel import at_speed
     from server.devices import resolve_profile, save_profile
     from server.run_config import RunConfig
     from server.session import open_session
+    from server.shadow import ShadowTimer
 
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be at least 1, got {args.repeats}")
@@ -49,6 +52,12 @@ def run(args: argparse.Namespace) -> dict:
     real = open_session(RunConfig(model=args.model, dtype=args.dtype))
     sim = open_session(RunConfig(model=args.model, dtype=real.dtype, executor="sim",
                                  device_profile=args.device_profile))
+    here = device_id(real.environment())
+    calibrated_on = profile.calibration.device if profile.calibration else ""
+    if calibrated_on and calibrated_on != here:
+        err.print(f"[yellow]warning: {args.device_profile} was calibrated on {calibrated_on}; this is "
+                  f"{here}. Every error below includes the difference between the two machines: "
+                  "run `batchsim calibrate` here first.[/yellow]")
     out_dir = Path(args.out) / f"validate-{timestamp()}"
     probe = _speed_probe(profile, real.dtype)
     predicted, configs = {}, {}
@@ -64,19 +73,24 @@ def run(args: argparse.Namespace) -> dict:
             name = case["name"]
             err.print(f"[{rep * len(cases) + i + 1}/{total}] {name}: real run {rep + 1}/{args.repeats}")
             before = probe()
-            measured = _run(real.with_config(configs[name]), out_dir, f"{name}-real{rep + 1}")
+            shadow = ShadowTimer(sim.executor.cost)
+            measured = _run(real.with_config(configs[name]), out_dir, f"{name}-real{rep + 1}", shadow)
+            measured[STEP] = shadow.error()
             speed = device_speed(mean_by_key(before, probe()))
             if speed is not None:
                 speeds[name].append(speed)
             runs[name].append(measured)
             this = _compare(name, measured, predicted[name])["error"]
             err.print("   " + "  ".join(f"{m} {100 * this[m]:+.1f}%" for m in METRICS)
+                      + f"  step time {100 * measured[STEP]:+.1f}%"
                       + (f"  device speed x{speed:.2f}" if speed else ""))
     rows = []
     for case in cases:
         name = case["name"]
         median = _median_run(runs[name])
         row = _compare(name, median, predicted[name]) | _repeat_stats(runs[name], median)
+        steps = [r[STEP] for r in runs[name] if r[STEP] is not None]
+        row[STEP] = float(np.median(steps)) if steps else None
         if speeds[name]:  # the same simulation on the device as probed around this case's runs
             row["device_speed"] = speed = float(np.exp(np.mean(np.log(speeds[name]))))
             row["device_speed_runs"] = speeds[name]
@@ -85,10 +99,13 @@ def run(args: argparse.Namespace) -> dict:
             adjusted = _run(at_probed.with_config(_sim_config(configs[name], str(path), real.dtype)),
                             out_dir, name + "-sim-at-probed-speed")
             row["at_probed_speed"] = _compare(name, row["measured"], adjusted)["error"]
+            if row[STEP] is not None:  # every term scales by 1/speed, so this is exact
+                row["at_probed_speed"][STEP] = (1 + row[STEP]) / speed - 1
         rows.append(row)
     summary = _summarize(rows)
     summary.update({"model": args.model, "device_profile": args.device_profile, "repeats": args.repeats,
-                    "profile_source": profile.source, "env": real.environment(),
+                    "profile_source": profile.source, "profile_device": calibrated_on,
+                    "device": here, "env": real.environment(),
                     "png": str(_plot(rows, out_dir)), "run_dir": str(out_dir)})
     _print(rows, summary)
     append_jsonl(Path(args.out) / "validate.jsonl", [summary])
@@ -154,10 +171,11 @@ def _case_config(base, case: dict[str, Any], weight_bytes: int):
     return dataclasses.replace(base, scheduler=sched, memory_gb=memory, workload=workload)
 
 
-def _run(session, out_dir: Path, label: str) -> dict:
+def _run(session, out_dir: Path, label: str, on_step: Callable | None = None) -> dict:
     from server.runner import run_workload
 
-    return run_workload(session, session.config.workload, out_dir=out_dir, label=label).summary
+    return run_workload(session, session.config.workload, out_dir=out_dir, label=label,
+                        on_step=on_step).summary
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -208,32 +226,51 @@ def _summarize(rows: list[dict]) -> dict:
     if rows and all("at_probed_speed" in r for r in rows):
         amed, aworst, acase = _abs_err_stats(rows, "at_probed_speed")
         summary["at_probed_speed"] = {"median_abs_err": amed, "max_abs_err": aworst, "worst_case": acase}
+    summary[STEP] = _step_stats([r[STEP] for r in rows])
+    if "at_probed_speed" in summary:
+        summary["at_probed_speed"][STEP] = _step_stats([r["at_probed_speed"].get(STEP) for r in rows])
     return summary
 
 
+def _step_stats(errs: list[float | None]) -> dict | None:
+    """The cost model's error on the real steps, over the cases: median (its bias) and |error|."""
+    errs = [e for e in errs if e is not None]
+    if not errs:
+        return None
+    return {"median": float(np.median(errs)), "median_abs": float(np.median(np.abs(errs))),
+            "max_abs": float(np.max(np.abs(errs)))}
+
+
 def _print(rows: list[dict], summary: dict) -> None:
-    cols = (["case"] + [f"{m} err %" for m in METRICS]
+    cols = (["case"] + [f"{m} err %" for m in METRICS] + ["step time err %"]
             + ["peak batch real/sim", "device speed (probe)", "tok/s err % at probed speed"])
-    body = [[r["case"]] + [100 * r["error"][m] for m in METRICS]
+    body = [[r["case"]] + [100 * r["error"][m] for m in METRICS] + [_pct(r[STEP])]
             + [f"{r['measured']['max_batch_size']:g}/{r['predicted']['max_batch_size']}",
                f"x{r['device_speed']:.2f}" if "device_speed" in r else "n/a",
                100 * r["at_probed_speed"]["output_throughput"] if "at_probed_speed" in r else ""]
             for r in rows]
-    body.append(["median |err|"] + [100 * summary["median_abs_err"][m] for m in METRICS] + ["", "", ""])
-    body.append(["max |err|"] + [100 * summary["max_abs_err"][m] for m in METRICS] + ["", "", ""])
+    step, blank = summary[STEP] or {}, ["", "", ""]
+    body.append(["median |err|"] + [100 * summary["median_abs_err"][m] for m in METRICS]
+                + [_pct(step.get("median_abs"))] + blank)
+    body.append(["max |err|"] + [100 * summary["max_abs_err"][m] for m in METRICS]
+                + [_pct(step.get("max_abs"))] + blank)
     if summary.get("repeats", 1) > 1:
         body.append(["one real run vs median"] + [100 * summary["noise_floor"][m] for m in METRICS]
-                    + ["", "", ""])
+                    + [""] + blank)
     adj = summary.get("at_probed_speed")
     if adj:
+        astep = adj.get(STEP) or {}
         body.append(["at probed speed: median"] + [100 * adj["median_abs_err"][m] for m in METRICS]
-                    + ["", "", ""])
+                    + [_pct(astep.get("median_abs"))] + blank)
         body.append(["at probed speed: max"] + [100 * adj["max_abs_err"][m] for m in METRICS]
-                    + ["", "", ""])
+                    + [_pct(astep.get("max_abs"))] + blank)
     out.print(table("Simulator vs real runs (error = predicted / measured - 1)", cols, body))
     if summary.get("repeats", 1) > 1:
         err.print(f"measured = median of {summary['repeats']} real runs per case. 'one real run vs "
                   "median': how far a single real run falls from that median, the machine's own noise.")
+    err.print("'step time': the simulator's time for each step a real run executed (its own plans, "
+              "executor time only) against the measured time; the rest of an error is what queueing "
+              "makes of it.")
     if adj:
         err.print("'at probed speed': the same simulation with the device scaled to the speed the "
                   "probe (real steps of a calibration model) measured around each case's runs.")
@@ -242,6 +279,10 @@ def _print(rows: list[dict], summary: dict) -> None:
         err.print(f"[yellow]the device ran at x{lo_hi[0]:.2f}-x{lo_hi[1]:.2f} of its calibrated "
                   "speed: errors that large are the machine drifting, not the model. Recalibrate "
                   "right before validating, on a quiet machine.[/yellow]")
+
+
+def _pct(x: float | None) -> float | str:
+    return "" if x is None else 100 * x
 
 
 def _plot(rows: list[dict], out_dir: Path) -> Path:

@@ -350,7 +350,13 @@ def transfer_errors(samples: Sequence[StepSample], costs: dict[str, StepCost]) -
 
 def calibration_from(gemm: dict[str, GemmFit], terms: dict[str, float], copy_gbs: float,
                      step_overhead_us: float, models: Sequence[str], when: str,
-                     probe_ms: dict[str, float] | None = None) -> Calibration:
+                     probe_ms: dict[str, float] | None = None, device: str = "") -> Calibration:
     return Calibration(gemm=gemm, copy_gbs=copy_gbs, step_overhead_us=step_overhead_us,
-                       calibrated_on=tuple(models), measured_at=when,
+                       calibrated_on=tuple(models), measured_at=when, device=device,
                        speed_probe_ms=dict(probe_ms or {}), **terms)
+
+
+def device_id(env_info: dict) -> str:
+    """What a calibration is only valid on: the CPU or GPU, and the BLAS build that ran the GEMMs."""
+    blas = env_info.get("blas_version") or env_info.get("blas") or ""
+    return ", ".join(x for x in (env_info.get("device_name") or env_info.get("cpu"), blas) if x)

@@ -60,6 +60,9 @@ class Calibration:
     attention_decode_ns_per_score: float = 0.0
     calibrated_on: tuple[str, ...] = ()
     measured_at: str = ""
+    # The processor and BLAS it was measured on ("AMD EPYC, OpenBLAS ... Zen"): a cloud machine of
+    # the same name can be another CPU on another day, and a profile does not carry over.
+    device: str = ""
     # `speed_probe` timings (ms) at calibration time: `validate` reruns the probe to tell a stale
     # profile (the device got slower or faster since) from a wrong model.
     speed_probe_ms: dict[str, float] = dataclasses.field(default_factory=dict)

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 RUN_KEYS = {
@@ -121,6 +122,7 @@ def test_validate_contract_on_the_tiny_model(batchsim_home, tmp_path):
     profile = yaml.safe_load(shipped.read_text())
     # gqa8-probe as the calibration model: tiny counts as unseen, and the speed probe runs on it.
     profile["calibration"]["calibrated_on"] = ["gqa8-probe"]
+    profile["calibration"]["device"] = "Some Other CPU, OpenBLAS 0.0"
     profile["calibration"]["speed_probe_ms"] = {
         "gqa8-probe:decode:1x131": 20.0, "gqa8-probe:decode:8x131": 32.0, "gqa8-probe:prefill:64x0": 65.0}
     profile_path = tmp_path / "profile.yaml"
@@ -136,7 +138,8 @@ def test_validate_contract_on_the_tiny_model(batchsim_home, tmp_path):
     ]}))
     args = ["validate", "--model", "tiny", "--device-profile", str(profile_path),
             "--matrix", str(matrix), "--out", str(tmp_path / "results"), "--repeats", "2"]
-    summary = last_json(batchsim(*args, home=batchsim_home).stdout)
+    run = batchsim(*args, home=batchsim_home)
+    summary = last_json(run.stdout)
     metrics = {"output_throughput", "mean_ttft_ms", "mean_tpot_ms", "p99_ttft_ms", "p99_tpot_ms"}
     assert metrics <= set(summary["median_abs_err"]) and metrics <= set(summary["max_abs_err"])
     assert metrics <= set(summary["noise_floor"]) and summary["repeats"] == 2
@@ -154,10 +157,17 @@ def test_validate_contract_on_the_tiny_model(batchsim_home, tmp_path):
         adjusted = 1 + case["at_probed_speed"]["output_throughput"]
         assert adjusted * case["measured"]["output_throughput"] == pytest.approx(
             case["predicted"]["output_throughput"] * case["device_speed"], rel=1e-6)
+        # The cost model on the real runs' own steps, and on them at the probed speed.
+        assert case["at_probed_speed"]["step_time_err"] == pytest.approx(
+            (1 + case["step_time_err"]) / case["device_speed"] - 1)
         # Same requests, same scheduler: peak batch is decided by policy, not timing.
         assert case["measured"]["max_batch_size"] == case["predicted"]["max_batch_size"]
     assert summary["cases"][1]["measured"]["max_batch_size"] == 4
+    step_errs = [abs(c["step_time_err"]) for c in summary["cases"]]
+    assert summary["step_time_err"]["median_abs"] == pytest.approx(float(np.median(step_errs)))
     assert Path(summary["png"]).exists()
+    assert summary["profile_device"] == "Some Other CPU, OpenBLAS 0.0" != summary["device"]
+    assert "was calibrated on Some Other CPU" in run.stderr  # a profile from another machine
     assert (tmp_path / "results" / "validate.jsonl").exists()
 
     profile["calibration"]["calibrated_on"] = ["tiny"]

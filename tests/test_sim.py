@@ -16,6 +16,7 @@ from server.costmodel import Calibration, DeviceProfile, GemmFit, at_speed
 from server.run_config import RunConfig, SchedulerSettings
 from server.runner import run_workload
 from server.session import open_session
+from server.shadow import ShadowTimer
 from server.sim_executor import SimExecutor
 from server.stepcost import StepCost
 from workloads.lengths import LengthSpec
@@ -204,6 +205,25 @@ def test_a_device_at_half_speed_takes_twice_as_long_for_everything(calibrated):
     assert slow["duration"] == pytest.approx(2 * fast["duration"], rel=1e-9)
     assert slow["mean_ttft_ms"] == pytest.approx(2 * fast["mean_ttft_ms"], rel=1e-9)
     assert [s.batch_size for s in runs[0].steps] == [s.batch_size for s in runs[1].steps]
+
+
+@pytest.mark.parametrize("shadow_speed", [1.0, 0.5])
+def test_shadow_timer_times_each_executed_plan_as_the_simulator_would(shadow_speed):
+    """`validate`'s step-time error: the shadow replays every executed plan on a pool of its own.
+    Shadowing a simulated run with the same profile must agree to the last step (any drift of
+    its pool, hence of copy costs, would show); on a device at half speed every step doubles."""
+    quiet = dataclasses.replace(PROFILE, calibration=dataclasses.replace(
+        PROFILE.calibration, step_overhead_us=0.0))  # a real executor's time excludes the engine's
+    session = sim_session(lookahead=False, profile=quiet,
+                          scheduler=SchedulerSettings(max_num_seqs=4, max_num_batched_tokens=256,
+                                                      prefill_step_size=256),
+                          workload=workload(n=16, rate=40.0))
+    shadow = ShadowTimer(StepCost(session.spec, at_speed(quiet, shadow_speed), "float32", None))
+    steps = run_workload(session, session.config.workload, out_dir=None, label="t", on_step=shadow).steps
+    assert len(shadow.measured_s) == len(steps) > 20
+    assert sum(s.num_preemptions for s in steps) == 0 and shadow.sim.rows == session.executor.rows
+    assert shadow.predicted_s == pytest.approx([m / shadow_speed for m in shadow.measured_s], rel=1e-9)
+    assert shadow.error() == pytest.approx(1 / shadow_speed - 1, abs=1e-9)
 
 
 def test_speed_probe_points_are_calibration_grid_points(tiny):

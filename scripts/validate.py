@@ -32,6 +32,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "slow minutes spread over every case; the simulator is compared with their "
                         "median, and their spread is reported as the noise floor (default: 3)")
     p.add_argument("--out", default="results", help="directory for validate.jsonl, PNG, run dirs")
+    p.add_argument("--measured-from", metavar="VALIDATE_JSONL",
+                   help="run nothing for real: score the profile against the real runs an earlier "
+                        "validate recorded (the last row of this file; same model and cases), in "
+                        "seconds instead of an hour, e.g. after `calibrate --refit`. No step-time or "
+                        "probed-speed columns: those need the real runs themselves")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -53,18 +58,27 @@ def run(args: argparse.Namespace) -> dict:
     sim = open_session(RunConfig(model=args.model, dtype=real.dtype, executor="sim",
                                  device_profile=args.device_profile))
     here = device_id(real.environment())
+    earlier = _earlier_validation(Path(args.measured_from), args.model, cases) if args.measured_from else None
+    if earlier is not None:
+        here = earlier["device"] or here  # where the real runs ran
     calibrated_on = profile.calibration.device if profile.calibration else ""
     if calibrated_on and calibrated_on != here:
         err.print(f"[yellow]warning: {args.device_profile} was calibrated on {calibrated_on}; this is "
                   f"{here}. Every error below includes the difference between the two machines: "
                   "run `batchsim calibrate` here first.[/yellow]")
     out_dir = Path(args.out) / f"validate-{timestamp()}"
-    probe = _speed_probe(profile, real.dtype)
     predicted, configs = {}, {}
     for case in cases:  # deterministic: one simulated run per case
         cfg = configs[case["name"]] = _case_config(real.config, case, real.weight_bytes)
         predicted[case["name"]] = _run(sim.with_config(_sim_config(cfg, args.device_profile, real.dtype)),
                                        out_dir, case["name"] + "-sim")
+    if earlier is not None:
+        kept = ("repeat_abs_dev", "real_runs", "case_spec", "real_run_dir")
+        rows = [_compare(c["name"], earlier["cases"][c["name"]]["measured"], predicted[c["name"]])
+                | {k: earlier["cases"][c["name"]].get(k) for k in kept} | {STEP: None} for c in cases]
+        return _finish(args, rows, profile, calibrated_on, here, real, out_dir,
+                       repeats=earlier["repeats"], measured_from=args.measured_from)
+    probe = _speed_probe(profile, real.dtype)
     runs: dict[str, list[dict]] = {c["name"]: [] for c in cases}
     speeds: dict[str, list[float]] = {c["name"]: [] for c in cases}
     total = len(cases) * args.repeats
@@ -88,7 +102,7 @@ def run(args: argparse.Namespace) -> dict:
     for case in cases:
         name = case["name"]
         median = _median_run(runs[name])
-        row = _compare(name, median, predicted[name]) | _repeat_stats(runs[name], median)
+        row = _compare(name, median, predicted[name]) | _repeat_stats(runs[name], median) | {"case_spec": case}
         steps = [r[STEP] for r in runs[name] if r[STEP] is not None]
         row[STEP] = float(np.median(steps)) if steps else None
         if speeds[name]:  # the same simulation on the device as probed around this case's runs
@@ -102,14 +116,45 @@ def run(args: argparse.Namespace) -> dict:
             if row[STEP] is not None:  # every term scales by 1/speed, so this is exact
                 row["at_probed_speed"][STEP] = (1 + row[STEP]) / speed - 1
         rows.append(row)
+    return _finish(args, rows, profile, calibrated_on, here, real, out_dir, repeats=args.repeats)
+
+
+def _finish(args, rows: list[dict], profile, calibrated_on: str, here: str, real, out_dir: Path,
+            **extra: Any) -> dict:
     summary = _summarize(rows)
-    summary.update({"model": args.model, "device_profile": args.device_profile, "repeats": args.repeats,
+    summary.update({"model": args.model, "device_profile": args.device_profile,
                     "profile_source": profile.source, "profile_device": calibrated_on,
-                    "device": here, "env": real.environment(),
+                    "device": here, "env": real.environment(), **extra,
                     "png": str(_plot(rows, out_dir)), "run_dir": str(out_dir)})
     _print(rows, summary)
     append_jsonl(Path(args.out) / "validate.jsonl", [summary])
     return summary
+
+
+def _earlier_validation(path: Path, model: str, cases: list[dict]) -> dict:
+    """The last validation recorded in `path`, checked to be of this model and these cases: its
+    cases by name, its repeats and the device its real runs ran on."""
+    import json
+
+    try:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--measured-from: cannot read {path}: {e}") from None
+    if not rows or not rows[-1].get("cases"):
+        raise ConfigError(f"--measured-from: {path} holds no validation")
+    last = rows[-1]
+    if last.get("model") != model:
+        raise ConfigError(f"--measured-from: {path}'s real runs are of {last.get('model')}, not {model}; "
+                          f"pass --model {last.get('model')}")
+    by_name = {r["case"]: r for r in last["cases"]}
+    for case in cases:
+        earlier = by_name.get(case["name"])
+        if earlier is None:
+            raise ConfigError(f"--measured-from: {path} has no real runs of case {case['name']!r}; "
+                              f"it has: {', '.join(by_name)}")
+        if earlier.get("case_spec", case) != case:
+            raise ConfigError(f"--measured-from: case {case['name']!r} has changed since {path} measured it")
+    return {"cases": by_name, "repeats": last.get("repeats"), "device": last.get("device", "")}
 
 
 def _sim_config(cfg, device_profile: str, dtype: str):

@@ -170,6 +170,20 @@ def test_validate_contract_on_the_tiny_model(batchsim_home, tmp_path):
     assert "was calibrated on Some Other CPU" in run.stderr  # a profile from another machine
     assert (tmp_path / "results" / "validate.jsonl").exists()
 
+    # Scored again from the recorded real runs, nothing run for real: the same medians against the
+    # same (deterministic) simulation give the same errors; a case changed since is refused.
+    rescored = last_json(batchsim(*args, "--measured-from", str(tmp_path / "results" / "validate.jsonl"),
+                                  home=batchsim_home).stdout)
+    assert rescored["cases"] and rescored["repeats"] == 2 and "at_probed_speed" not in rescored
+    for before, after in zip(summary["cases"], rescored["cases"]):
+        assert after["measured"] == before["measured"] and after["error"] == before["error"]
+        assert after["real_runs"] == before["real_runs"] and after["step_time_err"] is None
+    assert not list((Path(rescored["run_dir"])).glob("*-real*"))
+    matrix.write_text(matrix.read_text().replace("fixed:6", "fixed:7"))
+    changed = batchsim(*args, "--measured-from", str(tmp_path / "results" / "validate.jsonl"),
+                       home=batchsim_home, check=False)
+    assert changed.returncode == 2 and "has changed since" in changed.stderr
+
     profile["calibration"]["calibrated_on"] = ["tiny"]
     profile_path.write_text(yaml.safe_dump(profile))
     refused = batchsim(*args, home=batchsim_home, check=False)

@@ -33,10 +33,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "median, and their spread is reported as the noise floor (default: 3)")
     p.add_argument("--out", default="results", help="directory for validate.jsonl, PNG, run dirs")
     p.add_argument("--measured-from", metavar="VALIDATE_JSONL",
-                   help="run nothing for real: score the profile against the real runs an earlier "
-                        "validate recorded (the last row of this file; same model and cases), in "
-                        "seconds instead of an hour, e.g. after `calibrate --refit`. No step-time or "
-                        "probed-speed columns: those need the real runs themselves")
+                   help="run nothing for real: score the profile (another profile, or a changed cost "
+                        "model) against the real runs an earlier validate recorded (the last row of "
+                        "this file; same model and cases), in seconds instead of an hour. No "
+                        "step-time or probed-speed columns: those need the real runs themselves")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -136,6 +136,8 @@ def _earlier_validation(path: Path, model: str, cases: list[dict]) -> dict:
     cases by name, its repeats and the device its real runs ran on."""
     import json
 
+    from server.jsonio import jsonable
+
     try:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     except (OSError, json.JSONDecodeError) as e:
@@ -152,7 +154,7 @@ def _earlier_validation(path: Path, model: str, cases: list[dict]) -> dict:
         if earlier is None:
             raise ConfigError(f"--measured-from: {path} has no real runs of case {case['name']!r}; "
                               f"it has: {', '.join(by_name)}")
-        if earlier.get("case_spec", case) != case:
+        if earlier.get("case_spec") not in (None, jsonable(case)):  # None: recorded before case_spec
             raise ConfigError(f"--measured-from: case {case['name']!r} has changed since {path} measured it")
     return {"cases": by_name, "repeats": last.get("repeats"), "device": last.get("device", "")}
 

@@ -68,16 +68,18 @@ def next_geometry(
     """
     if num_seqs == 0:
         return EMPTY_POOL
-    need_cap = round_up(max(max_len, 1), KV_STEP)
-    rows, cap = current.rows, current.capacity_tokens
-    if rows < num_seqs or rows >= rows_for(num_seqs, row_step, max_rows) + 2 * row_step:
+    need_cap = -(-max_len // KV_STEP) * KV_STEP if max_len > 1 else KV_STEP  # round_up, inlined
+    rows, cap = current
+    # rows_for(n) >= n, so a pool under n + 2 row steps is never shrunk (skips the call).
+    if rows < num_seqs or (rows >= num_seqs + 2 * row_step
+                           and rows >= rows_for(num_seqs, row_step, max_rows) + 2 * row_step):
         rows = rows_for(num_seqs, row_step, max_rows)
     if cap < need_cap or cap >= need_cap + 2 * KV_STEP:
         cap = need_cap
-    # Most steps keep the pool as it is: no new object (this runs several times per step).
-    geom = current if rows == current.rows and cap == current.capacity_tokens else PoolGeometry(rows, cap)
-    if geom.nbytes(kv_bytes_per_token) <= max_bytes:
-        return geom
+    if rows * cap * kv_bytes_per_token <= max_bytes:
+        # Most steps keep the pool as it is: no new object (this runs several times per step).
+        same = rows == current.rows and cap == current.capacity_tokens
+        return current if same else PoolGeometry(rows, cap)
     tight = PoolGeometry(num_seqs, need_cap)
     if tight.nbytes(kv_bytes_per_token) > max_bytes:
         return None

@@ -63,7 +63,8 @@ class KVManager:
         self.pool = pool
         self.pool_members = pool_members
         self.private_tokens = private_tokens
-        held = self.kv_bytes
+        # self.kv_bytes, without its three property calls (this runs every step)
+        held = (pool.nbytes(1) + sum(private_tokens.values())) * self.kv_bytes_per_token
         if held > self.budget_bytes:
             raise KVAccountError(f"plan holds {held} KV bytes > budget {self.budget_bytes}")
         return held

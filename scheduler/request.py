@@ -51,7 +51,8 @@ class Request:
     # Timeline, in engine clock seconds and engine step indices.
     first_scheduled_s: float | None = None
     finished_s: float | None = None
-    # Steps at which tokens were emitted, as [first_step, count] runs (compact in long simulations).
+    # Steps at which tokens were emitted, as [first_step, end_step) runs (compact in long
+    # simulations): the scheduler extends the last run while the request samples every step.
     token_runs: list[list[int]] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -80,10 +81,3 @@ class Request:
         if self.prompt_token_ids is None:
             return None
         return self.prompt_token_ids + self.output_token_ids
-
-    def record_tokens(self, step_index: int, count: int) -> None:
-        runs = self.token_runs
-        if runs and runs[-1][0] + runs[-1][1] == step_index:
-            runs[-1][1] += count
-        else:
-            runs.append([step_index, count])

@@ -100,17 +100,22 @@ class Scheduler:
         members = kv.pool_members
         width = 0  # the pool's longest row after this step, in tokens
         longest = 0  # the longest running request, prompt + output so far
-        for r in self.running:  # one pass: this runs every step over every running request
+        # One pass, with comparisons rather than max(): this runs every step over every request.
+        for r in self.running:
             c = r.num_computed_tokens
             n = r.num_prompt_tokens + r.num_output_tokens
-            longest = n if n > longest else longest
+            if n > longest:  # noqa: PLR1730
+                longest = n
             if n - c > 1:
                 prefilling.append(r)
             elif decode_step or r.request_id in members:
                 pool.append(r)
-                width = max(width, c + decode_step)
+                if c + decode_step > width:  # noqa: PLR1730
+                    width = c + decode_step
         in_pool = {r.request_id for r in pool}
-        private = {rid: t for rid, t in kv.private_tokens.items() if rid not in in_pool}
+        private: dict[int, int] = {}  # the prefill caches that stay private after this step
+        if kv.private_tokens:
+            private = {rid: t for rid, t in kv.private_tokens.items() if rid not in in_pool}
         preempted = False
 
         def geometry(reserve_bytes: int = 0) -> PoolGeometry | None:
@@ -219,16 +224,16 @@ class Scheduler:
             return None
         kv_bytes = kv.commit(geom, in_pool, private)
         decodes = pool if decode_step else []
-        return StepPlan(
-            step_index=self.num_steps,
-            free_ids=tuple(sorted(free_ids)),
-            new_requests=tuple(new_requests),
-            prefills=tuple(prefills),
-            decode_ids=tuple([r.request_id for r in decodes]),
-            decode_positions=tuple([r.num_computed_tokens for r in decodes]),
-            pool=geom,
-            kv_bytes=kv_bytes,
-            num_steps=self._lookahead(decodes, geom, width) if not (prefills or new_requests) else 1,
+        return StepPlan(  # positional: this runs every step
+            self.num_steps,
+            tuple(sorted(free_ids)) if free_ids else (),
+            tuple(new_requests),
+            tuple(prefills),
+            tuple([r.request_id for r in decodes]),
+            tuple([r.num_computed_tokens for r in decodes]),
+            geom,
+            kv_bytes,
+            self._lookahead(decodes, geom, width) if not (prefills or new_requests) else 1,
         )
 
     def _chunk_size(self, gap: int, tok_budget: int) -> int:
@@ -249,14 +254,15 @@ class Scheduler:
         limit = self.config.max_lookahead_steps
         if limit == 1 or not decodes:
             return 1
-        steps = limit
-        for r in decodes:
+        steps = min(limit, geom.capacity_tokens - width + 1)
+        for r in decodes:  # a plain loop: comprehensions cost a frame each in Python 3.11
             sampling = r.sampling
             if r.prompt_token_ids is not None and not sampling.ignore_eos:
                 return 1  # a real token could be EOS
             left = sampling.max_tokens - r.num_output_tokens
-            steps = left if left < steps else steps
-        return max(1, min(steps, geom.capacity_tokens - width + 1))
+            if left < steps:  # noqa: PLR1730
+                steps = left
+        return max(1, steps)
 
     def _preempt(self, request: Request, free_ids: list[int]) -> None:
         self.running.remove(request)
@@ -271,7 +277,7 @@ class Scheduler:
     # -- results -------------------------------------------------------------------------------
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Advance counters by what ran; return the requests that finished."""
-        k = result.num_steps
+        k = len(result.step_durations_s)
         if k != 1 and (k > plan.num_steps or plan.prefills):
             raise ValueError(f"executor ran {k} steps of a plan allowing {plan.num_steps}")
         requests, running = self.requests, RequestStatus.RUNNING
@@ -283,6 +289,7 @@ class Scheduler:
                 prefill_ids.add(chunk.request_id)
         finished: list[Request] = []
         step = self.num_steps
+        end = step + k
         token_ids = result.token_ids
         for i, rid in enumerate(result.sampled_ids):  # every decode row and sampling prefill
             r = requests.get(rid)
@@ -290,18 +297,20 @@ class Scheduler:
                 continue
             if rid not in prefill_ids:
                 r.num_computed_tokens += k
-            r.num_output_tokens += k
-            runs = r.token_runs  # Request.record_tokens, inlined: this is the hot loop
-            if runs and runs[-1][0] + runs[-1][1] == step:
-                runs[-1][1] += k
+            out = r.num_output_tokens = r.num_output_tokens + k
+            runs = r.token_runs  # this is the hot loop: one run per stretch of consecutive steps
+            if runs and runs[-1][1] == step:
+                runs[-1][1] = end
             else:
-                runs.append([step, k])
-            last = None  # simulation: no token ids, only the length can stop a request
-            if token_ids is not None:
-                new = [token_ids[s][i] for s in range(k)]
-                r.output_token_ids.extend(new)
-                last = new[-1]
-            reason = self._stop_reason(r, last)
+                runs.append([step, end])
+            if token_ids is None:  # simulation: no token ids, only the length can stop a request
+                if out >= r.sampling.max_tokens:
+                    self._finish(r, "length")
+                    finished.append(r)
+                continue
+            new = [token_ids[s][i] for s in range(k)]
+            r.output_token_ids.extend(new)
+            reason = self._stop_reason(r, new[-1])
             if reason is not None:
                 self._finish(r, reason)
                 finished.append(r)
@@ -309,12 +318,11 @@ class Scheduler:
         return finished
 
     @staticmethod
-    def _stop_reason(r: Request, last_token: int | None) -> str | None:
-        if last_token is not None:
-            if not r.sampling.ignore_eos and last_token in r.eos_token_ids:
-                return "stop"
-            if last_token in r.sampling.stop_token_ids:
-                return "stop"
+    def _stop_reason(r: Request, last_token: int) -> str | None:
+        if not r.sampling.ignore_eos and last_token in r.eos_token_ids:
+            return "stop"
+        if last_token in r.sampling.stop_token_ids:
+            return "stop"
         if r.num_output_tokens >= r.sampling.max_tokens:
             return "length"
         return None

@@ -3,8 +3,8 @@ virtual, so the same engine, workload driver and scheduler run a simulated hour 
 
 The virtual loop swaps asyncio's selector for one that never blocks: when the loop would wait
 for its next timer, the clock jumps there instead. Only public asyncio APIs are used (a custom
-selector and an overridden `time()`), plus one shortcut, `advance`, that reads the loop's ready
-queue and timer heap (attributes every CPython event loop since 3.4 has)."""
+selector and an overridden `time()`), plus shortcuts (`advance_to`, `skip_to_timer`) that read the
+loop's ready queue and timer heap (attributes every CPython event loop since 3.4 has)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,9 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def __init__(self) -> None:
         self._virtual = _VirtualSelector()
         super().__init__(self._virtual)
+        # Moving the clock in place reads the loop's ready queue and timer heap; without them
+        # (not CPython's loop) every sleep takes the ordinary way.
+        self._in_place = hasattr(self, "_ready") and hasattr(self, "_scheduled")
 
     def time(self) -> float:
         return self._virtual.now_s
@@ -48,32 +51,46 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         """Moves the clock dt forward in place when nothing else could run in between: no callback
         ready and no timer due by then. That is exactly what `await asyncio.sleep(dt)` would do,
         without a turn of the loop per plan. False: sleep instead."""
-        ready, timers = getattr(self, "_ready", None), getattr(self, "_scheduled", None)
-        if ready is None or timers is None or ready:
+        return self.advance_to(self._virtual.now_s + max(dt, 0.0))
+
+    def advance_to(self, target: float) -> bool:
+        if not self._in_place or self._ready:
             return False
-        target = self._virtual.now_s + max(dt, 0.0)
+        timers = self._scheduled
         if timers and timers[0].when() <= target:
             return False
         self._virtual.now_s = target
         return True
 
+    def skip_to_timer(self, target: float) -> bool:
+        """Moves the clock to the first timer if it is due by `target` (it fires on the next turn).
+        False: no timer is due, or the loop's internals are unknown."""
+        timers = self._scheduled if self._in_place else None
+        if not timers or timers[0].when() > target:
+            return False
+        if not timers[0].cancelled():  # a cancelled one is dropped on the next turn
+            self._virtual.now_s = max(self._virtual.now_s, timers[0].when())
+        return True
+
     def callbacks_ready(self) -> bool:
-        return bool(getattr(self, "_ready", None))  # unknown loop internals: take the timer way
+        return self._in_place and bool(self._ready)
 
 
 async def sleep(dt: float) -> None:
     """`await asyncio.sleep(dt)`; on the virtual loop without a turn of the loop when nothing else
     is due meanwhile. Callbacks already queued (a finished request's client) run first, at the
-    present time, exactly as they would during the sleep."""
+    present time, exactly as they would during the sleep; timers due meanwhile (the next arrival)
+    fire at their time, one turn each, and the clock then lands exactly on the end of the sleep."""
     loop = asyncio.get_running_loop()
     if not isinstance(loop, VirtualTimeLoop):
         await asyncio.sleep(dt)
         return
-    while not loop.advance(dt):
-        if not loop.callbacks_ready():  # a timer is due first: take the ordinary way
-            await asyncio.sleep(dt)
+    target = loop.time() + max(dt, 0.0)
+    while not loop.advance_to(target):
+        if not loop.callbacks_ready() and not loop.skip_to_timer(target):
+            await asyncio.sleep(target - loop.time())  # unknown loop internals
             return
-        await asyncio.sleep(0)  # one turn of the loop; the clock does not move
+        await asyncio.sleep(0)  # one turn of the loop: what is ready or due runs first
 
 
 def new_event_loop(virtual: bool) -> asyncio.AbstractEventLoop:

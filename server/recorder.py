@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from scheduler.plan import StepPlan, StepResult
@@ -30,27 +31,28 @@ class RunRecorder:
             self.kv_account_mismatches += 1
         preempted = scheduler.num_preemptions - self._preemptions_seen
         self._preemptions_seen = scheduler.num_preemptions
-        self.steps.append(StepRecord(
-            step_index=plan.step_index,
-            start_s=start_s,
-            end_s=ends_s[-1],
-            num_steps=len(ends_s),
-            batch_size=len(plan.decode_ids),
-            num_prefill_tokens=sum([c.num_tokens for c in plan.prefills]) if plan.prefills else 0,
-            num_prefill_requests=len(plan.prefills),
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            kv_bytes=plan.kv_bytes,
-            kv_bytes_measured=result.kv_bytes,
-            pool_rows=plan.pool.rows,
-            pool_capacity_tokens=plan.pool.capacity_tokens,
-            num_preemptions=preempted,
-            compute_s=result.elapsed_s,
+        self.steps.append(StepRecord(  # positional, in field order: one is built per plan
+            plan.step_index,
+            start_s,
+            ends_s[-1],
+            len(ends_s),
+            len(plan.decode_ids),
+            sum([c.num_tokens for c in plan.prefills]) if plan.prefills else 0,
+            len(plan.prefills),
+            len(scheduler.running),
+            len(scheduler.waiting),
+            plan.kv_bytes,
+            result.kv_bytes,
+            plan.pool.rows,
+            plan.pool.capacity_tokens,
+            preempted,
+            result.elapsed_s,
         ))
 
     def token_times(self, request: Request) -> tuple[float, ...]:
         ends = self.step_end_s
-        return tuple(ends[s + i] for s, k in request.token_runs for i in range(k))
+        runs = request.token_runs
+        return tuple(itertools.chain.from_iterable(ends[first:end] for first, end in runs))
 
     def request_records(self) -> list[RequestRecord]:
         return [self.record(r) for r in self.requests.values()]

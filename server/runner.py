@@ -4,7 +4,9 @@ per-request and per-step JSONL, and the summary."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import gc
 import json
 import signal
 import time
@@ -55,6 +57,7 @@ class _Run:
         self.lateness_s: list[float] = []
         tok = session.tokenizer
         self.eos = frozenset(getattr(tok, "eos_token_ids", None) or ())
+        self._sampling: dict[int, SamplingParams] = {}  # by max_tokens: immutable, so shared
 
     def make_request(self, rs: RequestSpec) -> Request:
         s = self.session
@@ -64,11 +67,14 @@ class _Run:
         now = self.engine.now()
         arrival = rs.arrival_s if self.open_loop else now
         self.lateness_s.append(max(0.0, now - arrival))
-        sampling = SamplingParams(max_tokens=rs.output_len, ignore_eos=s.config.ignore_eos)
+        sampling = self._sampling.get(rs.output_len)
+        if sampling is None:
+            sampling = SamplingParams(max_tokens=rs.output_len, ignore_eos=s.config.ignore_eos)
+            self._sampling[rs.output_len] = sampling
         return Request(rs.index, rs.prompt_len, sampling, arrival, ids, self.eos)
 
-    async def submit(self, rs: RequestSpec) -> Request:
-        return await self.engine.add(self.make_request(rs))
+    def submit(self, rs: RequestSpec) -> asyncio.Future:
+        return self.engine.add(self.make_request(rs))  # the request is queued as it is issued
 
     async def main(self) -> float:
         loop = asyncio.get_running_loop()
@@ -104,9 +110,10 @@ def run_workload(
     on_step: Callable | None = None,
 ) -> RunOutcome:
     run = _Run(session, spec, on_step)
-    wall0 = time.perf_counter()
-    duration = clock.run(run.main(), virtual=run.virtual)
-    wall = time.perf_counter() - wall0
+    with _long_lived_heap():
+        wall0 = time.perf_counter()
+        duration = clock.run(run.main(), virtual=run.virtual)
+        wall = time.perf_counter() - wall0
     rec = run.engine.recorder
     records, steps = rec.request_records(), rec.steps
     cfg = session.config
@@ -134,6 +141,22 @@ def run_workload(
     if run_dir:
         (run_dir / "summary.json").write_text(json.dumps(_plain(summary), indent=1))
     return RunOutcome(summary, records, steps, run_dir, run.interrupted)
+
+
+@contextlib.contextmanager
+def _long_lived_heap():
+    """A run keeps what it allocates (requests, step records) to the end, so the collector's
+    passes over the growing heap find little to free: 170 collections, 0.15 s of a simulated
+    hour's 3 s. Freeze what exists (the loaded model, imports); collect the young generation
+    rarely."""
+    threshold = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(max(threshold[0], 20_000), *threshold[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        gc.unfreeze()
 
 
 def _peak_memory(session: Session) -> int | None:

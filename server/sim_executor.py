@@ -18,33 +18,40 @@ class SimExecutor:
     def __init__(self, cost: StepCost):
         self.cost = cost
         self.kvt = cost.kv_bytes_per_token
+        self.overhead_s = cost.step_overhead_s
         self.geometry = EMPTY_POOL
         self.rows: list[int] = []  # request per pool row, in the real pool's order
         self.in_pool: set[int] = set()  # the same ids, for membership tests
-        self.private: dict[int, int] = {}  # request id -> tokens in its private prefill cache
-        self._private_tokens = 0  # what those caches hold, rounded up as mlx-lm allocates
+        # request id -> tokens its private prefill cache holds (rounded up as mlx-lm allocates)
+        self.private: dict[int, int] = {}
+        self._private_tokens = 0  # their sum
 
     def execute(self, plan: StepPlan, max_elapsed_s: float = float("inf")) -> StepResult:
         cost = self.cost
-        t = cost.step_overhead_s + self._free(plan.free_ids)
+        t = self.overhead_s
+        if plan.free_ids:
+            t += self._free(plan.free_ids)
         for new in plan.new_requests:
             self._set_private(new.request_id, 0)
-        t += self._resize(plan)
-        t += self._join(plan)
-        sampled: list[int] = []
-        for c in plan.prefills:
-            t += cost.prefill_forward_s(c.num_tokens, c.start, c.sample)
-            self._set_private(c.request_id, c.start + c.num_tokens)
-            if c.sample:
-                sampled.append(c.request_id)
+        if plan.pool != self.geometry:
+            t += self._resize(plan)
+        if not self.in_pool.issuperset(plan.decode_ids):
+            t += self._join(plan)
+        sampled = plan.decode_ids  # who sampled a token: sampling prefills first, then the pool
+        if plan.prefills:
+            sampling: list[int] = []
+            for c in plan.prefills:
+                t += cost.prefill_forward_s(c.num_tokens, c.start, c.sample)
+                self._set_private(c.request_id, c.start + c.num_tokens)
+                if c.sample:
+                    sampling.append(c.request_id)
+            sampled = (*sampling, *sampled)
         durations = [t]
         if plan.decode_ids:
-            sampled.extend(plan.decode_ids)
             width = max(plan.decode_positions) + 1
-            batch = len(plan.decode_ids)
-            base, per_width = cost.decode_parts(batch)
+            base, per_width = cost.decode_parts(len(plan.decode_ids))
             durations[0] += base + per_width * width
-            base += cost.step_overhead_s
+            base += self.overhead_s
             elapsed = durations[0]
             for w in range(width + 1, width + plan.num_steps):  # each step reads one more token
                 if elapsed >= max_elapsed_s:  # this step would start after an arrival: replan
@@ -52,7 +59,7 @@ class SimExecutor:
                 d = base + per_width * w
                 durations.append(d)
                 elapsed += d
-        return StepResult(plan.step_index, tuple(sampled), None, tuple(durations), self.kv_bytes())
+        return StepResult(plan.step_index, sampled, None, tuple(durations), self.kv_bytes())
 
     def reset(self) -> None:
         self.geometry, self.rows, self.in_pool = EMPTY_POOL, [], set()
@@ -61,23 +68,20 @@ class SimExecutor:
     def kv_bytes(self) -> int:
         return (self.geometry.nbytes(1) + self._private_tokens) * self.kvt
 
-    def _set_private(self, request_id: int, tokens: int) -> None:
-        self._drop_private(request_id)
-        self.private[request_id] = tokens
-        self._private_tokens += private_cache_tokens(tokens)
+    def _set_private(self, request_id: int, computed_tokens: int) -> None:
+        held = private_cache_tokens(computed_tokens)
+        self._private_tokens += held - self.private.get(request_id, 0)
+        self.private[request_id] = held
 
     def _drop_private(self, request_id: int) -> None:
-        tokens = self.private.pop(request_id, None)
-        if tokens is not None:
-            self._private_tokens -= private_cache_tokens(tokens)
+        self._private_tokens -= self.private.pop(request_id, 0)
 
     # -- the pool's copies, as the real DecodePool makes them ------------------------------------
     def _free(self, free_ids: tuple[int, ...]) -> float:
-        if not free_ids:
-            return 0.0
         gone = set(free_ids)
-        for rid in gone:
-            self._drop_private(rid)
+        if self.private:
+            for rid in gone:
+                self._drop_private(rid)
         leaving = gone & self.in_pool
         if not leaving:
             return 0.0
@@ -92,9 +96,8 @@ class SimExecutor:
         return self.cost.copy_s(2 * len(movers) * self.geometry.capacity_tokens * self.kvt)
 
     def _resize(self, plan: StepPlan) -> float:
+        """A new pool geometry (called only when it changes)."""
         new, old = plan.pool, self.geometry
-        if new == old:
-            return 0.0
         self.geometry = new
         if new.rows == 0 or old.rows == 0:
             return self.cost.copy_s(new.nbytes(self.kvt)) / 2  # fresh zeros, write only

@@ -111,3 +111,39 @@ def test_a_server_fails_only_the_running_requests_and_serves_the_rest():
     assert reasons[2:] == ["length", "length"]  # queued then: served normally afterwards
     assert engine.num_executor_errors == 1
     assert engine.scheduler.kv.kv_bytes == 0 or not engine.scheduler.running
+
+
+def test_step_records_describe_each_plan():
+    """The recorder builds a StepRecord per plan from positional fields (it runs every step):
+    each field must land where its name says."""
+    seen = []
+
+    def on_step(engine, plan, result):
+        s = engine.scheduler
+        seen.append((plan, result, len(s.running), len(s.waiting)))
+
+    async def main():
+        executor = FakeExecutor(step_s=0.01, max_lookahead_steps=8)
+        engine = Engine(Scheduler(config(max_num_seqs=2, max_lookahead_steps=8)), executor,
+                        virtual_time=True, on_step=on_step)
+        engine.start_clock()
+        loop_task = asyncio.create_task(engine.run())
+        futures = [engine.add(req(i, prompt=40 + 30 * i, out=6 + i)) for i in range(4)]
+        await asyncio.gather(*futures)
+        engine.stop()
+        await loop_task
+        return engine.recorder.steps
+
+    steps = clock.run(main(), virtual=True)
+    assert len(steps) == len(seen) and any(st.num_steps > 1 for st in steps)
+    assert any(st.num_waiting for st in steps) and any(st.num_prefill_tokens for st in steps)
+    for st, (plan, result, running, waiting) in zip(steps, seen):
+        assert (st.step_index, st.num_steps, st.batch_size) == (
+            plan.step_index, result.num_steps, len(plan.decode_ids))
+        assert st.num_prefill_tokens == sum(c.num_tokens for c in plan.prefills)
+        assert st.num_prefill_requests == len(plan.prefills)
+        assert (st.num_running, st.num_waiting) == (running, waiting)
+        assert (st.kv_bytes, st.kv_bytes_measured) == (plan.kv_bytes, result.kv_bytes)
+        assert (st.pool_rows, st.pool_capacity_tokens) == (plan.pool.rows, plan.pool.capacity_tokens)
+        assert st.compute_s == pytest.approx(result.elapsed_s)
+        assert st.end_s - st.start_s == pytest.approx(result.elapsed_s)

@@ -440,6 +440,24 @@ def test_virtual_clock_failure_stops_issuing_early():
     assert issued == [0, 1, 2]  # the failure at 2.5 s stopped the dispatcher before 3 s
 
 
+def test_a_submit_that_refuses_at_once_stops_issuing():
+    """A submit may hand back a future already in flight (the engine's own) or raise while
+    issuing; the raise ends the drive there and then."""
+    spec = WorkloadSpec(num_prompts=5, arrival="constant", request_rate=1.0)
+    issued: list[int] = []
+
+    def submit(req: RequestSpec) -> asyncio.Future:
+        if req.index == 2:
+            raise ValueError("queue full")
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(req.index)
+        return fut
+
+    with pytest.raises(ValueError, match="queue full"):
+        run_virtual(drive(spec, _reqs(5, 1.0), submit, on_issue=lambda r, t: issued.append(r.index)))
+    assert issued == [0, 1, 2]
+
+
 def test_cancelling_drive_cancels_in_flight():
     spec = WorkloadSpec(num_prompts=10, arrival="constant", request_rate=1.0)
     submit = InFlight(100.0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from asyncio_throttle import Throttler
@@ -16,6 +16,7 @@ from asyncio_throttle import Throttler
 from workloads.requests import RequestSpec
 from workloads.spec import WorkloadSpec
 
+# A coroutine (run as a task), or a future already in flight (the engine's own: no task needed).
 Submit = Callable[[RequestSpec], Awaitable[Any]]
 OnIssue = Callable[[RequestSpec, float], None]
 _EPS_S = 1e-9  # float slack so a virtual clock landing a hair short of an expiry still frees it
@@ -53,20 +54,13 @@ def rate_throttler(max_request_rate: float | None) -> LoopThrottler | None:
     return LoopThrottler(rate_limit=1, period=1.0 / max_request_rate)
 
 
-async def _settle(tasks: Sequence[asyncio.Task]) -> None:
+async def _settle(futures: Iterable[asyncio.Future]) -> None:
     """Cancel what is still running and wait for it, retrieving every exception (no log noise)."""
-    for task in tasks:
-        if not task.done():
-            task.cancel()
-    if tasks:
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _first_failure(tasks: Sequence[asyncio.Task]) -> BaseException | None:
-    for task in tasks:
-        if task.done() and not task.cancelled() and task.exception() is not None:
-            return task.exception()
-    return None
+    running = [f for f in futures if not f.done()]
+    for fut in running:
+        fut.cancel()
+    if running:
+        await asyncio.gather(*running, return_exceptions=True)
 
 
 async def drive(
@@ -99,18 +93,25 @@ async def _drive_open(
     t0 = loop.time()
     throttler = rate_throttler(spec.max_request_rate)
     slots = asyncio.Semaphore(spec.max_concurrency) if spec.max_concurrency else None
-    tasks: list[asyncio.Task] = []
+    # Only requests in flight are held: a long replay issues tens of thousands, and gathering
+    # them all at the end would cost a callback each.
+    in_flight: set[asyncio.Future] = set()
+    failures: list[BaseException] = []
 
-    async def run(req: RequestSpec) -> None:
-        try:
-            await submit(req)
-        finally:
-            if slots is not None:
-                slots.release()
+    def on_done(fut: asyncio.Future) -> None:
+        in_flight.discard(fut)
+        if slots is not None:
+            slots.release()
+        if not fut.cancelled() and fut.exception() is not None:  # retrieved: no log noise
+            failures.append(fut.exception())
+            issuing.cancel()  # fail fast: stop issuing
 
-    def on_done(task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            dispatcher.cancel()  # fail fast: stop issuing
+    def issue(req: RequestSpec) -> None:
+        if on_issue is not None:
+            on_issue(req, loop.time() - t0)
+        fut = asyncio.ensure_future(submit(req))
+        fut.add_done_callback(on_done)
+        in_flight.add(fut)
 
     async def dispatch() -> None:
         # Sequential, so the semaphore and throttle hold back requests strictly in arrival order.
@@ -122,24 +123,62 @@ async def _drive_open(
                 await throttler.acquire()
             if slots is not None:
                 await slots.acquire()
-            if on_issue is not None:
-                on_issue(req, loop.time() - t0)
-            task = loop.create_task(run(req))
-            task.add_done_callback(on_done)
-            tasks.append(task)
+            issue(req)
 
-    dispatcher = loop.create_task(dispatch())
+    if throttler is None and slots is None:
+        issuing = _issue_at_arrivals(loop, t0, requests, issue)
+    else:
+        issuing = loop.create_task(dispatch())
     try:
         try:
-            await dispatcher
+            await issuing
+            if in_flight:
+                await asyncio.gather(*in_flight)
         except asyncio.CancelledError:
-            failure = _first_failure(tasks)
-            if failure is None:  # drive itself was cancelled
+            if not failures:  # drive itself was cancelled
                 raise
-            raise failure from None
-        await asyncio.gather(*tasks)
+        if failures:
+            raise failures[0] from None
     finally:
-        await _settle([dispatcher, *tasks])
+        await _settle([issuing, *in_flight])
+
+
+def _issue_at_arrivals(
+    loop: asyncio.AbstractEventLoop, t0: float, requests: Sequence[RequestSpec],
+    issue: Callable[[RequestSpec], None],
+) -> asyncio.Future:
+    """Issue each request from a timer callback at its arrival time; the future completes when all
+    are issued, and cancelling it stops issuing. The same schedule as sleeping between issues in a
+    task, without a task wake-up per request (most of the driver's cost in a long simulation)."""
+    done = loop.create_future()
+    pending: list[asyncio.TimerHandle] = []
+
+    def issue_from(first: int) -> None:  # called when request `first` is due
+        pending.clear()
+        if done.done():  # cancelled this turn, before its callback cancelled this timer
+            return
+        try:
+            issue(requests[first])
+            for i in range(first + 1, len(requests)):
+                when = t0 + requests[i].arrival_s
+                if when > loop.time():
+                    pending.append(loop.call_at(when, issue_from, i))
+                    return
+                issue(requests[i])
+        except Exception as exc:  # noqa: BLE001 -- from a timer callback it would only be logged
+            if not done.done():
+                done.set_exception(exc)
+            return
+        if not done.done():
+            done.set_result(None)
+
+    def stop(_: asyncio.Future) -> None:
+        for timer in pending:
+            timer.cancel()
+
+    done.add_done_callback(stop)
+    pending.append(loop.call_at(t0 + requests[0].arrival_s, issue_from, 0))
+    return done
 
 
 async def _drive_closed(

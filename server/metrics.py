@@ -8,8 +8,9 @@ Empty distributions report 0, as vLLM's `np.mean(x or 0)` does."""
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
+import functools
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -80,7 +81,7 @@ class RequestRecord:
         return None if self.first_scheduled_s is None else self.first_scheduled_s - self.arrival_s
 
     def to_json(self) -> dict[str, Any]:
-        row = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        row = {name: getattr(self, name) for name in _field_names(type(self))}
         row["token_times_s"] = list(self.token_times_s)
         for name in ("ttft", "tpot", "e2el", "queue"):
             value = getattr(self, f"{name}_s")
@@ -127,11 +128,16 @@ class StepRecord:
         return self.end_s - self.start_s
 
     def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {name: getattr(self, name) for name in _field_names(type(self))}
 
     @classmethod
     def from_json(cls, row: Mapping[str, Any]) -> StepRecord:
         return _from_row(cls, row)
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))  # once: runs write a row per step
 
 
 def _from_row(cls: Any, row: Mapping[str, Any]) -> Any:
@@ -176,10 +182,10 @@ def _rate(count: float, duration_s: float) -> float:
 
 
 def _distribution(
-    name: str, values_s: Sequence[float], percentiles: Sequence[float]
+    name: str, values_s: Sequence[float] | np.ndarray, percentiles: Sequence[float]
 ) -> dict[str, float]:
     """mean/median/std (population) and linear-interpolated percentiles, in ms, as vLLM."""
-    x: Any = list(values_s) or 0  # vLLM: np.mean(x or 0)
+    x: Any = values_s if len(values_s) else 0  # vLLM: np.mean(x or 0)
     out = {
         f"mean_{name}_ms": float(np.mean(x)) * _MS,
         f"median_{name}_ms": float(np.median(x)) * _MS,
@@ -199,17 +205,30 @@ def _num_good(done: Sequence[RequestRecord], slo_ms: Mapping[str, float]) -> int
     return good
 
 
-def _peaks(done: Sequence[RequestRecord]) -> dict[str, float | int]:
+def _token_times(requests: Sequence[RequestRecord]) -> tuple[np.ndarray, np.ndarray]:
+    """Every request's token times end to end, and which request each belongs to (by position):
+    a long simulation has millions, so the summary works on arrays."""
+    counts = np.fromiter(map(len, (r.token_times_s for r in requests)), np.int64, len(requests))
+    times = np.fromiter(itertools.chain.from_iterable(r.token_times_s for r in requests),
+                        np.float64, int(counts.sum()))
+    return times, np.repeat(np.arange(len(requests)), counts)
+
+
+def _itls(times: np.ndarray, owner: np.ndarray) -> np.ndarray:
+    """Gaps between consecutive tokens of the same request (RequestRecord.itls_s, pooled)."""
+    return np.diff(times)[owner[1:] == owner[:-1]]
+
+
+def _peaks(done: Sequence[RequestRecord], times: np.ndarray) -> dict[str, float | int]:
     """vLLM's peaks over 1 s buckets counted from the first completed request's arrival: the most
     output tokens emitted in a bucket, and the most requests active (arrived, not yet ended) at some
     moment of a bucket, which can exceed the true peak concurrency. Either maximum may come from a
-    different bucket. Completed requests only."""
+    different bucket. Completed requests only (`times`: their token times)."""
     if not done:
         return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
     t0 = min(r.arrival_s for r in done)
     ends = [r.arrival_s + (r.e2el_s or 0.0) for r in done]  # vLLM: start_time + latency
     n = int(np.ceil(max(ends) - t0)) + 1
-    times = np.fromiter((t for r in done for t in r.token_times_s), dtype=np.float64)
     buckets = (times - t0).astype(np.int64)
     tokens = np.bincount(buckets[(buckets >= 0) & (buckets < n)], minlength=n)
     # Requests active in bucket b: arrived in a bucket <= b and ended in a bucket >= b.
@@ -220,10 +239,15 @@ def _peaks(done: Sequence[RequestRecord]) -> dict[str, float | int]:
             "max_concurrent_requests": int(active[:n].max())}
 
 
-def _emits_token(sorted_times_s: Sequence[float], step: StepRecord) -> bool:
-    """A token time falls in (start_s, end_s]: tokens are stamped with their step's end."""
-    i = bisect.bisect_right(sorted_times_s, step.start_s)
-    return i < len(sorted_times_s) and sorted_times_s[i] <= step.end_s
+def _emits_tokens(sorted_times_s: np.ndarray, steps: Sequence[StepRecord]) -> np.ndarray:
+    """Per step: a token time falls in (start_s, end_s] (tokens are stamped with their step's end)."""
+    if not len(sorted_times_s):
+        return np.zeros(len(steps), dtype=bool)
+    starts = np.fromiter((s.start_s for s in steps), np.float64, len(steps))
+    ends = np.fromiter((s.end_s for s in steps), np.float64, len(steps))
+    i = np.searchsorted(sorted_times_s, starts, side="right")
+    nxt = sorted_times_s[np.minimum(i, len(sorted_times_s) - 1)]
+    return (i < len(sorted_times_s)) & (nxt <= ends)
 
 
 def _batch_view(
@@ -231,11 +255,11 @@ def _batch_view(
     weight_bytes: int | None, peak_memory_bytes: int | None,
 ) -> dict[str, Any]:
     decode_steps = sum(s.num_steps for s in steps if s.batch_size > 0)
-    token_times = sorted(t for r in requests for t in r.token_times_s)
+    token_times = np.sort(_token_times(requests)[0])
     prompt_time_s = sum(s.duration_s for s in steps if s.num_prefill_tokens > 0)
     # A step with both prefill and decode counts in both times (they share the forward pass).
-    gen_time_s = sum(s.duration_s for s in steps
-                     if s.batch_size > 0 or _emits_token(token_times, s))
+    emits = _emits_tokens(token_times, steps).tolist()
+    gen_time_s = sum(s.duration_s for s, e in zip(steps, emits) if s.batch_size > 0 or e)
     prompt_tokens = sum(s.num_prefill_tokens * s.num_steps for s in steps)
     peak_kv = max((s.kv_bytes for s in steps), default=0)
     measured = [s.kv_bytes_measured for s in steps if s.kv_bytes_measured is not None]
@@ -287,6 +311,7 @@ def summarize(
     SLOs are given, as in vLLM's JSON."""
     slo = parse_goodput([f"{k}:{v}" for k, v in goodput_slo_ms.items()]) if goodput_slo_ms else None
     done = [r for r in requests if r.status == "finished"]
+    times, owner = _token_times(done)
     total_in = sum(r.num_prompt_tokens for r in done)
     total_out = sum(r.num_output_tokens for r in done)
     out: dict[str, Any] = {
@@ -301,12 +326,12 @@ def summarize(
         "goodput_slo_ms": slo,
         "output_throughput": _rate(total_out, duration_s),
         "total_token_throughput": _rate(total_in + total_out, duration_s),
-        **_peaks(done),
+        **_peaks(done, times),
     }
     latencies_s = {
         "ttft": [r.ttft_s for r in done],
         "tpot": [r.tpot_s for r in done if r.tpot_s is not None],
-        "itl": [gap for r in done for gap in r.itls_s],  # pooled over requests, as vLLM
+        "itl": _itls(times, owner),  # pooled over requests, as vLLM
         "e2el": [r.e2el_s for r in done],
         "queue": [r.queue_s for r in done if r.queue_s is not None],  # arrival to first scheduled
     }

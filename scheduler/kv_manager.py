@@ -30,8 +30,8 @@ class KVManager:
         return sum(self.private_tokens.values()) * self.kv_bytes_per_token
 
     @property
-    def kv_bytes(self) -> int:
-        return self.pool_bytes + self.private_bytes
+    def kv_bytes(self) -> int:  # pool_bytes + private_bytes, in one call: commit runs every step
+        return (self.pool.nbytes(1) + sum(self.private_tokens.values())) * self.kv_bytes_per_token
 
     def holds(self, request_id: int) -> bool:
         return request_id in self.pool_members or request_id in self.private_tokens
@@ -63,8 +63,7 @@ class KVManager:
         self.pool = pool
         self.pool_members = pool_members
         self.private_tokens = private_tokens
-        # self.kv_bytes, without its three property calls (this runs every step)
-        held = (pool.nbytes(1) + sum(private_tokens.values())) * self.kv_bytes_per_token
+        held = self.kv_bytes
         if held > self.budget_bytes:
             raise KVAccountError(f"plan holds {held} KV bytes > budget {self.budget_bytes}")
         return held

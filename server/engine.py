@@ -107,7 +107,7 @@ class Engine:
 
     async def _loop_steps(self) -> None:
         # The virtual loop moves its clock in place when nothing else is due (most plans).
-        advance = getattr(self._loop, "advance", None) if self._thread is None else None
+        advance = getattr(self._loop, "advance", None)
         while not self._stopping:
             if not self.scheduler.has_work():
                 self._wake.clear()
@@ -116,13 +116,14 @@ class Engine:
             plan = self.scheduler.schedule()
             start = self.now()
             try:
-                if advance is not None:  # simulated: no coroutine per plan
+                if self._thread is None:  # simulated: timed, not run (no coroutine per plan)
                     result = self._simulate(plan, start)
                     elapsed = result.elapsed_s
-                    if not advance(elapsed):
+                    if advance is None or not advance(elapsed):
                         await clock.sleep(elapsed)
                 else:
-                    result = await self._execute(plan)
+                    loop = asyncio.get_running_loop()
+                    result = await loop.run_in_executor(self._thread, self.executor.execute, plan)
             except Exception:
                 if self._on_error == "raise":
                     raise
@@ -133,14 +134,6 @@ class Engine:
             self._resolve(finished)
             if finished:  # a closed-loop client sends its next request before the next plan
                 await asyncio.sleep(0)
-
-    async def _execute(self, plan: StepPlan) -> StepResult:
-        if self._thread is not None:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._thread, self.executor.execute, plan)
-        result = self._simulate(plan, self.now())
-        await clock.sleep(result.elapsed_s)
-        return result
 
     def _simulate(self, plan: StepPlan, now: float) -> StepResult:
         """Time a plan without running it, up to the next open-loop arrival."""

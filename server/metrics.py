@@ -251,11 +251,12 @@ def _emits_tokens(sorted_times_s: np.ndarray, steps: Sequence[StepRecord]) -> np
 
 
 def _batch_view(
-    requests: Sequence[RequestRecord], steps: Sequence[StepRecord], kv_budget_bytes: int | None,
-    weight_bytes: int | None, peak_memory_bytes: int | None,
+    requests: Sequence[RequestRecord], token_times_s: np.ndarray, steps: Sequence[StepRecord],
+    kv_budget_bytes: int | None, weight_bytes: int | None, peak_memory_bytes: int | None,
 ) -> dict[str, Any]:
+    """`token_times_s`: every request's token times, finished or not."""
     decode_steps = sum(s.num_steps for s in steps if s.batch_size > 0)
-    token_times = np.sort(_token_times(requests)[0])
+    token_times = np.sort(token_times_s)
     prompt_time_s = sum(s.duration_s for s in steps if s.num_prefill_tokens > 0)
     # A step with both prefill and decode counts in both times (they share the forward pass).
     emits = _emits_tokens(token_times, steps).tolist()
@@ -311,7 +312,10 @@ def summarize(
     SLOs are given, as in vLLM's JSON."""
     slo = parse_goodput([f"{k}:{v}" for k, v in goodput_slo_ms.items()]) if goodput_slo_ms else None
     done = [r for r in requests if r.status == "finished"]
-    times, owner = _token_times(done)
+    all_times, all_owner = _token_times(requests)
+    finished = np.array([r.status == "finished" for r in requests], dtype=bool)
+    mine = finished[all_owner]
+    times, owner = all_times[mine], all_owner[mine]  # the completed requests' tokens
     total_in = sum(r.num_prompt_tokens for r in done)
     total_out = sum(r.num_output_tokens for r in done)
     out: dict[str, Any] = {
@@ -339,5 +343,6 @@ def summarize(
         out.update(_distribution(name, values, percentiles))  # type: ignore[arg-type]
     queue_p99 = _distribution("queue", latencies_s["queue"], [99])["p99_queue_ms"]
     out.setdefault("p99_queue_ms", queue_p99)  # always reported, whatever the percentiles
-    out.update(_batch_view(requests, steps, kv_budget_bytes, weight_bytes, peak_memory_bytes))
+    out.update(_batch_view(requests, all_times, steps, kv_budget_bytes, weight_bytes,
+                           peak_memory_bytes))
     return out

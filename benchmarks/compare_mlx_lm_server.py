@@ -55,15 +55,15 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> No
 
 def model_dir(model: str) -> Path:
     sys.path.insert(0, str(ROOT))
-    from server.env import default_dtype
-    from server.loader import resolve
+    from batchsim.server.platform.env import default_dtype
+    from batchsim.server.models.loader import resolve
 
     return resolve(model, default_dtype()).path
 
 
 def load(url: str, args: argparse.Namespace, endpoint: str) -> dict:
     target = f"{url}/v1" + ("/chat/completions" if endpoint == "chat" else "")
-    cmd = [sys.executable, "-m", "scripts.cli", "run", "--target", target, "--model", args.model,
+    cmd = [sys.executable, "-m", "batchsim.scripts.cli", "run", "--target", target, "--model", args.model,
            "--workload", args.workload, "--num-prompts", str(args.num_prompts),
            "--no-progress", "--out", args.out]
     if args.request_rate:
@@ -75,7 +75,7 @@ def load(url: str, args: argparse.Namespace, endpoint: str) -> dict:
 def start(name: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = free_port()
     if name == "batchsim":
-        cmd = [sys.executable, "-m", "scripts.cli", "serve", "--model", args.model,
+        cmd = [sys.executable, "-m", "batchsim.scripts.cli", "serve", "--model", args.model,
                "--port", str(port)]
     else:
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir(args.model)),

@@ -13,10 +13,10 @@ import json
 import statistics
 import time
 
-from scheduler.config import SchedulerConfig
-from scheduler.request import Request, SamplingParams
-from scheduler.scheduler import Scheduler
-from server.fake_executor import FakeExecutor
+from batchsim.scheduler.config import SchedulerConfig
+from batchsim.scheduler.request import Request, SamplingParams
+from batchsim.scheduler.scheduler import Scheduler
+from batchsim.server.executors.fake_executor import FakeExecutor
 
 
 def policy_us(batch: int, steps: int) -> float:
@@ -38,11 +38,11 @@ def policy_us(batch: int, steps: int) -> float:
 
 
 def engine_us(batch: int) -> dict:
-    from server.run_config import RunConfig, SchedulerSettings
-    from server.runner import run_workload
-    from server.session import open_session
-    from workloads.lengths import LengthSpec
-    from workloads.spec import WorkloadSpec
+    from batchsim.server.engine.run_config import RunConfig, SchedulerSettings
+    from batchsim.server.engine.runner import run_workload
+    from batchsim.server.engine.session import open_session
+    from batchsim.workloads.lengths import LengthSpec
+    from batchsim.workloads.spec import WorkloadSpec
 
     spec = WorkloadSpec(name="overhead", num_prompts=batch, arrival="closed", concurrency=batch,
                         input_len=LengthSpec("fixed", value=64), output_len=LengthSpec("fixed", value=400))

@@ -25,12 +25,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from server.prometheus import parse as parse_metrics  # noqa: E402
-from server.sse import SSEParser  # noqa: E402
+from batchsim.server.http.prometheus import parse as parse_metrics  # noqa: E402
+from batchsim.workloads.client.sse import SSEParser  # noqa: E402
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "scripts.cli", "serve", "--model", args.model, "--port", "0",
+    cmd = [sys.executable, "-m", "batchsim.scripts.cli", "serve", "--model", args.model, "--port", "0",
            "--max-queue", str(args.max_queue)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)

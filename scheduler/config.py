@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from scheduler.kv_layout import KV_STEP
+from batchsim.scheduler.kv_layout import KV_STEP
 
 Policy = Literal["decode-first", "prefill-first"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from scheduler.kv_layout import PoolGeometry
-from scheduler.request import SamplingParams
+from batchsim.scheduler.kv_layout import PoolGeometry
+from batchsim.scheduler.request import SamplingParams
 
 
 class NewRequest(NamedTuple):

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections import deque
 
-from scheduler.config import SchedulerConfig
-from scheduler.kv_layout import KV_STEP, PoolGeometry, private_cache_tokens, round_down
-from scheduler.kv_manager import KVAccountError, KVManager
-from scheduler.plan import NewRequest, PrefillChunk, StepPlan, StepResult
-from scheduler.request import Request, RequestStatus
+from batchsim.scheduler.config import SchedulerConfig
+from batchsim.scheduler.kv_layout import KV_STEP, PoolGeometry, private_cache_tokens, round_down
+from batchsim.scheduler.kv_manager import KVAccountError, KVManager
+from batchsim.scheduler.plan import NewRequest, PrefillChunk, StepPlan, StepResult
+from batchsim.scheduler.request import Request, RequestStatus
 
 
 class Scheduler:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from scripts.common import append_jsonl, err, int_list, median, out, str_list, table
+from batchsim.scripts.common import append_jsonl, err, int_list, median, out, str_list, table
 
 MODES = ("bare", "executor", "mlx_lm")
 
@@ -30,10 +30,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from configs import ConfigError
-    from server import decode_bench as db
-    from server.run_config import RunConfig
-    from server.session import open_session
+    from batchsim.configs import ConfigError
+    from batchsim.server.measure import decode_bench as db
+    from batchsim.server.engine.run_config import RunConfig
+    from batchsim.server.engine.session import open_session
 
     bad = [m for m in args.modes if m not in MODES]
     if bad:
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _continuous(args: argparse.Namespace, model, vocab: int, kvt: int) -> list[dict]:
-    from server import decode_bench as db
+    from batchsim.server.measure import decode_bench as db
 
     results = []
     for b in args.continuous:

@@ -8,8 +8,8 @@ import argparse
 import time
 from pathlib import Path
 
-from configs import ConfigError
-from scripts.common import append_jsonl, err, out, str_list, table
+from batchsim.configs import ConfigError
+from batchsim.scripts.common import append_jsonl, err, out, str_list, table
 
 # Two depths separate per-layer from per-forward costs; three head shapes (3:1 GQA x 64, 2:1 x 16,
 # 8:1 x 32) separate attention's cost per K/V byte from its cost per score. Qwen3-0.6B is there
@@ -42,14 +42,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     import mlx.core as mx
 
-    from server import calibration as cal
-    from server import env
-    from server.costmodel import DeviceProfile
-    from server.devices import save_profile, user_dir
-    from server.microbench import cache_limit, measure_bandwidth_gbs, memory_budget_bytes
-    from server.run_config import RunConfig
-    from server.session import open_session
-    from server.stepcost import StepCost
+    from batchsim.server.measure import calibration as cal
+    from batchsim.server.platform import env
+    from batchsim.server.perf.costmodel import DeviceProfile
+    from batchsim.server.perf.devices import save_profile, user_dir
+    from batchsim.server.measure.microbench import cache_limit, measure_bandwidth_gbs, memory_budget_bytes
+    from batchsim.server.engine.run_config import RunConfig
+    from batchsim.server.engine.session import open_session
+    from batchsim.server.perf.stepcost import StepCost
 
     if args.reps < 1 or args.rounds < 1:
         raise ConfigError(f"--reps and --rounds must be at least 1, got {args.reps} and {args.rounds}")
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _probe(session, name: str) -> dict[str, float]:
-    from server import calibration as cal
+    from batchsim.server.measure import calibration as cal
 
     return cal.speed_probe_ms(name, session.model, session.spec, session.kv_bytes_per_token)
 
@@ -139,9 +139,9 @@ def _engine_overhead_us(session) -> float:
     consecutive busy steps' spacing minus the executor's own time, on a short real run."""
     import numpy as np
 
-    from server.runner import run_workload
-    from workloads.spec import WorkloadSpec
-    from workloads.lengths import LengthSpec
+    from batchsim.server.engine.runner import run_workload
+    from batchsim.workloads.spec import WorkloadSpec
+    from batchsim.workloads.lengths import LengthSpec
 
     spec = WorkloadSpec(name="calibrate-overhead", num_prompts=8, arrival="poisson",
                         request_rate=float("inf"), input_len=LengthSpec("fixed", value=16),

@@ -9,16 +9,16 @@ import sys
 
 # (subcommand, module, one-line help) in the order `--help` lists them.
 COMMANDS = [
-    ("run", "scripts.run_cmd", "replay traffic through the continuous-batching engine (real or simulated)"),
-    ("bench-decode", "scripts.bench_decode", "decode tok/s per batch size: bare loop vs executor vs mlx-lm"),
-    ("compare", "scripts.compare", "the same workload at batch 1 and batched, side by side"),
-    ("sweep", "scripts.sweep", "step the batch size up to where the KV cache overruns the budget"),
-    ("size", "scripts.size", "batch limits and decode speed per Mac, from the roofline (no model run)"),
-    ("roofline", "scripts.roofline", "GEMV vs GEMM on this device, against measured ceilings"),
-    ("calibrate", "scripts.calibrate", "measure this device and write a profile for the simulator"),
-    ("validate", "scripts.validate", "run workloads real and simulated, report the prediction error"),
-    ("serve", "scripts.serve_cmd", "OpenAI-compatible HTTP server on the continuous-batching engine"),
-    ("models", "scripts.models_cmd", "list the model zoo, or build a model directory"),
+    ("run", "batchsim.scripts.run_cmd", "replay traffic through the continuous-batching engine (real or simulated)"),
+    ("bench-decode", "batchsim.scripts.bench_decode", "decode tok/s per batch size: bare loop vs executor vs mlx-lm"),
+    ("compare", "batchsim.scripts.compare", "the same workload at batch 1 and batched, side by side"),
+    ("sweep", "batchsim.scripts.sweep", "step the batch size up to where the KV cache overruns the budget"),
+    ("size", "batchsim.scripts.size", "batch limits and decode speed per Mac, from the roofline (no model run)"),
+    ("roofline", "batchsim.scripts.roofline", "GEMV vs GEMM on this device, against measured ceilings"),
+    ("calibrate", "batchsim.scripts.calibrate", "measure this device and write a profile for the simulator"),
+    ("validate", "batchsim.scripts.validate", "run workloads real and simulated, report the prediction error"),
+    ("serve", "batchsim.scripts.serve_cmd", "OpenAI-compatible HTTP server on the continuous-batching engine"),
+    ("models", "batchsim.scripts.models_cmd", "list the model zoo, or build a model directory"),
 ]
 
 DESCRIPTION = """\
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     # Choose MLX's BLAS before anything imports mlx (see server/blas.py).
-    from server import blas
+    from batchsim.server.platform import blas
 
     blas.preload()
     parser = build_parser()
@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
-    from configs import ConfigError
-    from scripts.common import emit_json, err
+    from batchsim.configs import ConfigError
+    from batchsim.scripts.common import emit_json, err
 
     warning = blas.warning()
     if warning:

@@ -8,10 +8,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from scripts.common import append_jsonl, err, out, pyplot, save_figure, table, timestamp
-from scripts.run_cmd import add_model_args, add_workload_args, config_from_args, run_in_process
-from server.run_config import RunConfig, with_run_overrides
-from workloads.lengths import LengthSpec
+from batchsim.scripts.common import append_jsonl, err, out, pyplot, save_figure, table, timestamp
+from batchsim.scripts.run_cmd import add_model_args, add_workload_args, config_from_args, run_in_process
+from batchsim.server.engine.run_config import RunConfig, with_run_overrides
+from batchsim.workloads.lengths import LengthSpec
 
 # Without --workload: the 'burst' workload (everything at t = 0, so batching has work to share)
 # cut to this size, so that the batch-1 run of SmolLM2-135M float32 on two CPU cores (~10 tok/s)
@@ -63,7 +63,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 def configs_from_args(args: argparse.Namespace) -> tuple[RunConfig, RunConfig]:
     """(batch-1 config, batched config): identical but for max_num_seqs."""
-    from configs import ConfigError
+    from batchsim.configs import ConfigError
 
     ns = argparse.Namespace(**vars(args))
     if ns.workload is None and ns.trace is None:

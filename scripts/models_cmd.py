@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from scripts.common import fmt, gib, out, table
-from server.modelspec import FLOAT_DTYPES, QUANT_BITS, zoo_names, zoo_spec
+from batchsim.scripts.common import fmt, gib, out, table
+from batchsim.server.models.spec import FLOAT_DTYPES, QUANT_BITS, zoo_names, zoo_spec
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -41,9 +41,9 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _build(args: argparse.Namespace) -> dict:
-    from configs import ConfigError
-    from server import env
-    from server.loader import resolve
+    from batchsim.configs import ConfigError
+    from batchsim.server.platform import env
+    from batchsim.server.models.loader import resolve
 
     if not args.name:
         raise ConfigError(f"models build: name a zoo model: {', '.join(zoo_names())}")

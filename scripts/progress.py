@@ -6,7 +6,7 @@ import time
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from scripts.common import err
+from batchsim.scripts.common import err
 
 
 class RunProgress:

@@ -1,5 +1,5 @@
 """The human-readable summary of a serving run (vLLM's "Serving Benchmark Result" block, then the
-batch and memory view). The numbers come from server.metrics.summarize."""
+batch and memory view). The numbers come from server.results.metrics.summarize."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.table import Table
 
-from scripts.common import fmt, table
+from batchsim.scripts.common import fmt, table
 
 _GB = 1e9  # as mlx-lm prints memory
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from scripts.common import (append_jsonl, err, int_list, out, positive_float, pyplot, save_figure,
+from batchsim.scripts.common import (append_jsonl, err, int_list, out, positive_float, pyplot, save_figure,
                             str_list, table, timestamp)
-from server import microbench as mb
+from batchsim.server.measure import microbench as mb
 
 DEFAULT_NS = "1024,2048,4096,8192,12288"
 DEFAULT_SWEEP_N = 4096
@@ -37,7 +37,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from server import env
+    from batchsim.server.platform import env
 
     cfg, sweep_n = _config(args)
     with mb.cache_limit(int(args.cache_limit_gb * (1 << 30))) as cache_bytes:
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _config(args: argparse.Namespace) -> tuple[mb.BenchConfig, int]:
-    from configs import ConfigError
+    from batchsim.configs import ConfigError
 
     bad = [d for d in args.dtypes if d not in mb.DTYPE_BYTES]
     if bad or args.reps < 1 or args.bandwidth_mb < 1:
@@ -194,7 +194,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def _records(stamp: str, summary: dict, settings: dict):
     """JSONL: the ceilings, every measured point and every skip, each with its environment."""
-    from server import env
+    from batchsim.server.platform import env
 
     run = {"command": "roofline", "run": stamp}
     yield {**run, "record": "bandwidth", "gbytes_s": summary["bandwidth_gbs"],

@@ -7,11 +7,11 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from scripts.common import err, out, positive_float
-from server.run_config import RunConfig, load_run_config, with_run_overrides
-from workloads.spec import resolve_workload
-from workloads.lengths import parse_length
-from workloads.spec import TraceSpec
+from batchsim.scripts.common import err, out, positive_float
+from batchsim.server.engine.run_config import RunConfig, load_run_config, with_run_overrides
+from batchsim.workloads.spec import resolve_workload
+from batchsim.workloads.lengths import parse_length
+from batchsim.workloads.spec import TraceSpec
 
 
 def rate(text: str) -> float:
@@ -80,7 +80,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    from server.metrics import parse_goodput
+    from batchsim.server.results.metrics import parse_goodput
 
     cfg = load_run_config(args.config) if args.config else RunConfig()
     if args.workload:
@@ -120,7 +120,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from configs import ConfigError
+    from batchsim.configs import ConfigError
 
     try:
         cfg = config_from_args(args)
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> dict:
             raise
         raise ConfigError(str(exc)) from None
     if cfg.target:
-        from scripts.http_load import run_http
+        from batchsim.workloads.client.load import run_http
 
         return run_http(cfg, Path(args.out), progress=not args.no_progress)
     return run_in_process(cfg, Path(args.out), progress=not args.no_progress)
@@ -137,10 +137,10 @@ def run(args: argparse.Namespace) -> dict:
 
 def run_in_process(cfg: RunConfig, out_dir: Path, progress: bool = True, label: str | None = None,
                    quiet: bool = False) -> dict:
-    from scripts.progress import RunProgress
-    from scripts.report import summary_table
-    from server.runner import run_workload
-    from server.session import open_session
+    from batchsim.scripts.progress import RunProgress
+    from batchsim.scripts.report import summary_table
+    from batchsim.server.engine.runner import run_workload
+    from batchsim.server.engine.session import open_session
 
     session = open_session(cfg)
     spec = cfg.workload

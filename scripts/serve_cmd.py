@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from scripts.run_cmd import add_model_args, add_scheduler_args
+from batchsim.scripts.run_cmd import add_model_args, add_scheduler_args
 
 LISTENING = "batchsim serve: listening on "  # tests and scripts parse this stderr line
 
@@ -28,8 +28,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace):
-    from configs import ConfigError
-    from server.run_config import RunConfig, with_run_overrides
+    from batchsim.configs import ConfigError
+    from batchsim.server.engine.run_config import RunConfig, with_run_overrides
 
     if args.executor not in (None, "mlx") or args.device_profile:
         raise ConfigError("serve: runs real MLX compute only (no --executor sim/fake, "
@@ -54,10 +54,10 @@ def _config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> dict:
     import asyncio
 
-    from scripts.common import err
-    from server.engine import Engine
-    from server.http_server import Server, ServeOptions, serve
-    from server.session import open_session
+    from batchsim.scripts.common import err
+    from batchsim.server.engine.engine import Engine
+    from batchsim.server.http.app import Server, ServeOptions, serve
+    from batchsim.server.engine.session import open_session
 
     cfg = _config(args)
     session = open_session(cfg)

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import numpy as np
 
-from configs import ConfigError
-from scheduler.kv_layout import KV_STEP, PAGE_TOKENS, round_up
-from scripts.common import (append_jsonl, fmt, gib, out, positive_float, pyplot, save_figure, table,
+from batchsim.configs import ConfigError
+from batchsim.scheduler.kv_layout import KV_STEP, PAGE_TOKENS, round_up
+from batchsim.scripts.common import (append_jsonl, fmt, gib, out, positive_float, pyplot, save_figure, table,
                             timestamp)
-from server import macs
-from server.costmodel import compute_dtype, decode_step_s, decode_tok_s
-from server.loader import spec_for
-from server.modelspec import FLOAT_DTYPES, QUANT_BITS, ModelSpec, zoo_names
-from workloads.lengths import parse_length
+from batchsim.server.perf import macs
+from batchsim.server.perf.costmodel import compute_dtype, decode_step_s, decode_tok_s
+from batchsim.server.models.loader import spec_for
+from batchsim.server.models.spec import FLOAT_DTYPES, QUANT_BITS, ModelSpec, zoo_names
+from batchsim.workloads.lengths import parse_length
 
 MAX_BATCH_CAP = 4096  # no Mac in the catalog decodes more rows usefully; keeps the search bounded
 FIT_TRIALS = 256  # seeded batches drawn per batch size for a length distribution

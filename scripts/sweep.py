@@ -10,15 +10,15 @@ import dataclasses
 import math
 from pathlib import Path
 
-from configs import ConfigError
-from scheduler.kv_layout import KV_STEP
-from scripts.common import (append_jsonl, fmt, int_list, out, positive_float, pyplot, save_figure,
+from batchsim.configs import ConfigError
+from batchsim.scheduler.kv_layout import KV_STEP
+from batchsim.scripts.common import (append_jsonl, fmt, int_list, out, positive_float, pyplot, save_figure,
                             table, timestamp)
-from scripts.run_cmd import add_model_args
-from server import sweep_math
-from server.run_config import RunConfig, with_run_overrides
-from workloads.lengths import LengthSpec
-from workloads.spec import WorkloadSpec
+from batchsim.scripts.run_cmd import add_model_args
+from batchsim.server.perf import sweep_limits as sweep_math
+from batchsim.server.engine.run_config import RunConfig, with_run_overrides
+from batchsim.workloads.lengths import LengthSpec
+from batchsim.workloads.spec import WorkloadSpec
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def _base_session(args: argparse.Namespace):
     """One session (the model loaded once) and the budget every point runs under."""
-    from server.session import memory_budget, open_session
+    from batchsim.server.engine.session import memory_budget, open_session
 
     cfg = with_run_overrides(RunConfig(), {}, model=args.model, dtype=args.dtype,
                              quantize=args.quantize, executor=args.executor,
@@ -108,8 +108,8 @@ def _base_session(args: argparse.Namespace):
 
 def _run_point(base, budget: int, source: str, batch: int, args: argparse.Namespace) -> dict:
     """B requests at once, max_num_seqs = B, same budget; the row of this batch size."""
-    from scripts.progress import RunProgress
-    from server.runner import run_workload
+    from batchsim.scripts.progress import RunProgress
+    from batchsim.server.engine.runner import run_workload
 
     spec = WorkloadSpec(name=f"sweep-b{batch}", num_prompts=batch, request_rate=math.inf,
                         input_len=LengthSpec("fixed", value=args.prompt_len),
@@ -134,10 +134,10 @@ def _run_point(base, budget: int, source: str, batch: int, args: argparse.Namesp
 def _fresh_executor(base, cfg: RunConfig):
     """A new executor per point (request ids restart at 0); the MLX one shares the loaded model."""
     if cfg.executor == "mlx":
-        from server.mlx_executor import MLXExecutor
+        from batchsim.server.executors.mlx_executor import MLXExecutor
 
         return MLXExecutor(base.model)
-    from server.session import open_session
+    from batchsim.server.engine.session import open_session
 
     return open_session(cfg).executor
 

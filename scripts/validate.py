@@ -11,8 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from configs import CONFIG_DIR, ConfigError, load_yaml
-from scripts.common import append_jsonl, err, out, pyplot, save_figure, table, timestamp
+from batchsim.configs import CONFIG_DIR
+
+from batchsim.configs import ConfigError
+
+from batchsim.configs import load_yaml
+from batchsim.scripts.common import append_jsonl, err, out, pyplot, save_figure, table, timestamp
 
 MATRIX = CONFIG_DIR / "validation" / "matrix.yaml"
 METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "p99_ttft_ms", "p99_tpot_ms")
@@ -40,12 +44,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from server.calibration import device_id, device_speed, mean_by_key
-    from server.costmodel import at_speed
-    from server.devices import resolve_profile, save_profile
-    from server.run_config import RunConfig
-    from server.session import open_session
-    from server.shadow import ShadowTimer
+    from batchsim.server.measure.calibration import device_id, device_speed, mean_by_key
+    from batchsim.server.perf.costmodel import at_speed
+    from batchsim.server.perf.devices import resolve_profile, save_profile
+    from batchsim.server.engine.run_config import RunConfig
+    from batchsim.server.engine.session import open_session
+    from batchsim.server.perf.shadow import ShadowTimer
 
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be at least 1, got {args.repeats}")
@@ -136,7 +140,7 @@ def _earlier_validation(path: Path, model: str, cases: list[dict]) -> dict:
     cases by name, its repeats and the device its real runs ran on."""
     import json
 
-    from server.jsonio import jsonable
+    from batchsim.server.results.jsonio import jsonable
 
     try:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -167,9 +171,9 @@ def _speed_probe(profile, dtype: str) -> Callable[[], dict[str, float]]:
     """Reruns calibration's speed probe (real steps of the first calibration model): the device's
     speed now relative to calibration, per probe point (1.0 = same; {} when the profile has no
     model-step probe, e.g. one calibrated before it existed)."""
-    from server.calibration import probe_speed, speed_probe_ms
-    from server.run_config import RunConfig
-    from server.session import open_session
+    from batchsim.server.measure.calibration import probe_speed, speed_probe_ms
+    from batchsim.server.engine.run_config import RunConfig
+    from batchsim.server.engine.session import open_session
 
     cal = profile.calibration
     model = cal.calibrated_on[0] if cal and cal.calibrated_on else None
@@ -200,8 +204,8 @@ def _load_cases(path: Path, names: str | None) -> list[dict[str, Any]]:
 
 
 def _case_config(base, case: dict[str, Any], weight_bytes: int):
-    from server.run_config import SchedulerSettings
-    from workloads.spec import workload_from_dict
+    from batchsim.server.engine.run_config import SchedulerSettings
+    from batchsim.workloads.spec import workload_from_dict
 
     allowed = {"name", "max_num_seqs", "memory_gb", "policy", "workload"}
     unknown = set(case) - allowed
@@ -219,7 +223,7 @@ def _case_config(base, case: dict[str, Any], weight_bytes: int):
 
 
 def _run(session, out_dir: Path, label: str, on_step: Callable | None = None) -> dict:
-    from server.runner import run_workload
+    from batchsim.server.engine.runner import run_workload
 
     return run_workload(session, session.config.workload, out_dir=out_dir, label=label,
                         on_step=on_step).summary

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from server import blas
+from batchsim.server.platform import blas
 
 blas.preload()  # before anything imports mlx, as the CLI does
 
@@ -22,7 +22,7 @@ def batchsim_home(tmp_path_factory) -> Path:
 
 
 def _load(name: str, dtype: str, quantize: int | None = None):
-    from server.loader import load, resolve
+    from batchsim.server.models.loader import load, resolve
 
     ref = resolve(name, dtype, quantize)
     model, tokenizer = load(ref)

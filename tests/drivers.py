@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.config import SchedulerConfig
-from scheduler.plan import StepPlan
-from scheduler.request import Request, SamplingParams
-from scheduler.scheduler import Scheduler
+from batchsim.scheduler.config import SchedulerConfig
+from batchsim.scheduler.plan import StepPlan
+from batchsim.scheduler.request import Request, SamplingParams
+from batchsim.scheduler.scheduler import Scheduler
 
 
 @dataclass

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from server import blas
+from batchsim.server.platform import blas
 
 AVX512 = {"avx512f", "avx512vl", "avx512bw", "avx512dq", "avx2", "fma"}
 
@@ -22,7 +22,7 @@ def test_coretype_from_cpu_flags():
 
 
 def _choice_in_subprocess(**env: str) -> str:
-    code = "from server import blas; c = blas.preload(); print(c.name, '|', c.version, '|', c.note)"
+    code = "from batchsim.server.platform import blas; c = blas.preload(); print(c.name, '|', c.version, '|', c.note)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, **env}, cwd=os.path.dirname(os.path.dirname(__file__)))
     return out.stdout.strip()
@@ -45,7 +45,7 @@ def test_openblas_never_runs_generic_kernels_on_a_modern_cpu():
     if want is None:
         pytest.skip("CPU without AVX2/FMA")
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
-    code = "from server import blas; print(blas.preload().version)"
+    code = "from batchsim.server.platform import blas; print(blas.preload().version)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**env, "BATCHSIM_BLAS": "openblas"},
                          cwd=os.path.dirname(os.path.dirname(__file__)))

@@ -24,7 +24,7 @@ RUN_KEYS = {
 
 def batchsim(*args: str, home: Path, timeout: float = 300, check: bool = True):
     env = {**os.environ, "BATCHSIM_HOME": str(home), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "scripts.cli", *args], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "batchsim.scripts.cli", *args], capture_output=True,
                           text=True, env=env, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stderr[-3000:]}")
@@ -90,7 +90,7 @@ def test_an_unreachable_hub_id_is_a_clear_error(batchsim_home):
 def test_ctrl_c_ends_the_run_with_records_intact(batchsim_home, tmp_path):
     env = {**os.environ, "BATCHSIM_HOME": str(batchsim_home)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "scripts.cli", "run", "--model", "tiny", "--num-prompts", "400",
+        [sys.executable, "-m", "batchsim.scripts.cli", "run", "--model", "tiny", "--num-prompts", "400",
          "--request-rate", "20", "--out", str(tmp_path), "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     time.sleep(8)  # model load, then a few seconds of traffic

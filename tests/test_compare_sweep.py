@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from scripts.cli import main
-from server import sweep_math
-from server.metrics import StepRecord
+from batchsim.scripts.cli import main
+from batchsim.server.perf import sweep_limits as sweep_math
+from batchsim.server.results.metrics import StepRecord
 
 GIB = 1 << 30
 SMOLLM2_WEIGHTS_F32 = 538_060_032  # zoo spec: 134,515,008 params x 4 bytes

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from scheduler.request import Request, RequestStatus, SamplingParams
-from scheduler.scheduler import Scheduler
-from server import clock
-from server.engine import Engine
-from server.fake_executor import FakeExecutor
+from batchsim.scheduler.request import Request, RequestStatus, SamplingParams
+from batchsim.scheduler.scheduler import Scheduler
+from batchsim.server.engine import clock
+from batchsim.server.engine.engine import Engine
+from batchsim.server.executors.fake_executor import FakeExecutor
 from tests.drivers import config
 
 

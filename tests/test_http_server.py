@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scripts.serve_cmd import LISTENING
-from server.prometheus import parse as parse_metrics
-from server.sse import SSEParser
-from server.text_stream import TextStream
+from batchsim.scripts.serve_cmd import LISTENING
+from batchsim.server.http.prometheus import parse as parse_metrics
+from batchsim.workloads.client.sse import SSEParser
+from batchsim.server.http.text_stream import TextStream
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-batchsim-test"
@@ -31,7 +31,7 @@ MEMORY_GB = "0.002"
 
 class ServerProcess:
     def __init__(self, home: Path, *args: str):
-        cmd = [sys.executable, "-m", "scripts.cli", "serve", "--model", "tiny", "--port", "0",
+        cmd = [sys.executable, "-m", "batchsim.scripts.cli", "serve", "--model", "tiny", "--port", "0",
                *args]
         env = {**os.environ, "BATCHSIM_HOME": str(home)}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -89,8 +89,8 @@ def srv(batchsim_home):
 def tokenizer(srv, batchsim_home):
     from mlx_lm.tokenizer_utils import load
 
-    from server.env import default_dtype
-    from server.loader import resolve
+    from batchsim.server.platform.env import default_dtype
+    from batchsim.server.models.loader import resolve
 
     return load(resolve("tiny", default_dtype()).path)  # the build the server made
 
@@ -161,9 +161,9 @@ def test_text_stream_skips_eos():
 
 def test_generation_reads_every_queued_token_of_a_finished_request():
     """A slow reader finds its request already finished with several steps' tokens queued."""
-    from scheduler.request import Request, RequestStatus, SamplingParams
-    from server.openai_api import GenerationParams
-    from server.text_stream import Generation
+    from batchsim.scheduler.request import Request, RequestStatus, SamplingParams
+    from batchsim.server.http.openai_api import GenerationParams
+    from batchsim.server.http.text_stream import Generation
 
     request = Request(1, 1, SamplingParams(max_tokens=3), 0.0, [5])
     request.status, request.finish_reason, request.num_output_tokens = (
@@ -455,10 +455,10 @@ def _wait_for(s: ServerProcess, name: str, value: float, timeout_s: float = 20) 
 def test_run_target_reports_like_in_process(srv, tmp_path, monkeypatch):
     import dataclasses
 
-    from scripts.http_load import run_http
-    from server.run_config import RunConfig
-    from workloads.lengths import parse_length
-    from workloads.spec import WorkloadSpec
+    from batchsim.workloads.client.load import run_http
+    from batchsim.server.engine.run_config import RunConfig
+    from batchsim.workloads.lengths import parse_length
+    from batchsim.workloads.spec import WorkloadSpec
 
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     spec = WorkloadSpec(name="t", num_prompts=6, request_rate=float("inf"),

@@ -1,4 +1,4 @@
-"""server.metrics against values worked out by hand on a small fixed schedule.
+"""server.results.metrics against values worked out by hand on a small fixed schedule.
 
 The schedule (seconds; a token is stamped with the end of the step that sampled it):
 
@@ -29,9 +29,9 @@ import math
 import pytest
 from rich.console import Console
 
-from configs import ConfigError
-from scripts.report import summary_table
-from server.metrics import (
+from batchsim.configs import ConfigError
+from batchsim.scripts.report import summary_table
+from batchsim.server.results.metrics import (
     RequestRecord,
     StepRecord,
     parse_goodput,

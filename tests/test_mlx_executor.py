@@ -8,11 +8,11 @@ import random
 import mlx.core as mx
 import pytest
 
-from scheduler.kv_layout import KV_STEP, round_up
-from scheduler.request import Request, SamplingParams
-from scheduler.scheduler import Scheduler
-from server.kv_pool import PoolLayerView
-from server.mlx_executor import MLXExecutor
+from batchsim.scheduler.kv_layout import KV_STEP, round_up
+from batchsim.scheduler.request import Request, SamplingParams
+from batchsim.scheduler.scheduler import Scheduler
+from batchsim.server.executors.kv_pool import PoolLayerView
+from batchsim.server.executors.mlx_executor import MLXExecutor
 from tests.drivers import config, drive
 
 
@@ -130,9 +130,9 @@ def test_kv_bytes_match_arrays_formula_and_active_memory(tiny):
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 def test_batched_equals_single_on_other_architectures(model_type, tmp_path):
     # Tiny shapes of the Qwen2 (QKV bias, head_dim derived) and Qwen3 (q/k norms) families.
-    from server.build import build_model
-    from server.loader import ModelRef, load
-    from server.modelspec import ModelSpec
+    from batchsim.server.models.build import build_model
+    from batchsim.server.models.loader import ModelRef, load
+    from batchsim.server.models.spec import ModelSpec
 
     config = dict(model_type=model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=512,

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from scripts.common import dumps
-from server import microbench as mb
+from batchsim.scripts.common import dumps
+from batchsim.server.measure import microbench as mb
 
 
 def test_gemv_intensity_float32_n1024_by_hand():
@@ -119,12 +119,12 @@ def test_bench_asks_each_point_once_and_peak_needs_a_measured_gemm():
 
 
 def test_modules_do_not_import_mlx():
-    code = "import sys, scripts.roofline, server.microbench; assert 'mlx.core' not in sys.modules"
+    code = "import sys, batchsim.scripts.roofline, batchsim.server.measure.microbench; assert 'mlx.core' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def _args(tmp_path, *extra: str) -> argparse.Namespace:
-    from scripts import roofline
+    from batchsim.scripts import roofline
 
     p = argparse.ArgumentParser()
     roofline.add_parser(p)
@@ -133,7 +133,7 @@ def _args(tmp_path, *extra: str) -> argparse.Namespace:
 
 
 def test_flags_parse():
-    from scripts import roofline
+    from batchsim.scripts import roofline
 
     p = argparse.ArgumentParser()
     roofline.add_parser(p)
@@ -142,7 +142,7 @@ def test_flags_parse():
 
 
 def test_tiny_run_contract_files_and_consistency(tmp_path):
-    from scripts import roofline
+    from batchsim.scripts import roofline
 
     summary = roofline.run(_args(tmp_path, "--max-seconds-per-point", "1"))
     doc = json.loads(dumps(summary))  # what the CLI prints as its last line

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler.kv_layout import KV_STEP, PoolGeometry, round_up
-from scheduler.kv_manager import KVAccountError
-from scheduler.request import RequestStatus
-from scheduler.scheduler import Scheduler
-from server.fake_executor import FakeExecutor
+from batchsim.scheduler.kv_layout import KV_STEP, PoolGeometry, round_up
+from batchsim.scheduler.kv_manager import KVAccountError
+from batchsim.scheduler.request import RequestStatus
+from batchsim.scheduler.scheduler import Scheduler
+from batchsim.server.executors.fake_executor import FakeExecutor
 from tests.drivers import config, drive, make_request
 
 EXAMPLES = int(os.environ.get("BATCHSIM_PROPERTY_EXAMPLES", "1500"))

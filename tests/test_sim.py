@@ -10,17 +10,17 @@ import time
 import numpy as np
 import pytest
 
-from scheduler.scheduler import Scheduler
-from server import calibration as cal
-from server.costmodel import Calibration, DeviceProfile, GemmFit, at_speed
-from server.run_config import RunConfig, SchedulerSettings
-from server.runner import run_workload
-from server.session import open_session
-from server.shadow import ShadowTimer
-from server.sim_executor import SimExecutor
-from server.stepcost import StepCost
-from workloads.lengths import LengthSpec
-from workloads.spec import WorkloadSpec
+from batchsim.scheduler.scheduler import Scheduler
+from batchsim.server.measure import calibration as cal
+from batchsim.server.perf.costmodel import Calibration, DeviceProfile, GemmFit, at_speed
+from batchsim.server.engine.run_config import RunConfig, SchedulerSettings
+from batchsim.server.engine.runner import run_workload
+from batchsim.server.engine.session import open_session
+from batchsim.server.perf.shadow import ShadowTimer
+from batchsim.server.executors.sim_executor import SimExecutor
+from batchsim.server.perf.stepcost import StepCost
+from batchsim.workloads.lengths import LengthSpec
+from batchsim.workloads.spec import WorkloadSpec
 
 PROFILE = DeviceProfile(
     name="test", bandwidth_gbs=20.0, peak_tflops={"float32": 0.1}, bandwidth_efficiency=1.0,
@@ -37,7 +37,7 @@ PROFILE = DeviceProfile(
 
 
 def workload(n=12, rate=float("inf"), seed=3, out="uniform:4:24") -> WorkloadSpec:
-    from workloads.lengths import parse_length
+    from batchsim.workloads.lengths import parse_length
 
     return WorkloadSpec(name="t", num_prompts=n, arrival="poisson", request_rate=rate,
                         input_len=LengthSpec("uniform", min=8, max=300), output_len=parse_length(out),
@@ -109,7 +109,7 @@ def test_lookahead_changes_speed_not_results():
 def test_advancing_the_clock_in_place_changes_nothing(monkeypatch, arrivals):
     # The virtual loop's shortcut must equal a trip through the loop, also with timers the engine
     # does not know about (a rate cap, think time, slots freed by finishing requests).
-    from server.clock import VirtualTimeLoop
+    from batchsim.server.engine.clock import VirtualTimeLoop
 
     spec = dataclasses.replace(workload(n=30, out="uniform:4:40"), **arrivals)
     a = run_workload(sim_session(workload=spec), spec, out_dir=None, label="a")
@@ -155,7 +155,7 @@ FORWARD_ZERO = dataclasses.replace(PROFILE.calibration, **dict.fromkeys(cal.FORW
 def _exact_samples(names: tuple[str, ...]) -> tuple[list, dict]:
     """Step samples of each model timed exactly as PROFILE predicts them, and StepCosts with the
     forward terms zeroed, as `calibrate` fits them."""
-    from server.modelspec import zoo_spec
+    from batchsim.server.models.spec import zoo_spec
 
     samples, costs0 = [], {}
     for name in names:
@@ -284,6 +284,6 @@ def test_gemm_grid_is_timed_in_passes_and_keeps_each_points_median(monkeypatch):
 
 @pytest.fixture(scope="module")
 def smollm2_spec():
-    from server.modelspec import zoo_spec
+    from batchsim.server.models.spec import zoo_spec
 
     return zoo_spec("smollm2-135m")

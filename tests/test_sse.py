@@ -8,7 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.sse import SSEEvent, SSEParser
+from batchsim.workloads.client.sse import SSEEvent, SSEParser
 
 
 def parse(stream: bytes, cuts: list[int] = ()) -> tuple[list[SSEEvent], int]:

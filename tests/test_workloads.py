@@ -13,15 +13,17 @@ import numpy as np
 import pytest
 import yaml
 
-from configs import CONFIG_DIR, ConfigError
-from workloads.driver import LoopThrottler, drive
-from workloads.lengths import LengthSpec, parse_length
-from workloads.requests import RequestSpec, arrival_times, build_requests
-from workloads.spec import (
+from batchsim.configs import CONFIG_DIR
+
+from batchsim.configs import ConfigError
+from batchsim.workloads.driver import LoopThrottler, drive
+from batchsim.workloads.lengths import LengthSpec, parse_length
+from batchsim.workloads.requests import RequestSpec, arrival_times, build_requests
+from batchsim.workloads.spec import (
     TraceSpec, WorkloadSpec, builtin_workload, builtin_workload_names, load_workload,
     resolve_workload, with_overrides,
 )
-from workloads.traces import parse_azure_time, read_trace, trace_lengths, trace_requests
+from batchsim.workloads.traces import parse_azure_time, read_trace, trace_lengths, trace_requests
 
 TRACES = CONFIG_DIR / "traces"
 

@@ -13,8 +13,8 @@ from typing import Any
 
 from asyncio_throttle import Throttler
 
-from workloads.requests import RequestSpec
-from workloads.spec import WorkloadSpec
+from batchsim.workloads.requests import RequestSpec
+from batchsim.workloads.spec import WorkloadSpec
 
 # A coroutine (run as a task), or a future already in flight (the engine's own: no task needed).
 Submit = Callable[[RequestSpec], Awaitable[Any]]

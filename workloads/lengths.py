@@ -7,7 +7,7 @@ from typing import Literal
 
 import numpy as np
 
-from configs import ConfigError
+from batchsim.configs import ConfigError
 
 Dist = Literal["fixed", "uniform", "normal", "lognormal", "zipf", "empirical"]
 
@@ -102,7 +102,7 @@ def parse_length(text: str) -> LengthSpec:
 
 
 def _trace_length(args: list[str]) -> LengthSpec:
-    from workloads.traces import trace_lengths  # traces imports this module
+    from batchsim.workloads.traces import trace_lengths  # traces imports this module
 
     column = args[1] if len(args) > 1 else "input"
     try:

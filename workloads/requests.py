@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from configs import ConfigError
-from workloads.spec import WorkloadSpec
+from batchsim.configs import ConfigError
+from batchsim.workloads.spec import WorkloadSpec
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -74,7 +74,7 @@ def build_requests(spec: WorkloadSpec) -> list[RequestSpec]:
     """The run's requests, deterministic in spec.seed and sorted by arrival_s. For 'trace' the
     arrivals and lengths come from the trace (scaled and capped by spec.trace)."""
     if spec.arrival == "trace":
-        from workloads.traces import trace_requests  # traces imports RequestSpec from here
+        from batchsim.workloads.traces import trace_requests  # traces imports RequestSpec from here
 
         assert spec.trace is not None
         return trace_requests(spec.trace, spec.num_prompts)

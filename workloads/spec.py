@@ -8,8 +8,14 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-from configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
-from workloads.lengths import LengthSpec, parse_length
+from batchsim.configs import CONFIG_DIR
+
+from batchsim.configs import ConfigError
+
+from batchsim.configs import from_dict
+
+from batchsim.configs import load_yaml
+from batchsim.workloads.lengths import LengthSpec, parse_length
 
 WORKLOAD_DIR = CONFIG_DIR / "workloads"
 TRACE_DIR = CONFIG_DIR / "traces"

@@ -17,10 +17,10 @@ from itertools import islice
 from pathlib import Path
 from typing import Literal
 
-from configs import ConfigError
-from workloads.lengths import LengthSpec
-from workloads.requests import RequestSpec
-from workloads.spec import TraceSpec, resolve_trace_path
+from batchsim.configs import ConfigError
+from batchsim.workloads.lengths import LengthSpec
+from batchsim.workloads.requests import RequestSpec
+from batchsim.workloads.spec import TraceSpec, resolve_trace_path
 
 TraceFormat = Literal["auto", "azure", "mooncake"]
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")

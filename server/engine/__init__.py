@@ -1,0 +1,1 @@
+"""The engine loop and what a run needs: clock, session, run config, runner."""

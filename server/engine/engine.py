@@ -1,0 +1,203 @@
+"""The engine loop: schedule, execute, update, record. Requests arrive from asyncio tasks (a workload
+driver or HTTP handlers) while a step computes: the real executor runs in its own thread, the
+simulated one advances a virtual clock."""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import concurrent.futures
+import itertools
+from collections.abc import Callable, Sequence
+
+from batchsim.scheduler.plan import StepPlan, StepResult
+from batchsim.scheduler.request import Request, RequestStatus
+from batchsim.scheduler.scheduler import Scheduler
+from batchsim.server.engine import clock
+from batchsim.server.executors.base import Executor
+from batchsim.server.results.recorder import RunRecorder
+
+StepHook = Callable[["Engine", StepPlan, StepResult], None]
+
+
+class Engine:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executor: Executor,
+        *,
+        virtual_time: bool = False,
+        arrival_times_s: Sequence[float] = (),
+        on_step: StepHook | None = None,
+        on_error: str = "raise",
+    ):
+        self.scheduler = scheduler
+        self.executor = executor
+        self.virtual_time = virtual_time
+        self.recorder = RunRecorder()
+        self._arrivals = list(arrival_times_s)  # sorted open-loop arrivals bound simulated lookahead
+        self._on_step = on_step
+        # "raise": an executor failure ends the run (batchsim run). "abort": the running requests
+        # fail, the executor starts clean, and everyone else is still served (batchsim serve).
+        self._on_error = on_error
+        self.num_executor_errors = 0
+        self._t0 = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake = asyncio.Event()
+        self._done: dict[int, asyncio.Future] = {}
+        self._stopping = False
+        self._thread = None if virtual_time else concurrent.futures.ThreadPoolExecutor(1, "executor")
+        self._streams: dict[int, asyncio.Queue] = {}
+
+    def now(self) -> float:
+        return self._loop.time() - self._t0
+
+    def start_clock(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._t0 = self._loop.time()
+
+    # -- requests ------------------------------------------------------------------------------
+    def add(self, request: Request) -> asyncio.Future:
+        """Queue a request; the future resolves with it once finished, rejected or aborted."""
+        fut = asyncio.get_running_loop().create_future()
+        self.recorder.on_arrival(request)
+        if self.scheduler.add_request(request):
+            self._done[request.request_id] = fut
+            self._wake.set()
+        else:
+            request.finished_s = self.now()
+            fut.set_result(request)
+        return fut
+
+    def stream(self, request: Request) -> asyncio.Queue:
+        """Queue a request and get its tokens as they come: lists of new token ids, then the
+        finished Request itself (finished, rejected or aborted)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request.request_id] = queue
+
+        def close(fut: asyncio.Future) -> None:
+            if self._streams.pop(request.request_id, None) is not None:
+                queue.put_nowait(fut.result())
+
+        self.add(request).add_done_callback(close)
+        return queue
+
+    def abort(self, request_id: int) -> None:
+        request = self.scheduler.abort(request_id)
+        if request is not None:
+            request.finished_s = self.now()
+            self._resolve([request])
+            self._wake.set()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    # -- the loop ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        try:
+            await self._loop_steps()
+        except BaseException as exc:
+            # Whoever awaits a request must hear that the engine died, not wait forever.
+            for fut in self._done.values():
+                if not fut.done():
+                    fut.set_exception(exc if isinstance(exc, Exception) else RuntimeError("engine stopped"))
+            self._done.clear()
+            raise
+
+    async def _loop_steps(self) -> None:
+        # The virtual loop moves its clock in place when nothing else is due (most plans).
+        advance = getattr(self._loop, "advance", None)
+        while not self._stopping:
+            if not self.scheduler.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            plan = self.scheduler.schedule()
+            start = self.now()
+            try:
+                if self._thread is None:  # simulated: timed, not run (no coroutine per plan)
+                    result = self._simulate(plan, start)
+                    elapsed = result.elapsed_s
+                    if advance is None or not advance(elapsed):
+                        await clock.sleep(elapsed)
+                else:
+                    loop = asyncio.get_running_loop()
+                    result = await loop.run_in_executor(self._thread, self.executor.execute, plan)
+            except Exception:
+                if self._on_error == "raise":
+                    raise
+                self._recover()
+                continue
+            finished = self.scheduler.update_from_output(plan, result)
+            self._record(plan, result, start)
+            self._resolve(finished)
+            if finished:  # a closed-loop client sends its next request before the next plan
+                await asyncio.sleep(0)
+
+    def _simulate(self, plan: StepPlan, now: float) -> StepResult:
+        """Time a plan without running it, up to the next open-loop arrival."""
+        return self.executor.execute(plan, max_elapsed_s=self._next_arrival(now) - now)
+
+    def _recover(self) -> None:
+        """After a failed step nothing the executor holds can be trusted: fail every running
+        request and start the executor empty; waiting requests are untouched."""
+        import logging
+
+        logging.getLogger("batchsim").exception("executor failed; aborting the running requests")
+        self.num_executor_errors += 1
+        for r in list(self.scheduler.running):
+            self.abort(r.request_id)
+            r.finish_reason = "error"
+        self.executor.reset()
+
+    def _next_arrival(self, now: float) -> float:
+        i = bisect.bisect_right(self._arrivals, now)
+        return self._arrivals[i] if i < len(self._arrivals) else float("inf")
+
+    def _record(self, plan: StepPlan, result: StepResult, start: float) -> None:
+        if self._thread is None:
+            ends = _cumsum(start, result.step_durations_s)
+        else:
+            ends = [self.now()]  # what a client sees: the loop's time when the step's tokens are out
+        for new in plan.new_requests:
+            r = self.scheduler.requests.get(new.request_id)
+            if r is not None and r.first_scheduled_s is None:
+                r.first_scheduled_s = start
+        self.recorder.on_step(plan, result, start, ends, self.scheduler)
+        if self._streams and result.token_ids is not None:
+            k = len(result.token_ids)
+            for i, rid in enumerate(result.sampled_ids):
+                queue = self._streams.get(rid)
+                if queue is not None:
+                    queue.put_nowait([result.token_ids[s][i] for s in range(k)])
+        if self._on_step is not None:
+            self._on_step(self, plan, result)
+
+    def _resolve(self, finished: list[Request]) -> None:
+        if not finished:
+            return
+        now = self.now()
+        for r in finished:
+            if r.finished_s is None:
+                r.finished_s = now
+            fut = self._done.pop(r.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(r)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+
+    def unfinished(self) -> list[Request]:
+        return [r for r in self.recorder.requests.values() if not r.is_finished]
+
+
+def _cumsum(start: float, durations: Sequence[float]) -> list[float]:
+    ends = list(itertools.accumulate(durations, initial=start))
+    del ends[0]
+    return ends
+
+
+def finished_ok(request: Request) -> bool:
+    return request.status is RequestStatus.FINISHED

@@ -1,0 +1,88 @@
+"""A run's configuration: model, executor, scheduler limits, memory budget and workload. Loaded from
+YAML strictly (unknown keys are errors naming the file), overridden by CLI flags, frozen after."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Literal
+
+from batchsim.configs import ConfigError
+
+from batchsim.configs import from_dict
+
+from batchsim.configs import load_yaml
+from batchsim.workloads.spec import (
+    WorkloadSpec,
+    builtin_workload,
+    load_workload,
+    resolve_workload,
+    with_overrides,
+    workload_from_dict,
+)
+
+ExecutorName = Literal["mlx", "sim", "fake"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerSettings:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    prefill_step_size: int = 512
+    policy: Literal["decode-first", "prefill-first"] = "decode-first"
+    row_step: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    model: str = "smollm2-135m"  # zoo name, local model directory, or hub id
+    dtype: str = "auto"  # auto: float32 on the CPU backend, float16 on a GPU
+    quantize: int | None = None  # 4 or 8 (zoo models)
+    executor: ExecutorName = "mlx"
+    device_profile: str | None = None  # simulator: profile name in configs/devices or a YAML path
+    memory_gb: float | None = None  # budget for weights + KV in GiB; default: the device's
+    ignore_eos: bool = True  # generate exactly each request's output length
+    scheduler: SchedulerSettings = SchedulerSettings()
+    workload: WorkloadSpec = dataclasses.field(default_factory=lambda: builtin_workload("default"))
+    percentiles: tuple[float, ...] = (50.0, 90.0, 95.0, 99.0)
+    goodput: dict[str, float] | None = None  # SLOs in ms: ttft, tpot, e2el
+    target: str | None = None  # an OpenAI-compatible endpoint to load instead of running in-process
+
+    def __post_init__(self) -> None:
+        if self.quantize not in (None, 4, 8):
+            raise ConfigError(f"quantize: {self.quantize} is not allowed; allowed: 4, 8")
+        if self.memory_gb is not None and self.memory_gb <= 0:
+            raise ConfigError(f"memory_gb must be > 0, got {self.memory_gb}")
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """A run config YAML (`model:`, `scheduler:`, `workload:` ...), or a bare workload YAML."""
+    data = load_yaml(path)
+    workload_keys = {f.name for f in dataclasses.fields(WorkloadSpec)}
+    run_keys = {f.name for f in dataclasses.fields(RunConfig)}
+    if data and set(data) <= workload_keys and not set(data) & run_keys - {"workload"}:
+        return RunConfig(workload=load_workload(path))
+    data = dict(data)
+    wl = data.get("workload")
+    if isinstance(wl, str):
+        data["workload"] = resolve_workload(wl)
+    elif isinstance(wl, dict):
+        data["workload"] = workload_from_dict({"name": Path(path).stem, **wl}, f"{path}: workload")
+    return from_dict(RunConfig, data, str(path))
+
+
+def with_run_overrides(cfg: RunConfig, workload: dict[str, Any], **changes: Any) -> RunConfig:
+    """Apply CLI flags: None means 'not given'. `scheduler.*` keys go to the scheduler section."""
+    sched = {k.split(".", 1)[1]: v for k, v in changes.items() if k.startswith("scheduler.")}
+    top = {k: v for k, v in changes.items() if not k.startswith("scheduler.") and v is not None}
+    sched = {k: v for k, v in sched.items() if v is not None}
+    new = dataclasses.replace(cfg, **top)
+    if sched:
+        new = dataclasses.replace(new, scheduler=dataclasses.replace(new.scheduler, **sched))
+    if any(v is not None for v in workload.values()):
+        new = dataclasses.replace(new, workload=with_overrides(new.workload, **workload))
+    return new
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,160 @@
+"""Everything a run needs, built once from a RunConfig: the model (loaded through mlx-lm), the
+executor, the memory budget, and the scheduler limits that follow from them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from batchsim.configs import ConfigError
+from batchsim.scheduler.config import SchedulerConfig
+from batchsim.scheduler.scheduler import Scheduler
+from batchsim.server.platform import env
+from batchsim.server.executors.base import Executor
+from batchsim.server.models.loader import ModelRef, resolve
+from batchsim.server.models.spec import ModelSpec
+from batchsim.server.engine.run_config import RunConfig
+
+CPU_BUDGET_FRACTION = 0.75  # of RAM, when no GPU working-set limit exists (CPU backend)
+GIB = 1 << 30
+
+
+@dataclasses.dataclass
+class Session:
+    config: RunConfig
+    ref: ModelRef
+    dtype: str
+    executor: Executor
+    weight_bytes: int
+    memory_budget_bytes: int
+    budget_source: str
+    kv_bytes_per_token: int
+    model: Any = None
+    tokenizer: Any = None
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.ref.spec
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        return self.memory_budget_bytes - self.weight_bytes
+
+    def scheduler_config(self, **overrides: Any) -> SchedulerConfig:
+        s = self.config.scheduler
+        values = dict(
+            kv_budget_bytes=self.kv_budget_bytes,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            max_model_len=self.spec.max_context,
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            prefill_step_size=s.prefill_step_size,
+            policy=s.policy,
+            row_step=s.row_step,
+            max_lookahead_steps=self.executor.max_lookahead_steps,
+        )
+        values.update(overrides)
+        try:
+            return SchedulerConfig(**values)
+        except ValueError as exc:
+            raise ConfigError(f"scheduler: {exc}") from None
+
+    def new_scheduler(self, **overrides: Any) -> Scheduler:
+        return Scheduler(self.scheduler_config(**overrides))
+
+    def with_config(self, cfg: RunConfig) -> Session:
+        """The same loaded model under other scheduler limits, budget or workload."""
+        keep = ("model", "dtype", "quantize", "executor", "device_profile")  # what built the executor
+        if any(getattr(cfg, k) != getattr(self.config, k) for k in keep):
+            raise ValueError("with_config keeps the model and executor; open a new session instead")
+        budget, source = memory_budget(cfg.memory_gb)
+        new = dataclasses.replace(self, config=cfg, memory_budget_bytes=budget, budget_source=source)
+        _check_fits(new)
+        return new
+
+    def environment(self) -> dict[str, Any]:
+        return env.environment(
+            model=self.ref.name, dtype=self.dtype, quantize_bits=self.ref.quantize_bits,
+            executor=self.executor.name,
+        )
+
+
+def memory_budget(memory_gb: float | None) -> tuple[int, str]:
+    """Bytes for weights + KV: --memory-gb, else MLX's recommended working set on a GPU, else a
+    fraction of RAM on the CPU backend (MLX enforces no memory limit there)."""
+    if memory_gb is not None:
+        return int(memory_gb * GIB), f"--memory-gb {memory_gb:g}"
+    if env.backend() != "cpu":
+        import mlx.core as mx
+
+        info = mx.device_info()
+        limit = info.get("max_recommended_working_set_size") or info.get("memory_size")
+        if limit:
+            return int(limit), "MLX recommended working set"
+    ram = env.ram_bytes()
+    return int(ram * CPU_BUDGET_FRACTION), f"{CPU_BUDGET_FRACTION:.0%} of RAM (CPU backend)"
+
+
+def open_session(cfg: RunConfig, executor: Executor | None = None) -> Session:
+    dtype = env.default_dtype() if cfg.dtype == "auto" else cfg.dtype
+    budget, source = memory_budget(cfg.memory_gb)
+    if cfg.executor == "sim" and cfg.memory_gb is None:
+        from batchsim.server.perf.devices import mac_budget
+
+        budget, source = mac_budget(cfg.device_profile) or (budget, source)
+    if cfg.executor == "mlx" and executor is None:
+        return _open_mlx(cfg, dtype, budget, source)
+    ref = resolve(cfg.model, dtype, cfg.quantize, build=False)
+    kv_dtype = "float16" if ref.quantize_bits else ref.dtype
+    if executor is None:
+        executor = _simulated_executor(cfg, ref)
+    session = Session(
+        cfg, ref, ref.dtype, executor, ref.spec.weight_bytes(ref.dtype, ref.quantize_bits), budget,
+        source, ref.spec.kv_bytes_per_token(kv_dtype),
+    )
+    _check_fits(session)
+    return session
+
+
+def _open_mlx(cfg: RunConfig, dtype: str, budget: int, source: str) -> Session:
+    from mlx.utils import tree_flatten
+
+    from batchsim.server.models.loader import load
+    from batchsim.server.executors.mlx_executor import MLXExecutor
+
+    ref = resolve(cfg.model, dtype, cfg.quantize)
+    spec = ref.spec
+    # Fail before loading gigabytes that cannot fit.
+    if spec.weight_bytes(ref.dtype, ref.quantize_bits) >= budget:
+        _raise_no_fit(ref.name, spec.weight_bytes(ref.dtype, ref.quantize_bits), budget, source)
+    model, tokenizer = load(ref)
+    executor = MLXExecutor(model)
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    kv_per_token = 2 * executor.num_layers * executor.kv_heads * executor.head_dim * executor.dtype.size
+    session = Session(cfg, ref, str(executor.dtype).split(".")[-1], executor, weights, budget, source,
+                      kv_per_token, model, tokenizer)
+    _check_fits(session)
+    return session
+
+
+def _simulated_executor(cfg: RunConfig, ref: ModelRef) -> Executor:
+    if cfg.executor == "fake":
+        from batchsim.server.executors.fake_executor import FakeExecutor
+
+        return FakeExecutor(vocab_size=ref.spec.vocab_size)
+    from batchsim.server.executors.sim_executor import open_sim_executor
+
+    return open_sim_executor(cfg, ref)
+
+
+def _check_fits(session: Session) -> None:
+    if session.kv_budget_bytes <= 0:
+        _raise_no_fit(session.ref.name, session.weight_bytes, session.memory_budget_bytes,
+                      session.budget_source)
+
+
+def _raise_no_fit(name: str, weights: int, budget: int, source: str) -> None:
+    raise ConfigError(
+        f"model {name}: weights ({weights / GIB:.2f} GiB) do not fit the memory budget "
+        f"({budget / GIB:.2f} GiB, {source}); raise --memory-gb or pick a smaller dtype/quantization"
+    )

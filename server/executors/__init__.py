@@ -1,0 +1,1 @@
+"""What runs a step plan: the MLX executor and its KV pool, the simulator, a fake."""

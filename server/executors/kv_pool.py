@@ -1,0 +1,152 @@
+"""The decode pool: per layer one K and one V array of shape (rows, kv_heads, capacity, head_dim)
+holding every decoding request, left-aligned (row i's tokens at positions [0, len_i)).
+
+Joins copy one request's prefilled cache into a spare row; leaves move the last row into the hole;
+neither copies the whole pool (mlx-lm's BatchKVCache.extend/filter do). Only a geometry change
+(decided by the scheduler, see scheduler.kv_layout) reallocates.
+
+`layer_views()` hands the model one cache object per layer with mlx-lm's cache API (`offset`,
+`update_and_fetch`, `make_mask`, `state`, `nbytes`), so the model's own attention runs unchanged:
+the new token's K/V are scattered into each row at its own position and attention reads
+rows [0, B) up to the longest row, with a mask for the shorter ones.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache
+
+from batchsim.scheduler.kv_layout import PoolGeometry
+
+
+class PoolLayerView(_BaseCache):
+    """One layer of the pool, as the model's attention sees it during one decode forward pass."""
+
+    def __init__(self, pool: DecodePool, layer: int, positions: mx.array, mask: mx.array, width: int):
+        self._pool = pool
+        self._layer = layer
+        self.offset = positions  # (B,) per-row RoPE positions
+        self._mask = mask
+        self._width = width
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        pool, layer = self._pool, self._layer
+        b = keys.shape[0]
+        rows = pool.row_index(b)
+        k, v = pool.keys[layer], pool.values[layer]
+        k[rows, :, self.offset] = keys[:, :, 0, :]
+        v[rows, :, self.offset] = values[:, :, 0, :]
+        return k[:b, :, : self._width], v[:b, :, : self._width]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        if N != 1 or window_size is not None:
+            raise NotImplementedError("the decode pool serves one-token decode steps")
+        return self._mask
+
+    @property
+    def state(self):
+        return self._pool.keys[self._layer], self._pool.values[self._layer]
+
+    @property
+    def nbytes(self) -> int:
+        return self._pool.keys[self._layer].nbytes + self._pool.values[self._layer].nbytes
+
+
+class DecodePool:
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: mx.Dtype):
+        self.num_layers = num_layers
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.geometry = PoolGeometry(0, 0)
+        self.keys: list[mx.array] = []
+        self.values: list[mx.array] = []
+        self.row_ids: list[int] = []  # request id per occupied row, rows [0, B)
+        self.lengths: list[int] = []  # tokens cached per row
+        self._arange_cache: dict[int, mx.array] = {}
+
+    def __len__(self) -> int:
+        return len(self.row_ids)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+
+    def row_index(self, b: int) -> mx.array:
+        idx = self._arange_cache.get(b)
+        if idx is None:
+            idx = self._arange_cache[b] = mx.arange(b)
+        return idx
+
+    def arrays(self) -> list[mx.array]:
+        return self.keys + self.values
+
+    # -- membership ----------------------------------------------------------------------------
+    def remove(self, request_ids: set[int]) -> None:
+        """Drop rows; fill holes below the new row count with the surviving rows above it."""
+        keep_b = len(self.row_ids) - sum(1 for r in self.row_ids if r in request_ids)
+        holes = [i for i in range(keep_b) if self.row_ids[i] in request_ids]
+        movers = [i for i in range(keep_b, len(self.row_ids)) if self.row_ids[i] not in request_ids]
+        if holes:
+            src, dst = mx.array(movers), mx.array(holes)
+            moved = [a[src] for a in self.arrays()]
+            mx.eval(moved)  # detach from the pool arrays so the scatter below updates them in place
+            for a, m in zip(self.arrays(), moved):
+                a[dst] = m
+            for h, m in zip(holes, movers):
+                self.row_ids[h], self.lengths[h] = self.row_ids[m], self.lengths[m]
+        del self.row_ids[keep_b:]
+        del self.lengths[keep_b:]
+
+    def add(self, request_id: int, layer_caches: list | None, length: int) -> None:
+        """Copy a prefilled request (a list of mlx-lm KVCache, one per layer) into the next row."""
+        row = len(self.row_ids)
+        if row >= self.geometry.rows or length > self.geometry.capacity_tokens:
+            raise RuntimeError(
+                f"pool {self.geometry} has no room for request {request_id} ({length} tokens)"
+            )
+        if layer_caches is not None and length:
+            for layer, cache in enumerate(layer_caches):
+                self.keys[layer][row : row + 1, :, :length] = cache.keys[..., :length, :]
+                self.values[layer][row : row + 1, :, :length] = cache.values[..., :length, :]
+        self.row_ids.append(request_id)
+        self.lengths.append(length)
+
+    # -- geometry ------------------------------------------------------------------------------
+    def resize(self, geometry: PoolGeometry) -> None:
+        """Reallocate to the scheduler's geometry, keeping rows [0, B) and their tokens."""
+        if geometry == self.geometry:
+            return
+        if geometry.rows < len(self.row_ids) or (
+            self.lengths and geometry.capacity_tokens < max(self.lengths)
+        ):
+            raise RuntimeError(f"geometry {geometry} cannot hold the pool's rows")
+        if geometry.rows == 0:
+            self.keys, self.values = [], []
+        elif not self.keys:
+            shape = (geometry.rows, self.kv_heads, geometry.capacity_tokens, self.head_dim)
+            self.keys = [mx.zeros(shape, self.dtype) for _ in range(self.num_layers)]
+            self.values = [mx.zeros(shape, self.dtype) for _ in range(self.num_layers)]
+        else:
+            self.keys = [self._reshape(a, geometry) for a in self.keys]
+            self.values = [self._reshape(a, geometry) for a in self.values]
+        self.geometry = geometry
+        mx.eval(self.arrays())
+
+    def _reshape(self, a: mx.array, g: PoolGeometry) -> mx.array:
+        rows, cap = min(a.shape[0], g.rows), min(a.shape[2], g.capacity_tokens)
+        a = a[:rows, :, :cap]
+        pad = [(0, g.rows - rows), (0, 0), (0, g.capacity_tokens - cap), (0, 0)]
+        return mx.pad(a, pad) if any(p[1] for p in pad) else mx.contiguous(a)
+
+    # -- decode --------------------------------------------------------------------------------
+    def layer_views(self) -> list[PoolLayerView]:
+        """Per-layer caches for one decode forward over rows [0, B); lengths advance by one."""
+        positions = mx.array(self.lengths)
+        width = max(self.lengths) + 1
+        if width > self.geometry.capacity_tokens:
+            raise RuntimeError(f"row of {width} tokens exceeds capacity {self.geometry}")
+        mask = (mx.arange(width)[None] <= positions[:, None])[:, None, None, :]
+        views = [PoolLayerView(self, layer, positions, mask, width) for layer in range(self.num_layers)]
+        self.lengths = [n + 1 for n in self.lengths]
+        return views

@@ -1,0 +1,167 @@
+"""Runs step plans on a real model loaded by mlx-lm.
+
+Per step: free finished rows, apply the scheduler's pool geometry, move newly prefilled requests
+into the pool, run each prefill chunk on the request's own mlx-lm KVCache, and run one forward pass
+over every decoding request (each weight matrix multiplied once for B rows), then sample."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from batchsim.scheduler.plan import NewRequest, StepPlan, StepResult
+from batchsim.scheduler.request import SamplingParams
+from batchsim.server.executors.kv_pool import DecodePool
+
+
+@dataclass(slots=True)
+class SeqState:
+    token_ids: list[int]  # prompt + every sampled token
+    sampling: SamplingParams
+    cache: list | None = None  # private mlx-lm caches while prefilling
+
+
+class MLXExecutor:
+    name = "mlx"
+    max_lookahead_steps = 1
+    needs_token_ids = True
+
+    def __init__(self, model, cache_limit_bytes: int | None = 4 << 30):
+        self.model = model
+        layers = model.layers
+        attn = layers[0].self_attn
+        self.num_layers = len(layers)
+        self.kv_heads = attn.n_kv_heads
+        # From the weights: not every architecture's args carry head_dim (qwen2 derives it).
+        self.head_dim = attn.k_proj.weight.shape[0] // attn.n_kv_heads
+        self.dtype = self._activation_dtype()
+        self.pool = DecodePool(self.num_layers, self.kv_heads, self.head_dim, self.dtype)
+        self.seqs: dict[int, SeqState] = {}
+        self._split_head = self._head_fn()
+        if cache_limit_bytes is not None:
+            # Keep freed buffers for reuse: re-faulting large buffers every step costs bandwidth.
+            mx.set_cache_limit(cache_limit_bytes)
+
+    def _activation_dtype(self) -> mx.Dtype:
+        emb = self.model.model.embed_tokens
+        scales = getattr(emb, "scales", None)
+        return scales.dtype if scales is not None else emb.weight.dtype
+
+    def _head_fn(self):
+        """The output projection alone, so a prefill computes logits for its last token only."""
+        model = self.model
+        if getattr(model.args, "tie_word_embeddings", False):
+            return model.model.embed_tokens.as_linear
+        return getattr(model, "lm_head", None)
+
+    # -- the step ------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan, max_elapsed_s: float = float("inf")) -> StepResult:
+        t0 = time.perf_counter()
+        self._free(plan.free_ids)
+        for new in plan.new_requests:
+            self._register(new)
+        self.pool.resize(plan.pool)
+        self._join(plan)
+
+        sampled_ids: list[int] = []
+        samples: list[mx.array] = []
+        for chunk in plan.prefills:
+            token = self._prefill(chunk.request_id, chunk.start, chunk.num_tokens, chunk.sample)
+            if token is not None:
+                sampled_ids.append(chunk.request_id)
+                samples.append(token)
+        if plan.decode_ids:
+            sampled_ids.extend(self.pool.row_ids)
+            samples.append(self._decode())
+        tokens: list[int] = []
+        if samples:
+            flat = mx.concatenate([s.reshape(-1) for s in samples])
+            mx.eval(flat, self.pool.arrays())
+            tokens = flat.tolist()
+        for rid, tok in zip(sampled_ids, tokens):
+            self.seqs[rid].token_ids.append(tok)
+        elapsed = time.perf_counter() - t0
+        return StepResult(
+            step_index=plan.step_index,
+            sampled_ids=tuple(sampled_ids),
+            token_ids=(tuple(tokens),),
+            step_durations_s=(elapsed,),
+            kv_bytes=self.kv_bytes(),
+        )
+
+    def reset(self) -> None:
+        self.pool = DecodePool(self.num_layers, self.kv_heads, self.head_dim, self.dtype)
+        self.seqs.clear()
+
+    def kv_bytes(self) -> int:
+        private = sum(c.nbytes for s in self.seqs.values() if s.cache for c in s.cache)
+        return self.pool.nbytes + private
+
+    # -- pieces --------------------------------------------------------------------------------
+    def _free(self, request_ids: tuple[int, ...]) -> None:
+        if not request_ids:
+            return
+        gone = set(request_ids)
+        self.pool.remove(gone)
+        for rid in gone:
+            self.seqs.pop(rid, None)
+
+    def _register(self, new: NewRequest) -> None:
+        if new.token_ids is None:
+            raise ValueError(f"request {new.request_id}: the MLX executor needs token ids")
+        self.seqs[new.request_id] = SeqState(list(new.token_ids), new.sampling)
+
+    def _join(self, plan: StepPlan) -> None:
+        in_pool = set(self.pool.row_ids)
+        for rid, pos in zip(plan.decode_ids, plan.decode_positions):
+            if rid in in_pool:
+                continue
+            seq = self.seqs[rid]
+            self.pool.add(rid, seq.cache, pos)
+            seq.cache = None
+        if len(self.pool) != len(plan.decode_ids) and plan.decode_ids:
+            raise RuntimeError("decode plan does not cover every pool row")
+
+    def _prefill(self, rid: int, start: int, n: int, sample: bool) -> mx.array | None:
+        seq = self.seqs[rid]
+        if seq.cache is None:
+            if start != 0:
+                raise RuntimeError(f"request {rid}: prefill resumes at {start} without a cache")
+            seq.cache = make_prompt_cache(self.model)
+        inputs = mx.array(seq.token_ids[start : start + n])[None]
+        if not sample:
+            self.model.model(inputs, cache=seq.cache)
+            mx.eval([c.state for c in seq.cache])
+            return None
+        if self._split_head is not None:
+            hidden = self.model.model(inputs, cache=seq.cache)
+            logits = self._split_head(hidden[:, -1, :])
+        else:
+            logits = self.model(inputs, cache=seq.cache)[:, -1, :]
+        return self._sample(logits, [rid])
+
+    def _decode(self) -> mx.array:
+        pool = self.pool
+        inputs = mx.array([self.seqs[rid].token_ids[-1] for rid in pool.row_ids])[:, None]
+        logits = self.model(inputs, cache=pool.layer_views())[:, -1, :]
+        return self._sample(logits, pool.row_ids)
+
+    def _sample(self, logits: mx.array, rids: list[int]) -> mx.array:
+        """Greedy by default; rows with a temperature sample with a key derived from the request's
+        seed and position, so a seeded request draws the same tokens alone or batched."""
+        sampling = [self.seqs[r].sampling for r in rids]
+        greedy = mx.argmax(logits, axis=-1)
+        if all(s.temperature == 0 for s in sampling):
+            return greedy
+        picks = []
+        for i, (rid, s) in enumerate(zip(rids, sampling)):
+            if s.temperature == 0:
+                picks.append(greedy[i : i + 1])
+                continue
+            position = len(self.seqs[rid].token_ids)
+            key = mx.random.key((s.seed if s.seed is not None else rid) * 1_000_003 + position)
+            picks.append(mx.random.categorical(logits[i : i + 1] / s.temperature, key=key))
+        return mx.concatenate(picks)

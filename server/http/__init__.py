@@ -1,0 +1,1 @@
+"""`batchsim serve`: the OpenAI-compatible HTTP server on the engine."""

@@ -1,0 +1,291 @@
+"""`batchsim serve`: an OpenAI-compatible HTTP server (aiohttp) on the continuous-batching engine.
+
+Every request becomes a scheduler Request on the same engine as `batchsim run`, so concurrent HTTP
+requests decode together in one forward pass. The engine loop runs as a task on the server's event
+loop and the executor computes in its own thread, so the loop keeps answering while a step runs.
+A client that goes away has its request aborted; its KV is freed at the next step."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import itertools
+import json
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from batchsim.configs import ConfigError
+from batchsim.scheduler.request import Request, SamplingParams
+from batchsim.server.http import openai_api as api
+from batchsim.server.engine.engine import Engine
+from batchsim.server.http.openai_api import APIError, GenerationParams
+from batchsim.server.http.prometheus import CONTENT_TYPE, ServerRecorder, mlx_memory_gauges, render
+from batchsim.server.http.text_stream import Generation
+
+_ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error",
+                429: "rate_limit_error", 503: "server_error"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeOptions:
+    served_model_name: str
+    api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer KEY`
+    max_queue: int = 256  # waiting requests beyond which new ones get 429
+    max_body_bytes: int = 1 << 20
+    drain_timeout_s: float = 30.0  # on SIGINT/SIGTERM, in-flight requests get this long to finish
+    # What the model and budget allow (from the session).
+    max_model_len: int = 4096
+    vocab_size: int = 32000
+    kv_budget_bytes: int = 0
+
+
+class Server:
+    def __init__(self, engine: Engine, tokenizer: Any, options: ServeOptions):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.options = options
+        self.recorder = ServerRecorder()
+        engine.recorder = self.recorder  # bounded: a server must not keep every request and step
+        self.eos_ids = frozenset(getattr(tokenizer, "eos_token_ids", None) or ())
+        self.inflight: set[int] = set()
+        self.draining = False
+        self._hurry = False  # a second signal: abort now instead of waiting out the drain
+        self.created = int(time.time())
+        self._ids = itertools.count(1)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.options.max_body_bytes,
+                              middlewares=[self._middleware])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        return app
+
+    # -- plumbing ------------------------------------------------------------------------------
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        try:
+            if request.path.startswith("/v1/"):
+                self._authorize(request)
+            response = await handler(request)
+        except APIError as exc:
+            response = _error_response(exc)
+        except web.HTTPException as exc:  # unknown route, wrong method, body too large
+            response = _error_response(APIError(
+                exc.status, exc.reason if exc.status != 413 else
+                f"request body exceeds {self.options.max_body_bytes} bytes",
+                type=_ERROR_TYPES.get(exc.status, "invalid_request_error"),
+                code="request_too_large" if exc.status == 413 else None,
+                headers={"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None))
+        except Exception as exc:  # a bug: answer this request, keep serving the others
+            traceback.print_exc()
+            response = _error_response(APIError(500, f"internal error: {exc!r}",
+                                                type="server_error"))
+        self.recorder.http_responses[response.status] += 1
+        return response
+
+    def _authorize(self, request: web.Request) -> None:
+        key = self.options.api_key
+        if key is None:
+            return
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise APIError(401, "missing or invalid API key (Authorization: Bearer KEY)",
+                           type="authentication_error", code="invalid_api_key")
+
+    async def _read_json(self, request: web.Request) -> dict[str, Any]:
+        if (request.content_length or 0) > self.options.max_body_bytes:
+            raise web.HTTPRequestEntityTooLarge(self.options.max_body_bytes,
+                                                request.content_length or 0)
+        return api.parse_json_object(await request.read())
+
+    # -- routes --------------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        status = "draining" if self.draining else "ok"
+        return web.json_response({"status": status}, status=503 if self.draining else 200)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        text = render(self.recorder, self.engine.scheduler,
+                      kv_budget_bytes=self.options.kv_budget_bytes,
+                      max_queue=self.options.max_queue, inflight=len(self.inflight),
+                      extra_gauges=mlx_memory_gauges())
+        return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {"id": self.options.served_model_name, "object": "model", "created": self.created,
+                "owned_by": "batchsim", "max_model_len": self.options.max_model_len}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, http: web.Request, kind: api.Kind) -> web.StreamResponse:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", type="server_error",
+                           code="shutting_down", headers={"Retry-After": "5"})
+        body = await self._read_json(http)
+        api.check_model(body, self.options.served_model_name)
+        params = api.parse_generation(body, kind, self.tokenizer, self.options.vocab_size)
+        request = self._admit(params)
+        gen = Generation(self.engine, request, params, self.tokenizer)
+        rid = request.request_id
+        self.inflight.add(rid)
+        try:
+            if params.stream:
+                return await self._stream(http, gen, params)
+            return await self._complete(gen, params)
+        finally:
+            self.inflight.discard(rid)
+            if not gen.done:  # the client went away (or the handler failed): stop computing
+                self.engine.abort(rid)
+            ok = gen.done and gen.finish_reason in ("stop", "length")
+            self.recorder.request_outcomes["finished" if ok else "aborted"] += 1
+
+    def _admit(self, params: GenerationParams) -> Request:
+        """A scheduler Request for these params, or an APIError: 400 if it can never run, 429 if
+        the waiting queue is full."""
+        n_prompt = len(params.prompt_ids)
+        room = self.options.max_model_len - n_prompt
+        max_tokens = params.max_tokens or max(1, min(api.DEFAULT_MAX_TOKENS[params.kind], room))
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=params.temperature,
+                                  seed=params.seed, ignore_eos=params.ignore_eos)
+        request = Request(next(self._ids), n_prompt, sampling, self.engine.now(),
+                          list(params.prompt_ids), self.eos_ids)
+        reason = self.engine.scheduler.rejection_reason(request)
+        if reason is not None:
+            self.recorder.request_outcomes["rejected"] += 1
+            too_long = request.max_total_tokens > self.options.max_model_len
+            blame = "max_tokens" if params.max_tokens and room >= 1 else "prompt"
+            raise APIError(400, f"this request can never run: {reason}", param=blame,
+                           code="context_length_exceeded" if too_long else "kv_budget_exceeded")
+        if len(self.engine.scheduler.waiting) >= self.options.max_queue:
+            raise APIError(429, f"the waiting queue is full ({self.options.max_queue} requests); "
+                           "retry later", type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "1"})
+        return request
+
+    async def _complete(self, gen: Generation, params: GenerationParams) -> web.Response:
+        parts = []
+        while not gen.done:
+            parts.append(await gen.next())
+        rid = gen.request.request_id
+        body = api.full_response(params.kind, rid, self.created, self.options.served_model_name,
+                                 "".join(parts), gen.finish_reason,
+                                 api.usage(len(params.prompt_ids), gen.num_tokens))
+        return web.json_response(body)
+
+    async def _stream(self, http: web.Request, gen: Generation,
+                      params: GenerationParams) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(http)
+        try:
+            await self._stream_chunks(response, gen, params)
+        except ConnectionError:
+            raise  # the client went away: nothing to tell it
+        except Exception as exc:  # a bug mid-stream: the status is sent, so say it in the stream
+            traceback.print_exc()
+            await response.write(_sse(api.error_body(f"internal error: {exc!r}", "server_error")))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _stream_chunks(self, response: web.StreamResponse, gen: Generation,
+                             params: GenerationParams) -> None:
+        rid, model, kind = gen.request.request_id, self.options.served_model_name, params.kind
+        first = True
+        while not gen.done:
+            text = await gen.next()  # one chunk per step: each carries one token
+            chunk = api.stream_chunk(kind, rid, self.created, model, text,
+                                     gen.finish_reason if gen.done else None, first=first,
+                                     include_usage=params.include_usage)
+            await response.write(_sse(chunk))
+            first = False
+        if params.include_usage:
+            counts = api.usage(len(params.prompt_ids), gen.num_tokens)
+            await response.write(_sse(api.usage_chunk(kind, rid, self.created, model, counts)))
+
+    # -- shutdown ------------------------------------------------------------------------------
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests, give in-flight ones `timeout_s` to finish, abort the rest and let
+        their handlers answer. Returns how many were aborted."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.inflight and loop.time() < deadline and not self._hurry:
+            await asyncio.sleep(0.05)
+        aborted = list(self.inflight)
+        for rid in aborted:
+            self.engine.abort(rid)
+        deadline = loop.time() + 2.0
+        while self.inflight and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        return len(aborted)
+
+    def on_signal(self, stop: asyncio.Event) -> None:
+        """The first SIGINT/SIGTERM drains; another one cuts the drain short."""
+        if stop.is_set():
+            self._hurry = True
+        stop.set()
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+def _error_response(exc: APIError) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+
+
+async def serve(server: Server, host: str, port: int, announce: Callable[[str], None]) -> dict:
+    """Run until SIGINT/SIGTERM (or the engine fails), then drain and stop. Returns totals."""
+    loop = asyncio.get_running_loop()
+    engine = server.engine
+    engine.start_clock()
+    engine_task = asyncio.create_task(engine.run())
+    runner = web.AppRunner(server.app(), handle_signals=False, handler_cancellation=True,
+                           access_log=None, shutdown_timeout=1.0)
+    stop = asyncio.Event()
+    aborted = 0
+    try:
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as exc:  # port taken, address not local: the user's to fix
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        bound_host, bound_port = runner.addresses[0][:2]
+        announce(f"http://{_url_host(bound_host)}:{bound_port}")
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, server.on_signal, stop)
+        stop_task = asyncio.create_task(stop.wait())
+        await asyncio.wait({stop_task, engine_task}, return_when=asyncio.FIRST_COMPLETED)
+        stop_task.cancel()
+        if not engine_task.done():
+            aborted = await server.drain(server.options.drain_timeout_s)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await runner.cleanup()
+        engine.stop()
+        await engine_task  # re-raises if the engine failed
+        engine.close()
+    rec = server.recorder
+    return {"requests": dict(rec.request_outcomes), "aborted_at_shutdown": aborted,
+            "http_responses": {str(k): v for k, v in sorted(rec.http_responses.items())},
+            "generation_tokens": rec.generation_tokens, "steps": rec.num_steps,
+            "max_batch_size": rec.max_batch_size}
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,1 @@
+"""Measurements on this device: microbenchmarks, decode benchmark, calibration fit."""

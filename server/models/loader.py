@@ -1,0 +1,107 @@
+"""Resolve a model reference (zoo name, local directory, or hub id) to a directory and load it with
+mlx-lm's own loader."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from batchsim.configs import ConfigError
+from batchsim.server.models.build import build_model
+from batchsim.server.models.spec import ModelSpec, spec_from_hf_config, zoo_names, zoo_spec
+
+
+class ModelNotFoundError(ConfigError):
+    """A model reference that is neither a zoo name, a local model directory, nor a reachable hub id."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRef:
+    """A resolved model: where its files are and the shapes batchsim reasons with."""
+
+    name: str
+    path: Path
+    spec: ModelSpec
+    dtype: str  # activation / KV dtype
+    quantize_bits: int | None
+
+
+def _log(msg: str) -> None:
+    print(f"batchsim: {msg}", file=sys.stderr, flush=True)
+
+
+def _dtype_of(config: dict[str, Any]) -> str:
+    dt = str(config.get("torch_dtype") or config.get("dtype") or "float16")
+    return dt if dt in ("float32", "float16", "bfloat16") else "float16"
+
+
+def resolve(ref: str, dtype: str, quantize_bits: int | None = None, build: bool = True) -> ModelRef:
+    """A zoo name is built on first use (seeded random weights); a directory or hub id is used as it
+    is stored (its own dtype and quantization)."""
+    if ref in zoo_names():
+        spec = zoo_spec(ref)
+        path = build_model(spec, dtype, quantize_bits, log=_log) if build else Path()
+        return ModelRef(ref, path, spec, dtype, quantize_bits)
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return _from_dir(ref, path)
+    if path.exists() or ref.startswith((".", "/", "~")) or ref.count("/") != 1:
+        raise ModelNotFoundError(
+            f"model {ref!r}: not a zoo model, a model directory, or a hub id (owner/name); "
+            f"zoo models: {', '.join(zoo_names())}"
+        )
+    return _from_dir(ref, _download(ref))
+
+
+def _from_dir(name: str, path: Path) -> ModelRef:
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ModelNotFoundError(f"model directory {path} has no config.json")
+    config = json.loads(config_file.read_text())
+    quant = config.get("quantization") or {}
+    spec = spec_from_hf_config(name, config)
+    return ModelRef(name, path, spec, _dtype_of(config), quant.get("bits"))
+
+
+def _download(hub_id: str) -> Path:
+    try:
+        from mlx_lm.utils import _download as mlx_lm_download
+
+        return Path(mlx_lm_download(hub_id))
+    except Exception as exc:  # network, auth, missing repo: all end the same way for the user
+        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise ModelNotFoundError(
+            f"model {hub_id!r}: could not fetch it from the Hugging Face hub ({reason}). "
+            f"Pass a local model directory, or a zoo model: {', '.join(zoo_names())}"
+        ) from None
+
+
+def spec_for(ref: str) -> ModelSpec:
+    """The shapes of a zoo model, a model directory, or a hub id (its config.json alone)."""
+    if ref in zoo_names():
+        return zoo_spec(ref)
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return _from_dir(ref, path).spec
+    try:
+        from huggingface_hub import hf_hub_download
+
+        config_path = Path(hf_hub_download(ref, "config.json"))
+    except Exception as exc:  # unreachable hub, unknown repo, bad id: one clear message
+        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise ModelNotFoundError(
+            f"model {ref!r}: not a zoo model or a model directory, and its config.json could not "
+            f"be fetched from the hub ({reason}); zoo models: {', '.join(zoo_names())}"
+        ) from None
+    return spec_from_hf_config(ref, json.loads(config_path.read_text()))
+
+
+def load(ref: ModelRef) -> tuple[Any, Any]:
+    """(model, tokenizer) through mlx_lm.load, the loader users run."""
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(ref.path))
+    return model, tokenizer

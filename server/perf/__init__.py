@@ -1,0 +1,1 @@
+"""The performance model: device profiles, Mac catalog, step cost, batch limits."""

@@ -1,0 +1,154 @@
+"""Roofline cost of decode and prefill work on a device profile. Pure Python: `size` uses it to
+predict Macs batchsim does not run on, and the simulated executor to time step plans.
+
+A step's time is the larger of moving its bytes (weights read once per forward pass, KV read by
+attention, KV written) at the achievable bandwidth and doing its FLOPs at the achievable matmul
+rate, plus a fixed per-forward overhead."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from batchsim.server.models.spec import ModelSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmFit:
+    """Time of one linear layer (m x k) @ (k x n) on a device, fitted by `batchsim calibrate`:
+    t = weight_ns(k*n) * k*n  +  flop_ns(m) * 2*m*k*n.
+    The first term streams (and, on CPU BLAS, packs) the weights once per call, per weight
+    element; small matrices pay more per element (call overhead), so it depends on the matrix
+    size. The second is the arithmetic, whose cost per FLOP falls as more rows share the weights.
+    Both tables are interpolated in log space and clamped at their ends."""
+
+    weight_ns: dict[int, float]  # weights in the matrix (k*n) -> ns per weight element
+    flop_ns: dict[int, float]  # rows m -> ns per FLOP
+
+    def seconds(self, m: int, k: int, n: int) -> float:
+        kn = k * n
+        return (_log_interp(self.weight_ns, kn) * kn + _log_interp(self.flop_ns, m) * 2 * m * kn) * 1e-9
+
+
+def _log_interp(table: dict[int, float], x: int) -> float:
+    pts = sorted(table.items())
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, v0), (x1, v1) in zip(pts, pts[1:]):
+        if x <= x1:
+            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return v0 + w * (v1 - v0)
+    return pts[-1][1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What `batchsim calibrate` measured on one device, beyond the roofline ceilings."""
+
+    gemm: dict[str, GemmFit]  # by weight format: float32, float16, bfloat16, q4, q8
+    attention_decode_ns_per_byte: float  # per K/V byte a decode step's attention reads
+    attention_prefill_ns_per_flop: float  # per score/value FLOP of a prefill chunk's attention
+    attention_prefill_ns_per_score_byte: float  # per byte of its (heads x n x context) scores
+    elementwise_ns_per_byte: float  # norms, RoPE, activations, residuals, logits
+    layer_overhead_us: float  # per layer per forward pass (op dispatch, graph building)
+    forward_overhead_us: float  # per forward pass
+    copy_gbs: float  # KV pool copies: joins, compaction, regrowth
+    step_overhead_us: float  # engine bookkeeping per step (scheduling, thread hand-off, sync)
+    # Per attention score a decode step computes (layers x rows x query heads x width): without a
+    # fused kernel (MLX's CPU backend) each score costs its matmul slice, mask, softmax and
+    # transposes, whatever the head size: 20-30 ns each on a 2-core Xeon, 10-100x a K/V byte.
+    attention_decode_ns_per_score: float = 0.0
+    calibrated_on: tuple[str, ...] = ()
+    measured_at: str = ""
+    # The processor and BLAS it was measured on ("AMD EPYC, OpenBLAS ... Zen"): a cloud machine of
+    # the same name can be another CPU on another day, and a profile does not carry over.
+    device: str = ""
+    # `speed_probe` timings (ms) at calibration time: `validate` reruns the probe to tell a stale
+    # profile (the device got slower or faster since) from a wrong model.
+    speed_probe_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    # Peak unified-memory (or DRAM) bandwidth, GB/s (1e9 bytes).
+    bandwidth_gbs: float
+    # Peak matmul rate per dtype, TFLOP/s.
+    peak_tflops: dict[str, float]
+    # Fraction of peak bandwidth decode reaches (streaming weights, GEMV-shaped work).
+    bandwidth_efficiency: float = 0.7
+    # Fraction of peak matmul rate large GEMMs reach.
+    compute_efficiency: float = 0.6
+    # Fixed cost per forward pass (kernel launches, Python, graph building), seconds.
+    forward_overhead_s: float = 0.0
+    source: str = ""
+    # Operator-level terms measured by `batchsim calibrate` (None: the plain roofline above).
+    calibration: Calibration | None = None
+
+    def tflops(self, dtype: str) -> float:
+        try:
+            return self.peak_tflops[dtype]
+        except KeyError:
+            raise ValueError(f"profile {self.name} has no peak for {dtype}") from None
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bandwidth_gbs * 1e9 * self.bandwidth_efficiency
+
+    def flops_per_s(self, dtype: str) -> float:
+        return self.tflops(dtype) * 1e12 * self.compute_efficiency
+
+
+def at_speed(profile: DeviceProfile, speed: float) -> DeviceProfile:
+    """The same device running `speed` times as fast (0.9: every step takes 1/0.9 as long): what a
+    shared machine's slow phase does to every term at once."""
+    c = profile.calibration
+    if c is None:
+        return dataclasses.replace(
+            profile, bandwidth_gbs=profile.bandwidth_gbs * speed,
+            peak_tflops={k: v * speed for k, v in profile.peak_tflops.items()},
+            forward_overhead_s=profile.forward_overhead_s / speed)
+    gemm = {f: GemmFit({kn: v / speed for kn, v in g.weight_ns.items()},
+                       {m: v / speed for m, v in g.flop_ns.items()}) for f, g in c.gemm.items()}
+    # Every float term is a time per unit of work, but copy_gbs, a rate: derived from the fields
+    # so that a term added later is scaled too.
+    terms = {f.name: getattr(c, f.name) / speed for f in dataclasses.fields(c)
+             if f.type == "float" and f.name != "copy_gbs"}
+    return dataclasses.replace(profile, calibration=dataclasses.replace(
+        c, gemm=gemm, copy_gbs=c.copy_gbs * speed, **terms))
+
+
+def compute_dtype(dtype: str, quantize_bits: int | None) -> str:
+    """Quantized weights are multiplied in their scales' dtype (float16 by default)."""
+    return "float16" if quantize_bits else dtype
+
+
+def decode_step_s(
+    spec: ModelSpec,
+    profile: DeviceProfile,
+    dtype: str,
+    quantize_bits: int | None,
+    batch: int,
+    kv_read_tokens: int,
+) -> float:
+    """One decode forward over `batch` sequences whose attention reads `kv_read_tokens` cached
+    tokens in all (padded: batch x longest row)."""
+    if batch <= 0:
+        return 0.0
+    kv_tok = spec.kv_bytes_per_token(compute_dtype(dtype, quantize_bits))
+    moved = spec.weight_bytes(dtype, quantize_bits) + kv_read_tokens * kv_tok + batch * kv_tok
+    dense = 2 * batch * (spec.num_matmul_params_per_layer * spec.num_layers + spec.num_lm_head_params)
+    attention = 4 * spec.num_layers * spec.num_heads * spec.head_dim * kv_read_tokens
+    cdt = compute_dtype(dtype, quantize_bits)
+    return max(moved / profile.bytes_per_s, (dense + attention) / profile.flops_per_s(cdt)) + (
+        profile.forward_overhead_s
+    )
+
+
+def decode_tok_s(
+    spec: ModelSpec, profile: DeviceProfile, dtype: str, quantize_bits: int | None, batch: int,
+    context_len: int,
+) -> float:
+    """Steady decode throughput of `batch` sequences at `context_len` tokens each."""
+    step = decode_step_s(spec, profile, dtype, quantize_bits, batch, batch * context_len)
+    return batch / step if step > 0 else 0.0

@@ -1,0 +1,89 @@
+"""Device profiles for the simulator: calibrated YAML files (`batchsim calibrate` writes them) or a
+Mac from the catalog (roofline with the catalog's achievable-efficiency fractions)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import yaml
+
+from batchsim.configs import CONFIG_DIR
+
+from batchsim.configs import ConfigError
+
+from batchsim.configs import load_dataclass
+from batchsim.server.perf.costmodel import DeviceProfile
+from batchsim.server.results.jsonio import yamlable
+
+SHIPPED_DIR = CONFIG_DIR / "devices"
+LOCAL_NAME = "local"  # what `batchsim calibrate` writes for this machine by default
+
+
+def user_dir() -> Path:
+    return Path(os.environ.get("BATCHSIM_HOME") or Path.home() / ".cache" / "batchsim") / "devices"
+
+
+def save_profile(profile: DeviceProfile, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(yamlable(dataclasses.asdict(profile)), sort_keys=False))
+    return path
+
+
+def load_profile(path: str | Path) -> DeviceProfile:
+    return load_dataclass(DeviceProfile, path)
+
+
+def _candidates(name: str) -> list[Path]:
+    return [Path(name), user_dir() / f"{name}.yaml", SHIPPED_DIR / f"{name}.yaml"]
+
+
+def profile_names() -> list[str]:
+    names = {p.stem for d in (user_dir(), SHIPPED_DIR) if d.exists() for p in d.glob("*.yaml")}
+    return sorted(names)
+
+
+def mac_budget(name: str | None) -> tuple[int, str] | None:
+    """For a Mac profile: its largest memory option's default Metal working set."""
+    if not name or any(p.suffix in (".yaml", ".yml") and p.is_file() for p in _candidates(name)):
+        return None
+    from batchsim.server.perf import macs
+
+    catalog = macs.load_catalog()
+    try:
+        chips = catalog.select(name)
+    except ConfigError:
+        return None
+    if not chips:
+        return None
+    mac = chips[0]
+    ram = max(mac.mem_gb)
+    usable = macs.default_working_set_bytes(ram, catalog.metal_working_set)
+    return usable, f"{mac.label} {ram} GB: default Metal working set"
+
+
+def resolve_profile(name: str | None, quantize_bits: int | None = None) -> DeviceProfile:
+    """A YAML path, a calibrated profile name, or a Mac from the catalog ("M2 Max", "M4 Max 40c")."""
+    name = name or LOCAL_NAME
+    for path in _candidates(name):
+        if path.suffix in (".yaml", ".yml") and path.is_file():
+            return load_profile(path)
+    from batchsim.server.perf import macs
+
+    catalog = macs.load_catalog()
+    try:
+        chips = catalog.select(name)
+    except ConfigError:
+        chips = []
+    if chips:
+        mac = chips[0]
+        bw, _ = macs.bandwidth_efficiency(catalog, macs.weight_format(quantize_bits))
+        cmp, _ = macs.compute_efficiency(catalog)
+        return mac.profile(bw, cmp)
+    hint = "run `batchsim calibrate` to measure this machine" if name == LOCAL_NAME else ""
+    raise ConfigError(
+        f"device profile {name!r} not found; calibrated profiles: "
+        f"{', '.join(profile_names()) or 'none'}; or a Mac chip: {', '.join(catalog.chip_names)}"
+        + (f"; {hint}" if hint else "")
+    )

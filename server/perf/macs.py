@@ -1,0 +1,208 @@
+"""The Apple silicon catalog (configs/macs.yaml) as frozen dataclasses, the Metal working-set
+arithmetic (how much unified memory the GPU may wire, by default and after raising
+`iogpu.wired_limit_mb`), and a `DeviceProfile` per Mac for server.perf.costmodel. Pure Python: no MLX."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from batchsim.configs import CONFIG_DIR
+
+from batchsim.configs import ConfigError
+
+from batchsim.configs import from_dict
+
+from batchsim.configs import load_yaml
+from batchsim.server.perf.costmodel import DeviceProfile
+
+CATALOG_PATH = CONFIG_DIR / "macs.yaml"
+GIB = 1 << 30  # Apple sells RAM in binary gigabytes: a "16 GB" Mac has 16 GiB
+
+
+@dataclasses.dataclass(frozen=True)
+class Mac:
+    """One chip / GPU-core variant and the memory sizes it was sold with."""
+
+    chip: str
+    gpu_cores: int
+    mem_gb: tuple[int, ...]
+    bw_gbs: float  # Apple-quoted peak bandwidth, GB/s
+    fp32_tflops: float | None  # None: not public (compute bound unknown)
+    fp16_tflops: float | None
+    src: tuple[str, ...]
+    clock_ghz: float | None = None
+    estimate: bool = False  # peaks derived from third-party clocks
+    unverified: bool = False
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.chip} {self.gpu_cores}c"
+
+    @property
+    def compute_known(self) -> bool:
+        return self.fp16_tflops is not None and self.fp32_tflops is not None
+
+    def profile(self, bandwidth_efficiency: float, compute_efficiency: float) -> DeviceProfile:
+        """Roofline profile. An unknown peak becomes infinite, so only bandwidth bounds the step."""
+        fp16 = math.inf if self.fp16_tflops is None else self.fp16_tflops
+        fp32 = math.inf if self.fp32_tflops is None else self.fp32_tflops
+        # No bf16 column: M1-M4 GPUs run bf16 no faster than fp16, so fp16 is a ceiling.
+        return DeviceProfile(
+            name=self.label, bandwidth_gbs=self.bw_gbs,
+            peak_tflops={"float16": fp16, "bfloat16": fp16, "float32": fp32},
+            bandwidth_efficiency=bandwidth_efficiency, compute_efficiency=compute_efficiency,
+            source=f"configs/macs.yaml: {', '.join(self.src)}",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Unconfirmed:
+    chip: str
+    status: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FractionRule:
+    max_ram_gb: float | None  # None: any size
+    fraction: float
+
+
+@dataclasses.dataclass(frozen=True)
+class MetalWorkingSet:
+    what: str
+    default_rule_of_thumb: str
+    default_fraction: tuple[FractionRule, ...]
+    os_reserve_gb: float
+    os_reserve_src: tuple[str, ...]
+    measured_points: tuple[dict[str, Any], ...]
+    iogpu_wired_limit_mb: dict[str, str]
+
+    def __post_init__(self) -> None:
+        if not self.default_fraction or self.default_fraction[-1].max_ram_gb is not None:
+            raise ConfigError("metal_working_set.default_fraction must end with max_ram_gb: null")
+
+    def fraction(self, ram_gb: float) -> float:
+        for rule in self.default_fraction:
+            if rule.max_ram_gb is None or ram_gb <= rule.max_ram_gb:
+                return rule.fraction
+        raise AssertionError("unreachable: the last rule covers any size")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceRow:
+    chip: str
+    gpu_cores: int
+    bw_gbs: float
+    pp_f16: float | None  # prompt tok/s at batch 512, F16
+    tg: dict[str, float]  # decode tok/s at batch 1, per weight format
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeReference:
+    src: tuple[str, ...]
+    model: str
+    params: int
+    file_gib: dict[str, float]
+    rows: tuple[ReferenceRow, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Catalog:
+    sources: dict[str, str]
+    chips: tuple[Mac, ...]
+    unconfirmed: tuple[Unconfirmed, ...]
+    metal_working_set: MetalWorkingSet
+    decode_reference: DecodeReference
+
+    def __post_init__(self) -> None:
+        cited = {s for m in self.chips for s in m.src} | set(self.decode_reference.src)
+        missing = sorted(cited - set(self.sources))
+        if missing:
+            raise ConfigError(f"macs catalog: src {missing[0]!r} is not listed under sources")
+
+    @property
+    def chip_names(self) -> list[str]:
+        return list(dict.fromkeys(m.chip for m in self.chips))
+
+    def select(self, name: str | None) -> list[Mac]:
+        """All Macs; or those whose chip is `name` exactly; else whose label contains it (any
+        case)."""
+        if not name:
+            return list(self.chips)
+        q = name.strip().lower()
+        exact = [m for m in self.chips if m.chip.lower() == q]
+        found = exact or [m for m in self.chips if q in m.label.lower()]
+        if not found:
+            raise ConfigError(f"unknown Mac {name!r}; chips: {', '.join(self.chip_names)} "
+                              "(a chip name, a substring, or a label like 'M2 Ultra 76c')")
+        return found
+
+
+@lru_cache(maxsize=4)
+def load_catalog(path: str | Path = CATALOG_PATH) -> Catalog:
+    return from_dict(Catalog, load_yaml(path), str(path))
+
+
+def default_working_set_bytes(ram_gb: float, ws: MetalWorkingSet) -> int:
+    """macOS's default recommendedMaxWorkingSetSize under the catalog's rule."""
+    return int(ram_gb * GIB * ws.fraction(ram_gb))
+
+
+def raised_working_set_bytes(
+    ram_gb: float, ws: MetalWorkingSet, os_reserve_gb: float | None = None
+) -> int:
+    """After `sudo sysctl iogpu.wired_limit_mb=(RAM - reserve)`; never below the default."""
+    reserve = ws.os_reserve_gb if os_reserve_gb is None else os_reserve_gb
+    return max(default_working_set_bytes(ram_gb, ws), int((ram_gb - reserve) * GIB))
+
+
+def weight_format(quantize_bits: int | None) -> str:
+    """The decode_reference column that streams weights like this quantization (None: float)."""
+    return {None: "F16", 8: "Q8_0", 4: "Q4_0"}[quantize_bits]
+
+
+def bandwidth_fractions(ref: DecodeReference, fmt: str) -> list[tuple[str, float]]:
+    """Per reference chip: measured decode tok/s x bytes per token / peak bandwidth."""
+    nbytes = ref.file_gib[fmt] * GIB
+    return [(f"{r.chip} {r.gpu_cores}c", r.tg[fmt] * nbytes / (r.bw_gbs * 1e9))
+            for r in ref.rows if fmt in r.tg]
+
+
+def compute_fractions(ref: DecodeReference, chips: tuple[Mac, ...]) -> list[tuple[str, float]]:
+    """Per reference chip with a catalog FP16 peak: F16 prompt FLOP/s over that peak."""
+    peaks = {(m.chip, m.gpu_cores): m.fp16_tflops for m in chips}
+    out = []
+    for r in ref.rows:
+        peak = peaks.get((r.chip, r.gpu_cores))
+        if r.pp_f16 and peak:
+            out.append((f"{r.chip} {r.gpu_cores}c", r.pp_f16 * 2 * ref.params / (peak * 1e12)))
+    return out
+
+
+def _median_source(
+    fractions: list[tuple[str, float]], what: str, catalog: Catalog
+) -> tuple[float, str]:
+    values = [f for _, f in fractions]
+    return statistics.median(values), (
+        f"median of {len(values)} chips ({min(values):.2f}-{max(values):.2f}) of {what}, "
+        f"{catalog.decode_reference.model}, {catalog.sources['llama_cpp_4167']}"
+    )
+
+
+def bandwidth_efficiency(catalog: Catalog, fmt: str) -> tuple[float, str]:
+    """The median achievable decode fraction for a weight format, and where it comes from."""
+    ref = catalog.decode_reference
+    what = f"{fmt} decode tok/s x {ref.file_gib[fmt]} GiB / peak GB/s"
+    return _median_source(bandwidth_fractions(ref, fmt), what, catalog)
+
+
+def compute_efficiency(catalog: Catalog) -> tuple[float, str]:
+    """The median achievable fraction of FP16 peak in large matmuls, and where it comes from."""
+    what = "F16 prompt tok/s (batch 512) x 2 x params / FP16 peak"
+    return _median_source(compute_fractions(catalog.decode_reference, catalog.chips), what, catalog)

@@ -1,0 +1,1 @@
+"""This machine: BLAS selection and the environment every result reports."""

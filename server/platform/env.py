@@ -1,0 +1,92 @@
+"""The environment every result is reported with: machine, OS, MLX backend and version, BLAS, threads."""
+
+from __future__ import annotations
+
+import os
+import platform
+from functools import lru_cache
+from importlib import metadata
+from typing import Any
+
+from batchsim.server.platform import blas
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def backend() -> str:
+    """`metal`, `cuda` or `cpu`: where MLX runs by default."""
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+@lru_cache(maxsize=1)
+def _static_environment() -> dict[str, Any]:
+    import mlx.core as mx
+
+    info: dict[str, Any] = {}
+    try:
+        info = dict(mx.device_info())
+    except Exception:  # device_info is missing on some builds; the rest still stands
+        info = {}
+    choice = blas.current()
+    return {
+        "os": f"{platform.system()} {platform.release()}",
+        "machine": platform.machine(),
+        "cpu": _cpu_name(),
+        "cores": os.cpu_count(),
+        "ram_bytes": ram_bytes(),
+        "python": platform.python_version(),
+        "mlx": _version("mlx"),
+        "mlx_lm": _version("mlx-lm"),
+        "backend": backend(),
+        "device_name": info.get("device_name"),
+        "device_memory_bytes": info.get("memory_size"),
+        "blas": choice.name,
+        "blas_path": choice.path,
+        "blas_version": choice.version,
+        "blas_note": choice.note,
+        "threads": {
+            k: os.environ[k]
+            for k in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
+            if k in os.environ
+        },
+    }
+
+
+def environment(**settings: Any) -> dict[str, Any]:
+    """The static environment plus the settings of this result (dtype, model, ...)."""
+    return {**_static_environment(), **settings}
+
+
+def default_dtype() -> str:
+    """float32 on the CPU backend (the only dtype whose matmuls use BLAS there), float16 on GPUs."""
+    return "float32" if backend() == "cpu" else "float16"

@@ -1,0 +1,348 @@
+"""Serving metrics: per-request and per-step records of a run, summarized with the definitions and
+JSON keys of `vllm bench serve` (vllm/benchmarks/serve.py, `calculate_metrics`), plus batchsim's
+batch/memory view, partly under mlx-lm's names (prompt_tps, generation_tps, peak_memory).
+
+Latency metrics (TTFT, TPOT, ITL, E2EL, queue) cover completed requests only (status "finished",
+vLLM's `success`); a rejected, aborted or unfinished request counts in `failed` and nowhere else.
+Empty distributions report 0, as vLLM's `np.mean(x or 0)` does."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from batchsim.configs import ConfigError
+
+REQUEST_STATUSES = ("finished", "rejected", "aborted", "unfinished")
+SLO_KEYS = ("ttft", "tpot", "e2el")  # goodput SLOs, in milliseconds, as vLLM's --goodput
+_MS = 1000.0
+_GB = 1e9  # mlx-lm prints peak memory in GB of 1e9 bytes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One request's timeline; times are seconds on the run's clock (0 = start of the run)."""
+
+    request_id: int
+    status: str  # one of REQUEST_STATUSES; "unfinished": still in flight when the run stopped
+    arrival_s: float  # when the client sent it (vLLM's start_time)
+    first_scheduled_s: float | None  # first step that ran it (a preemption does not reset it)
+    token_times_s: tuple[float, ...]  # emission time of each output token, in order
+    finished_s: float | None  # when it left the engine (finished, rejected or aborted)
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.status not in REQUEST_STATUSES:
+            raise ValueError(f"request {self.request_id}: status {self.status!r} "
+                             f"not in {REQUEST_STATUSES}")
+        if len(self.token_times_s) != self.num_output_tokens:
+            raise ValueError(f"request {self.request_id}: {len(self.token_times_s)} token times "
+                             f"for {self.num_output_tokens} output tokens")
+        if self.status == "finished" and not self.token_times_s:
+            raise ValueError(f"request {self.request_id}: finished without an output token")
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Arrival to first token, queueing and prefill included (vLLM's TTFT)."""
+        return self.token_times_s[0] - self.arrival_s if self.token_times_s else None
+
+    @property
+    def e2el_s(self) -> float | None:
+        """Arrival to the end of the response; the last token's time when finished_s is unknown."""
+        if self.finished_s is not None:
+            return self.finished_s - self.arrival_s
+        return self.token_times_s[-1] - self.arrival_s if self.token_times_s else None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """(E2EL - TTFT) / (output tokens - 1); None below 2 tokens (vLLM leaves it out)."""
+        ttft, e2el = self.ttft_s, self.e2el_s
+        if self.num_output_tokens < 2 or ttft is None or e2el is None:
+            return None
+        return (e2el - ttft) / (self.num_output_tokens - 1)
+
+    @property
+    def itls_s(self) -> tuple[float, ...]:
+        """Gaps between consecutive tokens; a preemption shows up as one long gap."""
+        t = self.token_times_s
+        return tuple(b - a for a, b in zip(t, t[1:]))
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.first_scheduled_s is None else self.first_scheduled_s - self.arrival_s
+
+    def to_json(self) -> dict[str, Any]:
+        row = {name: getattr(self, name) for name in _field_names(type(self))}
+        row["token_times_s"] = list(self.token_times_s)
+        for name in ("ttft", "tpot", "e2el", "queue"):
+            value = getattr(self, f"{name}_s")
+            row[f"{name}_ms"] = None if value is None else value * _MS
+        return row  # ITLs are the differences of token_times_s (not stored twice)
+
+    @classmethod
+    def from_json(cls, row: Mapping[str, Any]) -> RequestRecord:
+        return _from_row(cls, {**row, "token_times_s": tuple(row.get("token_times_s", ()))})
+
+
+@dataclasses.dataclass(slots=True)  # not frozen: one is built per plan, and freezing costs 5x
+class StepRecord:
+    """One engine step, or `num_steps` identical pure-decode steps run back to back. The counters
+    batch_size and num_prefill_* are per step; the rest describe the record as a whole."""
+
+    step_index: int
+    start_s: float
+    end_s: float  # end of the record's last step
+    num_steps: int  # >= 1
+    batch_size: int  # requests decoded in one forward pass
+    num_prefill_tokens: int  # prompt (or recompute) tokens computed in the step
+    num_prefill_requests: int
+    num_running: int  # after the record
+    num_waiting: int
+    kv_bytes: int  # scheduler's account after the record
+    kv_bytes_measured: int | None  # what the executor counted from its arrays; None: not measured
+    pool_rows: int
+    pool_capacity_tokens: int
+    num_preemptions: int  # decided when the record's plan was made
+    # Seconds the executor itself spent (its own clock); the rest of end_s - start_s is the engine
+    # handing the step to the executor thread and back. Predicted, not measured, in simulation.
+    compute_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1:
+            raise ValueError(f"step {self.step_index}: num_steps must be >= 1, "
+                             f"got {self.num_steps}")
+        if self.end_s < self.start_s:
+            raise ValueError(f"step {self.step_index}: ends at {self.end_s} before it starts")
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _field_names(type(self))}
+
+    @classmethod
+    def from_json(cls, row: Mapping[str, Any]) -> StepRecord:
+        return _from_row(cls, row)
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))  # once: runs write a row per step
+
+
+def _from_row(cls: Any, row: Mapping[str, Any]) -> Any:
+    """Build a record from a JSONL row; derived keys (ttft_ms, ...) are ignored."""
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in row:
+            kwargs[f.name] = row[f.name]
+        elif f.default is dataclasses.MISSING:
+            raise ValueError(f"{cls.__name__}: row has no {f.name!r}")
+    return cls(**kwargs)
+
+
+def percentile_label(p: float) -> str:
+    """vLLM's key spelling: 99 -> "99", 99.0 -> "99", 99.9 -> "99.9"."""
+    return str(int(p)) if int(p) == p else str(p)
+
+
+def parse_goodput(items: Sequence[str] | str) -> dict[str, float]:
+    """["ttft:500", "tpot:50"] (or "ttft:500,tpot:50") -> {"ttft": 500.0, "tpot": 50.0}, in ms."""
+    if isinstance(items, str):
+        items = items.replace(",", " ").split()
+    slo: dict[str, float] = {}
+    for item in items:
+        key, sep, value = item.partition(":")
+        key = key.strip()
+        try:
+            ms = float(value) if sep else math.nan
+        except ValueError:
+            ms = math.nan
+        if key not in SLO_KEYS or not ms >= 0:
+            raise ConfigError(f"goodput {item!r}: expected KEY:MILLISECONDS (a number >= 0) "
+                              f"with KEY one of {', '.join(SLO_KEYS)}")
+        if key in slo:
+            raise ConfigError(f"goodput {item!r}: {key} given twice")
+        slo[key] = ms
+    return slo
+
+
+def _rate(count: float, duration_s: float) -> float:
+    return count / duration_s if duration_s > 0 else 0.0
+
+
+def _distribution(
+    name: str, values_s: Sequence[float] | np.ndarray, percentiles: Sequence[float]
+) -> dict[str, float]:
+    """mean/median/std (population) and linear-interpolated percentiles, in ms, as vLLM."""
+    x: Any = values_s if len(values_s) else 0  # vLLM: np.mean(x or 0)
+    out = {
+        f"mean_{name}_ms": float(np.mean(x)) * _MS,
+        f"median_{name}_ms": float(np.median(x)) * _MS,
+        f"std_{name}_ms": float(np.std(x)) * _MS,
+    }
+    for p in percentiles:
+        out[f"p{percentile_label(p)}_{name}_ms"] = float(np.percentile(x, p)) * _MS
+    return out
+
+
+def _num_good(done: Sequence[RequestRecord], slo_ms: Mapping[str, float]) -> int:
+    """vLLM: good when every given SLO holds (value <= SLO); a 1-token request has TPOT 0."""
+    good = 0
+    for r in done:
+        value_s = {"ttft": r.ttft_s, "tpot": r.tpot_s or 0.0, "e2el": r.e2el_s}
+        good += all(value_s[k] <= ms / _MS for k, ms in slo_ms.items())
+    return good
+
+
+def _token_times(requests: Sequence[RequestRecord]) -> tuple[np.ndarray, np.ndarray]:
+    """Every request's token times end to end, and which request each belongs to (by position):
+    a long simulation has millions, so the summary works on arrays."""
+    counts = np.fromiter(map(len, (r.token_times_s for r in requests)), np.int64, len(requests))
+    times = np.fromiter(itertools.chain.from_iterable(r.token_times_s for r in requests),
+                        np.float64, int(counts.sum()))
+    return times, np.repeat(np.arange(len(requests)), counts)
+
+
+def _itls(times: np.ndarray, owner: np.ndarray) -> np.ndarray:
+    """Gaps between consecutive tokens of the same request (RequestRecord.itls_s, pooled)."""
+    return np.diff(times)[owner[1:] == owner[:-1]]
+
+
+def _peaks(done: Sequence[RequestRecord], times: np.ndarray) -> dict[str, float | int]:
+    """vLLM's peaks over 1 s buckets counted from the first completed request's arrival: the most
+    output tokens emitted in a bucket, and the most requests active (arrived, not yet ended) at some
+    moment of a bucket, which can exceed the true peak concurrency. Either maximum may come from a
+    different bucket. Completed requests only (`times`: their token times)."""
+    if not done:
+        return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
+    t0 = min(r.arrival_s for r in done)
+    ends = [r.arrival_s + (r.e2el_s or 0.0) for r in done]  # vLLM: start_time + latency
+    n = int(np.ceil(max(ends) - t0)) + 1
+    buckets = (times - t0).astype(np.int64)
+    tokens = np.bincount(buckets[(buckets >= 0) & (buckets < n)], minlength=n)
+    # Requests active in bucket b: arrived in a bucket <= b and ended in a bucket >= b.
+    starts = np.array([int(r.arrival_s - t0) for r in done])
+    stops = np.array([int(end - t0) + 1 for end in ends])
+    active = np.cumsum(np.bincount(starts, minlength=n + 1) - np.bincount(stops, minlength=n + 1))
+    return {"max_output_tokens_per_s": float(tokens.max()),
+            "max_concurrent_requests": int(active[:n].max())}
+
+
+def _emits_tokens(sorted_times_s: np.ndarray, steps: Sequence[StepRecord]) -> np.ndarray:
+    """Per step: a token time falls in (start_s, end_s] (tokens are stamped with their step's end)."""
+    if not len(sorted_times_s):
+        return np.zeros(len(steps), dtype=bool)
+    starts = np.fromiter((s.start_s for s in steps), np.float64, len(steps))
+    ends = np.fromiter((s.end_s for s in steps), np.float64, len(steps))
+    i = np.searchsorted(sorted_times_s, starts, side="right")
+    nxt = sorted_times_s[np.minimum(i, len(sorted_times_s) - 1)]
+    return (i < len(sorted_times_s)) & (nxt <= ends)
+
+
+def _batch_view(
+    requests: Sequence[RequestRecord], token_times_s: np.ndarray, steps: Sequence[StepRecord],
+    kv_budget_bytes: int | None, weight_bytes: int | None, peak_memory_bytes: int | None,
+) -> dict[str, Any]:
+    """`token_times_s`: every request's token times, finished or not."""
+    decode_steps = sum(s.num_steps for s in steps if s.batch_size > 0)
+    token_times = np.sort(token_times_s)
+    prompt_time_s = sum(s.duration_s for s in steps if s.num_prefill_tokens > 0)
+    # A step with both prefill and decode counts in both times (they share the forward pass).
+    emits = _emits_tokens(token_times, steps).tolist()
+    gen_time_s = sum(s.duration_s for s, e in zip(steps, emits) if s.batch_size > 0 or e)
+    prompt_tokens = sum(s.num_prefill_tokens * s.num_steps for s in steps)
+    peak_kv = max((s.kv_bytes for s in steps), default=0)
+    measured = [s.kv_bytes_measured for s in steps if s.kv_bytes_measured is not None]
+    if peak_memory_bytes is not None:
+        peak, source = peak_memory_bytes, "measured"
+    elif weight_bytes is not None:
+        peak, source = weight_bytes + peak_kv, "weights+kv"
+    else:
+        peak, source = None, None
+    return {
+        # Mean requests per decode forward pass, over the steps that decoded (a record with
+        # num_steps > 1 counts that many times).
+        "mean_batch_size": _rate(sum(s.batch_size * s.num_steps for s in steps), decode_steps),
+        "max_batch_size": max((s.batch_size for s in steps), default=0),
+        "num_engine_steps": sum(s.num_steps for s in steps),
+        # Preemptions the scheduler decided, from the steps; the same total as the requests'
+        # num_preemptions. Without step records (client-side runs) the requests' sum is used.
+        "num_preemptions": sum(s.num_preemptions for s in steps) if steps
+        else sum(r.num_preemptions for r in requests),
+        "peak_kv_bytes": peak_kv,
+        "peak_kv_bytes_measured": max(measured) if measured else None,
+        "kv_budget_bytes": kv_budget_bytes,
+        "weight_bytes": weight_bytes,
+        # mlx-lm's names. Prompt tokens include recompute after preemption; generation tokens are
+        # every token emitted, failed requests included; each rate divides by the summed durations
+        # of the steps that prefilled, or that decoded or sampled a token.
+        "prompt_tokens": prompt_tokens,
+        "prompt_tps": _rate(prompt_tokens, prompt_time_s),
+        "generation_tokens": len(token_times),
+        "generation_tps": _rate(len(token_times), gen_time_s),
+        "peak_memory": None if peak is None else peak / _GB,
+        "peak_memory_source": source,  # "measured" | "weights+kv" (an estimate) | None
+    }
+
+
+def summarize(
+    requests: Sequence[RequestRecord],
+    steps: Sequence[StepRecord],
+    *,
+    duration_s: float,
+    percentiles: Sequence[float] = (50, 90, 95, 99),
+    goodput_slo_ms: Mapping[str, float] | None = None,
+    kv_budget_bytes: int | None = None,
+    weight_bytes: int | None = None,
+    peak_memory_bytes: int | None = None,
+) -> dict[str, Any]:
+    """One run's summary. `duration_s` is the benchmark duration (vLLM: start until the last request
+    ends); every throughput divides by it, and is 0 when it is 0. `request_goodput` is None unless
+    SLOs are given, as in vLLM's JSON."""
+    slo = parse_goodput([f"{k}:{v}" for k, v in goodput_slo_ms.items()]) if goodput_slo_ms else None
+    done = [r for r in requests if r.status == "finished"]
+    all_times, all_owner = _token_times(requests)
+    finished = np.array([r.status == "finished" for r in requests], dtype=bool)
+    mine = finished[all_owner]
+    times, owner = all_times[mine], all_owner[mine]  # the completed requests' tokens
+    total_in = sum(r.num_prompt_tokens for r in done)
+    total_out = sum(r.num_output_tokens for r in done)
+    out: dict[str, Any] = {
+        "duration": duration_s,
+        "completed": len(done),
+        "failed": len(requests) - len(done),
+        **{f"num_{s}": sum(r.status == s for r in requests) for s in REQUEST_STATUSES[1:]},
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": _rate(len(done), duration_s),
+        "request_goodput": None if slo is None else _rate(_num_good(done, slo), duration_s),
+        "goodput_slo_ms": slo,
+        "output_throughput": _rate(total_out, duration_s),
+        "total_token_throughput": _rate(total_in + total_out, duration_s),
+        **_peaks(done, times),
+    }
+    latencies_s = {
+        "ttft": [r.ttft_s for r in done],
+        "tpot": [r.tpot_s for r in done if r.tpot_s is not None],
+        "itl": _itls(times, owner),  # pooled over requests, as vLLM
+        "e2el": [r.e2el_s for r in done],
+        "queue": [r.queue_s for r in done if r.queue_s is not None],  # arrival to first scheduled
+    }
+    for name, values in latencies_s.items():
+        out.update(_distribution(name, values, percentiles))  # type: ignore[arg-type]
+    queue_p99 = _distribution("queue", latencies_s["queue"], [99])["p99_queue_ms"]
+    out.setdefault("p99_queue_ms", queue_p99)  # always reported, whatever the percentiles
+    out.update(_batch_view(requests, all_times, steps, kv_budget_bytes, weight_bytes,
+                           peak_memory_bytes))
+    return out

@@ -1,0 +1,74 @@
+"""What a run leaves behind: every request, every step, and the clock time each step ended."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from batchsim.scheduler.plan import StepPlan, StepResult
+from batchsim.scheduler.request import Request, RequestStatus
+from batchsim.scheduler.scheduler import Scheduler
+from batchsim.server.results.metrics import RequestRecord, StepRecord
+
+
+class RunRecorder:
+    def __init__(self) -> None:
+        self.requests: dict[int, Request] = {}  # every request seen, in arrival order
+        self.step_end_s: list[float] = []  # end time of each executed step, by scheduler step index
+        self.steps: list[StepRecord] = []
+        self.kv_account_mismatches = 0  # steps where executor and scheduler disagreed on KV bytes
+        self._preemptions_seen = 0
+
+    def on_arrival(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+
+    def on_step(
+        self, plan: StepPlan, result: StepResult, start_s: float, ends_s: Sequence[float],
+        scheduler: Scheduler,
+    ) -> None:
+        self.step_end_s.extend(ends_s)
+        if result.kv_bytes != plan.kv_bytes:
+            self.kv_account_mismatches += 1
+        preempted = scheduler.num_preemptions - self._preemptions_seen
+        self._preemptions_seen = scheduler.num_preemptions
+        self.steps.append(StepRecord(  # positional, in field order: one is built per plan
+            plan.step_index,
+            start_s,
+            ends_s[-1],
+            len(ends_s),
+            len(plan.decode_ids),
+            sum([c.num_tokens for c in plan.prefills]) if plan.prefills else 0,
+            len(plan.prefills),
+            len(scheduler.running),
+            len(scheduler.waiting),
+            plan.kv_bytes,
+            result.kv_bytes,
+            plan.pool.rows,
+            plan.pool.capacity_tokens,
+            preempted,
+            result.elapsed_s,
+        ))
+
+    def token_times(self, request: Request) -> tuple[float, ...]:
+        ends = self.step_end_s
+        runs = request.token_runs
+        return tuple(itertools.chain.from_iterable(ends[first:end] for first, end in runs))
+
+    def request_records(self) -> list[RequestRecord]:
+        return [self.record(r) for r in self.requests.values()]
+
+    def record(self, r: Request) -> RequestRecord:
+        status = {RequestStatus.FINISHED: "finished", RequestStatus.REJECTED: "rejected",
+                  RequestStatus.ABORTED: "aborted"}.get(r.status, "unfinished")
+        return RequestRecord(
+            request_id=r.request_id,
+            status=status,
+            arrival_s=r.arrival_s,
+            first_scheduled_s=r.first_scheduled_s,
+            token_times_s=self.token_times(r),
+            finished_s=r.finished_s,
+            num_prompt_tokens=r.num_prompt_tokens,
+            num_output_tokens=r.num_output_tokens,
+            num_preemptions=r.num_preemptions,
+            finish_reason=r.finish_reason,
+        )

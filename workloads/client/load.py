@@ -1,0 +1,257 @@
+"""`batchsim run --target URL`: send a workload to any OpenAI-compatible server (batchsim's own,
+mlx_lm.server, llama.cpp, vLLM) over streaming HTTP and measure it from the client side with the
+definitions and JSON keys of the in-process run, so one report format covers both.
+
+Measured as `vllm bench serve` does: a request starts when it is sent; TTFT ends at the first
+chunk carrying content; each content chunk is a token arrival (a chunk may carry several tokens,
+so ITL is pooled over chunk gaps, as vLLM's); E2EL ends with the stream. Output tokens come from
+the server's `usage` (asked for with stream_options.include_usage), or are the content chunks
+when it sends none; prompt tokens likewise (servers apply chat templates).
+
+`--target http://HOST:PORT/v1` uses /v1/completions; a target ending in /chat/completions or
+/completions uses that endpoint. OPENAI_API_KEY, if set, is sent as a bearer token."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import yaml
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from batchsim.scripts.common import err, out
+from batchsim.workloads.client.stream import Outcome, endpoint, send
+from batchsim.workloads.client.prompts import PromptMaker
+from batchsim.server.results.jsonio import jsonable, timestamp, write_jsonl
+from batchsim.scripts.report import summary_table
+from batchsim.server.results.metrics import RequestRecord, percentile_label, summarize
+from batchsim.server.http.prometheus import parse as parse_metrics
+from batchsim.server.engine.run_config import RunConfig
+from batchsim.workloads.driver import drive
+from batchsim.workloads.requests import RequestSpec, build_requests
+
+_TIMEOUT = aiohttp.ClientTimeout(total=6 * 60 * 60)  # vLLM bench's limit per request
+_MS = 1000.0
+
+
+async def _model_id(http: aiohttp.ClientSession, base: str, wanted: str,
+                    local_path: str | None) -> str | None:
+    """The name to send: the configured model if the server lists it, else the one it serves
+    (mlx_lm.server lists its model by resolved path). None (send no `model`, so the server uses
+    its default) when the listing fails, as mlx_lm.server's does without a Hugging Face cache."""
+    try:
+        async with http.get(f"{base}/models") as resp:
+            ids = [m["id"] for m in (await resp.json(content_type=None)).get("data", [])]
+    except (aiohttp.ClientError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    for candidate in (wanted, local_path):
+        if candidate in ids:
+            return candidate
+    return ids[-1] if ids else None
+
+
+async def _scrape(http: aiohttp.ClientSession, base: str) -> dict[str, float] | None:
+    """batchsim's /metrics, if the target is a batchsim server."""
+    root = base[: -len("/v1")] if base.endswith("/v1") else base
+    try:
+        async with http.get(f"{root}/metrics") as resp:
+            text = await resp.text() if resp.status == 200 else ""
+    except aiohttp.ClientError:
+        return None
+    samples = parse_metrics(text) if "batchsim_steps_total" in text else {}
+    return samples or None
+
+
+class _Progress:
+    """Requests answered out of total, on stderr."""
+
+    def __init__(self, total: int, label: str, enabled: bool):
+        self.enabled = enabled
+        self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                             MofNCompleteColumn(), TimeElapsedColumn(), console=err)
+        self._task = self._bar.add_task(label, total=total)
+
+    def __enter__(self) -> _Progress:
+        if self.enabled:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            self._bar.stop()
+
+    def advance(self, n: int) -> None:
+        self._bar.advance(self._task, n)
+
+
+class _HttpRun:
+    def __init__(self, cfg: RunConfig, prompts: PromptMaker, bar: _Progress):
+        self.cfg = cfg
+        self.ep = endpoint(cfg.target or "")
+        self.prompts = prompts
+        self.bar = bar
+        self.requests = build_requests(cfg.workload)
+        self.outcomes: list[Outcome] = []
+        self.model_sent: str | None = cfg.model
+        self.metrics_before: dict[str, float] | None = None
+        self.metrics_after: dict[str, float] | None = None
+        self.interrupted = False
+
+    def payload(self, rs: RequestSpec, o: Outcome) -> dict[str, Any]:
+        text, o.prompt_tokens_local = self.prompts.make(rs)
+        body: dict[str, Any] = {
+            "max_tokens": rs.output_len, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True},
+        }
+        if self.model_sent is not None:
+            body["model"] = self.model_sent
+        if self.cfg.ignore_eos:
+            body["ignore_eos"] = True  # a server that does not know it ignores it
+        if self.ep.chat:
+            body["messages"] = [{"role": "user", "content": text}]
+        else:
+            body["prompt"] = text
+        return body
+
+    async def main(self) -> float:
+        headers = {}
+        if os.environ.get("OPENAI_API_KEY"):
+            headers["Authorization"] = f"Bearer {os.environ['OPENAI_API_KEY']}"
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(timeout=_TIMEOUT, connector=connector,
+                                         headers=headers) as http:
+            self.model_sent = await _model_id(http, self.ep.base, self.cfg.model,
+                                              self.prompts.local_path)
+            self.metrics_before = await _scrape(http, self.ep.base)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+
+            async def submit(rs: RequestSpec) -> None:
+                o = Outcome(rs)
+                self.outcomes.append(o)
+                await send(http, self.ep, self.payload(rs, o), o, t0)
+                self.bar.advance(1)
+
+            driver = asyncio.create_task(drive(self.cfg.workload, self.requests, submit))
+            loop.add_signal_handler(signal.SIGINT, self._interrupt, driver)
+            try:
+                await driver
+            except asyncio.CancelledError:
+                if not self.interrupted:
+                    raise
+            finally:
+                loop.remove_signal_handler(signal.SIGINT)
+            duration = loop.time() - t0
+            self.metrics_after = await _scrape(http, self.ep.base)
+        return duration
+
+    def _interrupt(self, driver: asyncio.Task) -> None:
+        """Ctrl-C: stop sending; what was measured so far is still reported."""
+        self.interrupted = True
+        driver.cancel()
+
+
+def run_http(cfg: RunConfig, out_dir: Path, progress: bool = True) -> dict:
+    from batchsim.workloads.client.prompts import open_prompt_maker
+
+    prompts = open_prompt_maker(cfg)
+    spec = cfg.workload
+    ep = endpoint(cfg.target or "")
+    err.print(f"batchsim run: {spec.num_prompts} requests of workload {spec.name} to {ep.url} "
+              f"(prompts from {prompts.describe()})")
+    with _Progress(spec.num_prompts, f"http {spec.name}", enabled=progress) as bar:
+        run = _HttpRun(cfg, prompts, bar)
+        duration = asyncio.run(run.main())
+    outcomes = sorted(run.outcomes, key=lambda o: o.spec.index)
+    records = [o.record() for o in outcomes]
+    summary = summarize(records, [], duration_s=duration, percentiles=cfg.percentiles,
+                        goodput_slo_ms=cfg.goodput)
+    done = [o for o, r in zip(outcomes, records) if r.status == "finished"]
+    gaps = [b - a for o in done for a, b in zip(o.chunk_times_s, o.chunk_times_s[1:])]
+    summary.update(_itl(gaps, cfg.percentiles))
+    summary.update(_server_view(run.metrics_before, run.metrics_after))
+    codes: dict[str, int] = {}
+    for o in outcomes:
+        codes[str(o.http_status)] = codes.get(str(o.http_status), 0) + 1
+    # As in-process: how late each request went out against its schedule (none in closed loop).
+    lateness = [0.0 if spec.closed_loop else max(0.0, o.sent_s - o.spec.arrival_s)
+                for o in outcomes]
+    summary.update({"target": cfg.target, "endpoint": ep.url, "model": cfg.model,
+                    "model_sent": run.model_sent, "executor": "http", "workload": spec.name,
+                    "http_statuses": codes, "prompt_source": prompts.describe(),
+                    "mean_arrival_lateness_ms": _MS * float(np.mean(lateness)) if lateness else 0.0,
+                    "interrupted": run.interrupted})
+    run_dir = _write_run_dir(out_dir, cfg, outcomes, records, summary, run.model_sent)
+    summary["run_dir"] = str(run_dir)
+    (run_dir / "summary.json").write_text(json.dumps(jsonable(summary), indent=1))
+    out.print(summary_table(summary))
+    if run.interrupted:
+        out.print("[yellow]interrupted: records so far are in the run directory[/yellow]")
+    out.print(f"run directory: {run_dir}")
+    return summary
+
+
+def _itl(gaps_s: list[float], percentiles: tuple[float, ...]) -> dict[str, float]:
+    """ITL over chunk gaps pooled over requests, as vLLM's (a per-token ITL would add zero gaps
+    for chunks that carried several tokens); the rest of the summary is per token."""
+    x = gaps_s or [0.0]  # vLLM: np.mean(x or 0)
+    out = {"mean_itl_ms": float(np.mean(x)) * _MS, "median_itl_ms": float(np.median(x)) * _MS,
+           "std_itl_ms": float(np.std(x)) * _MS}
+    for p in percentiles:
+        out[f"p{percentile_label(p)}_itl_ms"] = float(np.percentile(x, p)) * _MS
+    return out
+
+
+def _server_view(before: dict[str, float] | None, after: dict[str, float] | None) -> dict:
+    """The batch view from a batchsim target's /metrics (deltas over the run), so an HTTP run still
+    reports batching; for other servers these keys are None."""
+    if not before or not after:  # not a batchsim server: the client cannot see its batches
+        return {"mean_batch_size": None, "max_batch_size": None, "num_engine_steps": None,
+                "num_preemptions": None, "prompt_tokens": None, "generation_tokens": None,
+                "batch_view_source": None}
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    batch_sum = delta("batchsim_decode_batch_size_steps_sum")
+    batch_steps = delta("batchsim_decode_batch_size_steps_count")
+    return {
+        "mean_batch_size": batch_sum / batch_steps if batch_steps else 0.0,
+        "max_batch_size": int(after.get("batchsim_decode_batch_size_max", 0)),  # since start
+        "num_engine_steps": int(delta("batchsim_steps_total")),
+        "num_preemptions": int(delta("batchsim_preemptions_total")),
+        "prompt_tokens": int(delta("batchsim_prompt_tokens_total")),
+        "generation_tokens": int(delta("batchsim_generation_tokens_total")),
+        "kv_budget_bytes": int(after.get("batchsim_kv_budget_bytes", 0)),
+        "batch_view_source": "server /metrics",
+    }
+
+
+def _write_run_dir(out_dir: Path, cfg: RunConfig, outcomes: list[Outcome],
+                   records: list[RequestRecord], summary: dict, model_sent: str | None) -> Path:
+    host = endpoint(cfg.target or "").base.split("//", 1)[-1].split("/", 1)[0].replace(":", "-")
+    run_dir = out_dir / f"{timestamp()}-http-{host}-{cfg.workload.name}"
+    n = 1
+    while run_dir.exists():
+        n += 1
+        run_dir = out_dir / f"{timestamp()}-http-{host}-{cfg.workload.name}-{n}"
+    run_dir.mkdir(parents=True)
+    resolved = {"config": dataclasses.asdict(cfg), "workload": dataclasses.asdict(cfg.workload),
+                "resolved": {"target": cfg.target, "endpoint": summary["endpoint"],
+                             "model_sent": model_sent, "prompt_source": summary["prompt_source"]}}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(jsonable(resolved), sort_keys=False))
+    rows = []
+    for o, r in zip(outcomes, records):
+        rows.append({**r.to_json(), "http_status": o.http_status, "error": o.error,
+                     "chunk_times_s": o.chunk_times_s, "usage": o.usage,
+                     "prompt_tokens_local": o.prompt_tokens_local})
+    write_jsonl(run_dir / "requests.jsonl", rows)
+    write_jsonl(run_dir / "steps.jsonl", [])
+    return run_dir

@@ -1,0 +1,90 @@
+"""Prompt text for HTTP load: about `prompt_len` tokens per request, built as vLLM's random dataset
+builds it (decode seeded random token ids, re-encode, trim to the target count) with the model's
+own tokenizer when the model resolves locally. Only the tokenizer is loaded, never the weights.
+Without a tokenizer, prompts are seeded random words (about one token each for common
+tokenizers) and the server's `usage.prompt_tokens` is the count that matters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from batchsim.scripts.common import err
+from batchsim.server.engine.run_config import RunConfig
+from batchsim.server.engine.runner import prompt_token_ids
+from batchsim.workloads.requests import RequestSpec
+
+_WORDS = ("time person year way day thing man world life hand part child eye woman place work "
+          "week case point number group problem fact house water story room night light").split()
+_MAX_ROUNDS = 8
+
+
+class PromptMaker:
+    def __init__(self, tokenizer: Any | None, seed: int, local_path: str | None = None,
+                 vocab_size: int | None = None):
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.local_path = local_path  # the model directory, as mlx_lm.server names its model
+        self.vocab_size = vocab_size or (len(tokenizer) if tokenizer is not None else 0)
+        self._special = set(getattr(tokenizer, "all_special_ids", None) or ())
+
+    def describe(self) -> str:
+        return f"tokenizer {self.local_path}" if self.tokenizer is not None else "random words"
+
+    def make(self, rs: RequestSpec) -> tuple[str, int | None]:
+        """(text, its token count by the local tokenizer, or None without one)."""
+        if self.tokenizer is None:
+            rng = np.random.default_rng([self.seed, rs.index])
+            return " ".join(rng.choice(_WORDS, size=rs.prompt_len)), None
+        return self._from_ids(rs)
+
+    def _from_ids(self, rs: RequestSpec) -> tuple[str, int]:
+        tok, target = self.tokenizer, rs.prompt_len
+        ids = [i if i not in self._special else (i + 1) % self.vocab_size
+               for i in prompt_token_ids(self.seed, rs.index, target, self.vocab_size)]
+        text = tok.decode(ids)
+        n = 0
+        for _ in range(_MAX_ROUNDS):  # a decode/encode round trip can merge or split tokens
+            ids = tok.encode(text, add_special_tokens=False)[:target]
+            text = tok.decode(ids)
+            n = len(tok.encode(text, add_special_tokens=False))
+            if n <= target:
+                break
+            target -= n - rs.prompt_len
+        return text, n
+
+
+def open_prompt_maker(cfg: RunConfig) -> PromptMaker:
+    path = _tokenizer_dir(cfg)
+    if path is None:
+        return PromptMaker(None, cfg.workload.seed)
+    from mlx_lm.tokenizer_utils import load
+
+    return PromptMaker(load(path), cfg.workload.seed, str(path.resolve()))
+
+
+def _tokenizer_dir(cfg: RunConfig) -> Path | None:
+    """A local directory holding the model's tokenizer: an existing build of a zoo model in any
+    dtype, else the model resolved (a zoo model is built on first use)."""
+    from batchsim.configs import ConfigError
+    from batchsim.server.models.build import build_id, cache_root
+    from batchsim.server.models.spec import zoo_names
+
+    if cfg.model in zoo_names():
+        for dtype in ("float32", "float16", "bfloat16"):
+            for bits in (None, 8, 4):
+                build = cache_root() / build_id(cfg.model, dtype, bits)
+                if (build / "tokenizer.json").is_file():
+                    return build
+    try:
+        from batchsim.server.platform import env
+        from batchsim.server.models.loader import resolve
+
+        dtype = env.default_dtype() if cfg.dtype == "auto" else cfg.dtype
+        return resolve(cfg.model, dtype, cfg.quantize, build=True).path
+    except ConfigError as exc:
+        err.print(f"[yellow]batchsim run: no local tokenizer for {cfg.model!r} ({exc}); "
+                  "sending random-word prompts[/yellow]")
+        return None

@@ -56,57 +56,67 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: {value!r} is not allowed; allowed: {_type_name(tp)}")
         return value
     if origin in (Union, types.UnionType):
-        args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, where)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(f"{where}: {value!r} does not fit {_type_name(tp)}")
-    if origin in (tuple, list):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        args = get_args(tp)
-        item_tp = args[0] if args else Any
-        items = [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        k_tp, v_tp = get_args(tp) or (Any, Any)
-        return {_coerce(k, k_tp, where): _coerce(v, v_tp, f"{where}.{k}") for k, v in value.items()}
+        return _coerce_union(value, tp, where)
+    if origin in (tuple, list, dict):
+        return _coerce_container(value, tp, where)
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):  # already built (e.g. a section loaded with its own rules)
             return value
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping for {tp.__name__}, got {value!r}")
         return from_dict(tp, value, where)
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            if isinstance(value, str) and value.strip().lower() in ("inf", "infinity"):
-                return float("inf")
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
+    if tp in _SCALARS:
+        return _coerce_scalar(value, tp, where)
     if isinstance(tp, type) and not isinstance(value, tp):
         raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
     return value
+
+
+def _coerce_union(value: Any, tp: Any, where: str) -> Any:
+    args = get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _coerce(value, arg, where)
+        except ConfigError:
+            pass
+    raise ConfigError(f"{where}: {value!r} does not fit {_type_name(tp)}")
+
+
+def _coerce_container(value: Any, tp: Any, where: str) -> Any:
+    origin = get_origin(tp)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        k_tp, v_tp = get_args(tp) or (Any, Any)
+        return {_coerce(k, k_tp, where): _coerce(v, v_tp, f"{where}.{k}") for k, v in value.items()}
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{where}: expected a list, got {value!r}")
+    args = get_args(tp)
+    item_tp = args[0] if args else Any
+    items = [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    return tuple(items) if origin is tuple else items
+
+
+# type -> (accepts a YAML value, what the error says was expected)
+_SCALARS: dict[type, tuple[Any, str]] = {
+    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    bool: (lambda v: isinstance(v, bool), "true or false"),
+    str: (lambda v: isinstance(v, str), "a string"),
+    float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+}
+
+
+def _coerce_scalar(value: Any, tp: type, where: str) -> Any:
+    accepts, expected = _SCALARS[tp]
+    if tp is float and isinstance(value, str) and value.strip().lower() in ("inf", "infinity"):
+        return float("inf")
+    if not accepts(value):
+        raise ConfigError(f"{where}: expected {expected}, got {value!r}")
+    return float(value) if tp is float else value
 
 
 def from_dict(cls: type[T], data: dict[str, Any], source: str) -> T:

@@ -1,13 +1,17 @@
-"""Token-length distributions for prompts, outputs and contexts: seeded, integer, >= 1, clipped."""
+"""Token-length distributions for prompts, outputs and contexts: seeded, integer, >= 1, clipped;
+parsed from the CLI form, or resampled from a trace column."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
 from batchsim.configs import ConfigError
+from batchsim.workloads.traces import TraceFormat, read_trace, scale_length
 
 Dist = Literal["fixed", "uniform", "normal", "lognormal", "zipf", "empirical"]
 
@@ -102,11 +106,33 @@ def parse_length(text: str) -> LengthSpec:
 
 
 def _trace_length(args: list[str]) -> LengthSpec:
-    from batchsim.workloads.traces import trace_lengths  # traces imports this module
-
     column = args[1] if len(args) > 1 else "input"
     try:
         max_len = int(args[2]) if len(args) > 2 else None
     except ValueError:
         raise ConfigError(f"length trace:{':'.join(args)}: MAX must be an integer") from None
     return trace_lengths(args[0], column, max_len=max_len)  # type: ignore[arg-type]
+
+
+def trace_lengths(
+    path: str | Path,
+    column: Literal["input", "output"] = "input",
+    *,
+    format: TraceFormat = "auto",
+    start: int = 0,
+    limit: int | None = None,
+    scale: float = 1.0,
+    max_len: int | None = None,
+) -> LengthSpec:
+    """An empirical LengthSpec resampling one trace column (scaled, capped): e.g. the context
+    lengths a KV-cache sizing should plan for."""
+    if column not in ("input", "output"):
+        raise ConfigError(f"trace column {column!r} is not allowed; allowed: 'input', 'output'")
+    if not (0 < scale < math.inf):
+        raise ConfigError(f"trace length scale: must be > 0 and finite, got {scale!r}")
+    rows = read_trace(path, format, start, limit)
+    if not rows:
+        raise ConfigError(f"trace {str(path)!r}: no rows from row {start}")
+    raw = (r.input_len if column == "input" else r.output_len for r in rows)
+    values = tuple(scale_length(n, scale, max_len) for n in raw)
+    return LengthSpec("empirical", values=values, max=max_len)

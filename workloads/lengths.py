@@ -56,6 +56,21 @@ class LengthSpec:
             return min(top, self.max) if self.max else top
         return int(self.max) if self.max else 1 << 31
 
+    @property
+    def cli_form(self) -> str:
+        """The spec as parse_length's text (`128`, `uniform:32:128`); bounds outside that form are
+        left out, and an empirical spec is summarised."""
+        cap = f":{self.max}" if self.max is not None else ""
+        if self.dist == "fixed":
+            return str(self.value)
+        if self.dist == "uniform":
+            return f"uniform:{self.min}:{self.max}"
+        if self.dist in ("normal", "lognormal"):
+            return f"{self.dist}:{self.mean:g}:{self.std:g}{cap}"
+        if self.dist == "zipf":
+            return f"zipf:{self.a:g}:{self.min}:{self.max}"
+        return f"{self.dist} ({len(self.values)} values)"
+
     def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
         d = self.dist
         if d == "fixed":

@@ -1,4 +1,5 @@
-"""What every command shares: where results go, JSONL and the closing JSON line, tables, progress."""
+"""What every command shares: flags built from config dataclasses, where results go, JSONL and the
+closing JSON line, tables."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from batchsim.workloads.lengths import LengthSpec
 from batchsim.server.results.jsonio import append_jsonl, dumps, jsonable, timestamp, write_jsonl  # noqa: F401
+from batchsim.workloads.lengths import LengthSpec
 
 # Tables and notes for people go to stdout before the closing JSON line; progress goes to stderr.
 _WIDE = 160  # tables stay readable when piped to a file

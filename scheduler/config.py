@@ -1,4 +1,5 @@
-"""Scheduler limits. Frozen: nothing writes to config at run time."""
+"""Scheduler limits (user settings and their defaults) and the full config a Scheduler runs on.
+Frozen: nothing writes to config at run time."""
 
 from __future__ import annotations
 
@@ -11,14 +12,13 @@ Policy = Literal["decode-first", "prefill-first"]
 
 
 @dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
-    # KV bytes available: the memory budget minus the weights.
-    kv_budget_bytes: int
-    # K and V of one token across all layers (2 x layers x kv_heads x head_dim x dtype bytes).
-    kv_bytes_per_token: int
-    # Longest prompt + output the model accepts.
-    max_model_len: int
+class SchedulerSettings:
+    """The limits a user sets (a run config's `scheduler:` section, CLI flags). Their defaults live
+    here only: SchedulerConfig, RunConfig and every command's flags read them from this class."""
+
+    # Largest batch: requests running at once.
     max_num_seqs: int = 32
+    # Tokens one step may compute (prefill chunks + one per decoding request).
     max_num_batched_tokens: int = 2048
     # Prefill chunk; a multiple of KV_STEP so a prefilling cache holds exactly round_up(tokens).
     prefill_step_size: int = 512
@@ -27,6 +27,27 @@ class SchedulerConfig:
     policy: Policy = "decode-first"
     # Pool rows grow in powers of two up to this, then in multiples of it.
     row_step: int = 8
+
+
+_DEFAULT = SchedulerSettings()
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """SchedulerSettings plus what the session knows (KV budget, model shape, executor)."""
+
+    # KV bytes available: the memory budget minus the weights.
+    kv_budget_bytes: int
+    # K and V of one token across all layers (2 x layers x kv_heads x head_dim x dtype bytes).
+    kv_bytes_per_token: int
+    # Longest prompt + output the model accepts.
+    max_model_len: int
+    # The limits, as in SchedulerSettings (defaults from there).
+    max_num_seqs: int = _DEFAULT.max_num_seqs
+    max_num_batched_tokens: int = _DEFAULT.max_num_batched_tokens
+    prefill_step_size: int = _DEFAULT.prefill_step_size
+    policy: Policy = _DEFAULT.policy
+    row_step: int = _DEFAULT.row_step
     # Pure-decode steps one plan may cover (1 for real execution; more lets a simulator skip ahead).
     max_lookahead_steps: int = 1
 

@@ -7,15 +7,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from batchsim.scripts.common import append_jsonl, err, int_list, median, out, str_list, table
+from batchsim.scripts.common import (add_field_argument, append_jsonl, err, int_list, median, out,
+                                     str_list, table)
+from batchsim.server.engine.run_config import DTYPES, RunConfig
+from batchsim.server.models.spec import QUANT_BITS
 
 MODES = ("bare", "executor", "mlx_lm")
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="zoo name, model directory or hub id")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--quantize", type=int, choices=[4, 8])
+    add_field_argument(p, RunConfig, "model", "zoo name, model directory or hub id", unset=False)
+    add_field_argument(p, RunConfig, "dtype", "", choices=list(DTYPES), unset=False)
+    add_field_argument(p, RunConfig, "quantize", "", choices=list(QUANT_BITS), unset=False)
     p.add_argument("--batch", type=int_list, default=[1, 2, 4, 8, 16, 32, 64], help="batch sizes")
     p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=8, help="decode steps per timed window")
@@ -32,7 +35,6 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     from batchsim.configs import ConfigError
     from batchsim.server.measure import decode_bench as db
-    from batchsim.server.engine.run_config import RunConfig
     from batchsim.server.engine.session import open_session
 
     bad = [m for m in args.modes if m not in MODES]

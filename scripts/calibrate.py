@@ -9,7 +9,9 @@ import time
 from pathlib import Path
 
 from batchsim.configs import ConfigError
-from batchsim.scripts.common import append_jsonl, err, out, str_list, table
+from batchsim.scripts.common import add_field_argument, append_jsonl, err, out, str_list, table
+from batchsim.server.engine.run_config import DTYPES, RunConfig
+from batchsim.server.perf.devices import LOCAL_NAME
 
 # Two depths separate per-layer from per-forward costs; three head shapes (3:1 GQA x 64, 2:1 x 16,
 # 8:1 x 32) separate attention's cost per K/V byte from its cost per score. Qwen3-0.6B is there
@@ -25,8 +27,8 @@ KV_CAP_FRACTION = 0.3
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", type=str_list, default=DEFAULT_MODELS,
                    help="calibration models (keep validation models out of this list)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--name", default="local", help="profile name (written to $BATCHSIM_HOME/devices)")
+    add_field_argument(p, RunConfig, "dtype", "", choices=list(DTYPES), unset=False)
+    p.add_argument("--name", default=LOCAL_NAME, help="profile name (written to $BATCHSIM_HOME/devices)")
     p.add_argument("--profile-out", help="also write the profile YAML here")
     p.add_argument("--batches", type=str_list, default=["1", "2", "4", "8", "12", "16", "24", "32", "64"])
     p.add_argument("--widths", type=str_list, default=["128", "512", "1024"],
@@ -47,7 +49,6 @@ def run(args: argparse.Namespace) -> dict:
     from batchsim.server.perf.costmodel import DeviceProfile
     from batchsim.server.perf.devices import save_profile, user_dir
     from batchsim.server.measure.microbench import cache_limit, measure_bandwidth_gbs, memory_budget_bytes
-    from batchsim.server.engine.run_config import RunConfig
     from batchsim.server.engine.session import open_session
     from batchsim.server.perf.stepcost import StepCost
 

@@ -7,6 +7,8 @@ import argparse
 import importlib
 import sys
 
+from batchsim.scripts.common import show_default  # no mlx: blas.preload() still comes first
+
 # (subcommand, module, one-line help) in the order `--help` lists them.
 COMMANDS = [
     ("run", "batchsim.scripts.run_cmd", "replay traffic through the continuous-batching engine (real or simulated)"),
@@ -30,14 +32,18 @@ calibrated roofline simulator for Macs you do not have.
 Every command prints tables for people, then one JSON document as its last stdout line."""
 
 
-class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a flag's default unless it is None/False or the help already states it."""
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends `[default: X]` to a flag's help unless the default is None/False/[] or the help already
+    states it (add_field_argument writes the defaults it reads from config dataclasses)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default:" in text or action.default in (None, False, argparse.SUPPRESS):
+        default = action.default
+        empty = default is None or default is False or default is argparse.SUPPRESS or default == []
+        if "default:" in text or empty:
             return text
-        return super()._get_help_string(action)
+        shown = show_default(default).replace("%", "%%")
+        return f"{text} [default: {shown}]" if text else f"[default: {shown}]"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,10 +1,14 @@
-"""What every command shares: where results go, JSONL and the closing JSON line, tables, progress."""
+"""What every command shares: flags built from config dataclasses, where results go, JSONL and the
+closing JSON line, tables."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
+import types
+import typing
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from batchsim.server.results.jsonio import append_jsonl, dumps, jsonable, timestamp, write_jsonl  # noqa: F401
+from batchsim.workloads.lengths import LengthSpec
 
 # Tables and notes for people go to stdout before the closing JSON line; progress goes to stderr.
 _WIDE = 160  # tables stay readable when piped to a file
@@ -48,6 +53,54 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
+
+
+def field_default(source: Any, name: str) -> Any:
+    """A dataclass field's default: the value on an instance, or the class's declared default."""
+    if not isinstance(source, type):
+        return getattr(source, name)
+    field = {f.name: f for f in dataclasses.fields(source)}[name]
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    if field.default is dataclasses.MISSING:
+        raise ValueError(f"{source.__name__}.{name} has no default")
+    return field.default
+
+
+def show_default(value: Any) -> str:
+    """A default as a user would type it: on/off, 50,90,95,99, uniform:32:128, inf."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return ",".join(show_default(v) for v in value)
+    return value.cli_form if isinstance(value, LengthSpec) else str(value)
+
+
+def _type_kwargs(hint: Any) -> dict[str, Any]:
+    """argparse type/choices from a field's annotation (`X | None` read as X)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = args[0] if len(args) == 1 else hint
+    if typing.get_origin(hint) is typing.Literal:
+        return {"choices": list(typing.get_args(hint))}
+    return {"type": hint} if hint in (int, float) else {}
+
+
+def add_field_argument(group: Any, source: Any, name: str, help: str, *, flag: str | None = None,
+                       unset: bool = True, **kwargs: Any) -> argparse.Action:
+    """A flag for one config field, `--field-name` unless `flag` says otherwise. Its type and
+    choices come from the field's annotation and its shown `[default: X]` from `source` (a
+    dataclass, or an instance whose values are the defaults). unset: the flag is None unless given
+    (it overrides a config file); otherwise argparse defaults to the field's value."""
+    cls = source if isinstance(source, type) else type(source)
+    if "type" not in kwargs and "action" not in kwargs:
+        kwargs = {**_type_kwargs(typing.get_type_hints(cls)[name]), **kwargs}
+    default = field_default(source, name)
+    shown = "" if default is None else f"[default: {show_default(default)}]".replace("%", "%%")
+    return group.add_argument(flag or f"--{name.replace('_', '-')}", default=None if unset else default,
+                              help=" ".join(t for t in (help, shown) if t), **kwargs)
 
 
 def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> Table:

@@ -8,10 +8,14 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from batchsim.scripts.common import append_jsonl, err, out, pyplot, save_figure, table, timestamp
-from batchsim.scripts.run_cmd import add_model_args, add_workload_args, config_from_args, run_in_process
+from batchsim.scheduler.config import SchedulerSettings
+from batchsim.scripts.common import (add_field_argument, append_jsonl, err, out, pyplot,
+                                     save_figure, table, timestamp)
+from batchsim.scripts.run_cmd import (add_model_args, add_scheduler_args, add_workload_args,
+                                      config_from_args, run_in_process)
 from batchsim.server.engine.run_config import RunConfig, with_run_overrides
 from batchsim.workloads.lengths import LengthSpec
+from batchsim.workloads.spec import WorkloadSpec, builtin_workload, with_overrides
 
 # Without --workload: the 'burst' workload (everything at t = 0, so batching has work to share)
 # cut to this size, so that the batch-1 run of SmolLM2-135M float32 on two CPU cores (~10 tok/s)
@@ -41,15 +45,10 @@ JSONL_KEYS = ("max_num_seqs", "completed", "failed", "total_input_tokens", "tota
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
-    g = p.add_argument_group("scheduler")
-    g.add_argument("--batch", type=int, default=32,
-                   help="max_num_seqs of the batched run (the other run uses 1)")
-    g.add_argument("--max-num-batched-tokens", type=int, help="tokens per step [default: 2048]")
-    g.add_argument("--prefill-step-size", type=int,
-                   help="prefill chunk, multiple of 256 [default: 512]")
-    g.add_argument("--policy", choices=["decode-first", "prefill-first"],
-                   help="[default: decode-first]")
-    add_workload_args(p)
+    g = add_scheduler_args(p, max_num_seqs=False)
+    add_field_argument(g, SchedulerSettings, "max_num_seqs", "max_num_seqs of the batched run "
+                       "(the other run uses 1)", flag="--batch", unset=False)
+    add_workload_args(p, default_workload())
     p.description = (f"{p.description}. Without --workload or --trace: '{DEFAULT_WORKLOAD}' "
                      f"(all requests at t = 0) with {DEFAULT_NUM_PROMPTS} requests x "
                      f"{DEFAULT_OUTPUT_LEN} output tokens unless --num-prompts/--output-len say "
@@ -61,23 +60,25 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="directory for the two run directories")
 
 
+def default_workload() -> WorkloadSpec:
+    """Without --workload or --trace: DEFAULT_WORKLOAD cut to its requests and output length."""
+    return with_overrides(builtin_workload(DEFAULT_WORKLOAD), num_prompts=DEFAULT_NUM_PROMPTS,
+                          output_len=LengthSpec("fixed", value=DEFAULT_OUTPUT_LEN))
+
+
 def configs_from_args(args: argparse.Namespace) -> tuple[RunConfig, RunConfig]:
     """(batch-1 config, batched config): identical but for max_num_seqs."""
     from batchsim.configs import ConfigError
 
     ns = argparse.Namespace(**vars(args))
-    if ns.workload is None and ns.trace is None:
-        ns.workload = DEFAULT_WORKLOAD
-        ns.num_prompts = ns.num_prompts or DEFAULT_NUM_PROMPTS
-        ns.output_len = ns.output_len or LengthSpec("fixed", value=DEFAULT_OUTPUT_LEN)
     # Flags of `batchsim run` that compare does not take.
-    for key in ("config", "goodput", "target", "max_num_seqs"):
+    for key in ("config", "goodput", "target", "max_num_seqs", "percentiles"):
         setattr(ns, key, None)
-    ns.percentiles = "50,90,95,99"
     if args.batch < 1:
         raise ConfigError(f"--batch must be >= 1, got {args.batch}")
+    base = RunConfig(workload=default_workload()) if ns.workload is None and ns.trace is None else None
     try:
-        cfg = config_from_args(ns)
+        cfg = config_from_args(ns, base)
     except (ValueError, TypeError) as exc:
         if isinstance(exc, ConfigError):
             raise

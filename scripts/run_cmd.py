@@ -7,61 +7,89 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from batchsim.scripts.common import err, out, positive_float
-from batchsim.server.engine.run_config import RunConfig, load_run_config, with_run_overrides
-from batchsim.workloads.spec import resolve_workload
+from batchsim.scheduler.config import SchedulerSettings
+from batchsim.scheduler.kv_layout import KV_STEP
+from batchsim.scripts.common import add_field_argument, err, out, positive_float
+from batchsim.server.engine.run_config import (DTYPES, RunConfig, load_run_config,
+                                              with_run_overrides)
+from batchsim.server.models.spec import QUANT_BITS
 from batchsim.workloads.lengths import parse_length
-from batchsim.workloads.spec import TraceSpec
+from batchsim.workloads.spec import TraceSpec, WorkloadSpec, resolve_workload
 
 
 def rate(text: str) -> float:
     return float("inf") if text.strip().lower() in ("inf", "infinity") else positive_float(text)
 
 
+def percentiles(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+    return values
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and executor")
-    g.add_argument("--model", help="zoo name (see `batchsim models`), model directory, or hub id "
-                   "[default: smollm2-135m]")
-    g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
-                   help="auto: float32 on the CPU backend (the only dtype using BLAS), float16 on GPUs")
-    g.add_argument("--quantize", type=int, choices=[4, 8], help="4- or 8-bit weights (zoo models)")
-    g.add_argument("--executor", choices=["mlx", "sim", "fake"],
-                   help="mlx: real compute; sim: calibrated roofline on a virtual clock; "
-                   "fake: zero-cost (measures scheduler overhead) [default: mlx]")
-    g.add_argument("--device-profile", help="simulator device profile (configs/devices NAME or YAML)")
-    g.add_argument("--memory-gb", type=positive_float,
-                   help="memory budget for weights + KV cache in GiB (emulate a smaller machine); "
-                   "default: MLX's working set on a GPU, 75%% of RAM on the CPU backend")
+    add_field_argument(g, RunConfig, "model", "zoo name (see `batchsim models`), model directory, "
+                       "or hub id")
+    add_field_argument(g, RunConfig, "dtype", "auto: float32 on the CPU backend (the only dtype "
+                       "using BLAS), float16 on GPUs", choices=list(DTYPES))
+    add_field_argument(g, RunConfig, "quantize", "4- or 8-bit weights (zoo models)",
+                       choices=list(QUANT_BITS))
+    add_field_argument(g, RunConfig, "executor", "mlx: real compute; sim: calibrated roofline on a "
+                       "virtual clock; fake: zero-cost (measures scheduler overhead)")
+    add_field_argument(g, RunConfig, "device_profile",
+                       "simulator device profile (configs/devices NAME or YAML)")
+    add_field_argument(g, RunConfig, "memory_gb", "memory budget for weights + KV cache in GiB "
+                       "(emulate a smaller machine); default: MLX's working set on a GPU, 75%% of "
+                       "RAM on the CPU backend", type=positive_float)
 
 
-def add_scheduler_args(p: argparse.ArgumentParser) -> None:
+def add_scheduler_args(p: argparse.ArgumentParser, max_num_seqs: bool = True):
+    """The scheduler flags (unset unless given: they override a config's `scheduler:` section);
+    returns the group, for a command's own flags."""
     g = p.add_argument_group("scheduler")
-    g.add_argument("--max-num-seqs", type=int, help="largest batch (running requests) [default: 32]")
-    g.add_argument("--max-num-batched-tokens", type=int, help="tokens per step [default: 2048]")
-    g.add_argument("--prefill-step-size", type=int, help="prefill chunk, multiple of 256 [default: 512]")
-    g.add_argument("--policy", choices=["decode-first", "prefill-first"], help="[default: decode-first]")
+    if max_num_seqs:
+        add_field_argument(g, SchedulerSettings, "max_num_seqs", "largest batch (running requests)")
+    add_field_argument(g, SchedulerSettings, "max_num_batched_tokens", "tokens per step")
+    add_field_argument(g, SchedulerSettings, "prefill_step_size",
+                       f"prefill chunk, multiple of {KV_STEP}")
+    add_field_argument(g, SchedulerSettings, "policy", "decode-first: every step decodes all "
+                       "running requests; prefill-first: a step with prefill work only prefills")
+    return g
 
 
-def add_workload_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("workload (overrides the YAML)")
-    g.add_argument("--workload", help="built-in workload name (configs/workloads) or a workload YAML")
-    g.add_argument("--num-prompts", type=int, help="requests to send")
-    g.add_argument("--request-rate", type=rate, help="requests/s; 'inf' sends all at once")
-    g.add_argument("--burstiness", type=positive_float, help="gamma shape: 1 = Poisson, <1 burstier")
-    g.add_argument("--arrival", choices=["poisson", "gamma", "constant", "ramp", "closed", "trace"])
-    g.add_argument("--concurrency", type=int, help="closed loop: keep this many requests in flight")
-    g.add_argument("--max-concurrency", type=int, help="open loop: cap on requests in flight")
-    g.add_argument("--input-len", type=parse_length, help="prompt lengths: N, uniform:MIN:MAX, "
-                   "normal:MEAN:STD[:MAX], lognormal:MEAN:STD[:MAX], zipf:A:MIN:MAX")
-    g.add_argument("--output-len", type=parse_length, help="output lengths (same forms)")
-    g.add_argument("--seed", type=int, help="workload seed (arrivals, lengths, prompt ids)")
+def add_workload_args(p: argparse.ArgumentParser, defaults: WorkloadSpec | None = None) -> None:
+    """Workload flags, unset unless given (they override the config's workload). The defaults shown
+    are those of `defaults`: the workload a run without a config or --workload gets."""
+    w = defaults or RunConfig().workload
+    g = p.add_argument_group("workload (overrides the YAML)", "Unset flags keep the config's "
+                             f"values; defaults shown: the built-in '{w.name}' workload's.")
+    add_field_argument(g, w, "name", "built-in workload name (configs/workloads) or a workload "
+                       "YAML", flag="--workload")
+    add_field_argument(g, w, "num_prompts", "requests to send")
+    add_field_argument(g, w, "request_rate", "requests/s; 'inf' sends all at once", type=rate)
+    add_field_argument(g, w, "burstiness", "gamma shape: 1 = Poisson, <1 burstier",
+                       type=positive_float)
+    add_field_argument(g, w, "arrival", "arrival process")
+    add_field_argument(g, w, "concurrency", "closed loop: keep this many requests in flight")
+    add_field_argument(g, w, "max_concurrency", "open loop: cap on requests in flight")
+    add_field_argument(g, w, "input_len", "prompt lengths: N, uniform:MIN:MAX, "
+                       "normal:MEAN:STD[:MAX], lognormal:MEAN:STD[:MAX], zipf:A:MIN:MAX",
+                       type=parse_length)
+    add_field_argument(g, w, "output_len", "output lengths (same forms)", type=parse_length)
+    add_field_argument(g, w, "seed", "workload seed (arrivals, lengths, prompt ids)")
     g.add_argument("--trace", help="replay a trace: Azure CSV or Mooncake JSONL (path, or a file "
                    "in configs/traces)")
-    g.add_argument("--time-scale", type=positive_float, help="trace time factor (0.1 = 10x faster)")
-    g.add_argument("--max-input-len", type=int, help="cap trace prompt lengths")
-    g.add_argument("--max-output-len", type=int, help="cap trace output lengths")
-    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-                   help="generate each request's full output length [default: on]")
+    add_field_argument(g, TraceSpec, "time_scale", "trace time factor (0.1 = 10x faster)",
+                       type=positive_float)
+    add_field_argument(g, TraceSpec, "max_input_len", "cap trace prompt lengths")
+    add_field_argument(g, TraceSpec, "max_output_len", "cap trace output lengths")
+    add_field_argument(g, RunConfig, "ignore_eos", "generate each request's full output length",
+                       action=argparse.BooleanOptionalAction)
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -72,35 +100,39 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
     g = p.add_argument_group("report")
     g.add_argument("--goodput", nargs="+", metavar="SLO:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:4000")
-    g.add_argument("--percentiles", default="50,90,95,99", help="percentiles to report")
+    add_field_argument(g, RunConfig, "percentiles", "percentiles to report", type=percentiles)
     g.add_argument("--out", default="runs", help="directory for run directories")
-    g.add_argument("--target", help="an OpenAI-compatible base URL (e.g. http://127.0.0.1:8000/v1): "
-                   "send the workload over HTTP instead of running in-process")
+    add_field_argument(g, RunConfig, "target", "an OpenAI-compatible base URL (e.g. "
+                       "http://127.0.0.1:8000/v1): send the workload over HTTP instead of running "
+                       "in-process")
     g.add_argument("--no-progress", action="store_true", help="no live progress line")
 
 
-def config_from_args(args: argparse.Namespace) -> RunConfig:
+def _trace_override(args: argparse.Namespace, cfg: RunConfig) -> TraceSpec | None:
+    """--trace, or the trace flags applied to the config's own trace."""
+    given = {k: v for k, v in dict(time_scale=args.time_scale, max_input_len=args.max_input_len,
+                                   max_output_len=args.max_output_len).items() if v is not None}
+    if args.trace:
+        return TraceSpec(path=args.trace, **given)
+    if not given:
+        return None
+    if cfg.workload.trace is None:
+        raise ValueError("--time-scale/--max-input-len/--max-output-len need --trace or a trace workload")
+    return dataclasses.replace(cfg.workload.trace, **given)
+
+
+def config_from_args(args: argparse.Namespace, default: RunConfig | None = None) -> RunConfig:
+    """The run config: the YAML (else `default`, else RunConfig()), then the flags given."""
     from batchsim.server.results.metrics import parse_goodput
 
-    cfg = load_run_config(args.config) if args.config else RunConfig()
+    cfg = load_run_config(args.config) if args.config else (default or RunConfig())
     if args.workload:
         cfg = dataclasses.replace(cfg, workload=resolve_workload(args.workload))
-    trace = None
-    if args.trace:
-        trace = TraceSpec(path=args.trace, time_scale=args.time_scale or 1.0,
-                          max_input_len=args.max_input_len, max_output_len=args.max_output_len)
-    elif any(v is not None for v in (args.time_scale, args.max_input_len, args.max_output_len)):
-        base = cfg.workload.trace
-        if base is None:
-            raise ValueError("--time-scale/--max-input-len/--max-output-len need --trace or a trace workload")
-        trace = TraceSpec(**{**base.__dict__, **{k: v for k, v in dict(
-            time_scale=args.time_scale, max_input_len=args.max_input_len,
-            max_output_len=args.max_output_len).items() if v is not None}})
     workload = dict(
         num_prompts=args.num_prompts, request_rate=args.request_rate, burstiness=args.burstiness,
         arrival="trace" if args.trace else args.arrival, concurrency=args.concurrency,
         max_concurrency=args.max_concurrency, input_len=args.input_len, output_len=args.output_len,
-        seed=args.seed, trace=trace,
+        seed=args.seed, trace=_trace_override(args, cfg),
     )
     if args.concurrency and not args.arrival:
         workload["arrival"] = "closed"
@@ -109,14 +141,16 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     return with_run_overrides(
         cfg, workload, model=args.model, dtype=args.dtype, quantize=args.quantize,
         executor=args.executor, device_profile=args.device_profile, memory_gb=args.memory_gb,
-        ignore_eos=args.ignore_eos, target=args.target,
+        ignore_eos=args.ignore_eos, target=args.target, percentiles=args.percentiles,
         goodput=parse_goodput(args.goodput) if args.goodput else None,
-        percentiles=tuple(float(p) for p in args.percentiles.split(",")),
-        **{"scheduler.max_num_seqs": args.max_num_seqs,
-           "scheduler.max_num_batched_tokens": args.max_num_batched_tokens,
-           "scheduler.prefill_step_size": args.prefill_step_size,
-           "scheduler.policy": args.policy},
+        **scheduler_overrides(args),
     )
+
+
+def scheduler_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """The scheduler flags as with_run_overrides keys (None: not given)."""
+    names = ("max_num_seqs", "max_num_batched_tokens", "prefill_step_size", "policy")
+    return {f"scheduler.{n}": getattr(args, n, None) for n in names}
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from batchsim.scripts.run_cmd import add_model_args, add_scheduler_args
+from batchsim.scripts.common import add_field_argument, err
+from batchsim.scripts.run_cmd import add_model_args, add_scheduler_args, scheduler_overrides
+from batchsim.server.http.options import ServeOptions
 
 LISTENING = "batchsim serve: listening on "  # tests and scripts parse this stderr line
 
@@ -18,13 +20,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     g.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one")
-    g.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/* routes")
+    add_field_argument(g, ServeOptions, "api_key",
+                       "require `Authorization: Bearer KEY` on /v1/* routes")
     g.add_argument("--served-model-name", help="model name clients send [default: --model]")
-    g.add_argument("--max-queue", type=int, default=256,
-                   help="waiting requests beyond which new ones get 429 with Retry-After")
-    g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body")
-    g.add_argument("--drain-timeout-s", type=float, default=30.0,
-                   help="on SIGINT/SIGTERM, how long in-flight requests may finish before abort")
+    add_field_argument(g, ServeOptions, "max_queue", "waiting requests beyond which new ones get "
+                       "429 with Retry-After", unset=False)
+    add_field_argument(g, ServeOptions, "max_body_bytes", "largest request body", unset=False)
+    add_field_argument(g, ServeOptions, "drain_timeout_s", "on SIGINT/SIGTERM, how long in-flight "
+                       "requests may finish before abort", unset=False)
 
 
 def _config(args: argparse.Namespace):
@@ -43,20 +46,15 @@ def _config(args: argparse.Namespace):
             raise ConfigError(f"serve: {message}")
     return with_run_overrides(
         RunConfig(), {}, model=args.model, dtype=args.dtype, quantize=args.quantize,
-        memory_gb=args.memory_gb,
-        **{"scheduler.max_num_seqs": args.max_num_seqs,
-           "scheduler.max_num_batched_tokens": args.max_num_batched_tokens,
-           "scheduler.prefill_step_size": args.prefill_step_size,
-           "scheduler.policy": args.policy},
+        memory_gb=args.memory_gb, **scheduler_overrides(args),
     )
 
 
 def run(args: argparse.Namespace) -> dict:
     import asyncio
 
-    from batchsim.scripts.common import err
     from batchsim.server.engine.engine import Engine
-    from batchsim.server.http.app import Server, ServeOptions, serve
+    from batchsim.server.http.app import Server, serve
     from batchsim.server.engine.session import open_session
 
     cfg = _config(args)

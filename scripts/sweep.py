@@ -12,8 +12,8 @@ from pathlib import Path
 
 from batchsim.configs import ConfigError
 from batchsim.scheduler.kv_layout import KV_STEP
-from batchsim.scripts.common import (append_jsonl, fmt, int_list, out, positive_float, pyplot, save_figure,
-                            table, timestamp)
+from batchsim.scripts.common import (add_field_argument, append_jsonl, fmt, int_list, out,
+                                     positive_float, pyplot, save_figure, table, timestamp)
 from batchsim.scripts.run_cmd import add_model_args
 from batchsim.server.perf import sweep_limits as sweep_math
 from batchsim.server.engine.run_config import RunConfig, with_run_overrides
@@ -50,7 +50,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-gain", type=positive_float, default=0.05,
                    help="throughput stops scaling at the first point gaining less decode tok/s "
                    "than this fraction per doubling of the decoded batch")
-    g.add_argument("--seed", type=int, default=0, help="workload seed (prompt ids)")
+    add_field_argument(g, WorkloadSpec, "seed", "workload seed (prompt ids)", unset=False)
     g.add_argument("--out", type=Path, default=Path("results"),
                    help="directory for sweep.jsonl and the PNG")
     g.add_argument("--runs-dir", type=Path, default=Path("runs"),

@@ -11,12 +11,13 @@ from typing import Any
 
 import numpy as np
 
-from batchsim.configs import CONFIG_DIR
-
-from batchsim.configs import ConfigError
-
-from batchsim.configs import load_yaml
-from batchsim.scripts.common import append_jsonl, err, out, pyplot, save_figure, table, timestamp
+from batchsim.configs import CONFIG_DIR, ConfigError, load_yaml
+from batchsim.scheduler.config import SchedulerSettings
+from batchsim.scripts.common import (add_field_argument, append_jsonl, err, out, pyplot,
+                                     save_figure, table, timestamp)
+from batchsim.server.engine.run_config import DTYPES, RunConfig
+from batchsim.server.perf.devices import LOCAL_NAME
+from batchsim.workloads.spec import workload_from_dict
 
 MATRIX = CONFIG_DIR / "validation" / "matrix.yaml"
 METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "p99_ttft_ms", "p99_tpot_ms")
@@ -27,8 +28,8 @@ STEP = "step_time_err"
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen2.5-0.5b", help="validation model (not a calibration one)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--device-profile", default="local", help="calibrated profile to validate")
+    add_field_argument(p, RunConfig, "dtype", "", choices=list(DTYPES), unset=False)
+    p.add_argument("--device-profile", default=LOCAL_NAME, help="calibrated profile to validate")
     p.add_argument("--matrix", default=str(MATRIX), help="cases YAML")
     p.add_argument("--cases", help="comma-separated case names to run (default: all)")
     p.add_argument("--repeats", type=int, default=3,
@@ -47,7 +48,6 @@ def run(args: argparse.Namespace) -> dict:
     from batchsim.server.measure.calibration import device_id, device_speed, mean_by_key
     from batchsim.server.perf.costmodel import at_speed
     from batchsim.server.perf.devices import resolve_profile, save_profile
-    from batchsim.server.engine.run_config import RunConfig
     from batchsim.server.engine.session import open_session
     from batchsim.server.perf.shadow import ShadowTimer
 
@@ -172,7 +172,6 @@ def _speed_probe(profile, dtype: str) -> Callable[[], dict[str, float]]:
     speed now relative to calibration, per probe point (1.0 = same; {} when the profile has no
     model-step probe, e.g. one calibrated before it existed)."""
     from batchsim.server.measure.calibration import probe_speed, speed_probe_ms
-    from batchsim.server.engine.run_config import RunConfig
     from batchsim.server.engine.session import open_session
 
     cal = profile.calibration
@@ -204,9 +203,6 @@ def _load_cases(path: Path, names: str | None) -> list[dict[str, Any]]:
 
 
 def _case_config(base, case: dict[str, Any], weight_bytes: int):
-    from batchsim.server.engine.run_config import SchedulerSettings
-    from batchsim.workloads.spec import workload_from_dict
-
     allowed = {"name", "max_num_seqs", "memory_gb", "policy", "workload"}
     unknown = set(case) - allowed
     if unknown:
@@ -218,7 +214,7 @@ def _case_config(base, case: dict[str, Any], weight_bytes: int):
     workload = workload_from_dict({"name": case["name"], **case["workload"]},
                                   f"validation case {case['name']}: workload")
     sched = SchedulerSettings(max_num_seqs=case["max_num_seqs"],
-                              policy=case.get("policy", "decode-first"))
+                              policy=case.get("policy", SchedulerSettings.policy))
     return dataclasses.replace(base, scheduler=sched, memory_gb=memory, workload=workload)
 
 

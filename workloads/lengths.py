@@ -1,13 +1,17 @@
-"""Token-length distributions for prompts, outputs and contexts: seeded, integer, >= 1, clipped."""
+"""Token-length distributions for prompts, outputs and contexts: seeded, integer, >= 1, clipped;
+parsed from the CLI form, or resampled from a trace column."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
 from batchsim.configs import ConfigError
+from batchsim.workloads.traces import TraceFormat, read_trace, scale_length
 
 Dist = Literal["fixed", "uniform", "normal", "lognormal", "zipf", "empirical"]
 
@@ -51,6 +55,21 @@ class LengthSpec:
             top = max(self.values)
             return min(top, self.max) if self.max else top
         return int(self.max) if self.max else 1 << 31
+
+    @property
+    def cli_form(self) -> str:
+        """The spec as parse_length's text (`128`, `uniform:32:128`); bounds outside that form are
+        left out, and an empirical spec is summarised."""
+        cap = f":{self.max}" if self.max is not None else ""
+        if self.dist == "fixed":
+            return str(self.value)
+        if self.dist == "uniform":
+            return f"uniform:{self.min}:{self.max}"
+        if self.dist in ("normal", "lognormal"):
+            return f"{self.dist}:{self.mean:g}:{self.std:g}{cap}"
+        if self.dist == "zipf":
+            return f"zipf:{self.a:g}:{self.min}:{self.max}"
+        return f"{self.dist} ({len(self.values)} values)"
 
     def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
         d = self.dist
@@ -102,11 +121,33 @@ def parse_length(text: str) -> LengthSpec:
 
 
 def _trace_length(args: list[str]) -> LengthSpec:
-    from batchsim.workloads.traces import trace_lengths  # traces imports this module
-
     column = args[1] if len(args) > 1 else "input"
     try:
         max_len = int(args[2]) if len(args) > 2 else None
     except ValueError:
         raise ConfigError(f"length trace:{':'.join(args)}: MAX must be an integer") from None
     return trace_lengths(args[0], column, max_len=max_len)  # type: ignore[arg-type]
+
+
+def trace_lengths(
+    path: str | Path,
+    column: Literal["input", "output"] = "input",
+    *,
+    format: TraceFormat = "auto",
+    start: int = 0,
+    limit: int | None = None,
+    scale: float = 1.0,
+    max_len: int | None = None,
+) -> LengthSpec:
+    """An empirical LengthSpec resampling one trace column (scaled, capped): e.g. the context
+    lengths a KV-cache sizing should plan for."""
+    if column not in ("input", "output"):
+        raise ConfigError(f"trace column {column!r} is not allowed; allowed: 'input', 'output'")
+    if not (0 < scale < math.inf):
+        raise ConfigError(f"trace length scale: must be > 0 and finite, got {scale!r}")
+    rows = read_trace(path, format, start, limit)
+    if not rows:
+        raise ConfigError(f"trace {str(path)!r}: no rows from row {start}")
+    raw = (r.input_len if column == "input" else r.output_len for r in rows)
+    values = tuple(scale_length(n, scale, max_len) for n in raw)
+    return LengthSpec("empirical", values=values, max=max_len)

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from batchsim.configs import ConfigError
-from batchsim.workloads.spec import WorkloadSpec
+from batchsim.workloads.spec import TraceSpec, WorkloadSpec
+from batchsim.workloads.traces import read_trace, scale_length
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,12 +71,31 @@ def _rngs(seed: int) -> tuple[np.random.Generator, ...]:
     return tuple(np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3))
 
 
+def trace_requests(trace: TraceSpec, num_prompts: int) -> list[RequestSpec]:
+    """num_prompts requests from trace.start on, sorted by arrival, times and lengths scaled."""
+    rows = read_trace(trace.path, trace.format, trace.start, num_prompts)
+    if len(rows) < num_prompts:
+        raise ConfigError(
+            f"trace {trace.path!r}: only {len(rows)} rows from row {trace.start}, "
+            f"but num_prompts is {num_prompts}"
+        )
+    rows = sorted(rows, key=lambda r: r.t_s)  # stable; production traces are already in order
+    t0 = rows[0].t_s
+    return [
+        RequestSpec(
+            index=i,
+            arrival_s=(row.t_s - t0) * trace.time_scale,
+            prompt_len=scale_length(row.input_len, trace.input_scale, trace.max_input_len),
+            output_len=scale_length(row.output_len, trace.output_scale, trace.max_output_len),
+        )
+        for i, row in enumerate(rows)
+    ]
+
+
 def build_requests(spec: WorkloadSpec) -> list[RequestSpec]:
     """The run's requests, deterministic in spec.seed and sorted by arrival_s. For 'trace' the
     arrivals and lengths come from the trace (scaled and capped by spec.trace)."""
     if spec.arrival == "trace":
-        from batchsim.workloads.traces import trace_requests  # traces imports RequestSpec from here
-
         assert spec.trace is not None
         return trace_requests(spec.trace, spec.num_prompts)
     n = spec.num_prompts

@@ -8,17 +8,11 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-from batchsim.configs import CONFIG_DIR
-
-from batchsim.configs import ConfigError
-
-from batchsim.configs import from_dict
-
-from batchsim.configs import load_yaml
+from batchsim.configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
 from batchsim.workloads.lengths import LengthSpec, parse_length
+from batchsim.workloads.traces import TraceFormat, resolve_trace_path
 
 WORKLOAD_DIR = CONFIG_DIR / "workloads"
-TRACE_DIR = CONFIG_DIR / "traces"
 
 Arrival = Literal["poisson", "gamma", "constant", "ramp", "closed", "trace"]
 OPEN_LOOP: tuple[str, ...] = ("poisson", "gamma", "constant", "ramp", "trace")
@@ -45,7 +39,7 @@ class TraceSpec:
     """Replay a request trace: arrival times and token lengths come from its rows."""
 
     path: str  # absolute, or relative to configs/traces/ (e.g. "azure_conv_2023_slice.csv")
-    format: Literal["auto", "azure", "mooncake"] = "auto"  # auto: .csv azure, .jsonl mooncake
+    format: TraceFormat = "auto"  # auto: .csv azure, .jsonl mooncake
     time_scale: float = 1.0  # arrival_s = (t - t0) * time_scale; 0.1 replays ten times faster
     input_scale: float = 1.0  # lengths are multiplied, rounded, kept >= 1, then capped
     output_scale: float = 1.0
@@ -169,23 +163,6 @@ def load_workload(path: str | Path) -> WorkloadSpec:
     data = load_yaml(path)
     data.setdefault("name", path.stem)
     return workload_from_dict(data, str(path))
-
-
-def shipped_traces() -> list[str]:
-    return sorted(p.name for p in TRACE_DIR.iterdir() if p.suffix in (".csv", ".jsonl"))
-
-
-def resolve_trace_path(path: str | Path) -> Path:
-    """Absolute paths as given; relative ones in configs/traces/ first, then the working
-    directory."""
-    given = Path(path).expanduser()
-    candidates = [given] if given.is_absolute() else [TRACE_DIR / given, Path.cwd() / given]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    looked = ", ".join(str(c) for c in candidates)
-    shipped = ", ".join(shipped_traces())
-    raise ConfigError(f"trace {str(path)!r}: no such file (looked in {looked}); shipped: {shipped}")
 
 
 def builtin_workload_names() -> list[str]:

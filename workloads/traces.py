@@ -1,4 +1,5 @@
-"""Read request traces (Azure LLM inference CSV, Mooncake JSONL) into arrival times and lengths.
+"""Read request trace files (Azure LLM inference CSV, Mooncake JSONL) into rows of arrival time and
+lengths. The bottom of workloads/: lengths, spec and requests build on it, it imports none of them.
 
 The shipped slices live in configs/traces/ (see SOURCES.md there); they come from large GPU
 clusters, so a replay on one machine usually needs TraceSpec.time_scale and length scales/caps.
@@ -9,7 +10,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
-import math
 import re
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -17,11 +17,9 @@ from itertools import islice
 from pathlib import Path
 from typing import Literal
 
-from batchsim.configs import ConfigError
-from batchsim.workloads.lengths import LengthSpec
-from batchsim.workloads.requests import RequestSpec
-from batchsim.workloads.spec import TraceSpec, resolve_trace_path
+from batchsim.configs import CONFIG_DIR, ConfigError
 
+TRACE_DIR = CONFIG_DIR / "traces"
 TraceFormat = Literal["auto", "azure", "mooncake"]
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
@@ -92,6 +90,23 @@ def _read_mooncake(path: Path) -> Iterator[tuple[float, int, int]]:
                 raise ConfigError(f"{path}:{line_no}: {exc}") from None
 
 
+def shipped_traces() -> list[str]:
+    return sorted(p.name for p in TRACE_DIR.iterdir() if p.suffix in (".csv", ".jsonl"))
+
+
+def resolve_trace_path(path: str | Path) -> Path:
+    """Absolute paths as given; relative ones in configs/traces/ first, then the working
+    directory."""
+    given = Path(path).expanduser()
+    candidates = [given] if given.is_absolute() else [TRACE_DIR / given, Path.cwd() / given]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    looked = ", ".join(str(c) for c in candidates)
+    shipped = ", ".join(shipped_traces())
+    raise ConfigError(f"trace {str(path)!r}: no such file (looked in {looked}); shipped: {shipped}")
+
+
 def read_trace(
     path: str | Path, format: TraceFormat = "auto", start: int = 0, limit: int | None = None
 ) -> list[TraceRow]:
@@ -112,48 +127,3 @@ def scale_length(n: int, scale: float, cap: int | None) -> int:
     """n * scale rounded, at least 1, at most cap."""
     scaled = max(1, round(n * scale))
     return min(scaled, cap) if cap is not None else scaled
-
-
-def trace_requests(trace: TraceSpec, num_prompts: int) -> list[RequestSpec]:
-    """num_prompts requests from trace.start on, sorted by arrival, times and lengths scaled."""
-    rows = read_trace(trace.path, trace.format, trace.start, num_prompts)
-    if len(rows) < num_prompts:
-        raise ConfigError(
-            f"trace {trace.path!r}: only {len(rows)} rows from row {trace.start}, "
-            f"but num_prompts is {num_prompts}"
-        )
-    rows = sorted(rows, key=lambda r: r.t_s)  # stable; production traces are already in order
-    t0 = rows[0].t_s
-    return [
-        RequestSpec(
-            index=i,
-            arrival_s=(row.t_s - t0) * trace.time_scale,
-            prompt_len=scale_length(row.input_len, trace.input_scale, trace.max_input_len),
-            output_len=scale_length(row.output_len, trace.output_scale, trace.max_output_len),
-        )
-        for i, row in enumerate(rows)
-    ]
-
-
-def trace_lengths(
-    path: str | Path,
-    column: Literal["input", "output"] = "input",
-    *,
-    format: TraceFormat = "auto",
-    start: int = 0,
-    limit: int | None = None,
-    scale: float = 1.0,
-    max_len: int | None = None,
-) -> LengthSpec:
-    """An empirical LengthSpec resampling one trace column (scaled, capped): e.g. the context
-    lengths a KV-cache sizing should plan for."""
-    if column not in ("input", "output"):
-        raise ConfigError(f"trace column {column!r} is not allowed; allowed: 'input', 'output'")
-    if not (0 < scale < math.inf):
-        raise ConfigError(f"trace length scale: must be > 0 and finite, got {scale!r}")
-    rows = read_trace(path, format, start, limit)
-    if not rows:
-        raise ConfigError(f"trace {str(path)!r}: no rows from row {start}")
-    raw = (r.input_len if column == "input" else r.output_len for r in rows)
-    values = tuple(scale_length(n, scale, max_len) for n in raw)
-    return LengthSpec("empirical", values=values, max=max_len)

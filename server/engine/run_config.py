@@ -7,11 +7,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
-from batchsim.configs import ConfigError
-
-from batchsim.configs import from_dict
-
-from batchsim.configs import load_yaml
+from batchsim.configs import ConfigError, from_dict, load_yaml
+from batchsim.scheduler.config import SchedulerSettings
+from batchsim.server.models.spec import FLOAT_DTYPES, QUANT_BITS
 from batchsim.workloads.spec import (
     WorkloadSpec,
     builtin_workload,
@@ -22,22 +20,15 @@ from batchsim.workloads.spec import (
 )
 
 ExecutorName = Literal["mlx", "sim", "fake"]
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerSettings:
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
-    prefill_step_size: int = 512
-    policy: Literal["decode-first", "prefill-first"] = "decode-first"
-    row_step: int = 8
+# auto: float32 on the CPU backend, float16 on a GPU.
+DTYPES: tuple[str, ...] = ("auto", *FLOAT_DTYPES)
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     model: str = "smollm2-135m"  # zoo name, local model directory, or hub id
-    dtype: str = "auto"  # auto: float32 on the CPU backend, float16 on a GPU
-    quantize: int | None = None  # 4 or 8 (zoo models)
+    dtype: str = "auto"  # one of DTYPES
+    quantize: int | None = None  # QUANT_BITS: 4 or 8 (zoo models)
     executor: ExecutorName = "mlx"
     device_profile: str | None = None  # simulator: profile name in configs/devices or a YAML path
     memory_gb: float | None = None  # budget for weights + KV in GiB; default: the device's
@@ -49,8 +40,9 @@ class RunConfig:
     target: str | None = None  # an OpenAI-compatible endpoint to load instead of running in-process
 
     def __post_init__(self) -> None:
-        if self.quantize not in (None, 4, 8):
-            raise ConfigError(f"quantize: {self.quantize} is not allowed; allowed: 4, 8")
+        if self.quantize not in (None, *QUANT_BITS):
+            allowed = ", ".join(map(str, QUANT_BITS))
+            raise ConfigError(f"quantize: {self.quantize} is not allowed; allowed: {allowed}")
         if self.memory_gb is not None and self.memory_gb <= 0:
             raise ConfigError(f"memory_gb must be > 0, got {self.memory_gb}")
 
@@ -82,7 +74,3 @@ def with_run_overrides(cfg: RunConfig, workload: dict[str, Any], **changes: Any)
     if any(v is not None for v in workload.values()):
         new = dataclasses.replace(new, workload=with_overrides(new.workload, **workload))
     return new
-
-
-def to_dict(cfg: RunConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)

@@ -8,7 +8,6 @@ A client that goes away has its request aborted; its KV is freed at the next ste
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import itertools
 import json
@@ -25,24 +24,12 @@ from batchsim.scheduler.request import Request, SamplingParams
 from batchsim.server.http import openai_api as api
 from batchsim.server.engine.engine import Engine
 from batchsim.server.http.openai_api import APIError, GenerationParams
+from batchsim.server.http.options import ServeOptions
 from batchsim.server.http.prometheus import CONTENT_TYPE, ServerRecorder, mlx_memory_gauges, render
 from batchsim.server.http.text_stream import Generation
 
 _ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error",
                 429: "rate_limit_error", 503: "server_error"}
-
-
-@dataclasses.dataclass(frozen=True)
-class ServeOptions:
-    served_model_name: str
-    api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer KEY`
-    max_queue: int = 256  # waiting requests beyond which new ones get 429
-    max_body_bytes: int = 1 << 20
-    drain_timeout_s: float = 30.0  # on SIGINT/SIGTERM, in-flight requests get this long to finish
-    # What the model and budget allow (from the session).
-    max_model_len: int = 4096
-    vocab_size: int = 32000
-    kv_budget_bytes: int = 0
 
 
 class Server:

@@ -45,7 +45,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from batchsim.server.measure.calibration import device_id, device_speed, mean_by_key
-    from batchsim.server.perf.costmodel import at_speed
+    from batchsim.server.perf.profile import at_speed
     from batchsim.server.perf.devices import resolve_profile, save_profile
     from batchsim.server.engine.run_config import RunConfig
     from batchsim.server.engine.session import open_session

@@ -12,7 +12,7 @@ import pytest
 
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.measure import calibration as cal
-from batchsim.server.perf.costmodel import Calibration, DeviceProfile, GemmFit, at_speed
+from batchsim.server.perf.profile import Calibration, DeviceProfile, GemmFit, at_speed
 from batchsim.server.engine.run_config import RunConfig, SchedulerSettings
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session

@@ -260,3 +260,20 @@ def test_size_predicts_the_simulated_sweep_at_batch_1(tmp_path, capsys, model, q
     summary = run_size(tmp_path, "--model", model, *quant, "--mac", mac, "--context", str(int(context)))
     predicted = summary["rows"][0]["decode_tok_s_b1"]
     assert swept["decode_tok_s"] == pytest.approx(predicted, rel=0.02)
+
+
+def test_explain_shows_the_parts_of_the_predicted_step(tmp_path, capsys):
+    summary = run_size(tmp_path, "--model", "llama-3.1-8b", "--quantize", "4", "--mac",
+                       "M2 Max 38c", "--context", "640", "--explain")
+    printed = capsys.readouterr().out
+    assert "Predicted decode step by part" in printed and "attention ms" in printed
+    for r in summary["rows"]:
+        for batch, key, rate in ((1, "parts_b1", "decode_tok_s_b1"),
+                                 (r["max_batch"], "parts_max_batch", "decode_tok_s_max_batch")):
+            parts = r[key]
+            assert sum(v for k, v in parts.items() if k != "total_s") == pytest.approx(parts["total_s"])
+            assert batch / parts["total_s"] == pytest.approx(r[rate])
+        # Batch 1 streams the weights; hundreds of rows make the linear layers FLOP-bound.
+        assert r["parts_b1"]["matmul_s"] == 0 and r["parts_max_batch"]["matmul_s"] > 0
+    plain = run_size(tmp_path, "--model", "llama-3.1-8b", "--quantize", "4", "--mac", "M2 Max 38c")
+    assert "parts_b1" not in plain["rows"][0]  # the contract's keys unchanged without --explain

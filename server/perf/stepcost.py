@@ -43,6 +43,11 @@ class StepTime:
     def as_dict(self) -> dict[str, float]:
         return {**dataclasses.asdict(self), "total_s": self.total_s}
 
+    def shares(self) -> dict[str, float] | None:
+        """Each part's fraction of the total (None for a zero total)."""
+        total = self.total_s
+        return {k: v / total for k, v in dataclasses.asdict(self).items()} if total > 0 else None
+
 
 class Chunk(Protocol):
     """A prefill chunk as the step cost reads it (scheduler.plan.PrefillChunk is one)."""

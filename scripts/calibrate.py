@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from batchsim.server.measure import calibration as cal
     from batchsim.server.platform import env
-    from batchsim.server.perf.costmodel import DeviceProfile
+    from batchsim.server.perf.profile import DeviceProfile
     from batchsim.server.perf.devices import save_profile, user_dir
     from batchsim.server.measure.microbench import cache_limit, measure_bandwidth_gbs, memory_budget_bytes
     from batchsim.server.engine.session import open_session

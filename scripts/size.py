@@ -1,125 +1,25 @@
 """`batchsim size`: per Mac and memory size, how much memory the GPU may use, how many sequences fit
-before the KV cache overruns it (padded vs paged layout), and the roofline decode tok/s. Arithmetic
-only: no model runs and no MLX."""
+before the KV cache overruns it (padded vs paged layout), and the decode tok/s the simulator's
+performance model predicts. The arithmetic lives in server.perf.size_limits; here the flags, the
+table and the plot. No model runs and no MLX."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 from pathlib import Path
 
 import numpy as np
 
-from batchsim.configs import ConfigError
-from batchsim.scheduler.kv_layout import KV_STEP, PAGE_TOKENS, round_up
+from batchsim.scheduler.kv_layout import KV_STEP, PAGE_TOKENS
 from batchsim.scripts.common import (append_jsonl, fmt, gib, out, positive_float, pyplot, save_figure, table,
                             timestamp)
-from batchsim.server.perf import macs
-from batchsim.server.perf.costmodel import compute_dtype, decode_step_s, decode_tok_s
 from batchsim.server.models.loader import spec_for
 from batchsim.server.models.spec import FLOAT_DTYPES, QUANT_BITS, ModelSpec, zoo_names
-from batchsim.workloads.lengths import parse_length
-
-MAX_BATCH_CAP = 4096  # no Mac in the catalog decodes more rows usefully; keeps the search bounded
-FIT_TRIALS = 256  # seeded batches drawn per batch size for a length distribution
-
-
-@dataclasses.dataclass(frozen=True)
-class ContextFit:
-    """Tokens of KV a batch of B sequences occupies, for B = 0..cap, at the fit quantile."""
-
-    label: str  # the context spec as given
-    fixed: bool  # one length for every sequence: each batch size has one exact answer
-    mean_tokens: float  # mean sequence length (KV read per sequence in the tok/s estimate)
-    padded_tokens: np.ndarray  # B x round_up(longest of the B, KV_STEP)
-    paged_tokens: np.ndarray  # sum over the B of round_up(length, PAGE_TOKENS)
-    quantile: float
-    trials: int
-
-
-def context_fit(text: str, max_tokens: int, quantile: float = 0.95, seed: int = 0,
-                cap: int = MAX_BATCH_CAP, trials: int = FIT_TRIALS) -> ContextFit:
-    """Batch i of size B is the first B lengths of trial row i, so bytes grow with B in every trial
-    and the quantile curve is monotone (the max batch is one searchsorted)."""
-    spec = parse_length(text)
-    if spec.dist == "fixed" and spec.upper > max_tokens:
-        raise ConfigError(f"context {spec.upper} exceeds the model's {max_tokens}-token context")
-    n = 1 if spec.dist == "fixed" else trials
-    lengths = spec.sample(n * cap, np.random.default_rng(seed)).reshape(n, cap)
-    lengths = np.minimum(lengths, max_tokens)  # a server would not admit longer sequences
-    batch = np.arange(1, cap + 1)
-    padded = batch * round_up(np.maximum.accumulate(lengths, axis=1), KV_STEP)
-    paged = np.cumsum(round_up(lengths, PAGE_TOKENS), axis=1)
-
-    def curve(tokens: np.ndarray) -> np.ndarray:
-        # "higher": the value of a drawn batch, never an interpolation between two.
-        q = np.quantile(tokens, quantile, axis=0, method="higher")
-        return np.concatenate([[0], q]).astype(np.int64)
-
-    return ContextFit(text, n == 1, float(lengths.mean()), curve(padded), curve(paged), quantile, n)
-
-
-def max_batch(tokens_curve: np.ndarray, budget_bytes: int, kv_bytes_per_token: int) -> int:
-    """The largest B whose KV bytes fit the budget (0 when not even one sequence fits)."""
-    if budget_bytes <= 0:
-        return 0
-    return int(np.searchsorted(tokens_curve * kv_bytes_per_token, budget_bytes, side="right")) - 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    dtype: str
-    quantize_bits: int | None
-    bandwidth_efficiency: float
-    compute_efficiency: float
-    os_reserve_gb: float
-
-
-def mac_row(spec: ModelSpec, mac: macs.Mac, memory_gb: float, ctx: ContextFit, s: Settings,
-            ws: macs.MetalWorkingSet) -> dict:
-    """One table row: a Mac with `memory_gb` of RAM running `spec` under `s`."""
-    weights = spec.weight_bytes(s.dtype, s.quantize_bits)
-    kv_tok = spec.kv_bytes_per_token(compute_dtype(s.dtype, s.quantize_bits))
-    usable = macs.default_working_set_bytes(memory_gb, ws)
-    raised = macs.raised_working_set_bytes(memory_gb, ws, s.os_reserve_gb)
-    padded, paged, padded_r, paged_r = (
-        max_batch(curve, limit - weights, kv_tok)
-        for limit in (usable, raised) for curve in (ctx.padded_tokens, ctx.paged_tokens)
-    )
-    profile = mac.profile(s.bandwidth_efficiency, s.compute_efficiency)
-    ctx_len = round(ctx.mean_tokens)
-
-    def tok_s(batch: int) -> float | None:
-        if not batch:
-            return None
-        return decode_tok_s(spec, profile, s.dtype, s.quantize_bits, batch, ctx_len)
-
-    return {
-        "chip": mac.chip, "gpu_cores": mac.gpu_cores, "label": mac.label, "memory_gb": memory_gb,
-        "bandwidth_gbs": mac.bw_gbs, "peaks_estimated": mac.estimate,
-        "compute_known": mac.compute_known,
-        "usable_bytes": usable, "usable_bytes_raised": raised, "weight_bytes": weights,
-        "kv_bytes_per_token": kv_tok, "kv_bytes_per_seq": round(ctx.mean_tokens * kv_tok),
-        "max_batch": padded, "max_batch_padded": padded, "max_batch_paged": paged,
-        "max_batch_padded_raised": padded_r, "max_batch_paged_raised": paged_r,
-        "capped": MAX_BATCH_CAP in (padded, paged, padded_r, paged_r),
-        # Fits: the weights and one sequence (the tightest layout) fit.
-        "fits": paged >= 1, "fits_raised": paged_r >= 1,
-        "decode_tok_s_b1": tok_s(1 if paged else 0), "decode_tok_s_max_batch": tok_s(padded),
-        "bound_at_max_batch": _bound(spec, profile, s, padded, ctx_len),
-    }
-
-
-def _bound(spec: ModelSpec, profile, s: Settings, batch: int, ctx_len: int) -> str | None:
-    """Which roofline term sets the step time: compare with the same profile at infinite FLOP/s."""
-    if not batch:
-        return None
-    args = (s.dtype, s.quantize_bits, batch, batch * ctx_len)
-    bw_only = dataclasses.replace(profile, peak_tflops={k: math.inf for k in profile.peak_tflops})
-    t, t_bw = decode_step_s(spec, profile, *args), decode_step_s(spec, bw_only, *args)
-    return "compute" if t > t_bw * (1 + 1e-9) else "bandwidth"
-
+from batchsim.server.perf import macs
+from batchsim.server.perf.size_limits import (FIT_TRIALS, MAX_BATCH_CAP, ContextFit, Settings,
+                                              context_fit, mac_row)
+from batchsim.server.perf.stepcost import StepTime
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-3.1-8b", help=f"zoo model ({', '.join(zoo_names())}), a model directory, or a hub id")
@@ -150,6 +50,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compute-efficiency", type=_fraction, default=None,
                    help="achievable fraction of peak FLOP/s (default: the median F16 prompt "
                         "rate in #4167)")
+    p.add_argument("--explain", action="store_true",
+                   help="also print the predicted decode step's parts (weights, matmul, attention, "
+                        "elementwise, fixed, overhead) at batch 1 and at the max batch; the JSON "
+                        "rows gain parts_b1 and parts_max_batch (seconds)")
     p.add_argument("--out", type=Path, default=Path("results"),
                    help="directory for size.jsonl and the PNG")
 
@@ -171,9 +75,11 @@ def run(args: argparse.Namespace) -> dict:
     meta = _meta(args, spec, catalog, ctx)
     s = Settings(args.dtype, args.quantize, meta["bandwidth_efficiency"],
                  meta["compute_efficiency"], meta["os_reserve_gb"])
-    rows = [mac_row(spec, m, gb, ctx, s, ws)
+    rows = [mac_row(spec, m, gb, ctx, s, ws, explain=args.explain)
             for m in chosen for gb in ([args.memory_gb] if args.memory_gb else m.mem_gb)]
     _print(rows, meta, spec)
+    if args.explain:
+        _print_parts(rows, meta)
     tag = f"{spec.name}-{f'q{args.quantize}' if args.quantize else args.dtype}"
     stamp = timestamp()
     jsonl = append_jsonl(args.out / "size.jsonl",
@@ -205,7 +111,8 @@ def _meta(args: argparse.Namespace, spec: ModelSpec, catalog: macs.Catalog,
         "bandwidth_efficiency": bw_eff, "bandwidth_efficiency_source": bw_src,
         "compute_efficiency": cmp_eff, "compute_efficiency_source": cmp_src,
         "max_batch_is": "padded layout (mlx-lm BatchKVCache, batchsim's executor), default limit",
-        "decode_tok_s_context": "KV read per sequence = the mean context; batch = max_batch",
+        "decode_tok_s_context": "the simulator's pure-decode step, each row reading the mean "
+                                "context; batch = max_batch",
     }
 
 
@@ -236,7 +143,8 @@ def _notes(rows: list[dict], meta: dict, what: str) -> list[str]:
         f"Distribution: max batch = the largest B whose p{meta['fit_quantile'] * 100:g} KV bytes "
         f"over {meta['fit_trials']} seeded batches fit; mean context "
         f"{meta['context_mean_tokens']:.0f}.",
-        f"Decode tok/s: roofline at the mean context; max batch = the padded one. Bandwidth "
+        f"Decode tok/s: the simulator's step cost at the mean context (`batchsim sweep "
+        f"--executor sim` predicts the same); max batch = the padded one. Bandwidth "
         f"efficiency {meta['bandwidth_efficiency']:.2f} ({meta['bandwidth_efficiency_source']}); "
         f"compute efficiency {meta['compute_efficiency']:.2f}.",
     ]
@@ -250,6 +158,27 @@ def _notes(rows: list[dict], meta: dict, what: str) -> list[str]:
                      + (f"; with iogpu.wired_limit_mb raised: {', '.join(raised)}." if raised
                         else ", nor with iogpu.wired_limit_mb raised."))
     return notes
+
+
+PARTS = tuple(f.name for f in dataclasses.fields(StepTime)) + ("total_s",)
+
+
+def _print_parts(rows: list[dict], meta: dict) -> None:
+    """The predicted decode step, part by part, in ms: one line per Mac, memory size and batch."""
+    body = []
+    for r in rows:
+        for batch, key in ((1, "parts_b1"), (r["max_batch"], "parts_max_batch")):
+            parts = r[key]
+            if parts is not None:
+                body.append([f"{r['label']} {r['memory_gb']:g}GB", batch]
+                            + [1e3 * parts[p] for p in PARTS] + [batch / parts["total_s"]])
+    cols = ["Mac", "batch"] + [p.removesuffix("_s").replace("_", " ") + " ms" for p in PARTS] + ["tok/s"]
+    out.print(table(f"Predicted decode step by part, context {meta['context']} (mean "
+                    f"{meta['context_mean_tokens']:.0f} tokens read per row)", cols, body))
+    out.print("weights: linear layers streaming their weights (bandwidth-bound ones on a roofline); "
+              "matmul: their arithmetic (compute-bound ones); attention: K/V reads; elementwise: "
+              "norms, activations, logits; fixed and step overhead: per forward pass and per "
+              "engine step (zero on a catalog Mac); copy: KV pool copies (none in steady decode).")
 
 
 def _weights_tag(meta: dict) -> str:
@@ -278,7 +207,7 @@ def _plot(rows: list[dict], meta: dict, path: Path) -> Path:
         ax.barh(y + dy, [r[key] or 0 for r in rows], 0.4, label=label)
         ax.legend(loc="lower right")
     ax_b.set_xlabel("max concurrent sequences (default Metal limit)")
-    ax_t.set_xlabel("predicted decode tok/s (roofline)")
+    ax_t.set_xlabel("predicted decode tok/s (the simulator's step cost)")
     ax_b.set_yticks(y, [f"{r['label']} {r['memory_gb']:g}GB" for r in rows], fontsize=7)
     ax_b.invert_yaxis()
     fig.suptitle(f"{meta['model']} {_weights_tag(meta)}, context {meta['context']}")

@@ -226,6 +226,10 @@ def _print(rows: list[dict], meta: dict, verdict: dict) -> None:
               "seat and token budget free (held back by KV memory); active: MLX's active bytes "
               "after a step (mlx); peak: MLX's peak, activations included (mlx), else weights + "
               "peak KV.")
+    width = sweep_math.mean_decode_width(meta["prompt_len"], meta["output_len"])
+    out.print(f"Pure-decode steps read {width:g} tokens per row on average (prompt + output / 2): "
+              f"`batchsim size --context {width:g}` predicts the simulator's decode tok/s at that "
+              "context from the same step cost.")
 
 
 def _mib(nbytes: int | None) -> float | None:

@@ -24,6 +24,8 @@ METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "p99_ttft_ms", "
 EXTRA = ("max_batch_size",)
 # The cost model's error on the real runs' own steps (each real plan timed by the simulator too).
 STEP = "step_time_err"
+# What those predicted steps were made of: each part's share of their time (weights, attention, ...).
+PARTS = "step_parts_share"
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -46,7 +48,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from batchsim.server.measure.calibration import device_id, device_speed, mean_by_key
-    from batchsim.server.perf.costmodel import at_speed
+    from batchsim.server.perf.profile import at_speed
     from batchsim.server.perf.devices import resolve_profile, save_profile
     from batchsim.server.engine.session import open_session
     from batchsim.server.perf.shadow import ShadowTimer
@@ -79,12 +81,14 @@ def run(args: argparse.Namespace) -> dict:
     if earlier is not None:
         kept = ("repeat_abs_dev", "real_runs", "case_spec", "real_run_dir")
         rows = [_compare(c["name"], earlier["cases"][c["name"]]["measured"], predicted[c["name"]])
-                | {k: earlier["cases"][c["name"]].get(k) for k in kept} | {STEP: None} for c in cases]
+                | {k: earlier["cases"][c["name"]].get(k) for k in kept} | {STEP: None, PARTS: None}
+                for c in cases]
         return _finish(args, rows, profile, calibrated_on, here, real, out_dir,
                        repeats=earlier["repeats"], measured_from=args.measured_from)
     probe = _speed_probe(profile, real.dtype)
     runs: dict[str, list[dict]] = {c["name"]: [] for c in cases}
     speeds: dict[str, list[float]] = {c["name"]: [] for c in cases}
+    shadows: dict[str, list] = {c["name"]: [] for c in cases}
     total = len(cases) * args.repeats
     for rep in range(args.repeats):
         for i, case in enumerate(cases):
@@ -94,6 +98,7 @@ def run(args: argparse.Namespace) -> dict:
             shadow = ShadowTimer(sim.executor.cost)
             measured = _run(real.with_config(configs[name]), out_dir, f"{name}-real{rep + 1}", shadow)
             measured[STEP] = shadow.error()
+            shadows[name].append(shadow)
             speed = device_speed(mean_by_key(before, probe()))
             if speed is not None:
                 speeds[name].append(speed)
@@ -109,6 +114,7 @@ def run(args: argparse.Namespace) -> dict:
         row = _compare(name, median, predicted[name]) | _repeat_stats(runs[name], median) | {"case_spec": case}
         steps = [r[STEP] for r in runs[name] if r[STEP] is not None]
         row[STEP] = float(np.median(steps)) if steps else None
+        row[PARTS] = _part_shares(shadows[name])
         if speeds[name]:  # the same simulation on the device as probed around this case's runs
             row["device_speed"] = speed = float(np.exp(np.mean(np.log(speeds[name]))))
             row["device_speed_runs"] = speeds[name]
@@ -133,6 +139,13 @@ def _finish(args, rows: list[dict], profile, calibrated_on: str, here: str, real
     _print(rows, summary)
     append_jsonl(Path(args.out) / "validate.jsonl", [summary])
     return summary
+
+
+def _part_shares(shadows: list) -> dict[str, float] | None:
+    """Each part's share of the predicted time of every real step of a case's runs."""
+    if not shadows:
+        return None
+    return sum((x.parts for x in shadows[1:]), shadows[0].parts).shares()
 
 
 def _earlier_validation(path: Path, model: str, cases: list[dict]) -> dict:
@@ -290,13 +303,15 @@ def _step_stats(errs: list[float | None]) -> dict | None:
 
 def _print(rows: list[dict], summary: dict) -> None:
     cols = (["case"] + [f"{m} err %" for m in METRICS] + ["step time err %"]
-            + ["peak batch real/sim", "device speed (probe)", "tok/s err % at probed speed"])
+            + ["peak batch real/sim", "device speed (probe)", "tok/s err % at probed speed",
+               "predicted step: largest parts"])
     body = [[r["case"]] + [100 * r["error"][m] for m in METRICS] + [_pct(r[STEP])]
             + [f"{r['measured']['max_batch_size']:g}/{r['predicted']['max_batch_size']}",
                f"x{r['device_speed']:.2f}" if "device_speed" in r else "n/a",
-               100 * r["at_probed_speed"]["output_throughput"] if "at_probed_speed" in r else ""]
+               100 * r["at_probed_speed"]["output_throughput"] if "at_probed_speed" in r else "",
+               _largest_parts(r.get(PARTS))]
             for r in rows]
-    step, blank = summary[STEP] or {}, ["", "", ""]
+    step, blank = summary[STEP] or {}, ["", "", "", ""]
     body.append(["median |err|"] + [100 * summary["median_abs_err"][m] for m in METRICS]
                 + [_pct(step.get("median_abs"))] + blank)
     body.append(["max |err|"] + [100 * summary["max_abs_err"][m] for m in METRICS]
@@ -317,7 +332,8 @@ def _print(rows: list[dict], summary: dict) -> None:
                   "median': how far a single real run falls from that median, the machine's own noise.")
     err.print("'step time': the simulator's time for each step a real run executed (its own plans, "
               "executor time only) against the measured time; the rest of an error is what queueing "
-              "makes of it.")
+              "makes of it. 'largest parts': what that predicted time was made of (step_parts_share "
+              "in the JSON).")
     if adj:
         err.print("'at probed speed': the same simulation with the device scaled to the speed the "
                   "probe (real steps of a calibration model) measured around each case's runs.")
@@ -326,6 +342,14 @@ def _print(rows: list[dict], summary: dict) -> None:
         err.print(f"[yellow]the device ran at x{lo_hi[0]:.2f}-x{lo_hi[1]:.2f} of its calibrated "
                   "speed: errors that large are the machine drifting, not the model. Recalibrate "
                   "right before validating, on a quiet machine.[/yellow]")
+
+
+def _largest_parts(shares: dict[str, float] | None, count: int = 2) -> str:
+    """"weights 61%, attention 22%": the parts of the predicted step time that matter most."""
+    if not shares:
+        return ""
+    top = sorted(shares.items(), key=lambda kv: -kv[1])[:count]
+    return ", ".join(f"{k.removesuffix('_s')} {100 * v:.0f}%" for k, v in top)
 
 
 def _pct(x: float | None) -> float | str:

@@ -160,6 +160,9 @@ def test_validate_contract_on_the_tiny_model(batchsim_home, tmp_path):
         # The cost model on the real runs' own steps, and on them at the probed speed.
         assert case["at_probed_speed"]["step_time_err"] == pytest.approx(
             (1 + case["step_time_err"]) / case["device_speed"] - 1)
+        # What the predicted steps were made of: shares of one total, copies included.
+        shares = case["step_parts_share"]
+        assert sum(shares.values()) == pytest.approx(1.0) and shares["weights_s"] > 0
         # Same requests, same scheduler: peak batch is decided by policy, not timing.
         assert case["measured"]["max_batch_size"] == case["predicted"]["max_batch_size"]
     assert summary["cases"][1]["measured"]["max_batch_size"] == 4
@@ -178,6 +181,7 @@ def test_validate_contract_on_the_tiny_model(batchsim_home, tmp_path):
     for before, after in zip(summary["cases"], rescored["cases"]):
         assert after["measured"] == before["measured"] and after["error"] == before["error"]
         assert after["real_runs"] == before["real_runs"] and after["step_time_err"] is None
+        assert after["step_parts_share"] is None  # no real steps to split
     assert not list((Path(rescored["run_dir"])).glob("*-real*"))
     matrix.write_text(matrix.read_text().replace("fixed:6", "fixed:7"))
     changed = batchsim(*args, "--measured-from", str(tmp_path / "results" / "validate.jsonl"),

@@ -12,7 +12,7 @@ import pytest
 
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.measure import calibration as cal
-from batchsim.server.perf.costmodel import Calibration, DeviceProfile, GemmFit, at_speed
+from batchsim.server.perf.profile import Calibration, DeviceProfile, GemmFit, at_speed
 from batchsim.server.engine.run_config import RunConfig, SchedulerSettings
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
@@ -224,6 +224,11 @@ def test_shadow_timer_times_each_executed_plan_as_the_simulator_would(shadow_spe
     assert sum(s.num_preemptions for s in steps) == 0 and shadow.sim.rows == session.executor.rows
     assert shadow.predicted_s == pytest.approx([m / shadow_speed for m in shadow.measured_s], rel=1e-9)
     assert shadow.error() == pytest.approx(1 / shadow_speed - 1, abs=1e-9)
+    # `validate`'s parts: the same predicted time, split; the pool's joins show up as copies.
+    assert shadow.parts.total_s == pytest.approx(sum(shadow.predicted_s), rel=1e-9)
+    shares = shadow.parts.shares()
+    assert sum(shares.values()) == pytest.approx(1.0)
+    assert all(shares[k] > 0 for k in ("weights_s", "matmul_s", "attention_s", "copy_s", "fixed_s"))
 
 
 def test_speed_probe_points_are_calibration_grid_points(tiny):

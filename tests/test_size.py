@@ -14,7 +14,7 @@ from batchsim.configs import ConfigError
 from batchsim.scheduler.kv_layout import padded_batch_bytes, paged_bytes
 from batchsim.scripts import size
 from batchsim.scripts.common import dumps
-from batchsim.server.perf import macs
+from batchsim.server.perf import macs, size_limits
 from batchsim.server.models.spec import zoo_spec
 
 GIB = 1 << 30
@@ -26,12 +26,12 @@ def catalog() -> macs.Catalog:
     return macs.load_catalog()
 
 
-def settings(catalog, quantize_bits=None, dtype="float16", reserve=None) -> size.Settings:
+def settings(catalog, quantize_bits=None, dtype="float16", reserve=None) -> size_limits.Settings:
     bw, _ = macs.bandwidth_efficiency(catalog, macs.weight_format(quantize_bits))
     cmp, _ = macs.compute_efficiency(catalog)
     ws = catalog.metal_working_set
     reserve = ws.os_reserve_gb if reserve is None else reserve
-    return size.Settings(dtype, quantize_bits, bw, cmp, reserve)
+    return size_limits.Settings(dtype, quantize_bits, bw, cmp, reserve)
 
 
 def one_mac(catalog, label: str) -> macs.Mac:
@@ -42,8 +42,8 @@ def one_mac(catalog, label: str) -> macs.Mac:
 def row_for(catalog, model: str, label: str, memory_gb: float, context: str = "4096",
             quantize_bits: int | None = None) -> dict:
     spec = zoo_spec(model)
-    ctx = size.context_fit(context, spec.max_context)
-    return size.mac_row(spec, one_mac(catalog, label), memory_gb, ctx,
+    ctx = size_limits.context_fit(context, spec.max_context)
+    return size_limits.mac_row(spec, one_mac(catalog, label), memory_gb, ctx,
                         settings(catalog, quantize_bits), catalog.metal_working_set)
 
 
@@ -91,20 +91,20 @@ def test_kv_bytes_per_sequence_llama_8b_fp16(catalog):
 
 def test_max_batch_padded_vs_paged_fixed_context():
     # L=300: padded rows hold round_up(300, 256)=512 tokens, pages round_up(300, 16)=304.
-    ctx = size.context_fit("300", 131072)
+    ctx = size_limits.context_fit("300", 131072)
     budget = GIB
-    assert size.max_batch(ctx.padded_tokens, budget, KV_8B_FP16) == 16  # 2^30 / (512 x 2^17)
-    assert size.max_batch(ctx.paged_tokens, budget, KV_8B_FP16) == 26  # floor(2^30 / (304 x 2^17))
+    assert size_limits.max_batch(ctx.padded_tokens, budget, KV_8B_FP16) == 16  # 2^30 / (512 x 2^17)
+    assert size_limits.max_batch(ctx.paged_tokens, budget, KV_8B_FP16) == 26  # floor(2^30 / (304 x 2^17))
     kvt = KV_8B_FP16
     assert padded_batch_bytes([300] * 16, kvt) <= budget < padded_batch_bytes([300] * 17, kvt)
     assert paged_bytes([300] * 26, kvt) <= budget < paged_bytes([300] * 27, kvt)
-    assert size.max_batch(ctx.padded_tokens, 512 * KV_8B_FP16 - 1, KV_8B_FP16) == 0
-    assert size.max_batch(ctx.padded_tokens, -5, KV_8B_FP16) == 0
+    assert size_limits.max_batch(ctx.padded_tokens, 512 * KV_8B_FP16 - 1, KV_8B_FP16) == 0
+    assert size_limits.max_batch(ctx.padded_tokens, -5, KV_8B_FP16) == 0
 
 
 def test_max_batch_is_capped():
-    ctx = size.context_fit("16", 131072)
-    assert size.max_batch(ctx.paged_tokens, 1 << 50, 1) == size.MAX_BATCH_CAP
+    ctx = size_limits.context_fit("16", 131072)
+    assert size_limits.max_batch(ctx.paged_tokens, 1 << 50, 1) == size_limits.MAX_BATCH_CAP
 
 
 def test_row_budget_is_usable_minus_weights(catalog):
@@ -126,9 +126,9 @@ def test_model_that_does_not_fit(catalog):
 
 
 def test_distribution_fit_is_seeded_and_padded_le_paged():
-    a = size.context_fit("lognormal:2000:1500:8192", 131072, seed=7)
-    b = size.context_fit("lognormal:2000:1500:8192", 131072, seed=7)
-    c = size.context_fit("lognormal:2000:1500:8192", 131072, seed=8)
+    a = size_limits.context_fit("lognormal:2000:1500:8192", 131072, seed=7)
+    b = size_limits.context_fit("lognormal:2000:1500:8192", 131072, seed=7)
+    c = size_limits.context_fit("lognormal:2000:1500:8192", 131072, seed=8)
     assert np.array_equal(a.padded_tokens, b.padded_tokens)
     assert np.array_equal(a.paged_tokens, b.paged_tokens)
     assert not np.array_equal(a.paged_tokens, c.paged_tokens)
@@ -136,25 +136,25 @@ def test_distribution_fit_is_seeded_and_padded_le_paged():
         assert np.all(np.diff(curve) >= 0)  # what makes one searchsorted the max batch
     assert np.all(a.padded_tokens >= a.paged_tokens)
     for budget in (GIB, 8 * GIB, 40 * GIB):
-        padded = size.max_batch(a.padded_tokens, budget, KV_8B_FP16)
-        paged = size.max_batch(a.paged_tokens, budget, KV_8B_FP16)
+        padded = size_limits.max_batch(a.padded_tokens, budget, KV_8B_FP16)
+        paged = size_limits.max_batch(a.paged_tokens, budget, KV_8B_FP16)
         assert 0 < padded < paged
     assert 1800 < a.mean_tokens < 2200
 
 
 def test_degenerate_distribution_matches_fixed():
-    fixed = size.context_fit("300", 131072)
-    dist = size.context_fit("uniform:300:300", 131072)
-    assert dist.trials == size.FIT_TRIALS and not dist.fixed
+    fixed = size_limits.context_fit("300", 131072)
+    dist = size_limits.context_fit("uniform:300:300", 131072)
+    assert dist.trials == size_limits.FIT_TRIALS and not dist.fixed
     assert np.array_equal(fixed.padded_tokens, dist.padded_tokens)
     assert np.array_equal(fixed.paged_tokens, dist.paged_tokens)
 
 
 def test_fit_quantile_is_a_drawn_batch():
     # Lengths in [100, 300]: one sequence pads to 256 or 512 tokens; 22% exceed 256, so p95 is 512.
-    ctx = size.context_fit("uniform:100:300", 131072, quantile=0.95)
+    ctx = size_limits.context_fit("uniform:100:300", 131072, quantile=0.95)
     assert ctx.padded_tokens[1] == 512
-    assert size.context_fit("uniform:100:300", 131072, quantile=0.5).padded_tokens[1] == 256
+    assert size_limits.context_fit("uniform:100:300", 131072, quantile=0.5).padded_tokens[1] == 256
 
 
 def test_efficiency_derived_from_4167(catalog):
@@ -168,12 +168,20 @@ def test_efficiency_derived_from_4167(catalog):
 
 
 def test_decode_tok_s_batch_1_by_hand(catalog):
+    # Batch 1 on a roofline is bandwidth-bound: every linear layer streams its 4-bit weights (0.5 B
+    # + fp16 scale and bias per 64) and its activations, attention reads 4096 tokens of K/V, and
+    # the elementwise ops move their bytes, all at the achievable bandwidth.
+    spec = zoo_spec("llama-3.1-8b")
     row = row_for(catalog, "llama-3.1-8b", "M2 Ultra 76c", 192, quantize_bits=4)
     eff = macs.bandwidth_efficiency(catalog, "Q4_0")[0]
-    weights = zoo_spec("llama-3.1-8b").weight_bytes("float16", 4)
-    moved = weights + 4097 * KV_8B_FP16  # weights + KV read + one KV write
-    assert row["decode_tok_s_b1"] == pytest.approx(800e9 * eff / moved)
+    linear = [(k * n * (0.5 + 4 / 64) + (k + n) * 2) for n, k in spec.layer_linear_shapes]
+    head = spec.hidden_size * spec.vocab_size * (0.5 + 4 / 64) + (spec.hidden_size + spec.vocab_size) * 2
+    per_layer = 6 * spec.hidden_size + 3 * spec.intermediate_size + 2 * 48 * 128  # 32 + 2 x 8 heads
+    elementwise = spec.num_layers * per_layer * 2 + spec.vocab_size * 4
+    moved = sum(linear) * spec.num_layers + head + 4096 * KV_8B_FP16 + elementwise
+    assert row["decode_tok_s_b1"] == pytest.approx(800e9 * eff / moved, rel=1e-12)
     assert row["decode_tok_s_max_batch"] > row["decode_tok_s_b1"]
+    assert row["bound_at_max_batch"] == "compute"  # hundreds of rows share each weight
 
 
 def test_unknown_peak_predicts_from_bandwidth_only(catalog):
@@ -226,4 +234,46 @@ def test_command_memory_override_and_no_fit(tmp_path, capsys):
 
 def test_context_longer_than_model_is_an_error():
     with pytest.raises(ConfigError, match="exceeds"):
-        size.context_fit("200000", 131072)
+        size_limits.context_fit("200000", 131072)
+
+
+@pytest.mark.parametrize("model,quantize,mac,prompt,output", [
+    ("llama-3.1-8b", "4", "M5 Max 40c", 512, 256),  # no public FLOP/s peak: bandwidth only
+    ("qwen3-8b", "4", "M2 Max 38c", 3968, 256),
+    ("llama-3.2-1b", None, "M4 Pro 20c", 192, 64),
+])
+def test_size_predicts_the_simulated_sweep_at_batch_1(tmp_path, capsys, model, quantize, mac,
+                                                      prompt, output):
+    """One performance model: `size` at batch 1 is what `sweep --executor sim` measures on the
+    same Mac, model, weights and context (the sweep's mean decode width), within 2%."""
+    from batchsim.scripts.cli import main
+    from batchsim.server.perf.sweep_limits import mean_decode_width
+
+    # Both in float16 (sweep's "auto" is the host backend's dtype: float32 on this CPU).
+    quant = ["--dtype", "float16"] + (["--quantize", quantize] if quantize else [])
+    assert main(["sweep", "--executor", "sim", "--device-profile", mac, "--model", model, *quant,
+                 "--batches", "1", "--prompt-len", str(prompt), "--output-len", str(output),
+                 "--no-progress", "--out", str(tmp_path), "--runs-dir", str(tmp_path)]) == 0
+    swept = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"][0]
+    context = mean_decode_width(prompt, output)
+    assert context == int(context)
+    summary = run_size(tmp_path, "--model", model, *quant, "--mac", mac, "--context", str(int(context)))
+    predicted = summary["rows"][0]["decode_tok_s_b1"]
+    assert swept["decode_tok_s"] == pytest.approx(predicted, rel=0.02)
+
+
+def test_explain_shows_the_parts_of_the_predicted_step(tmp_path, capsys):
+    summary = run_size(tmp_path, "--model", "llama-3.1-8b", "--quantize", "4", "--mac",
+                       "M2 Max 38c", "--context", "640", "--explain")
+    printed = capsys.readouterr().out
+    assert "Predicted decode step by part" in printed and "attention ms" in printed
+    for r in summary["rows"]:
+        for batch, key, rate in ((1, "parts_b1", "decode_tok_s_b1"),
+                                 (r["max_batch"], "parts_max_batch", "decode_tok_s_max_batch")):
+            parts = r[key]
+            assert sum(v for k, v in parts.items() if k != "total_s") == pytest.approx(parts["total_s"])
+            assert batch / parts["total_s"] == pytest.approx(r[rate])
+        # Batch 1 streams the weights; hundreds of rows make the linear layers FLOP-bound.
+        assert r["parts_b1"]["matmul_s"] == 0 and r["parts_max_batch"]["matmul_s"] > 0
+    plain = run_size(tmp_path, "--model", "llama-3.1-8b", "--quantize", "4", "--mac", "M2 Max 38c")
+    assert "parts_b1" not in plain["rows"][0]  # the contract's keys unchanged without --explain

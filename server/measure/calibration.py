@@ -20,7 +20,7 @@ from batchsim.scheduler.kv_layout import KV_STEP, PoolGeometry, round_up
 from batchsim.scheduler.plan import StepPlan
 from batchsim.scheduler.request import Request, SamplingParams
 from batchsim.scheduler.scheduler import Scheduler
-from batchsim.server.perf.costmodel import Calibration, GemmFit
+from batchsim.server.perf.profile import Calibration, GemmFit
 from batchsim.server.executors.mlx_executor import MLXExecutor, SeqState
 from batchsim.server.measure.microbench import median_time_s, working_set_bytes
 from batchsim.server.models.spec import ModelSpec

@@ -162,12 +162,6 @@ class ModelSpec:
         """K and V of one token across all layers: 2 x layers x kv_heads x head_dim x bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(dtype)
 
-    def decode_flops_per_token(self, context_len: int) -> int:
-        """Matmul FLOPs to produce one token with `context_len` tokens already cached."""
-        dense = 2 * (self.num_matmul_params_per_layer * self.num_layers + self.num_lm_head_params)
-        attention = 4 * self.num_layers * self.num_heads * self.head_dim * context_len
-        return dense + attention
-
     def summary(self) -> dict[str, Any]:
         return {
             "name": self.name,

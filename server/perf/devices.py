@@ -14,7 +14,7 @@ from batchsim.configs import CONFIG_DIR
 from batchsim.configs import ConfigError
 
 from batchsim.configs import load_dataclass
-from batchsim.server.perf.costmodel import DeviceProfile
+from batchsim.server.perf.profile import DeviceProfile
 from batchsim.server.results.jsonio import yamlable
 
 SHIPPED_DIR = CONFIG_DIR / "devices"

@@ -1,6 +1,6 @@
 """The Apple silicon catalog (configs/macs.yaml) as frozen dataclasses, the Metal working-set
 arithmetic (how much unified memory the GPU may wire, by default and after raising
-`iogpu.wired_limit_mb`), and a `DeviceProfile` per Mac for server.perf.costmodel. Pure Python: no MLX."""
+`iogpu.wired_limit_mb`), and a roofline `DeviceProfile` per Mac for the cost model. Pure Python: no MLX."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from batchsim.configs import ConfigError
 from batchsim.configs import from_dict
 
 from batchsim.configs import load_yaml
-from batchsim.server.perf.costmodel import DeviceProfile
+from batchsim.server.perf.profile import DeviceProfile
 
 CATALOG_PATH = CONFIG_DIR / "macs.yaml"
 GIB = 1 << 30  # Apple sells RAM in binary gigabytes: a "16 GB" Mac has 16 GiB

@@ -1,16 +1,60 @@
-"""Seconds per forward pass of the real executor's work, from a model's shapes and a device profile.
+"""The performance model: seconds of one engine step from a model's shapes, its weight format and
+a device profile. `size`, `sweep`, `validate` and the simulated executor all ask it.
 
 With a calibrated profile each term is measured on the device: the linear layers from a fitted
 GEMM model, attention per K/V byte (decode) or FLOP (prefill), elementwise ops per byte, and
-fixed costs per layer and per forward pass. Without one (a Mac from the catalog) it falls back to
-the roofline: bytes at the achievable bandwidth vs FLOPs at the achievable matmul rate."""
+fixed costs per layer and per forward pass. Without one (a Mac from the catalog) each linear layer
+is a roofline (its bytes at the achievable bandwidth vs its FLOPs at the achievable matmul rate)
+and the other terms move their bytes at the achievable bandwidth.
+
+`step_time` returns the named parts (`StepTime`); the simulator's fast path (`decode_parts`,
+`prefill_forward_s`) adds up the same building blocks without building them."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from functools import lru_cache
+from typing import Protocol
 
-from batchsim.server.perf.costmodel import Calibration, DeviceProfile, compute_dtype
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
+from batchsim.server.perf.profile import Calibration, DeviceProfile, compute_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """One step's seconds by part; `total_s` is their sum."""
+
+    weights_s: float  # linear layers and lm head streaming their weights (roofline: bytes-bound ones)
+    matmul_s: float  # linear layers and lm head doing arithmetic (roofline: FLOP-bound ones)
+    attention_s: float  # decode: K/V reads (+ scores); prefill: score/value FLOPs, score bytes
+    elementwise_s: float  # norms, RoPE, activations, residuals, logits
+    fixed_s: float  # per layer and per forward pass (op dispatch, graph building)
+    step_overhead_s: float  # the engine's own work per step (scheduling, hand-off, sync)
+    copy_s: float = 0.0  # KV pool copies: joins, compaction, regrowth
+
+    @property
+    def total_s(self) -> float:
+        return sum(dataclasses.astuple(self))
+
+    def __add__(self, other: StepTime) -> StepTime:
+        return StepTime(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    def as_dict(self) -> dict[str, float]:
+        return {**dataclasses.asdict(self), "total_s": self.total_s}
+
+    def shares(self) -> dict[str, float] | None:
+        """Each part's fraction of the total (None for a zero total)."""
+        total = self.total_s
+        return {k: v / total for k, v in dataclasses.asdict(self).items()} if total > 0 else None
+
+
+class Chunk(Protocol):
+    """A prefill chunk as the step cost reads it (scheduler.plan.PrefillChunk is one)."""
+
+    num_tokens: int
+    start: int
+    sample: bool
 
 
 def weight_format(dtype: str, quantize_bits: int | None) -> str:
@@ -45,13 +89,26 @@ class StepCost:
         self.linear_layers_s = lru_cache(maxsize=4096)(self.linear_layers_s)  # per instance
         self._prefill_dense_s = lru_cache(maxsize=8192)(self._prefill_dense_s)
 
-    # -- building blocks -----------------------------------------------------------------------
+    # -- linear layers -------------------------------------------------------------------------
+    def _roofline_terms(self, m: int, k: int, n: int) -> tuple[float, float]:
+        """(seconds moving the bytes, seconds doing the FLOPs) of one (m x k) @ (k x n)."""
+        p = self.profile
+        moved = k * n * weight_bytes_per_element(self.fmt) + m * (k + n) * self.act_bytes
+        return moved / p.bytes_per_s, 2 * m * k * n / p.flops_per_s(self.act_dtype)
+
     def _linear_s(self, m: int, k: int, n: int) -> float:
         if self.gemm is not None:
             return self.gemm.seconds(m, k, n)
-        p = self.profile
-        moved = k * n * weight_bytes_per_element(self.fmt) + m * (k + n) * self.act_bytes
-        return max(moved / p.bytes_per_s, 2 * m * k * n / p.flops_per_s(self.act_dtype))
+        return max(self._roofline_terms(m, k, n))
+
+    def _linear_split(self, m: int, k: int, n: int) -> tuple[float, float]:
+        """_linear_s as (weights_s, matmul_s): the GEMM fit's two terms, or the roofline's
+        binding one."""
+        if self.gemm is not None:
+            weights_ns, flops_ns = self.gemm.terms_ns(m, k, n)
+            return weights_ns * 1e-9, flops_ns * 1e-9
+        moved_s, flops_s = self._roofline_terms(m, k, n)
+        return (moved_s, 0.0) if moved_s >= flops_s else (0.0, flops_s)
 
     def linear_layers_s(self, m: int) -> float:
         """Every linear layer of one forward pass over m rows (lm head excluded)."""
@@ -61,6 +118,14 @@ class StepCost:
     def lm_head_s(self, m: int) -> float:
         return self._linear_s(m, self.spec.hidden_size, self.spec.vocab_size)
 
+    def _linear_parts(self, m: int, lm_head_rows: int) -> tuple[float, float]:
+        """(weights_s, matmul_s) of linear_layers_s(m) + lm_head_s(lm_head_rows)."""
+        s = self.spec
+        layer = [self._linear_split(m, i, o) for o, i in self.layer_shapes]
+        head = self._linear_split(lm_head_rows, s.hidden_size, s.vocab_size) if lm_head_rows else (0.0, 0.0)
+        return tuple(sum(x[j] for x in layer) * s.num_layers + head[j] for j in (0, 1))
+
+    # -- everything else in a forward pass -----------------------------------------------------
     def elementwise_bytes(self, m: int, logits: bool) -> float:
         s = self.spec
         per_layer = 6 * s.hidden_size + 3 * s.intermediate_size + 2 * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
@@ -72,6 +137,10 @@ class StepCost:
         if self.cal is not None:
             return nbytes * self.cal.elementwise_ns_per_byte * 1e-9
         return nbytes / self.profile.bytes_per_s
+
+    def _sampled_logits_s(self) -> float:
+        """What a prefill chunk that samples adds to its elementwise time: one row's logits."""
+        return self._elementwise_s(1, logits=True) - self._elementwise_s(1, False)
 
     def _fixed_s(self) -> float:
         if self.cal is not None:
@@ -87,6 +156,15 @@ class StepCost:
         s = self.spec
         return s.num_layers * batch * s.num_heads * width
 
+    def _decode_attention_per_width_s(self, batch: int) -> float:
+        """Seconds a decode step's attention takes per token of width."""
+        per_width = self.decode_attention_bytes(batch, 1)
+        if self.cal is not None:
+            ns = (per_width * self.cal.attention_decode_ns_per_byte
+                  + self.decode_attention_scores(batch, 1) * self.cal.attention_decode_ns_per_score)
+            return ns * 1e-9
+        return per_width / self.profile.bytes_per_s
+
     def prefill_attention_flops(self, n: int, start: int) -> int:
         s = self.spec
         return 4 * s.num_layers * s.num_heads * s.head_dim * n * (start + n)
@@ -96,17 +174,19 @@ class StepCost:
         s = self.spec
         return s.num_layers * s.num_heads * n * (start + n) * 4
 
-    # -- a forward pass ------------------------------------------------------------------------
+    def _prefill_attention_s(self, n: int, start: int) -> float:
+        flops = self.prefill_attention_flops(n, start)
+        if self.cal is not None:
+            return (flops * self.cal.attention_prefill_ns_per_flop + self.prefill_score_bytes(
+                n, start) * self.cal.attention_prefill_ns_per_score_byte) * 1e-9
+        kv_read = (start + n) * self.kv_bytes_per_token
+        return max(flops / self.profile.flops_per_s(self.act_dtype), kv_read / self.profile.bytes_per_s)
+
+    # -- the simulator's fast path: the same blocks, summed ------------------------------------
     def _decode_parts(self, batch: int) -> tuple[float, float]:
-        """(seconds independent of width, seconds per token of width) for a decode forward."""
         base = (self.linear_layers_s(batch) + self.lm_head_s(batch)
                 + self._elementwise_s(batch, logits=True) + self._fixed_s())
-        per_width = self.decode_attention_bytes(batch, 1)
-        if self.cal is not None:
-            ns = (per_width * self.cal.attention_decode_ns_per_byte
-                  + self.decode_attention_scores(batch, 1) * self.cal.attention_decode_ns_per_score)
-            return base, ns * 1e-9
-        return base, per_width / self.profile.bytes_per_s
+        return base, self._decode_attention_per_width_s(batch)
 
     def decode_parts(self, batch: int) -> tuple[float, float]:
         """(seconds independent of the attention width, seconds per token of width)."""
@@ -119,18 +199,12 @@ class StepCost:
     def _prefill_dense_s(self, n: int, sample: bool) -> float:
         """The part of a prefill chunk that does not depend on its start (no attention)."""
         t = self.linear_layers_s(n) + self._elementwise_s(n, logits=False) + self._fixed_s()
-        if sample:
+        if sample:  # one row's lm head and logits (summed as before, for byte-identical runs)
             t += self.lm_head_s(1) + self._elementwise_s(1, logits=True) - self._elementwise_s(1, False)
         return t
 
     def prefill_forward_s(self, n: int, start: int, sample: bool) -> float:
-        t = self._prefill_dense_s(n, sample)
-        flops = self.prefill_attention_flops(n, start)
-        if self.cal is not None:
-            return t + (flops * self.cal.attention_prefill_ns_per_flop + self.prefill_score_bytes(
-                n, start) * self.cal.attention_prefill_ns_per_score_byte) * 1e-9
-        kv_read = (start + n) * self.kv_bytes_per_token
-        return t + max(flops / self.profile.flops_per_s(self.act_dtype), kv_read / self.profile.bytes_per_s)
+        return self._prefill_dense_s(n, sample) + self._prefill_attention_s(n, start)
 
     def copy_s(self, nbytes: float) -> float:
         gbs = self.cal.copy_gbs if self.cal is not None else self.profile.bandwidth_gbs * self.profile.bandwidth_efficiency / 2
@@ -139,3 +213,28 @@ class StepCost:
     @property
     def step_overhead_s(self) -> float:
         return self.cal.step_overhead_us * 1e-6 if self.cal is not None else 0.0
+
+    # -- the named parts -----------------------------------------------------------------------
+    def decode_time(self, batch: int, width: int) -> StepTime:
+        """One decode forward over `batch` rows padded to `width` cached tokens (no step overhead)."""
+        weights_s, matmul_s = self._linear_parts(batch, batch)
+        return StepTime(weights_s, matmul_s, self._decode_attention_per_width_s(batch) * width,
+                        self._elementwise_s(batch, logits=True), self._fixed_s(), 0.0)
+
+    def prefill_time(self, n: int, start: int, sample: bool) -> StepTime:
+        """One prefill forward of `n` tokens after `start` cached ones (no step overhead)."""
+        weights_s, matmul_s = self._linear_parts(n, 1 if sample else 0)
+        elementwise_s = self._elementwise_s(n, logits=False) + (self._sampled_logits_s() if sample else 0.0)
+        return StepTime(weights_s, matmul_s, self._prefill_attention_s(n, start), elementwise_s,
+                        self._fixed_s(), 0.0)
+
+    def step_time(self, decode_rows: int = 0, width: int = 0, prefills: Iterable[Chunk] = (),
+                  copy_bytes: float = 0.0) -> StepTime:
+        """One engine step: its prefill chunks, a decode forward over `decode_rows` rows padded to
+        `width` tokens, the pool copies before them and the engine's overhead."""
+        total = StepTime(0.0, 0.0, 0.0, 0.0, 0.0, self.step_overhead_s, self.copy_s(copy_bytes))
+        for c in prefills:
+            total += self.prefill_time(c.num_tokens, c.start, c.sample)
+        if decode_rows:
+            total += self.decode_time(decode_rows, width)
+        return total

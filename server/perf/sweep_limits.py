@@ -139,3 +139,11 @@ def point_row(batch: int, summary: dict[str, Any], steps: list[StepRecord],
         "p99_queue_ms": summary["p99_queue_ms"], "completed": summary["completed"],
         "duration_s": summary["duration"], "run_dir": summary["run_dir"],
     }
+
+
+def mean_decode_width(prompt_len: int, output_len: int) -> float:
+    """Mean tokens a sweep request's decode steps read: positions prompt .. prompt + output - 2,
+    each reading itself too (the first output token comes from the prefill). A pure-decode step
+    costs base + per-token x width, so `batchsim size --context` this predicts the sweep's
+    steady decode tok/s."""
+    return prompt_len + output_len / 2

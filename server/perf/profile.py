@@ -1,16 +1,11 @@
-"""Roofline cost of decode and prefill work on a device profile. Pure Python: `size` uses it to
-predict Macs batchsim does not run on, and the simulated executor to time step plans.
-
-A step's time is the larger of moving its bytes (weights read once per forward pass, KV read by
-attention, KV written) at the achievable bandwidth and doing its FLOPs at the achievable matmul
-rate, plus a fixed per-forward overhead."""
+"""What the cost model knows of a device: a roofline (peak bandwidth and matmul rate, the fractions
+of them decode reaches) and, for a calibrated device, the terms `batchsim calibrate` measured.
+The formulas that turn these into seconds live in server.perf.stepcost. Pure Python."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-
-from batchsim.server.models.spec import ModelSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,9 +20,14 @@ class GemmFit:
     weight_ns: dict[int, float]  # weights in the matrix (k*n) -> ns per weight element
     flop_ns: dict[int, float]  # rows m -> ns per FLOP
 
-    def seconds(self, m: int, k: int, n: int) -> float:
+    def terms_ns(self, m: int, k: int, n: int) -> tuple[float, float]:
+        """(ns streaming the weights, ns of arithmetic) of one call."""
         kn = k * n
-        return (_log_interp(self.weight_ns, kn) * kn + _log_interp(self.flop_ns, m) * 2 * m * kn) * 1e-9
+        return _log_interp(self.weight_ns, kn) * kn, _log_interp(self.flop_ns, m) * 2 * m * kn
+
+    def seconds(self, m: int, k: int, n: int) -> float:
+        weights_ns, flops_ns = self.terms_ns(m, k, n)
+        return (weights_ns + flops_ns) * 1e-9
 
 
 def _log_interp(table: dict[int, float], x: int) -> float:
@@ -121,34 +121,3 @@ def at_speed(profile: DeviceProfile, speed: float) -> DeviceProfile:
 def compute_dtype(dtype: str, quantize_bits: int | None) -> str:
     """Quantized weights are multiplied in their scales' dtype (float16 by default)."""
     return "float16" if quantize_bits else dtype
-
-
-def decode_step_s(
-    spec: ModelSpec,
-    profile: DeviceProfile,
-    dtype: str,
-    quantize_bits: int | None,
-    batch: int,
-    kv_read_tokens: int,
-) -> float:
-    """One decode forward over `batch` sequences whose attention reads `kv_read_tokens` cached
-    tokens in all (padded: batch x longest row)."""
-    if batch <= 0:
-        return 0.0
-    kv_tok = spec.kv_bytes_per_token(compute_dtype(dtype, quantize_bits))
-    moved = spec.weight_bytes(dtype, quantize_bits) + kv_read_tokens * kv_tok + batch * kv_tok
-    dense = 2 * batch * (spec.num_matmul_params_per_layer * spec.num_layers + spec.num_lm_head_params)
-    attention = 4 * spec.num_layers * spec.num_heads * spec.head_dim * kv_read_tokens
-    cdt = compute_dtype(dtype, quantize_bits)
-    return max(moved / profile.bytes_per_s, (dense + attention) / profile.flops_per_s(cdt)) + (
-        profile.forward_overhead_s
-    )
-
-
-def decode_tok_s(
-    spec: ModelSpec, profile: DeviceProfile, dtype: str, quantize_bits: int | None, batch: int,
-    context_len: int,
-) -> float:
-    """Steady decode throughput of `batch` sequences at `context_len` tokens each."""
-    step = decode_step_s(spec, profile, dtype, quantize_bits, batch, batch * context_len)
-    return batch / step if step > 0 else 0.0

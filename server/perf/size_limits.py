@@ -1,0 +1,130 @@
+"""Arithmetic of `batchsim size` (pure, no MLX): per Mac and memory size, the memory the GPU may
+use, how many sequences fit before the KV cache overruns it (padded vs paged layout), and the
+decode tok/s the performance model (server.perf.stepcost, the simulator's) predicts at batch 1
+and at the largest batch that fits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from batchsim.configs import ConfigError
+from batchsim.scheduler.kv_layout import KV_STEP, PAGE_TOKENS, round_up
+from batchsim.server.models.spec import ModelSpec
+from batchsim.server.perf import macs
+from batchsim.server.perf.stepcost import StepCost, StepTime
+from batchsim.workloads.lengths import parse_length
+
+MAX_BATCH_CAP = 4096  # no Mac in the catalog decodes more rows usefully; keeps the search bounded
+FIT_TRIALS = 256  # seeded batches drawn per batch size for a length distribution
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextFit:
+    """Tokens of KV a batch of B sequences occupies, for B = 0..cap, at the fit quantile."""
+
+    label: str  # the context spec as given
+    fixed: bool  # one length for every sequence: each batch size has one exact answer
+    mean_tokens: float  # mean sequence length (the decode width of the tok/s estimate)
+    padded_tokens: np.ndarray  # B x round_up(longest of the B, KV_STEP)
+    paged_tokens: np.ndarray  # sum over the B of round_up(length, PAGE_TOKENS)
+    quantile: float
+    trials: int
+
+
+def context_fit(text: str, max_tokens: int, quantile: float = 0.95, seed: int = 0,
+                cap: int = MAX_BATCH_CAP, trials: int = FIT_TRIALS) -> ContextFit:
+    """Batch i of size B is the first B lengths of trial row i, so bytes grow with B in every trial
+    and the quantile curve is monotone (the max batch is one searchsorted)."""
+    spec = parse_length(text)
+    if spec.dist == "fixed" and spec.upper > max_tokens:
+        raise ConfigError(f"context {spec.upper} exceeds the model's {max_tokens}-token context")
+    n = 1 if spec.dist == "fixed" else trials
+    lengths = spec.sample(n * cap, np.random.default_rng(seed)).reshape(n, cap)
+    lengths = np.minimum(lengths, max_tokens)  # a server would not admit longer sequences
+    batch = np.arange(1, cap + 1)
+    padded = batch * round_up(np.maximum.accumulate(lengths, axis=1), KV_STEP)
+    paged = np.cumsum(round_up(lengths, PAGE_TOKENS), axis=1)
+
+    def curve(tokens: np.ndarray) -> np.ndarray:
+        # "higher": the value of a drawn batch, never an interpolation between two.
+        q = np.quantile(tokens, quantile, axis=0, method="higher")
+        return np.concatenate([[0], q]).astype(np.int64)
+
+    return ContextFit(text, n == 1, float(lengths.mean()), curve(padded), curve(paged), quantile, n)
+
+
+def max_batch(tokens_curve: np.ndarray, budget_bytes: int, kv_bytes_per_token: int) -> int:
+    """The largest B whose KV bytes fit the budget (0 when not even one sequence fits)."""
+    if budget_bytes <= 0:
+        return 0
+    return int(np.searchsorted(tokens_curve * kv_bytes_per_token, budget_bytes, side="right")) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    dtype: str
+    quantize_bits: int | None
+    bandwidth_efficiency: float
+    compute_efficiency: float
+    os_reserve_gb: float
+
+
+def mac_cost(spec: ModelSpec, mac: macs.Mac, s: Settings) -> StepCost:
+    """The simulator's step cost on this Mac (what `--device-profile` gives with default efficiencies)."""
+    return StepCost(spec, mac.profile(s.bandwidth_efficiency, s.compute_efficiency), s.dtype,
+                    s.quantize_bits)
+
+
+def decode_step(cost: StepCost, batch: int, context_tokens: int) -> StepTime | None:
+    """A pure-decode step of `batch` rows, each reading `context_tokens` cached tokens (the
+    simulator's width: the new token included). None for batch 0."""
+    return cost.step_time(decode_rows=batch, width=context_tokens) if batch else None
+
+
+def tok_s(step: StepTime | None, batch: int) -> float | None:
+    return batch / step.total_s if step is not None else None
+
+
+def bound(step: StepTime | None) -> str | None:
+    """Which side of the roofline sets the linear layers' time: their FLOPs or their bytes."""
+    if step is None:
+        return None
+    return "compute" if step.matmul_s > step.weights_s else "bandwidth"
+
+
+def mac_row(spec: ModelSpec, mac: macs.Mac, memory_gb: float, ctx: ContextFit, s: Settings,
+            ws: macs.MetalWorkingSet, explain: bool = False) -> dict:
+    """One table row: a Mac with `memory_gb` of RAM running `spec` under `s` (with `explain`,
+    the predicted step's parts at batch 1 and at the max batch too)."""
+    cost = mac_cost(spec, mac, s)
+    weights = spec.weight_bytes(s.dtype, s.quantize_bits)
+    kv_tok = cost.kv_bytes_per_token
+    usable = macs.default_working_set_bytes(memory_gb, ws)
+    raised = macs.raised_working_set_bytes(memory_gb, ws, s.os_reserve_gb)
+    padded, paged, padded_r, paged_r = (
+        max_batch(curve, limit - weights, kv_tok)
+        for limit in (usable, raised) for curve in (ctx.padded_tokens, ctx.paged_tokens)
+    )
+    width = round(ctx.mean_tokens)
+    b1 = 1 if paged else 0
+    step_b1, step_max = decode_step(cost, b1, width), decode_step(cost, padded, width)
+    row = {
+        "chip": mac.chip, "gpu_cores": mac.gpu_cores, "label": mac.label, "memory_gb": memory_gb,
+        "bandwidth_gbs": mac.bw_gbs, "peaks_estimated": mac.estimate,
+        "compute_known": mac.compute_known,
+        "usable_bytes": usable, "usable_bytes_raised": raised, "weight_bytes": weights,
+        "kv_bytes_per_token": kv_tok, "kv_bytes_per_seq": round(ctx.mean_tokens * kv_tok),
+        "max_batch": padded, "max_batch_padded": padded, "max_batch_paged": paged,
+        "max_batch_padded_raised": padded_r, "max_batch_paged_raised": paged_r,
+        "capped": MAX_BATCH_CAP in (padded, paged, padded_r, paged_r),
+        # Fits: the weights and one sequence (the tightest layout) fit.
+        "fits": paged >= 1, "fits_raised": paged_r >= 1,
+        "decode_tok_s_b1": tok_s(step_b1, b1), "decode_tok_s_max_batch": tok_s(step_max, padded),
+        "bound_at_max_batch": bound(step_max),
+    }
+    if explain:
+        row["parts_b1"] = step_b1.as_dict() if step_b1 else None
+        row["parts_max_batch"] = step_max.as_dict() if step_max else None
+    return row

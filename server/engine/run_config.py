@@ -82,7 +82,3 @@ def with_run_overrides(cfg: RunConfig, workload: dict[str, Any], **changes: Any)
     if any(v is not None for v in workload.values()):
         new = dataclasses.replace(new, workload=with_overrides(new.workload, **workload))
     return new
-
-
-def to_dict(cfg: RunConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)

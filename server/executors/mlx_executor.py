@@ -115,7 +115,7 @@ class MLXExecutor:
         self.seqs[new.request_id] = SeqState(list(new.token_ids), new.sampling)
 
     def _join(self, plan: StepPlan) -> None:
-        in_pool = set(self.pool.row_ids)
+        in_pool = self.pool.layout.in_pool
         for rid, pos in zip(plan.decode_ids, plan.decode_positions):
             if rid in in_pool:
                 continue

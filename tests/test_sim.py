@@ -48,9 +48,8 @@ def sim_session(model="tiny", lookahead=True, profile=PROFILE, **cfg):
     spec = cfg.pop("workload", workload())
     rc = RunConfig(model=model, dtype="float32", executor="sim", workload=spec, **cfg)
     ref_session = open_session(dataclasses.replace(rc, executor="fake"))
-    ex = SimExecutor(StepCost(ref_session.spec, profile, "float32", None))
-    if not lookahead:
-        ex.max_lookahead_steps = 1
+    ex = SimExecutor(StepCost(ref_session.spec, profile, "float32", None),
+                     **({} if lookahead else {"max_lookahead_steps": 1}))
     return open_session(rc, executor=ex)
 
 

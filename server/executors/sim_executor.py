@@ -7,16 +7,15 @@ from __future__ import annotations
 
 from batchsim.scheduler.kv_layout import PoolGeometry, private_cache_tokens
 from batchsim.scheduler.plan import StepPlan, StepResult
+from batchsim.server.executors.base import ExecutorCaps
 from batchsim.server.executors.pool_layout import NO_MOVES, PoolLayout
 from batchsim.server.perf.stepcost import StepCost
 
 
 class SimExecutor:
-    name = "sim"
-    needs_token_ids = False
-    max_lookahead_steps = 1 << 16
-
-    def __init__(self, cost: StepCost):
+    def __init__(self, cost: StepCost, max_lookahead_steps: int = 1 << 16):
+        self.caps = ExecutorCaps(real_compute=False, virtual_time=True,
+                                 max_lookahead_steps=max_lookahead_steps, needs_token_ids=False)
         self.cost = cost
         self.kvt = cost.kv_bytes_per_token
         self.overhead_s = cost.step_overhead_s
@@ -103,10 +102,3 @@ class SimExecutor:
                 self._drop_private(rid)
                 t += self.cost.copy_s(pos * self.kvt)
         return t
-
-
-def open_sim_executor(cfg, ref) -> SimExecutor:
-    from batchsim.server.perf.devices import resolve_profile
-
-    profile = resolve_profile(cfg.device_profile, ref.quantize_bits)
-    return SimExecutor(StepCost(ref.spec, profile, ref.dtype, ref.quantize_bits))

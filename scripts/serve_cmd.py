@@ -55,7 +55,6 @@ def run(args: argparse.Namespace) -> dict:
     import asyncio
 
     from batchsim.scripts.common import err
-    from batchsim.server.engine.engine import Engine
     from batchsim.server.http.app import Server, ServeOptions, serve
     from batchsim.server.engine.session import open_session
 
@@ -79,9 +78,8 @@ def run(args: argparse.Namespace) -> dict:
         print(f"{LISTENING}{url}", file=sys.stderr, flush=True)
 
     async def main() -> dict:
-        engine = Engine(session.new_scheduler(), session.executor, on_error="abort")
-        return await serve(Server(engine, session.tokenizer, options), args.host, args.port,
-                           announce)
+        server = Server(session.new_scheduler(), session.executor, session.tokenizer, options)
+        return await serve(server, args.host, args.port, announce)
 
     totals = asyncio.run(main())
     err.print(f"batchsim serve: stopped; {totals['requests']}")

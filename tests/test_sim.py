@@ -220,7 +220,8 @@ def test_shadow_timer_times_each_executed_plan_as_the_simulator_would(shadow_spe
     shadow = ShadowTimer(StepCost(session.spec, at_speed(quiet, shadow_speed), "float32", None))
     steps = run_workload(session, session.config.workload, out_dir=None, label="t", on_step=shadow).steps
     assert len(shadow.measured_s) == len(steps) > 20
-    assert sum(s.num_preemptions for s in steps) == 0 and shadow.sim.layout.row_ids == session.executor.layout.row_ids
+    assert sum(s.num_preemptions for s in steps) == 0
+    assert shadow.sim.layout.row_ids == session.executor.layout.row_ids
     assert shadow.predicted_s == pytest.approx([m / shadow_speed for m in shadow.measured_s], rel=1e-9)
     assert shadow.error() == pytest.approx(1 / shadow_speed - 1, abs=1e-9)
 

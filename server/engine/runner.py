@@ -49,10 +49,10 @@ class _Run:
         self.spec = spec
         self.requests = build_requests(spec)
         self.open_loop = spec.arrival != "closed"
-        self.virtual = session.executor.caps.virtual_time
         arrivals = [r.arrival_s for r in self.requests] if self.open_loop else []
-        self.engine = Engine(session.new_scheduler(), session.executor, virtual_time=self.virtual,
+        self.engine = Engine(session.new_scheduler(), session.executor,
                              arrival_times_s=sorted(arrivals), on_step=on_step)
+        self.virtual = self.engine.virtual_time
         self.interrupted = False
         self.lateness_s: list[float] = []
         tok = session.tokenizer

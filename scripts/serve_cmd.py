@@ -53,7 +53,6 @@ def _config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> dict:
     import asyncio
 
-    from batchsim.server.engine.engine import Engine
     from batchsim.server.http.app import Server, serve
     from batchsim.server.engine.session import open_session
 
@@ -77,9 +76,8 @@ def run(args: argparse.Namespace) -> dict:
         print(f"{LISTENING}{url}", file=sys.stderr, flush=True)
 
     async def main() -> dict:
-        engine = Engine(session.new_scheduler(), session.executor, on_error="abort")
-        return await serve(Server(engine, session.tokenizer, options), args.host, args.port,
-                           announce)
+        server = Server(session.new_scheduler(), session.executor, session.tokenizer, options)
+        return await serve(server, args.host, args.port, announce)
 
     totals = asyncio.run(main())
     err.print(f"batchsim serve: stopped; {totals['requests']}")

@@ -110,15 +110,18 @@ def _run_point(base, budget: int, source: str, batch: int, args: argparse.Namesp
     """B requests at once, max_num_seqs = B, same budget; the row of this batch size."""
     from batchsim.scripts.progress import RunProgress
     from batchsim.server.engine.runner import run_workload
+    from batchsim.server.executors.factory import build_executor
 
     spec = WorkloadSpec(name=f"sweep-b{batch}", num_prompts=batch, request_rate=math.inf,
                         input_len=LengthSpec("fixed", value=args.prompt_len),
                         output_len=LengthSpec("fixed", value=args.output_len), seed=args.seed)
     sched = dataclasses.replace(base.config.scheduler, max_num_seqs=batch)
     cfg = dataclasses.replace(base.config, workload=spec, memory_gb=budget / GIB, scheduler=sched)
-    session = dataclasses.replace(base, config=cfg, executor=_fresh_executor(base, cfg),
+    # A new executor per point (request ids restart at 0); the MLX one shares the loaded model.
+    executor = build_executor(cfg, base.ref, base.model)
+    session = dataclasses.replace(base, config=cfg, executor=executor,
                                   memory_budget_bytes=budget, budget_source=source)
-    active = _ActiveMemory(cfg.executor == "mlx")
+    active = _ActiveMemory(executor.caps.real_compute)
     label = f"{base.ref.name.replace('/', '_')}-sweep-b{batch}-{cfg.executor}"
     with RunProgress(batch, label, enabled=not args.no_progress) as bar:
         def on_step(engine, plan, result) -> None:
@@ -129,17 +132,6 @@ def _run_point(base, budget: int, source: str, batch: int, args: argparse.Namesp
     next_chunk = min(args.prompt_len, sched.prefill_step_size)
     return sweep_math.point_row(batch, outcome.summary, outcome.steps,
                                 sched.max_num_batched_tokens, next_chunk, active.max_active_bytes)
-
-
-def _fresh_executor(base, cfg: RunConfig):
-    """A new executor per point (request ids restart at 0); the MLX one shares the loaded model."""
-    if cfg.executor == "mlx":
-        from batchsim.server.executors.mlx_executor import MLXExecutor
-
-        return MLXExecutor(base.model)
-    from batchsim.server.engine.session import open_session
-
-    return open_session(cfg).executor
 
 
 class _ActiveMemory:
@@ -177,7 +169,7 @@ def _meta(args: argparse.Namespace, base, budget: int, source: str) -> dict:
     kvt = base.kv_bytes_per_token
     return {
         "model": base.ref.name, "dtype": base.dtype, "quantize_bits": base.ref.quantize_bits,
-        "executor": base.executor.name, "prompt_len": args.prompt_len,
+        "executor": base.config.executor, "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "seq_kv_tokens": sweep_math.seq_kv_tokens(args.prompt_len, args.output_len),
         "memory_budget_bytes": budget, "budget_source": source, "weight_bytes": base.weight_bytes,

@@ -26,7 +26,7 @@ class SlowExecutor(FakeExecutor):
 
 class FailingExecutor(FakeExecutor):
     def __init__(self, fail_at: int):
-        super().__init__()
+        super().__init__(virtual_time=True)
         self.calls, self.fail_at = 0, fail_at
 
     def execute(self, plan, max_elapsed_s=float("inf")):
@@ -64,7 +64,7 @@ def test_arrivals_keep_their_timing_while_a_step_computes():
 
 def test_streams_deliver_every_token_then_the_request():
     async def main():
-        engine = Engine(Scheduler(config()), FakeExecutor(), virtual_time=True)
+        engine = Engine(Scheduler(config()), FakeExecutor(virtual_time=True))
         engine.start_clock()
         loop_task = asyncio.create_task(engine.run())
         queue = engine.stream(req(1, out=5))
@@ -84,8 +84,7 @@ def test_streams_deliver_every_token_then_the_request():
 
 def _run_with(executor, on_error: str):
     async def main():
-        engine = Engine(Scheduler(config(max_num_seqs=2)), executor, virtual_time=True,
-                        on_error=on_error)
+        engine = Engine(Scheduler(config(max_num_seqs=2)), executor, on_error=on_error)
         engine.start_clock()
         loop_task = asyncio.create_task(engine.run())
         futures = [engine.add(req(i)) for i in range(4)]
@@ -123,9 +122,9 @@ def test_step_records_describe_each_plan():
         seen.append((plan, result, len(s.running), len(s.waiting)))
 
     async def main():
-        executor = FakeExecutor(step_s=0.01, max_lookahead_steps=8)
+        executor = FakeExecutor(step_s=0.01, max_lookahead_steps=8, virtual_time=True)
         engine = Engine(Scheduler(config(max_num_seqs=2, max_lookahead_steps=8)), executor,
-                        virtual_time=True, on_step=on_step)
+                        on_step=on_step)
         engine.start_clock()
         loop_task = asyncio.create_task(engine.run())
         futures = [engine.add(req(i, prompt=40 + 30 * i, out=6 + i)) for i in range(4)]
@@ -147,3 +146,24 @@ def test_step_records_describe_each_plan():
         assert (st.pool_rows, st.pool_capacity_tokens) == (plan.pool.rows, plan.pool.capacity_tokens)
         assert st.compute_s == pytest.approx(result.elapsed_s)
         assert st.end_s - st.start_s == pytest.approx(result.elapsed_s)
+
+
+def test_the_engine_reports_to_the_recorder_it_is_given():
+    """A server passes its bounded recorder at construction: it sees every arrival and token,
+    and the engine keeps no request of its own."""
+    from batchsim.server.http.prometheus import ServerRecorder
+
+    recorder = ServerRecorder()
+
+    async def main():
+        engine = Engine(Scheduler(config()), FakeExecutor(virtual_time=True), recorder=recorder)
+        engine.start_clock()
+        loop_task = asyncio.create_task(engine.run())
+        await asyncio.gather(*[engine.add(req(i, out=8)) for i in range(3)])
+        engine.stop()
+        await loop_task
+        return engine
+
+    engine = clock.run(main(), virtual=True)
+    assert engine.recorder is recorder and engine.virtual_time
+    assert (recorder.num_arrivals, recorder.generation_tokens, recorder.requests) == (3, 24, {})

@@ -48,9 +48,8 @@ def sim_session(model="tiny", lookahead=True, profile=PROFILE, **cfg):
     spec = cfg.pop("workload", workload())
     rc = RunConfig(model=model, dtype="float32", executor="sim", workload=spec, **cfg)
     ref_session = open_session(dataclasses.replace(rc, executor="fake"))
-    ex = SimExecutor(StepCost(ref_session.spec, profile, "float32", None))
-    if not lookahead:
-        ex.max_lookahead_steps = 1
+    ex = SimExecutor(StepCost(ref_session.spec, profile, "float32", None),
+                     **({} if lookahead else {"max_lookahead_steps": 1}))
     return open_session(rc, executor=ex)
 
 
@@ -221,7 +220,8 @@ def test_shadow_timer_times_each_executed_plan_as_the_simulator_would(shadow_spe
     shadow = ShadowTimer(StepCost(session.spec, at_speed(quiet, shadow_speed), "float32", None))
     steps = run_workload(session, session.config.workload, out_dir=None, label="t", on_step=shadow).steps
     assert len(shadow.measured_s) == len(steps) > 20
-    assert sum(s.num_preemptions for s in steps) == 0 and shadow.sim.rows == session.executor.rows
+    assert sum(s.num_preemptions for s in steps) == 0
+    assert shadow.sim.layout.row_ids == session.executor.layout.row_ids
     assert shadow.predicted_s == pytest.approx([m / shadow_speed for m in shadow.measured_s], rel=1e-9)
     assert shadow.error() == pytest.approx(1 / shadow_speed - 1, abs=1e-9)
     # `validate`'s parts: the same predicted time, split; the pool's joins show up as copies.

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -104,22 +103,3 @@ def build_requests(spec: WorkloadSpec) -> list[RequestSpec]:
     prompt = spec.input_len.sample(n, rng_input)
     output = spec.output_len.sample(n, rng_output)
     return [RequestSpec(i, float(times[i]), int(prompt[i]), int(output[i])) for i in range(n)]
-
-
-def describe_requests(requests: Sequence[RequestSpec]) -> dict[str, float | int]:
-    """A few numbers for a run's summary: how long arrivals span, the offered rate, the lengths."""
-    if not requests:
-        return {"num_requests": 0}
-    last_s = max(r.arrival_s for r in requests)
-    prompt = np.array([r.prompt_len for r in requests])
-    output = np.array([r.output_len for r in requests])
-    return {
-        "num_requests": len(requests),
-        "arrival_span_s": last_s,
-        "offered_rate_req_s": (len(requests) - 1) / last_s if last_s > 0 else math.inf,
-        "prompt_tokens_mean": float(prompt.mean()),
-        "prompt_tokens_max": int(prompt.max()),
-        "output_tokens_mean": float(output.mean()),
-        "output_tokens_max": int(output.max()),
-        "total_tokens": int(prompt.sum() + output.sum()),
-    }

@@ -9,9 +9,10 @@ import bisect
 import concurrent.futures
 import itertools
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from batchsim.scheduler.plan import StepPlan, StepResult
-from batchsim.scheduler.request import Request, RequestStatus
+from batchsim.scheduler.request import Request
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.engine import clock
 from batchsim.server.executors.base import Executor
@@ -20,21 +21,34 @@ from batchsim.server.results.recorder import RunRecorder
 StepHook = Callable[["Engine", StepPlan, StepResult], None]
 
 
+class Recorder(Protocol):
+    """What the engine reports to: RunRecorder (a run's evidence) or a server's bounded counters."""
+
+    requests: dict[int, Request]  # requests kept for inspection (a server keeps none)
+
+    def on_arrival(self, request: Request) -> None: ...
+
+    def on_step(self, plan: StepPlan, result: StepResult, start_s: float,
+                ends_s: Sequence[float], scheduler: Scheduler) -> None: ...
+
+
 class Engine:
     def __init__(
         self,
         scheduler: Scheduler,
         executor: Executor,
         *,
-        virtual_time: bool = False,
+        recorder: Recorder | None = None,
         arrival_times_s: Sequence[float] = (),
         on_step: StepHook | None = None,
         on_error: str = "raise",
     ):
         self.scheduler = scheduler
         self.executor = executor
-        self.virtual_time = virtual_time
-        self.recorder = RunRecorder()
+        # A simulated executor's steps are timed on a virtual clock (clock.run(virtual=True)).
+        self.virtual_time = executor.caps.virtual_time
+        # Every request and step by default; a server passes a bounded one.
+        self.recorder = recorder if recorder is not None else RunRecorder()
         self._arrivals = list(arrival_times_s)  # sorted open-loop arrivals bound simulated lookahead
         self._on_step = on_step
         # "raise": an executor failure ends the run (batchsim run). "abort": the running requests
@@ -46,7 +60,8 @@ class Engine:
         self._wake = asyncio.Event()
         self._done: dict[int, asyncio.Future] = {}
         self._stopping = False
-        self._thread = None if virtual_time else concurrent.futures.ThreadPoolExecutor(1, "executor")
+        self._thread = (None if self.virtual_time
+                        else concurrent.futures.ThreadPoolExecutor(1, "executor"))
         self._streams: dict[int, asyncio.Queue] = {}
 
     def now(self) -> float:
@@ -189,15 +204,8 @@ class Engine:
         if self._thread is not None:
             self._thread.shutdown(wait=True)
 
-    def unfinished(self) -> list[Request]:
-        return [r for r in self.recorder.requests.values() if not r.is_finished]
-
 
 def _cumsum(start: float, durations: Sequence[float]) -> list[float]:
     ends = list(itertools.accumulate(durations, initial=start))
     del ends[0]
     return ends
-
-
-def finished_ok(request: Request) -> bool:
-    return request.status is RequestStatus.FINISHED

@@ -49,10 +49,10 @@ class _Run:
         self.spec = spec
         self.requests = build_requests(spec)
         self.open_loop = spec.arrival != "closed"
-        self.virtual = session.executor.name == "sim"
         arrivals = [r.arrival_s for r in self.requests] if self.open_loop else []
-        self.engine = Engine(session.new_scheduler(), session.executor, virtual_time=self.virtual,
+        self.engine = Engine(session.new_scheduler(), session.executor,
                              arrival_times_s=sorted(arrivals), on_step=on_step)
+        self.virtual = self.engine.virtual_time
         self.interrupted = False
         self.lateness_s: list[float] = []
         tok = session.tokenizer
@@ -62,7 +62,7 @@ class _Run:
     def make_request(self, rs: RequestSpec) -> Request:
         s = self.session
         ids = None
-        if s.executor.needs_token_ids:
+        if s.executor.caps.needs_token_ids:
             ids = prompt_token_ids(self.spec.seed, rs.index, rs.prompt_len, s.spec.vocab_size)
         now = self.engine.now()
         arrival = rs.arrival_s if self.open_loop else now
@@ -125,7 +125,7 @@ def run_workload(
     plans = len(steps)
     summary.update({
         "model": session.ref.name, "dtype": session.dtype, "quantize_bits": session.ref.quantize_bits,
-        "executor": session.executor.name, "workload": spec.name,
+        "executor": cfg.executor, "workload": spec.name,
         "max_num_seqs": cfg.scheduler.max_num_seqs, "memory_budget_bytes": session.memory_budget_bytes,
         "budget_source": session.budget_source, "num_steps": run.engine.scheduler.num_steps,
         "num_plans": plans, "wall_s": wall, "mean_plan_wall_ms": 1e3 * wall / plans if plans else 0.0,
@@ -160,7 +160,7 @@ def _long_lived_heap():
 
 
 def _peak_memory(session: Session) -> int | None:
-    if session.executor.name != "mlx":
+    if not session.executor.caps.real_compute:
         return None
     import mlx.core as mx
 

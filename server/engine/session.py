@@ -11,6 +11,7 @@ from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.platform import env
 from batchsim.server.executors.base import Executor
+from batchsim.server.executors.factory import build_executor
 from batchsim.server.models.loader import ModelRef, resolve
 from batchsim.server.models.spec import ModelSpec
 from batchsim.server.engine.run_config import RunConfig
@@ -51,7 +52,7 @@ class Session:
             prefill_step_size=s.prefill_step_size,
             policy=s.policy,
             row_step=s.row_step,
-            max_lookahead_steps=self.executor.max_lookahead_steps,
+            max_lookahead_steps=self.executor.caps.max_lookahead_steps,
         )
         values.update(overrides)
         try:
@@ -75,7 +76,7 @@ class Session:
     def environment(self) -> dict[str, Any]:
         return env.environment(
             model=self.ref.name, dtype=self.dtype, quantize_bits=self.ref.quantize_bits,
-            executor=self.executor.name,
+            executor=self.config.executor,
         )
 
 
@@ -107,7 +108,7 @@ def open_session(cfg: RunConfig, executor: Executor | None = None) -> Session:
     ref = resolve(cfg.model, dtype, cfg.quantize, build=False)
     kv_dtype = "float16" if ref.quantize_bits else ref.dtype
     if executor is None:
-        executor = _simulated_executor(cfg, ref)
+        executor = build_executor(cfg, ref)
     session = Session(
         cfg, ref, ref.dtype, executor, ref.spec.weight_bytes(ref.dtype, ref.quantize_bits), budget,
         source, ref.spec.kv_bytes_per_token(kv_dtype),
@@ -120,7 +121,6 @@ def _open_mlx(cfg: RunConfig, dtype: str, budget: int, source: str) -> Session:
     from mlx.utils import tree_flatten
 
     from batchsim.server.models.loader import load
-    from batchsim.server.executors.mlx_executor import MLXExecutor
 
     ref = resolve(cfg.model, dtype, cfg.quantize)
     spec = ref.spec
@@ -128,23 +128,12 @@ def _open_mlx(cfg: RunConfig, dtype: str, budget: int, source: str) -> Session:
     if spec.weight_bytes(ref.dtype, ref.quantize_bits) >= budget:
         _raise_no_fit(ref.name, spec.weight_bytes(ref.dtype, ref.quantize_bits), budget, source)
     model, tokenizer = load(ref)
-    executor = MLXExecutor(model)
+    executor = build_executor(cfg, ref, model)
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    kv_per_token = 2 * executor.num_layers * executor.kv_heads * executor.head_dim * executor.dtype.size
     session = Session(cfg, ref, str(executor.dtype).split(".")[-1], executor, weights, budget, source,
-                      kv_per_token, model, tokenizer)
+                      executor.kv_bytes_per_token, model, tokenizer)
     _check_fits(session)
     return session
-
-
-def _simulated_executor(cfg: RunConfig, ref: ModelRef) -> Executor:
-    if cfg.executor == "fake":
-        from batchsim.server.executors.fake_executor import FakeExecutor
-
-        return FakeExecutor(vocab_size=ref.spec.vocab_size)
-    from batchsim.server.executors.sim_executor import open_sim_executor
-
-    return open_sim_executor(cfg, ref)
 
 
 def _check_fits(session: Session) -> None:

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from batchsim.scheduler.plan import StepPlan, StepResult
 
 
-class Executor(Protocol):
-    name: str  # "mlx" | "sim" | "fake"
+@dataclass(frozen=True)
+class ExecutorCaps:
+    """What an executor can do; code asks these, never the executor's kind."""
+
+    # Runs the model on the device: MLX memory statistics describe it, a server can serve it.
+    real_compute: bool
+    # Step durations are predicted, not waited for: the engine advances a virtual clock.
+    virtual_time: bool
     # Pure-decode steps one plan may stand for (1 unless the executor can skip ahead).
     max_lookahead_steps: int
-    # Whether plans must carry token ids (real compute) or only counts (simulation).
+    # Plans must carry token ids (real compute), not only counts (simulation).
     needs_token_ids: bool
+
+
+class Executor(Protocol):
+    caps: ExecutorCaps
 
     def execute(self, plan: StepPlan, max_elapsed_s: float = float("inf")) -> StepResult:
         """Run one plan. A multi-step plan runs the steps that start before `max_elapsed_s` (at

@@ -6,16 +6,18 @@ from __future__ import annotations
 import math
 
 from batchsim.scheduler.plan import StepPlan, StepResult
+from batchsim.server.executors.base import ExecutorCaps
 
 
 class FakeExecutor:
-    name = "fake"
-    needs_token_ids = False
-
-    def __init__(self, step_s: float = 0.0, vocab_size: int = 32000, max_lookahead_steps: int = 1):
+    def __init__(self, step_s: float = 0.0, vocab_size: int = 32000, max_lookahead_steps: int = 1,
+                 virtual_time: bool = False):
+        # Either clock: `batchsim run --executor fake` runs in real time (the engine's own
+        # overhead is what it measures); policy tests skip the waiting.
+        self.caps = ExecutorCaps(real_compute=False, virtual_time=virtual_time,
+                                 max_lookahead_steps=max_lookahead_steps, needs_token_ids=False)
         self.step_s = step_s
         self.vocab_size = vocab_size
-        self.max_lookahead_steps = max_lookahead_steps
         self._kv_bytes = 0
         self.positions: dict[int, int] = {}  # request id -> tokens cached (checks plan consistency)
 

@@ -3,7 +3,8 @@ holding every decoding request, left-aligned (row i's tokens at positions [0, le
 
 Joins copy one request's prefilled cache into a spare row; leaves move the last row into the hole;
 neither copies the whole pool (mlx-lm's BatchKVCache.extend/filter do). Only a geometry change
-(decided by the scheduler, see scheduler.kv_layout) reallocates.
+(decided by the scheduler, see scheduler.kv_layout) reallocates. Which row moves where is decided
+by pool_layout, which the simulator prices; this module applies it to the arrays.
 
 `layer_views()` hands the model one cache object per layer with mlx-lm's cache API (`offset`,
 `update_and_fetch`, `make_mask`, `state`, `nbytes`), so the model's own attention runs unchanged:
@@ -17,6 +18,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
 from batchsim.scheduler.kv_layout import PoolGeometry
+from batchsim.server.executors.pool_layout import PoolLayout
 
 
 class PoolLayerView(_BaseCache):
@@ -53,20 +55,29 @@ class PoolLayerView(_BaseCache):
 
 
 class DecodePool:
+    """The layout (pool_layout.PoolLayout) decides which row moves where; this applies it."""
+
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: mx.Dtype):
         self.num_layers = num_layers
         self.kv_heads = kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self.geometry = PoolGeometry(0, 0)
+        self.layout = PoolLayout(2 * num_layers * kv_heads * head_dim * dtype.size)
         self.keys: list[mx.array] = []
         self.values: list[mx.array] = []
-        self.row_ids: list[int] = []  # request id per occupied row, rows [0, B)
-        self.lengths: list[int] = []  # tokens cached per row
+        self.lengths: list[int] = []  # tokens cached per row, aligned with layout.row_ids
         self._arange_cache: dict[int, mx.array] = {}
 
     def __len__(self) -> int:
-        return len(self.row_ids)
+        return len(self.layout.row_ids)
+
+    @property
+    def row_ids(self) -> list[int]:
+        return self.layout.row_ids
+
+    @property
+    def geometry(self) -> PoolGeometry:
+        return self.layout.geometry
 
     @property
     def nbytes(self) -> int:
@@ -84,53 +95,43 @@ class DecodePool:
     # -- membership ----------------------------------------------------------------------------
     def remove(self, request_ids: set[int]) -> None:
         """Drop rows; fill holes below the new row count with the surviving rows above it."""
-        keep_b = len(self.row_ids) - sum(1 for r in self.row_ids if r in request_ids)
-        holes = [i for i in range(keep_b) if self.row_ids[i] in request_ids]
-        movers = [i for i in range(keep_b, len(self.row_ids)) if self.row_ids[i] not in request_ids]
-        if holes:
-            src, dst = mx.array(movers), mx.array(holes)
+        moves = self.layout.leave(request_ids)
+        if moves.holes:
+            src, dst = mx.array(moves.movers), mx.array(moves.holes)
             moved = [a[src] for a in self.arrays()]
             mx.eval(moved)  # detach from the pool arrays so the scatter below updates them in place
             for a, m in zip(self.arrays(), moved):
                 a[dst] = m
-            for h, m in zip(holes, movers):
-                self.row_ids[h], self.lengths[h] = self.row_ids[m], self.lengths[m]
-        del self.row_ids[keep_b:]
-        del self.lengths[keep_b:]
+            for h, m in zip(moves.holes, moves.movers):
+                self.lengths[h] = self.lengths[m]
+        del self.lengths[len(self.layout.row_ids):]
 
     def add(self, request_id: int, layer_caches: list | None, length: int) -> None:
         """Copy a prefilled request (a list of mlx-lm KVCache, one per layer) into the next row."""
-        row = len(self.row_ids)
-        if row >= self.geometry.rows or length > self.geometry.capacity_tokens:
-            raise RuntimeError(
-                f"pool {self.geometry} has no room for request {request_id} ({length} tokens)"
-            )
+        row = self.layout.join(request_id, length)
         if layer_caches is not None and length:
             for layer, cache in enumerate(layer_caches):
                 self.keys[layer][row : row + 1, :, :length] = cache.keys[..., :length, :]
                 self.values[layer][row : row + 1, :, :length] = cache.values[..., :length, :]
-        self.row_ids.append(request_id)
         self.lengths.append(length)
 
     # -- geometry ------------------------------------------------------------------------------
     def resize(self, geometry: PoolGeometry) -> None:
         """Reallocate to the scheduler's geometry, keeping rows [0, B) and their tokens."""
-        if geometry == self.geometry:
+        if geometry == self.layout.geometry:
             return
-        if geometry.rows < len(self.row_ids) or (
-            self.lengths and geometry.capacity_tokens < max(self.lengths)
-        ):
+        if self.lengths and geometry.capacity_tokens < max(self.lengths):
             raise RuntimeError(f"geometry {geometry} cannot hold the pool's rows")
+        change = self.layout.resize(geometry)
         if geometry.rows == 0:
             self.keys, self.values = [], []
-        elif not self.keys:
+        elif change.old.rows == 0:
             shape = (geometry.rows, self.kv_heads, geometry.capacity_tokens, self.head_dim)
             self.keys = [mx.zeros(shape, self.dtype) for _ in range(self.num_layers)]
             self.values = [mx.zeros(shape, self.dtype) for _ in range(self.num_layers)]
         else:
             self.keys = [self._reshape(a, geometry) for a in self.keys]
             self.values = [self._reshape(a, geometry) for a in self.values]
-        self.geometry = geometry
         mx.eval(self.arrays())
 
     def _reshape(self, a: mx.array, g: PoolGeometry) -> mx.array:

@@ -14,6 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from batchsim.scheduler.plan import NewRequest, StepPlan, StepResult
 from batchsim.scheduler.request import SamplingParams
+from batchsim.server.executors.base import ExecutorCaps
 from batchsim.server.executors.kv_pool import DecodePool
 
 
@@ -25,9 +26,8 @@ class SeqState:
 
 
 class MLXExecutor:
-    name = "mlx"
-    max_lookahead_steps = 1
-    needs_token_ids = True
+    caps = ExecutorCaps(real_compute=True, virtual_time=False, max_lookahead_steps=1,
+                        needs_token_ids=True)
 
     def __init__(self, model, cache_limit_bytes: int | None = 4 << 30):
         self.model = model
@@ -96,6 +96,11 @@ class MLXExecutor:
         self.pool = DecodePool(self.num_layers, self.kv_heads, self.head_dim, self.dtype)
         self.seqs.clear()
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer, in the activation dtype (what the pool holds per token)."""
+        return self.pool.layout.kv_bytes_per_token
+
     def kv_bytes(self) -> int:
         private = sum(c.nbytes for s in self.seqs.values() if s.cache for c in s.cache)
         return self.pool.nbytes + private
@@ -115,7 +120,7 @@ class MLXExecutor:
         self.seqs[new.request_id] = SeqState(list(new.token_ids), new.sampling)
 
     def _join(self, plan: StepPlan) -> None:
-        in_pool = set(self.pool.row_ids)
+        in_pool = self.pool.layout.in_pool
         for rid, pos in zip(plan.decode_ids, plan.decode_positions):
             if rid in in_pool:
                 continue

@@ -5,37 +5,35 @@ steps is timed in one call, stopping at the next arrival."""
 
 from __future__ import annotations
 
-from batchsim.scheduler.kv_layout import EMPTY_POOL, private_cache_tokens
+from batchsim.scheduler.kv_layout import PoolGeometry, private_cache_tokens
 from batchsim.scheduler.plan import StepPlan, StepResult
+from batchsim.server.executors.base import ExecutorCaps
+from batchsim.server.executors.pool_layout import NO_MOVES, PoolLayout
 from batchsim.server.perf.stepcost import StepCost
 
 
 class SimExecutor:
-    name = "sim"
-    needs_token_ids = False
-    max_lookahead_steps = 1 << 16
-
-    def __init__(self, cost: StepCost):
+    def __init__(self, cost: StepCost, max_lookahead_steps: int = 1 << 16):
+        self.caps = ExecutorCaps(real_compute=False, virtual_time=True,
+                                 max_lookahead_steps=max_lookahead_steps, needs_token_ids=False)
         self.cost = cost
         self.kvt = cost.kv_bytes_per_token
         self.overhead_s = cost.step_overhead_s
-        self.geometry = EMPTY_POOL
-        self.rows: list[int] = []  # request per pool row, in the real pool's order
-        self.in_pool: set[int] = set()  # the same ids, for membership tests
+        self.layout = PoolLayout(self.kvt)  # the real pool's rows, in its order
         # request id -> tokens its private prefill cache holds (rounded up as mlx-lm allocates)
         self.private: dict[int, int] = {}
         self._private_tokens = 0  # their sum
 
     def execute(self, plan: StepPlan, max_elapsed_s: float = float("inf")) -> StepResult:
-        cost = self.cost
+        cost, layout = self.cost, self.layout
         t = self.overhead_s
         if plan.free_ids:
             t += self._free(plan.free_ids)
         for new in plan.new_requests:
             self._set_private(new.request_id, 0)
-        if plan.pool != self.geometry:
-            t += self._resize(plan)
-        if not self.in_pool.issuperset(plan.decode_ids):
+        if plan.pool != layout.geometry:
+            t += self._resize(plan.pool)
+        if not layout.in_pool.issuperset(plan.decode_ids):
             t += self._join(plan)
         sampled = plan.decode_ids  # who sampled a token: sampling prefills first, then the pool
         if plan.prefills:
@@ -62,11 +60,11 @@ class SimExecutor:
         return StepResult(plan.step_index, sampled, None, tuple(durations), self.kv_bytes())
 
     def reset(self) -> None:
-        self.geometry, self.rows, self.in_pool = EMPTY_POOL, [], set()
+        self.layout.clear()
         self.private, self._private_tokens = {}, 0
 
     def kv_bytes(self) -> int:
-        return (self.geometry.nbytes(1) + self._private_tokens) * self.kvt
+        return (self.layout.geometry.nbytes(1) + self._private_tokens) * self.kvt
 
     def _set_private(self, request_id: int, computed_tokens: int) -> None:
         held = private_cache_tokens(computed_tokens)
@@ -76,48 +74,31 @@ class SimExecutor:
     def _drop_private(self, request_id: int) -> None:
         self._private_tokens -= self.private.pop(request_id, 0)
 
-    # -- the pool's copies, as the real DecodePool makes them ------------------------------------
+    # -- the pool's copies, as pool_layout lays them out for the real DecodePool ------------------
     def _free(self, free_ids: tuple[int, ...]) -> float:
         gone = set(free_ids)
         if self.private:
             for rid in gone:
                 self._drop_private(rid)
-        leaving = gone & self.in_pool
-        if not leaving:
+        moves = self.layout.leave(gone)
+        if moves is NO_MOVES:
             return 0.0
-        self.in_pool -= leaving
-        rows = self.rows
-        keep = len(rows) - len(leaving)
-        holes = [i for i in range(keep) if rows[i] in gone]
-        movers = [i for i in range(keep, len(rows)) if rows[i] not in gone]
-        for h, m in zip(holes, movers):
-            rows[h] = rows[m]
-        del rows[keep:]
-        return self.cost.copy_s(2 * len(movers) * self.geometry.capacity_tokens * self.kvt)
+        return self.cost.copy_s(2 * moves.moved_bytes)  # gathered into a temporary, then scattered
 
-    def _resize(self, plan: StepPlan) -> float:
-        """A new pool geometry (called only when it changes)."""
-        new, old = plan.pool, self.geometry
-        self.geometry = new
-        if new.rows == 0 or old.rows == 0:
-            return self.cost.copy_s(new.nbytes(self.kvt)) / 2  # fresh zeros, write only
-        kept = min(old.rows, new.rows) * min(old.capacity_tokens, new.capacity_tokens) * self.kvt
-        return self.cost.copy_s(kept) + self.cost.copy_s(new.nbytes(self.kvt) - kept) / 2
+    def _resize(self, geometry: PoolGeometry) -> float:
+        """A new pool geometry (called only when it changes): the kept part copied, the rest
+        written as zeros (write only: half the traffic of a copy)."""
+        change = self.layout.resize(geometry)
+        return self.cost.copy_s(change.kept_bytes) + self.cost.copy_s(
+            change.new_bytes - change.kept_bytes) / 2
 
     def _join(self, plan: StepPlan) -> float:
-        in_pool = self.in_pool
+        layout = self.layout
+        in_pool = layout.in_pool
         t = 0.0
         for rid, pos in zip(plan.decode_ids, plan.decode_positions):
             if rid not in in_pool:
-                self.rows.append(rid)
-                in_pool.add(rid)
+                layout.join(rid, pos)
                 self._drop_private(rid)
                 t += self.cost.copy_s(pos * self.kvt)
         return t
-
-
-def open_sim_executor(cfg, ref) -> SimExecutor:
-    from batchsim.server.perf.devices import resolve_profile
-
-    profile = resolve_profile(cfg.device_profile, ref.quantize_bits)
-    return SimExecutor(StepCost(ref.spec, profile, ref.dtype, ref.quantize_bits))

@@ -21,8 +21,10 @@ from aiohttp import web
 
 from batchsim.configs import ConfigError
 from batchsim.scheduler.request import Request, SamplingParams
+from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.http import openai_api as api
 from batchsim.server.engine.engine import Engine
+from batchsim.server.executors.base import Executor
 from batchsim.server.http.openai_api import APIError, GenerationParams
 from batchsim.server.http.options import ServeOptions
 from batchsim.server.http.prometheus import CONTENT_TYPE, ServerRecorder, mlx_memory_gauges, render
@@ -33,12 +35,15 @@ _ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error",
 
 
 class Server:
-    def __init__(self, engine: Engine, tokenizer: Any, options: ServeOptions):
-        self.engine = engine
+    def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Any,
+                 options: ServeOptions):
+        if executor.caps.virtual_time:
+            raise ValueError("a server answers in real time; this executor keeps virtual time")
+        self.recorder = ServerRecorder()  # bounded: a server must not keep every request and step
+        # A failed step fails the requests it touched; the server keeps serving the rest.
+        self.engine = Engine(scheduler, executor, recorder=self.recorder, on_error="abort")
         self.tokenizer = tokenizer
         self.options = options
-        self.recorder = ServerRecorder()
-        engine.recorder = self.recorder  # bounded: a server must not keep every request and step
         self.eos_ids = frozenset(getattr(tokenizer, "eos_token_ids", None) or ())
         self.inflight: set[int] = set()
         self.draining = False

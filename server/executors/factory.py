@@ -1,0 +1,31 @@
+"""The one place the config's `executor: mlx|sim|fake` is read: it picks what to build. Everything
+after that asks the executor's `caps`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchsim.server.executors.base import Executor
+
+
+def build_executor(cfg: Any, ref: Any, model: Any = None) -> Executor:
+    """The executor `cfg.executor` names, for the model `ref` (a RunConfig and a ModelRef);
+    `model`: the loaded mlx-lm model, which only the real executor needs."""
+    if cfg.executor == "mlx":
+        from batchsim.server.executors.mlx_executor import MLXExecutor
+
+        if model is None:
+            raise ValueError("the MLX executor needs a loaded model")
+        return MLXExecutor(model)
+    if cfg.executor == "fake":
+        from batchsim.server.executors.fake_executor import FakeExecutor
+
+        return FakeExecutor(vocab_size=ref.spec.vocab_size)
+    if cfg.executor == "sim":
+        from batchsim.server.executors.sim_executor import SimExecutor
+        from batchsim.server.perf.devices import resolve_profile
+        from batchsim.server.perf.stepcost import StepCost
+
+        profile = resolve_profile(cfg.device_profile, ref.quantize_bits)
+        return SimExecutor(StepCost(ref.spec, profile, ref.dtype, ref.quantize_bits))
+    raise ValueError(f"unknown executor {cfg.executor!r} (mlx, sim or fake)")

@@ -1,0 +1,90 @@
+"""The decode pool's layout as plain bookkeeping: which request holds which row, the pool's
+geometry, and what each change copies. The real pool (kv_pool.DecodePool) applies these moves to
+MLX arrays; the simulator (sim_executor) prices them. One model for both, and no mlx here.
+
+Rows [0, B) are occupied. A join takes row B. Leaves move the last surviving rows into the holes
+below the new row count, so rows stay dense without copying the whole pool. A resize keeps rows
+[0, B) and their tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import NamedTuple
+
+from batchsim.scheduler.kv_layout import EMPTY_POOL, PoolGeometry
+
+
+class RowMoves(NamedTuple):
+    """What a leave copies: row movers[i] moves into row holes[i]."""
+
+    holes: list[int]  # rows below the new row count whose requests left
+    movers: list[int]  # surviving rows above it, in order
+    moved_bytes: int  # bytes of the moving rows (whole rows, padding included)
+
+
+NO_MOVES = RowMoves([], [], 0)
+
+
+class Resize(NamedTuple):
+    """What a geometry change copies."""
+
+    old: PoolGeometry
+    new: PoolGeometry
+    kept_bytes: int  # the old pool's overlap with the new one, copied over (0 from or to empty)
+    new_bytes: int  # the new pool's size; all but kept_bytes are written as zeros
+
+
+class PoolLayout:
+    def __init__(self, kv_bytes_per_token: int):
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.geometry = EMPTY_POOL
+        self.row_ids: list[int] = []  # request id per occupied row, rows [0, B)
+        self.in_pool: set[int] = set()  # the same ids, for membership tests
+
+    def __len__(self) -> int:
+        return len(self.row_ids)
+
+    def leave(self, request_ids: Collection[int]) -> RowMoves:
+        """Drop these requests' rows (ids not in the pool are ignored); the last surviving rows
+        fill the holes below the new row count."""
+        leaving = self.in_pool.intersection(request_ids)
+        if not leaving:
+            return NO_MOVES
+        self.in_pool -= leaving
+        rows = self.row_ids
+        keep = len(rows) - len(leaving)
+        holes = [i for i in range(keep) if rows[i] in leaving]
+        movers = [i for i in range(keep, len(rows)) if rows[i] not in leaving]
+        for h, m in zip(holes, movers):
+            rows[h] = rows[m]
+        del rows[keep:]
+        row_bytes = self.geometry.capacity_tokens * self.kv_bytes_per_token
+        return RowMoves(holes, movers, len(movers) * row_bytes)
+
+    def join(self, request_id: int, num_tokens: int) -> int:
+        """Give a prefilled request of `num_tokens` the next row; returns the row. The copy is
+        its tokens only: num_tokens * kv_bytes_per_token."""
+        row = len(self.row_ids)
+        if row >= self.geometry.rows or num_tokens > self.geometry.capacity_tokens:
+            raise RuntimeError(
+                f"pool {self.geometry} has no room for request {request_id} ({num_tokens} tokens)"
+            )
+        self.row_ids.append(request_id)
+        self.in_pool.add(request_id)
+        return row
+
+    def resize(self, geometry: PoolGeometry) -> Resize:
+        """Take the scheduler's new geometry, keeping rows [0, B)."""
+        old = self.geometry
+        if geometry.rows < len(self.row_ids):
+            raise RuntimeError(f"geometry {geometry} cannot hold the pool's {len(self)} rows")
+        self.geometry = geometry
+        kvt = self.kv_bytes_per_token
+        kept = 0
+        if old.rows and geometry.rows:
+            kept = min(old.rows, geometry.rows) * min(old.capacity_tokens,
+                                                       geometry.capacity_tokens) * kvt
+        return Resize(old, geometry, kept, geometry.nbytes(kvt))
+
+    def clear(self) -> None:
+        self.geometry, self.row_ids, self.in_pool = EMPTY_POOL, [], set()

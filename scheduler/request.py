@@ -70,10 +70,6 @@ class Request:
         return self.num_prompt_tokens + self.sampling.max_tokens
 
     @property
-    def remaining_output_tokens(self) -> int:
-        return self.sampling.max_tokens - self.num_output_tokens
-
-    @property
     def is_finished(self) -> bool:
         return self.status in (RequestStatus.FINISHED, RequestStatus.REJECTED, RequestStatus.ABORTED)
 

@@ -215,8 +215,9 @@ class Scheduler:
         steps = min(limit, geom.capacity_tokens - width + 1)
         for r in decodes:  # a plain loop: comprehensions cost a frame each in Python 3.11
             sampling = r.sampling
-            if r.prompt_token_ids is not None and not sampling.ignore_eos:
-                return 1  # a real token could be EOS
+            if r.prompt_token_ids is not None and (not sampling.ignore_eos
+                                                   or r.stop_checker is not None):
+                return 1  # a real token could be EOS or end a stop string
             left = sampling.max_tokens - r.num_output_tokens
             if left < steps:  # noqa: PLR1730
                 steps = left
@@ -268,7 +269,7 @@ class Scheduler:
                 continue
             new = [token_ids[s][i] for s in range(k)]
             r.output_token_ids.extend(new)
-            reason = self._stop_reason(r, new[-1])
+            reason = self._stop_reason(r, new)
             if reason is not None:
                 self._finish(r, reason)
                 finished.append(r)
@@ -276,7 +277,11 @@ class Scheduler:
         return finished
 
     @staticmethod
-    def _stop_reason(r: Request, last_token: int) -> str | None:
+    def _stop_reason(r: Request, new_tokens: list[int]) -> str | None:
+        checker = r.stop_checker
+        if checker is not None and checker.feed(new_tokens):  # asked first: it sees every token
+            return "stop"
+        last_token = new_tokens[-1]
         if not r.sampling.ignore_eos and last_token in r.eos_token_ids:
             return "stop"
         if last_token in r.sampling.stop_token_ids:

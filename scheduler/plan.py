@@ -46,10 +46,6 @@ class StepPlan(NamedTuple):
     def num_scheduled_tokens(self) -> int:
         return len(self.decode_ids) + sum(c.num_tokens for c in self.prefills)
 
-    @property
-    def is_empty(self) -> bool:
-        return not (self.decode_ids or self.prefills)
-
 
 class StepResult(NamedTuple):
     step_index: int

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Protocol
 
 
 class RequestStatus(enum.Enum):
@@ -31,6 +32,15 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
 
 
+class StopChecker(Protocol):
+    """Watches a request's output for stop strings. `batchsim serve` builds one from its streaming
+    detokenizer, so the scheduler decides every stop without a tokenizer."""
+
+    def feed(self, token_ids: list[int]) -> bool:
+        """Take the tokens one step sampled (called every step); True once a stop string matched."""
+        ...
+
+
 @dataclasses.dataclass(slots=True, eq=False)
 class Request:
     request_id: int
@@ -40,13 +50,14 @@ class Request:
     # Token ids: None in simulation, where only counts matter.
     prompt_token_ids: list[int] | None = None
     eos_token_ids: frozenset[int] = frozenset()
+    stop_checker: StopChecker | None = None  # stop strings; None: only tokens and length stop it
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_output_tokens: int = 0
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_preemptions: int = 0
-    finish_reason: str | None = None  # "length" | "stop" | "abort" | rejection reason
+    finish_reason: str | None = None  # "length" | "stop" | "abort" | "error" | rejection reason
 
     # Timeline, in engine clock seconds and engine step indices.
     first_scheduled_s: float | None = None
@@ -68,10 +79,6 @@ class Request:
     @property
     def max_total_tokens(self) -> int:
         return self.num_prompt_tokens + self.sampling.max_tokens
-
-    @property
-    def remaining_output_tokens(self) -> int:
-        return self.sampling.max_tokens - self.num_output_tokens
 
     @property
     def is_finished(self) -> bool:

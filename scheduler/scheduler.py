@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections import deque
 
 from batchsim.scheduler.config import SchedulerConfig
-from batchsim.scheduler.kv_layout import KV_STEP, PoolGeometry, private_cache_tokens, round_down
+from batchsim.scheduler.kv_layout import PoolGeometry, private_cache_tokens
 from batchsim.scheduler.kv_manager import KVAccountError, KVManager
-from batchsim.scheduler.plan import NewRequest, PrefillChunk, StepPlan, StepResult
+from batchsim.scheduler.plan import NewRequest, StepPlan, StepResult
 from batchsim.scheduler.request import Request, RequestStatus
+from batchsim.scheduler.step_budget import StepBudget
 
 
 class Scheduler:
@@ -92,14 +93,32 @@ class Scheduler:
         return plan
 
     def _plan(self, free_ids: list[int], decode_step: bool) -> StepPlan | None:
-        """One step's plan. decode_step=False plans prefill only and returns None if there is none."""
-        cfg, kv = self.config, self.kv
-        kvt = cfg.kv_bytes_per_token
-        pool: list[Request] = []  # rows after this step (decoding, or untouched in a prefill step)
+        """One step's plan. decode_step=False plans prefill only; None if there is none."""
+        pool, prefilling, width, longest = self._split_running(decode_step)
+        budget = StepBudget(self.kv, self.config, pool, width, decode_step)
+        preemptions_before = self.num_preemptions
+        while not budget.fit_pool():  # decoding rows must grow: preempt from the newest end
+            if not self.running:
+                raise KVAccountError("nothing running, yet the empty pool does not fit")
+            self._preempt_newest(budget, free_ids)
+        blocked = self._continue_prefills(budget, prefilling, free_ids)
+        new_requests: list[NewRequest] = []
+        if self.waiting and not blocked:
+            if self.num_preemptions != preemptions_before:  # the longest may have left `running`
+                longest = max((r.num_tokens for r in self.running), default=0)
+            new_requests = self._admit_waiting(budget, longest)
+        if not decode_step and not budget.prefills:
+            return None
+        return self._step_plan(budget, free_ids, new_requests)
+
+    def _split_running(self, decode_step: bool) -> tuple[list[Request], list[Request], int, int]:
+        """The pool's rows after this step, the requests still prefilling, the rows' width (the
+        longest row after this step) and the longest running request (prompt + output so far)."""
+        pool: list[Request] = []
         prefilling: list[Request] = []
-        members = kv.pool_members
-        width = 0  # the pool's longest row after this step, in tokens
-        longest = 0  # the longest running request, prompt + output so far
+        members = self.kv.pool_members
+        width = 0
+        longest = 0
         # One pass, with comparisons rather than max(): this runs every step over every request.
         for r in self.running:
             c = r.num_computed_tokens
@@ -112,118 +131,63 @@ class Scheduler:
                 pool.append(r)
                 if c + decode_step > width:  # noqa: PLR1730
                     width = c + decode_step
-        in_pool = {r.request_id for r in pool}
-        private: dict[int, int] = {}  # the prefill caches that stay private after this step
-        if kv.private_tokens:
-            private = {rid: t for rid, t in kv.private_tokens.items() if rid not in in_pool}
-        preempted = False
+        return pool, prefilling, width, longest
 
-        def geometry(reserve_bytes: int = 0) -> PoolGeometry | None:
-            room = cfg.kv_budget_bytes - sum(private.values()) * kvt - reserve_bytes
-            return kv.geometry_for(len(pool), width, room)
-
-        def preempt_newest() -> Request:
-            nonlocal width, preempted
-            victim = self.running[-1]
-            self._preempt(victim, free_ids)
-            preempted = True
-            private.pop(victim.request_id, None)
-            if victim.request_id in in_pool:
-                in_pool.discard(victim.request_id)
-                pool.remove(victim)
-                width = max((r.num_computed_tokens + decode_step for r in pool), default=0)
-            return victim
-
-        geom = geometry()
-        while geom is None:  # decoding rows must grow: preempt from the newest end
-            if not self.running:
-                raise KVAccountError("nothing running, yet the empty pool does not fit")
-            preempt_newest()
-            geom = geometry()
-
-        tok_budget = cfg.max_num_batched_tokens - (len(pool) if decode_step else 0)
-        prefills: list[PrefillChunk] = []
-        new_requests: list[NewRequest] = []
-
-        def fit(r: Request, n: int) -> int:
-            """The largest chunk up to n whose cache growth fits, dropping the pool's spare rows
-            and capacity first, then whole KV steps of the chunk."""
-            nonlocal geom
-            c = r.num_computed_tokens
-            while n > 0:
-                need = kv.private_bytes_after(r.request_id, c + n)
-                if need <= cfg.kv_budget_bytes - geom.nbytes(kvt) - sum(private.values()) * kvt:
-                    return n
-                tighter = geometry(reserve_bytes=need)
-                if tighter is not None:
-                    geom = tighter
-                    return n
-                n = round_down(c + n - 1, KV_STEP) - c
-            return 0
-
-        # Admission also asks whether the request could decode beside everyone running, so a
-        # request that would only be preempted again when it joins the pool waits instead.
-        rows_later, len_later = 0, 0  # set when admission starts (most steps admit nobody)
-
-        def can_join_later(r: Request) -> bool:
-            width = max(len_later, r.num_tokens + 1)
-            return kv.geometry_for(rows_later + 1, width, cfg.kv_budget_bytes) is not None
-
+    def _continue_prefills(self, budget: StepBudget, prefilling: list[Request],
+                           free_ids: list[int]) -> bool:
+        """A chunk for each request part-way through its prompt, oldest first. True: one got none
+        (blocked), so nobody is admitted this step."""
         blocked = False
         for r in prefilling:
             gap = r.num_tokens - r.num_computed_tokens
-            if r.status is not RequestStatus.RUNNING or gap <= 1 or tok_budget <= 0:
-                continue
-            n = fit(r, self._chunk_size(gap, tok_budget))
-            while n == 0 and decode_step and self.running[-1] is not r:
-                preempt_newest()  # an older request grows before newer ones keep theirs
-                geom = geometry() or geom
-                n = fit(r, self._chunk_size(gap, tok_budget))
+            if r.status is not RequestStatus.RUNNING or gap <= 1 or budget.tokens_left <= 0:
+                continue  # preempted this step, or no tokens left
+            n = budget.chunk(r, gap)
+            while n == 0 and budget.decode_step and self.running[-1] is not r:
+                self._preempt_newest(budget, free_ids)  # an older request grows before newer ones
+                budget.refit_pool()
+                n = budget.chunk(r, gap)
             if n == 0:
                 blocked = True
                 continue
-            self._add_chunk(r, n, prefills, private)
-            tok_budget -= n
+            budget.add_chunk(r, n)
+        return blocked
 
-        if self.waiting:
-            rows_later = len(self.running)
-            if preempted:
-                longest = max((x.num_tokens for x in self.running), default=0)
-            len_later = longest + 1 if self.running else 0
-        while not blocked and self.waiting and len(self.running) < cfg.max_num_seqs and tok_budget > 0:
-            r = self.waiting[0]
-            if not can_join_later(r):
+    def _admit_waiting(self, budget: StepBudget, longest: int) -> list[NewRequest]:
+        """Admit from the head of the queue while its first chunk fits this step. Admission also
+        asks whether the request could decode beside everyone running, so a request that would only
+        be preempted again when it joins the pool waits instead."""
+        kv, cfg, waiting, running = self.kv, self.config, self.waiting, self.running
+        new_requests: list[NewRequest] = []
+        rows_later = len(running)  # rows and longest row once everyone running decodes
+        len_later = longest + 1 if running else 0
+        while waiting and len(running) < cfg.max_num_seqs and budget.tokens_left > 0:
+            r = waiting[0]
+            n_later = r.num_tokens + 1 if r.num_tokens + 1 > len_later else len_later
+            if kv.geometry_for(rows_later + 1, n_later, cfg.kv_budget_bytes) is None:
                 break
-            if r.num_tokens == 1:  # a one-token prompt is decode-ready on arrival: it joins the pool
-                if not decode_step:
+            if r.num_tokens == 1:  # a one-token prompt is decode-ready: it joins the pool
+                if not budget.add_row(r):
                     break
-                pool.append(r)
-                width_before, width = width, max(width, r.num_computed_tokens + decode_step)
-                trial = geometry()
-                if trial is None:
-                    pool.pop()
-                    width = width_before
-                    break
-                geom = trial
-                in_pool.add(r.request_id)
-                tok_budget -= 1
             else:
-                n = fit(r, self._chunk_size(r.num_tokens, tok_budget))
+                n = budget.chunk(r, r.num_tokens)
                 if n == 0:
                     break
-                self._add_chunk(r, n, prefills, private)
-                tok_budget -= n
-            self.waiting.popleft()
+                budget.add_chunk(r, n)
+            waiting.popleft()
             r.status = RequestStatus.RUNNING
-            self.running.append(r)
-            rows_later, len_later = rows_later + 1, max(len_later, r.num_tokens + 1)
+            running.append(r)
+            rows_later, len_later = rows_later + 1, n_later
             ids = r.all_token_ids()
             new_requests.append(NewRequest(r.request_id, tuple(ids) if ids else None, r.sampling))
+        return new_requests
 
-        if not decode_step and not prefills:
-            return None
-        kv_bytes = kv.commit(geom, in_pool, private)
-        decodes = pool if decode_step else []
+    def _step_plan(self, budget: StepBudget, free_ids: list[int],
+                   new_requests: list[NewRequest]) -> StepPlan:
+        kv_bytes = budget.commit()
+        decodes = budget.pool if budget.decode_step else []
+        prefills = budget.prefills
+        pure_decode = not (prefills or new_requests)
         return StepPlan(  # positional: this runs every step
             self.num_steps,
             tuple(sorted(free_ids)) if free_ids else (),
@@ -231,21 +195,15 @@ class Scheduler:
             tuple(prefills),
             tuple([r.request_id for r in decodes]),
             tuple([r.num_computed_tokens for r in decodes]),
-            geom,
+            budget.geom,
             kv_bytes,
-            self._lookahead(decodes, geom, width) if not (prefills or new_requests) else 1,
+            self._lookahead(decodes, budget.geom, budget.width) if pure_decode else 1,
         )
 
-    def _chunk_size(self, gap: int, tok_budget: int) -> int:
-        n = min(self.config.prefill_step_size, gap, tok_budget)
-        # Only a request's final chunk may end off a KV_STEP boundary.
-        return n if n == gap else round_down(n, KV_STEP)
-
-    @staticmethod
-    def _add_chunk(r: Request, n: int, prefills: list[PrefillChunk], private: dict[int, int]) -> None:
-        c = r.num_computed_tokens
-        prefills.append(PrefillChunk(r.request_id, c, n, sample=c + n == r.num_tokens))
-        private[r.request_id] = private_cache_tokens(c + n)
+    def _preempt_newest(self, budget: StepBudget, free_ids: list[int]) -> None:
+        victim = self.running[-1]
+        self._preempt(victim, free_ids)
+        budget.drop(victim)
 
     def _lookahead(self, decodes: list[Request], geom: PoolGeometry, width: int) -> int:
         """How many identical pure-decode steps this plan may stand for: until a request finishes or
@@ -257,8 +215,9 @@ class Scheduler:
         steps = min(limit, geom.capacity_tokens - width + 1)
         for r in decodes:  # a plain loop: comprehensions cost a frame each in Python 3.11
             sampling = r.sampling
-            if r.prompt_token_ids is not None and not sampling.ignore_eos:
-                return 1  # a real token could be EOS
+            if r.prompt_token_ids is not None and (not sampling.ignore_eos
+                                                   or r.stop_checker is not None):
+                return 1  # a real token could be EOS or end a stop string
             left = sampling.max_tokens - r.num_output_tokens
             if left < steps:  # noqa: PLR1730
                 steps = left
@@ -310,7 +269,7 @@ class Scheduler:
                 continue
             new = [token_ids[s][i] for s in range(k)]
             r.output_token_ids.extend(new)
-            reason = self._stop_reason(r, new[-1])
+            reason = self._stop_reason(r, new)
             if reason is not None:
                 self._finish(r, reason)
                 finished.append(r)
@@ -318,7 +277,11 @@ class Scheduler:
         return finished
 
     @staticmethod
-    def _stop_reason(r: Request, last_token: int) -> str | None:
+    def _stop_reason(r: Request, new_tokens: list[int]) -> str | None:
+        checker = r.stop_checker
+        if checker is not None and checker.feed(new_tokens):  # asked first: it sees every token
+            return "stop"
+        last_token = new_tokens[-1]
         if not r.sampling.ignore_eos and last_token in r.eos_token_ids:
             return "stop"
         if last_token in r.sampling.stop_token_ids:

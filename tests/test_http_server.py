@@ -145,9 +145,10 @@ def test_text_stream_stop_strings(text, stop, expected):
     ts = TextStream(CharDetokenizer(), stop)
     released = ""
     for ch in text:
-        released += ts.add([ord(ch)])
+        stopped = ts.feed([ord(ch)])  # as the scheduler does, one step at a time
+        released += ts.take()
         assert not any(s in released for s in stop)
-        if ts.stopped:
+        if stopped:
             break
     released += ts.finish()
     assert released == expected
@@ -156,7 +157,8 @@ def test_text_stream_stop_strings(text, stop, expected):
 
 def test_text_stream_skips_eos():
     ts = TextStream(CharDetokenizer(), (), skip_ids=frozenset({0}))
-    assert ts.add([ord("a"), 0]) + ts.finish() == "a"
+    assert not ts.feed([ord("a"), 0])
+    assert ts.finish() == "a"
 
 
 def test_generation_reads_every_queued_token_of_a_finished_request():
@@ -246,11 +248,16 @@ def test_chat_stream_and_not(srv, tokenizer):
     assert stream_text(events, chat=True) == full["choices"][0]["message"]["content"]
 
 
-def test_stop_strings_and_seed(srv):
+def _stop_case(srv: ServerProcess) -> tuple[dict, str, str]:
+    """A body, a stop string found in the middle of its greedy text, and the text before it."""
     body = {"prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True}
     text = post(srv, "/v1/completions", body).json()["choices"][0]["text"]
     stop = next(text[i:i + 2] for i in range(3, len(text) - 2) if text.find(text[i:i + 2]) > 0)
-    expected = text[: text.find(stop)]
+    return body, stop, text[: text.find(stop)]
+
+
+def test_stop_strings_and_seed(srv):
+    body, stop, expected = _stop_case(srv)
     stopped = post(srv, "/v1/completions", {**body, "stop": [stop, "never matches"]}).json()
     assert stopped["choices"][0] == {**stopped["choices"][0], "text": expected,
                                      "finish_reason": "stop"}
@@ -263,6 +270,26 @@ def test_stop_strings_and_seed(srv):
     assert a == b != c
     negative = post(srv, "/v1/completions", {**sampled, "seed": -5, "temperature": None})
     assert negative.status_code == 200  # any 64-bit seed; null means the default
+
+
+def test_stop_string_finishes_the_request_in_the_scheduler(srv):
+    """A stop string ends the request as finished ("stop"), not aborted, in the step that completed
+    it: no token is computed past it, and its KV is freed."""
+    body, stop, expected = _stop_case(srv)
+    before = srv.wait_idle()
+    events = stream_events(srv, "/v1/completions", {**body, "stop": stop})
+    assert stream_text(events, chat=False) == expected
+    assert events[-2].json()["choices"][0]["finish_reason"] == "stop"
+    full = post(srv, "/v1/completions", {**body, "stop": stop}).json()
+    assert (full["choices"][0]["text"], full["choices"][0]["finish_reason"]) == (expected, "stop")
+    n = full["usage"]["completion_tokens"]
+    assert n < body["max_tokens"] and len(events) - 1 == n  # one chunk per token, then [DONE]
+    after = srv.wait_idle()
+    delta = {k: v - before.get(k, 0) for k, v in after.items()}
+    assert delta['batchsim_requests_total{status="finished"}'] == 2
+    assert delta['batchsim_requests_total{status="aborted"}'] == 0
+    assert delta["batchsim_generation_tokens_total"] == 2 * n
+    assert after["batchsim_kv_bytes"] == after["batchsim_kv_bytes_measured"] == 0
 
 
 def test_concurrent_requests_share_decode_steps(srv):

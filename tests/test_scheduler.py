@@ -25,7 +25,8 @@ def test_scheduler_does_not_import_mlx():
     # Policy is pure Python: importing it must not pull in MLX.
     import subprocess
 
-    code = "import scheduler.scheduler, sys; print('mlx' in sys.modules or 'mlx.core' in sys.modules)"
+    code = ("import batchsim.scheduler.scheduler, sys; "
+            "print('mlx' in sys.modules or 'mlx.core' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -116,6 +117,36 @@ def test_lookahead_plans_match_single_steps():
         m = multi.requests[rid]
         assert m.token_runs == r.token_runs
         assert m.output_token_ids == r.output_token_ids
+
+
+class StopAfter:
+    """A stop checker that matches once it has seen `n` tokens, as a stop string spanning several
+    tokens would; it records what the scheduler fed it."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.fed: list[list[int]] = []
+
+    def feed(self, token_ids: list[int]) -> bool:
+        self.fed.append(list(token_ids))
+        return sum(map(len, self.fed)) >= self.n
+
+
+def test_stop_checker_finishes_the_request_and_frees_its_kv_next_step():
+    s = Scheduler(config(max_num_seqs=4, max_lookahead_steps=16))
+    ex = FakeExecutor(step_s=1.0, max_lookahead_steps=16)
+    stopped, other = make_request(1, 300, 50, ids=True), make_request(2, 300, 40, ids=True)
+    stopped.stop_checker = StopAfter(5)
+    trace = drive(s, ex, [(0, stopped), (0, other)])  # checks integrity every step
+    assert (stopped.status, stopped.finish_reason) == (RequestStatus.FINISHED, "stop")
+    assert stopped.num_output_tokens == 5
+    assert stopped.stop_checker.fed == [[t] for t in stopped.output_token_ids]  # each step, once
+    assert (other.finish_reason, other.num_output_tokens) == ("length", 40)
+    last = max(i for i, p in enumerate(trace.plans) if 1 in p.decode_ids)
+    assert trace.plans[last + 1].free_ids == (1,) and not s.kv.holds(1)
+    # No lookahead while a checker watches (a stop may come at any token); after it, lookahead.
+    assert all(p.num_steps == 1 for p in trace.plans[: last + 1])
+    assert any(p.num_steps > 1 for p in trace.plans[last + 1:])
 
 
 @st.composite

@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from batchsim.configs import ConfigError
-from batchsim.scheduler.request import Request, SamplingParams
+from batchsim.scheduler.request import Request, RequestStatus, SamplingParams
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.http import openai_api as api
 from batchsim.server.engine.engine import Engine
@@ -141,7 +141,7 @@ class Server:
             self.inflight.discard(rid)
             if not gen.done:  # the client went away (or the handler failed): stop computing
                 self.engine.abort(rid)
-            ok = gen.done and gen.finish_reason in ("stop", "length")
+            ok = gen.done and request.status is RequestStatus.FINISHED  # as the scheduler ended it
             self.recorder.request_outcomes["finished" if ok else "aborted"] += 1
 
     def _admit(self, params: GenerationParams) -> Request:

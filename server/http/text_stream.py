@@ -1,10 +1,12 @@
 """A request's output text as its tokens arrive: incremental detokenization (mlx-lm's streaming
 detokenizer) plus stop strings. Text is released only once no stop string can still begin in it,
-so a streamed response never shows a stop string or any part of one. A stop string ends the
-request in the engine, so its KV is freed at the next step."""
+so a streamed response never shows a stop string or any part of one. With stop strings the stream
+is the request's StopChecker: the scheduler feeds it each step's tokens and finishes the request
+("stop") in the step that completes one, so its KV is freed at the next step."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,19 +22,28 @@ class TextStream:
         self._stop = stop
         self._skip_ids = skip_ids  # tokens that end a request without text (EOS)
         self._pending = ""  # decoded, not yet released
+        self._ready: deque[str] = deque()  # released text per fed step, not yet taken
         self.stopped = False  # a stop string matched: the text is complete
 
-    def add(self, token_ids: Iterable[int]) -> str:
-        """Text that is safe to release after these tokens (often empty)."""
+    def feed(self, token_ids: Iterable[int]) -> bool:
+        """One step's tokens (StopChecker); True once a stop string matched."""
         for token in token_ids:
             if token not in self._skip_ids:
                 self._detok.add_token(token)
-        return self._release(final=False)
+        self._ready.append(self._release(final=False))
+        return self.stopped
+
+    def take(self) -> str:
+        """The text the oldest fed step released (often empty), in the order fed."""
+        return self._ready.popleft() if self._ready else ""
 
     def finish(self) -> str:
-        """The rest of the text once the request has ended."""
+        """All text not yet taken, once the request has ended."""
         self._detok.finalize()
-        return self._release(final=True)
+        rest = self._release(final=True)
+        text = "".join(self._ready) + rest
+        self._ready.clear()
+        return text
 
     def _release(self, final: bool) -> str:
         if self.stopped:
@@ -66,6 +77,8 @@ class Generation:
         self.engine = engine
         self.request = request
         self.text = TextStream(tokenizer.detokenizer, params.stop, skip)
+        if params.stop:  # the scheduler feeds it; without stop strings, `next` does (off its path)
+            request.stop_checker = self.text
         self.queue = engine.stream(request)
         self.num_tokens = 0
         self.finish_reason: str | None = None
@@ -77,16 +90,14 @@ class Generation:
         if isinstance(item, Request):  # ended without a new token: aborted or rejected
             return self._end(item.finish_reason or "abort", self.text.finish())
         self.num_tokens += len(item)
-        delta = self.text.add(item)
-        if self.text.stopped:
-            self.engine.abort(self.request.request_id)  # frees its KV at the next step
-            return self._end("stop", delta)
         r = self.request
+        if r.stop_checker is None:
+            self.text.feed(item)
         # The last token list: the request is finished and we have caught up with it (a slow
         # reader may still have lists queued from earlier steps).
         if r.is_finished and self.num_tokens >= r.num_output_tokens:
-            return self._end(r.finish_reason or "stop", delta + self.text.finish())
-        return delta
+            return self._end(r.finish_reason or "stop", self.text.finish())
+        return self.text.take()
 
     def _end(self, reason: str, text: str) -> str:
         self.done = True

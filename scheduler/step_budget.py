@@ -1,0 +1,113 @@
+"""One step's budget while the scheduler plans it: the decode pool's rows and width after the step,
+the private prefill caches, the pool geometry that holds them within the KV budget, and the tokens
+left for prefill. The scheduler decides who runs and who is preempted; the budget answers whether
+it fits (vLLM's `allocate_slots -> None`, nano-vllm's `can_allocate`)."""
+
+from __future__ import annotations
+
+from batchsim.scheduler.config import SchedulerConfig
+from batchsim.scheduler.kv_layout import KV_STEP, PoolGeometry, private_cache_tokens, round_down
+from batchsim.scheduler.kv_manager import KVManager
+from batchsim.scheduler.plan import PrefillChunk
+from batchsim.scheduler.request import Request
+
+
+class StepBudget:
+    __slots__ = ("kv", "budget_bytes", "kvt", "prefill_step_size", "max_num_batched_tokens",
+                 "decode_step", "pool", "in_pool", "width", "private", "geom", "tokens_left",
+                 "prefills")
+
+    def __init__(self, kv: KVManager, config: SchedulerConfig, pool: list[Request], width: int,
+                 decode_step: bool):
+        self.kv = kv
+        self.budget_bytes = config.kv_budget_bytes
+        self.kvt = config.kv_bytes_per_token
+        self.prefill_step_size = config.prefill_step_size
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.decode_step = decode_step  # False: a prefill-only step (the pool's rows sit still)
+        self.pool = pool  # rows after this step: decoding, or untouched in a prefill-only step
+        self.in_pool = {r.request_id for r in pool}
+        self.width = width  # the pool's longest row after this step, in tokens
+        self.private: dict[int, int] = {}  # the prefill caches that stay private after this step
+        if kv.private_tokens:
+            in_pool = self.in_pool
+            self.private = {rid: t for rid, t in kv.private_tokens.items() if rid not in in_pool}
+        self.geom: PoolGeometry | None = None  # set by fit_pool
+        self.tokens_left = 0  # set by fit_pool
+        self.prefills: list[PrefillChunk] = []
+
+    def geometry(self, reserve_bytes: int = 0) -> PoolGeometry | None:
+        """The pool geometry for these rows in what the private caches leave; None: none fits."""
+        room = self.budget_bytes - sum(self.private.values()) * self.kvt - reserve_bytes
+        return self.kv.geometry_for(len(self.pool), self.width, room)
+
+    def fit_pool(self) -> bool:
+        """Place the pool's rows (False: they do not fit); decode rows take one token each."""
+        self.geom = self.geometry()
+        self.tokens_left = self.max_num_batched_tokens - (len(self.pool) if self.decode_step else 0)
+        return self.geom is not None
+
+    def refit_pool(self) -> None:
+        """After rows were dropped: a tighter geometry if one fits, else the current one."""
+        self.geom = self.geometry() or self.geom
+
+    def drop(self, request: Request) -> None:
+        """A preempted request leaves this step's rows and private caches."""
+        rid = request.request_id
+        self.private.pop(rid, None)
+        if rid in self.in_pool:
+            self.in_pool.discard(rid)
+            self.pool.remove(request)
+            step = self.decode_step
+            self.width = max((r.num_computed_tokens + step for r in self.pool), default=0)
+
+    def chunk(self, request: Request, gap: int) -> int:
+        """The largest prefill chunk toward `gap` tokens that fits this step's tokens and memory."""
+        n = min(self.prefill_step_size, gap, self.tokens_left)
+        # Only a request's final chunk may end off a KV_STEP boundary.
+        return self.fit(request, n if n == gap else round_down(n, KV_STEP))
+
+    def fit(self, request: Request, n: int) -> int:
+        """The largest chunk up to n whose cache growth fits, dropping the pool's spare rows
+        and capacity first, then whole KV steps of the chunk."""
+        c = request.num_computed_tokens
+        while n > 0:
+            need = self.kv.private_bytes_after(request.request_id, c + n)
+            held = self.geom.nbytes(self.kvt) + sum(self.private.values()) * self.kvt
+            if need <= self.budget_bytes - held:
+                return n
+            tighter = self.geometry(reserve_bytes=need)
+            if tighter is not None:
+                self.geom = tighter
+                return n
+            n = round_down(c + n - 1, KV_STEP) - c
+        return 0
+
+    def add_chunk(self, request: Request, n: int) -> None:
+        c = request.num_computed_tokens
+        sample = c + n == request.num_tokens  # the chunk reaches the last known token
+        self.prefills.append(PrefillChunk(request.request_id, c, n, sample))
+        self.private[request.request_id] = private_cache_tokens(c + n)
+        self.tokens_left -= n
+
+    def add_row(self, request: Request) -> bool:
+        """A one-token prompt joins the decode pool on arrival, if this step decodes and it fits."""
+        if not self.decode_step:
+            return False
+        width_before = self.width
+        self.pool.append(request)
+        if request.num_computed_tokens + 1 > width_before:
+            self.width = request.num_computed_tokens + 1
+        trial = self.geometry()
+        if trial is None:
+            self.pool.pop()
+            self.width = width_before
+            return False
+        self.geom = trial
+        self.in_pool.add(request.request_id)
+        self.tokens_left -= 1
+        return True
+
+    def commit(self) -> int:
+        """Hand this step's KV to the manager; returns the bytes it holds."""
+        return self.kv.commit(self.geom, self.in_pool, self.private)

@@ -10,6 +10,7 @@ and it goes back to the front of the queue to be recomputed.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 from batchsim.scheduler.config import SchedulerConfig
@@ -279,8 +280,13 @@ class Scheduler:
     @staticmethod
     def _stop_reason(r: Request, new_tokens: list[int]) -> str | None:
         checker = r.stop_checker
-        if checker is not None and checker.feed(new_tokens):  # asked first: it sees every token
-            return "stop"
+        if checker is not None:  # asked first: it sees every token
+            try:
+                if checker.feed(new_tokens):
+                    return "stop"
+            except Exception:  # a failing checker ends its own request, never the engine loop
+                logging.getLogger("batchsim").exception("stop checker of request %d failed", r.request_id)
+                return "error"
         last_token = new_tokens[-1]
         if not r.sampling.ignore_eos and last_token in r.eos_token_ids:
             return "stop"
@@ -291,7 +297,7 @@ class Scheduler:
         return None
 
     def _finish(self, r: Request, reason: str) -> None:
-        r.status = RequestStatus.FINISHED
+        r.status = RequestStatus.ABORTED if reason == "error" else RequestStatus.FINISHED
         r.finish_reason = reason
         self.running.remove(r)
         del self.requests[r.request_id]

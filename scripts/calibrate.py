@@ -5,8 +5,10 @@ terms fitted on real decode and prefill steps of calibration models."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
+from typing import Any
 
 from batchsim.configs import ConfigError
 from batchsim.scripts.common import add_field_argument, append_jsonl, err, out, str_list, table
@@ -41,86 +43,133 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="results", help="directory for calibrate.jsonl")
 
 
-def run(args: argparse.Namespace) -> dict:
-    import mlx.core as mx
+@dataclasses.dataclass(frozen=True)
+class _Ceilings:
+    """This device's measured bandwidth, matmul and copy speed."""
 
-    from batchsim.server.measure import calibration as cal
-    from batchsim.server.platform import env
-    from batchsim.server.perf.profile import DeviceProfile
-    from batchsim.server.perf.devices import save_profile, user_dir
-    from batchsim.server.measure.microbench import cache_limit, measure_bandwidth_gbs, memory_budget_bytes
+    bandwidth_gbs: float
+    gemm: Any  # calibration.GemmFit for the dtype
+    peak_gflops: float
+    copy_gbs: float
+
+
+def run(args: argparse.Namespace) -> dict:
     from batchsim.server.engine.session import open_session
-    from batchsim.server.perf.stepcost import StepCost
+    from batchsim.server.platform import env
 
     if args.reps < 1 or args.rounds < 1:
         raise ConfigError(f"--reps and --rounds must be at least 1, got {args.reps} and {args.rounds}")
     dtype = env.default_dtype() if args.dtype == "auto" else args.dtype
-    mx_dtype = getattr(mx, dtype)
     when = time.strftime("%Y-%m-%dT%H:%M:%S")
-    err.print(f"calibrating {dtype} on {env.environment()['cpu']} ({env.backend()}, "
-              f"BLAS {env.environment()['blas']})")
+    env_info = env.environment(dtype=dtype)
+    err.print(f"calibrating {dtype} on {env_info['cpu']} ({env.backend()}, BLAS {env_info['blas']})")
+    ceilings = _measure_ceilings(dtype, args.reps)
+    sessions = {name: open_session(RunConfig(model=name, dtype=dtype)) for name in args.models}
+    samples, probe_ms, drift = _step_grid(args, sessions)
+    overhead_us = _engine_overhead_us(sessions[args.models[0]])
+    profile, terms, transfer = _fit(args, dtype, when, env_info, ceilings, sessions, samples,
+                                    overhead_us, probe_ms)
+    paths = _save(profile, args)
+    rows = _residuals(samples, sessions, profile, dtype)
+    _print(rows, terms, ceilings.gemm, overhead_us, transfer)
+    errors = sorted(abs(r["error"]) for r in rows)
+    summary = {"profile": str(paths[0]), "profile_paths": [str(p) for p in paths],
+               "bandwidth_gbs": ceilings.bandwidth_gbs, "peak_gflops": {dtype: ceilings.peak_gflops},
+               "copy_gbs": ceilings.copy_gbs, "terms": terms, "step_overhead_us": overhead_us,
+               "speed_probe_ms": probe_ms, "speed_drift": drift,
+               "median_abs_err": errors[len(errors) // 2], "max_abs_err": errors[-1],
+               "transfer_err": transfer, "samples": rows, "env": env_info}
+    append_jsonl(Path(args.out) / "calibrate.jsonl", [summary])
+    out.print(f"profile written to {', '.join(str(p) for p in paths)}; use it with "
+              f"`batchsim run --executor sim --device-profile {args.name}`")
+    return summary
+
+
+def _measure_ceilings(dtype: str, reps: int) -> _Ceilings:
+    import mlx.core as mx
+
+    from batchsim.server.measure import calibration as cal
+    from batchsim.server.measure.microbench import cache_limit, measure_bandwidth_gbs
+
     with cache_limit():  # as the executor runs: freed buffers reused, not re-faulted
         bandwidth = measure_bandwidth_gbs()
-        gemm, gemm_samples = cal.measure_gemm(mx_dtype, reps=args.reps, log=err.print)
-        copy_gbs = cal.measure_copy_gbs(args.reps)
+        gemm, gemm_samples = cal.measure_gemm(getattr(mx, dtype), reps=reps, log=err.print)
+        copy_gbs = cal.measure_copy_gbs(reps)
     peak_gflops = max(2 * m * k * n / t for (m, k, n), t in gemm_samples.items()) / 1e9
     err.print(f"bandwidth {bandwidth:.1f} GB/s, peak {peak_gflops:.1f} GFLOP/s, copy {copy_gbs:.1f} GB/s")
+    return _Ceilings(bandwidth, gemm, peak_gflops, copy_gbs)
 
-    sessions = {name: open_session(RunConfig(model=name, dtype=dtype)) for name in args.models}
-    probe_before = _probe(sessions[args.models[0]], args.models[0])
+
+def _step_grid(args: argparse.Namespace, sessions: dict) -> tuple[list, dict, dict]:
+    """Real decode and prefill steps over the grid, bracketed by the speed probe: the samples,
+    the probe's reference timings and how the device's speed drifted meanwhile."""
+    from batchsim.server.measure import calibration as cal
+    from batchsim.server.measure.microbench import memory_budget_bytes
+
+    first = args.models[0]
+    probe_before = _probe(sessions[first], first)
     samples = cal.grid_samples(
         {n: (s.model, s.spec, s.kv_bytes_per_token) for n, s in sessions.items()},
         [int(b) for b in args.batches], [int(w) for w in args.widths], [int(c) for c in args.chunks],
         [int(x) for x in args.starts], rounds=args.rounds,
         max_kv_bytes=memory_budget_bytes(KV_CAP_FRACTION), log=err.print)
-    overhead_us = _engine_overhead_us(sessions[args.models[0]])
-    probe_after = _probe(sessions[args.models[0]], args.models[0])
+    probe_after = _probe(sessions[first], first)
     # The probe's reference: calibration's own grid medians at the probe points (three rounds
     # spread over the whole run), else the mean of the probe at the start and the end.
     probe_ms = cal.mean_by_key(probe_before, probe_after) | {
         cal.probe_key(x): x.seconds * 1e3 for x in samples
-        if x.model == args.models[0] and cal.is_probe_point(x)}
+        if x.model == first and cal.is_probe_point(x)}
     drift = cal.probe_speed(probe_after, probe_before)
     if abs((cal.device_speed(drift) or 1.0) - 1) > 0.1:
         err.print("[yellow]warning: the device's speed changed during calibration ("
                   + cal.format_speed(drift)
                   + "); another process or a busy host. Calibrate on a quiet machine.[/yellow]")
+    return samples, probe_ms, drift
 
-    base = DeviceProfile(name=args.name, bandwidth_gbs=bandwidth,
-                         peak_tflops={dtype: peak_gflops / 1e3}, bandwidth_efficiency=1.0,
+
+def _fit(args, dtype: str, when: str, env_info: dict, ceilings: _Ceilings, sessions: dict,
+         samples: list, overhead_us: float, probe_ms: dict) -> tuple[Any, dict, dict]:
+    """The profile: measured ceilings plus the per-forward terms fitted on the step samples."""
+    from batchsim.server.measure import calibration as cal
+    from batchsim.server.perf.profile import DeviceProfile
+    from batchsim.server.perf.stepcost import StepCost
+
+    base = DeviceProfile(name=args.name, bandwidth_gbs=ceilings.bandwidth_gbs,
+                         peak_tflops={dtype: ceilings.peak_gflops / 1e3}, bandwidth_efficiency=1.0,
                          compute_efficiency=1.0)
-    zero = cal.calibration_from({dtype: gemm}, dict.fromkeys(cal.FORWARD_TERMS, 0.0), copy_gbs,
+    gemm = {dtype: ceilings.gemm}
+    zero = cal.calibration_from(gemm, dict.fromkeys(cal.FORWARD_TERMS, 0.0), ceilings.copy_gbs,
                                 0.0, args.models, when)
     costs0 = {n: StepCost(s.spec, _with(base, zero), dtype, None) for n, s in sessions.items()}
     terms = cal.fit_forward_terms(samples, costs0)
     transfer = cal.transfer_errors(samples, costs0)
-    env_info = env.environment(dtype=dtype)
-    calib = cal.calibration_from({dtype: gemm}, terms, copy_gbs, overhead_us, args.models, when,
+    calib = cal.calibration_from(gemm, terms, ceilings.copy_gbs, overhead_us, args.models, when,
                                  probe_ms, device=cal.device_id(env_info))
     profile = _with(base, calib, source=f"batchsim calibrate {when}: {env_info['cpu']}, "
                     f"{env_info['backend']}, BLAS {env_info['blas']}, models {', '.join(args.models)}")
+    return profile, terms, transfer
+
+
+def _save(profile, args: argparse.Namespace) -> list[Path]:
+    from batchsim.server.perf.devices import save_profile, user_dir
+
     paths = [save_profile(profile, user_dir() / f"{args.name}.yaml")]
     if args.profile_out:
         paths.append(save_profile(profile, Path(args.profile_out)))
+    return paths
+
+
+def _residuals(samples: list, sessions: dict, profile, dtype: str) -> list[dict]:
+    """Every sample, measured vs predicted by the fitted profile."""
+    from batchsim.server.measure import calibration as cal
+    from batchsim.server.perf.stepcost import StepCost
 
     costs = {n: StepCost(s.spec, profile, dtype, None) for n, s in sessions.items()}
     rows = [dict(model=s.model, kind=s.kind, rows=s.rows, context=s.context, measured_s=s.seconds,
                  predicted_s=cal.predict(s, costs[s.model])) for s in samples]
     for r in rows:
         r["error"] = r["predicted_s"] / r["measured_s"] - 1
-    _print(rows, terms, gemm, overhead_us, transfer)
-    errors = sorted(abs(r["error"]) for r in rows)
-    summary = {"profile": str(paths[0]), "profile_paths": [str(p) for p in paths],
-               "bandwidth_gbs": bandwidth, "peak_gflops": {dtype: peak_gflops}, "copy_gbs": copy_gbs,
-               "terms": terms, "step_overhead_us": overhead_us, "speed_probe_ms": probe_ms,
-               "speed_drift": drift,
-               "median_abs_err": errors[len(errors) // 2], "max_abs_err": errors[-1],
-               "transfer_err": transfer,
-               "samples": rows, "env": env_info}
-    append_jsonl(Path(args.out) / "calibrate.jsonl", [summary])
-    out.print(f"profile written to {', '.join(str(p) for p in paths)}; use it with "
-              f"`batchsim run --executor sim --device-profile {args.name}`")
-    return summary
+    return rows
 
 
 def _probe(session, name: str) -> dict[str, float]:
@@ -130,8 +179,6 @@ def _probe(session, name: str) -> dict[str, float]:
 
 
 def _with(profile, calibration, source: str | None = None):
-    import dataclasses
-
     return dataclasses.replace(profile, calibration=calibration, source=source or profile.source)
 
 

@@ -31,6 +31,10 @@ class RunProgress:
         if self.enabled:
             self._progress.stop()
 
+    def advance(self, n: int) -> None:
+        """Requests done, when no engine steps are seen (a run against an HTTP server)."""
+        self._progress.update(self._task, advance=n, status="")
+
     def on_step(self, engine, plan, result) -> None:
         now = time.monotonic()
         if not self.enabled or now - self._last < self.min_interval_s:

@@ -163,16 +163,29 @@ def run(args: argparse.Namespace) -> dict:
             raise
         raise ConfigError(str(exc)) from None
     if cfg.target:
-        from batchsim.workloads.client.load import run_http
-
-        return run_http(cfg, Path(args.out), progress=not args.no_progress)
+        return run_over_http(cfg, Path(args.out), progress=not args.no_progress)
     return run_in_process(cfg, Path(args.out), progress=not args.no_progress)
+
+
+def run_over_http(cfg: RunConfig, out_dir: Path, progress: bool = True) -> dict:
+    from batchsim.scripts.progress import RunProgress
+    from batchsim.workloads.client.load import run_http
+    from batchsim.workloads.client.prompts import open_prompt_maker
+    from batchsim.workloads.client.stream import endpoint
+
+    prompts = open_prompt_maker(cfg)
+    spec = cfg.workload
+    err.print(f"batchsim run: {spec.num_prompts} requests of workload {spec.name} to "
+              f"{endpoint(cfg.target or '').url} (prompts from {prompts.describe()})")
+    with RunProgress(spec.num_prompts, f"http {spec.name}", enabled=progress) as bar:
+        summary = run_http(cfg, out_dir, prompts, on_answer=bar.advance)
+    _print_summary(summary)
+    return summary
 
 
 def run_in_process(cfg: RunConfig, out_dir: Path, progress: bool = True, label: str | None = None,
                    quiet: bool = False) -> dict:
     from batchsim.scripts.progress import RunProgress
-    from batchsim.scripts.report import summary_table
     from batchsim.server.engine.runner import run_workload
     from batchsim.server.engine.session import open_session
 
@@ -186,10 +199,15 @@ def run_in_process(cfg: RunConfig, out_dir: Path, progress: bool = True, label: 
                   f"({session.budget_source})")
     with RunProgress(spec.num_prompts, label, enabled=progress and not quiet) as bar:
         outcome = run_workload(session, spec, out_dir=out_dir, label=label, on_step=bar.on_step)
-    summary = outcome.summary
     if not quiet:
-        out.print(summary_table(summary))
-        if outcome.interrupted:
-            out.print("[yellow]interrupted: records so far are in the run directory[/yellow]")
-        out.print(f"run directory: {summary['run_dir']}")
-    return summary
+        _print_summary(outcome.summary)
+    return outcome.summary
+
+
+def _print_summary(summary: dict) -> None:
+    from batchsim.scripts.report import summary_table
+
+    out.print(summary_table(summary))
+    if summary.get("interrupted"):
+        out.print("[yellow]interrupted: records so far are in the run directory[/yellow]")
+    out.print(f"run directory: {summary['run_dir']}")

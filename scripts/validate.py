@@ -17,13 +17,10 @@ from batchsim.scripts.common import (add_field_argument, append_jsonl, err, out,
                                      save_figure, table, timestamp)
 from batchsim.server.engine.run_config import DTYPES, RunConfig
 from batchsim.server.perf.devices import LOCAL_NAME
+from batchsim.server.perf.validation_errors import (METRICS, STEP, compare, median_run, repeat_stats, summarize)
 from batchsim.workloads.spec import workload_from_dict
 
 MATRIX = CONFIG_DIR / "validation" / "matrix.yaml"
-METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "p99_ttft_ms", "p99_tpot_ms")
-EXTRA = ("max_batch_size",)
-# The cost model's error on the real runs' own steps (each real plan timed by the simulator too).
-STEP = "step_time_err"
 # What those predicted steps were made of: each part's share of their time (weights, attention, ...).
 PARTS = "step_parts_share"
 
@@ -46,15 +43,50 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "step-time or probed-speed columns: those need the real runs themselves")
 
 
-def run(args: argparse.Namespace) -> dict:
-    from batchsim.server.measure.calibration import device_id, device_speed, mean_by_key
-    from batchsim.server.perf.profile import at_speed
-    from batchsim.server.perf.devices import resolve_profile, save_profile
-    from batchsim.server.engine.session import open_session
-    from batchsim.server.perf.shadow import ShadowTimer
+@dataclasses.dataclass
+class _Validation:
+    """What every step of one validation shares."""
 
+    args: argparse.Namespace
+    profile: Any  # the DeviceProfile under test
+    cases: list[dict]
+    real: Any  # Session on the real executor
+    sim: Any  # Session on the simulator with the profile
+    here: str  # the device the real runs ran on
+    calibrated_on: str  # the device the profile was calibrated on ("" if unknown)
+    out_dir: Path
+
+
+def run(args: argparse.Namespace) -> dict:
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be at least 1, got {args.repeats}")
+    earlier = None
+    if args.measured_from:
+        earlier = _earlier_validation(Path(args.measured_from), args.model,
+                                      _load_cases(Path(args.matrix), args.cases))
+    v = _open(args, earlier["device"] if earlier else None)
+    configs = {c["name"]: _case_config(v.real.config, c, v.real.weight_bytes) for c in v.cases}
+    predicted = {name: _run(v.sim.with_config(_sim_config(cfg, args.device_profile, v.real.dtype)),
+                            v.out_dir, name + "-sim")
+                 for name, cfg in configs.items()}  # deterministic: one simulated run per case
+    if earlier is not None:
+        kept = ("repeat_abs_dev", "real_runs", "case_spec", "real_run_dir")
+        rows = [compare(c["name"], earlier["cases"][c["name"]]["measured"], predicted[c["name"]])
+                | {k: earlier["cases"][c["name"]].get(k) for k in kept} | {STEP: None, PARTS: None}
+                for c in v.cases]
+        return _finish(v, rows, repeats=earlier["repeats"], measured_from=args.measured_from)
+    measured = _measure(v, configs, predicted)
+    rows = [_case_row(v, c, configs[c["name"]], predicted[c["name"]], measured[c["name"]])
+            for c in v.cases]
+    return _finish(v, rows, repeats=args.repeats)
+
+
+def _open(args: argparse.Namespace, measured_on: str | None) -> _Validation:
+    """Profile, cases and both sessions; refuses a model the profile was calibrated on."""
+    from batchsim.server.engine.session import open_session
+    from batchsim.server.measure.calibration import device_id
+    from batchsim.server.perf.devices import resolve_profile
+
     profile = resolve_profile(args.device_profile)
     if profile.calibration and args.model in profile.calibration.calibrated_on:
         raise ConfigError(f"--model {args.model} was used to calibrate {args.device_profile}; "
@@ -63,81 +95,90 @@ def run(args: argparse.Namespace) -> dict:
     real = open_session(RunConfig(model=args.model, dtype=args.dtype))
     sim = open_session(RunConfig(model=args.model, dtype=real.dtype, executor="sim",
                                  device_profile=args.device_profile))
-    here = device_id(real.environment())
-    earlier = _earlier_validation(Path(args.measured_from), args.model, cases) if args.measured_from else None
-    if earlier is not None:
-        here = earlier["device"] or here  # where the real runs ran
+    here = measured_on or device_id(real.environment())
     calibrated_on = profile.calibration.device if profile.calibration else ""
     if calibrated_on and calibrated_on != here:
         err.print(f"[yellow]warning: {args.device_profile} was calibrated on {calibrated_on}; this is "
                   f"{here}. Every error below includes the difference between the two machines: "
                   "run `batchsim calibrate` here first.[/yellow]")
-    out_dir = Path(args.out) / f"validate-{timestamp()}"
-    predicted, configs = {}, {}
-    for case in cases:  # deterministic: one simulated run per case
-        cfg = configs[case["name"]] = _case_config(real.config, case, real.weight_bytes)
-        predicted[case["name"]] = _run(sim.with_config(_sim_config(cfg, args.device_profile, real.dtype)),
-                                       out_dir, case["name"] + "-sim")
-    if earlier is not None:
-        kept = ("repeat_abs_dev", "real_runs", "case_spec", "real_run_dir")
-        rows = [_compare(c["name"], earlier["cases"][c["name"]]["measured"], predicted[c["name"]])
-                | {k: earlier["cases"][c["name"]].get(k) for k in kept} | {STEP: None, PARTS: None}
-                for c in cases]
-        return _finish(args, rows, profile, calibrated_on, here, real, out_dir,
-                       repeats=earlier["repeats"], measured_from=args.measured_from)
-    probe = _speed_probe(profile, real.dtype)
-    runs: dict[str, list[dict]] = {c["name"]: [] for c in cases}
-    speeds: dict[str, list[float]] = {c["name"]: [] for c in cases}
-    shadows: dict[str, list] = {c["name"]: [] for c in cases}
-    total = len(cases) * args.repeats
-    for rep in range(args.repeats):
-        for i, case in enumerate(cases):
-            name = case["name"]
-            err.print(f"[{rep * len(cases) + i + 1}/{total}] {name}: real run {rep + 1}/{args.repeats}")
+    return _Validation(args, profile, cases, real, sim, here, calibrated_on,
+                       Path(args.out) / f"validate-{timestamp()}")
+
+
+@dataclasses.dataclass
+class _Measured:
+    """One case's real runs: summaries, probed device speeds, shadow timers."""
+
+    runs: list[dict] = dataclasses.field(default_factory=list)
+    speeds: list[float] = dataclasses.field(default_factory=list)
+    shadows: list = dataclasses.field(default_factory=list)
+
+
+def _measure(v: _Validation, configs: dict, predicted: dict) -> dict[str, _Measured]:
+    """Every case's real runs, round-robin over the matrix `--repeats` times."""
+    from batchsim.server.executors.shadow import ShadowTimer
+    from batchsim.server.measure.calibration import device_speed, mean_by_key
+
+    probe = _speed_probe(v.profile, v.real.dtype)
+    measured = {c["name"]: _Measured() for c in v.cases}
+    repeats, total = v.args.repeats, len(v.cases) * v.args.repeats
+    for rep in range(repeats):
+        for i, case in enumerate(v.cases):
+            name, m = case["name"], measured[case["name"]]
+            err.print(f"[{rep * len(v.cases) + i + 1}/{total}] {name}: real run {rep + 1}/{repeats}")
             before = probe()
-            shadow = ShadowTimer(sim.executor.cost)
-            measured = _run(real.with_config(configs[name]), out_dir, f"{name}-real{rep + 1}", shadow)
-            measured[STEP] = shadow.error()
-            shadows[name].append(shadow)
+            shadow = ShadowTimer(v.sim.executor.cost)
+            result = _run(v.real.with_config(configs[name]), v.out_dir, f"{name}-real{rep + 1}", shadow)
+            result[STEP] = shadow.error()
+            m.shadows.append(shadow)
             speed = device_speed(mean_by_key(before, probe()))
             if speed is not None:
-                speeds[name].append(speed)
-            runs[name].append(measured)
-            this = _compare(name, measured, predicted[name])["error"]
-            err.print("   " + "  ".join(f"{m} {100 * this[m]:+.1f}%" for m in METRICS)
-                      + f"  step time {100 * measured[STEP]:+.1f}%"
+                m.speeds.append(speed)
+            m.runs.append(result)
+            this = compare(name, result, predicted[name])["error"]
+            err.print("   " + "  ".join(f"{k} {100 * this[k]:+.1f}%" for k in METRICS)
+                      + f"  step time {100 * result[STEP]:+.1f}%"
                       + (f"  device speed x{speed:.2f}" if speed else ""))
-    rows = []
-    for case in cases:
-        name = case["name"]
-        median = _median_run(runs[name])
-        row = _compare(name, median, predicted[name]) | _repeat_stats(runs[name], median) | {"case_spec": case}
-        steps = [r[STEP] for r in runs[name] if r[STEP] is not None]
-        row[STEP] = float(np.median(steps)) if steps else None
-        row[PARTS] = _part_shares(shadows[name])
-        if speeds[name]:  # the same simulation on the device as probed around this case's runs
-            row["device_speed"] = speed = float(np.exp(np.mean(np.log(speeds[name]))))
-            row["device_speed_runs"] = speeds[name]
-            path = save_profile(at_speed(profile, speed), out_dir / f"{name}-profile-x{speed:.3f}.yaml")
-            at_probed = open_session(dataclasses.replace(sim.config, device_profile=str(path)))
-            adjusted = _run(at_probed.with_config(_sim_config(configs[name], str(path), real.dtype)),
-                            out_dir, name + "-sim-at-probed-speed")
-            row["at_probed_speed"] = _compare(name, row["measured"], adjusted)["error"]
-            if row[STEP] is not None:  # every term scales by 1/speed, so this is exact
-                row["at_probed_speed"][STEP] = (1 + row[STEP]) / speed - 1
-        rows.append(row)
-    return _finish(args, rows, profile, calibrated_on, here, real, out_dir, repeats=args.repeats)
+    return measured
 
 
-def _finish(args, rows: list[dict], profile, calibrated_on: str, here: str, real, out_dir: Path,
-            **extra: Any) -> dict:
-    summary = _summarize(rows)
-    summary.update({"model": args.model, "device_profile": args.device_profile,
-                    "profile_source": profile.source, "profile_device": calibrated_on,
-                    "device": here, "env": real.environment(), **extra,
-                    "png": str(_plot(rows, out_dir)), "run_dir": str(out_dir)})
+def _case_row(v: _Validation, case: dict, cfg, predicted: dict, m: _Measured) -> dict:
+    """A case's errors against the median of its real runs, and re-simulated at the probed speed."""
+    name = case["name"]
+    median = median_run(m.runs)
+    row = compare(name, median, predicted) | repeat_stats(m.runs, median) | {"case_spec": case}
+    steps = [r[STEP] for r in m.runs if r[STEP] is not None]
+    row[STEP] = float(np.median(steps)) if steps else None
+    row[PARTS] = _part_shares(m.shadows)
+    if m.speeds:  # the same simulation on the device as probed around this case's runs
+        row["device_speed"] = speed = float(np.exp(np.mean(np.log(m.speeds))))
+        row["device_speed_runs"] = m.speeds
+        row["at_probed_speed"] = _at_probed_speed(v, name, cfg, row["measured"], speed)
+        if row[STEP] is not None:  # every term scales by 1/speed, so this is exact
+            row["at_probed_speed"][STEP] = (1 + row[STEP]) / speed - 1
+    return row
+
+
+def _at_probed_speed(v: _Validation, name: str, cfg, measured: dict, speed: float) -> dict:
+    from batchsim.server.engine.session import open_session
+    from batchsim.server.perf.devices import save_profile
+    from batchsim.server.perf.profile import at_speed
+
+    path = save_profile(at_speed(v.profile, speed), v.out_dir / f"{name}-profile-x{speed:.3f}.yaml")
+    at_probed = open_session(dataclasses.replace(v.sim.config, device_profile=str(path)))
+    adjusted = _run(at_probed.with_config(_sim_config(cfg, str(path), v.real.dtype)),
+                    v.out_dir, name + "-sim-at-probed-speed")
+    return compare(name, measured, adjusted)["error"]
+
+
+def _finish(v: _Validation, rows: list[dict], **extra: Any) -> dict:
+    summary = summarize(rows)
+    summary.update({"model": v.args.model, "device_profile": v.args.device_profile,
+                    "profile_source": v.profile.source, "profile_device": v.calibrated_on,
+                    "device": v.here, "env": v.real.environment(), **extra,
+                    "png": str(_plot(rows, v.out_dir)), "run_dir": str(v.out_dir)})
     _print(rows, summary)
-    append_jsonl(Path(args.out) / "validate.jsonl", [summary])
+    append_jsonl(Path(v.args.out) / "validate.jsonl", [summary])
     return summary
 
 
@@ -236,69 +277,6 @@ def _run(session, out_dir: Path, label: str, on_step: Callable | None = None) ->
 
     return run_workload(session, session.config.workload, out_dir=out_dir, label=label,
                         on_step=on_step).summary
-
-
-def _median_run(runs: list[dict]) -> dict:
-    """Per metric, the median over a case's real runs (each metric on its own)."""
-    keys = set(METRICS + EXTRA + ("num_preemptions",))
-    med = {k: float(np.median([r.get(k) or 0.0 for r in runs])) for k in keys}
-    return med | {"run_dir": [r.get("run_dir") for r in runs]}
-
-
-def _repeat_stats(runs: list[dict], med: dict) -> dict:
-    """How far one real run falls from the median of its repeats (mean |x / median - 1|): the
-    machine's own noise, a floor under any simulator's error. Plus each run's values."""
-    spread = {}
-    for m in METRICS:
-        devs = [abs((r.get(m) or 0.0) / med[m] - 1) if med[m] else 0.0 for r in runs]
-        spread[m] = float(np.mean(devs))
-    return {"repeat_abs_dev": spread, "real_runs": [{m: r.get(m) for m in METRICS + EXTRA} for r in runs]}
-
-
-def _compare(name: str, measured: dict, predicted: dict) -> dict:
-    error = {}
-    for m in METRICS + EXTRA:
-        real, sim = measured.get(m) or 0.0, predicted.get(m) or 0.0
-        error[m] = (sim - real) / real if real else (0.0 if sim == real else float("inf"))
-    return {"case": name, "measured": {m: measured.get(m) for m in METRICS + EXTRA + ("num_preemptions",)},
-            "predicted": {m: predicted.get(m) for m in METRICS + EXTRA + ("num_preemptions",)},
-            "error": error, "sim_speedup": predicted.get("sim_speedup"),
-            "real_run_dir": measured.get("run_dir"), "sim_run_dir": predicted.get("run_dir")}
-
-
-def _abs_err_stats(rows: list[dict], key: str) -> tuple[dict, dict, dict]:
-    """Median and max |error| per metric over the cases, and the worst case per metric."""
-    med, worst, case = {}, {}, {}
-    for m in METRICS + EXTRA:
-        errs = [abs(r[key][m]) for r in rows]
-        med[m] = float(np.median(errs))
-        i = int(np.argmax(errs))
-        worst[m], case[m] = errs[i], rows[i]["case"]
-    return med, worst, case
-
-
-def _summarize(rows: list[dict]) -> dict:
-    med, worst, worst_case = _abs_err_stats(rows, "error")
-    speeds = [v for r in rows for v in r.get("device_speed_runs", [])]
-    noise = {m: float(np.median([r["repeat_abs_dev"][m] for r in rows])) for m in METRICS}
-    summary = {"cases": rows, "median_abs_err": med, "max_abs_err": worst, "worst_case": worst_case,
-               "noise_floor": noise, "device_speed_range": [min(speeds), max(speeds)] if speeds else None}
-    if rows and all("at_probed_speed" in r for r in rows):
-        amed, aworst, acase = _abs_err_stats(rows, "at_probed_speed")
-        summary["at_probed_speed"] = {"median_abs_err": amed, "max_abs_err": aworst, "worst_case": acase}
-    summary[STEP] = _step_stats([r[STEP] for r in rows])
-    if "at_probed_speed" in summary:
-        summary["at_probed_speed"][STEP] = _step_stats([r["at_probed_speed"].get(STEP) for r in rows])
-    return summary
-
-
-def _step_stats(errs: list[float | None]) -> dict | None:
-    """The cost model's error on the real steps, over the cases: median (its bias) and |error|."""
-    errs = [e for e in errs if e is not None]
-    if not errs:
-        return None
-    return {"median": float(np.median(errs)), "median_abs": float(np.median(np.abs(errs))),
-            "max_abs": float(np.max(np.abs(errs)))}
 
 
 def _print(rows: list[dict], summary: dict) -> None:

@@ -482,7 +482,7 @@ def _wait_for(s: ServerProcess, name: str, value: float, timeout_s: float = 20) 
 def test_run_target_reports_like_in_process(srv, tmp_path, monkeypatch):
     import dataclasses
 
-    from batchsim.workloads.client.load import run_http
+    from batchsim.scripts.run_cmd import run_over_http
     from batchsim.server.engine.run_config import RunConfig
     from batchsim.workloads.lengths import parse_length
     from batchsim.workloads.spec import WorkloadSpec
@@ -491,7 +491,7 @@ def test_run_target_reports_like_in_process(srv, tmp_path, monkeypatch):
     spec = WorkloadSpec(name="t", num_prompts=6, request_rate=float("inf"),
                         input_len=parse_length("uniform:8:40"), output_len=parse_length("12"))
     cfg = dataclasses.replace(RunConfig(model="tiny", workload=spec), target=f"{srv.url}/v1")
-    summary = run_http(cfg, tmp_path, progress=False)
+    summary = run_over_http(cfg, tmp_path, progress=False)
     assert summary["completed"] == 6 and summary["failed"] == 0
     assert summary["total_output_tokens"] == 6 * 12
     assert summary["mean_ttft_ms"] > 0 and summary["mean_tpot_ms"] > 0
@@ -499,7 +499,7 @@ def test_run_target_reports_like_in_process(srv, tmp_path, monkeypatch):
     rows = [json.loads(line) for line in Path(summary["run_dir"], "requests.jsonl").open()]
     assert [r["num_output_tokens"] for r in rows] == [12] * 6
     assert all(r["num_prompt_tokens"] == r["prompt_tokens_local"] for r in rows)
-    chat = run_http(dataclasses.replace(cfg, target=f"{srv.url}/v1/chat/completions"), tmp_path,
-                    progress=False)
+    chat = run_over_http(dataclasses.replace(cfg, target=f"{srv.url}/v1/chat/completions"), tmp_path,
+                         progress=False)
     assert chat["completed"] == 6
     assert chat["total_input_tokens"] > summary["total_input_tokens"]  # the chat template's tokens

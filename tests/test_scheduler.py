@@ -149,6 +149,32 @@ def test_stop_checker_finishes_the_request_and_frees_its_kv_next_step():
     assert any(p.num_steps > 1 for p in trace.plans[last + 1:])
 
 
+class FailingChecker:
+    """A stop checker whose detokenizer breaks on its second step."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def feed(self, token_ids: list[int]) -> bool:
+        self.calls += 1
+        if self.calls == 2:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
+        return False
+
+
+def test_a_failing_stop_checker_ends_only_its_own_request(caplog):
+    s = Scheduler(config(max_num_seqs=4))
+    ex = FakeExecutor(step_s=1.0)
+    broken, other = make_request(1, 40, 20, ids=True), make_request(2, 40, 20, ids=True)
+    broken.stop_checker = FailingChecker()
+    drive(s, ex, [(0, broken), (0, other)])  # checks integrity every step
+    assert (broken.status, broken.finish_reason, broken.num_output_tokens) == (
+        RequestStatus.ABORTED, "error", 2)
+    assert (other.status, other.finish_reason, other.num_output_tokens) == (
+        RequestStatus.FINISHED, "length", 20)
+    assert "stop checker of request 1 failed" in caplog.text and not s.kv.holds(1)
+
+
 @st.composite
 def workloads(draw):
     n = draw(st.integers(1, 24))

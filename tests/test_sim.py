@@ -16,7 +16,7 @@ from batchsim.server.perf.profile import Calibration, DeviceProfile, GemmFit, at
 from batchsim.server.engine.run_config import RunConfig, SchedulerSettings
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
-from batchsim.server.perf.shadow import ShadowTimer
+from batchsim.server.executors.shadow import ShadowTimer
 from batchsim.server.executors.sim_executor import SimExecutor
 from batchsim.server.perf.stepcost import StepCost
 from batchsim.workloads.lengths import LengthSpec

@@ -7,6 +7,7 @@ loop or on one whose clock is virtual (the simulator's): nothing here reads wall
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
@@ -211,3 +212,35 @@ async def _drive_closed(
         await asyncio.gather(*users)
     finally:
         await _settle(users)
+
+
+async def drive_interruptibly(spec: WorkloadSpec, requests: Sequence[RequestSpec],
+                              submit: Submit) -> bool:
+    """`drive`, where Ctrl-C stops the sending but not the caller, which still reports what was
+    measured so far. True if it was interrupted."""
+    loop = asyncio.get_running_loop()
+    driver = asyncio.create_task(drive(spec, requests, submit))
+    interrupted = False
+
+    def interrupt() -> None:
+        nonlocal interrupted
+        interrupted = True
+        driver.cancel()
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, interrupt)
+    except (NotImplementedError, RuntimeError):  # no signal handlers here (Windows, not main thread)
+        return await _drive_plain(driver)
+    try:
+        await driver
+    except asyncio.CancelledError:
+        if not interrupted:
+            raise
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+    return interrupted
+
+
+async def _drive_plain(driver: asyncio.Task) -> bool:
+    await driver
+    return False

@@ -103,3 +103,9 @@ def build_requests(spec: WorkloadSpec) -> list[RequestSpec]:
     prompt = spec.input_len.sample(n, rng_input)
     output = spec.output_len.sample(n, rng_output)
     return [RequestSpec(i, float(times[i]), int(prompt[i]), int(output[i])) for i in range(n)]
+
+
+def prompt_token_ids(seed: int, index: int, length: int, vocab_size: int) -> list[int]:
+    """Seeded random prompt ids per request: the same workload gives the same prompts everywhere."""
+    rng = np.random.default_rng([seed, index])
+    return rng.integers(0, vocab_size, size=length).tolist()

@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import gc
 import json
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,8 +22,8 @@ from batchsim.server.engine.engine import Engine
 from batchsim.server.results.jsonio import jsonable, timestamp, write_jsonl
 from batchsim.server.results.metrics import RequestRecord, StepRecord, summarize
 from batchsim.server.engine.session import Session
-from batchsim.workloads.driver import drive
-from batchsim.workloads.requests import RequestSpec, build_requests
+from batchsim.workloads.driver import drive_interruptibly
+from batchsim.workloads.requests import RequestSpec, build_requests, prompt_token_ids
 from batchsim.workloads.spec import WorkloadSpec
 
 
@@ -35,12 +34,6 @@ class RunOutcome:
     steps: list[StepRecord]
     run_dir: Path | None
     interrupted: bool
-
-
-def prompt_token_ids(seed: int, index: int, length: int, vocab_size: int) -> list[int]:
-    """Seeded random prompt ids per request: the same workload gives the same prompts everywhere."""
-    rng = np.random.default_rng([seed, index])
-    return rng.integers(0, vocab_size, size=length).tolist()
 
 
 class _Run:
@@ -77,32 +70,15 @@ class _Run:
         return self.engine.add(self.make_request(rs))  # the request is queued as it is issued
 
     async def main(self) -> float:
-        loop = asyncio.get_running_loop()
         self.engine.start_clock()
         engine_task = asyncio.create_task(self.engine.run())
-        driver = asyncio.create_task(drive(self.spec, self.requests, self.submit))
         try:
-            loop.add_signal_handler(signal.SIGINT, self._interrupt, driver)
-        except (NotImplementedError, RuntimeError):
-            pass
-        try:
-            await driver
-        except asyncio.CancelledError:
-            if not self.interrupted:
-                raise
+            self.interrupted = await drive_interruptibly(self.spec, self.requests, self.submit)
         finally:
             self.engine.stop()
             await engine_task
-            try:
-                loop.remove_signal_handler(signal.SIGINT)
-            except (NotImplementedError, RuntimeError):
-                pass
             self.engine.close()
         return self.engine.now()
-
-    def _interrupt(self, driver: asyncio.Task) -> None:
-        self.interrupted = True
-        driver.cancel()
 
 
 def run_workload(

@@ -17,24 +17,21 @@ import asyncio
 import dataclasses
 import json
 import os
-import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import numpy as np
 import yaml
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from batchsim.scripts.common import err, out
 from batchsim.workloads.client.stream import Outcome, endpoint, send
 from batchsim.workloads.client.prompts import PromptMaker
 from batchsim.server.results.jsonio import jsonable, timestamp, write_jsonl
-from batchsim.scripts.report import summary_table
 from batchsim.server.results.metrics import RequestRecord, percentile_label, summarize
 from batchsim.server.http.prometheus import parse as parse_metrics
 from batchsim.server.engine.run_config import RunConfig
-from batchsim.workloads.driver import drive
+from batchsim.workloads.driver import drive_interruptibly
 from batchsim.workloads.requests import RequestSpec, build_requests
 
 _TIMEOUT = aiohttp.ClientTimeout(total=6 * 60 * 60)  # vLLM bench's limit per request
@@ -69,34 +66,12 @@ async def _scrape(http: aiohttp.ClientSession, base: str) -> dict[str, float] | 
     return samples or None
 
 
-class _Progress:
-    """Requests answered out of total, on stderr."""
-
-    def __init__(self, total: int, label: str, enabled: bool):
-        self.enabled = enabled
-        self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                             MofNCompleteColumn(), TimeElapsedColumn(), console=err)
-        self._task = self._bar.add_task(label, total=total)
-
-    def __enter__(self) -> _Progress:
-        if self.enabled:
-            self._bar.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.enabled:
-            self._bar.stop()
-
-    def advance(self, n: int) -> None:
-        self._bar.advance(self._task, n)
-
-
 class _HttpRun:
-    def __init__(self, cfg: RunConfig, prompts: PromptMaker, bar: _Progress):
+    def __init__(self, cfg: RunConfig, prompts: PromptMaker, on_answer: Callable[[int], None]):
         self.cfg = cfg
         self.ep = endpoint(cfg.target or "")
         self.prompts = prompts
-        self.bar = bar
+        self.on_answer = on_answer  # called with 1 as each request is answered
         self.requests = build_requests(cfg.workload)
         self.outcomes: list[Outcome] = []
         self.model_sent: str | None = cfg.model
@@ -137,38 +112,21 @@ class _HttpRun:
                 o = Outcome(rs)
                 self.outcomes.append(o)
                 await send(http, self.ep, self.payload(rs, o), o, t0)
-                self.bar.advance(1)
+                self.on_answer(1)
 
-            driver = asyncio.create_task(drive(self.cfg.workload, self.requests, submit))
-            loop.add_signal_handler(signal.SIGINT, self._interrupt, driver)
-            try:
-                await driver
-            except asyncio.CancelledError:
-                if not self.interrupted:
-                    raise
-            finally:
-                loop.remove_signal_handler(signal.SIGINT)
+            self.interrupted = await drive_interruptibly(self.cfg.workload, self.requests, submit)
             duration = loop.time() - t0
             self.metrics_after = await _scrape(http, self.ep.base)
         return duration
 
-    def _interrupt(self, driver: asyncio.Task) -> None:
-        """Ctrl-C: stop sending; what was measured so far is still reported."""
-        self.interrupted = True
-        driver.cancel()
 
-
-def run_http(cfg: RunConfig, out_dir: Path, progress: bool = True) -> dict:
-    from batchsim.workloads.client.prompts import open_prompt_maker
-
-    prompts = open_prompt_maker(cfg)
+def run_http(cfg: RunConfig, out_dir: Path, prompts: PromptMaker,
+             on_answer: Callable[[int], None] = lambda n: None) -> dict:
+    """Send cfg's workload to cfg.target; leave a run directory and return its summary."""
     spec = cfg.workload
     ep = endpoint(cfg.target or "")
-    err.print(f"batchsim run: {spec.num_prompts} requests of workload {spec.name} to {ep.url} "
-              f"(prompts from {prompts.describe()})")
-    with _Progress(spec.num_prompts, f"http {spec.name}", enabled=progress) as bar:
-        run = _HttpRun(cfg, prompts, bar)
-        duration = asyncio.run(run.main())
+    run = _HttpRun(cfg, prompts, on_answer)
+    duration = asyncio.run(run.main())
     outcomes = sorted(run.outcomes, key=lambda o: o.spec.index)
     records = [o.record() for o in outcomes]
     summary = summarize(records, [], duration_s=duration, percentiles=cfg.percentiles,
@@ -191,10 +149,6 @@ def run_http(cfg: RunConfig, out_dir: Path, progress: bool = True) -> dict:
     run_dir = _write_run_dir(out_dir, cfg, outcomes, records, summary, run.model_sent)
     summary["run_dir"] = str(run_dir)
     (run_dir / "summary.json").write_text(json.dumps(jsonable(summary), indent=1))
-    out.print(summary_table(summary))
-    if run.interrupted:
-        out.print("[yellow]interrupted: records so far are in the run directory[/yellow]")
-    out.print(f"run directory: {run_dir}")
     return summary
 
 

@@ -11,10 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from batchsim.scripts.common import err
+from batchsim.configs import ConfigError
 from batchsim.server.engine.run_config import RunConfig
-from batchsim.server.engine.runner import prompt_token_ids
-from batchsim.workloads.requests import RequestSpec
+from batchsim.workloads.requests import RequestSpec, prompt_token_ids
 
 _WORDS = ("time person year way day thing man world life hand part child eye woman place work "
           "week case point number group problem fact house water story room night light").split()
@@ -23,15 +22,18 @@ _MAX_ROUNDS = 8
 
 class PromptMaker:
     def __init__(self, tokenizer: Any | None, seed: int, local_path: str | None = None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, no_tokenizer_reason: str = ""):
         self.tokenizer = tokenizer
+        self.no_tokenizer_reason = no_tokenizer_reason  # why random words, when they are used
         self.seed = seed
         self.local_path = local_path  # the model directory, as mlx_lm.server names its model
         self.vocab_size = vocab_size or (len(tokenizer) if tokenizer is not None else 0)
         self._special = set(getattr(tokenizer, "all_special_ids", None) or ())
 
     def describe(self) -> str:
-        return f"tokenizer {self.local_path}" if self.tokenizer is not None else "random words"
+        if self.tokenizer is not None:
+            return f"tokenizer {self.local_path}"
+        return f"random words ({self.no_tokenizer_reason})" if self.no_tokenizer_reason else "random words"
 
     def make(self, rs: RequestSpec) -> tuple[str, int | None]:
         """(text, its token count by the local tokenizer, or None without one)."""
@@ -57,18 +59,19 @@ class PromptMaker:
 
 
 def open_prompt_maker(cfg: RunConfig) -> PromptMaker:
-    path = _tokenizer_dir(cfg)
-    if path is None:
-        return PromptMaker(None, cfg.workload.seed)
+    try:
+        path = _tokenizer_dir(cfg)
+    except ConfigError as exc:
+        return PromptMaker(None, cfg.workload.seed,
+                           no_tokenizer_reason=f"no local tokenizer for {cfg.model!r}: {exc}")
     from mlx_lm.tokenizer_utils import load
 
     return PromptMaker(load(path), cfg.workload.seed, str(path.resolve()))
 
 
-def _tokenizer_dir(cfg: RunConfig) -> Path | None:
+def _tokenizer_dir(cfg: RunConfig) -> Path:
     """A local directory holding the model's tokenizer: an existing build of a zoo model in any
     dtype, else the model resolved (a zoo model is built on first use)."""
-    from batchsim.configs import ConfigError
     from batchsim.server.models.build import build_id, cache_root
     from batchsim.server.models.spec import zoo_names
 
@@ -78,13 +81,8 @@ def _tokenizer_dir(cfg: RunConfig) -> Path | None:
                 build = cache_root() / build_id(cfg.model, dtype, bits)
                 if (build / "tokenizer.json").is_file():
                     return build
-    try:
-        from batchsim.server.platform import env
-        from batchsim.server.models.loader import resolve
+    from batchsim.server.models.loader import resolve
+    from batchsim.server.platform import env
 
-        dtype = env.default_dtype() if cfg.dtype == "auto" else cfg.dtype
-        return resolve(cfg.model, dtype, cfg.quantize, build=True).path
-    except ConfigError as exc:
-        err.print(f"[yellow]batchsim run: no local tokenizer for {cfg.model!r} ({exc}); "
-                  "sending random-word prompts[/yellow]")
-        return None
+    dtype = env.default_dtype() if cfg.dtype == "auto" else cfg.dtype
+    return resolve(cfg.model, dtype, cfg.quantize, build=True).path

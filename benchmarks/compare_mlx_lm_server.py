@@ -55,8 +55,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> No
 
 def model_dir(model: str) -> Path:
     sys.path.insert(0, str(ROOT))
-    from batchsim.server.platform.env import default_dtype
     from batchsim.server.models.loader import resolve
+    from batchsim.server.platform.env import default_dtype
 
     return resolve(model, default_dtype()).path
 

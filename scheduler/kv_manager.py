@@ -4,7 +4,12 @@ style: `can_*` asks, `commit` applies a plan, `release` frees."""
 
 from __future__ import annotations
 
-from batchsim.scheduler.kv_layout import EMPTY_POOL, PoolGeometry, next_geometry, private_cache_tokens
+from batchsim.scheduler.kv_layout import (
+    EMPTY_POOL,
+    PoolGeometry,
+    next_geometry,
+    private_cache_tokens,
+)
 
 
 class KVAccountError(AssertionError):

@@ -7,8 +7,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from batchsim.scripts.common import (add_field_argument, append_jsonl, err, int_list, median, out,
-                                     str_list, table)
+from batchsim.scripts.common import (
+    add_field_argument,
+    append_jsonl,
+    err,
+    int_list,
+    median,
+    out,
+    str_list,
+    table,
+)
 from batchsim.server.engine.run_config import DTYPES, RunConfig
 from batchsim.server.models.spec import QUANT_BITS
 
@@ -34,8 +42,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from batchsim.configs import ConfigError
-    from batchsim.server.measure import decode_bench as db
     from batchsim.server.engine.session import open_session
+    from batchsim.server.measure import decode_bench as db
 
     bad = [m for m in args.modes if m not in MODES]
     if bad:

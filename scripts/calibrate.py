@@ -87,7 +87,6 @@ def run(args: argparse.Namespace) -> dict:
 
 def _measure_ceilings(dtype: str, reps: int) -> _Ceilings:
     import mlx.core as mx
-
     from batchsim.server.measure import calibration as cal
     from batchsim.server.measure.microbench import cache_limit, measure_bandwidth_gbs
 
@@ -186,10 +185,9 @@ def _engine_overhead_us(session) -> float:
     """The engine's own time per step (scheduling, hand-off to the executor thread and back):
     consecutive busy steps' spacing minus the executor's own time, on a short real run."""
     import numpy as np
-
     from batchsim.server.engine.runner import run_workload
-    from batchsim.workloads.spec import WorkloadSpec
     from batchsim.workloads.lengths import LengthSpec
+    from batchsim.workloads.spec import WorkloadSpec
 
     spec = WorkloadSpec(name="calibrate-overhead", num_prompts=8, arrival="poisson",
                         request_rate=float("inf"), input_len=LengthSpec("fixed", value=16),

@@ -13,11 +13,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
 from batchsim.server.results.jsonio import append_jsonl, dumps, jsonable, timestamp, write_jsonl  # noqa: F401
 from batchsim.workloads.lengths import LengthSpec
+from rich.console import Console
+from rich.table import Table
 
 # Tables and notes for people go to stdout before the closing JSON line; progress goes to stderr.
 _WIDE = 160  # tables stay readable when piped to a file

@@ -9,10 +9,23 @@ from pathlib import Path
 from typing import Any
 
 from batchsim.scheduler.config import SchedulerSettings
-from batchsim.scripts.common import (add_field_argument, append_jsonl, err, out, pyplot,
-                                     save_figure, table, timestamp)
-from batchsim.scripts.run_cmd import (add_model_args, add_scheduler_args, add_workload_args,
-                                      config_from_args, run_in_process)
+from batchsim.scripts.common import (
+    add_field_argument,
+    append_jsonl,
+    err,
+    out,
+    pyplot,
+    save_figure,
+    table,
+    timestamp,
+)
+from batchsim.scripts.run_cmd import (
+    add_model_args,
+    add_scheduler_args,
+    add_workload_args,
+    config_from_args,
+    run_in_process,
+)
 from batchsim.server.engine.run_config import RunConfig, with_run_overrides
 from batchsim.workloads.lengths import LengthSpec
 from batchsim.workloads.spec import WorkloadSpec, builtin_workload, with_overrides

@@ -42,8 +42,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def _build(args: argparse.Namespace) -> dict:
     from batchsim.configs import ConfigError
-    from batchsim.server.platform import env
     from batchsim.server.models.loader import resolve
+    from batchsim.server.platform import env
 
     if not args.name:
         raise ConfigError(f"models build: name a zoo model: {', '.join(zoo_names())}")

@@ -6,9 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rich.table import Table
-
 from batchsim.scripts.common import fmt, table
+from rich.table import Table
 
 _GB = 1e9  # as mlx-lm prints memory
 

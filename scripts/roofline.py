@@ -7,8 +7,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from batchsim.scripts.common import (append_jsonl, err, int_list, out, positive_float, pyplot, save_figure,
-                            str_list, table, timestamp)
+from batchsim.scripts.common import (
+    append_jsonl,
+    err,
+    int_list,
+    out,
+    positive_float,
+    pyplot,
+    save_figure,
+    str_list,
+    table,
+    timestamp,
+)
 from batchsim.server.measure import microbench as mb
 
 DEFAULT_NS = "1024,2048,4096,8192,12288"

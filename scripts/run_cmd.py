@@ -10,8 +10,7 @@ from pathlib import Path
 from batchsim.scheduler.config import SchedulerSettings
 from batchsim.scheduler.kv_layout import KV_STEP
 from batchsim.scripts.common import add_field_argument, err, out, positive_float
-from batchsim.server.engine.run_config import (DTYPES, RunConfig, load_run_config,
-                                              with_run_overrides)
+from batchsim.server.engine.run_config import DTYPES, RunConfig, load_run_config, with_run_overrides
 from batchsim.server.models.spec import QUANT_BITS
 from batchsim.workloads.lengths import parse_length
 from batchsim.workloads.spec import TraceSpec, WorkloadSpec, resolve_workload

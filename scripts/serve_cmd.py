@@ -53,8 +53,8 @@ def _config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> dict:
     import asyncio
 
-    from batchsim.server.http.app import Server, serve
     from batchsim.server.engine.session import open_session
+    from batchsim.server.http.app import Server, serve
 
     cfg = _config(args)
     session = open_session(cfg)

@@ -10,16 +10,31 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
-
 from batchsim.scheduler.kv_layout import KV_STEP, PAGE_TOKENS
-from batchsim.scripts.common import (append_jsonl, fmt, gib, out, positive_float, pyplot, save_figure, table,
-                            timestamp)
+from batchsim.scripts.common import (
+    append_jsonl,
+    fmt,
+    gib,
+    out,
+    positive_float,
+    pyplot,
+    save_figure,
+    table,
+    timestamp,
+)
 from batchsim.server.models.loader import spec_for
 from batchsim.server.models.spec import FLOAT_DTYPES, QUANT_BITS, ModelSpec, zoo_names
 from batchsim.server.perf import macs
-from batchsim.server.perf.size_limits import (FIT_TRIALS, MAX_BATCH_CAP, ContextFit, Settings,
-                                              context_fit, mac_row)
+from batchsim.server.perf.size_limits import (
+    FIT_TRIALS,
+    MAX_BATCH_CAP,
+    ContextFit,
+    Settings,
+    context_fit,
+    mac_row,
+)
 from batchsim.server.perf.stepcost import StepTime
+
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-3.1-8b", help=f"zoo model ({', '.join(zoo_names())}), a model directory, or a hub id")

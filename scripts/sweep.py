@@ -12,11 +12,21 @@ from pathlib import Path
 
 from batchsim.configs import ConfigError
 from batchsim.scheduler.kv_layout import KV_STEP
-from batchsim.scripts.common import (add_field_argument, append_jsonl, fmt, int_list, out,
-                                     positive_float, pyplot, save_figure, table, timestamp)
+from batchsim.scripts.common import (
+    add_field_argument,
+    append_jsonl,
+    fmt,
+    int_list,
+    out,
+    positive_float,
+    pyplot,
+    save_figure,
+    table,
+    timestamp,
+)
 from batchsim.scripts.run_cmd import add_model_args
-from batchsim.server.perf import sweep_limits as sweep_math
 from batchsim.server.engine.run_config import RunConfig, with_run_overrides
+from batchsim.server.perf import sweep_limits as sweep_math
 from batchsim.workloads.lengths import LengthSpec
 from batchsim.workloads.spec import WorkloadSpec
 

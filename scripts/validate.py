@@ -10,14 +10,28 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from batchsim.configs import CONFIG_DIR, ConfigError, load_yaml
 from batchsim.scheduler.config import SchedulerSettings
-from batchsim.scripts.common import (add_field_argument, append_jsonl, err, out, pyplot,
-                                     save_figure, table, timestamp)
+from batchsim.scripts.common import (
+    add_field_argument,
+    append_jsonl,
+    err,
+    out,
+    pyplot,
+    save_figure,
+    table,
+    timestamp,
+)
 from batchsim.server.engine.run_config import DTYPES, RunConfig
 from batchsim.server.perf.devices import LOCAL_NAME
-from batchsim.server.perf.validation_errors import (METRICS, STEP, compare, median_run, repeat_stats, summarize)
+from batchsim.server.perf.validation_errors import (
+    METRICS,
+    STEP,
+    compare,
+    median_run,
+    repeat_stats,
+    summarize,
+)
 from batchsim.workloads.spec import workload_from_dict
 
 MATRIX = CONFIG_DIR / "validation" / "matrix.yaml"
@@ -225,8 +239,8 @@ def _speed_probe(profile, dtype: str) -> Callable[[], dict[str, float]]:
     """Reruns calibration's speed probe (real steps of the first calibration model): the device's
     speed now relative to calibration, per probe point (1.0 = same; {} when the profile has no
     model-step probe, e.g. one calibrated before it existed)."""
-    from batchsim.server.measure.calibration import probe_speed, speed_probe_ms
     from batchsim.server.engine.session import open_session
+    from batchsim.server.measure.calibration import probe_speed, speed_probe_ms
 
     cal = profile.calibration
     model = cal.calibrated_on[0] if cal and cal.calibrated_on else None

@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from batchsim.server.platform import blas
 
 blas.preload()  # before anything imports mlx, as the CLI does

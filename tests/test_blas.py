@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from batchsim.server.platform import blas
 
 AVX512 = {"avx512f", "avx512vl", "avx512bw", "avx512dq", "avx2", "fma"}

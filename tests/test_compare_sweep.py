@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from batchsim.scripts.cli import main
 from batchsim.server.perf import sweep_limits as sweep_math
 from batchsim.server.results.metrics import StepRecord

@@ -7,12 +7,12 @@ import asyncio
 import time
 
 import pytest
-
 from batchsim.scheduler.request import Request, RequestStatus, SamplingParams
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.engine import clock
 from batchsim.server.engine.engine import Engine
 from batchsim.server.executors.fake_executor import FakeExecutor
+
 from tests.drivers import config
 
 

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from batchsim.scripts.serve_cmd import LISTENING
 from batchsim.server.http.prometheus import parse as parse_metrics
-from batchsim.workloads.client.sse import SSEParser
 from batchsim.server.http.text_stream import TextStream
+from batchsim.workloads.client.sse import SSEParser
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-batchsim-test"
@@ -87,10 +86,9 @@ def srv(batchsim_home):
 
 @pytest.fixture(scope="module")
 def tokenizer(srv, batchsim_home):
-    from mlx_lm.tokenizer_utils import load
-
-    from batchsim.server.platform.env import default_dtype
     from batchsim.server.models.loader import resolve
+    from batchsim.server.platform.env import default_dtype
+    from mlx_lm.tokenizer_utils import load
 
     return load(resolve("tiny", default_dtype()).path)  # the build the server made
 

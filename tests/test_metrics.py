@@ -27,8 +27,6 @@ import json
 import math
 
 import pytest
-from rich.console import Console
-
 from batchsim.configs import ConfigError
 from batchsim.scripts.report import summary_table
 from batchsim.server.results.metrics import (
@@ -38,6 +36,7 @@ from batchsim.server.results.metrics import (
     percentile_label,
     summarize,
 )
+from rich.console import Console
 
 approx = pytest.approx
 

@@ -7,12 +7,12 @@ import random
 
 import mlx.core as mx
 import pytest
-
 from batchsim.scheduler.kv_layout import KV_STEP, round_up
 from batchsim.scheduler.request import Request, SamplingParams
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.executors.kv_pool import PoolLayerView
 from batchsim.server.executors.mlx_executor import MLXExecutor
+
 from tests.drivers import config, drive
 
 

@@ -7,7 +7,6 @@ import random
 
 import mlx.core as mx
 import pytest
-
 from batchsim.scheduler.kv_layout import EMPTY_POOL, PoolGeometry
 from batchsim.scheduler.plan import StepPlan
 from batchsim.server.executors.kv_pool import DecodePool

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from batchsim.scripts.common import dumps
 from batchsim.server.measure import microbench as mb
 

@@ -7,14 +7,14 @@ import os
 import sys
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from batchsim.scheduler.kv_layout import KV_STEP, PoolGeometry, round_up
 from batchsim.scheduler.kv_manager import KVAccountError
 from batchsim.scheduler.request import RequestStatus
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.executors.fake_executor import FakeExecutor
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from tests.drivers import config, drive, make_request
 
 EXAMPLES = int(os.environ.get("BATCHSIM_PROPERTY_EXAMPLES", "1500"))

@@ -9,15 +9,14 @@ import time
 
 import numpy as np
 import pytest
-
 from batchsim.scheduler.scheduler import Scheduler
-from batchsim.server.measure import calibration as cal
-from batchsim.server.perf.profile import Calibration, DeviceProfile, GemmFit, at_speed
 from batchsim.server.engine.run_config import RunConfig, SchedulerSettings
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 from batchsim.server.executors.shadow import ShadowTimer
 from batchsim.server.executors.sim_executor import SimExecutor
+from batchsim.server.measure import calibration as cal
+from batchsim.server.perf.profile import Calibration, DeviceProfile, GemmFit, at_speed
 from batchsim.server.perf.stepcost import StepCost
 from batchsim.workloads.lengths import LengthSpec
 from batchsim.workloads.spec import WorkloadSpec

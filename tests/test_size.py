@@ -9,13 +9,12 @@ import json
 import numpy as np
 import pytest
 import yaml
-
 from batchsim.configs import ConfigError
 from batchsim.scheduler.kv_layout import padded_batch_bytes, paged_bytes
 from batchsim.scripts import size
 from batchsim.scripts.common import dumps
-from batchsim.server.perf import macs, size_limits
 from batchsim.server.models.spec import zoo_spec
+from batchsim.server.perf import macs, size_limits
 
 GIB = 1 << 30
 KV_8B_FP16 = 2 * 32 * 8 * 128 * 2  # llama-3.1-8b: K and V x layers x kv_heads x head_dim x fp16

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 
+from batchsim.workloads.client.sse import SSEEvent, SSEParser
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from batchsim.workloads.client.sse import SSEEvent, SSEParser
 
 
 def parse(stream: bytes, cuts: list[int] = ()) -> tuple[list[SSEEvent], int]:

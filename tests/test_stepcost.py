@@ -4,7 +4,6 @@ simulated executor charges for the same step (calibrated profile and catalog roo
 from __future__ import annotations
 
 import pytest
-
 from batchsim.scheduler.kv_layout import EMPTY_POOL, PoolGeometry
 from batchsim.scheduler.plan import NewRequest, PrefillChunk, StepPlan
 from batchsim.scheduler.request import SamplingParams
@@ -12,6 +11,7 @@ from batchsim.server.executors.sim_executor import SimExecutor
 from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf import macs
 from batchsim.server.perf.stepcost import StepCost, StepTime
+
 from tests.test_sim import PROFILE
 
 

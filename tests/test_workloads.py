@@ -12,14 +12,18 @@ import time
 import numpy as np
 import pytest
 import yaml
-
 from batchsim.configs import CONFIG_DIR, ConfigError
 from batchsim.workloads.driver import LoopThrottler, drive
 from batchsim.workloads.lengths import LengthSpec, parse_length, trace_lengths
 from batchsim.workloads.requests import RequestSpec, arrival_times, build_requests, trace_requests
 from batchsim.workloads.spec import (
-    TraceSpec, WorkloadSpec, builtin_workload, builtin_workload_names, load_workload,
-    resolve_workload, with_overrides,
+    TraceSpec,
+    WorkloadSpec,
+    builtin_workload,
+    builtin_workload_names,
+    load_workload,
+    resolve_workload,
+    with_overrides,
 )
 from batchsim.workloads.traces import parse_azure_time, read_trace
 

@@ -13,7 +13,6 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from asyncio_throttle import Throttler
-
 from batchsim.workloads.requests import RequestSpec
 from batchsim.workloads.spec import WorkloadSpec
 

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-
 from batchsim.configs import ConfigError
 from batchsim.workloads.traces import TraceFormat, read_trace, scale_length
 

@@ -14,7 +14,6 @@ import dataclasses
 import math
 
 import numpy as np
-
 from batchsim.configs import ConfigError
 from batchsim.workloads.spec import TraceSpec, WorkloadSpec
 from batchsim.workloads.traces import read_trace, scale_length

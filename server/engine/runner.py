@@ -15,13 +15,12 @@ from typing import Any
 
 import numpy as np
 import yaml
-
 from batchsim.scheduler.request import Request, SamplingParams
 from batchsim.server.engine import clock
 from batchsim.server.engine.engine import Engine
+from batchsim.server.engine.session import Session
 from batchsim.server.results.jsonio import jsonable, timestamp, write_jsonl
 from batchsim.server.results.metrics import RequestRecord, StepRecord, summarize
-from batchsim.server.engine.session import Session
 from batchsim.workloads.driver import drive_interruptibly
 from batchsim.workloads.requests import RequestSpec, build_requests, prompt_token_ids
 from batchsim.workloads.spec import WorkloadSpec

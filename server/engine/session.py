@@ -9,12 +9,12 @@ from typing import Any
 from batchsim.configs import ConfigError
 from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.scheduler import Scheduler
-from batchsim.server.platform import env
+from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.executors.base import Executor
 from batchsim.server.executors.factory import build_executor
 from batchsim.server.models.loader import ModelRef, resolve
 from batchsim.server.models.spec import ModelSpec
-from batchsim.server.engine.run_config import RunConfig
+from batchsim.server.platform import env
 
 CPU_BUDGET_FRACTION = 0.75  # of RAM, when no GPU working-set limit exists (CPU backend)
 GIB = 1 << 30
@@ -118,9 +118,8 @@ def open_session(cfg: RunConfig, executor: Executor | None = None) -> Session:
 
 
 def _open_mlx(cfg: RunConfig, dtype: str, budget: int, source: str) -> Session:
-    from mlx.utils import tree_flatten
-
     from batchsim.server.models.loader import load
+    from mlx.utils import tree_flatten
 
     ref = resolve(cfg.model, dtype, cfg.quantize)
     spec = ref.spec

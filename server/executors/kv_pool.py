@@ -15,10 +15,9 @@ rows [0, B) up to the longest row, with a mask for the shorter ones.
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import _BaseCache
-
 from batchsim.scheduler.kv_layout import PoolGeometry
 from batchsim.server.executors.pool_layout import PoolLayout
+from mlx_lm.models.cache import _BaseCache
 
 
 class PoolLayerView(_BaseCache):

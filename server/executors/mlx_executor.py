@@ -10,12 +10,11 @@ import time
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
-
 from batchsim.scheduler.plan import NewRequest, StepPlan, StepResult
 from batchsim.scheduler.request import SamplingParams
 from batchsim.server.executors.base import ExecutorCaps
 from batchsim.server.executors.kv_pool import DecodePool
+from mlx_lm.models.cache import make_prompt_cache
 
 
 @dataclass(slots=True)

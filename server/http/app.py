@@ -18,13 +18,12 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
-
 from batchsim.configs import ConfigError
 from batchsim.scheduler.request import Request, RequestStatus, SamplingParams
 from batchsim.scheduler.scheduler import Scheduler
-from batchsim.server.http import openai_api as api
 from batchsim.server.engine.engine import Engine
 from batchsim.server.executors.base import Executor
+from batchsim.server.http import openai_api as api
 from batchsim.server.http.openai_api import APIError, GenerationParams
 from batchsim.server.http.options import ServeOptions
 from batchsim.server.http.prometheus import CONTENT_TYPE, ServerRecorder, mlx_memory_gauges, render

@@ -12,19 +12,17 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
-
-from mlx_lm.models.cache import make_prompt_cache
-
 from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.kv_layout import KV_STEP, PoolGeometry, round_up
 from batchsim.scheduler.plan import StepPlan
 from batchsim.scheduler.request import Request, SamplingParams
 from batchsim.scheduler.scheduler import Scheduler
-from batchsim.server.perf.profile import Calibration, GemmFit
 from batchsim.server.executors.mlx_executor import MLXExecutor, SeqState
 from batchsim.server.measure.microbench import median_time_s, working_set_bytes
 from batchsim.server.models.spec import ModelSpec
+from batchsim.server.perf.profile import Calibration, GemmFit
 from batchsim.server.perf.stepcost import StepCost
+from mlx_lm.models.cache import make_prompt_cache
 
 # Every row count up to 32, then steps of 8: CPU BLAS kernels block rows by the vector width (16
 # float32 on AVX-512), so m = 12 or 24 can take longer than m = 16 or 32. Powers of two alone hide it.

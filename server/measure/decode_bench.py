@@ -11,12 +11,11 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
-
 from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.request import Request, SamplingParams
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.executors.mlx_executor import MLXExecutor
+from mlx_lm.models.cache import make_prompt_cache
 
 WARMUP_STEPS = 2
 MAX_STEPS = 4096  # generation budget per sequence; a benchmark stops far earlier

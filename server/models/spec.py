@@ -9,13 +9,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from batchsim.configs import CONFIG_DIR
-
-from batchsim.configs import ConfigError
-
-from batchsim.configs import from_dict
-
-from batchsim.configs import load_yaml
+from batchsim.configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
 
 MODELS_DIR = CONFIG_DIR / "models"
 

@@ -8,12 +8,7 @@ import os
 from pathlib import Path
 
 import yaml
-
-from batchsim.configs import CONFIG_DIR
-
-from batchsim.configs import ConfigError
-
-from batchsim.configs import load_dataclass
+from batchsim.configs import CONFIG_DIR, ConfigError, load_dataclass
 from batchsim.server.perf.profile import DeviceProfile
 from batchsim.server.results.jsonio import yamlable
 

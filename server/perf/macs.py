@@ -11,13 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from batchsim.configs import CONFIG_DIR
-
-from batchsim.configs import ConfigError
-
-from batchsim.configs import from_dict
-
-from batchsim.configs import load_yaml
+from batchsim.configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
 from batchsim.server.perf.profile import DeviceProfile
 
 CATALOG_PATH = CONFIG_DIR / "macs.yaml"

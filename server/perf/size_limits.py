@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-
 from batchsim.configs import ConfigError
 from batchsim.scheduler.kv_layout import KV_STEP, PAGE_TOKENS, round_up
 from batchsim.server.models.spec import ModelSpec

@@ -24,13 +24,12 @@ from typing import Any
 import aiohttp
 import numpy as np
 import yaml
-
-from batchsim.workloads.client.stream import Outcome, endpoint, send
-from batchsim.workloads.client.prompts import PromptMaker
+from batchsim.server.engine.run_config import RunConfig
+from batchsim.server.http.prometheus import parse as parse_metrics
 from batchsim.server.results.jsonio import jsonable, timestamp, write_jsonl
 from batchsim.server.results.metrics import RequestRecord, percentile_label, summarize
-from batchsim.server.http.prometheus import parse as parse_metrics
-from batchsim.server.engine.run_config import RunConfig
+from batchsim.workloads.client.prompts import PromptMaker
+from batchsim.workloads.client.stream import Outcome, endpoint, send
 from batchsim.workloads.driver import drive_interruptibly
 from batchsim.workloads.requests import RequestSpec, build_requests
 

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from batchsim.configs import ConfigError
 from batchsim.server.engine.run_config import RunConfig
 from batchsim.workloads.requests import RequestSpec, prompt_token_ids

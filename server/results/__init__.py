@@ -1,0 +1,1 @@
+"""What a run leaves: records, metrics summaries, JSON output."""

@@ -133,9 +133,9 @@ class ModelSpec:
         """A one-line refusal for paths that handle only dense full-attention models."""
         if not self.is_dense:
             raise ConfigError(
-                f"model {self.name} ({self.model_type}: {'+'.join(self.families)}) {what} runs only "
-                f"in sizing (`batchsim models`) until batched execution lands; families supported "
-                f"for runs: dense"
+                f"model {self.name} ({self.model_type}: {'+'.join(self.families)}) is described by "
+                f"`batchsim models`, but {what} handles dense models only until batched execution "
+                f"lands; families supported for runs: dense"
             )
 
     def summary(self) -> dict[str, Any]:

@@ -9,54 +9,12 @@ import dataclasses
 from typing import Any
 
 from batchsim.configs import ConfigError
-from batchsim.server.models.arch_cache import Attention, cache_bytes
+from batchsim.server.models.arch_cache import cache_bytes
+from batchsim.server.models.arch_families import BUILDERS, NEVER_TIED, TIED_DEFAULT, Layer, Mat
 
 # mlx-lm's default affine quantization: one fp16 scale and one fp16 bias per group of 64 weights.
 QUANT_GROUP_SIZE = 64
 SMALL_BYTES = 2  # scales, biases and unquantized small params stay float16 in a quantized model
-
-
-@dataclasses.dataclass(frozen=True)
-class Mat:
-    """`count` weight matrices of (out, in); `routed`: MoE experts, of which a token uses top_k."""
-
-    out_dim: int
-    in_dim: int
-    count: int = 1
-    routed: bool = False
-
-    @property
-    def params(self) -> int:
-        return self.out_dim * self.in_dim * self.count
-
-
-@dataclasses.dataclass(frozen=True)
-class Ffn:
-    kind: str  # "dense" or "moe"
-    intermediate: int = 0  # dense MLP width
-    experts: int = 0  # routed experts E
-    top_k: int = 0
-    expert_intermediate: int = 0
-    shared_intermediate: int = 0  # width of the always-on shared expert(s), 0 if none
-
-
-@dataclasses.dataclass(frozen=True)
-class Layer:
-    attention: Attention
-    ffn: Ffn
-    mats: tuple[Mat, ...]  # every quantizable matrix (Linear, SwitchLinear, MultiLinear)
-    small_params: int  # norms, biases, sinks, convolutions, gates mlx-lm does not quantize
-
-    @property
-    def params(self) -> int:
-        return sum(m.params for m in self.mats) + self.small_params
-
-    @property
-    def active_params(self) -> int:
-        """Params one token uses: a top_k / E share of the routed experts."""
-        routed = sum(m.params for m in self.mats if m.routed)
-        share = routed * self.ffn.top_k // self.ffn.experts if self.ffn.experts else 0
-        return self.params - routed + share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,19 +83,17 @@ def _quantized_bytes(m: Mat, bits: int) -> int:
 
 def describe(name: str, config: dict[str, Any]) -> Arch:
     """The per-layer description of a config.json; an unknown model_type is a one-line error."""
-    from batchsim.server.models import arch_families
-
     mt = config.get("model_type")
-    builder = arch_families.BUILDERS.get(mt)
+    builder = BUILDERS.get(mt)
     if builder is None:
         raise ConfigError(
             f"model {name}: model_type {mt!r} is not supported; supported: "
-            f"{', '.join(arch_families.BUILDERS)} (families: dense, moe, sliding, hybrid, mla)"
+            f"{', '.join(BUILDERS)} (families: dense, moe, sliding, hybrid, mla)"
         )
     try:
         layers = builder(config)
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"model {name}: config for {mt} is incomplete or malformed ({exc!r})") from None
-    tied = bool(config.get("tie_word_embeddings", arch_families.TIED_DEFAULT.get(mt, True)))
-    tied = tied and mt not in arch_families.NEVER_TIED
+    tied = bool(config.get("tie_word_embeddings", TIED_DEFAULT.get(mt, True)))
+    tied = tied and mt not in NEVER_TIED
     return Arch(str(mt), tuple(layers), int(config["vocab_size"]), int(config["hidden_size"]), tied)

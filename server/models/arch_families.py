@@ -3,10 +3,53 @@ the same keys, defaults and layer rules mlx-lm uses to build the model."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
-from batchsim.server.models.arch import Ffn, Layer, Mat
 from batchsim.server.models.arch_cache import Attention
+
+@dataclasses.dataclass(frozen=True)
+class Mat:
+    """`count` weight matrices of (out, in); `routed`: MoE experts, of which a token uses top_k."""
+
+    out_dim: int
+    in_dim: int
+    count: int = 1
+    routed: bool = False
+
+    @property
+    def params(self) -> int:
+        return self.out_dim * self.in_dim * self.count
+
+
+@dataclasses.dataclass(frozen=True)
+class Ffn:
+    kind: str  # "dense" or "moe"
+    intermediate: int = 0  # dense MLP width
+    experts: int = 0  # routed experts E
+    top_k: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0  # width of the always-on shared expert(s), 0 if none
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    attention: Attention
+    ffn: Ffn
+    mats: tuple[Mat, ...]  # every quantizable matrix (Linear, SwitchLinear, MultiLinear)
+    small_params: int  # norms, biases, sinks, convolutions, gates mlx-lm does not quantize
+
+    @property
+    def params(self) -> int:
+        return sum(m.params for m in self.mats) + self.small_params
+
+    @property
+    def active_params(self) -> int:
+        """Params one token uses: a top_k / E share of the routed experts."""
+        routed = sum(m.params for m in self.mats if m.routed)
+        share = routed * self.ffn.top_k // self.ffn.experts if self.ffn.experts else 0
+        return self.params - routed + share
+
 
 Config = dict[str, Any]
 

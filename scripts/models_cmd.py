@@ -1,4 +1,5 @@
-"""`batchsim models`: the zoo with parameter counts, weight bytes per dtype and KV bytes per token;
+"""`batchsim models`: the zoo with families, parameter counts (total and active), weight bytes per
+dtype and KV bytes per token;
 `batchsim models build NAME`: materialize an mlx-lm loadable directory."""
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ def run(args: argparse.Namespace) -> dict:
     if not args.json:
         out.print(table(
             "Model zoo (weights and KV per token in GiB / KiB)",
-            ["model", "params", "fp32 GiB", "fp16 GiB", "q8 GiB", "q4 GiB", "KV/token fp16 KiB",
+            ["model", "family", "params", "active", "fp32 GiB", "fp16 GiB", "q8 GiB", "q4 GiB", "KV/token fp16 KiB",
              "layers", "kv_heads", "head_dim"],
-            [[r["name"], f"{r['params'] / 1e9:.2f}B", gib(r["weight_bytes"]["float32"]),
+            [[r["name"], "+".join(r["family"]), f"{r['params'] / 1e9:.2f}B",
+              f"{r['active_params'] / 1e9:.2f}B", gib(r["weight_bytes"]["float32"]),
               gib(r["weight_bytes"]["float16"]), gib(r["weight_bytes"]["q8"]),
               gib(r["weight_bytes"]["q4"]), r["kv_bytes_per_token"]["float16"] / 1024,
               r["layers"], r["kv_heads"], r["head_dim"]] for r in rows],

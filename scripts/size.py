@@ -82,6 +82,7 @@ def _fraction(text: str) -> float:
 
 def run(args: argparse.Namespace) -> dict:
     spec = spec_for(args.model)
+    spec.require_dense("`batchsim size`")  # its roofline prices dense layers only, for now
     catalog = macs.load_catalog()
     ws = catalog.metal_working_set
     chosen = catalog.select(args.mac)

@@ -106,6 +106,8 @@ def open_session(cfg: RunConfig, executor: Executor | None = None) -> Session:
     if cfg.executor == "mlx" and executor is None:
         return _open_mlx(cfg, dtype, budget, source)
     ref = resolve(cfg.model, dtype, cfg.quantize, build=False)
+    if cfg.executor == "sim":  # StepCost prices dense full-attention models only, for now
+        ref.spec.require_dense("the sim executor")
     kv_dtype = "float16" if ref.quantize_bits else ref.dtype
     if executor is None:
         executor = build_executor(cfg, ref)
@@ -121,6 +123,8 @@ def _open_mlx(cfg: RunConfig, dtype: str, budget: int, source: str) -> Session:
     from batchsim.server.models.loader import load
     from mlx.utils import tree_flatten
 
+    # Refuse before building or loading: the executor runs dense full-attention models only.
+    resolve(cfg.model, dtype, cfg.quantize, build=False).spec.require_dense("the mlx executor")
     ref = resolve(cfg.model, dtype, cfg.quantize)
     spec = ref.spec
     # Fail before loading gigabytes that cannot fit.

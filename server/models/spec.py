@@ -10,15 +10,17 @@ from pathlib import Path
 from typing import Any
 
 from batchsim.configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
+from batchsim.server.models.arch import Arch, describe
+from batchsim.server.models.arch_cache import generate_calls
+from batchsim.server.models.arch_families import BUILDERS
 
 MODELS_DIR = CONFIG_DIR / "models"
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 FLOAT_DTYPES = tuple(DTYPE_BYTES)
 QUANT_BITS = (4, 8)
-# mlx-lm's default affine quantization: one fp16 scale and one fp16 bias per group of 64 weights.
-QUANT_GROUP_SIZE = 64
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = tuple(BUILDERS)
+SUMMARY_CONTEXTS = (4096, 32768)  # `batchsim models` reports KV bytes per sequence at these
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,16 +33,13 @@ class ModelSpec:
     source: str = ""
 
     def __post_init__(self) -> None:
-        mt = self.config.get("model_type")
-        if mt not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"model {self.name}: model_type {mt!r} is not supported; "
-                f"allowed: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        if self.config.get("model_type") not in SUPPORTED_MODEL_TYPES:
+            describe(self.name, self.config)  # raises the one-line error naming the families
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
                     "intermediate_size"):
             if not isinstance(self.config.get(key), int) or self.config[key] <= 0:
                 raise ConfigError(f"model {self.name}: config.{key} must be a positive integer")
+        self.arch  # a config whose layers cannot be described fails here, in one line
 
     # Shapes, with the defaults mlx-lm applies.
     @property
@@ -86,75 +85,58 @@ class ModelSpec:
     def max_context(self) -> int:
         return int(self.config.get("max_position_embeddings") or 4096)
 
-    @property
-    def qkv_bias(self) -> bool:
-        return self.model_type == "qwen2" or bool(self.config.get("attention_bias", False))
+    # Everything below comes from the per-layer description (arch.py), the one place that knows it.
+    @cached_property
+    def arch(self) -> Arch:
+        return describe(self.name, self.config)
 
-    # Parameter groups. `linear_shapes` lists every matrix a decode step multiplies (out, in).
+    @property
+    def families(self) -> list[str]:
+        return self.arch.families
+
+    @property
+    def is_dense(self) -> bool:
+        return self.families == ["dense"]
+
     @cached_property
     def layer_linear_shapes(self) -> tuple[tuple[int, int], ...]:
-        h, i = self.hidden_size, self.intermediate_size
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return ((q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i))
+        """The (out, in) matrices a decode step multiplies in one layer (dense models: all alike)."""
+        return tuple((m.out_dim, m.in_dim) for m in self.arch.layers[0].mats)
 
     @cached_property
     def num_params(self) -> int:
-        return self.num_matmul_params_per_layer * self.num_layers + self.num_other_params
+        return self.arch.params
 
     @cached_property
-    def num_matmul_params_per_layer(self) -> int:
-        return sum(o * i for o, i in self.layer_linear_shapes)
-
-    @property
-    def num_embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    @property
-    def num_lm_head_params(self) -> int:
-        """Weights of the output projection (shared with the embedding when tied)."""
-        return self.vocab_size * self.hidden_size
-
-    @cached_property
-    def num_small_params_per_layer(self) -> int:
-        """Norm weights and biases: kept in float16 by quantization."""
-        n = 2 * self.hidden_size
-        if self.qkv_bias:
-            n += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        if self.model_type == "qwen3":
-            n += 2 * self.head_dim  # q_norm, k_norm
-        return n
-
-    @cached_property
-    def num_other_params(self) -> int:
-        n = self.num_embedding_params + self.hidden_size  # embedding, final norm
-        if not self.tied_embeddings:
-            n += self.num_lm_head_params
-        return n + self.num_small_params_per_layer * self.num_layers
+    def active_params(self) -> int:
+        """Params one token uses (MoE: top_k of the routed experts), embedding included."""
+        return self.arch.active_params
 
     def weight_bytes(self, dtype: str = "float16", quantize_bits: int | None = None) -> int:
         """Bytes of the weights as mlx-lm holds them (quantization: mlx-lm's default predicate,
         every Linear and Embedding whose input dim divides the group size)."""
-        if quantize_bits is None:
-            return self.num_params * dtype_bytes(dtype)
-        if quantize_bits not in QUANT_BITS:
+        if quantize_bits is not None and quantize_bits not in QUANT_BITS:
             raise ConfigError(f"quantize: {quantize_bits} is not allowed; allowed: 4, 8")
-        small = 2  # scales, biases and unquantized small params stay float16
-        quantized = [(o, i) for o, i in self.layer_linear_shapes] * self.num_layers
-        quantized.append((self.vocab_size, self.hidden_size))
-        if not self.tied_embeddings:
-            quantized.append((self.vocab_size, self.hidden_size))
-        total = 0
-        for o, i in quantized:
-            if i % QUANT_GROUP_SIZE == 0:
-                total += o * i * quantize_bits // 8 + 2 * small * o * (i // QUANT_GROUP_SIZE)
-            else:
-                total += o * i * small
-        total += (self.num_small_params_per_layer * self.num_layers + self.hidden_size) * small
-        return total
+        return self.arch.weight_bytes(dtype_bytes(dtype), quantize_bits)
 
     def kv_bytes_per_token(self, dtype: str = "float16") -> int:
-        """K and V of one token across all layers: 2 x layers x kv_heads x head_dim x bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(dtype)
+        """Bytes each further token adds: K and V (MLA: latent and RoPE key) of the layers whose
+        cache grows with the context (dense: 2 x layers x kv_heads x head_dim x bytes)."""
+        return self.arch.kv_bytes_per_token(dtype_bytes(dtype))
+
+    def kv_bytes_per_seq(self, context_tokens: int, dtype: str = "float16") -> int:
+        """Cache bytes of one sequence holding `context_tokens` as mlx_lm.generate leaves it
+        (prefill chunks, then single tokens): 256-token steps, windows, fixed states included."""
+        return self.arch.cache_bytes(generate_calls(context_tokens), dtype_bytes(dtype))
+
+    def require_dense(self, what: str) -> None:
+        """A one-line refusal for paths that handle only dense full-attention models."""
+        if not self.is_dense:
+            raise ConfigError(
+                f"model {self.name} ({self.model_type}: {'+'.join(self.families)}) is described by "
+                f"`batchsim models`, but {what} handles dense models only until batched execution "
+                f"lands; families supported for runs: dense"
+            )
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -162,6 +144,8 @@ class ModelSpec:
             "hf_id": self.hf_id,
             "model_type": self.model_type,
             "params": self.num_params,
+            "family": self.families,
+            "active_params": self.active_params,
             "layers": self.num_layers,
             "hidden_size": self.hidden_size,
             "heads": self.num_heads,
@@ -174,6 +158,7 @@ class ModelSpec:
                 **{f"q{b}": self.weight_bytes("float16", b) for b in QUANT_BITS},
             },
             "kv_bytes_per_token": {dt: self.kv_bytes_per_token(dt) for dt in FLOAT_DTYPES},
+            "kv_bytes_per_seq": {str(n): self.kv_bytes_per_seq(n) for n in SUMMARY_CONTEXTS},
         }
 
 

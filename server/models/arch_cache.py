@@ -1,0 +1,90 @@
+"""What each layer's mlx-lm 0.32 cache holds for one sequence, replayed shape by shape from the cache
+classes in mlx_lm/models/cache.py: KVCache (full attention and DeepSeek's MLA latent) grows in
+256-token steps; RotatingKVCache (sliding window) keeps a whole multi-token chunk, then shrinks to
+its window on the next single-token step; ArraysCache (linear attention) holds a fixed conv state
+and a float32 recurrent state."""
+
+from __future__ import annotations
+
+import dataclasses
+
+KV_STEP = 256  # KVCache.step and RotatingKVCache.step
+STATE_BYTES = 4  # the gated-delta recurrent state is float32 whatever the activations are
+PREFILL_STEP = 2048  # mlx_lm.generate's prefill_step_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Attention:
+    """One layer's attention and its cache. full / sliding: K and V rows of `heads` x `k_dim` and
+    `heads` x `v_dim` per token; mla: heads=1, k_dim the latent (kv_lora_rank), v_dim the RoPE key;
+    linear: `conv_elems` in the activation dtype plus `state_elems` float32, whatever the length."""
+
+    kind: str  # "full", "sliding", "linear" or "mla"
+    heads: int = 0
+    k_dim: int = 0
+    v_dim: int = 0
+    window: int = 0  # sliding: RotatingKVCache max_size
+    keep: int = 0  # sliding: tokens RotatingKVCache never evicts
+    conv_elems: int = 0
+    state_elems: int = 0
+
+    def token_bytes(self, act_bytes: int) -> int:
+        return self.heads * (self.k_dim + self.v_dim) * act_bytes
+
+
+def cache_bytes(att: Attention, calls: list[int], act_bytes: int) -> int:
+    """Bytes of this layer's cache after the model was called on chunks of `calls` tokens."""
+    if not calls:
+        return 0
+    if att.kind == "linear":
+        return att.conv_elems * act_bytes + att.state_elems * STATE_BYTES
+    if att.kind == "sliding":
+        return _rotating_rows(calls, att.window, att.keep) * att.token_bytes(act_bytes)
+    return _kv_rows(calls) * att.token_bytes(act_bytes)
+
+
+def _kv_rows(calls: list[int]) -> int:
+    """KVCache: on overflow, cut back to the filled rows (if off-step) and add whole steps."""
+    rows = offset = 0
+    for n in calls:
+        if offset + n > rows:
+            if rows and offset % KV_STEP:
+                rows = offset
+            rows += -(-n // KV_STEP) * KV_STEP
+        offset += n
+    return rows
+
+
+def _rotating_rows(calls: list[int], window: int, keep: int) -> int:
+    """RotatingKVCache: multi-token calls concatenate (after trimming to window - 1), single
+    tokens write in place, growing by steps up to the window, then trimming to it."""
+    rows = offset = idx = 0
+    for n in calls:
+        if n > 1:
+            if rows:
+                ordered = idx if (idx != rows and idx >= offset) else rows
+                rows = min(ordered, window - 1)  # trims to window - 1, keeping `keep` first rows
+            rows += n
+            offset += n
+            idx = rows
+            continue
+        if rows == 0 or (offset >= rows and rows < window):
+            rows += min(KV_STEP, window - offset)
+            idx = offset
+        if rows > window:
+            rows, idx = window, window
+        if idx == window:
+            idx = keep
+        offset += 1
+        idx += 1
+    return rows
+
+
+def generate_calls(context_tokens: int, prefill_step: int = PREFILL_STEP) -> list[int]:
+    """The calls mlx_lm.generate makes to hold `context_tokens`: the prompt but its last token in
+    prefill_step chunks, then single tokens (the last prompt token is the first decode step)."""
+    if context_tokens <= 0:
+        return []
+    head = context_tokens - 1
+    chunks = [prefill_step] * (head // prefill_step) + ([head % prefill_step] if head % prefill_step else [])
+    return chunks + [1]

@@ -18,6 +18,10 @@ FLOAT_DTYPES = tuple(DTYPE_BYTES)
 QUANT_BITS = (4, 8)
 # mlx-lm's default affine quantization: one fp16 scale and one fp16 bias per group of 64 weights.
 QUANT_GROUP_SIZE = 64
+# mlx-lm's QuantizedKVCache: K and V packed into uint32 at 4 or 8 bits, with a scale and a bias in
+# the cache's dtype per group of 64 elements along head_dim (its default group_size).
+KV_BITS = (4, 8)
+KV_GROUP_SIZE = 64
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
@@ -152,9 +156,23 @@ class ModelSpec:
         total += (self.num_small_params_per_layer * self.num_layers + self.hidden_size) * small
         return total
 
-    def kv_bytes_per_token(self, dtype: str = "float16") -> int:
-        """K and V of one token across all layers: 2 x layers x kv_heads x head_dim x bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(dtype)
+    def kv_bytes_per_token(self, dtype: str = "float16", kv_bits: int | None = None) -> int:
+        """K and V of one token across all layers: 2 x layers x kv_heads x (head_dim x bytes, or
+        with kv_bits what QuantizedKVCache holds per head: packed data + scales + biases)."""
+        if kv_bits is None:
+            return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(dtype)
+        head_bytes = self.quantized_kv_head_bytes(dtype, kv_bits)
+        return 2 * self.num_layers * self.num_kv_heads * head_bytes
+
+    def quantized_kv_head_bytes(self, dtype: str, kv_bits: int) -> int:
+        """One head's K (or V) of one token in mlx-lm's QuantizedKVCache."""
+        if kv_bits not in KV_BITS:
+            raise ConfigError(f"kv_bits: {kv_bits} is not allowed; allowed: 4, 8")
+        if self.head_dim % KV_GROUP_SIZE:
+            raise ConfigError(f"model {self.name}: kv_bits needs head_dim to be a multiple of "
+                              f"{KV_GROUP_SIZE} (mlx-lm's KV group); it is {self.head_dim}")
+        groups = self.head_dim // KV_GROUP_SIZE
+        return self.head_dim * kv_bits // 8 + 2 * groups * dtype_bytes(dtype)
 
     def summary(self) -> dict[str, Any]:
         return {

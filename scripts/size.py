@@ -34,7 +34,7 @@ from batchsim.server.perf.size_limits import (
     context_fit,
     mac_row,
 )
-from batchsim.server.perf.stepcost import StepTime
+from batchsim.server.perf.stepcost import KV_DEQUANT_OPS_PER_ELEMENT, StepTime
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -169,6 +169,12 @@ def _notes(rows: list[dict], meta: dict, what: str) -> list[str]:
         f"efficiency {meta['bandwidth_efficiency']:.2f} ({meta['bandwidth_efficiency_source']}); "
         f"compute efficiency {meta['compute_efficiency']:.2f}.",
     ]
+    if meta["kv_bits"]:
+        notes.append(f"KV {meta['kv_bits']}-bit: mlx-lm's QuantizedKVCache (packed K/V + a scale "
+                     f"and a bias per 64 elements); decode attention reads those bytes plus an "
+                     f"assumed dequantization of {KV_DEQUANT_OPS_PER_ELEMENT} ops per K/V element "
+                     f"at the compute rate (not measured on Metal). Batched MLX serving of it: not "
+                     f"yet (`run --executor sim` simulates it).")
     if any(not r["compute_known"] for r in rows):
         notes.append("* peak FLOP/s not public (M5): bound by bandwidth only.")
     if any(r["capped"] for r in rows):

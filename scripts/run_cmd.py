@@ -11,7 +11,7 @@ from batchsim.scheduler.config import SchedulerSettings
 from batchsim.scheduler.kv_layout import KV_STEP
 from batchsim.scripts.common import add_field_argument, err, out, positive_float
 from batchsim.server.engine.run_config import DTYPES, RunConfig, load_run_config, with_run_overrides
-from batchsim.server.models.spec import QUANT_BITS
+from batchsim.server.models.spec import KV_BITS, QUANT_BITS
 from batchsim.workloads.lengths import parse_length
 from batchsim.workloads.spec import TraceSpec, WorkloadSpec, resolve_workload
 
@@ -30,7 +30,8 @@ def percentiles(text: str) -> tuple[float, ...]:
     return values
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser):
+    """The model and executor flags; returns their group, for a command's own (--kv-bits)."""
     g = p.add_argument_group("model and executor")
     add_field_argument(g, RunConfig, "model", "zoo name (see `batchsim models`), model directory, "
                        "or hub id")
@@ -45,6 +46,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_field_argument(g, RunConfig, "memory_gb", "memory budget for weights + KV cache in GiB "
                        "(emulate a smaller machine); default: MLX's working set on a GPU, 75%% of "
                        "RAM on the CPU backend", type=positive_float)
+    return g
+
+
+def add_kv_bits_arg(g: argparse._ArgumentGroup) -> None:
+    add_field_argument(g, RunConfig, "kv_bits", "K/V held as mlx-lm's QuantizedKVCache at 4 or 8 "
+                       "bits (group 64): simulation and sizing only, not yet --executor mlx",
+                       choices=list(KV_BITS))
 
 
 def add_scheduler_args(p: argparse.ArgumentParser, max_num_seqs: bool = True):
@@ -94,7 +102,7 @@ def add_workload_args(p: argparse.ArgumentParser, defaults: WorkloadSpec | None 
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="run config YAML (model/scheduler/workload sections) "
                    "or a workload YAML; default: the built-in default workload")
-    add_model_args(p)
+    add_kv_bits_arg(add_model_args(p))
     add_scheduler_args(p)
     add_workload_args(p)
     g = p.add_argument_group("report")
@@ -139,7 +147,7 @@ def config_from_args(args: argparse.Namespace, default: RunConfig | None = None)
         workload["arrival"] = "gamma"
     return with_run_overrides(
         cfg, workload, model=args.model, dtype=args.dtype, quantize=args.quantize,
-        executor=args.executor, device_profile=args.device_profile, memory_gb=args.memory_gb,
+        kv_bits=getattr(args, "kv_bits", None), executor=args.executor, device_profile=args.device_profile, memory_gb=args.memory_gb,
         ignore_eos=args.ignore_eos, target=args.target, percentiles=args.percentiles,
         goodput=parse_goodput(args.goodput) if args.goodput else None,
         **scheduler_overrides(args),

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 from batchsim.scheduler.kv_layout import KV_STEP, PAGE_TOKENS
 from batchsim.scripts.common import (
+    add_field_argument,
     append_jsonl,
     fmt,
     gib,
@@ -23,7 +24,7 @@ from batchsim.scripts.common import (
     timestamp,
 )
 from batchsim.server.models.loader import spec_for
-from batchsim.server.models.spec import FLOAT_DTYPES, QUANT_BITS, ModelSpec, zoo_names
+from batchsim.server.models.spec import FLOAT_DTYPES, KV_BITS, QUANT_BITS, ModelSpec, zoo_names
 from batchsim.server.perf import macs
 from batchsim.server.perf.size_limits import (
     FIT_TRIALS,
@@ -33,7 +34,7 @@ from batchsim.server.perf.size_limits import (
     context_fit,
     mac_row,
 )
-from batchsim.server.perf.stepcost import StepTime
+from batchsim.server.perf.stepcost import KV_DEQUANT_OPS_PER_ELEMENT, StepTime
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -41,6 +42,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float16", choices=list(FLOAT_DTYPES), help="weights dtype")
     p.add_argument("--quantize", type=int, choices=list(QUANT_BITS), default=None,
                    help="mlx-lm affine quantization (group 64) to 4 or 8 bits")
+    add_field_argument(p, Settings, "kv_bits", "K/V held as mlx-lm's QuantizedKVCache at 4 or 8 "
+                       "bits (group 64; scales and biases in the compute dtype)",
+                       choices=list(KV_BITS), unset=False)
     ctx = p.add_mutually_exclusive_group()
     ctx.add_argument("--context", type=int, default=4096, help="fixed tokens per sequence")
     ctx.add_argument("--context-dist", default=None,
@@ -90,13 +94,14 @@ def run(args: argparse.Namespace) -> dict:
                       args.fit_quantile, args.seed)
     meta = _meta(args, spec, catalog, ctx)
     s = Settings(args.dtype, args.quantize, meta["bandwidth_efficiency"],
-                 meta["compute_efficiency"], meta["os_reserve_gb"])
+                 meta["compute_efficiency"], meta["os_reserve_gb"], args.kv_bits)
     rows = [mac_row(spec, m, gb, ctx, s, ws, explain=args.explain)
             for m in chosen for gb in ([args.memory_gb] if args.memory_gb else m.mem_gb)]
     _print(rows, meta, spec)
     if args.explain:
         _print_parts(rows, meta)
     tag = f"{spec.name}-{f'q{args.quantize}' if args.quantize else args.dtype}"
+    tag += f"-kv{args.kv_bits}" if args.kv_bits else ""
     stamp = timestamp()
     jsonl = append_jsonl(args.out / "size.jsonl",
                          [{"kind": "size", "time": stamp, **meta, **r} for r in rows])
@@ -119,6 +124,7 @@ def _meta(args: argparse.Namespace, spec: ModelSpec, catalog: macs.Catalog,
         cmp_eff, cmp_src = args.compute_efficiency, "--compute-efficiency"
     return {
         "model": spec.name, "dtype": args.dtype, "quantize_bits": args.quantize,
+        "kv_bits": args.kv_bits,
         "context": ctx.label, "context_fixed": ctx.fixed, "context_mean_tokens": ctx.mean_tokens,
         "fit_quantile": ctx.quantile, "fit_trials": ctx.trials, "seed": args.seed,
         "max_batch_cap": MAX_BATCH_CAP, "kv_step_tokens": KV_STEP, "page_tokens": PAGE_TOKENS,
@@ -164,6 +170,12 @@ def _notes(rows: list[dict], meta: dict, what: str) -> list[str]:
         f"efficiency {meta['bandwidth_efficiency']:.2f} ({meta['bandwidth_efficiency_source']}); "
         f"compute efficiency {meta['compute_efficiency']:.2f}.",
     ]
+    if meta["kv_bits"]:
+        notes.append(f"KV {meta['kv_bits']}-bit: mlx-lm's QuantizedKVCache (packed K/V + a scale "
+                     f"and a bias per 64 elements); decode attention reads those bytes plus an "
+                     f"assumed dequantization of {KV_DEQUANT_OPS_PER_ELEMENT} ops per K/V element "
+                     f"at the compute rate (not measured on Metal). Batched MLX serving of it: not "
+                     f"yet (`run --executor sim` simulates it).")
     if any(not r["compute_known"] for r in rows):
         notes.append("* peak FLOP/s not public (M5): bound by bandwidth only.")
     if any(r["capped"] for r in rows):
@@ -198,8 +210,8 @@ def _print_parts(rows: list[dict], meta: dict) -> None:
 
 
 def _weights_tag(meta: dict) -> str:
-    q = meta["quantize_bits"]
-    return f"{q}-bit" if q else meta["dtype"]
+    q, kv = meta["quantize_bits"], meta["kv_bits"]
+    return (f"{q}-bit" if q else meta["dtype"]) + (f", KV {kv}-bit" if kv else "")
 
 
 def _tok(row: dict, key: str) -> str:

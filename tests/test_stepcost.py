@@ -24,6 +24,8 @@ def _mac_profile():
 COSTS = {
     "calibrated": lambda: StepCost(zoo_spec("smollm2-135m"), PROFILE, "float32", None),
     "roofline": lambda: StepCost(zoo_spec("llama-3.1-8b"), _mac_profile(), "float16", 4),
+    "roofline-kv4": lambda: StepCost(zoo_spec("llama-3.1-8b"), _mac_profile(), "float16", 4, 4),
+    "calibrated-kv8": lambda: StepCost(zoo_spec("smollm2-135m"), PROFILE, "float32", None, 8),
 }
 
 

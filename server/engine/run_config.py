@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from batchsim.configs import ConfigError, from_dict, load_yaml
 from batchsim.scheduler.config import SchedulerSettings
-from batchsim.server.models.spec import FLOAT_DTYPES, QUANT_BITS
+from batchsim.server.models.spec import FLOAT_DTYPES, KV_BITS, QUANT_BITS
 from batchsim.workloads.spec import (
     WorkloadSpec,
     builtin_workload,
@@ -29,6 +29,7 @@ class RunConfig:
     model: str = "smollm2-135m"  # zoo name, local model directory, or hub id
     dtype: str = "auto"  # one of DTYPES
     quantize: int | None = None  # QUANT_BITS: 4 or 8 (zoo models)
+    kv_bits: int | None = None  # KV_BITS: K/V held as mlx-lm's QuantizedKVCache (sim and size only)
     executor: ExecutorName = "mlx"
     device_profile: str | None = None  # simulator: profile name in configs/devices or a YAML path
     memory_gb: float | None = None  # budget for weights + KV in GiB; default: the device's
@@ -43,6 +44,9 @@ class RunConfig:
         if self.quantize not in (None, *QUANT_BITS):
             allowed = ", ".join(map(str, QUANT_BITS))
             raise ConfigError(f"quantize: {self.quantize} is not allowed; allowed: {allowed}")
+        if self.kv_bits not in (None, *KV_BITS):
+            allowed = ", ".join(map(str, KV_BITS))
+            raise ConfigError(f"kv_bits: {self.kv_bits} is not allowed; allowed: {allowed}")
         if self.memory_gb is not None and self.memory_gb <= 0:
             raise ConfigError(f"memory_gb must be > 0, got {self.memory_gb}")
 

@@ -65,7 +65,8 @@ class Session:
 
     def with_config(self, cfg: RunConfig) -> Session:
         """The same loaded model under other scheduler limits, budget or workload."""
-        keep = ("model", "dtype", "quantize", "executor", "device_profile")  # what built the executor
+        # What built the executor.
+        keep = ("model", "dtype", "quantize", "kv_bits", "executor", "device_profile")
         if any(getattr(cfg, k) != getattr(self.config, k) for k in keep):
             raise ValueError("with_config keeps the model and executor; open a new session instead")
         budget, source = memory_budget(cfg.memory_gb)
@@ -103,6 +104,10 @@ def open_session(cfg: RunConfig, executor: Executor | None = None) -> Session:
         from batchsim.server.perf.devices import mac_budget
 
         budget, source = mac_budget(cfg.device_profile) or (budget, source)
+    if cfg.kv_bits is not None and cfg.executor == "mlx":
+        raise ConfigError(f"kv_bits {cfg.kv_bits}: quantized KV is available in simulation and "
+                          "sizing (--executor sim, `batchsim size`) until the batched MLX executor "
+                          "supports it")
     if cfg.executor == "mlx" and executor is None:
         return _open_mlx(cfg, dtype, budget, source)
     ref = resolve(cfg.model, dtype, cfg.quantize, build=False)
@@ -113,7 +118,7 @@ def open_session(cfg: RunConfig, executor: Executor | None = None) -> Session:
         executor = build_executor(cfg, ref)
     session = Session(
         cfg, ref, ref.dtype, executor, ref.spec.weight_bytes(ref.dtype, ref.quantize_bits), budget,
-        source, ref.spec.kv_bytes_per_token(kv_dtype),
+        source, ref.spec.kv_bytes_per_token(kv_dtype, cfg.kv_bits),
     )
     _check_fits(session)
     return session

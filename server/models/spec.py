@@ -21,6 +21,10 @@ FLOAT_DTYPES = tuple(DTYPE_BYTES)
 QUANT_BITS = (4, 8)
 SUPPORTED_MODEL_TYPES = tuple(BUILDERS)
 SUMMARY_CONTEXTS = (4096, 32768)  # `batchsim models` reports KV bytes per sequence at these
+# mlx-lm's QuantizedKVCache: K and V packed into uint32 at 4 or 8 bits, with a scale and a bias in
+# the cache's dtype per group of 64 elements along head_dim (its default group_size).
+KV_BITS = (4, 8)
+KV_GROUP_SIZE = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,10 +123,25 @@ class ModelSpec:
             raise ConfigError(f"quantize: {quantize_bits} is not allowed; allowed: 4, 8")
         return self.arch.weight_bytes(dtype_bytes(dtype), quantize_bits)
 
-    def kv_bytes_per_token(self, dtype: str = "float16") -> int:
+    def kv_bytes_per_token(self, dtype: str = "float16", kv_bits: int | None = None) -> int:
         """Bytes each further token adds: K and V (MLA: latent and RoPE key) of the layers whose
-        cache grows with the context (dense: 2 x layers x kv_heads x head_dim x bytes)."""
-        return self.arch.kv_bytes_per_token(dtype_bytes(dtype))
+        cache grows with the context (dense: 2 x layers x kv_heads x head_dim x bytes); with kv_bits,
+        what QuantizedKVCache holds per head instead (packed data + scales + biases; dense only)."""
+        if kv_bits is None:
+            return self.arch.kv_bytes_per_token(dtype_bytes(dtype))
+        self.require_dense("quantized KV (kv_bits)")
+        head_bytes = self.quantized_kv_head_bytes(dtype, kv_bits)
+        return 2 * self.num_layers * self.num_kv_heads * head_bytes
+
+    def quantized_kv_head_bytes(self, dtype: str, kv_bits: int) -> int:
+        """One head's K (or V) of one token in mlx-lm's QuantizedKVCache."""
+        if kv_bits not in KV_BITS:
+            raise ConfigError(f"kv_bits: {kv_bits} is not allowed; allowed: 4, 8")
+        if self.head_dim % KV_GROUP_SIZE:
+            raise ConfigError(f"model {self.name}: kv_bits needs head_dim to be a multiple of "
+                              f"{KV_GROUP_SIZE} (mlx-lm's KV group); it is {self.head_dim}")
+        groups = self.head_dim // KV_GROUP_SIZE
+        return self.head_dim * kv_bits // 8 + 2 * groups * dtype_bytes(dtype)
 
     def kv_bytes_per_seq(self, context_tokens: int, dtype: str = "float16") -> int:
         """Cache bytes of one sequence holding `context_tokens` as mlx_lm.generate leaves it

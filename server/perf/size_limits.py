@@ -68,12 +68,13 @@ class Settings:
     bandwidth_efficiency: float
     compute_efficiency: float
     os_reserve_gb: float
+    kv_bits: int | None = None  # K/V held as mlx-lm's QuantizedKVCache at 4 or 8 bits
 
 
 def mac_cost(spec: ModelSpec, mac: macs.Mac, s: Settings) -> StepCost:
     """The simulator's step cost on this Mac (what `--device-profile` gives with default efficiencies)."""
     return StepCost(spec, mac.profile(s.bandwidth_efficiency, s.compute_efficiency), s.dtype,
-                    s.quantize_bits)
+                    s.quantize_bits, s.kv_bits)
 
 
 def decode_step(cost: StepCost, batch: int, context_tokens: int) -> StepTime | None:

@@ -68,15 +68,22 @@ def weight_bytes_per_element(fmt: str) -> float:
     return dtype_bytes(fmt)
 
 
+# Assumed, not measured (no Metal here): mlx-lm's quantized attention dequantizes each K/V element
+# it reads inside quantized_matmul (unpack: shift and mask; scale multiply; bias add).
+KV_DEQUANT_OPS_PER_ELEMENT = 4
+
+
 class StepCost:
-    def __init__(self, spec: ModelSpec, profile: DeviceProfile, dtype: str, quantize_bits: int | None):
+    def __init__(self, spec: ModelSpec, profile: DeviceProfile, dtype: str,
+                 quantize_bits: int | None, kv_bits: int | None = None):
         self.spec = spec
         self.profile = profile
         self.cal: Calibration | None = profile.calibration
         self.fmt = weight_format(dtype, quantize_bits)
         self.act_dtype = compute_dtype(dtype, quantize_bits)
         self.act_bytes = dtype_bytes(self.act_dtype)
-        self.kv_bytes_per_token = spec.kv_bytes_per_token(self.act_dtype)
+        self.kv_bits = kv_bits  # None: float K/V; 4 or 8: mlx-lm's QuantizedKVCache
+        self.kv_bytes_per_token = spec.kv_bytes_per_token(self.act_dtype, kv_bits)
         self.gemm = None
         if self.cal is not None:
             if self.fmt not in self.cal.gemm:
@@ -157,13 +164,25 @@ class StepCost:
         return s.num_layers * batch * s.num_heads * width
 
     def _decode_attention_per_width_s(self, batch: int) -> float:
-        """Seconds a decode step's attention takes per token of width."""
+        """Seconds a decode step's attention takes per token of width (reading quantized K/V
+        adds their dequantization)."""
         per_width = self.decode_attention_bytes(batch, 1)
         if self.cal is not None:
             ns = (per_width * self.cal.attention_decode_ns_per_byte
                   + self.decode_attention_scores(batch, 1) * self.cal.attention_decode_ns_per_score)
-            return ns * 1e-9
-        return per_width / self.profile.bytes_per_s
+            seconds = ns * 1e-9
+        else:
+            seconds = per_width / self.profile.bytes_per_s
+        if self.kv_bits is not None:
+            seconds += self.kv_dequant_s(batch, 1)
+        return seconds
+
+    def kv_dequant_s(self, batch: int, width: int) -> float:
+        """Dequantizing the K/V a decode step reads: KV_DEQUANT_OPS_PER_ELEMENT per element at the
+        profile's compute rate, added to the read (an assumption: not overlapped, not measured)."""
+        s = self.spec
+        elements = 2 * s.num_layers * s.num_kv_heads * s.head_dim * batch * width
+        return elements * KV_DEQUANT_OPS_PER_ELEMENT / self.profile.flops_per_s(self.act_dtype)
 
     def prefill_attention_flops(self, n: int, start: int) -> int:
         s = self.spec

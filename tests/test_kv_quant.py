@@ -16,7 +16,7 @@ from batchsim.server.engine.run_config import RunConfig, load_run_config
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 from batchsim.server.models.spec import KV_GROUP_SIZE, zoo_names, zoo_spec
-from batchsim.server.perf import macs, size_limits
+from batchsim.server.perf import macs
 from batchsim.server.perf.stepcost import KV_DEQUANT_OPS_PER_ELEMENT, StepCost
 from batchsim.workloads.lengths import LengthSpec, parse_length
 from batchsim.workloads.spec import WorkloadSpec
@@ -64,7 +64,10 @@ def test_kv_bytes_by_hand_and_unquantizable_head_sizes():
         spec.kv_bytes_per_token("float16", 3)
     for name in zoo_names():
         s = zoo_spec(name)
-        if s.head_dim % KV_GROUP_SIZE:  # MLX quantizes groups of 32, 64 or 128 along head_dim
+        if not s.is_dense:  # quantized KV is accounted for dense models only, so far
+            with pytest.raises(ConfigError, match="dense models only"):
+                s.kv_bytes_per_token("float16", 4)
+        elif s.head_dim % KV_GROUP_SIZE:  # MLX quantizes groups of 32, 64 or 128 along head_dim
             with pytest.raises(ConfigError, match=f"head_dim .* multiple of {KV_GROUP_SIZE}"):
                 s.kv_bytes_per_token("float16", 4)
         else:
@@ -106,6 +109,10 @@ def test_size_with_kv_bits_for_every_zoo_model(tmp_path):
         spec = zoo_spec(name)
         argv = ["--model", name, "--mac", "M4 Max 40c", "--memory-gb", "128", "--context", "1024",
                 "--kv-bits", "4"]
+        if not spec.is_dense:
+            with pytest.raises(ConfigError, match="dense models only"):
+                run_size(tmp_path, *argv)
+            continue
         if spec.head_dim % KV_GROUP_SIZE:
             with pytest.raises(ConfigError, match="head_dim"):
                 run_size(tmp_path, *argv)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import numpy as np
 import pytest
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.engine.run_config import RunConfig, SchedulerSettings

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-KV_STEP = 256  # KVCache.step and RotatingKVCache.step
+from batchsim.scheduler.kv_layout import KV_STEP  # KVCache.step and RotatingKVCache.step
+
 STATE_BYTES = 4  # the gated-delta recurrent state is float32 whatever the activations are
 PREFILL_STEP = 2048  # mlx_lm.generate's prefill_step_size
 

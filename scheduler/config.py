@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from batchsim.scheduler.cache_layout import CacheLayout
 from batchsim.scheduler.kv_layout import KV_STEP
 
 Policy = Literal["decode-first", "prefill-first"]
@@ -50,6 +51,9 @@ class SchedulerConfig:
     row_step: int = _DEFAULT.row_step
     # Pure-decode steps one plan may cover (1 for real execution; more lets a simulator skip ahead).
     max_lookahead_steps: int = 1
+    # What the cache holds by layer kind (sliding windows, fixed states); None: dense, every layer
+    # grows by kv_bytes_per_token. Its full_token_bytes must equal kv_bytes_per_token.
+    cache_layout: CacheLayout | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -65,6 +69,14 @@ class SchedulerConfig:
             (self.row_step >= 1, "row_step must be >= 1"),
             (self.max_lookahead_steps >= 1, "max_lookahead_steps must be >= 1"),
         ]
+        if self.cache_layout is not None:
+            checks[0] = (self.cache_layout.full_token_bytes == self.kv_bytes_per_token,
+                         "kv_bytes_per_token must equal the cache layout's full_token_bytes")
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def layout(self) -> CacheLayout:
+        """The cache layout the budget is priced by."""
+        return self.cache_layout or CacheLayout.dense(self.kv_bytes_per_token)

@@ -14,7 +14,7 @@ batchsim's real executor holds two kinds of KV:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 KV_STEP = 256  # mlx-lm's KVCache.step / BatchKVCache.step
 PAGE_TOKENS = 16  # a typical paged-attention block (vLLM, vllm-mlx)
@@ -39,6 +39,14 @@ class PoolGeometry(NamedTuple):  # a named tuple: built several times per step
 EMPTY_POOL = PoolGeometry(0, 0)
 
 
+class RowPricer(Protocol):
+    """What a pool row costs (cache_layout.CacheLayout, by layer kind)."""
+
+    def seq_bytes(self, tokens: int) -> int:
+        """Bytes of one row of `tokens` capacity."""
+        ...
+
+
 def rows_for(num_seqs: int, row_step: int, max_rows: int) -> int:
     """Rows to allocate for `num_seqs` requests: 1, 2, 4, ... below row_step, then multiples of it."""
     if num_seqs <= 0:
@@ -57,14 +65,14 @@ def next_geometry(
     row_step: int,
     max_rows: int,
     max_bytes: int,
-    kv_bytes_per_token: int,
+    cache: RowPricer,
 ) -> PoolGeometry | None:
     """The pool geometry after a step in which `num_seqs` rows hold at most `max_len` tokens.
 
     Grows when needed; shrinks when a whole row step or KV step (twice, for rows) is idle, so a
     batch size or length hovering at a boundary does not copy the pool every step. When the
     preferred geometry does not fit `max_bytes`, the tightest one that does is used. None: nothing
-    that holds these rows fits.
+    that holds these rows fits. `cache` prices a row of a given capacity.
     """
     if num_seqs == 0:
         return EMPTY_POOL
@@ -76,15 +84,15 @@ def next_geometry(
         rows = rows_for(num_seqs, row_step, max_rows)
     if cap < need_cap or cap >= need_cap + 2 * KV_STEP:
         cap = need_cap
-    if rows * cap * kv_bytes_per_token <= max_bytes:
+    if rows * cache.seq_bytes(cap) <= max_bytes:
         # Most steps keep the pool as it is: no new object (this runs several times per step).
         same = rows == current.rows and cap == current.capacity_tokens
         return current if same else PoolGeometry(rows, cap)
-    tight = PoolGeometry(num_seqs, need_cap)
-    if tight.nbytes(kv_bytes_per_token) > max_bytes:
+    row_bytes = cache.seq_bytes(need_cap)
+    if num_seqs * row_bytes > max_bytes:
         return None
     # Keep as many spare rows as fit.
-    fit_rows = max_bytes // (need_cap * kv_bytes_per_token)
+    fit_rows = max_bytes // row_bytes
     return PoolGeometry(min(max(num_seqs, fit_rows), max(rows, num_seqs)), need_cap)
 
 

@@ -1,15 +1,11 @@
 """The scheduler's account of KV memory, mirroring what the executor allocates: one padded pool for
-decoding requests plus a private cache per prefilling request. Allocator verbs in the nano-vllm
-style: `can_*` asks, `commit` applies a plan, `release` frees."""
+decoding requests plus a private cache per prefilling request, priced by the model's CacheLayout.
+Allocator verbs in the nano-vllm style: `can_*` asks, `commit` applies a plan, `release` frees."""
 
 from __future__ import annotations
 
-from batchsim.scheduler.kv_layout import (
-    EMPTY_POOL,
-    PoolGeometry,
-    next_geometry,
-    private_cache_tokens,
-)
+from batchsim.scheduler.cache_layout import CacheLayout, PrivateCache
+from batchsim.scheduler.kv_layout import EMPTY_POOL, PoolGeometry, next_geometry
 
 
 class KVAccountError(AssertionError):
@@ -17,57 +13,58 @@ class KVAccountError(AssertionError):
 
 
 class KVManager:
-    def __init__(self, budget_bytes: int, kv_bytes_per_token: int, row_step: int, max_rows: int):
+    def __init__(self, budget_bytes: int, cache: CacheLayout, row_step: int, max_rows: int):
         self.budget_bytes = budget_bytes
-        self.kv_bytes_per_token = kv_bytes_per_token
+        self.cache = cache
         self.row_step = row_step
         self.max_rows = max_rows
         self.pool = EMPTY_POOL
         self.pool_members: set[int] = set()
-        self.private_tokens: dict[int, int] = {}  # request id -> tokens its private cache holds
+        self.private: dict[int, PrivateCache] = {}  # request id -> its private prefill cache
 
     @property
     def pool_bytes(self) -> int:
-        return self.pool.nbytes(self.kv_bytes_per_token)
+        return self.cache.pool_bytes(self.pool)
 
     @property
     def private_bytes(self) -> int:
-        return sum(self.private_tokens.values()) * self.kv_bytes_per_token
+        return sum([p.kv_bytes for p in self.private.values()]) if self.private else 0
 
     @property
-    def kv_bytes(self) -> int:  # pool_bytes + private_bytes, in one call: commit runs every step
-        return (self.pool.nbytes(1) + sum(self.private_tokens.values())) * self.kv_bytes_per_token
+    def kv_bytes(self) -> int:
+        return self.pool_bytes + self.private_bytes
 
     def holds(self, request_id: int) -> bool:
-        return request_id in self.pool_members or request_id in self.private_tokens
+        return request_id in self.pool_members or request_id in self.private
 
     def release(self, request_id: int) -> None:
         """Free a request's KV (finished, aborted, preempted). The pool keeps its geometry until the
         next plan decides it."""
         self.pool_members.discard(request_id)
-        self.private_tokens.pop(request_id, None)
+        self.private.pop(request_id, None)
 
     def geometry_for(self, num_rows: int, max_len: int, max_bytes: int) -> PoolGeometry | None:
         return next_geometry(
-            self.pool, num_rows, max_len, self.row_step, self.max_rows, max_bytes,
-            self.kv_bytes_per_token,
+            self.pool, num_rows, max_len, self.row_step, self.max_rows, max_bytes, self.cache,
         )
 
-    def private_bytes_after(self, request_id: int, computed_tokens: int) -> int:
-        """Extra bytes a private cache needs to hold `computed_tokens`."""
-        new = private_cache_tokens(computed_tokens)
-        return (new - self.private_tokens.get(request_id, 0)) * self.kv_bytes_per_token
+    def private_bytes_after(self, request_id: int, chunk_start: int, computed_tokens: int) -> int:
+        """Extra bytes a private cache needs after a chunk [chunk_start, computed_tokens)
+        (negative: a sliding window's cache shrinks)."""
+        old = self.private.get(request_id)
+        new = self.cache.private_bytes(chunk_start, computed_tokens)
+        return new - old.kv_bytes if old is not None else new
 
     def commit(
         self,
         pool: PoolGeometry,
         pool_members: set[int],
-        private_tokens: dict[int, int],
+        private: dict[int, PrivateCache],
     ) -> int:
         """Apply a plan's KV; returns the bytes now held."""
         self.pool = pool
         self.pool_members = pool_members
-        self.private_tokens = private_tokens
+        self.private = private
         held = self.kv_bytes
         if held > self.budget_bytes:
             raise KVAccountError(f"plan holds {held} KV bytes > budget {self.budget_bytes}")
@@ -86,17 +83,19 @@ class KVManager:
                 raise KVAccountError(f"pool holds request {rid}, which is not running")
             if computed_tokens[rid] > self.pool.capacity_tokens:
                 raise KVAccountError(f"request {rid} has {computed_tokens[rid]} tokens > capacity")
-            if rid in self.private_tokens:
+            if rid in self.private:
                 raise KVAccountError(f"request {rid} is both in the pool and in a private cache")
-        for rid, tokens in self.private_tokens.items():
-            if rid in releasing:
-                continue
-            if rid not in computed_tokens:
-                raise KVAccountError(f"private cache of request {rid}, which is not running")
-            if tokens != private_cache_tokens(computed_tokens[rid]):
-                raise KVAccountError(
-                    f"request {rid}: private cache {tokens} tokens for {computed_tokens[rid]} computed"
-                )
+        for rid, p in self.private.items():
+            if rid not in releasing:
+                self._check_private(rid, p, computed_tokens)
         for rid, tokens in computed_tokens.items():
             if tokens and not self.holds(rid):
                 raise KVAccountError(f"request {rid} has {tokens} computed tokens but no KV")
+
+    def _check_private(self, rid: int, p: PrivateCache, computed_tokens: dict[int, int]) -> None:
+        if rid not in computed_tokens:
+            raise KVAccountError(f"private cache of request {rid}, which is not running")
+        if p.computed_tokens != computed_tokens[rid] or not 0 <= p.chunk_start < p.computed_tokens:
+            raise KVAccountError(f"request {rid}: private cache {p} for {computed_tokens[rid]} computed")
+        if p.kv_bytes != self.cache.private_bytes(p.chunk_start, p.computed_tokens):
+            raise KVAccountError(f"request {rid}: private cache {p} holds the wrong bytes")

@@ -14,7 +14,7 @@ import logging
 from collections import deque
 
 from batchsim.scheduler.config import SchedulerConfig
-from batchsim.scheduler.kv_layout import PoolGeometry, private_cache_tokens
+from batchsim.scheduler.kv_layout import PoolGeometry
 from batchsim.scheduler.kv_manager import KVAccountError, KVManager
 from batchsim.scheduler.plan import NewRequest, StepPlan, StepResult
 from batchsim.scheduler.request import Request, RequestStatus
@@ -25,7 +25,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.kv = KVManager(
-            config.kv_budget_bytes, config.kv_bytes_per_token, config.row_step, config.max_num_seqs
+            config.kv_budget_bytes, config.layout, config.row_step, config.max_num_seqs
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the newest is preempted first
@@ -57,7 +57,7 @@ class Scheduler:
         if total > cfg.max_model_len:
             return (f"prompt ({request.num_prompt_tokens}) + max_tokens ({request.sampling.max_tokens})"
                     f" = {total} tokens exceeds the model context of {cfg.max_model_len}")
-        alone = PoolGeometry(1, private_cache_tokens(total)).nbytes(cfg.kv_bytes_per_token)
+        alone = self.kv.cache.alone_bytes(total)
         if alone > cfg.kv_budget_bytes:
             return (f"its KV cache at full length ({alone} bytes) exceeds the KV budget "
                     f"({cfg.kv_budget_bytes} bytes)")

@@ -6,14 +6,15 @@ it fits (vLLM's `allocate_slots -> None`, nano-vllm's `can_allocate`)."""
 from __future__ import annotations
 
 from batchsim.scheduler.config import SchedulerConfig
-from batchsim.scheduler.kv_layout import KV_STEP, PoolGeometry, private_cache_tokens, round_down
+from batchsim.scheduler.cache_layout import PrivateCache
+from batchsim.scheduler.kv_layout import KV_STEP, PoolGeometry, round_down
 from batchsim.scheduler.kv_manager import KVManager
 from batchsim.scheduler.plan import PrefillChunk
 from batchsim.scheduler.request import Request
 
 
 class StepBudget:
-    __slots__ = ("kv", "budget_bytes", "kvt", "prefill_step_size", "max_num_batched_tokens",
+    __slots__ = ("kv", "budget_bytes", "cache", "prefill_step_size", "max_num_batched_tokens",
                  "decode_step", "pool", "in_pool", "width", "private", "geom", "tokens_left",
                  "prefills")
 
@@ -21,24 +22,25 @@ class StepBudget:
                  decode_step: bool):
         self.kv = kv
         self.budget_bytes = config.kv_budget_bytes
-        self.kvt = config.kv_bytes_per_token
+        self.cache = kv.cache
         self.prefill_step_size = config.prefill_step_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.decode_step = decode_step  # False: a prefill-only step (the pool's rows sit still)
         self.pool = pool  # rows after this step: decoding, or untouched in a prefill-only step
         self.in_pool = {r.request_id for r in pool}
         self.width = width  # the pool's longest row after this step, in tokens
-        self.private: dict[int, int] = {}  # the prefill caches that stay private after this step
-        if kv.private_tokens:
+        # The prefill caches that stay private after this step.
+        self.private: dict[int, PrivateCache] = {}
+        if kv.private:
             in_pool = self.in_pool
-            self.private = {rid: t for rid, t in kv.private_tokens.items() if rid not in in_pool}
+            self.private = {rid: p for rid, p in kv.private.items() if rid not in in_pool}
         self.geom: PoolGeometry | None = None  # set by fit_pool
         self.tokens_left = 0  # set by fit_pool
         self.prefills: list[PrefillChunk] = []
 
     def geometry(self, reserve_bytes: int = 0) -> PoolGeometry | None:
         """The pool geometry for these rows in what the private caches leave; None: none fits."""
-        room = self.budget_bytes - sum(self.private.values()) * self.kvt - reserve_bytes
+        room = self.budget_bytes - self.private_bytes() - reserve_bytes
         return self.kv.geometry_for(len(self.pool), self.width, room)
 
     def fit_pool(self) -> bool:
@@ -72,8 +74,8 @@ class StepBudget:
         and capacity first, then whole KV steps of the chunk."""
         c = request.num_computed_tokens
         while n > 0:
-            need = self.kv.private_bytes_after(request.request_id, c + n)
-            held = self.geom.nbytes(self.kvt) + sum(self.private.values()) * self.kvt
+            need = self.kv.private_bytes_after(request.request_id, c, c + n)
+            held = self.cache.pool_bytes(self.geom) + self.private_bytes()
             if need <= self.budget_bytes - held:
                 return n
             tighter = self.geometry(reserve_bytes=need)
@@ -87,7 +89,7 @@ class StepBudget:
         c = request.num_computed_tokens
         sample = c + n == request.num_tokens  # the chunk reaches the last known token
         self.prefills.append(PrefillChunk(request.request_id, c, n, sample))
-        self.private[request.request_id] = private_cache_tokens(c + n)
+        self.private[request.request_id] = self.cache.private(c, c + n)
         self.tokens_left -= n
 
     def add_row(self, request: Request) -> bool:
@@ -107,6 +109,10 @@ class StepBudget:
         self.in_pool.add(request.request_id)
         self.tokens_left -= 1
         return True
+
+    def private_bytes(self) -> int:
+        private = self.private
+        return sum([p.kv_bytes for p in private.values()]) if private else 0
 
     def commit(self) -> int:
         """Hand this step's KV to the manager; returns the bytes it holds."""

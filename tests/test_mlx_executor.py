@@ -118,7 +118,7 @@ def test_kv_bytes_match_arrays_formula_and_active_memory(tiny):
             c.nbytes for s in ex.seqs.values() if s.cache for c in s.cache)
         formula = plan.pool.rows * plan.pool.capacity_tokens * per_token + sum(
             round_up(sched.requests[rid].num_computed_tokens, KV_STEP) * per_token
-            for rid in sched.kv.private_tokens)
+            for rid in sched.kv.private)
         assert result.kv_bytes == plan.kv_bytes == arrays == formula
         held = mx.get_active_memory() - base
         # Besides KV, only per-step scalars (tokens, positions, masks) stay alive.

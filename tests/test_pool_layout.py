@@ -115,7 +115,7 @@ def test_real_pool_and_simulator_follow_one_layout(seed):
 
 
 def test_layout_fills_holes_from_the_last_rows():
-    layout = PoolLayout(kv_bytes_per_token=10)
+    layout = PoolLayout(10)
     layout.resize(PoolGeometry(8, 32))
     for rid in range(6):
         layout.join(rid, 5)

@@ -100,7 +100,7 @@ def test_integrity_check_catches_a_corrupt_account():
     s.add_request(make_request(1, 300, 5))
     plan = s.schedule()
     s.update_from_output(plan, ex.execute(plan))
-    s.kv.private_tokens[1] += KV_STEP
+    s.kv.private[1] = s.kv.private[1]._replace(kv_bytes=s.kv.private[1].kv_bytes + 512 * KV_STEP)
     with pytest.raises(KVAccountError):
         s.check_integrity()
 
@@ -224,7 +224,7 @@ def test_random_workloads_keep_every_promise(case):
         p = r.num_prompt_tokens
         expected = [FakeExecutor.token_for(rid, p + i, 32000) for i in range(r.num_output_tokens)]
         assert r.output_token_ids == expected  # preempted requests recompute the same tokens
-    assert s.kv.private_tokens == {} and not s.running and not s.waiting
+    assert s.kv.private == {} and not s.running and not s.waiting
 
 
 def test_scheduler_step_costs_under_a_millisecond_at_batch_64():

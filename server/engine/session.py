@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from batchsim.configs import ConfigError
+from batchsim.scheduler.cache_layout import CacheLayout
 from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.engine.run_config import RunConfig
@@ -32,6 +33,8 @@ class Session:
     kv_bytes_per_token: int
     model: Any = None
     tokenizer: Any = None
+    # What the KV cache holds by layer kind; None: dense, kv_bytes_per_token per token.
+    cache_layout: CacheLayout | None = None
 
     @property
     def spec(self) -> ModelSpec:
@@ -53,6 +56,7 @@ class Session:
             policy=s.policy,
             row_step=s.row_step,
             max_lookahead_steps=self.executor.caps.max_lookahead_steps,
+            cache_layout=self.cache_layout,
         )
         values.update(overrides)
         try:
@@ -116,9 +120,10 @@ def open_session(cfg: RunConfig, executor: Executor | None = None) -> Session:
     kv_dtype = "float16" if ref.quantize_bits else ref.dtype
     if executor is None:
         executor = build_executor(cfg, ref)
+    cache = ref.spec.cache_layout(kv_dtype, cfg.kv_bits)
     session = Session(
         cfg, ref, ref.dtype, executor, ref.spec.weight_bytes(ref.dtype, ref.quantize_bits), budget,
-        source, ref.spec.kv_bytes_per_token(kv_dtype, cfg.kv_bits),
+        source, cache.full_token_bytes, cache_layout=cache,
     )
     _check_fits(session)
     return session

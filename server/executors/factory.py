@@ -27,6 +27,6 @@ def build_executor(cfg: Any, ref: Any, model: Any = None) -> Executor:
         from batchsim.server.perf.stepcost import StepCost
 
         profile = resolve_profile(cfg.device_profile, ref.quantize_bits)
-        return SimExecutor(StepCost(ref.spec, profile, ref.dtype, ref.quantize_bits,
-                                     kv_bits=cfg.kv_bits))
+        cost = StepCost(ref.spec, profile, ref.dtype, ref.quantize_bits, kv_bits=cfg.kv_bits)
+        return SimExecutor(cost, cache=ref.spec.cache_layout(cost.act_dtype, cfg.kv_bits))
     raise ValueError(f"unknown executor {cfg.executor!r} (mlx, sim or fake)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import NamedTuple
 
+from batchsim.scheduler.cache_layout import CacheLayout
 from batchsim.scheduler.kv_layout import EMPTY_POOL, PoolGeometry
 
 
@@ -35,8 +36,9 @@ class Resize(NamedTuple):
 
 
 class PoolLayout:
-    def __init__(self, kv_bytes_per_token: int):
-        self.kv_bytes_per_token = kv_bytes_per_token
+    def __init__(self, cache: CacheLayout | int):
+        # A dense model may give its bytes per token; other kinds their layout.
+        self.cache = cache if isinstance(cache, CacheLayout) else CacheLayout.dense(cache)
         self.geometry = EMPTY_POOL
         self.row_ids: list[int] = []  # request id per occupied row, rows [0, B)
         self.in_pool: set[int] = set()  # the same ids, for membership tests
@@ -58,12 +60,12 @@ class PoolLayout:
         for h, m in zip(holes, movers):
             rows[h] = rows[m]
         del rows[keep:]
-        row_bytes = self.geometry.capacity_tokens * self.kv_bytes_per_token
+        row_bytes = self.cache.seq_bytes(self.geometry.capacity_tokens)
         return RowMoves(holes, movers, len(movers) * row_bytes)
 
     def join(self, request_id: int, num_tokens: int) -> int:
         """Give a prefilled request of `num_tokens` the next row; returns the row. The copy is
-        its tokens only: num_tokens * kv_bytes_per_token."""
+        its tokens only: cache.seq_bytes(num_tokens)."""
         row = len(self.row_ids)
         if row >= self.geometry.rows or num_tokens > self.geometry.capacity_tokens:
             raise RuntimeError(
@@ -79,12 +81,17 @@ class PoolLayout:
         if geometry.rows < len(self.row_ids):
             raise RuntimeError(f"geometry {geometry} cannot hold the pool's {len(self)} rows")
         self.geometry = geometry
-        kvt = self.kv_bytes_per_token
+        cache = self.cache
         kept = 0
         if old.rows and geometry.rows:
-            kept = min(old.rows, geometry.rows) * min(old.capacity_tokens,
-                                                       geometry.capacity_tokens) * kvt
-        return Resize(old, geometry, kept, geometry.nbytes(kvt))
+            kept = min(old.rows, geometry.rows) * cache.seq_bytes(
+                min(old.capacity_tokens, geometry.capacity_tokens))
+        return Resize(old, geometry, kept, cache.pool_bytes(geometry))
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """What each further token adds to a row (full-attention and MLA layers)."""
+        return self.cache.full_token_bytes
 
     def clear(self) -> None:
         self.geometry, self.row_ids, self.in_pool = EMPTY_POOL, [], set()

@@ -5,7 +5,8 @@ steps is timed in one call, stopping at the next arrival."""
 
 from __future__ import annotations
 
-from batchsim.scheduler.kv_layout import PoolGeometry, private_cache_tokens
+from batchsim.scheduler.cache_layout import CacheLayout
+from batchsim.scheduler.kv_layout import PoolGeometry
 from batchsim.scheduler.plan import StepPlan, StepResult
 from batchsim.server.executors.base import ExecutorCaps
 from batchsim.server.executors.pool_layout import NO_MOVES, PoolLayout
@@ -13,16 +14,19 @@ from batchsim.server.perf.stepcost import StepCost
 
 
 class SimExecutor:
-    def __init__(self, cost: StepCost, max_lookahead_steps: int = 1 << 16):
+    def __init__(self, cost: StepCost, max_lookahead_steps: int = 1 << 16,
+                 cache: CacheLayout | None = None):
         self.caps = ExecutorCaps(real_compute=False, virtual_time=True,
                                  max_lookahead_steps=max_lookahead_steps, needs_token_ids=False)
         self.cost = cost
         self.kvt = cost.kv_bytes_per_token
         self.overhead_s = cost.step_overhead_s
-        self.layout = PoolLayout(self.kvt)  # the real pool's rows, in its order
-        # request id -> tokens its private prefill cache holds (rounded up as mlx-lm allocates)
+        # What the model's cache holds by layer kind (None: dense, the cost model's bytes per token).
+        self.cache = cache or CacheLayout.dense(self.kvt)
+        self.layout = PoolLayout(self.cache)  # the real pool's rows, in its order
+        # request id -> bytes its private prefill cache holds (as mlx-lm allocates)
         self.private: dict[int, int] = {}
-        self._private_tokens = 0  # their sum
+        self._private_bytes = 0  # their sum
 
     def execute(self, plan: StepPlan, max_elapsed_s: float = float("inf")) -> StepResult:
         cost, layout = self.cost, self.layout
@@ -30,7 +34,7 @@ class SimExecutor:
         if plan.free_ids:
             t += self._free(plan.free_ids)
         for new in plan.new_requests:
-            self._set_private(new.request_id, 0)
+            self._set_private(new.request_id, 0, 0)
         if plan.pool != layout.geometry:
             t += self._resize(plan.pool)
         if not layout.in_pool.issuperset(plan.decode_ids):
@@ -40,7 +44,7 @@ class SimExecutor:
             sampling: list[int] = []
             for c in plan.prefills:
                 t += cost.prefill_forward_s(c.num_tokens, c.start, c.sample)
-                self._set_private(c.request_id, c.start + c.num_tokens)
+                self._set_private(c.request_id, c.start, c.start + c.num_tokens)
                 if c.sample:
                     sampling.append(c.request_id)
             sampled = (*sampling, *sampled)
@@ -61,18 +65,18 @@ class SimExecutor:
 
     def reset(self) -> None:
         self.layout.clear()
-        self.private, self._private_tokens = {}, 0
+        self.private, self._private_bytes = {}, 0
 
     def kv_bytes(self) -> int:
-        return (self.layout.geometry.nbytes(1) + self._private_tokens) * self.kvt
+        return self.cache.pool_bytes(self.layout.geometry) + self._private_bytes
 
-    def _set_private(self, request_id: int, computed_tokens: int) -> None:
-        held = private_cache_tokens(computed_tokens)
-        self._private_tokens += held - self.private.get(request_id, 0)
+    def _set_private(self, request_id: int, chunk_start: int, computed_tokens: int) -> None:
+        held = self.cache.private_bytes(chunk_start, computed_tokens)
+        self._private_bytes += held - self.private.get(request_id, 0)
         self.private[request_id] = held
 
     def _drop_private(self, request_id: int) -> None:
-        self._private_tokens -= self.private.pop(request_id, 0)
+        self._private_bytes -= self.private.pop(request_id, 0)
 
     # -- the pool's copies, as pool_layout lays them out for the real DecodePool ------------------
     def _free(self, free_ids: tuple[int, ...]) -> float:
@@ -100,5 +104,5 @@ class SimExecutor:
             if rid not in in_pool:
                 layout.join(rid, pos)
                 self._drop_private(rid)
-                t += self.cost.copy_s(pos * self.kvt)
+                t += self.cost.copy_s(self.cache.seq_bytes(pos))
         return t

@@ -7,7 +7,9 @@ and a float32 recurrent state."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
+from batchsim.scheduler.cache_layout import CacheLayout
 from batchsim.scheduler.kv_layout import KV_STEP  # KVCache.step and RotatingKVCache.step
 
 STATE_BYTES = 4  # the gated-delta recurrent state is float32 whatever the activations are
@@ -42,6 +44,23 @@ def cache_bytes(att: Attention, calls: list[int], act_bytes: int) -> int:
     if att.kind == "sliding":
         return _rotating_rows(calls, att.window, att.keep) * att.token_bytes(act_bytes)
     return _kv_rows(calls) * att.token_bytes(act_bytes)
+
+
+def cache_layout(layers: Iterable[Attention], act_bytes: int) -> CacheLayout:
+    """The scheduler's pricing of these layers' caches: full and MLA bytes per token, sliding bytes
+    per token by window, linear layers' fixed state."""
+    full = state = 0
+    windows: dict[int, int] = {}
+    for att in layers:
+        if att.kind == "linear":
+            state += cache_bytes(att, [1], act_bytes)
+        elif att.kind == "sliding":
+            windows[att.window] = windows.get(att.window, 0) + att.token_bytes(act_bytes)
+        elif att.kind in ("full", "mla"):
+            full += att.token_bytes(act_bytes)
+        else:
+            raise ValueError(f"attention kind {att.kind!r} has no cache layout")
+    return CacheLayout(full, tuple(sorted(windows.items())), state)
 
 
 def _kv_rows(calls: list[int]) -> int:

@@ -11,7 +11,8 @@ from typing import Any
 
 from batchsim.configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
 from batchsim.server.models.arch import Arch, describe
-from batchsim.server.models.arch_cache import generate_calls
+from batchsim.scheduler.cache_layout import CacheLayout
+from batchsim.server.models.arch_cache import cache_layout, generate_calls
 from batchsim.server.models.arch_families import BUILDERS
 
 MODELS_DIR = CONFIG_DIR / "models"
@@ -132,6 +133,13 @@ class ModelSpec:
         self.require_dense("quantized KV (kv_bits)")
         head_bytes = self.quantized_kv_head_bytes(dtype, kv_bits)
         return 2 * self.num_layers * self.num_kv_heads * head_bytes
+
+    def cache_layout(self, dtype: str = "float16", kv_bits: int | None = None) -> CacheLayout:
+        """What the scheduler and executors price the cache by: per token for dense models (and
+        quantized KV), by layer kind otherwise (sliding windows, fixed linear-attention states)."""
+        if kv_bits is not None or self.is_dense:
+            return CacheLayout.dense(self.kv_bytes_per_token(dtype, kv_bits))
+        return cache_layout((lay.attention for lay in self.arch.layers), dtype_bytes(dtype))
 
     def quantized_kv_head_bytes(self, dtype: str, kv_bits: int) -> int:
         """One head's K (or V) of one token in mlx-lm's QuantizedKVCache."""

@@ -1,0 +1,86 @@
+"""What a model's KV cache holds, by layer kind, as pure arithmetic (the scheduler's budget, the
+executors' account and their copy prices all ask this one object):
+- full-attention and MLA layers grow with the context: a pool row holds `capacity` tokens, a
+  private mlx-lm KVCache round_up(tokens, KV_STEP) (prefill chunks are KV_STEP-aligned);
+- sliding-window layers: a pool row holds min(capacity, W) tokens (a batched rotating buffer
+  capped at its window); a private RotatingKVCache keeps each multi-token chunk whole after
+  trimming what it held to W - 1 (server/models/arch_cache._rotating_rows);
+- linear-attention layers hold a fixed state per sequence, whatever its length.
+A dense model's layout is one number, bytes per token, and gives exactly the scalar arithmetic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from batchsim.scheduler.kv_layout import KV_STEP, PoolGeometry
+
+
+class PrivateCache(NamedTuple):
+    """A prefilling request's private cache after its last chunk [chunk_start, computed_tokens)."""
+
+    chunk_start: int  # tokens the cache held before its last chunk
+    computed_tokens: int  # tokens it holds now
+    kv_bytes: int  # bytes it holds now (CacheLayout.private_bytes of the two)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    # Bytes per token of the layers whose cache grows with the context (full attention, MLA).
+    full_token_bytes: int
+    # (window W in tokens, bytes per token of all sliding layers with that window), by window.
+    sliding: tuple[tuple[int, int], ...] = ()
+    # Bytes per sequence of the linear-attention layers' fixed state (conv + recurrent).
+    state_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.full_token_bytes, self.state_bytes) < 0 or any(
+                w < 1 or b <= 0 for w, b in self.sliding):
+            raise ValueError(f"cache layout has a negative size or an empty window: {self}")
+        if not (self.full_token_bytes or self.sliding or self.state_bytes):
+            raise ValueError("cache layout holds no bytes")
+
+    @classmethod
+    def dense(cls, kv_bytes_per_token: int) -> CacheLayout:
+        return cls(kv_bytes_per_token)
+
+    @property
+    def is_dense(self) -> bool:
+        return not self.sliding and not self.state_bytes
+
+    def seq_bytes(self, tokens: int) -> int:
+        """One pool row of `tokens` capacity, or one sequence's `tokens` copied into a row."""
+        b = tokens * self.full_token_bytes + self.state_bytes
+        for window, token_bytes in self.sliding:
+            b += (tokens if tokens < window else window) * token_bytes
+        return b
+
+    def pool_bytes(self, pool: PoolGeometry) -> int:
+        rows, capacity = pool
+        return rows * self.seq_bytes(capacity) if rows else 0
+
+    def private_bytes(self, chunk_start: int, computed_tokens: int) -> int:
+        """A private prefill cache after chunks ending with [chunk_start, computed_tokens); every
+        chunk before the last is KV_STEP-aligned and every chunk has more than one token."""
+        if computed_tokens <= 0:
+            return 0
+        b = -(-computed_tokens // KV_STEP) * KV_STEP * self.full_token_bytes + self.state_bytes
+        if self.sliding:
+            chunk = computed_tokens - chunk_start
+            for window, token_bytes in self.sliding:
+                held = chunk_start if chunk_start < window - 1 else window - 1
+                b += (chunk + held) * token_bytes
+        return b
+
+    def private(self, chunk_start: int, computed_tokens: int) -> PrivateCache:
+        return PrivateCache(chunk_start, computed_tokens,
+                            self.private_bytes(chunk_start, computed_tokens))
+
+    def alone_bytes(self, total_tokens: int) -> int:
+        """The most one request of `total_tokens` may need with nothing else running: its pool row
+        at full length, or its private cache after a last KV_STEP chunk (sliding layers hold the
+        chunk plus W - 1). A request over the budget here can never run."""
+        capacity = -(-total_tokens // KV_STEP) * KV_STEP
+        chunk = min(KV_STEP, total_tokens)
+        return max(self.seq_bytes(capacity), self.private_bytes(total_tokens - chunk, total_tokens))

@@ -39,7 +39,8 @@ class SchedulerConfig:
 
     # KV bytes available: the memory budget minus the weights.
     kv_budget_bytes: int
-    # K and V of one token across all layers (2 x layers x kv_heads x head_dim x dtype bytes).
+    # K and V each further token adds (dense: 2 x layers x kv_heads x head_dim x dtype bytes;
+    # others: the full-attention and MLA layers, as cache_layout.full_token_bytes).
     kv_bytes_per_token: int
     # Longest prompt + output the model accepts.
     max_model_len: int

@@ -75,7 +75,7 @@ def next_geometry(
     that holds these rows fits. `cache` prices a row of a given capacity.
     """
     if num_seqs == 0:
-        return EMPTY_POOL
+        return EMPTY_POOL if max_bytes >= 0 else None
     need_cap = -(-max_len // KV_STEP) * KV_STEP if max_len > 1 else KV_STEP  # round_up, inlined
     rows, cap = current
     # rows_for(n) >= n, so a pool under n + 2 row steps is never shrunk (skips the call).

@@ -220,7 +220,8 @@ def _print_parts(rows: list[dict], meta: dict) -> None:
     out.print("weights: linear layers streaming their weights (bandwidth-bound ones on a roofline); "
               "matmul: their arithmetic (compute-bound ones); attention: K/V reads; elementwise: "
               "norms, activations, logits; fixed and step overhead: per forward pass and per "
-              "engine step (zero on a catalog Mac); copy: KV pool copies (none in steady decode).")
+              "engine step (zero on a catalog Mac); copy: KV pool copies (none in steady decode); "
+              "experts: MoE routed experts (the distinct experts the batch routes to).")
 
 
 def _weights_tag(meta: dict) -> str:

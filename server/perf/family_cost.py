@@ -14,13 +14,28 @@ from __future__ import annotations
 
 from collections import Counter
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from batchsim.server.models.arch_cache import STATE_BYTES, Attention
 from batchsim.server.models.arch_families import Layer, Mat
+from batchsim.server.models.spec import ModelSpec
+from batchsim.server.perf.profile import Calibration, DeviceProfile, GemmFit
 
-if TYPE_CHECKING:
-    from batchsim.server.perf.stepcost import StepCost
+
+class Blocks(Protocol):
+    """What FamilyCost uses of StepCost (its building blocks)."""
+
+    spec: ModelSpec
+    profile: DeviceProfile
+    cal: Calibration | None
+    gemm: GemmFit | None
+    act_dtype: str
+    act_bytes: int
+
+    def linear_split(self, m: int, k: int, n: int) -> tuple[float, float]: ...
+    def linear_terms(self, m: float, k: int, n: int) -> tuple[float, float]: ...
+    def bytes_s(self, nbytes: float) -> float: ...
+
 
 # Assumed: a gathered expert matmul (mlx's gather_qmm) reaches half the dense GEMM rate per FLOP
 # (small per-expert tiles, index gathers). Only compute-bound (large-batch) steps feel it.
@@ -42,7 +57,7 @@ def expected_experts(experts: int, top_k: int, tokens: int) -> float:
 class FamilyCost:
     """Per-layer parts of a non-dense model's forward passes, as plain seconds."""
 
-    def __init__(self, cost: StepCost):
+    def __init__(self, cost: Blocks):
         self.cost = cost
         self.spec = cost.spec
         self.layers = Counter(cost.spec.arch.layers)  # identical layers are priced once

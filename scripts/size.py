@@ -86,7 +86,6 @@ def _fraction(text: str) -> float:
 
 def run(args: argparse.Namespace) -> dict:
     spec = spec_for(args.model)
-    spec.require_dense("`batchsim size`")  # its roofline prices dense layers only, for now
     catalog = macs.load_catalog()
     ws = catalog.metal_working_set
     chosen = catalog.select(args.mac)
@@ -140,9 +139,20 @@ def _meta(args: argparse.Namespace, spec: ModelSpec, catalog: macs.Catalog,
 
 def _print(rows: list[dict], meta: dict, spec: ModelSpec) -> None:
     what = f"{spec.name} {_weights_tag(meta)}, context {meta['context']}"
+    cols, body = _columns(rows)
+    if not spec.is_dense:  # where the per-sequence bytes come from
+        cols.insert(6, "KV full/win/state MiB")
+        for line, r in zip(body, rows):
+            line.insert(6, "/".join(f"{v / (1 << 20):.4g}" for v in r["kv_per_seq"].values()))
     out.print(table(
         f"Batch limits per Mac: {what} (padded = rows padded to the longest in {KV_STEP}-token "
-        f"steps; paged = {PAGE_TOKENS}-token blocks)",
+        f"steps; paged = {PAGE_TOKENS}-token blocks)", cols, body))
+    for line in _notes(rows, meta, what, spec):
+        out.print(line)
+
+
+def _columns(rows: list[dict]) -> tuple[list[str], list[list]]:
+    return (
         ["chip", "GPU", "mem GB", "usable GiB dflt/raised", "weights GiB", "KV/seq MiB",
          "max batch padded/paged", "raised padded/paged", "tok/s b1", "tok/s @max", "fits"],
         [[r["chip"], r["gpu_cores"], r["memory_gb"],
@@ -152,12 +162,10 @@ def _print(rows: list[dict], meta: dict, spec: ModelSpec) -> None:
           f"{r['max_batch_padded_raised']} / {r['max_batch_paged_raised']}",
           _tok(r, "decode_tok_s_b1"), _tok(r, "decode_tok_s_max_batch"),
           "yes" if r["fits"] else ("raised" if r["fits_raised"] else "no")] for r in rows],
-    ))
-    for line in _notes(rows, meta, what):
-        out.print(line)
+    )
 
 
-def _notes(rows: list[dict], meta: dict, what: str) -> list[str]:
+def _notes(rows: list[dict], meta: dict, what: str, spec: ModelSpec) -> list[str]:
     notes = [
         f"Usable: Metal's default working set ({meta['working_set_rule']}); raised: "
         f"iogpu.wired_limit_mb = RAM - {meta['os_reserve_gb']:g} GB. Budget = usable - weights.",
@@ -170,6 +178,12 @@ def _notes(rows: list[dict], meta: dict, what: str) -> list[str]:
         f"efficiency {meta['bandwidth_efficiency']:.2f} ({meta['bandwidth_efficiency_source']}); "
         f"compute efficiency {meta['compute_efficiency']:.2f}.",
     ]
+    if not spec.is_dense:
+        notes.append(f"{'+'.join(spec.families)}: KV/seq is mlx-lm's exact cache of one sequence "
+                     f"at the mean context, by kind (full-attention/MLA KV grows with it, sliding "
+                     f"layers' KV is capped at their window, linear-attention state is fixed); "
+                     f"padded max batch = budget over B x that at the longest. MoE decode reads "
+                     f"the expected distinct experts under uniform routing (an upper bound).")
     if meta["kv_bits"]:
         notes.append(f"KV {meta['kv_bits']}-bit: mlx-lm's QuantizedKVCache (packed K/V + a scale "
                      f"and a bias per 64 elements); decode attention reads those bytes plus an "
@@ -206,7 +220,8 @@ def _print_parts(rows: list[dict], meta: dict) -> None:
     out.print("weights: linear layers streaming their weights (bandwidth-bound ones on a roofline); "
               "matmul: their arithmetic (compute-bound ones); attention: K/V reads; elementwise: "
               "norms, activations, logits; fixed and step overhead: per forward pass and per "
-              "engine step (zero on a catalog Mac); copy: KV pool copies (none in steady decode).")
+              "engine step (zero on a catalog Mac); copy: KV pool copies (none in steady decode); "
+              "experts: MoE routed experts (the distinct experts the batch routes to).")
 
 
 def _weights_tag(meta: dict) -> str:

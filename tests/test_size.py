@@ -276,3 +276,42 @@ def test_explain_shows_the_parts_of_the_predicted_step(tmp_path, capsys):
         assert r["parts_b1"]["matmul_s"] == 0 and r["parts_max_batch"]["matmul_s"] > 0
     plain = run_size(tmp_path, "--model", "llama-3.1-8b", "--quantize", "4", "--mac", "M2 Max 38c")
     assert "parts_b1" not in plain["rows"][0]  # the contract's keys unchanged without --explain
+
+
+NON_DENSE = ("qwen3-30b-a3b", "gpt-oss-20b", "gpt-oss-120b", "gemma-3-27b", "qwen3-next-80b-a3b",
+             "deepseek-v3", "tiny-moe", "tiny-sliding", "tiny-hybrid", "tiny-mla")
+
+
+@pytest.mark.parametrize("name", NON_DENSE)
+def test_size_row_for_every_family_uses_exact_per_sequence_bytes(catalog, name):
+    spec = zoo_spec(name)
+    row = row_for(catalog, name, "M3 Ultra 80c", 512, "3000", quantize_bits=4)
+    per_seq = spec.kv_bytes_per_seq(3000)
+    comp = row["kv_per_seq"]
+    assert row["kv_bytes_per_seq"] == sum(comp.values()) == per_seq
+    assert row["max_batch_padded"] == min((row["usable_bytes"] - row["weight_bytes"]) // per_seq,
+                                          size_limits.MAX_BATCH_CAP)
+    assert row["max_batch_paged"] >= row["max_batch_padded"] >= 1
+    kinds = {lay.attention.kind for lay in spec.arch.layers}
+    assert (comp["window_kv_bytes"] > 0) == ("sliding" in kinds)
+    assert (comp["state_bytes"] > 0) == ("linear" in kinds)
+    assert row["decode_tok_s_max_batch"] > row["decode_tok_s_b1"] > 0
+
+
+def test_window_capped_bytes_stop_growing(catalog):
+    spec = zoo_spec("gemma-3-27b")
+    short, long = (size_limits.kv_composition(spec, n, "float16") for n in (8192, 32768))
+    assert short.window_kv_bytes == long.window_kv_bytes > 0
+    assert long.full_kv_bytes == 4 * short.full_kv_bytes
+
+
+def test_size_command_on_moe_names_the_kv_composition(tmp_path, capsys):
+    summary = run_size(tmp_path, "--model", "qwen3-next-80b-a3b", "--quantize", "4",
+                       "--mac", "M4 Max 40c", "--memory-gb", "128", "--context-dist",
+                       "uniform:1000:8000")
+    (row,) = summary["rows"]
+    assert row["kv_per_seq"]["state_bytes"] > 0 and row["max_batch_padded"] <= row["max_batch_paged"]
+    text = " ".join(capsys.readouterr().out.split())
+    assert "full/win/state" in text and "linear-attention state is fixed" in text
+    with pytest.raises(ConfigError, match="dense models only"):  # quantized KV: dense only
+        run_size(tmp_path, "--model", "qwen3-30b-a3b", "--kv-bits", "4", "--mac", "M4 Max 40c")

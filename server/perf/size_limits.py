@@ -1,16 +1,19 @@
 """Arithmetic of `batchsim size` (pure, no MLX): per Mac and memory size, the memory the GPU may
 use, how many sequences fit before the KV cache overruns it (padded vs paged layout), and the
 decode tok/s the performance model (server.perf.stepcost, the simulator's) predicts at batch 1
-and at the largest batch that fits."""
+and at the largest batch that fits. A model with sliding-window or linear-attention layers holds
+per sequence its exact mlx-lm cache bytes (`ModelSpec.kv_bytes_per_seq`), told apart by kind."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import numpy as np
 from batchsim.configs import ConfigError
 from batchsim.scheduler.kv_layout import KV_STEP, PAGE_TOKENS, round_up
-from batchsim.server.models.spec import ModelSpec
+from batchsim.server.models.arch_cache import cache_bytes, generate_calls
+from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.perf import macs
 from batchsim.server.perf.stepcost import StepCost, StepTime
 from batchsim.workloads.lengths import parse_length
@@ -27,6 +30,7 @@ class ContextFit:
     fixed: bool  # one length for every sequence: each batch size has one exact answer
     mean_tokens: float  # mean sequence length (the decode width of the tok/s estimate)
     padded_tokens: np.ndarray  # B x round_up(longest of the B, KV_STEP)
+    longest_tokens: np.ndarray  # the longest of the B (the row every padded row is as long as)
     paged_tokens: np.ndarray  # sum over the B of round_up(length, PAGE_TOKENS)
     quantile: float
     trials: int
@@ -43,7 +47,8 @@ def context_fit(text: str, max_tokens: int, quantile: float = 0.95, seed: int = 
     lengths = spec.sample(n * cap, np.random.default_rng(seed)).reshape(n, cap)
     lengths = np.minimum(lengths, max_tokens)  # a server would not admit longer sequences
     batch = np.arange(1, cap + 1)
-    padded = batch * round_up(np.maximum.accumulate(lengths, axis=1), KV_STEP)
+    longest = np.maximum.accumulate(lengths, axis=1)
+    padded = batch * round_up(longest, KV_STEP)
     paged = np.cumsum(round_up(lengths, PAGE_TOKENS), axis=1)
 
     def curve(tokens: np.ndarray) -> np.ndarray:
@@ -51,7 +56,8 @@ def context_fit(text: str, max_tokens: int, quantile: float = 0.95, seed: int = 
         q = np.quantile(tokens, quantile, axis=0, method="higher")
         return np.concatenate([[0], q]).astype(np.int64)
 
-    return ContextFit(text, n == 1, float(lengths.mean()), curve(padded), curve(paged), quantile, n)
+    return ContextFit(text, n == 1, float(lengths.mean()), curve(padded), curve(longest),
+                      curve(paged), quantile, n)
 
 
 def max_batch(tokens_curve: np.ndarray, budget_bytes: int, kv_bytes_per_token: int) -> int:
@@ -59,6 +65,44 @@ def max_batch(tokens_curve: np.ndarray, budget_bytes: int, kv_bytes_per_token: i
     if budget_bytes <= 0:
         return 0
     return int(np.searchsorted(tokens_curve * kv_bytes_per_token, budget_bytes, side="right")) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class KvComposition:
+    """One sequence's mlx-lm cache bytes by what bounds them."""
+
+    full_kv_bytes: int  # full-attention and MLA layers: grow with the context
+    window_kv_bytes: int  # sliding-window layers: capped at their window
+    state_bytes: int  # linear-attention layers: fixed, whatever the context
+
+    @property
+    def total_bytes(self) -> int:
+        return self.full_kv_bytes + self.window_kv_bytes + self.state_bytes
+
+
+KIND_PART = {"full": 0, "mla": 0, "sliding": 1, "linear": 2}
+
+
+def kv_composition(spec: ModelSpec, context_tokens: int, dtype: str) -> KvComposition:
+    """The per-layer cache bytes of `ModelSpec.kv_bytes_per_seq`, summed by kind."""
+    calls, act = generate_calls(context_tokens), dtype_bytes(dtype)
+    parts = [0, 0, 0]
+    for att, count in Counter(lay.attention for lay in spec.arch.layers).items():
+        parts[KIND_PART[att.kind]] += count * cache_bytes(att, calls, act)
+    return KvComposition(*parts)
+
+
+def layered_curves(spec: ModelSpec, ctx: ContextFit, dtype: str,
+                   kv_bytes_per_token: int) -> tuple[np.ndarray, np.ndarray]:
+    """(padded, paged) KV bytes of B sequences, B = 0..cap, for a model whose cache is not all
+    full attention: padded, B x one sequence's exact bytes at the longest; paged, the full-attention
+    tokens in pages plus B x the window and state bytes at the longest (an upper bound)."""
+    seq = {int(n): kv_composition(spec, int(n), dtype) for n in np.unique(ctx.longest_tokens[1:])}
+    batch = np.arange(len(ctx.longest_tokens))
+    longest = [seq.get(int(n)) for n in ctx.longest_tokens]
+    whole = np.array([c.total_bytes if c else 0 for c in longest], dtype=np.int64)
+    bounded = np.array([c.window_kv_bytes + c.state_bytes if c else 0 for c in longest], dtype=np.int64)
+    return batch * whole, ctx.paged_tokens * kv_bytes_per_token + batch * bounded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,11 +147,16 @@ def mac_row(spec: ModelSpec, mac: macs.Mac, memory_gb: float, ctx: ContextFit, s
     kv_tok = cost.kv_bytes_per_token
     usable = macs.default_working_set_bytes(memory_gb, ws)
     raised = macs.raised_working_set_bytes(memory_gb, ws, s.os_reserve_gb)
-    padded, paged, padded_r, paged_r = (
-        max_batch(curve, limit - weights, kv_tok)
-        for limit in (usable, raised) for curve in (ctx.padded_tokens, ctx.paged_tokens)
-    )
     width = round(ctx.mean_tokens)
+    if spec.is_dense:  # every layer's K/V grows with the tokens
+        curves, unit = (ctx.padded_tokens, ctx.paged_tokens), kv_tok
+        per_seq = KvComposition(round(ctx.mean_tokens * kv_tok), 0, 0)
+    else:
+        curves, unit = layered_curves(spec, ctx, cost.act_dtype, kv_tok), 1
+        per_seq = kv_composition(spec, width, cost.act_dtype)
+    padded, paged, padded_r, paged_r = (
+        max_batch(curve, limit - weights, unit) for limit in (usable, raised) for curve in curves
+    )
     b1 = 1 if paged else 0
     step_b1, step_max = decode_step(cost, b1, width), decode_step(cost, padded, width)
     row = {
@@ -115,7 +164,8 @@ def mac_row(spec: ModelSpec, mac: macs.Mac, memory_gb: float, ctx: ContextFit, s
         "bandwidth_gbs": mac.bw_gbs, "peaks_estimated": mac.estimate,
         "compute_known": mac.compute_known,
         "usable_bytes": usable, "usable_bytes_raised": raised, "weight_bytes": weights,
-        "kv_bytes_per_token": kv_tok, "kv_bytes_per_seq": round(ctx.mean_tokens * kv_tok),
+        "kv_bytes_per_token": kv_tok, "kv_bytes_per_seq": per_seq.total_bytes,
+        "kv_per_seq": dataclasses.asdict(per_seq),  # at the mean context, by what bounds it
         "max_batch": padded, "max_batch_padded": padded, "max_batch_paged": paged,
         "max_batch_padded_raised": padded_r, "max_batch_paged_raised": paged_r,
         "capped": MAX_BATCH_CAP in (padded, paged, padded_r, paged_r),

@@ -18,6 +18,7 @@ from functools import lru_cache
 from typing import Protocol
 
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
+from batchsim.server.perf.family_cost import FamilyCost
 from batchsim.server.perf.profile import Calibration, DeviceProfile, compute_dtype
 
 
@@ -32,6 +33,7 @@ class StepTime:
     fixed_s: float  # per layer and per forward pass (op dispatch, graph building)
     step_overhead_s: float  # the engine's own work per step (scheduling, hand-off, sync)
     copy_s: float = 0.0  # KV pool copies: joins, compaction, regrowth
+    experts_s: float = 0.0  # MoE: routed experts' gathered matmuls (their weights and FLOPs)
 
     @property
     def total_s(self) -> float:
@@ -95,6 +97,8 @@ class StepCost:
         self._elementwise_s = lru_cache(maxsize=4096)(self._elementwise_s)  # per instance
         self.linear_layers_s = lru_cache(maxsize=4096)(self.linear_layers_s)  # per instance
         self._prefill_dense_s = lru_cache(maxsize=8192)(self._prefill_dense_s)
+        # Non-dense models are priced layer by layer (family_cost.py); dense ones as below.
+        self.family = None if spec.is_dense else FamilyCost(self)
 
     # -- linear layers -------------------------------------------------------------------------
     def _roofline_terms(self, m: int, k: int, n: int) -> tuple[float, float]:
@@ -108,7 +112,15 @@ class StepCost:
             return self.gemm.seconds(m, k, n)
         return max(self._roofline_terms(m, k, n))
 
-    def _linear_split(self, m: int, k: int, n: int) -> tuple[float, float]:
+    def linear_terms(self, m: float, k: int, n: int) -> tuple[float, float]:
+        """(seconds of the weights' bytes, seconds of the FLOPs) of one linear layer: the GEMM
+        fit's terms (they add up) or the roofline's (the larger binds)."""
+        if self.gemm is not None:
+            weights_ns, flops_ns = self.gemm.terms_ns(m, k, n)
+            return weights_ns * 1e-9, flops_ns * 1e-9
+        return self._roofline_terms(m, k, n)
+
+    def linear_split(self, m: int, k: int, n: int) -> tuple[float, float]:
         """_linear_s as (weights_s, matmul_s): the GEMM fit's two terms, or the roofline's
         binding one."""
         if self.gemm is not None:
@@ -128,8 +140,8 @@ class StepCost:
     def _linear_parts(self, m: int, lm_head_rows: int) -> tuple[float, float]:
         """(weights_s, matmul_s) of linear_layers_s(m) + lm_head_s(lm_head_rows)."""
         s = self.spec
-        layer = [self._linear_split(m, i, o) for o, i in self.layer_shapes]
-        head = self._linear_split(lm_head_rows, s.hidden_size, s.vocab_size) if lm_head_rows else (0.0, 0.0)
+        layer = [self.linear_split(m, i, o) for o, i in self.layer_shapes]
+        head = self.linear_split(lm_head_rows, s.hidden_size, s.vocab_size) if lm_head_rows else (0.0, 0.0)
         return tuple(sum(x[j] for x in layer) * s.num_layers + head[j] for j in (0, 1))
 
     # -- everything else in a forward pass -----------------------------------------------------
@@ -140,7 +152,10 @@ class StepCost:
         return total + (m * s.vocab_size * 4 if logits else 0)
 
     def _elementwise_s(self, m: int, logits: bool) -> float:
-        nbytes = self.elementwise_bytes(m, logits)
+        return self.bytes_s(self.elementwise_bytes(m, logits))
+
+    def bytes_s(self, nbytes: float) -> float:
+        """Seconds of elementwise-style traffic: the calibrated rate or the achievable bandwidth."""
         if self.cal is not None:
             return nbytes * self.cal.elementwise_ns_per_byte * 1e-9
         return nbytes / self.profile.bytes_per_s
@@ -208,10 +223,16 @@ class StepCost:
         return base, self._decode_attention_per_width_s(batch)
 
     def decode_parts(self, batch: int) -> tuple[float, float]:
-        """(seconds independent of the attention width, seconds per token of width)."""
+        """(seconds independent of the attention width, seconds per token of width); dense models
+        only (a sliding window or a fixed state does not grow with the width)."""
+        if self.family is not None:
+            raise ValueError(f"decode_parts prices dense models; {self.spec.name} is "
+                             f"{'+'.join(self.spec.families)}: use decode_forward_s")
         return self._decode_cached(batch)
 
     def decode_forward_s(self, batch: int, width: int) -> float:
+        if self.family is not None:
+            return self.decode_time(batch, width).total_s
         base, per_width = self._decode_cached(batch)
         return base + per_width * width
 
@@ -223,6 +244,8 @@ class StepCost:
         return t
 
     def prefill_forward_s(self, n: int, start: int, sample: bool) -> float:
+        if self.family is not None:
+            return self.prefill_time(n, start, sample).total_s
         return self._prefill_dense_s(n, sample) + self._prefill_attention_s(n, start)
 
     def copy_s(self, nbytes: float) -> float:
@@ -236,16 +259,25 @@ class StepCost:
     # -- the named parts -----------------------------------------------------------------------
     def decode_time(self, batch: int, width: int) -> StepTime:
         """One decode forward over `batch` rows padded to `width` cached tokens (no step overhead)."""
+        if self.family is not None:
+            return self._family_time(self.family.decode(batch, width))
         weights_s, matmul_s = self._linear_parts(batch, batch)
         return StepTime(weights_s, matmul_s, self._decode_attention_per_width_s(batch) * width,
                         self._elementwise_s(batch, logits=True), self._fixed_s(), 0.0)
 
     def prefill_time(self, n: int, start: int, sample: bool) -> StepTime:
         """One prefill forward of `n` tokens after `start` cached ones (no step overhead)."""
+        if self.family is not None:
+            return self._family_time(self.family.prefill(n, start, sample))
         weights_s, matmul_s = self._linear_parts(n, 1 if sample else 0)
         elementwise_s = self._elementwise_s(n, logits=False) + (self._sampled_logits_s() if sample else 0.0)
         return StepTime(weights_s, matmul_s, self._prefill_attention_s(n, start), elementwise_s,
                         self._fixed_s(), 0.0)
+
+    def _family_time(self, parts: tuple[float, ...]) -> StepTime:
+        weights_s, matmul_s, experts_s, attention_s, elementwise_s = parts
+        return StepTime(weights_s, matmul_s, attention_s, elementwise_s, self._fixed_s(), 0.0,
+                        experts_s=experts_s)
 
     def step_time(self, decode_rows: int = 0, width: int = 0, prefills: Iterable[Chunk] = (),
                   copy_bytes: float = 0.0) -> StepTime:

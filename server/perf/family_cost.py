@@ -1,0 +1,172 @@
+"""Step prices of the families beyond dense (MoE, sliding window, linear attention, MLA), layer by
+layer from the per-layer description (server/models/arch.py), with StepCost's building blocks
+(its linear-layer terms, byte rates and fixed costs). Dense models keep StepCost's own path.
+
+Per layer, a decode step of B rows padded to `width` cached tokens reads:
+- linear layers: every non-routed matrix once (attention projections, router, shared experts);
+  routed experts: the expected distinct experts E(1 - (1 - k/E)^B), each multiplying the B*k/D
+  tokens routed to it (`experts_s`);
+- attention: full and MLA layers `width` tokens, sliding layers min(width, W), linear-attention
+  layers their fixed state, read and written every step; MLA adds the absorbed attention's FLOPs.
+Assumptions (no Metal here to fit them) are the named constants below."""
+
+from __future__ import annotations
+
+from collections import Counter
+from functools import lru_cache
+from typing import Protocol
+
+from batchsim.server.models.arch_cache import STATE_BYTES, Attention
+from batchsim.server.models.arch_families import Layer, Mat
+from batchsim.server.models.spec import ModelSpec
+from batchsim.server.perf.profile import Calibration, DeviceProfile, GemmFit
+
+
+class Blocks(Protocol):
+    """What FamilyCost uses of StepCost (its building blocks)."""
+
+    spec: ModelSpec
+    profile: DeviceProfile
+    cal: Calibration | None
+    gemm: GemmFit | None
+    act_dtype: str
+    act_bytes: int
+
+    def linear_split(self, m: int, k: int, n: int) -> tuple[float, float]: ...
+    def linear_terms(self, m: float, k: int, n: int) -> tuple[float, float]: ...
+    def bytes_s(self, nbytes: float) -> float: ...
+
+
+# Assumed: a gathered expert matmul (mlx's gather_qmm) reaches half the dense GEMM rate per FLOP
+# (small per-expert tiles, index gathers). Only compute-bound (large-batch) steps feel it.
+GATHER_MATMUL_EFFICIENCY = 0.5
+# mlx-lm's SwitchGLU sorts tokens by expert once B*k >= 64 (grouped matmul); below, each
+# (token, expert) pair is its own gathered mat-vec. Either way we charge distinct experts' bytes
+# (repeat reads of one expert assumed to hit the cache).
+SORT_MIN_PAIRS = 64
+# Assumed: the gated-delta update touches each recurrent-state element ~6 times per token.
+LINEAR_FLOPS_PER_STATE_ELEMENT = 6
+
+
+def expected_experts(experts: int, top_k: int, tokens: int) -> float:
+    """Distinct experts B tokens route to, each picking top_k of E uniformly: E(1-(1-k/E)^B).
+    Real routers are skewed, so this is an upper bound on the experts (bytes) a step reads."""
+    return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
+
+
+class FamilyCost:
+    """Per-layer parts of a non-dense model's forward passes, as plain seconds."""
+
+    def __init__(self, cost: Blocks):
+        self.cost = cost
+        self.spec = cost.spec
+        self.layers = Counter(cost.spec.arch.layers)  # identical layers are priced once
+        self.linear_s = lru_cache(maxsize=4096)(self._linear_s)  # per instance
+
+    # -- linear layers and routed experts ------------------------------------------------------
+    def _linear_s(self, m: int) -> tuple[float, float, float]:
+        """(weights_s, matmul_s, experts_s) of every layer's matrices over m rows."""
+        total = [0.0, 0.0, 0.0]
+        for layer, count in self.layers.items():
+            for mat in layer.mats:
+                if mat.routed:
+                    total[2] += count * self.routed_s(mat, layer, m)
+                    continue
+                w, f = self.cost.linear_split(m, mat.in_dim, mat.out_dim)
+                total[0] += count * mat.count * w
+                total[1] += count * mat.count * f
+        return total[0], total[1], total[2]
+
+    def routed_s(self, mat: Mat, layer: Layer, m: int) -> float:
+        """One routed-expert matrix stack over m tokens: D distinct experts, each streaming its
+        weights and multiplying its m*k/D tokens at GATHER_MATMUL_EFFICIENCY of the GEMM rate."""
+        ffn = layer.ffn
+        distinct = expected_experts(ffn.experts, ffn.top_k, m)
+        moved_s, flops_s = self.cost.linear_terms(m * ffn.top_k / distinct, mat.in_dim, mat.out_dim)
+        flops_s /= GATHER_MATMUL_EFFICIENCY
+        per_expert = moved_s + flops_s if self.cost.gemm is not None else max(moved_s, flops_s)
+        return distinct * per_expert
+
+    def _head_split(self, rows: int) -> tuple[float, float]:
+        if not rows:
+            return 0.0, 0.0
+        return self.cost.linear_split(rows, self.spec.hidden_size, self.spec.vocab_size)
+
+    # -- attention by layer kind ---------------------------------------------------------------
+    def attention_decode_s(self, att: Attention, batch: int, width: int) -> float:
+        """One layer's decode attention: K/V (or latent) of the tokens it keeps, or its state."""
+        if att.kind == "linear":
+            return self._state_s(att, batch, tokens=batch)
+        tokens = min(width, att.window) if att.kind == "sliding" else width
+        scores = batch * self.spec.num_heads * tokens
+        seconds = self._kv_read_s(batch * tokens * att.token_bytes(self.cost.act_bytes), scores)
+        if att.kind == "mla":  # absorbed: q.latent+rope scores, then scores.latent, per head
+            seconds = max(seconds, 2 * scores * (2 * att.k_dim + att.v_dim) / self._flops_per_s)
+        return seconds
+
+    def attention_prefill_s(self, att: Attention, n: int, start: int) -> float:
+        """One layer's attention over a chunk of n tokens after `start` cached ones (a sliding
+        layer computes over the window - 1 tokens it kept plus the chunk)."""
+        if att.kind == "linear":
+            return self._state_s(att, 1, tokens=n)
+        s, cost = self.spec, self.cost
+        ctx = (min(start, att.window - 1) if att.kind == "sliding" else start) + n
+        if att.kind == "mla":  # priced in the absorbed form (mlx-lm expands the latent for L > 1)
+            flops = 2 * s.num_heads * n * ctx * (2 * att.k_dim + att.v_dim)
+        else:
+            flops = 4 * s.num_heads * s.head_dim * n * ctx
+        if cost.cal is not None:
+            score_bytes = s.num_heads * n * ctx * 4
+            return (flops * cost.cal.attention_prefill_ns_per_flop
+                    + score_bytes * cost.cal.attention_prefill_ns_per_score_byte) * 1e-9
+        kv_read = ctx * att.token_bytes(cost.act_bytes)
+        return max(flops / self._flops_per_s, kv_read / cost.profile.bytes_per_s)
+
+    def _state_s(self, att: Attention, rows: int, tokens: int) -> float:
+        """A linear-attention layer: conv and recurrent state read and written once per call per
+        row, whatever the context; the update's FLOPs per token."""
+        nbytes = 2 * rows * (att.conv_elems * self.cost.act_bytes + att.state_elems * STATE_BYTES)
+        flops = tokens * att.state_elems * LINEAR_FLOPS_PER_STATE_ELEMENT
+        return max(self.cost.bytes_s(nbytes), flops / self._flops_per_s)
+
+    def _kv_read_s(self, nbytes: int, scores: int) -> float:
+        cal = self.cost.cal
+        if cal is not None:
+            return (nbytes * cal.attention_decode_ns_per_byte
+                    + scores * cal.attention_decode_ns_per_score) * 1e-9
+        return nbytes / self.cost.profile.bytes_per_s
+
+    @property
+    def _flops_per_s(self) -> float:
+        return self.cost.profile.flops_per_s(self.cost.act_dtype)
+
+    # -- elementwise ---------------------------------------------------------------------------
+    def elementwise_bytes(self, m: int, logits: bool) -> float:
+        """StepCost's dense formula per layer, the FFN width being the active one (top_k experts
+        plus shared), plus the router's scores."""
+        s = self.spec
+        attn = 2 * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        per_row = 0
+        for layer, count in self.layers.items():
+            f = layer.ffn
+            width = f.intermediate if f.kind == "dense" else f.top_k * f.expert_intermediate + f.shared_intermediate
+            per_row += count * (6 * s.hidden_size + 3 * width + attn + f.experts)
+        return m * per_row * self.cost.act_bytes + (m * s.vocab_size * 4 if logits else 0)
+
+    # -- whole passes: (weights_s, matmul_s, experts_s, attention_s, elementwise_s) ------------
+    def decode(self, batch: int, width: int) -> tuple[float, ...]:
+        weights_s, matmul_s, experts_s = self.linear_s(batch)
+        head = self._head_split(batch)
+        attention_s = sum(count * self.attention_decode_s(layer.attention, batch, width)
+                          for layer, count in self.layers.items())
+        elementwise_s = self.cost.bytes_s(self.elementwise_bytes(batch, logits=True))
+        return weights_s + head[0], matmul_s + head[1], experts_s, attention_s, elementwise_s
+
+    def prefill(self, n: int, start: int, sample: bool) -> tuple[float, ...]:
+        weights_s, matmul_s, experts_s = self.linear_s(n)
+        head = self._head_split(1 if sample else 0)
+        attention_s = sum(count * self.attention_prefill_s(layer.attention, n, start)
+                          for layer, count in self.layers.items())
+        nbytes = self.elementwise_bytes(n, logits=False) + (self.spec.vocab_size * 4 if sample else 0)
+        return (weights_s + head[0], matmul_s + head[1], experts_s, attention_s,
+                self.cost.bytes_s(nbytes))

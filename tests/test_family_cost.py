@@ -1,0 +1,118 @@
+"""The performance model on the families beyond dense: MoE reads the expected distinct experts,
+sliding layers read at most their window, linear-attention layers their fixed state, MLA its
+latent; the parts add up (and to what a simulated step would charge); dense stays as it was."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from batchsim.scheduler.plan import PrefillChunk
+from batchsim.server.models.spec import zoo_spec
+from batchsim.server.perf.batch_gain import batching_curve, catalog_cost
+from batchsim.server.perf.family_cost import FamilyCost, expected_experts
+from batchsim.server.perf.stepcost import StepCost, StepTime, weight_bytes_per_element
+
+from tests.test_sim import PROFILE
+
+NON_DENSE = ("qwen3-30b-a3b", "gpt-oss-20b", "gpt-oss-120b", "gemma-3-27b", "qwen3-next-80b-a3b",
+             "deepseek-v3")
+TINY = ("tiny-moe", "tiny-sliding", "tiny-hybrid", "tiny-mla")
+
+
+def _layer(spec, kind):
+    return next(lay for lay in spec.arch.layers if lay.attention.kind == kind)
+
+
+def test_expected_distinct_experts_for_128_choose_8():
+    got = [round(expected_experts(128, 8, b)) for b in (1, 4, 8, 16, 32, 64)]
+    assert got == [8, 29, 52, 82, 112, 126]
+    assert expected_experts(128, 8, 1) == pytest.approx(8)  # one token: exactly its top_k
+    assert expected_experts(32, 4, 10_000) == pytest.approx(32)  # many tokens: every expert
+
+
+def test_moe_batch_1_reads_top_k_experts_by_hand():
+    cost = catalog_cost("qwen3-30b-a3b")
+    spec, bpe = cost.spec, weight_bytes_per_element("q4")
+    # Batch 1 streams its 8 experts' gate/up/down (768 x 2048 each) per MoE layer.
+    moe_layers = sum(lay.ffn.kind == "moe" for lay in spec.arch.layers)
+    nbytes = moe_layers * 8 * 3 * (768 * 2048 * bpe + (768 + 2048) * cost.act_bytes)
+    assert cost.decode_time(1, 512).experts_s == pytest.approx(nbytes / cost.profile.bytes_per_s)
+    # 32 rows read the ~112 distinct experts they route to, not 32 x 8.
+    ratio = cost.decode_time(32, 512).experts_s / cost.decode_time(1, 512).experts_s
+    assert 112 / 8 * 0.95 < ratio < 32
+
+
+def test_sliding_layers_read_at_most_their_window():
+    cost = catalog_cost("gemma-3-27b")
+    fam, spec = cost.family, cost.spec
+    sliding, full = _layer(spec, "sliding").attention, _layer(spec, "full").attention
+    w = sliding.window
+    assert fam.attention_decode_s(sliding, 4, 4 * w) == fam.attention_decode_s(sliding, 4, w)
+    assert fam.attention_decode_s(sliding, 4, w // 2) == pytest.approx(
+        fam.attention_decode_s(sliding, 4, w) / 2)
+    assert fam.attention_decode_s(full, 4, 4 * w) == pytest.approx(4 * fam.attention_decode_s(full, 4, w))
+    # Past the window only the full layers' reads grow.
+    n_full = sum(lay.attention.kind == "full" for lay in spec.arch.layers)
+    grow = cost.decode_time(4, 4 * w).attention_s - cost.decode_time(4, 2 * w).attention_s
+    assert grow == pytest.approx(n_full * fam.attention_decode_s(full, 4, 2 * w))
+
+
+def test_linear_attention_state_is_independent_of_context():
+    cost = catalog_cost("qwen3-next-80b-a3b")
+    att = _layer(cost.spec, "linear").attention
+    one = cost.family.attention_decode_s(att, 8, 16)
+    assert one > 0 and cost.family.attention_decode_s(att, 8, 200_000) == one
+    # Read and written every step: 2 x (conv state + float32 recurrent state) per row.
+    nbytes = 2 * 8 * (att.conv_elems * 2 + att.state_elems * 4)
+    assert one == pytest.approx(nbytes / cost.profile.bytes_per_s)
+
+
+def test_mla_reads_the_latent_and_pays_the_absorbed_flops():
+    cost = catalog_cost("deepseek-v3")
+    att = _layer(cost.spec, "mla").attention
+    assert att.token_bytes(2) == (512 + 64) * 2
+    t = cost.family.attention_decode_s(att, 4, 4096)
+    read_s = 4 * 4096 * att.token_bytes(2) / cost.profile.bytes_per_s
+    flops_s = 2 * 4 * 128 * 4096 * (2 * 512 + 64) / cost.profile.flops_per_s("float16")
+    assert t == pytest.approx(max(read_s, flops_s)) and flops_s > read_s  # 128 heads: compute
+
+
+@pytest.mark.parametrize("name", NON_DENSE + TINY)
+def test_parts_add_up_for_every_family(name):
+    spec = zoo_spec(name)
+    cost = (StepCost(spec, PROFILE, "float32", None) if name.startswith("tiny")
+            else catalog_cost(name))
+    chunks = (PrefillChunk(0, 0, 300, True), PrefillChunk(1, 700, 256, False))
+    t = cost.step_time(decode_rows=3, width=900, prefills=chunks, copy_bytes=1e5)
+    assert sum(getattr(t, f) for f in StepTime.__dataclass_fields__) == pytest.approx(t.total_s, rel=1e-12)
+    assert t.experts_s > 0 if "moe" in spec.families else t.experts_s == 0
+    charged = (cost.decode_forward_s(3, 900) + cost.step_overhead_s + cost.copy_s(1e5)
+               + sum(cost.prefill_forward_s(c.num_tokens, c.start, c.sample) for c in chunks))
+    assert charged == pytest.approx(t.total_s, rel=1e-12)
+    assert all(math.isfinite(v) and v >= 0 for v in t.as_dict().values())
+    with pytest.raises(ValueError, match="decode_forward_s"):
+        cost.decode_parts(3)
+
+
+@pytest.mark.parametrize("name,calibrated", [("qwen3-8b", False), ("smollm2-135m", True)])
+def test_layer_pricing_reduces_to_the_dense_formula(name, calibrated):
+    spec = zoo_spec(name)
+    cost = StepCost(spec, PROFILE, "float32", None) if calibrated else catalog_cost(name)
+    fam = FamilyCost(cost)  # the per-layer path on a dense model
+    for batch, width in ((1, 100), (48, 3000)):
+        dense = cost.decode_time(batch, width)
+        w, m, e, a, el = fam.decode(batch, width)
+        assert (w, m, e, a, el) == pytest.approx(
+            (dense.weights_s, dense.matmul_s, 0.0, dense.attention_s, dense.elementwise_s), rel=1e-9)
+    dense = cost.prefill_time(200, 500, True)
+    assert fam.prefill(200, 500, True) == pytest.approx(
+        (dense.weights_s, dense.matmul_s, 0.0, dense.attention_s, dense.elementwise_s), rel=1e-9)
+
+
+def test_moe_batching_gain_is_well_below_dense():
+    moe = batching_curve(catalog_cost("qwen3-30b-a3b"), 1024)
+    dense = batching_curve(catalog_cost("qwen3-8b"), 1024)
+    moe_gain, dense_gain = moe[32] / moe[1], dense[32] / dense[1]
+    assert 1 < moe_gain < 0.5 * dense_gain
+    assert all(moe[a] < moe[b] for a, b in zip(sorted(moe), sorted(moe)[1:]))

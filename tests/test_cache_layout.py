@@ -172,8 +172,7 @@ def test_scheduler_bytes_equal_mlx_lm_cache_through_prefill_and_decode(mlx_model
 @pytest.mark.parametrize("name", ["tiny", "tiny-sliding", "tiny-hybrid"])
 def test_session_prices_the_scheduler_by_the_models_layout(name):
     """open_session builds the layout from the model description and hands it to the scheduler
-    (dense: one number per token, as before); the sim executor still refuses non-dense models."""
-    from batchsim.configs import ConfigError
+    (dense: one number per token, as before)."""
     from batchsim.server.engine.run_config import RunConfig
     from batchsim.server.engine.session import open_session
 
@@ -182,6 +181,3 @@ def test_session_prices_the_scheduler_by_the_models_layout(name):
     assert cfg.layout == zoo_spec(name).cache_layout(s.dtype) == s.cache_layout
     assert cfg.kv_bytes_per_token == cfg.layout.full_token_bytes == s.kv_bytes_per_token
     assert cfg.layout.is_dense == (name == "tiny")
-    if name != "tiny":
-        with pytest.raises(ConfigError, match="families supported for runs: dense"):
-            open_session(RunConfig(model=name, executor="sim", memory_gb=1))

@@ -116,3 +116,50 @@ def test_moe_batching_gain_is_well_below_dense():
     moe_gain, dense_gain = moe[32] / moe[1], dense[32] / dense[1]
     assert 1 < moe_gain < 0.5 * dense_gain
     assert all(moe[a] < moe[b] for a, b in zip(sorted(moe), sorted(moe)[1:]))
+
+
+@pytest.mark.parametrize("name", NON_DENSE)
+def test_simulated_runs_of_every_family_keep_the_kv_account(name, tmp_path):
+    """The simulator runs every family on a Mac, with float16 as MLX would (dtype auto), and the
+    executor's bytes equal the scheduler's at every step."""
+    from batchsim.scripts.run_cmd import run_in_process
+    from batchsim.server.engine.run_config import RunConfig
+    from batchsim.workloads.lengths import parse_length
+    from batchsim.workloads.spec import WorkloadSpec
+
+    spec = WorkloadSpec(name="fam", num_prompts=40, request_rate=2.0,
+                        input_len=parse_length("uniform:100:3000"),
+                        output_len=parse_length("uniform:20:300"))
+    cfg = RunConfig(model=name, executor="sim", device_profile="M3 Ultra", quantize=4,
+                    memory_gb=480, workload=spec)
+    summary = run_in_process(cfg, tmp_path, progress=False, quiet=True)
+    assert summary["completed"] == 40 and summary["kv_account_mismatches"] == 0
+    assert summary["dtype"] == "float16" and summary["num_steps"] > summary["num_plans"]
+
+
+def test_simulator_prices_each_decode_step_of_a_non_dense_plan_at_its_width():
+    """A sliding window or a fixed state does not grow linearly with the context: a multi-step
+    plan is charged the performance model's step time at every step's own width."""
+    from batchsim.scheduler.scheduler import Scheduler
+    from batchsim.server.executors.sim_executor import SimExecutor
+
+    from tests.drivers import config, make_request
+
+    spec = zoo_spec("gpt-oss-20b")
+    cost, cache = catalog_cost("gpt-oss-20b", "M4 Max 40c"), spec.cache_layout("float16")
+    ex = SimExecutor(cost, max_lookahead_steps=64, cache=cache)
+    s = Scheduler(config(kv_budget_bytes=1 << 34, kv_bytes_per_token=cache.full_token_bytes,
+                         cache_layout=cache, max_model_len=4096, max_lookahead_steps=64))
+    s.add_request(make_request(0, 300, 50))
+    while True:
+        plan = s.schedule()
+        result = ex.execute(plan)
+        s.update_from_output(plan, result)
+        if plan.num_steps > 1:
+            break
+    width = plan.decode_positions[0] + 1
+    expected = [cost.step_overhead_s + cost.decode_forward_s(1, width + i) for i in range(plan.num_steps)]
+    # The first step also pays the join (the prefilled cache copied into the pool).
+    assert result.step_durations_s[1:] == pytest.approx(expected[1:], rel=1e-12)
+    assert result.step_durations_s[0] > expected[0]
+    assert len(set(result.step_durations_s[1:])) > 1  # the full-attention layers still grow

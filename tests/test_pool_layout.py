@@ -22,6 +22,7 @@ class BytesCost:
 
     kv_bytes_per_token = KVT
     step_overhead_s = 0.0
+    family = None  # dense: no per-layer-kind pricing
 
     def copy_s(self, nbytes: float) -> float:
         return float(nbytes)

@@ -102,7 +102,7 @@ def memory_budget(memory_gb: float | None) -> tuple[int, str]:
 
 
 def open_session(cfg: RunConfig, executor: Executor | None = None) -> Session:
-    dtype = env.default_dtype() if cfg.dtype == "auto" else cfg.dtype
+    dtype = cfg.dtype if cfg.dtype != "auto" else _auto_dtype(cfg)
     budget, source = memory_budget(cfg.memory_gb)
     if cfg.executor == "sim" and cfg.memory_gb is None:
         from batchsim.server.perf.devices import mac_budget
@@ -115,8 +115,6 @@ def open_session(cfg: RunConfig, executor: Executor | None = None) -> Session:
     if cfg.executor == "mlx" and executor is None:
         return _open_mlx(cfg, dtype, budget, source)
     ref = resolve(cfg.model, dtype, cfg.quantize, build=False)
-    if cfg.executor == "sim":  # StepCost prices dense full-attention models only, for now
-        ref.spec.require_dense("the sim executor")
     kv_dtype = "float16" if ref.quantize_bits else ref.dtype
     if executor is None:
         executor = build_executor(cfg, ref)
@@ -127,6 +125,16 @@ def open_session(cfg: RunConfig, executor: Executor | None = None) -> Session:
     )
     _check_fits(session)
     return session
+
+
+def _auto_dtype(cfg: RunConfig) -> str:
+    """`--dtype auto`: this machine's default for real runs; for a simulated device, what it would
+    run (a Mac from the catalog: float16; a calibrated profile: the dtype it was measured in)."""
+    if cfg.executor != "sim":
+        return env.default_dtype()
+    from batchsim.server.perf.devices import profile_dtype, resolve_profile
+
+    return profile_dtype(resolve_profile(cfg.device_profile))
 
 
 def _open_mlx(cfg: RunConfig, dtype: str, budget: int, source: str) -> Session:

@@ -21,6 +21,8 @@ class SimExecutor:
         self.cost = cost
         self.kvt = cost.kv_bytes_per_token
         self.overhead_s = cost.step_overhead_s
+        # Non-dense models: windows and fixed states do not grow linearly with the width.
+        self.per_step_decode = cost.family is not None
         # What the model's cache holds by layer kind (None: dense, the cost model's bytes per token).
         self.cache = cache or CacheLayout.dense(self.kvt)
         self.layout = PoolLayout(self.cache)  # the real pool's rows, in its order
@@ -49,7 +51,9 @@ class SimExecutor:
                     sampling.append(c.request_id)
             sampled = (*sampling, *sampled)
         durations = [t]
-        if plan.decode_ids:
+        if plan.decode_ids and self.per_step_decode:  # windows and states: priced per step
+            self._decode_steps(plan, durations, max_elapsed_s)
+        elif plan.decode_ids:
             width = max(plan.decode_positions) + 1
             base, per_width = cost.decode_parts(len(plan.decode_ids))
             durations[0] += base + per_width * width
@@ -62,6 +66,19 @@ class SimExecutor:
                 durations.append(d)
                 elapsed += d
         return StepResult(plan.step_index, sampled, None, tuple(durations), self.kv_bytes())
+
+    def _decode_steps(self, plan: StepPlan, durations: list[float], max_elapsed_s: float) -> None:
+        """A non-dense model's decode steps, each priced at its own width (a sliding window or a
+        fixed state does not grow linearly with the context)."""
+        rows, width = len(plan.decode_ids), max(plan.decode_positions) + 1
+        durations[0] += self.cost.decode_forward_s(rows, width)
+        elapsed = durations[0]
+        for w in range(width + 1, width + plan.num_steps):
+            if elapsed >= max_elapsed_s:  # this step would start after an arrival: replan
+                break
+            d = self.overhead_s + self.cost.decode_forward_s(rows, w)
+            durations.append(d)
+            elapsed += d
 
     def reset(self) -> None:
         self.layout.clear()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 from batchsim.configs import CONFIG_DIR, ConfigError, load_dataclass
+from batchsim.server.models.spec import DTYPE_BYTES
 from batchsim.server.perf.profile import DeviceProfile
 from batchsim.server.results.jsonio import yamlable
 
@@ -82,3 +83,10 @@ def resolve_profile(name: str | None, quantize_bits: int | None = None) -> Devic
         f"{', '.join(profile_names()) or 'none'}; or a Mac chip: {', '.join(catalog.chip_names)}"
         + (f"; {hint}" if hint else "")
     )
+
+
+def profile_dtype(profile: DeviceProfile) -> str:
+    """The dtype a device runs by default: what its calibration measured (the CPU backend's
+    float32 here), else float16, as MLX does on every Mac's GPU."""
+    measured = [f for f in (profile.calibration.gemm if profile.calibration else {}) if f in DTYPE_BYTES]
+    return measured[0] if measured else "float16"

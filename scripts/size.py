@@ -26,6 +26,7 @@ from batchsim.scripts.common import (
 from batchsim.server.models.loader import spec_for
 from batchsim.server.models.spec import FLOAT_DTYPES, KV_BITS, QUANT_BITS, ModelSpec, zoo_names
 from batchsim.server.perf import macs
+from batchsim.server.perf.profile import KV_DEQUANT_OPS_PER_ELEMENT
 from batchsim.server.perf.size_limits import (
     FIT_TRIALS,
     MAX_BATCH_CAP,
@@ -34,7 +35,7 @@ from batchsim.server.perf.size_limits import (
     context_fit,
     mac_row,
 )
-from batchsim.server.perf.stepcost import KV_DEQUANT_OPS_PER_ELEMENT, StepTime
+from batchsim.server.perf.stepcost import StepTime
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:

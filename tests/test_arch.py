@@ -5,7 +5,6 @@ linear-attention state), and the big zoo models' totals against their published 
 from __future__ import annotations
 
 import pytest
-
 from batchsim.configs import ConfigError
 from batchsim.server.models.arch_cache import Attention, _kv_rows, _rotating_rows, generate_calls
 from batchsim.server.models.spec import ModelSpec, zoo_spec
@@ -128,8 +127,9 @@ def test_attention_token_bytes():
 
 
 def test_models_json_contract():
-    from batchsim.scripts.models_cmd import run
     import argparse
+
+    from batchsim.scripts.models_cmd import run
 
     rows = {r["name"]: r for r in run(argparse.Namespace(action="list", json=True))["models"]}
     assert rows["qwen3-30b-a3b"]["family"] == ["moe"] and rows["tiny"]["family"] == ["dense"]

@@ -8,15 +8,15 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from batchsim.scheduler.cache_layout import CacheLayout
 from batchsim.scheduler.kv_layout import KV_STEP, PoolGeometry, round_up
 from batchsim.scheduler.request import RequestStatus
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.executors.fake_executor import FakeExecutor
 from batchsim.server.models.spec import zoo_spec
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from tests.drivers import config, drive, make_request
 
 EXAMPLES = int(os.environ.get("BATCHSIM_PROPERTY_EXAMPLES", "1500")) // 5

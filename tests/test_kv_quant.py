@@ -17,7 +17,8 @@ from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 from batchsim.server.models.spec import KV_GROUP_SIZE, zoo_names, zoo_spec
 from batchsim.server.perf import macs
-from batchsim.server.perf.stepcost import KV_DEQUANT_OPS_PER_ELEMENT, StepCost
+from batchsim.server.perf.profile import KV_DEQUANT_OPS_PER_ELEMENT
+from batchsim.server.perf.stepcost import StepCost
 from batchsim.workloads.lengths import LengthSpec, parse_length
 from batchsim.workloads.spec import WorkloadSpec
 
@@ -64,8 +65,8 @@ def test_kv_bytes_by_hand_and_unquantizable_head_sizes():
         spec.kv_bytes_per_token("float16", 3)
     for name in zoo_names():
         s = zoo_spec(name)
-        if not s.is_dense:  # quantized KV is accounted for dense models only, so far
-            with pytest.raises(ConfigError, match="dense models only"):
+        if _unquantizable_kind(s):  # mlx-lm quantizes full-attention caches only
+            with pytest.raises(ConfigError, match="mlx-lm cannot run a"):
                 s.kv_bytes_per_token("float16", 4)
         elif s.head_dim % KV_GROUP_SIZE:  # MLX quantizes groups of 32, 64 or 128 along head_dim
             with pytest.raises(ConfigError, match=f"head_dim .* multiple of {KV_GROUP_SIZE}"):
@@ -73,6 +74,10 @@ def test_kv_bytes_by_hand_and_unquantizable_head_sizes():
         else:
             assert s.kv_bytes_per_token("float16", 4) < s.kv_bytes_per_token("float16", 8) \
                 < s.kv_bytes_per_token("float16")
+
+
+def _unquantizable_kind(spec) -> bool:
+    return bool({lay.attention.kind for lay in spec.arch.layers} & {"sliding", "mla"})
 
 
 def run_size(tmp_path, *argv: str) -> dict:
@@ -109,8 +114,8 @@ def test_size_with_kv_bits_for_every_zoo_model(tmp_path):
         spec = zoo_spec(name)
         argv = ["--model", name, "--mac", "M4 Max 40c", "--memory-gb", "128", "--context", "1024",
                 "--kv-bits", "4"]
-        if not spec.is_dense:
-            with pytest.raises(ConfigError, match="dense models only"):
+        if _unquantizable_kind(spec):
+            with pytest.raises(ConfigError, match="mlx-lm cannot run a"):
                 run_size(tmp_path, *argv)
             continue
         if spec.head_dim % KV_GROUP_SIZE:
@@ -193,3 +198,20 @@ def test_kv_bits_config_is_strict(tmp_path):
     with pytest.raises(SystemExit):
         _run_parser().parse_args(["--kv-bits", "3"])
     assert _run_parser().parse_args([]).kv_bits is None  # unset: the YAML's value stands
+
+
+def test_kv_bits_by_layer_kind():
+    """Quantized KV follows mlx-lm: full-attention layers' K/V are quantized (MoE and hybrid
+    models too, whose linear-attention states stay as they are); sliding and MLA caches cannot be."""
+    moe, hybrid = zoo_spec("qwen3-30b-a3b"), zoo_spec("qwen3-next-80b-a3b")
+    head = moe.head_dim * 4 // 8 + 2 * (moe.head_dim // KV_GROUP_SIZE) * 2  # fp16 scales, biases
+    assert moe.kv_bytes_per_token("float16", 4) == 2 * moe.num_layers * moe.num_kv_heads * head
+    full = hybrid.kv_bytes_per_token("float16")
+    layout, q4 = hybrid.cache_layout("float16"), hybrid.cache_layout("float16", 4)
+    assert q4.state_bytes == layout.state_bytes > 0  # the linear layers' state is untouched
+    hd = hybrid.head_dim  # per head and token: 2 bytes x hd, or hd/2 packed + 2 fp16 per 64
+    assert q4.full_token_bytes * (2 * hd) == full * (hd // 2 + 4 * (hd // KV_GROUP_SIZE))
+    assert hybrid.kv_bytes_per_seq(4096, "float16", 4) < hybrid.kv_bytes_per_seq(4096, "float16")
+    for name, kind in (("gpt-oss-20b", "sliding"), ("gemma-3-27b", "sliding"), ("deepseek-v3", "mla")):
+        with pytest.raises(ConfigError, match=f"{name}: kv_bits: mlx-lm cannot run a {kind} layer"):
+            zoo_spec(name).cache_layout("float16", 4)

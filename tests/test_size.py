@@ -313,5 +313,11 @@ def test_size_command_on_moe_names_the_kv_composition(tmp_path, capsys):
     assert row["kv_per_seq"]["state_bytes"] > 0 and row["max_batch_padded"] <= row["max_batch_paged"]
     text = " ".join(capsys.readouterr().out.split())
     assert "full/win/state" in text and "linear-attention state is fixed" in text
-    with pytest.raises(ConfigError, match="dense models only"):  # quantized KV: dense only
-        run_size(tmp_path, "--model", "qwen3-30b-a3b", "--kv-bits", "4", "--mac", "M4 Max 40c")
+    q4 = run_size(tmp_path, "--model", "qwen3-next-80b-a3b", "--quantize", "4", "--kv-bits", "4",
+                  "--mac", "M4 Max 40c", "--memory-gb", "128", "--context-dist", "uniform:1000:8000")
+    (row4,) = q4["rows"]  # full-attention K/V quantized, the linear layers' state untouched
+    assert row4["kv_per_seq"]["state_bytes"] == row["kv_per_seq"]["state_bytes"]
+    assert row4["kv_per_seq"]["full_kv_bytes"] < row["kv_per_seq"]["full_kv_bytes"] / 3
+    assert row4["max_batch_padded"] > row["max_batch_padded"]
+    with pytest.raises(ConfigError, match="cannot run a sliding layer"):
+        run_size(tmp_path, "--model", "gpt-oss-20b", "--kv-bits", "4", "--mac", "M4 Max 40c")

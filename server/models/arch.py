@@ -64,13 +64,18 @@ class Arch:
         small = sum(lay.small_params for lay in self.layers) + self.hidden_size
         return total + small * SMALL_BYTES
 
-    def cache_bytes(self, calls: list[int], act_bytes: int) -> int:
+    def cache_bytes(self, calls: list[int], act_bytes: int, kv_bits: int | None = None) -> int:
         """Bytes of one sequence's mlx-lm prompt cache after model calls of these token counts."""
-        return sum(cache_bytes(lay.attention, calls, act_bytes) for lay in self.layers)
+        return sum(cache_bytes(lay.attention, calls, act_bytes, kv_bits) for lay in self.layers)
 
-    def kv_bytes_per_token(self, act_bytes: int) -> int:
+    def cache_layout_check(self, kv_bits: int) -> None:
+        """Raises ConfigError if some layer's cache cannot be quantized to kv_bits by mlx-lm."""
+        for att in {lay.attention for lay in self.layers if lay.attention.kind != "linear"}:
+            att.token_bytes(1, kv_bits)
+
+    def kv_bytes_per_token(self, act_bytes: int, kv_bits: int | None = None) -> int:
         """Bytes each further token adds once windows are full: full-attention and MLA layers."""
-        return sum(lay.attention.token_bytes(act_bytes) for lay in self.layers
+        return sum(lay.attention.token_bytes(act_bytes, kv_bits) for lay in self.layers
                    if lay.attention.kind in ("full", "mla"))
 
 

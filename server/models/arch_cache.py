@@ -9,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
+from batchsim.configs import ConfigError
 from batchsim.scheduler.cache_layout import CacheLayout
 from batchsim.scheduler.kv_layout import KV_STEP  # KVCache.step and RotatingKVCache.step
 
 STATE_BYTES = 4  # the gated-delta recurrent state is float32 whatever the activations are
 PREFILL_STEP = 2048  # mlx_lm.generate's prefill_step_size
+KV_GROUP_SIZE = 64  # QuantizedKVCache's default group along each head's dims
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,22 +33,44 @@ class Attention:
     conv_elems: int = 0
     state_elems: int = 0
 
-    def token_bytes(self, act_bytes: int) -> int:
-        return self.heads * (self.k_dim + self.v_dim) * act_bytes
+    def token_bytes(self, act_bytes: int, kv_bits: int | None = None) -> int:
+        """One token's K and V (MLA: latent and RoPE key); with kv_bits, as QuantizedKVCache
+        holds them: packed data plus a scale and a bias per group, in the activation dtype."""
+        if kv_bits is None:
+            return self.heads * (self.k_dim + self.v_dim) * act_bytes
+        if self.kind != "full":
+            raise ConfigError(f"kv_bits: mlx-lm cannot run a {self.kind} layer on a quantized cache "
+                              f"({_NOT_QUANTIZABLE[self.kind]})")
+        return self.heads * sum(_quantized_row(d, act_bytes, kv_bits) for d in (self.k_dim, self.v_dim))
 
 
-def cache_bytes(att: Attention, calls: list[int], act_bytes: int) -> int:
-    """Bytes of this layer's cache after the model was called on chunks of `calls` tokens."""
+_NOT_QUANTIZABLE = {  # mlx-lm 0.32.2
+    "sliding": "RotatingKVCache.to_quantized is not implemented",
+    "mla": "DeepSeek's attention multiplies the cached RoPE key directly",
+    "linear": "ArraysCache holds a state, not K/V",
+}
+
+
+def _quantized_row(dims: int, act_bytes: int, kv_bits: int) -> int:
+    if dims % KV_GROUP_SIZE:
+        raise ConfigError(f"kv_bits needs head_dim to be a multiple of {KV_GROUP_SIZE} (mlx-lm's KV "
+                          f"group); it is {dims}")
+    return dims * kv_bits // 8 + 2 * (dims // KV_GROUP_SIZE) * act_bytes
+
+
+def cache_bytes(att: Attention, calls: list[int], act_bytes: int, kv_bits: int | None = None) -> int:
+    """Bytes of this layer's cache after the model was called on chunks of `calls` tokens (with
+    kv_bits, K/V caches quantized; ArraysCache states are never quantized by mlx-lm)."""
     if not calls:
         return 0
     if att.kind == "linear":
         return att.conv_elems * act_bytes + att.state_elems * STATE_BYTES
     if att.kind == "sliding":
-        return _rotating_rows(calls, att.window, att.keep) * att.token_bytes(act_bytes)
-    return _kv_rows(calls) * att.token_bytes(act_bytes)
+        return _rotating_rows(calls, att.window, att.keep) * att.token_bytes(act_bytes, kv_bits)
+    return _kv_rows(calls) * att.token_bytes(act_bytes, kv_bits)
 
 
-def cache_layout(layers: Iterable[Attention], act_bytes: int) -> CacheLayout:
+def cache_layout(layers: Iterable[Attention], act_bytes: int, kv_bits: int | None = None) -> CacheLayout:
     """The scheduler's pricing of these layers' caches: full and MLA bytes per token, sliding bytes
     per token by window, linear layers' fixed state."""
     full = state = 0
@@ -55,9 +79,9 @@ def cache_layout(layers: Iterable[Attention], act_bytes: int) -> CacheLayout:
         if att.kind == "linear":
             state += cache_bytes(att, [1], act_bytes)
         elif att.kind == "sliding":
-            windows[att.window] = windows.get(att.window, 0) + att.token_bytes(act_bytes)
+            windows[att.window] = windows.get(att.window, 0) + att.token_bytes(act_bytes, kv_bits)
         elif att.kind in ("full", "mla"):
-            full += att.token_bytes(act_bytes)
+            full += att.token_bytes(act_bytes, kv_bits)
         else:
             raise ValueError(f"attention kind {att.kind!r} has no cache layout")
     return CacheLayout(full, tuple(sorted(windows.items())), state)

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from batchsim.server.models.arch_cache import Attention
 
+
 @dataclasses.dataclass(frozen=True)
 class Mat:
     """`count` weight matrices of (out, in); `routed`: MoE experts, of which a token uses top_k."""

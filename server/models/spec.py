@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from batchsim.configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
-from batchsim.server.models.arch import Arch, describe
 from batchsim.scheduler.cache_layout import CacheLayout
+from batchsim.server.models.arch import Arch, describe
 from batchsim.server.models.arch_cache import cache_layout, generate_calls
 from batchsim.server.models.arch_families import BUILDERS
 
@@ -130,16 +130,29 @@ class ModelSpec:
         what QuantizedKVCache holds per head instead (packed data + scales + biases; dense only)."""
         if kv_bits is None:
             return self.arch.kv_bytes_per_token(dtype_bytes(dtype))
-        self.require_dense("quantized KV (kv_bits)")
-        head_bytes = self.quantized_kv_head_bytes(dtype, kv_bits)
-        return 2 * self.num_layers * self.num_kv_heads * head_bytes
+        if kv_bits not in KV_BITS:
+            raise ConfigError(f"kv_bits: {kv_bits} is not allowed; allowed: 4, 8")
+        if self.is_dense:
+            return 2 * self.num_layers * self.num_kv_heads * self.quantized_kv_head_bytes(dtype, kv_bits)
+        self.check_kv_bits(kv_bits)
+        return self.arch.kv_bytes_per_token(dtype_bytes(dtype), kv_bits)
+
+    def check_kv_bits(self, kv_bits: int | None) -> None:
+        """A one-line error naming the model if mlx-lm cannot quantize its cache this way."""
+        if kv_bits is None:
+            return
+        try:
+            self.arch.cache_layout_check(kv_bits)
+        except ConfigError as exc:
+            raise ConfigError(f"model {self.name}: {exc}") from None
 
     def cache_layout(self, dtype: str = "float16", kv_bits: int | None = None) -> CacheLayout:
         """What the scheduler and executors price the cache by: per token for dense models (and
         quantized KV), by layer kind otherwise (sliding windows, fixed linear-attention states)."""
-        if kv_bits is not None or self.is_dense:
+        if self.is_dense:
             return CacheLayout.dense(self.kv_bytes_per_token(dtype, kv_bits))
-        return cache_layout((lay.attention for lay in self.arch.layers), dtype_bytes(dtype))
+        self.check_kv_bits(kv_bits)
+        return cache_layout((lay.attention for lay in self.arch.layers), dtype_bytes(dtype), kv_bits)
 
     def quantized_kv_head_bytes(self, dtype: str, kv_bits: int) -> int:
         """One head's K (or V) of one token in mlx-lm's QuantizedKVCache."""
@@ -151,10 +164,12 @@ class ModelSpec:
         groups = self.head_dim // KV_GROUP_SIZE
         return self.head_dim * kv_bits // 8 + 2 * groups * dtype_bytes(dtype)
 
-    def kv_bytes_per_seq(self, context_tokens: int, dtype: str = "float16") -> int:
+    def kv_bytes_per_seq(self, context_tokens: int, dtype: str = "float16",
+                         kv_bits: int | None = None) -> int:
         """Cache bytes of one sequence holding `context_tokens` as mlx_lm.generate leaves it
         (prefill chunks, then single tokens): 256-token steps, windows, fixed states included."""
-        return self.arch.cache_bytes(generate_calls(context_tokens), dtype_bytes(dtype))
+        self.check_kv_bits(kv_bits)
+        return self.arch.cache_bytes(generate_calls(context_tokens), dtype_bytes(dtype), kv_bits)
 
     def require_dense(self, what: str) -> None:
         """A one-line refusal for paths that handle only dense full-attention models."""

@@ -19,7 +19,12 @@ from typing import Protocol
 from batchsim.server.models.arch_cache import STATE_BYTES, Attention
 from batchsim.server.models.arch_families import Layer, Mat
 from batchsim.server.models.spec import ModelSpec
-from batchsim.server.perf.profile import Calibration, DeviceProfile, GemmFit
+from batchsim.server.perf.profile import (
+    KV_DEQUANT_OPS_PER_ELEMENT,
+    Calibration,
+    DeviceProfile,
+    GemmFit,
+)
 
 
 class Blocks(Protocol):
@@ -99,7 +104,11 @@ class FamilyCost:
             return self._state_s(att, batch, tokens=batch)
         tokens = min(width, att.window) if att.kind == "sliding" else width
         scores = batch * self.spec.num_heads * tokens
-        seconds = self._kv_read_s(batch * tokens * att.token_bytes(self.cost.act_bytes), scores)
+        kv_bits = self.cost.kv_bits
+        seconds = self._kv_read_s(batch * tokens * att.token_bytes(self.cost.act_bytes, kv_bits), scores)
+        if kv_bits is not None:  # as the dense model: dequantize what was read (an assumption)
+            elements = batch * tokens * att.heads * (att.k_dim + att.v_dim)
+            seconds += elements * KV_DEQUANT_OPS_PER_ELEMENT / self._flops_per_s
         if att.kind == "mla":  # absorbed: q.latent+rope scores, then scores.latent, per head
             seconds = max(seconds, 2 * scores * (2 * att.k_dim + att.v_dim) / self._flops_per_s)
         return seconds
@@ -119,7 +128,7 @@ class FamilyCost:
             score_bytes = s.num_heads * n * ctx * 4
             return (flops * cost.cal.attention_prefill_ns_per_flop
                     + score_bytes * cost.cal.attention_prefill_ns_per_score_byte) * 1e-9
-        kv_read = ctx * att.token_bytes(cost.act_bytes)
+        kv_read = ctx * att.token_bytes(cost.act_bytes, cost.kv_bits)
         return max(flops / self._flops_per_s, kv_read / cost.profile.bytes_per_s)
 
     def _state_s(self, att: Attention, rows: int, tokens: int) -> float:

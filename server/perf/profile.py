@@ -7,6 +7,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+# Assumed, not measured (no Metal here): mlx-lm's quantized attention dequantizes each K/V element
+# it reads inside quantized_matmul (unpack: shift and mask; scale multiply; bias add).
+KV_DEQUANT_OPS_PER_ELEMENT = 4
 
 @dataclasses.dataclass(frozen=True)
 class GemmFit:

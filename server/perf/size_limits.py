@@ -83,21 +83,23 @@ class KvComposition:
 KIND_PART = {"full": 0, "mla": 0, "sliding": 1, "linear": 2}
 
 
-def kv_composition(spec: ModelSpec, context_tokens: int, dtype: str) -> KvComposition:
+def kv_composition(spec: ModelSpec, context_tokens: int, dtype: str,
+                   kv_bits: int | None = None) -> KvComposition:
     """The per-layer cache bytes of `ModelSpec.kv_bytes_per_seq`, summed by kind."""
     calls, act = generate_calls(context_tokens), dtype_bytes(dtype)
     parts = [0, 0, 0]
     for att, count in Counter(lay.attention for lay in spec.arch.layers).items():
-        parts[KIND_PART[att.kind]] += count * cache_bytes(att, calls, act)
+        parts[KIND_PART[att.kind]] += count * cache_bytes(att, calls, act, kv_bits)
     return KvComposition(*parts)
 
 
-def layered_curves(spec: ModelSpec, ctx: ContextFit, dtype: str,
-                   kv_bytes_per_token: int) -> tuple[np.ndarray, np.ndarray]:
+def layered_curves(spec: ModelSpec, ctx: ContextFit, dtype: str, kv_bytes_per_token: int,
+                   kv_bits: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(padded, paged) KV bytes of B sequences, B = 0..cap, for a model whose cache is not all
     full attention: padded, B x one sequence's exact bytes at the longest; paged, the full-attention
     tokens in pages plus B x the window and state bytes at the longest (an upper bound)."""
-    seq = {int(n): kv_composition(spec, int(n), dtype) for n in np.unique(ctx.longest_tokens[1:])}
+    seq = {int(n): kv_composition(spec, int(n), dtype, kv_bits)
+           for n in np.unique(ctx.longest_tokens[1:])}
     batch = np.arange(len(ctx.longest_tokens))
     longest = [seq.get(int(n)) for n in ctx.longest_tokens]
     whole = np.array([c.total_bytes if c else 0 for c in longest], dtype=np.int64)
@@ -152,8 +154,8 @@ def mac_row(spec: ModelSpec, mac: macs.Mac, memory_gb: float, ctx: ContextFit, s
         curves, unit = (ctx.padded_tokens, ctx.paged_tokens), kv_tok
         per_seq = KvComposition(round(ctx.mean_tokens * kv_tok), 0, 0)
     else:
-        curves, unit = layered_curves(spec, ctx, cost.act_dtype, kv_tok), 1
-        per_seq = kv_composition(spec, width, cost.act_dtype)
+        curves, unit = layered_curves(spec, ctx, cost.act_dtype, kv_tok, cost.kv_bits), 1
+        per_seq = kv_composition(spec, width, cost.act_dtype, cost.kv_bits)
     padded, paged, padded_r, paged_r = (
         max_batch(curve, limit - weights, unit) for limit in (usable, raised) for curve in curves
     )

@@ -19,7 +19,8 @@ from typing import Protocol
 
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.perf.family_cost import FamilyCost
-from batchsim.server.perf.profile import Calibration, DeviceProfile, compute_dtype
+from batchsim.server.perf.profile import (KV_DEQUANT_OPS_PER_ELEMENT, Calibration, DeviceProfile,
+                                          compute_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +71,6 @@ def weight_bytes_per_element(fmt: str) -> float:
     return dtype_bytes(fmt)
 
 
-# Assumed, not measured (no Metal here): mlx-lm's quantized attention dequantizes each K/V element
-# it reads inside quantized_matmul (unpack: shift and mask; scale multiply; bias add).
-KV_DEQUANT_OPS_PER_ELEMENT = 4
 
 
 class StepCost:

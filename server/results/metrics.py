@@ -16,7 +16,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-
 from batchsim.configs import ConfigError
 
 REQUEST_STATUSES = ("finished", "rejected", "aborted", "unfinished")

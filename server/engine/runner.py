@@ -19,7 +19,7 @@ from batchsim.scheduler.request import Request, SamplingParams
 from batchsim.server.engine import clock
 from batchsim.server.engine.engine import Engine
 from batchsim.server.engine.session import Session
-from batchsim.server.results.jsonio import jsonable, timestamp, write_jsonl
+from batchsim.server.results.jsonio import jsonable, new_run_dir, write_jsonl
 from batchsim.server.results.metrics import RequestRecord, StepRecord, summarize
 from batchsim.workloads.driver import drive_interruptibly
 from batchsim.workloads.requests import RequestSpec, build_requests, prompt_token_ids
@@ -148,12 +148,7 @@ def _plain(obj: Any) -> Any:
 
 def _write_run_dir(out_dir: Path, label: str, session: Session, spec: WorkloadSpec,
                    records: list[RequestRecord], steps: list[StepRecord], summary: dict) -> Path:
-    run_dir = out_dir / f"{timestamp()}-{label}"
-    n = 1
-    while run_dir.exists():
-        n += 1
-        run_dir = out_dir / f"{timestamp()}-{label}-{n}"
-    run_dir.mkdir(parents=True)
+    run_dir = new_run_dir(out_dir, label)
     resolved = {
         "config": dataclasses.asdict(session.config),
         "workload": dataclasses.asdict(spec),

@@ -60,3 +60,14 @@ def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
 
 def timestamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
+
+
+def new_run_dir(out_dir: Path, label: str) -> Path:
+    """A fresh `TIMESTAMP-label` directory under out_dir (`-2`, `-3`, ... if it exists)."""
+    run_dir = out_dir / f"{timestamp()}-{label}"
+    n = 1
+    while run_dir.exists():
+        n += 1
+        run_dir = out_dir / f"{timestamp()}-{label}-{n}"
+    run_dir.mkdir(parents=True)
+    return run_dir

@@ -26,7 +26,7 @@ import numpy as np
 import yaml
 from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.http.prometheus import parse as parse_metrics
-from batchsim.server.results.jsonio import jsonable, timestamp, write_jsonl
+from batchsim.server.results.jsonio import jsonable, new_run_dir, write_jsonl
 from batchsim.server.results.metrics import RequestRecord, percentile_label, summarize
 from batchsim.workloads.client.prompts import PromptMaker
 from batchsim.workloads.client.stream import Outcome, endpoint, send
@@ -190,12 +190,7 @@ def _server_view(before: dict[str, float] | None, after: dict[str, float] | None
 def _write_run_dir(out_dir: Path, cfg: RunConfig, outcomes: list[Outcome],
                    records: list[RequestRecord], summary: dict, model_sent: str | None) -> Path:
     host = endpoint(cfg.target or "").base.split("//", 1)[-1].split("/", 1)[0].replace(":", "-")
-    run_dir = out_dir / f"{timestamp()}-http-{host}-{cfg.workload.name}"
-    n = 1
-    while run_dir.exists():
-        n += 1
-        run_dir = out_dir / f"{timestamp()}-http-{host}-{cfg.workload.name}-{n}"
-    run_dir.mkdir(parents=True)
+    run_dir = new_run_dir(out_dir, f"http-{host}-{cfg.workload.name}")
     resolved = {"config": dataclasses.asdict(cfg), "workload": dataclasses.asdict(cfg.workload),
                 "resolved": {"target": cfg.target, "endpoint": summary["endpoint"],
                              "model_sent": model_sent, "prompt_source": summary["prompt_source"]}}

@@ -70,7 +70,9 @@ class Arch:
 
     def cache_layout_check(self, kv_bits: int) -> None:
         """Raises ConfigError if some layer's cache cannot be quantized to kv_bits by mlx-lm."""
-        for att in {lay.attention for lay in self.layers if lay.attention.kind != "linear"}:
+        cached = [lay.attention for lay in self.layers if lay.attention.kind != "linear"]
+        # The kind first (a sliding or MLA layer is refused whatever its dims), in layer order.
+        for att in sorted(cached, key=lambda a: a.kind == "full"):
             att.token_bytes(1, kv_bits)
 
     def kv_bytes_per_token(self, act_bytes: int, kv_bits: int | None = None) -> int:

@@ -24,10 +24,14 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: no such file")
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory, not a YAML file")
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:  # unreadable, or not text
+        raise ConfigError(f"{path}: cannot be read as YAML: {exc}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -126,9 +130,9 @@ def from_dict(cls: type[T], data: dict[str, Any], source: str) -> T:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ConfigError(
-            f"{source}: unknown key {unknown[0]!r}; allowed keys: {', '.join(sorted(fields))}"
-        )
+        listed = ", ".join(map(repr, unknown))
+        named = f"key {listed}" if len(unknown) == 1 else f"keys {listed}"
+        raise ConfigError(f"{source}: unknown {named}; allowed keys: {', '.join(sorted(fields))}")
     kwargs = {}
     for name, field in fields.items():
         if name in data:
@@ -138,9 +142,8 @@ def from_dict(cls: type[T], data: dict[str, Any], source: str) -> T:
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        raise ConfigError(f"{source}: {exc}") from None
+        msg = str(exc)  # a value the dataclass itself refuses; name the source once
+        raise ConfigError(msg if msg.startswith(source) else f"{source}: {msg}") from None
 
 
 def load_dataclass(cls: type[T], path: str | Path) -> T:

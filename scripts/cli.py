@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     from batchsim.configs import ConfigError
-    from batchsim.scripts.common import emit_json, err
+    from batchsim.scripts.common import CommandFailed, emit_json, err
 
     warning = blas.warning()
     if warning:
@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         err.print(f"[red]batchsim {args.command}: {exc}[/red]")
         return 2
+    except CommandFailed as exc:
+        emit_json(exc.summary)
+        err.print(f"[red]batchsim {args.command}: {exc}[/red]")
+        return 1
     except KeyboardInterrupt:
         err.print(f"[yellow]batchsim {args.command}: interrupted[/yellow]")
         return 130

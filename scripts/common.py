@@ -24,6 +24,15 @@ out = Console(width=None if sys.stdout.isatty() else _WIDE)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else _WIDE)
 
 
+class CommandFailed(Exception):
+    """A command that ran to the end but failed: `summary` is still printed as the closing JSON
+    line, then the message on stderr, and the exit code is 1."""
+
+    def __init__(self, message: str, summary: dict) -> None:
+        super().__init__(message)
+        self.summary = summary
+
+
 def emit_json(obj: Any) -> None:
     """The last stdout line of every command: one JSON document."""
     sys.stdout.flush()
@@ -49,8 +58,8 @@ def positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
     return value
 
 

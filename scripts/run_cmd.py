@@ -7,17 +7,26 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from batchsim.configs import ConfigError
 from batchsim.scheduler.config import SchedulerSettings
 from batchsim.scheduler.kv_layout import KV_STEP
-from batchsim.scripts.common import add_field_argument, err, out, positive_float
+from batchsim.scripts.common import CommandFailed, add_field_argument, err, out, positive_float
 from batchsim.server.engine.run_config import DTYPES, RunConfig, load_run_config, with_run_overrides
 from batchsim.server.models.spec import KV_BITS, QUANT_BITS
-from batchsim.workloads.lengths import parse_length
+from batchsim.workloads.lengths import LengthSpec, parse_length
 from batchsim.workloads.spec import TraceSpec, WorkloadSpec, resolve_workload
 
 
 def rate(text: str) -> float:
     return float("inf") if text.strip().lower() in ("inf", "infinity") else positive_float(text)
+
+
+def length(text: str) -> LengthSpec:
+    """parse_length for argparse: its ConfigError's message, not argparse's generic one."""
+    try:
+        return parse_length(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def percentiles(text: str) -> tuple[float, ...]:
@@ -86,8 +95,8 @@ def add_workload_args(p: argparse.ArgumentParser, defaults: WorkloadSpec | None 
     add_field_argument(g, w, "max_concurrency", "open loop: cap on requests in flight")
     add_field_argument(g, w, "input_len", "prompt lengths: N, uniform:MIN:MAX, "
                        "normal:MEAN:STD[:MAX], lognormal:MEAN:STD[:MAX], zipf:A:MIN:MAX",
-                       type=parse_length)
-    add_field_argument(g, w, "output_len", "output lengths (same forms)", type=parse_length)
+                       type=length)
+    add_field_argument(g, w, "output_len", "output lengths (same forms)", type=length)
     add_field_argument(g, w, "seed", "workload seed (arrivals, lengths, prompt ids)")
     g.add_argument("--trace", help="replay a trace: Azure CSV or Mooncake JSONL (path, or a file "
                    "in configs/traces)")
@@ -161,8 +170,6 @@ def scheduler_overrides(args: argparse.Namespace) -> dict[str, object]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from batchsim.configs import ConfigError
-
     try:
         cfg = config_from_args(args)
     except (ValueError, TypeError) as exc:
@@ -170,7 +177,11 @@ def run(args: argparse.Namespace) -> dict:
             raise
         raise ConfigError(str(exc)) from None
     if cfg.target:
-        return run_over_http(cfg, Path(args.out), progress=not args.no_progress)
+        summary = run_over_http(cfg, Path(args.out), progress=not args.no_progress)
+        if summary["completed"] == 0 and summary["failed"] > 0:
+            raise CommandFailed(f"all {summary['failed']} requests to {summary['endpoint']} failed "
+                                f"(HTTP statuses: {summary['http_statuses']})", summary)
+        return summary
     return run_in_process(cfg, Path(args.out), progress=not args.no_progress)
 
 

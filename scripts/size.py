@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +48,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                        "bits (group 64; scales and biases in the compute dtype)",
                        choices=list(KV_BITS), unset=False)
     ctx = p.add_mutually_exclusive_group()
-    ctx.add_argument("--context", type=int, default=4096, help="fixed tokens per sequence")
+    ctx.add_argument("--context", type=_positive_int, default=4096,
+                     help="fixed tokens per sequence")
     ctx.add_argument("--context-dist", default=None,
                      help="tokens per sequence as a distribution, e.g. lognormal:2000:1500:8192 "
                           "(any form of workloads.lengths.parse_length)")
@@ -61,7 +63,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="only this chip (exact name, substring, or a label like 'M2 Ultra 76c')")
     p.add_argument("--memory-gb", type=positive_float, default=None,
                    help="this RAM size (GB as Apple sells it, i.e. GiB) instead of the catalog's")
-    p.add_argument("--os-reserve-gb", type=float, default=None,
+    p.add_argument("--os-reserve-gb", type=_non_negative, default=None,
                    help="GB left to macOS after raising iogpu.wired_limit_mb (default: the "
                         "catalog's 8, the low end of the 8-16 GB a public devnote advises)")
     p.add_argument("--bandwidth-efficiency", type=_fraction, default=None,
@@ -76,6 +78,26 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "rows gain parts_b1 and parts_max_batch (seconds)")
     p.add_argument("--out", type=Path, default=Path("results"),
                    help="directory for size.jsonl and the PNG")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 and finite, got {text!r}")
+    return value
 
 
 def _fraction(text: str) -> float:

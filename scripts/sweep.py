@@ -69,9 +69,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.prompt_len < 1 or args.output_len < 2 or args.limit_batch < 1:
+    if min(args.prompt_len, args.limit_batch, args.max_batch) < 1 or args.output_len < 2:
         # One output token is sampled by the prefill: nothing would decode.
-        raise ConfigError("--prompt-len and --limit-batch must be >= 1, --output-len >= 2")
+        raise ConfigError("--prompt-len, --limit-batch and --max-batch must be >= 1, "
+                          "--output-len >= 2")
     base, budget, source = _base_session(args)
     kvt, weights = base.kv_bytes_per_token, base.weight_bytes
     if args.prompt_len + args.output_len > base.spec.max_context:

@@ -310,3 +310,62 @@ def test_a_yaml_config_then_flags(tmp_path):
                                                         "--policy", "decode-first"]))
     assert again.percentiles == (90.0,) and again.scheduler.policy == "decode-first"
     assert again.scheduler.max_num_seqs == 4 and again.ignore_eos is True
+
+
+# -- bad input: exit 2 with one clear line (argparse's or a ConfigError), never a traceback ------
+def _exit_code(argv: list[str]) -> int:
+    from batchsim.scripts.cli import main
+
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse rejected a flag
+        return int(exc.code)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["run", "--input-len", "-5"], "positive 'value', got -5"),  # was clamped to 1
+    (["run", "--input-len", "uniform:-3:10"], "1 <= min <= max"),
+    (["run", "--output-len", "normal:100:-5"], "positive 'std'"),  # was numpy's traceback
+    (["run", "--memory-gb", "inf"], "positive finite"),  # was an OverflowError traceback
+    (["run", "--memory-gb", "nan"], "positive finite"),
+    (["run", "--memory-gb", "-1"], "positive finite"),
+    (["run", "--memory-gb", "0"], "positive finite"),
+    (["size", "--context", "-5"], "positive integer"),  # was a table of nonsense
+    (["size", "--context-dist", "uniform:-5:10"], "1 <= min <= max"),
+    (["size", "--os-reserve-gb", "-4"], ">= 0 and finite"),
+    (["sweep", "--max-batch", "0"], "--max-batch must be >= 1"),  # was exit 0, "agrees"
+])
+def test_bad_flags_are_one_line_errors(argv, says, capsys, tmp_path):
+    rc = _exit_code([*argv, "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and says in err.strip().splitlines()[-1] and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name, text, says", [
+    ("dir", None, "is a directory"),  # was an IsADirectoryError traceback
+    ("inf.yaml", "model: tiny\nmemory_gb: .inf\n", "memory_gb must be > 0 and finite"),
+    # A bare workload YAML with a typo: the error named 'num_prompts' (a run-config key check).
+    ("w.yaml", "num_prompts: 4\nzzz: 3\n", "unknown key 'zzz'; allowed keys: arrival"),
+])
+def test_bad_config_files_are_one_line_errors(name, text, says, capsys, tmp_path):
+    path = tmp_path / name
+    path.mkdir() if text is None else path.write_text(text)
+    rc = _exit_code(["run", str(path), "--executor", "fake", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert str(path) in err and says in err, err
+
+
+def test_run_target_where_every_request_fails_exits_1(batchsim_home, tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = batchsim("run", "--model", "tiny", "--target", f"http://127.0.0.1:{port}/v1",
+                    "--num-prompts", "2", "--out", str(tmp_path), "--no-progress",
+                    home=batchsim_home, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    summary = last_json(proc.stdout)  # the summary still closes stdout, keys unchanged
+    assert summary["completed"] == 0 and summary["failed"] == 2
+    assert "all 2 requests" in proc.stderr.strip().splitlines()[-1]

@@ -348,13 +348,25 @@ def _bad_requests() -> list[tuple[str, object, int, str | None]]:
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400,
          "messages[0].content"),
         ("/v1/completions", {"prompt": "x" * (2 << 20)}, 413, "request_too_large"),
+        # These were 500s: RecursionError in json.loads, lone surrogates reaching the tokenizer.
+        # (bytearray: a short test id, not the body's 300 KB)
+        ("/v1/completions", bytearray(b'{"prompt":' + b"[" * 50_000 + b"]" * 50_000 + b"}"),
+         400, None),
+        ("/v1/chat/completions",
+         bytearray(b'{"messages":' + b'{"a":' * 50_000 + b"1" + b"}" * 50_001), 400, None),
+        ("/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 4}', 400, None),
+        ("/v1/completions", b'{"prompt": "hi", "stop": ["\\udfff"], "max_tokens": 4}', 400, None),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400,
+         None),
+        ("/v1/completions", b'{"prompt": "\xed\xa0\x80"}', 400, None),  # a surrogate in UTF-8
+        ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),  # not UTF-8 at all
         ("/v1/nowhere", ok, 404, None),
     ]
 
 
 @pytest.mark.parametrize("path,body,status,what", _bad_requests())
 def test_bad_input_gets_openai_error(srv, path, body, status, what):
-    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    raw = bytes(body) if isinstance(body, (bytes, bytearray)) else json.dumps(body).encode()
     r = srv.client.post(path, content=raw, headers={**AUTH, "Content-Type": "application/json"})
     assert r.status_code == status, r.text
     error = r.json()["error"]

@@ -232,6 +232,33 @@ def test_yaml_inf_rate_and_length_shorthand(tmp_path):
     assert spec.input_len == LengthSpec("uniform", min=10, max=20) and spec.output_len.upper == 7
 
 
+@pytest.mark.parametrize("text, says", [
+    ("-5", "positive 'value'"),
+    ("fixed:-1", "positive 'value'"),
+    ("uniform:-3:10", "1 <= min <= max"),
+    ("uniform:0:10", "1 <= min <= max"),
+    ("normal:100:-5", "positive 'std'"),
+    ("lognormal:100:-5", "positive 'std'"),
+    ("normal:-100:5", "positive 'mean'"),
+    ("normal:nan:5", "positive 'mean'"),
+    ("zipf:1.5:-2:10", "1 <= min <= max"),
+    ("uniform:1:inf", "expected N"),
+])
+def test_impossible_lengths_are_one_line_errors_naming_the_text(text, says):
+    # Negatives were clamped to 1 and normal's negative std reached numpy (a traceback).
+    with pytest.raises(ConfigError, match="length") as info:
+        parse_length(text)
+    assert text in str(info.value) and says in str(info.value)
+
+
+def test_yaml_negative_std_names_the_file(tmp_path):
+    path = tmp_path / "neg.yaml"
+    path.write_text("input_len: {dist: normal, mean: 100, std: -5}\n")
+    with pytest.raises(ConfigError, match="std") as info:
+        load_workload(path)
+    assert str(path) in str(info.value)
+
+
 # --- traces --------------------------------------------------------------------------------------
 
 AZURE_CSV = """TIMESTAMP,ContextTokens,GeneratedTokens

@@ -38,8 +38,11 @@ class LengthSpec:
         if self.dist not in need:
             raise ConfigError(f"length dist {self.dist!r} is not allowed; allowed: {', '.join(need)}")
         for key in need[self.dist]:
-            if not getattr(self, key):
-                raise ConfigError(f"length dist {self.dist!r} needs a positive {key!r}")
+            value = getattr(self, key)
+            ok = bool(value) if key == "values" else value is not None and 0 < value < math.inf
+            if not ok:
+                raise ConfigError(
+                    f"length dist {self.dist!r} needs a positive {key!r}, got {value!r}")
         if self.min < 1 or (self.max is not None and self.max < self.min):
             raise ConfigError(f"length bounds must satisfy 1 <= min <= max, got [{self.min}, {self.max}]")
         if self.dist == "zipf" and self.a is not None and self.a <= 1:
@@ -111,7 +114,9 @@ def parse_length(text: str) -> LengthSpec:
             return LengthSpec(kind, mean=args[0], std=args[1], max=top)
         if kind == "zipf" and len(args) == 3:
             return LengthSpec("zipf", a=args[0], min=int(args[1]), max=int(args[2]))
-    except ValueError:
+    except ConfigError as exc:  # the form parsed; its values do not fit
+        raise ConfigError(f"length {text!r}: {exc}") from None
+    except (ValueError, OverflowError):  # not numbers, or an infinite integer
         pass
     raise ConfigError(
         f"length {text!r}: expected N, fixed:N, uniform:MIN:MAX, normal:MEAN:STD[:MAX], "

@@ -4,6 +4,7 @@ YAML strictly (unknown keys are errors naming the file), overridden by CLI flags
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -47,8 +48,8 @@ class RunConfig:
         if self.kv_bits not in (None, *KV_BITS):
             allowed = ", ".join(map(str, KV_BITS))
             raise ConfigError(f"kv_bits: {self.kv_bits} is not allowed; allowed: {allowed}")
-        if self.memory_gb is not None and self.memory_gb <= 0:
-            raise ConfigError(f"memory_gb must be > 0, got {self.memory_gb}")
+        if self.memory_gb is not None and not 0 < self.memory_gb < math.inf:
+            raise ConfigError(f"memory_gb must be > 0 and finite, got {self.memory_gb}")
 
 
 def load_run_config(path: str | Path) -> RunConfig:
@@ -56,7 +57,8 @@ def load_run_config(path: str | Path) -> RunConfig:
     data = load_yaml(path)
     workload_keys = {f.name for f in dataclasses.fields(WorkloadSpec)}
     run_keys = {f.name for f in dataclasses.fields(RunConfig)}
-    if data and set(data) <= workload_keys and not set(data) & run_keys - {"workload"}:
+    # A bare workload YAML: workload keys and no run keys (so its unknown keys are named as such).
+    if set(data) & workload_keys and not set(data) & run_keys:
         return RunConfig(workload=load_workload(path))
     data = dict(data)
     wl = data.get("workload")

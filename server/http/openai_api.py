@@ -56,9 +56,16 @@ class GenerationParams:
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object of valid Unicode text (no lone surrogates, as bytes or as \\u
+    escapes, which tokenizers cannot encode); anything else is a 400."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = json.loads(raw.decode(json.detect_encoding(raw)))  # strict, unlike json.loads(bytes)
+        json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate escape fails here
+    except UnicodeError as exc:
+        raise APIError(400, f"request body is not valid Unicode text: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply") from None
+    except json.JSONDecodeError as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")

@@ -34,6 +34,11 @@ def tiny(batchsim_home):
 
 
 @pytest.fixture(scope="session")
+def tiny_moe(batchsim_home):
+    return _load("tiny-moe", "float32")  # float32: CPU GatherMM has no float16 kernel
+
+
+@pytest.fixture(scope="session")
 def smollm2(batchsim_home):
     return _load("smollm2-135m", "float32")
 

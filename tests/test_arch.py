@@ -139,10 +139,29 @@ def test_models_json_contract():
     assert rows["llama-3.1-8b"]["kv_bytes_per_seq"] == {"4096": 4096 * 131072, "32768": 32768 * 131072}
 
 
-def test_real_runs_refuse_non_dense_models_in_one_line():
+@pytest.mark.parametrize("name", ["deepseek-v3", "tiny-sliding", "tiny-hybrid", "gpt-oss-20b"])
+def test_real_runs_refuse_attention_other_than_full_in_one_line(name):
     from batchsim.server.engine.run_config import RunConfig
     from batchsim.server.engine.session import open_session
 
     with pytest.raises(ConfigError) as err:
-        open_session(RunConfig(model="deepseek-v3", executor="mlx"))
-    assert "\n" not in str(err.value) and "families supported for runs: dense" in str(err.value)
+        open_session(RunConfig(model=name, executor="mlx"))
+    assert "\n" not in str(err.value) and "families supported for runs: dense, moe" in str(err.value)
+
+
+def test_full_attention_covers_dense_and_moe_only():
+    full = {n: zoo_spec(n).is_full_attention for n in ("tiny", "tiny-moe", "qwen3-30b-a3b",
+                                                       "tiny-sliding", "tiny-hybrid", "tiny-mla")}
+    assert full == {"tiny": True, "tiny-moe": True, "qwen3-30b-a3b": True,
+                    "tiny-sliding": False, "tiny-hybrid": False, "tiny-mla": False}
+
+
+def test_real_moe_runs_refuse_float16_on_the_cpu_backend_in_one_line(monkeypatch):
+    from batchsim.server.engine.run_config import RunConfig
+    from batchsim.server.engine.session import open_session
+    from batchsim.server.platform import env
+
+    monkeypatch.setattr(env, "backend", lambda: "cpu")
+    with pytest.raises(ConfigError) as err:
+        open_session(RunConfig(model="tiny-moe", executor="mlx", dtype="float16"))
+    assert "\n" not in str(err.value) and "GatherMM is float32-only" in str(err.value)

@@ -71,6 +71,17 @@ def test_real_run_writes_records_and_the_vllm_summary(batchsim_home, tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["completed"] == 12
 
 
+def test_real_moe_run_completes_with_exact_kv_bytes(batchsim_home, tmp_path):
+    # qwen3_moe on the real executor: every step's measured KV bytes equal the scheduler's.
+    proc = batchsim("run", "--model", "tiny-moe", "--num-prompts", "16", "--request-rate", "80",
+                    "--input-len", "uniform:8:64", "--output-len", "uniform:4:16",
+                    "--out", str(tmp_path), "--no-progress", home=batchsim_home)
+    summary = last_json(proc.stdout)
+    assert summary["completed"] == 16 and summary["failed"] == 0
+    assert summary["kv_account_mismatches"] == 0 and summary["mean_batch_size"] > 1
+    assert summary["peak_kv_bytes_measured"] == summary["peak_kv_bytes"] > 0
+
+
 def test_a_config_typo_names_the_file_and_the_key(batchsim_home, tmp_path):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("model: tiny\nscheduler:\n  max_num_seq: 4\n")

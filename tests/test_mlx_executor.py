@@ -93,8 +93,9 @@ def test_batched_equals_single_smollm2(smollm2):
     assert _run(model, _kvt(ref), specs, max_num_seqs=5)[0] == _alone(model, _kvt(ref), specs)
 
 
-def test_kv_bytes_match_arrays_formula_and_active_memory(tiny):
-    ref, model, _ = tiny
+@pytest.mark.parametrize("name", ["tiny", "tiny_moe"])
+def test_kv_bytes_match_arrays_formula_and_active_memory(name, request):
+    ref, model, _ = request.getfixturevalue(name)
     spec = ref.spec
     per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
     assert per_token == _kvt(ref)
@@ -148,3 +149,33 @@ def test_batched_equals_single_on_other_architectures(model_type, tmp_path):
     batched, _, trace = _run(model, kvt, specs, max_num_seqs=6)
     assert max(len(p.decode_ids) for p in trace.plans) >= 3
     assert batched == _alone(model, kvt, specs)
+
+
+def test_moe_pool_holds_what_the_spec_prices(tiny_moe):
+    # qwen3_moe: full attention in every layer, so the pool's K/V per token is the spec's.
+    ref, model, _ = tiny_moe
+    assert ref.spec.families == ["moe"]
+    assert MLXExecutor(model).kv_bytes_per_token == _kvt(ref) == 2 * 2 * 2 * 16 * 4
+
+
+def test_batched_equals_single_moe(tiny_moe):
+    # Rows routed to different experts in one gathered matmul; chunked prefills, joins and leaves.
+    # The driver checks the executor's KV bytes against the scheduler's after every step.
+    ref, model, _ = tiny_moe
+    specs = _requests(ref.spec.vocab_size, 10, seed=11, max_prompt=600, max_out=30)
+    batched, _, trace = _run(model, _kvt(ref), specs, max_num_seqs=6, prefill_step_size=256,
+                             max_num_batched_tokens=300)
+    assert max(len(p.decode_ids) for p in trace.plans) >= 4
+    assert any(p.decode_ids and p.prefills for p in trace.plans)
+    assert batched == _alone(model, _kvt(ref), specs)
+
+
+def test_batched_equals_single_moe_sorted_experts(tiny_moe):
+    # From 32 rows (64 expert picks) SwitchGLU sorts rows by expert before the gathered matmul.
+    ref, model, _ = tiny_moe
+    rng = random.Random(12)
+    specs = [(0, [rng.randrange(ref.spec.vocab_size) for _ in range(rng.randint(1, 40))],
+              rng.randint(4, 10)) for _ in range(34)]
+    batched, _, trace = _run(model, _kvt(ref), specs, max_num_seqs=34)
+    assert max(len(p.decode_ids) for p in trace.plans) >= 32
+    assert batched == _alone(model, _kvt(ref), specs)

@@ -141,8 +141,10 @@ def _open_mlx(cfg: RunConfig, dtype: str, budget: int, source: str) -> Session:
     from batchsim.server.models.loader import load
     from mlx.utils import tree_flatten
 
-    # Refuse before building or loading: the executor runs dense full-attention models only.
-    resolve(cfg.model, dtype, cfg.quantize, build=False).spec.require_dense("the mlx executor")
+    # Refuse before building or loading: the executor runs full-attention models (dense or MoE).
+    early = resolve(cfg.model, dtype, cfg.quantize, build=False)
+    early.spec.require_full_attention("the mlx executor")
+    _require_moe_dtype(early)
     ref = resolve(cfg.model, dtype, cfg.quantize)
     spec = ref.spec
     # Fail before loading gigabytes that cannot fit.
@@ -155,6 +157,14 @@ def _open_mlx(cfg: RunConfig, dtype: str, budget: int, source: str) -> Session:
                       executor.kv_bytes_per_token, model, tokenizer)
     _check_fits(session)
     return session
+
+
+def _require_moe_dtype(ref: ModelRef) -> None:
+    """MLX's CPU gathered matmul (unquantized MoE experts) is float32-only: refuse in one line."""
+    if ("moe" in ref.spec.families and ref.quantize_bits is None and ref.dtype != "float32"
+            and env.backend() == "cpu"):
+        raise ConfigError(f"model {ref.name}: MoE experts in {ref.dtype} do not run on MLX's CPU "
+                          "backend (its GatherMM is float32-only); use --dtype float32 or --quantize")
 
 
 def _check_fits(session: Session) -> None:

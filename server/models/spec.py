@@ -26,6 +26,7 @@ SUMMARY_CONTEXTS = (4096, 32768)  # `batchsim models` reports KV bytes per seque
 # the cache's dtype per group of 64 elements along head_dim (its default group_size).
 KV_BITS = (4, 8)
 KV_GROUP_SIZE = 64
+RUN_FAMILIES = ("dense", "moe")  # what the real executor runs: full attention in every layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,13 +172,18 @@ class ModelSpec:
         self.check_kv_bits(kv_bits)
         return self.arch.cache_bytes(generate_calls(context_tokens), dtype_bytes(dtype), kv_bits)
 
-    def require_dense(self, what: str) -> None:
-        """A one-line refusal for paths that handle only dense full-attention models."""
-        if not self.is_dense:
+    @property
+    def is_full_attention(self) -> bool:
+        """Every layer caches K/V for every token (dense or MoE FFNs): what the decode pool holds."""
+        return all(lay.attention.kind == "full" for lay in self.arch.layers)
+
+    def require_full_attention(self, what: str) -> None:
+        """A one-line refusal for paths whose cache is per-token K/V in every layer."""
+        if not self.is_full_attention:
             raise ConfigError(
                 f"model {self.name} ({self.model_type}: {'+'.join(self.families)}) is described by "
-                f"`batchsim models`, but {what} handles dense models only until batched execution "
-                f"lands; families supported for runs: dense"
+                f"`batchsim models`, but {what} runs full-attention layers only (sliding, linear "
+                f"and MLA layers not yet); families supported for runs: {', '.join(RUN_FAMILIES)}"
             )
 
     def summary(self) -> dict[str, Any]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import sys
 
@@ -72,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from batchsim.configs import ConfigError
     from batchsim.scripts.common import CommandFailed, emit_json, err
+    from batchsim.server.platform import env
 
+    atexit.register(env.release_mlx_streams)  # the main thread's, before MLX's own teardown
     warning = blas.warning()
     if warning:
         err.print(f"[yellow]{warning}[/yellow]")

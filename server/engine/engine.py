@@ -16,6 +16,7 @@ from batchsim.scheduler.request import Request
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.engine import clock
 from batchsim.server.executors.base import Executor
+from batchsim.server.platform import env
 from batchsim.server.results.recorder import RunRecorder
 
 StepHook = Callable[["Engine", StepPlan, StepResult], None]
@@ -202,6 +203,7 @@ class Engine:
 
     def close(self) -> None:
         if self._thread is not None:
+            self._thread.submit(env.release_mlx_streams).result()  # on the thread that used them
             self._thread.shutdown(wait=True)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from functools import lru_cache
 from importlib import metadata
 from typing import Any
@@ -90,3 +91,12 @@ def environment(**settings: Any) -> dict[str, Any]:
 def default_dtype() -> str:
     """float32 on the CPU backend (the only dtype whose matmuls use BLAS there), float16 on GPUs."""
     return "float32" if backend() == "cpu" else "float16"
+
+
+def release_mlx_streams() -> None:
+    """Destroy the MLX streams the calling thread created, as MLX asks of every thread that used it
+    before that thread or the process ends: left to teardown, they can abort the process
+    ("terminate called without an active exception"). A no-op where MLX is not loaded."""
+    clear = getattr(sys.modules.get("mlx.core"), "clear_streams", None)
+    if clear is not None:
+        clear()

@@ -9,6 +9,7 @@ loop's ready queue and timer heap (attributes every CPython event loop since 3.4
 from __future__ import annotations
 
 import asyncio
+import math
 import selectors
 
 
@@ -46,6 +47,17 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return self._virtual.now_s
+
+    @property
+    def _clock_resolution(self) -> float:
+        """asyncio fires a timer once `when < time() + resolution`. Far into virtual time (very low
+        rates, long trace gaps) 1 ns is below a float's spacing, and a timer due exactly now would
+        never fire: the loop would spin at timeout 0. So: at least two float steps of the clock."""
+        return max(1e-9, 2 * math.ulp(self._virtual.now_s))
+
+    @_clock_resolution.setter
+    def _clock_resolution(self, value: float) -> None:  # asyncio assigns the OS clock's; ours wins
+        pass
 
     def advance(self, dt: float) -> bool:
         """Moves the clock dt forward in place when nothing else could run in between: no callback

@@ -228,14 +228,19 @@ def _peaks(done: Sequence[RequestRecord], times: np.ndarray) -> dict[str, float 
     t0 = min(r.arrival_s for r in done)
     ends = [r.arrival_s + (r.e2el_s or 0.0) for r in done]  # vLLM: start_time + latency
     n = int(np.ceil(max(ends) - t0)) + 1
+    # Only the occupied buckets are counted: a run may span 1e9 simulated seconds.
     buckets = (times - t0).astype(np.int64)
-    tokens = np.bincount(buckets[(buckets >= 0) & (buckets < n)], minlength=n)
-    # Requests active in bucket b: arrived in a bucket <= b and ended in a bucket >= b.
-    starts = np.array([int(r.arrival_s - t0) for r in done])
-    stops = np.array([int(end - t0) + 1 for end in ends])
-    active = np.cumsum(np.bincount(starts, minlength=n + 1) - np.bincount(stops, minlength=n + 1))
-    return {"max_output_tokens_per_s": float(tokens.max()),
-            "max_concurrent_requests": int(active[:n].max())}
+    buckets = buckets[(buckets >= 0) & (buckets < n)]
+    tokens_max = np.unique(buckets, return_counts=True)[1].max() if buckets.size else 0
+    # Requests active in bucket b: arrived in a bucket <= b and ended in a bucket >= b; the count
+    # changes only at the buckets where one arrives (+1) or the bucket after one ends (-1).
+    starts = [int(r.arrival_s - t0) for r in done]
+    stops = [int(end - t0) + 1 for end in ends]
+    where, slot = np.unique(np.array(starts + stops), return_inverse=True)
+    delta = np.bincount(slot, weights=[1] * len(starts) + [-1] * len(stops))
+    active = np.cumsum(delta.astype(np.int64))
+    return {"max_output_tokens_per_s": float(tokens_max),
+            "max_concurrent_requests": int(active[where < n].max())}
 
 
 def _emits_tokens(sorted_times_s: np.ndarray, steps: Sequence[StepRecord]) -> np.ndarray:

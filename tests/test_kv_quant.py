@@ -15,7 +15,8 @@ from batchsim.scripts import run_cmd, size
 from batchsim.server.engine.run_config import RunConfig, load_run_config
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
-from batchsim.server.models.spec import KV_GROUP_SIZE, zoo_names, zoo_spec
+from batchsim.server.models.arch_cache import KV_GROUP_SIZE
+from batchsim.server.models.spec import zoo_names, zoo_spec
 from batchsim.server.perf import macs
 from batchsim.server.perf.profile import KV_DEQUANT_OPS_PER_ELEMENT
 from batchsim.server.perf.stepcost import StepCost

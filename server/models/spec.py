@@ -23,9 +23,8 @@ QUANT_BITS = (4, 8)
 SUPPORTED_MODEL_TYPES = tuple(BUILDERS)
 SUMMARY_CONTEXTS = (4096, 32768)  # `batchsim models` reports KV bytes per sequence at these
 # mlx-lm's QuantizedKVCache: K and V packed into uint32 at 4 or 8 bits, with a scale and a bias in
-# the cache's dtype per group of 64 elements along head_dim (its default group_size).
+# the cache's dtype per group of elements along head_dim (arch_cache.KV_GROUP_SIZE).
 KV_BITS = (4, 8)
-KV_GROUP_SIZE = 64
 RUN_FAMILIES = ("dense", "moe")  # what the real executor runs: full attention in every layer
 
 
@@ -128,13 +127,7 @@ class ModelSpec:
     def kv_bytes_per_token(self, dtype: str = "float16", kv_bits: int | None = None) -> int:
         """Bytes each further token adds: K and V (MLA: latent and RoPE key) of the layers whose
         cache grows with the context (dense: 2 x layers x kv_heads x head_dim x bytes); with kv_bits,
-        what QuantizedKVCache holds per head instead (packed data + scales + biases; dense only)."""
-        if kv_bits is None:
-            return self.arch.kv_bytes_per_token(dtype_bytes(dtype))
-        if kv_bits not in KV_BITS:
-            raise ConfigError(f"kv_bits: {kv_bits} is not allowed; allowed: 4, 8")
-        if self.is_dense:
-            return 2 * self.num_layers * self.num_kv_heads * self.quantized_kv_head_bytes(dtype, kv_bits)
+        what QuantizedKVCache holds instead (packed data + scales + biases)."""
         self.check_kv_bits(kv_bits)
         return self.arch.kv_bytes_per_token(dtype_bytes(dtype), kv_bits)
 
@@ -142,28 +135,18 @@ class ModelSpec:
         """A one-line error naming the model if mlx-lm cannot quantize its cache this way."""
         if kv_bits is None:
             return
+        if kv_bits not in KV_BITS:
+            raise ConfigError(f"kv_bits: {kv_bits} is not allowed; allowed: 4, 8")
         try:
             self.arch.cache_layout_check(kv_bits)
         except ConfigError as exc:
             raise ConfigError(f"model {self.name}: {exc}") from None
 
     def cache_layout(self, dtype: str = "float16", kv_bits: int | None = None) -> CacheLayout:
-        """What the scheduler and executors price the cache by: per token for dense models (and
-        quantized KV), by layer kind otherwise (sliding windows, fixed linear-attention states)."""
-        if self.is_dense:
-            return CacheLayout.dense(self.kv_bytes_per_token(dtype, kv_bits))
+        """What the scheduler and executors price the cache by: per token for full-attention and
+        MLA layers, sliding layers by window, fixed linear-attention states."""
         self.check_kv_bits(kv_bits)
         return cache_layout((lay.attention for lay in self.arch.layers), dtype_bytes(dtype), kv_bits)
-
-    def quantized_kv_head_bytes(self, dtype: str, kv_bits: int) -> int:
-        """One head's K (or V) of one token in mlx-lm's QuantizedKVCache."""
-        if kv_bits not in KV_BITS:
-            raise ConfigError(f"kv_bits: {kv_bits} is not allowed; allowed: 4, 8")
-        if self.head_dim % KV_GROUP_SIZE:
-            raise ConfigError(f"model {self.name}: kv_bits needs head_dim to be a multiple of "
-                              f"{KV_GROUP_SIZE} (mlx-lm's KV group); it is {self.head_dim}")
-        groups = self.head_dim // KV_GROUP_SIZE
-        return self.head_dim * kv_bits // 8 + 2 * groups * dtype_bytes(dtype)
 
     def kv_bytes_per_seq(self, context_tokens: int, dtype: str = "float16",
                          kv_bits: int | None = None) -> int:

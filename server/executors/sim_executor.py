@@ -51,32 +51,29 @@ class SimExecutor:
                     sampling.append(c.request_id)
             sampled = (*sampling, *sampled)
         durations = [t]
-        if plan.decode_ids and self.per_step_decode:  # windows and states: priced per step
-            self._decode_steps(plan, durations, max_elapsed_s)
-        elif plan.decode_ids:
-            width = max(plan.decode_positions) + 1
-            base, per_width = cost.decode_parts(len(plan.decode_ids))
-            durations[0] += base + per_width * width
-            base += self.overhead_s
-            elapsed = durations[0]
-            for w in range(width + 1, width + plan.num_steps):  # each step reads one more token
-                if elapsed >= max_elapsed_s:  # this step would start after an arrival: replan
-                    break
-                d = base + per_width * w
-                durations.append(d)
-                elapsed += d
+        if plan.decode_ids:
+            self._decode(plan, durations, max_elapsed_s)
         return StepResult(plan.step_index, sampled, None, tuple(durations), self.kv_bytes())
 
-    def _decode_steps(self, plan: StepPlan, durations: list[float], max_elapsed_s: float) -> None:
-        """A non-dense model's decode steps, each priced at its own width (a sliding window or a
-        fixed state does not grow linearly with the context)."""
-        rows, width = len(plan.decode_ids), max(plan.decode_positions) + 1
-        durations[0] += self.cost.decode_forward_s(rows, width)
+    def _decode(self, plan: StepPlan, durations: list[float], max_elapsed_s: float) -> None:
+        """The plan's decode steps, each reading one more token: the first is added to this step's
+        other work, the rest follow until one would start after an arrival (then: replan)."""
+        rows, width, cost = len(plan.decode_ids), max(plan.decode_positions) + 1, self.cost
+        if self.per_step_decode:  # windows and fixed states do not grow linearly with the width
+            first_s = cost.decode_forward_s(rows, width)
+            def next_s(w: int) -> float:
+                return self.overhead_s + cost.decode_forward_s(rows, w)
+        else:  # dense: linear in the width, from two numbers cached per batch size
+            base, per_width = cost.decode_parts(rows)
+            first_s, base_s = base + per_width * width, base + self.overhead_s
+            def next_s(w: int) -> float:
+                return base_s + per_width * w
+        durations[0] += first_s
         elapsed = durations[0]
         for w in range(width + 1, width + plan.num_steps):
-            if elapsed >= max_elapsed_s:  # this step would start after an arrival: replan
+            if elapsed >= max_elapsed_s:
                 break
-            d = self.overhead_s + self.cost.decode_forward_s(rows, w)
+            d = next_s(w)
             durations.append(d)
             elapsed += d
 

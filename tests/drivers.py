@@ -8,6 +8,7 @@ from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.plan import StepPlan
 from batchsim.scheduler.request import Request, SamplingParams
 from batchsim.scheduler.scheduler import Scheduler
+from hypothesis import strategies as st
 
 
 @dataclass
@@ -63,3 +64,24 @@ def config(**kw) -> SchedulerConfig:
     base = dict(kv_budget_bytes=1 << 40, kv_bytes_per_token=512, max_model_len=8192)
     base.update(kw)
     return SchedulerConfig(**base)
+
+
+@st.composite
+def random_arrivals(draw, max_requests: int) -> list[tuple[int, int, int]]:
+    """(arrival step, prompt tokens, output tokens) per request, for scheduler property tests."""
+    return [(draw(st.integers(0, 40)), draw(st.integers(1, 1500)), draw(st.integers(1, 48)))
+            for _ in range(draw(st.integers(1, max_requests)))]
+
+
+@st.composite
+def step_limits(draw, max_seqs: int) -> dict:
+    """Random scheduler limits (SchedulerConfig keys) beside a test's own budget and model."""
+    prefill = draw(st.sampled_from([256, 512]))
+    seqs = draw(st.integers(1, max_seqs))
+    return dict(
+        max_num_seqs=seqs, prefill_step_size=prefill,
+        max_num_batched_tokens=draw(st.integers(max(prefill, seqs), 3000)),
+        policy=draw(st.sampled_from(["decode-first", "prefill-first"])),
+        row_step=draw(st.sampled_from([1, 2, 8])),
+        max_lookahead_steps=draw(st.sampled_from([1, 1, 16])),
+    )

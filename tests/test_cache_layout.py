@@ -17,7 +17,7 @@ from batchsim.server.models.spec import zoo_spec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.drivers import config, drive, make_request
+from tests.drivers import config, drive, make_request, random_arrivals, step_limits
 
 EXAMPLES = int(os.environ.get("BATCHSIM_PROPERTY_EXAMPLES", "1500")) // 5
 FAMILIES = ["tiny-moe", "tiny-sliding", "tiny-hybrid", "tiny-mla"]
@@ -72,19 +72,10 @@ def layouts(draw):
 @st.composite
 def workloads(draw):
     cache = draw(layouts())
-    reqs = [(draw(st.integers(0, 40)), draw(st.integers(1, 1500)), draw(st.integers(1, 48)))
-            for _ in range(draw(st.integers(1, 16)))]
-    prefill = draw(st.sampled_from([256, 512]))
-    seqs = draw(st.integers(1, 10))
-    cfg = dict(
-        kv_budget_bytes=cache.alone_bytes(draw(st.integers(256, 6000))),
-        kv_bytes_per_token=cache.full_token_bytes, cache_layout=cache, max_model_len=2048,
-        max_num_seqs=seqs, prefill_step_size=prefill,
-        max_num_batched_tokens=draw(st.integers(max(prefill, seqs), 3000)),
-        policy=draw(st.sampled_from(["decode-first", "prefill-first"])),
-        row_step=draw(st.sampled_from([1, 2, 8])),
-        max_lookahead_steps=draw(st.sampled_from([1, 1, 16])),
-    )
+    reqs = draw(random_arrivals(16))
+    cfg = dict(kv_budget_bytes=cache.alone_bytes(draw(st.integers(256, 6000))),
+               kv_bytes_per_token=cache.full_token_bytes, cache_layout=cache, max_model_len=2048,
+               **draw(step_limits(10)))
     return reqs, cfg
 
 

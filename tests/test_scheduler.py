@@ -15,7 +15,7 @@ from batchsim.server.executors.fake_executor import FakeExecutor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.drivers import config, drive, make_request
+from tests.drivers import config, drive, make_request, random_arrivals, step_limits
 
 EXAMPLES = int(os.environ.get("BATCHSIM_PROPERTY_EXAMPLES", "1500"))
 KVT = 512  # KV bytes per token in these tests
@@ -177,22 +177,9 @@ def test_a_failing_stop_checker_ends_only_its_own_request(caplog):
 
 @st.composite
 def workloads(draw):
-    n = draw(st.integers(1, 24))
-    reqs = [(draw(st.integers(0, 40)), draw(st.integers(1, 1500)), draw(st.integers(1, 48)))
-            for _ in range(n)]
-    prefill = draw(st.sampled_from([256, 512]))
-    seqs = draw(st.integers(1, 12))
-    cfg = dict(
-        kv_budget_bytes=KVT * draw(st.integers(256, 12_000)),
-        kv_bytes_per_token=KVT,
-        max_model_len=2048,
-        max_num_seqs=seqs,
-        prefill_step_size=prefill,
-        max_num_batched_tokens=draw(st.integers(max(prefill, seqs), 3000)),
-        policy=draw(st.sampled_from(["decode-first", "prefill-first"])),
-        row_step=draw(st.sampled_from([1, 2, 8])),
-        max_lookahead_steps=draw(st.sampled_from([1, 1, 16])),
-    )
+    reqs = draw(random_arrivals(24))
+    cfg = dict(kv_budget_bytes=KVT * draw(st.integers(256, 12_000)), kv_bytes_per_token=KVT,
+               max_model_len=2048, **draw(step_limits(12)))
     return reqs, cfg
 
 

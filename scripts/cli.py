@@ -17,6 +17,7 @@ COMMANDS = [
     ("compare", "batchsim.scripts.compare", "the same workload at batch 1 and batched, side by side"),
     ("sweep", "batchsim.scripts.sweep", "step the batch size up to where the KV cache overruns the budget"),
     ("size", "batchsim.scripts.size", "batch limits and decode speed per Mac, from the roofline (no model run)"),
+    ("fit-macs", "batchsim.scripts.fit_macs", "fit the Mac GPU step on published MLX measurements; held-out errors"),
     ("roofline", "batchsim.scripts.roofline", "GEMV vs GEMM on this device, against measured ceilings"),
     ("calibrate", "batchsim.scripts.calibrate", "measure this device and write a profile for the simulator"),
     ("validate", "batchsim.scripts.validate", "run workloads real and simulated, report the prediction error"),

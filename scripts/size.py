@@ -27,6 +27,7 @@ from batchsim.scripts.common import (
 from batchsim.server.models.loader import spec_for
 from batchsim.server.models.spec import FLOAT_DTYPES, KV_BITS, QUANT_BITS, ModelSpec, zoo_names
 from batchsim.server.perf import macs
+from batchsim.server.perf.gpu_fit import fit_format, load_fit
 from batchsim.server.perf.profile import KV_DEQUANT_OPS_PER_ELEMENT
 from batchsim.server.perf.size_limits import (
     FIT_TRIALS,
@@ -67,11 +68,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="GB left to macOS after raising iogpu.wired_limit_mb (default: the "
                         "catalog's 8, the low end of the 8-16 GB a public devnote advises)")
     p.add_argument("--bandwidth-efficiency", type=_fraction, default=None,
-                   help="achievable fraction of peak bandwidth in decode (default: the median "
-                        "measured in llama.cpp discussion #4167 for this weight format)")
+                   help="achievable fraction of peak bandwidth in decode (default: fitted on "
+                        "published MLX measurements for this weight format, `batchsim fit-macs`)")
     p.add_argument("--compute-efficiency", type=_fraction, default=None,
-                   help="achievable fraction of peak FLOP/s (default: the median F16 prompt "
-                        "rate in #4167)")
+                   help="achievable fraction of peak FLOP/s (default: fitted on published MLX "
+                        "prompt rates)")
     p.add_argument("--explain", action="store_true",
                    help="also print the predicted decode step's parts (weights, matmul, attention, "
                         "elementwise, fixed, overhead) at batch 1 and at the max batch; the JSON "
@@ -115,8 +116,8 @@ def run(args: argparse.Namespace) -> dict:
     ctx = context_fit(args.context_dist or str(args.context), spec.max_context,
                       args.fit_quantile, args.seed)
     meta = _meta(args, spec, catalog, ctx)
-    s = Settings(args.dtype, args.quantize, meta["bandwidth_efficiency"],
-                 meta["compute_efficiency"], meta["os_reserve_gb"], args.kv_bits)
+    s = Settings(args.dtype, args.quantize, args.bandwidth_efficiency, args.compute_efficiency,
+                 meta["os_reserve_gb"], args.kv_bits, fit=load_fit())
     rows = [mac_row(spec, m, gb, ctx, s, ws, explain=args.explain)
             for m in chosen for gb in ([args.memory_gb] if args.memory_gb else m.mem_gb)]
     _print(rows, meta, spec)
@@ -137,9 +138,9 @@ def run(args: argparse.Namespace) -> dict:
 def _meta(args: argparse.Namespace, spec: ModelSpec, catalog: macs.Catalog,
           ctx: ContextFit) -> dict:
     """Run-level settings, each with where it comes from (flags override the catalog)."""
-    ws = catalog.metal_working_set
-    bw_eff, bw_src = macs.bandwidth_efficiency(catalog, macs.weight_format(args.quantize))
-    cmp_eff, cmp_src = macs.compute_efficiency(catalog)
+    ws, fit = catalog.metal_working_set, load_fit()
+    bw_eff, bw_src = fit.bandwidth_efficiency[fit_format(args.quantize)], fit.fitted_on
+    cmp_eff, cmp_src = fit.compute_efficiency, fit.compute_fitted_on
     if args.bandwidth_efficiency is not None:
         bw_eff, bw_src = args.bandwidth_efficiency, "--bandwidth-efficiency"
     if args.compute_efficiency is not None:
@@ -154,6 +155,7 @@ def _meta(args: argparse.Namespace, spec: ModelSpec, catalog: macs.Catalog,
         "working_set_rule": ws.default_rule_of_thumb,
         "bandwidth_efficiency": bw_eff, "bandwidth_efficiency_source": bw_src,
         "compute_efficiency": cmp_eff, "compute_efficiency_source": cmp_src,
+        "profile_terms": fit.summary(), "profile_errors": fit.errors,
         "max_batch_is": "padded layout (mlx-lm BatchKVCache, batchsim's executor), default limit",
         "decode_tok_s_context": "the simulator's pure-decode step, each row reading the mean "
                                 "context; batch = max_batch",
@@ -197,9 +199,9 @@ def _notes(rows: list[dict], meta: dict, what: str, spec: ModelSpec) -> list[str
         f"over {meta['fit_trials']} seeded batches fit; mean context "
         f"{meta['context_mean_tokens']:.0f}.",
         f"Decode tok/s: the simulator's step cost at the mean context (`batchsim sweep "
-        f"--executor sim` predicts the same); max batch = the padded one. Bandwidth "
-        f"efficiency {meta['bandwidth_efficiency']:.2f} ({meta['bandwidth_efficiency_source']}); "
-        f"compute efficiency {meta['compute_efficiency']:.2f}.",
+        f"--executor sim` predicts the same); max batch = the padded one. GPU step: "
+        f"{meta['profile_terms']}, fitted on {meta['bandwidth_efficiency_source']}"
+        + _held_out(meta["profile_errors"]) + ".",
     ]
     if not spec.is_dense:
         notes.append(f"{'+'.join(spec.families)}: KV/seq is mlx-lm's exact cache of one sequence "
@@ -242,9 +244,21 @@ def _print_parts(rows: list[dict], meta: dict) -> None:
                     f"{meta['context_mean_tokens']:.0f} tokens read per row)", cols, body))
     out.print("weights: linear layers streaming their weights (bandwidth-bound ones on a roofline); "
               "matmul: their arithmetic (compute-bound ones); attention: K/V reads; elementwise: "
-              "norms, activations, logits; fixed and step overhead: per forward pass and per "
-              "engine step (zero on a catalog Mac); copy: KV pool copies (none in steady decode); "
-              "experts: MoE routed experts (the distinct experts the batch routes to).")
+              "norms, activations, logits; fixed: per layer and forward pass (a Mac's fitted kernel "
+              "dispatch and sync); step overhead: per engine step (zero on a catalog Mac); copy: "
+              "KV pool copies (none in steady decode); experts: MoE routed experts (the distinct "
+              "experts the batch routes to).")
+
+
+def _held_out(errors: dict) -> str:
+    """The fit's held-out error, beside every per-Mac figure it predicts."""
+    if not errors:
+        return ""
+    return (f"; held-out |error| of batch-1 tok/s: median "
+            f"{100 * errors['leave_one_chip_out_median_abs']:.0f}% (worst "
+            f"{100 * errors['leave_one_chip_out_worst_abs']:.0f}%) leaving one chip out, "
+            f"{100 * errors['leave_one_model_out_median_abs']:.0f}% "
+            f"({100 * errors['leave_one_model_out_worst_abs']:.0f}%) one model out")
 
 
 def _weights_tag(meta: dict) -> str:

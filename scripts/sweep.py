@@ -84,10 +84,12 @@ def run(args: argparse.Namespace) -> dict:
     meta = _meta(args, base, budget, source)
     _announce(meta, batches)
     rows = [_run_point(base, budget, source, b, args) for b in batches]
+    profile = _profile_fields(base)
     for row in rows:
         row["kv_bytes_analytic"] = sweep_math.batch_kv_bytes(
             row["batch"], args.prompt_len, args.output_len, kvt)
         row["fits_analytic"] = row["batch"] <= limit
+        row.update(profile)
     verdict = _verdict(batches, rows, limit, args.min_gain)
     _print(rows, meta, verdict)
     stamp, env = timestamp(), base.environment()
@@ -189,6 +191,17 @@ def _meta(args: argparse.Namespace, base, budget: int, source: str) -> dict:
         "max_num_batched_tokens": base.config.scheduler.max_num_batched_tokens,
         "min_gain": args.min_gain, "seed": args.seed,
     }
+
+
+def _profile_fields(base) -> dict:
+    """Which device profile a simulated sweep priced its steps with, and what that profile was
+    fitted on (None for a real run: the device is this machine)."""
+    if base.config.executor != "sim":
+        return {"profile": None, "profile_fitted_on": None}
+    from batchsim.server.perf.devices import resolve_profile
+
+    p = resolve_profile(base.config.device_profile, base.ref.quantize_bits)
+    return {"profile": p.name, "profile_fitted_on": p.fitted_on or p.source}
 
 
 def _announce(meta: dict, batches: list[int]) -> None:

@@ -82,10 +82,16 @@ class Arch:
 
 
 def _quantized_bytes(m: Mat, bits: int) -> int:
-    if m.in_dim % QUANT_GROUP_SIZE:
-        return m.params * SMALL_BYTES
-    groups = m.out_dim * (m.in_dim // QUANT_GROUP_SIZE) * m.count
-    return m.params * bits // 8 + 2 * SMALL_BYTES * groups
+    return m.count * quantized_matrix_bytes(m.out_dim, m.in_dim, bits)
+
+
+def quantized_matrix_bytes(out_dim: int, in_dim: int, bits: int) -> int:
+    """One (out x in) matrix as mlx-lm quantizes it: packed weights plus a float16 scale and bias
+    per group of 64 along the input; an input dim the group does not divide stays float16."""
+    if in_dim % QUANT_GROUP_SIZE:
+        return out_dim * in_dim * SMALL_BYTES
+    groups = out_dim * (in_dim // QUANT_GROUP_SIZE)
+    return out_dim * in_dim * bits // 8 + 2 * SMALL_BYTES * groups
 
 
 def describe(name: str, config: dict[str, Any]) -> Arch:

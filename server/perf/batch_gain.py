@@ -9,6 +9,7 @@ import sys
 
 from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf import macs
+from batchsim.server.perf.gpu_fit import load_fit
 from batchsim.server.perf.size_limits import Settings, decode_step, mac_cost, tok_s
 from batchsim.server.perf.stepcost import StepCost
 
@@ -21,12 +22,11 @@ def batching_curve(cost: StepCost, context: int, batches=BATCHES) -> dict[int, f
 
 
 def catalog_cost(model: str, label: str = "M4 Max 40c", quantize_bits: int | None = 4) -> StepCost:
-    """`size`'s step cost for a zoo model on a catalog Mac at the default efficiencies."""
+    """`size`'s step cost for a zoo model on a catalog Mac (the fitted GPU step)."""
     catalog = macs.load_catalog()
     (mac,) = [m for m in catalog.chips if m.label == label]
-    bw, _ = macs.bandwidth_efficiency(catalog, macs.weight_format(quantize_bits))
-    cmp, _ = macs.compute_efficiency(catalog)
-    return mac_cost(zoo_spec(model), mac, Settings("float16", quantize_bits, bw, cmp, 8.0))
+    return mac_cost(zoo_spec(model), mac, Settings("float16", quantize_bits, None, None, 8.0,
+                                                   fit=load_fit()))
 
 
 def main(models: list[str], context: int = 1024) -> None:

@@ -48,35 +48,33 @@ def mac_budget(name: str | None) -> tuple[int, str] | None:
 
     catalog = macs.load_catalog()
     try:
-        chips = catalog.select(name)
+        mac, _ = catalog.variant(name)
     except ConfigError:
         return None
-    if not chips:
-        return None
-    mac = chips[0]
     ram = max(mac.mem_gb)
     usable = macs.default_working_set_bytes(ram, catalog.metal_working_set)
     return usable, f"{mac.label} {ram} GB: default Metal working set"
 
 
 def resolve_profile(name: str | None, quantize_bits: int | None = None) -> DeviceProfile:
-    """A YAML path, a calibrated profile name, or a Mac from the catalog ("M2 Max", "M4 Max 40c")."""
+    """A YAML path, a calibrated profile name, or a Mac from the catalog ("M4 Max 40c"; a chip with
+    several GPU variants, "M2 Max", means its base one: macs.Catalog.variant, said in the profile's
+    source) with the GPU step fitted on published MLX measurements (server.perf.gpu_fit)."""
     name = name or LOCAL_NAME
     for path in _candidates(name):
         if path.suffix in (".yaml", ".yml") and path.is_file():
             return load_profile(path)
-    from batchsim.server.perf import macs
+    from batchsim.server.perf import gpu_fit, macs
 
     catalog = macs.load_catalog()
     try:
-        chips = catalog.select(name)
+        known = bool(catalog.select(name))
     except ConfigError:
-        chips = []
-    if chips:
-        mac = chips[0]
-        bw, _ = macs.bandwidth_efficiency(catalog, macs.weight_format(quantize_bits))
-        cmp, _ = macs.compute_efficiency(catalog)
-        return mac.profile(bw, cmp)
+        known = False
+    if known:
+        mac, note = catalog.variant(name)  # a name matching several chips: a one-line error
+        profile = gpu_fit.mac_profile(mac, gpu_fit.load_fit(), quantize_bits)
+        return dataclasses.replace(profile, source=f"{profile.source}{'; ' + note if note else ''}")
     hint = "run `batchsim calibrate` to measure this machine" if name == LOCAL_NAME else ""
     raise ConfigError(
         f"device profile {name!r} not found; calibrated profiles: "

@@ -88,6 +88,7 @@ class FamilyCost:
         ffn = layer.ffn
         distinct = expected_experts(ffn.experts, ffn.top_k, m)
         moved_s, flops_s = self.cost.linear_terms(m * ffn.top_k / distinct, mat.in_dim, mat.out_dim)
+        moved_s /= self.cost.profile.expert_bandwidth_efficiency
         flops_s /= GATHER_MATMUL_EFFICIENCY
         per_expert = moved_s + flops_s if self.cost.gemm is not None else max(moved_s, flops_s)
         return distinct * per_expert

@@ -138,6 +138,22 @@ class Catalog:
         return found
 
 
+    def variant(self, name: str) -> tuple[Mac, str]:
+        """The one Mac a profile name means, and a note when the name had a choice. A chip name
+        with several GPU variants ("M2 Ultra": 60c, 76c) means its base variant, listed first (the
+        conservative choice for sizing); a name matching several chips is an error."""
+        found = self.select(name)
+        chips = list(dict.fromkeys(m.chip for m in found))
+        if len(chips) > 1:
+            raise ConfigError(f"Mac {name!r} is ambiguous: {', '.join(m.label for m in found)}; "
+                              "name one chip or a label like 'M2 Ultra 76c'")
+        mac = found[0]
+        note = "" if len(found) == 1 else (
+            f"{name!r} has {len(found)} GPU variants ({', '.join(m.label for m in found)}): "
+            f"the base one, {mac.label}, is used; name a label to choose")
+        return mac, note
+
+
 @lru_cache(maxsize=4)
 def load_catalog(path: str | Path = CATALOG_PATH) -> Catalog:
     return from_dict(Catalog, load_yaml(path), str(path))
@@ -190,13 +206,14 @@ def _median_source(
 
 
 def bandwidth_efficiency(catalog: Catalog, fmt: str) -> tuple[float, str]:
-    """The median achievable decode fraction for a weight format, and where it comes from."""
+    """The median llama.cpp decode fraction for a weight format, and where it comes from: the
+    plain roofline's efficiency before the MLX fit (`fit-macs` prints it as "before")."""
     ref = catalog.decode_reference
     what = f"{fmt} decode tok/s x {ref.file_gib[fmt]} GiB / peak GB/s"
     return _median_source(bandwidth_fractions(ref, fmt), what, catalog)
 
 
 def compute_efficiency(catalog: Catalog) -> tuple[float, str]:
-    """The median achievable fraction of FP16 peak in large matmuls, and where it comes from."""
+    """The median llama.cpp fraction of FP16 peak in large matmuls (the pre-fit roofline's)."""
     what = "F16 prompt tok/s (batch 512) x 2 x params / FP16 peak"
     return _median_source(compute_fractions(catalog.decode_reference, catalog.chips), what, catalog)

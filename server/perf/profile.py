@@ -85,6 +85,13 @@ class DeviceProfile:
     # Fixed cost per forward pass (kernel launches, Python, graph building), seconds.
     forward_overhead_s: float = 0.0
     source: str = ""
+    # Fixed cost per layer per forward pass (a GPU's kernel dispatch and synchronisation), seconds.
+    layer_overhead_s: float = 0.0
+    # Routed MoE experts' gathered mat-vecs reach this fraction of the achievable bandwidth above
+    # (index gathers, small per-expert tiles); 1.0 on a calibrated device (not measured there).
+    expert_bandwidth_efficiency: float = 1.0
+    # What the profile's terms were fitted on ("" for a plain roofline or a hand-written profile).
+    fitted_on: str = ""
     # Operator-level terms measured by `batchsim calibrate` (None: the plain roofline above).
     calibration: Calibration | None = None
 
@@ -110,7 +117,8 @@ def at_speed(profile: DeviceProfile, speed: float) -> DeviceProfile:
         return dataclasses.replace(
             profile, bandwidth_gbs=profile.bandwidth_gbs * speed,
             peak_tflops={k: v * speed for k, v in profile.peak_tflops.items()},
-            forward_overhead_s=profile.forward_overhead_s / speed)
+            forward_overhead_s=profile.forward_overhead_s / speed,
+            layer_overhead_s=profile.layer_overhead_s / speed)
     gemm = {f: GemmFit({kn: v / speed for kn, v in g.weight_ns.items()},
                        {m: v / speed for m, v in g.flop_ns.items()}) for f, g in c.gemm.items()}
     # Every float term is a time per unit of work, but copy_gbs, a rate: derived from the fields

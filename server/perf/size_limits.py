@@ -15,6 +15,8 @@ from batchsim.scheduler.kv_layout import KV_STEP, PAGE_TOKENS, round_up
 from batchsim.server.models.arch_cache import cache_bytes, generate_calls
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.perf import macs
+from batchsim.server.perf.gpu_fit import GpuFit, mac_profile
+from batchsim.server.perf.profile import DeviceProfile
 from batchsim.server.perf.stepcost import StepCost, StepTime
 from batchsim.workloads.lengths import parse_length
 
@@ -111,16 +113,24 @@ def layered_curves(spec: ModelSpec, ctx: ContextFit, dtype: str, kv_bytes_per_to
 class Settings:
     dtype: str
     quantize_bits: int | None
-    bandwidth_efficiency: float
-    compute_efficiency: float
+    bandwidth_efficiency: float | None  # None: the fit's for this weight format
+    compute_efficiency: float | None  # None: the fit's
     os_reserve_gb: float
     kv_bits: int | None = None  # K/V held as mlx-lm's QuantizedKVCache at 4 or 8 bits
+    # The fitted GPU step (server.perf.gpu_fit); None: a plain roofline at the efficiencies above.
+    fit: GpuFit | None = None
+
+
+def mac_profile_for(mac: macs.Mac, s: Settings) -> DeviceProfile:
+    """What `--device-profile` gives for this Mac (efficiencies given in `s` replace the fit's)."""
+    if s.fit is not None:
+        return mac_profile(mac, s.fit, s.quantize_bits, s.bandwidth_efficiency, s.compute_efficiency)
+    return mac.profile(s.bandwidth_efficiency, s.compute_efficiency)
 
 
 def mac_cost(spec: ModelSpec, mac: macs.Mac, s: Settings) -> StepCost:
-    """The simulator's step cost on this Mac (what `--device-profile` gives with default efficiencies)."""
-    return StepCost(spec, mac.profile(s.bandwidth_efficiency, s.compute_efficiency), s.dtype,
-                    s.quantize_bits, s.kv_bits)
+    """The simulator's step cost on this Mac."""
+    return StepCost(spec, mac_profile_for(mac, s), s.dtype, s.quantize_bits, s.kv_bits)
 
 
 def decode_step(cost: StepCost, batch: int, context_tokens: int) -> StepTime | None:
@@ -144,7 +154,8 @@ def mac_row(spec: ModelSpec, mac: macs.Mac, memory_gb: float, ctx: ContextFit, s
             ws: macs.MetalWorkingSet, explain: bool = False) -> dict:
     """One table row: a Mac with `memory_gb` of RAM running `spec` under `s` (with `explain`,
     the predicted step's parts at batch 1 and at the max batch too)."""
-    cost = mac_cost(spec, mac, s)
+    profile = mac_profile_for(mac, s)
+    cost = StepCost(spec, profile, s.dtype, s.quantize_bits, s.kv_bits)
     weights = spec.weight_bytes(s.dtype, s.quantize_bits)
     kv_tok = cost.kv_bytes_per_token
     usable = macs.default_working_set_bytes(memory_gb, ws)
@@ -163,6 +174,7 @@ def mac_row(spec: ModelSpec, mac: macs.Mac, memory_gb: float, ctx: ContextFit, s
     step_b1, step_max = decode_step(cost, b1, width), decode_step(cost, padded, width)
     row = {
         "chip": mac.chip, "gpu_cores": mac.gpu_cores, "label": mac.label, "memory_gb": memory_gb,
+        "profile": profile.name, "profile_fitted_on": profile.fitted_on or profile.source,
         "bandwidth_gbs": mac.bw_gbs, "peaks_estimated": mac.estimate,
         "compute_known": mac.compute_known,
         "usable_bytes": usable, "usable_bytes_raised": raised, "weight_bytes": weights,

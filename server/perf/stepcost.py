@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from functools import lru_cache
 from typing import Protocol
 
+from batchsim.server.models.arch import QUANT_GROUP_SIZE, quantized_matrix_bytes
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.perf.family_cost import FamilyCost
 from batchsim.server.perf.profile import (KV_DEQUANT_OPS_PER_ELEMENT, Calibration, DeviceProfile,
@@ -64,12 +65,18 @@ def weight_format(dtype: str, quantize_bits: int | None) -> str:
     return f"q{quantize_bits}" if quantize_bits else dtype
 
 
-def weight_bytes_per_element(fmt: str) -> float:
-    """Bytes per weight as stored (affine quantization adds fp16 scale and bias per 64 weights)."""
+def matrix_weight_bytes(fmt: str, k: int, n: int) -> int:
+    """Bytes of one (k -> n) weight matrix as stored: ModelSpec.weight_bytes's own formula (a
+    quantized matrix's fp16 scales and biases per 64 inputs; an input dim 64 does not divide stays
+    float16)."""
     if fmt.startswith("q"):
-        return int(fmt[1:]) / 8 + 4 / 64
-    return dtype_bytes(fmt)
+        return quantized_matrix_bytes(n, k, int(fmt[1:]))
+    return k * n * dtype_bytes(fmt)
 
+
+def weight_bytes_per_element(fmt: str) -> float:
+    """Bytes per weight of a matrix whose input dim the quantization group divides."""
+    return matrix_weight_bytes(fmt, QUANT_GROUP_SIZE, 1) / QUANT_GROUP_SIZE
 
 
 
@@ -102,7 +109,7 @@ class StepCost:
     def _roofline_terms(self, m: int, k: int, n: int) -> tuple[float, float]:
         """(seconds moving the bytes, seconds doing the FLOPs) of one (m x k) @ (k x n)."""
         p = self.profile
-        moved = k * n * weight_bytes_per_element(self.fmt) + m * (k + n) * self.act_bytes
+        moved = matrix_weight_bytes(self.fmt, k, n) + m * (k + n) * self.act_bytes
         return moved / p.bytes_per_s, 2 * m * k * n / p.flops_per_s(self.act_dtype)
 
     def _linear_s(self, m: int, k: int, n: int) -> float:
@@ -165,7 +172,8 @@ class StepCost:
     def _fixed_s(self) -> float:
         if self.cal is not None:
             return (self.spec.num_layers * self.cal.layer_overhead_us + self.cal.forward_overhead_us) * 1e-6
-        return self.profile.forward_overhead_s
+        p = self.profile
+        return self.spec.num_layers * p.layer_overhead_s + p.forward_overhead_s
 
     def decode_attention_bytes(self, batch: int, width: int) -> int:
         """K and V every layer's attention reads: all rows padded to the longest (width)."""

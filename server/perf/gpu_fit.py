@@ -1,0 +1,92 @@
+"""A Mac GPU step's fitted terms (configs/reference/mlx-fit.yaml, written by `batchsim fit-macs
+--write` from the published measurements in configs/reference/mlx-decode.yaml) and the device
+profile of a catalog Mac built from them: achievable bandwidth by weight format, a fixed time per
+layer and per forward pass (kernel dispatch, synchronisation), prefill compute efficiency. Pure
+Python; the fit itself is server.perf.mac_fit."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+from batchsim.configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
+from batchsim.server.perf.macs import Mac
+from batchsim.server.perf.profile import DeviceProfile
+
+FIT_PATH = CONFIG_DIR / "reference" / "mlx-fit.yaml"
+FORMATS = ("float", "q8", "q4")  # float: float16 / bfloat16 weights (the same GEMV kernels)
+
+
+def fit_format(quantize_bits: int | None) -> str:
+    """The bandwidth column a weight format streams like."""
+    if quantize_bits is None:
+        return "float"
+    if quantize_bits not in (4, 8):
+        raise ConfigError(f"quantize: {quantize_bits} is not allowed; allowed: 4, 8")
+    return f"q{quantize_bits}"
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuFit:
+    """The terms every catalog Mac's profile shares (each Mac brings its own peaks)."""
+
+    bandwidth_efficiency: dict[str, float]  # by format (FORMATS): fraction of peak GB/s
+    layer_overhead_us: float  # per layer per forward pass
+    forward_overhead_us: float  # per forward pass
+    compute_efficiency: float  # fraction of the catalog FP16 peak large prefill matmuls reach
+    # Routed MoE experts' gathered mat-vecs: this fraction of the format's bandwidth above.
+    expert_bandwidth_efficiency: float
+    fitted_on: str  # what the terms were fitted on (rows, chips, models, the reference file)
+    compute_fitted_on: str = ""  # the prefill rows compute_efficiency was fitted on
+    # Leave-one-chip-out / leave-one-model-out |error| of batch-1 decode tok/s (median, worst).
+    errors: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        missing = [f for f in FORMATS if f not in self.bandwidth_efficiency]
+        if missing or any(not 0 < v <= 1 for v in self.bandwidth_efficiency.values()):
+            raise ValueError(f"bandwidth_efficiency needs {', '.join(FORMATS)} in (0, 1]")
+        if not 0 < self.compute_efficiency <= 1 or not 0 < self.expert_bandwidth_efficiency <= 1:
+            raise ValueError("compute_efficiency and expert_bandwidth_efficiency must be in (0, 1]")
+
+    def summary(self) -> str:
+        eff = ", ".join(f"{f} {v:.2f}" for f, v in self.bandwidth_efficiency.items())
+        return (f"bandwidth {eff} (MoE experts x{self.expert_bandwidth_efficiency:.2f}); fixed "
+                f"{self.layer_overhead_us:.1f} us/layer + "
+                f"{self.forward_overhead_us:.0f} us/forward; compute {self.compute_efficiency:.2f}")
+
+
+@lru_cache(maxsize=4)
+def load_fit(path: str | Path = FIT_PATH) -> GpuFit:
+    return from_dict(GpuFit, load_yaml(path), str(path))
+
+
+HEADER = """\
+# Written by `batchsim fit-macs --write` (server/perf/mac_fit.py): the Mac GPU step's terms, fitted
+# by least squares on the batch-1 decode rows of configs/reference/mlx-decode.yaml (prefill compute
+# efficiency on its prefill rows). Every catalog Mac's device profile uses them with its own peaks.
+# Do not edit by hand: tests/test_mac_fit.py refits and compares.
+"""
+
+
+def save_fit(fit: GpuFit, path: Path = FIT_PATH) -> Path:
+    body = yaml.safe_dump(dataclasses.asdict(fit), sort_keys=False, width=100)
+    path.write_text(HEADER + body)
+    load_fit.cache_clear()
+    return path
+
+
+def mac_profile(mac: Mac, fit: GpuFit, quantize_bits: int | None,
+                bandwidth_efficiency: float | None = None,
+                compute_efficiency: float | None = None) -> DeviceProfile:
+    """The cost model's profile of a catalog Mac: its peaks, the fit's terms for this weight format
+    (an efficiency given here replaces the fit's, e.g. `size --bandwidth-efficiency`)."""
+    bw = fit.bandwidth_efficiency[fit_format(quantize_bits)]
+    profile = mac.profile(bw if bandwidth_efficiency is None else bandwidth_efficiency,
+                          fit.compute_efficiency if compute_efficiency is None else compute_efficiency)
+    return dataclasses.replace(
+        profile, layer_overhead_s=fit.layer_overhead_us * 1e-6,
+        expert_bandwidth_efficiency=fit.expert_bandwidth_efficiency,
+        forward_overhead_s=fit.forward_overhead_us * 1e-6,
+        fitted_on=f"{fit.fitted_on} ({fit.summary()})")

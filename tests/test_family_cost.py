@@ -37,7 +37,9 @@ def test_moe_batch_1_reads_top_k_experts_by_hand():
     # Batch 1 streams its 8 experts' gate/up/down (768 x 2048 each) per MoE layer.
     moe_layers = sum(lay.ffn.kind == "moe" for lay in spec.arch.layers)
     nbytes = moe_layers * 8 * 3 * (768 * 2048 * bpe + (768 + 2048) * cost.act_bytes)
-    assert cost.decode_time(1, 512).experts_s == pytest.approx(nbytes / cost.profile.bytes_per_s)
+    # ... at the experts' share of the achievable bandwidth (gathered mat-vecs, fitted on Macs).
+    rate = cost.profile.bytes_per_s * cost.profile.expert_bandwidth_efficiency
+    assert cost.decode_time(1, 512).experts_s == pytest.approx(nbytes / rate)
     # 32 rows read the ~112 distinct experts they route to, not 32 x 8.
     ratio = cost.decode_time(32, 512).experts_s / cost.decode_time(1, 512).experts_s
     assert 112 / 8 * 0.95 < ratio < 32

@@ -84,7 +84,8 @@ class FamilyCost:
 
     def routed_s(self, mat: Mat, layer: Layer, m: int) -> float:
         """One routed-expert matrix stack over m tokens: D distinct experts, each streaming its
-        weights and multiplying its m*k/D tokens at GATHER_MATMUL_EFFICIENCY of the GEMM rate."""
+        weights (at the profile's expert_bandwidth_efficiency of the dense rate) and multiplying
+        its m*k/D tokens at GATHER_MATMUL_EFFICIENCY of the GEMM rate."""
         ffn = layer.ffn
         distinct = expected_experts(ffn.experts, ffn.top_k, m)
         moved_s, flops_s = self.cost.linear_terms(m * ffn.top_k / distinct, mat.in_dim, mat.out_dim)

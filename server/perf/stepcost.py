@@ -4,8 +4,9 @@ a device profile. `size`, `sweep`, `validate` and the simulated executor all ask
 With a calibrated profile each term is measured on the device: the linear layers from a fitted
 GEMM model, attention per K/V byte (decode) or FLOP (prefill), elementwise ops per byte, and
 fixed costs per layer and per forward pass. Without one (a Mac from the catalog) each linear layer
-is a roofline (its bytes at the achievable bandwidth vs its FLOPs at the achievable matmul rate)
-and the other terms move their bytes at the achievable bandwidth.
+is a roofline (its bytes at the achievable bandwidth vs its FLOPs at the achievable matmul rate),
+the other terms move their bytes at the achievable bandwidth, and the profile's fixed time per
+layer and per forward pass (fitted on published MLX measurements: server.perf.mac_fit) is `fixed_s`.
 
 `step_time` returns the named parts (`StepTime`); the simulator's fast path (`decode_parts`,
 `prefill_forward_s`) adds up the same building blocks without building them."""

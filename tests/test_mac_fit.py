@@ -127,3 +127,18 @@ def test_size_rows_say_which_profile_and_keep_their_keys(tmp_path):
     assert row["decode_tok_s_b1"] > 0 and row["max_batch"] > 0
     assert row["profile"] == "M4 Max 40c" and "mlx-decode.yaml" in row["profile_fitted_on"]
     assert summary["profile_errors"] == gpu_fit.load_fit().errors
+
+
+def test_simulated_sweep_rows_say_which_profile(tmp_path, monkeypatch):
+    from batchsim.scripts import sweep
+
+    monkeypatch.setenv("BATCHSIM_HOME", str(tmp_path / "home"))
+    parser = argparse.ArgumentParser()
+    sweep.add_parser(parser)
+    summary = sweep.run(parser.parse_args([
+        "--executor", "sim", "--device-profile", "M2 Max", "--model", "llama-3.2-1b",
+        "--quantize", "4", "--batches", "1,2", "--no-progress", "--out", str(tmp_path),
+        "--runs-dir", str(tmp_path / "runs")]))
+    rows = summary["rows"]
+    assert [r["profile"] for r in rows] == ["M2 Max 30c", "M2 Max 30c"]
+    assert all(r["decode_tok_s"] > 0 and "mlx-decode.yaml" in r["profile_fitted_on"] for r in rows)

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 from batchsim.configs import ConfigError
 from batchsim.scheduler.cache_layout import CacheLayout
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 KV_GROUP_SIZE = 64  # QuantizedKVCache's default group along head_dim
 
@@ -29,7 +35,8 @@ class LayerCache:
     k_dim: int = 0
     v_dim: int = 0
     window: int = 0  # sliding: RotatingKVCache.max_size
-    state_shapes: tuple[tuple[tuple[int, ...], mx.Dtype], ...] = ()  # per ArraysCache entry, no batch
+    # state: (shape without the batch axis, dtype) per ArraysCache entry
+    state_shapes: tuple[tuple[tuple[int, ...], mx.Dtype], ...] = ()
     kv_bits: int | None = None  # kv: K/V packed as QuantizedKVCache packs them
 
     @property

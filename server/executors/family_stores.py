@@ -32,7 +32,8 @@ class DecodeStep:
         the row has wrapped, since then p >= width)."""
         m = self._masks.get(width)
         if m is None:
-            m = self._masks[width] = (mx.arange(width)[None] <= self.positions[:, None])[:, None, None, :]
+            m = mx.arange(width)[None] <= self.positions[:, None]
+            m = self._masks[width] = m[:, None, None, :]
         return m
 
     def slots(self, ring: int) -> mx.array:
@@ -43,7 +44,7 @@ class DecodeStep:
 
 
 def _reshape(a: mx.array, rows: int, tokens: int | None) -> mx.array:
-    """Keep rows [0, rows) and (when tokens is set) slots [0, tokens) along axis 2; pad with zeros."""
+    """Keep rows [0, rows) and (tokens set) slots [0, tokens) along axis 2; pad with zeros."""
     if a.shape[0] > rows:
         a = a[:rows]
     pad = [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1)
@@ -67,8 +68,8 @@ class KVStore:
         out = []
         for d in (s.k_dim, s.v_dim):
             words, groups = quantized_dims(d, s.kv_bits)
-            out += [((rows, s.heads, tokens, words), mx.uint32), ((rows, s.heads, tokens, groups), s.dtype),
-                    ((rows, s.heads, tokens, groups), s.dtype)]
+            groups_shape = ((rows, s.heads, tokens, groups), s.dtype)
+            out += [((rows, s.heads, tokens, words), mx.uint32), groups_shape, groups_shape]
         return out
 
     def tokens(self, capacity: int) -> int:
@@ -85,7 +86,8 @@ class KVStore:
 
     def join(self, row: int, cache, length: int) -> None:
         """Copy a prefilled private cache (KVCache / QuantizedKVCache) of `length` tokens."""
-        src = list(cache.keys) + list(cache.values) if self.spec.kv_bits else [cache.keys, cache.values]
+        quantized = self.spec.kv_bits is not None
+        src = [*cache.keys, *cache.values] if quantized else [cache.keys, cache.values]
         for a, c in zip(self.parts, src):
             a[row : row + 1, :, :length] = c[..., :length, :]
 
@@ -146,7 +148,8 @@ class RingStore(KVStore):
         return min(capacity, self.spec.window)
 
     def join(self, row: int, cache, length: int) -> None:
-        """The private cache holds its last tokens in temporal order; token p goes to slot p mod S."""
+        """The private cache holds its last tokens in temporal order; token p goes to slot
+        p mod S."""
         ring = self.parts[0].shape[2]
         m = min(length, ring)
         start = (length - m) % ring

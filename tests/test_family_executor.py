@@ -105,7 +105,7 @@ def test_sliding_rows_wrap_their_ring(batchsim_home, monkeypatch):
     # attend to the wrong tokens (negative control: writing at the position, clipped, diverges).
     ref, model = _model("tiny-sliding")
     layout = ref.spec.cache_layout("float32")
-    specs = [(0, list(range(3, 3 + 70 + 7 * i)), 40) for i in range(3)]
+    specs = [(0, list(range(3, 3 + 70 + 7 * i)), 24) for i in range(3)]
     good = _run(model, layout, specs, max_num_seqs=3)[0]
     assert good == {i: _mlx_lm_greedy(model, ids, out) for i, (_, ids, out) in enumerate(specs)}
     from batchsim.server.executors import family_stores
@@ -166,3 +166,13 @@ def test_kv_bits_refusals_are_one_line(batchsim_home):
         with pytest.raises(ConfigError, match=match) as info:
             open_session(RunConfig(model=model, dtype="float32", kv_bits=4))
         assert "\n" not in str(info.value)
+
+
+def test_cli_run_on_an_mla_model_keeps_the_output_contract(batchsim_home, tmp_path):
+    from tests.test_cli import batchsim, last_json
+
+    proc = batchsim("run", "--model", "tiny-mla", "--num-prompts", "4", "--request-rate", "inf",
+                    "--input-len", "uniform:8:200", "--output-len", "uniform:2:8",
+                    "--out", str(tmp_path), "--no-progress", home=batchsim_home)
+    summary = last_json(proc.stdout)
+    assert summary["completed"] == 4 and summary["kv_account_mismatches"] == 0

@@ -52,7 +52,7 @@ def _run(model, layout, specs, kv_bits=None, **cfg):
                                prompt_token_ids=list(ids)))
                 for i, (step, ids, out) in enumerate(specs)]
     trace = drive(sched, ex, arrivals)
-    return {rid: r.output_token_ids for rid, r in trace.requests.items()}, trace, ex
+    return {rid: r.output_token_ids for rid, r in trace.requests.items()}, trace, sched
 
 
 def _alone(model, layout, specs, kv_bits=None):
@@ -115,6 +115,22 @@ def test_sliding_rows_wrap_their_ring(batchsim_home, monkeypatch):
     assert _run(model, layout, specs, max_num_seqs=3)[0] != good
 
 
+@pytest.mark.parametrize("name", ["tiny-sliding", "tiny-hybrid"])
+def test_preempted_requests_recompute_the_same_tokens(name, batchsim_home):
+    # A budget of about two rows: rows leave mid-decode and their requests prefill again.
+    ref, model = _model(name)
+    layout = ref.spec.cache_layout("float32")
+    n, max_out = (4, 24) if name == "tiny-sliding" else (3, 14)
+    rng = random.Random(2)  # prompts near 256 tokens: decoding crosses into a second KV step
+    specs = [(0, [rng.randrange(ref.spec.vocab_size) for _ in range(rng.randint(240, 252))],
+              rng.randint(8, max_out)) for _ in range(n)]
+    budget = 2 * layout.seq_bytes(256) + layout.private_bytes(0, 256)
+    batched, _, sched = _run(model, layout, specs, max_num_seqs=n, kv_budget_bytes=budget,
+                             row_step=1)
+    assert sched.num_preemptions > 0
+    assert batched == _alone(model, layout, specs)
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_run_completes_with_an_exact_kv_account(name, batchsim_home):
     spec = WorkloadSpec(name="fam", num_prompts=4, request_rate=float("inf"),
@@ -148,9 +164,9 @@ def test_quantized_kv_batched_equals_single(bits, tmp_path):
     spec, model = _tiny_llama_64(tmp_path)
     layout = spec.cache_layout("float32", bits)
     specs = _specs(spec.vocab_size, 5, seed=5, max_prompt=280, max_out=20)
-    batched, trace, ex = _run(model, layout, specs, kv_bits=bits, max_num_seqs=5,
-                              prefill_step_size=256, max_num_batched_tokens=300)
-    assert ex.cache_layout == layout
+    batched, trace, _ = _run(model, layout, specs, kv_bits=bits, max_num_seqs=5,
+                             prefill_step_size=256, max_num_batched_tokens=300)
+    assert MLXExecutor(model, kv_bits=bits).cache_layout == layout
     assert layout.full_token_bytes < spec.kv_bytes_per_token("float32")
     assert max(len(p.decode_ids) for p in trace.plans) >= 3
     assert batched == _alone(model, layout, specs, bits)

@@ -50,9 +50,10 @@ def run(args: argparse.Namespace) -> dict:
         raise ConfigError(f"--modes: {bad[0]!r} is not allowed; allowed: {', '.join(MODES)}")
     session = open_session(RunConfig(model=args.model, dtype=args.dtype, quantize=args.quantize))
     model, vocab, kvt = session.model, session.spec.vocab_size, session.kv_bytes_per_token
+    layout = session.cache_layout  # None: dense; else what the family pool holds, by layer kind
     makers = {
         "bare": lambda b: db.Bare(model, b, args.context, vocab),
-        "executor": lambda b: db.Executor(model, b, args.context, vocab, kvt),
+        "executor": lambda b: db.Executor(model, b, args.context, vocab, kvt, layout),
         "mlx_lm": lambda b: db.MlxLmBatchGenerator(model, b, args.context, vocab),
     }
     samples: dict[tuple[int, str], list[float]] = {}
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> dict:
         for r in runners.values():
             getattr(r, "close", lambda: None)()
         del runners
-    continuous = _continuous(args, model, vocab, kvt) if args.continuous else []
+    continuous = _continuous(args, model, vocab, kvt, layout) if args.continuous else []
     env = session.environment()
     rows = []
     for (b, mode), vals in samples.items():
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> dict:
     return {"rows": rows, "continuous": continuous, "env": env}
 
 
-def _continuous(args: argparse.Namespace, model, vocab: int, kvt: int) -> list[dict]:
+def _continuous(args: argparse.Namespace, model, vocab: int, kvt: int, layout=None) -> list[dict]:
     from batchsim.server.measure import decode_bench as db
 
     results = []
@@ -99,7 +100,8 @@ def _continuous(args: argparse.Namespace, model, vocab: int, kvt: int) -> list[d
         for rep in range(max(1, args.reps // 2)):
             for mode in samples:  # alternate, as above
                 if mode == "executor":
-                    n, secs = db.continuous_executor(model, b, args.context, vocab, kvt, lens)
+                    n, secs = db.continuous_executor(model, b, args.context, vocab, kvt, lens,
+                                                     layout)
                 else:
                     n, secs = db.continuous_mlx_lm(model, b, args.context, vocab, lens)
                 samples[mode].append(n / secs)

@@ -60,7 +60,7 @@ def add_model_args(p: argparse.ArgumentParser):
 
 def add_kv_bits_arg(g: argparse._ArgumentGroup) -> None:
     add_field_argument(g, RunConfig, "kv_bits", "K/V held as mlx-lm's QuantizedKVCache at 4 or 8 "
-                       "bits (group 64): simulation and sizing only, not yet --executor mlx",
+                       "bits (group 64): full-attention layers, real or simulated",
                        choices=list(KV_BITS))
 
 

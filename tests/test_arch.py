@@ -139,14 +139,18 @@ def test_models_json_contract():
     assert rows["llama-3.1-8b"]["kv_bytes_per_seq"] == {"4096": 4096 * 131072, "32768": 32768 * 131072}
 
 
-@pytest.mark.parametrize("name", ["deepseek-v3", "tiny-sliding", "tiny-hybrid", "gpt-oss-20b"])
-def test_real_runs_refuse_attention_other_than_full_in_one_line(name):
+@pytest.mark.parametrize("name", ["deepseek-v3", "gpt-oss-20b", "qwen3-next-80b-a3b"])
+def test_real_runs_of_models_too_big_refuse_in_one_line_before_building(name, tmp_path, monkeypatch):
+    # Every family runs on the real executor (tests/test_family_executor.py); weights that cannot
+    # fit are refused before a build or a download starts.
     from batchsim.server.engine.run_config import RunConfig
     from batchsim.server.engine.session import open_session
 
+    monkeypatch.setenv("BATCHSIM_HOME", str(tmp_path))
     with pytest.raises(ConfigError) as err:
-        open_session(RunConfig(model=name, executor="mlx"))
-    assert "\n" not in str(err.value) and "families supported for runs: dense, moe" in str(err.value)
+        open_session(RunConfig(model=name, executor="mlx", dtype="float32", memory_gb=16))
+    assert "\n" not in str(err.value) and "do not fit the memory budget" in str(err.value)
+    assert not list(tmp_path.rglob("*.safetensors"))
 
 
 def test_full_attention_covers_dense_and_moe_only():

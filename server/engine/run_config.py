@@ -30,7 +30,7 @@ class RunConfig:
     model: str = "smollm2-135m"  # zoo name, local model directory, or hub id
     dtype: str = "auto"  # one of DTYPES
     quantize: int | None = None  # QUANT_BITS: 4 or 8 (zoo models)
-    kv_bits: int | None = None  # KV_BITS: K/V held as mlx-lm's QuantizedKVCache (sim and size only)
+    kv_bits: int | None = None  # KV_BITS: K/V held as mlx-lm's QuantizedKVCache (full layers)
     executor: ExecutorName = "mlx"
     device_profile: str | None = None  # simulator: profile name in configs/devices or a YAML path
     memory_gb: float | None = None  # budget for weights + KV in GiB; default: the device's

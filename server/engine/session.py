@@ -108,10 +108,6 @@ def open_session(cfg: RunConfig, executor: Executor | None = None) -> Session:
         from batchsim.server.perf.devices import mac_budget
 
         budget, source = mac_budget(cfg.device_profile) or (budget, source)
-    if cfg.kv_bits is not None and cfg.executor == "mlx":
-        raise ConfigError(f"kv_bits {cfg.kv_bits}: quantized KV is available in simulation and "
-                          "sizing (--executor sim, `batchsim size`) until the batched MLX executor "
-                          "supports it")
     if cfg.executor == "mlx" and executor is None:
         return _open_mlx(cfg, dtype, budget, source)
     ref = resolve(cfg.model, dtype, cfg.quantize, build=False)
@@ -141,20 +137,22 @@ def _open_mlx(cfg: RunConfig, dtype: str, budget: int, source: str) -> Session:
     from batchsim.server.models.loader import load
     from mlx.utils import tree_flatten
 
-    # Refuse before building or loading: the executor runs full-attention models (dense or MoE).
+    # Refuse before building or loading: a cache mlx-lm cannot quantize this way, or gigabytes
+    # that cannot fit.
     early = resolve(cfg.model, dtype, cfg.quantize, build=False)
-    early.spec.require_full_attention("the mlx executor")
+    early.spec.check_kv_bits(cfg.kv_bits)
     _require_moe_dtype(early)
+    weight_bytes = early.spec.weight_bytes(early.dtype, early.quantize_bits)
+    if weight_bytes >= budget:
+        _raise_no_fit(early.name, weight_bytes, budget, source)
     ref = resolve(cfg.model, dtype, cfg.quantize)
-    spec = ref.spec
-    # Fail before loading gigabytes that cannot fit.
-    if spec.weight_bytes(ref.dtype, ref.quantize_bits) >= budget:
-        _raise_no_fit(ref.name, spec.weight_bytes(ref.dtype, ref.quantize_bits), budget, source)
     model, tokenizer = load(ref)
     executor = build_executor(cfg, ref, model)
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    session = Session(cfg, ref, str(executor.dtype).split(".")[-1], executor, weights, budget, source,
-                      executor.kv_bytes_per_token, model, tokenizer)
+    # Other than dense: the scheduler prices what the executor's pool holds, by layer kind.
+    layout = None if executor.cache_layout.is_dense else executor.cache_layout
+    session = Session(cfg, ref, str(executor.dtype).split(".")[-1], executor, weights, budget,
+                      source, executor.kv_bytes_per_token, model, tokenizer, cache_layout=layout)
     _check_fits(session)
     return session
 

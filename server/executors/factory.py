@@ -16,7 +16,7 @@ def build_executor(cfg: Any, ref: Any, model: Any = None) -> Executor:
 
         if model is None:
             raise ValueError("the MLX executor needs a loaded model")
-        return MLXExecutor(model)
+        return MLXExecutor(model, kv_bits=cfg.kv_bits)
     if cfg.executor == "fake":
         from batchsim.server.executors.fake_executor import FakeExecutor
 

@@ -2,7 +2,9 @@
 
 Per step: free finished rows, apply the scheduler's pool geometry, move newly prefilled requests
 into the pool, run each prefill chunk on the request's own mlx-lm KVCache, and run one forward pass
-over every decoding request (each weight matrix multiplied once for B rows), then sample."""
+over every decoding request (each weight matrix multiplied once for B rows), then sample.
+Full-attention models decode in kv_pool.DecodePool; sliding-window, linear-attention and MLA caches,
+and quantized K/V (kv_bits), in family_pool.FamilyPool (same interface)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 from batchsim.scheduler.plan import NewRequest, StepPlan, StepResult
 from batchsim.scheduler.request import SamplingParams
+from batchsim.server.executors import family_cache
 from batchsim.server.executors.base import ExecutorCaps
+from batchsim.server.executors.family_pool import FamilyPool
 from batchsim.server.executors.kv_pool import DecodePool
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -28,16 +32,21 @@ class MLXExecutor:
     caps = ExecutorCaps(real_compute=True, virtual_time=False, max_lookahead_steps=1,
                         needs_token_ids=True)
 
-    def __init__(self, model, cache_limit_bytes: int | None = 4 << 30):
+    def __init__(self, model, cache_limit_bytes: int | None = 4 << 30, kv_bits: int | None = None):
         self.model = model
         layers = model.layers
-        attn = layers[0].self_attn
         self.num_layers = len(layers)
-        self.kv_heads = attn.n_kv_heads
-        # From the weights: not every architecture's args carry head_dim (qwen2 derives it).
-        self.head_dim = attn.k_proj.weight.shape[0] // attn.n_kv_heads
         self.dtype = self._activation_dtype()
-        self.pool = DecodePool(self.num_layers, self.kv_heads, self.head_dim, self.dtype)
+        # Sliding, linear-attention, MLA or quantized caches: the family pool (family_pool.py).
+        self.family = None
+        if kv_bits is not None or not family_cache.is_plain_full_attention(model):
+            self.family = family_cache.probe(model, kv_bits)
+        else:
+            attn = layers[0].self_attn
+            self.kv_heads = attn.n_kv_heads
+            # From the weights: not every architecture's args carry head_dim (qwen2 derives it).
+            self.head_dim = attn.k_proj.weight.shape[0] // attn.n_kv_heads
+        self.pool = self._new_pool()
         self.seqs: dict[int, SeqState] = {}
         self._split_head = self._head_fn()
         if cache_limit_bytes is not None:
@@ -92,8 +101,18 @@ class MLXExecutor:
         )
 
     def reset(self) -> None:
-        self.pool = DecodePool(self.num_layers, self.kv_heads, self.head_dim, self.dtype)
+        self.pool = self._new_pool()
         self.seqs.clear()
+
+    def _new_pool(self) -> DecodePool | FamilyPool:
+        if self.family is not None:
+            return FamilyPool(self.family)
+        return DecodePool(self.num_layers, self.kv_heads, self.head_dim, self.dtype)
+
+    @property
+    def cache_layout(self):
+        """What the pool and the private caches hold, by layer kind (the scheduler's pricing)."""
+        return self.pool.layout.cache
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -134,7 +153,8 @@ class MLXExecutor:
         if seq.cache is None:
             if start != 0:
                 raise RuntimeError(f"request {rid}: prefill resumes at {start} without a cache")
-            seq.cache = make_prompt_cache(self.model)
+            seq.cache = (make_prompt_cache(self.model) if self.family is None
+                         else family_cache.new_private_cache(self.family))
         inputs = mx.array(seq.token_ids[start : start + n])[None]
         if not sample:
             self.model.model(inputs, cache=seq.cache)

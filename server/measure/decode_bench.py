@@ -11,6 +11,7 @@ import time
 
 import mlx.core as mx
 import numpy as np
+from batchsim.scheduler.cache_layout import CacheLayout
 from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.request import Request, SamplingParams
 from batchsim.scheduler.scheduler import Scheduler
@@ -44,11 +45,13 @@ class Bare:
 
 
 class Executor:
-    def __init__(self, model, batch: int, context: int, vocab: int, kv_bytes_per_token: int):
+    def __init__(self, model, batch: int, context: int, vocab: int, kv_bytes_per_token: int,
+                 cache_layout: CacheLayout | None = None):
         self.batch = batch
         self.sched = Scheduler(SchedulerConfig(
             kv_budget_bytes=1 << 50, kv_bytes_per_token=kv_bytes_per_token, max_model_len=1 << 20,
             max_num_seqs=batch, max_num_batched_tokens=max(2048, batch), prefill_step_size=512,
+            cache_layout=cache_layout,
         ))
         self.ex = MLXExecutor(model)
         for i, ids in enumerate(prompts(batch, context, vocab)):
@@ -102,11 +105,13 @@ def continuous_lengths(n: int, seed: int = 0, low: int = 16, high: int = 64) -> 
 
 
 def continuous_executor(model, batch: int, context: int, vocab: int, kv_bytes_per_token: int,
-                        out_lens: list[int]) -> tuple[int, float]:
+                        out_lens: list[int], cache_layout: CacheLayout | None = None,
+                        ) -> tuple[int, float]:
     """All requests queued at once, at most `batch` running: (tokens generated, seconds)."""
     sched = Scheduler(SchedulerConfig(
         kv_budget_bytes=1 << 50, kv_bytes_per_token=kv_bytes_per_token, max_model_len=1 << 20,
         max_num_seqs=batch, max_num_batched_tokens=2048, prefill_step_size=512,
+        cache_layout=cache_layout,
     ))
     ex = MLXExecutor(model)
     for i, (ids, n) in enumerate(zip(prompts(len(out_lens), context, vocab, seed=1), out_lens)):

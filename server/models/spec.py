@@ -25,7 +25,6 @@ SUMMARY_CONTEXTS = (4096, 32768)  # `batchsim models` reports KV bytes per seque
 # mlx-lm's QuantizedKVCache: K and V packed into uint32 at 4 or 8 bits, with a scale and a bias in
 # the cache's dtype per group of elements along head_dim (arch_cache.KV_GROUP_SIZE).
 KV_BITS = (4, 8)
-RUN_FAMILIES = ("dense", "moe")  # what the real executor runs: full attention in every layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,15 +158,6 @@ class ModelSpec:
     def is_full_attention(self) -> bool:
         """Every layer caches K/V for every token (dense or MoE FFNs): what the decode pool holds."""
         return all(lay.attention.kind == "full" for lay in self.arch.layers)
-
-    def require_full_attention(self, what: str) -> None:
-        """A one-line refusal for paths whose cache is per-token K/V in every layer."""
-        if not self.is_full_attention:
-            raise ConfigError(
-                f"model {self.name} ({self.model_type}: {'+'.join(self.families)}) is described by "
-                f"`batchsim models`, but {what} runs full-attention layers only (sliding, linear "
-                f"and MLA layers not yet); families supported for runs: {', '.join(RUN_FAMILIES)}"
-            )
 
     def summary(self) -> dict[str, Any]:
         return {

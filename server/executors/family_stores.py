@@ -1,0 +1,243 @@
+"""Per-layer arrays of the family pool, one store per cache kind, each with the view the model's
+layer sees during one decode forward pass (mlx-lm's cache API):
+- KVStore: K and V of every token, (rows, heads, capacity, dim), as kv_pool.DecodePool holds them
+  (full attention; MLA's latent and RoPE key; quantized: packed words, scales and biases);
+- RingStore: a sliding window, (rows, heads, min(capacity, W), dim); token p sits in slot p mod S;
+- StateStore: a linear-attention layer's fixed arrays (conv and recurrent state), (rows, ...).
+Row moves and resizes apply to every array alike (axis 0 rows, axis 2 tokens)."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+from batchsim.server.executors.family_cache import LayerCache, quantized_dims
+from mlx_lm.models.cache import _BaseCache
+
+
+class DecodeStep:
+    """What every layer's view shares in one decode step."""
+
+    def __init__(self, lengths: list[int], capacity: int):
+        self.b = len(lengths)
+        self.positions = mx.array(lengths)  # (B,) each row's new token position
+        self.rows = mx.arange(self.b)
+        self.width = max(lengths) + 1
+        self.capacity = capacity
+        self._masks: dict[int, mx.array] = {}
+        self._slots: dict[int, mx.array] = {}
+
+    def mask(self, width: int) -> mx.array:
+        """(B, 1, 1, width): slot j < width holds a token row b attends to (ring slots: all once
+        the row has wrapped, since then p >= width)."""
+        m = self._masks.get(width)
+        if m is None:
+            m = mx.arange(width)[None] <= self.positions[:, None]
+            m = self._masks[width] = m[:, None, None, :]
+        return m
+
+    def slots(self, ring: int) -> mx.array:
+        s = self._slots.get(ring)
+        if s is None:
+            s = self._slots[ring] = self.positions % ring
+        return s
+
+
+def _reshape(a: mx.array, rows: int, tokens: int | None) -> mx.array:
+    """Keep rows [0, rows) and (tokens set) slots [0, tokens) along axis 2; pad with zeros."""
+    if a.shape[0] > rows:
+        a = a[:rows]
+    pad = [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1)
+    if tokens is not None:
+        a = a[:, :, :tokens]
+        pad[2] = (0, tokens - a.shape[2])
+    return mx.pad(a, pad) if any(p[1] for p in pad) else mx.contiguous(a)
+
+
+class KVStore:
+    """K/V for every token of a row: full attention and MLA layers."""
+
+    def __init__(self, spec: LayerCache):
+        self.spec = spec
+        self.parts: list[mx.array] = []  # K then V; quantized: (wq, scales, biases) of K then of V
+
+    def _shapes(self, rows: int, tokens: int) -> list[tuple[tuple[int, ...], mx.Dtype]]:
+        s = self.spec
+        if s.kv_bits is None:
+            return [((rows, s.heads, tokens, d), s.dtype) for d in (s.k_dim, s.v_dim)]
+        out = []
+        for d in (s.k_dim, s.v_dim):
+            words, groups = quantized_dims(d, s.kv_bits)
+            groups_shape = ((rows, s.heads, tokens, groups), s.dtype)
+            out += [((rows, s.heads, tokens, words), mx.uint32), groups_shape, groups_shape]
+        return out
+
+    def tokens(self, capacity: int) -> int:
+        return capacity
+
+    def resize(self, rows: int, capacity: int) -> None:
+        tokens = self.tokens(capacity)
+        if rows == 0:
+            self.parts = []
+        elif not self.parts:
+            self.parts = [mx.zeros(shape, dt) for shape, dt in self._shapes(rows, tokens)]
+        else:
+            self.parts = [_reshape(a, rows, tokens) for a in self.parts]
+
+    def join(self, row: int, cache, length: int) -> None:
+        """Copy a prefilled private cache (KVCache / QuantizedKVCache) of `length` tokens."""
+        quantized = self.spec.kv_bits is not None
+        src = [*cache.keys, *cache.values] if quantized else [cache.keys, cache.values]
+        for a, c in zip(self.parts, src):
+            a[row : row + 1, :, :length] = c[..., :length, :]
+
+    def view(self, step: DecodeStep):
+        return KVView(self, step) if self.spec.kv_bits is None else QuantizedKVView(self, step)
+
+
+class KVView(_BaseCache):
+    def __init__(self, store: KVStore, step: DecodeStep):
+        self._store, self._step = store, step
+        self.offset = step.positions
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        st = self._step
+        k, v = self._store.parts
+        k[st.rows, :, st.positions] = keys[:, :, 0, :]
+        v[st.rows, :, st.positions] = values[:, :, 0, :]
+        return k[: st.b, :, : st.width], v[: st.b, :, : st.width]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        if N != 1 or window_size is not None:
+            raise NotImplementedError("the family pool serves one-token decode steps")
+        return self._step.mask(self._step.width)
+
+    @property
+    def state(self):
+        return tuple(self._store.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._store.parts)
+
+
+class QuantizedKVView(KVView):
+    """K/V as QuantizedKVCache holds them: mlx-lm's attention sees `bits` and runs its quantized
+    attention on the (words, scales, biases) triples."""
+
+    def __init__(self, store: KVStore, step: DecodeStep):
+        super().__init__(store, step)
+        self.bits = store.spec.kv_bits
+        self.group_size = 64
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        st = self._step
+        fetched = []
+        for parts, new in ((self._store.parts[:3], keys), (self._store.parts[3:], values)):
+            q = mx.quantize(new[:, :, 0, :], group_size=self.group_size, bits=self.bits)
+            for a, p in zip(parts, q):
+                a[st.rows, :, st.positions] = p
+            fetched.append(tuple(a[: st.b, :, : st.width] for a in parts))
+        return fetched[0], fetched[1]
+
+
+class RingStore(KVStore):
+    """A sliding window of W tokens per row, in min(capacity, W) slots."""
+
+    def tokens(self, capacity: int) -> int:
+        return min(capacity, self.spec.window)
+
+    def join(self, row: int, cache, length: int) -> None:
+        """The private cache holds its last tokens in temporal order; token p goes to slot
+        p mod S."""
+        ring = self.parts[0].shape[2]
+        m = min(length, ring)
+        start = (length - m) % ring
+        first = min(m, ring - start)
+        for a, c in zip(self.parts, (cache.keys, cache.values)):
+            held = c.shape[2]
+            a[row : row + 1, :, start : start + first] = c[..., held - m : held - m + first, :]
+            if first < m:
+                a[row : row + 1, :, : m - first] = c[..., held - m + first : held, :]
+
+    def view(self, step: DecodeStep):
+        return RingView(self, step)
+
+
+class RingView(KVView):
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        st = self._step
+        k, v = self._store.parts
+        ring = k.shape[2]
+        slots = st.slots(ring)
+        k[st.rows, :, slots] = keys[:, :, 0, :]
+        v[st.rows, :, slots] = values[:, :, 0, :]
+        width = min(ring, st.width)
+        return k[: st.b, :, :width], v[: st.b, :, :width]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        if N != 1 or (window_size is not None and window_size != self._store.spec.window):
+            raise NotImplementedError("the ring serves one-token steps over its own window")
+        return self._step.mask(min(self._store.parts[0].shape[2], self._step.width))
+
+
+class StateStore:
+    """A linear-attention layer's fixed arrays, one row per sequence."""
+
+    def __init__(self, spec: LayerCache):
+        self.spec = spec
+        self.parts: list[mx.array] = []
+
+    def resize(self, rows: int, capacity: int) -> None:
+        if rows == 0:
+            self.parts = []
+        elif not self.parts:
+            self.parts = [mx.zeros((rows, *shape), dt) for shape, dt in self.spec.state_shapes]
+        else:
+            self.parts = [_reshape(a, rows, None) for a in self.parts]
+
+    def join(self, row: int, cache, length: int) -> None:
+        for a, c in zip(self.parts, cache.cache):
+            a[row : row + 1] = c
+
+    def view(self, step: DecodeStep):
+        return StateView(self, step)
+
+
+class StateView(_BaseCache):
+    """ArraysCache's API over rows [0, B): no padding, so no mask and no lengths."""
+
+    lengths = None
+    left_padding = None
+
+    def __init__(self, store: StateStore, step: DecodeStep):
+        self._store, self._b = store, step.b
+
+    def __getitem__(self, i: int) -> mx.array:
+        a = self._store.parts[i]
+        return a if a.shape[0] == self._b else a[: self._b]
+
+    def __setitem__(self, i: int, value: mx.array) -> None:
+        parts = self._store.parts
+        if parts[i].shape[0] == self._b:
+            parts[i] = value.astype(parts[i].dtype)
+        else:
+            parts[i][: self._b] = value
+
+    def advance(self, n: int) -> None:
+        pass
+
+    def make_mask(self, N: int):
+        return None
+
+    @property
+    def state(self):
+        return tuple(self._store.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(a.shape) * a.dtype.size for a in self._store.parts)
+
+
+def make_store(spec: LayerCache):
+    return {"kv": KVStore, "sliding": RingStore, "state": StateStore}[spec.kind](spec)

@@ -1,0 +1,194 @@
+"""The real executor on sliding-window, hybrid linear-attention and MLA models, and on quantized
+K/V: one forward pass per decode step, rows joining and leaving, the same tokens as each request
+alone (and as mlx-lm's own caches), and the bytes it holds equal to the scheduler's at every
+step."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+from batchsim.configs import ConfigError
+from batchsim.scheduler.request import Request, SamplingParams
+from batchsim.scheduler.scheduler import Scheduler
+from batchsim.server.engine.run_config import RunConfig
+from batchsim.server.engine.runner import run_workload
+from batchsim.server.engine.session import open_session
+from batchsim.server.executors.family_pool import FamilyPool
+from batchsim.server.executors.mlx_executor import MLXExecutor
+from batchsim.workloads.lengths import parse_length
+from batchsim.workloads.spec import WorkloadSpec
+from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
+
+from tests.drivers import config, drive
+
+FAMILIES = ["tiny-sliding", "tiny-hybrid", "tiny-mla"]
+_MODELS: dict = {}
+
+
+def _model(name: str):
+    if name not in _MODELS:
+        from batchsim.server.models.loader import load, resolve
+
+        ref = resolve(name, "float32", None)
+        _MODELS[name] = (ref, load(ref)[0])
+    return _MODELS[name]
+
+
+def _specs(vocab: int, n: int, seed: int, max_prompt: int, max_out: int):
+    rng = random.Random(seed)
+    return [(rng.randint(0, 3), [rng.randrange(vocab) for _ in range(rng.randint(1, max_prompt))],
+             rng.randint(2, max_out)) for _ in range(n)]
+
+
+def _run(model, layout, specs, kv_bits=None, **cfg):
+    """Drive the scheduler and the executor; the driver asserts executor bytes == scheduler bytes
+    after every step."""
+    sched = Scheduler(config(kv_bytes_per_token=layout.full_token_bytes, cache_layout=layout,
+                             **cfg))
+    ex = MLXExecutor(model, kv_bits=kv_bits)
+    arrivals = [(step, Request(i, len(ids), SamplingParams(max_tokens=out, ignore_eos=True), 0.0,
+                               prompt_token_ids=list(ids)))
+                for i, (step, ids, out) in enumerate(specs)]
+    trace = drive(sched, ex, arrivals)
+    return {rid: r.output_token_ids for rid, r in trace.requests.items()}, trace, sched
+
+
+def _alone(model, layout, specs, kv_bits=None):
+    return {i: _run(model, layout, [(0, ids, out)], kv_bits, max_num_seqs=1)[0][0]
+            for i, (_, ids, out) in enumerate(specs)}
+
+
+def _mlx_lm_greedy(model, ids: list[int], n: int, make_cache=make_prompt_cache) -> list[int]:
+    """mlx-lm's own single-stream caches: the prompt in one call, then one token per call."""
+    cache = make_cache(model)
+    y = mx.argmax(model(mx.array(ids)[None], cache=cache)[:, -1], axis=-1)
+    out = [y.item()]
+    for _ in range(n - 1):
+        y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+        out.append(y.item())
+    return out
+
+
+# Per family: requests, prompt and output bounds (the hybrid model is slow on the CPU: few tokens).
+CASES = {"tiny-sliding": (5, 300, 30), "tiny-hybrid": (3, 260, 8), "tiny-mla": (5, 300, 30)}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_pool_holds_what_the_spec_prices(name, batchsim_home):
+    ref, model = _model(name)
+    ex = MLXExecutor(model)
+    assert isinstance(ex.pool, FamilyPool)
+    assert ex.cache_layout == ref.spec.cache_layout("float32")
+    assert ex.kv_bytes_per_token == ref.spec.kv_bytes_per_token("float32")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_batched_equals_single_per_family(name, batchsim_home):
+    ref, model = _model(name)
+    layout = ref.spec.cache_layout("float32")
+    n, max_prompt, max_out = CASES[name]
+    specs = _specs(ref.spec.vocab_size, n, seed=21, max_prompt=max_prompt, max_out=max_out)
+    # Chunked prefills (256-token chunks, a 1-token tail possible), joins at different steps.
+    batched, trace, _ = _run(model, layout, specs, max_num_seqs=n, prefill_step_size=256,
+                             max_num_batched_tokens=300)
+    assert max(len(p.decode_ids) for p in trace.plans) >= 2
+    assert any(p.free_ids and p.decode_ids for p in trace.plans)  # rows left, others decoded on
+    alone = _alone(model, layout, specs)
+    assert batched == alone
+    assert alone == {i: _mlx_lm_greedy(model, ids, out) for i, (_, ids, out) in enumerate(specs)}
+
+
+def test_sliding_rows_wrap_their_ring(batchsim_home, monkeypatch):
+    # Rows run past the 64-token window; a ring that forgot the oldest slot's position would
+    # attend to the wrong tokens (negative control: writing at the position, clipped, diverges).
+    ref, model = _model("tiny-sliding")
+    layout = ref.spec.cache_layout("float32")
+    specs = [(0, list(range(3, 3 + 70 + 7 * i)), 24) for i in range(3)]
+    good = _run(model, layout, specs, max_num_seqs=3)[0]
+    assert good == {i: _mlx_lm_greedy(model, ids, out) for i, (_, ids, out) in enumerate(specs)}
+    from batchsim.server.executors import family_stores
+
+    monkeypatch.setattr(family_stores.DecodeStep, "slots",
+                        lambda self, ring: mx.minimum(self.positions, ring - 1))
+    assert _run(model, layout, specs, max_num_seqs=3)[0] != good
+
+
+@pytest.mark.parametrize("name", ["tiny-sliding", "tiny-hybrid"])
+def test_preempted_requests_recompute_the_same_tokens(name, batchsim_home):
+    # A budget of about two rows: rows leave mid-decode and their requests prefill again.
+    ref, model = _model(name)
+    layout = ref.spec.cache_layout("float32")
+    n, max_out = (4, 24) if name == "tiny-sliding" else (3, 14)
+    rng = random.Random(2)  # prompts near 256 tokens: decoding crosses into a second KV step
+    specs = [(0, [rng.randrange(ref.spec.vocab_size) for _ in range(rng.randint(240, 252))],
+              rng.randint(8, max_out)) for _ in range(n)]
+    budget = 2 * layout.seq_bytes(256) + layout.private_bytes(0, 256)
+    batched, _, sched = _run(model, layout, specs, max_num_seqs=n, kv_budget_bytes=budget,
+                             row_step=1)
+    assert sched.num_preemptions > 0
+    assert batched == _alone(model, layout, specs)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_run_completes_with_an_exact_kv_account(name, batchsim_home):
+    spec = WorkloadSpec(name="fam", num_prompts=4, request_rate=float("inf"),
+                        input_len=parse_length("uniform:8:300"),
+                        output_len=parse_length("uniform:2:12"),
+                        seed=3)
+    session = open_session(RunConfig(model=name, dtype="float32", workload=spec))
+    outcome = run_workload(session, spec, out_dir=None, label="fam")
+    assert outcome.summary["completed"] == 4
+    assert outcome.summary["kv_account_mismatches"] == 0
+    assert all(st.kv_bytes_measured == st.kv_bytes for st in outcome.steps)
+
+
+def _tiny_llama_64(tmp_path):
+    """A Llama of head_dim 64: the width QuantizedKVCache groups by."""
+    from batchsim.server.models.build import build_model
+    from batchsim.server.models.loader import ModelRef, load
+    from batchsim.server.models.spec import ModelSpec
+
+    cfg = dict(model_type="llama", hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=512,
+               max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
+               tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    spec = ModelSpec(name="tiny-llama64", config=cfg)
+    path = build_model(spec, "float32", out_dir=tmp_path / "llama64")
+    return spec, load(ModelRef(spec.name, path, spec, "float32", None))[0]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_kv_batched_equals_single(bits, tmp_path):
+    spec, model = _tiny_llama_64(tmp_path)
+    layout = spec.cache_layout("float32", bits)
+    specs = _specs(spec.vocab_size, 5, seed=5, max_prompt=280, max_out=20)
+    batched, trace, _ = _run(model, layout, specs, kv_bits=bits, max_num_seqs=5,
+                             prefill_step_size=256, max_num_batched_tokens=300)
+    assert MLXExecutor(model, kv_bits=bits).cache_layout == layout
+    assert layout.full_token_bytes < spec.kv_bytes_per_token("float32")
+    assert max(len(p.decode_ids) for p in trace.plans) >= 3
+    assert batched == _alone(model, layout, specs, bits)
+    # mlx-lm's QuantizedKVCache alone gives the same tokens (prompts within one prefill chunk).
+    short = [(0, ids[:200], out) for _, ids, out in specs[:2]]
+    quantized = lambda m: [QuantizedKVCache(64, bits) for _ in m.layers]  # noqa: E731
+    assert _alone(model, layout, short, bits) == {
+        i: _mlx_lm_greedy(model, ids, out, quantized) for i, (_, ids, out) in enumerate(short)}
+
+
+def test_kv_bits_refusals_are_one_line(batchsim_home):
+    for model, match in (("tiny", "multiple of 64"), ("tiny-sliding", "sliding layer")):
+        with pytest.raises(ConfigError, match=match) as info:
+            open_session(RunConfig(model=model, dtype="float32", kv_bits=4))
+        assert "\n" not in str(info.value)
+
+
+def test_cli_run_on_an_mla_model_keeps_the_output_contract(batchsim_home, tmp_path):
+    from tests.test_cli import batchsim, last_json
+
+    proc = batchsim("run", "--model", "tiny-mla", "--num-prompts", "4", "--request-rate", "inf",
+                    "--input-len", "uniform:8:200", "--output-len", "uniform:2:8",
+                    "--out", str(tmp_path), "--no-progress", home=batchsim_home)
+    summary = last_json(proc.stdout)
+    assert summary["completed"] == 4 and summary["kv_account_mismatches"] == 0

@@ -20,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_urldispatcher import _default_expect_handler
 from batchsim.configs import ConfigError
 from batchsim.scheduler.request import Request, RequestStatus, SamplingParams
 from batchsim.scheduler.scheduler import Scheduler
@@ -34,7 +35,9 @@ from batchsim.server.http.text_stream import Generation
 
 _ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error",
                 429: "rate_limit_error", 503: "server_error"}
+_POST_PATHS = ("/v1/completions", "/v1/chat/completions")
 _STREAM_RESPONSE = "batchsim.stream_response"  # a prepared stream, kept on its aiohttp request
+_BROKEN_BODY = "batchsim.broken_body"  # the body stalled or broke: the connection cannot go on
 
 
 class Server:
@@ -60,15 +63,36 @@ class Server:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.options.max_body_bytes,
                               middlewares=[self._middleware])
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/v1/models/{model_id:.+}", self.model)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        routes = {"/health": self.health, "/metrics": self.metrics, "/v1/models": self.models,
+                  "/v1/models/{model_id:.+}": self.model, "/v1/completions": self.completions,
+                  "/v1/chat/completions": self.chat_completions}
+        for path, handler in routes.items():
+            add = app.router.add_post if path in _POST_PATHS else app.router.add_get
+            add(path, handler, expect_handler=self._expect)
+        # Everything else is a 404 or 405 raised here, so its Expect header is checked too.
+        app.router.add_route("*", "/{tail:.*}", self._unrouted, expect_handler=self._expect)
         return app
 
     # -- plumbing ------------------------------------------------------------------------------
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """`Expect: 100-continue` as aiohttp answers it; any other value is a 417 (aiohttp's own
+        417 is plain text and runs before the middleware)."""
+        try:
+            return await _default_expect_handler(request)
+        except web.HTTPExpectationFailed:
+            expect = request.headers.get("Expect", "")[:80]
+            response = _error_response(APIError(417, f"unsupported Expect header {expect!r}"))
+            self.recorder.http_responses[417] += 1
+            return response
+
+    async def _unrouted(self, request: web.Request) -> web.StreamResponse:
+        path = request.path
+        if path in _POST_PATHS:
+            raise web.HTTPMethodNotAllowed(request.method, ["POST"])
+        if path in ("/health", "/metrics", "/v1/models") or path.startswith("/v1/models/"):
+            raise web.HTTPMethodNotAllowed(request.method, ["GET", "HEAD"])
+        raise web.HTTPNotFound()
+
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         try:
@@ -93,8 +117,8 @@ class Server:
             traceback.print_exc()
             response = _error_response(APIError(500, f"internal error: {exc!r}",
                                                 type="server_error"))
-        if response.status == 408:  # the rest of the body may never come: do not wait for it
-            response.force_close()
+        if request.get(_BROKEN_BODY) or not request.content.is_eof():
+            response.force_close()  # a body left unread or broken: no client may reuse this one
         self.recorder.http_responses[response.status] += 1
         return response
 
@@ -114,11 +138,14 @@ class Server:
         timeout_s = self.options.body_timeout_s
         try:
             return await asyncio.wait_for(request.read(), timeout_s)
-        except TimeoutError:
-            raise APIError(408, f"request body not received within {timeout_s:g} s",
-                           code="request_timeout") from None
-        except HttpProcessingError as exc:  # broken chunk framing, a body cut short
-            raise APIError(400, f"malformed request body: {exc.message}") from None
+        except (TimeoutError, HttpProcessingError, web.RequestPayloadError) as exc:
+            request[_BROKEN_BODY] = True
+            request.content.feed_eof()  # aiohttp would read the rest after answering: don't
+            if isinstance(exc, TimeoutError):
+                raise APIError(408, f"request body not received within {timeout_s:g} s",
+                               code="request_timeout") from None
+            # Broken chunk framing, a body cut short, gzip over plain bytes ...
+            raise APIError(400, f"malformed request body: {exc}") from None
 
     def _parse(self, raw: bytes, kind: api.Kind) -> api.GenerationParams:
         """On the parser thread: JSON, fields and the tokenized prompt."""

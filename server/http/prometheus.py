@@ -16,6 +16,7 @@ from typing import Any
 from batchsim.scheduler.plan import StepPlan, StepResult
 from batchsim.scheduler.request import Request
 from batchsim.scheduler.scheduler import Scheduler
+from batchsim.server.engine.memory import peak_resident_bytes, resident_bytes
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -91,27 +92,6 @@ def _metric(name: str, kind: str, help_text: str, samples: Iterable[str]) -> lis
 def _labelled(name: str, counts: dict[Any, int], label: str, known: Iterable[Any]) -> list[str]:
     keys = list(dict.fromkeys([*known, *sorted(counts)]))
     return [f'{name}{{{label}="{k}"}} {counts.get(k, 0)}' for k in keys]
-
-
-def _proc_status_bytes(key: str) -> int | None:
-    """A memory line of /proc/self/status (Linux) in bytes, None elsewhere."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(f"{key}:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def resident_bytes() -> int | None:
-    """This process's resident memory now."""
-    return _proc_status_bytes("VmRSS")
-
-
-def peak_resident_bytes() -> int | None:
-    """This process's peak resident memory so far."""
-    return _proc_status_bytes("VmHWM")
 
 
 def mlx_memory_gauges() -> list[tuple[str, str, int]]:

@@ -87,11 +87,12 @@ class Server:
 
     async def _unrouted(self, request: web.Request) -> web.StreamResponse:
         path = request.path
-        if path in _POST_PATHS:
-            raise web.HTTPMethodNotAllowed(request.method, ["POST"])
-        if path in ("/health", "/metrics", "/v1/models") or path.startswith("/v1/models/"):
-            raise web.HTTPMethodNotAllowed(request.method, ["GET", "HEAD"])
-        raise web.HTTPNotFound()
+        allowed = ["POST"] if path in _POST_PATHS else ["GET", "HEAD"] if (
+            path in ("/health", "/metrics", "/v1/models") or path.startswith("/v1/models/")
+        ) else []
+        if allowed and request.method not in allowed:
+            raise web.HTTPMethodNotAllowed(request.method, allowed)
+        raise web.HTTPNotFound()  # e.g. GET /v1/models/ (no id)
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Callable) -> web.StreamResponse:

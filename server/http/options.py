@@ -19,7 +19,7 @@ class ServeOptions:
     max_prompt_bytes: int | None = None  # prompt text (UTF-8); None: 32 x the context length
     # A connection must send a request's head (line and headers) this long after it opened or
     # after its last response, else it is closed: slow or stalled clients, idle keep-alive.
-    header_timeout_s: float = 30.0
+    header_timeout_s: float = 60.0
     body_timeout_s: float = 60.0  # once the head is in, the body must follow this fast, else 408
     drain_timeout_s: float = 30.0  # on SIGINT/SIGTERM, in-flight requests get this long to finish
     # What the model and budget allow (from the session).

@@ -27,7 +27,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                        "429 with Retry-After", unset=False)
     add_field_argument(g, ServeOptions, "max_body_bytes", "largest request body", unset=False)
     add_field_argument(g, ServeOptions, "max_prompt_bytes", "largest prompt text in UTF-8 bytes "
-                       "(larger: 413) [default: 32 x the model's context length]")
+                       "(larger: 413); unset: 32 bytes per token of the model's context")
     add_field_argument(g, ServeOptions, "header_timeout_s", "a connection that has not sent a "
                        "complete request head this long after opening (or after its last "
                        "response) is closed", unset=False)

@@ -67,23 +67,28 @@ class Soak:
                     return
                 if kind == "invalid":
                     return
-                parser, chunks, done = SSEParser(), 0, False
+                parser, chunks, done, tokens = SSEParser(), 0, False, None
                 async for data in resp.content.iter_any():
                     for event in parser.feed(data):
                         done = done or event.is_done
                         chunks += not event.is_done and bool(event.json().get("choices"))
+                        if not event.is_done and event.json().get("usage"):
+                            tokens = event.json()["usage"]["completion_tokens"]
                     if kind == "disconnect" and chunks >= cut:
                         resp.close()  # drop the connection mid-stream
                         return
-                if not done or chunks != body["max_tokens"]:
-                    self.unexpected.append(f"{kind}: {chunks} chunks, done={done}")
+                # A chunk carries one token or more (text held back until it is complete).
+                if not done or tokens != body["max_tokens"] or not 1 <= chunks <= tokens:
+                    self.unexpected.append(f"{kind}: {chunks} chunks, {tokens} tokens, "
+                                           f"done={done}")
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self.unexpected.append(f"{kind}: {type(exc).__name__} {exc}")
 
     def request(self) -> tuple[str, dict, int]:
         a, rng = self.args, self.rng
         body = {"model": a.model, "prompt": rng.integers(3, 500, rng.integers(16, 129)).tolist(),
-                "max_tokens": int(rng.integers(16, 49)), "ignore_eos": True, "stream": True}
+                "max_tokens": int(rng.integers(16, 49)), "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
         u = rng.random()
         if u < a.invalid_frac:
             return "invalid", {**body, "max_tokens": -1}, 0

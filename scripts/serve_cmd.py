@@ -26,6 +26,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     add_field_argument(g, ServeOptions, "max_queue", "waiting requests beyond which new ones get "
                        "429 with Retry-After", unset=False)
     add_field_argument(g, ServeOptions, "max_body_bytes", "largest request body", unset=False)
+    add_field_argument(g, ServeOptions, "max_prompt_bytes", "largest prompt text in UTF-8 bytes "
+                       "(larger: 413); unset: 32 bytes per token of the model's context")
+    add_field_argument(g, ServeOptions, "header_timeout_s", "a connection that has not sent a "
+                       "complete request head this long after opening (or after its last "
+                       "response) is closed", unset=False)
+    add_field_argument(g, ServeOptions, "body_timeout_s", "a request body not received this long "
+                       "after its head gets 408", unset=False)
     add_field_argument(g, ServeOptions, "drain_timeout_s", "on SIGINT/SIGTERM, how long in-flight "
                        "requests may finish before abort", unset=False)
 
@@ -39,6 +46,10 @@ def _config(args: argparse.Namespace):
                           "no --device-profile)")
     checks = [(args.max_queue >= 1, "--max-queue must be >= 1"),
               (args.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024"),
+              (args.max_prompt_bytes is None or args.max_prompt_bytes >= 1,
+               "--max-prompt-bytes must be >= 1"),
+              (args.header_timeout_s > 0, "--header-timeout-s must be > 0"),
+              (args.body_timeout_s > 0, "--body-timeout-s must be > 0"),
               (args.drain_timeout_s >= 0, "--drain-timeout-s must be >= 0"),
               (0 <= args.port <= 65535, "--port must be in 0..65535")]
     for ok, message in checks:
@@ -61,8 +72,10 @@ def run(args: argparse.Namespace) -> dict:
     options = ServeOptions(
         served_model_name=args.served_model_name or cfg.model, api_key=args.api_key,
         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-        drain_timeout_s=args.drain_timeout_s, max_model_len=session.spec.max_context,
-        vocab_size=session.spec.vocab_size, kv_budget_bytes=session.kv_budget_bytes,
+        max_prompt_bytes=args.max_prompt_bytes, header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s, drain_timeout_s=args.drain_timeout_s,
+        max_model_len=session.spec.max_context, vocab_size=session.spec.vocab_size,
+        kv_budget_bytes=session.kv_budget_bytes, memory_budget_bytes=session.memory_budget_bytes,
     )
     err.print(f"batchsim serve: {session.ref.name} ({session.dtype}) as "
               f"{options.served_model_name!r}, max_num_seqs {cfg.scheduler.max_num_seqs}, "

@@ -214,15 +214,18 @@ def test_completions_stream_and_not(srv, tokenizer):
     assert full["object"] == "text_completion"
     assert full["choices"][0]["finish_reason"] == "length"
     assert full["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 9,
-                             "total_tokens": n_prompt + 9}
+                             "total_tokens": n_prompt + 9,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     events = stream_events(srv, "/v1/completions",
                            {**body, "stream_options": {"include_usage": True}})
     assert events[-1].is_done
     usage_chunk = events[-2].json()
     assert usage_chunk["choices"] == [] and usage_chunk["usage"] == full["usage"]
     token_chunks = [e.json() for e in events[:-2]]
-    assert len(token_chunks) == 9  # one chunk per token
-    assert [c["choices"][0]["finish_reason"] for c in token_chunks] == [None] * 8 + ["length"]
+    assert 1 <= len(token_chunks) <= 9  # at most one chunk per token; none with empty text
+    assert all(c["choices"][0]["text"] for c in token_chunks[:-1])
+    finishes = [c["choices"][0]["finish_reason"] for c in token_chunks]
+    assert finishes == [None] * (len(token_chunks) - 1) + ["length"]
     assert stream_text(events, chat=False) == full["choices"][0]["text"]  # greedy: same text
     ids = post(srv, "/v1/completions", {**body, "prompt": [5, 6, 7, 8]}).json()
     assert ids["usage"]["prompt_tokens"] == 4
@@ -238,7 +241,7 @@ def test_chat_stream_and_not(srv, tokenizer):
     assert full["usage"]["prompt_tokens"] == n_prompt
     assert full["usage"]["completion_tokens"] == 6
     events = stream_events(srv, "/v1/chat/completions", body)  # no include_usage: no usage chunk
-    assert events[-1].is_done and len(events) == 7
+    assert events[-1].is_done and 2 <= len(events) <= 7
     chunks = [e.json() for e in events[:-1]]
     assert chunks[0]["object"] == "chat.completion.chunk"
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
@@ -281,7 +284,7 @@ def test_stop_string_finishes_the_request_in_the_scheduler(srv):
     full = post(srv, "/v1/completions", {**body, "stop": stop}).json()
     assert (full["choices"][0]["text"], full["choices"][0]["finish_reason"]) == (expected, "stop")
     n = full["usage"]["completion_tokens"]
-    assert n < body["max_tokens"] and len(events) - 1 == n  # one chunk per token, then [DONE]
+    assert n < body["max_tokens"] and len(events) - 1 <= n  # a chunk per token at most, [DONE]
     after = srv.wait_idle()
     delta = {k: v - before.get(k, 0) for k, v in after.items()}
     assert delta['batchsim_requests_total{status="finished"}'] == 2

@@ -18,6 +18,7 @@ import yaml
 from batchsim.scheduler.request import Request, SamplingParams
 from batchsim.server.engine import clock
 from batchsim.server.engine.engine import Engine
+from batchsim.server.engine.memory import peak_resident_bytes
 from batchsim.server.engine.session import Session
 from batchsim.server.results.jsonio import jsonable, new_run_dir, write_jsonl
 from batchsim.server.results.metrics import RequestRecord, StepRecord, summarize
@@ -96,6 +97,7 @@ def run_workload(
         records, steps, duration_s=duration, percentiles=cfg.percentiles,
         goodput_slo_ms=cfg.goodput, kv_budget_bytes=session.kv_budget_bytes,
         weight_bytes=session.weight_bytes, peak_memory_bytes=_peak_memory(session),
+        peak_rss_bytes=peak_resident_bytes() if session.executor.caps.real_compute else None,
     )
     plans = len(steps)
     summary.update({

@@ -10,11 +10,12 @@ from batchsim.configs import ConfigError
 from batchsim.scheduler.cache_layout import CacheLayout
 from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.scheduler import Scheduler
+from batchsim.server.engine import memory
 from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.executors.base import Executor
 from batchsim.server.executors.factory import build_executor
 from batchsim.server.models.loader import ModelRef, resolve
-from batchsim.server.models.spec import ModelSpec
+from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.platform import env
 
 CPU_BUDGET_FRACTION = 0.75  # of RAM, when no GPU working-set limit exists (CPU backend)
@@ -52,7 +53,7 @@ class Session:
             max_model_len=self.spec.max_context,
             max_num_seqs=s.max_num_seqs,
             max_num_batched_tokens=s.max_num_batched_tokens,
-            prefill_step_size=s.prefill_step_size,
+            prefill_step_size=self._prefill_step_size(),
             policy=s.policy,
             row_step=s.row_step,
             max_lookahead_steps=self.executor.caps.max_lookahead_steps,
@@ -63,6 +64,22 @@ class Session:
             return SchedulerConfig(**values)
         except ValueError as exc:
             raise ConfigError(f"scheduler: {exc}") from None
+
+    def _prefill_step_size(self) -> int:
+        """The configured chunk; on real compute, short enough for its activations to fit
+        memory.PREFILL_TRANSIENT_BYTES (a simulator has none: its chunks stay as configured)."""
+        configured = self.config.scheduler.prefill_step_size
+        if not self.executor.caps.real_compute:
+            return configured
+        return memory.prefill_step_cap(self.spec, dtype_bytes(self.dtype), configured,
+                                       scores=env.backend() == "cpu")
+
+    def limit_mlx_cache(self) -> None:
+        """MLX's buffer cache follows this session's KV budget (memory.mlx_cache_limit_bytes)."""
+        if self.executor.caps.real_compute:
+            import mlx.core as mx
+
+            mx.set_cache_limit(memory.mlx_cache_limit_bytes(self.kv_budget_bytes))
 
     def new_scheduler(self, **overrides: Any) -> Scheduler:
         return Scheduler(self.scheduler_config(**overrides))
@@ -76,6 +93,7 @@ class Session:
         budget, source = memory_budget(cfg.memory_gb)
         new = dataclasses.replace(self, config=cfg, memory_budget_bytes=budget, budget_source=source)
         _check_fits(new)
+        new.limit_mlx_cache()
         return new
 
     def environment(self) -> dict[str, Any]:
@@ -154,6 +172,7 @@ def _open_mlx(cfg: RunConfig, dtype: str, budget: int, source: str) -> Session:
     session = Session(cfg, ref, str(executor.dtype).split(".")[-1], executor, weights, budget,
                       source, executor.kv_bytes_per_token, model, tokenizer, cache_layout=layout)
     _check_fits(session)
+    session.limit_mlx_cache()  # replaces the executor's fixed default
     return session
 
 

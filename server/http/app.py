@@ -8,6 +8,7 @@ A client that goes away has its request aborted; its KV is freed at the next ste
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import itertools
 import json
@@ -18,6 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_urldispatcher import _default_expect_handler
 from batchsim.configs import ConfigError
 from batchsim.scheduler.request import Request, RequestStatus, SamplingParams
 from batchsim.scheduler.scheduler import Scheduler
@@ -27,10 +30,14 @@ from batchsim.server.http import openai_api as api
 from batchsim.server.http.openai_api import APIError, GenerationParams
 from batchsim.server.http.options import ServeOptions
 from batchsim.server.http.prometheus import CONTENT_TYPE, ServerRecorder, mlx_memory_gauges, render
+from batchsim.server.http.protocol import Runner
 from batchsim.server.http.text_stream import Generation
 
 _ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error",
                 429: "rate_limit_error", 503: "server_error"}
+_POST_PATHS = ("/v1/completions", "/v1/chat/completions")
+_STREAM_RESPONSE = "batchsim.stream_response"  # a prepared stream, kept on its aiohttp request
+_BROKEN_BODY = "batchsim.broken_body"  # the body stalled or broke: the connection cannot go on
 
 
 class Server:
@@ -47,26 +54,57 @@ class Server:
         self.inflight: set[int] = set()
         self.draining = False
         self._hurry = False  # a second signal: abort now instead of waiting out the drain
-        self.created = int(time.time())
+        self.created = int(time.time())  # the model card's; responses carry their own time
         self._ids = itertools.count(1)
+        # Bodies are parsed and prompts tokenized here, one at a time (a tokenizer is not safe to
+        # share between threads), so a large prompt never holds up the event loop.
+        self.parser_thread = concurrent.futures.ThreadPoolExecutor(1, "tokenize")
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.options.max_body_bytes,
                               middlewares=[self._middleware])
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        routes = {"/health": self.health, "/metrics": self.metrics, "/v1/models": self.models,
+                  "/v1/models/{model_id:.+}": self.model, "/v1/completions": self.completions,
+                  "/v1/chat/completions": self.chat_completions}
+        for path, handler in routes.items():
+            add = app.router.add_post if path in _POST_PATHS else app.router.add_get
+            add(path, handler, expect_handler=self._expect)
+        # Everything else is a 404 or 405 raised here, so its Expect header is checked too.
+        app.router.add_route("*", "/{tail:.*}", self._unrouted, expect_handler=self._expect)
         return app
 
     # -- plumbing ------------------------------------------------------------------------------
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """`Expect: 100-continue` as aiohttp answers it; any other value is a 417 (aiohttp's own
+        417 is plain text and runs before the middleware)."""
+        try:
+            return await _default_expect_handler(request)
+        except web.HTTPExpectationFailed:
+            expect = request.headers.get("Expect", "")[:80]
+            response = _error_response(APIError(417, f"unsupported Expect header {expect!r}"))
+            self.recorder.http_responses[417] += 1
+            return response
+
+    async def _unrouted(self, request: web.Request) -> web.StreamResponse:
+        path = request.path
+        allowed = ["POST"] if path in _POST_PATHS else ["GET", "HEAD"] if (
+            path in ("/health", "/metrics", "/v1/models") or path.startswith("/v1/models/")
+        ) else []
+        if allowed and request.method not in allowed:
+            raise web.HTTPMethodNotAllowed(request.method, allowed)
+        raise web.HTTPNotFound()  # e.g. GET /v1/models/ (no id)
+
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         try:
             if request.path.startswith("/v1/"):
                 self._authorize(request)
             response = await handler(request)
+        except (asyncio.CancelledError, ConnectionError):
+            stream = request.get(_STREAM_RESPONSE)
+            if stream is not None:  # the client left mid-stream: its status was sent, count it
+                self.recorder.http_responses[stream.status] += 1
+            raise
         except APIError as exc:
             response = _error_response(exc)
         except web.HTTPException as exc:  # unknown route, wrong method, body too large
@@ -80,6 +118,8 @@ class Server:
             traceback.print_exc()
             response = _error_response(APIError(500, f"internal error: {exc!r}",
                                                 type="server_error"))
+        if request.get(_BROKEN_BODY) or not request.content.is_eof():
+            response.force_close()  # a body left unread or broken: no client may reuse this one
         self.recorder.http_responses[response.status] += 1
         return response
 
@@ -92,11 +132,28 @@ class Server:
             raise APIError(401, "missing or invalid API key (Authorization: Bearer KEY)",
                            type="authentication_error", code="invalid_api_key")
 
-    async def _read_json(self, request: web.Request) -> dict[str, Any]:
+    async def _read_body(self, request: web.Request) -> bytes:
         if (request.content_length or 0) > self.options.max_body_bytes:
             raise web.HTTPRequestEntityTooLarge(self.options.max_body_bytes,
                                                 request.content_length or 0)
-        return api.parse_json_object(await request.read())
+        timeout_s = self.options.body_timeout_s
+        try:
+            return await asyncio.wait_for(request.read(), timeout_s)
+        except (TimeoutError, HttpProcessingError, web.RequestPayloadError) as exc:
+            request[_BROKEN_BODY] = True
+            request.content.feed_eof()  # aiohttp would read the rest after answering: don't
+            if isinstance(exc, TimeoutError):
+                raise APIError(408, f"request body not received within {timeout_s:g} s",
+                               code="request_timeout") from None
+            # Broken chunk framing, a body cut short, gzip over plain bytes ...
+            raise APIError(400, f"malformed request body: {exc}") from None
+
+    def _parse(self, raw: bytes, kind: api.Kind) -> api.GenerationParams:
+        """On the parser thread: JSON, fields and the tokenized prompt."""
+        body = api.parse_json_object(raw)
+        api.check_model(body, self.options.served_model_name)
+        return api.parse_generation(body, kind, self.tokenizer, self.options.vocab_size,
+                                    self.options.prompt_bytes_limit)
 
     # -- routes --------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -106,14 +163,25 @@ class Server:
     async def metrics(self, request: web.Request) -> web.Response:
         text = render(self.recorder, self.engine.scheduler,
                       kv_budget_bytes=self.options.kv_budget_bytes,
+                      memory_budget_bytes=self.options.memory_budget_bytes,
                       max_queue=self.options.max_queue, inflight=len(self.inflight),
                       extra_gauges=mlx_memory_gauges())
         return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
-    async def models(self, request: web.Request) -> web.Response:
-        card = {"id": self.options.served_model_name, "object": "model", "created": self.created,
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.options.served_model_name, "object": "model", "created": self.created,
                 "owned_by": "batchsim", "max_model_len": self.options.max_model_len}
-        return web.json_response({"object": "list", "data": [card]})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        model_id = request.match_info["model_id"]
+        if model_id != self.options.served_model_name:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves "
+                           f"{self.options.served_model_name!r}", param="model",
+                           code="model_not_found")
+        return web.json_response(self._card())
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completion")
@@ -125,9 +193,9 @@ class Server:
         if self.draining:
             raise APIError(503, "the server is shutting down", type="server_error",
                            code="shutting_down", headers={"Retry-After": "5"})
-        body = await self._read_json(http)
-        api.check_model(body, self.options.served_model_name)
-        params = api.parse_generation(body, kind, self.tokenizer, self.options.vocab_size)
+        raw = await self._read_body(http)
+        loop = asyncio.get_running_loop()
+        params = await loop.run_in_executor(self.parser_thread, self._parse, raw, kind)
         request = self._admit(params)
         gen = Generation(self.engine, request, params, self.tokenizer)
         rid = request.request_id
@@ -157,7 +225,8 @@ class Server:
         if reason is not None:
             self.recorder.request_outcomes["rejected"] += 1
             too_long = request.max_total_tokens > self.options.max_model_len
-            blame = "max_tokens" if params.max_tokens and room >= 1 else "prompt"
+            prompt_param = "messages" if params.kind == "chat" else "prompt"
+            blame = "max_tokens" if params.max_tokens and room >= 1 else prompt_param
             raise APIError(400, f"this request can never run: {reason}", param=blame,
                            code="context_length_exceeded" if too_long else "kv_budget_exceeded")
         if len(self.engine.scheduler.waiting) >= self.options.max_queue:
@@ -171,7 +240,7 @@ class Server:
         while not gen.done:
             parts.append(await gen.next())
         rid = gen.request.request_id
-        body = api.full_response(params.kind, rid, self.created, self.options.served_model_name,
+        body = api.full_response(params.kind, rid, int(time.time()), self.options.served_model_name,
                                  "".join(parts), gen.finish_reason,
                                  api.usage(len(params.prompt_ids), gen.num_tokens))
         return web.json_response(body)
@@ -181,6 +250,7 @@ class Server:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(http)
+        http[_STREAM_RESPONSE] = response
         try:
             await self._stream_chunks(response, gen, params)
         except ConnectionError:
@@ -195,17 +265,20 @@ class Server:
     async def _stream_chunks(self, response: web.StreamResponse, gen: Generation,
                              params: GenerationParams) -> None:
         rid, model, kind = gen.request.request_id, self.options.served_model_name, params.kind
+        created = int(time.time())  # one time for every chunk, as OpenAI's
         first = True
         while not gen.done:
-            text = await gen.next()  # one chunk per step: each carries one token
-            chunk = api.stream_chunk(kind, rid, self.created, model, text,
+            text = await gen.next()  # a step's text; empty while a character is incomplete
+            if not text and not gen.done:
+                continue  # no empty deltas: the text waits for the next token (as mlx_lm.server)
+            chunk = api.stream_chunk(kind, rid, created, model, text,
                                      gen.finish_reason if gen.done else None, first=first,
                                      include_usage=params.include_usage)
             await response.write(_sse(chunk))
             first = False
         if params.include_usage:
             counts = api.usage(len(params.prompt_ids), gen.num_tokens)
-            await response.write(_sse(api.usage_chunk(kind, rid, self.created, model, counts)))
+            await response.write(_sse(api.usage_chunk(kind, rid, created, model, counts)))
 
     # -- shutdown ------------------------------------------------------------------------------
     async def drain(self, timeout_s: float) -> int:
@@ -239,15 +312,21 @@ def _error_response(exc: APIError) -> web.Response:
     return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
 
 
-async def serve(server: Server, host: str, port: int, announce: Callable[[str], None]) -> dict:
-    """Run until SIGINT/SIGTERM (or the engine fails), then drain and stop. Returns totals."""
+async def serve(server: Server, host: str, port: int, announce: Callable[[str], None],
+                stop: asyncio.Event | None = None) -> dict:
+    """Run until SIGINT/SIGTERM (or the engine fails), then drain and stop. Returns totals.
+    `stop`: an event that stops it instead of signals (a server in a test's event loop)."""
     loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM) if stop is None else ()
+    stop = stop or asyncio.Event()
     engine = server.engine
     engine.start_clock()
     engine_task = asyncio.create_task(engine.run())
-    runner = web.AppRunner(server.app(), handle_signals=False, handler_cancellation=True,
-                           access_log=None, shutdown_timeout=1.0)
-    stop = asyncio.Event()
+    options = server.options
+    # lingering_time: how long an unread body is drained after the response (a stalled one too).
+    runner = Runner(server.app(), header_timeout_s=options.header_timeout_s,
+                    lingering_time=options.body_timeout_s, handle_signals=False,
+                    handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     aborted = 0
     try:
         await runner.setup()
@@ -257,17 +336,18 @@ async def serve(server: Server, host: str, port: int, announce: Callable[[str], 
             raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         bound_host, bound_port = runner.addresses[0][:2]
         announce(f"http://{_url_host(bound_host)}:{bound_port}")
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in signals:
             loop.add_signal_handler(sig, server.on_signal, stop)
         stop_task = asyncio.create_task(stop.wait())
         await asyncio.wait({stop_task, engine_task}, return_when=asyncio.FIRST_COMPLETED)
         stop_task.cancel()
         if not engine_task.done():
-            aborted = await server.drain(server.options.drain_timeout_s)
+            aborted = await server.drain(options.drain_timeout_s)
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in signals:
             loop.remove_signal_handler(sig)
         await runner.cleanup()
+        server.parser_thread.shutdown(wait=False)
         engine.stop()
         await engine_task  # re-raises if the engine failed
         engine.close()

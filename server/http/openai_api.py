@@ -15,6 +15,9 @@ DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 512}
 MAX_STOP_STRINGS = 16
 SEED_RANGE = 2**32  # seeds are reduced modulo this: the executor folds them into a 64-bit key
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+# Below this a temperature is greedy, as vLLM's _SAMPLING_EPS: logits / 1e-39 overflow to inf and
+# the draw turns uniform instead of sharp.
+MIN_TEMPERATURE = 1e-5
 
 
 class APIError(Exception):
@@ -100,10 +103,10 @@ def check_model(body: dict[str, Any], served_name: str) -> None:
                        f"{served_name!r}", param="model", code="model_not_found")
 
 
-def parse_generation(body: dict[str, Any], kind: Kind, tokenizer: Any,
-                     vocab_size: int) -> GenerationParams:
+def parse_generation(body: dict[str, Any], kind: Kind, tokenizer: Any, vocab_size: int,
+                     max_prompt_bytes: int) -> GenerationParams:
     """Check every field batchsim honours or refuses; unknown fields are ignored, as OpenAI's
-    clients send extras (user, top_p, ...)."""
+    clients send extras (user, ...). Tokenizes the prompt: call it off the event loop."""
     _check_unsupported(body, kind)
     stream = _get(body, "stream", False)
     _field(body, "stream", isinstance(stream, bool), "a boolean")
@@ -118,27 +121,31 @@ def parse_generation(body: dict[str, Any], kind: Kind, tokenizer: Any,
         if not isinstance(include_usage, bool):
             raise APIError(400, "stream_options.include_usage: must be a boolean",
                            param="stream_options.include_usage")
-    chat_key = kind == "chat" and "max_completion_tokens" in body  # the newer name
+    # The newer name wins unless it is null.
+    chat_key = kind == "chat" and body.get("max_completion_tokens") is not None
     key = "max_completion_tokens" if chat_key else "max_tokens"
     max_tokens = body.get(key)
     _field(body, key, max_tokens is None or (_is_int(max_tokens) and max_tokens >= 1),
            "an integer >= 1")
     temperature = _get(body, "temperature", 0.0)
     _field(body, "temperature", _is_number(temperature) and temperature >= 0, "a number >= 0")
+    _check_nucleus(body)
     seed = body.get("seed")
     _field(body, "seed", seed is None or (_is_int(seed) and -(2**63) <= seed < 2**63),
            "a 64-bit integer")
     ignore_eos = _get(body, "ignore_eos", False)
     _field(body, "ignore_eos", isinstance(ignore_eos, bool), "a boolean")
     if kind == "chat":
-        prompt_ids = _chat_prompt(body, tokenizer)
+        prompt_ids = _chat_prompt(body, tokenizer, max_prompt_bytes)
     else:
-        prompt_ids = _completion_prompt(body, tokenizer)
+        prompt_ids = _completion_prompt(body, tokenizer, max_prompt_bytes)
     if not prompt_ids:
         raise APIError(400, "prompt: encodes to no tokens", param="prompt")
     if any(not 0 <= t < vocab_size for t in prompt_ids):
         raise APIError(400, f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
-    return GenerationParams(kind, tuple(prompt_ids), max_tokens, float(temperature),
+    greedy = temperature < MIN_TEMPERATURE
+    return GenerationParams(kind, tuple(prompt_ids), max_tokens,
+                            0.0 if greedy else float(temperature),
                             None if seed is None else seed % SEED_RANGE, _stop_strings(body),
                             ignore_eos, stream, include_usage)
 
@@ -154,6 +161,15 @@ def _check_unsupported(body: dict[str, Any], kind: Kind) -> None:
             raise APIError(400, f"{key}: not supported by batchsim serve", param=key)
 
 
+def _check_nucleus(body: dict[str, Any]) -> None:
+    """top_p and top_k are accepted in vLLM's ranges (and not applied: batchsim samples from the
+    whole distribution); outside them they are a 400, as in vLLM."""
+    top_p = _get(body, "top_p", 1.0)
+    _field(body, "top_p", _is_number(top_p) and 0 < top_p <= 1, "a number in (0, 1]")
+    top_k = _get(body, "top_k", 0)
+    _field(body, "top_k", _is_int(top_k) and top_k >= -1, "-1 or 0 (off) or an integer >= 1")
+
+
 def _stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
@@ -166,11 +182,19 @@ def _stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _completion_prompt(body: dict[str, Any], tokenizer: Any) -> list[int]:
+def _check_prompt_bytes(num_bytes: int, max_bytes: int, param: str) -> None:
+    if num_bytes > max_bytes:
+        raise APIError(413, f"{param}: {num_bytes} bytes of text exceed this server's limit of "
+                       f"{max_bytes} (serve --max-prompt-bytes)", param=param,
+                       code="prompt_too_large")
+
+
+def _completion_prompt(body: dict[str, Any], tokenizer: Any, max_bytes: int) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one prompt
     if isinstance(prompt, str) and prompt:
+        _check_prompt_bytes(len(prompt.encode()), max_bytes, "prompt")
         return list(tokenizer.encode(prompt))
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         return prompt
@@ -181,7 +205,7 @@ def _completion_prompt(body: dict[str, Any], tokenizer: Any) -> list[int]:
                    param="prompt")
 
 
-def _chat_prompt(body: dict[str, Any], tokenizer: Any) -> list[int]:
+def _chat_prompt(body: dict[str, Any], tokenizer: Any, max_bytes: int) -> list[int]:
     messages = body.get("messages")
     _field(body, "messages", isinstance(messages, list) and bool(messages),
            "a non-empty list of messages")
@@ -191,6 +215,7 @@ def _chat_prompt(body: dict[str, Any], tokenizer: Any) -> list[int]:
             raise APIError(400, f"messages[{i}]: an object with a role in {', '.join(_ROLES)}",
                            param=f"messages[{i}]")
         plain.append({"role": m["role"], "content": _message_text(m.get("content"), i)})
+    _check_prompt_bytes(sum(len(m["content"].encode()) for m in plain), max_bytes, "messages")
     try:
         ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True)
     except Exception as exc:  # a template may raise on a role order it does not accept
@@ -214,9 +239,10 @@ def _message_text(content: Any, i: int) -> str:
 
 
 # -- responses -----------------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": 0}}  # no prefix cache: nothing reused
 
 
 def response_id(kind: Kind, request_id: int) -> str:
@@ -230,7 +256,7 @@ def _head(kind: Kind, request_id: int, created: int, model: str, stream: bool) -
 
 
 def full_response(kind: Kind, request_id: int, created: int, model: str, text: str,
-                  finish_reason: str | None, usage_counts: dict[str, int]) -> dict[str, Any]:
+                  finish_reason: str | None, usage_counts: dict[str, Any]) -> dict[str, Any]:
     if kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
                   "logprobs": None, "finish_reason": finish_reason}
@@ -242,7 +268,8 @@ def full_response(kind: Kind, request_id: int, created: int, model: str, text: s
 
 def stream_chunk(kind: Kind, request_id: int, created: int, model: str, text: str,
                  finish_reason: str | None, *, first: bool, include_usage: bool) -> dict[str, Any]:
-    """One token's chunk. In chat the first one also carries the role, so every chunk is a token."""
+    """One chunk of new text (the server sends none empty but the last, which carries the
+    finish_reason). In chat the first one also carries the role."""
     if kind == "chat":
         delta = {"role": "assistant", "content": text} if first else {"content": text}
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
@@ -255,5 +282,5 @@ def stream_chunk(kind: Kind, request_id: int, created: int, model: str, text: st
 
 
 def usage_chunk(kind: Kind, request_id: int, created: int, model: str,
-                usage_counts: dict[str, int]) -> dict[str, Any]:
+                usage_counts: dict[str, Any]) -> dict[str, Any]:
     return {**_head(kind, request_id, created, model, True), "choices": [], "usage": usage_counts}

@@ -16,6 +16,7 @@ from typing import Any
 from batchsim.scheduler.plan import StepPlan, StepResult
 from batchsim.scheduler.request import Request
 from batchsim.scheduler.scheduler import Scheduler
+from batchsim.server.engine.memory import peak_resident_bytes, resident_bytes
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -93,17 +94,6 @@ def _labelled(name: str, counts: dict[Any, int], label: str, known: Iterable[Any
     return [f'{name}{{{label}="{k}"}} {counts.get(k, 0)}' for k in keys]
 
 
-def resident_bytes() -> int | None:
-    """This process's resident memory now (Linux /proc), None elsewhere."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def mlx_memory_gauges() -> list[tuple[str, str, int]]:
     """MLX's allocator: what is in use, and what it keeps cached for reuse (which RSS includes)."""
     import mlx.core as mx  # already loaded by the executor; imported late for non-server users
@@ -116,7 +106,8 @@ def mlx_memory_gauges() -> list[tuple[str, str, int]]:
 
 
 def render(rec: ServerRecorder, scheduler: Scheduler, *, kv_budget_bytes: int, max_queue: int,
-           inflight: int, extra_gauges: Sequence[tuple[str, str, int]] = ()) -> str:
+           inflight: int, memory_budget_bytes: int = 0,
+           extra_gauges: Sequence[tuple[str, str, int]] = ()) -> str:
     gauges = [
         ("batchsim_requests_running", "Requests admitted and holding KV.", len(scheduler.running)),
         ("batchsim_requests_waiting", "Requests queued for admission.", len(scheduler.waiting)),
@@ -126,6 +117,8 @@ def render(rec: ServerRecorder, scheduler: Scheduler, *, kv_budget_bytes: int, m
         ("batchsim_kv_bytes_measured", "KV bytes the executor held after the last step.",
          rec.kv_bytes_measured),
         ("batchsim_kv_budget_bytes", "KV budget: memory budget minus weights.", kv_budget_bytes),
+        ("batchsim_memory_budget_bytes", "Memory budget: weights + KV (--memory-gb).",
+         memory_budget_bytes),
         ("batchsim_decode_batch_size", "Requests decoded in the last step.", rec.last_batch_size),
         ("batchsim_decode_batch_size_max", "Most requests decoded in one step.",
          rec.max_batch_size),
@@ -133,6 +126,10 @@ def render(rec: ServerRecorder, scheduler: Scheduler, *, kv_budget_bytes: int, m
     rss = resident_bytes()
     if rss is not None:
         gauges.append(("process_resident_memory_bytes", "Resident memory of the server.", rss))
+    peak_rss = peak_resident_bytes()
+    if peak_rss is not None:
+        gauges.append(("process_resident_memory_peak_bytes",
+                       "Peak resident memory of the server since start.", peak_rss))
     gauges += extra_gauges
     counters = [
         ("batchsim_preemptions_total", "Requests preempted (KV freed, recomputed later).",

@@ -310,6 +310,7 @@ def summarize(
     kv_budget_bytes: int | None = None,
     weight_bytes: int | None = None,
     peak_memory_bytes: int | None = None,
+    peak_rss_bytes: int | None = None,
 ) -> dict[str, Any]:
     """One run's summary. `duration_s` is the benchmark duration (vLLM: start until the last request
     ends); every throughput divides by it, and is 0 when it is 0. `request_goodput` is None unless
@@ -349,4 +350,5 @@ def summarize(
     out.setdefault("p99_queue_ms", queue_p99)  # always reported, whatever the percentiles
     out.update(_batch_view(requests, all_times, steps, kv_budget_bytes, weight_bytes,
                            peak_memory_bytes))
+    out["peak_rss_bytes"] = peak_rss_bytes  # the process's peak resident memory (real compute)
     return out

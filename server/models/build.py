@@ -14,7 +14,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.models.tokenizer import build_tokenizer
@@ -60,7 +60,7 @@ def _random_params(model, dtype: str, seed: int) -> dict:
     return params
 
 
-def _save_weights(out_dir: Path, weights: dict) -> None:
+def save_weights(out_dir: Path, weights: dict) -> None:
     import mlx.core as mx
 
     shards: list[dict] = [{}]
@@ -98,6 +98,22 @@ def _marker(spec: ModelSpec, dtype: str, quantize_bits: int | None, seed: int) -
             "build_version": BUILD_VERSION, "config": spec.config}
 
 
+@contextlib.contextmanager
+def staged_dir(out_dir: Path) -> Iterator[Path]:
+    """A temporary directory beside `out_dir` that replaces it when the block succeeds (a half-built
+    model never appears at `out_dir`) and is removed when it fails."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        yield tmp
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def build_model(
     spec: ModelSpec,
     dtype: str,
@@ -114,11 +130,9 @@ def build_model(
     out_dir = out_dir or cache_root() / build_id(spec.name, dtype, quantize_bits)
     if is_built(out_dir, spec, dtype, quantize_bits):
         return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     log(f"building {build_id(spec.name, dtype, quantize_bits)} in {out_dir} "
         f"({spec.num_params / 1e6:.0f}M params, seeded random weights)")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with staged_dir(out_dir) as tmp:
         config = {**spec.config, "torch_dtype": dtype}
         model_cls, args_cls = _get_classes(config)
         model = model_cls(args_cls.from_dict(config))
@@ -126,7 +140,7 @@ def build_model(
         if quantize_bits:
             with contextlib.redirect_stdout(sys.stderr):  # mlx-lm prints an info line
                 model, config = quantize_model(model, config, group_size=64, bits=quantize_bits)
-        _save_weights(tmp, dict(tree_flatten(model.parameters())))
+        save_weights(tmp, dict(tree_flatten(model.parameters())))
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
         build_tokenizer(
             tmp,
@@ -136,12 +150,6 @@ def build_model(
             max_len=spec.max_context,
         )
         (tmp / MARKER).write_text(json.dumps(_marker(spec, dtype, quantize_bits, seed), indent=1))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 

@@ -1,0 +1,66 @@
+"""Read a GGUF file through MLX (`mx.load` returns Q4_0/Q4_1/Q8_0 tensors as affine-quantized
+triples, group size 32) and answer questions about its metadata in one-line errors."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from batchsim.configs import ConfigError
+
+MAGIC = b"GGUF"
+# GGML tensor type ids (ggml.h) MLX's reader turns into float or affine-quantized arrays.
+SUPPORTED_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")
+GROUP_SIZE = 32  # every GGUF block format MLX reads quantizes 32 values per scale
+
+
+class GgufError(ConfigError):
+    """A file this importer cannot turn into a model directory."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Gguf:
+    """A loaded GGUF: its tensors by GGUF name (quantized ones as .weight/.scales/.biases) and its
+    key-value metadata."""
+
+    path: Path
+    tensors: dict[str, Any]
+    meta: dict[str, Any]
+
+    def value(self, key: str, default: Any = None) -> Any:
+        """A metadata value as plain Python (MLX hands scalars back as 0-d arrays)."""
+        v = self.meta.get(key, default)
+        if hasattr(v, "tolist"):
+            return v.tolist()
+        return v
+
+    def need(self, key: str) -> Any:
+        v = self.value(key)
+        if v is None:
+            raise GgufError(f"{self.path}: GGUF metadata has no {key!r}")
+        return v
+
+
+def check_magic(path: Path) -> None:
+    if not path.is_file():
+        raise GgufError(f"{path}: no such file")
+    with path.open("rb") as f:
+        head = f.read(4)
+    if head != MAGIC:
+        raise GgufError(f"{path}: not a GGUF file (it starts with {head!r}, a GGUF with {MAGIC!r})")
+
+
+def read_gguf(path: str | Path) -> Gguf:
+    """Load tensors and metadata; unsupported tensor types end in one line naming the ones MLX reads."""
+    import mlx.core as mx
+
+    path = Path(path)
+    check_magic(path)
+    try:
+        tensors, meta = mx.load(str(path), return_metadata=True)
+    except (RuntimeError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise GgufError(f"{path}: MLX cannot read it ({reason}); supported tensor types: "
+                        f"{', '.join(SUPPORTED_TYPES)}") from None
+    return Gguf(path, dict(tensors), dict(meta))

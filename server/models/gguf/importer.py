@@ -47,8 +47,7 @@ def import_gguf(path: str | Path, out_dir: Path, dtype: str = KEEP, scale_dtype:
         save_weights(tmp, weights)
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
         write_tokenizer(g, tmp)
-        info = {"weights": "real", "source": str(Path(path).resolve()), "dtype": dtype,
-                "scale_dtype": scale_dtype, **(marker or {})}
+        info = {"weights": "real", "source": str(Path(path).resolve()), **(marker or {})}
         (tmp / MARKER).write_text(json.dumps(info, indent=1))
     log(f"imported {Path(path).name} into {out_dir} in {time.perf_counter() - start_s:.1f} s")
     return out_dir

@@ -8,10 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from batchsim.configs import ConfigError
+from batchsim.server.models.gguf.header import SUPPORTED, tensor_types, type_name
 
 MAGIC = b"GGUF"
-# GGML tensor type ids (ggml.h) MLX's reader turns into float or affine-quantized arrays.
-SUPPORTED_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")
 GROUP_SIZE = 32  # every GGUF block format MLX reads quantizes 32 values per scale
 
 
@@ -51,16 +50,29 @@ def check_magic(path: Path) -> None:
         raise GgufError(f"{path}: not a GGUF file (it starts with {head!r}, a GGUF with {MAGIC!r})")
 
 
+def check_tensor_types(path: Path) -> None:
+    """One line naming the first tensor of a type MLX cannot read as it is stored."""
+    try:
+        types = tensor_types(path)
+    except (ValueError, OSError) as exc:
+        raise GgufError(f"{path}: unreadable GGUF header ({exc})") from None
+    for name, type_id in types.items():
+        if type_id not in SUPPORTED:
+            raise GgufError(f"{path}: tensor {name} is {type_name(type_id)}; supported tensor "
+                            f"types: {', '.join(SUPPORTED.values())}")
+
+
 def read_gguf(path: str | Path) -> Gguf:
     """Load tensors and metadata; unsupported tensor types end in one line naming the ones MLX reads."""
     import mlx.core as mx
 
     path = Path(path)
     check_magic(path)
+    check_tensor_types(path)
     try:
         tensors, meta = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise GgufError(f"{path}: MLX cannot read it ({reason}); supported tensor types: "
-                        f"{', '.join(SUPPORTED_TYPES)}") from None
+                        f"{', '.join(SUPPORTED.values())}") from None
     return Gguf(path, dict(tensors), dict(meta))

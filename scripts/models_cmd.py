@@ -76,7 +76,8 @@ def _import(args: argparse.Namespace) -> dict:
 
     from batchsim.configs import ConfigError
     from batchsim.server.models.build import cache_root
-    from batchsim.server.models.gguf.importer import KEEP, import_gguf
+    from batchsim.server.models.gguf.importer import KEEP
+    from batchsim.server.models.imported import import_gguf
     from batchsim.server.models.packaged import keeps_quantized
     from batchsim.server.platform import env
 

@@ -107,7 +107,7 @@ def test_quantized_rows_move_with_their_scales_and_biases():
 def test_a_synthetic_llama_imports_and_loads_through_mlx_lm(tmp_path):
     import mlx.core as mx
     import mlx_lm
-    from batchsim.server.models.gguf.importer import import_gguf
+    from batchsim.server.models.imported import import_gguf
     from mlx.utils import tree_flatten
 
     hf = _hf_weights(mx, vocab=262)
@@ -131,7 +131,7 @@ def test_a_synthetic_llama_imports_and_loads_through_mlx_lm(tmp_path):
 ])
 def test_unsupported_files_are_one_line_errors(tmp_path, change, says):
     import mlx.core as mx
-    from batchsim.server.models.gguf.importer import import_gguf
+    from batchsim.server.models.imported import import_gguf
 
     src = _write_gguf(tmp_path / "t.gguf", _hf_weights(mx, vocab=262), **change)
     with pytest.raises(ConfigError, match=says) as err:

@@ -10,18 +10,15 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
+from batchsim.server.models.files import MARKER, save_weights, staged_dir
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.models.tokenizer import build_tokenizer
 
 BUILD_VERSION = 2
-MARKER = "batchsim.json"
-SHARD_BYTES = 2 << 30
 EMBED_STD = 0.02
 
 
@@ -60,28 +57,6 @@ def _random_params(model, dtype: str, seed: int) -> dict:
     return params
 
 
-def save_weights(out_dir: Path, weights: dict) -> None:
-    import mlx.core as mx
-
-    shards: list[dict] = [{}]
-    size = 0
-    for name, arr in weights.items():
-        if size + arr.nbytes > SHARD_BYTES and shards[-1]:
-            shards.append({})
-            size = 0
-        shards[-1][name] = arr
-        size += arr.nbytes
-    if len(shards) == 1:
-        mx.save_safetensors(str(out_dir / "model.safetensors"), shards[0], metadata={"format": "mlx"})
-        return
-    index = {"metadata": {"total_size": sum(a.nbytes for a in weights.values())}, "weight_map": {}}
-    for i, shard in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        mx.save_safetensors(str(out_dir / fname), shard, metadata={"format": "mlx"})
-        index["weight_map"].update({k: fname for k in shard})
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-
-
 def is_built(path: Path, spec: ModelSpec, dtype: str, quantize_bits: int | None) -> bool:
     marker = path / MARKER
     if not marker.exists():
@@ -96,22 +71,6 @@ def is_built(path: Path, spec: ModelSpec, dtype: str, quantize_bits: int | None)
 def _marker(spec: ModelSpec, dtype: str, quantize_bits: int | None, seed: int) -> dict:
     return {"name": spec.name, "dtype": dtype, "quantize_bits": quantize_bits, "seed": seed,
             "build_version": BUILD_VERSION, "config": spec.config}
-
-
-@contextlib.contextmanager
-def staged_dir(out_dir: Path) -> Iterator[Path]:
-    """A temporary directory beside `out_dir` that replaces it when the block succeeds (a half-built
-    model never appears at `out_dir`) and is removed when it fails."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        yield tmp
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def build_model(

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from batchsim.configs import ConfigError
-from batchsim.server.models.build import MARKER, build_id, build_model, cache_root
+from batchsim.server.models.build import build_id, build_model, cache_root
+from batchsim.server.models.files import MARKER
 from batchsim.server.models.spec import ModelSpec, spec_from_hf_config, zoo_names, zoo_spec
 
 

@@ -88,7 +88,8 @@ def import_packaged(pkg: Package, out_dir: Path, dtype: str, keep_quantized: boo
                     log: Callable[[str], None] = lambda _: None) -> Path:
     """The model directory for this stored form, imported once: dense in `dtype`, or quantized
     matrices kept packed with scales, biases and norms in `dtype`."""
-    from batchsim.server.models.gguf.importer import KEEP, import_gguf
+    from batchsim.server.models.gguf.importer import KEEP
+    from batchsim.server.models.imported import import_gguf
 
     marker = import_marker(pkg, dtype, keep_quantized)
     if is_imported(out_dir, marker):

@@ -1,16 +1,13 @@
-"""`batchsim models import FILE.gguf`: a llama-family GGUF as an mlx-lm model directory (config.json,
-model.safetensors with Hugging Face names, tokenizer.json, tokenizer_config.json)."""
+"""A llama-family GGUF as what an mlx-lm model directory holds: config.json, weights with Hugging
+Face names, and the tokenizer (written by server/models/imported.py)."""
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from batchsim.server.models.gguf.config import hf_config
 from batchsim.server.models.gguf.reader import read_gguf
-from batchsim.server.models.gguf.tokenizer import write_tokenizer
 from batchsim.server.models.gguf.weights import dequantized, hf_tensors, kept_quantized
 
 KEEP = "keep"  # `dtype` value: keep quantized tensors quantized (floats in float16)
@@ -32,22 +29,3 @@ def convert(path: str | Path, dtype: str = KEEP,
         weights = dequantized(tensors, dtype)
         config = {**config, "torch_dtype": dtype}
     return config, weights, g
-
-
-def import_gguf(path: str | Path, out_dir: Path, dtype: str = KEEP, scale_dtype: str = "float16",
-                marker: dict[str, Any] | None = None,
-                log: Callable[[str], None] = lambda _: None) -> Path:
-    """Write the model directory (atomically: a half-written one never appears at `out_dir`).
-    `marker` adds to batchsim.json, which says the weights are real."""
-    from batchsim.server.models.build import MARKER, save_weights, staged_dir
-
-    start_s = time.perf_counter()
-    config, weights, g = convert(path, dtype, scale_dtype)
-    with staged_dir(out_dir) as tmp:
-        save_weights(tmp, weights)
-        (tmp / "config.json").write_text(json.dumps(config, indent=1))
-        write_tokenizer(g, tmp)
-        info = {"weights": "real", "source": str(Path(path).resolve()), **(marker or {})}
-        (tmp / MARKER).write_text(json.dumps(info, indent=1))
-    log(f"imported {Path(path).name} into {out_dir} in {time.perf_counter() - start_s:.1f} s")
-    return out_dir

@@ -151,3 +151,20 @@ def test_unsupported_tensor_types_and_non_gguf_files_are_named(tmp_path):
     (tmp_path / "x.gguf").write_text("not a model")
     with pytest.raises(ConfigError, match="not a GGUF file"):
         read_gguf(tmp_path / "x.gguf")
+
+
+def test_models_import_command_writes_a_loadable_directory(tmp_path, capsys):
+    import json
+
+    import mlx.core as mx
+    from batchsim.scripts.cli import main
+
+    src = _write_gguf(tmp_path / "t.gguf", _hf_weights(mx, vocab=262))
+    out = tmp_path / "imported"
+    assert main(["models", "import", str(src), "--out", str(out), "--form", "dense", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["path"] == str(out) and doc["form"] == "dense"
+    assert json.loads((out / "batchsim.json").read_text())["weights"] == "real"
+    assert main(["models", "import", str(tmp_path / "nope.gguf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("nope.gguf: no such file") and "\n" not in err

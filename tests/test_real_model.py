@@ -121,3 +121,41 @@ def test_serve_answers_a_chat_completion(real, batchsim_home):
         assert "Paris" in reply["choices"][0]["message"]["content"]
     finally:
         srv.stop()
+
+
+def _cli(capsys, argv: list[str]) -> tuple[int, dict | None, str]:
+    import json
+
+    from batchsim.scripts.cli import main
+
+    rc = main(argv)
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
+    return rc, (json.loads(lines[-1]) if rc == 0 else None), captured.err
+
+
+def test_models_and_run_summaries_say_which_weights(capsys, tmp_path, batchsim_home):
+    rc, doc, _ = _cli(capsys, ["models", "--json"])
+    weights = {m["name"]: m["weights"] for m in doc["models"]}
+    assert weights[MODEL] == "real" and weights["smollm2-135m"] == "random"
+    assert {w for n, w in weights.items() if n != MODEL} == {"random"}
+    for model, expected in ((MODEL, "real"), ("tiny", "random")):
+        rc, summary, _ = _cli(capsys, ["run", "--model", model, "--executor", "fake",
+                                       "--num-prompts", "6", "--no-progress", "--out", str(tmp_path)])
+        assert summary["env"]["weights"] == expected
+    # Synthetic traffic ignores EOS: every request ends at its length, and the summary's output
+    # length percentiles are those of the records.
+    import json
+    from pathlib import Path
+
+    rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "requests.jsonl").read_text().split("\n") if x]
+    lengths = sorted(r["num_output_tokens"] for r in rows)
+    assert summary["finish_reasons"] == {"length": 6} and summary["max_output_tokens"] == lengths[-1]
+    assert summary["median_output_tokens"] == (lengths[2] + lengths[3]) / 2
+
+
+def test_a_chat_workload_needs_the_models_tokenizer(capsys, tmp_path):
+    rc, _, err = _cli(capsys, ["run", "--workload", "chat", "--executor", "fake", "--model", "tiny",
+                               "--no-progress", "--out", str(tmp_path)])
+    assert rc == 2 and "needs the model's tokenizer" in err.strip().splitlines()[-1]
+    assert "Traceback" not in err

@@ -141,7 +141,8 @@ def test_models_and_run_summaries_say_which_weights(capsys, tmp_path, batchsim_h
     assert {w for n, w in weights.items() if n != MODEL} == {"random"}
     for model, expected in ((MODEL, "real"), ("tiny", "random")):
         rc, summary, _ = _cli(capsys, ["run", "--model", model, "--executor", "fake",
-                                       "--num-prompts", "6", "--no-progress", "--out", str(tmp_path)])
+                                       "--num-prompts", "6", "--request-rate", "inf", "--no-progress",
+                                       "--out", str(tmp_path)])
         assert summary["env"]["weights"] == expected
     # Synthetic traffic ignores EOS: every request ends at its length, and the summary's output
     # length percentiles are those of the records.

@@ -48,7 +48,8 @@ class _Run:
         self.requests = build_requests(spec)
         self.chat_ids: dict[int, list[int]] = {}  # chat workloads: real prompt ids by request index
         if spec.chat is not None:
-            self.requests, self.chat_ids = chat_requests(spec.chat, self.requests, session.tokenizer)
+            self.requests, self.chat_ids = chat_requests(spec.chat, self.requests,
+                                                         session.tokenizer)
         self.open_loop = spec.arrival != "closed"
         arrivals = [r.arrival_s for r in self.requests] if self.open_loop else []
         self.engine = Engine(session.new_scheduler(), session.executor,

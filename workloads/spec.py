@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from batchsim.configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
+from batchsim.workloads.chat import ChatSpec, load_prompts
 from batchsim.workloads.lengths import LengthSpec, parse_length
 from batchsim.workloads.traces import TraceFormat, resolve_trace_path
 
@@ -78,6 +79,7 @@ class WorkloadSpec:
     input_len: LengthSpec = LengthSpec("uniform", min=64, max=256)
     output_len: LengthSpec = LengthSpec("uniform", min=32, max=128)
     trace: TraceSpec | None = None  # required iff arrival == 'trace'; lengths then come from it
+    chat: ChatSpec | None = None  # real-text chat prompts; prompt lengths and EOS then from the model
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -131,7 +133,9 @@ def _prepare(data: dict[str, Any], source: str) -> dict[str, Any]:
     """Accept the CLI shorthand for lengths (`uniform:32:256`, `128`), and build nested sections
     once first so that their errors name the file and the section."""
     data = dict(data)
-    for key, cls in (("input_len", LengthSpec), ("output_len", LengthSpec), ("trace", TraceSpec)):
+    sections = (("input_len", LengthSpec), ("output_len", LengthSpec), ("trace", TraceSpec),
+                ("chat", ChatSpec))
+    for key, cls in sections:
         value = data.get(key)
         where = f"{source}: {key}"
         try:
@@ -151,6 +155,8 @@ def workload_from_dict(data: dict[str, Any], source: str) -> WorkloadSpec:
         spec = from_dict(WorkloadSpec, data, source)
         if spec.trace is not None:
             resolve_trace_path(spec.trace.path)  # a missing trace fails here, naming the source
+        if spec.chat is not None:
+            load_prompts(spec.chat.prompts)  # so does a missing or malformed prompts file
     except ConfigError as exc:
         raise _with_context(exc, source) from None
     return spec

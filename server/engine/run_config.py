@@ -27,7 +27,7 @@ DTYPES: tuple[str, ...] = ("auto", *FLOAT_DTYPES)
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    model: str = "smollm2-135m"  # zoo name, local model directory, or hub id
+    model: str = "smollm2-135m-instruct"  # zoo name (default: real weights), model dir, or hub id
     dtype: str = "auto"  # one of DTYPES
     quantize: int | None = None  # QUANT_BITS: 4 or 8 (zoo models)
     kv_bits: int | None = None  # KV_BITS: K/V held as mlx-lm's QuantizedKVCache (full layers)

@@ -23,7 +23,13 @@ from batchsim.server.engine.session import Session
 from batchsim.server.results.jsonio import jsonable, new_run_dir, write_jsonl
 from batchsim.server.results.metrics import RequestRecord, StepRecord, summarize
 from batchsim.workloads.driver import drive_interruptibly
-from batchsim.workloads.requests import RequestSpec, build_requests, prompt_token_ids
+from batchsim.workloads.requests import (
+    RequestSpec,
+    build_requests,
+    chat_requests,
+    prompt_token_ids,
+    sampling_seed,
+)
 from batchsim.workloads.spec import WorkloadSpec
 
 
@@ -41,6 +47,10 @@ class _Run:
         self.session = session
         self.spec = spec
         self.requests = build_requests(spec)
+        self.chat_ids: dict[int, list[int]] = {}  # chat workloads: real prompt ids by request index
+        if spec.chat is not None:
+            self.requests, self.chat_ids = chat_requests(spec.chat, self.requests,
+                                                         session.tokenizer)
         self.open_loop = spec.arrival != "closed"
         arrivals = [r.arrival_s for r in self.requests] if self.open_loop else []
         self.engine = Engine(session.new_scheduler(), session.executor,
@@ -54,17 +64,27 @@ class _Run:
 
     def make_request(self, rs: RequestSpec) -> Request:
         s = self.session
-        ids = None
-        if s.executor.caps.needs_token_ids:
+        ids = self.chat_ids.get(rs.index)
+        if ids is None and s.executor.caps.needs_token_ids:
             ids = prompt_token_ids(self.spec.seed, rs.index, rs.prompt_len, s.spec.vocab_size)
         now = self.engine.now()
         arrival = rs.arrival_s if self.open_loop else now
         self.lateness_s.append(max(0.0, now - arrival))
+        return Request(rs.index, rs.prompt_len, self.sampling(rs), arrival, ids, self.eos)
+
+    def sampling(self, rs: RequestSpec) -> SamplingParams:
+        """Synthetic traffic: greedy, EOS as configured. Chat traffic: as its clients send it,
+        EOS honoured (replies end where the model ends them)."""
+        chat = self.spec.chat
+        if chat is not None:
+            return SamplingParams(max_tokens=rs.output_len, temperature=chat.temperature,
+                                  seed=sampling_seed(self.spec.seed, rs.index))
         sampling = self._sampling.get(rs.output_len)
         if sampling is None:
-            sampling = SamplingParams(max_tokens=rs.output_len, ignore_eos=s.config.ignore_eos)
+            ignore_eos = self.session.config.ignore_eos
+            sampling = SamplingParams(max_tokens=rs.output_len, ignore_eos=ignore_eos)
             self._sampling[rs.output_len] = sampling
-        return Request(rs.index, rs.prompt_len, sampling, arrival, ids, self.eos)
+        return sampling
 
     def submit(self, rs: RequestSpec) -> asyncio.Future:
         return self.engine.add(self.make_request(rs))  # the request is queued as it is issued

@@ -99,7 +99,7 @@ class Session:
     def environment(self) -> dict[str, Any]:
         return env.environment(
             model=self.ref.name, dtype=self.dtype, quantize_bits=self.ref.quantize_bits,
-            executor=self.config.executor,
+            weights=self.ref.weights, executor=self.config.executor,
         )
 
 

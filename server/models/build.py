@@ -10,18 +10,15 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable
 
+from batchsim.server.models.files import MARKER, save_weights, staged_dir
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.models.tokenizer import build_tokenizer
 
 BUILD_VERSION = 2
-MARKER = "batchsim.json"
-SHARD_BYTES = 2 << 30
 EMBED_STD = 0.02
 
 
@@ -60,28 +57,6 @@ def _random_params(model, dtype: str, seed: int) -> dict:
     return params
 
 
-def _save_weights(out_dir: Path, weights: dict) -> None:
-    import mlx.core as mx
-
-    shards: list[dict] = [{}]
-    size = 0
-    for name, arr in weights.items():
-        if size + arr.nbytes > SHARD_BYTES and shards[-1]:
-            shards.append({})
-            size = 0
-        shards[-1][name] = arr
-        size += arr.nbytes
-    if len(shards) == 1:
-        mx.save_safetensors(str(out_dir / "model.safetensors"), shards[0], metadata={"format": "mlx"})
-        return
-    index = {"metadata": {"total_size": sum(a.nbytes for a in weights.values())}, "weight_map": {}}
-    for i, shard in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        mx.save_safetensors(str(out_dir / fname), shard, metadata={"format": "mlx"})
-        index["weight_map"].update({k: fname for k in shard})
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-
-
 def is_built(path: Path, spec: ModelSpec, dtype: str, quantize_bits: int | None) -> bool:
     marker = path / MARKER
     if not marker.exists():
@@ -114,11 +89,9 @@ def build_model(
     out_dir = out_dir or cache_root() / build_id(spec.name, dtype, quantize_bits)
     if is_built(out_dir, spec, dtype, quantize_bits):
         return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     log(f"building {build_id(spec.name, dtype, quantize_bits)} in {out_dir} "
         f"({spec.num_params / 1e6:.0f}M params, seeded random weights)")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with staged_dir(out_dir) as tmp:
         config = {**spec.config, "torch_dtype": dtype}
         model_cls, args_cls = _get_classes(config)
         model = model_cls(args_cls.from_dict(config))
@@ -126,7 +99,7 @@ def build_model(
         if quantize_bits:
             with contextlib.redirect_stdout(sys.stderr):  # mlx-lm prints an info line
                 model, config = quantize_model(model, config, group_size=64, bits=quantize_bits)
-        _save_weights(tmp, dict(tree_flatten(model.parameters())))
+        save_weights(tmp, dict(tree_flatten(model.parameters())))
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
         build_tokenizer(
             tmp,
@@ -136,12 +109,6 @@ def build_model(
             max_len=spec.max_context,
         )
         (tmp / MARKER).write_text(json.dumps(_marker(spec, dtype, quantize_bits, seed), indent=1))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from batchsim.configs import ConfigError
-from batchsim.server.models.build import build_model
+from batchsim.server.models.build import build_id, build_model, cache_root
+from batchsim.server.models.files import MARKER
 from batchsim.server.models.spec import ModelSpec, spec_from_hf_config, zoo_names, zoo_spec
 
 
@@ -27,6 +28,7 @@ class ModelRef:
     spec: ModelSpec
     dtype: str  # activation / KV dtype
     quantize_bits: int | None
+    weights: str = "random"  # "real" (a checkpoint) or "random" (seeded, built by batchsim)
 
 
 def _log(msg: str) -> None:
@@ -43,6 +45,8 @@ def resolve(ref: str, dtype: str, quantize_bits: int | None = None, build: bool 
     is stored (its own dtype and quantization)."""
     if ref in zoo_names():
         spec = zoo_spec(ref)
+        if spec.weights == "real":
+            return _packaged(spec, dtype, quantize_bits, build)
         path = build_model(spec, dtype, quantize_bits, log=_log) if build else Path()
         return ModelRef(ref, path, spec, dtype, quantize_bits)
     path = Path(ref).expanduser()
@@ -56,6 +60,25 @@ def resolve(ref: str, dtype: str, quantize_bits: int | None = None, build: bool 
     return _from_dir(ref, _download(ref))
 
 
+def _packaged(spec: ModelSpec, dtype: str, quantize_bits: int | None, build: bool) -> ModelRef:
+    """A real-weight zoo model in the form stored for this backend: dense `dtype` on the CPU backend
+    (MLX's CPU quantized matmul is slow and does not batch), kept quantized on a GPU;
+    `--quantize` equal to the file's bits keeps it quantized anywhere."""
+    from batchsim.server.models.packaged import import_packaged, keeps_quantized
+
+    pkg = spec.package
+    assert pkg is not None
+    if quantize_bits not in (None, pkg.bits):
+        raise ConfigError(f"model {spec.name} ships {pkg.bits}-bit weights: --quantize {pkg.bits} "
+                          f"keeps them quantized, no --quantize picks this backend's form")
+    keep = quantize_bits is not None or keeps_quantized()
+    bits = pkg.bits if keep else None
+    path = cache_root() / build_id(spec.name, dtype, bits)
+    if build:
+        import_packaged(pkg, path, dtype, keep, log=_log)
+    return ModelRef(spec.name, path, spec, dtype, bits, weights="real")
+
+
 def _from_dir(name: str, path: Path) -> ModelRef:
     config_file = path / "config.json"
     if not config_file.exists():
@@ -63,7 +86,15 @@ def _from_dir(name: str, path: Path) -> ModelRef:
     config = json.loads(config_file.read_text())
     quant = config.get("quantization") or {}
     spec = spec_from_hf_config(name, config)
-    return ModelRef(name, path, spec, _dtype_of(config), quant.get("bits"))
+    return ModelRef(name, path, spec, _dtype_of(config), quant.get("bits"), _weights_of(path))
+
+
+def _weights_of(path: Path) -> str:
+    """A directory batchsim built says so in its marker; any other holds a real checkpoint."""
+    try:
+        return str(json.loads((path / MARKER).read_text()).get("weights", "random"))
+    except (OSError, json.JSONDecodeError):
+        return "real"
 
 
 def _download(hub_id: str) -> Path:

@@ -7,13 +7,14 @@ from __future__ import annotations
 import dataclasses
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from batchsim.configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
 from batchsim.scheduler.cache_layout import CacheLayout
 from batchsim.server.models.arch import Arch, describe
 from batchsim.server.models.arch_cache import cache_layout, generate_calls
 from batchsim.server.models.arch_families import BUILDERS
+from batchsim.server.models.packaged import Package
 
 MODELS_DIR = CONFIG_DIR / "models"
 
@@ -35,8 +36,13 @@ class ModelSpec:
     config: dict[str, Any]
     hf_id: str | None = None
     source: str = ""
+    weights: Literal["random", "real"] = "random"  # real: imported from `package`'s GGUF
+    package: Package | None = None  # the PyPI package that ships the real weights
 
     def __post_init__(self) -> None:
+        if (self.weights == "real") != (self.package is not None):
+            raise ConfigError(f"model {self.name}: weights 'real' comes with a package (and only "
+                              "then); random weights are built from the config")
         if self.config.get("model_type") not in SUPPORTED_MODEL_TYPES:
             describe(self.name, self.config)  # raises the one-line error naming the families
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
@@ -163,6 +169,7 @@ class ModelSpec:
         return {
             "name": self.name,
             "hf_id": self.hf_id,
+            "weights": self.weights,
             "model_type": self.model_type,
             "params": self.num_params,
             "family": self.families,
@@ -194,6 +201,12 @@ def dtype_bytes(dtype: str) -> int:
 
 def zoo_names() -> list[str]:
     return sorted(p.stem for p in MODELS_DIR.glob("*.yaml"))
+
+
+def zoo_packages() -> list[Package]:
+    """The PyPI packages that ship the zoo's real weights (scripts/setup.sh installs them)."""
+    specs = (zoo_spec(n) for n in zoo_names())
+    return sorted({s.package for s in specs if s.package}, key=lambda p: p.name)
 
 
 def load_spec(path: str | Path) -> ModelSpec:

@@ -195,6 +195,20 @@ def _distribution(
     return out
 
 
+def _output_lengths(done: Sequence[RequestRecord], percentiles: Sequence[float]) -> dict[str, Any]:
+    """Output tokens per completed request (mean, median, percentiles, max) and why requests ended
+    ("stop": EOS or a stop string, "length": max_tokens): natural lengths when EOS is honoured."""
+    x: Any = [r.num_output_tokens for r in done] or 0
+    out: dict[str, Any] = {"mean_output_tokens": float(np.mean(x)),
+                           "median_output_tokens": float(np.median(x))}
+    for p in percentiles:
+        out[f"p{percentile_label(p)}_output_tokens"] = float(np.percentile(x, p))
+    out["max_output_tokens"] = int(np.max(x))
+    reasons = sorted({str(r.finish_reason) for r in done})
+    out["finish_reasons"] = {k: sum(str(r.finish_reason) == k for r in done) for k in reasons}
+    return out
+
+
 def _num_good(done: Sequence[RequestRecord], slo_ms: Mapping[str, float]) -> int:
     """vLLM: good when every given SLO holds (value <= SLO); a 1-token request has TPOT 0."""
     good = 0
@@ -346,6 +360,7 @@ def summarize(
     }
     for name, values in latencies_s.items():
         out.update(_distribution(name, values, percentiles))  # type: ignore[arg-type]
+    out.update(_output_lengths(done, percentiles))
     queue_p99 = _distribution("queue", latencies_s["queue"], [99])["p99_queue_ms"]
     out.setdefault("p99_queue_ms", queue_p99)  # always reported, whatever the percentiles
     out.update(_batch_view(requests, all_times, steps, kv_budget_bytes, weight_bytes,

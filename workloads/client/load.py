@@ -29,9 +29,10 @@ from batchsim.server.http.prometheus import parse as parse_metrics
 from batchsim.server.results.jsonio import jsonable, new_run_dir, write_jsonl
 from batchsim.server.results.metrics import RequestRecord, percentile_label, summarize
 from batchsim.workloads.client.prompts import PromptMaker
-from batchsim.workloads.client.stream import Outcome, endpoint, send
+from batchsim.workloads.chat import prompt_text
+from batchsim.workloads.client.stream import Endpoint, Outcome, endpoint, send
 from batchsim.workloads.driver import drive_interruptibly
-from batchsim.workloads.requests import RequestSpec, build_requests
+from batchsim.workloads.requests import RequestSpec, build_requests, sampling_seed
 
 _TIMEOUT = aiohttp.ClientTimeout(total=6 * 60 * 60)  # vLLM bench's limit per request
 _MS = 1000.0
@@ -69,6 +70,9 @@ class _HttpRun:
     def __init__(self, cfg: RunConfig, prompts: PromptMaker, on_answer: Callable[[int], None]):
         self.cfg = cfg
         self.ep = endpoint(cfg.target or "")
+        self.chat = cfg.workload.chat  # real-text chat traffic: messages to the chat endpoint
+        if self.chat is not None and not self.ep.chat:
+            self.ep = Endpoint(self.ep.base, f"{self.ep.base}/chat/completions", True)
         self.prompts = prompts
         self.on_answer = on_answer  # called with 1 as each request is answered
         self.requests = build_requests(cfg.workload)
@@ -79,6 +83,8 @@ class _HttpRun:
         self.interrupted = False
 
     def payload(self, rs: RequestSpec, o: Outcome) -> dict[str, Any]:
+        if self.chat is not None:
+            return self._chat_payload(rs)
         text, o.prompt_tokens_local = self.prompts.make(rs)
         body: dict[str, Any] = {
             "max_tokens": rs.output_len, "temperature": 0.0,
@@ -92,6 +98,19 @@ class _HttpRun:
             body["messages"] = [{"role": "user", "content": text}]
         else:
             body["prompt"] = text
+        return body
+
+    def _chat_payload(self, rs: RequestSpec) -> dict[str, Any]:
+        """A chat client's request: the prompt text, its sampling, EOS honoured."""
+        assert self.chat is not None
+        body: dict[str, Any] = {
+            "messages": [{"role": "user", "content": prompt_text(self.chat, rs.index)}],
+            "max_tokens": self.chat.max_tokens, "temperature": self.chat.temperature,
+            "seed": sampling_seed(self.cfg.workload.seed, rs.index),
+            "stream": True, "stream_options": {"include_usage": True},
+        }
+        if self.model_sent is not None:
+            body["model"] = self.model_sent
         return body
 
     async def main(self) -> float:

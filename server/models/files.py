@@ -1,0 +1,52 @@
+"""The files of a model directory batchsim writes: safetensors shards, the marker that says what
+built it, and atomic staging (a half-written directory never appears under its name)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+MARKER = "batchsim.json"  # what built the directory: random-weight build or real-weight import
+SHARD_BYTES = 2 << 30
+
+
+def save_weights(out_dir: Path, weights: dict) -> None:
+    import mlx.core as mx
+
+    shards: list[dict] = [{}]
+    size = 0
+    for name, arr in weights.items():
+        if size + arr.nbytes > SHARD_BYTES and shards[-1]:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arr
+        size += arr.nbytes
+    if len(shards) == 1:
+        mx.save_safetensors(str(out_dir / "model.safetensors"), shards[0], metadata={"format": "mlx"})
+        return
+    index = {"metadata": {"total_size": sum(a.nbytes for a in weights.values())}, "weight_map": {}}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        mx.save_safetensors(str(out_dir / fname), shard, metadata={"format": "mlx"})
+        index["weight_map"].update({k: fname for k in shard})
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+
+
+@contextlib.contextmanager
+def staged_dir(out_dir: Path) -> Iterator[Path]:
+    """A temporary directory beside `out_dir` that replaces it when the block succeeds (a half-built
+    model never appears at `out_dir`) and is removed when it fails."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        yield tmp
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

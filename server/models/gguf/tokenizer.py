@@ -1,0 +1,74 @@
+"""tokenizer.json and tokenizer_config.json rebuilt from a GGUF's `tokenizer.*` metadata with the
+`tokenizers` package: GPT-2 byte-level BPE, the file's merges, and its pre-tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from batchsim.server.models.gguf.reader import Gguf, GgufError
+
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types written as added tokens
+# tokenizer.ggml.pre -> split digits one by one before the byte-level regex (SmolLM's tokenizer)
+PRE_TOKENIZERS = {"smollm": True, "default": False, "gpt-2": False, "gpt2": False}
+
+
+def _pre_tokenizer(g: Gguf) -> Any:
+    from tokenizers import pre_tokenizers
+
+    pre = g.value("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise GgufError(f"{g.path}: pre-tokenizer {pre!r} is not supported; supported: "
+                        f"{', '.join(PRE_TOKENIZERS)}")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if not PRE_TOKENIZERS[pre]:
+        return byte_level
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+
+
+def build_tokenizer(g: Gguf) -> Any:
+    """A `tokenizers.Tokenizer` equal to the one the GGUF was converted from."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+
+    kind = g.need("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise GgufError(f"{g.path}: tokenizer model {kind!r} is not supported; supported: gpt2 "
+                        "(byte-level BPE)")
+    tokens = list(g.need("tokenizer.ggml.tokens"))
+    merges = [tuple(m.split(" ", 1)) for m in g.need("tokenizer.ggml.merges")]
+    types = g.value("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    tok.pre_tokenizer = _pre_tokenizer(g)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == CONTROL])
+    tok.add_tokens([AddedToken(t, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+    return tok
+
+
+def tokenizer_config(g: Gguf) -> dict[str, Any]:
+    """tokenizer_config.json: special tokens by name, the chat template, no added BOS unless asked."""
+    tokens = g.need("tokenizer.ggml.tokens")
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": int(g.value("llama.context_length") or 4096),
+        "add_bos_token": bool(g.value("tokenizer.ggml.add_bos_token", False)),
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+    }
+    for role in ("bos", "eos", "unknown", "padding"):
+        idx = g.value(f"tokenizer.ggml.{role}_token_id")
+        if idx is not None:
+            key = {"unknown": "unk", "padding": "pad"}.get(role, role)
+            config[f"{key}_token"] = tokens[int(idx)]
+    if template := g.value("tokenizer.chat_template"):
+        config["chat_template"] = template
+    return config
+
+
+def write_tokenizer(g: Gguf, out_dir: Path) -> None:
+    build_tokenizer(g).save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(g), indent=1))

@@ -1,0 +1,112 @@
+"""GGUF tensors to the Hugging Face names and layout mlx-lm's llama model loads: renamed, Q and K
+rows un-permuted, then either kept quantized or dequantized to a dense dtype."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from batchsim.server.models.gguf.reader import GROUP_SIZE, Gguf, GgufError
+
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+PARTS = ("weight", "scales", "biases")
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|scales|biases)$")
+_TOP = re.compile(r"(\w+)\.(weight|scales|biases)$")
+
+
+def hf_name(gguf_name: str) -> str:
+    """`blk.3.attn_q.scales` -> `model.layers.3.self_attn.q_proj.scales`."""
+    if m := _BLOCK.match(gguf_name):
+        layer, kind, part = m.groups()
+        if kind in BLOCK_NAMES:
+            return f"model.layers.{layer}.{BLOCK_NAMES[kind]}.{part}"
+    elif (m := _TOP.match(gguf_name)) and m.group(1) in TOP_NAMES:
+        return f"{TOP_NAMES[m.group(1)]}.{m.group(2)}"
+    raise GgufError(f"tensor {gguf_name!r} has no place in a llama model "
+                    f"(known: {', '.join([*TOP_NAMES, *BLOCK_NAMES])})")
+
+
+def unpermute_rows(w: Any, n_head: int) -> Any:
+    """Undo llama.cpp's convert_hf_to_gguf permutation of Q/K rows (its RoPE pairs adjacent values,
+    Hugging Face's pairs the two halves of each head). Applies to weights, scales and biases alike."""
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise GgufError(f"cannot un-permute {rows} rows for {n_head} heads")
+    rest = tuple(w.shape[1:])
+    return w.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_rows(w: Any, n_head: int) -> Any:
+    """llama.cpp's permutation (what the converter did): the inverse of `unpermute_rows`."""
+    rows = w.shape[0]
+    rest = tuple(w.shape[1:])
+    return w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_tensors(g: Gguf, n_heads: int, n_kv_heads: int) -> dict[str, Any]:
+    """Every tensor under its Hugging Face name, Q and K rows back in Hugging Face order."""
+    heads_of = {"attn_q": n_heads, "attn_k": n_kv_heads}
+    out = {}
+    for name, arr in g.tensors.items():
+        kind = name.split(".")[-2]
+        if kind in heads_of:
+            arr = unpermute_rows(arr, heads_of[kind])
+        out[hf_name(name)] = arr
+    return out
+
+
+def quantized_bits(weights: dict[str, Any], base: str) -> int:
+    """Bits per value of a quantized matrix, from its packed and scale shapes."""
+    packed_cols = weights[f"{base}.weight"].shape[-1]
+    groups = weights[f"{base}.scales"].shape[-1]
+    return packed_cols * 32 // (groups * GROUP_SIZE)
+
+
+def quantized_bases(weights: dict[str, Any]) -> list[str]:
+    return sorted(k[: -len(".scales")] for k in weights if k.endswith(".scales"))
+
+
+def dequantized(weights: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """Dense weights in `dtype` (dequantized in float32, then cast)."""
+    import mlx.core as mx
+
+    mx_dtype = getattr(mx, dtype)
+    out = {}
+    for base in quantized_bases(weights):
+        w, s, b = (weights[f"{base}.{p}"] for p in PARTS)
+        dense = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32),
+                              group_size=GROUP_SIZE, bits=quantized_bits(weights, base))
+        out[f"{base}.weight"] = dense.astype(mx_dtype)
+    for name, arr in weights.items():
+        base = name.rsplit(".", 1)[0]
+        if base not in out and f"{base}.weight" not in out:
+            out[name] = arr.astype(mx_dtype)
+    return out
+
+
+def kept_quantized(weights: dict[str, Any], dtype: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Packed weights as they are, scales, biases and float tensors in `dtype` (float16 scales
+    are far slower on MLX's CPU backend); and config.json's quantization block."""
+    import mlx.core as mx
+
+    mx_dtype = getattr(mx, dtype)
+    out = {k: (v if v.dtype == mx.uint32 else v.astype(mx_dtype)) for k, v in weights.items()}
+    bits = {base: quantized_bits(weights, base) for base in quantized_bases(weights)}
+    if not bits:
+        return out, {}
+    common = max(set(bits.values()), key=list(bits.values()).count)
+    block: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": common}
+    block.update({base: {"group_size": GROUP_SIZE, "bits": b} for base, b in bits.items()
+                  if b != common})
+    return out, block

@@ -202,7 +202,7 @@ def _run_ranks(args: argparse.Namespace, cfg: RunConfig) -> dict | None:
         raise ConfigError("--ranks runs the real executor in-process (--executor mlx, no --target); "
                           "simulate clusters with `batchsim size --macs N`")
     if rank.is_rank_process():
-        return rank.run_rank(cfg, Path(args.out), progress=not args.no_progress)
+        return rank.run_rank(cfg, lambda s: run_session(s, Path(args.out), not args.no_progress))
     import sys
 
     from batchsim.server.distributed.launch import launch, prebuild

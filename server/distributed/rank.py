@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from batchsim.configs import ConfigError
@@ -36,8 +37,9 @@ class _Status:
         tmp.replace(self.path)
 
 
-def run_rank(cfg: Any, out_dir: Path, progress: bool) -> dict | None:
-    """This rank's part of the run; rank 0 returns the summary, the others None."""
+def run_rank(cfg: Any, run_session: Callable[[Any], dict]) -> dict | None:
+    """This rank's part of the run; rank 0 runs the workload with `run_session(session)` (the
+    CLI's: tables, progress, run directory) and returns its summary, the others None."""
     import mlx.core as mx
 
     rank = int(os.environ["MLX_RANK"])
@@ -45,7 +47,7 @@ def run_rank(cfg: Any, out_dir: Path, progress: bool) -> dict | None:
     signal.signal(signal.SIGTERM, lambda *_: _terminated(status))
     try:
         group = mx.distributed.init(strict=True)
-        summary = _serve_rank(cfg, group, out_dir, progress, status)
+        summary = _serve_rank(cfg, group, run_session, status)
     except ConfigError as exc:
         status.write(False, f"rank {rank}: {exc}")
         raise
@@ -58,7 +60,8 @@ def run_rank(cfg: Any, out_dir: Path, progress: bool) -> dict | None:
     return summary
 
 
-def _serve_rank(cfg: Any, group: Any, out_dir: Path, progress: bool, status: _Status) -> dict | None:
+def _serve_rank(cfg: Any, group: Any, run_session: Callable[[Any], dict],
+                status: _Status) -> dict | None:
     from batchsim.server.distributed.channel import PlanChannel, check_same_model, model_fingerprint
     from batchsim.server.distributed.executor import LeaderExecutor, follow, shard_for
     from batchsim.server.distributed.watchdog import Watchdog
@@ -76,14 +79,12 @@ def _serve_rank(cfg: Any, group: Any, out_dir: Path, progress: bool, status: _St
         follow(session.executor, channel, watchdog, int(die) if die and channel.rank == 1 else None)
         return None
     leader = LeaderExecutor(session.executor, channel, watchdog)
-    return _lead(dataclasses.replace(session, executor=leader), leader, out_dir, progress)
+    return _lead(dataclasses.replace(session, executor=leader), leader, run_session)
 
 
-def _lead(session: Any, leader: Any, out_dir: Path, progress: bool) -> dict:
-    from batchsim.scripts.run_cmd import run_session
-
+def _lead(session: Any, leader: Any, run_session: Callable[[Any], dict]) -> dict:
     t0 = time.perf_counter()
-    summary = run_session(session, out_dir, progress=progress)
+    summary = run_session(session)
     leader.stop()  # after a failure rank 0 exits instead, and mlx.launch stops the others
     channel = leader.channel
     summary.update({

@@ -208,8 +208,8 @@ def _run_ranks(args: argparse.Namespace, cfg: RunConfig) -> dict | None:
     from batchsim.server.distributed.launch import launch, prebuild
     from batchsim.server.platform.env import default_dtype
 
-    if not args.hostfile:
-        prebuild(cfg.model, cfg.dtype if cfg.dtype != "auto" else default_dtype(), cfg.quantize)
+    dtype = cfg.dtype if cfg.dtype != "auto" else default_dtype()
+    prebuild(cfg.model, dtype, cfg.quantize, args.ranks, local=not args.hostfile)
     try:
         launch(getattr(args, "_argv", None) or sys.argv[1:], args.ranks, args.hostfile)
     except RuntimeError as exc:

@@ -104,3 +104,17 @@ def test_output_tokens_sha256_follows_request_ids_and_tokens():
     assert output_tokens_sha256({1: [7], 0: [5, 6]}) == base  # request-id order, not insertion
     assert output_tokens_sha256({0: [5], 1: [6, 7]}) != base  # same tokens, other requests
     assert output_tokens_sha256({0: [5, 6], 1: [8]}) != base
+
+
+def test_the_watchdog_ends_a_step_that_outlives_its_deadline():
+    import threading
+
+    from batchsim.server.distributed.watchdog import Watchdog
+
+    fired: list[str] = []
+    done = threading.Event()
+    dog = Watchdog(0.2, on_expire=lambda msg: (fired.append(msg), done.set()))
+    dog.arm("rank 0: step 7")
+    assert done.wait(10)
+    assert fired == ["rank 0: step 7 took over 0.2 s: a peer rank is not answering (hung, or its "
+                     "link is down)"]

@@ -35,14 +35,19 @@ def check_hostfile(path: str, ranks: int) -> None:
                           "backend connects to IP addresses)")
 
 
-def prebuild(model: str, dtype: str, quantize: int | None) -> None:
-    """Build a zoo model once before local ranks look for it (two ranks building the same
-    directory would race); skipped without importing mlx-lm when it is built already."""
+def prebuild(model: str, dtype: str, quantize: int | None, ranks: int, local: bool) -> None:
+    """Refuse a model whose heads do not split across the ranks, then build a zoo model once
+    before local ranks look for it (two ranks building one directory would race); skipped
+    without importing mlx-lm when it is built already."""
     from batchsim.server.models.build import build_id, cache_root, is_built
     from batchsim.server.models.loader import resolve
 
     early = resolve(model, dtype, quantize, build=False)
-    if early.path == Path() and not is_built(cache_root() / build_id(early.spec.name, dtype, quantize),
+    spec = early.spec
+    if spec.num_heads % ranks or spec.num_kv_heads % ranks:
+        raise ConfigError(f"model {spec.name}: {spec.num_heads} query / {spec.num_kv_heads} KV heads "
+                          f"do not split across {ranks} ranks (tensor parallel)")
+    if local and early.path == Path() and not is_built(cache_root() / build_id(early.spec.name, dtype, quantize),
                                              early.spec, dtype, quantize):
         resolve(model, dtype, quantize)
 

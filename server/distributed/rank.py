@@ -19,7 +19,7 @@ from batchsim.configs import ConfigError
 STATUS_DIR_ENV = "BATCHSIM_RANKS_DIR"  # set by the launcher: where ranks leave their status
 DIE_AT_STEP_ENV = "BATCHSIM_FAULT_DIE_AT_STEP"  # tests: rank 1 kills itself at this step
 TIMEOUT_ENV = "BATCHSIM_RANK_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_TIMEOUT_S = 600.0  # per step: a long prefill on a loaded CPU must not trip it
 
 
 def is_rank_process() -> bool:

@@ -246,7 +246,9 @@ def _notes(rows: list[dict], meta: dict, what: str, spec: ModelSpec) -> list[str
                      f"parallel over {meta['link_name']} ({meta['link_bandwidth_gbs']:g} GB/s, "
                      f"{meta['link_latency_us']:g} us per message, {meta['link_topology']}). "
                      f"Memory, weights, KV/seq and max batch are per Mac; tok/s is the cluster's; "
-                     f"--explain shows the link's share (comm).")
+                     f"--explain shows the link's share (comm)."
+                     + (" RDMA over Thunderbolt needs Thunderbolt 5 and macOS 26.2 (M1/M2 Macs "
+                        "have Thunderbolt 4: --link tb4)." if meta["link"] == "tb5-rdma" else ""))
     if any(not r["compute_known"] for r in rows):
         notes.append("* peak FLOP/s not public (M5): bound by bandwidth only.")
     if any(r["capped"] for r in rows):

@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from batchsim.configs import ConfigError
 from batchsim.scheduler.config import SchedulerSettings
 from batchsim.scheduler.kv_layout import KV_STEP
-from batchsim.scripts.common import CommandFailed, add_field_argument, err, out, positive_float
+from batchsim.scripts.common import (CommandFailed, add_field_argument, err, out, positive_float,
+                                     positive_int)
 from batchsim.server.engine.run_config import DTYPES, RunConfig, load_run_config, with_run_overrides
 from batchsim.server.models.spec import KV_BITS, QUANT_BITS
 from batchsim.workloads.lengths import LengthSpec, parse_length
@@ -122,6 +124,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                        "http://127.0.0.1:8000/v1): send the workload over HTTP instead of running "
                        "in-process")
     g.add_argument("--no-progress", action="store_true", help="no live progress line")
+    d = p.add_argument_group("ranks (tensor-parallel decode over mx.distributed)")
+    d.add_argument("--ranks", type=positive_int, default=1, help="run on N ranks started by "
+                   "mlx.launch (ring backend on loopback unless --hostfile); the KV budget is per "
+                   "rank; the summary's output_tokens_sha256 compares runs token for token")
+    d.add_argument("--hostfile", help="mlx.launch hostfile (JSON: hosts with ssh and ips) to run "
+                   "the ranks across Macs; the same batchsim and model path on every host")
 
 
 def _trace_override(args: argparse.Namespace, cfg: RunConfig) -> TraceSpec | None:
@@ -176,6 +184,8 @@ def run(args: argparse.Namespace) -> dict:
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(str(exc)) from None
+    if args.ranks > 1 or args.hostfile:
+        return _run_ranks(args, cfg)
     if cfg.target:
         summary = run_over_http(cfg, Path(args.out), progress=not args.no_progress)
         if summary["completed"] == 0 and summary["failed"] > 0:
@@ -183,6 +193,28 @@ def run(args: argparse.Namespace) -> dict:
                                 f"(HTTP statuses: {summary['http_statuses']})", summary)
         return summary
     return run_in_process(cfg, Path(args.out), progress=not args.no_progress)
+
+
+def _run_ranks(args: argparse.Namespace, cfg: RunConfig) -> dict | None:
+    from batchsim.server.distributed import rank
+
+    if cfg.executor != "mlx" or cfg.target:
+        raise ConfigError("--ranks runs the real executor in-process (--executor mlx, no --target); "
+                          "simulate clusters with `batchsim size --macs N`")
+    if rank.is_rank_process():
+        return rank.run_rank(cfg, lambda s: run_session(s, Path(args.out), not args.no_progress))
+    import sys
+
+    from batchsim.server.distributed.launch import launch, prebuild
+    from batchsim.server.platform.env import default_dtype
+
+    dtype = cfg.dtype if cfg.dtype != "auto" else default_dtype()
+    prebuild(cfg.model, dtype, cfg.quantize, args.ranks, local=not args.hostfile)
+    try:
+        launch(getattr(args, "_argv", None) or sys.argv[1:], args.ranks, args.hostfile)
+    except RuntimeError as exc:
+        raise CommandFailed(str(exc), {"error": str(exc), "ranks": args.ranks}) from None
+    return None  # rank 0 printed the summary
 
 
 def run_over_http(cfg: RunConfig, out_dir: Path, progress: bool = True) -> dict:
@@ -203,11 +235,17 @@ def run_over_http(cfg: RunConfig, out_dir: Path, progress: bool = True) -> dict:
 
 def run_in_process(cfg: RunConfig, out_dir: Path, progress: bool = True, label: str | None = None,
                    quiet: bool = False) -> dict:
-    from batchsim.scripts.progress import RunProgress
-    from batchsim.server.engine.runner import run_workload
     from batchsim.server.engine.session import open_session
 
-    session = open_session(cfg)
+    return run_session(open_session(cfg), out_dir, progress, label, quiet)
+
+
+def run_session(session: Any, out_dir: Path, progress: bool = True, label: str | None = None,
+                quiet: bool = False) -> dict:
+    from batchsim.scripts.progress import RunProgress
+    from batchsim.server.engine.runner import run_workload
+
+    cfg = session.config
     spec = cfg.workload
     label = label or f"{session.ref.name}-{spec.name}-{cfg.executor}"
     if not quiet:

@@ -27,6 +27,7 @@ from batchsim.scripts.common import (
 from batchsim.server.models.loader import spec_for
 from batchsim.server.models.spec import FLOAT_DTYPES, KV_BITS, QUANT_BITS, ModelSpec, zoo_names
 from batchsim.server.perf import macs
+from batchsim.server.perf.cluster import Cluster, resolve_link
 from batchsim.server.perf.gpu_fit import fit_format, load_fit
 from batchsim.server.perf.profile import KV_DEQUANT_OPS_PER_ELEMENT
 from batchsim.server.perf.size_limits import (
@@ -77,6 +78,16 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="also print the predicted decode step's parts (weights, matmul, attention, "
                         "elementwise, fixed, overhead) at batch 1 and at the max batch; the JSON "
                         "rows gain parts_b1 and parts_max_batch (seconds)")
+    c = p.add_argument_group("cluster (tensor- or pipeline-parallel across Macs)")
+    c.add_argument("--macs", type=_positive_int, default=1,
+                   help="N Macs of each row's kind and memory: weights split across them, KV "
+                        "budget per Mac, the link's time in every step (server/perf/cluster.py)")
+    c.add_argument("--link", default="tb5-rdma",
+                   help="link between the Macs (configs/links.yaml: tb5-rdma, tb5, tb4, 10gbe, "
+                        "loopback)")
+    c.add_argument("--parallel", choices=["tensor", "pipeline"], default="tensor",
+                   help="tensor: mlx-lm's shard(), every layer split, 2 all-reduces per layer; "
+                        "pipeline: layers split, one batch passes the Macs in turn")
     p.add_argument("--out", type=Path, default=Path("results"),
                    help="directory for size.jsonl and the PNG")
 
@@ -118,13 +129,16 @@ def run(args: argparse.Namespace) -> dict:
     meta = _meta(args, spec, catalog, ctx)
     s = Settings(args.dtype, args.quantize, args.bandwidth_efficiency, args.compute_efficiency,
                  meta["os_reserve_gb"], args.kv_bits, fit=load_fit())
-    rows = [mac_row(spec, m, gb, ctx, s, ws, explain=args.explain)
+    cluster = _cluster(args)
+    meta.update(_cluster_meta(cluster))
+    rows = [mac_row(spec, m, gb, ctx, s, ws, explain=args.explain, cluster=cluster)
             for m in chosen for gb in ([args.memory_gb] if args.memory_gb else m.mem_gb)]
     _print(rows, meta, spec)
     if args.explain:
         _print_parts(rows, meta)
     tag = f"{spec.name}-{f'q{args.quantize}' if args.quantize else args.dtype}"
     tag += f"-kv{args.kv_bits}" if args.kv_bits else ""
+    tag += f"-x{args.macs}-{args.link}-{args.parallel}" if cluster else ""
     stamp = timestamp()
     jsonl = append_jsonl(args.out / "size.jsonl",
                          [{"kind": "size", "time": stamp, **meta, **r} for r in rows])
@@ -133,6 +147,20 @@ def run(args: argparse.Namespace) -> dict:
     return {"rows": rows, **meta, "fits_any": any(r["fits"] for r in rows),
             "fits_any_raised": any(r["fits_raised"] for r in rows),
             "jsonl": str(jsonl), "png": str(png)}
+
+
+def _cluster(args: argparse.Namespace) -> Cluster | None:
+    return Cluster(args.macs, resolve_link(args.link), args.parallel) if args.macs > 1 else None
+
+
+def _cluster_meta(cluster: Cluster | None) -> dict:
+    if cluster is None:
+        return {"macs": 1}
+    link = cluster.link
+    return {"macs": cluster.ranks, "parallel": cluster.parallel, "link": link.key,
+            "link_name": link.name, "link_bandwidth_gbs": link.bandwidth_gbs,
+            "link_latency_us": link.latency_us, "link_topology": link.topology,
+            "link_source": link.source}
 
 
 def _meta(args: argparse.Namespace, spec: ModelSpec, catalog: macs.Catalog,
@@ -215,6 +243,14 @@ def _notes(rows: list[dict], meta: dict, what: str, spec: ModelSpec) -> list[str
                      f"assumed dequantization of {KV_DEQUANT_OPS_PER_ELEMENT} ops per K/V element "
                      f"at the compute rate (not measured on Metal). Batched MLX serving of it: not "
                      f"yet (`run --executor sim` simulates it).")
+    if meta["macs"] > 1:
+        notes.append(f"Cluster: {meta['macs']} Macs of each row's kind, {meta['parallel']} "
+                     f"parallel over {meta['link_name']} ({meta['link_bandwidth_gbs']:g} GB/s, "
+                     f"{meta['link_latency_us']:g} us per message, {meta['link_topology']}). "
+                     f"Memory, weights, KV/seq and max batch are per Mac; tok/s is the cluster's; "
+                     f"--explain shows the link's share (comm)."
+                     + (" RDMA over Thunderbolt needs Thunderbolt 5 and macOS 26.2 (M1/M2 Macs "
+                        "have Thunderbolt 4: --link tb4)." if meta["link"] == "tb5-rdma" else ""))
     if any(not r["compute_known"] for r in rows):
         notes.append("* peak FLOP/s not public (M5): bound by bandwidth only.")
     if any(r["capped"] for r in rows):

@@ -85,4 +85,4 @@ def test_parts_as_dict_carry_the_total():
     d = t.as_dict()
     assert d["total_s"] == t.total_s
     assert set(d) == {"weights_s", "matmul_s", "attention_s", "elementwise_s", "fixed_s",
-                      "step_overhead_s", "copy_s", "experts_s", "total_s"}
+                      "step_overhead_s", "copy_s", "experts_s", "comm_s", "total_s"}

@@ -21,7 +21,8 @@ from batchsim.server.engine.engine import Engine
 from batchsim.server.engine.memory import peak_resident_bytes
 from batchsim.server.engine.session import Session
 from batchsim.server.results.jsonio import jsonable, new_run_dir, write_jsonl
-from batchsim.server.results.metrics import RequestRecord, StepRecord, summarize
+from batchsim.server.results.metrics import (RequestRecord, StepRecord, output_tokens_sha256,
+                                             summarize)
 from batchsim.workloads.driver import drive_interruptibly
 from batchsim.workloads.requests import (
     RequestSpec,
@@ -130,6 +131,9 @@ def run_workload(
         "mean_arrival_lateness_ms": 1e3 * float(np.mean(run.lateness_s)) if run.lateness_s else 0.0,
         "interrupted": run.interrupted,
     })
+    if session.executor.caps.real_compute:  # simulated tokens are not tokens
+        summary["output_tokens_sha256"] = output_tokens_sha256(
+            {rid: r.output_token_ids for rid, r in rec.requests.items()})
     if run.virtual:
         summary["sim_speedup"] = duration / wall if wall > 0 else float("inf")
     run_dir = _write_run_dir(out_dir, label, session, spec, records, steps, summary) if out_dir else None

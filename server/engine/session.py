@@ -4,6 +4,7 @@ executor, the memory budget, and the scheduler limits that follow from them."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from batchsim.configs import ConfigError
@@ -119,7 +120,10 @@ def memory_budget(memory_gb: float | None) -> tuple[int, str]:
     return int(ram * CPU_BUDGET_FRACTION), f"{CPU_BUDGET_FRACTION:.0%} of RAM (CPU backend)"
 
 
-def open_session(cfg: RunConfig, executor: Executor | None = None) -> Session:
+def open_session(cfg: RunConfig, executor: Executor | None = None,
+                 prepare_model: Callable[[Any], Any] | None = None) -> Session:
+    """`prepare_model`: applied to the loaded model before the executor is built (a rank's shard:
+    weights and KV are then counted per rank)."""
     dtype = cfg.dtype if cfg.dtype != "auto" else _auto_dtype(cfg)
     budget, source = memory_budget(cfg.memory_gb)
     if cfg.executor == "sim" and cfg.memory_gb is None:
@@ -127,7 +131,7 @@ def open_session(cfg: RunConfig, executor: Executor | None = None) -> Session:
 
         budget, source = mac_budget(cfg.device_profile) or (budget, source)
     if cfg.executor == "mlx" and executor is None:
-        return _open_mlx(cfg, dtype, budget, source)
+        return _open_mlx(cfg, dtype, budget, source, prepare_model)
     ref = resolve(cfg.model, dtype, cfg.quantize, build=False)
     kv_dtype = "float16" if ref.quantize_bits else ref.dtype
     if executor is None:
@@ -151,7 +155,8 @@ def _auto_dtype(cfg: RunConfig) -> str:
     return profile_dtype(resolve_profile(cfg.device_profile))
 
 
-def _open_mlx(cfg: RunConfig, dtype: str, budget: int, source: str) -> Session:
+def _open_mlx(cfg: RunConfig, dtype: str, budget: int, source: str,
+              prepare_model: Callable[[Any], Any] | None = None) -> Session:
     from batchsim.server.models.loader import load
     from mlx.utils import tree_flatten
 
@@ -161,10 +166,12 @@ def _open_mlx(cfg: RunConfig, dtype: str, budget: int, source: str) -> Session:
     early.spec.check_kv_bits(cfg.kv_bits)
     _require_moe_dtype(early)
     weight_bytes = early.spec.weight_bytes(early.dtype, early.quantize_bits)
-    if weight_bytes >= budget:
+    if prepare_model is None and weight_bytes >= budget:  # a rank's shard is checked once loaded
         _raise_no_fit(early.name, weight_bytes, budget, source)
     ref = resolve(cfg.model, dtype, cfg.quantize)
     model, tokenizer = load(ref)
+    if prepare_model is not None:
+        model = prepare_model(model)
     executor = build_executor(cfg, ref, model)
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     # Other than dense: the scheduler prices what the executor's pool holds, by layer kind.

@@ -17,6 +17,7 @@ from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.perf import macs
 from batchsim.server.perf.gpu_fit import GpuFit, mac_profile
 from batchsim.server.perf.profile import DeviceProfile
+from batchsim.server.perf.cluster import Cluster
 from batchsim.server.perf.stepcost import StepCost, StepTime
 from batchsim.workloads.lengths import parse_length
 
@@ -109,6 +110,12 @@ def layered_curves(spec: ModelSpec, ctx: ContextFit, dtype: str, kv_bytes_per_to
     return batch * whole, ctx.paged_tokens * kv_bytes_per_token + batch * bounded
 
 
+def _scaled(c: KvComposition, share: float) -> KvComposition:
+    if share == 1.0:
+        return c
+    return KvComposition(*(round(v * share) for v in dataclasses.astuple(c)))
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     dtype: str
@@ -128,9 +135,11 @@ def mac_profile_for(mac: macs.Mac, s: Settings) -> DeviceProfile:
     return mac.profile(s.bandwidth_efficiency, s.compute_efficiency)
 
 
-def mac_cost(spec: ModelSpec, mac: macs.Mac, s: Settings) -> StepCost:
-    """The simulator's step cost on this Mac."""
-    return StepCost(spec, mac_profile_for(mac, s), s.dtype, s.quantize_bits, s.kv_bits)
+def mac_cost(spec: ModelSpec, mac: macs.Mac, s: Settings, cluster: Cluster | None = None) -> StepCost:
+    """The simulator's step cost on this Mac; with `cluster`, one rank's share on N such Macs plus
+    the link."""
+    return StepCost(spec, mac_profile_for(mac, s), s.dtype, s.quantize_bits, s.kv_bits,
+                    cluster=cluster)
 
 
 def decode_step(cost: StepCost, batch: int, context_tokens: int) -> StepTime | None:
@@ -151,13 +160,16 @@ def bound(step: StepTime | None) -> str | None:
 
 
 def mac_row(spec: ModelSpec, mac: macs.Mac, memory_gb: float, ctx: ContextFit, s: Settings,
-            ws: macs.MetalWorkingSet, explain: bool = False) -> dict:
+            ws: macs.MetalWorkingSet, explain: bool = False, cluster: Cluster | None = None) -> dict:
     """One table row: a Mac with `memory_gb` of RAM running `spec` under `s` (with `explain`,
-    the predicted step's parts at batch 1 and at the max batch too)."""
+    the predicted step's parts at batch 1 and at the max batch too). With `cluster`: N such
+    Macs, each holding its share of the weights and of every sequence's KV (bytes per Mac)."""
     profile = mac_profile_for(mac, s)
-    cost = StepCost(spec, profile, s.dtype, s.quantize_bits, s.kv_bits)
-    weights = spec.weight_bytes(s.dtype, s.quantize_bits)
-    kv_tok = cost.kv_bytes_per_token
+    cost = mac_cost(spec, mac, s, cluster)
+    weights = (cluster.weight_bytes_per_rank(spec, s.dtype, s.quantize_bits) if cluster
+               else spec.weight_bytes(s.dtype, s.quantize_bits))
+    share = cluster.kv_share(spec) if cluster else 1.0
+    kv_tok = round(cost.kv_bytes_per_token * share)
     usable = macs.default_working_set_bytes(memory_gb, ws)
     raised = macs.raised_working_set_bytes(memory_gb, ws, s.os_reserve_gb)
     width = round(ctx.mean_tokens)
@@ -165,8 +177,9 @@ def mac_row(spec: ModelSpec, mac: macs.Mac, memory_gb: float, ctx: ContextFit, s
         curves, unit = (ctx.padded_tokens, ctx.paged_tokens), kv_tok
         per_seq = KvComposition(round(ctx.mean_tokens * kv_tok), 0, 0)
     else:
-        curves, unit = layered_curves(spec, ctx, cost.act_dtype, kv_tok, cost.kv_bits), 1
-        per_seq = kv_composition(spec, width, cost.act_dtype, cost.kv_bits)
+        curves = layered_curves(spec, ctx, cost.act_dtype, cost.kv_bytes_per_token, cost.kv_bits)
+        curves, unit = tuple((c * share).astype(np.int64) for c in curves), 1
+        per_seq = _scaled(kv_composition(spec, width, cost.act_dtype, cost.kv_bits), share)
     padded, paged, padded_r, paged_r = (
         max_batch(curve, limit - weights, unit) for limit in (usable, raised) for curve in curves
     )

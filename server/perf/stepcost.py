@@ -20,6 +20,7 @@ from typing import Protocol
 
 from batchsim.server.models.arch import QUANT_GROUP_SIZE, quantized_matrix_bytes
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
+from batchsim.server.perf.cluster import Cluster
 from batchsim.server.perf.family_cost import FamilyCost
 from batchsim.server.perf.profile import (KV_DEQUANT_OPS_PER_ELEMENT, Calibration, DeviceProfile,
                                           compute_dtype)
@@ -37,6 +38,7 @@ class StepTime:
     step_overhead_s: float  # the engine's own work per step (scheduling, hand-off, sync)
     copy_s: float = 0.0  # KV pool copies: joins, compaction, regrowth
     experts_s: float = 0.0  # MoE: routed experts' gathered matmuls (their weights and FLOPs)
+    comm_s: float = 0.0  # between ranks: all-reduces (tensor parallel) or sends (pipeline); 0 on one
 
     @property
     def total_s(self) -> float:
@@ -83,7 +85,7 @@ def weight_bytes_per_element(fmt: str) -> float:
 
 class StepCost:
     def __init__(self, spec: ModelSpec, profile: DeviceProfile, dtype: str,
-                 quantize_bits: int | None, kv_bits: int | None = None):
+                 quantize_bits: int | None, kv_bits: int | None = None, cluster: Cluster | None = None):
         self.spec = spec
         self.profile = profile
         self.cal: Calibration | None = profile.calibration
@@ -91,6 +93,8 @@ class StepCost:
         self.act_dtype = compute_dtype(dtype, quantize_bits)
         self.act_bytes = dtype_bytes(self.act_dtype)
         self.kv_bits = kv_bits  # None: float K/V; 4 or 8: mlx-lm's QuantizedKVCache
+        # N Macs sharing the model (step_time prices one rank's share plus the link); None: one.
+        self.cluster = cluster if cluster is not None and cluster.ranks > 1 else None
         self.kv_bytes_per_token = spec.kv_bytes_per_token(self.act_dtype, kv_bits)
         self.gemm = None
         if self.cal is not None:
@@ -291,8 +295,26 @@ class StepCost:
         """One engine step: its prefill chunks, a decode forward over `decode_rows` rows padded to
         `width` tokens, the pool copies before them and the engine's overhead."""
         total = StepTime(0.0, 0.0, 0.0, 0.0, 0.0, self.step_overhead_s, self.copy_s(copy_bytes))
+        rows = head_rows = 0
         for c in prefills:
             total += self.prefill_time(c.num_tokens, c.start, c.sample)
+            rows, head_rows = rows + c.num_tokens, head_rows + (1 if c.sample else 0)
         if decode_rows:
             total += self.decode_time(decode_rows, width)
-        return total
+            rows, head_rows = rows + decode_rows, head_rows + decode_rows
+        return self._on_cluster(total, rows, head_rows) if self.cluster else total
+
+    def _on_cluster(self, one: StepTime, rows: int, head_rows: int) -> StepTime:
+        """One rank's step: tensor parallel splits the linear layers, experts and (but for MLA's
+        latent cache) attention N ways, not the lm head, norms or fixed costs; pipeline splits
+        nothing in time. Both add the link's time (cluster.py)."""
+        c, s = self.cluster, self.spec
+        comm_s = c.comm_s(s, rows, self.act_bytes)
+        if c.parallel == "pipeline":
+            return dataclasses.replace(one, comm_s=comm_s)
+        head_w, head_m = self.linear_split(head_rows, s.hidden_size, s.vocab_size) if head_rows else (0, 0)
+        n = c.ranks
+        return dataclasses.replace(
+            one, weights_s=(one.weights_s - head_w) / n + head_w,
+            matmul_s=(one.matmul_s - head_m) / n + head_m, experts_s=one.experts_s / n,
+            attention_s=one.attention_s * c.kv_share(s), comm_s=comm_s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -367,3 +368,12 @@ def summarize(
                            peak_memory_bytes))
     out["peak_rss_bytes"] = peak_rss_bytes  # the process's peak resident memory (real compute)
     return out
+
+
+def output_tokens_sha256(output_ids: Mapping[int, Sequence[int]]) -> str:
+    """sha256 over request ids and their output token ids, in request-id order: two runs with the
+    same digest produced the same tokens for every request."""
+    h = hashlib.sha256()
+    for rid in sorted(output_ids):
+        h.update(f"{rid}:{','.join(map(str, output_ids[rid]))};".encode())
+    return h.hexdigest()

@@ -1,0 +1,115 @@
+"""`batchsim run --ranks N`: start N ranks of the same command through mlx.launch (the ring
+backend on loopback, or the hosts of `--hostfile`), pass rank 0's output through, and turn the
+ranks' status files into one clear error when any rank failed."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from batchsim.configs import ConfigError
+from batchsim.server.distributed.rank import STATUS_DIR_ENV
+
+PASS_ENV = ("BATCHSIM_HOME", "BATCHSIM_BLAS", "BATCHSIM_FAULT_DIE_AT_STEP", "BATCHSIM_RANK_TIMEOUT_S")
+
+
+def check_hostfile(path: str, ranks: int) -> None:
+    """A bad hostfile is a one-line error here, not mlx.launch's usage text or a hang."""
+    from mlx._distributed_utils.common import Hostfile
+
+    try:
+        hosts = Hostfile.from_file(path).hosts
+    except ValueError as exc:
+        raise ConfigError(f"--hostfile: {exc}") from None
+    if len(hosts) != ranks:
+        raise ConfigError(f"--hostfile {path}: {len(hosts)} hosts for --ranks {ranks}")
+    missing = [h.ssh_hostname for h in hosts if not h.ips]
+    if missing:
+        raise ConfigError(f"--hostfile {path}: host(s) {', '.join(missing)} have no 'ips' (the ring "
+                          "backend connects to IP addresses)")
+
+
+def prebuild(model: str, dtype: str, quantize: int | None, ranks: int, local: bool) -> None:
+    """Refuse a model whose heads do not split across the ranks, then build a zoo model once
+    before local ranks look for it (two ranks building one directory would race); skipped
+    without importing mlx-lm when it is built already."""
+    from batchsim.server.models.build import build_id, cache_root, is_built
+    from batchsim.server.models.loader import resolve
+
+    early = resolve(model, dtype, quantize, build=False)
+    spec = early.spec
+    if spec.num_heads % ranks or spec.num_kv_heads % ranks:
+        raise ConfigError(f"model {spec.name}: {spec.num_heads} query / {spec.num_kv_heads} KV heads "
+                          f"do not split across {ranks} ranks (tensor parallel)")
+    if local and early.path == Path() and not is_built(cache_root() / build_id(early.spec.name, dtype, quantize),
+                                             early.spec, dtype, quantize):
+        resolve(model, dtype, quantize)
+
+
+def launch_command(argv: list[str], ranks: int, hostfile: str | None, port: int,
+                   status_dir: str) -> list[str]:
+    """mlx.launch running this same `batchsim` command line on every rank."""
+    cmd = [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()",
+           "--starting-port", str(port)]
+    cmd += ["--hostfile", hostfile] if hostfile else ["--backend", "ring", "-n", str(ranks)]
+    envs = [f"{STATUS_DIR_ENV}={status_dir}"]
+    envs += [f"{k}={os.environ[k]}" for k in PASS_ENV if k in os.environ]
+    for e in envs:
+        cmd += ["--env", e]
+    return cmd + ["--", sys.executable, "-m", "batchsim.scripts.cli", *argv]
+
+
+def launch(argv: list[str], ranks: int, hostfile: str | None) -> None:
+    """Run the ranks; rank 0 prints the tables and the summary. Raises RuntimeError naming the
+    rank that failed first (a dead rank over the others it took down)."""
+    if hostfile:
+        check_hostfile(hostfile, ranks)
+    with tempfile.TemporaryDirectory(prefix="batchsim-ranks-") as status_dir:
+        cmd = launch_command(argv, ranks, hostfile, free_port(ranks), status_dir)
+        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL)
+        error = ranks_error(Path(status_dir), ranks)
+    if error:
+        raise RuntimeError(error)
+    if proc.returncode:
+        raise RuntimeError(f"mlx.launch exited with status {proc.returncode}")
+
+
+def ranks_error(status_dir: Path, ranks: int) -> str | None:
+    """One line from the ranks' status files: the dead ranks, then what the others reported."""
+    dead, errors, stopped = [], [], []
+    for r in range(ranks):
+        path = status_dir / f"rank{r}.json"
+        if not path.exists():
+            dead.append(r)
+            continue
+        status = json.loads(path.read_text())
+        if not status["ok"]:
+            (stopped if status.get("terminated") else errors).append(status["error"])
+    if not dead and not errors and not stopped:
+        return None
+    parts = [f"rank {r} died (killed or crashed before reporting)" for r in dead]
+    return "; ".join(parts + errors + (stopped if not parts and not errors else []))
+
+
+def free_port(ranks: int) -> int:
+    """A starting port with `ranks` free ports after it on loopback (parallel runs must not meet)."""
+    for _ in range(50):
+        port = random.randrange(20000, 60000 - ranks)
+        if all(_is_free(port + i) for i in range(ranks)):
+            return port
+    raise RuntimeError("no free loopback ports for the ranks")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

@@ -1,0 +1,117 @@
+"""One rank of `batchsim run --ranks N`, started by mlx.launch: join the group, refuse different
+model files, load this rank's shard, then rank 0 runs the workload (scheduler, recorder, summary)
+while the others follow its plans. Each rank leaves a status file for the launching process."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any
+
+from batchsim.configs import ConfigError
+
+STATUS_DIR_ENV = "BATCHSIM_RANKS_DIR"  # set by the launcher: where ranks leave their status
+DIE_AT_STEP_ENV = "BATCHSIM_FAULT_DIE_AT_STEP"  # tests: rank 1 kills itself at this step
+TIMEOUT_ENV = "BATCHSIM_RANK_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 600.0  # per step: a long prefill on a loaded CPU must not trip it
+
+
+def is_rank_process() -> bool:
+    return STATUS_DIR_ENV in os.environ and "MLX_RANK" in os.environ
+
+
+class _Status:
+    def __init__(self, rank: int):
+        self.path = Path(os.environ[STATUS_DIR_ENV]) / f"rank{rank}.json"
+        self.rank = rank
+
+    def write(self, ok: bool, error: str | None = None, **extra: Any) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"rank": self.rank, "ok": ok, "error": error, **extra}))
+        tmp.replace(self.path)
+
+
+def run_rank(cfg: Any, run_session: Callable[[Any], dict]) -> dict | None:
+    """This rank's part of the run; rank 0 runs the workload with `run_session(session)` (the
+    CLI's: tables, progress, run directory) and returns its summary, the others None."""
+    import mlx.core as mx
+
+    rank = int(os.environ["MLX_RANK"])
+    status = _Status(rank)
+    signal.signal(signal.SIGTERM, lambda *_: _terminated(status))
+    try:
+        group = mx.distributed.init(strict=True)
+        summary = _serve_rank(cfg, group, run_session, status)
+    except ConfigError as exc:
+        status.write(False, f"rank {rank}: {exc}")
+        raise
+    except Exception as exc:  # one line, not a traceback per rank; the launcher names the cause
+        message = f"rank {rank}: {_plain(exc)}"
+        status.write(False, message)
+        print(message, file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    status.write(True)
+    return summary
+
+
+def _serve_rank(cfg: Any, group: Any, run_session: Callable[[Any], dict],
+                status: _Status) -> dict | None:
+    from batchsim.server.distributed.channel import PlanChannel, check_same_model, model_fingerprint
+    from batchsim.server.distributed.executor import LeaderExecutor, follow, shard_for
+    from batchsim.server.distributed.watchdog import Watchdog
+    from batchsim.server.engine.session import open_session
+    from batchsim.server.models.loader import resolve
+
+    channel = PlanChannel(group)
+    ref = resolve(cfg.model, cfg.dtype if cfg.dtype != "auto" else _auto(), cfg.quantize)
+    check_same_model(channel.gather_bytes(model_fingerprint(ref.path)), ref.path)
+    session = open_session(cfg, prepare_model=shard_for(group, ref.name))
+    timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+    watchdog = Watchdog(timeout_s, on_expire=lambda msg: _expire(status, msg))
+    if channel.rank != 0:
+        die = os.environ.get(DIE_AT_STEP_ENV)
+        follow(session.executor, channel, watchdog, int(die) if die and channel.rank == 1 else None)
+        return None
+    leader = LeaderExecutor(session.executor, channel, watchdog)
+    return _lead(dataclasses.replace(session, executor=leader), leader, run_session)
+
+
+def _lead(session: Any, leader: Any, run_session: Callable[[Any], dict]) -> dict:
+    t0 = time.perf_counter()
+    summary = run_session(session)
+    leader.stop()  # after a failure rank 0 exits instead, and mlx.launch stops the others
+    channel = leader.channel
+    summary.update({
+        "ranks": channel.size, "parallel": "tensor",
+        "plan_broadcast_s": channel.broadcast_s, "plan_messages": channel.num_messages,
+        "ranks_wall_s": time.perf_counter() - t0,
+    })
+    return summary
+
+
+def _plain(exc: BaseException) -> str:
+    return str(exc).replace("[ring] ", "ring backend: ") or type(exc).__name__
+
+
+def _auto() -> str:
+    from batchsim.server.platform import env
+
+    return env.default_dtype()
+
+
+def _terminated(status: _Status) -> None:
+    status.write(False, f"rank {status.rank}: stopped by mlx.launch (another rank failed)",
+                 terminated=True)
+    os._exit(143)
+
+
+def _expire(status: _Status, message: str) -> None:
+    status.write(False, message)
+    print(message, file=sys.stderr, flush=True)
+    os._exit(3)

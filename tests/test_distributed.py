@@ -1,0 +1,120 @@
+"""Decode across ranks (server/distributed): two real ranks over mlx.launch's ring backend on
+loopback produce the same tokens as one; a dead rank ends the run with a clear error; different
+model files and bad hostfiles are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from batchsim.configs import ConfigError
+from batchsim.server.results.metrics import output_tokens_sha256
+
+ARGS = ["run", "--model", "tiny", "--request-rate", "inf", "--num-prompts", "6", "--input-len",
+        "uniform:8:40", "--output-len", "uniform:4:12", "--max-num-seqs", "4", "--no-progress"]
+HANG_GUARD_S = 120  # a hang fails the test instead of the suite
+
+
+def _cli(args: list[str], out: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "batchsim.scripts.cli", *args, "--out", str(out)],
+                          capture_output=True, text=True, timeout=HANG_GUARD_S,
+                          env={**os.environ, **env}, stdin=subprocess.DEVNULL)
+
+
+def _one_rank_summary(out: Path) -> dict:
+    from batchsim.scripts import run_cmd
+    from batchsim.scripts.cli import build_parser
+
+    return run_cmd.run(build_parser().parse_args([*ARGS, "--out", str(out)]))
+
+
+def test_two_ranks_decode_the_same_tokens_as_one(tiny, tmp_path):
+    one = _one_rank_summary(tmp_path / "one")
+    proc = _cli([*ARGS, "--ranks", "2"], tmp_path / "two")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    two = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert two["ranks"] == 2 and two["completed"] == 6
+    assert two["total_output_tokens"] == one["total_output_tokens"]
+    assert two["output_tokens_sha256"] == one["output_tokens_sha256"]
+    assert two["kv_account_mismatches"] == 0
+    # KV per rank: each rank holds half the KV heads, so half the bytes per token.
+    (run_dir,) = (tmp_path / "two").iterdir()
+    (one_dir,) = (tmp_path / "one").iterdir()
+    kv = [json.loads(d.joinpath("steps.jsonl").read_text().splitlines()[0])["kv_bytes"]
+          for d in (one_dir, run_dir)]
+    assert kv[1] * 2 == kv[0]
+
+
+def test_a_dead_rank_ends_the_run_with_a_clear_error(tiny, tmp_path):
+    proc = _cli([*ARGS, "--ranks", "2"], tmp_path, BATCHSIM_FAULT_DIE_AT_STEP="2")
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "rank 1 died" in last, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["error"].startswith("rank 1 died")
+
+
+def test_ranks_with_different_model_files_are_refused(tmp_path):
+    from batchsim.server.distributed.channel import check_same_model, model_fingerprint
+
+    for name, weights in (("a", b"\0" * 64), ("b", b"\0" * 63 + b"\1")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+        (tmp_path / name / "model.safetensors").write_bytes(weights)
+    a, b = model_fingerprint(tmp_path / "a"), model_fingerprint(tmp_path / "b")
+    check_same_model([a, a, a], tmp_path / "a")
+    with pytest.raises(ValueError, match=r"rank\(s\) 2 hold different model files"):
+        check_same_model([a, a, b], tmp_path / "a")
+
+
+@pytest.mark.parametrize("content, message", [
+    ("not json", "Failed to parse hostfile"),
+    ('[{"ssh": "mac1", "ips": ["10.0.0.1"]}]', "1 hosts for --ranks 2"),
+    ('[{"ssh": "mac1", "ips": ["10.0.0.1"]}, {"ssh": "mac2"}]', "mac2 have no 'ips'"),
+])
+def test_a_bad_hostfile_is_a_one_line_error(tmp_path, content, message):
+    from batchsim.server.distributed.launch import check_hostfile
+
+    path = tmp_path / "hosts.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=message):
+        check_hostfile(str(path), 2)
+    with pytest.raises(ConfigError, match="doesn't exist"):
+        check_hostfile(str(tmp_path / "missing.json"), 2)
+
+
+def test_the_launcher_names_the_dead_rank_before_those_it_took_down(tmp_path):
+    from batchsim.server.distributed.launch import ranks_error
+
+    (tmp_path / "rank0.json").write_text(json.dumps(
+        {"ok": False, "error": "rank 0: lost a peer rank"}))
+    (tmp_path / "rank2.json").write_text(json.dumps(
+        {"ok": False, "error": "rank 2: stopped by mlx.launch", "terminated": True}))
+    assert ranks_error(tmp_path, 3) == "rank 1 died (killed or crashed before reporting); rank 0: lost a peer rank"
+    for r in range(3):
+        (tmp_path / f"rank{r}.json").write_text(json.dumps({"ok": True, "error": None}))
+    assert ranks_error(tmp_path, 3) is None
+
+
+def test_output_tokens_sha256_follows_request_ids_and_tokens():
+    base = output_tokens_sha256({0: [5, 6], 1: [7]})
+    assert output_tokens_sha256({1: [7], 0: [5, 6]}) == base  # request-id order, not insertion
+    assert output_tokens_sha256({0: [5], 1: [6, 7]}) != base  # same tokens, other requests
+    assert output_tokens_sha256({0: [5, 6], 1: [8]}) != base
+
+
+def test_the_watchdog_ends_a_step_that_outlives_its_deadline():
+    import threading
+
+    from batchsim.server.distributed.watchdog import Watchdog
+
+    fired: list[str] = []
+    done = threading.Event()
+    dog = Watchdog(0.2, on_expire=lambda msg: (fired.append(msg), done.set()))
+    dog.arm("rank 0: step 7")
+    assert done.wait(10)
+    assert fired == ["rank 0: step 7 took over 0.2 s: a peer rank is not answering (hung, or its "
+                     "link is down)"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 from batchsim.scheduler.plan import StepPlan, StepResult

@@ -92,7 +92,8 @@ def add_workload_args(p: argparse.ArgumentParser, defaults: WorkloadSpec | None 
                              f"values; defaults shown: the built-in '{w.name}' workload's.")
     add_field_argument(g, w, "name", "built-in workload name (configs/workloads) or a workload "
                        "YAML", flag="--workload")
-    add_field_argument(g, w, "num_prompts", "requests to send; with --trace, every row of the trace unless given")
+    add_field_argument(g, w, "num_prompts", "requests to send; with --trace: every row of the "
+                       "trace unless given")
     add_field_argument(g, w, "request_rate", "requests/s; 'inf' sends all at once", type=rate)
     add_field_argument(g, w, "burstiness", "gamma shape: 1 = Poisson, <1 burstier",
                        type=positive_float)

@@ -48,8 +48,9 @@ class _Run:
         self.requests = build_requests(spec)
         self.open_loop = spec.arrival != "closed"
         arrivals = [r.arrival_s for r in self.requests] if self.open_loop else []
-        self.engine = Engine(session.new_scheduler(), session.executor, recorder=RunRecorder(stream),
-                             arrival_times_s=sorted(arrivals), on_step=on_step)
+        self.engine = Engine(session.new_scheduler(), session.executor,
+                             recorder=RunRecorder(stream), arrival_times_s=sorted(arrivals),
+                             on_step=on_step)
         self.virtual = self.engine.virtual_time
         self.interrupts = interrupts
         self.stream = stream
@@ -174,6 +175,7 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
         summary["sim_speedup"] = duration / wall if wall > 0 else float("inf")
     if stream is not None:
         stream.close(records)  # requests.jsonl in arrival order, as a finished run has it
+    summary["interrupted"] = run.interrupted  # a signal may have come while records were written
     summary["run_dir"] = str(run_dir) if run_dir else None
     summary["env"] = session.environment()
     if run_dir:
@@ -236,7 +238,8 @@ def _plain(obj: Any) -> Any:
 def _write_config(run_dir: Path, cfg: RunConfig, spec: WorkloadSpec,
                   session: Session | None) -> None:
     """config.yaml: the run's config and, once the model is open, what it resolved to."""
-    resolved: dict[str, Any] = {"config": dataclasses.asdict(cfg), "workload": dataclasses.asdict(spec)}
+    resolved: dict[str, Any] = {"config": dataclasses.asdict(cfg),
+                                "workload": dataclasses.asdict(spec)}
     if session is not None:
         resolved["resolved"] = {
             "model_path": str(session.ref.path), "dtype": session.dtype,

@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -112,12 +113,13 @@ def build_model(
 
     dtype_bytes(dtype)
     out_dir = out_dir or cache_root() / build_id(spec.name, dtype, quantize_bits)
+    sweep_dead_builds(out_dir.parent)
     if is_built(out_dir, spec, dtype, quantize_bits):
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     log(f"building {build_id(spec.name, dtype, quantize_bits)} in {out_dir} "
         f"({spec.num_params / 1e6:.0f}M params, seeded random weights)")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.build-{os.getpid()}-", dir=out_dir.parent))
     try:
         config = {**spec.config, "torch_dtype": dtype}
         model_cls, args_cls = _get_classes(config)
@@ -143,6 +145,33 @@ def build_model(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+_BUILD_TMP = re.compile(r"^\..+\.build-(\d+)-\w+$")  # .NAME.build-PID-RANDOM (mkdtemp's)
+
+
+def sweep_dead_builds(root: Path) -> list[Path]:
+    """Remove the temporary directories of builds whose process is gone (killed, or the machine
+    went down: hundreds of MB each); a build in progress elsewhere keeps its own. Returns them."""
+    removed = []
+    for path in root.glob(".*.build-*") if root.is_dir() else ():
+        match = _BUILD_TMP.match(path.name)
+        if match and path.is_dir() and not _alive(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: is there such a process (no signal is sent)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _first(value):

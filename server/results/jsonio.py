@@ -90,4 +90,5 @@ def check_writable(out_dir: Path) -> None:
         with tempfile.TemporaryFile(dir=out_dir):
             pass
     except OSError as exc:
-        raise ConfigError(f"output directory {out_dir}: not writable ({exc.strerror or exc})") from None
+        reason = exc.strerror or exc
+        raise ConfigError(f"output directory {out_dir}: not writable ({reason})") from None

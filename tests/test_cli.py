@@ -36,7 +36,7 @@ def last_json(stdout: str) -> dict:
 def test_help_lists_every_command(batchsim_home):
     out = batchsim("--help", home=batchsim_home).stdout
     for cmd in ("run", "bench-decode", "compare", "sweep", "size", "roofline", "calibrate",
-                "validate", "serve", "models"):
+                "validate", "serve", "models", "report"):
         assert cmd in out
     assert "--request-rate" in batchsim("run", "--help", home=batchsim_home).stdout
 

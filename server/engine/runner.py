@@ -151,7 +151,8 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
     with _long_lived_heap(), _kept_on_error(stream):
         wall0 = time.perf_counter()
         duration = clock.run(run.main(), virtual=run.virtual)
-        wall = time.perf_counter() - wall0
+        # The engine's time, as before records streamed: writing them is not the run's work.
+        wall = time.perf_counter() - wall0 - (stream.writing_s if stream else 0.0)
     rec = run.engine.recorder
     records, steps = rec.request_records(), rec.steps
     cfg = session.config

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 
 from batchsim.scheduler.plan import StepPlan, StepResult
@@ -56,11 +57,15 @@ class RunRecorder:
             self._stream.add_step(step)
 
     def on_finish(self, request: Request) -> None:
-        """The request left the engine (finished, rejected or aborted): its record is final."""
+        """The request left the engine (finished, rejected or aborted): its record is final and
+        goes to the run directory (without one, records are built at the end)."""
+        if self._stream is None:
+            return
+        t0 = time.perf_counter()
         record = self.record(request)
         self._final[request.request_id] = record
-        if self._stream is not None:
-            self._stream.add_request(record)
+        self._stream.add_request(record)
+        self._stream.writing_s += time.perf_counter() - t0
 
     def token_times(self, request: Request) -> tuple[float, ...]:
         ends = self.step_end_s

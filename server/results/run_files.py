@@ -35,6 +35,7 @@ class RecordStream:
         self._spans: dict[int, tuple[int, int]] = {}  # request id -> (offset, length) in the file
         self._request_bytes = 0
         self._last_flush_s = time.monotonic()
+        self.writing_s = 0.0  # wall time spent encoding and writing records (perf_counter)
 
     def add_step(self, step: StepRecord) -> None:
         self._steps.append(step)
@@ -45,6 +46,7 @@ class RecordStream:
         self._requests.append(record)
 
     def flush(self) -> None:
+        t0 = time.perf_counter()
         if self._steps:
             self._write(STEPS, [dumps(s.to_json()) + "\n" for s in self._steps])
             self._steps.clear()
@@ -56,6 +58,7 @@ class RecordStream:
             self._write(REQUESTS, lines)
             self._requests.clear()
         self._last_flush_s = time.monotonic()
+        self.writing_s += time.perf_counter() - t0
 
     def _write(self, name: str, lines: list[str]) -> None:
         self._files[name].write("".join(lines).encode())

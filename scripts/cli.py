@@ -23,6 +23,7 @@ COMMANDS = [
     ("validate", "batchsim.scripts.validate", "run workloads real and simulated, report the prediction error"),
     ("serve", "batchsim.scripts.serve_cmd", "OpenAI-compatible HTTP server on the continuous-batching engine"),
     ("models", "batchsim.scripts.models_cmd", "list the model zoo, or build a model directory"),
+    ("report", "batchsim.scripts.report_cmd", "rebuild a run directory's summary from its records (after a killed run)"),
 ]
 
 DESCRIPTION = """\

@@ -5,18 +5,30 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shutil
+import signal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from batchsim.configs import ConfigError
 from batchsim.scheduler.config import SchedulerSettings
 from batchsim.scheduler.kv_layout import KV_STEP
-from batchsim.scripts.common import (CommandFailed, add_field_argument, err, out, positive_float,
-                                     positive_int)
+from batchsim.scripts.common import (
+    CommandFailed,
+    add_field_argument,
+    err,
+    out,
+    positive_float,
+    positive_int,
+)
 from batchsim.server.engine.run_config import DTYPES, RunConfig, load_run_config, with_run_overrides
 from batchsim.server.models.spec import KV_BITS, QUANT_BITS
 from batchsim.workloads.lengths import LengthSpec, parse_length
 from batchsim.workloads.spec import TraceSpec, WorkloadSpec, resolve_workload
+
+if TYPE_CHECKING:
+    from batchsim.server.engine.interrupts import Interrupts
+    from batchsim.server.engine.session import Session
 
 
 def rate(text: str) -> float:
@@ -88,7 +100,8 @@ def add_workload_args(p: argparse.ArgumentParser, defaults: WorkloadSpec | None 
                              f"values; defaults shown: the built-in '{w.name}' workload's.")
     add_field_argument(g, w, "name", "built-in workload name (configs/workloads) or a workload "
                        "YAML", flag="--workload")
-    add_field_argument(g, w, "num_prompts", "requests to send")
+    add_field_argument(g, w, "num_prompts", "requests to send; with --trace: every row of the "
+                       "trace unless given")
     add_field_argument(g, w, "request_rate", "requests/s; 'inf' sends all at once", type=rate)
     add_field_argument(g, w, "burstiness", "gamma shape: 1 = Poisson, <1 burstier",
                        type=positive_float)
@@ -158,6 +171,10 @@ def config_from_args(args: argparse.Namespace, default: RunConfig | None = None)
         max_concurrency=args.max_concurrency, input_len=args.input_len, output_len=args.output_len,
         seed=args.seed, trace=_trace_override(args, cfg),
     )
+    if args.trace and args.num_prompts is None:  # --trace FILE replays all of FILE
+        from batchsim.workloads.requests import trace_length
+
+        workload["num_prompts"] = trace_length(workload["trace"])
     if args.concurrency and not args.arrival:
         workload["arrival"] = "closed"
     if args.burstiness and not args.arrival and workload["arrival"] is None:
@@ -187,12 +204,19 @@ def run(args: argparse.Namespace) -> dict:
     if args.ranks > 1 or args.hostfile:
         return _run_ranks(args, cfg)
     if cfg.target:
+        from batchsim.server.results.jsonio import check_writable
+
+        check_writable(Path(args.out))  # before the workload: its records would be lost
         summary = run_over_http(cfg, Path(args.out), progress=not args.no_progress)
         if summary["completed"] == 0 and summary["failed"] > 0:
             raise CommandFailed(f"all {summary['failed']} requests to {summary['endpoint']} failed "
                                 f"(HTTP statuses: {summary['http_statuses']})", summary)
         return summary
-    return run_in_process(cfg, Path(args.out), progress=not args.no_progress)
+    from batchsim.server.engine.interrupts import Interrupts
+
+    # SIGTERM as Ctrl-C: either stops the run and leaves its records and summary.
+    return run_in_process(cfg, Path(args.out), progress=not args.no_progress,
+                          interrupts=Interrupts())
 
 
 def _run_ranks(args: argparse.Namespace, cfg: RunConfig) -> dict | None:
@@ -234,30 +258,67 @@ def run_over_http(cfg: RunConfig, out_dir: Path, progress: bool = True) -> dict:
 
 
 def run_in_process(cfg: RunConfig, out_dir: Path, progress: bool = True, label: str | None = None,
-                   quiet: bool = False) -> dict:
+                   quiet: bool = False, interrupts: Interrupts | None = None) -> dict:
+    """The run directory is made first (an unwritable out_dir fails before the model loads); a
+    signal `interrupts` handles (default: Ctrl-C) stops the run at any point with its records."""
+    from batchsim.server.engine.interrupts import Interrupts
+    from batchsim.server.results.jsonio import new_run_dir
+
+    spec = cfg.workload
+    label = label or f"{cfg.model}-{spec.name}-{cfg.executor}"  # cfg.model: the session's ref.name
+    with interrupts or Interrupts((signal.SIGINT,)) as stop:
+        run_dir = new_run_dir(out_dir, label)
+        return _open_and_run(cfg, run_dir, label, stop, progress and not quiet, quiet)
+
+
+def _open_and_run(cfg: RunConfig, run_dir: Path, label: str, stop: Interrupts, progress: bool,
+                  quiet: bool) -> dict:
+    from batchsim.server.engine.runner import record_stopped_before_start
     from batchsim.server.engine.session import open_session
 
-    return run_session(open_session(cfg), out_dir, progress, label, quiet)
+    try:
+        session = open_session(cfg)
+    except KeyboardInterrupt:  # a signal while the model loads: nothing ran, and it says so
+        with stop.answered_by():
+            summary = record_stopped_before_start(cfg, run_dir)
+            if not quiet:
+                _print_summary(summary)
+            return summary
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)  # still empty: a bad config leaves no trace
+        raise
+    return _run_opened(session, run_dir, label, stop, progress, quiet)
 
 
-def run_session(session: Any, out_dir: Path, progress: bool = True, label: str | None = None,
-                quiet: bool = False) -> dict:
+def run_session(session: Session, out_dir: Path, progress: bool = True) -> dict:
+    """A session opened elsewhere (a rank's shard of the model) run as `run_in_process` runs one."""
+    from batchsim.server.engine.interrupts import Interrupts
+    from batchsim.server.results.jsonio import new_run_dir
+
+    cfg = session.config
+    label = f"{session.ref.name}-{cfg.workload.name}-{cfg.executor}"
+    with Interrupts((signal.SIGINT,)) as stop:
+        return _run_opened(session, new_run_dir(out_dir, label), label, stop, progress, False)
+
+
+def _run_opened(session: Session, run_dir: Path, label: str, stop: Interrupts, progress: bool,
+                quiet: bool) -> dict:
     from batchsim.scripts.progress import RunProgress
     from batchsim.server.engine.runner import run_workload
 
-    cfg = session.config
-    spec = cfg.workload
-    label = label or f"{session.ref.name}-{spec.name}-{cfg.executor}"
-    if not quiet:
-        err.print(f"batchsim run: {session.ref.name} ({session.dtype}) on {cfg.executor}, workload "
-                  f"{spec.name}: {spec.num_prompts} requests, max_num_seqs "
-                  f"{cfg.scheduler.max_num_seqs}, KV budget {session.kv_budget_bytes / 2**30:.2f} GiB "
-                  f"({session.budget_source})")
-    with RunProgress(spec.num_prompts, label, enabled=progress and not quiet) as bar:
-        outcome = run_workload(session, spec, out_dir=out_dir, label=label, on_step=bar.on_step)
-    if not quiet:
-        _print_summary(outcome.summary)
-    return outcome.summary
+    cfg, spec = session.config, session.config.workload
+    with stop.answered_by():
+        if not quiet:
+            err.print(f"batchsim run: {session.ref.name} ({session.dtype}) on {cfg.executor}, "
+                      f"workload {spec.name}: {spec.num_prompts} requests, max_num_seqs "
+                      f"{cfg.scheduler.max_num_seqs}, KV budget "
+                      f"{session.kv_budget_bytes / 2**30:.2f} GiB ({session.budget_source})")
+        with RunProgress(spec.num_prompts, label, enabled=progress) as bar:
+            outcome = run_workload(session, spec, out_dir=None, label=label,
+                                   on_step=bar.on_step, run_dir=run_dir, interrupts=stop)
+        if not quiet:
+            _print_summary(outcome.summary)
+        return outcome.summary
 
 
 def _print_summary(summary: dict) -> None:

@@ -4,7 +4,7 @@ executor failure ends a run or, in a server, fails only the requests it touched.
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 
 import pytest
 from batchsim.scheduler.request import Request, RequestStatus, SamplingParams
@@ -14,14 +14,6 @@ from batchsim.server.engine.engine import Engine
 from batchsim.server.executors.fake_executor import FakeExecutor
 
 from tests.drivers import config
-
-
-class SlowExecutor(FakeExecutor):
-    """Blocks its thread like real compute does."""
-
-    def execute(self, plan, max_elapsed_s=float("inf")):
-        time.sleep(self.step_s)
-        return super().execute(plan, max_elapsed_s)
 
 
 class FailingExecutor(FakeExecutor):
@@ -40,25 +32,49 @@ def req(rid: int, prompt: int = 20, out: int = 8, arrival: float = 0.0) -> Reque
     return Request(rid, prompt, SamplingParams(max_tokens=out, ignore_eos=True), arrival)
 
 
+class GatedExecutor(FakeExecutor):
+    """Each step holds its thread, as real compute does, until the test opens the gate."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_step, self.gate = threading.Event(), threading.Event()
+        self.opened = []  # per step: True if the gate opened, False if the wait gave up
+
+    def execute(self, plan, max_elapsed_s=float("inf")):
+        self.in_step.set()
+        self.opened.append(self.gate.wait(timeout=60))  # a deadlock guard, not a time bound
+        return super().execute(plan, max_elapsed_s)
+
+
 def test_arrivals_keep_their_timing_while_a_step_computes():
+    """While a step holds the executor's thread, the loop keeps running: timers fire, requests
+    arrive and are stamped with their own time. Only the test can end that step, so a loop held
+    up by the step would never get to open the gate."""
     async def main():
-        engine = Engine(Scheduler(config()), SlowExecutor(step_s=0.05))
+        executor = GatedExecutor()
+        engine = Engine(Scheduler(config()), executor)
         engine.start_clock()
         loop_task = asyncio.create_task(engine.run())
-        seen = []
-        for i in range(10):  # one arrival every 20 ms, while each step blocks a thread for 50 ms
-            await asyncio.sleep(0.02)
-            seen.append(engine.now())
-            engine.add(req(i, arrival=engine.now()))
-        await asyncio.sleep(0.6)
+        first = engine.add(req(0, arrival=engine.now()))
+        await asyncio.to_thread(executor.in_step.wait, 60)
+        during = []
+        for i in range(1, 6):
+            await asyncio.sleep(0.001)  # a timer: it fires only if the loop is not held up
+            during.append(engine.add(req(i, arrival=engine.now())))
+        executor.gate.set()
+        await asyncio.gather(first, *during)
         engine.stop()
         await loop_task
         engine.close()
-        return seen, engine
+        return engine, executor
 
-    seen, engine = clock.run(main(), virtual=False)
-    gaps = [b - a for a, b in zip(seen, seen[1:])]
-    assert max(gaps) < 0.045  # never held up for a whole 50 ms step
+    engine, executor = clock.run(main(), virtual=False)
+    assert executor.opened and all(executor.opened)  # the first step ended when the test said
+    first_step = engine.recorder.steps[0]
+    assert first_step.num_prefill_requests == 1  # request 0 alone: the rest came during it
+    arrivals = [r.arrival_s for r in engine.recorder.requests.values()]
+    assert arrivals == sorted(arrivals) and len(set(arrivals)) == 6  # each stamped as it came
+    assert all(first_step.start_s <= t < first_step.end_s for t in arrivals[1:])
     assert all(r.status is RequestStatus.FINISHED for r in engine.recorder.requests.values())
 
 

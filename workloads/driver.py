@@ -215,8 +215,8 @@ async def _drive_closed(
 
 async def drive_interruptibly(spec: WorkloadSpec, requests: Sequence[RequestSpec],
                               submit: Submit) -> bool:
-    """`drive`, where Ctrl-C stops the sending but not the caller, which still reports what was
-    measured so far. True if it was interrupted."""
+    """`drive`, where Ctrl-C (or SIGTERM) stops the sending but not the caller, which still
+    reports what was measured so far. True if it was interrupted."""
     loop = asyncio.get_running_loop()
     driver = asyncio.create_task(drive(spec, requests, submit))
     interrupted = False
@@ -226,8 +226,10 @@ async def drive_interruptibly(spec: WorkloadSpec, requests: Sequence[RequestSpec
         interrupted = True
         driver.cancel()
 
+    signals = (signal.SIGINT, signal.SIGTERM)
     try:
-        loop.add_signal_handler(signal.SIGINT, interrupt)
+        for sig in signals:
+            loop.add_signal_handler(sig, interrupt)
     except (NotImplementedError, RuntimeError):  # no signal handlers here (Windows, not main thread)
         return await _drive_plain(driver)
     try:
@@ -236,7 +238,8 @@ async def drive_interruptibly(spec: WorkloadSpec, requests: Sequence[RequestSpec
         if not interrupted:
             raise
     finally:
-        loop.remove_signal_handler(signal.SIGINT)
+        for sig in signals:
+            loop.remove_signal_handler(sig)
     return interrupted
 
 

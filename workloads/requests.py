@@ -71,6 +71,14 @@ def _rngs(seed: int) -> tuple[np.random.Generator, ...]:
     return tuple(np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3))
 
 
+def trace_length(trace: TraceSpec) -> int:
+    """Rows from trace.start on: how many requests replaying the whole trace sends."""
+    n = len(read_trace(trace.path, trace.format, trace.start))
+    if n == 0:
+        raise ConfigError(f"trace {trace.path!r}: no rows from row {trace.start}")
+    return n
+
+
 def trace_requests(trace: TraceSpec, num_prompts: int) -> list[RequestSpec]:
     """num_prompts requests from trace.start on, sorted by arrival, times and lengths scaled."""
     rows = read_trace(trace.path, trace.format, trace.start, num_prompts)

@@ -7,9 +7,9 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
-import json
+import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +18,21 @@ import yaml
 from batchsim.scheduler.request import Request, SamplingParams
 from batchsim.server.engine import clock
 from batchsim.server.engine.engine import Engine
+from batchsim.server.engine.interrupts import Interrupts
 from batchsim.server.engine.memory import peak_resident_bytes
+from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.engine.session import Session
-from batchsim.server.results.jsonio import jsonable, new_run_dir, write_jsonl
-from batchsim.server.results.metrics import (RequestRecord, StepRecord, output_tokens_sha256,
-                                             summarize)
-from batchsim.workloads.driver import drive_interruptibly
+from batchsim.server.results import run_files
+from batchsim.server.results.jsonio import jsonable, new_run_dir
+from batchsim.server.results.metrics import (
+    RequestRecord,
+    StepRecord,
+    output_tokens_sha256,
+    summarize,
+)
+from batchsim.server.results.recorder import RunRecorder
+from batchsim.server.results.run_files import RecordStream
+from batchsim.workloads.driver import drive
 from batchsim.workloads.requests import (
     RequestSpec,
     build_requests,
@@ -44,7 +53,8 @@ class RunOutcome:
 
 
 class _Run:
-    def __init__(self, session: Session, spec: WorkloadSpec, on_step: Callable | None):
+    def __init__(self, session: Session, spec: WorkloadSpec, on_step: Callable | None,
+                 stream: RecordStream | None, interrupts: Interrupts):
         self.session = session
         self.spec = spec
         self.requests = build_requests(spec)
@@ -55,9 +65,11 @@ class _Run:
         self.open_loop = spec.arrival != "closed"
         arrivals = [r.arrival_s for r in self.requests] if self.open_loop else []
         self.engine = Engine(session.new_scheduler(), session.executor,
-                             arrival_times_s=sorted(arrivals), on_step=on_step)
+                             recorder=RunRecorder(stream), arrival_times_s=sorted(arrivals),
+                             on_step=on_step)
         self.virtual = self.engine.virtual_time
-        self.interrupted = False
+        self.interrupts = interrupts
+        self.stream = stream
         self.lateness_s: list[float] = []
         tok = session.tokenizer
         self.eos = frozenset(getattr(tok, "eos_token_ids", None) or ())
@@ -87,30 +99,86 @@ class _Run:
             self._sampling[rs.output_len] = sampling
         return sampling
 
+    @property
+    def interrupted(self) -> bool:
+        """A signal came before the summary was made (the run may have stopped early)."""
+        return self.interrupts.received is not None
+
     def submit(self, rs: RequestSpec) -> asyncio.Future:
-        return self.engine.add(self.make_request(rs))  # the request is queued as it is issued
+        fut = self.engine.add(self.make_request(rs))  # the request is queued as it is issued
+        fut.add_done_callback(self._left_engine)
+        return fut
+
+    def _left_engine(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:  # cancelled: cut off by a stop
+            self.engine.recorder.on_finish(fut.result())
 
     async def main(self) -> float:
         self.engine.start_clock()
         engine_task = asyncio.create_task(self.engine.run())
+        driver = asyncio.create_task(drive(self.spec, self.requests, self.submit))
+        loop = asyncio.get_running_loop()
+
+        def stop_sending() -> None:  # from a signal handler: the loop's thread-safe door
+            with contextlib.suppress(RuntimeError):  # the loop is closing: nothing left to stop
+                loop.call_soon_threadsafe(driver.cancel)
+
+        # In real time the engine may idle between steps: records still reach the disk.
+        flusher = None if self.virtual or self.stream is None else asyncio.create_task(
+            _flush_every(self.stream, run_files.FLUSH_EVERY_S))
         try:
-            self.interrupted = await drive_interruptibly(self.spec, self.requests, self.submit)
+            with self.interrupts.answered_by(stop_sending):
+                if self.interrupted:  # it came while the run was being set up
+                    driver.cancel()
+                await driver
+        except asyncio.CancelledError:
+            if not self.interrupted:
+                raise
         finally:
+            if flusher is not None:
+                flusher.cancel()
             self.engine.stop()
             await engine_task
             self.engine.close()
         return self.engine.now()
 
 
+async def _flush_every(stream: RecordStream, period_s: float) -> None:
+    while True:
+        await asyncio.sleep(period_s)
+        stream.flush()
+
+
 def run_workload(
     session: Session, spec: WorkloadSpec, *, out_dir: Path | None, label: str,
-    on_step: Callable | None = None,
+    on_step: Callable | None = None, run_dir: Path | None = None,
+    interrupts: Interrupts | None = None,
 ) -> RunOutcome:
-    run = _Run(session, spec, on_step)
-    with _long_lived_heap():
+    """Run `spec` and record it in `run_dir` (else a new directory under `out_dir`, else
+    nowhere): config.yaml first, steps and requests as they complete, summary.json last. A signal
+    `interrupts` handles stops the sending; what was sent is finished or cut off, and recorded.
+    Without `interrupts`, Ctrl-C does that (SIGTERM stays the caller's)."""
+    if run_dir is None and out_dir is not None:
+        run_dir = new_run_dir(out_dir, label)
+    with contextlib.ExitStack() as stack:
+        if interrupts is None:
+            interrupts = stack.enter_context(Interrupts((signal.SIGINT,)))
+        stack.enter_context(interrupts.answered_by())  # outside the sending: noted, not raised
+        return _run_recorded(session, spec, on_step, run_dir, interrupts)
+
+
+def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None,
+                  run_dir: Path | None, interrupts: Interrupts) -> RunOutcome:
+    stream = None
+    if run_dir is not None:
+        _write_config(run_dir, session.config, spec, session)
+        stream = RecordStream(run_dir)
+    run = _Run(session, spec, on_step, stream, interrupts)
+    with _long_lived_heap(), _kept_on_error(stream):
         wall0 = time.perf_counter()
         duration = clock.run(run.main(), virtual=run.virtual)
-        wall = time.perf_counter() - wall0
+        # The engine's time, as before records streamed: writing them is not the run's work.
+        wall = time.perf_counter() - wall0 - (stream.writing_s if stream else 0.0)
     rec = run.engine.recorder
     records, steps = rec.request_records(), rec.steps
     cfg = session.config
@@ -136,12 +204,38 @@ def run_workload(
             {rid: r.output_token_ids for rid, r in rec.requests.items()})
     if run.virtual:
         summary["sim_speedup"] = duration / wall if wall > 0 else float("inf")
-    run_dir = _write_run_dir(out_dir, label, session, spec, records, steps, summary) if out_dir else None
+    if stream is not None:
+        stream.close(records)  # requests.jsonl in arrival order, as a finished run has it
+    summary["interrupted"] = run.interrupted  # a signal may have come while records were written
     summary["run_dir"] = str(run_dir) if run_dir else None
     summary["env"] = session.environment()
     if run_dir:
-        (run_dir / "summary.json").write_text(json.dumps(_plain(summary), indent=1))
+        run_files.write_summary(run_dir, _plain(summary))
     return RunOutcome(summary, records, steps, run_dir, run.interrupted)
+
+
+def record_stopped_before_start(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
+    """A run stopped by a signal before its model was loaded: empty records and a summary that
+    says so, in the run directory already made for it."""
+    _write_config(run_dir, cfg, cfg.workload, None)
+    RecordStream(run_dir).close([])
+    summary = summarize([], [], duration_s=0.0, percentiles=cfg.percentiles,
+                        goodput_slo_ms=cfg.goodput)
+    summary.update({"model": cfg.model, "executor": cfg.executor, "workload": cfg.workload.name,
+                    "interrupted": True, "run_dir": str(run_dir)})
+    run_files.write_summary(run_dir, _plain(summary))
+    return summary
+
+
+@contextlib.contextmanager
+def _kept_on_error(stream: RecordStream | None) -> Iterator[None]:
+    """A run that fails still leaves on disk what it recorded (`batchsim report` summarizes it)."""
+    try:
+        yield
+    except BaseException:
+        if stream is not None:
+            stream.close_unfinished()
+        raise
 
 
 @contextlib.contextmanager
@@ -172,22 +266,19 @@ def _plain(obj: Any) -> Any:
     return jsonable(obj)
 
 
-def _write_run_dir(out_dir: Path, label: str, session: Session, spec: WorkloadSpec,
-                   records: list[RequestRecord], steps: list[StepRecord], summary: dict) -> Path:
-    run_dir = new_run_dir(out_dir, label)
-    resolved = {
-        "config": dataclasses.asdict(session.config),
-        "workload": dataclasses.asdict(spec),
-        "resolved": {
+def _write_config(run_dir: Path, cfg: RunConfig, spec: WorkloadSpec,
+                  session: Session | None) -> None:
+    """config.yaml: the run's config and, once the model is open, what it resolved to."""
+    resolved: dict[str, Any] = {"config": dataclasses.asdict(cfg),
+                                "workload": dataclasses.asdict(spec)}
+    if session is not None:
+        resolved["resolved"] = {
             "model_path": str(session.ref.path), "dtype": session.dtype,
             "weight_bytes": session.weight_bytes, "memory_budget_bytes": session.memory_budget_bytes,
             "budget_source": session.budget_source, "kv_bytes_per_token": session.kv_bytes_per_token,
             "kv_budget_bytes": session.kv_budget_bytes,
             "scheduler": dataclasses.asdict(session.scheduler_config()),
-        },
-        "env": session.environment(),
-    }
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(_plain(resolved), sort_keys=False))
-    write_jsonl(run_dir / "requests.jsonl", (r.to_json() for r in records))
-    write_jsonl(run_dir / "steps.jsonl", (s.to_json() for s in steps))
-    return run_dir
+        }
+        resolved["env"] = session.environment()
+    text = yaml.safe_dump(_plain(resolved), sort_keys=False)
+    run_files.replace_atomically(run_dir / run_files.CONFIG, text.encode())

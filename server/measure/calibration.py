@@ -22,6 +22,7 @@ from batchsim.server.measure.microbench import median_time_s, working_set_bytes
 from batchsim.server.models.spec import ModelSpec
 from batchsim.server.perf.profile import Calibration, GemmFit
 from batchsim.server.perf.stepcost import StepCost
+from batchsim.server.platform.env import device_id  # noqa: F401 (re-exported)
 from mlx_lm.models.cache import make_prompt_cache
 
 # Every row count up to 32, then steps of 8: CPU BLAS kernels block rows by the vector width (16
@@ -352,9 +353,3 @@ def calibration_from(gemm: dict[str, GemmFit], terms: dict[str, float], copy_gbs
     return Calibration(gemm=gemm, copy_gbs=copy_gbs, step_overhead_us=step_overhead_us,
                        calibrated_on=tuple(models), measured_at=when, device=device,
                        speed_probe_ms=dict(probe_ms or {}), **terms)
-
-
-def device_id(env_info: dict) -> str:
-    """What a calibration is only valid on: the CPU or GPU, and the BLAS build that ran the GEMMs."""
-    blas = env_info.get("blas_version") or env_info.get("blas") or ""
-    return ", ".join(x for x in (env_info.get("device_name") or env_info.get("cpu"), blas) if x)

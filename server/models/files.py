@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -41,7 +43,8 @@ def staged_dir(out_dir: Path) -> Iterator[Path]:
     """A temporary directory beside `out_dir` that replaces it when the block succeeds (a half-built
     model never appears at `out_dir`) and is removed when it fails."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    sweep_dead_builds(out_dir.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.build-{os.getpid()}-", dir=out_dir.parent))
     try:
         yield tmp
         if out_dir.exists():
@@ -50,3 +53,30 @@ def staged_dir(out_dir: Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+_BUILD_TMP = re.compile(r"^\..+\.build-(\d+)-\w+$")  # .NAME.build-PID-RANDOM (mkdtemp's)
+
+
+def sweep_dead_builds(root: Path) -> list[Path]:
+    """Remove the temporary directories of builds whose process is gone (killed, or the machine
+    went down: hundreds of MB each); a build in progress elsewhere keeps its own. Returns them."""
+    removed = []
+    for path in root.glob(".*.build-*") if root.is_dir() else ():
+        match = _BUILD_TMP.match(path.name)
+        if match and path.is_dir() and not _alive(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: is there such a process (no signal is sent)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

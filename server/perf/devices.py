@@ -56,11 +56,37 @@ def mac_budget(name: str | None) -> tuple[int, str] | None:
     return usable, f"{mac.label} {ram} GB: default Metal working set"
 
 
+def profile_for_this_machine() -> str:
+    """The profile a simulation gets without a name: `local` (what `batchsim calibrate` writes)
+    if there is one, else the calibrated profile whose CPU and BLAS are this machine's (as
+    `validate` compares them); else a one-line error saying what to pass."""
+    if any(p.suffix == ".yaml" and p.is_file() for p in _candidates(LOCAL_NAME)):
+        return LOCAL_NAME
+    from batchsim.server.platform import env
+
+    here = env.device_id(env.environment())
+    calibrated = {}
+    for name in profile_names():
+        c = resolve_profile(name).calibration
+        if c is not None and c.device:
+            calibrated[name] = c.device
+    for name, device in calibrated.items():
+        if device == here:
+            return name
+    offered = "; ".join(f"{n}, calibrated on {d}" for n, d in calibrated.items()) or "none"
+    raise ConfigError(
+        f"no device profile given and none was calibrated on this machine ({here}): pass "
+        f"--device-profile NAME: a calibrated profile ({offered}) or a Mac chip (\"M2 Max\"), "
+        "or run `batchsim calibrate` to measure this machine"
+    )
+
+
 def resolve_profile(name: str | None, quantize_bits: int | None = None) -> DeviceProfile:
     """A YAML path, a calibrated profile name, or a Mac from the catalog ("M4 Max 40c"; a chip with
     several GPU variants, "M2 Max", means its base one: macs.Catalog.variant, said in the profile's
-    source) with the GPU step fitted on published MLX measurements (server.perf.gpu_fit)."""
-    name = name or LOCAL_NAME
+    source) with the GPU step fitted on published MLX measurements (server.perf.gpu_fit). None:
+    the one calibrated on this machine (profile_for_this_machine)."""
+    name = name or profile_for_this_machine()
     for path in _candidates(name):
         if path.suffix in (".yaml", ".yml") and path.is_file():
             return load_profile(path)

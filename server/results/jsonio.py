@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from batchsim.configs import ConfigError
 
 
 def jsonable(obj: Any) -> Any:
@@ -63,11 +66,29 @@ def timestamp() -> str:
 
 
 def new_run_dir(out_dir: Path, label: str) -> Path:
-    """A fresh `TIMESTAMP-label` directory under out_dir (`-2`, `-3`, ... if it exists)."""
+    """A fresh `TIMESTAMP-label` directory under out_dir (`-2`, `-3`, ... if it exists). Made
+    before a run starts, so an output directory that cannot be written fails before any compute."""
     run_dir = out_dir / f"{timestamp()}-{label}"
     n = 1
     while run_dir.exists():
         n += 1
         run_dir = out_dir / f"{timestamp()}-{label}-{n}"
-    run_dir.mkdir(parents=True)
+    try:
+        run_dir.mkdir(parents=True)
+        (run_dir / ".writable").touch()
+        (run_dir / ".writable").unlink()
+    except OSError as exc:
+        raise ConfigError(f"output directory {out_dir}: cannot write a run directory there "
+                          f"({exc.strerror or exc})") from None
     return run_dir
+
+
+def check_writable(out_dir: Path) -> None:
+    """out_dir exists (made if need be) and takes new files; else a one-line ConfigError."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or exc
+        raise ConfigError(f"output directory {out_dir}: not writable ({reason})") from None

@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 
 from batchsim.scheduler.plan import StepPlan, StepResult
 from batchsim.scheduler.request import Request, RequestStatus
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.results.metrics import RequestRecord, StepRecord
+from batchsim.server.results.run_files import RecordStream
 
 
 class RunRecorder:
-    def __init__(self) -> None:
+    def __init__(self, stream: RecordStream | None = None) -> None:
         self.requests: dict[int, Request] = {}  # every request seen, in arrival order
         self.step_end_s: list[float] = []  # end time of each executed step, by scheduler step index
         self.steps: list[StepRecord] = []
         self.kv_account_mismatches = 0  # steps where executor and scheduler disagreed on KV bytes
         self._preemptions_seen = 0
+        self._stream = stream  # the run directory's files, appended as the run goes
+        self._final: dict[int, RequestRecord] = {}  # records of requests that left the engine
 
     def on_arrival(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -31,7 +35,7 @@ class RunRecorder:
             self.kv_account_mismatches += 1
         preempted = scheduler.num_preemptions - self._preemptions_seen
         self._preemptions_seen = scheduler.num_preemptions
-        self.steps.append(StepRecord(  # positional, in field order: one is built per plan
+        step = StepRecord(  # positional, in field order: one is built per plan
             plan.step_index,
             start_s,
             ends_s[-1],
@@ -47,7 +51,21 @@ class RunRecorder:
             plan.pool.capacity_tokens,
             preempted,
             result.elapsed_s,
-        ))
+        )
+        self.steps.append(step)
+        if self._stream is not None:
+            self._stream.add_step(step)
+
+    def on_finish(self, request: Request) -> None:
+        """The request left the engine (finished, rejected or aborted): its record is final and
+        goes to the run directory (without one, records are built at the end)."""
+        if self._stream is None:
+            return
+        t0 = time.perf_counter()
+        record = self.record(request)
+        self._final[request.request_id] = record
+        self._stream.add_request(record)
+        self._stream.writing_s += time.perf_counter() - t0
 
     def token_times(self, request: Request) -> tuple[float, ...]:
         ends = self.step_end_s
@@ -55,7 +73,8 @@ class RunRecorder:
         return tuple(itertools.chain.from_iterable(ends[first:end] for first, end in runs))
 
     def request_records(self) -> list[RequestRecord]:
-        return [self.record(r) for r in self.requests.values()]
+        final = self._final
+        return [final.get(r.request_id) or self.record(r) for r in self.requests.values()]
 
     def record(self, r: Request) -> RequestRecord:
         status = {RequestStatus.FINISHED: "finished", RequestStatus.REJECTED: "rejected",

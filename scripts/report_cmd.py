@@ -1,0 +1,27 @@
+"""`batchsim report RUN_DIR`: rebuild a run directory's summary.json from its records, as after a
+run that was killed before writing it (marked interrupted), and print it as `run` does."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from batchsim.scripts.common import err, out
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="a run directory (what `batchsim run` leaves under --out)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from batchsim.scripts.report import summary_table
+    from batchsim.server.results.rebuild import rebuild_summary
+
+    summary, notes = rebuild_summary(Path(args.run_dir))
+    for note in notes:
+        err.print(f"[yellow]batchsim report: {note}[/yellow]")
+    out.print(summary_table(summary))
+    if summary.get("interrupted"):
+        out.print("[yellow]interrupted: the summary covers the records the run left[/yellow]")
+    out.print(f"summary rebuilt: {Path(args.run_dir) / 'summary.json'}")
+    return summary

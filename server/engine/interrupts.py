@@ -1,0 +1,52 @@
+"""SIGINT and SIGTERM during a run: a request to stop, answered where the run can keep its records
+(stop issuing requests; or, while the records are written, just note it), not an exception
+raised in whatever line happened to run."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
+
+
+def _note() -> None:
+    """Answer while records are being written: nothing to stop, `received` says it happened."""
+
+
+class Interrupts:
+    """Installs handlers for `signals` while entered (main thread only; elsewhere a no-op). With
+    no answer set, a signal raises KeyboardInterrupt, as Ctrl-C does by default."""
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)):
+        self.signals = signals
+        self.received: str | None = None  # the first signal's name ("SIGINT"), once one came
+        self._answer: Callable[[], None] | None = None
+        self._previous: dict[signal.Signals, object] = {}
+
+    def __enter__(self) -> Interrupts:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.received = self.received or signal.Signals(signum).name
+        if self._answer is None:
+            raise KeyboardInterrupt
+        self._answer()
+
+    @contextlib.contextmanager
+    def answered_by(self, answer: Callable[[], None] = _note) -> Iterator[None]:
+        """Within the block a signal calls `answer` (default: only note it). Nested blocks give
+        the outer answer back when they end, with no moment in between unanswered."""
+        outer, self._answer = self._answer, answer
+        try:
+            yield
+        finally:
+            self._answer = outer

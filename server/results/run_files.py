@@ -1,0 +1,126 @@
+"""A run directory's records on disk while the run goes: steps and requests appended as they
+complete, so an interrupted or killed run leaves what it measured. At a clean finish requests.jsonl
+is rewritten in arrival order (the order a finished run has always had), atomically."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from batchsim.server.results.jsonio import dumps
+from batchsim.server.results.metrics import RequestRecord, StepRecord
+
+REQUESTS = "requests.jsonl"
+STEPS = "steps.jsonl"
+CONFIG = "config.yaml"
+SUMMARY = "summary.json"
+FLUSH_EVERY_S = 0.5  # wall time between writes: what a killed run can lose at most
+
+
+class RecordStream:
+    """steps.jsonl and requests.jsonl of one run, appended. Records wait in memory and are
+    encoded and written in batches, each file's batch in one write, at most every FLUSH_EVERY_S
+    (no fsync: a killed process's writes survive; a crashed kernel's need not)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self._files = {name: (run_dir / name).open("wb", buffering=0) for name in (STEPS, REQUESTS)}
+        self._steps: list[StepRecord] = []
+        self._requests: list[RequestRecord] = []
+        self._spans: dict[int, tuple[int, int]] = {}  # request id -> (offset, length) in the file
+        self._request_bytes = 0
+        self._last_flush_s = time.monotonic()
+        self.writing_s = 0.0  # wall time spent encoding and writing records (perf_counter)
+
+    def add_step(self, step: StepRecord) -> None:
+        self._steps.append(step)
+        if time.monotonic() - self._last_flush_s >= FLUSH_EVERY_S:
+            self.flush()
+
+    def add_request(self, record: RequestRecord) -> None:
+        self._requests.append(record)
+
+    def flush(self) -> None:
+        t0 = time.perf_counter()
+        if self._steps:
+            self._write(STEPS, [dumps(s.to_json()) + "\n" for s in self._steps])
+            self._steps.clear()
+        if self._requests:
+            lines = [dumps(r.to_json()) + "\n" for r in self._requests]
+            for r, line in zip(self._requests, lines):  # JSON is ASCII: characters are bytes
+                self._spans[r.request_id] = (self._request_bytes, len(line))
+                self._request_bytes += len(line)
+            self._write(REQUESTS, lines)
+            self._requests.clear()
+        self._last_flush_s = time.monotonic()
+        self.writing_s += time.perf_counter() - t0
+
+    def _write(self, name: str, lines: list[str]) -> None:
+        self._files[name].write("".join(lines).encode())
+
+    def close_unfinished(self) -> None:
+        """The run failed: what was recorded stays as streamed (completion order)."""
+        self.flush()
+        for f in self._files.values():
+            f.close()
+
+    def close(self, records: Sequence[RequestRecord]) -> None:
+        """The run is over: `records` are every request in arrival order. requests.jsonl becomes
+        exactly those rows in that order; rows already written are copied, not encoded again."""
+        self.close_unfinished()
+        if [r.request_id for r in records] == list(self._spans):
+            return  # streamed complete and in order
+        path = self.run_dir / REQUESTS
+        tmp = path.with_name(f".{path.name}.tmp")
+        with path.open("rb") as f, tmp.open("wb") as out:
+            written = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self._spans else None
+            for r in records:
+                span = self._spans.get(r.request_id)
+                if written is None or span is None:
+                    out.write((dumps(r.to_json()) + "\n").encode())
+                else:
+                    out.write(written[span[0]:span[0] + span[1]])
+            if written is not None:
+                written.close()
+        os.replace(tmp, path)  # readers see the streamed file or this one, never a part
+
+
+def replace_atomically(path: Path, data: bytes) -> None:
+    """Readers see the old file or the new one, never a part (a rename within the directory)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
+    path = run_dir / SUMMARY
+    replace_atomically(path, json.dumps(summary, indent=1).encode())
+    return path
+
+
+def read_rows(path: Path, notes: list[str]) -> Iterator[dict[str, Any]]:
+    """A JSONL file's rows. A torn last line (a killed writer) is skipped with a note; a bad line
+    elsewhere is an error naming the file and line."""
+    if not path.exists():
+        notes.append(f"{path.name}: missing, read as empty")
+        return
+    lines = path.read_bytes().split(b"\n")
+    last = len(lines) - 1  # the part after the final newline: b"" unless the write was torn
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            if number - 1 == last:
+                notes.append(f"{path.name}: skipped a torn last line ({len(line)} bytes)")
+                return
+            raise ValueError(f"{path}: line {number} is not a JSON record ({exc})") from None
+        yield row

@@ -1,0 +1,157 @@
+"""`batchsim run` stopped by a signal, as real processes: SIGINT or SIGTERM while the model loads,
+mid-run, or while the records are written leave valid JSONL and a summary.json that says
+"interrupted"; after SIGKILL every complete line is valid and `batchsim report` rebuilds the
+summary. Moments inside the process are reached by the process signalling itself from a wrapped
+function; mid-run signals come from outside, once steps.jsonl has lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from batchsim.server.results.metrics import RequestRecord, StepRecord
+
+# A process that runs the CLI after `patch` (Python) wrapped one of its functions.
+_WRAPPER = """
+import os, signal, sys, time
+from batchsim.server.platform import blas
+blas.preload()
+{patch}
+from batchsim.scripts.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+_DURING_LOAD = """
+import batchsim.server.engine.session as session
+def open_session(cfg, executor=None):
+    os.kill(os.getpid(), signal.{sig})
+    time.sleep(60)  # the model 'loads' until the signal arrives
+session.open_session = open_session
+"""
+_WHILE_SUMMARIZING = """
+import batchsim.server.engine.runner as runner
+summarize = runner.summarize
+def signalled(*args, **kwargs):
+    os.kill(os.getpid(), signal.{sig})  # the workload is done; its summary is being made
+    return summarize(*args, **kwargs)
+runner.summarize = signalled
+"""
+_WHILE_WRITING = """
+from batchsim.server.results.run_files import RecordStream
+close = RecordStream.close
+def signalled(self, records):
+    os.kill(os.getpid(), signal.{sig})  # requests.jsonl is about to be rewritten in order
+    return close(self, records)
+RecordStream.close = signalled
+"""
+FAKE = ("--executor", "fake", "--model", "tiny", "--input-len", "16", "--output-len", "8")
+SIM = ("--executor", "sim", "--device-profile", "M2 Max", "--model", "llama-3.2-1b",
+       "--quantize", "4", "--num-prompts", "300", "--request-rate", "20")
+
+
+def start(home: Path, out: Path, *args: str, patch: str | None = None) -> subprocess.Popen:
+    env = {**os.environ, "BATCHSIM_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    head = ["-c", _WRAPPER.format(patch=patch)] if patch else ["-m", "batchsim.scripts.cli"]
+    return subprocess.Popen([sys.executable, *head, "run", *args, "--out", str(out),
+                             "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def wait_for_lines(proc: subprocess.Popen, out: Path, *names: str, timeout_s: float = 120) -> Path:
+    """The run directory, once each of `names` has a complete line (polled, not slept on)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        dirs = list(out.glob("*/"))
+        if dirs and all(b"\n" in _bytes(dirs[0] / n) for n in names):
+            return dirs[0]
+        time.sleep(0.02)
+    raise AssertionError(f"no lines in {names} after {timeout_s} s")
+
+
+def _bytes(path: Path) -> bytes:
+    return path.read_bytes() if path.exists() else b""
+
+
+def records(run_dir: Path) -> tuple[list[RequestRecord], list[StepRecord]]:
+    """Every line of both files, each a valid record (a torn line fails here)."""
+    rows = {n: [json.loads(x) for x in _bytes(run_dir / n).decode().splitlines()]
+            for n in ("requests.jsonl", "steps.jsonl")}
+    return ([RequestRecord.from_json(r) for r in rows["requests.jsonl"]],
+            [StepRecord.from_json(r) for r in rows["steps.jsonl"]])
+
+
+def finished_interrupted(proc: subprocess.Popen) -> tuple[dict, list[RequestRecord]]:
+    """The run ended on its own terms: exit 0, the last stdout line and summary.json agree that
+    it was interrupted and on what completed, and the records say the same."""
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr
+    last = json.loads(stdout.strip().splitlines()[-1])
+    run_dir = Path(last["run_dir"])
+    saved = json.loads((run_dir / "summary.json").read_text())
+    assert last["interrupted"] is True and saved["interrupted"] is True
+    assert saved["completed"] == last["completed"]
+    reqs, steps = records(run_dir)
+    assert sum(r.status == "finished" for r in reqs) == saved["completed"]
+    assert [r.request_id for r in reqs] == sorted(r.request_id for r in reqs)  # arrival order
+    assert len(steps) == saved.get("num_plans", 0)
+    return saved, reqs
+
+
+def test_a_signal_while_the_model_loads_leaves_an_interrupted_run(batchsim_home, tmp_path):
+    proc = start(batchsim_home, tmp_path, *FAKE, "--num-prompts", "5",
+                 patch=_DURING_LOAD.format(sig="SIGTERM"))
+    summary, reqs = finished_interrupted(proc)
+    assert summary["completed"] == 0 and reqs == []
+
+
+def test_sigterm_mid_run_stops_the_sending_and_keeps_the_records(batchsim_home, tmp_path):
+    proc = start(batchsim_home, tmp_path, *FAKE, "--num-prompts", "1000", "--request-rate", "50")
+    wait_for_lines(proc, tmp_path, "steps.jsonl")
+    proc.send_signal(signal.SIGTERM)
+    summary, reqs = finished_interrupted(proc)
+    assert 0 < len(reqs) < 1000 and {r.status for r in reqs} <= {"finished", "unfinished"}
+
+
+def test_ctrl_c_mid_run_on_the_real_model(batchsim_home, tmp_path):
+    proc = start(batchsim_home, tmp_path, "--model", "tiny", "--num-prompts", "400",
+                 "--request-rate", "20")
+    wait_for_lines(proc, tmp_path, "requests.jsonl")  # a request has finished
+    proc.send_signal(signal.SIGINT)
+    summary, reqs = finished_interrupted(proc)
+    assert 0 < summary["completed"] < 400
+    assert {r.status for r in reqs} <= {"finished", "unfinished"}
+
+
+def test_a_signal_while_the_records_are_written_still_finishes_them(batchsim_home, tmp_path):
+    """Late signals (SIGINT while summarizing, SIGTERM while requests.jsonl is rewritten) are
+    noted, not raised: every request is recorded, and the summary says a signal came."""
+    for sig, patch in (("SIGINT", _WHILE_SUMMARIZING), ("SIGTERM", _WHILE_WRITING)):
+        out = tmp_path / sig
+        proc = start(batchsim_home, out, *SIM, patch=patch.format(sig=sig))
+        summary, reqs = finished_interrupted(proc)
+        assert summary["completed"] == len(reqs) == 300
+
+
+def test_after_sigkill_the_lines_are_valid_and_report_rebuilds_the_summary(batchsim_home, tmp_path):
+    proc = start(batchsim_home, tmp_path, *FAKE, "--num-prompts", "1000", "--request-rate", "50")
+    run_dir = wait_for_lines(proc, tmp_path, "steps.jsonl", "requests.jsonl")
+    proc.kill()
+    proc.communicate(timeout=60)
+    reqs, steps = records(run_dir)  # every line complete and valid: written whole
+    assert reqs and steps and not (run_dir / "summary.json").exists()
+    env = {**os.environ, "BATCHSIM_HOME": str(batchsim_home)}
+    report = subprocess.run([sys.executable, "-m", "batchsim.scripts.cli", "report", str(run_dir)],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert "never finished" in report.stderr
+    summary = json.loads(report.stdout.strip().splitlines()[-1])
+    assert summary == json.loads((run_dir / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["model"] == "tiny"
+    assert summary["completed"] == sum(r.status == "finished" for r in reqs)
+    assert summary["num_plans"] == len(steps) and summary["executor"] == "fake"

@@ -1,0 +1,156 @@
+"""Run records on disk: streamed while the run goes, byte-identical at a clean finish, rebuilt into
+a summary after a kill; the output directory checked before any compute; and the defaults that
+used to surprise (the simulator's device profile, a trace's length)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from batchsim.configs import ConfigError
+from batchsim.server.engine.run_config import RunConfig
+from batchsim.server.engine.runner import run_workload
+from batchsim.server.engine.session import open_session
+from batchsim.server.results import rebuild, run_files
+from batchsim.server.results.jsonio import dumps
+from batchsim.workloads.lengths import LengthSpec
+from batchsim.workloads.spec import WorkloadSpec
+
+SHIPPED = Path(__file__).parent.parent / "configs" / "devices" / "linux-x86_64-openblas-2core.yaml"
+
+
+def sim_config(n: int = 60) -> RunConfig:
+    # Mixed output lengths at a high rate: requests finish in another order than they arrive.
+    spec = WorkloadSpec(name="mixed", num_prompts=n, request_rate=50.0, seed=1,
+                        input_len=LengthSpec("uniform", min=16, max=400),
+                        output_len=LengthSpec("uniform", min=1, max=120))
+    return RunConfig(model="llama-3.2-1b", executor="sim", device_profile="M2 Max", quantize=4,
+                     workload=spec)
+
+
+def test_records_stream_during_the_run_and_end_as_a_finished_run_always_had_them(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 0.0)  # every step goes out as it completes
+    session = open_session(sim_config())
+    seen = []
+
+    def look(engine, plan, result):  # after the step is recorded
+        run_dir = next(tmp_path.glob("*/"))
+        lines = (run_dir / "steps.jsonl").read_bytes().splitlines()
+        seen.append((len(engine.recorder.steps), len(lines), json.loads(lines[-1])["step_index"]))
+
+    outcome = run_workload(session, session.config.workload, out_dir=tmp_path, label="t",
+                           on_step=look)
+    assert all(n_steps == n_lines for n_steps, n_lines, _ in seen)
+    assert [idx for *_, idx in seen] == [s.step_index for s in outcome.steps]
+    finish_order = sorted(outcome.requests, key=lambda r: r.finished_s)
+    assert [r.request_id for r in finish_order] != [r.request_id for r in outcome.requests]
+    run_dir = outcome.run_dir
+    expected = {"requests.jsonl": outcome.requests, "steps.jsonl": outcome.steps}
+    for name, rows in expected.items():  # what write_jsonl wrote at the end before streaming
+        assert (run_dir / name).read_text() == "".join(dumps(r.to_json()) + "\n" for r in rows)
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "config.yaml", "requests.jsonl", "steps.jsonl", "summary.json"]  # no temporary left
+
+    # `batchsim report` on a finished run gives its summary back, byte for byte.
+    before = (run_dir / "summary.json").read_bytes()
+    summary, notes = rebuild.rebuild_summary(run_dir)
+    assert notes == [] and (run_dir / "summary.json").read_bytes() == before
+    assert summary["interrupted"] is False
+
+
+def test_report_after_a_kill_skips_a_torn_line_and_marks_the_run_interrupted(tmp_path):
+    session = open_session(sim_config(n=20))
+    run_dir = run_workload(session, session.config.workload, out_dir=tmp_path, label="t").run_dir
+    (run_dir / "summary.json").unlink()  # as a killed run leaves it
+    data = (run_dir / "requests.jsonl").read_bytes()
+    (run_dir / "requests.jsonl").write_bytes(data[:-40])  # the last line cut mid-write
+    summary, notes = rebuild.rebuild_summary(run_dir)
+    assert summary["interrupted"] is True and summary["completed"] == 19
+    assert summary["model"] == "llama-3.2-1b" and summary["num_plans"] == len(
+        (run_dir / "steps.jsonl").read_bytes().splitlines())
+    assert any("torn last line" in n for n in notes) and any("never finished" in n for n in notes)
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+
+    lines = data.splitlines(keepends=True)
+    (run_dir / "requests.jsonl").write_bytes(b"".join([lines[0], b"{oops\n", *lines[1:]]))
+    with pytest.raises(ConfigError, match="requests.jsonl: line 2"):
+        rebuild.rebuild_summary(run_dir)
+    with pytest.raises(ConfigError, match="not a run directory"):
+        rebuild.rebuild_summary(tmp_path)
+
+
+def test_an_unwritable_out_fails_in_one_line_before_any_compute(tmp_path, monkeypatch, capsys):
+    from batchsim.scripts.cli import main
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("BATCHSIM_HOME", str(home))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for extra in ([], ["--target", "http://127.0.0.1:9/v1"]):
+        assert main(["run", "--model", "smollm2-135m", "--num-prompts", "1", "--no-progress",
+                     "--out", str(blocker / "runs"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert "output directory" in err and "Traceback" not in err
+        assert len(err.strip().splitlines()) == 1
+    assert not (home / "models").exists()  # the model was never built
+
+
+def test_sim_without_a_profile_takes_the_one_calibrated_on_this_machine(tmp_path, monkeypatch):
+    from batchsim.server.perf import devices
+    from batchsim.server.platform import env
+
+    monkeypatch.setenv("BATCHSIM_HOME", str(tmp_path))
+    monkeypatch.setattr(env, "device_id", lambda info: "Test CPU, TestBLAS 1.0")
+    with pytest.raises(ConfigError) as exc:
+        devices.resolve_profile(None)
+    message = str(exc.value)
+    assert "--device-profile" in message and "linux-x86_64-openblas-2core" in message
+    assert "Test CPU, TestBLAS 1.0" in message and "\n" not in message
+
+    profile = yaml.safe_load(SHIPPED.read_text())
+    profile["calibration"]["device"] = "Test CPU, TestBLAS 1.0"
+    (tmp_path / "devices").mkdir()
+    (tmp_path / "devices" / "here.yaml").write_text(yaml.safe_dump(profile))
+    assert devices.profile_for_this_machine() == "here"
+    session = open_session(RunConfig(model="tiny", executor="sim"))
+    assert session.executor.caps.virtual_time and session.dtype == "float32"  # the profile's
+    (tmp_path / "devices" / "local.yaml").write_text(yaml.safe_dump(profile))
+    assert devices.profile_for_this_machine() == "local"  # `batchsim calibrate`'s own comes first
+
+
+def test_a_trace_replays_whole_unless_num_prompts_says_otherwise():
+    from batchsim.scripts.cli import build_parser
+    from batchsim.scripts.run_cmd import config_from_args
+
+    parser = build_parser()
+    trace = "mooncake_conversation_slice.jsonl"
+    rows = sum(1 for line in (Path(run_files.__file__).parents[2] / "configs" / "traces" / trace)
+               .read_text().splitlines() if line.strip())
+    whole = config_from_args(parser.parse_args(["run", "--trace", trace])).workload
+    assert whole.num_prompts == rows > RunConfig().workload.num_prompts
+    part = config_from_args(parser.parse_args(["run", "--trace", trace, "--num-prompts", "7"]))
+    assert part.workload.num_prompts == 7
+    named = config_from_args(parser.parse_args(["run", "--workload", "azure-conv"]))
+    assert named.workload.num_prompts == 200  # a workload's own count stands
+
+
+def test_a_later_build_sweeps_the_temporary_dirs_of_killed_builds(batchsim_home, tiny):
+    from batchsim.server.models.build import cache_root
+    from batchsim.server.models.loader import resolve
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid with no process behind it
+    dead = cache_root() / f".tiny-float32.build-{gone.pid}-abc_12"
+    mine = cache_root() / f".tiny-float32.build-{os.getpid()}-xyz_34"  # a build in progress
+    for path in (dead, mine):
+        (path / "weights").mkdir(parents=True)
+    resolve("tiny", "float32")  # any build, even of a model already built
+    assert not dead.exists() and mine.exists()
+    (mine / "weights").rmdir()
+    mine.rmdir()

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from batchsim.server.models.files import MARKER, save_weights, staged_dir
+from batchsim.server.models.files import MARKER, save_weights, staged_dir, sweep_dead_builds
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.models.tokenizer import build_tokenizer
 
@@ -87,6 +87,7 @@ def build_model(
 
     dtype_bytes(dtype)
     out_dir = out_dir or cache_root() / build_id(spec.name, dtype, quantize_bits)
+    sweep_dead_builds(out_dir.parent)  # whatever is built: killed builds leave hundreds of MB
     if is_built(out_dir, spec, dtype, quantize_bits):
         return out_dir
     log(f"building {build_id(spec.name, dtype, quantize_bits)} in {out_dir} "

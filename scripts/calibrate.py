@@ -131,6 +131,7 @@ def _fit(args, dtype: str, when: str, env_info: dict, ceilings: _Ceilings, sessi
     """The profile: measured ceilings plus the per-forward terms fitted on the step samples."""
     from batchsim.server.measure import calibration as cal
     from batchsim.server.perf.profile import DeviceProfile
+    from batchsim.server.perf.profile_match import device_id
     from batchsim.server.perf.stepcost import StepCost
 
     base = DeviceProfile(name=args.name, bandwidth_gbs=ceilings.bandwidth_gbs,
@@ -143,7 +144,7 @@ def _fit(args, dtype: str, when: str, env_info: dict, ceilings: _Ceilings, sessi
     terms = cal.fit_forward_terms(samples, costs0)
     transfer = cal.transfer_errors(samples, costs0)
     calib = cal.calibration_from(gemm, terms, ceilings.copy_gbs, overhead_us, args.models, when,
-                                 probe_ms, device=cal.device_id(env_info))
+                                 probe_ms, device=device_id(env_info))
     profile = _with(base, calib, source=f"batchsim calibrate {when}: {env_info['cpu']}, "
                     f"{env_info['backend']}, BLAS {env_info['blas']}, models {', '.join(args.models)}")
     return profile, terms, transfer

@@ -182,7 +182,17 @@ def run(args: argparse.Namespace) -> dict:
             raise CommandFailed(f"all {summary['failed']} requests to {summary['endpoint']} failed "
                                 f"(HTTP statuses: {summary['http_statuses']})", summary)
         return summary
+    warn_profile_mismatch(cfg)
     return run_in_process(cfg, Path(args.out), progress=not args.no_progress)
+
+
+def warn_profile_mismatch(cfg: RunConfig) -> None:
+    """One yellow stderr line when a simulated run's profile was calibrated on another machine."""
+    from batchsim.server.perf.profile_match import config_warning
+
+    warning = config_warning(cfg)
+    if warning:
+        err.print(f"[yellow]{warning}[/yellow]", soft_wrap=True)
 
 
 def run_over_http(cfg: RunConfig, out_dir: Path, progress: bool = True) -> dict:

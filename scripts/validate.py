@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> dict:
 def _open(args: argparse.Namespace, measured_on: str | None) -> _Validation:
     """Profile, cases and both sessions; refuses a model the profile was calibrated on."""
     from batchsim.server.engine.session import open_session
-    from batchsim.server.measure.calibration import device_id
     from batchsim.server.perf.devices import resolve_profile
+    from batchsim.server.perf.profile_match import device_id, mismatch_warning
 
     profile = resolve_profile(args.device_profile)
     if profile.calibration and args.model in profile.calibration.calibrated_on:
@@ -111,10 +111,10 @@ def _open(args: argparse.Namespace, measured_on: str | None) -> _Validation:
                                  device_profile=args.device_profile))
     here = measured_on or device_id(real.environment())
     calibrated_on = profile.calibration.device if profile.calibration else ""
-    if calibrated_on and calibrated_on != here:
-        err.print(f"[yellow]warning: {args.device_profile} was calibrated on {calibrated_on}; this is "
-                  f"{here}. Every error below includes the difference between the two machines: "
-                  "run `batchsim calibrate` here first.[/yellow]")
+    warning = mismatch_warning(profile, args.device_profile, here)
+    if warning:
+        err.print(f"[yellow]{warning} Every error below includes the difference between the two "
+                  "machines.[/yellow]", soft_wrap=True)
     return _Validation(args, profile, cases, real, sim, here, calibrated_on,
                        Path(args.out) / f"validate-{timestamp()}")
 

@@ -353,8 +353,3 @@ def calibration_from(gemm: dict[str, GemmFit], terms: dict[str, float], copy_gbs
                        calibrated_on=tuple(models), measured_at=when, device=device,
                        speed_probe_ms=dict(probe_ms or {}), **terms)
 
-
-def device_id(env_info: dict) -> str:
-    """What a calibration is only valid on: the CPU or GPU, and the BLAS build that ran the GEMMs."""
-    blas = env_info.get("blas_version") or env_info.get("blas") or ""
-    return ", ".join(x for x in (env_info.get("device_name") or env_info.get("cpu"), blas) if x)

@@ -353,3 +353,25 @@ def calibration_from(gemm: dict[str, GemmFit], terms: dict[str, float], copy_gbs
                        calibrated_on=tuple(models), measured_at=when, device=device,
                        speed_probe_ms=dict(probe_ms or {}), **terms)
 
+
+
+def fit_expert_term(samples: Sequence[StepSample], costs: dict[str, StepCost]) -> float:
+    """experts_ns_per_pair from the MoE models' steps: what the profile (its other terms already
+    fitted, this one 0) leaves unexplained per routed (token, expert) pair, least squares on
+    relative error, not below 0. 0 when no calibration model is MoE."""
+    feats, resid = [], []
+    for s in samples:
+        c = costs[s.model]
+        if c.family is None or not c.family.expert_pairs(1):
+            continue
+        feats.append(c.family.expert_pairs(s.rows) * 1e-9 / s.seconds)
+        resid.append(1.0 - predict(s, c) / s.seconds)
+    f, r = np.asarray(feats), np.asarray(resid)
+    return max(0.0, float(f @ r / (f @ f))) if len(f) else 0.0
+
+
+def sample_errors(samples: Sequence[StepSample], costs: dict[str, StepCost]) -> dict[str, float]:
+    """Median |error| and median error of `costs` predicting these steps."""
+    errs = np.asarray([predict(s, costs[s.model]) / s.seconds - 1 for s in samples])
+    return {"median_abs_err": float(np.median(np.abs(errs))), "median_err": float(np.median(errs)),
+            "max_abs_err": float(np.max(np.abs(errs)))}

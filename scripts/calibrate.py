@@ -29,7 +29,7 @@ FULL = dict(models=DEFAULT_MODELS, batches=["1", "2", "4", "8", "12", "16", "24"
 # --quick: fewer models, grid points and repeats (minutes instead of half an hour), then the fitted
 # profile predicts a model it has not seen (QUICK_HELD_OUT) and reports that error.
 QUICK = dict(models=["smollm2-135m", "tiny", "tiny-moe"], batches=["1", "2", "4", "8", "16", "32"],
-             widths=["128", "512"], chunks=["16", "64", "256"], starts=["0", "256"], reps=2, rounds=1)
+             widths=["128", "512"], chunks=["16", "64", "256"], starts=["0", "512"], reps=2, rounds=1)
 QUICK_GEMM_ROWS = (1, 2, 3, 4, 8, 12, 16, 24, 32, 48, 64, 128, 512)
 QUICK_GEMM_SHAPES = ((512, 512), (1024, 1024), (2048, 2048), (576, 1536), (1536, 576),
                      (1024, 4096), (1024, 32768))
@@ -79,6 +79,10 @@ def run(args: argparse.Namespace) -> dict:
             setattr(args, key, value)
     if args.reps < 1 or args.rounds < 1:
         raise ConfigError(f"--reps and --rounds must be at least 1, got {args.reps} and {args.rounds}")
+    bad = [x for x in args.starts if int(x) and (int(x) < max(512, *map(int, args.chunks)) or int(x) % 256)]
+    if bad:  # a prefill reaches its start in one chunk of exactly that many tokens
+        raise ConfigError(f"--starts: {bad[0]} must be 0 or a multiple of 256, at least 512 and "
+                          "at least every chunk")
     dtype = env.default_dtype() if args.dtype == "auto" else args.dtype
     when, t0 = time.strftime("%Y-%m-%dT%H:%M:%S"), time.perf_counter()
     env_info = env.environment(dtype=dtype)

@@ -55,3 +55,30 @@ def test_family_matrices_validate_on_models_calibration_does_not_use(matrix, fam
     kinds = {lay.ffn.kind for lay in zoo_spec(model).arch.layers} | {
         lay.attention.kind for lay in zoo_spec(model).arch.layers}
     assert family in kinds and len(doc["cases"]) >= 3
+
+
+def test_validate_skips_a_model_the_real_executor_cannot_serve_yet(monkeypatch, capsys, tmp_path,
+                                                                   batchsim_home):
+    import json
+
+    from batchsim.scripts import validate
+    from batchsim.scripts.cli import main
+
+    from batchsim.server.engine.run_config import RunConfig
+
+    class Refusing:  # a session whose real runs fail as an unsupported cache kind does
+        config = RunConfig()
+
+        def with_config(self, cfg):
+            raise NotImplementedError("the decode pool serves one-token decode steps")
+
+    assert validate._not_runnable(Refusing()).startswith("NotImplementedError: the decode pool")
+    monkeypatch.setattr(validate, "_not_runnable", lambda session: "NotImplementedError: sliding")
+    matrix = tmp_path / "m.yaml"  # a model that loads here; the probe is what refuses it
+    matrix.write_text("model: tiny-moe\ncases:\n  - {name: a, max_num_seqs: 1, workload: {num_prompts: 2}}\n")
+    assert main(["validate", "--matrix", str(matrix), "--device-profile",
+                 "linux-x86_64-openblas-2core", "--out", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert "tiny-moe is not runnable yet" in captured.err and "1 cases are skipped" in captured.err
+    doc = json.loads(captured.out.strip().splitlines()[-1])
+    assert doc["skipped"] == "not runnable yet: NotImplementedError: sliding" and doc["cases"] == []

@@ -20,25 +20,42 @@ from batchsim.server.perf.devices import LOCAL_NAME
 # because linear layers are most of its steps, as they are of the models users simulate: fitted
 # on the three small models alone, the one they left out with most weight time (SmolLM2) was
 # predicted 14% fast (leave-one-model-out on the 02:43 calibration's samples).
-DEFAULT_MODELS = ["smollm2-135m", "tiny", "gqa8-probe", "qwen3-0.6b"]
+# tiny-moe (mixture of experts) fits the routed experts' term alone (experts_ns_per_pair), on top
+# of the terms the dense models fit.
+DEFAULT_MODELS = ["smollm2-135m", "tiny", "gqa8-probe", "qwen3-0.6b", "tiny-moe"]
+FULL = dict(models=DEFAULT_MODELS, batches=["1", "2", "4", "8", "12", "16", "24", "32", "64"],
+            widths=["128", "512", "1024"], chunks=["16", "64", "256", "512"], starts=["0", "512"],
+            reps=5, rounds=3)
+# --quick: fewer models, grid points and repeats (minutes instead of half an hour), then the fitted
+# profile predicts a model it has not seen (QUICK_HELD_OUT) and reports that error.
+QUICK = dict(models=["smollm2-135m", "tiny", "tiny-moe"], batches=["1", "2", "4", "8", "16", "32"],
+             widths=["128", "512"], chunks=["16", "64", "256"], starts=["0", "512"], reps=2, rounds=1)
+QUICK_GEMM_ROWS = (1, 2, 3, 4, 8, 12, 16, 24, 32, 48, 64, 128, 512)
+QUICK_GEMM_SHAPES = ((512, 512), (1024, 1024), (2048, 2048), (576, 1536), (1536, 576),
+                     (1024, 4096), (1024, 32768))
+QUICK_HELD_OUT = "gqa8-probe"
 
 # Of the device's memory, what one decode grid point's KV (private caches and pool) may hold.
 KV_CAP_FRACTION = 0.3
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--models", type=str_list, default=DEFAULT_MODELS,
-                   help="calibration models (keep validation models out of this list)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a usable profile in minutes: models {','.join(QUICK['models'])}, a smaller "
+                        f"grid, one round; then its error on {QUICK_HELD_OUT}, which it did not see")
+    p.add_argument("--models", type=str_list, default=None,
+                   help=f"calibration models (keep validation models out of this list; default "
+                        f"{','.join(DEFAULT_MODELS)})")
     add_field_argument(p, RunConfig, "dtype", "", choices=list(DTYPES), unset=False)
     p.add_argument("--name", default=LOCAL_NAME, help="profile name (written to $BATCHSIM_HOME/devices)")
     p.add_argument("--profile-out", help="also write the profile YAML here")
-    p.add_argument("--batches", type=str_list, default=["1", "2", "4", "8", "12", "16", "24", "32", "64"])
-    p.add_argument("--widths", type=str_list, default=["128", "512", "1024"],
+    p.add_argument("--batches", type=str_list, default=None)
+    p.add_argument("--widths", type=str_list, default=None,
                    help="decode attention widths (context tokens)")
-    p.add_argument("--chunks", type=str_list, default=["16", "64", "256", "512"], help="prefill chunks")
-    p.add_argument("--starts", type=str_list, default=["0", "512"], help="tokens before a chunk")
-    p.add_argument("--reps", type=int, default=5, help="passes over the GEMM grid (median per point)")
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--chunks", type=str_list, default=None, help="prefill chunks")
+    p.add_argument("--starts", type=str_list, default=None, help="tokens before a chunk")
+    p.add_argument("--reps", type=int, default=None, help="passes over the GEMM grid (median per point)")
+    p.add_argument("--rounds", type=int, default=None,
                    help="passes over the step grid, round-robin over the models (median per point)")
     p.add_argument("--out", default="results", help="directory for calibrate.jsonl")
 
@@ -57,13 +74,20 @@ def run(args: argparse.Namespace) -> dict:
     from batchsim.server.engine.session import open_session
     from batchsim.server.platform import env
 
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.reps < 1 or args.rounds < 1:
         raise ConfigError(f"--reps and --rounds must be at least 1, got {args.reps} and {args.rounds}")
+    bad = [x for x in args.starts if int(x) and (int(x) < max(512, *map(int, args.chunks)) or int(x) % 256)]
+    if bad:  # a prefill reaches its start in one chunk of exactly that many tokens
+        raise ConfigError(f"--starts: {bad[0]} must be 0 or a multiple of 256, at least 512 and "
+                          "at least every chunk")
     dtype = env.default_dtype() if args.dtype == "auto" else args.dtype
-    when = time.strftime("%Y-%m-%dT%H:%M:%S")
+    when, t0 = time.strftime("%Y-%m-%dT%H:%M:%S"), time.perf_counter()
     env_info = env.environment(dtype=dtype)
     err.print(f"calibrating {dtype} on {env_info['cpu']} ({env.backend()}, BLAS {env_info['blas']})")
-    ceilings = _measure_ceilings(dtype, args.reps)
+    ceilings = _measure_ceilings(dtype, args.reps, args.quick)
     sessions = {name: open_session(RunConfig(model=name, dtype=dtype)) for name in args.models}
     samples, probe_ms, drift = _step_grid(args, sessions)
     overhead_us = _engine_overhead_us(sessions[args.models[0]])
@@ -72,6 +96,7 @@ def run(args: argparse.Namespace) -> dict:
     paths = _save(profile, args)
     rows = _residuals(samples, sessions, profile, dtype)
     _print(rows, terms, ceilings.gemm, overhead_us, transfer)
+    held_out = _held_out(args, dtype, profile) if args.quick else None
     errors = sorted(abs(r["error"]) for r in rows)
     summary = {"profile": str(paths[0]), "profile_paths": [str(p) for p in paths],
                "bandwidth_gbs": ceilings.bandwidth_gbs, "peak_gflops": {dtype: ceilings.peak_gflops},
@@ -79,20 +104,23 @@ def run(args: argparse.Namespace) -> dict:
                "speed_probe_ms": probe_ms, "speed_drift": drift,
                "median_abs_err": errors[len(errors) // 2], "max_abs_err": errors[-1],
                "transfer_err": transfer, "samples": rows, "env": env_info}
+    if held_out is not None:
+        summary.update(quick=True, held_out=held_out, elapsed_s=time.perf_counter() - t0)
     append_jsonl(Path(args.out) / "calibrate.jsonl", [summary])
     out.print(f"profile written to {', '.join(str(p) for p in paths)}; use it with "
               f"`batchsim run --executor sim --device-profile {args.name}`")
     return summary
 
 
-def _measure_ceilings(dtype: str, reps: int) -> _Ceilings:
+def _measure_ceilings(dtype: str, reps: int, quick: bool = False) -> _Ceilings:
     import mlx.core as mx
     from batchsim.server.measure import calibration as cal
     from batchsim.server.measure.microbench import cache_limit, measure_bandwidth_gbs
 
     with cache_limit():  # as the executor runs: freed buffers reused, not re-faulted
         bandwidth = measure_bandwidth_gbs()
-        gemm, gemm_samples = cal.measure_gemm(getattr(mx, dtype), reps=reps, log=err.print)
+        grid = dict(rows=QUICK_GEMM_ROWS, shapes=QUICK_GEMM_SHAPES) if quick else {}
+        gemm, gemm_samples = cal.measure_gemm(getattr(mx, dtype), reps=reps, log=err.print, **grid)
         copy_gbs = cal.measure_copy_gbs(reps)
     peak_gflops = max(2 * m * k * n / t for (m, k, n), t in gemm_samples.items()) / 1e9
     err.print(f"bandwidth {bandwidth:.1f} GB/s, peak {peak_gflops:.1f} GFLOP/s, copy {copy_gbs:.1f} GB/s")
@@ -131,6 +159,7 @@ def _fit(args, dtype: str, when: str, env_info: dict, ceilings: _Ceilings, sessi
     """The profile: measured ceilings plus the per-forward terms fitted on the step samples."""
     from batchsim.server.measure import calibration as cal
     from batchsim.server.perf.profile import DeviceProfile
+    from batchsim.server.perf.profile_match import device_id
     from batchsim.server.perf.stepcost import StepCost
 
     base = DeviceProfile(name=args.name, bandwidth_gbs=ceilings.bandwidth_gbs,
@@ -140,10 +169,14 @@ def _fit(args, dtype: str, when: str, env_info: dict, ceilings: _Ceilings, sessi
     zero = cal.calibration_from(gemm, dict.fromkeys(cal.FORWARD_TERMS, 0.0), ceilings.copy_gbs,
                                 0.0, args.models, when)
     costs0 = {n: StepCost(s.spec, _with(base, zero), dtype, None) for n, s in sessions.items()}
-    terms = cal.fit_forward_terms(samples, costs0)
-    transfer = cal.transfer_errors(samples, costs0)
+    dense = [s for s in samples if costs0[s.model].family is None]  # MoE models: their term only
+    terms = cal.fit_forward_terms(dense, costs0)
+    transfer = cal.transfer_errors(dense, {n: c for n, c in costs0.items() if c.family is None})
     calib = cal.calibration_from(gemm, terms, ceilings.copy_gbs, overhead_us, args.models, when,
-                                 probe_ms, device=cal.device_id(env_info))
+                                 probe_ms, device=device_id(env_info))
+    fitted = {n: StepCost(s.spec, _with(base, calib), dtype, None) for n, s in sessions.items()}
+    terms["experts_ns_per_pair"] = cal.fit_expert_term(samples, fitted)
+    calib = dataclasses.replace(calib, experts_ns_per_pair=terms["experts_ns_per_pair"])
     profile = _with(base, calib, source=f"batchsim calibrate {when}: {env_info['cpu']}, "
                     f"{env_info['backend']}, BLAS {env_info['blas']}, models {', '.join(args.models)}")
     return profile, terms, transfer
@@ -175,6 +208,30 @@ def _probe(session, name: str) -> dict[str, float]:
     from batchsim.server.measure import calibration as cal
 
     return cal.speed_probe_ms(name, session.model, session.spec, session.kv_bytes_per_token)
+
+
+def _held_out(args: argparse.Namespace, dtype: str, profile) -> dict:
+    """The fitted profile on a model calibration did not see (a smaller grid, one round), beside
+    every shipped profile on the same steps: what to expect of it on a new model."""
+    from batchsim.server.engine.session import open_session
+    from batchsim.server.measure import calibration as cal
+    from batchsim.server.perf.devices import SHIPPED_DIR, load_profile
+    from batchsim.server.perf.stepcost import StepCost
+
+    name = QUICK_HELD_OUT
+    s = open_session(RunConfig(model=name, dtype=dtype))
+    err.print(f"held-out check: {name} decode steps and prefill chunks")
+    samples = cal.grid_samples({name: (s.model, s.spec, s.kv_bytes_per_token)},
+                               [1, 4, 16], [128, 512], [64, 256], [0], rounds=1, log=err.print)
+    profiles = {args.name: profile} | {f"shipped {p.stem}": load_profile(p)
+                                       for p in sorted(SHIPPED_DIR.glob("*.yaml"))}
+    result = {label: cal.sample_errors(samples, {name: StepCost(s.spec, p, dtype, None)})
+              for label, p in profiles.items()}
+    out.print(table(f"Held-out check: step time on {name} (not used to calibrate), predicted vs measured",
+                    ["profile", "median |error| %", "median error %", "max |error| %"],
+                    [[k, 100 * e["median_abs_err"], 100 * e["median_err"], 100 * e["max_abs_err"]]
+                     for k, e in result.items()]))
+    return {"model": name, "profiles": result}
 
 
 def _with(profile, calibration, source: str | None = None):

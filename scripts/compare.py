@@ -25,6 +25,7 @@ from batchsim.scripts.run_cmd import (
     add_workload_args,
     config_from_args,
     run_in_process,
+    warn_profile_mismatch,
 )
 from batchsim.server.engine.run_config import RunConfig, with_run_overrides
 from batchsim.workloads.lengths import LengthSpec
@@ -116,6 +117,7 @@ def run(args: argparse.Namespace) -> dict:
     spec = cfg1.workload
     err.print(f"batchsim compare: {cfg1.model} on {cfg1.executor}, workload {spec.name}: "
               f"{spec.num_prompts} requests, batch 1 then batch {args.batch}")
+    warn_profile_mismatch(cfg1)
     summaries = []
     for cfg, tag in ((cfg1, "b1"), (cfg_b, f"b{args.batch}")):
         err.print(f"running max_num_seqs {cfg.scheduler.max_num_seqs} ...")

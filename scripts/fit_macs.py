@@ -12,7 +12,7 @@ import math
 
 from batchsim.configs import ConfigError
 from batchsim.scripts.common import out, table
-from batchsim.server.perf import gpu_fit, macs, mac_report
+from batchsim.server.perf import gpu_fit, mac_report, macs
 from batchsim.server.perf.reference import load_reference
 
 

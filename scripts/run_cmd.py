@@ -214,6 +214,7 @@ def run(args: argparse.Namespace) -> dict:
         return summary
     from batchsim.server.engine.interrupts import Interrupts
 
+    warn_profile_mismatch(cfg)
     # SIGTERM as Ctrl-C: either stops the run and leaves its records and summary.
     return run_in_process(cfg, Path(args.out), progress=not args.no_progress,
                           interrupts=Interrupts())
@@ -239,6 +240,15 @@ def _run_ranks(args: argparse.Namespace, cfg: RunConfig) -> dict | None:
     except RuntimeError as exc:
         raise CommandFailed(str(exc), {"error": str(exc), "ranks": args.ranks}) from None
     return None  # rank 0 printed the summary
+
+
+def warn_profile_mismatch(cfg: RunConfig) -> None:
+    """One yellow stderr line when a simulated run's profile was calibrated on another machine."""
+    from batchsim.server.perf.profile_match import config_warning
+
+    warning = config_warning(cfg)
+    if warning:
+        err.print(f"[yellow]{warning}[/yellow]", soft_wrap=True)
 
 
 def run_over_http(cfg: RunConfig, out_dir: Path, progress: bool = True) -> dict:

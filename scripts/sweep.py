@@ -24,7 +24,7 @@ from batchsim.scripts.common import (
     table,
     timestamp,
 )
-from batchsim.scripts.run_cmd import add_kv_bits_arg, add_model_args
+from batchsim.scripts.run_cmd import add_kv_bits_arg, add_model_args, warn_profile_mismatch
 from batchsim.server.engine.run_config import RunConfig, with_run_overrides
 from batchsim.server.perf import sweep_limits as sweep_math
 from batchsim.workloads.lengths import LengthSpec
@@ -108,6 +108,7 @@ def _base_session(args: argparse.Namespace):
     cfg = with_run_overrides(RunConfig(), {}, model=args.model, dtype=args.dtype,
                              quantize=args.quantize, kv_bits=args.kv_bits, executor=args.executor,
                              device_profile=args.device_profile, memory_gb=args.memory_gb)
+    warn_profile_mismatch(cfg)
     base = open_session(cfg)
     if args.memory_gb is not None or args.device_budget:
         return base, base.memory_budget_bytes, base.budget_source

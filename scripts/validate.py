@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from batchsim.configs import CONFIG_DIR, ConfigError, load_yaml
-from batchsim.scheduler.config import SchedulerSettings
+from batchsim.configs import ConfigError, load_yaml
 from batchsim.scripts.common import (
     add_field_argument,
     append_jsonl,
@@ -23,6 +22,7 @@ from batchsim.scripts.common import (
     timestamp,
 )
 from batchsim.server.engine.run_config import DTYPES, RunConfig
+from batchsim.server.measure.validation_cases import MATRIX, case_config, load_cases, matrix_path
 from batchsim.server.perf.devices import LOCAL_NAME
 from batchsim.server.perf.validation_errors import (
     METRICS,
@@ -32,18 +32,19 @@ from batchsim.server.perf.validation_errors import (
     repeat_stats,
     summarize,
 )
-from batchsim.workloads.spec import workload_from_dict
 
-MATRIX = CONFIG_DIR / "validation" / "matrix.yaml"
+DEFAULT_MODEL = "qwen2.5-0.5b"
 # What those predicted steps were made of: each part's share of their time (weights, attention, ...).
 PARTS = "step_parts_share"
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="qwen2.5-0.5b", help="validation model (not a calibration one)")
+    p.add_argument("--model", default=None, help="validation model (not a calibration one; default: "
+                   f"the matrix's `model`, else {DEFAULT_MODEL})")
     add_field_argument(p, RunConfig, "dtype", "", choices=list(DTYPES), unset=False)
     p.add_argument("--device-profile", default=LOCAL_NAME, help="calibrated profile to validate")
-    p.add_argument("--matrix", default=str(MATRIX), help="cases YAML")
+    p.add_argument("--matrix", default=str(MATRIX), help="cases YAML, or the name of one in "
+                   "configs/validation: matrix (dense), moe, sliding")
     p.add_argument("--cases", help="comma-separated case names to run (default: all)")
     p.add_argument("--repeats", type=int, default=3,
                    help="real runs per case, taken round-robin over the matrix so a shared machine's "
@@ -74,12 +75,16 @@ class _Validation:
 def run(args: argparse.Namespace) -> dict:
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be at least 1, got {args.repeats}")
+    args.matrix = str(matrix_path(args.matrix))
+    args.model = args.model or load_yaml(Path(args.matrix)).get("model") or DEFAULT_MODEL
     earlier = None
     if args.measured_from:
         earlier = _earlier_validation(Path(args.measured_from), args.model,
-                                      _load_cases(Path(args.matrix), args.cases))
+                                      load_cases(Path(args.matrix), args.cases))
     v = _open(args, earlier["device"] if earlier else None)
-    configs = {c["name"]: _case_config(v.real.config, c, v.real.weight_bytes) for c in v.cases}
+    if isinstance(v, str):  # the real executor cannot run this model yet
+        return {"model": args.model, "skipped": v, "cases": []}
+    configs = {c["name"]: case_config(v.real.config, c, v.real.weight_bytes) for c in v.cases}
     predicted = {name: _run(v.sim.with_config(_sim_config(cfg, args.device_profile, v.real.dtype)),
                             v.out_dir, name + "-sim")
                  for name, cfg in configs.items()}  # deterministic: one simulated run per case
@@ -98,23 +103,33 @@ def run(args: argparse.Namespace) -> dict:
 def _open(args: argparse.Namespace, measured_on: str | None) -> _Validation:
     """Profile, cases and both sessions; refuses a model the profile was calibrated on."""
     from batchsim.server.engine.session import open_session
-    from batchsim.server.measure.calibration import device_id
     from batchsim.server.perf.devices import resolve_profile
+    from batchsim.server.perf.profile_match import device_id, mismatch_warning
 
     profile = resolve_profile(args.device_profile)
     if profile.calibration and args.model in profile.calibration.calibrated_on:
         raise ConfigError(f"--model {args.model} was used to calibrate {args.device_profile}; "
                           "validate on a model the profile has not seen")
-    cases = _load_cases(Path(args.matrix), args.cases)
-    real = open_session(RunConfig(model=args.model, dtype=args.dtype))
+    cases = load_cases(Path(args.matrix), args.cases)
+    try:
+        real = open_session(RunConfig(model=args.model, dtype=args.dtype))
+        reason = _not_runnable(real)
+    except ConfigError as exc:  # the session refuses a family it does not run yet
+        if "not yet" not in str(exc):
+            raise
+        reason = str(exc)
+    if reason:
+        err.print(f"[yellow]validate: {args.model} is not runnable yet in the real executor "
+                  f"({reason}); its {len(cases)} cases are skipped[/yellow]", soft_wrap=True)
+        return f"not runnable yet: {reason}"
     sim = open_session(RunConfig(model=args.model, dtype=real.dtype, executor="sim",
                                  device_profile=args.device_profile))
     here = measured_on or device_id(real.environment())
     calibrated_on = profile.calibration.device if profile.calibration else ""
-    if calibrated_on and calibrated_on != here:
-        err.print(f"[yellow]warning: {args.device_profile} was calibrated on {calibrated_on}; this is "
-                  f"{here}. Every error below includes the difference between the two machines: "
-                  "run `batchsim calibrate` here first.[/yellow]")
+    warning = mismatch_warning(profile, args.device_profile, here)
+    if warning:
+        err.print(f"[yellow]{warning} Every error below includes the difference between the two "
+                  "machines.[/yellow]", soft_wrap=True)
     return _Validation(args, profile, cases, real, sim, here, calibrated_on,
                        Path(args.out) / f"validate-{timestamp()}")
 
@@ -258,35 +273,23 @@ def _speed_probe(profile, dtype: str) -> Callable[[], dict[str, float]]:
     return probe
 
 
-def _load_cases(path: Path, names: str | None) -> list[dict[str, Any]]:
-    cases = load_yaml(path).get("cases") or []
-    if names:
-        wanted = [n.strip() for n in names.split(",")]
-        known = {c["name"] for c in cases}
-        missing = [n for n in wanted if n not in known]
-        if missing:
-            raise ConfigError(f"{path}: no case {missing[0]!r}; cases: {', '.join(sorted(known))}")
-        cases = [c for c in cases if c["name"] in wanted]
-    return cases
+def _not_runnable(session) -> str | None:
+    """Why the real executor cannot serve this model (one request whose prompt passes any
+    sliding window, a few decode steps), or None."""
+    from batchsim.workloads.lengths import LengthSpec
+    from batchsim.workloads.spec import WorkloadSpec
+
+    spec = WorkloadSpec(name="validate-probe", num_prompts=2, arrival="poisson",
+                        request_rate=float("inf"), input_len=LengthSpec("fixed", value=160),
+                        output_len=LengthSpec("fixed", value=4), seed=0)
+    try:
+        _run(session.with_config(dataclasses.replace(session.config, workload=spec)), None, "probe")
+    except Exception as exc:  # noqa: BLE001 (any failure: report it and skip the cases)
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+    return None
 
 
-def _case_config(base, case: dict[str, Any], weight_bytes: int):
-    allowed = {"name", "max_num_seqs", "memory_gb", "policy", "workload"}
-    unknown = set(case) - allowed
-    if unknown:
-        raise ConfigError(f"validation case {case.get('name')}: unknown key {sorted(unknown)[0]!r}; "
-                          f"allowed: {', '.join(sorted(allowed))}")
-    memory = case.get("memory_gb")
-    if isinstance(memory, str) and memory.startswith("weights+"):
-        memory = weight_bytes / (1 << 30) + float(memory.split("+", 1)[1])
-    workload = workload_from_dict({"name": case["name"], **case["workload"]},
-                                  f"validation case {case['name']}: workload")
-    sched = SchedulerSettings(max_num_seqs=case["max_num_seqs"],
-                              policy=case.get("policy", SchedulerSettings.policy))
-    return dataclasses.replace(base, scheduler=sched, memory_gb=memory, workload=workload)
-
-
-def _run(session, out_dir: Path, label: str, on_step: Callable | None = None) -> dict:
+def _run(session, out_dir: Path | None, label: str, on_step: Callable | None = None) -> dict:
     from batchsim.server.engine.runner import run_workload
 
     return run_workload(session, session.config.workload, out_dir=out_dir, label=label,

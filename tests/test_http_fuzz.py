@@ -13,6 +13,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from tests.test_http_server import ServerProcess
 
 KEY = "sk-fuzz"

@@ -10,6 +10,7 @@ import socket
 import time
 
 import pytest
+
 from tests.test_http_server import ServerProcess, stream_events, stream_text
 
 PROMPT_LIMIT = 20_000
@@ -214,6 +215,7 @@ def test_a_large_prompt_does_not_stall_other_streams(tiny):
     from batchsim.server.executors.fake_executor import FakeExecutor
     from batchsim.server.http.app import Server, serve
     from batchsim.server.http.options import ServeOptions
+
     from tests.drivers import config
 
     _, _, tokenizer = tiny

@@ -10,8 +10,8 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from batchsim.configs import ConfigError

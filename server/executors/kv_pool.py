@@ -9,7 +9,9 @@ by pool_layout, which the simulator prices; this module applies it to the arrays
 `layer_views()` hands the model one cache object per layer with mlx-lm's cache API (`offset`,
 `update_and_fetch`, `make_mask`, `state`, `nbytes`), so the model's own attention runs unchanged:
 the new token's K/V are scattered into each row at its own position and attention reads
-rows [0, B) up to the longest row, with a mask for the shorter ones.
+rows [0, B) up to the longest row, with a mask for the shorter ones. When every row holds the same
+number of tokens (always at batch 1), the step writes one column with a slice update and needs no
+mask, as mlx-lm's own KVCache does: the same values, without the scatter and the masking.
 """
 
 from __future__ import annotations
@@ -23,21 +25,27 @@ from mlx_lm.models.cache import _BaseCache
 class PoolLayerView(_BaseCache):
     """One layer of the pool, as the model's attention sees it during one decode forward pass."""
 
-    def __init__(self, pool: DecodePool, layer: int, positions: mx.array, mask: mx.array, width: int):
+    def __init__(self, pool: DecodePool, layer: int, positions: mx.array | int,
+                 mask: mx.array | None, width: int):
         self._pool = pool
         self._layer = layer
-        self.offset = positions  # (B,) per-row RoPE positions
+        # (B,) per-row RoPE positions; one int when every row is at the same position (no mask)
+        self.offset = positions
         self._mask = mask
         self._width = width
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        pool, layer = self._pool, self._layer
+        pool, layer, width = self._pool, self._layer, self._width
         b = keys.shape[0]
-        rows = pool.row_index(b)
         k, v = pool.keys[layer], pool.values[layer]
-        k[rows, :, self.offset] = keys[:, :, 0, :]
-        v[rows, :, self.offset] = values[:, :, 0, :]
-        return k[:b, :, : self._width], v[:b, :, : self._width]
+        if self._mask is None:  # aligned rows: one column, as mlx-lm's KVCache writes it
+            k[:b, :, width - 1 : width] = keys
+            v[:b, :, width - 1 : width] = values
+        else:
+            rows = pool.row_index(b)
+            k[rows, :, self.offset] = keys[:, :, 0, :]
+            v[rows, :, self.offset] = values[:, :, 0, :]
+        return k[:b, :, :width], v[:b, :, :width]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         if N != 1 or window_size is not None:
@@ -142,11 +150,15 @@ class DecodePool:
     # -- decode --------------------------------------------------------------------------------
     def layer_views(self) -> list[PoolLayerView]:
         """Per-layer caches for one decode forward over rows [0, B); lengths advance by one."""
-        positions = mx.array(self.lengths)
-        width = max(self.lengths) + 1
+        lengths = self.lengths
+        width = max(lengths) + 1
         if width > self.geometry.capacity_tokens:
             raise RuntimeError(f"row of {width} tokens exceeds capacity {self.geometry}")
-        mask = (mx.arange(width)[None] <= positions[:, None])[:, None, None, :]
+        if min(lengths) == width - 1:  # every row at one position: nothing to mask
+            positions, mask = width - 1, None
+        else:
+            positions = mx.array(lengths)
+            mask = (mx.arange(width)[None] <= positions[:, None])[:, None, None, :]
         views = [PoolLayerView(self, layer, positions, mask, width) for layer in range(self.num_layers)]
         self.lengths = [n + 1 for n in self.lengths]
         return views

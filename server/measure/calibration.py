@@ -22,7 +22,6 @@ from batchsim.server.measure.microbench import median_time_s, working_set_bytes
 from batchsim.server.models.spec import ModelSpec
 from batchsim.server.perf.profile import Calibration, GemmFit
 from batchsim.server.perf.stepcost import StepCost
-from batchsim.server.platform.env import device_id  # noqa: F401 (re-exported)
 from mlx_lm.models.cache import make_prompt_cache
 
 # Every row count up to 32, then steps of 8: CPU BLAS kernels block rows by the vector width (16
@@ -353,3 +352,25 @@ def calibration_from(gemm: dict[str, GemmFit], terms: dict[str, float], copy_gbs
     return Calibration(gemm=gemm, copy_gbs=copy_gbs, step_overhead_us=step_overhead_us,
                        calibrated_on=tuple(models), measured_at=when, device=device,
                        speed_probe_ms=dict(probe_ms or {}), **terms)
+
+
+def fit_expert_term(samples: Sequence[StepSample], costs: dict[str, StepCost]) -> float:
+    """experts_ns_per_pair from the MoE models' steps: what the profile (its other terms already
+    fitted, this one 0) leaves unexplained per routed (token, expert) pair, least squares on
+    relative error, not below 0. 0 when no calibration model is MoE."""
+    feats, resid = [], []
+    for s in samples:
+        c = costs[s.model]
+        if c.family is None or not c.family.expert_pairs(1):
+            continue
+        feats.append(c.family.expert_pairs(s.rows) * 1e-9 / s.seconds)
+        resid.append(1.0 - predict(s, c) / s.seconds)
+    f, r = np.asarray(feats), np.asarray(resid)
+    return max(0.0, float(f @ r / (f @ f))) if len(f) else 0.0
+
+
+def sample_errors(samples: Sequence[StepSample], costs: dict[str, StepCost]) -> dict[str, float]:
+    """Median |error| and median error of `costs` predicting these steps."""
+    errs = np.asarray([predict(s, costs[s.model]) / s.seconds - 1 for s in samples])
+    return {"median_abs_err": float(np.median(np.abs(errs))), "median_err": float(np.median(errs)),
+            "max_abs_err": float(np.max(np.abs(errs)))}

@@ -62,16 +62,16 @@ def profile_for_this_machine() -> str:
     `validate` compares them); else a one-line error saying what to pass."""
     if any(p.suffix == ".yaml" and p.is_file() for p in _candidates(LOCAL_NAME)):
         return LOCAL_NAME
-    from batchsim.server.platform import env
+    from batchsim.server.perf import profile_match
 
-    here = env.device_id(env.environment())
+    here = profile_match.here()
     calibrated = {}
     for name in profile_names():
         c = resolve_profile(name).calibration
         if c is not None and c.device:
             calibrated[name] = c.device
     for name, device in calibrated.items():
-        if device == here:
+        if not profile_match.differs(device, here):
             return name
     offered = "; ".join(f"{n}, calibrated on {d}" for n, d in calibrated.items()) or "none"
     raise ConfigError(

@@ -85,14 +85,23 @@ class FamilyCost:
     def routed_s(self, mat: Mat, layer: Layer, m: int) -> float:
         """One routed-expert matrix stack over m tokens: D distinct experts, each streaming its
         weights (at the profile's expert_bandwidth_efficiency of the dense rate) and multiplying
-        its m*k/D tokens at GATHER_MATMUL_EFFICIENCY of the GEMM rate."""
+        its m*k/D tokens at GATHER_MATMUL_EFFICIENCY of the GEMM rate, plus the calibrated cost of
+        gathering each of the m*k (token, expert) pairs."""
         ffn = layer.ffn
         distinct = expected_experts(ffn.experts, ffn.top_k, m)
         moved_s, flops_s = self.cost.linear_terms(m * ffn.top_k / distinct, mat.in_dim, mat.out_dim)
         moved_s /= self.cost.profile.expert_bandwidth_efficiency
         flops_s /= GATHER_MATMUL_EFFICIENCY
         per_expert = moved_s + flops_s if self.cost.gemm is not None else max(moved_s, flops_s)
-        return distinct * per_expert
+        cal = self.cost.cal
+        pairs_s = m * ffn.top_k * cal.experts_ns_per_pair * 1e-9 if cal is not None else 0.0
+        return distinct * per_expert + pairs_s
+
+    def expert_pairs(self, m: int) -> int:
+        """Routed (token, expert) pairs times expert matrix stacks in one forward pass over m rows:
+        what `experts_ns_per_pair` is charged on."""
+        return sum(count * m * layer.ffn.top_k
+                   for layer, count in self.layers.items() for mat in layer.mats if mat.routed)
 
     def _head_split(self, rows: int) -> tuple[float, float]:
         if not rows:

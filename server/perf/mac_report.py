@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from batchsim.server.perf import macs, mac_fit
+from batchsim.server.perf import mac_fit, macs
 from batchsim.server.perf.gpu_fit import GpuFit
 from batchsim.server.perf.reference import REFERENCE_PATH, BatchedRow, DecodeRow, ReferenceSet
 from batchsim.server.perf.stepcost import StepCost

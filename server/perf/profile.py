@@ -61,6 +61,9 @@ class Calibration:
     # fused kernel (MLX's CPU backend) each score costs its matmul slice, mask, softmax and
     # transposes, whatever the head size: 20-30 ns each on a 2-core Xeon, 10-100x a K/V byte.
     attention_decode_ns_per_score: float = 0.0
+    # MoE: per routed (token, expert) pair and expert matrix, what gathering and dispatching it
+    # costs beyond its weights and FLOPs (fitted on the MoE calibration models; 0: not measured).
+    experts_ns_per_pair: float = 0.0
     calibrated_on: tuple[str, ...] = ()
     measured_at: str = ""
     # The processor and BLAS it was measured on ("AMD EPYC, OpenBLAS ... Zen"): a cloud machine of

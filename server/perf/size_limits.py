@@ -15,9 +15,9 @@ from batchsim.scheduler.kv_layout import KV_STEP, PAGE_TOKENS, round_up
 from batchsim.server.models.arch_cache import cache_bytes, generate_calls
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.perf import macs
+from batchsim.server.perf.cluster import Cluster
 from batchsim.server.perf.gpu_fit import GpuFit, mac_profile
 from batchsim.server.perf.profile import DeviceProfile
-from batchsim.server.perf.cluster import Cluster
 from batchsim.server.perf.stepcost import StepCost, StepTime
 from batchsim.workloads.lengths import parse_length
 

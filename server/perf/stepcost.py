@@ -22,8 +22,12 @@ from batchsim.server.models.arch import QUANT_GROUP_SIZE, quantized_matrix_bytes
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.perf.cluster import Cluster
 from batchsim.server.perf.family_cost import FamilyCost
-from batchsim.server.perf.profile import (KV_DEQUANT_OPS_PER_ELEMENT, Calibration, DeviceProfile,
-                                          compute_dtype)
+from batchsim.server.perf.profile import (
+    KV_DEQUANT_OPS_PER_ELEMENT,
+    Calibration,
+    DeviceProfile,
+    compute_dtype,
+)
 
 
 @dataclasses.dataclass(frozen=True)

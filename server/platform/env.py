@@ -88,12 +88,6 @@ def environment(**settings: Any) -> dict[str, Any]:
     return {**_static_environment(), **settings}
 
 
-def device_id(env_info: dict) -> str:
-    """What a calibration is only valid on: the CPU or GPU, and the BLAS build that ran the GEMMs."""
-    blas = env_info.get("blas_version") or env_info.get("blas") or ""
-    return ", ".join(x for x in (env_info.get("device_name") or env_info.get("cpu"), blas) if x)
-
-
 def default_dtype() -> str:
     """float32 on the CPU backend (the only dtype whose matmuls use BLAS there), float16 on GPUs."""
     return "float32" if backend() == "cpu" else "float16"

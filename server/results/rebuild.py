@@ -13,7 +13,12 @@ from batchsim.configs import ConfigError
 from batchsim.server.results.jsonio import jsonable
 from batchsim.server.results.metrics import RequestRecord, StepRecord, summarize
 from batchsim.server.results.run_files import (
-    CONFIG, REQUESTS, STEPS, SUMMARY, read_rows, write_summary,
+    CONFIG,
+    REQUESTS,
+    STEPS,
+    SUMMARY,
+    read_rows,
+    write_summary,
 )
 
 # Facts the records cannot give back: a finished run's own summary keeps them.

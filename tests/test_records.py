@@ -102,11 +102,10 @@ def test_an_unwritable_out_fails_in_one_line_before_any_compute(tmp_path, monkey
 
 
 def test_sim_without_a_profile_takes_the_one_calibrated_on_this_machine(tmp_path, monkeypatch):
-    from batchsim.server.perf import devices
-    from batchsim.server.platform import env
+    from batchsim.server.perf import devices, profile_match
 
     monkeypatch.setenv("BATCHSIM_HOME", str(tmp_path))
-    monkeypatch.setattr(env, "device_id", lambda info: "Test CPU, TestBLAS 1.0")
+    monkeypatch.setattr(profile_match, "here", lambda: "Test CPU, TestBLAS 1.0")
     with pytest.raises(ConfigError) as exc:
         devices.resolve_profile(None)
     message = str(exc.value)

@@ -30,11 +30,14 @@ class PlanChannel:
         self.size = group.size()
         self.broadcast_s = 0.0  # time spent broadcasting (rank 0) or receiving plans (others)
         self.num_messages = 0
+        self.doorbell: Any = None  # once open, wakes followers before each message (doorbell.py)
 
     def send(self, obj: Any) -> None:
         """Rank 0: every other rank's recv() returns `obj`."""
         payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
         t0 = time.perf_counter()
+        if self.doorbell is not None:
+            self.doorbell.ring()
         self._sum(mx.array([payload.size], dtype=mx.int32))
         self._sum(mx.array(payload))
         self.broadcast_s += time.perf_counter() - t0
@@ -42,6 +45,8 @@ class PlanChannel:
 
     def recv(self) -> Any:
         """The other ranks: the next object rank 0 sent (blocks until it sends one)."""
+        if self.doorbell is not None:
+            self.doorbell.wait()
         n = int(self._sum(mx.zeros((1,), dtype=mx.int32)).item())
         t0 = time.perf_counter()
         data = self._sum(mx.zeros((n,), dtype=mx.uint8))

@@ -44,6 +44,7 @@ def run_rank(cfg: Any, run_session: Callable[[Any], dict]) -> dict | None:
 
     rank = int(os.environ["MLX_RANK"])
     status = _Status(rank)
+    status.path.with_suffix(".pid").write_text(str(os.getpid()))  # the launcher's, to stop a server
     signal.signal(signal.SIGTERM, lambda *_: _terminated(status))
     try:
         group = mx.distributed.init(strict=True)
@@ -63,6 +64,7 @@ def run_rank(cfg: Any, run_session: Callable[[Any], dict]) -> dict | None:
 def _serve_rank(cfg: Any, group: Any, run_session: Callable[[Any], dict],
                 status: _Status) -> dict | None:
     from batchsim.server.distributed.channel import PlanChannel, check_same_model, model_fingerprint
+    from batchsim.server.distributed.doorbell import Doorbell
     from batchsim.server.distributed.executor import LeaderExecutor, follow, shard_for
     from batchsim.server.distributed.watchdog import Watchdog
     from batchsim.server.engine.session import open_session
@@ -71,6 +73,7 @@ def _serve_rank(cfg: Any, group: Any, run_session: Callable[[Any], dict],
     channel = PlanChannel(group)
     ref = resolve(cfg.model, cfg.dtype if cfg.dtype != "auto" else _auto(), cfg.quantize)
     check_same_model(channel.gather_bytes(model_fingerprint(ref.path)), ref.path)
+    channel.doorbell = Doorbell.open(channel)
     session = open_session(cfg, prepare_model=shard_for(group, ref.name))
     timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
     watchdog = Watchdog(timeout_s, on_expire=lambda msg: _expire(status, msg))

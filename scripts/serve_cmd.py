@@ -110,7 +110,8 @@ def _serve(args: argparse.Namespace, cfg, session) -> dict:
     )
     err.print(f"batchsim serve: {session.ref.name} ({session.dtype}) as "
               f"{options.served_model_name!r}, max_num_seqs {cfg.scheduler.max_num_seqs}, "
-              f"KV budget {session.kv_budget_bytes / 2**30:.3f} GiB ({session.budget_source})")
+              f"KV budget {session.kv_budget_bytes / 2**30:.3f} GiB"
+              f"{' per rank' if args.ranks > 1 else ''} ({session.budget_source})")
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         err.print(f"[yellow]batchsim serve: bound to {args.host} without --api-key: anyone "

@@ -6,6 +6,7 @@ rank."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -95,6 +96,7 @@ def _thread_state(task: Path) -> str:
 
 def test_two_rank_server_answers_as_one_and_stops_every_rank(tiny):
     one, two = Serve(), Serve("--ranks", "2")  # both load at once: the waits overlap
+    ranks: list[int] = []
     try:
         one.wait_listening()
         two.wait_listening()
@@ -111,9 +113,14 @@ def test_two_rank_server_answers_as_one_and_stops_every_rank(tiny):
         assert summary["ranks"] == 2 and summary["requests"] == {"finished": 2}
         alive = [pid for pid in ranks if pid in _processes()]
         assert alive == [], f"left running after SIGTERM: {alive}"
+        ranks = []  # gone: nothing to clean up (their pids may be reused)
         assert one.stop()[0] == 0
-    finally:
-        for server in (one, two):
-            if server.proc.poll() is None:
-                server.proc.kill()
-                server.proc.wait()
+    finally:  # on a failure: kill what is left (mlx.launch runs in a session of its own)
+        running = [s.proc.pid for s in (one, two) if s.proc.poll() is None]
+        for pid in running + ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        one.proc.wait()
+        two.proc.wait()

@@ -122,7 +122,12 @@ def _serve(args: argparse.Namespace, cfg, session) -> dict:
 
     async def main() -> dict:
         server = Server(session.new_scheduler(), session.executor, session.tokenizer, options)
-        return await serve(server, args.host, args.port, announce)
+        stop = None
+        if args.ranks > 1 or args.hostfile:  # rank 0: a peer's death must not leave it draining
+            from batchsim.server.distributed import stop_signals
+
+            stop = stop_signals.install(server, options.drain_timeout_s)
+        return await serve(server, args.host, args.port, announce, stop)
 
     totals = asyncio.run(main())
     err.print(f"batchsim serve: stopped; {totals['requests']}")

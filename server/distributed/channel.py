@@ -23,6 +23,10 @@ class RankLost(RuntimeError):
     """A collective failed: another rank died or closed its connection."""
 
 
+class ModelMismatch(ValueError):
+    """The ranks hold different model files (every rank finds this out at once)."""
+
+
 class PlanChannel:
     def __init__(self, group: Any):
         self.group = group
@@ -102,7 +106,7 @@ def check_same_model(fingerprints: list[bytes], model_dir: Path) -> None:
     """Refuse to serve when any rank's model files differ from rank 0's."""
     differ = [r for r, fp in enumerate(fingerprints) if fp != fingerprints[0]]
     if differ:
-        raise ValueError(
+        raise ModelMismatch(
             f"rank(s) {', '.join(map(str, differ))} hold different model files than rank 0 "
             f"(sha256 {fingerprints[differ[0]].hex()[:12]} vs {fingerprints[0].hex()[:12]} of "
             f"{model_dir}); give every rank the same model")

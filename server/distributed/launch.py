@@ -129,20 +129,43 @@ def _read_pid(path: Path) -> int | None:
 
 
 def ranks_error(status_dir: Path, ranks: int) -> str | None:
-    """One line from the ranks' status files: the dead ranks, then what the others reported."""
-    dead, errors, stopped = [], [], []
+    """One line from the ranks' status files: the dead ranks, then what the others reported (the
+    same message from several ranks once), then the steps that ranks stopped by mlx.launch were
+    waiting in."""
+    dead, errors, stopped, waiting = [], [], [], []
     for r in range(ranks):
         path = status_dir / f"rank{r}.json"
         if not path.exists():
             dead.append(r)
             continue
         status = json.loads(path.read_text())
-        if not status["ok"]:
-            (stopped if status.get("terminated") else errors).append(status["error"])
-    if not dead and not errors and not stopped:
+        if status["ok"]:
+            continue
+        if not status.get("terminated"):
+            errors.append(status["error"])
+        elif status.get("during"):
+            waiting.append(status["error"])
+        else:
+            stopped.append(status["error"])
+    if not dead and not errors and not stopped and not waiting:
         return None
     parts = [f"rank {r} died (killed or crashed before reporting)" for r in dead]
-    return "; ".join(parts + errors + (stopped if not parts and not errors else []))
+    parts += _once(errors) + waiting
+    return "; ".join(parts or stopped)
+
+
+def _once(errors: list[str]) -> list[str]:
+    """'rank 0: X', 'rank 1: X' -> 'ranks 0, 1: X' (e.g. different model files, seen by all)."""
+    by_text: dict[str, list[str]] = {}
+    for error in errors:
+        head, sep, text = error.partition(": ")
+        rank = head.removeprefix("rank ") if sep and head.startswith("rank ") else None
+        if rank is None:
+            by_text.setdefault(error, [])
+        else:
+            by_text.setdefault(text, []).append(rank)
+    return [f"rank{'s' if len(r) > 1 else ''} {', '.join(r)}: {text}" if r else text
+            for text, r in by_text.items()]
 
 
 def free_port(ranks: int) -> int:

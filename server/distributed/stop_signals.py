@@ -22,6 +22,7 @@ def install(server: Any, drain_timeout_s: float) -> asyncio.Event:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     status = _Status(0)
+    status.doing = server.engine.executor.watchdog.current  # the LeaderExecutor's
 
     def on_signal(signum: int) -> None:
         if signum == signal.SIGTERM and peers_lost(Path(os.environ[STATUS_DIR_ENV])):

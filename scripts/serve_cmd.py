@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from batchsim.scripts.common import add_field_argument, err
+from batchsim.scripts.common import add_field_argument, err, positive_int
 from batchsim.scripts.run_cmd import add_model_args, add_scheduler_args, scheduler_overrides
 from batchsim.server.http.options import ServeOptions
 
@@ -35,6 +35,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                        "after its head gets 408", unset=False)
     add_field_argument(g, ServeOptions, "drain_timeout_s", "on SIGINT/SIGTERM, how long in-flight "
                        "requests may finish before abort", unset=False)
+    d = p.add_argument_group("ranks (tensor-parallel decode over mx.distributed)")
+    d.add_argument("--ranks", type=positive_int, default=1, help="serve from N ranks started by "
+                   "mlx.launch (ring backend on loopback unless --hostfile); rank 0 answers HTTP "
+                   "and schedules, the others run its plans; the KV budget is per rank")
+    d.add_argument("--hostfile", help="mlx.launch hostfile (JSON: hosts with ssh and ips) to serve "
+                   "across Macs; the same batchsim and model path on every host")
 
 
 def _config(args: argparse.Namespace):
@@ -61,14 +67,39 @@ def _config(args: argparse.Namespace):
     )
 
 
-def run(args: argparse.Namespace) -> dict:
-    import asyncio
-
+def run(args: argparse.Namespace) -> dict | None:
     from batchsim.server.engine.session import open_session
-    from batchsim.server.http.app import Server, serve
 
     cfg = _config(args)
-    session = open_session(cfg)
+    if args.ranks > 1 or args.hostfile:
+        return _serve_ranks(args, cfg)
+    return _serve(args, cfg, open_session(cfg))
+
+
+def _serve_ranks(args: argparse.Namespace, cfg) -> dict | None:
+    """Rank 0 serves with an executor that broadcasts each plan; the other ranks follow."""
+    from batchsim.scripts.common import CommandFailed
+    from batchsim.server.distributed import rank
+
+    if rank.is_rank_process():
+        return rank.run_rank(cfg, lambda session: _serve(args, cfg, session))
+    from batchsim.server.distributed.launch import launch, prebuild
+    from batchsim.server.platform.env import default_dtype
+
+    dtype = cfg.dtype if cfg.dtype != "auto" else default_dtype()
+    prebuild(cfg.model, dtype, cfg.quantize, args.ranks, local=not args.hostfile)
+    try:
+        launch(getattr(args, "_argv", None) or sys.argv[1:], args.ranks, args.hostfile, server=True)
+    except RuntimeError as exc:
+        raise CommandFailed(str(exc), {"error": str(exc), "ranks": args.ranks}) from None
+    return None  # rank 0 printed the summary
+
+
+def _serve(args: argparse.Namespace, cfg, session) -> dict:
+    import asyncio
+
+    from batchsim.server.http.app import Server, serve
+
     options = ServeOptions(
         served_model_name=args.served_model_name or cfg.model, api_key=args.api_key,
         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
@@ -79,7 +110,8 @@ def run(args: argparse.Namespace) -> dict:
     )
     err.print(f"batchsim serve: {session.ref.name} ({session.dtype}) as "
               f"{options.served_model_name!r}, max_num_seqs {cfg.scheduler.max_num_seqs}, "
-              f"KV budget {session.kv_budget_bytes / 2**30:.3f} GiB ({session.budget_source})")
+              f"KV budget {session.kv_budget_bytes / 2**30:.3f} GiB"
+              f"{' per rank' if args.ranks > 1 else ''} ({session.budget_source})")
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         err.print(f"[yellow]batchsim serve: bound to {args.host} without --api-key: anyone "
@@ -90,7 +122,12 @@ def run(args: argparse.Namespace) -> dict:
 
     async def main() -> dict:
         server = Server(session.new_scheduler(), session.executor, session.tokenizer, options)
-        return await serve(server, args.host, args.port, announce)
+        stop = None
+        if args.ranks > 1 or args.hostfile:  # rank 0: a peer's death must not leave it draining
+            from batchsim.server.distributed import stop_signals
+
+            stop = stop_signals.install(server, options.drain_timeout_s)
+        return await serve(server, args.host, args.port, announce, stop)
 
     totals = asyncio.run(main())
     err.print(f"batchsim serve: stopped; {totals['requests']}")

@@ -99,6 +99,25 @@ def test_the_launcher_names_the_dead_rank_before_those_it_took_down(tmp_path):
     assert ranks_error(tmp_path, 3) is None
 
 
+def test_the_launcher_says_an_error_every_rank_saw_once_and_what_a_stopped_rank_waited_in(tmp_path):
+    from batchsim.server.distributed.launch import ranks_error
+
+    mismatch = "rank(s) 1 hold different model files than rank 0 (sha256 ...)"
+    for r in (0, 1):
+        (tmp_path / f"rank{r}.json").write_text(json.dumps({"ok": False,
+                                                            "error": f"rank {r}: {mismatch}"}))
+    assert ranks_error(tmp_path, 2) == f"ranks 0, 1: {mismatch}"
+    # Rank 1 died; mlx.launch stopped rank 0 before it reported the lost peer itself.
+    (tmp_path / "rank1.json").unlink()
+    (tmp_path / "rank0.json").write_text(json.dumps({
+        "ok": False, "terminated": True, "during": "step 2",
+        "error": "rank 0: stopped by mlx.launch (another rank failed) during step 2, waiting on "
+                 "its peers"}))
+    assert ranks_error(tmp_path, 2) == (
+        "rank 1 died (killed or crashed before reporting); rank 0: stopped by mlx.launch (another "
+        "rank failed) during step 2, waiting on its peers")
+
+
 def test_output_tokens_sha256_follows_request_ids_and_tokens():
     base = output_tokens_sha256({0: [5, 6], 1: [7]})
     assert output_tokens_sha256({1: [7], 0: [5, 6]}) == base  # request-id order, not insertion
@@ -115,6 +134,7 @@ def test_the_watchdog_ends_a_step_that_outlives_its_deadline():
     done = threading.Event()
     dog = Watchdog(0.2, on_expire=lambda msg: (fired.append(msg), done.set()))
     dog.arm("rank 0: step 7")
+    assert dog.current() == "step 7"
     assert done.wait(10)
     assert fired == ["rank 0: step 7 took over 0.2 s: a peer rank is not answering (hung, or its "
                      "link is down)"]

@@ -23,6 +23,10 @@ class RankLost(RuntimeError):
     """A collective failed: another rank died or closed its connection."""
 
 
+class ModelMismatch(ValueError):
+    """The ranks hold different model files (every rank finds this out at once)."""
+
+
 class PlanChannel:
     def __init__(self, group: Any):
         self.group = group
@@ -30,11 +34,14 @@ class PlanChannel:
         self.size = group.size()
         self.broadcast_s = 0.0  # time spent broadcasting (rank 0) or receiving plans (others)
         self.num_messages = 0
+        self.doorbell: Any = None  # once open, wakes followers before each message (doorbell.py)
 
     def send(self, obj: Any) -> None:
         """Rank 0: every other rank's recv() returns `obj`."""
         payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
         t0 = time.perf_counter()
+        if self.doorbell is not None:
+            self.doorbell.ring()
         self._sum(mx.array([payload.size], dtype=mx.int32))
         self._sum(mx.array(payload))
         self.broadcast_s += time.perf_counter() - t0
@@ -42,6 +49,8 @@ class PlanChannel:
 
     def recv(self) -> Any:
         """The other ranks: the next object rank 0 sent (blocks until it sends one)."""
+        if self.doorbell is not None:
+            self.doorbell.wait()
         n = int(self._sum(mx.zeros((1,), dtype=mx.int32)).item())
         t0 = time.perf_counter()
         data = self._sum(mx.zeros((n,), dtype=mx.uint8))
@@ -97,7 +106,7 @@ def check_same_model(fingerprints: list[bytes], model_dir: Path) -> None:
     """Refuse to serve when any rank's model files differ from rank 0's."""
     differ = [r for r, fp in enumerate(fingerprints) if fp != fingerprints[0]]
     if differ:
-        raise ValueError(
+        raise ModelMismatch(
             f"rank(s) {', '.join(map(str, differ))} hold different model files than rank 0 "
             f"(sha256 {fingerprints[differ[0]].hex()[:12]} vs {fingerprints[0].hex()[:12]} of "
             f"{model_dir}); give every rank the same model")

@@ -53,6 +53,7 @@ class LeaderExecutor:
         self.channel = channel
         self.watchdog = watchdog
         self._previous: tuple[tuple[int, ...], ...] | None = None
+        self._failure: Exception | None = None
 
     def __getattr__(self, name: str) -> Any:  # dtype, kv_bytes_per_token, pool, ...
         return getattr(self.inner, name)
@@ -62,6 +63,9 @@ class LeaderExecutor:
         try:
             self.channel.send(PlanMessage(plan, self._previous))
             result = self.inner.execute(plan, max_elapsed_s)
+        except Exception as exc:
+            self._failure = exc  # a server's engine resets after a failed step: reset() says why
+            raise
         finally:
             self.watchdog.disarm()
         self._previous = result.token_ids
@@ -71,7 +75,8 @@ class LeaderExecutor:
         return self.inner.kv_bytes()
 
     def reset(self) -> None:
-        raise RuntimeError("a multi-rank run cannot reset one rank's executor; the run stops")
+        cause = f" after: {self._failure}" if self._failure else ""
+        raise RuntimeError(f"a multi-rank run cannot reset one rank's executor; it stops{cause}")
 
     def stop(self) -> None:
         """Tell the followers the run is over (with the last step's tokens to check)."""

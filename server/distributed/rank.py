@@ -30,6 +30,7 @@ class _Status:
     def __init__(self, rank: int):
         self.path = Path(os.environ[STATUS_DIR_ENV]) / f"rank{rank}.json"
         self.rank = rank
+        self.doing: Callable[[], str | None] = lambda: None  # the step under way (the watchdog's)
 
     def write(self, ok: bool, error: str | None = None, **extra: Any) -> None:
         tmp = self.path.with_suffix(".tmp")
@@ -44,6 +45,7 @@ def run_rank(cfg: Any, run_session: Callable[[Any], dict]) -> dict | None:
 
     rank = int(os.environ["MLX_RANK"])
     status = _Status(rank)
+    status.path.with_suffix(".pid").write_text(str(os.getpid()))  # the launcher's, to stop a server
     signal.signal(signal.SIGTERM, lambda *_: _terminated(status))
     try:
         group = mx.distributed.init(strict=True)
@@ -54,7 +56,10 @@ def run_rank(cfg: Any, run_session: Callable[[Any], dict]) -> dict | None:
     except Exception as exc:  # one line, not a traceback per rank; the launcher names the cause
         message = f"rank {rank}: {_plain(exc)}"
         status.write(False, message)
-        print(message, file=sys.stderr, flush=True)
+        from batchsim.server.distributed.channel import ModelMismatch
+
+        if rank == 0 or not isinstance(exc, ModelMismatch):  # every rank sees that one: say it once
+            print(message, file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     status.write(True)
     return summary
@@ -63,6 +68,7 @@ def run_rank(cfg: Any, run_session: Callable[[Any], dict]) -> dict | None:
 def _serve_rank(cfg: Any, group: Any, run_session: Callable[[Any], dict],
                 status: _Status) -> dict | None:
     from batchsim.server.distributed.channel import PlanChannel, check_same_model, model_fingerprint
+    from batchsim.server.distributed.doorbell import Doorbell
     from batchsim.server.distributed.executor import LeaderExecutor, follow, shard_for
     from batchsim.server.distributed.watchdog import Watchdog
     from batchsim.server.engine.session import open_session
@@ -71,9 +77,11 @@ def _serve_rank(cfg: Any, group: Any, run_session: Callable[[Any], dict],
     channel = PlanChannel(group)
     ref = resolve(cfg.model, cfg.dtype if cfg.dtype != "auto" else _auto(), cfg.quantize)
     check_same_model(channel.gather_bytes(model_fingerprint(ref.path)), ref.path)
+    channel.doorbell = Doorbell.open(channel)
     session = open_session(cfg, prepare_model=shard_for(group, ref.name))
     timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
     watchdog = Watchdog(timeout_s, on_expire=lambda msg: _expire(status, msg))
+    status.doing = watchdog.current
     if channel.rank != 0:
         die = os.environ.get(DIE_AT_STEP_ENV)
         follow(session.executor, channel, watchdog, int(die) if die and channel.rank == 1 else None)
@@ -106,9 +114,21 @@ def _auto() -> str:
 
 
 def _terminated(status: _Status) -> None:
-    status.write(False, f"rank {status.rank}: stopped by mlx.launch (another rank failed)",
-                 terminated=True)
+    """mlx.launch's SIGTERM after another rank failed: keep an error this rank already reported,
+    else say which step it was in (what it saw of the failure)."""
+    doing = status.doing()
+    if not _reported_error(status.path):
+        during = f" during {doing}, waiting on its peers" if doing else ""
+        status.write(False, f"rank {status.rank}: stopped by mlx.launch (another rank failed)"
+                     f"{during}", terminated=True, during=doing)
     os._exit(143)
+
+
+def _reported_error(path: Path) -> bool:
+    try:
+        return not json.loads(path.read_text())["ok"]
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 def _expire(status: _Status, message: str) -> None:

@@ -24,6 +24,11 @@ class Watchdog:
             self._deadline = time.monotonic() + self.timeout_s
             self._what = what
 
+    def current(self) -> str | None:
+        """What is armed now ('step 7'), without its rank; None between steps."""
+        with self._lock:
+            return self._what.split(": ", 1)[-1] if self._deadline is not None else None
+
     def disarm(self) -> None:
         with self._lock:
             self._deadline = None

@@ -1,0 +1,57 @@
+"""SIGINT/SIGTERM on rank 0 of `serve --ranks N`. mlx.launch sends SIGTERM to rank 0 when another
+rank died, and a step that waits on a dead peer never returns, so a drain would wait forever:
+rank 0 exits at once when a local peer is gone, else drains as a 1-rank server does, with a
+deadline after which it exits anyway."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from batchsim.server.distributed.rank import STATUS_DIR_ENV, _expire, _Status, _terminated
+
+GRACE_S = 10.0  # beyond the drain timeout: stopping the listener, telling the followers to stop
+
+
+def install(server: Any, drain_timeout_s: float) -> asyncio.Event:
+    """Signal handlers on the running loop; returns the event that stops `serve()`."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    status = _Status(0)
+    status.doing = server.engine.executor.watchdog.current  # the LeaderExecutor's
+
+    def on_signal(signum: int) -> None:
+        if signum == signal.SIGTERM and peers_lost(Path(os.environ[STATUS_DIR_ENV])):
+            _terminated(status)  # mlx.launch stopping rank 0 after a peer died
+        server.on_signal(stop)  # drain; a second signal cuts it short
+        deadline_s = drain_timeout_s + GRACE_S
+        message = (f"rank 0: still running {deadline_s:g} s after a stop signal (a step is "
+                   "waiting on a peer rank that is gone)")
+        timer = threading.Timer(deadline_s, _expire, (status, message))
+        timer.daemon = True
+        timer.start()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    return stop
+
+
+def peers_lost(status_dir: Path) -> bool:
+    """Whether a rank on this host has stopped: it left a status file (followers write one only
+    when they end) or its process is gone. Ranks on other hosts leave no pid here."""
+    for pid_path in status_dir.glob("rank*.pid"):
+        if pid_path.stem == "rank0":
+            continue
+        if pid_path.with_suffix(".json").exists():
+            return True
+        try:
+            os.kill(int(pid_path.read_text()), 0)
+        except ProcessLookupError:
+            return True
+        except (OSError, ValueError):
+            pass  # not ours to signal, or a pid file being written: treat as alive
+    return False

@@ -1,0 +1,126 @@
+"""`batchsim serve --ranks 2` end to end on loopback (tiny model, real processes): idle ranks sleep
+instead of spinning in a collective, completions equal a 1-rank server's (every follower also
+checks its sampled tokens against rank 0's at each step), and SIGTERM to the launcher ends every
+rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from batchsim.scripts.serve_cmd import LISTENING
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ("The quick brown fox", "Once upon a time, in a land")
+START_GUARD_S = 120  # a server that never listens fails the test instead of hanging the suite
+
+
+class Serve:
+    def __init__(self, *args: str):
+        cmd = [sys.executable, "-m", "batchsim.scripts.cli", "serve", "--model", "tiny", "--port",
+               "0", "--max-num-seqs", "4", *args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        self.stderr: list[str] = []
+        self.listening = threading.Event()
+        self.url = ""
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:  # keep draining stderr so the pipe never fills
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+            if LISTENING in line:
+                self.url = line.split(LISTENING, 1)[1].strip()
+                self.listening.set()
+
+    def wait_listening(self) -> None:
+        if not self.listening.wait(START_GUARD_S):
+            self.proc.kill()
+            raise AssertionError("server did not start:\n" + "".join(self.stderr))
+
+    def complete(self, prompt: str) -> dict:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True}
+        response = httpx.post(f"{self.url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        return {"text": choice["text"], "usage": response.json()["usage"]}
+
+    def stop(self) -> tuple[int, str]:
+        self.proc.send_signal(signal.SIGTERM)
+        out, _ = self.proc.communicate(timeout=START_GUARD_S)
+        return self.proc.returncode, out
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state letter) for every process."""
+    rows = subprocess.run(["ps", "-A", "-o", "pid=,ppid=,stat="], capture_output=True, text=True,
+                          check=True).stdout.split()
+    return {int(rows[i]): (int(rows[i + 1]), rows[i + 2][0]) for i in range(0, len(rows), 3)}
+
+
+def _descendants(root: int) -> list[int]:
+    procs, found, frontier = _processes(), [], [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, (ppid, _) in procs.items() if ppid == parent]
+        found += children
+        frontier += children
+    return found
+
+
+def _busy_samples(pids: list[int], samples: int = 5) -> dict[int, int]:
+    """How many of `samples` looks found a thread of each process running or runnable (Linux's
+    /proc; a rank spinning in a collective always is: the wait polls on MLX's stream thread)."""
+    busy = dict.fromkeys(pids, 0)
+    for _ in range(samples):
+        for pid in pids:
+            busy[pid] += any(_thread_state(t) == "R" for t in Path(f"/proc/{pid}/task").glob("*"))
+        time.sleep(0.1)
+    return busy
+
+
+def _thread_state(task: Path) -> str:
+    try:
+        return (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"  # the thread ended between the listing and the read
+
+
+def test_two_rank_server_answers_as_one_and_stops_every_rank(tiny):
+    one, two = Serve(), Serve("--ranks", "2")  # both load at once: the waits overlap
+    ranks: list[int] = []
+    try:
+        one.wait_listening()
+        two.wait_listening()
+        ranks = _descendants(two.proc.pid)  # mlx.launch, its shells and the two ranks
+        assert len(ranks) >= 3, ranks
+        if Path("/proc/self/task").is_dir():  # idle: every rank sleeps, none polls a collective
+            busy = _busy_samples(ranks)
+            assert all(n <= 2 for n in busy.values()), f"idle ranks running: {busy}"
+        for prompt in PROMPTS:
+            assert two.complete(prompt) == one.complete(prompt)
+        rc, out = two.stop()
+        assert rc == 0, "".join(two.stderr)[-2000:]
+        summary = json.loads(out.strip().splitlines()[-1])
+        assert summary["ranks"] == 2 and summary["requests"] == {"finished": 2}
+        alive = [pid for pid in ranks if pid in _processes()]
+        assert alive == [], f"left running after SIGTERM: {alive}"
+        ranks = []  # gone: nothing to clean up (their pids may be reused)
+        assert one.stop()[0] == 0
+    finally:  # on a failure: kill what is left (mlx.launch runs in a session of its own)
+        running = [s.proc.pid for s in (one, two) if s.proc.poll() is None]
+        for pid in running + ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        one.proc.wait()
+        two.proc.wait()

@@ -165,7 +165,8 @@ paths = st.one_of(
                      "/v1/models/", "//v1/completions", "/v1/completions/", "/v1/../v1/models",
                      "/v1/completions?x=1", "/v1/chat/completions#f", "/%00", "/v1/%ff%fe"]),
     st.builds(lambda s: "/v1/models/" + s, st.text(st.characters(min_codepoint=33, max_codepoint=0x2FFF,
-                                                                 exclude_characters="?#"),
+                                                                 exclude_characters="?#",
+                                                                 exclude_categories=("Cc",)),
                                                   min_size=1, max_size=30)),
     st.builds(lambda n: "/v1/" + "a" * n, st.integers(0, 6000)),
 )

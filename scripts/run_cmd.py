@@ -244,7 +244,7 @@ def _run_ranks(args: argparse.Namespace, cfg: RunConfig) -> dict | None:
 
 def warn_profile_mismatch(cfg: RunConfig) -> None:
     """One yellow stderr line when a simulated run's profile was calibrated on another machine."""
-    from batchsim.server.perf.profile_match import config_warning
+    from batchsim.server.perf.devices import config_warning
 
     warning = config_warning(cfg)
     if warning:

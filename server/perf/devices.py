@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 from batchsim.configs import CONFIG_DIR, ConfigError, load_dataclass
 from batchsim.server.models.spec import DTYPE_BYTES
+from batchsim.server.perf import profile_match
 from batchsim.server.perf.profile import DeviceProfile
 from batchsim.server.results.jsonio import yamlable
 
@@ -62,8 +63,6 @@ def profile_for_this_machine() -> str:
     `validate` compares them); else a one-line error saying what to pass."""
     if any(p.suffix == ".yaml" and p.is_file() for p in _candidates(LOCAL_NAME)):
         return LOCAL_NAME
-    from batchsim.server.perf import profile_match
-
     here = profile_match.here()
     calibrated = {}
     for name in profile_names():
@@ -114,3 +113,15 @@ def profile_dtype(profile: DeviceProfile) -> str:
     float32 here), else float16, as MLX does on every Mac's GPU."""
     measured = [f for f in (profile.calibration.gemm if profile.calibration else {}) if f in DTYPE_BYTES]
     return measured[0] if measured else "float16"
+
+
+def config_warning(cfg) -> str | None:
+    """profile_match.mismatch_warning for a RunConfig that simulates (`executor: sim`); None
+    otherwise or when the profile cannot be resolved (opening the session reports that)."""
+    if cfg.executor != "sim":
+        return None
+    try:
+        profile = resolve_profile(cfg.device_profile, cfg.quantize)
+    except (ConfigError, ValueError):
+        return None
+    return profile_match.mismatch_warning(profile, cfg.device_profile)

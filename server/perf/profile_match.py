@@ -78,18 +78,3 @@ def mismatch_warning(profile: DeviceProfile, name: str | None = None,
     return (f"warning: profile {name or profile.name!r} was calibrated on {calibrated_on}; this "
             f"machine is {this}. Its predictions may be far off here: run `batchsim calibrate "
             "--quick` (a few minutes) for a profile of this machine.")
-
-
-def config_warning(cfg) -> str | None:
-    """mismatch_warning for a RunConfig that simulates (`executor: sim`); None otherwise or when
-    the profile cannot be resolved (opening the session reports that)."""
-    from batchsim.configs import ConfigError
-    from batchsim.server.perf.devices import resolve_profile
-
-    if cfg.executor != "sim":
-        return None
-    try:
-        profile = resolve_profile(cfg.device_profile, cfg.quantize)
-    except (ConfigError, ValueError):
-        return None
-    return mismatch_warning(profile, cfg.device_profile)

@@ -90,3 +90,33 @@ def test_a_dense_model_calibrates_as_before():
     assert cal.decode_kv_bytes(1024, 4, 128) == 2 * geom.nbytes(1024)
     assert cal.as_layout(1024) == CacheLayout.dense(1024)
     assert dataclasses.asdict(cal._scheduler(1024, 2, 256).config)["cache_layout"] is None
+
+
+@pytest.mark.parametrize("message, skipped", [
+    ("model tiny-mla: MLA caches are not yet batched", True),
+    ("model tiny-mla: something else is wrong", False),
+])
+def test_validate_skips_a_model_the_session_refuses_as_not_yet_runnable(
+        monkeypatch, capsys, tmp_path, batchsim_home, message, skipped):
+    """A session that refuses the model as 'not yet' supported: validate skips its cases with one
+    line and a `skipped` document; any other refusal stays a one-line error."""
+    import json
+
+    from batchsim.configs import ConfigError
+    from batchsim.scripts.cli import main
+    from batchsim.server.engine import session
+
+    def refuse(cfg, *args, **kwargs):
+        raise ConfigError(message)
+
+    monkeypatch.setattr(session, "open_session", refuse)
+    rc = main(["validate", "--matrix", "sliding", "--device-profile", "linux-x86_64-openblas-2core",
+               "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    if not skipped:
+        assert rc != 0 and "something else is wrong" in captured.err and "Traceback" not in captured.err
+        return
+    assert rc == 0 and "tiny-sliding is not runnable yet" in captured.err
+    assert "3 cases are skipped" in captured.err
+    doc = json.loads(captured.out.strip().splitlines()[-1])
+    assert doc == {"model": "tiny-sliding", "skipped": f"not runnable yet: {message}", "cases": []}

@@ -136,7 +136,7 @@ def _step_grid(args: argparse.Namespace, sessions: dict) -> tuple[list, dict, di
     first = args.models[0]
     probe_before = _probe(sessions[first], first)
     samples = cal.grid_samples(
-        {n: (s.model, s.spec, s.kv_bytes_per_token) for n, s in sessions.items()},
+        {n: (s.model, s.spec, cal.session_layout(s)) for n, s in sessions.items()},
         [int(b) for b in args.batches], [int(w) for w in args.widths], [int(c) for c in args.chunks],
         [int(x) for x in args.starts], rounds=args.rounds,
         max_kv_bytes=memory_budget_bytes(KV_CAP_FRACTION), log=err.print)
@@ -207,7 +207,7 @@ def _residuals(samples: list, sessions: dict, profile, dtype: str) -> list[dict]
 def _probe(session, name: str) -> dict[str, float]:
     from batchsim.server.measure import calibration as cal
 
-    return cal.speed_probe_ms(name, session.model, session.spec, session.kv_bytes_per_token)
+    return cal.speed_probe_ms(name, session.model, session.spec, cal.session_layout(session))
 
 
 def _held_out(args: argparse.Namespace, dtype: str, profile) -> dict:
@@ -221,7 +221,7 @@ def _held_out(args: argparse.Namespace, dtype: str, profile) -> dict:
     name = QUICK_HELD_OUT
     s = open_session(RunConfig(model=name, dtype=dtype))
     err.print(f"held-out check: {name} decode steps and prefill chunks")
-    samples = cal.grid_samples({name: (s.model, s.spec, s.kv_bytes_per_token)},
+    samples = cal.grid_samples({name: (s.model, s.spec, cal.session_layout(s))},
                                [1, 4, 16], [128, 512], [64, 256], [0], rounds=1, log=err.print)
     profiles = {args.name: profile} | {f"shipped {p.stem}": load_profile(p)
                                        for p in sorted(SHIPPED_DIR.glob("*.yaml"))}

@@ -156,7 +156,7 @@ def _measure(v: _Validation, configs: dict, predicted: dict) -> dict[str, _Measu
             name, m = case["name"], measured[case["name"]]
             err.print(f"[{rep * len(v.cases) + i + 1}/{total}] {name}: real run {rep + 1}/{repeats}")
             before = probe()
-            shadow = ShadowTimer(v.sim.executor.cost)
+            shadow = ShadowTimer(v.sim.executor.cost, v.real.cache_layout)  # as the real pool holds
             result = _run(v.real.with_config(configs[name]), v.out_dir, f"{name}-real{rep + 1}", shadow)
             result[STEP] = shadow.error()
             m.shadows.append(shadow)

@@ -187,5 +187,7 @@ class MLXExecutor:
                 continue
             position = len(self.seqs[rid].token_ids)
             key = mx.random.key((s.seed if s.seed is not None else rid) * 1_000_003 + position)
-            picks.append(mx.random.categorical(logits[i : i + 1] / s.temperature, key=key))
+            # float32 first: float16 logits over a small temperature (1e-4) overflow to inf.
+            scaled = logits[i : i + 1].astype(mx.float32) / s.temperature
+            picks.append(mx.random.categorical(scaled, key=key))
         return mx.concatenate(picks)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from batchsim.scheduler.cache_layout import CacheLayout
 from batchsim.scheduler.plan import StepPlan, StepResult
 from batchsim.server.executors.sim_executor import SimExecutor
 from batchsim.server.perf.stepcost import StepCost, StepTime
@@ -13,10 +14,12 @@ from batchsim.server.perf.stepcost import StepCost, StepTime
 
 class ShadowTimer:
     """An engine `on_step` hook: the same plan, in the same order, on a SimExecutor of its own
-    (so its pool mirrors the real one), against the executor's measured time for that plan."""
+    (so its pool mirrors the real one), against the executor's measured time for that plan.
+    `cache`: what the real pool holds by layer kind (the real session's cache_layout; None: dense),
+    so joins, leaves and regrowth of sliding, linear-attention and MLA pools are priced as held."""
 
-    def __init__(self, cost: StepCost):
-        self.sim = SimExecutor(cost)
+    def __init__(self, cost: StepCost, cache: CacheLayout | None = None):
+        self.sim = SimExecutor(cost, cache=cache)
         self.measured_s: list[float] = []
         self.predicted_s: list[float] = []
         self.parts = StepTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)  # summed over the predicted steps

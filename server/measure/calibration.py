@@ -12,17 +12,18 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
+from batchsim.scheduler.cache_layout import CacheLayout
 from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.kv_layout import KV_STEP, PoolGeometry, round_up
 from batchsim.scheduler.plan import StepPlan
 from batchsim.scheduler.request import Request, SamplingParams
 from batchsim.scheduler.scheduler import Scheduler
-from batchsim.server.executors.mlx_executor import MLXExecutor, SeqState
+from batchsim.server.executors.mlx_executor import MLXExecutor
 from batchsim.server.measure.microbench import median_time_s, working_set_bytes
+from batchsim.server.measure.prefilled import prefilled
 from batchsim.server.models.spec import ModelSpec
 from batchsim.server.perf.profile import Calibration, GemmFit
 from batchsim.server.perf.stepcost import StepCost
-from mlx_lm.models.cache import make_prompt_cache
 
 # Every row count up to 32, then steps of 8: CPU BLAS kernels block rows by the vector width (16
 # float32 on AVX-512), so m = 12 or 24 can take longer than m = 16 or 32. Powers of two alone hide it.
@@ -126,11 +127,11 @@ def is_probe_point(sample: StepSample) -> bool:
     return sample.rows == PROBE_CHUNK and sample.context == 0
 
 
-def speed_probe_ms(name: str, model, spec: ModelSpec, kvt: int) -> dict[str, float]:
+def speed_probe_ms(name: str, model, spec: ModelSpec, kv: CacheLayout | int) -> dict[str, float]:
     """A few seconds of real executor steps on a calibration model, keyed by grid point."""
-    samples = decode_samples(name, model, spec, kvt, PROBE_DECODE_BATCHES, [PROBE_WIDTH],
+    samples = decode_samples(name, model, spec, kv, PROBE_DECODE_BATCHES, [PROBE_WIDTH],
                              steps=PROBE_STEPS, rounds=1)
-    samples += prefill_samples(name, model, spec, kvt, [PROBE_CHUNK], [0], reps=2)
+    samples += prefill_samples(name, model, spec, kv, [PROBE_CHUNK], [0], reps=2)
     return {probe_key(x): x.seconds * 1e3 for x in samples}
 
 
@@ -165,27 +166,24 @@ def measure_copy_gbs(reps: int = 5) -> float:
     return a.nbytes / median_time_s(run, reps) / 1e9
 
 
-def _scheduler(kvt: int, batch: int, prefill: int) -> Scheduler:
+def as_layout(kv: CacheLayout | int) -> CacheLayout:
+    """What a calibration model's cache holds: its session's cache_layout (sliding windows, fixed
+    states, MLA latents), or for a dense model its bytes per token."""
+    return kv if isinstance(kv, CacheLayout) else CacheLayout.dense(kv)
+
+
+def session_layout(session) -> CacheLayout:
+    """A session's cache as its executor's pool holds it (the scheduler's pricing)."""
+    return session.cache_layout or CacheLayout.dense(session.kv_bytes_per_token)
+
+
+def _scheduler(kv: CacheLayout | int, batch: int, prefill: int) -> Scheduler:
+    cache = as_layout(kv)
     return Scheduler(SchedulerConfig(
-        kv_budget_bytes=1 << 50, kv_bytes_per_token=kvt, max_model_len=1 << 20,
+        kv_budget_bytes=1 << 50, kv_bytes_per_token=cache.full_token_bytes, max_model_len=1 << 20,
         max_num_seqs=batch, max_num_batched_tokens=max(4096, batch, prefill), prefill_step_size=prefill,
+        cache_layout=None if cache.is_dense else cache,
     ))
-
-
-def _prefilled(model, ex: MLXExecutor, spec: ModelSpec, batch: int, width: int) -> None:
-    """Requests whose prompts are already in private caches (random K/V): decode timing without
-    paying for the prefills."""
-    rng = np.random.default_rng(width)
-    for rid in range(batch):
-        cache = make_prompt_cache(model)
-        for c in cache:
-            shape = (1, ex.kv_heads, round_up(width, KV_STEP), ex.head_dim)
-            c.keys = mx.random.normal(shape).astype(ex.dtype)
-            c.values = mx.random.normal(shape).astype(ex.dtype)
-            c.offset = width
-        mx.eval([c.state for c in cache])
-        ids = rng.integers(0, spec.vocab_size, width).tolist()
-        ex.seqs[rid] = SeqState(ids, SamplingParams(1 << 20, ignore_eos=True), cache)
 
 
 def decode_sample_context(width: int, steps: int) -> int:
@@ -198,12 +196,12 @@ def decode_geometry(batch: int, width: int, steps: int) -> PoolGeometry:
     return PoolGeometry(batch, round_up(width + steps + 2, KV_STEP))
 
 
-def decode_kv_bytes(kvt: int, batch: int, width: int, steps: int = 5) -> int:
+def decode_kv_bytes(kv: CacheLayout | int, batch: int, width: int, steps: int = 5) -> int:
     """Memory a decode grid point holds: each row's private cache and the pool it is joined into."""
-    return 2 * decode_geometry(batch, width, steps).nbytes(kvt)
+    return 2 * as_layout(kv).pool_bytes(decode_geometry(batch, width, steps))
 
 
-def decode_samples(name: str, model, spec: ModelSpec, kvt: int, batches: Sequence[int],
+def decode_samples(name: str, model, spec: ModelSpec, kv: CacheLayout | int, batches: Sequence[int],
                    widths: Sequence[int], steps: int = 5, rounds: int = 3,
                    max_kv_bytes: int | None = None) -> list[StepSample]:
     """Executor-timed decode steps at each (batch, context width); the first (joining) step of
@@ -214,15 +212,15 @@ def decode_samples(name: str, model, spec: ModelSpec, kvt: int, batches: Sequenc
     for _ in range(rounds):
         for width in widths:
             for b in batches:
-                if max_kv_bytes is not None and decode_kv_bytes(kvt, b, width, steps) > max_kv_bytes:
+                if max_kv_bytes is not None and decode_kv_bytes(kv, b, width, steps) > max_kv_bytes:
                     continue
                 ex = MLXExecutor(model)
-                _prefilled(model, ex, spec, b, width)
+                prefilled(model, ex, spec, b, width)
                 geom = decode_geometry(b, width, steps)
                 step_s = []
                 for i in range(steps + 1):
                     plan = StepPlan(i, (), (), (), tuple(range(b)), tuple([width + i] * b), geom,
-                                    geom.nbytes(kvt))
+                                    as_layout(kv).pool_bytes(geom))
                     step_s.append(ex.execute(plan).elapsed_s)
                 times.setdefault((width, b), []).append(float(np.median(step_s[1:])))
                 del ex
@@ -230,7 +228,7 @@ def decode_samples(name: str, model, spec: ModelSpec, kvt: int, batches: Sequenc
             for (width, b), t in times.items()]
 
 
-def prefill_samples(name: str, model, spec: ModelSpec, kvt: int, chunks: Sequence[int],
+def prefill_samples(name: str, model, spec: ModelSpec, kv: CacheLayout | int, chunks: Sequence[int],
                     starts: Sequence[int], reps: int = 3) -> list[StepSample]:
     """Executor-timed final prefill chunks of n tokens after `start` cached tokens."""
     out = []
@@ -240,7 +238,7 @@ def prefill_samples(name: str, model, spec: ModelSpec, kvt: int, chunks: Sequenc
             times = []
             step = max(512, round_up(max(start, n), KV_STEP))  # one chunk to `start`, then n
             for _ in range(reps):
-                sched = _scheduler(kvt, 1, step)
+                sched = _scheduler(kv, 1, step)
                 ex = MLXExecutor(model)
                 ids = rng.integers(0, spec.vocab_size, start + n).tolist()
                 sched.add_request(Request(0, start + n, SamplingParams(1, ignore_eos=True), 0.0, ids))
@@ -259,24 +257,24 @@ def prefill_samples(name: str, model, spec: ModelSpec, kvt: int, chunks: Sequenc
 def grid_samples(models: dict[str, tuple], batches: Sequence[int], widths: Sequence[int],
                  chunks: Sequence[int], starts: Sequence[int], rounds: int = 3,
                  max_kv_bytes: int | None = None, log: Callable[[str], None] = print) -> list[StepSample]:
-    """The decode and prefill grid of every calibration model ({name: (model, spec, kv bytes per
-    token)}), measured `rounds` times round-robin over the models, median per point. Model by
-    model, each model's samples would sit in one phase of a shared machine, and the fit would
+    """The decode and prefill grid of every calibration model ({name: (model, spec, its cache:
+    session_layout, or bytes per token)}), measured `rounds` times round-robin over the models,
+    median per point. Model by model, each model's samples would sit in one phase of a shared machine, and the fit would
     read a phase as a difference between models. Decode points whose KV would pass `max_kv_bytes`
     are skipped (a 0.6B model with 8 KV heads of 128 holds 15 GB at 64 rows of 1024 tokens)."""
     times: dict[tuple[str, str, int, int], list[float]] = {}
-    for name, (_, _, kvt) in models.items():
+    for name, (_, _, kv) in models.items():
         skipped = [f"{b}x{w}" for w in widths for b in batches
-                   if max_kv_bytes is not None and decode_kv_bytes(kvt, b, w) > max_kv_bytes]
+                   if max_kv_bytes is not None and decode_kv_bytes(kv, b, w) > max_kv_bytes]
         if skipped:
             log(f"{name}: decode points over the KV cap of {max_kv_bytes / 2**30:.1f} GiB skipped "
                 f"(batch x width): {', '.join(skipped)}")
     for r in range(rounds):
-        for name, (model, spec, kvt) in models.items():
+        for name, (model, spec, kv) in models.items():
             log(f"round {r + 1}/{rounds}: {name} decode steps and prefill chunks")
-            got = decode_samples(name, model, spec, kvt, batches, widths, rounds=1,
+            got = decode_samples(name, model, spec, kv, batches, widths, rounds=1,
                                  max_kv_bytes=max_kv_bytes)
-            got += prefill_samples(name, model, spec, kvt, chunks, starts, reps=1)
+            got += prefill_samples(name, model, spec, kv, chunks, starts, reps=1)
             for x in got:
                 times.setdefault((x.model, x.kind, x.rows, x.context), []).append(x.seconds)
     return [StepSample(*key, float(np.median(v))) for key, v in times.items()]

@@ -32,7 +32,8 @@ KV cache overruns memory, and how a server behaves under realistic traffic. Real
 models built from real architecture configs (or your own model directory / hub id), and a
 calibrated roofline simulator for Macs you do not have.
 
-Every command prints tables for people, then one JSON document as its last stdout line."""
+Every command prints tables for people, then one JSON document as its last stdout line (with
+`--json`, the tables go to stderr and stdout is that line alone)."""
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text,
                            formatter_class=_DefaultsFormatter)
         mod.add_parser(p)
+        if not any("--json" in a.option_strings for a in p._actions):
+            p.add_argument("--json", action="store_true",
+                           help="stdout carries only the JSON document (tables go to stderr)")
         p.set_defaults(_run=mod.run)
     return parser
 
@@ -74,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     from batchsim.configs import ConfigError
-    from batchsim.scripts.common import CommandFailed, emit_json, err
+    from batchsim.scripts.common import CommandFailed, emit_json, err, out
     from batchsim.server.platform import env
 
     atexit.register(env.release_mlx_streams)  # the main thread's, before MLX's own teardown
@@ -82,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     if warning:
         err.print(f"[yellow]{warning}[/yellow]")
     try:
+        if getattr(args, "json", False):
+            out.file = sys.stderr  # people's tables aside: stdout is the one JSON line
         summary = args._run(args)
     except ConfigError as exc:
         err.print(f"[red]batchsim {args.command}: {exc}[/red]")
@@ -93,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         err.print(f"[yellow]batchsim {args.command}: interrupted[/yellow]")
         return 130
+    finally:
+        out.file = None  # back to whatever sys.stdout is (main runs in-process in tests)
     if summary is not None:
         emit_json(summary)
     return 0

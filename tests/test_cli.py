@@ -361,3 +361,20 @@ def test_run_target_where_every_request_fails_exits_1(batchsim_home, tmp_path):
     summary = last_json(proc.stdout)  # the summary still closes stdout, keys unchanged
     assert summary["completed"] == 0 and summary["failed"] == 2
     assert "all 2 requests" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_json_leaves_stdout_one_json_line_for_any_command(capsys, tmp_path):
+    from batchsim.scripts.cli import main
+
+    argv = ["size", "--model", "llama-3.1-8b", "--quantize", "4", "--mac", "M2 Max",
+            "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert len(capsys.readouterr().out.splitlines()) > 1  # tables, then the JSON
+    assert main([*argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert len(lines) == 1 and "Batch limits per Mac" in captured.err
+    rows = json.loads(lines[0])["rows"]
+    assert rows and all({"decode_tok_s_b1", "max_batch", "profile"} <= set(r) for r in rows)
+    assert main(argv) == 0  # and the next command prints its tables on stdout again
+    assert len(capsys.readouterr().out.splitlines()) > 1

@@ -10,71 +10,28 @@ fixed state of each linear layer: exactly CacheLayout.seq_bytes(C), the schedule
 from __future__ import annotations
 
 import mlx.core as mx
-from batchsim.scheduler.kv_layout import PoolGeometry
 from batchsim.server.executors.family_cache import LayerCache, layout
 from batchsim.server.executors.family_stores import DecodeStep, make_store
-from batchsim.server.executors.pool_layout import PoolLayout
+from batchsim.server.executors.pool_layout import PoolLayout, Resize
+from batchsim.server.executors.row_pool import RowPool
 
 
-class FamilyPool:
+class FamilyPool(RowPool):
     def __init__(self, layers: list[LayerCache]):
+        super().__init__(PoolLayout(layout(layers)))
         self.layers = layers
         self.stores = [make_store(spec) for spec in layers]
-        self.layout = PoolLayout(layout(layers))
-        self.lengths: list[int] = []  # tokens cached per row, aligned with layout.row_ids
-
-    def __len__(self) -> int:
-        return len(self.layout.row_ids)
-
-    @property
-    def row_ids(self) -> list[int]:
-        return self.layout.row_ids
-
-    @property
-    def geometry(self) -> PoolGeometry:
-        return self.layout.geometry
 
     def arrays(self) -> list[mx.array]:
         return [a for s in self.stores for a in s.parts]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays())
+    def _write_row(self, row: int, layer_caches: list, length: int) -> None:
+        for store, cache in zip(self.stores, layer_caches):
+            store.join(row, cache, length)
 
-    # -- membership ----------------------------------------------------------------------------
-    def remove(self, request_ids: set[int]) -> None:
-        """Drop rows; fill holes below the new row count with the surviving rows above it."""
-        moves = self.layout.leave(request_ids)
-        if moves.holes:
-            src, dst = mx.array(moves.movers), mx.array(moves.holes)
-            arrays = self.arrays()
-            moved = [a[src] for a in arrays]
-            mx.eval(moved)  # detach from the pool arrays so the scatter below updates them in place
-            for a, m in zip(arrays, moved):
-                a[dst] = m
-            for h, m in zip(moves.holes, moves.movers):
-                self.lengths[h] = self.lengths[m]
-        del self.lengths[len(self.layout.row_ids):]
-
-    def add(self, request_id: int, layer_caches: list | None, length: int) -> None:
-        """Copy a prefilled request (its private caches, one per layer) into the next row."""
-        row = self.layout.join(request_id, length)
-        if layer_caches is not None and length:
-            for store, cache in zip(self.stores, layer_caches):
-                store.join(row, cache, length)
-        self.lengths.append(length)
-
-    # -- geometry ------------------------------------------------------------------------------
-    def resize(self, geometry: PoolGeometry) -> None:
-        """Reallocate to the scheduler's geometry, keeping rows [0, B) and their tokens."""
-        if geometry == self.layout.geometry:
-            return
-        if self.lengths and geometry.capacity_tokens < max(self.lengths):
-            raise RuntimeError(f"geometry {geometry} cannot hold the pool's rows")
-        self.layout.resize(geometry)
+    def _reallocate(self, change: Resize) -> None:
         for store in self.stores:
-            store.resize(geometry.rows, geometry.capacity_tokens)
-        mx.eval(self.arrays())
+            store.resize(change.new.rows, change.new.capacity_tokens)
 
     # -- decode --------------------------------------------------------------------------------
     def layer_views(self) -> list:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 from batchsim.scheduler.kv_layout import PoolGeometry
-from batchsim.server.executors.pool_layout import PoolLayout
+from batchsim.server.executors.pool_layout import PoolLayout, Resize
+from batchsim.server.executors.row_pool import RowPool
 from mlx_lm.models.cache import _BaseCache
 
 
@@ -61,34 +62,18 @@ class PoolLayerView(_BaseCache):
         return self._pool.keys[self._layer].nbytes + self._pool.values[self._layer].nbytes
 
 
-class DecodePool:
+class DecodePool(RowPool):
     """The layout (pool_layout.PoolLayout) decides which row moves where; this applies it."""
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: mx.Dtype):
+        super().__init__(PoolLayout(2 * num_layers * kv_heads * head_dim * dtype.size))
         self.num_layers = num_layers
         self.kv_heads = kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self.layout = PoolLayout(2 * num_layers * kv_heads * head_dim * dtype.size)
         self.keys: list[mx.array] = []
         self.values: list[mx.array] = []
-        self.lengths: list[int] = []  # tokens cached per row, aligned with layout.row_ids
         self._arange_cache: dict[int, mx.array] = {}
-
-    def __len__(self) -> int:
-        return len(self.layout.row_ids)
-
-    @property
-    def row_ids(self) -> list[int]:
-        return self.layout.row_ids
-
-    @property
-    def geometry(self) -> PoolGeometry:
-        return self.layout.geometry
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
 
     def row_index(self, b: int) -> mx.array:
         idx = self._arange_cache.get(b)
@@ -99,37 +84,14 @@ class DecodePool:
     def arrays(self) -> list[mx.array]:
         return self.keys + self.values
 
-    # -- membership ----------------------------------------------------------------------------
-    def remove(self, request_ids: set[int]) -> None:
-        """Drop rows; fill holes below the new row count with the surviving rows above it."""
-        moves = self.layout.leave(request_ids)
-        if moves.holes:
-            src, dst = mx.array(moves.movers), mx.array(moves.holes)
-            moved = [a[src] for a in self.arrays()]
-            mx.eval(moved)  # detach from the pool arrays so the scatter below updates them in place
-            for a, m in zip(self.arrays(), moved):
-                a[dst] = m
-            for h, m in zip(moves.holes, moves.movers):
-                self.lengths[h] = self.lengths[m]
-        del self.lengths[len(self.layout.row_ids):]
+    def _write_row(self, row: int, layer_caches: list, length: int) -> None:
+        """`layer_caches`: mlx-lm KVCache, one per layer."""
+        for layer, cache in enumerate(layer_caches):
+            self.keys[layer][row : row + 1, :, :length] = cache.keys[..., :length, :]
+            self.values[layer][row : row + 1, :, :length] = cache.values[..., :length, :]
 
-    def add(self, request_id: int, layer_caches: list | None, length: int) -> None:
-        """Copy a prefilled request (a list of mlx-lm KVCache, one per layer) into the next row."""
-        row = self.layout.join(request_id, length)
-        if layer_caches is not None and length:
-            for layer, cache in enumerate(layer_caches):
-                self.keys[layer][row : row + 1, :, :length] = cache.keys[..., :length, :]
-                self.values[layer][row : row + 1, :, :length] = cache.values[..., :length, :]
-        self.lengths.append(length)
-
-    # -- geometry ------------------------------------------------------------------------------
-    def resize(self, geometry: PoolGeometry) -> None:
-        """Reallocate to the scheduler's geometry, keeping rows [0, B) and their tokens."""
-        if geometry == self.layout.geometry:
-            return
-        if self.lengths and geometry.capacity_tokens < max(self.lengths):
-            raise RuntimeError(f"geometry {geometry} cannot hold the pool's rows")
-        change = self.layout.resize(geometry)
+    def _reallocate(self, change: Resize) -> None:
+        geometry = change.new
         if geometry.rows == 0:
             self.keys, self.values = [], []
         elif change.old.rows == 0:
@@ -139,7 +101,6 @@ class DecodePool:
         else:
             self.keys = [self._reshape(a, geometry) for a in self.keys]
             self.values = [self._reshape(a, geometry) for a in self.values]
-        mx.eval(self.arrays())
 
     def _reshape(self, a: mx.array, g: PoolGeometry) -> mx.array:
         rows, cap = min(a.shape[0], g.rows), min(a.shape[2], g.capacity_tokens)

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_http_server import ServerProcess
+from tests.test_http_server import ServerProcess, read_until_closed
 
 KEY = "sk-fuzz"
 # Examples per test; each sends BATCH requests (hypothesis spends less per request that way).
@@ -220,15 +220,14 @@ def test_fuzz_http_framing(srv, requests):
 
 
 def _send_raw(srv: ServerProcess, request: bytes) -> None:
-    host, port = srv.url.removeprefix("http://").rsplit(":", 1)
     srv.sent += 1
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
+    with srv.connect() as sock:
         try:
             sock.sendall(request)
             sock.shutdown(socket.SHUT_WR)  # the end of what this client sends
         except OSError:
             return  # the server already closed on us: nothing answered, nothing to check
-        reply = _read_until_closed(sock)
+        reply = read_until_closed(sock)
     while reply:  # none (closed without an answer: not HTTP, or cut short at EOF) or several
         head, _, rest = reply.partition(b"\r\n\r\n")
         status = int(head.split(b" ", 2)[1])
@@ -240,16 +239,6 @@ def _send_raw(srv: ServerProcess, request: bytes) -> None:
         n = int(fields.get(b"Content-Length", len(rest)))
         check_reply(status, rest[:n])
         reply = rest[n:]
-
-
-def _read_until_closed(sock: socket.socket) -> bytes:
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    return data
 
 
 # -- afterwards ----------------------------------------------------------------------------------

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 
 import pytest
 
-from tests.test_http_server import ServerProcess, stream_events, stream_text
+from tests.test_http_server import ServerProcess, read_until_closed, stream_events, stream_text
 
 PROMPT_LIMIT = 20_000
 
@@ -24,36 +23,20 @@ def srv(batchsim_home):
     assert s.stop() == 0, "".join(s.stderr)
 
 
-def _connect(srv: ServerProcess) -> socket.socket:
-    host, port = srv.url.removeprefix("http://").rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=30)  # a hang fails, not a bound
-    return sock
-
-
-def _read_all(sock: socket.socket) -> bytes:
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    return data
-
-
 @pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-"])
 def test_a_connection_without_a_complete_head_is_closed(srv, sent):
     """Nothing, or half a head: the server closes it after --header-timeout-s (it waited forever)."""
-    with _connect(srv) as sock:
+    with srv.connect() as sock:
         sock.sendall(sent)
-        assert _read_all(sock) == b""  # closed by the server, nothing answered
+        assert read_until_closed(sock) == b""  # closed by the server, nothing answered
 
 
 def test_a_stalled_body_gets_408_and_the_connection_closes(srv):
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: 100\r\n\r\n")
-    with _connect(srv) as sock:
+    with srv.connect() as sock:
         sock.sendall(head + b'{"prompt":')
-        reply = _read_all(sock)  # ends: the server closed the connection after answering
+        reply = read_until_closed(sock)  # ends: the server closed the connection after answering
     status_line, _, rest = reply.partition(b"\r\n")
     assert b" 408 " in status_line
     error = json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]
@@ -61,10 +44,10 @@ def test_a_stalled_body_gets_408_and_the_connection_closes(srv):
 
 
 def test_malformed_http_gets_an_openai_error_body(srv):
-    with _connect(srv) as sock:
+    with srv.connect() as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
                      b"\r\nzz\r\n{}\r\n0\r\n\r\n")
-        reply = _read_all(sock)
+        reply = read_until_closed(sock)
     assert b" 400 " in reply.split(b"\r\n", 1)[0]
     assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "invalid_request_error"
 

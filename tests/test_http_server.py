@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +27,17 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 # 2 MiB of memory leaves the tiny model (~0.4 MB of weights) ~1.7 MB of KV (~3,300 tokens at 512
 # bytes each): a 3,400-token prompt fits the 4,096-token context but not the KV budget.
 MEMORY_GB = "0.002"
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (a reset ends it too)."""
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
 
 
 class ServerProcess:
@@ -66,6 +78,11 @@ class ServerProcess:
             if idle or time.monotonic() > deadline:
                 return m
             time.sleep(0.05)
+
+    def connect(self) -> socket.socket:
+        """A raw TCP connection to the server (a hang fails on the timeout, not on a bound)."""
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        return socket.create_connection((host, int(port)), timeout=30)
 
     def stop(self, timeout_s: float = 30) -> int:
         self.client.close()

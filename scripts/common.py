@@ -57,10 +57,20 @@ def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def add_rank_arguments(p: argparse.ArgumentParser, what: str, roles: str) -> None:
+    """`--ranks` and `--hostfile` of `run` and `serve`: `what` the command does, `roles` what the
+    ranks do."""
+    d = p.add_argument_group("ranks (tensor-parallel decode over mx.distributed)")
+    d.add_argument("--ranks", type=positive_int, default=1, help=f"{what} on N ranks started by "
+                   f"mlx.launch (ring backend on loopback unless --hostfile); {roles}")
+    d.add_argument("--hostfile", help=f"mlx.launch hostfile (JSON: hosts with ssh and ips) to {what} "
+                   "across Macs; the same batchsim and model path on every host")
 
 
 def positive_float(text: str) -> float:

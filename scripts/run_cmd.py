@@ -16,10 +16,10 @@ from batchsim.scheduler.kv_layout import KV_STEP
 from batchsim.scripts.common import (
     CommandFailed,
     add_field_argument,
+    add_rank_arguments,
     err,
     out,
     positive_float,
-    positive_int,
 )
 from batchsim.server.engine.run_config import DTYPES, RunConfig, load_run_config, with_run_overrides
 from batchsim.server.models.spec import KV_BITS, QUANT_BITS
@@ -137,12 +137,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                        "http://127.0.0.1:8000/v1): send the workload over HTTP instead of running "
                        "in-process")
     g.add_argument("--no-progress", action="store_true", help="no live progress line")
-    d = p.add_argument_group("ranks (tensor-parallel decode over mx.distributed)")
-    d.add_argument("--ranks", type=positive_int, default=1, help="run on N ranks started by "
-                   "mlx.launch (ring backend on loopback unless --hostfile); the KV budget is per "
-                   "rank; the summary's output_tokens_sha256 compares runs token for token")
-    d.add_argument("--hostfile", help="mlx.launch hostfile (JSON: hosts with ssh and ips) to run "
-                   "the ranks across Macs; the same batchsim and model path on every host")
+    add_rank_arguments(p, "run", "the KV budget is per rank; the summary's "
+                       "output_tokens_sha256 compares runs token for token")
 
 
 def _trace_override(args: argparse.Namespace, cfg: RunConfig) -> TraceSpec | None:

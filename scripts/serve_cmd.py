@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from batchsim.scripts.common import add_field_argument, err, positive_int
+from batchsim.scripts.common import add_field_argument, add_rank_arguments, err
 from batchsim.scripts.run_cmd import add_model_args, add_scheduler_args, scheduler_overrides
 from batchsim.server.http.options import ServeOptions
 
@@ -35,12 +35,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                        "after its head gets 408", unset=False)
     add_field_argument(g, ServeOptions, "drain_timeout_s", "on SIGINT/SIGTERM, how long in-flight "
                        "requests may finish before abort", unset=False)
-    d = p.add_argument_group("ranks (tensor-parallel decode over mx.distributed)")
-    d.add_argument("--ranks", type=positive_int, default=1, help="serve from N ranks started by "
-                   "mlx.launch (ring backend on loopback unless --hostfile); rank 0 answers HTTP "
-                   "and schedules, the others run its plans; the KV budget is per rank")
-    d.add_argument("--hostfile", help="mlx.launch hostfile (JSON: hosts with ssh and ips) to serve "
-                   "across Macs; the same batchsim and model path on every host")
+    add_rank_arguments(p, "serve", "rank 0 answers HTTP and schedules, the others run its "
+                       "plans; the KV budget is per rank")
 
 
 def _config(args: argparse.Namespace):

@@ -19,6 +19,7 @@ from batchsim.scripts.common import (
     gib,
     out,
     positive_float,
+    positive_int,
     pyplot,
     save_figure,
     table,
@@ -50,7 +51,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                        "bits (group 64; scales and biases in the compute dtype)",
                        choices=list(KV_BITS), unset=False)
     ctx = p.add_mutually_exclusive_group()
-    ctx.add_argument("--context", type=_positive_int, default=4096,
+    ctx.add_argument("--context", type=positive_int, default=4096,
                      help="fixed tokens per sequence")
     ctx.add_argument("--context-dist", default=None,
                      help="tokens per sequence as a distribution, e.g. lognormal:2000:1500:8192 "
@@ -79,7 +80,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "elementwise, fixed, overhead) at batch 1 and at the max batch; the JSON "
                         "rows gain parts_b1 and parts_max_batch (seconds)")
     c = p.add_argument_group("cluster (tensor- or pipeline-parallel across Macs)")
-    c.add_argument("--macs", type=_positive_int, default=1,
+    c.add_argument("--macs", type=positive_int, default=1,
                    help="N Macs of each row's kind and memory: weights split across them, KV "
                         "budget per Mac, the link's time in every step (server/perf/cluster.py)")
     c.add_argument("--link", default="tb5-rdma",
@@ -90,16 +91,6 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "pipeline: layers split, one batch passes the Macs in turn")
     p.add_argument("--out", type=Path, default=Path("results"),
                    help="directory for size.jsonl and the PNG")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _non_negative(text: str) -> float:

@@ -1,6 +1,6 @@
 """The decode pool for models whose layers cache different things (sliding windows, linear-attention
 states, MLA latents, quantized K/V): one store per layer (family_stores), the same row bookkeeping
-as the dense pool (pool_layout.PoolLayout: joins take the next row, leaves move the last rows into
+as the dense pool (row_pool.RowPool over pool_layout.PoolLayout: joins take the next row, leaves move the last rows into
 the holes, only a geometry change reallocates), and the same interface as kv_pool.DecodePool, so
 the MLX executor runs one forward pass per decode step whatever the family.
 

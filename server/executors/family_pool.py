@@ -2,8 +2,7 @@
 states, MLA latents, quantized K/V): one store per layer (family_stores), the same row bookkeeping
 as the dense pool (row_pool.RowPool over pool_layout.PoolLayout: joins take the next row, leaves
 move the last rows into the holes, only a geometry change reallocates), and the same interface as
-kv_pool.DecodePool, so
-the MLX executor runs one forward pass per decode step whatever the family.
+kv_pool.DecodePool, so the MLX executor runs one forward pass per decode step whatever the family.
 
 A row of capacity C holds C tokens of each full/MLA layer, min(C, W) of each sliding layer and the
 fixed state of each linear layer: exactly CacheLayout.seq_bytes(C), the scheduler's price."""

@@ -42,12 +42,12 @@ def _specs(vocab: int, n: int, seed: int, max_prompt: int, max_out: int):
              rng.randint(2, max_out)) for _ in range(n)]
 
 
-def _run(model, layout, specs, kv_bits=None, **cfg):
+def _run(model, layout, specs, kv_bits=None, run_ahead=True, **cfg):
     """Drive the scheduler and the executor; the driver asserts executor bytes == scheduler bytes
     after every step."""
     sched = Scheduler(config(kv_bytes_per_token=layout.full_token_bytes, cache_layout=layout,
                              **cfg))
-    ex = MLXExecutor(model, kv_bits=kv_bits)
+    ex = _run.executor = MLXExecutor(model, kv_bits=kv_bits, run_ahead=run_ahead)
     arrivals = [(step, Request(i, len(ids), SamplingParams(max_tokens=out, ignore_eos=True), 0.0,
                                prompt_token_ids=list(ids)))
                 for i, (step, ids, out) in enumerate(specs)]
@@ -113,6 +113,24 @@ def test_sliding_rows_wrap_their_ring(batchsim_home, monkeypatch):
     monkeypatch.setattr(family_stores.DecodeStep, "slots",
                         lambda self, ring: mx.minimum(self.positions, ring - 1))
     assert _run(model, layout, specs, max_num_seqs=3)[0] != good
+
+
+@pytest.mark.parametrize("name", ["tiny-sliding", "tiny-hybrid"])
+def test_steps_run_ahead_are_used_or_undone_and_change_no_token(name, batchsim_home, monkeypatch):
+    # Prefill-first: a step that only prefills undoes the decode step run ahead of it.
+    ref, model = _model(name)
+    layout = ref.spec.cache_layout("float32")
+    n, max_out = (5, 20) if name == "tiny-sliding" else (3, 6)
+    specs = _specs(ref.spec.vocab_size, n, seed=8, max_prompt=40, max_out=max_out)
+    cfg = dict(max_num_seqs=n, policy="prefill-first")
+    ahead = _run(model, layout, specs, **cfg)[0]
+    steps = _run.executor.ahead_steps
+    assert steps["used"] > 0 and steps["undone"] > 0, steps
+    assert ahead == _run(model, layout, specs, run_ahead=False, **cfg)[0]
+    assert _run.executor.ahead_steps == {"used": 0, "undone": 0}
+    if name == "tiny-hybrid":  # negative control: an undo that keeps the advanced state diverges
+        monkeypatch.setattr(FamilyPool, "_restore_states", lambda self, states: None)
+        assert _run(model, layout, specs, **cfg)[0] != ahead
 
 
 @pytest.mark.parametrize("name", ["tiny-sliding", "tiny-hybrid"])

@@ -25,9 +25,9 @@ def _requests(vocab: int, n: int, seed: int, max_prompt: int, max_out: int):
     return specs
 
 
-def _run(model, kvt: int, specs, check_bytes=None, **cfg):
+def _run(model, kvt: int, specs, check_bytes=None, run_ahead=True, **cfg):
     sched = Scheduler(config(kv_bytes_per_token=kvt, **cfg))
-    ex = MLXExecutor(model)
+    ex = _run.executor = MLXExecutor(model, run_ahead=run_ahead)
     arrivals = [(step, Request(i, len(ids), SamplingParams(max_tokens=out, ignore_eos=True), 0.0,
                                prompt_token_ids=list(ids)))
                 for i, (step, ids, out) in enumerate(specs)]
@@ -54,6 +54,17 @@ def test_batched_equals_single_tiny(tiny):
     assert max(len(p.decode_ids) for p in trace.plans) >= 4
     assert any(p.decode_ids and p.prefills for p in trace.plans)
     assert batched == alone
+
+
+def test_steps_run_ahead_are_used_or_undone_and_change_no_token(tiny):
+    # Prefill-first: a step that only prefills undoes the decode step run ahead of it.
+    ref, model, _ = tiny
+    specs = _requests(ref.spec.vocab_size, 8, seed=4, max_prompt=300, max_out=30)
+    cfg = dict(max_num_seqs=4, prefill_step_size=256, policy="prefill-first")
+    ahead = _run(model, _kvt(ref), specs, **cfg)[0]
+    steps = _run.executor.ahead_steps
+    assert steps["used"] > 0 and steps["undone"] > 0, steps
+    assert ahead == _run(model, _kvt(ref), specs, run_ahead=False, **cfg)[0]
 
 
 def test_batched_equals_single_quantized(tiny_q4):
@@ -121,6 +132,7 @@ def test_kv_bytes_match_arrays_formula_and_active_memory(name, request):
             round_up(sched.requests[rid].num_computed_tokens, KV_STEP) * per_token
             for rid in sched.kv.private)
         assert result.kv_bytes == plan.kv_bytes == arrays == formula
+        mx.synchronize()  # the next step, run ahead, has finished: its activations are freed
         held = mx.get_active_memory() - base
         # Besides KV, only per-step scalars (tokens, positions, masks) stay alive.
         assert abs(held - result.kv_bytes) <= 64 * 1024, (held, result.kv_bytes)

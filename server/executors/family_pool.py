@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 from batchsim.server.executors.family_cache import LayerCache, layout
-from batchsim.server.executors.family_stores import DecodeStep, make_store
+from batchsim.server.executors.family_stores import DecodeStep, StateStore, make_store
 from batchsim.server.executors.pool_layout import PoolLayout, Resize
 from batchsim.server.executors.row_pool import RowPool
 
@@ -28,6 +28,13 @@ class FamilyPool(RowPool):
     def _write_row(self, row: int, layer_caches: list, length: int) -> None:
         for store, cache in zip(self.stores, layer_caches):
             store.join(row, cache, length)
+
+    def states(self) -> list:
+        return [list(s.parts) for s in self.stores if isinstance(s, StateStore)]
+
+    def _restore_states(self, states: list) -> None:
+        for store, parts in zip((s for s in self.stores if isinstance(s, StateStore)), states):
+            store.parts = parts
 
     def _reallocate(self, change: Resize) -> None:
         for store in self.stores:

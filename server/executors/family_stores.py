@@ -20,27 +20,40 @@ class DecodeStep:
 
     def __init__(self, lengths: list[int], capacity: int):
         self.b = len(lengths)
-        self.positions = mx.array(lengths)  # (B,) each row's new token position
-        self.rows = mx.arange(self.b)
         self.width = max(lengths) + 1
+        # Every row at one position (always at batch 1): one column written by a slice update and
+        # no mask, as mlx-lm's own caches do; otherwise a scatter at each row's position, masked.
+        self.aligned = min(lengths) == self.width - 1
+        # the new token's position: one int when aligned, else (B,)
+        self.positions = self.width - 1 if self.aligned else mx.array(lengths)
+        self.rows = mx.arange(self.b)
         self.capacity = capacity
-        self._masks: dict[int, mx.array] = {}
-        self._slots: dict[int, mx.array] = {}
+        self._masks: dict[int, mx.array | None] = {}
+        self._slots: dict[int, mx.array | int] = {}
 
-    def mask(self, width: int) -> mx.array:
+    def mask(self, width: int) -> mx.array | None:
         """(B, 1, 1, width): slot j < width holds a token row b attends to (ring slots: all once
-        the row has wrapped, since then p >= width)."""
+        the row has wrapped, since then p >= width). None when aligned: every slot does."""
+        if self.aligned:
+            return None
         m = self._masks.get(width)
         if m is None:
             m = mx.arange(width)[None] <= self.positions[:, None]
             m = self._masks[width] = m[:, None, None, :]
         return m
 
-    def slots(self, ring: int) -> mx.array:
+    def slots(self, ring: int) -> mx.array | int:
         s = self._slots.get(ring)
         if s is None:
             s = self._slots[ring] = self.positions % ring
         return s
+
+    def write(self, a: mx.array, slots: mx.array | int, new: mx.array) -> None:
+        """Put each row's new token (B, heads, dim) into its slot of `a`."""
+        if self.aligned:
+            a[: self.b, :, slots : slots + 1] = new[:, :, None]
+        else:
+            a[self.rows, :, slots] = new
 
 
 def _reshape(a: mx.array, rows: int, tokens: int | None) -> mx.array:
@@ -103,8 +116,8 @@ class KVView(_BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         st = self._step
         k, v = self._store.parts
-        k[st.rows, :, st.positions] = keys[:, :, 0, :]
-        v[st.rows, :, st.positions] = values[:, :, 0, :]
+        st.write(k, st.positions, keys[:, :, 0, :])
+        st.write(v, st.positions, values[:, :, 0, :])
         return k[: st.b, :, : st.width], v[: st.b, :, : st.width]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
@@ -136,7 +149,7 @@ class QuantizedKVView(KVView):
         for parts, new in ((self._store.parts[:3], keys), (self._store.parts[3:], values)):
             q = mx.quantize(new[:, :, 0, :], group_size=self.group_size, bits=self.bits)
             for a, p in zip(parts, q):
-                a[st.rows, :, st.positions] = p
+                st.write(a, st.positions, p)
             fetched.append(tuple(a[: st.b, :, : st.width] for a in parts))
         return fetched[0], fetched[1]
 
@@ -170,8 +183,8 @@ class RingView(KVView):
         k, v = self._store.parts
         ring = k.shape[2]
         slots = st.slots(ring)
-        k[st.rows, :, slots] = keys[:, :, 0, :]
-        v[st.rows, :, slots] = values[:, :, 0, :]
+        st.write(k, slots, keys[:, :, 0, :])
+        st.write(v, slots, values[:, :, 0, :])
         width = min(ring, st.width)
         return k[: st.b, :, :width], v[: st.b, :, :width]
 
@@ -218,11 +231,13 @@ class StateView(_BaseCache):
         return a if a.shape[0] == self._b else a[: self._b]
 
     def __setitem__(self, i: int, value: mx.array) -> None:
+        """A new array, never an update in place: a step run ahead may be undone (lookahead.py)."""
         parts = self._store.parts
+        value = value.astype(parts[i].dtype)
         if parts[i].shape[0] == self._b:
-            parts[i] = value.astype(parts[i].dtype)
+            parts[i] = value
         else:
-            parts[i][: self._b] = value
+            parts[i] = mx.slice_update(parts[i], value, mx.array([0]), axes=(0,))
 
     def advance(self, n: int) -> None:
         pass

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from batchsim.scheduler.plan import NewRequest, StepPlan, StepResult
 from batchsim.scheduler.request import SamplingParams
-from batchsim.server.executors import family_cache
+from batchsim.server.executors import family_cache, lookahead
 from batchsim.server.executors.base import ExecutorCaps
 from batchsim.server.executors.family_pool import FamilyPool
 from batchsim.server.executors.kv_pool import DecodePool
@@ -32,8 +32,13 @@ class MLXExecutor:
     caps = ExecutorCaps(real_compute=True, virtual_time=False, max_lookahead_steps=1,
                         needs_token_ids=True)
 
-    def __init__(self, model, cache_limit_bytes: int | None = 4 << 30, kv_bits: int | None = None):
+    def __init__(self, model, cache_limit_bytes: int | None = 4 << 30, kv_bits: int | None = None,
+                 run_ahead: bool = True):
         self.model = model
+        # Run each decode step while the previous step's tokens are read (lookahead.py).
+        self.run_ahead = run_ahead
+        self._ahead: lookahead.Ahead | None = None
+        self.ahead_steps = {"used": 0, "undone": 0}
         layers = model.layers
         self.num_layers = len(layers)
         self.dtype = self._activation_dtype()
@@ -68,39 +73,84 @@ class MLXExecutor:
     # -- the step ------------------------------------------------------------------------------
     def execute(self, plan: StepPlan, max_elapsed_s: float = float("inf")) -> StepResult:
         t0 = time.perf_counter()
+        ahead = self._settle_ahead(plan)
         self._free(plan.free_ids)
         for new in plan.new_requests:
             self._register(new)
         self.pool.resize(plan.pool)
         self._join(plan)
 
-        sampled_ids: list[int] = []
+        sampled_ids: list[int] = []  # aligned with the concatenated samples
         samples: list[mx.array] = []
+        if plan.decode_ids:
+            sampled_ids.extend(ahead.row_ids if ahead else self.pool.row_ids)
+            samples.append(ahead.tokens if ahead else self._decode())
+        stale = len(sampled_ids) if ahead else 0  # run-ahead rows this plan frees are dropped
         for chunk in plan.prefills:
             token = self._prefill(chunk.request_id, chunk.start, chunk.num_tokens, chunk.sample)
             if token is not None:
                 sampled_ids.append(chunk.request_id)
                 samples.append(token)
-        if plan.decode_ids:
-            sampled_ids.extend(self.pool.row_ids)
-            samples.append(self._decode())
-        tokens: list[int] = []
-        if samples:
-            flat = mx.concatenate([s.reshape(-1) for s in samples])
-            mx.eval(flat, self.pool.arrays())
-            tokens = flat.tolist()
-        for rid, tok in zip(sampled_ids, tokens):
+        pairs = self._read_tokens(plan, sampled_ids, samples)
+        freed = set(plan.free_ids)
+        pairs = [p for i, p in enumerate(pairs) if i >= stale or p[0] not in freed]
+        for rid, tok in pairs:
             self.seqs[rid].token_ids.append(tok)
         elapsed = time.perf_counter() - t0
         return StepResult(
             step_index=plan.step_index,
-            sampled_ids=tuple(sampled_ids),
-            token_ids=(tuple(tokens),),
+            sampled_ids=tuple(rid for rid, _ in pairs),
+            token_ids=(tuple(tok for _, tok in pairs),),
             step_durations_s=(elapsed,),
             kv_bytes=self.kv_bytes(),
         )
 
+    def _read_tokens(self, plan: StepPlan, sampled_ids: list[int],
+                     samples: list[mx.array]) -> list[tuple[int, int]]:
+        """This step's tokens, with the next decode step already running behind them."""
+        if not samples:
+            return []
+        flat = mx.concatenate([s.reshape(-1) for s in samples])
+        mx.async_eval(flat)
+        if self.run_ahead and (plan.decode_ids or not len(self.pool)):
+            prefilled = [c.request_id for c in plan.prefills if c.sample]
+            self._ahead = self._run_ahead(flat, sampled_ids, prefilled)
+        if self._ahead is None:
+            mx.eval(flat, self.pool.arrays())
+        return list(zip(sampled_ids, flat.tolist()))
+
+    # -- the step run ahead (lookahead.py) -----------------------------------------------------
+    def _run_ahead(self, flat: mx.array, sampled_ids: list[int],
+                   prefilled: list[int]) -> lookahead.Ahead | None:
+        pool = self.pool
+        cached = {rid: len(self.seqs[rid].token_ids) for rid in prefilled}
+        joiners = lookahead.next_rows(pool, prefilled, cached)
+        if joiners is None:
+            return None
+        states = pool.states()
+        for rid in joiners:
+            pool.add(rid, self.seqs[rid].cache, cached[rid])
+        lengths, rows = list(pool.lengths), list(pool.row_ids)
+        tokens = self._forward(lookahead.gather_inputs(flat, sampled_ids, rows), rows, ahead=1)
+        mx.async_eval(tokens, pool.arrays())
+        return lookahead.Ahead(rows, tokens, lengths, joiners, states)
+
+    def _settle_ahead(self, plan: StepPlan) -> lookahead.Ahead | None:
+        """The step run ahead if this plan is it; otherwise undone."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        if ahead.serves(plan):
+            for rid in ahead.joined:
+                self.seqs[rid].cache = None
+            self.ahead_steps["used"] += 1
+            return ahead
+        self.pool.undo_step(ahead.lengths, ahead.states, ahead.joined)
+        self.ahead_steps["undone"] += 1
+        return None
+
     def reset(self) -> None:
+        self._ahead = None
         self.pool = self._new_pool()
         self.seqs.clear()
 
@@ -168,12 +218,15 @@ class MLXExecutor:
         return self._sample(logits, [rid])
 
     def _decode(self) -> mx.array:
-        pool = self.pool
-        inputs = mx.array([self.seqs[rid].token_ids[-1] for rid in pool.row_ids])[:, None]
-        logits = self.model(inputs, cache=pool.layer_views())[:, -1, :]
-        return self._sample(logits, pool.row_ids)
+        rows = self.pool.row_ids
+        return self._forward(mx.array([self.seqs[rid].token_ids[-1] for rid in rows])[:, None], rows)
 
-    def _sample(self, logits: mx.array, rids: list[int]) -> mx.array:
+    def _forward(self, inputs: mx.array, rows: list[int], ahead: int = 0) -> mx.array:
+        """One forward pass over the pool's rows; `ahead`: tokens not yet in token_ids."""
+        logits = self.model(inputs, cache=self.pool.layer_views())[:, -1, :]
+        return self._sample(logits, rows, ahead)
+
+    def _sample(self, logits: mx.array, rids: list[int], ahead: int = 0) -> mx.array:
         """Greedy by default; rows with a temperature sample with a key derived from the request's
         seed and position, so a seeded request draws the same tokens alone or batched."""
         sampling = [self.seqs[r].sampling for r in rids]
@@ -185,7 +238,7 @@ class MLXExecutor:
             if s.temperature == 0:
                 picks.append(greedy[i : i + 1])
                 continue
-            position = len(self.seqs[rid].token_ids)
+            position = len(self.seqs[rid].token_ids) + ahead
             key = mx.random.key((s.seed if s.seed is not None else rid) * 1_000_003 + position)
             # float32 first: float16 logits over a small temperature (1e-4) overflow to inf.
             scaled = logits[i : i + 1].astype(mx.float32) / s.temperature

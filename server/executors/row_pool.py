@@ -60,6 +60,20 @@ class RowPool:
     def _write_row(self, row: int, layer_caches: list, length: int) -> None:
         raise NotImplementedError
 
+    # -- a decode step undone (lookahead.py) ---------------------------------------------------
+    def states(self) -> list:
+        """What a decode step replaces rather than writes past the rows' lengths."""
+        return []
+
+    def _restore_states(self, states: list) -> None:
+        pass
+
+    def undo_step(self, lengths: list[int], states: list, joined: list[int]) -> None:
+        """Back to before a decode step that joined `joined` as the last rows: lengths, states."""
+        self.lengths = list(lengths)
+        self._restore_states(states)
+        self.remove(set(joined))
+
     # -- geometry ------------------------------------------------------------------------------
     def resize(self, geometry: PoolGeometry) -> None:
         """Reallocate to the scheduler's geometry, keeping rows [0, B) and their tokens."""

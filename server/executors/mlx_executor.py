@@ -2,8 +2,9 @@
 
 Per step: free finished rows, apply the scheduler's pool geometry, move newly prefilled requests
 into the pool, run each prefill chunk on the request's own mlx-lm KVCache, and run one forward pass
-over every decoding request (each weight matrix multiplied once for B rows), then sample.
-Full-attention models decode in kv_pool.DecodePool; sliding-window, linear-attention and MLA caches,
+over every decoding request (each weight matrix multiplied once for B rows), then sample. Before
+reading the sampled tokens it starts the next decode step (lookahead.py), which the next plan
+takes or undoes. Full-attention models decode in kv_pool.DecodePool; sliding-window, linear-attention and MLA caches,
 and quantized K/V (kv_bits), in family_pool.FamilyPool (same interface)."""
 
 from __future__ import annotations

@@ -113,33 +113,32 @@ def _continuous(args: argparse.Namespace, model, vocab: int, kvt: int, layout=No
 
 
 def _add_ratios(rows: list[dict]) -> None:
-    by = {(r["batch"], r["mode"]): r["decode_tok_s"] for r in rows}
+    """Ratios of the medians, and `_paired`: the median of the window-by-window ratios (each
+    window against the other mode's window of the same repetition, timed right beside it), which
+    a machine drifting between repetitions bends less."""
+    by = {(r["batch"], r["mode"]): r for r in rows}
     batches = sorted({r["batch"] for r in rows})
     for r in rows:
         base = by.get((batches[0], r["mode"]))
-        r["speedup_vs_batch_%d" % batches[0]] = r["decode_tok_s"] / base if base else None
-        bare = by.get((r["batch"], "bare"))
-        r["vs_bare"] = r["decode_tok_s"] / bare if bare else None
-        mlx = by.get((r["batch"], "mlx_lm"))
-        r["vs_mlx_lm"] = r["decode_tok_s"] / mlx if mlx else None
+        r["speedup_vs_batch_%d" % batches[0]] = r["decode_tok_s"] / base["decode_tok_s"] if base else None
+        for other in ("bare", "mlx_lm"):
+            o = by.get((r["batch"], other))
+            r[f"vs_{other}"] = r["decode_tok_s"] / o["decode_tok_s"] if o else None
+            r[f"vs_{other}_paired"] = median([a / b for a, b in zip(
+                r["samples_tok_s"], o["samples_tok_s"])]) if o else None
 
 
 def _print(rows: list[dict], modes: list[str], session) -> None:
     by = {(r["batch"], r["mode"]): r for r in rows}
     b0 = min(r["batch"] for r in rows)
     cols = ["batch"] + [f"{m} tok/s" for m in modes] + [f"{m} x b{b0}" for m in modes]
-    if "executor" in modes and "bare" in modes:
-        cols.append("executor/bare")
-    if "executor" in modes and "mlx_lm" in modes:
-        cols.append("executor/mlx_lm")
+    others = [m for m in ("bare", "mlx_lm") if "executor" in modes and m in modes]
+    cols += [f"executor/{m}{kind}" for m in others for kind in ("", " paired")]
     body = []
     for b in sorted({r["batch"] for r in rows}):
         line = [b] + [by[(b, m)]["decode_tok_s"] for m in modes]
         line += [by[(b, m)][f"speedup_vs_batch_{b0}"] for m in modes]
-        if "executor/bare" in cols:
-            line.append(by[(b, "executor")]["vs_bare"])
-        if "executor/mlx_lm" in cols:
-            line.append(by[(b, "executor")]["vs_mlx_lm"])
+        line += [by[(b, "executor")][f"vs_{m}{kind}"] for m in others for kind in ("", "_paired")]
         body.append(line)
     env = session.environment()
     out.print(table(

@@ -378,3 +378,20 @@ def test_json_leaves_stdout_one_json_line_for_any_command(capsys, tmp_path):
     assert rows and all({"decode_tok_s_b1", "max_batch", "profile"} <= set(r) for r in rows)
     assert main(argv) == 0  # and the next command prints its tables on stdout again
     assert len(capsys.readouterr().out.splitlines()) > 1
+
+
+def test_bench_decode_pairs_each_window_with_the_one_beside_it():
+    # The machine halves its speed for two repetitions and one executor window is slow: the
+    # executor is 10% ahead in four pairs of windows out of five, which the paired ratio reports
+    # and the ratio of the two medians (0.6) does not.
+    from statistics import median
+
+    from batchsim.scripts.bench_decode import _add_ratios
+
+    mlx, ex = [100.0, 100.0, 50.0, 50.0, 100.0], [110.0, 110.0, 55.0, 55.0, 60.0]
+    rows = [{"batch": 8, "mode": m, "decode_tok_s": median(v), "samples_tok_s": v}
+            for m, v in (("mlx_lm", mlx), ("executor", ex))]
+    _add_ratios(rows)
+    assert rows[1]["vs_mlx_lm"] == pytest.approx(0.6)
+    assert rows[1]["vs_mlx_lm_paired"] == pytest.approx(1.1)
+    assert rows[1]["vs_bare"] is None and rows[1]["vs_bare_paired"] is None

@@ -20,15 +20,15 @@ from batchsim.server.perf.devices import LOCAL_NAME
 # because linear layers are most of its steps, as they are of the models users simulate: fitted
 # on the three small models alone, the one they left out with most weight time (SmolLM2) was
 # predicted 14% fast (leave-one-model-out on the 02:43 calibration's samples).
-# tiny-moe (mixture of experts) fits the routed experts' term alone (experts_ns_per_pair), on top
-# of the terms the dense models fit.
-DEFAULT_MODELS = ["smollm2-135m", "tiny", "gqa8-probe", "qwen3-0.6b", "tiny-moe"]
+# tiny-moe and calib-moe (mixtures of experts, experts of 64x32 and 256x256) fit the routed
+# experts' terms alone (per pair and per routed multiply-add), on top of the dense models' terms.
+DEFAULT_MODELS = ["smollm2-135m", "tiny", "gqa8-probe", "qwen3-0.6b", "tiny-moe", "calib-moe"]
 FULL = dict(models=DEFAULT_MODELS, batches=["1", "2", "4", "8", "12", "16", "24", "32", "64"],
             widths=["128", "512", "1024"], chunks=["16", "64", "256", "512"], starts=["0", "512"],
             reps=5, rounds=3)
 # --quick: fewer models, grid points and repeats (minutes instead of half an hour), then the fitted
 # profile predicts a model it has not seen (QUICK_HELD_OUT) and reports that error.
-QUICK = dict(models=["smollm2-135m", "tiny", "tiny-moe"], batches=["1", "2", "4", "8", "16", "32"],
+QUICK = dict(models=["smollm2-135m", "tiny", "tiny-moe", "calib-moe"], batches=["1", "2", "4", "8", "16", "32"],
              widths=["128", "512"], chunks=["16", "64", "256"], starts=["0", "512"], reps=2, rounds=1)
 QUICK_GEMM_ROWS = (1, 2, 3, 4, 8, 12, 16, 24, 32, 48, 64, 128, 512)
 QUICK_GEMM_SHAPES = ((512, 512), (1024, 1024), (2048, 2048), (576, 1536), (1536, 576),
@@ -175,8 +175,9 @@ def _fit(args, dtype: str, when: str, env_info: dict, ceilings: _Ceilings, sessi
     calib = cal.calibration_from(gemm, terms, ceilings.copy_gbs, overhead_us, args.models, when,
                                  probe_ms, device=device_id(env_info))
     fitted = {n: StepCost(s.spec, _with(base, calib), dtype, None) for n, s in sessions.items()}
-    terms["experts_ns_per_pair"] = cal.fit_expert_term(samples, fitted)
-    calib = dataclasses.replace(calib, experts_ns_per_pair=terms["experts_ns_per_pair"])
+    pair_ns, mac_ns = cal.fit_expert_terms(samples, fitted)
+    terms.update(experts_ns_per_pair=pair_ns, experts_ns_per_mac=mac_ns)
+    calib = dataclasses.replace(calib, experts_ns_per_pair=pair_ns, experts_ns_per_mac=mac_ns)
     profile = _with(base, calib, source=f"batchsim calibrate {when}: {env_info['cpu']}, "
                     f"{env_info['backend']}, BLAS {env_info['blas']}, models {', '.join(args.models)}")
     return profile, terms, transfer

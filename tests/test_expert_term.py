@@ -1,6 +1,7 @@
-"""The MoE experts' calibrated term: each routed (token, expert) pair costs experts_ns_per_pair on
-top of its weights and FLOPs, calibration recovers that cost from MoE steps, and validate's MoE
-and sliding-window matrices name models calibration does not use."""
+"""The MoE experts' calibrated terms: each routed (token, expert) pair costs experts_ns_per_pair,
+and each of its multiply-adds experts_ns_per_mac, on top of the GEMM model's price; calibration
+recovers both from MoE steps, and validate's MoE and sliding-window matrices name models
+calibration does not use."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import dataclasses
 import pytest
 from batchsim.configs import load_yaml
 from batchsim.scripts.calibrate import DEFAULT_MODELS, QUICK
-from batchsim.server.measure.calibration import StepSample, fit_expert_term, predict
+from batchsim.server.measure.calibration import StepSample, fit_expert_terms, predict
 from batchsim.server.measure.validation_cases import matrix_path
 from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf.devices import SHIPPED_DIR, load_profile
@@ -18,33 +19,45 @@ from batchsim.server.perf.stepcost import StepCost
 PROFILE = load_profile(SHIPPED_DIR / "linux-x86_64-openblas-2core.yaml")
 
 
-def _cost(name: str, ns_per_pair: float) -> StepCost:
-    cal = dataclasses.replace(PROFILE.calibration, experts_ns_per_pair=ns_per_pair)
+def _cost(name: str, ns_per_pair: float, ns_per_mac: float = 0.0) -> StepCost:
+    cal = dataclasses.replace(PROFILE.calibration, experts_ns_per_pair=ns_per_pair,
+                              experts_ns_per_mac=ns_per_mac)
     return StepCost(zoo_spec(name), dataclasses.replace(PROFILE, calibration=cal), "float32", None)
 
 
 def test_each_routed_pair_adds_its_cost_to_the_experts_part():
-    # small-moe: 4 MoE layers x 3 expert matrix stacks x B tokens x top 4.
-    base, priced = _cost("small-moe", 0.0), _cost("small-moe", 250.0)
+    # small-moe: 4 MoE layers x 3 expert matrix stacks x B tokens x top 4; each matrix 256x128.
+    base, priced = _cost("small-moe", 0.0), _cost("small-moe", 250.0, 0.01)
     assert base.family.expert_pairs(8) == 4 * 3 * 8 * 4
+    assert base.family.expert_macs(8) == 4 * 3 * 8 * 4 * 256 * 128
+    per_pair_s = (250.0 + 256 * 128 * 0.01) * 1e-9
     for batch in (1, 8, 32):
         extra = priced.decode_time(batch, 300).experts_s - base.decode_time(batch, 300).experts_s
-        assert extra == pytest.approx(4 * 3 * batch * 4 * 250e-9)
+        assert extra == pytest.approx(4 * 3 * batch * 4 * per_pair_s)
     extra = priced.prefill_time(64, 0, True).experts_s - base.prefill_time(64, 0, True).experts_s
-    assert extra == pytest.approx(4 * 3 * 64 * 4 * 250e-9)
-    assert _cost("tiny", 250.0).family is None  # dense models are priced as before
+    assert extra == pytest.approx(4 * 3 * 64 * 4 * per_pair_s)
+    assert _cost("tiny", 250.0, 0.01).family is None  # dense models are priced as before
 
 
-def test_calibration_recovers_a_planted_pair_cost():
-    fitted, true = _cost("tiny-moe", 0.0), _cost("tiny-moe", 400.0)
+def _planted(names: list[str], ns_per_pair: float, ns_per_mac: float) -> list[StepSample]:
     points = [("decode", b, 200) for b in (1, 4, 16, 32)] + [("prefill", n, 0) for n in (16, 256)]
     samples = []
-    for kind, rows, context in points:
-        s = StepSample("tiny-moe", kind, rows, context, 1.0)
-        samples.append(dataclasses.replace(s, seconds=predict(s, true)))
-    assert fit_expert_term(samples, {"tiny-moe": fitted}) == pytest.approx(400.0, rel=1e-6)
+    for name in names:
+        true = _cost(name, ns_per_pair, ns_per_mac)
+        for kind, rows, context in points:
+            s = StepSample(name, kind, rows, context, 1.0)
+            samples.append(dataclasses.replace(s, seconds=predict(s, true)))
+    return samples
+
+
+def test_calibration_recovers_planted_pair_and_mac_costs():
+    # Experts of 64x32 (tiny-moe) and 256x256 (calib-moe): both terms, told apart.
+    names = ["tiny-moe", "calib-moe"]
+    fitted = {n: _cost(n, 0.0) for n in names}
+    assert fit_expert_terms(_planted(names, 400.0, 0.2), fitted) == pytest.approx((400.0, 0.2), rel=1e-6)
+    assert fit_expert_terms(_planted(names, 0.0, 0.3), fitted) == pytest.approx((0.0, 0.3), abs=1e-9)
     dense = [StepSample("tiny", "decode", 4, 200, 1e-3)]
-    assert fit_expert_term(dense, {"tiny": _cost("tiny", 0.0)}) == 0.0  # no MoE model: no term
+    assert fit_expert_terms(dense, {"tiny": _cost("tiny", 0.0)}) == (0.0, 0.0)  # no MoE model
 
 
 @pytest.mark.parametrize("matrix, family", [("moe", "moe"), ("sliding", "sliding")])

@@ -352,19 +352,28 @@ def calibration_from(gemm: dict[str, GemmFit], terms: dict[str, float], copy_gbs
                        speed_probe_ms=dict(probe_ms or {}), **terms)
 
 
-def fit_expert_term(samples: Sequence[StepSample], costs: dict[str, StepCost]) -> float:
-    """experts_ns_per_pair from the MoE models' steps: what the profile (its other terms already
-    fitted, this one 0) leaves unexplained per routed (token, expert) pair, least squares on
-    relative error, not below 0. 0 when no calibration model is MoE."""
+def fit_expert_terms(samples: Sequence[StepSample], costs: dict[str, StepCost]) -> tuple[float, float]:
+    """(experts_ns_per_pair, experts_ns_per_mac) from the MoE models' steps: what the profile (its
+    other terms already fitted, these 0) leaves unexplained per routed (token, expert) pair and per
+    routed multiply-add, least squares on relative error, neither below 0. Models whose experts
+    differ in size tell the two apart; (0, 0) when no calibration model is MoE."""
     feats, resid = [], []
     for s in samples:
         c = costs[s.model]
         if c.family is None or not c.family.expert_pairs(1):
             continue
-        feats.append(c.family.expert_pairs(s.rows) * 1e-9 / s.seconds)
+        feats.append([c.family.expert_pairs(s.rows) * 1e-9 / s.seconds,
+                      c.family.expert_macs(s.rows) * 1e-9 / s.seconds])
         resid.append(1.0 - predict(s, c) / s.seconds)
+    if not feats:
+        return 0.0, 0.0
     f, r = np.asarray(feats), np.asarray(resid)
-    return max(0.0, float(f @ r / (f @ f))) if len(f) else 0.0
+    both = np.linalg.lstsq(f, r, rcond=None)[0]
+    if (both >= 0).all():
+        return float(both[0]), float(both[1])
+    one = [max(0.0, float(f[:, i] @ r / (f[:, i] @ f[:, i]))) for i in (0, 1)]  # the better single
+    errs = [np.sum((r - f[:, i] * one[i]) ** 2) for i in (0, 1)]
+    return (one[0], 0.0) if errs[0] <= errs[1] else (0.0, one[1])
 
 
 def sample_errors(samples: Sequence[StepSample], costs: dict[str, StepCost]) -> dict[str, float]:

@@ -85,8 +85,8 @@ class FamilyCost:
     def routed_s(self, mat: Mat, layer: Layer, m: int) -> float:
         """One routed-expert matrix stack over m tokens: D distinct experts, each streaming its
         weights (at the profile's expert_bandwidth_efficiency of the dense rate) and multiplying
-        its m*k/D tokens at GATHER_MATMUL_EFFICIENCY of the GEMM rate, plus the calibrated cost of
-        gathering each of the m*k (token, expert) pairs."""
+        its m*k/D tokens at GATHER_MATMUL_EFFICIENCY of the GEMM rate, plus the calibrated costs
+        of each of the m*k (token, expert) pairs and of each of their routed multiply-adds."""
         ffn = layer.ffn
         distinct = expected_experts(ffn.experts, ffn.top_k, m)
         moved_s, flops_s = self.cost.linear_terms(m * ffn.top_k / distinct, mat.in_dim, mat.out_dim)
@@ -94,13 +94,22 @@ class FamilyCost:
         flops_s /= GATHER_MATMUL_EFFICIENCY
         per_expert = moved_s + flops_s if self.cost.gemm is not None else max(moved_s, flops_s)
         cal = self.cost.cal
-        pairs_s = m * ffn.top_k * cal.experts_ns_per_pair * 1e-9 if cal is not None else 0.0
+        pairs_s = 0.0
+        if cal is not None:
+            per_pair_ns = cal.experts_ns_per_pair + mat.in_dim * mat.out_dim * cal.experts_ns_per_mac
+            pairs_s = m * ffn.top_k * per_pair_ns * 1e-9
         return distinct * per_expert + pairs_s
 
     def expert_pairs(self, m: int) -> int:
         """Routed (token, expert) pairs times expert matrix stacks in one forward pass over m rows:
         what `experts_ns_per_pair` is charged on."""
         return sum(count * m * layer.ffn.top_k
+                   for layer, count in self.layers.items() for mat in layer.mats if mat.routed)
+
+    def expert_macs(self, m: int) -> int:
+        """Their multiply-adds (each pair through its expert matrix): what `experts_ns_per_mac`
+        is charged on."""
+        return sum(count * m * layer.ffn.top_k * mat.in_dim * mat.out_dim
                    for layer, count in self.layers.items() for mat in layer.mats if mat.routed)
 
     def _head_split(self, rows: int) -> tuple[float, float]:

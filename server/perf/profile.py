@@ -64,6 +64,10 @@ class Calibration:
     # MoE: per routed (token, expert) pair and expert matrix, what gathering and dispatching it
     # costs beyond its weights and FLOPs (fitted on the MoE calibration models; 0: not measured).
     experts_ns_per_pair: float = 0.0
+    # MoE: per routed multiply-add (pair x the expert matrix's in x out), what the gathered matmul
+    # costs beyond the GEMM model's price for each distinct expert: on MLX's CPU backend a step
+    # grows with the routed pairs, not with the experts read (0: not measured).
+    experts_ns_per_mac: float = 0.0
     calibrated_on: tuple[str, ...] = ()
     measured_at: str = ""
     # The processor and BLAS it was measured on ("AMD EPYC, OpenBLAS ... Zen"): a cloud machine of

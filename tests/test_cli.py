@@ -395,3 +395,14 @@ def test_bench_decode_pairs_each_window_with_the_one_beside_it():
     assert rows[1]["vs_mlx_lm"] == pytest.approx(0.6)
     assert rows[1]["vs_mlx_lm_paired"] == pytest.approx(1.1)
     assert rows[1]["vs_bare"] is None and rows[1]["vs_bare_paired"] is None
+
+
+def test_bench_decode_executor_decodes_the_batch_at_one_position(tiny):
+    # The bare loop and BatchGenerator prefill the whole batch at once; the executor's batch must
+    # too, or its rows would sit at several positions (masked, scattered) and the modes would not
+    # decode the same state. 600-token prompts: two prefill chunks per request, taken together.
+    from batchsim.server.measure.decode_bench import Executor
+
+    ref, model, _ = tiny
+    bench = Executor(model, 6, 600, ref.spec.vocab_size, ref.spec.kv_bytes_per_token("float32"))
+    assert len(bench.ex.pool) == 6 and len(set(bench.ex.pool.lengths)) == 1

@@ -16,6 +16,7 @@ from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 from batchsim.server.executors.family_pool import FamilyPool
+from batchsim.server.executors.family_stores import DecodeStep
 from batchsim.server.executors.mlx_executor import MLXExecutor
 from batchsim.workloads.lengths import parse_length
 from batchsim.workloads.spec import WorkloadSpec
@@ -113,6 +114,19 @@ def test_sliding_rows_wrap_their_ring(batchsim_home, monkeypatch):
     monkeypatch.setattr(family_stores.DecodeStep, "slots",
                         lambda self, ring: mx.minimum(self.positions, ring - 1))
     assert _run(model, layout, specs, max_num_seqs=3)[0] != good
+
+
+def test_a_step_masks_only_slots_some_row_has_not_filled():
+    # Rows of 40, 77 and 84 tokens write their 41st, 78th and 85th: a full layer (85 slots) masks
+    # each row past its own token; a 64-slot ring masks only the row that has not wrapped; once
+    # every row has wrapped, or all rows are at one position, nothing is masked.
+    step = DecodeStep([40, 77, 84], capacity=128)
+    full = step.mask(85)[:, 0, 0]
+    assert full.sum(axis=1).tolist() == [41, 78, 85]
+    ring = step.mask(64)[:, 0, 0]
+    assert ring.sum(axis=1).tolist() == [41, 64, 64] and not ring[0, 41:].any()
+    assert DecodeStep([70, 77, 84], capacity=128).mask(64) is None
+    assert DecodeStep([9, 9], capacity=16).mask(10) is None
 
 
 @pytest.mark.parametrize("name", ["tiny-sliding", "tiny-hybrid"])

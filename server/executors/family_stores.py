@@ -24,6 +24,7 @@ class DecodeStep:
         # Every row at one position (always at batch 1): one column written by a slice update and
         # no mask, as mlx-lm's own caches do; otherwise a scatter at each row's position, masked.
         self.aligned = min(lengths) == self.width - 1
+        self.shortest = min(lengths) + 1  # tokens of the shortest row after this step's write
         # the new token's position: one int when aligned, else (B,)
         self.positions = self.width - 1 if self.aligned else mx.array(lengths)
         self.rows = mx.arange(self.b)
@@ -33,8 +34,9 @@ class DecodeStep:
 
     def mask(self, width: int) -> mx.array | None:
         """(B, 1, 1, width): slot j < width holds a token row b attends to (ring slots: all once
-        the row has wrapped, since then p >= width). None when aligned: every slot does."""
-        if self.aligned:
+        the row has wrapped, since then p >= width). None when every row fills all `width` slots
+        (aligned rows; a ring every row has wrapped)."""
+        if self.shortest >= width:
             return None
         m = self._masks.get(width)
         if m is None:

@@ -48,9 +48,12 @@ class Executor:
     def __init__(self, model, batch: int, context: int, vocab: int, kv_bytes_per_token: int,
                  cache_layout: CacheLayout | None = None):
         self.batch = batch
+        # The whole batch prefills in one step, as in the other two modes, so all three decode rows
+        # at one position; rows that joined over several steps are `--continuous`'s case.
         self.sched = Scheduler(SchedulerConfig(
             kv_budget_bytes=1 << 50, kv_bytes_per_token=kv_bytes_per_token, max_model_len=1 << 20,
-            max_num_seqs=batch, max_num_batched_tokens=max(2048, batch), prefill_step_size=512,
+            max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * context),
+            prefill_step_size=512,
             cache_layout=cache_layout,
         ))
         self.ex = MLXExecutor(model)

@@ -116,6 +116,36 @@ def test_sliding_rows_wrap_their_ring(batchsim_home, monkeypatch):
     assert _run(model, layout, specs, max_num_seqs=3)[0] != good
 
 
+# Prompts of one length arriving together: (requests, prompt tokens, output tokens). 300-token
+# prompts in 256-token chunks: the first chunks prefill as one group, the 44-token tails continue
+# each request's own split cache.
+GROUP_CASES = {"tiny": (4, 300, 12), "tiny-moe": (4, 300, 12), "tiny-sliding": (4, 300, 12),
+               "tiny-hybrid": (3, 40, 4), "tiny-mla": (4, 300, 12)}
+
+
+@pytest.mark.parametrize("name", list(GROUP_CASES))
+def test_prompts_of_one_length_prefill_together_as_they_do_alone(name, batchsim_home, monkeypatch):
+    from batchsim.server.executors import prefill_groups
+
+    ref, model = _model(name)
+    layout = ref.spec.cache_layout("float32")
+    n, prompt, out = GROUP_CASES[name]
+    rng = random.Random(5)
+    specs = [(0, [rng.randrange(ref.spec.vocab_size) for _ in range(prompt)], out) for _ in range(n)]
+    split = prefill_groups.split_rows
+    sizes = []
+    monkeypatch.setattr(prefill_groups, "split_rows",
+                        lambda caches, rows: sizes.append(rows) or split(caches, rows))
+    cfg = dict(max_num_seqs=n, prefill_step_size=256, max_num_batched_tokens=1024)
+    batched = _run(model, layout, specs, **cfg)[0]  # the driver checks the KV bytes every step
+    assert sizes and max(sizes) == n
+    assert batched == _alone(model, layout, specs)
+    assert batched == {i: _mlx_lm_greedy(model, ids, o) for i, (_, ids, o) in enumerate(specs)}
+    # Negative control: every request handed the group's first row diverges.
+    monkeypatch.setattr(prefill_groups, "split_rows", lambda caches, rows: [split(caches, rows)[0]] * rows)
+    assert _run(model, layout, specs, **cfg)[0] != batched
+
+
 def test_a_step_masks_only_slots_some_row_has_not_filled():
     # Rows of 40, 77 and 84 tokens write their 41st, 78th and 85th: a full layer (85 slots) masks
     # each row past its own token; a 64-slot ring masks only the row that has not wrapped; once

@@ -1,7 +1,8 @@
 """Runs step plans on a real model loaded by mlx-lm.
 
 Per step: free finished rows, apply the scheduler's pool geometry, move newly prefilled requests
-into the pool, run each prefill chunk on the request's own mlx-lm KVCache, and run one forward pass
+into the pool, run each prefill chunk on the request's own mlx-lm caches (fresh chunks of one length
+together: prefill_groups.py), and run one forward pass
 over every decoding request (each weight matrix multiplied once for B rows), then sample. Before
 reading the sampled tokens it starts the next decode step (lookahead.py), which the next plan
 takes or undoes. Full-attention models decode in kv_pool.DecodePool; sliding-window, linear-attention and MLA caches,
@@ -13,9 +14,9 @@ import time
 from dataclasses import dataclass
 
 import mlx.core as mx
-from batchsim.scheduler.plan import NewRequest, StepPlan, StepResult
+from batchsim.scheduler.plan import NewRequest, PrefillChunk, StepPlan, StepResult
 from batchsim.scheduler.request import SamplingParams
-from batchsim.server.executors import family_cache, lookahead
+from batchsim.server.executors import family_cache, lookahead, prefill_groups
 from batchsim.server.executors.base import ExecutorCaps
 from batchsim.server.executors.family_pool import FamilyPool
 from batchsim.server.executors.kv_pool import DecodePool
@@ -87,11 +88,12 @@ class MLXExecutor:
             sampled_ids.extend(ahead.row_ids if ahead else self.pool.row_ids)
             samples.append(ahead.tokens if ahead else self._decode())
         stale = len(sampled_ids) if ahead else 0  # run-ahead rows this plan frees are dropped
-        for chunk in plan.prefills:
-            token = self._prefill(chunk.request_id, chunk.start, chunk.num_tokens, chunk.sample)
-            if token is not None:
-                sampled_ids.append(chunk.request_id)
-                samples.append(token)
+        fresh = {c.request_id for c in plan.prefills if self.seqs[c.request_id].cache is None}
+        for group in prefill_groups.groups(plan.prefills, fresh):
+            tokens = self._prefill(group)
+            if tokens is not None:
+                sampled_ids.extend(c.request_id for c in group)
+                samples.append(tokens)
         pairs = self._read_tokens(plan, sampled_ids, samples)
         freed = set(plan.free_ids)
         pairs = [p for i, p in enumerate(pairs) if i >= stale or p[0] not in freed]
@@ -199,24 +201,31 @@ class MLXExecutor:
         if len(self.pool) != len(plan.decode_ids) and plan.decode_ids:
             raise RuntimeError("decode plan does not cover every pool row")
 
-    def _prefill(self, rid: int, start: int, n: int, sample: bool) -> mx.array | None:
-        seq = self.seqs[rid]
-        if seq.cache is None:
+    def _prefill(self, group: list[PrefillChunk]) -> mx.array | None:
+        """One forward pass over the chunks of `group` (one chunk, or fresh chunks of one length:
+        prefill_groups.py) on their private caches; the sampled tokens if they sample."""
+        rids = [c.request_id for c in group]
+        start, n, sample = group[0].start, group[0].num_tokens, group[0].sample
+        seqs = [self.seqs[rid] for rid in rids]
+        cache = seqs[0].cache if len(group) == 1 else None
+        if cache is None:
             if start != 0:
-                raise RuntimeError(f"request {rid}: prefill resumes at {start} without a cache")
-            seq.cache = (make_prompt_cache(self.model) if self.family is None
-                         else family_cache.new_private_cache(self.family))
-        inputs = mx.array(seq.token_ids[start : start + n])[None]
+                raise RuntimeError(f"request {rids[0]}: prefill resumes at {start} without a cache")
+            cache = (make_prompt_cache(self.model) if self.family is None
+                     else family_cache.new_private_cache(self.family))
+        inputs = mx.array([seq.token_ids[start : start + n] for seq in seqs])
         if not sample:
-            self.model.model(inputs, cache=seq.cache)
-            mx.eval([c.state for c in seq.cache])
-            return None
-        if self._split_head is not None:
-            hidden = self.model.model(inputs, cache=seq.cache)
-            logits = self._split_head(hidden[:, -1, :])
+            self.model.model(inputs, cache=cache)
+            mx.eval([c.state for c in cache])
+            logits = None
+        elif self._split_head is not None:
+            logits = self._split_head(self.model.model(inputs, cache=cache)[:, -1, :])
         else:
-            logits = self.model(inputs, cache=seq.cache)[:, -1, :]
-        return self._sample(logits, [rid])
+            logits = self.model(inputs, cache=cache)[:, -1, :]
+        rows = [cache] if len(group) == 1 else prefill_groups.split_rows(cache, len(group))
+        for seq, row in zip(seqs, rows):
+            seq.cache = row
+        return None if logits is None else self._sample(logits, rids)
 
     def _decode(self) -> mx.array:
         rows = self.pool.row_ids

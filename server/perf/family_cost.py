@@ -103,14 +103,19 @@ class FamilyCost:
     def expert_pairs(self, m: int) -> int:
         """Routed (token, expert) pairs times expert matrix stacks in one forward pass over m rows:
         what `experts_ns_per_pair` is charged on."""
-        return sum(count * m * layer.ffn.top_k
-                   for layer, count in self.layers.items() for mat in layer.mats if mat.routed)
+        return sum(pairs for pairs, _ in self._routed(m))
 
     def expert_macs(self, m: int) -> int:
         """Their multiply-adds (each pair through its expert matrix): what `experts_ns_per_mac`
         is charged on."""
-        return sum(count * m * layer.ffn.top_k * mat.in_dim * mat.out_dim
-                   for layer, count in self.layers.items() for mat in layer.mats if mat.routed)
+        return sum(pairs * mat.in_dim * mat.out_dim for pairs, mat in self._routed(m))
+
+    def _routed(self, m: int):
+        """(pairs, matrix) per routed expert matrix stack over m rows."""
+        for layer, count in self.layers.items():
+            for mat in layer.mats:
+                if mat.routed:
+                    yield count * m * layer.ffn.top_k, mat
 
     def _head_split(self, rows: int) -> tuple[float, float]:
         if not rows:

@@ -125,16 +125,16 @@ GROUP_CASES = {"tiny": (4, 300, 12), "tiny-moe": (4, 300, 12), "tiny-sliding": (
 
 @pytest.mark.parametrize("name", list(GROUP_CASES))
 def test_prompts_of_one_length_prefill_together_as_they_do_alone(name, batchsim_home, monkeypatch):
-    from batchsim.server.executors import prefill_groups
+    from batchsim.server.executors import family_cache
 
     ref, model = _model(name)
     layout = ref.spec.cache_layout("float32")
     n, prompt, out = GROUP_CASES[name]
     rng = random.Random(5)
     specs = [(0, [rng.randrange(ref.spec.vocab_size) for _ in range(prompt)], out) for _ in range(n)]
-    split = prefill_groups.split_rows
+    split = family_cache.split_rows
     sizes = []
-    monkeypatch.setattr(prefill_groups, "split_rows",
+    monkeypatch.setattr(family_cache, "split_rows",
                         lambda caches, rows: sizes.append(rows) or split(caches, rows))
     cfg = dict(max_num_seqs=n, prefill_step_size=256, max_num_batched_tokens=1024)
     batched = _run(model, layout, specs, **cfg)[0]  # the driver checks the KV bytes every step
@@ -142,7 +142,7 @@ def test_prompts_of_one_length_prefill_together_as_they_do_alone(name, batchsim_
     assert batched == _alone(model, layout, specs)
     assert batched == {i: _mlx_lm_greedy(model, ids, o) for i, (_, ids, o) in enumerate(specs)}
     # Negative control: every request handed the group's first row diverges.
-    monkeypatch.setattr(prefill_groups, "split_rows", lambda caches, rows: [split(caches, rows)[0]] * rows)
+    monkeypatch.setattr(family_cache, "split_rows", lambda caches, rows: [split(caches, rows)[0]] * rows)
     assert _run(model, layout, specs, **cfg)[0] != batched
 
 

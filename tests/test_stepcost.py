@@ -86,3 +86,22 @@ def test_parts_as_dict_carry_the_total():
     assert d["total_s"] == t.total_s
     assert set(d) == {"weights_s", "matmul_s", "attention_s", "elementwise_s", "fixed_s",
                       "step_overhead_s", "copy_s", "experts_s", "comm_s", "total_s"}
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "tiny-moe", "tiny-sliding"])
+def test_prompts_of_one_length_are_priced_as_one_forward_pass(model):
+    # The MLX executor prefills first chunks of one length together (prefill_groups.py): the
+    # simulator charges one forward over 3 x 64 tokens (one fixed cost, each matrix read once),
+    # between one prompt's price and three; a later chunk or another length stays alone.
+    cost = StepCost(zoo_spec(model), PROFILE, "float32", None)
+    one = cost.prefill_forward_s(64, 0, True)
+    three = cost.prefill_forward_s(64, 0, True, rows=3)
+    assert one < three < 3 * one
+    assert 3 * one - three >= 2 * cost.prefill_time(64, 0, True).fixed_s * 0.999
+    chunks = (PrefillChunk(0, 0, 64, True), PrefillChunk(1, 0, 64, True), PrefillChunk(2, 0, 64, True),
+              PrefillChunk(3, 0, 40, True), PrefillChunk(4, 64, 64, True))
+    ex = SimExecutor(cost)
+    step = ex.execute(_plan(0, new=range(5), prefills=chunks)).step_durations_s[0]
+    alone = cost.prefill_forward_s(40, 0, True) + cost.prefill_forward_s(64, 64, True)
+    assert step == pytest.approx(cost.step_overhead_s + three + alone, rel=1e-12)
+    assert step == pytest.approx(cost.step_time(prefills=chunks).total_s, rel=1e-12)

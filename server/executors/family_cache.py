@@ -7,6 +7,7 @@ each layer is, with its shapes, and prices a row as the scheduler's CacheLayout 
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -132,3 +133,24 @@ def is_plain_full_attention(model) -> bool:
     attn = getattr(model.layers[0], "self_attn", None)
     return (all(type(c) is KVCache for c in make_prompt_cache(model))
             and hasattr(attn, "k_proj") and hasattr(attn, "n_kv_heads"))
+
+
+def split_rows(caches: list, rows: int) -> list[list]:
+    """Per row of a batch of `rows` prefilled together (prefill_groups.py), the layer caches
+    holding that row alone: the same mlx-lm classes and bookkeeping, the row's own arrays."""
+    return [[_row_of(c, i, rows) for c in caches] for i in range(rows)]
+
+
+def _row_of(cache, i: int, rows: int):
+    out = copy.copy(cache)
+    for name, value in vars(cache).items():
+        setattr(out, name, _take(value, i, rows))
+    return out
+
+
+def _take(value, i: int, rows: int):
+    if isinstance(value, mx.array) and value.ndim and value.shape[0] == rows:
+        return mx.contiguous(value[i : i + 1])
+    if isinstance(value, (list, tuple)):
+        return type(value)(_take(v, i, rows) for v in value)
+    return value

@@ -14,9 +14,10 @@ import time
 from dataclasses import dataclass
 
 import mlx.core as mx
+from batchsim.scheduler import prefill_groups
 from batchsim.scheduler.plan import NewRequest, PrefillChunk, StepPlan, StepResult
 from batchsim.scheduler.request import SamplingParams
-from batchsim.server.executors import family_cache, lookahead, prefill_groups
+from batchsim.server.executors import family_cache, lookahead
 from batchsim.server.executors.base import ExecutorCaps
 from batchsim.server.executors.family_pool import FamilyPool
 from batchsim.server.executors.kv_pool import DecodePool
@@ -88,8 +89,7 @@ class MLXExecutor:
             sampled_ids.extend(ahead.row_ids if ahead else self.pool.row_ids)
             samples.append(ahead.tokens if ahead else self._decode())
         stale = len(sampled_ids) if ahead else 0  # run-ahead rows this plan frees are dropped
-        fresh = {c.request_id for c in plan.prefills if self.seqs[c.request_id].cache is None}
-        for group in prefill_groups.groups(plan.prefills, fresh):
+        for group in prefill_groups.groups(plan.prefills):
             tokens = self._prefill(group)
             if tokens is not None:
                 sampled_ids.extend(c.request_id for c in group)
@@ -222,7 +222,7 @@ class MLXExecutor:
             logits = self._split_head(self.model.model(inputs, cache=cache)[:, -1, :])
         else:
             logits = self.model(inputs, cache=cache)[:, -1, :]
-        rows = [cache] if len(group) == 1 else prefill_groups.split_rows(cache, len(group))
+        rows = [cache] if len(group) == 1 else family_cache.split_rows(cache, len(group))
         for seq, row in zip(seqs, rows):
             seq.cache = row
         return None if logits is None else self._sample(logits, rids)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from batchsim.scheduler.cache_layout import CacheLayout
 from batchsim.scheduler.kv_layout import PoolGeometry
 from batchsim.scheduler.plan import StepPlan, StepResult
+from batchsim.scheduler import prefill_groups
 from batchsim.server.executors.base import ExecutorCaps
 from batchsim.server.executors.pool_layout import NO_MOVES, PoolLayout
 from batchsim.server.perf.stepcost import StepCost
@@ -44,11 +45,13 @@ class SimExecutor:
         sampled = plan.decode_ids  # who sampled a token: sampling prefills first, then the pool
         if plan.prefills:
             sampling: list[int] = []
-            for c in plan.prefills:
-                t += cost.prefill_forward_s(c.num_tokens, c.start, c.sample)
-                self._set_private(c.request_id, c.start, c.start + c.num_tokens)
-                if c.sample:
-                    sampling.append(c.request_id)
+            for group in prefill_groups.groups(plan.prefills):  # as the MLX executor runs them
+                c = group[0]
+                t += cost.prefill_forward_s(c.num_tokens, c.start, c.sample, len(group))
+                for c in group:
+                    self._set_private(c.request_id, c.start, c.start + c.num_tokens)
+                    if c.sample:
+                        sampling.append(c.request_id)
             sampled = (*sampling, *sampled)
         durations = [t]
         if plan.decode_ids:

@@ -196,11 +196,13 @@ class FamilyCost:
         elementwise_s = self.cost.bytes_s(self.elementwise_bytes(batch, logits=True))
         return weights_s + head[0], matmul_s + head[1], experts_s, attention_s, elementwise_s
 
-    def prefill(self, n: int, start: int, sample: bool) -> tuple[float, ...]:
-        weights_s, matmul_s, experts_s = self.linear_s(n)
-        head = self._head_split(1 if sample else 0)
-        attention_s = sum(count * self.attention_prefill_s(layer.attention, n, start)
-                          for layer, count in self.layers.items())
-        nbytes = self.elementwise_bytes(n, logits=False) + (self.spec.vocab_size * 4 if sample else 0)
+    def prefill(self, n: int, start: int, sample: bool, rows: int = 1) -> tuple[float, ...]:
+        """`rows` prompts' chunks of n tokens in one forward pass (one GEMM over rows x n)."""
+        weights_s, matmul_s, experts_s = self.linear_s(rows * n)
+        head = self._head_split(rows if sample else 0)
+        attention_s = rows * sum(count * self.attention_prefill_s(layer.attention, n, start)
+                                 for layer, count in self.layers.items())
+        nbytes = rows * (self.elementwise_bytes(n, logits=False)
+                         + (self.spec.vocab_size * 4 if sample else 0))
         return (weights_s + head[0], matmul_s + head[1], experts_s, attention_s,
                 self.cost.bytes_s(nbytes))

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from functools import lru_cache
 from typing import Protocol
 
+from batchsim.scheduler import prefill_groups
 from batchsim.server.models.arch import QUANT_GROUP_SIZE, quantized_matrix_bytes
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.perf.cluster import Cluster
@@ -258,9 +259,9 @@ class StepCost:
             t += self.lm_head_s(1) + self._elementwise_s(1, logits=True) - self._elementwise_s(1, False)
         return t
 
-    def prefill_forward_s(self, n: int, start: int, sample: bool) -> float:
-        if self.family is not None:
-            return self.prefill_time(n, start, sample).total_s
+    def prefill_forward_s(self, n: int, start: int, sample: bool, rows: int = 1) -> float:
+        if self.family is not None or rows > 1:
+            return self.prefill_time(n, start, sample, rows).total_s
         return self._prefill_dense_s(n, sample) + self._prefill_attention_s(n, start)
 
     def copy_s(self, nbytes: float) -> float:
@@ -280,14 +281,17 @@ class StepCost:
         return StepTime(weights_s, matmul_s, self._decode_attention_per_width_s(batch) * width,
                         self._elementwise_s(batch, logits=True), self._fixed_s(), 0.0)
 
-    def prefill_time(self, n: int, start: int, sample: bool) -> StepTime:
-        """One prefill forward of `n` tokens after `start` cached ones (no step overhead)."""
+    def prefill_time(self, n: int, start: int, sample: bool, rows: int = 1) -> StepTime:
+        """One prefill forward of `n` tokens after `start` cached ones, for `rows` prompts at once
+        (prefill_groups.py: their linear layers one GEMM over rows x n tokens, one fixed cost;
+        no step overhead)."""
         if self.family is not None:
-            return self._family_time(self.family.prefill(n, start, sample))
-        weights_s, matmul_s = self._linear_parts(n, 1 if sample else 0)
-        elementwise_s = self._elementwise_s(n, logits=False) + (self._sampled_logits_s() if sample else 0.0)
-        return StepTime(weights_s, matmul_s, self._prefill_attention_s(n, start), elementwise_s,
-                        self._fixed_s(), 0.0)
+            return self._family_time(self.family.prefill(n, start, sample, rows))
+        weights_s, matmul_s = self._linear_parts(rows * n, rows if sample else 0)
+        elementwise_s = rows * (self._elementwise_s(n, logits=False)
+                                + (self._sampled_logits_s() if sample else 0.0))
+        return StepTime(weights_s, matmul_s, rows * self._prefill_attention_s(n, start),
+                        elementwise_s, self._fixed_s(), 0.0)
 
     def _family_time(self, parts: tuple[float, ...]) -> StepTime:
         weights_s, matmul_s, experts_s, attention_s, elementwise_s = parts
@@ -300,9 +304,10 @@ class StepCost:
         `width` tokens, the pool copies before them and the engine's overhead."""
         total = StepTime(0.0, 0.0, 0.0, 0.0, 0.0, self.step_overhead_s, self.copy_s(copy_bytes))
         rows = head_rows = 0
-        for c in prefills:
-            total += self.prefill_time(c.num_tokens, c.start, c.sample)
-            rows, head_rows = rows + c.num_tokens, head_rows + (1 if c.sample else 0)
+        for group in prefill_groups.groups(list(prefills)):
+            c, g = group[0], len(group)
+            total += self.prefill_time(c.num_tokens, c.start, c.sample, g)
+            rows, head_rows = rows + g * c.num_tokens, head_rows + (g if c.sample else 0)
         if decode_rows:
             total += self.decode_time(decode_rows, width)
             rows, head_rows = rows + decode_rows, head_rows + decode_rows

@@ -88,11 +88,12 @@ def run(args: argparse.Namespace) -> dict:
     env_info = env.environment(dtype=dtype)
     err.print(f"calibrating {dtype} on {env_info['cpu']} ({env.backend()}, BLAS {env_info['blas']})")
     ceilings = _measure_ceilings(dtype, args.reps, args.quick)
+    pinned = _fixed_costs(args.quick)
     sessions = {name: open_session(RunConfig(model=name, dtype=dtype)) for name in args.models}
     samples, probe_ms, drift = _step_grid(args, sessions)
     overhead_us = _engine_overhead_us(sessions[args.models[0]])
     profile, terms, transfer = _fit(args, dtype, when, env_info, ceilings, sessions, samples,
-                                    overhead_us, probe_ms)
+                                    overhead_us, probe_ms, pinned)
     paths = _save(profile, args)
     rows = _residuals(samples, sessions, profile, dtype)
     _print(rows, terms, ceilings.gemm, overhead_us, transfer)
@@ -154,9 +155,22 @@ def _step_grid(args: argparse.Namespace, sessions: dict) -> tuple[list, dict, di
     return samples, probe_ms, drift
 
 
+def _fixed_costs(quick: bool) -> dict[str, float]:
+    """The per-layer and per-forward fixed costs, measured alone (fixed_cost.py)."""
+    from batchsim.server.measure import fixed_cost
+
+    costs = fixed_cost.measure(reps=3 if quick else 9)
+    pinned = fixed_cost.pinned_terms(costs)
+    err.print(f"fixed costs: {pinned['layer_overhead_us']:.0f} us per layer, "
+              f"{pinned['forward_overhead_us']:.0f} us per forward pass")
+    return pinned
+
+
 def _fit(args, dtype: str, when: str, env_info: dict, ceilings: _Ceilings, sessions: dict,
-         samples: list, overhead_us: float, probe_ms: dict) -> tuple[Any, dict, dict]:
-    """The profile: measured ceilings plus the per-forward terms fitted on the step samples."""
+         samples: list, overhead_us: float, probe_ms: dict,
+         pinned: dict[str, float] | None = None) -> tuple[Any, dict, dict]:
+    """The profile: measured ceilings, the measured fixed costs (`pinned`) and the other
+    per-forward terms fitted on the step samples."""
     from batchsim.server.measure import calibration as cal
     from batchsim.server.perf.profile import DeviceProfile
     from batchsim.server.perf.profile_match import device_id
@@ -170,8 +184,9 @@ def _fit(args, dtype: str, when: str, env_info: dict, ceilings: _Ceilings, sessi
                                 0.0, args.models, when)
     costs0 = {n: StepCost(s.spec, _with(base, zero), dtype, None) for n, s in sessions.items()}
     dense = [s for s in samples if costs0[s.model].family is None]  # MoE models: their term only
-    terms = cal.fit_forward_terms(dense, costs0)
-    transfer = cal.transfer_errors(dense, {n: c for n, c in costs0.items() if c.family is None})
+    terms = cal.fit_forward_terms(dense, costs0, pinned)
+    transfer = cal.transfer_errors(dense, {n: c for n, c in costs0.items() if c.family is None},
+                                   pinned)
     calib = cal.calibration_from(gemm, terms, ceilings.copy_gbs, overhead_us, args.models, when,
                                  probe_ms, device=device_id(env_info))
     fitted = {n: StepCost(s.spec, _with(base, calib), dtype, None) for n, s in sessions.items()}

@@ -176,6 +176,22 @@ def test_forward_terms_fit_recovers_known_coefficients():
         assert terms[key] == pytest.approx(getattr(PROFILE.calibration, key), rel=1e-3), key
 
 
+def test_pinned_fixed_costs_are_taken_as_given_and_the_rest_refitted():
+    # The steps carry PROFILE's fixed costs: pinned to them, every other term comes back; pinned
+    # 3x too high, the fit must move the other terms (it cannot return them unchanged).
+    samples, costs0 = _exact_samples(("smollm2-135m", "tiny", "gqa8-probe"))
+    keys = ("layer_overhead_us", "forward_overhead_us")
+    true = {k: getattr(PROFILE.calibration, k) for k in keys}
+    terms = cal.fit_forward_terms(samples, costs0, pinned=true)
+    for key in cal.FORWARD_TERMS:
+        assert terms[key] == pytest.approx(getattr(PROFILE.calibration, key), rel=1e-3), key
+    wrong = {k: 3 * v + 50.0 for k, v in true.items()}
+    moved = cal.fit_forward_terms(samples, costs0, pinned=wrong)
+    assert {k: moved[k] for k in keys} == wrong
+    assert any(moved[k] != pytest.approx(terms[k], rel=1e-2)
+               for k in cal.FORWARD_TERMS if k not in keys)
+
+
 def test_leave_one_model_out_error_measures_what_the_others_cannot_explain():
     names = ("smollm2-135m", "tiny", "gqa8-probe", "qwen2.5-0.5b")
     samples, costs0 = _exact_samples(names)
@@ -315,3 +331,17 @@ def test_the_simulator_finishes_at_any_rate_and_trace_gap(rate, time_scale, tmp_
     summary = run_in_process(cfg, tmp_path, progress=False, quiet=True)
     assert summary["completed"] == spec.num_prompts and summary["duration"] > 1e6
     assert summary["max_concurrent_requests"] == 1 and time.perf_counter() - t0 < 30
+
+
+def test_fixed_costs_grow_with_depth_and_pin_both_terms():
+    # 16 layers of tiny's layer take several times 2 layers' step: the slope is positive and the
+    # pinned terms are the mean over the batches measured.
+    from batchsim.server.measure import fixed_cost
+
+    costs = fixed_cost.measure(batches=(1, 4), steps=4, reps=1)
+    assert [c.batch for c in costs] == [1, 4]
+    for c in costs:
+        us = c.step_us_by_depth
+        assert us[16] > 2 * us[2] and c.layer_us > 0 and c.forward_us >= 0
+    pinned = fixed_cost.pinned_terms(costs)
+    assert pinned["layer_overhead_us"] == pytest.approx((costs[0].layer_us + costs[1].layer_us) / 2)

@@ -286,9 +286,12 @@ FORWARD_TERMS = ("attention_decode_ns_per_byte", "attention_prefill_ns_per_flop"
                  "layer_overhead_us", "forward_overhead_us", "attention_decode_ns_per_score")
 
 
-def fit_forward_terms(samples: Sequence[StepSample], costs: dict[str, StepCost]) -> dict[str, float]:
-    """Least squares (relative error, non-negative) for what the GEMM model leaves unexplained."""
+def fit_forward_terms(samples: Sequence[StepSample], costs: dict[str, StepCost],
+                      pinned: dict[str, float] | None = None) -> dict[str, float]:
+    """Least squares (relative error, non-negative) for what the GEMM model leaves unexplained.
+    `pinned` terms (measured on their own: fixed_cost.py) are taken as given, not fitted."""
     names = FORWARD_TERMS
+    pinned = pinned or {}
     rows, target = [], []
     for s in samples:
         c = costs[s.model]
@@ -307,13 +310,16 @@ def fit_forward_terms(samples: Sequence[StepSample], costs: dict[str, StepCost])
         target.append(s.seconds - linear)
     a = np.asarray(rows) / np.asarray([s.seconds for s in samples])[:, None]
     b = np.asarray(target) / np.asarray([s.seconds for s in samples])
-    active = list(range(len(names)))
+    fixed = [i for i, n in enumerate(names) if n in pinned]
+    if fixed:
+        b = b - a[:, fixed] @ np.asarray([pinned[names[i]] for i in fixed])
+    active = [i for i in range(len(names)) if i not in fixed]
     while True:
         coef, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
         if (coef >= 0).all() or not active:
             break
         active.pop(int(np.argmin(coef)))
-    values = dict.fromkeys(names, 0.0)
+    values = dict.fromkeys(names, 0.0) | pinned
     for i, c in zip(active, coef):
         values[names[i]] = float(c)
     return values
@@ -325,7 +331,8 @@ def predict(sample: StepSample, cost: StepCost) -> float:
     return cost.prefill_forward_s(sample.rows, sample.context, sample=True)
 
 
-def transfer_errors(samples: Sequence[StepSample], costs: dict[str, StepCost]) -> dict[str, dict[str, float]]:
+def transfer_errors(samples: Sequence[StepSample], costs: dict[str, StepCost],
+                    pinned: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
     """Leave one model out: fit the forward terms on the other models, predict the one left out
     ({model: median |error|, median error}). Every model the simulator is used on is one the fit
     has not seen, so this, not the in-sample error, is what to expect on a new model. `costs`
@@ -336,7 +343,7 @@ def transfer_errors(samples: Sequence[StepSample], costs: dict[str, StepCost]) -
         test = [s for s in samples if s.model == held]
         if not train or not test or c.cal is None:
             continue
-        terms = fit_forward_terms(train, costs)
+        terms = fit_forward_terms(train, costs, pinned)
         profile = dataclasses.replace(c.profile, calibration=dataclasses.replace(c.cal, **terms))
         cost = StepCost(c.spec, profile, c.fmt, None)
         errs = np.asarray([predict(s, cost) / s.seconds - 1 for s in test])

@@ -21,10 +21,10 @@ class DecodeStep:
     def __init__(self, lengths: list[int], capacity: int):
         self.b = len(lengths)
         self.width = max(lengths) + 1
+        self.shortest = min(lengths) + 1  # tokens of the shortest row after this step's write
         # Every row at one position (always at batch 1): one column written by a slice update and
         # no mask, as mlx-lm's own caches do; otherwise a scatter at each row's position, masked.
-        self.aligned = min(lengths) == self.width - 1
-        self.shortest = min(lengths) + 1  # tokens of the shortest row after this step's write
+        self.aligned = self.shortest == self.width
         # the new token's position: one int when aligned, else (B,)
         self.positions = self.width - 1 if self.aligned else mx.array(lengths)
         self.rows = mx.arange(self.b)

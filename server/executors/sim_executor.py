@@ -5,10 +5,10 @@ steps is timed in one call, stopping at the next arrival."""
 
 from __future__ import annotations
 
+from batchsim.scheduler import prefill_groups
 from batchsim.scheduler.cache_layout import CacheLayout
 from batchsim.scheduler.kv_layout import PoolGeometry
 from batchsim.scheduler.plan import StepPlan, StepResult
-from batchsim.scheduler import prefill_groups
 from batchsim.server.executors.base import ExecutorCaps
 from batchsim.server.executors.pool_layout import NO_MOVES, PoolLayout
 from batchsim.server.perf.stepcost import StepCost
@@ -46,8 +46,8 @@ class SimExecutor:
         if plan.prefills:
             sampling: list[int] = []
             for group in prefill_groups.groups(plan.prefills):  # as the MLX executor runs them
-                c = group[0]
-                t += cost.prefill_forward_s(c.num_tokens, c.start, c.sample, len(group))
+                first = group[0]
+                t += cost.prefill_forward_s(first.num_tokens, first.start, first.sample, len(group))
                 for c in group:
                     self._set_private(c.request_id, c.start, c.start + c.num_tokens)
                     if c.sample:

@@ -1,5 +1,6 @@
-"""The fixed cost of one decoder layer and of one forward pass, measured alone (what `calibrate`
-pins `layer_overhead_us` and `forward_overhead_us` to; server/measure/fixed_cost.py).
+"""The fixed cost of one decoder layer and of one forward pass, measured alone (`calibrate` pins
+`layer_overhead_us` to the first and fits the per-forward cost on executor steps;
+server/measure/fixed_cost.py).
 
     .venv/bin/python benchmarks/layer_fixed_cost.py [--batch 1,8] [--steps 30] [--reps 9]
 

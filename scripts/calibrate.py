@@ -21,7 +21,8 @@ from batchsim.server.perf.devices import LOCAL_NAME
 # on the three small models alone, the one they left out with most weight time (SmolLM2) was
 # predicted 14% fast (leave-one-model-out on the 02:43 calibration's samples).
 # tiny-moe and calib-moe (mixtures of experts, experts of 64x32 and 256x256) fit the routed
-# experts' terms alone (per pair and per routed multiply-add), on top of the dense models' terms.
+# experts' per multiply-add term alone (the per-pair one is measured on its own), on top of the
+# dense models' terms.
 DEFAULT_MODELS = ["smollm2-135m", "tiny", "gqa8-probe", "qwen3-0.6b", "tiny-moe", "calib-moe"]
 FULL = dict(models=DEFAULT_MODELS, batches=["1", "2", "4", "8", "12", "16", "24", "32", "64"],
             widths=["128", "512", "1024"], chunks=["16", "64", "256", "512"], starts=["0", "512"],
@@ -88,10 +89,10 @@ def run(args: argparse.Namespace) -> dict:
     env_info = env.environment(dtype=dtype)
     err.print(f"calibrating {dtype} on {env_info['cpu']} ({env.backend()}, BLAS {env_info['blas']})")
     ceilings = _measure_ceilings(dtype, args.reps, args.quick)
-    pinned = _fixed_costs(args.quick)
+    pinned = _measured_alone(args.quick)
     sessions = {name: open_session(RunConfig(model=name, dtype=dtype)) for name in args.models}
     samples, probe_ms, drift = _step_grid(args, sessions)
-    overhead_us = _engine_overhead_us(sessions[args.models[0]])
+    overhead_us = _engine_overhead_us(sessions)
     profile, terms, transfer = _fit(args, dtype, when, env_info, ceilings, sessions, samples,
                                     overhead_us, probe_ms, pinned)
     paths = _save(profile, args)
@@ -155,15 +156,19 @@ def _step_grid(args: argparse.Namespace, sessions: dict) -> tuple[list, dict, di
     return samples, probe_ms, drift
 
 
-def _fixed_costs(quick: bool) -> dict[str, float]:
-    """The per-layer and per-forward fixed costs, measured alone (fixed_cost.py)."""
-    from batchsim.server.measure import fixed_cost
+def _measured_alone(quick: bool) -> dict[str, float]:
+    """The terms measured alone and pinned: the per-layer fixed cost (fixed_cost.py) and what a
+    routed (token, expert) pair costs beyond its multiply-adds (expert_cost.py)."""
+    from batchsim.server.measure import expert_cost, fixed_cost
 
     costs = fixed_cost.measure(reps=3 if quick else 9)
     pinned = fixed_cost.pinned_terms(costs)
-    err.print(f"fixed costs: {pinned['layer_overhead_us']:.0f} us per layer, "
-              f"{pinned['forward_overhead_us']:.0f} us per forward pass")
-    return pinned
+    experts = expert_cost.measure(reps=3 if quick else 7)
+    err.print(f"fixed costs: {pinned['layer_overhead_us']:.0f} us per layer (bare loop: "
+              f"{costs[0].forward_us:.0f} us per forward pass, not pinned); gathered expert "
+              f"matmul: {experts.ns_per_pair:.0f} ns per pair + {experts.ns_per_mac:.3f} ns per "
+              "multiply-add")
+    return pinned | {"experts_ns_per_pair": experts.ns_per_pair}
 
 
 def _fit(args, dtype: str, when: str, env_info: dict, ceilings: _Ceilings, sessions: dict,
@@ -184,13 +189,15 @@ def _fit(args, dtype: str, when: str, env_info: dict, ceilings: _Ceilings, sessi
                                 0.0, args.models, when)
     costs0 = {n: StepCost(s.spec, _with(base, zero), dtype, None) for n, s in sessions.items()}
     dense = [s for s in samples if costs0[s.model].family is None]  # MoE models: their term only
+    pinned = dict(pinned or {})
+    pair_ns = pinned.pop("experts_ns_per_pair", None)
     terms = cal.fit_forward_terms(dense, costs0, pinned)
     transfer = cal.transfer_errors(dense, {n: c for n, c in costs0.items() if c.family is None},
                                    pinned)
     calib = cal.calibration_from(gemm, terms, ceilings.copy_gbs, overhead_us, args.models, when,
                                  probe_ms, device=device_id(env_info))
     fitted = {n: StepCost(s.spec, _with(base, calib), dtype, None) for n, s in sessions.items()}
-    pair_ns, mac_ns = cal.fit_expert_terms(samples, fitted)
+    pair_ns, mac_ns = cal.fit_expert_terms(samples, fitted, pair_ns)
     terms.update(experts_ns_per_pair=pair_ns, experts_ns_per_mac=mac_ns)
     calib = dataclasses.replace(calib, experts_ns_per_pair=pair_ns, experts_ns_per_mac=mac_ns)
     profile = _with(base, calib, source=f"batchsim calibrate {when}: {env_info['cpu']}, "
@@ -254,9 +261,18 @@ def _with(profile, calibration, source: str | None = None):
     return dataclasses.replace(profile, calibration=calibration, source=source or profile.source)
 
 
-def _engine_overhead_us(session) -> float:
+def _engine_overhead_us(sessions: dict) -> float:
     """The engine's own time per step (scheduling, hand-off to the executor thread and back):
-    consecutive busy steps' spacing minus the executor's own time, on a short real run."""
+    consecutive busy steps' spacing minus the executor's own time, on a short real run of each
+    calibration model; the median over them. One model's run alone swings 2x from run to run
+    (368-970 us on SmolLM2-135M, 2-core EPYC VM) and it differs by model (~100 us on tiny's,
+    ~550 us on Qwen3-0.6B's steps)."""
+    import numpy as np
+
+    return float(np.median([_engine_overhead_one_us(s) for s in sessions.values()]))
+
+
+def _engine_overhead_one_us(session) -> float:
     import numpy as np
     from batchsim.server.engine.runner import run_workload
     from batchsim.workloads.lengths import LengthSpec

@@ -1,7 +1,7 @@
 """The MoE experts' calibrated terms: each routed (token, expert) pair costs experts_ns_per_pair,
 and each of its multiply-adds experts_ns_per_mac, on top of the GEMM model's price; calibration
-recovers both from MoE steps, and validate's MoE and sliding-window matrices name models
-calibration does not use."""
+measures the per-pair cost alone (a gathered matmul, expert_cost.py) and fits the per-MAC one on
+MoE steps, and validate's MoE and sliding-window matrices name models calibration does not use."""
 
 from __future__ import annotations
 
@@ -58,6 +58,40 @@ def test_calibration_recovers_planted_pair_and_mac_costs():
     assert fit_expert_terms(_planted(names, 0.0, 0.3), fitted) == pytest.approx((0.0, 0.3), abs=1e-9)
     dense = [StepSample("tiny", "decode", 4, 200, 1e-3)]
     assert fit_expert_terms(dense, {"tiny": _cost("tiny", 0.0)}) == (0.0, 0.0)  # no MoE model
+
+
+def test_a_pinned_pair_cost_leaves_the_rest_to_the_per_mac_term():
+    names = ["tiny-moe", "calib-moe"]
+    fitted = {n: _cost(n, 0.0) for n in names}
+    samples = _planted(names, 400.0, 0.2)
+    assert fit_expert_terms(samples, fitted, 400.0) == pytest.approx((400.0, 0.2), rel=1e-6)
+    pair, mac = fit_expert_terms(samples, fitted, 0.0)  # pinned wrong: the MAC term takes it up
+    assert pair == 0.0 and mac > 0.2
+
+
+def test_gathered_matmul_fit_recovers_planted_pair_and_mac_costs():
+    from batchsim.server.measure import expert_cost
+
+    def planted(call_ns, pair_ns, mac_ns):
+        return {(p, k, n): (call_ns + p * (pair_ns + mac_ns * k * n)) / 1e3
+                for k, n in expert_cost.SHAPES for p in expert_cost.PAIRS}
+
+    assert expert_cost.fit(planted(30e3, 250.0, 0.2)) == pytest.approx((250.0, 0.2), rel=1e-6)
+    assert expert_cost.fit(planted(30e3, 0.0, 0.3)) == pytest.approx((0.0, 0.3), abs=1e-6)
+    # a negative per-pair estimate (measurement noise) is clipped, the MAC term refitted alone
+    us = planted(30e3, 0.0, 0.25)
+    us[(512, 64, 32)] *= 0.8
+    pair, mac = expert_cost.fit(us)
+    assert pair == 0.0 and mac == pytest.approx(0.25, rel=0.02)
+
+
+def test_gathered_matmul_costs_grow_with_pairs_and_expert_size():
+    from batchsim.server.measure import expert_cost
+
+    c = expert_cost.measure(reps=1)
+    us = c.us_by_point
+    assert us[(512, 256, 256)] > 2 * us[(128, 256, 256)] and us[(512, 256, 256)] > 4 * us[(512, 64, 64)]
+    assert c.ns_per_pair >= 0 and c.ns_per_mac > 0
 
 
 @pytest.mark.parametrize("matrix, family", [("moe", "moe"), ("sliding", "sliding")])

@@ -359,11 +359,13 @@ def calibration_from(gemm: dict[str, GemmFit], terms: dict[str, float], copy_gbs
                        speed_probe_ms=dict(probe_ms or {}), **terms)
 
 
-def fit_expert_terms(samples: Sequence[StepSample], costs: dict[str, StepCost]) -> tuple[float, float]:
+def fit_expert_terms(samples: Sequence[StepSample], costs: dict[str, StepCost],
+                     ns_per_pair: float | None = None) -> tuple[float, float]:
     """(experts_ns_per_pair, experts_ns_per_mac) from the MoE models' steps: what the profile (its
     other terms already fitted, these 0) leaves unexplained per routed (token, expert) pair and per
     routed multiply-add, least squares on relative error, neither below 0. Models whose experts
-    differ in size tell the two apart; (0, 0) when no calibration model is MoE."""
+    differ in size tell the two apart; `ns_per_pair` given (measured alone: expert_cost.py), only
+    the per multiply-add term is fitted. (0, 0) when no calibration model is MoE."""
     feats, resid = [], []
     for s in samples:
         c = costs[s.model]
@@ -375,6 +377,9 @@ def fit_expert_terms(samples: Sequence[StepSample], costs: dict[str, StepCost]) 
     if not feats:
         return 0.0, 0.0
     f, r = np.asarray(feats), np.asarray(resid)
+    if ns_per_pair is not None:
+        r = r - f[:, 0] * ns_per_pair
+        return ns_per_pair, max(0.0, float(f[:, 1] @ r / (f[:, 1] @ f[:, 1])))
     both = np.linalg.lstsq(f, r, rcond=None)[0]
     if (both >= 0).all():
         return float(both[0]), float(both[1])

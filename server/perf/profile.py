@@ -62,7 +62,7 @@ class Calibration:
     # transposes, whatever the head size: 20-30 ns each on a 2-core Xeon, 10-100x a K/V byte.
     attention_decode_ns_per_score: float = 0.0
     # MoE: per routed (token, expert) pair and expert matrix, what gathering and dispatching it
-    # costs beyond its weights and FLOPs (fitted on the MoE calibration models; 0: not measured).
+    # costs beyond its weights and FLOPs (measured alone: server/measure/expert_cost.py).
     experts_ns_per_pair: float = 0.0
     # MoE: per routed multiply-add (pair x the expert matrix's in x out), what the gathered matmul
     # costs beyond the GEMM model's price for each distinct expert: on MLX's CPU backend a step

@@ -345,3 +345,41 @@ def test_fixed_costs_grow_with_depth_and_pin_the_per_layer_term():
         assert us[16] > 2 * us[2] and c.layer_us > 0 and c.forward_us >= 0
     pinned = fixed_cost.pinned_terms(costs)
     assert pinned == {"layer_overhead_us": pytest.approx((costs[0].layer_us + costs[1].layer_us) / 2)}
+
+
+def test_calibrate_pins_the_per_layer_and_per_pair_costs_and_fits_the_rest():
+    # Steps timed exactly as a profile with known expert terms predicts them: calibrate's fit takes
+    # the pinned per-layer and per-pair costs as given and recovers the per-forward and per-MAC ones.
+    import argparse
+
+    from batchsim.scripts import calibrate
+    from batchsim.server.models.spec import zoo_spec
+
+    true = dataclasses.replace(PROFILE, calibration=dataclasses.replace(
+        PROFILE.calibration, experts_ns_per_pair=150.0, experts_ns_per_mac=0.2))
+    names = ("smollm2-135m", "tiny", "gqa8-probe", "tiny-moe", "calib-moe")
+    samples = []
+    for name in names:
+        c = StepCost(zoo_spec(name), true, "float32", None)
+        samples += [cal.StepSample(name, "decode", b, w, c.decode_forward_s(b, w))
+                    for b in (1, 4, 16) for w in (100, 700)]
+        samples += [cal.StepSample(name, "prefill", n, 0, c.prefill_forward_s(n, 0, True))
+                    for n in (16, 256)]
+    sessions = {n: argparse.Namespace(spec=zoo_spec(n)) for n in names}
+    ceilings = calibrate._Ceilings(20.0, PROFILE.calibration.gemm["float32"], 100.0, 5.0)
+    args = argparse.Namespace(name="t", models=list(names))
+    pinned = {"layer_overhead_us": 40.0, "experts_ns_per_pair": 150.0}
+    profile, terms, _ = calibrate._fit(args, "float32", "now", {"cpu": "x", "backend": "cpu", "blas": "b"},
+                                       ceilings, sessions,
+                                       samples, 200.0, {}, pinned)
+    got = profile.calibration
+    assert got.layer_overhead_us == 40.0 and got.experts_ns_per_pair == 150.0
+    assert got.forward_overhead_us == pytest.approx(300.0, rel=1e-3)
+    assert got.experts_ns_per_mac == pytest.approx(0.2, rel=1e-3)
+    assert got.step_overhead_us == 200.0 and terms["experts_ns_per_mac"] == got.experts_ns_per_mac
+    # pinned wrong (0 where the steps carry 150 ns per pair), it stays 0: the MAC term takes it up
+    profile, _, _ = calibrate._fit(args, "float32", "now", {"cpu": "x", "backend": "cpu", "blas": "b"},
+                                   ceilings, sessions, samples, 200.0, {},
+                                   pinned | {"experts_ns_per_pair": 0.0})
+    assert profile.calibration.experts_ns_per_pair == 0.0
+    assert profile.calibration.experts_ns_per_mac > 0.2

@@ -333,12 +333,14 @@ def test_the_simulator_finishes_at_any_rate_and_trace_gap(rate, time_scale, tmp_
     assert summary["max_concurrent_requests"] == 1 and time.perf_counter() - t0 < 30
 
 
-def test_fixed_costs_grow_with_depth_and_pin_the_per_layer_term():
-    # 16 layers of tiny's layer take several times 2 layers' step: the slope is positive and the
-    # pinned term is its mean over the batches measured; the per-forward term stays fitted.
+@pytest.mark.parametrize("model", ["tiny", "tiny-sliding"])
+def test_fixed_costs_grow_with_depth_and_pin_the_per_layer_term(model):
+    # 16 layers of tiny's layer (or gpt-oss's) take several times 2 layers' step: the slope is
+    # positive and the pinned term is its mean over the batches measured; the per-forward term
+    # stays fitted.
     from batchsim.server.measure import fixed_cost
 
-    costs = fixed_cost.measure(batches=(1, 4), steps=4, reps=1)
+    costs = fixed_cost.measure(batches=(1, 4), steps=4, reps=1, model=model)
     assert [c.batch for c in costs] == [1, 4]
     for c in costs:
         us = c.step_us_by_depth

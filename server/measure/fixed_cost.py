@@ -25,16 +25,23 @@ class FixedCost:
     forward_us: float
 
 
-def measure(batches: tuple[int, ...] = (1, 8), steps: int = 30, reps: int = 9) -> list[FixedCost]:
+def measure(batches: tuple[int, ...] = (1, 8), steps: int = 30, reps: int = 9,
+            model: str = "tiny") -> list[FixedCost]:
+    """`model`: a zoo model whose layer is stacked (tiny for calibrate; another architecture's tiny
+    model shows what its layer costs: every layer of its own kind, the default alternation of
+    sliding and full attention)."""
     from batchsim.configs import load_yaml
     from batchsim.server.measure.decode_bench import Bare
     from batchsim.server.models.spec import MODELS_DIR
     from mlx_lm.utils import _get_classes
 
-    config = load_yaml(MODELS_DIR / "tiny.yaml")["config"]
+    config = load_yaml(MODELS_DIR / f"{model}.yaml")["config"]
     models = {}
     for depth in DEPTHS:
         cfg = dict(config, num_hidden_layers=depth)
+        cfg.pop("layer_types", None)
+        if cfg.get("mlp_only_layers"):
+            cfg["mlp_only_layers"] = []
         model_cls, args_cls = _get_classes(cfg)
         models[depth] = model_cls(args_cls.from_dict(cfg))
     out = []

@@ -164,10 +164,10 @@ def _measured_alone(quick: bool) -> dict[str, float]:
     costs = fixed_cost.measure(reps=3 if quick else 9)
     pinned = fixed_cost.pinned_terms(costs)
     experts = expert_cost.measure(reps=3 if quick else 7)
-    err.print(f"fixed costs: {pinned['layer_overhead_us']:.0f} us per layer (bare loop: "
-              f"{costs[0].forward_us:.0f} us per forward pass, not pinned); gathered expert "
-              f"matmul: {experts.ns_per_pair:.0f} ns per pair + {experts.ns_per_mac:.3f} ns per "
-              "multiply-add")
+    err.print(f"fixed costs: {pinned['layer_overhead_us']:.0f} us per layer (bare loop at batch "
+              f"{costs[0].batch}: {costs[0].forward_us:.0f} us per forward pass, not pinned); "
+              f"gathered expert matmul: {experts.ns_per_pair:.0f} ns per pair + "
+              f"{experts.ns_per_mac:.3f} ns per multiply-add")
     return pinned | {"experts_ns_per_pair": experts.ns_per_pair}
 
 

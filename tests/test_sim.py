@@ -149,14 +149,14 @@ def test_gemm_fit_recovers_known_parameters():
 FORWARD_ZERO = dataclasses.replace(PROFILE.calibration, **dict.fromkeys(cal.FORWARD_TERMS, 0.0))
 
 
-def _exact_samples(names: tuple[str, ...]) -> tuple[list, dict]:
-    """Step samples of each model timed exactly as PROFILE predicts them, and StepCosts with the
+def _exact_samples(names: tuple[str, ...], profile: DeviceProfile = PROFILE) -> tuple[list, dict]:
+    """Step samples of each model timed exactly as `profile` predicts them, and StepCosts with the
     forward terms zeroed, as `calibrate` fits them."""
     from batchsim.server.models.spec import zoo_spec
 
     samples, costs0 = [], {}
     for name in names:
-        c = StepCost(zoo_spec(name), PROFILE, "float32", None)
+        c = StepCost(zoo_spec(name), profile, "float32", None)
         costs0[name] = StepCost(c.spec, dataclasses.replace(PROFILE, calibration=FORWARD_ZERO),
                                 "float32", None)
         for b in (1, 4, 16):
@@ -360,19 +360,13 @@ def test_calibrate_pins_the_per_layer_and_per_pair_costs_and_fits_the_rest():
     true = dataclasses.replace(PROFILE, calibration=dataclasses.replace(
         PROFILE.calibration, experts_ns_per_pair=150.0, experts_ns_per_mac=0.2))
     names = ("smollm2-135m", "tiny", "gqa8-probe", "tiny-moe", "calib-moe")
-    samples = []
-    for name in names:
-        c = StepCost(zoo_spec(name), true, "float32", None)
-        samples += [cal.StepSample(name, "decode", b, w, c.decode_forward_s(b, w))
-                    for b in (1, 4, 16) for w in (100, 700)]
-        samples += [cal.StepSample(name, "prefill", n, 0, c.prefill_forward_s(n, 0, True))
-                    for n in (16, 256)]
+    samples, _ = _exact_samples(names, true)
     sessions = {n: argparse.Namespace(spec=zoo_spec(n)) for n in names}
     ceilings = calibrate._Ceilings(20.0, PROFILE.calibration.gemm["float32"], 100.0, 5.0)
     args = argparse.Namespace(name="t", models=list(names))
+    env_info = {"cpu": "x", "backend": "cpu", "blas": "b"}
     pinned = {"layer_overhead_us": 40.0, "experts_ns_per_pair": 150.0}
-    profile, terms, _ = calibrate._fit(args, "float32", "now", {"cpu": "x", "backend": "cpu", "blas": "b"},
-                                       ceilings, sessions,
+    profile, terms, _ = calibrate._fit(args, "float32", "now", env_info, ceilings, sessions,
                                        samples, 200.0, {}, pinned)
     got = profile.calibration
     assert got.layer_overhead_us == 40.0 and got.experts_ns_per_pair == 150.0
@@ -380,8 +374,7 @@ def test_calibrate_pins_the_per_layer_and_per_pair_costs_and_fits_the_rest():
     assert got.experts_ns_per_mac == pytest.approx(0.2, rel=1e-3)
     assert got.step_overhead_us == 200.0 and terms["experts_ns_per_mac"] == got.experts_ns_per_mac
     # pinned wrong (0 where the steps carry 150 ns per pair), it stays 0: the MAC term takes it up
-    profile, _, _ = calibrate._fit(args, "float32", "now", {"cpu": "x", "backend": "cpu", "blas": "b"},
-                                   ceilings, sessions, samples, 200.0, {},
-                                   pinned | {"experts_ns_per_pair": 0.0})
+    profile, _, _ = calibrate._fit(args, "float32", "now", env_info, ceilings, sessions, samples,
+                                   200.0, {}, pinned | {"experts_ns_per_pair": 0.0})
     assert profile.calibration.experts_ns_per_pair == 0.0
     assert profile.calibration.experts_ns_per_mac > 0.2

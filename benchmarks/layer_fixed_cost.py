@@ -1,10 +1,11 @@
 """The fixed cost of one decoder layer and of one forward pass, measured alone (`calibrate` pins
-`layer_overhead_us` to the first and fits the per-forward cost on executor steps;
-server/measure/fixed_cost.py).
+`layer_overhead_us` to the first, and `layer_overhead_us_by_arch` to other architectures', and
+fits the per-forward cost on executor steps; server/measure/fixed_cost.py).
 
     .venv/bin/python benchmarks/layer_fixed_cost.py [--model tiny] [--batch 1,8] [--steps 30] [--reps 9]
 
---model tiny-sliding or tiny-moe measures a gpt-oss or Qwen3-MoE layer instead of tiny's llama one.
+--model calib-sliding, tiny-moe, tiny-hybrid or tiny-mla measures a gpt-oss, Qwen3-MoE, Qwen3-Next
+or DeepSeek-V3 layer instead of tiny's llama one.
 
 Prints a line per batch and one JSON line with the environment."""
 
@@ -36,7 +37,7 @@ def main() -> None:
               f"{', '.join(f'{d}: {v:.0f}' for d, v in c.step_us_by_depth.items())}; "
               f"{c.layer_us:.0f} us per layer, {c.forward_us:.0f} us per forward")
     print(json.dumps({"rows": [dataclasses.asdict(c) for c in costs],
-                      "pinned": fixed_cost.pinned_terms(costs),
+                      "layer_us": fixed_cost.layer_us(costs),
                       "env": environment(dtype="float32", model=f"{args.model} x depth")}))
 
 

@@ -156,17 +156,19 @@ def _step_grid(args: argparse.Namespace, sessions: dict) -> tuple[list, dict, di
     return samples, probe_ms, drift
 
 
-def _measured_alone(quick: bool) -> dict[str, float]:
-    """The terms measured alone and pinned: the per-layer fixed cost (fixed_cost.py) and what a
-    routed (token, expert) pair costs beyond its multiply-adds (expert_cost.py)."""
+def _measured_alone(quick: bool) -> dict[str, Any]:
+    """The terms measured alone and pinned: the per-layer fixed cost of a llama layer and of each
+    other architecture's (fixed_cost.py) and what a routed (token, expert) pair costs beyond its
+    multiply-adds (expert_cost.py)."""
     from batchsim.server.measure import expert_cost, fixed_cost
 
-    costs = fixed_cost.measure(reps=3 if quick else 9)
+    costs = fixed_cost.measure_all(reps=3 if quick else 9)
     pinned = fixed_cost.pinned_terms(costs)
     experts = expert_cost.measure(reps=3 if quick else 7)
-    err.print(f"fixed costs: {pinned['layer_overhead_us']:.0f} us per layer (bare loop at batch "
-              f"{costs[0].batch}: {costs[0].forward_us:.0f} us per forward pass, not pinned); "
-              f"gathered expert matmul: {experts.ns_per_pair:.0f} ns per pair + "
+    by_arch = ", ".join(f"{a} {us:.0f}" for a, us in pinned["layer_overhead_us_by_arch"].items())
+    err.print(f"fixed costs: {pinned['layer_overhead_us']:.0f} us per llama layer ({by_arch}; bare "
+              f"loop at batch {costs['dense'][0].batch}: {costs['dense'][0].forward_us:.0f} us per "
+              f"forward pass, not pinned); gathered expert matmul: {experts.ns_per_pair:.0f} ns per pair + "
               f"{experts.ns_per_mac:.3f} ns per multiply-add")
     return pinned | {"experts_ns_per_pair": experts.ns_per_pair}
 
@@ -177,6 +179,7 @@ def _fit(args, dtype: str, when: str, env_info: dict, ceilings: _Ceilings, sessi
     """The profile: measured ceilings, the measured fixed costs (`pinned`) and the other
     per-forward terms fitted on the step samples."""
     from batchsim.server.measure import calibration as cal
+    from batchsim.server.measure import fixed_cost
     from batchsim.server.perf.profile import DeviceProfile
     from batchsim.server.perf.profile_match import device_id
     from batchsim.server.perf.stepcost import StepCost
@@ -191,14 +194,19 @@ def _fit(args, dtype: str, when: str, env_info: dict, ceilings: _Ceilings, sessi
     dense = [s for s in samples if costs0[s.model].family is None]  # MoE models: their term only
     pinned = dict(pinned or {})
     pair_ns = pinned.pop("experts_ns_per_pair", None)
+    by_arch = pinned.pop("layer_overhead_us_by_arch", {})
     terms = cal.fit_forward_terms(dense, costs0, pinned)
     transfer = cal.transfer_errors(dense, {n: c for n, c in costs0.items() if c.family is None},
                                    pinned)
     calib = cal.calibration_from(gemm, terms, ceilings.copy_gbs, overhead_us, args.models, when,
                                  probe_ms, device=device_id(env_info))
+    alone = [m for a in by_arch if (m := fixed_cost.ARCH_MODELS[a]) not in args.models]
+    calib = dataclasses.replace(calib, layer_overhead_us_by_arch=by_arch,
+                                calibrated_on=(*calib.calibrated_on, *alone))
     fitted = {n: StepCost(s.spec, _with(base, calib), dtype, None) for n, s in sessions.items()}
     pair_ns, mac_ns = cal.fit_expert_terms(samples, fitted, pair_ns)
-    terms.update(experts_ns_per_pair=pair_ns, experts_ns_per_mac=mac_ns)
+    terms.update({f"layer_overhead_us[{a}]": us for a, us in by_arch.items()},
+                 experts_ns_per_pair=pair_ns, experts_ns_per_mac=mac_ns)
     calib = dataclasses.replace(calib, experts_ns_per_pair=pair_ns, experts_ns_per_mac=mac_ns)
     profile = _with(base, calib, source=f"batchsim calibrate {when}: {env_info['cpu']}, "
                     f"{env_info['backend']}, BLAS {env_info['blas']}, models {', '.join(args.models)}")

@@ -333,20 +333,35 @@ def test_the_simulator_finishes_at_any_rate_and_trace_gap(rate, time_scale, tmp_
     assert summary["max_concurrent_requests"] == 1 and time.perf_counter() - t0 < 30
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-sliding"])
+@pytest.mark.parametrize("model", ["tiny", "calib-sliding", "tiny-hybrid", "tiny-mla"])
 def test_fixed_costs_grow_with_depth_and_pin_the_per_layer_term(model):
-    # 16 layers of tiny's layer (or gpt-oss's) take several times 2 layers' step: the slope is
-    # positive and the pinned term is its mean over the batches measured; the per-forward term
-    # stays fitted.
+    # 16 layers of tiny's llama layer (or another architecture's) take well over 4 layers'
+    # step: the slope is positive and the pinned term is its mean over the batches measured; the
+    # per-forward term stays fitted.
     from batchsim.server.measure import fixed_cost
 
-    costs = fixed_cost.measure(batches=(1, 4), steps=4, reps=1, model=model)
+    costs = fixed_cost.measure(batches=(1, 4), steps=8, reps=3, model=model)
     assert [c.batch for c in costs] == [1, 4]
     for c in costs:
         us = c.step_us_by_depth
-        assert us[16] > 2 * us[2] and c.layer_us > 0 and c.forward_us >= 0
-    pinned = fixed_cost.pinned_terms(costs)
-    assert pinned == {"layer_overhead_us": pytest.approx((costs[0].layer_us + costs[1].layer_us) / 2)}
+        assert us[16] > 1.5 * us[4] and c.layer_us > 0 and c.forward_us >= 0
+    mean = pytest.approx((costs[0].layer_us + costs[1].layer_us) / 2)
+    pinned = fixed_cost.pinned_terms({"dense": costs, "gpt_oss": costs})
+    assert pinned == {"layer_overhead_us": mean, "layer_overhead_us_by_arch": {"gpt_oss": mean}}
+
+
+def test_layers_of_a_measured_architecture_cost_its_own_fixed_time():
+    # The profile's dense per-layer cost is 40 us; gpt-oss layers measured at 100 and Qwen3-MoE ones
+    # at 70: every gpt-oss layer costs 100, a Qwen3-MoE model's MoE layers 70 and its dense-only
+    # layer 40, and an architecture not measured (gemma3_text) 40 a layer.
+    from batchsim.server.models.spec import zoo_spec
+
+    cal = dataclasses.replace(PROFILE.calibration, layer_overhead_us_by_arch={"gpt_oss": 100.0, "qwen3_moe": 70.0})
+    profile = dataclasses.replace(PROFILE, calibration=cal)
+    forward_us = cal.forward_overhead_us
+    for name, want_us in (("tiny-sliding", 4 * 100), ("tiny-moe", 70 + 40), ("gemma-3-1b", 26 * 40), ("tiny", 2 * 40)):
+        step = StepCost(zoo_spec(name), profile, "float32", None).decode_time(1, 100)
+        assert step.fixed_s == pytest.approx((want_us + forward_us) * 1e-6), name
 
 
 def test_calibrate_pins_the_per_layer_and_per_pair_costs_and_fits_the_rest():
@@ -357,19 +372,23 @@ def test_calibrate_pins_the_per_layer_and_per_pair_costs_and_fits_the_rest():
     from batchsim.scripts import calibrate
     from batchsim.server.models.spec import zoo_spec
 
+    by_arch = {"qwen3_moe": 70.0, "gpt_oss": 90.0}
     true = dataclasses.replace(PROFILE, calibration=dataclasses.replace(
-        PROFILE.calibration, experts_ns_per_pair=150.0, experts_ns_per_mac=0.2))
+        PROFILE.calibration, experts_ns_per_pair=150.0, experts_ns_per_mac=0.2,
+        layer_overhead_us_by_arch=by_arch))
     names = ("smollm2-135m", "tiny", "gqa8-probe", "tiny-moe", "calib-moe")
     samples, _ = _exact_samples(names, true)
     sessions = {n: argparse.Namespace(spec=zoo_spec(n)) for n in names}
     ceilings = calibrate._Ceilings(20.0, PROFILE.calibration.gemm["float32"], 100.0, 5.0)
     args = argparse.Namespace(name="t", models=list(names))
     env_info = {"cpu": "x", "backend": "cpu", "blas": "b"}
-    pinned = {"layer_overhead_us": 40.0, "experts_ns_per_pair": 150.0}
+    pinned = {"layer_overhead_us": 40.0, "experts_ns_per_pair": 150.0, "layer_overhead_us_by_arch": by_arch}
     profile, terms, _ = calibrate._fit(args, "float32", "now", env_info, ceilings, sessions,
                                        samples, 200.0, {}, pinned)
     got = profile.calibration
     assert got.layer_overhead_us == 40.0 and got.experts_ns_per_pair == 150.0
+    assert got.layer_overhead_us_by_arch == by_arch and terms["layer_overhead_us[qwen3_moe]"] == 70.0
+    assert got.calibrated_on == (*names, "calib-sliding")  # what the gpt-oss layer was measured on
     assert got.forward_overhead_us == pytest.approx(300.0, rel=1e-3)
     assert got.experts_ns_per_mac == pytest.approx(0.2, rel=1e-3)
     assert got.step_overhead_us == 200.0 and terms["experts_ns_per_mac"] == got.experts_ns_per_mac

@@ -53,7 +53,7 @@ class Calibration:
     attention_prefill_ns_per_flop: float  # per score/value FLOP of a prefill chunk's attention
     attention_prefill_ns_per_score_byte: float  # per byte of its (heads x n x context) scores
     elementwise_ns_per_byte: float  # norms, RoPE, activations, residuals, logits
-    layer_overhead_us: float  # per layer per forward pass (op dispatch, graph building)
+    layer_overhead_us: float  # per (llama-like) layer per forward pass (op dispatch, graph building)
     forward_overhead_us: float  # per forward pass
     copy_gbs: float  # KV pool copies: joins, compaction, regrowth
     step_overhead_us: float  # engine bookkeeping per step (scheduling, thread hand-off, sync)
@@ -68,6 +68,11 @@ class Calibration:
     # costs beyond the GEMM model's price for each distinct expert: on MLX's CPU backend a step
     # grows with the routed pairs, not with the experts read (0: not measured).
     experts_ns_per_mac: float = 0.0
+    # Per layer per forward pass of other architectures (model_type -> us), each measured alone
+    # like layer_overhead_us on a layer of its own (server/measure/fixed_cost.py). An MoE
+    # architecture's dense-FFN layers, and every layer of an architecture not listed, cost
+    # layer_overhead_us.
+    layer_overhead_us_by_arch: dict[str, float] = dataclasses.field(default_factory=dict)
     calibrated_on: tuple[str, ...] = ()
     measured_at: str = ""
     # The processor and BLAS it was measured on ("AMD EPYC, OpenBLAS ... Zen"): a cloud machine of

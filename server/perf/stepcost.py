@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Protocol
 
 from batchsim.scheduler import prefill_groups
@@ -181,9 +181,22 @@ class StepCost:
 
     def _fixed_s(self) -> float:
         if self.cal is not None:
-            return (self.spec.num_layers * self.cal.layer_overhead_us + self.cal.forward_overhead_us) * 1e-6
+            return (self._layers_overhead_us + self.cal.forward_overhead_us) * 1e-6
         p = self.profile
         return self.spec.num_layers * p.layer_overhead_s + p.forward_overhead_s
+
+    @cached_property
+    def _layers_overhead_us(self) -> float:
+        """Every layer's fixed cost in one forward pass: a measured architecture's layers at its own
+        cost (an MoE architecture's dense-FFN layers, like any other, at the dense one)."""
+        cal = self.cal
+        arch_us = cal.layer_overhead_us_by_arch.get(self.spec.model_type)
+        if arch_us is None:
+            return self.spec.num_layers * cal.layer_overhead_us
+        layers = self.spec.arch.layers
+        moe = any(layer.ffn.kind == "moe" for layer in layers)
+        return sum(arch_us if layer.ffn.kind == "moe" or not moe else cal.layer_overhead_us
+                   for layer in layers)
 
     def decode_attention_bytes(self, batch: int, width: int) -> int:
         """K and V every layer's attention reads: all rows padded to the longest (width)."""

@@ -89,8 +89,8 @@ def run(args: argparse.Namespace) -> dict:
     env_info = env.environment(dtype=dtype)
     err.print(f"calibrating {dtype} on {env_info['cpu']} ({env.backend()}, BLAS {env_info['blas']})")
     ceilings = _measure_ceilings(dtype, args.reps, args.quick)
-    pinned = _measured_alone(args.quick)
     sessions = {name: open_session(RunConfig(model=name, dtype=dtype)) for name in args.models}
+    pinned = _measured_alone(args.quick, {s.spec.model_type for s in sessions.values()})
     samples, probe_ms, drift = _step_grid(args, sessions)
     overhead_us = _engine_overhead_us(sessions)
     profile, terms, transfer = _fit(args, dtype, when, env_info, ceilings, sessions, samples,
@@ -156,13 +156,16 @@ def _step_grid(args: argparse.Namespace, sessions: dict) -> tuple[list, dict, di
     return samples, probe_ms, drift
 
 
-def _measured_alone(quick: bool) -> dict[str, Any]:
+def _measured_alone(quick: bool, stepped: set[str]) -> dict[str, Any]:
     """The terms measured alone and pinned: the per-layer fixed cost of a llama layer and of each
     other architecture's (fixed_cost.py) and what a routed (token, expert) pair costs beyond its
-    multiply-adds (expert_cost.py)."""
+    multiply-adds (expert_cost.py). Architectures among the calibration models (`stepped`: their
+    model types) are left out: their executor steps fit the expert terms, which then carry what
+    their layers cost beyond a llama one."""
     from batchsim.server.measure import expert_cost, fixed_cost
 
-    costs = fixed_cost.measure_all(reps=3 if quick else 9)
+    archs = [a for a in fixed_cost.ARCH_MODELS if a not in stepped]
+    costs = fixed_cost.measure_all(reps=3 if quick else 9, archs=archs)
     pinned = fixed_cost.pinned_terms(costs)
     experts = expert_cost.measure(reps=3 if quick else 7)
     by_arch = ", ".join(f"{a} {us:.0f}" for a, us in pinned["layer_overhead_us_by_arch"].items())

@@ -350,6 +350,26 @@ def test_fixed_costs_grow_with_depth_and_pin_the_per_layer_term(model):
     assert pinned == {"layer_overhead_us": mean, "layer_overhead_us_by_arch": {"gpt_oss": mean}}
 
 
+def test_calibrate_measures_alone_only_the_architectures_it_does_not_time_steps_of(monkeypatch):
+    # Qwen3-MoE models among the calibration models: their steps fit the expert terms, so the
+    # Qwen3-MoE layer is not stacked and pinned as well; the other architectures are.
+    from batchsim.scripts import calibrate
+    from batchsim.server.measure import expert_cost, fixed_cost
+
+    asked = []
+
+    def fake_measure_all(reps, archs):
+        asked.extend(archs)
+        cost = [fixed_cost.FixedCost(1, {4: 1.0, 8: 2.0, 16: 4.0}, 100.0, 0.0)]
+        return {"dense": cost, **{a: cost for a in archs}}
+
+    monkeypatch.setattr(fixed_cost, "measure_all", fake_measure_all)
+    monkeypatch.setattr(expert_cost, "measure", lambda reps: expert_cost.ExpertCost(0.0, 0.2, {}))
+    pinned = calibrate._measured_alone(True, {"llama", "qwen3_moe"})
+    assert asked == ["gpt_oss", "qwen3_next", "deepseek_v3"]
+    assert set(pinned["layer_overhead_us_by_arch"]) == set(asked)
+
+
 def test_layers_of_a_measured_architecture_cost_its_own_fixed_time():
     # The profile's dense per-layer cost is 40 us; gpt-oss layers measured at 100 and Qwen3-MoE ones
     # at 70: every gpt-oss layer costs 100, a Qwen3-MoE model's MoE layers 70 and its dense-only

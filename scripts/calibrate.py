@@ -73,6 +73,7 @@ class _Ceilings:
 
 def run(args: argparse.Namespace) -> dict:
     from batchsim.server.engine.session import open_session
+    from batchsim.server.models.loader import spec_for
     from batchsim.server.platform import env
 
     for key, value in (QUICK if args.quick else FULL).items():
@@ -89,8 +90,9 @@ def run(args: argparse.Namespace) -> dict:
     env_info = env.environment(dtype=dtype)
     err.print(f"calibrating {dtype} on {env_info['cpu']} ({env.backend()}, BLAS {env_info['blas']})")
     ceilings = _measure_ceilings(dtype, args.reps, args.quick)
+    # measured alone, before the calibration models load (their model types from config alone)
+    pinned = _measured_alone(args.quick, {spec_for(name).model_type for name in args.models})
     sessions = {name: open_session(RunConfig(model=name, dtype=dtype)) for name in args.models}
-    pinned = _measured_alone(args.quick, {s.spec.model_type for s in sessions.values()})
     samples, probe_ms, drift = _step_grid(args, sessions)
     overhead_us = _engine_overhead_us(sessions)
     profile, terms, transfer = _fit(args, dtype, when, env_info, ceilings, sessions, samples,

@@ -20,16 +20,15 @@ from batchsim.server.perf.devices import LOCAL_NAME
 # because linear layers are most of its steps, as they are of the models users simulate: fitted
 # on the three small models alone, the one they left out with most weight time (SmolLM2) was
 # predicted 14% fast (leave-one-model-out on the 02:43 calibration's samples).
-# tiny-moe and calib-moe (mixtures of experts, experts of 64x32 and 256x256) fit the routed
-# experts' per multiply-add term alone (the per-pair one is measured on its own), on top of the
-# dense models' terms.
-DEFAULT_MODELS = ["smollm2-135m", "tiny", "gqa8-probe", "qwen3-0.6b", "tiny-moe", "calib-moe"]
+# Other architectures' terms are measured alone (fixed_cost.py, expert_cost.py), so no step of an
+# MoE model is fitted on: `--models` may name one, and its steps are then reported, not fitted.
+DEFAULT_MODELS = ["smollm2-135m", "tiny", "gqa8-probe", "qwen3-0.6b"]
 FULL = dict(models=DEFAULT_MODELS, batches=["1", "2", "4", "8", "12", "16", "24", "32", "64"],
             widths=["128", "512", "1024"], chunks=["16", "64", "256", "512"], starts=["0", "512"],
             reps=5, rounds=3)
 # --quick: fewer models, grid points and repeats (minutes instead of half an hour), then the fitted
 # profile predicts a model it has not seen (QUICK_HELD_OUT) and reports that error.
-QUICK = dict(models=["smollm2-135m", "tiny", "tiny-moe", "calib-moe"], batches=["1", "2", "4", "8", "16", "32"],
+QUICK = dict(models=["smollm2-135m", "tiny"], batches=["1", "2", "4", "8", "16", "32"],
              widths=["128", "512"], chunks=["16", "64", "256"], starts=["0", "512"], reps=2, rounds=1)
 QUICK_GEMM_ROWS = (1, 2, 3, 4, 8, 12, 16, 24, 32, 48, 64, 128, 512)
 QUICK_GEMM_SHAPES = ((512, 512), (1024, 1024), (2048, 2048), (576, 1536), (1536, 576),
@@ -73,7 +72,6 @@ class _Ceilings:
 
 def run(args: argparse.Namespace) -> dict:
     from batchsim.server.engine.session import open_session
-    from batchsim.server.models.loader import spec_for
     from batchsim.server.platform import env
 
     for key, value in (QUICK if args.quick else FULL).items():
@@ -90,8 +88,7 @@ def run(args: argparse.Namespace) -> dict:
     env_info = env.environment(dtype=dtype)
     err.print(f"calibrating {dtype} on {env_info['cpu']} ({env.backend()}, BLAS {env_info['blas']})")
     ceilings = _measure_ceilings(dtype, args.reps, args.quick)
-    # measured alone, before the calibration models load (their model types from config alone)
-    pinned = _measured_alone(args.quick, {spec_for(name).model_type for name in args.models})
+    pinned = _measured_alone(args.quick, ceilings.bandwidth_gbs)  # before the models load
     sessions = {name: open_session(RunConfig(model=name, dtype=dtype)) for name in args.models}
     samples, probe_ms, drift = _step_grid(args, sessions)
     overhead_us = _engine_overhead_us(sessions)
@@ -158,24 +155,22 @@ def _step_grid(args: argparse.Namespace, sessions: dict) -> tuple[list, dict, di
     return samples, probe_ms, drift
 
 
-def _measured_alone(quick: bool, stepped: set[str]) -> dict[str, Any]:
+def _measured_alone(quick: bool, bandwidth_gbs: float) -> dict[str, Any]:
     """The terms measured alone and pinned: the per-layer fixed cost of a llama layer and of each
-    other architecture's (fixed_cost.py) and what a routed (token, expert) pair costs beyond its
-    multiply-adds (expert_cost.py). Architectures among the calibration models (`stepped`: their
-    model types) are left out: their executor steps fit the expert terms, which then carry what
-    their layers cost beyond a llama one."""
+    other architecture's (fixed_cost.py) and what a routed (token, expert) pair costs, per pair
+    and per multiply-add (expert_cost.py: mlx-lm's SwitchGLU, its weights streamed at
+    `bandwidth_gbs`)."""
     from batchsim.server.measure import expert_cost, fixed_cost
 
-    archs = [a for a in fixed_cost.ARCH_MODELS if a not in stepped]
-    costs = fixed_cost.measure_all(reps=3 if quick else 9, archs=archs)
+    costs = fixed_cost.measure_all(reps=3 if quick else 9)
     pinned = fixed_cost.pinned_terms(costs)
-    experts = expert_cost.measure(reps=3 if quick else 7)
+    experts = expert_cost.measure(bandwidth_gbs, reps=3 if quick else 5)
     by_arch = ", ".join(f"{a} {us:.0f}" for a, us in pinned["layer_overhead_us_by_arch"].items())
     err.print(f"fixed costs: {pinned['layer_overhead_us']:.0f} us per llama layer ({by_arch}; bare "
               f"loop at batch {costs['dense'][0].batch}: {costs['dense'][0].forward_us:.0f} us per "
-              f"forward pass, not pinned); gathered expert matmul: {experts.ns_per_pair:.0f} ns per pair + "
-              f"{experts.ns_per_mac:.3f} ns per multiply-add")
-    return pinned | {"experts_ns_per_pair": experts.ns_per_pair}
+              f"forward pass, not pinned); routed experts (SwitchGLU): {experts.ns_per_pair:.0f} ns "
+              f"per pair + {experts.ns_per_mac:.3f} ns per multiply-add")
+    return pinned | {"experts_ns_per_pair": experts.ns_per_pair, "experts_ns_per_mac": experts.ns_per_mac}
 
 
 def _fit(args, dtype: str, when: str, env_info: dict, ceilings: _Ceilings, sessions: dict,
@@ -196,9 +191,9 @@ def _fit(args, dtype: str, when: str, env_info: dict, ceilings: _Ceilings, sessi
     zero = cal.calibration_from(gemm, dict.fromkeys(cal.FORWARD_TERMS, 0.0), ceilings.copy_gbs,
                                 0.0, args.models, when)
     costs0 = {n: StepCost(s.spec, _with(base, zero), dtype, None) for n, s in sessions.items()}
-    dense = [s for s in samples if costs0[s.model].family is None]  # MoE models: their term only
+    dense = [s for s in samples if costs0[s.model].family is None]  # others: reported, not fitted
     pinned = dict(pinned or {})
-    pair_ns = pinned.pop("experts_ns_per_pair", None)
+    experts = {k: pinned.pop(k, 0.0) for k in ("experts_ns_per_pair", "experts_ns_per_mac")}
     by_arch = pinned.pop("layer_overhead_us_by_arch", {})
     terms = cal.fit_forward_terms(dense, costs0, pinned)
     transfer = cal.transfer_errors(dense, {n: c for n, c in costs0.items() if c.family is None},
@@ -207,12 +202,8 @@ def _fit(args, dtype: str, when: str, env_info: dict, ceilings: _Ceilings, sessi
                                  probe_ms, device=device_id(env_info))
     alone = [m for a in by_arch if (m := fixed_cost.ARCH_MODELS[a]) not in args.models]
     calib = dataclasses.replace(calib, layer_overhead_us_by_arch=by_arch,
-                                calibrated_on=(*calib.calibrated_on, *alone))
-    fitted = {n: StepCost(s.spec, _with(base, calib), dtype, None) for n, s in sessions.items()}
-    pair_ns, mac_ns = cal.fit_expert_terms(samples, fitted, pair_ns)
-    terms.update({f"layer_overhead_us[{a}]": us for a, us in by_arch.items()},
-                 experts_ns_per_pair=pair_ns, experts_ns_per_mac=mac_ns)
-    calib = dataclasses.replace(calib, experts_ns_per_pair=pair_ns, experts_ns_per_mac=mac_ns)
+                                calibrated_on=(*calib.calibrated_on, *alone), **experts)
+    terms.update({f"layer_overhead_us[{a}]": us for a, us in by_arch.items()}, **experts)
     profile = _with(base, calib, source=f"batchsim calibrate {when}: {env_info['cpu']}, "
                     f"{env_info['backend']}, BLAS {env_info['blas']}, models {', '.join(args.models)}")
     return profile, terms, transfer

@@ -350,24 +350,27 @@ def test_fixed_costs_grow_with_depth_and_pin_the_per_layer_term(model):
     assert pinned == {"layer_overhead_us": mean, "layer_overhead_us_by_arch": {"gpt_oss": mean}}
 
 
-def test_calibrate_measures_alone_only_the_architectures_it_does_not_time_steps_of(monkeypatch):
-    # Qwen3-MoE models among the calibration models: their steps fit the expert terms, so the
-    # Qwen3-MoE layer is not stacked and pinned as well; the other architectures are.
+def test_calibrate_measures_every_architecture_and_the_expert_terms_alone(monkeypatch):
     from batchsim.scripts import calibrate
     from batchsim.server.measure import expert_cost, fixed_cost
 
-    asked = []
+    asked, bandwidths = [], []
 
-    def fake_measure_all(reps, archs):
-        asked.extend(archs)
+    def fake_measure_all(reps):
         cost = [fixed_cost.FixedCost(1, {4: 1.0, 8: 2.0, 16: 4.0}, 100.0, 0.0)]
-        return {"dense": cost, **{a: cost for a in archs}}
+        asked.extend(fixed_cost.ARCH_MODELS)
+        return {"dense": cost, **{a: cost for a in fixed_cost.ARCH_MODELS}}
+
+    def fake_experts(bandwidth_gbs, reps):
+        bandwidths.append(bandwidth_gbs)
+        return expert_cost.ExpertCost(260.0, 0.27, {})
 
     monkeypatch.setattr(fixed_cost, "measure_all", fake_measure_all)
-    monkeypatch.setattr(expert_cost, "measure", lambda reps: expert_cost.ExpertCost(0.0, 0.2, {}))
-    pinned = calibrate._measured_alone(True, {"llama", "qwen3_moe"})
-    assert asked == ["gpt_oss", "qwen3_next", "deepseek_v3"]
-    assert set(pinned["layer_overhead_us_by_arch"]) == set(asked)
+    monkeypatch.setattr(expert_cost, "measure", fake_experts)
+    pinned = calibrate._measured_alone(True, 31.0)
+    assert set(pinned["layer_overhead_us_by_arch"]) == set(fixed_cost.ARCH_MODELS) == set(asked)
+    assert (pinned["experts_ns_per_pair"], pinned["experts_ns_per_mac"]) == (260.0, 0.27)
+    assert bandwidths == [31.0]  # the streamed weights priced at the calibration's bandwidth
 
 
 def test_layers_of_a_measured_architecture_cost_its_own_fixed_time():
@@ -384,36 +387,37 @@ def test_layers_of_a_measured_architecture_cost_its_own_fixed_time():
         assert step.fixed_s == pytest.approx((want_us + forward_us) * 1e-6), name
 
 
-def test_calibrate_pins_the_per_layer_and_per_pair_costs_and_fits_the_rest():
+def test_calibrate_pins_what_it_measured_alone_and_fits_the_rest_on_dense_steps():
     # Steps timed exactly as a profile with known expert terms predicts them: calibrate's fit takes
-    # the pinned per-layer and per-pair costs as given and recovers the per-forward and per-MAC ones.
+    # the pinned per-layer and expert costs as given and recovers the per-forward one; an MoE
+    # model's steps among the samples are reported, not fitted (pinned 0, the terms stay 0).
     import argparse
 
     from batchsim.scripts import calibrate
     from batchsim.server.models.spec import zoo_spec
 
     by_arch = {"qwen3_moe": 70.0, "gpt_oss": 90.0}
+    experts = {"experts_ns_per_pair": 150.0, "experts_ns_per_mac": 0.2}
     true = dataclasses.replace(PROFILE, calibration=dataclasses.replace(
-        PROFILE.calibration, experts_ns_per_pair=150.0, experts_ns_per_mac=0.2,
-        layer_overhead_us_by_arch=by_arch))
-    names = ("smollm2-135m", "tiny", "gqa8-probe", "tiny-moe", "calib-moe")
+        PROFILE.calibration, layer_overhead_us_by_arch=by_arch, **experts))
+    names = ("smollm2-135m", "tiny", "gqa8-probe", "tiny-moe")
     samples, _ = _exact_samples(names, true)
     sessions = {n: argparse.Namespace(spec=zoo_spec(n)) for n in names}
     ceilings = calibrate._Ceilings(20.0, PROFILE.calibration.gemm["float32"], 100.0, 5.0)
     args = argparse.Namespace(name="t", models=list(names))
     env_info = {"cpu": "x", "backend": "cpu", "blas": "b"}
-    pinned = {"layer_overhead_us": 40.0, "experts_ns_per_pair": 150.0, "layer_overhead_us_by_arch": by_arch}
+    pinned = {"layer_overhead_us": 40.0, "layer_overhead_us_by_arch": by_arch, **experts}
     profile, terms, _ = calibrate._fit(args, "float32", "now", env_info, ceilings, sessions,
                                        samples, 200.0, {}, pinned)
     got = profile.calibration
-    assert got.layer_overhead_us == 40.0 and got.experts_ns_per_pair == 150.0
+    assert got.layer_overhead_us == 40.0 and (got.experts_ns_per_pair, got.experts_ns_per_mac) == (150.0, 0.2)
     assert got.layer_overhead_us_by_arch == by_arch and terms["layer_overhead_us[qwen3_moe]"] == 70.0
+    assert terms["experts_ns_per_mac"] == 0.2
     assert got.calibrated_on == (*names, "calib-sliding")  # what the gpt-oss layer was measured on
     assert got.forward_overhead_us == pytest.approx(300.0, rel=1e-3)
-    assert got.experts_ns_per_mac == pytest.approx(0.2, rel=1e-3)
-    assert got.step_overhead_us == 200.0 and terms["experts_ns_per_mac"] == got.experts_ns_per_mac
-    # pinned wrong (0 where the steps carry 150 ns per pair), it stays 0: the MAC term takes it up
+    assert got.step_overhead_us == 200.0
+    zeroed = pinned | dict.fromkeys(experts, 0.0)
     profile, _, _ = calibrate._fit(args, "float32", "now", env_info, ceilings, sessions, samples,
-                                   200.0, {}, pinned | {"experts_ns_per_pair": 0.0})
-    assert profile.calibration.experts_ns_per_pair == 0.0
-    assert profile.calibration.experts_ns_per_mac > 0.2
+                                   200.0, {}, zeroed)
+    assert (profile.calibration.experts_ns_per_pair, profile.calibration.experts_ns_per_mac) == (0.0, 0.0)
+    assert profile.calibration.forward_overhead_us == pytest.approx(300.0, rel=1e-3)

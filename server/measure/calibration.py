@@ -359,35 +359,6 @@ def calibration_from(gemm: dict[str, GemmFit], terms: dict[str, float], copy_gbs
                        speed_probe_ms=dict(probe_ms or {}), **terms)
 
 
-def fit_expert_terms(samples: Sequence[StepSample], costs: dict[str, StepCost],
-                     ns_per_pair: float | None = None) -> tuple[float, float]:
-    """(experts_ns_per_pair, experts_ns_per_mac) from the MoE models' steps: what the profile (its
-    other terms already fitted, these 0) leaves unexplained per routed (token, expert) pair and per
-    routed multiply-add, least squares on relative error, neither below 0. Models whose experts
-    differ in size tell the two apart; `ns_per_pair` given (measured alone: expert_cost.py), only
-    the per multiply-add term is fitted. (0, 0) when no calibration model is MoE."""
-    feats, resid = [], []
-    for s in samples:
-        c = costs[s.model]
-        if c.family is None or not c.family.expert_pairs(1):
-            continue
-        feats.append([c.family.expert_pairs(s.rows) * 1e-9 / s.seconds,
-                      c.family.expert_macs(s.rows) * 1e-9 / s.seconds])
-        resid.append(1.0 - predict(s, c) / s.seconds)
-    if not feats:
-        return 0.0, 0.0
-    f, r = np.asarray(feats), np.asarray(resid)
-    if ns_per_pair is not None:
-        r = r - f[:, 0] * ns_per_pair
-        return ns_per_pair, max(0.0, float(f[:, 1] @ r / (f[:, 1] @ f[:, 1])))
-    both = np.linalg.lstsq(f, r, rcond=None)[0]
-    if (both >= 0).all():
-        return float(both[0]), float(both[1])
-    one = [max(0.0, float(f[:, i] @ r / (f[:, i] @ f[:, i]))) for i in (0, 1)]  # the better single
-    errs = [np.sum((r - f[:, i] * one[i]) ** 2) for i in (0, 1)]
-    return (one[0], 0.0) if errs[0] <= errs[1] else (0.0, one[1])
-
-
 def sample_errors(samples: Sequence[StepSample], costs: dict[str, StepCost]) -> dict[str, float]:
     """Median |error| and median error of `costs` predicting these steps."""
     errs = np.asarray([predict(s, costs[s.model]) / s.seconds - 1 for s in samples])

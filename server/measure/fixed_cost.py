@@ -12,17 +12,12 @@ Other architectures' layers dispatch more ops than llama's (a router, gathered e
 sinks, MLA's latent projections, a gated-delta recurrence), so each is measured the same way on a
 small calibration model of its own (ARCH_MODELS) and priced per layer of that architecture
 (`layer_overhead_us_by_arch`): on a 2-core EPYC VM a gpt-oss layer costs 1.2-1.4x a llama one,
-and priced as llama layers, gpt-oss models were predicted 15-35% fast. `calibrate` skips the
-architectures it also times executor steps of (Qwen3-MoE: tiny-moe, calib-moe): the expert terms
-fitted on those steps already carry their layers' extra, and pinning the stacked cost as well
-moved cost from what grows with the routed tokens to a constant (small-moe then predicted slow
-at batch 1 and fast at 32; validation errors up in both calibrations and both sets of real runs
-tried)."""
+and priced as llama layers, gpt-oss models were predicted 15-35% fast. What a routed expert costs per token is not in it
+(the stacked layers decode at batch 1 and 8): expert_cost.py measures that."""
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 DEPTHS = (4, 8, 16)  # multiples of 4: a hybrid stack holds whole periods (3 linear, 1 full)
@@ -49,10 +44,10 @@ def measure(batches: tuple[int, ...] = (1, 8), steps: int = 30, reps: int = 9,
     return measure_many([model], batches, steps, reps)[model]
 
 
-def measure_all(batches: tuple[int, ...] = (1, 8), steps: int = 30, reps: int = 9,
-                archs: Iterable[str] = tuple(ARCH_MODELS)) -> dict[str, list[FixedCost]]:
-    """The dense layer (key "dense") and each of `archs` (model types of ARCH_MODELS)."""
-    names = {"dense": DENSE_MODEL, **{a: ARCH_MODELS[a] for a in archs}}
+def measure_all(batches: tuple[int, ...] = (1, 8), steps: int = 30,
+                reps: int = 9) -> dict[str, list[FixedCost]]:
+    """The dense layer (key "dense") and each architecture of ARCH_MODELS (by model type)."""
+    names = {"dense": DENSE_MODEL, **ARCH_MODELS}
     costs = measure_many(list(names.values()), batches, steps, reps)
     return {key: costs[model] for key, model in names.items()}
 

@@ -4,8 +4,9 @@ layer from the per-layer description (server/models/arch.py), with StepCost's bu
 
 Per layer, a decode step of B rows padded to `width` cached tokens reads:
 - linear layers: every non-routed matrix once (attention projections, router, shared experts);
-  routed experts: the expected distinct experts E(1 - (1 - k/E)^B), each multiplying the B*k/D
-  tokens routed to it (`experts_s`);
+  routed experts: the expected distinct experts E(1 - (1 - k/E)^B), each streamed once and
+  multiplying the B*k/D tokens routed to it, or on a calibrated device each (token, expert) pair
+  at its measured cost (`experts_s`);
 - attention: full and MLA layers `width` tokens, sliding layers min(width, W), linear-attention
   layers their fixed state, read and written every step; MLA adds the absorbed attention's FLOPs.
 Assumptions (no Metal here to fit them) are the named constants below."""
@@ -40,6 +41,7 @@ class Blocks(Protocol):
     def linear_split(self, m: int, k: int, n: int) -> tuple[float, float]: ...
     def linear_terms(self, m: float, k: int, n: int) -> tuple[float, float]: ...
     def bytes_s(self, nbytes: float) -> float: ...
+    def weight_stream_s(self, k: int, n: int) -> float: ...
 
 
 # Assumed: a gathered expert matmul (mlx's gather_qmm) reaches half the dense GEMM rate per FLOP
@@ -84,38 +86,23 @@ class FamilyCost:
 
     def routed_s(self, mat: Mat, layer: Layer, m: int) -> float:
         """One routed-expert matrix stack over m tokens: D distinct experts, each streaming its
-        weights (at the profile's expert_bandwidth_efficiency of the dense rate) and multiplying
-        its m*k/D tokens at GATHER_MATMUL_EFFICIENCY of the GEMM rate, plus the calibrated costs
-        of each of the m*k (token, expert) pairs and of each of their routed multiply-adds."""
+        weights once (at the profile's expert_bandwidth_efficiency of the achievable rate), and the
+        m*k (token, expert) pairs' gathered mat-vecs. A calibrated device prices each pair at its
+        measured cost (expert_cost.py: what mlx-lm's SwitchGLU takes per pair and per routed
+        multiply-add); otherwise each expert multiplies its m*k/D tokens at
+        GATHER_MATMUL_EFFICIENCY of the GEMM rate."""
         ffn = layer.ffn
         distinct = expected_experts(ffn.experts, ffn.top_k, m)
+        cal = self.cost.cal
+        if cal is not None and cal.experts_ns_per_mac > 0:
+            moved_s = self.cost.weight_stream_s(mat.in_dim, mat.out_dim)
+            per_pair_ns = cal.experts_ns_per_pair + mat.in_dim * mat.out_dim * cal.experts_ns_per_mac
+            return (distinct * moved_s / self.cost.profile.expert_bandwidth_efficiency
+                    + m * ffn.top_k * per_pair_ns * 1e-9)
         moved_s, flops_s = self.cost.linear_terms(m * ffn.top_k / distinct, mat.in_dim, mat.out_dim)
         moved_s /= self.cost.profile.expert_bandwidth_efficiency
         flops_s /= GATHER_MATMUL_EFFICIENCY
-        per_expert = moved_s + flops_s if self.cost.gemm is not None else max(moved_s, flops_s)
-        cal = self.cost.cal
-        pairs_s = 0.0
-        if cal is not None:
-            per_pair_ns = cal.experts_ns_per_pair + mat.in_dim * mat.out_dim * cal.experts_ns_per_mac
-            pairs_s = m * ffn.top_k * per_pair_ns * 1e-9
-        return distinct * per_expert + pairs_s
-
-    def expert_pairs(self, m: int) -> int:
-        """Routed (token, expert) pairs times expert matrix stacks in one forward pass over m rows:
-        what `experts_ns_per_pair` is charged on."""
-        return sum(pairs for pairs, _ in self._routed(m))
-
-    def expert_macs(self, m: int) -> int:
-        """Their multiply-adds (each pair through its expert matrix): what `experts_ns_per_mac`
-        is charged on."""
-        return sum(pairs * mat.in_dim * mat.out_dim for pairs, mat in self._routed(m))
-
-    def _routed(self, m: int):
-        """(pairs, matrix) per routed expert matrix stack over m rows."""
-        for layer, count in self.layers.items():
-            for mat in layer.mats:
-                if mat.routed:
-                    yield count * m * layer.ffn.top_k, mat
+        return distinct * (moved_s + flops_s if self.cost.gemm is not None else max(moved_s, flops_s))
 
     def _head_split(self, rows: int) -> tuple[float, float]:
         if not rows:

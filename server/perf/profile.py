@@ -61,12 +61,12 @@ class Calibration:
     # fused kernel (MLX's CPU backend) each score costs its matmul slice, mask, softmax and
     # transposes, whatever the head size: 20-30 ns each on a 2-core Xeon, 10-100x a K/V byte.
     attention_decode_ns_per_score: float = 0.0
-    # MoE: per routed (token, expert) pair and expert matrix, what gathering and dispatching it
-    # costs beyond its weights and FLOPs (measured alone: server/measure/expert_cost.py).
+    # MoE, measured alone on mlx-lm's SwitchGLU (server/measure/expert_cost.py): per routed
+    # (token, expert) pair and expert matrix, what it costs beyond its multiply-adds, and per
+    # multiply-add (pair x the matrix's in x out). With the per-MAC term set, a step's routed experts
+    # cost these per pair plus their distinct weights streamed once; 0: not measured (the GEMM
+    # model's price for each distinct expert, at GATHER_MATMUL_EFFICIENCY).
     experts_ns_per_pair: float = 0.0
-    # MoE: per routed multiply-add (pair x the expert matrix's in x out), what the gathered matmul
-    # costs beyond the GEMM model's price for each distinct expert: on MLX's CPU backend a step
-    # grows with the routed pairs, not with the experts read (0: not measured).
     experts_ns_per_mac: float = 0.0
     # Per layer per forward pass of other architectures (model_type -> us), each measured alone
     # like layer_overhead_us on a layer of its own (server/measure/fixed_cost.py). An MoE

@@ -169,6 +169,10 @@ class StepCost:
     def _elementwise_s(self, m: int, logits: bool) -> float:
         return self.bytes_s(self.elementwise_bytes(m, logits))
 
+    def weight_stream_s(self, k: int, n: int) -> float:
+        """Seconds to stream one (k -> n) weight matrix from memory at the achievable bandwidth."""
+        return matrix_weight_bytes(self.fmt, k, n) / self.profile.bytes_per_s
+
     def bytes_s(self, nbytes: float) -> float:
         """Seconds of elementwise-style traffic: the calibrated rate or the achievable bandwidth."""
         if self.cal is not None:

@@ -12,8 +12,9 @@ Other architectures' layers dispatch more ops than llama's (a router, gathered e
 sinks, MLA's latent projections, a gated-delta recurrence), so each is measured the same way on a
 small calibration model of its own (ARCH_MODELS) and priced per layer of that architecture
 (`layer_overhead_us_by_arch`): on a 2-core EPYC VM a gpt-oss layer costs 1.2-1.4x a llama one,
-and priced as llama layers, gpt-oss models were predicted 15-35% fast. What a routed expert costs per token is not in it
-(the stacked layers decode at batch 1 and 8): expert_cost.py measures that."""
+and priced as llama layers, gpt-oss models were predicted 15-35% fast. What a routed expert costs
+per token is not what this prices (the stacked layers decode at batch 1 and 8): expert_cost.py
+measures that."""
 
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> dict:
     env_info = env.environment(dtype=dtype)
     err.print(f"calibrating {dtype} on {env_info['cpu']} ({env.backend()}, BLAS {env_info['blas']})")
     ceilings = _measure_ceilings(dtype, args.reps, args.quick)
-    pinned = _measured_alone(args.quick, ceilings.bandwidth_gbs)  # before the models load
+    pinned, alone = _measured_alone(args.quick, ceilings.bandwidth_gbs)  # before the models load
     sessions = {name: open_session(RunConfig(model=name, dtype=dtype)) for name in args.models}
     samples, probe_ms, drift = _step_grid(args, sessions)
     overhead_us = _engine_overhead_us(sessions)
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> dict:
     summary = {"profile": str(paths[0]), "profile_paths": [str(p) for p in paths],
                "bandwidth_gbs": ceilings.bandwidth_gbs, "peak_gflops": {dtype: ceilings.peak_gflops},
                "copy_gbs": ceilings.copy_gbs, "terms": terms, "step_overhead_us": overhead_us,
-               "speed_probe_ms": probe_ms, "speed_drift": drift,
+               "speed_probe_ms": probe_ms, "speed_drift": drift, "measured_alone": alone,
                "median_abs_err": errors[len(errors) // 2], "max_abs_err": errors[-1],
                "transfer_err": transfer, "samples": rows, "env": env_info}
     if held_out is not None:
@@ -155,11 +155,11 @@ def _step_grid(args: argparse.Namespace, sessions: dict) -> tuple[list, dict, di
     return samples, probe_ms, drift
 
 
-def _measured_alone(quick: bool, bandwidth_gbs: float) -> dict[str, Any]:
+def _measured_alone(quick: bool, bandwidth_gbs: float) -> tuple[dict[str, Any], dict[str, Any]]:
     """The terms measured alone and pinned: the per-layer fixed cost of a llama layer and of each
     other architecture's (fixed_cost.py) and what a routed (token, expert) pair costs, per pair
     and per multiply-add (expert_cost.py: mlx-lm's SwitchGLU, its weights streamed at
-    `bandwidth_gbs`)."""
+    `bandwidth_gbs`); and the timings they came from, for calibrate.jsonl."""
     from batchsim.server.measure import expert_cost, fixed_cost
 
     costs = fixed_cost.measure_all(reps=3 if quick else 9)
@@ -170,7 +170,11 @@ def _measured_alone(quick: bool, bandwidth_gbs: float) -> dict[str, Any]:
               f"loop at batch {costs['dense'][0].batch}: {costs['dense'][0].forward_us:.0f} us per "
               f"forward pass, not pinned); routed experts (SwitchGLU): {experts.ns_per_pair:.0f} ns "
               f"per pair + {experts.ns_per_mac:.3f} ns per multiply-add")
-    return pinned | {"experts_ns_per_pair": experts.ns_per_pair, "experts_ns_per_mac": experts.ns_per_mac}
+    timings = {"layer_stacks": {a: [dataclasses.asdict(c) for c in cs] for a, cs in costs.items()},
+               "switchglu_us": [dict(zip(("hidden", "inter", "experts", "top_k", "tokens"), point), us=us)
+                                for point, us in experts.us_by_point.items()]}
+    return pinned | {"experts_ns_per_pair": experts.ns_per_pair,
+                     "experts_ns_per_mac": experts.ns_per_mac}, timings
 
 
 def _fit(args, dtype: str, when: str, env_info: dict, ceilings: _Ceilings, sessions: dict,

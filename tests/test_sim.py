@@ -362,14 +362,19 @@ def test_calibrate_measures_every_architecture_and_the_expert_terms_alone(monkey
 
     def fake_experts(bandwidth_gbs, reps):
         bandwidths.append(bandwidth_gbs)
-        return expert_cost.ExpertCost(260.0, 0.27, {})
+        return expert_cost.ExpertCost(260.0, 0.27, {(64, 32, 8, 2, 1): 50.0})
 
     monkeypatch.setattr(fixed_cost, "measure_all", fake_measure_all)
     monkeypatch.setattr(expert_cost, "measure", fake_experts)
-    pinned = calibrate._measured_alone(True, 31.0)
+    pinned, timings = calibrate._measured_alone(True, 31.0)
     assert set(pinned["layer_overhead_us_by_arch"]) == set(fixed_cost.ARCH_MODELS)
     assert (pinned["experts_ns_per_pair"], pinned["experts_ns_per_mac"]) == (260.0, 0.27)
     assert bandwidths == [31.0]  # the streamed weights priced at the calibration's bandwidth
+    # What they came from goes to calibrate.jsonl: every stack's timings, every SwitchGLU point.
+    assert set(timings["layer_stacks"]) == {"dense", *fixed_cost.ARCH_MODELS}
+    assert timings["layer_stacks"]["dense"] == [{"batch": 1, "step_us_by_depth": {4: 1.0, 8: 2.0, 16: 4.0},
+                                                "layer_us": 100.0, "forward_us": 0.0}]
+    assert timings["switchglu_us"] == [{"hidden": 64, "inter": 32, "experts": 8, "top_k": 2, "tokens": 1, "us": 50.0}]
 
 
 def test_layers_of_a_measured_architecture_cost_its_own_fixed_time():

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> dict:
     pinned, alone = _measured_alone(args.quick, ceilings.bandwidth_gbs)  # before the models load
     sessions = {name: open_session(RunConfig(model=name, dtype=dtype)) for name in args.models}
     samples, probe_ms, drift = _step_grid(args, sessions)
-    overhead_us = _engine_overhead_us(sessions)
+    overhead_us, overhead_by_model = _engine_overhead_us(sessions)
     profile, terms, transfer = _fit(args, dtype, when, env_info, ceilings, sessions, samples,
                                     overhead_us, probe_ms, pinned)
     paths = _save(profile, args)
@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> dict:
     summary = {"profile": str(paths[0]), "profile_paths": [str(p) for p in paths],
                "bandwidth_gbs": ceilings.bandwidth_gbs, "peak_gflops": {dtype: ceilings.peak_gflops},
                "copy_gbs": ceilings.copy_gbs, "terms": terms, "step_overhead_us": overhead_us,
+               "step_overhead_us_by_model": overhead_by_model,
                "speed_probe_ms": probe_ms, "speed_drift": drift, "measured_alone": alone,
                "median_abs_err": errors[len(errors) // 2], "max_abs_err": errors[-1],
                "transfer_err": transfer, "samples": rows, "env": env_info}
@@ -269,15 +270,16 @@ def _with(profile, calibration, source: str | None = None):
     return dataclasses.replace(profile, calibration=calibration, source=source or profile.source)
 
 
-def _engine_overhead_us(sessions: dict) -> float:
+def _engine_overhead_us(sessions: dict) -> tuple[float, dict[str, float]]:
     """The engine's own time per step (scheduling, hand-off to the executor thread and back):
     consecutive busy steps' spacing minus the executor's own time, on a short real run of each
     calibration model; the median over them. One model's run alone swings 2x from run to run
     (368-970 us on SmolLM2-135M, 2-core EPYC VM) and it differs by model (~100 us on tiny's,
-    ~550 us on Qwen3-0.6B's steps)."""
+    ~550 us on Qwen3-0.6B's steps). Returns that median and each model's, for calibrate.jsonl."""
     import numpy as np
 
-    return float(np.median([_engine_overhead_one_us(s) for s in sessions.values()]))
+    by_model = {name: _engine_overhead_one_us(s) for name, s in sessions.items()}
+    return float(np.median(list(by_model.values()))), by_model
 
 
 def _engine_overhead_one_us(session) -> float:

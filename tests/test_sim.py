@@ -377,6 +377,15 @@ def test_calibrate_measures_every_architecture_and_the_expert_terms_alone(monkey
     assert timings["switchglu_us"] == [{"hidden": 64, "inter": 32, "experts": 8, "top_k": 2, "tokens": 1, "us": 50.0}]
 
 
+def test_calibrate_prices_the_engine_overhead_at_the_median_and_keeps_each_models(monkeypatch):
+    from batchsim.scripts import calibrate
+
+    measured = {"a": 100.0, "b": 550.0, "c": 300.0}
+    monkeypatch.setattr(calibrate, "_engine_overhead_one_us", lambda session: measured[session])
+    median, by_model = calibrate._engine_overhead_us({name: name for name in measured})
+    assert median == 300.0 and by_model == measured
+
+
 def test_layers_of_a_measured_architecture_cost_its_own_fixed_time():
     # The profile's dense per-layer cost is 40 us; gpt-oss layers measured at 100 and Qwen3-MoE ones
     # at 70: every gpt-oss layer costs 100, a Qwen3-MoE model's MoE layers 70 and its dense-only

@@ -172,8 +172,7 @@ def _measured_alone(quick: bool, bandwidth_gbs: float) -> tuple[dict[str, Any], 
               f"forward pass, not pinned); routed experts (SwitchGLU): {experts.ns_per_pair:.0f} ns "
               f"per pair + {experts.ns_per_mac:.3f} ns per multiply-add")
     timings = {"layer_stacks": {a: [dataclasses.asdict(c) for c in cs] for a, cs in costs.items()},
-               "switchglu_us": [dict(zip(("hidden", "inter", "experts", "top_k", "tokens"), point), us=us)
-                                for point, us in experts.us_by_point.items()]}
+               "switchglu_us": experts.rows()}
     return pinned | {"experts_ns_per_pair": experts.ns_per_pair,
                      "experts_ns_per_mac": experts.ns_per_mac}, timings
 

@@ -31,13 +31,18 @@ TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)  # SwitchGLU sorts the pairs by expert fr
 STACKS = 3  # gate, up and down projections
 MAX_COPIES = 256
 BYTES_PER_WEIGHT = 4  # float32, as calibrate measures
+POINT = ("hidden", "inter", "experts", "top_k", "tokens")  # what a us_by_point key holds
 
 
 @dataclass(frozen=True)
 class ExpertCost:
     ns_per_pair: float
     ns_per_mac: float
-    us_by_point: dict[tuple[int, int, int, int, int], float]  # (hidden, inter, E, k, T) -> us
+    us_by_point: dict[tuple[int, int, int, int, int], float]  # POINT -> us per call
+
+    def rows(self) -> list[dict[str, float]]:
+        """Every timed point as a record: POINT's fields and `us`."""
+        return [dict(zip(POINT, point), us=us) for point, us in self.us_by_point.items()]
 
 
 def streamed_bytes(hidden: int, inter: int, experts: int, top_k: int, tokens: int) -> float:

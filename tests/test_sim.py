@@ -207,12 +207,15 @@ def test_leave_one_model_out_error_measures_what_the_others_cannot_explain():
     assert err["median_abs_err"] == pytest.approx(0.2, abs=1e-6)
 
 
-@pytest.mark.parametrize("calibrated", [True, False])
-def test_a_device_at_half_speed_takes_twice_as_long_for_everything(calibrated):
+@pytest.mark.parametrize("calibrated, model", [(True, "tiny"), (False, "tiny"), (True, "tiny-moe")])
+def test_a_device_at_half_speed_takes_twice_as_long_for_everything(calibrated, model):
     """`validate` re-simulates each case on the device as probed (`at_speed`): every term must
-    scale, or the timeline would not stretch by exactly 1/speed (all arrivals at t=0)."""
-    base = PROFILE if calibrated else dataclasses.replace(PROFILE, calibration=None)
-    runs = [run_workload(sim_session(profile=p, scheduler=SchedulerSettings(max_num_seqs=4)),
+    scale, or the timeline would not stretch by exactly 1/speed (all arrivals at t=0). The MoE
+    model's layers cost what the profile measured for its architecture (layer_overhead_us_by_arch)."""
+    cal_arch = dataclasses.replace(PROFILE.calibration, layer_overhead_us_by_arch={"qwen3_moe": 70.0},
+                                   experts_ns_per_pair=300.0, experts_ns_per_mac=0.2)
+    base = dataclasses.replace(PROFILE, calibration=cal_arch if calibrated else None)
+    runs = [run_workload(sim_session(model=model, profile=p, scheduler=SchedulerSettings(max_num_seqs=4)),
                          workload(), out_dir=None, label="t") for p in (base, at_speed(base, 0.5))]
     fast, slow = (r.summary for r in runs)
     assert slow["duration"] == pytest.approx(2 * fast["duration"], rel=1e-9)

@@ -124,21 +124,24 @@ class DeviceProfile:
 def at_speed(profile: DeviceProfile, speed: float) -> DeviceProfile:
     """The same device running `speed` times as fast (0.9: every step takes 1/0.9 as long): what a
     shared machine's slow phase does to every term at once."""
+    profile = dataclasses.replace(
+        profile, bandwidth_gbs=profile.bandwidth_gbs * speed,
+        peak_tflops={k: v * speed for k, v in profile.peak_tflops.items()},
+        forward_overhead_s=profile.forward_overhead_s / speed,
+        layer_overhead_s=profile.layer_overhead_s / speed)
     c = profile.calibration
     if c is None:
-        return dataclasses.replace(
-            profile, bandwidth_gbs=profile.bandwidth_gbs * speed,
-            peak_tflops={k: v * speed for k, v in profile.peak_tflops.items()},
-            forward_overhead_s=profile.forward_overhead_s / speed,
-            layer_overhead_s=profile.layer_overhead_s / speed)
+        return profile
     gemm = {f: GemmFit({kn: v / speed for kn, v in g.weight_ns.items()},
                        {m: v / speed for m, v in g.flop_ns.items()}) for f, g in c.gemm.items()}
-    # Every float term is a time per unit of work, but copy_gbs, a rate: derived from the fields
-    # so that a term added later is scaled too.
+    # Every float term is a time per unit of work, but copy_gbs, a rate; and so is every
+    # per-architecture one: derived from the fields so that a term added later is scaled too.
     terms = {f.name: getattr(c, f.name) / speed for f in dataclasses.fields(c)
              if f.type == "float" and f.name != "copy_gbs"}
+    by_arch = {f.name: {a: us / speed for a, us in getattr(c, f.name).items()}
+               for f in dataclasses.fields(c) if f.name.endswith("_by_arch")}
     return dataclasses.replace(profile, calibration=dataclasses.replace(
-        c, gemm=gemm, copy_gbs=c.copy_gbs * speed, **terms))
+        c, gemm=gemm, copy_gbs=c.copy_gbs * speed, **terms, **by_arch))
 
 
 def compute_dtype(dtype: str, quantize_bits: int | None) -> str:

@@ -77,7 +77,8 @@ def _static_environment() -> dict[str, Any]:
         "blas_note": choice.note,
         "threads": {
             k: os.environ[k]
-            for k in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
+            for k in ("OPENBLAS_NUM_THREADS", "OPENBLAS_THREAD_TIMEOUT", "MKL_NUM_THREADS",
+                      "OMP_NUM_THREADS")
             if k in os.environ
         },
     }

@@ -55,3 +55,19 @@ def test_openblas_never_runs_generic_kernels_on_a_modern_cpu():
 def test_none_keeps_the_reference_blas():
     line = _choice_in_subprocess(BATCHSIM_BLAS="none")
     assert line.startswith("reference") or line.startswith("metal")
+
+
+@needs_openblas
+@pytest.mark.parametrize("user, want", [(None, 4), ("12", 12)])
+def test_openblas_workers_sleep_right_after_a_call_unless_the_user_says_otherwise(user, want):
+    """OpenBLAS reads OPENBLAS_THREAD_TIMEOUT once, when it loads: asked afterwards, the library
+    itself must report batchsim's value (or the user's), not its spinning default of 28."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")}
+    if user:
+        env["OPENBLAS_THREAD_TIMEOUT"] = user
+    code = ("import ctypes; from batchsim.server.platform import blas; c = blas.preload(); "
+            "print(ctypes.CDLL(c.path).openblas_thread_timeout())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**env, "BATCHSIM_BLAS": "openblas"},
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert int(out.stdout.split()[-1]) == want

@@ -160,6 +160,12 @@ def _quiet_openblas_workers() -> str:
     return f"; OPENBLAS_THREAD_TIMEOUT={THREAD_TIMEOUT} (workers sleep after each call)"
 
 
+def _load_openblas(note: str) -> BlasChoice | None:
+    """The system OpenBLAS, its kernels and worker threads set up before it loads."""
+    paths = _openblas_paths()
+    return _load("openblas", paths, note + _fix_openblas_coretype(paths) + _quiet_openblas_workers())
+
+
 def _load(name: str, paths: list[str], note: str) -> BlasChoice | None:
     for path in paths:
         try:
@@ -190,15 +196,11 @@ def preload(request: str | None = None) -> BlasChoice:
     elif request == "mkl":
         choice = _load("mkl", _mkl_paths(), f"{ENV_VAR}=mkl")
     elif request == "openblas":
-        paths = _openblas_paths()
-        choice = _load("openblas", paths, f"{ENV_VAR}=openblas" + _fix_openblas_coretype(paths)
-                       + _quiet_openblas_workers())
+        choice = _load_openblas(f"{ENV_VAR}=openblas")
     elif request == "auto":
         choice = _load("mkl", _mkl_paths(), "auto: MKL installed in this environment")
         if choice is None:
-            paths = _openblas_paths()
-            choice = _load("openblas", paths, "auto: system OpenBLAS" + _fix_openblas_coretype(paths)
-                           + _quiet_openblas_workers())
+            choice = _load_openblas("auto: system OpenBLAS")
         if choice is None:
             choice = BlasChoice("reference", None, None, "auto: no optimized BLAS found")
     else:

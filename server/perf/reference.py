@@ -8,7 +8,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from batchsim.configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
-from batchsim.server.perf.macs import Catalog, Mac
+from batchsim.server.models.spec import zoo_names
+from batchsim.server.perf.macs import Catalog, Mac, load_catalog
 
 REFERENCE_PATH = CONFIG_DIR / "reference" / "mlx-decode.yaml"
 WEIGHTS = {"q4": ("float16", 4), "q8": ("float16", 8), "float16": ("float16", None),
@@ -112,3 +113,102 @@ def row_mac(catalog: Catalog, chip: str, gpu_cores: int | None) -> Mac:
         raise ConfigError(f"reference row on {chip}: GPU cores not given and its variants differ "
                           f"in bandwidth ({', '.join(m.label for m in variants)})")
     return variants[0]
+
+
+# -- the published set (configs/reference/published.yaml): batch 1 and batched, every engine ------
+PUBLISHED_PATH = CONFIG_DIR / "reference" / "published.yaml"
+MEASURES = ("per_request", "aggregate")  # one stream's tok/s, or every stream's together
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishedRow:
+    """One published MLX throughput figure, with what it measures (see published.yaml's header)."""
+
+    id: str  # unique in the file
+    model: str  # zoo model with the measured checkpoint's shapes
+    weights: str  # WEIGHTS
+    chip: str  # a configs/macs.yaml chip
+    gpu_cores: int | None  # None: not published (the chip's variants must share one bandwidth)
+    memory_gb: float | None
+    engine: str  # mlx-lm, mlx-lm-batch, mlx-lm-server, vllm-mlx, rapid-mlx, lm-studio, ...
+    engine_version: str | None  # as published; None: not stated
+    batch: int  # requests decoding together (a server's concurrency)
+    prompt_tokens: int | None  # None: not published
+    generated_tokens: int | None  # per request; None: not published
+    tok_s: float
+    measures: str  # MEASURES
+    decode_only: bool  # True: the decode rate only; False: the time includes prefill / TTFT
+    streamed: bool  # True: measured through an HTTP server
+    src: str  # a key under `sources`
+    quote: str  # the figure as the source prints it
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights {self.weights!r}; allowed: {', '.join(WEIGHTS)}")
+        if self.measures not in MEASURES:
+            raise ValueError(f"measures {self.measures!r}; allowed: {', '.join(MEASURES)}")
+        if self.batch < 1 or self.tok_s <= 0:
+            raise ValueError(f"batch {self.batch} and tok_s {self.tok_s} must be positive")
+        if self.batch == 1 and self.measures == "aggregate":
+            raise ValueError("a batch-1 row measures per_request")
+        if not self.quote.strip():
+            raise ValueError("quote is empty")
+
+    @property
+    def dtype(self) -> str:
+        return WEIGHTS[self.weights][0]
+
+    @property
+    def quantize_bits(self) -> int | None:
+        return WEIGHTS[self.weights][1]
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishedSet:
+    sources: dict[str, str]  # key -> 'URL (machine, versions, command)'
+    rows: tuple[PublishedRow, ...]
+
+    def by_src(self, src: str) -> list[PublishedRow]:
+        return [r for r in self.rows if r.src == src]
+
+
+def _check_row(row: PublishedRow, sources: dict[str, str], zoo: set[str], catalog: Catalog,
+               where: str) -> None:
+    """Raise ConfigError (one line naming `where`) if the row cannot be priced or cited."""
+    if row.src not in sources:
+        raise ConfigError(f"{where}: src {row.src!r} is not listed under sources")
+    if row.model not in zoo:
+        raise ConfigError(f"{where}: model {row.model!r} is not in the zoo (configs/models)")
+    try:
+        row_mac(catalog, row.chip, row.gpu_cores)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+@lru_cache(maxsize=4)
+def load_published(path: str | Path = PUBLISHED_PATH) -> PublishedSet:
+    """Every row validated: allowed weights and measures, a listed source with a URL, a zoo model, a
+    catalog Mac; ids unique. A bad row fails in one line naming its id."""
+    data = load_yaml(path)
+    if set(data) != {"sources", "rows"}:
+        raise ConfigError(f"{path}: expected the keys 'sources' and 'rows', got {sorted(data)}")
+    sources = from_dict(PublishedSet, {"sources": data["sources"], "rows": []}, str(path)).sources
+    for key, text in sources.items():
+        if "https://" not in text and "http://" not in text:
+            raise ConfigError(f"{path}: source {key!r} has no URL")
+    if not isinstance(data["rows"], list):
+        raise ConfigError(f"{path}: rows must be a list")
+    zoo, catalog, rows, seen = set(zoo_names()), load_catalog(), [], set()
+    for i, raw in enumerate(data["rows"]):
+        rid = raw.get("id", f"#{i}") if isinstance(raw, dict) else f"#{i}"
+        where = f"{path}: row {rid!r}"
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
+        if rid in seen:
+            raise ConfigError(f"{where}: id used twice")
+        row = from_dict(PublishedRow, raw, where)
+        _check_row(row, sources, zoo, catalog, where)
+        rows.append(row)
+        seen.add(rid)
+    return PublishedSet(sources, tuple(rows))

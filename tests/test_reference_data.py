@@ -1,0 +1,92 @@
+"""The published reference set (configs/reference/published.yaml): its coverage, every row citable
+and priceable, and a bad row refused in one line that names it."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from batchsim.configs import ConfigError
+from batchsim.server.models.spec import zoo_spec
+from batchsim.server.perf.reference import PUBLISHED_PATH, load_published
+
+# The coverage the set must keep (issue 34): raise these as rows are added, never lower them.
+MIN_ROWS, MIN_ENGINES, MIN_CHIPS, MIN_MAX_BATCH, MIN_MAX_PROMPT = 40, 5, 6, 5, 30000
+
+
+@pytest.fixture(scope="module")
+def published():
+    return load_published()
+
+
+def test_coverage(published):
+    rows = published.rows
+    assert len(rows) >= MIN_ROWS
+    assert len({r.engine for r in rows}) >= MIN_ENGINES
+    assert len({r.chip for r in rows}) >= MIN_CHIPS
+    assert max(r.batch for r in rows) >= MIN_MAX_BATCH
+    assert max(r.prompt_tokens or 0 for r in rows) >= MIN_MAX_PROMPT
+    moe = {zoo_spec(m).active_params < zoo_spec(m).num_params for m in {r.model for r in rows}}
+    assert moe == {True, False}  # dense and mixture-of-experts models both measured
+
+
+def test_every_source_has_an_url_and_is_cited(published):
+    for key, text in published.sources.items():
+        assert "https://" in text, key
+    assert {r.src for r in published.rows} <= set(published.sources)
+
+
+def test_ids_unique_and_batched_rows_aggregate(published):
+    ids = [r.id for r in published.rows]
+    assert len(ids) == len(set(ids))
+    assert all(r.measures == "per_request" for r in published.rows if r.batch == 1)
+
+
+def test_batched_rows_have_a_batch1_row_from_their_source(published):
+    """The gain ratio needs a batch-1 figure of the same model, chip and source."""
+    for r in published.rows:
+        if r.batch > 1:
+            same = [b for b in published.by_src(r.src)
+                    if b.batch == 1 and (b.model, b.weights, b.chip) == (r.model, r.weights, r.chip)]
+            assert same, r.id
+
+
+def _write(tmp_path, **change):
+    data = yaml.safe_load(PUBLISHED_PATH.read_text())
+    data["rows"] = [dict(data["rows"][0], **change)]
+    path = tmp_path / "published.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"weights": "q3"}, "weights 'q3'"),
+    ({"measures": "mean"}, "measures 'mean'"),
+    ({"src": "nowhere"}, "src 'nowhere' is not listed"),
+    ({"model": "gpt-9"}, "model 'gpt-9' is not in the zoo"),
+    ({"chip": "M9 Max"}, "no catalog Mac M9 Max"),
+    ({"chip": "M4 Pro", "gpu_cores": 17}, "no catalog Mac M4 Pro 17"),
+    ({"tok_s": -1.0}, "must be positive"),
+    ({"batch": "four"}, "batch: expected an integer"),
+    ({"streamed": "yes"}, "streamed: expected true or false"),
+    ({"colour": "red"}, "unknown key 'colour'"),
+])
+def test_a_bad_row_is_refused_in_one_line_naming_it(tmp_path, change, says):
+    path = _write(tmp_path, id="bad-row", **change)
+    with pytest.raises(ConfigError) as exc:
+        load_published(path)
+    msg = str(exc.value)
+    assert "row 'bad-row'" in msg and says in msg and "\n" not in msg
+
+
+def test_a_repeated_id_and_a_source_without_url_are_refused(tmp_path):
+    data = yaml.safe_load(PUBLISHED_PATH.read_text())
+    data["rows"] = [data["rows"][0], data["rows"][0]]
+    path = tmp_path / "twice.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="used twice"):
+        load_published(path)
+    data["rows"] = data["rows"][:1]
+    data["sources"][data["rows"][0]["src"]] = "a blog post"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="has no URL"):
+        load_published(path)

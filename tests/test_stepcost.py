@@ -36,7 +36,8 @@ def _plan(index, *, new=(), prefills=(), decode=(), positions=(), pool=EMPTY_POO
 
 def _parts_sum(t: StepTime) -> float:
     return (t.weights_s + t.matmul_s + t.attention_s + t.elementwise_s + t.fixed_s
-            + t.step_overhead_s + t.copy_s + t.experts_s)
+            + t.step_overhead_s + t.copy_s + t.experts_s + t.attention_rows_s + t.token_ops_s
+            + t.sampling_s + t.host_step_s + t.host_token_s)
 
 
 @pytest.mark.parametrize("kind", sorted(COSTS))
@@ -85,7 +86,8 @@ def test_parts_as_dict_carry_the_total():
     d = t.as_dict()
     assert d["total_s"] == t.total_s
     assert set(d) == {"weights_s", "matmul_s", "attention_s", "elementwise_s", "fixed_s",
-                      "step_overhead_s", "copy_s", "experts_s", "comm_s", "total_s"}
+                      "step_overhead_s", "copy_s", "experts_s", "comm_s", "attention_rows_s",
+                      "token_ops_s", "sampling_s", "host_step_s", "host_token_s", "total_s"}
 
 
 @pytest.mark.parametrize("model", ["smollm2-135m", "tiny-moe", "tiny-sliding"])

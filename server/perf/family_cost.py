@@ -155,7 +155,7 @@ class FamilyCost:
         if cal is not None:
             return (nbytes * cal.attention_decode_ns_per_byte
                     + scores * cal.attention_decode_ns_per_score) * 1e-9
-        return nbytes / self.cost.profile.bytes_per_s
+        return nbytes / self.cost.profile.kv_bytes_per_s
 
     @property
     def _flops_per_s(self) -> float:

@@ -42,6 +42,18 @@ class GpuFit:
     compute_fitted_on: str = ""  # the prefill rows compute_efficiency was fitted on
     # Leave-one-chip-out / leave-one-model-out |error| of batch-1 decode tok/s (median, worst).
     errors: dict[str, float] = dataclasses.field(default_factory=dict)
+    # Work that grows with the rows (StepTime's attention_rows_s, token_ops_s, sampling_s; 0: not
+    # fitted): decode attention's fixed cost per row per layer and its K/V read's fraction of peak
+    # bandwidth (0: the weights' for the format), elementwise kernels' cost per token per layer,
+    # sampling per sampled row.
+    attention_row_us: float = 0.0
+    kv_bandwidth_efficiency: float = 0.0
+    token_layer_us: float = 0.0
+    sampling_row_us: float = 0.0
+    # Quantized GEMMs' arithmetic ceiling as a fraction of the chip's FP16 peak, keyed by bits
+    # (absent: compute_efficiency, the float one); a Mac's profile gets quantized_gemm_gflops
+    # from it. Their bytes already have their own rate: bandwidth_efficiency by format.
+    quantized_gemm_efficiency: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         missing = [f for f in FORMATS if f not in self.bandwidth_efficiency]
@@ -49,6 +61,11 @@ class GpuFit:
             raise ValueError(f"bandwidth_efficiency needs {', '.join(FORMATS)} in (0, 1]")
         if not 0 < self.compute_efficiency <= 1 or not 0 < self.expert_bandwidth_efficiency <= 1:
             raise ValueError("compute_efficiency and expert_bandwidth_efficiency must be in (0, 1]")
+        fractions = [self.kv_bandwidth_efficiency, *self.quantized_gemm_efficiency.values()]
+        if any(not 0 <= v <= 1 for v in fractions):
+            raise ValueError("kv_bandwidth_efficiency and the quantized efficiencies must be in [0, 1]")
+        if min(self.attention_row_us, self.token_layer_us, self.sampling_row_us) < 0:
+            raise ValueError("attention_row_us, token_layer_us and sampling_row_us must be >= 0")
 
     def summary(self) -> str:
         eff = ", ".join(f"{f} {v:.2f}" for f, v in self.bandwidth_efficiency.items())
@@ -85,8 +102,14 @@ def mac_profile(mac: Mac, fit: GpuFit, quantize_bits: int | None,
     bw = fit.bandwidth_efficiency[fit_format(quantize_bits)]
     profile = mac.profile(bw if bandwidth_efficiency is None else bandwidth_efficiency,
                           fit.compute_efficiency if compute_efficiency is None else compute_efficiency)
+    fp16_tflops = profile.tflops("float16")
     return dataclasses.replace(
         profile, layer_overhead_s=fit.layer_overhead_us * 1e-6,
         expert_bandwidth_efficiency=fit.expert_bandwidth_efficiency,
         forward_overhead_s=fit.forward_overhead_us * 1e-6,
-        fitted_on=f"{fit.fitted_on} ({fit.summary()})")
+        fitted_on=f"{fit.fitted_on} ({fit.summary()})",
+        attention_row_s=fit.attention_row_us * 1e-6, token_layer_s=fit.token_layer_us * 1e-6,
+        sampling_row_s=fit.sampling_row_us * 1e-6,
+        kv_bandwidth_efficiency=fit.kv_bandwidth_efficiency,
+        quantized_gemm_gflops={b: e * fp16_tflops * 1e3
+                               for b, e in fit.quantized_gemm_efficiency.items()})

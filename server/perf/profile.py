@@ -81,6 +81,12 @@ class Calibration:
     # `speed_probe` timings (ms) at calibration time: `validate` reruns the probe to tell a stale
     # profile (the device got slower or faster since) from a wrong model.
     speed_probe_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    # Per-row and per-token terms (0: not measured; the step is priced as before): decode
+    # attention's fixed cost per row per layer, elementwise kernels' per token per layer, sampling
+    # per sampled row.
+    attention_row_ns: float = 0.0
+    token_layer_ns: float = 0.0
+    sampling_row_us: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +110,20 @@ class DeviceProfile:
     expert_bandwidth_efficiency: float = 1.0
     # What the profile's terms were fitted on ("" for a plain roofline or a hand-written profile).
     fitted_on: str = ""
+    # 4/8-bit affine matmuls' own ceilings, keyed by bits (empty: the float ones): bytes of a
+    # quantized GEMV at quantized_gemv_gbs, arithmetic of a quantized GEMM at quantized_gemm_gflops.
+    quantized_gemv_gbs: dict[int, float] = dataclasses.field(default_factory=dict)
+    quantized_gemm_gflops: dict[int, float] = dataclasses.field(default_factory=dict)
     # Operator-level terms measured by `batchsim calibrate` (None: the plain roofline above).
     calibration: Calibration | None = None
+    # Per-row and per-token work of a roofline step (a calibrated device measures its own in
+    # `calibration`): decode attention's fixed kernel cost per row per layer, its K/V read at this
+    # fraction of peak bandwidth (0: bandwidth_efficiency), elementwise kernels' fixed cost per
+    # token per layer, and sampling per sampled row. All zero: the plain roofline.
+    attention_row_s: float = 0.0
+    kv_bandwidth_efficiency: float = 0.0
+    token_layer_s: float = 0.0
+    sampling_row_s: float = 0.0
 
     def tflops(self, dtype: str) -> float:
         try:
@@ -116,6 +134,11 @@ class DeviceProfile:
     @property
     def bytes_per_s(self) -> float:
         return self.bandwidth_gbs * 1e9 * self.bandwidth_efficiency
+
+    @property
+    def kv_bytes_per_s(self) -> float:
+        """Decode attention's K/V read rate: its own efficiency, else the weights'."""
+        return self.bandwidth_gbs * 1e9 * (self.kv_bandwidth_efficiency or self.bandwidth_efficiency)
 
     def flops_per_s(self, dtype: str) -> float:
         return self.tflops(dtype) * 1e12 * self.compute_efficiency
@@ -128,7 +151,11 @@ def at_speed(profile: DeviceProfile, speed: float) -> DeviceProfile:
         profile, bandwidth_gbs=profile.bandwidth_gbs * speed,
         peak_tflops={k: v * speed for k, v in profile.peak_tflops.items()},
         forward_overhead_s=profile.forward_overhead_s / speed,
-        layer_overhead_s=profile.layer_overhead_s / speed)
+        layer_overhead_s=profile.layer_overhead_s / speed,
+        quantized_gemv_gbs={b: v * speed for b, v in profile.quantized_gemv_gbs.items()},
+        quantized_gemm_gflops={b: v * speed for b, v in profile.quantized_gemm_gflops.items()},
+        attention_row_s=profile.attention_row_s / speed,
+        token_layer_s=profile.token_layer_s / speed, sampling_row_s=profile.sampling_row_s / speed)
     c = profile.calibration
     if c is None:
         return profile

@@ -22,6 +22,7 @@ from batchsim.scheduler import prefill_groups
 from batchsim.server.models.arch import QUANT_GROUP_SIZE, quantized_matrix_bytes
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.perf.cluster import Cluster
+from batchsim.server.perf.engines import EngineProfile, load_engine
 from batchsim.server.perf.family_cost import FamilyCost
 from batchsim.server.perf.profile import (
     KV_DEQUANT_OPS_PER_ELEMENT,
@@ -29,36 +30,7 @@ from batchsim.server.perf.profile import (
     DeviceProfile,
     compute_dtype,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class StepTime:
-    """One step's seconds by part; `total_s` is their sum."""
-
-    weights_s: float  # linear layers and lm head streaming their weights (roofline: bytes-bound ones)
-    matmul_s: float  # linear layers and lm head doing arithmetic (roofline: FLOP-bound ones)
-    attention_s: float  # decode: K/V reads (+ scores); prefill: score/value FLOPs, score bytes
-    elementwise_s: float  # norms, RoPE, activations, residuals, logits
-    fixed_s: float  # per layer and per forward pass (op dispatch, graph building)
-    step_overhead_s: float  # the engine's own work per step (scheduling, hand-off, sync)
-    copy_s: float = 0.0  # KV pool copies: joins, compaction, regrowth
-    experts_s: float = 0.0  # MoE: routed experts' gathered matmuls (their weights and FLOPs)
-    comm_s: float = 0.0  # between ranks: all-reduces (tensor parallel) or sends (pipeline); 0 on one
-
-    @property
-    def total_s(self) -> float:
-        return sum(dataclasses.astuple(self))
-
-    def __add__(self, other: StepTime) -> StepTime:
-        return StepTime(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
-
-    def as_dict(self) -> dict[str, float]:
-        return {**dataclasses.asdict(self), "total_s": self.total_s}
-
-    def shares(self) -> dict[str, float] | None:
-        """Each part's fraction of the total (None for a zero total)."""
-        total = self.total_s
-        return {k: v / total for k, v in dataclasses.asdict(self).items()} if total > 0 else None
+from batchsim.server.perf.step_time import StepTime
 
 
 class Chunk(Protocol):
@@ -87,13 +59,30 @@ def weight_bytes_per_element(fmt: str) -> float:
     return matrix_weight_bytes(fmt, QUANT_GROUP_SIZE, 1) / QUANT_GROUP_SIZE
 
 
+def matmul_rates(profile: DeviceProfile, quantize_bits: int | None,
+                 act_dtype: str) -> tuple[tuple[float, float], bool]:
+    """((bytes/s, FLOP/s) a linear layer runs at on a roofline, whether a quantized ceiling set
+    either): a quantized layer's bytes at the profile's quantized GEMV rate and its arithmetic at
+    its quantized GEMM rate (measured rates: no efficiency applied), else the float ones."""
+    gemv = profile.quantized_gemv_gbs.get(quantize_bits) if quantize_bits else None
+    gemm = profile.quantized_gemm_gflops.get(quantize_bits) if quantize_bits else None
+    bytes_per_s = gemv * 1e9 if gemv else profile.bytes_per_s
+    flops_per_s = gemm * 1e9 if gemm else profile.flops_per_s(act_dtype)
+    return (bytes_per_s, flops_per_s), bool(gemv or gemm)
+
+
 
 class StepCost:
     def __init__(self, spec: ModelSpec, profile: DeviceProfile, dtype: str,
-                 quantize_bits: int | None, kv_bits: int | None = None, cluster: Cluster | None = None):
+                 quantize_bits: int | None, kv_bits: int | None = None, cluster: Cluster | None = None,
+                 engine: EngineProfile | None = None):
         self.spec = spec
         self.profile = profile
         self.cal: Calibration | None = profile.calibration
+        self.engine = engine or load_engine()
+        # An engine that runs this model one row at a time: a B-row step is B one-row passes.
+        self.serial = self.engine.serial_for(spec.model_type)
+        self.quantize_bits = quantize_bits
         self.fmt = weight_format(dtype, quantize_bits)
         self.act_dtype = compute_dtype(dtype, quantize_bits)
         self.act_bytes = dtype_bytes(self.act_dtype)
@@ -101,13 +90,16 @@ class StepCost:
         # N Macs sharing the model (step_time prices one rank's share plus the link); None: one.
         self.cluster = cluster if cluster is not None and cluster.ranks > 1 else None
         self.kv_bytes_per_token = spec.kv_bytes_per_token(self.act_dtype, kv_bits)
+        # (bytes/s, FLOP/s) of the linear layers on a roofline: the quantized ceilings if any.
+        self.matmul_rates, quantized = matmul_rates(profile, quantize_bits, self.act_dtype)
         self.gemm = None
-        if self.cal is not None:
+        if self.cal is not None and not (quantized and self.fmt not in self.cal.gemm):
             if self.fmt not in self.cal.gemm:
                 raise ValueError(f"profile {profile.name} has no GEMM calibration for {self.fmt}; "
                                  f"calibrated: {', '.join(self.cal.gemm)}")
             self.gemm = self.cal.gemm[self.fmt]
         self.layer_shapes = spec.layer_linear_shapes  # (out, in) per layer
+        self.row_s = self._per_row_s()
         self._decode_cached = lru_cache(maxsize=None)(self._decode_parts)
         self._elementwise_s = lru_cache(maxsize=4096)(self._elementwise_s)  # per instance
         self.linear_layers_s = lru_cache(maxsize=4096)(self.linear_layers_s)  # per instance
@@ -118,9 +110,9 @@ class StepCost:
     # -- linear layers -------------------------------------------------------------------------
     def _roofline_terms(self, m: int, k: int, n: int) -> tuple[float, float]:
         """(seconds moving the bytes, seconds doing the FLOPs) of one (m x k) @ (k x n)."""
-        p = self.profile
         moved = matrix_weight_bytes(self.fmt, k, n) + m * (k + n) * self.act_bytes
-        return moved / p.bytes_per_s, 2 * m * k * n / p.flops_per_s(self.act_dtype)
+        bytes_per_s, flops_per_s = self.matmul_rates
+        return moved / bytes_per_s, 2 * m * k * n / flops_per_s
 
     def _linear_s(self, m: int, k: int, n: int) -> float:
         if self.gemm is not None:
@@ -170,8 +162,9 @@ class StepCost:
         return self.bytes_s(self.elementwise_bytes(m, logits))
 
     def weight_stream_s(self, k: int, n: int) -> float:
-        """Seconds to stream one (k -> n) weight matrix from memory at the achievable bandwidth."""
-        return matrix_weight_bytes(self.fmt, k, n) / self.profile.bytes_per_s
+        """Seconds to stream one (k -> n) weight matrix from memory at the achievable bandwidth
+        (a quantized GEMV's own where the profile has it)."""
+        return matrix_weight_bytes(self.fmt, k, n) / self.matmul_rates[0]
 
     def bytes_s(self, nbytes: float) -> float:
         """Seconds of elementwise-style traffic: the calibrated rate or the achievable bandwidth."""
@@ -220,7 +213,7 @@ class StepCost:
                   + self.decode_attention_scores(batch, 1) * self.cal.attention_decode_ns_per_score)
             seconds = ns * 1e-9
         else:
-            seconds = per_width / self.profile.bytes_per_s
+            seconds = per_width / self.profile.kv_bytes_per_s
         if self.kv_bits is not None:
             seconds += self.kv_dequant_s(batch, 1)
         return seconds
@@ -249,10 +242,33 @@ class StepCost:
         kv_read = (start + n) * self.kv_bytes_per_token
         return max(flops / self.profile.flops_per_s(self.act_dtype), kv_read / self.profile.bytes_per_s)
 
+    # -- work per row and per token, whatever its bytes ----------------------------------------
+    def _per_row_s(self) -> tuple[float, float, float, float]:
+        """Seconds per decode row of attention's fixed kernel cost, per token of elementwise
+        kernels' (every layer), per sampled row of sampling and of the engine's host work."""
+        layers, cal, p = self.spec.num_layers, self.cal, self.profile
+        if cal is not None:
+            attention, token, sample = (cal.attention_row_ns * 1e-9, cal.token_layer_ns * 1e-9,
+                                        cal.sampling_row_us * 1e-6)
+        else:
+            attention, token, sample = p.attention_row_s, p.token_layer_s, p.sampling_row_s
+        return layers * attention, layers * token, sample, self.engine.host_token_s
+
+    def _row_parts(self, decode_rows: int, tokens: int, sampled: int) -> dict[str, float]:
+        """StepTime's per-row parts of a forward over `tokens` tokens, `decode_rows` of them
+        decoding, `sampled` rows sampling a token."""
+        attention, token, sample, host = self.row_s
+        return {"attention_rows_s": decode_rows * attention, "token_ops_s": tokens * token,
+                "sampling_s": sampled * sample, "host_token_s": sampled * host}
+
     # -- the simulator's fast path: the same blocks, summed ------------------------------------
     def _decode_parts(self, batch: int) -> tuple[float, float]:
+        if self.serial and batch > 1:  # one row at a time
+            base, per_width = self._decode_cached(1)
+            return batch * base, batch * per_width
         base = (self.linear_layers_s(batch) + self.lm_head_s(batch)
                 + self._elementwise_s(batch, logits=True) + self._fixed_s())
+        base += sum(self._row_parts(batch, batch, batch).values())
         return base, self._decode_attention_per_width_s(batch)
 
     def decode_parts(self, batch: int) -> tuple[float, float]:
@@ -274,7 +290,7 @@ class StepCost:
         t = self.linear_layers_s(n) + self._elementwise_s(n, logits=False) + self._fixed_s()
         if sample:  # one row's lm head and logits (summed as before, for byte-identical runs)
             t += self.lm_head_s(1) + self._elementwise_s(1, logits=True) - self._elementwise_s(1, False)
-        return t
+        return t + sum(self._row_parts(0, n, int(sample)).values())
 
     def prefill_forward_s(self, n: int, start: int, sample: bool, rows: int = 1) -> float:
         if self.family is not None or rows > 1:
@@ -286,40 +302,55 @@ class StepCost:
         return nbytes / (gbs * 1e9)
 
     @property
-    def step_overhead_s(self) -> float:
+    def device_overhead_s(self) -> float:
+        """batchsim's engine work per step as calibrated on the device (0 on a catalog Mac)."""
         return self.cal.step_overhead_us * 1e-6 if self.cal is not None else 0.0
+
+    @property
+    def step_overhead_s(self) -> float:
+        """What every step costs beyond its forward passes: the device's calibrated overhead
+        plus the engine profile's host work per step (StepTime's step_overhead_s + host_step_s)."""
+        return self.device_overhead_s + self.engine.host_step_s
 
     # -- the named parts -----------------------------------------------------------------------
     def decode_time(self, batch: int, width: int) -> StepTime:
-        """One decode forward over `batch` rows padded to `width` cached tokens (no step overhead)."""
+        """One decode forward over `batch` rows padded to `width` cached tokens (no step
+        overhead); an engine running this model one row at a time: `batch` one-row forwards."""
+        if self.serial and batch > 1:
+            return self.decode_time(1, width).times(batch)
+        rows = self._row_parts(batch, batch, batch)
         if self.family is not None:
-            return self._family_time(self.family.decode(batch, width))
+            return self._family_time(self.family.decode(batch, width), rows)
         weights_s, matmul_s = self._linear_parts(batch, batch)
         return StepTime(weights_s, matmul_s, self._decode_attention_per_width_s(batch) * width,
-                        self._elementwise_s(batch, logits=True), self._fixed_s(), 0.0)
+                        self._elementwise_s(batch, logits=True), self._fixed_s(), 0.0, **rows)
 
     def prefill_time(self, n: int, start: int, sample: bool, rows: int = 1) -> StepTime:
         """One prefill forward of `n` tokens after `start` cached ones, for `rows` prompts at once
         (prefill_groups.py: their linear layers one GEMM over rows x n tokens, one fixed cost;
-        no step overhead)."""
+        no step overhead; an engine running this model one row at a time: one prompt a pass)."""
+        if self.serial and rows > 1:
+            return self.prefill_time(n, start, sample).times(rows)
+        row_parts = self._row_parts(0, rows * n, rows if sample else 0)
         if self.family is not None:
-            return self._family_time(self.family.prefill(n, start, sample, rows))
+            return self._family_time(self.family.prefill(n, start, sample, rows), row_parts)
         weights_s, matmul_s = self._linear_parts(rows * n, rows if sample else 0)
         elementwise_s = rows * (self._elementwise_s(n, logits=False)
                                 + (self._sampled_logits_s() if sample else 0.0))
         return StepTime(weights_s, matmul_s, rows * self._prefill_attention_s(n, start),
-                        elementwise_s, self._fixed_s(), 0.0)
+                        elementwise_s, self._fixed_s(), 0.0, **row_parts)
 
-    def _family_time(self, parts: tuple[float, ...]) -> StepTime:
+    def _family_time(self, parts: tuple[float, ...], row_parts: dict[str, float]) -> StepTime:
         weights_s, matmul_s, experts_s, attention_s, elementwise_s = parts
         return StepTime(weights_s, matmul_s, attention_s, elementwise_s, self._fixed_s(), 0.0,
-                        experts_s=experts_s)
+                        experts_s=experts_s, **row_parts)
 
     def step_time(self, decode_rows: int = 0, width: int = 0, prefills: Iterable[Chunk] = (),
                   copy_bytes: float = 0.0) -> StepTime:
         """One engine step: its prefill chunks, a decode forward over `decode_rows` rows padded to
         `width` tokens, the pool copies before them and the engine's overhead."""
-        total = StepTime(0.0, 0.0, 0.0, 0.0, 0.0, self.step_overhead_s, self.copy_s(copy_bytes))
+        total = StepTime(0.0, 0.0, 0.0, 0.0, 0.0, self.device_overhead_s, self.copy_s(copy_bytes),
+                         host_step_s=self.engine.host_step_s)
         rows = head_rows = 0
         for group in prefill_groups.groups(list(prefills)):
             c, g = group[0], len(group)

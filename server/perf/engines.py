@@ -1,0 +1,71 @@
+"""Serving-engine profiles (configs/engines/NAME.yaml): what an engine costs on the host beyond
+the device's forward passes (per step, per generated token: scheduling, sampling, detokenizing,
+streaming) and what it batches. The step cost (server.perf.stepcost) prices every step with
+one; `batchsim` (this project's own engine) is the default. Pure Python, data only: the numbers
+live in the YAML files, where a fit may overwrite them."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import lru_cache
+
+from batchsim.configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
+
+ENGINES_DIR = CONFIG_DIR / "engines"
+DEFAULT_ENGINE = "batchsim"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineProfile:
+    """One serving engine's host costs and batching, as the step cost reads them."""
+
+    name: str  # the file's stem: what --engine takes
+    host_step_us: float  # host work per engine step (scheduling, graph building, hand-off)
+    host_token_us: float  # host work per generated token (sampling, detokenizing, streaming)
+    # False: every request runs alone, one row at a time (a B-row step costs B one-row passes).
+    batches: bool = True
+    # Architectures (mlx-lm model_type) it runs one row at a time even when it batches others.
+    serial_model_types: tuple[str, ...] = ()
+    version: str = ""  # the engine version the numbers describe
+    source: str = ""  # the published measurements the numbers come from, or why they are zero
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        for key in ("host_step_us", "host_token_us"):
+            value = getattr(self, key)
+            if not 0 <= value < math.inf:
+                raise ValueError(f"{key} must be >= 0 and finite, got {value}")
+
+    def serial_for(self, model_type: str) -> bool:
+        """Whether this engine runs a model of `model_type` one row at a time."""
+        return not self.batches or model_type in self.serial_model_types
+
+    @property
+    def host_step_s(self) -> float:
+        return self.host_step_us * 1e-6
+
+    @property
+    def host_token_s(self) -> float:
+        return self.host_token_us * 1e-6
+
+
+def engine_names() -> list[str]:
+    return sorted(p.stem for p in ENGINES_DIR.glob("*.yaml"))
+
+
+def engine_help() -> str:
+    """The --engine flag's help, for every command that takes it."""
+    return (f"serving engine whose host costs and batching the simulated step prices "
+            f"(configs/engines: {', '.join(engine_names())}); a real run records it")
+
+
+@lru_cache(maxsize=32)
+def load_engine(name: str | None = None) -> EngineProfile:
+    """The engine profile `name` names (None: the default); an unknown name is a one-line error
+    listing the known ones."""
+    name = name or DEFAULT_ENGINE
+    path = ENGINES_DIR / f"{name}.yaml"
+    if "/" in name or not path.is_file():
+        raise ConfigError(f"unknown engine {name!r}; known: {', '.join(engine_names())}")
+    return from_dict(EngineProfile, {**load_yaml(path), "name": name}, str(path))

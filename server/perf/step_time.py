@@ -1,0 +1,47 @@
+"""One step's seconds by named part: what the performance model (server.perf.stepcost) returns
+and `size --explain` prints."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """One step's seconds by part; `total_s` is their sum."""
+
+    weights_s: float  # linear layers and lm head streaming their weights (roofline: bytes-bound ones)
+    matmul_s: float  # linear layers and lm head doing arithmetic (roofline: FLOP-bound ones)
+    attention_s: float  # decode: K/V reads (+ scores); prefill: score/value FLOPs, score bytes
+    elementwise_s: float  # norms, RoPE, activations, residuals, logits
+    fixed_s: float  # per layer and per forward pass (op dispatch, graph building)
+    step_overhead_s: float  # the engine's own work per step (scheduling, hand-off, sync)
+    copy_s: float = 0.0  # KV pool copies: joins, compaction, regrowth
+    experts_s: float = 0.0  # MoE: routed experts' gathered matmuls (their weights and FLOPs)
+    comm_s: float = 0.0  # between ranks: all-reduces (tensor parallel) or sends (pipeline); 0 on one
+    # Work that grows with the rows, whatever their bytes (profile.py: zero unless set or measured):
+    attention_rows_s: float = 0.0  # decode attention's fixed kernel cost per row per layer
+    token_ops_s: float = 0.0  # elementwise kernels' fixed cost per token per layer
+    sampling_s: float = 0.0  # sampling per sampled row
+    # The serving engine's host work (server.perf.engines): per step and per generated token.
+    host_step_s: float = 0.0
+    host_token_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return sum(dataclasses.astuple(self))
+
+    def __add__(self, other: StepTime) -> StepTime:
+        return StepTime(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    def times(self, k: int) -> StepTime:
+        """k of these one after another (an engine running rows one at a time)."""
+        return StepTime(*(k * a for a in dataclasses.astuple(self)))
+
+    def as_dict(self) -> dict[str, float]:
+        return {**dataclasses.asdict(self), "total_s": self.total_s}
+
+    def shares(self) -> dict[str, float] | None:
+        """Each part's fraction of the total (None for a zero total)."""
+        total = self.total_s
+        return {k: v / total for k, v in dataclasses.asdict(self).items()} if total > 0 else None

@@ -1,0 +1,120 @@
+"""The step's per-row and host terms, serving-engine profiles and quantized ceilings: each term
+prices what it names, defaults to nothing, and the simulator charges what `step_time` says."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from batchsim.configs import ConfigError
+from batchsim.scheduler.plan import PrefillChunk
+from batchsim.server.models.spec import zoo_spec
+from batchsim.server.perf import macs
+from batchsim.server.perf.engines import EngineProfile, engine_names, load_engine
+from batchsim.server.perf.gpu_fit import load_fit, mac_profile
+from batchsim.server.perf.stepcost import StepCost
+
+from tests.test_sim import PROFILE
+
+
+def _mac(label: str = "M4 Max 40c", quantize_bits: int | None = 4):
+    mac, _ = macs.load_catalog().variant(label)
+    return mac_profile(mac, load_fit(), quantize_bits)
+
+
+def _engine(**kw) -> EngineProfile:
+    return EngineProfile(**{"name": "test", "host_step_us": 0.0, "host_token_us": 0.0, **kw})
+
+
+def test_every_shipped_engine_loads_and_says_where_its_numbers_come_from():
+    names = engine_names()
+    assert {"batchsim", "mlx-lm-generate", "mlx-lm-batch", "mlx-lm-server", "vllm-mlx",
+            "lm-studio"} <= set(names)
+    for name in names:
+        e = load_engine(name)
+        assert e.name == name and e.source
+    assert load_engine().name == "batchsim"
+    assert not load_engine("mlx-lm-generate").batches
+
+
+def test_unknown_engine_is_one_line_listing_the_known_ones():
+    with pytest.raises(ConfigError, match="unknown engine 'nope'; known: batchsim, ") as exc:
+        load_engine("nope")
+    assert "\n" not in str(exc.value)
+    with pytest.raises(ConfigError, match="unknown engine"):
+        load_engine("../devices/linux-x86_64-openblas-2core")
+
+
+@pytest.mark.parametrize("profile,dtype,quant", [(PROFILE, "float32", None),
+                                                 (_mac(), "float16", 4)])
+def test_new_terms_default_to_nothing(profile, dtype, quant):
+    """Unset, the new parts are zero: a calibrated profile's prices are what they were."""
+    t = StepCost(zoo_spec("smollm2-135m"), profile, dtype, quant).step_time(
+        decode_rows=4, width=100, prefills=(PrefillChunk(9, 0, 64, True),))
+    assert t.attention_rows_s == t.token_ops_s == t.sampling_s == 0
+    assert t.host_step_s == t.host_token_s == 0
+
+
+def test_per_row_terms_grow_with_the_rows_and_the_simulator_charges_them():
+    from batchsim.server.executors.sim_executor import SimExecutor
+
+    spec = zoo_spec("llama-3.2-1b")
+    base = _mac()
+    terms = dict(attention_row_s=2e-6, token_layer_s=1e-6, sampling_row_s=30e-6)
+    cost = StepCost(spec, dataclasses.replace(base, **terms), "float16", 4,
+                    engine=_engine(host_step_us=500, host_token_us=100))
+    plain = StepCost(spec, base, "float16", 4)
+    for rows in (1, 8, 32):
+        t, t0 = cost.step_time(decode_rows=rows, width=128), plain.step_time(decode_rows=rows, width=128)
+        assert t.attention_rows_s == pytest.approx(rows * spec.num_layers * 2e-6)
+        assert t.token_ops_s == pytest.approx(rows * spec.num_layers * 1e-6)
+        assert t.sampling_s == pytest.approx(rows * 30e-6)
+        assert t.host_token_s == pytest.approx(rows * 100e-6) and t.host_step_s == 500e-6
+        added = t.attention_rows_s + t.token_ops_s + t.sampling_s + t.host_token_s + t.host_step_s
+        assert t.total_s == pytest.approx(t0.total_s + added, rel=1e-12)
+        # The simulator's fast path charges the same step.
+        assert cost.decode_forward_s(rows, 128) + cost.step_overhead_s == pytest.approx(t.total_s, rel=1e-12)
+    # A prefill chunk pays per-token work per token, and sampling once if it samples.
+    chunk = cost.prefill_time(256, 0, True)
+    assert chunk.token_ops_s == pytest.approx(256 * spec.num_layers * 1e-6)
+    assert chunk.sampling_s == pytest.approx(30e-6) and chunk.host_token_s == pytest.approx(100e-6)
+    assert cost.prefill_forward_s(256, 0, True) == pytest.approx(chunk.total_s, rel=1e-12)
+    ex = SimExecutor(cost)
+    assert ex.overhead_s == pytest.approx(500e-6)
+
+
+def test_kv_read_at_its_own_efficiency():
+    spec, base = zoo_spec("llama-3.2-1b"), _mac()
+    half = StepCost(spec, dataclasses.replace(base, kv_bandwidth_efficiency=base.bandwidth_efficiency / 2),
+                    "float16", 4)
+    same = StepCost(spec, base, "float16", 4)
+    a, b = half.decode_time(8, 4096), same.decode_time(8, 4096)
+    assert a.attention_s == pytest.approx(2 * b.attention_s)
+    assert a.weights_s == b.weights_s  # the weights keep theirs
+
+
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "qwen3-next-80b-a3b"])
+def test_an_engine_that_runs_rows_alone_prices_b_one_row_passes(model):
+    spec = zoo_spec(model)
+    serial = StepCost(spec, _mac(), "float16", 4, engine=load_engine("mlx-lm-generate"))
+    batched = StepCost(spec, _mac(), "float16", 4)
+    one = batched.decode_time(1, 512).total_s
+    assert serial.decode_time(8, 512).total_s == pytest.approx(8 * one, rel=1e-12)
+    assert serial.decode_forward_s(8, 512) == pytest.approx(8 * one, rel=1e-12)
+    assert batched.decode_time(8, 512).total_s < 4 * one  # batching shares the weights
+    chunks = tuple(PrefillChunk(i, 0, 64, True) for i in range(3))
+    assert serial.step_time(prefills=chunks).total_s == pytest.approx(
+        3 * batched.prefill_time(64, 0, True).total_s, rel=1e-12)
+
+
+def test_an_engine_serial_for_one_architecture_batches_the_others():
+    engine = _engine(serial_model_types=("qwen3_next",))
+    hybrid = StepCost(zoo_spec("qwen3-next-80b-a3b"), _mac(), "float16", 4, engine=engine)
+    dense = StepCost(zoo_spec("llama-3.2-1b"), _mac(), "float16", 4, engine=engine)
+    assert hybrid.serial and not dense.serial
+    assert hybrid.decode_time(4, 256).total_s == pytest.approx(4 * hybrid.decode_time(1, 256).total_s)
+
+
+def test_engine_profile_refuses_negative_costs(tmp_path):
+    with pytest.raises(ValueError, match="host_token_us"):
+        _engine(host_token_us=-1)

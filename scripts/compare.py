@@ -20,6 +20,7 @@ from batchsim.scripts.common import (
     timestamp,
 )
 from batchsim.scripts.run_cmd import (
+    add_engine_arg,
     add_model_args,
     add_scheduler_args,
     add_workload_args,
@@ -58,7 +59,7 @@ JSONL_KEYS = ("max_num_seqs", "completed", "failed", "total_input_tokens", "tota
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    add_model_args(p)
+    add_engine_arg(add_model_args(p))
     g = add_scheduler_args(p, max_num_seqs=False)
     add_field_argument(g, SchedulerSettings, "max_num_seqs", "max_num_seqs of the batched run "
                        "(the other run uses 1)", flag="--batch", unset=False)
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace) -> dict:
     _print(batch1, batched, args.batch, rat)
     stamp = timestamp()
     row = {"kind": "compare", "time": stamp, "model": batched["model"], "dtype": batched["dtype"],
-           "executor": batched["executor"], "workload": spec.name, "num_prompts": spec.num_prompts,
+           "executor": batched["executor"], "engine": cfg_b.engine, "workload": spec.name, "num_prompts": spec.num_prompts,
            "seed": spec.seed, "batch": args.batch, "speedup": speedup, "ratios": rat,
            "batch1": {k: batch1.get(k) for k in JSONL_KEYS},
            "batched": {k: batched.get(k) for k in JSONL_KEYS}, "env": batched["env"]}

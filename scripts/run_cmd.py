@@ -78,6 +78,12 @@ def add_kv_bits_arg(g: argparse._ArgumentGroup) -> None:
                        choices=list(KV_BITS))
 
 
+def add_engine_arg(g: argparse._ArgumentGroup) -> None:
+    from batchsim.server.perf.engines import engine_help
+
+    add_field_argument(g, RunConfig, "engine", engine_help())
+
+
 def add_scheduler_args(p: argparse.ArgumentParser, max_num_seqs: bool = True):
     """The scheduler flags (unset unless given: they override a config's `scheduler:` section);
     returns the group, for a command's own flags."""
@@ -126,7 +132,9 @@ def add_workload_args(p: argparse.ArgumentParser, defaults: WorkloadSpec | None 
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="run config YAML (model/scheduler/workload sections) "
                    "or a workload YAML; default: the built-in default workload")
-    add_kv_bits_arg(add_model_args(p))
+    g = add_model_args(p)
+    add_kv_bits_arg(g)
+    add_engine_arg(g)
     add_scheduler_args(p)
     add_workload_args(p)
     g = p.add_argument_group("report")
@@ -178,6 +186,7 @@ def config_from_args(args: argparse.Namespace, default: RunConfig | None = None)
     return with_run_overrides(
         cfg, workload, model=args.model, dtype=args.dtype, quantize=args.quantize,
         kv_bits=getattr(args, "kv_bits", None), executor=args.executor, device_profile=args.device_profile, memory_gb=args.memory_gb,
+        engine=getattr(args, "engine", None),
         ignore_eos=args.ignore_eos, target=args.target, percentiles=args.percentiles,
         goodput=parse_goodput(args.goodput) if args.goodput else None,
         **scheduler_overrides(args),

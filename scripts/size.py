@@ -29,6 +29,7 @@ from batchsim.server.models.loader import spec_for
 from batchsim.server.models.spec import FLOAT_DTYPES, KV_BITS, QUANT_BITS, ModelSpec, zoo_names
 from batchsim.server.perf import macs
 from batchsim.server.perf.cluster import Cluster, resolve_link
+from batchsim.server.perf.engines import DEFAULT_ENGINE, engine_help, load_engine
 from batchsim.server.perf.gpu_fit import fit_format, load_fit
 from batchsim.server.perf.profile import KV_DEQUANT_OPS_PER_ELEMENT
 from batchsim.server.perf.size_limits import (
@@ -77,8 +78,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "prompt rates)")
     p.add_argument("--explain", action="store_true",
                    help="also print the predicted decode step's parts (weights, matmul, attention, "
-                        "elementwise, fixed, overhead) at batch 1 and at the max batch; the JSON "
-                        "rows gain parts_b1 and parts_max_batch (seconds)")
+                        "elementwise, fixed, overhead, per-row and host work) at batch 1 and at the "
+                        "max batch; the JSON rows gain parts: {b1, max_batch}, seconds by name")
+    add_engine_argument(p)
     c = p.add_argument_group("cluster (tensor- or pipeline-parallel across Macs)")
     c.add_argument("--macs", type=positive_int, default=1,
                    help="N Macs of each row's kind and memory: weights split across them, KV "
@@ -91,6 +93,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "pipeline: layers split, one batch passes the Macs in turn")
     p.add_argument("--out", type=Path, default=Path("results"),
                    help="directory for size.jsonl and the PNG")
+
+
+def add_engine_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--engine NAME: the serving engine a prediction prices (configs/engines)."""
+    p.add_argument("--engine", default=DEFAULT_ENGINE,
+                   help=f"{engine_help()} [default: {DEFAULT_ENGINE}, this project's own]")
 
 
 def _non_negative(text: str) -> float:
@@ -119,7 +127,7 @@ def run(args: argparse.Namespace) -> dict:
                       args.fit_quantile, args.seed)
     meta = _meta(args, spec, catalog, ctx)
     s = Settings(args.dtype, args.quantize, args.bandwidth_efficiency, args.compute_efficiency,
-                 meta["os_reserve_gb"], args.kv_bits, fit=load_fit())
+                 meta["os_reserve_gb"], args.kv_bits, fit=load_fit(), engine=load_engine(args.engine))
     cluster = _cluster(args)
     meta.update(_cluster_meta(cluster))
     rows = [mac_row(spec, m, gb, ctx, s, ws, explain=args.explain, cluster=cluster)
@@ -157,7 +165,7 @@ def _cluster_meta(cluster: Cluster | None) -> dict:
 def _meta(args: argparse.Namespace, spec: ModelSpec, catalog: macs.Catalog,
           ctx: ContextFit) -> dict:
     """Run-level settings, each with where it comes from (flags override the catalog)."""
-    ws, fit = catalog.metal_working_set, load_fit()
+    ws, fit, engine = catalog.metal_working_set, load_fit(), load_engine(args.engine)
     bw_eff, bw_src = fit.bandwidth_efficiency[fit_format(args.quantize)], fit.fitted_on
     cmp_eff, cmp_src = fit.compute_efficiency, fit.compute_fitted_on
     if args.bandwidth_efficiency is not None:
@@ -166,7 +174,7 @@ def _meta(args: argparse.Namespace, spec: ModelSpec, catalog: macs.Catalog,
         cmp_eff, cmp_src = args.compute_efficiency, "--compute-efficiency"
     return {
         "model": spec.name, "dtype": args.dtype, "quantize_bits": args.quantize,
-        "kv_bits": args.kv_bits,
+        "kv_bits": args.kv_bits, "engine": engine.name, "engine_source": engine.source,
         "context": ctx.label, "context_fixed": ctx.fixed, "context_mean_tokens": ctx.mean_tokens,
         "fit_quantile": ctx.quantile, "fit_trials": ctx.trials, "seed": args.seed,
         "max_batch_cap": MAX_BATCH_CAP, "kv_step_tokens": KV_STEP, "page_tokens": PAGE_TOKENS,
@@ -258,15 +266,14 @@ PARTS = tuple(f.name for f in dataclasses.fields(StepTime)) + ("total_s",)
 
 
 def _print_parts(rows: list[dict], meta: dict) -> None:
-    """The predicted decode step, part by part, in ms: one line per Mac, memory size and batch."""
-    body = []
-    for r in rows:
-        for batch, key in ((1, "parts_b1"), (r["max_batch"], "parts_max_batch")):
-            parts = r[key]
-            if parts is not None:
-                body.append([f"{r['label']} {r['memory_gb']:g}GB", batch]
-                            + [1e3 * parts[p] for p in PARTS] + [batch / parts["total_s"]])
-    cols = ["Mac", "batch"] + [p.removesuffix("_s").replace("_", " ") + " ms" for p in PARTS] + ["tok/s"]
+    """The predicted decode step, part by part, in ms: one line per Mac, memory size and batch
+    (parts that are zero in every line left out)."""
+    steps = [(r, batch, r["parts"][key]) for r in rows
+             for batch, key in ((1, "b1"), (r["max_batch"], "max_batch")) if r["parts"][key]]
+    shown = [p for p in PARTS if p == "total_s" or any(parts[p] for _, _, parts in steps)]
+    body = [[f"{r['label']} {r['memory_gb']:g}GB", batch] + [1e3 * parts[p] for p in shown]
+            + [batch / parts["total_s"]] for r, batch, parts in steps]
+    cols = ["Mac", "batch"] + [p.removesuffix("_s").replace("_", " ") + " ms" for p in shown] + ["tok/s"]
     out.print(table(f"Predicted decode step by part, context {meta['context']} (mean "
                     f"{meta['context_mean_tokens']:.0f} tokens read per row)", cols, body))
     out.print("weights: linear layers streaming their weights (bandwidth-bound ones on a roofline); "
@@ -274,7 +281,9 @@ def _print_parts(rows: list[dict], meta: dict) -> None:
               "norms, activations, logits; fixed: per layer and forward pass (a Mac's fitted kernel "
               "dispatch and sync); step overhead: per engine step (zero on a catalog Mac); copy: "
               "KV pool copies (none in steady decode); experts: MoE routed experts (the distinct "
-              "experts the batch routes to).")
+              "experts the batch routes to); attention rows: attention's fixed cost per row; "
+              "token ops: elementwise kernels' per token; sampling: per row; host step / host "
+              f"token: the engine's ({meta['engine']}) host work. Zero parts are not shown.")
 
 
 def _held_out(errors: dict) -> str:

@@ -24,7 +24,12 @@ from batchsim.scripts.common import (
     table,
     timestamp,
 )
-from batchsim.scripts.run_cmd import add_kv_bits_arg, add_model_args, warn_profile_mismatch
+from batchsim.scripts.run_cmd import (
+    add_engine_arg,
+    add_kv_bits_arg,
+    add_model_args,
+    warn_profile_mismatch,
+)
 from batchsim.server.engine.run_config import RunConfig, with_run_overrides
 from batchsim.server.perf import sweep_limits as sweep_math
 from batchsim.workloads.lengths import LengthSpec
@@ -39,7 +44,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                      f"padded KV rows of round_up(prompt + output - 1, {KV_STEP}) tokens fit the "
                      "budget. Measured overrun: the first batch the engine never decoded together "
                      "(requests queued for memory) or had to preempt.")
-    add_kv_bits_arg(add_model_args(p))
+    g = add_model_args(p)
+    add_kv_bits_arg(g)
+    add_engine_arg(g)
     # The shared flag's help names the device default; here the default is --limit-batch.
     p._option_string_actions["--memory-gb"].help = (
         "memory budget for weights + KV in GiB (emulate a Mac); default: sized by --limit-batch")
@@ -107,7 +114,8 @@ def _base_session(args: argparse.Namespace):
 
     cfg = with_run_overrides(RunConfig(), {}, model=args.model, dtype=args.dtype,
                              quantize=args.quantize, kv_bits=args.kv_bits, executor=args.executor,
-                             device_profile=args.device_profile, memory_gb=args.memory_gb)
+                             device_profile=args.device_profile, memory_gb=args.memory_gb,
+                             engine=args.engine)
     warn_profile_mismatch(cfg)
     base = open_session(cfg)
     if args.memory_gb is not None or args.device_budget:
@@ -184,6 +192,7 @@ def _meta(args: argparse.Namespace, base, budget: int, source: str) -> dict:
     return {
         "model": base.ref.name, "dtype": base.dtype, "quantize_bits": base.ref.quantize_bits,
         "kv_bits": base.config.kv_bits, "executor": base.config.executor,
+        "engine": base.config.engine,
         "prompt_len": args.prompt_len, "output_len": args.output_len,
         "seq_kv_tokens": sweep_math.seq_kv_tokens(args.prompt_len, args.output_len),
         "memory_budget_bytes": budget, "budget_source": source, "weight_bytes": base.weight_bytes,

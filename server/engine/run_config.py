@@ -33,6 +33,7 @@ class RunConfig:
     kv_bits: int | None = None  # KV_BITS: K/V held as mlx-lm's QuantizedKVCache (full layers)
     executor: ExecutorName = "mlx"
     device_profile: str | None = None  # simulator: profile name in configs/devices or a YAML path
+    engine: str = "batchsim"  # serving engine the simulator prices (configs/engines); recorded
     memory_gb: float | None = None  # budget for weights + KV in GiB; default: the device's
     ignore_eos: bool = True  # generate exactly each request's output length
     scheduler: SchedulerSettings = SchedulerSettings()
@@ -50,6 +51,9 @@ class RunConfig:
             raise ConfigError(f"kv_bits: {self.kv_bits} is not allowed; allowed: {allowed}")
         if self.memory_gb is not None and not 0 < self.memory_gb < math.inf:
             raise ConfigError(f"memory_gb must be > 0 and finite, got {self.memory_gb}")
+        from batchsim.server.perf.engines import load_engine
+
+        load_engine(self.engine)  # an unknown engine: a one-line error listing the known ones
 
 
 def load_run_config(path: str | Path) -> RunConfig:

@@ -191,7 +191,7 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
     plans = len(steps)
     summary.update({
         "model": session.ref.name, "dtype": session.dtype, "quantize_bits": session.ref.quantize_bits,
-        "executor": cfg.executor, "workload": spec.name,
+        "executor": cfg.executor, "engine": cfg.engine, "workload": spec.name,
         "max_num_seqs": cfg.scheduler.max_num_seqs, "memory_budget_bytes": session.memory_budget_bytes,
         "budget_source": session.budget_source, "num_steps": run.engine.scheduler.num_steps,
         "num_plans": plans, "wall_s": wall, "mean_plan_wall_ms": 1e3 * wall / plans if plans else 0.0,

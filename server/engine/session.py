@@ -88,7 +88,7 @@ class Session:
     def with_config(self, cfg: RunConfig) -> Session:
         """The same loaded model under other scheduler limits, budget or workload."""
         # What built the executor.
-        keep = ("model", "dtype", "quantize", "kv_bits", "executor", "device_profile")
+        keep = ("model", "dtype", "quantize", "kv_bits", "executor", "device_profile", "engine")
         if any(getattr(cfg, k) != getattr(self.config, k) for k in keep):
             raise ValueError("with_config keeps the model and executor; open a new session instead")
         budget, source = memory_budget(cfg.memory_gb)

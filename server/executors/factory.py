@@ -24,9 +24,11 @@ def build_executor(cfg: Any, ref: Any, model: Any = None) -> Executor:
     if cfg.executor == "sim":
         from batchsim.server.executors.sim_executor import SimExecutor
         from batchsim.server.perf.devices import resolve_profile
+        from batchsim.server.perf.engines import load_engine
         from batchsim.server.perf.stepcost import StepCost
 
         profile = resolve_profile(cfg.device_profile, ref.quantize_bits)
-        cost = StepCost(ref.spec, profile, ref.dtype, ref.quantize_bits, kv_bits=cfg.kv_bits)
+        cost = StepCost(ref.spec, profile, ref.dtype, ref.quantize_bits, kv_bits=cfg.kv_bits,
+                        engine=load_engine(cfg.engine))
         return SimExecutor(cost, cache=ref.spec.cache_layout(cost.act_dtype, cfg.kv_bits))
     raise ValueError(f"unknown executor {cfg.executor!r} (mlx, sim or fake)")

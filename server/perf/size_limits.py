@@ -16,6 +16,7 @@ from batchsim.server.models.arch_cache import cache_bytes, generate_calls
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.perf import macs
 from batchsim.server.perf.cluster import Cluster
+from batchsim.server.perf.engines import EngineProfile
 from batchsim.server.perf.gpu_fit import GpuFit, mac_profile
 from batchsim.server.perf.profile import DeviceProfile
 from batchsim.server.perf.stepcost import StepCost, StepTime
@@ -126,6 +127,7 @@ class Settings:
     kv_bits: int | None = None  # K/V held as mlx-lm's QuantizedKVCache at 4 or 8 bits
     # The fitted GPU step (server.perf.gpu_fit); None: a plain roofline at the efficiencies above.
     fit: GpuFit | None = None
+    engine: EngineProfile | None = None  # the serving engine (server.perf.engines); None: batchsim
 
 
 def mac_profile_for(mac: macs.Mac, s: Settings) -> DeviceProfile:
@@ -139,7 +141,7 @@ def mac_cost(spec: ModelSpec, mac: macs.Mac, s: Settings, cluster: Cluster | Non
     """The simulator's step cost on this Mac; with `cluster`, one rank's share on N such Macs plus
     the link."""
     return StepCost(spec, mac_profile_for(mac, s), s.dtype, s.quantize_bits, s.kv_bits,
-                    cluster=cluster)
+                    cluster=cluster, engine=s.engine)
 
 
 def decode_step(cost: StepCost, batch: int, context_tokens: int) -> StepTime | None:
@@ -188,6 +190,7 @@ def mac_row(spec: ModelSpec, mac: macs.Mac, memory_gb: float, ctx: ContextFit, s
     row = {
         "chip": mac.chip, "gpu_cores": mac.gpu_cores, "label": mac.label, "memory_gb": memory_gb,
         "profile": profile.name, "profile_fitted_on": profile.fitted_on or profile.source,
+        "engine": cost.engine.name,
         "bandwidth_gbs": mac.bw_gbs, "peaks_estimated": mac.estimate,
         "compute_known": mac.compute_known,
         "usable_bytes": usable, "usable_bytes_raised": raised, "weight_bytes": weights,
@@ -201,7 +204,7 @@ def mac_row(spec: ModelSpec, mac: macs.Mac, memory_gb: float, ctx: ContextFit, s
         "decode_tok_s_b1": tok_s(step_b1, b1), "decode_tok_s_max_batch": tok_s(step_max, padded),
         "bound_at_max_batch": bound(step_max),
     }
-    if explain:
-        row["parts_b1"] = step_b1.as_dict() if step_b1 else None
-        row["parts_max_batch"] = step_max.as_dict() if step_max else None
+    if explain:  # StepTime's parts in seconds, by name (None: no such batch)
+        row["parts"] = {"b1": step_b1.as_dict() if step_b1 else None,
+                        "max_batch": step_max.as_dict() if step_max else None}
     return row

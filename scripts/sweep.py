@@ -204,14 +204,15 @@ def _meta(args: argparse.Namespace, base, budget: int, source: str) -> dict:
 
 
 def _profile_fields(base) -> dict:
-    """Which device profile a simulated sweep priced its steps with, and what that profile was
-    fitted on (None for a real run: the device is this machine)."""
+    """Which device profile and engine a simulated sweep priced its steps with, and what that
+    profile was fitted on (profile None for a real run: the device is this machine)."""
+    engine = {"engine": base.config.engine}
     if base.config.executor != "sim":
-        return {"profile": None, "profile_fitted_on": None}
+        return {"profile": None, "profile_fitted_on": None, **engine}
     from batchsim.server.perf.devices import resolve_profile
 
     p = resolve_profile(base.config.device_profile, base.ref.quantize_bits)
-    return {"profile": p.name, "profile_fitted_on": p.fitted_on or p.source}
+    return {"profile": p.name, "profile_fitted_on": p.fitted_on or p.source, **engine}
 
 
 def _announce(meta: dict, batches: list[int]) -> None:

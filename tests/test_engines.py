@@ -118,3 +118,36 @@ def test_an_engine_serial_for_one_architecture_batches_the_others():
 def test_engine_profile_refuses_negative_costs(tmp_path):
     with pytest.raises(ValueError, match="host_token_us"):
         _engine(host_token_us=-1)
+
+
+def test_size_and_sweep_price_the_engine_named_and_say_so(tmp_path, capsys):
+    """`--engine` reaches both commands' one step cost: `size` at batch 1 predicts what the
+    simulated sweep measures at the same context, and a serving engine's per-token host cost
+    slows both; every row names its engine."""
+    import argparse
+    import json
+
+    from batchsim.scripts import size
+    from batchsim.scripts.cli import main
+
+    def sweep(engine: str) -> dict:
+        assert main(["sweep", "--executor", "sim", "--device-profile", "M4 Max 40c", "--model",
+                     "llama-3.2-1b", "--dtype", "float16", "--quantize", "4", "--engine", engine,
+                     "--batches", "1", "--prompt-len", "192", "--output-len", "64",
+                     "--no-progress", "--out", str(tmp_path), "--runs-dir", str(tmp_path)]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"][0]
+
+    def predict(engine: str) -> dict:
+        parser = argparse.ArgumentParser()
+        size.add_parser(parser)
+        args = parser.parse_args(["--model", "llama-3.2-1b", "--quantize", "4", "--mac",
+                                  "M4 Max 40c", "--memory-gb", "64", "--context", "224",
+                                  "--engine", engine, "--out", str(tmp_path)])
+        return size.run(args)["rows"][0]
+
+    served, plain = sweep("vllm-mlx-server"), sweep("batchsim")
+    assert served["engine"] == "vllm-mlx-server" and plain["engine"] == "batchsim"
+    row = predict("vllm-mlx-server")
+    assert row["engine"] == "vllm-mlx-server"
+    assert served["decode_tok_s"] == pytest.approx(row["decode_tok_s_b1"], rel=0.02)
+    assert served["decode_tok_s"] < 0.7 * plain["decode_tok_s"]

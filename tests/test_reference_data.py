@@ -10,7 +10,7 @@ from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf.reference import PUBLISHED_PATH, load_published
 
 # The coverage the set must keep (issue 34): raise these as rows are added, never lower them.
-MIN_ROWS, MIN_ENGINES, MIN_CHIPS, MIN_MAX_BATCH, MIN_MAX_PROMPT = 180, 5, 10, 16, 30000
+MIN_ROWS, MIN_ENGINES, MIN_CHIPS, MIN_MAX_BATCH, MIN_MAX_PROMPT = 185, 5, 10, 32, 30000
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +41,14 @@ def test_ids_unique_and_batched_rows_aggregate(published):
     assert all(r.measures == "per_request" for r in published.rows if r.batch == 1)
 
 
-def test_batched_rows_have_a_batch1_row_from_their_source(published):
-    """The gain ratio needs a batch-1 figure of the same model, chip and source."""
+def test_batched_rows_have_another_batch_from_their_source(published):
+    """The gain ratio needs a second batch size (batch 1 where published) of the same model, chip
+    and source."""
     for r in published.rows:
         if r.batch > 1:
-            same = [b for b in published.by_src(r.src)
-                    if b.batch == 1 and (b.model, b.weights, b.chip) == (r.model, r.weights, r.chip)]
-            assert same, r.id
+            same = {b.batch for b in published.by_src(r.src)
+                    if (b.model, b.weights, b.chip) == (r.model, r.weights, r.chip)}
+            assert len(same) > 1, r.id
 
 
 def _write(tmp_path, **change):

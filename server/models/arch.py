@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any
 
 from batchsim.configs import ConfigError
-from batchsim.server.models.arch_cache import cache_bytes
+from batchsim.server.models.arch_cache import cache_bytes, check_kv_bits
 from batchsim.server.models.arch_families import BUILDERS, NEVER_TIED, TIED_DEFAULT, Layer, Mat
 
 # mlx-lm's default affine quantization: one fp16 scale and one fp16 bias per group of 64 weights.
@@ -70,10 +70,7 @@ class Arch:
 
     def cache_layout_check(self, kv_bits: int) -> None:
         """Raises ConfigError if some layer's cache cannot be quantized to kv_bits by mlx-lm."""
-        cached = [lay.attention for lay in self.layers if lay.attention.kind != "linear"]
-        # The kind first (a sliding or MLA layer is refused whatever its dims), in layer order.
-        for att in sorted(cached, key=lambda a: a.kind == "full"):
-            att.token_bytes(1, kv_bits)
+        check_kv_bits((lay.attention for lay in self.layers), kv_bits)
 
     def kv_bytes_per_token(self, act_bytes: int, kv_bits: int | None = None) -> int:
         """Bytes each further token adds once windows are full: full-attention and MLA layers."""

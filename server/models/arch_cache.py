@@ -7,6 +7,7 @@ and a float32 recurrent state."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 
 from batchsim.configs import ConfigError
@@ -20,9 +21,10 @@ KV_GROUP_SIZE = 64  # QuantizedKVCache's default group along each head's dims
 
 @dataclasses.dataclass(frozen=True)
 class Attention:
-    """One layer's attention and its cache. full / sliding: K and V rows of `heads` x `k_dim` and
-    `heads` x `v_dim` per token; mla: heads=1, k_dim the latent (kv_lora_rank), v_dim the RoPE key;
-    linear: `conv_elems` in the activation dtype plus `state_elems` float32, whatever the length."""
+    """One layer's attention and its cache: the one description the spec, the cost model and the
+    real executor's pool share. full / sliding: K and V rows of `heads` x `k_dim` and `heads` x
+    `v_dim` per token; mla: heads=1, k_dim the latent (kv_lora_rank), v_dim the RoPE key; linear:
+    ArraysCache's conv state in the activation dtype and recurrent state in float32, any length."""
 
     kind: str  # "full", "sliding", "linear" or "mla"
     heads: int = 0
@@ -30,8 +32,16 @@ class Attention:
     v_dim: int = 0
     window: int = 0  # sliding: RotatingKVCache max_size
     keep: int = 0  # sliding: tokens RotatingKVCache never evicts
-    conv_elems: int = 0
-    state_elems: int = 0
+    conv_shape: tuple[int, ...] = ()  # linear: (kernel - 1, conv channels), without the batch
+    state_shape: tuple[int, ...] = ()  # linear: (value heads, value dim, key dim)
+
+    @property
+    def conv_elems(self) -> int:
+        return math.prod(self.conv_shape) if self.conv_shape else 0
+
+    @property
+    def state_elems(self) -> int:
+        return math.prod(self.state_shape) if self.state_shape else 0
 
     def token_bytes(self, act_bytes: int, kv_bits: int | None = None) -> int:
         """One token's K and V (MLA: latent and RoPE key); with kv_bits, as QuantizedKVCache
@@ -51,11 +61,25 @@ _NOT_QUANTIZABLE = {  # mlx-lm 0.32.2
 }
 
 
-def _quantized_row(dims: int, act_bytes: int, kv_bits: int) -> int:
+def quantized_dims(dims: int, kv_bits: int) -> tuple[int, int]:
+    """(uint32 words, groups) QuantizedKVCache packs a head row of `dims` elements into."""
     if dims % KV_GROUP_SIZE:
         raise ConfigError(f"kv_bits needs head_dim to be a multiple of {KV_GROUP_SIZE} (mlx-lm's KV "
                           f"group); it is {dims}")
-    return dims * kv_bits // 8 + 2 * (dims // KV_GROUP_SIZE) * act_bytes
+    return dims * kv_bits // 32, dims // KV_GROUP_SIZE
+
+
+def _quantized_row(dims: int, act_bytes: int, kv_bits: int) -> int:
+    words, groups = quantized_dims(dims, kv_bits)
+    return words * 4 + 2 * groups * act_bytes  # packed data, then a scale and a bias per group
+
+
+def check_kv_bits(layers: Iterable[Attention], kv_bits: int) -> None:
+    """Raises ConfigError if mlx-lm cannot quantize some layer's cache to kv_bits: the kind first
+    (a sliding or MLA layer is refused whatever its dims), then widths, in layer order."""
+    cached = [att for att in layers if att.kind != "linear"]
+    for att in sorted(cached, key=lambda a: a.kind == "full"):
+        att.token_bytes(1, kv_bits)
 
 
 def cache_bytes(att: Attention, calls: list[int], act_bytes: int, kv_bits: int | None = None) -> int:

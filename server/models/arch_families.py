@@ -152,7 +152,7 @@ def qwen3_next(c: Config) -> list[Layer]:
                       int(c["linear_conv_kernel_dim"]))
     key_dim, value_dim = nk * dk, nv * dv
     conv_dim = 2 * key_dim + value_dim
-    linear = Attention("linear", conv_elems=(kernel - 1) * conv_dim, state_elems=nv * dv * dk)
+    linear = Attention("linear", conv_shape=(kernel - 1, conv_dim), state_shape=(nv, dv, dk))
     lmats = [Mat(2 * key_dim + 2 * value_dim, h), Mat(2 * nv, h), Mat(h, value_dim)]
     lsmall = conv_dim * kernel + 2 * nv + dv  # conv1d, dt_bias, A_log, gated norm
     full, fmats_att = _gqa(c, q_mult=2)  # q_proj also yields the output gate

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from batchsim.scheduler.cache_layout import CacheLayout
-from batchsim.scheduler.kv_layout import KV_STEP
+from batchsim.scheduler.kv_bytes import CacheLayout
+from batchsim.scheduler.pool_geometry import KV_STEP
 
 Policy = Literal["decode-first", "prefill-first"]
 

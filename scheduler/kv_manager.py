@@ -4,8 +4,8 @@ Allocator verbs in the nano-vllm style: `can_*` asks, `commit` applies a plan, `
 
 from __future__ import annotations
 
-from batchsim.scheduler.cache_layout import CacheLayout, PrivateCache
-from batchsim.scheduler.kv_layout import EMPTY_POOL, PoolGeometry, next_geometry
+from batchsim.scheduler.kv_bytes import CacheLayout, PrivateCache
+from batchsim.scheduler.pool_geometry import EMPTY_POOL, PoolGeometry, next_geometry
 
 
 class KVAccountError(AssertionError):

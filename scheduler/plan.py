@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from batchsim.scheduler.kv_layout import PoolGeometry
+from batchsim.scheduler.pool_geometry import PoolGeometry
 from batchsim.scheduler.request import SamplingParams
 
 

@@ -1,6 +1,6 @@
 """Prompts that start in the same step with chunks of one length prefill together: one forward
 pass over a batch of fresh private caches, which the MLX executor then splits into one cache per
-request (family_cache.split_rows), exactly what each request would hold had it prefilled alone;
+request (prefill_cache.split_rows), exactly what each request would hold had it prefilled alone;
 the simulator prices the group as that one forward pass (StepCost.prefill_time's `rows`). Equal
 lengths need no padding, so every cache kind batches this way (a linear-attention state or a
 sliding ring would be corrupted by pad tokens). Each matrix is read once for the group, and a

@@ -14,7 +14,7 @@ import logging
 from collections import deque
 
 from batchsim.scheduler.config import SchedulerConfig
-from batchsim.scheduler.kv_layout import PoolGeometry
+from batchsim.scheduler.pool_geometry import PoolGeometry
 from batchsim.scheduler.kv_manager import KVAccountError, KVManager
 from batchsim.scheduler.plan import NewRequest, StepPlan, StepResult
 from batchsim.scheduler.request import Request, RequestStatus

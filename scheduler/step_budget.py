@@ -5,9 +5,9 @@ it fits (vLLM's `allocate_slots -> None`, nano-vllm's `can_allocate`)."""
 
 from __future__ import annotations
 
-from batchsim.scheduler.cache_layout import PrivateCache
+from batchsim.scheduler.kv_bytes import PrivateCache
 from batchsim.scheduler.config import SchedulerConfig
-from batchsim.scheduler.kv_layout import KV_STEP, PoolGeometry, round_down
+from batchsim.scheduler.pool_geometry import KV_STEP, PoolGeometry, round_down
 from batchsim.scheduler.kv_manager import KVManager
 from batchsim.scheduler.plan import PrefillChunk
 from batchsim.scheduler.request import Request

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from batchsim.configs import ConfigError
 from batchsim.scheduler.config import SchedulerSettings
-from batchsim.scheduler.kv_layout import KV_STEP
+from batchsim.scheduler.pool_geometry import KV_STEP
 from batchsim.scripts.common import (
     CommandFailed,
     add_field_argument,

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 import numpy as np
-from batchsim.scheduler.kv_layout import KV_STEP, PAGE_TOKENS
+from batchsim.scheduler.pool_geometry import KV_STEP, PAGE_TOKENS
 from batchsim.scripts.common import (
     add_field_argument,
     append_jsonl,

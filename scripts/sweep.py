@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from batchsim.configs import ConfigError
-from batchsim.scheduler.kv_layout import KV_STEP
+from batchsim.scheduler.pool_geometry import KV_STEP
 from batchsim.scripts.common import (
     add_field_argument,
     append_jsonl,

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from batchsim.scheduler.kv_layout import PoolGeometry
-from batchsim.server.executors.kv_pool import DecodePool
+from batchsim.scheduler.pool_geometry import PoolGeometry
+from batchsim.server.executors.decode_pool import DecodePool
+from batchsim.server.models.arch_cache import Attention
 
 from tests.test_mlx_executor import _alone, _kvt, _run
 
 
 def _pool(lengths: list[int]) -> DecodePool:
-    pool = DecodePool(num_layers=2, kv_heads=2, head_dim=4, dtype=mx.float32)
+    pool = DecodePool([Attention("full", heads=2, k_dim=4, v_dim=4)] * 2, mx.float32)
     pool.resize(PoolGeometry(len(lengths), 256))
     for rid, n in enumerate(lengths):
         pool.add(rid, None, n)

@@ -15,8 +15,8 @@ from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
-from batchsim.server.executors.family_pool import FamilyPool
-from batchsim.server.executors.family_stores import DecodeStep
+from batchsim.server.executors.decode_pool import DecodePool
+from batchsim.server.executors.kv_store import DecodeStep
 from batchsim.server.executors.mlx_executor import MLXExecutor
 from batchsim.workloads.lengths import parse_length
 from batchsim.workloads.spec import WorkloadSpec
@@ -76,11 +76,14 @@ def _mlx_lm_greedy(model, ids: list[int], n: int, make_cache=make_prompt_cache) 
 CASES = {"tiny-sliding": (5, 300, 30), "tiny-hybrid": (3, 260, 8), "tiny-mla": (5, 300, 30)}
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_family_pool_holds_what_the_spec_prices(name, batchsim_home):
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe", *FAMILIES])
+def test_the_pool_holds_the_layers_the_spec_describes(name, batchsim_home):
+    # One description: what the executor reads from the model's caches is the spec's, per layer.
     ref, model = _model(name)
     ex = MLXExecutor(model)
-    assert isinstance(ex.pool, FamilyPool)
+    assert ex.layers == [lay.attention for lay in ref.spec.arch.layers]
+    stores = {"full": "KVStore", "mla": "KVStore", "sliding": "RingStore", "linear": "StateStore"}
+    assert [type(s).__name__ for s in ex.pool.stores] == [stores[a.kind] for a in ex.layers]
     assert ex.cache_layout == ref.spec.cache_layout("float32")
     assert ex.kv_bytes_per_token == ref.spec.kv_bytes_per_token("float32")
 
@@ -109,9 +112,7 @@ def test_sliding_rows_wrap_their_ring(batchsim_home, monkeypatch):
     specs = [(0, list(range(3, 3 + 70 + 7 * i)), 24) for i in range(3)]
     good = _run(model, layout, specs, max_num_seqs=3)[0]
     assert good == {i: _mlx_lm_greedy(model, ids, out) for i, (_, ids, out) in enumerate(specs)}
-    from batchsim.server.executors import family_stores
-
-    monkeypatch.setattr(family_stores.DecodeStep, "slots",
+    monkeypatch.setattr(DecodeStep, "slots",
                         lambda self, ring: mx.minimum(self.positions, ring - 1))
     assert _run(model, layout, specs, max_num_seqs=3)[0] != good
 
@@ -125,16 +126,16 @@ GROUP_CASES = {"tiny": (4, 300, 12), "tiny-moe": (4, 300, 12), "tiny-sliding": (
 
 @pytest.mark.parametrize("name", list(GROUP_CASES))
 def test_prompts_of_one_length_prefill_together_as_they_do_alone(name, batchsim_home, monkeypatch):
-    from batchsim.server.executors import family_cache
+    from batchsim.server.executors import prefill_cache
 
     ref, model = _model(name)
     layout = ref.spec.cache_layout("float32")
     n, prompt, out = GROUP_CASES[name]
     rng = random.Random(5)
     specs = [(0, [rng.randrange(ref.spec.vocab_size) for _ in range(prompt)], out) for _ in range(n)]
-    split = family_cache.split_rows
+    split = prefill_cache.split_rows
     sizes = []
-    monkeypatch.setattr(family_cache, "split_rows",
+    monkeypatch.setattr(prefill_cache, "split_rows",
                         lambda caches, rows: sizes.append(rows) or split(caches, rows))
     cfg = dict(max_num_seqs=n, prefill_step_size=256, max_num_batched_tokens=1024)
     batched = _run(model, layout, specs, **cfg)[0]  # the driver checks the KV bytes every step
@@ -142,7 +143,7 @@ def test_prompts_of_one_length_prefill_together_as_they_do_alone(name, batchsim_
     assert batched == _alone(model, layout, specs)
     assert batched == {i: _mlx_lm_greedy(model, ids, o) for i, (_, ids, o) in enumerate(specs)}
     # Negative control: every request handed the group's first row diverges.
-    monkeypatch.setattr(family_cache, "split_rows", lambda caches, rows: [split(caches, rows)[0]] * rows)
+    monkeypatch.setattr(prefill_cache, "split_rows", lambda caches, rows: [split(caches, rows)[0]] * rows)
     assert _run(model, layout, specs, **cfg)[0] != batched
 
 
@@ -150,13 +151,13 @@ def test_a_step_masks_only_slots_some_row_has_not_filled():
     # Rows of 40, 77 and 84 tokens write their 41st, 78th and 85th: a full layer (85 slots) masks
     # each row past its own token; a 64-slot ring masks only the row that has not wrapped; once
     # every row has wrapped, or all rows are at one position, nothing is masked.
-    step = DecodeStep([40, 77, 84], capacity=128)
+    step = DecodeStep([40, 77, 84])
     full = step.mask(85)[:, 0, 0]
     assert full.sum(axis=1).tolist() == [41, 78, 85]
     ring = step.mask(64)[:, 0, 0]
     assert ring.sum(axis=1).tolist() == [41, 64, 64] and not ring[0, 41:].any()
-    assert DecodeStep([70, 77, 84], capacity=128).mask(64) is None
-    assert DecodeStep([9, 9], capacity=16).mask(10) is None
+    assert DecodeStep([70, 77, 84]).mask(64) is None
+    assert DecodeStep([9, 9]).mask(10) is None
 
 
 @pytest.mark.parametrize("name", ["tiny-sliding", "tiny-hybrid"])
@@ -173,7 +174,7 @@ def test_steps_run_ahead_are_used_or_undone_and_change_no_token(name, batchsim_h
     assert ahead == _run(model, layout, specs, run_ahead=False, **cfg)[0]
     assert _run.executor.ahead_steps == {"used": 0, "undone": 0}
     if name == "tiny-hybrid":  # negative control: an undo that keeps the advanced state diverges
-        monkeypatch.setattr(FamilyPool, "_restore_states", lambda self, states: None)
+        monkeypatch.setattr(DecodePool, "_restore_states", lambda self, states: None)
         assert _run(model, layout, specs, **cfg)[0] != ahead
 
 

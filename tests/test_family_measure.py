@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from batchsim.scheduler.cache_layout import CacheLayout
+from batchsim.scheduler.kv_bytes import CacheLayout
 from batchsim.server.engine.run_config import RunConfig, SchedulerSettings
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session

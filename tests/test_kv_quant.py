@@ -10,7 +10,7 @@ import pytest
 import yaml
 from batchsim.configs import ConfigError
 from batchsim.scheduler.config import SchedulerSettings
-from batchsim.scheduler.kv_layout import KV_STEP, private_cache_tokens, round_up
+from batchsim.scheduler.pool_geometry import KV_STEP, private_cache_tokens, round_up
 from batchsim.scripts import run_cmd, size
 from batchsim.server.engine.run_config import RunConfig, load_run_config
 from batchsim.server.engine.runner import run_workload

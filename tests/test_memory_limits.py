@@ -8,7 +8,7 @@ import dataclasses
 
 import mlx.core as mx
 import pytest
-from batchsim.scheduler.kv_layout import KV_STEP
+from batchsim.scheduler.pool_geometry import KV_STEP
 from batchsim.server.engine import memory
 from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.engine.session import open_session

@@ -7,10 +7,10 @@ import random
 
 import mlx.core as mx
 import pytest
-from batchsim.scheduler.kv_layout import KV_STEP, round_up
+from batchsim.scheduler.pool_geometry import KV_STEP, round_up
 from batchsim.scheduler.request import Request, SamplingParams
 from batchsim.scheduler.scheduler import Scheduler
-from batchsim.server.executors.kv_pool import PoolLayerView
+from batchsim.server.executors.kv_store import KVView
 from batchsim.server.executors.mlx_executor import MLXExecutor
 
 from tests.drivers import config, drive
@@ -92,7 +92,7 @@ def test_a_masking_bug_would_be_caught(tiny, monkeypatch):
     ref, model, _ = tiny
     specs = [(0, ids, out) for _, ids, out in _requests(ref.spec.vocab_size, 6, 3, 500, 30)]
     alone = _alone(model, _kvt(ref), specs)
-    monkeypatch.setattr(PoolLayerView, "make_mask", lambda self, *a, **k: None)
+    monkeypatch.setattr(KVView, "make_mask", lambda self, *a, **k: None)
     broken, _, _ = _run(model, _kvt(ref), specs, max_num_seqs=6)
     assert broken != alone
 

@@ -7,7 +7,7 @@ import os
 import sys
 
 import pytest
-from batchsim.scheduler.kv_layout import KV_STEP, PoolGeometry, round_up
+from batchsim.scheduler.pool_geometry import KV_STEP, PoolGeometry, round_up
 from batchsim.scheduler.kv_manager import KVAccountError
 from batchsim.scheduler.request import RequestStatus
 from batchsim.scheduler.scheduler import Scheduler

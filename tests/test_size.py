@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import yaml
 from batchsim.configs import ConfigError
-from batchsim.scheduler.kv_layout import padded_batch_bytes, paged_bytes
+from batchsim.scheduler.pool_geometry import padded_batch_bytes, paged_bytes
 from batchsim.scripts import size
 from batchsim.scripts.common import dumps
 from batchsim.server.models.spec import zoo_spec

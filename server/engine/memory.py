@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from batchsim.scheduler.kv_layout import KV_STEP
+from batchsim.scheduler.pool_geometry import KV_STEP
 
 # Transient memory one prefill chunk may use: the chunk is shortened until its estimate fits.
 PREFILL_TRANSIENT_BYTES = 512 << 20

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from batchsim.configs import ConfigError
-from batchsim.scheduler.cache_layout import CacheLayout
+from batchsim.scheduler.kv_bytes import CacheLayout
 from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.engine import memory

@@ -5,8 +5,8 @@ into the pool, run each prefill chunk on the request's own mlx-lm caches (fresh 
 together: prefill_groups.py), and run one forward pass
 over every decoding request (each weight matrix multiplied once for B rows), then sample. Before
 reading the sampled tokens it starts the next decode step (lookahead.py), which the next plan
-takes or undoes. Full-attention models decode in kv_pool.DecodePool; sliding-window, linear-attention and MLA caches,
-and quantized K/V (kv_bits), in family_pool.FamilyPool (same interface)."""
+takes or undoes. Every model decodes in decode_pool.DecodePool, one store per layer by the cache
+kind prefill_cache.layers_of reads from the model."""
 
 from __future__ import annotations
 
@@ -17,11 +17,9 @@ import mlx.core as mx
 from batchsim.scheduler import prefill_groups
 from batchsim.scheduler.plan import NewRequest, PrefillChunk, StepPlan, StepResult
 from batchsim.scheduler.request import SamplingParams
-from batchsim.server.executors import family_cache, lookahead
+from batchsim.server.executors import lookahead, prefill_cache
 from batchsim.server.executors.base import ExecutorCaps
-from batchsim.server.executors.family_pool import FamilyPool
-from batchsim.server.executors.kv_pool import DecodePool
-from mlx_lm.models.cache import make_prompt_cache
+from batchsim.server.executors.decode_pool import DecodePool
 
 
 @dataclass(slots=True)
@@ -42,18 +40,10 @@ class MLXExecutor:
         self.run_ahead = run_ahead
         self._ahead: lookahead.Ahead | None = None
         self.ahead_steps = {"used": 0, "undone": 0}
-        layers = model.layers
-        self.num_layers = len(layers)
         self.dtype = self._activation_dtype()
-        # Sliding, linear-attention, MLA or quantized caches: the family pool (family_pool.py).
-        self.family = None
-        if kv_bits is not None or not family_cache.is_plain_full_attention(model):
-            self.family = family_cache.probe(model, kv_bits)
-        else:
-            attn = layers[0].self_attn
-            self.kv_heads = attn.n_kv_heads
-            # From the weights: not every architecture's args carry head_dim (qwen2 derives it).
-            self.head_dim = attn.k_proj.weight.shape[0] // attn.n_kv_heads
+        self.kv_bits = kv_bits
+        # Each layer's cache as arch_cache.Attention: the spec's own description.
+        self.layers = prefill_cache.layers_of(model, self.dtype, kv_bits)
         self.pool = self._new_pool()
         self.seqs: dict[int, SeqState] = {}
         self._split_head = self._head_fn()
@@ -157,10 +147,8 @@ class MLXExecutor:
         self.pool = self._new_pool()
         self.seqs.clear()
 
-    def _new_pool(self) -> DecodePool | FamilyPool:
-        if self.family is not None:
-            return FamilyPool(self.family)
-        return DecodePool(self.num_layers, self.kv_heads, self.head_dim, self.dtype)
+    def _new_pool(self) -> DecodePool:
+        return DecodePool(self.layers, self.dtype, self.kv_bits)
 
     @property
     def cache_layout(self):
@@ -211,8 +199,7 @@ class MLXExecutor:
         if cache is None:
             if start != 0:
                 raise RuntimeError(f"request {rids[0]}: prefill resumes at {start} without a cache")
-            cache = (make_prompt_cache(self.model) if self.family is None
-                     else family_cache.new_private_cache(self.family))
+            cache = prefill_cache.new_private_cache(self.layers, self.kv_bits)
         inputs = mx.array([seq.token_ids[start : start + n] for seq in seqs])
         if not sample:
             self.model.model(inputs, cache=cache)
@@ -222,7 +209,7 @@ class MLXExecutor:
             logits = self._split_head(self.model.model(inputs, cache=cache)[:, -1, :])
         else:
             logits = self.model(inputs, cache=cache)[:, -1, :]
-        rows = [cache] if len(group) == 1 else family_cache.split_rows(cache, len(group))
+        rows = [cache] if len(group) == 1 else prefill_cache.split_rows(cache, len(group))
         for seq, row in zip(seqs, rows):
             seq.cache = row
         return None if logits is None else self._sample(logits, rids)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from batchsim.scheduler.cache_layout import CacheLayout
+from batchsim.scheduler.kv_bytes import CacheLayout
 from batchsim.scheduler.plan import StepPlan, StepResult
 from batchsim.server.executors.sim_executor import SimExecutor
 from batchsim.server.perf.stepcost import StepCost, StepTime

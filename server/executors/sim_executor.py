@@ -6,11 +6,11 @@ steps is timed in one call, stopping at the next arrival."""
 from __future__ import annotations
 
 from batchsim.scheduler import prefill_groups
-from batchsim.scheduler.cache_layout import CacheLayout
-from batchsim.scheduler.kv_layout import PoolGeometry
+from batchsim.scheduler.kv_bytes import CacheLayout
+from batchsim.scheduler.pool_geometry import PoolGeometry
 from batchsim.scheduler.plan import StepPlan, StepResult
 from batchsim.server.executors.base import ExecutorCaps
-from batchsim.server.executors.pool_layout import NO_MOVES, PoolLayout
+from batchsim.server.executors.pool_rows import NO_MOVES, PoolLayout
 from batchsim.server.perf.stepcost import StepCost
 
 
@@ -95,7 +95,7 @@ class SimExecutor:
     def _drop_private(self, request_id: int) -> None:
         self._private_bytes -= self.private.pop(request_id, 0)
 
-    # -- the pool's copies, as pool_layout lays them out for the real DecodePool ------------------
+    # -- the pool's copies, as pool_rows lays them out for the real DecodePool ------------------
     def _free(self, free_ids: tuple[int, ...]) -> float:
         gone = set(free_ids)
         if self.private:

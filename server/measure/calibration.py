@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
-from batchsim.scheduler.cache_layout import CacheLayout
+from batchsim.scheduler.kv_bytes import CacheLayout
 from batchsim.scheduler.config import SchedulerConfig
-from batchsim.scheduler.kv_layout import KV_STEP, PoolGeometry, round_up
+from batchsim.scheduler.pool_geometry import KV_STEP, PoolGeometry, round_up
 from batchsim.scheduler.plan import StepPlan
 from batchsim.scheduler.request import Request, SamplingParams
 from batchsim.scheduler.scheduler import Scheduler

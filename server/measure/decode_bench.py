@@ -11,7 +11,7 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from batchsim.scheduler.cache_layout import CacheLayout
+from batchsim.scheduler.kv_bytes import CacheLayout
 from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.request import Request, SamplingParams
 from batchsim.scheduler.scheduler import Scheduler

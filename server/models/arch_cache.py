@@ -11,8 +11,8 @@ import math
 from collections.abc import Iterable
 
 from batchsim.configs import ConfigError
-from batchsim.scheduler.cache_layout import CacheLayout
-from batchsim.scheduler.kv_layout import KV_STEP  # KVCache.step and RotatingKVCache.step
+from batchsim.scheduler.kv_bytes import CacheLayout
+from batchsim.scheduler.pool_geometry import KV_STEP  # KVCache.step and RotatingKVCache.step
 
 STATE_BYTES = 4  # the gated-delta recurrent state is float32 whatever the activations are
 PREFILL_STEP = 2048  # mlx_lm.generate's prefill_step_size

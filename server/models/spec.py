@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from batchsim.configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
-from batchsim.scheduler.cache_layout import CacheLayout
+from batchsim.scheduler.kv_bytes import CacheLayout
 from batchsim.server.models.arch import Arch, describe
 from batchsim.server.models.arch_cache import cache_layout, generate_calls
 from batchsim.server.models.arch_families import BUILDERS

@@ -11,7 +11,7 @@ from collections import Counter
 
 import numpy as np
 from batchsim.configs import ConfigError
-from batchsim.scheduler.kv_layout import KV_STEP, PAGE_TOKENS, round_up
+from batchsim.scheduler.pool_geometry import KV_STEP, PAGE_TOKENS, round_up
 from batchsim.server.models.arch_cache import cache_bytes, generate_calls
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.perf import macs

@@ -9,7 +9,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from batchsim.scheduler.kv_layout import KV_STEP, padded_batch_bytes, round_up
+from batchsim.scheduler.pool_geometry import KV_STEP, padded_batch_bytes, round_up
 from batchsim.server.results.metrics import StepRecord
 
 
@@ -22,7 +22,7 @@ def seq_kv_tokens(prompt_len: int, output_len: int) -> int:
 
 def batch_kv_bytes(batch: int, prompt_len: int, output_len: int, kv_bytes_per_token: int) -> int:
     """The decode pool of `batch` rows at full length with no spare rows (what the scheduler falls
-    back to when the budget binds, see kv_layout.next_geometry)."""
+    back to when the budget binds, see pool_geometry.next_geometry)."""
     length = prompt_len + max(output_len - 1, 0)
     return padded_batch_bytes([length] * batch, kv_bytes_per_token)
 

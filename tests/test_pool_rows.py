@@ -1,4 +1,4 @@
-"""One pool layout for both executors: the real DecodePool moves MLX arrays exactly as the
+"""One row layout for both executors: the real DecodePool moves MLX arrays exactly as the
 simulator's bookkeeping says, and the simulator prices exactly the bytes the arrays moved."""
 
 from __future__ import annotations
@@ -7,11 +7,13 @@ import random
 
 import mlx.core as mx
 import pytest
-from batchsim.scheduler.kv_layout import EMPTY_POOL, PoolGeometry
+from batchsim.scheduler.pool_geometry import EMPTY_POOL, PoolGeometry
 from batchsim.scheduler.plan import StepPlan
-from batchsim.server.executors.kv_pool import DecodePool
-from batchsim.server.executors.pool_layout import PoolLayout
+from batchsim.scheduler.kv_bytes import CacheLayout
+from batchsim.server.executors.decode_pool import DecodePool
+from batchsim.server.executors.pool_rows import PoolLayout
 from batchsim.server.executors.sim_executor import SimExecutor
+from batchsim.server.models.arch_cache import Attention
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 4
 KVT = 2 * LAYERS * HEADS * HEAD_DIM * 4  # float32
@@ -45,14 +47,15 @@ def _tag(rid: int) -> float:
 
 def _row_tags(pool: DecodePool) -> list[float]:
     """The tag each occupied row of the arrays holds (its first token, first layer)."""
-    return [pool.keys[0][i, 0, 0, 0].item() for i in range(len(pool))]
+    return [pool.stores[0].parts[0][i, 0, 0, 0].item() for i in range(len(pool))]
 
 
 def _check_arrays(pool: DecodePool) -> None:
     for i, (rid, n) in enumerate(zip(pool.row_ids, pool.lengths)):
-        for layer in range(LAYERS):
-            assert mx.all(pool.keys[layer][i, :, :n] == _tag(rid)).item(), (i, rid)
-            assert mx.all(pool.values[layer][i, :, :n] == -_tag(rid)).item(), (i, rid)
+        for store in pool.stores:
+            keys, values = store.parts
+            assert mx.all(keys[i, :, :n] == _tag(rid)).item(), (i, rid)
+            assert mx.all(values[i, :, :n] == -_tag(rid)).item(), (i, rid)
 
 
 def _sim_step(sim: SimExecutor, step: int, pool: DecodePool, free=(), geometry=None) -> float:
@@ -65,7 +68,7 @@ def _sim_step(sim: SimExecutor, step: int, pool: DecodePool, free=(), geometry=N
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_real_pool_and_simulator_follow_one_layout(seed):
     rng = random.Random(seed)
-    pool = DecodePool(LAYERS, HEADS, HEAD_DIM, mx.float32)
+    pool = DecodePool([Attention("full", HEADS, HEAD_DIM, HEAD_DIM)] * LAYERS, mx.float32)
     sim = SimExecutor(BytesCost())
     assert pool.layout.kv_bytes_per_token == KVT
     sim_moves = []  # what the simulator's layout reported for each leave
@@ -98,7 +101,7 @@ def test_real_pool_and_simulator_follow_one_layout(seed):
             longest = max(pool.lengths, default=0)
             rows = len(pool) + rng.randint(0 if len(pool) else 1, 4)
             cap = 8 * rng.randint(max(1, -(-longest // 8)), 8)
-            old_shape = pool.keys[0].shape if pool.keys else (0, 0, 0, 0)
+            old_shape = pool.arrays()[0].shape if pool.arrays() else (0, 0, 0, 0)
             new = EMPTY_POOL if not len(pool) and rng.random() < 0.3 else PoolGeometry(rows, cap)
             if new == pool.geometry:
                 continue
@@ -116,7 +119,7 @@ def test_real_pool_and_simulator_follow_one_layout(seed):
 
 
 def test_layout_fills_holes_from_the_last_rows():
-    layout = PoolLayout(10)
+    layout = PoolLayout(CacheLayout.dense(10))
     layout.resize(PoolGeometry(8, 32))
     for rid in range(6):
         layout.join(rid, 5)

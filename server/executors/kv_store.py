@@ -1,7 +1,7 @@
-"""Per-layer arrays of the family pool, one store per cache kind, each with the view the model's
-layer sees during one decode forward pass (mlx-lm's cache API):
-- KVStore: K and V of every token, (rows, heads, capacity, dim), as kv_pool.DecodePool holds them
-  (full attention; MLA's latent and RoPE key; quantized: packed words, scales and biases);
+"""The decode pool's MLX arrays, one store per layer by its cache kind (arch_cache.Attention), each
+with the view the model's layer sees during one decode forward pass (mlx-lm's cache API):
+- KVStore: K and V of every token, (rows, heads, capacity, dim): full attention and MLA's latent
+  and RoPE key; with kv_bits, packed words, scales and biases, as QuantizedKVCache holds them;
 - RingStore: a sliding window, (rows, heads, min(capacity, W), dim); token p sits in slot p mod S;
 - StateStore: a linear-attention layer's fixed arrays (conv and recurrent state), (rows, ...).
 Row moves and resizes apply to every array alike (axis 0 rows, axis 2 tokens)."""
@@ -11,14 +11,14 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
-from batchsim.server.executors.family_cache import LayerCache, quantized_dims
+from batchsim.server.models.arch_cache import KV_GROUP_SIZE, Attention, quantized_dims
 from mlx_lm.models.cache import _BaseCache
 
 
 class DecodeStep:
     """What every layer's view shares in one decode step."""
 
-    def __init__(self, lengths: list[int], capacity: int):
+    def __init__(self, lengths: list[int], rows: mx.array | None = None):
         self.b = len(lengths)
         self.width = max(lengths) + 1
         self.shortest = min(lengths) + 1  # tokens of the shortest row after this step's write
@@ -27,8 +27,7 @@ class DecodeStep:
         self.aligned = self.shortest == self.width
         # the new token's position: one int when aligned, else (B,)
         self.positions = self.width - 1 if self.aligned else mx.array(lengths)
-        self.rows = mx.arange(self.b)
-        self.capacity = capacity
+        self.rows = mx.arange(self.b) if rows is None else rows  # the rows a scatter writes
         self._masks: dict[int, mx.array | None] = {}
         self._slots: dict[int, mx.array | int] = {}
 
@@ -51,11 +50,11 @@ class DecodeStep:
         return s
 
     def write(self, a: mx.array, slots: mx.array | int, new: mx.array) -> None:
-        """Put each row's new token (B, heads, dim) into its slot of `a`."""
+        """Put each row's new token (B, heads, 1, dim) into its slot of `a`."""
         if self.aligned:
-            a[: self.b, :, slots : slots + 1] = new[:, :, None]
+            a[: self.b, :, slots : slots + 1] = new
         else:
-            a[self.rows, :, slots] = new
+            a[self.rows, :, slots] = new[:, :, 0]
 
 
 def _reshape(a: mx.array, rows: int, tokens: int | None) -> mx.array:
@@ -72,18 +71,19 @@ def _reshape(a: mx.array, rows: int, tokens: int | None) -> mx.array:
 class KVStore:
     """K/V for every token of a row: full attention and MLA layers."""
 
-    def __init__(self, spec: LayerCache):
-        self.spec = spec
+    def __init__(self, spec: Attention, dtype: mx.Dtype, kv_bits: int | None = None):
+        self.spec, self.dtype, self.kv_bits = spec, dtype, kv_bits
         self.parts: list[mx.array] = []  # K then V; quantized: (wq, scales, biases) of K then of V
+        self.view_class = KVView if kv_bits is None else QuantizedKVView  # (store, step) -> view
 
     def _shapes(self, rows: int, tokens: int) -> list[tuple[tuple[int, ...], mx.Dtype]]:
-        s = self.spec
-        if s.kv_bits is None:
-            return [((rows, s.heads, tokens, d), s.dtype) for d in (s.k_dim, s.v_dim)]
+        s, dtype = self.spec, self.dtype
+        if self.kv_bits is None:
+            return [((rows, s.heads, tokens, d), dtype) for d in (s.k_dim, s.v_dim)]
         out = []
         for d in (s.k_dim, s.v_dim):
-            words, groups = quantized_dims(d, s.kv_bits)
-            groups_shape = ((rows, s.heads, tokens, groups), s.dtype)
+            words, groups = quantized_dims(d, self.kv_bits)
+            groups_shape = ((rows, s.heads, tokens, groups), dtype)
             out += [((rows, s.heads, tokens, words), mx.uint32), groups_shape, groups_shape]
         return out
 
@@ -101,13 +101,10 @@ class KVStore:
 
     def join(self, row: int, cache, length: int) -> None:
         """Copy a prefilled private cache (KVCache / QuantizedKVCache) of `length` tokens."""
-        quantized = self.spec.kv_bits is not None
+        quantized = self.kv_bits is not None
         src = [*cache.keys, *cache.values] if quantized else [cache.keys, cache.values]
         for a, c in zip(self.parts, src):
             a[row : row + 1, :, :length] = c[..., :length, :]
-
-    def view(self, step: DecodeStep):
-        return KVView(self, step) if self.spec.kv_bits is None else QuantizedKVView(self, step)
 
 
 class KVView(_BaseCache):
@@ -118,13 +115,13 @@ class KVView(_BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         st = self._step
         k, v = self._store.parts
-        st.write(k, st.positions, keys[:, :, 0, :])
-        st.write(v, st.positions, values[:, :, 0, :])
+        st.write(k, st.positions, keys)
+        st.write(v, st.positions, values)
         return k[: st.b, :, : st.width], v[: st.b, :, : st.width]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         if N != 1 or window_size is not None:
-            raise NotImplementedError("the family pool serves one-token decode steps")
+            raise NotImplementedError("the decode pool serves one-token decode steps")
         return self._step.mask(self._step.width)
 
     @property
@@ -142,14 +139,14 @@ class QuantizedKVView(KVView):
 
     def __init__(self, store: KVStore, step: DecodeStep):
         super().__init__(store, step)
-        self.bits = store.spec.kv_bits
-        self.group_size = 64
+        self.bits = store.kv_bits
+        self.group_size = KV_GROUP_SIZE
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         st = self._step
         fetched = []
         for parts, new in ((self._store.parts[:3], keys), (self._store.parts[3:], values)):
-            q = mx.quantize(new[:, :, 0, :], group_size=self.group_size, bits=self.bits)
+            q = mx.quantize(new, group_size=self.group_size, bits=self.bits)
             for a, p in zip(parts, q):
                 st.write(a, st.positions, p)
             fetched.append(tuple(a[: st.b, :, : st.width] for a in parts))
@@ -158,6 +155,10 @@ class QuantizedKVView(KVView):
 
 class RingStore(KVStore):
     """A sliding window of W tokens per row, in min(capacity, W) slots."""
+
+    def __init__(self, spec: Attention, dtype: mx.Dtype, kv_bits: int | None = None):
+        super().__init__(spec, dtype)
+        self.view_class = RingView
 
     def tokens(self, capacity: int) -> int:
         return min(capacity, self.spec.window)
@@ -175,9 +176,6 @@ class RingStore(KVStore):
             if first < m:
                 a[row : row + 1, :, : m - first] = c[..., held - m + first : held, :]
 
-    def view(self, step: DecodeStep):
-        return RingView(self, step)
-
 
 class RingView(KVView):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -185,8 +183,8 @@ class RingView(KVView):
         k, v = self._store.parts
         ring = k.shape[2]
         slots = st.slots(ring)
-        st.write(k, slots, keys[:, :, 0, :])
-        st.write(v, slots, values[:, :, 0, :])
+        st.write(k, slots, keys)
+        st.write(v, slots, values)
         width = min(ring, st.width)
         return k[: st.b, :, :width], v[: st.b, :, :width]
 
@@ -199,24 +197,24 @@ class RingView(KVView):
 class StateStore:
     """A linear-attention layer's fixed arrays, one row per sequence."""
 
-    def __init__(self, spec: LayerCache):
+    def __init__(self, spec: Attention, dtype: mx.Dtype, kv_bits: int | None = None):
         self.spec = spec
+        # ArraysCache's entries: the conv state in the activation dtype, the recurrent one float32
+        self.shapes = ((spec.conv_shape, dtype), (spec.state_shape, mx.float32))
         self.parts: list[mx.array] = []
+        self.view_class = StateView
 
     def resize(self, rows: int, capacity: int) -> None:
         if rows == 0:
             self.parts = []
         elif not self.parts:
-            self.parts = [mx.zeros((rows, *shape), dt) for shape, dt in self.spec.state_shapes]
+            self.parts = [mx.zeros((rows, *shape), dt) for shape, dt in self.shapes]
         else:
             self.parts = [_reshape(a, rows, None) for a in self.parts]
 
     def join(self, row: int, cache, length: int) -> None:
         for a, c in zip(self.parts, cache.cache):
             a[row : row + 1] = c
-
-    def view(self, step: DecodeStep):
-        return StateView(self, step)
 
 
 class StateView(_BaseCache):
@@ -256,5 +254,8 @@ class StateView(_BaseCache):
         return sum(math.prod(a.shape) * a.dtype.size for a in self._store.parts)
 
 
-def make_store(spec: LayerCache):
-    return {"kv": KVStore, "sliding": RingStore, "state": StateStore}[spec.kind](spec)
+STORES = {"full": KVStore, "mla": KVStore, "sliding": RingStore, "linear": StateStore}
+
+
+def make_store(spec: Attention, dtype: mx.Dtype, kv_bits: int | None = None):
+    return STORES[spec.kind](spec, dtype, kv_bits)

@@ -1,6 +1,6 @@
 """The decode pool's layout as plain bookkeeping: which request holds which row, the pool's
-geometry, and what each change copies. The real pool (kv_pool.DecodePool) applies these moves to
-MLX arrays; the simulator (sim_executor) prices them. One model for both, and no mlx here.
+geometry, and what each change copies. The real pool (decode_pool.DecodePool) applies these moves
+to MLX arrays; the simulator (sim_executor) prices them. One model for both, and no mlx here.
 
 Rows [0, B) are occupied. A join takes row B. Leaves move the last surviving rows into the holes
 below the new row count, so rows stay dense without copying the whole pool. A resize keeps rows
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import NamedTuple
 
-from batchsim.scheduler.cache_layout import CacheLayout
-from batchsim.scheduler.kv_layout import EMPTY_POOL, PoolGeometry
+from batchsim.scheduler.kv_bytes import CacheLayout
+from batchsim.scheduler.pool_geometry import EMPTY_POOL, PoolGeometry
 
 
 class RowMoves(NamedTuple):
@@ -36,9 +36,8 @@ class Resize(NamedTuple):
 
 
 class PoolLayout:
-    def __init__(self, cache: CacheLayout | int):
-        # A dense model may give its bytes per token; other kinds their layout.
-        self.cache = cache if isinstance(cache, CacheLayout) else CacheLayout.dense(cache)
+    def __init__(self, cache: CacheLayout):
+        self.cache = cache  # what a row holds, by layer kind
         self.geometry = EMPTY_POOL
         self.row_ids: list[int] = []  # request id per occupied row, rows [0, B)
         self.in_pool: set[int] = set()  # the same ids, for membership tests

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from batchsim.scheduler.kv_layout import KV_STEP, PoolGeometry
+from batchsim.scheduler.pool_geometry import KV_STEP, PoolGeometry
 
 
 class PrivateCache(NamedTuple):

@@ -1,4 +1,4 @@
-"""The scheduler's accounting by layer kind (scheduler/cache_layout.py): a dense layout gives the
+"""The scheduler's accounting by layer kind (scheduler/kv_bytes.py): a dense layout gives the
 scalar arithmetic exactly; pool and private bytes equal formulas written here from the configs and
 mlx-lm's own cache arrays; the scheduler keeps every promise on random mixed layouts, and the
 simulated executor agrees with it step by step on every tiny family model."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from batchsim.scheduler.cache_layout import CacheLayout
-from batchsim.scheduler.kv_layout import KV_STEP, PoolGeometry, round_up
+from batchsim.scheduler.kv_bytes import CacheLayout
+from batchsim.scheduler.pool_geometry import KV_STEP, PoolGeometry, round_up
 from batchsim.scheduler.request import RequestStatus
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.executors.fake_executor import FakeExecutor

@@ -1,0 +1,117 @@
+"""The decode pool: every decoding request's cache in one row of per-layer arrays, one store per
+layer by its kind (kv_store.py: K/V of full-attention and MLA layers, sliding-window rings,
+linear-attention states), so the MLX executor runs one forward pass per decode step whatever the
+model. A dense model is the case where every layer is full attention.
+
+Rows are kept by pool_rows.PoolLayout, which the simulator prices too: joins copy one request's
+prefilled cache into the next row; leaves move the last rows into the holes; neither copies the
+whole pool (mlx-lm's BatchKVCache.extend/filter do). Only a geometry change (decided by the
+scheduler, see scheduler.pool_geometry) reallocates. A row of capacity C holds C tokens of each
+full/MLA layer, min(C, W) of each sliding layer and the fixed state of each linear layer: exactly
+CacheLayout.seq_bytes(C), the scheduler's price.
+
+`layer_views()` hands the model one cache object per layer with mlx-lm's cache API, so the model's
+own attention runs unchanged: the new token is scattered into each row at its own position and
+attention reads rows [0, B) up to the longest row, masked for the shorter ones. When every row
+holds the same number of tokens (always at batch 1), the step writes one column with a slice update
+and needs no mask, as mlx-lm's own caches do."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from batchsim.scheduler.pool_geometry import PoolGeometry
+from batchsim.server.executors.kv_store import DecodeStep, StateStore, make_store
+from batchsim.server.executors.pool_rows import PoolLayout
+from batchsim.server.models.arch_cache import Attention, cache_layout
+
+
+class DecodePool:
+    def __init__(self, layers: list[Attention], dtype: mx.Dtype, kv_bits: int | None = None):
+        self.layers = layers
+        self.layout = PoolLayout(cache_layout(layers, dtype.size, kv_bits))
+        self.stores = [make_store(att, dtype, kv_bits) for att in layers]
+        self.lengths: list[int] = []  # tokens cached per row, aligned with layout.row_ids
+        self._aranges: dict[int, mx.array] = {}  # batch size -> mx.arange(B)
+
+    def __len__(self) -> int:
+        return len(self.layout.row_ids)
+
+    @property
+    def row_ids(self) -> list[int]:
+        return self.layout.row_ids
+
+    @property
+    def geometry(self) -> PoolGeometry:
+        return self.layout.geometry
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+    def arrays(self) -> list[mx.array]:
+        """Every array whose first axis is the row."""
+        return [a for s in self.stores for a in s.parts]
+
+    # -- membership ----------------------------------------------------------------------------
+    def remove(self, request_ids: set[int]) -> None:
+        """Drop rows; fill holes below the new row count with the surviving rows above it."""
+        moves = self.layout.leave(request_ids)
+        if moves.holes:
+            src, dst = mx.array(moves.movers), mx.array(moves.holes)
+            arrays = self.arrays()
+            moved = [a[src] for a in arrays]
+            mx.eval(moved)  # detach from the pool arrays so the scatter below updates them in place
+            for a, m in zip(arrays, moved):
+                a[dst] = m
+            for h, m in zip(moves.holes, moves.movers):
+                self.lengths[h] = self.lengths[m]
+        del self.lengths[len(self.layout.row_ids):]
+
+    def add(self, request_id: int, layer_caches: list | None, length: int) -> None:
+        """Copy a prefilled request (its private caches, one per layer) into the next row."""
+        row = self.layout.join(request_id, length)
+        if layer_caches is not None and length:
+            for store, cache in zip(self.stores, layer_caches):
+                store.join(row, cache, length)
+        self.lengths.append(length)
+
+    # -- a decode step undone (lookahead.py) ---------------------------------------------------
+    def states(self) -> list:
+        """What a decode step replaces rather than writes past the rows' lengths."""
+        return [list(s.parts) for s in self.stores if isinstance(s, StateStore)]
+
+    def _restore_states(self, states: list) -> None:
+        for store, parts in zip((s for s in self.stores if isinstance(s, StateStore)), states):
+            store.parts = parts
+
+    def undo_step(self, lengths: list[int], states: list, joined: list[int]) -> None:
+        """Back to before a decode step that joined `joined` as the last rows: lengths, states."""
+        self.lengths = list(lengths)
+        self._restore_states(states)
+        self.remove(set(joined))
+
+    # -- geometry ------------------------------------------------------------------------------
+    def resize(self, geometry: PoolGeometry) -> None:
+        """Reallocate to the scheduler's geometry, keeping rows [0, B) and their tokens."""
+        if geometry == self.layout.geometry:
+            return
+        if self.lengths and geometry.capacity_tokens < max(self.lengths):
+            raise RuntimeError(f"geometry {geometry} cannot hold the pool's rows")
+        new = self.layout.resize(geometry).new
+        for store in self.stores:
+            store.resize(new.rows, new.capacity_tokens)
+        mx.eval(self.arrays())
+
+    # -- decode --------------------------------------------------------------------------------
+    def layer_views(self) -> list:
+        """Per-layer caches for one decode forward over rows [0, B); lengths advance by one."""
+        lengths = self.lengths
+        rows = self._aranges.get(len(lengths))
+        if rows is None:
+            rows = self._aranges[len(lengths)] = mx.arange(len(lengths))
+        step = DecodeStep(lengths, rows)
+        if step.width > self.geometry.capacity_tokens:
+            raise RuntimeError(f"row of {step.width} tokens exceeds capacity {self.geometry}")
+        views = [s.view_class(s, step) for s in self.stores]
+        self.lengths = [n + 1 for n in lengths]
+        return views

@@ -250,8 +250,10 @@ def _notes(rows: list[dict], meta: dict, what: str, spec: ModelSpec) -> list[str
                      f"--explain shows the link's share (comm)."
                      + (" RDMA over Thunderbolt needs Thunderbolt 5 and macOS 26.2 (M1/M2 Macs "
                         "have Thunderbolt 4: --link tb4)." if meta["link"] == "tb5-rdma" else ""))
-    if any(not r["compute_known"] for r in rows):
-        notes.append("* peak FLOP/s not public (M5): bound by bandwidth only.")
+    notes += sorted({r["refused"] for r in rows if r.get("refused")})
+    if any(r["peaks_estimated"] for r in rows):
+        notes.append("* peak FLOP/s estimated (configs/macs.yaml says from what: M3/M4 from "
+                     "third-party clocks, M5 from a published time to first token).")
     if any(r["capped"] for r in rows):
         notes.append(f"Max batch is capped at {MAX_BATCH_CAP}.")
     if not any(r["fits"] for r in rows):
@@ -304,7 +306,7 @@ def _weights_tag(meta: dict) -> str:
 
 def _tok(row: dict, key: str) -> str:
     value = row[key]
-    return "-" if value is None else fmt(value) + ("" if row["compute_known"] else "*")
+    return "-" if value is None else fmt(value) + ("*" if row["peaks_estimated"] else "")
 
 
 def _plot(rows: list[dict], meta: dict, path: Path) -> Path:

@@ -50,7 +50,8 @@ def test_catalog_loads_with_sources(catalog):
     assert len(catalog.chips) == 34
     assert all(m.src and set(m.src) <= set(catalog.sources) for m in catalog.chips)
     m5 = [m for m in catalog.chips if m.chip.startswith("M5")]
-    assert m5 and all(not m.compute_known for m in m5)
+    assert all(m.compute_known for m in catalog.chips)  # M5: estimated, never unlimited
+    assert m5 and all(m.estimate and "mlxcel_m5max_batch" in m.src for m in m5)
     assert one_mac(catalog, "M3 Max 40c").estimate and not one_mac(catalog, "M2 Max 38c").estimate
     assert [u.chip for u in catalog.unconfirmed] == ["M5 Ultra"]
     assert macs.CATALOG_PATH.parent.name == "configs"  # never ../shared at run time
@@ -183,10 +184,30 @@ def test_decode_tok_s_batch_1_by_hand(catalog):
     assert row["bound_at_max_batch"] == "compute"  # hundreds of rows share each weight
 
 
-def test_unknown_peak_predicts_from_bandwidth_only(catalog):
-    row = row_for(catalog, "llama-3.1-8b", "M5 Max 40c", 128, quantize_bits=4)
-    assert row["compute_known"] is False and row["bound_at_max_batch"] == "bandwidth"
-    assert row["decode_tok_s_max_batch"] > 0
+def test_a_mac_without_flops_is_refused_not_unlimited(catalog):
+    import dataclasses
+
+    spec = zoo_spec("llama-3.1-8b")
+    mac = dataclasses.replace(one_mac(catalog, "M5 Max 40c"), fp16_tflops=None, fp32_tflops=None)
+    row = size_limits.mac_row(spec, mac, 128, size_limits.context_fit("128", spec.max_context),
+                              settings(catalog, 4), catalog.metal_working_set)
+    assert row["decode_tok_s_b1"] is None and row["decode_tok_s_max_batch"] is None
+    assert row["refused"] == "M5 Max 40c: no FLOP/s figure in configs/macs.yaml, tok/s not predicted"
+    assert row["max_batch"] > 0  # the memory side still answers
+    with pytest.raises(ConfigError, match="no FLOP/s figure"):
+        mac.profile(0.8, 0.9)
+
+
+def test_m5_max_is_sane_next_to_an_m4_max(catalog):
+    """The issue-34 case: llama-3.1-8b 4-bit at context 128 on a 128 GB M5 Max predicted 17,588
+    tok/s at its max batch (no compute bound) against about 970 on an M4 Max. With the estimated
+    FP16 peak it stays within the ratio of the two chips' matmul peaks."""
+    m5, m4 = (row_for(catalog, "llama-3.1-8b", label, 128, "128", quantize_bits=4)
+              for label in ("M5 Max 40c", "M4 Max 40c"))
+    assert m5["bound_at_max_batch"] == m4["bound_at_max_batch"] == "compute"
+    peaks = one_mac(catalog, "M5 Max 40c").fp16_tflops / one_mac(catalog, "M4 Max 40c").fp16_tflops
+    assert 1 < m5["decode_tok_s_max_batch"] / m4["decode_tok_s_max_batch"] <= peaks
+    assert 1 < m5["decode_tok_s_b1"] / m4["decode_tok_s_b1"] < 614 / 546 + 0.05  # bandwidth
 
 
 def test_mac_filter(catalog):
@@ -237,7 +258,7 @@ def test_context_longer_than_model_is_an_error():
 
 
 @pytest.mark.parametrize("model,quantize,mac,prompt,output", [
-    ("llama-3.1-8b", "4", "M5 Max 40c", 512, 256),  # no public FLOP/s peak: bandwidth only
+    ("llama-3.1-8b", "4", "M5 Max 40c", 512, 256),  # FLOP/s peak estimated (macs.yaml)
     ("qwen3-8b", "4", "M2 Max 38c", 3968, 256),
     ("llama-3.2-1b", None, "M4 Pro 20c", 192, 64),
 ])

@@ -5,7 +5,6 @@ arithmetic (how much unified memory the GPU may wire, by default and after raisi
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 from functools import lru_cache
 from pathlib import Path
@@ -43,9 +42,12 @@ class Mac:
         return self.fp16_tflops is not None and self.fp32_tflops is not None
 
     def profile(self, bandwidth_efficiency: float, compute_efficiency: float) -> DeviceProfile:
-        """Roofline profile. An unknown peak becomes infinite, so only bandwidth bounds the step."""
-        fp16 = math.inf if self.fp16_tflops is None else self.fp16_tflops
-        fp32 = math.inf if self.fp32_tflops is None else self.fp32_tflops
+        """Roofline profile. A Mac without FLOP/s figures has none: an unknown compute bound is
+        never taken as unlimited."""
+        if self.fp16_tflops is None or self.fp32_tflops is None:
+            raise ConfigError(f"{self.label} has no FLOP/s figure in configs/macs.yaml: its step "
+                              "time cannot be predicted")
+        fp16, fp32 = self.fp16_tflops, self.fp32_tflops
         # No bf16 column: M1-M4 GPUs run bf16 no faster than fp16, so fp16 is a ceiling.
         return DeviceProfile(
             name=self.label, bandwidth_gbs=self.bw_gbs,

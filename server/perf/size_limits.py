@@ -16,9 +16,9 @@ from batchsim.server.models.arch_cache import cache_bytes, generate_calls
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.perf import macs
 from batchsim.server.perf.cluster import Cluster
-from batchsim.server.perf.engines import EngineProfile
+from batchsim.server.perf.engines import DEFAULT_ENGINE, EngineProfile
 from batchsim.server.perf.gpu_fit import GpuFit, mac_profile
-from batchsim.server.perf.profile import DeviceProfile
+from batchsim.server.perf.profile import DeviceProfile, compute_dtype
 from batchsim.server.perf.stepcost import StepCost, StepTime
 from batchsim.workloads.lengths import parse_length
 
@@ -166,12 +166,12 @@ def mac_row(spec: ModelSpec, mac: macs.Mac, memory_gb: float, ctx: ContextFit, s
     """One table row: a Mac with `memory_gb` of RAM running `spec` under `s` (with `explain`,
     the predicted step's parts at batch 1 and at the max batch too). With `cluster`: N such
     Macs, each holding its share of the weights and of every sequence's KV (bytes per Mac)."""
-    profile = mac_profile_for(mac, s)
-    cost = mac_cost(spec, mac, s, cluster)
+    act_dtype = compute_dtype(s.dtype, s.quantize_bits)
+    kv_per_token = spec.kv_bytes_per_token(act_dtype, s.kv_bits)
     weights = (cluster.weight_bytes_per_rank(spec, s.dtype, s.quantize_bits) if cluster
                else spec.weight_bytes(s.dtype, s.quantize_bits))
     share = cluster.kv_share(spec) if cluster else 1.0
-    kv_tok = round(cost.kv_bytes_per_token * share)
+    kv_tok = round(kv_per_token * share)
     usable = macs.default_working_set_bytes(memory_gb, ws)
     raised = macs.raised_working_set_bytes(memory_gb, ws, s.os_reserve_gb)
     width = round(ctx.mean_tokens)
@@ -179,18 +179,14 @@ def mac_row(spec: ModelSpec, mac: macs.Mac, memory_gb: float, ctx: ContextFit, s
         curves, unit = (ctx.padded_tokens, ctx.paged_tokens), kv_tok
         per_seq = KvComposition(round(ctx.mean_tokens * kv_tok), 0, 0)
     else:
-        curves = layered_curves(spec, ctx, cost.act_dtype, cost.kv_bytes_per_token, cost.kv_bits)
+        curves = layered_curves(spec, ctx, act_dtype, kv_per_token, s.kv_bits)
         curves, unit = tuple((c * share).astype(np.int64) for c in curves), 1
-        per_seq = _scaled(kv_composition(spec, width, cost.act_dtype, cost.kv_bits), share)
+        per_seq = _scaled(kv_composition(spec, width, act_dtype, s.kv_bits), share)
     padded, paged, padded_r, paged_r = (
         max_batch(curve, limit - weights, unit) for limit in (usable, raised) for curve in curves
     )
-    b1 = 1 if paged else 0
-    step_b1, step_max = decode_step(cost, b1, width), decode_step(cost, padded, width)
     row = {
         "chip": mac.chip, "gpu_cores": mac.gpu_cores, "label": mac.label, "memory_gb": memory_gb,
-        "profile": profile.name, "profile_fitted_on": profile.fitted_on or profile.source,
-        "engine": cost.engine.name,
         "bandwidth_gbs": mac.bw_gbs, "peaks_estimated": mac.estimate,
         "compute_known": mac.compute_known,
         "usable_bytes": usable, "usable_bytes_raised": raised, "weight_bytes": weights,
@@ -201,10 +197,25 @@ def mac_row(spec: ModelSpec, mac: macs.Mac, memory_gb: float, ctx: ContextFit, s
         "capped": MAX_BATCH_CAP in (padded, paged, padded_r, paged_r),
         # Fits: the weights and one sequence (the tightest layout) fit.
         "fits": paged >= 1, "fits_raised": paged_r >= 1,
-        "decode_tok_s_b1": tok_s(step_b1, b1), "decode_tok_s_max_batch": tok_s(step_max, padded),
-        "bound_at_max_batch": bound(step_max),
     }
+    return {**row, **_speed(spec, mac, s, cluster, (1 if paged else 0, padded), width, explain)}
+
+
+def _speed(spec: ModelSpec, mac: macs.Mac, s: Settings, cluster: Cluster | None,
+           batches: tuple[int, int], width: int, explain: bool) -> dict:
+    """A row's predicted decode at batch 1 and at the max batch (`batches`), its profile and
+    engine; a Mac without FLOP/s figures gets no prediction and says why."""
+    if not mac.compute_known:
+        refused = f"{mac.label}: no FLOP/s figure in configs/macs.yaml, tok/s not predicted"
+        none = {"decode_tok_s_b1": None, "decode_tok_s_max_batch": None, "bound_at_max_batch": None}
+        return {"profile": None, "profile_fitted_on": None, "engine": s.engine.name if s.engine
+                else DEFAULT_ENGINE, **none, "refused": refused,
+                **({"parts": {"b1": None, "max_batch": None}} if explain else {})}
+    profile, cost = mac_profile_for(mac, s), mac_cost(spec, mac, s, cluster)
+    (b1, b_max), steps = batches, [decode_step(cost, b, width) for b in batches]
+    out = {"profile": profile.name, "profile_fitted_on": profile.fitted_on or profile.source,
+           "engine": cost.engine.name, "decode_tok_s_b1": tok_s(steps[0], b1),
+           "decode_tok_s_max_batch": tok_s(steps[1], b_max), "bound_at_max_batch": bound(steps[1])}
     if explain:  # StepTime's parts in seconds, by name (None: no such batch)
-        row["parts"] = {"b1": step_b1.as_dict() if step_b1 else None,
-                        "max_batch": step_max.as_dict() if step_max else None}
-    return row
+        out["parts"] = {k: t.as_dict() if t else None for k, t in zip(("b1", "max_batch"), steps)}
+    return out

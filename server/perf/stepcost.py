@@ -59,16 +59,13 @@ def weight_bytes_per_element(fmt: str) -> float:
     return matrix_weight_bytes(fmt, QUANT_GROUP_SIZE, 1) / QUANT_GROUP_SIZE
 
 
-def matmul_rates(profile: DeviceProfile, quantize_bits: int | None,
-                 act_dtype: str) -> tuple[tuple[float, float], bool]:
-    """((bytes/s, FLOP/s) a linear layer runs at on a roofline, whether a quantized ceiling set
-    either): a quantized layer's bytes at the profile's quantized GEMV rate and its arithmetic at
-    its quantized GEMM rate (measured rates: no efficiency applied), else the float ones."""
+def quantized_ceilings(profile: DeviceProfile,
+                       quantize_bits: int | None) -> tuple[float | None, float | None]:
+    """(bytes/s of a quantized GEMV, FLOP/s of a quantized GEMM) the profile has for this weight
+    format (measured rates: no efficiency applied); None where it has none."""
     gemv = profile.quantized_gemv_gbs.get(quantize_bits) if quantize_bits else None
     gemm = profile.quantized_gemm_gflops.get(quantize_bits) if quantize_bits else None
-    bytes_per_s = gemv * 1e9 if gemv else profile.bytes_per_s
-    flops_per_s = gemm * 1e9 if gemm else profile.flops_per_s(act_dtype)
-    return (bytes_per_s, flops_per_s), bool(gemv or gemm)
+    return (gemv * 1e9 if gemv else None), (gemm * 1e9 if gemm else None)
 
 
 
@@ -90,10 +87,10 @@ class StepCost:
         # N Macs sharing the model (step_time prices one rank's share plus the link); None: one.
         self.cluster = cluster if cluster is not None and cluster.ranks > 1 else None
         self.kv_bytes_per_token = spec.kv_bytes_per_token(self.act_dtype, kv_bits)
-        # (bytes/s, FLOP/s) of the linear layers on a roofline: the quantized ceilings if any.
-        self.matmul_rates, quantized = matmul_rates(profile, quantize_bits, self.act_dtype)
+        self.ceilings = quantized_ceilings(profile, quantize_bits)
         self.gemm = None
-        if self.cal is not None and not (quantized and self.fmt not in self.cal.gemm):
+        # A calibrated device prices a format its GEMM fit lacks at its quantized ceilings, if any.
+        if self.cal is not None and not (any(self.ceilings) and self.fmt not in self.cal.gemm):
             if self.fmt not in self.cal.gemm:
                 raise ValueError(f"profile {profile.name} has no GEMM calibration for {self.fmt}; "
                                  f"calibrated: {', '.join(self.cal.gemm)}")
@@ -108,6 +105,14 @@ class StepCost:
         self.family = None if spec.is_dense else FamilyCost(self)
 
     # -- linear layers -------------------------------------------------------------------------
+    @cached_property
+    def matmul_rates(self) -> tuple[float, float]:
+        """(bytes/s, FLOP/s) of a linear layer on a roofline: the quantized ceilings where the
+        profile has them, else the float ones."""
+        gemv, gemm = self.ceilings
+        return (gemv or self.profile.bytes_per_s,
+                gemm or self.profile.flops_per_s(self.act_dtype))
+
     def _roofline_terms(self, m: int, k: int, n: int) -> tuple[float, float]:
         """(seconds moving the bytes, seconds doing the FLOPs) of one (m x k) @ (k x n)."""
         moved = matrix_weight_bytes(self.fmt, k, n) + m * (k + n) * self.act_bytes

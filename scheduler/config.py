@@ -29,6 +29,27 @@ class SchedulerSettings:
     # Pool rows grow in powers of two up to this, then in multiples of it.
     row_step: int = 8
 
+    def __post_init__(self) -> None:  # run and serve refuse the same values, real or simulated
+        _check(_limit_checks(self))
+
+
+def _limit_checks(s: SchedulerSettings | SchedulerConfig) -> list[tuple[bool, str]]:
+    """The rules on each limit a user sets (SchedulerSettings and SchedulerConfig share them)."""
+    return [
+        (s.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+        (s.prefill_step_size >= KV_STEP and s.prefill_step_size % KV_STEP == 0,
+         f"prefill_step_size must be a positive multiple of {KV_STEP}"),
+        (s.policy in ("decode-first", "prefill-first"),
+         "policy must be 'decode-first' or 'prefill-first'"),
+        (s.row_step >= 1, "row_step must be >= 1"),
+    ]
+
+
+def _check(checks: list[tuple[bool, str]]) -> None:
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
 
 _DEFAULT = SchedulerSettings()
 
@@ -60,22 +81,15 @@ class SchedulerConfig:
         checks = [
             (self.kv_bytes_per_token > 0, "kv_bytes_per_token must be > 0"),
             (self.max_model_len > 0, "max_model_len must be > 0"),
-            (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
-            (self.prefill_step_size >= KV_STEP and self.prefill_step_size % KV_STEP == 0,
-             f"prefill_step_size must be a positive multiple of {KV_STEP}"),
+            *_limit_checks(self),
             (self.max_num_batched_tokens >= max(self.prefill_step_size, self.max_num_seqs),
              "max_num_batched_tokens must be >= prefill_step_size and >= max_num_seqs"),
-            (self.policy in ("decode-first", "prefill-first"),
-             "policy must be 'decode-first' or 'prefill-first'"),
-            (self.row_step >= 1, "row_step must be >= 1"),
             (self.max_lookahead_steps >= 1, "max_lookahead_steps must be >= 1"),
         ]
         if self.cache_layout is not None:
             checks[0] = (self.cache_layout.full_token_bytes == self.kv_bytes_per_token,
                          "kv_bytes_per_token must equal the cache layout's full_token_bytes")
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        _check(checks)
 
     @property
     def layout(self) -> CacheLayout:

@@ -14,6 +14,7 @@ from batchsim.scripts.common import (
     int_list,
     median,
     out,
+    positive_int,
     str_list,
     table,
 )
@@ -28,9 +29,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     add_field_argument(p, RunConfig, "dtype", "", choices=list(DTYPES), unset=False)
     add_field_argument(p, RunConfig, "quantize", "", choices=list(QUANT_BITS), unset=False)
     p.add_argument("--batch", type=int_list, default=[1, 2, 4, 8, 16, 32, 64], help="batch sizes")
-    p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
-    p.add_argument("--steps", type=int, default=8, help="decode steps per timed window")
-    p.add_argument("--reps", type=int, default=5, help="timed windows per mode, interleaved "
+    p.add_argument("--context", type=positive_int, default=128, help="prompt tokens per sequence")
+    p.add_argument("--steps", type=positive_int, default=8, help="decode steps per timed window")
+    p.add_argument("--reps", type=positive_int, default=5, help="timed windows per mode, interleaved "
                    "across modes (median reported); the context grows by steps x reps")
     p.add_argument("--modes", type=str_list, default=list(MODES), help="subset of bare,executor,mlx_lm")
     p.add_argument("--continuous", type=int_list, default=[], metavar="B,B",

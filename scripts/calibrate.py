@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from batchsim.configs import ConfigError
-from batchsim.scripts.common import add_field_argument, append_jsonl, err, out, str_list, table
+from batchsim.scripts.common import add_field_argument, append_jsonl, err, out, positive_int, str_list, table
 from batchsim.server.engine.run_config import DTYPES, RunConfig
 from batchsim.server.perf.devices import LOCAL_NAME
 
@@ -54,8 +54,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="decode attention widths (context tokens)")
     p.add_argument("--chunks", type=str_list, default=None, help="prefill chunks")
     p.add_argument("--starts", type=str_list, default=None, help="tokens before a chunk")
-    p.add_argument("--reps", type=int, default=None, help="passes over the GEMM grid (median per point)")
-    p.add_argument("--rounds", type=int, default=None,
+    p.add_argument("--reps", type=positive_int, default=None, help="passes over the GEMM grid (median per point)")
+    p.add_argument("--rounds", type=positive_int, default=None,
                    help="passes over the step grid, round-robin over the models (median per point)")
     p.add_argument("--out", default="results", help="directory for calibrate.jsonl")
 

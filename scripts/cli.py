@@ -7,8 +7,14 @@ import argparse
 import atexit
 import importlib
 import sys
+from typing import NoReturn
 
-from batchsim.scripts.common import show_default  # no mlx: blas.preload() still comes first
+from batchsim.scripts.common import (  # no mlx: blas.preload() still comes first
+    EXIT_CODES_HELP,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    show_default,
+)
 
 # (subcommand, module, one-line help) in the order `--help` lists them.
 COMMANDS = [
@@ -50,14 +56,21 @@ class _DefaultsFormatter(argparse.HelpFormatter):
         return f"{text} [default: {shown}]" if text else f"[default: {shown}]"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad flag reported on one line (usage stays behind --help)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, " ".join(f"{self.prog}: {message} (see {self.prog} --help)".split())
+                  + "\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="batchsim", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = _Parser(prog="batchsim", description=DESCRIPTION, epilog=EXIT_CODES_HELP,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module, help_text in COMMANDS:
         mod = importlib.import_module(module)
-        p = sub.add_parser(name, help=help_text, description=help_text,
+        p = sub.add_parser(name, help=help_text, description=help_text, epilog=EXIT_CODES_HELP,
                            formatter_class=_DefaultsFormatter)
         mod.add_parser(p)
         if not any("--json" in a.option_strings for a in p._actions):
@@ -78,31 +91,33 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     from batchsim.configs import ConfigError
-    from batchsim.scripts.common import CommandFailed, emit_json, err, out
+    from batchsim.scripts.common import CommandFailed, emit_json, err_line, out
     from batchsim.server.platform import env
 
     atexit.register(env.release_mlx_streams)  # the main thread's, before MLX's own teardown
     warning = blas.warning()
     if warning:
-        err.print(f"[yellow]{warning}[/yellow]")
+        err_line(warning)
     try:
         if getattr(args, "json", False):
             out.file = sys.stderr  # people's tables aside: stdout is the one JSON line
         summary = args._run(args)
     except ConfigError as exc:
-        err.print(f"[red]batchsim {args.command}: {exc}[/red]")
-        return 2
+        err_line(f"batchsim {args.command}: {exc}")
+        return EXIT_USAGE
     except CommandFailed as exc:
         emit_json(exc.summary)
-        err.print(f"[red]batchsim {args.command}: {exc}[/red]")
-        return 1
+        err_line(f"batchsim {args.command}: {exc}")
+        return exc.exit_code
     except KeyboardInterrupt:
-        err.print(f"[yellow]batchsim {args.command}: interrupted[/yellow]")
-        return 130
+        err_line(f"batchsim {args.command}: interrupted")
+        return EXIT_INTERRUPTED
     finally:
         out.file = None  # back to whatever sys.stdout is (main runs in-process in tests)
     if summary is not None:
         emit_json(summary)
+    if args.command == "run" and isinstance(summary, dict) and summary.get("interrupted"):
+        return EXIT_INTERRUPTED  # the records so far are kept; the code says they are partial
     return 0
 
 

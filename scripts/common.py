@@ -24,13 +24,26 @@ out = Console(width=None if sys.stdout.isatty() else _WIDE)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else _WIDE)
 
 
+# Exit codes (the README's commands section and `batchsim --help` list them).
+EXIT_FAILED, EXIT_USAGE, EXIT_SERVED_NOTHING, EXIT_INTERRUPTED = 1, 2, 3, 130
+EXIT_CODES_HELP = (f"exit codes: 0 done; {EXIT_FAILED} failed (every request failed, a launch "
+                   f"failed); {EXIT_USAGE} bad input (flags, config, model); {EXIT_SERVED_NOTHING} "
+                   f"a run that served no request (all rejected: see requests.jsonl); "
+                   f"{EXIT_INTERRUPTED} interrupted (Ctrl-C, SIGTERM; records so far are kept)")
+
+
 class CommandFailed(Exception):
     """A command that ran to the end but failed: `summary` is still printed as the closing JSON
-    line, then the message on stderr, and the exit code is 1."""
+    line, then the message on stderr, and the exit code is `exit_code`."""
 
-    def __init__(self, message: str, summary: dict) -> None:
+    def __init__(self, message: str, summary: dict, exit_code: int = EXIT_FAILED) -> None:
         super().__init__(message)
-        self.summary = summary
+        self.summary, self.exit_code = summary, exit_code
+
+
+def err_line(text: str) -> None:
+    """One plain line on stderr: never wrapped, no rich markup (`:-1:` stays text)."""
+    print(" ".join(str(text).split()), file=sys.stderr, flush=True)
 
 
 def emit_json(obj: Any) -> None:
@@ -41,11 +54,12 @@ def emit_json(obj: Any) -> None:
 
 def int_list(text: str) -> list[int]:
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+        values = [positive_int(x) for x in text.split(",") if x.strip()]
+    except argparse.ArgumentTypeError:
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers in 1..{MAX_INT}, "
+                                         f"got {text!r}")
     return values
 
 
@@ -53,14 +67,39 @@ def str_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+MAX_INT = 2**31 - 1  # counts, lengths, steps: beyond this MLX's int32 and numpy overflow
+MAX_FLOAT = 1e9  # seconds, factors, GiB: beyond this a flag is a typo, and float math overflows
+
+
+def bounded(kind: type, lo: float, hi: float, *, lo_open: bool = False):
+    """An argparse type: `kind` (int or float) in [lo, hi] (lo excluded if `lo_open`); nan, inf
+    and anything outside is one line that says the bounds."""
+    noun = "an integer" if kind is int else "a number"
+    rule = f"{'>' if lo_open else '>='} {lo:g} and <= {hi:g}"
+    if kind is int and (lo, lo_open) == (1, False):
+        noun, rule = "a positive integer", f"<= {hi}"
+    elif kind is float and (lo, lo_open) == (0, True):
+        noun, rule = "a positive finite number", f"<= {hi:g}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
+        if not ((lo < value) if lo_open else (lo <= value)) or not value <= hi:  # nan fails too
+            raise argparse.ArgumentTypeError(f"expected {noun} {rule}, got {text!r}")
+        return value
+
+    parse.__name__ = f"{kind.__name__}_in_{lo:g}_{hi:g}"
+    return parse
+
+
+positive_int = bounded(int, 1, MAX_INT)
+non_negative_int = bounded(int, 0, MAX_INT)
+seed_int = bounded(int, 0, 2**32 - 1)  # numpy's seeds
+positive_float = bounded(float, 0, MAX_FLOAT, lo_open=True)
+non_negative_float = bounded(float, 0, MAX_FLOAT)
+port_int = bounded(int, 0, 65535)
 
 
 def add_rank_arguments(p: argparse.ArgumentParser, what: str, roles: str) -> None:
@@ -71,16 +110,6 @@ def add_rank_arguments(p: argparse.ArgumentParser, what: str, roles: str) -> Non
                    f"mlx.launch (ring backend on loopback unless --hostfile); {roles}")
     d.add_argument("--hostfile", help=f"mlx.launch hostfile (JSON: hosts with ssh and ips) to {what} "
                    "across Macs; the same batchsim and model path on every host")
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
-    return value
 
 
 def field_default(source: Any, name: str) -> Any:
@@ -113,7 +142,7 @@ def _type_kwargs(hint: Any) -> dict[str, Any]:
         hint = args[0] if len(args) == 1 else hint
     if typing.get_origin(hint) is typing.Literal:
         return {"choices": list(typing.get_args(hint))}
-    return {"type": hint} if hint in (int, float) else {}
+    return {"type": {int: positive_int, float: positive_float}[hint]} if hint in (int, float) else {}
 
 
 def add_field_argument(group: Any, source: Any, name: str, help: str, *, flag: str | None = None,
@@ -125,6 +154,7 @@ def add_field_argument(group: Any, source: Any, name: str, help: str, *, flag: s
     cls = source if isinstance(source, type) else type(source)
     if "type" not in kwargs and "action" not in kwargs:
         kwargs = {**_type_kwargs(typing.get_type_hints(cls)[name]), **kwargs}
+        kwargs["type"] = seed_int if name == "seed" else kwargs.get("type")
     default = field_default(source, name)
     shown = "" if default is None else f"[default: {show_default(default)}]".replace("%", "%%")
     return group.add_argument(flag or f"--{name.replace('_', '-')}", default=None if unset else default,

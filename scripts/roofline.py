@@ -13,6 +13,7 @@ from batchsim.scripts.common import (
     int_list,
     out,
     positive_float,
+    positive_int,
     pyplot,
     save_figure,
     str_list,
@@ -33,13 +34,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="matrix sizes N (comma-separated)")
     p.add_argument("--dtypes", type=str_list, default=["float16", "bfloat16", "float32"],
                    help="dtypes (comma-separated): float16, bfloat16, float32")
-    p.add_argument("--reps", type=int, default=9, help="timed reps per point (median reported)")
-    p.add_argument("--sweep-n", type=int, default=None,
+    p.add_argument("--reps", type=positive_int, default=9, help="timed reps per point (median reported)")
+    p.add_argument("--sweep-n", type=positive_int, default=None,
                    help=f"N of the batch sweep B = 1, 2, 4 ... N (default: {DEFAULT_SWEEP_N}, or "
                         "the largest --n below it); 0 skips the sweep")
     p.add_argument("--max-seconds-per-point", type=positive_float, default=10.0,
                    help="skip a point whose warm-up and reps are estimated to take longer")
-    p.add_argument("--bandwidth-mb", type=int, default=256,
+    p.add_argument("--bandwidth-mb", type=positive_int, default=256,
                    help="MiB per array of the streaming bandwidth kernels")
     p.add_argument("--cache-limit-gb", type=positive_float, default=4.0,
                    help="MLX buffer cache while measuring (reuses buffers instead of re-faulting)")

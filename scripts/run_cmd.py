@@ -14,9 +14,12 @@ from batchsim.configs import ConfigError
 from batchsim.scheduler.config import SchedulerSettings
 from batchsim.scheduler.pool_geometry import KV_STEP
 from batchsim.scripts.common import (
+    EXIT_SERVED_NOTHING,
+    MAX_FLOAT,
     CommandFailed,
     add_field_argument,
     add_rank_arguments,
+    bounded,
     err,
     out,
     positive_float,
@@ -32,7 +35,11 @@ if TYPE_CHECKING:
 
 
 def rate(text: str) -> float:
-    return float("inf") if text.strip().lower() in ("inf", "infinity") else positive_float(text)
+    return float("inf") if text.strip().lower() in ("inf", "infinity") else _finite_rate(text)
+
+
+_finite_rate = bounded(float, 0, MAX_FLOAT, lo_open=True)
+_percentile = bounded(float, 0, 100)
 
 
 def length(text: str) -> LengthSpec:
@@ -45,16 +52,17 @@ def length(text: str) -> LengthSpec:
 
 def percentiles(text: str) -> tuple[float, ...]:
     try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
+        values = tuple(_percentile(x) for x in text.split(",") if x.strip())
+    except argparse.ArgumentTypeError:
         values = ()
     if not values:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers in 0..100, got {text!r}")
     return values
 
 
-def add_model_args(p: argparse.ArgumentParser):
-    """The model and executor flags; returns their group, for a command's own (--kv-bits)."""
+def add_model_args(p: argparse.ArgumentParser, simulated: bool = True):
+    """The model and executor flags; returns their group, for a command's own (--kv-bits).
+    simulated=False (serve): real compute only, no --executor or --device-profile."""
     g = p.add_argument_group("model and executor")
     add_field_argument(g, RunConfig, "model", "zoo name (see `batchsim models`), model directory, "
                        "or hub id")
@@ -62,10 +70,11 @@ def add_model_args(p: argparse.ArgumentParser):
                        "using BLAS), float16 on GPUs", choices=list(DTYPES))
     add_field_argument(g, RunConfig, "quantize", "4- or 8-bit weights (zoo models)",
                        choices=list(QUANT_BITS))
-    add_field_argument(g, RunConfig, "executor", "mlx: real compute; sim: calibrated roofline on a "
-                       "virtual clock; fake: zero-cost (measures scheduler overhead)")
-    add_field_argument(g, RunConfig, "device_profile",
-                       "simulator device profile (configs/devices NAME or YAML)")
+    if simulated:
+        add_field_argument(g, RunConfig, "executor", "mlx: real compute; sim: calibrated roofline "
+                           "on a virtual clock; fake: zero-cost (measures scheduler overhead)")
+        add_field_argument(g, RunConfig, "device_profile",
+                           "simulator device profile (configs/devices NAME or YAML)")
     add_field_argument(g, RunConfig, "memory_gb", "memory budget for weights + KV cache in GiB "
                        "(emulate a smaller machine); default: MLX's working set on a GPU, 75%% of "
                        "RAM on the CPU backend", type=positive_float)
@@ -112,6 +121,8 @@ def add_workload_args(p: argparse.ArgumentParser, defaults: WorkloadSpec | None 
     add_field_argument(g, w, "burstiness", "gamma shape: 1 = Poisson, <1 burstier",
                        type=positive_float)
     add_field_argument(g, w, "arrival", "arrival process")
+    add_field_argument(g, w, "ramp_end_rate", "'ramp': the rate (requests/s) reached by the last "
+                       "request, rising linearly from --request-rate (sets --arrival ramp)")
     add_field_argument(g, w, "concurrency", "closed loop: keep this many requests in flight")
     add_field_argument(g, w, "max_concurrency", "open loop: cap on requests in flight")
     add_field_argument(g, w, "input_len", "prompt lengths: N, uniform:MIN:MAX, "
@@ -143,7 +154,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--out", default="runs", help="directory for run directories")
     add_field_argument(g, RunConfig, "target", "an OpenAI-compatible base URL (e.g. "
                        "http://127.0.0.1:8000/v1): send the workload over HTTP instead of running "
-                       "in-process")
+                       "in-process; $OPENAI_API_KEY, if set, is sent as the bearer token")
     g.add_argument("--no-progress", action="store_true", help="no live progress line")
     add_rank_arguments(p, "run", "the KV budget is per rank; the summary's "
                        "output_tokens_sha256 compares runs token for token")
@@ -172,6 +183,7 @@ def config_from_args(args: argparse.Namespace, default: RunConfig | None = None)
     workload = dict(
         num_prompts=args.num_prompts, request_rate=args.request_rate, burstiness=args.burstiness,
         arrival="trace" if args.trace else args.arrival, concurrency=args.concurrency,
+        ramp_end_rate=args.ramp_end_rate,
         max_concurrency=args.max_concurrency, input_len=args.input_len, output_len=args.output_len,
         seed=args.seed, trace=_trace_override(args, cfg),
     )
@@ -181,8 +193,13 @@ def config_from_args(args: argparse.Namespace, default: RunConfig | None = None)
         workload["num_prompts"] = trace_length(workload["trace"])
     if args.concurrency and not args.arrival:
         workload["arrival"] = "closed"
+    if args.ramp_end_rate and not args.arrival:
+        workload["arrival"] = "ramp"
     if args.burstiness and not args.arrival and workload["arrival"] is None:
         workload["arrival"] = "gamma"
+    if args.ignore_eos and (workload.get("chat") or cfg.workload.chat) is not None:
+        raise ConfigError("--ignore-eos: the chat workload honours EOS (replies end where the "
+                          "model ends them); use a synthetic workload to generate full lengths")
     return with_run_overrides(
         cfg, workload, model=args.model, dtype=args.dtype, quantize=args.quantize,
         kv_bits=getattr(args, "kv_bits", None), executor=args.executor, device_profile=args.device_profile, memory_gb=args.memory_gb,
@@ -214,15 +231,41 @@ def run(args: argparse.Namespace) -> dict:
         check_writable(Path(args.out))  # before the workload: its records would be lost
         summary = run_over_http(cfg, Path(args.out), progress=not args.no_progress)
         if summary["completed"] == 0 and summary["failed"] > 0:
-            raise CommandFailed(f"all {summary['failed']} requests to {summary['endpoint']} failed "
-                                f"(HTTP statuses: {summary['http_statuses']})", summary)
+            raise CommandFailed(_all_failed(summary), summary)
         return summary
     from batchsim.server.engine.interrupts import Interrupts
 
     warn_profile_mismatch(cfg)
     # SIGTERM as Ctrl-C: either stops the run and leaves its records and summary.
-    return run_in_process(cfg, Path(args.out), progress=not args.no_progress,
-                          interrupts=Interrupts())
+    summary = run_in_process(cfg, Path(args.out), progress=not args.no_progress,
+                             interrupts=Interrupts())
+    if summary["completed"] == 0 and not summary.get("interrupted"):
+        raise CommandFailed(_served_nothing(summary, cfg.workload.num_prompts), summary,
+                            EXIT_SERVED_NOTHING)
+    return summary
+
+
+def _all_failed(summary: dict) -> str:
+    """Why every request over HTTP failed, with the fix when the status says it."""
+    statuses = summary["http_statuses"]
+    text = f"all {summary['failed']} requests to {summary['endpoint']} failed (HTTP statuses: {statuses})"
+    if "401" in statuses or "403" in statuses:
+        text += ("; the server wants an API key: set OPENAI_API_KEY (sent as "
+                 "`Authorization: Bearer KEY`)")
+    return text
+
+
+def _served_nothing(summary: dict, num_prompts: int) -> str:
+    """The first rejected request's reason, from the run's requests.jsonl."""
+    import json
+
+    reason = "see requests.jsonl"
+    with (Path(summary["run_dir"]) / "requests.jsonl").open() as f:
+        rejected = [r for r in map(json.loads, f) if r.get("status") == "rejected"]
+    if rejected:
+        reason = f"the first: {rejected[0].get('finish_reason')}"
+    return (f"served nothing: {summary.get('num_rejected', 0)} of {num_prompts} requests rejected "
+            f"({reason}); records in {summary['run_dir']}")
 
 
 def _run_ranks(args: argparse.Namespace, cfg: RunConfig) -> dict | None:

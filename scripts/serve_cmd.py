@@ -7,7 +7,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from batchsim.scripts.common import add_field_argument, add_rank_arguments, err
+from batchsim.scripts.common import (
+    MAX_INT,
+    add_field_argument,
+    add_rank_arguments,
+    bounded,
+    err,
+    non_negative_float,
+    port_int,
+)
 from batchsim.scripts.run_cmd import add_model_args, add_scheduler_args, scheduler_overrides
 from batchsim.server.http.options import ServeOptions
 
@@ -15,17 +23,18 @@ LISTENING = "batchsim serve: listening on "  # tests and scripts parse this stde
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    add_model_args(p)
+    add_model_args(p, simulated=False)
     add_scheduler_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
-    g.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one")
+    g.add_argument("--port", type=port_int, default=8000, help="port; 0 picks a free one")
     add_field_argument(g, ServeOptions, "api_key",
                        "require `Authorization: Bearer KEY` on /v1/* routes")
     g.add_argument("--served-model-name", help="model name clients send [default: --model]")
     add_field_argument(g, ServeOptions, "max_queue", "waiting requests beyond which new ones get "
                        "429 with Retry-After", unset=False)
-    add_field_argument(g, ServeOptions, "max_body_bytes", "largest request body", unset=False)
+    add_field_argument(g, ServeOptions, "max_body_bytes", "largest request body", unset=False,
+                       type=bounded(int, 1024, MAX_INT))
     add_field_argument(g, ServeOptions, "max_prompt_bytes", "largest prompt text in UTF-8 bytes "
                        "(larger: 413); unset: 32 bytes per token of the model's context")
     add_field_argument(g, ServeOptions, "header_timeout_s", "a connection that has not sent a "
@@ -34,7 +43,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     add_field_argument(g, ServeOptions, "body_timeout_s", "a request body not received this long "
                        "after its head gets 408", unset=False)
     add_field_argument(g, ServeOptions, "drain_timeout_s", "on SIGINT/SIGTERM, how long in-flight "
-                       "requests may finish before abort", unset=False)
+                       "requests may finish before abort", unset=False,
+                       type=non_negative_float)
     add_rank_arguments(p, "serve", "rank 0 answers HTTP and schedules, the others run its "
                        "plans; the KV budget is per rank")
 
@@ -43,9 +53,6 @@ def _config(args: argparse.Namespace):
     from batchsim.configs import ConfigError
     from batchsim.server.engine.run_config import RunConfig, with_run_overrides
 
-    if args.executor not in (None, "mlx") or args.device_profile:
-        raise ConfigError("serve: runs real MLX compute only (no --executor sim/fake, "
-                          "no --device-profile)")
     checks = [(args.max_queue >= 1, "--max-queue must be >= 1"),
               (args.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024"),
               (args.max_prompt_bytes is None or args.max_prompt_bytes >= 1,
@@ -56,11 +63,14 @@ def _config(args: argparse.Namespace):
               (0 <= args.port <= 65535, "--port must be in 0..65535")]
     for ok, message in checks:
         if not ok:
-            raise ConfigError(f"serve: {message}")
-    return with_run_overrides(
-        RunConfig(), {}, model=args.model, dtype=args.dtype, quantize=args.quantize,
-        memory_gb=args.memory_gb, **scheduler_overrides(args),
-    )
+            raise ConfigError(message)
+    try:  # the scheduler limits are checked as run checks them (SchedulerSettings)
+        return with_run_overrides(
+            RunConfig(), {}, model=args.model, dtype=args.dtype, quantize=args.quantize,
+            memory_gb=args.memory_gb, **scheduler_overrides(args),
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> dict | None:

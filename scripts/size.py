@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 from pathlib import Path
 
 import numpy as np
@@ -15,13 +14,16 @@ from batchsim.scheduler.pool_geometry import KV_STEP, PAGE_TOKENS
 from batchsim.scripts.common import (
     add_field_argument,
     append_jsonl,
+    bounded,
     fmt,
     gib,
+    non_negative_float,
     out,
     positive_float,
     positive_int,
     pyplot,
     save_figure,
+    seed_int,
     table,
     timestamp,
 )
@@ -62,12 +64,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         f"quantile of {FIT_TRIALS} seeded batches of B draws, fit the budget "
                         f"(padded: B x longest rounded up to {KV_STEP}; paged: sum of lengths "
                         f"rounded up to {PAGE_TOKENS})")
-    p.add_argument("--seed", type=int, default=0, help="seed of the distribution's draws")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the distribution's draws")
     p.add_argument("--mac", default=None,
                    help="only this chip (exact name, substring, or a label like 'M2 Ultra 76c')")
     p.add_argument("--memory-gb", type=positive_float, default=None,
                    help="this RAM size (GB as Apple sells it, i.e. GiB) instead of the catalog's")
-    p.add_argument("--os-reserve-gb", type=_non_negative, default=None,
+    p.add_argument("--os-reserve-gb", type=non_negative_float, default=None,
                    help="GB left to macOS after raising iogpu.wired_limit_mb (default: the "
                         "catalog's 8, the low end of the 8-16 GB a public devnote advises)")
     p.add_argument("--bandwidth-efficiency", type=_fraction, default=None,
@@ -101,21 +103,7 @@ def add_engine_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) ->
                    help=f"{engine_help()} [default: {DEFAULT_ENGINE}, this project's own]")
 
 
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0 and finite, got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = positive_float(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
-    return value
+_fraction = bounded(float, 0, 1, lo_open=True)
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -19,6 +19,7 @@ from batchsim.scripts.common import (
     int_list,
     out,
     positive_float,
+    positive_int,
     pyplot,
     save_figure,
     table,
@@ -51,9 +52,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p._option_string_actions["--memory-gb"].help = (
         "memory budget for weights + KV in GiB (emulate a Mac); default: sized by --limit-batch")
     g = p.add_argument_group("sweep")
-    g.add_argument("--prompt-len", type=int, default=192, help="prompt tokens of every request")
-    g.add_argument("--output-len", type=int, default=64, help="output tokens of every request")
-    g.add_argument("--limit-batch", type=int, default=12,
+    g.add_argument("--prompt-len", type=positive_int, default=192, help="prompt tokens of every request")
+    g.add_argument("--output-len", type=positive_int, default=64, help="output tokens of every request")
+    g.add_argument("--limit-batch", type=positive_int, default=12,
                    help="without --memory-gb: a budget of weights + this many sequences' KV at "
                    f"full length (padded to {KV_STEP} tokens) + half a sequence, so the analytic "
                    "limit is exactly this batch and the default sweep finishes in minutes")
@@ -63,7 +64,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batches", type=int_list,
                    help="batch sizes to run; default: 1, 2, 4, ... to the first power of two past "
                    "the analytic limit + 2, plus limit-1 .. limit+2, capped by --max-batch")
-    g.add_argument("--max-batch", type=int, default=64, help="largest default batch")
+    g.add_argument("--max-batch", type=positive_int, default=64, help="largest default batch")
     g.add_argument("--min-gain", type=positive_float, default=0.05,
                    help="throughput stops scaling at the first point gaining less decode tok/s "
                    "than this fraction per doubling of the decoded batch")

@@ -16,6 +16,7 @@ from batchsim.scripts.common import (
     append_jsonl,
     err,
     out,
+    positive_int,
     pyplot,
     save_figure,
     table,
@@ -46,7 +47,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matrix", default=str(MATRIX), help="cases YAML, or the name of one in "
                    "configs/validation: matrix (dense), moe, sliding")
     p.add_argument("--cases", help="comma-separated case names to run (default: all)")
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--repeats", type=positive_int, default=3,
                    help="real runs per case, taken round-robin over the matrix so a shared machine's "
                         "slow minutes spread over every case; the simulator is compared with their "
                         "median, and their spread is reported as the noise floor (default: 3)")
@@ -73,8 +74,6 @@ class _Validation:
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.repeats < 1:
-        raise ConfigError(f"--repeats must be at least 1, got {args.repeats}")
     args.matrix = str(matrix_path(args.matrix))
     args.model = args.model or load_yaml(Path(args.matrix)).get("model") or DEFAULT_MODEL
     earlier = None

@@ -168,3 +168,51 @@ def test_models_import_command_writes_a_loadable_directory(tmp_path, capsys):
     assert main(["models", "import", str(tmp_path / "nope.gguf")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith("nope.gguf: no such file") and "\n" not in err
+
+
+def _nested_arrays(path: Path, depth: int = 2000) -> Path:
+    """A 24 KB GGUF whose one metadata value is an array nested `depth` deep."""
+    key = b"general.nested"
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+    body = struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * (depth - 1)
+    path.write_bytes(head + body + struct.pack("<IQI", 4, 1, 7))
+    return path
+
+
+def _bad_gguf(kind: str, path: Path) -> Path:
+    import mlx.core as mx
+
+    hf = _hf_weights(mx, vocab=262)
+    u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
+    if kind == "nested":
+        return _nested_arrays(path)
+    if kind == "missing":
+        del hf["model.layers.0.mlp.up_proj.weight"]
+    if kind == "zero_dim":
+        hf["model.layers.0.mlp.up_proj.weight"] = mx.zeros((0, HIDDEN))
+    meta = {"head_count": {"llama.attention.head_count": u32(0)},
+            "eos": {"tokenizer.ggml.eos_token_id": u32(9999)},
+            "blocks": {"llama.block_count": u32(2)},
+            "epsilon": {"llama.attention.layer_norm_rms_epsilon": mx.array(-1e-5)}}.get(kind, {})
+    return _write_gguf(path, hf, **meta)
+
+
+@pytest.mark.parametrize("kind, says", [
+    ("head_count", "llama.attention.head_count must be an integer in 1.."),  # ZeroDivisionError
+    ("eos", "tokenizer.ggml.eos_token_id 9999 is not a token id"),  # was an IndexError
+    ("nested", "metadata arrays nested deeper than 8"),  # was a RecursionError
+    ("blocks", "no tensor blk.1.attn_norm.weight (block_count 2"),  # imported, then failed in run
+    ("missing", "no tensor blk.0.ffn_up.weight"),
+    ("zero_dim", "tensor blk.0.ffn_up.weight has shape (0, 64), expected 128 x 64"),
+    ("epsilon", "layer_norm_rms_epsilon must be a positive finite number, got -"),
+])
+def test_malformed_ggufs_are_refused_in_one_line_before_anything_is_written(
+        tmp_path, capsys, kind, says):
+    from batchsim.scripts.cli import main
+
+    src = _bad_gguf(kind, tmp_path / "bad.gguf")
+    out = tmp_path / "models" / "imported"
+    assert main(["models", "import", str(src), "--out", str(out), "--form", "dense"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and "\n" not in err and "Traceback" not in err, err
+    assert not out.parent.exists() or not list(out.parent.iterdir())  # no model, no build dir

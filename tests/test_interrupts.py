@@ -86,10 +86,10 @@ def records(run_dir: Path) -> tuple[list[RequestRecord], list[StepRecord]]:
 
 
 def finished_interrupted(proc: subprocess.Popen) -> tuple[dict, list[RequestRecord]]:
-    """The run ended on its own terms: exit 0, the last stdout line and summary.json agree that
-    it was interrupted and on what completed, and the records say the same."""
+    """The run ended on its own terms: exit 130 (interrupted), the last stdout line and
+    summary.json agree that it was interrupted and on what completed, and the records say so."""
     stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 0, stderr[-3000:]
+    assert proc.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr
     last = json.loads(stdout.strip().splitlines()[-1])
     run_dir = Path(last["run_dir"])

@@ -12,6 +12,7 @@ import numpy as np
 from batchsim.configs import ConfigError
 from batchsim.workloads.traces import TraceFormat, read_trace, scale_length
 
+MAX_TOKENS = 2**31 - 1  # a longer prompt or output is a typo (and overflows int32 token counts)
 Dist = Literal["fixed", "uniform", "normal", "lognormal", "zipf", "empirical"]
 
 
@@ -43,6 +44,9 @@ class LengthSpec:
             if not ok:
                 raise ConfigError(
                     f"length dist {self.dist!r} needs a positive {key!r}, got {value!r}")
+        big = [k for k in ("value", "min", "max", "mean") if (getattr(self, k) or 0) > MAX_TOKENS]
+        if big:
+            raise ConfigError(f"length {big[0]!r} must be <= {MAX_TOKENS}, got {getattr(self, big[0])!r}")
         if self.min < 1 or (self.max is not None and self.max < self.min):
             raise ConfigError(f"length bounds must satisfy 1 <= min <= max, got [{self.min}, {self.max}]")
         if self.dist == "zipf" and self.a is not None and self.a <= 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Any
 
 import numpy as np
@@ -63,7 +64,8 @@ def arrival_times(spec: WorkloadSpec, n: int, rng: np.random.Generator) -> np.nd
         return np.zeros(0)
     if spec.arrival == "closed" or (spec.arrival != "ramp" and math.isinf(spec.request_rate)):
         return np.zeros(n)
-    return np.concatenate([[0.0], np.cumsum(_gaps(spec, n - 1, rng))])
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow: build_requests says so
+        return np.concatenate([[0.0], np.cumsum(_gaps(spec, n - 1, rng))])
 
 
 def _rngs(seed: int) -> tuple[np.random.Generator, ...]:
@@ -100,15 +102,25 @@ def trace_requests(trace: TraceSpec, num_prompts: int) -> list[RequestSpec]:
     ]
 
 
+def _check_finite(arrivals_s, key: str, value: float) -> None:
+    """Arrivals past a float's range would never come: one line naming the setting."""
+    if not np.all(np.isfinite(arrivals_s)):
+        raise ConfigError(f"{key} {value:g}: the last arrivals fall beyond {sys.float_info.max:.3g} "
+                          "s (a float's range); use a larger rate or a smaller time scale")
+
+
 def build_requests(spec: WorkloadSpec) -> list[RequestSpec]:
     """The run's requests, deterministic in spec.seed and sorted by arrival_s. For 'trace' the
     arrivals and lengths come from the trace (scaled and capped by spec.trace)."""
     if spec.arrival == "trace":
         assert spec.trace is not None
-        return trace_requests(spec.trace, spec.num_prompts)
+        requests = trace_requests(spec.trace, spec.num_prompts)
+        _check_finite([r.arrival_s for r in requests], "trace.time_scale", spec.trace.time_scale)
+        return requests
     n = spec.num_prompts
     rng_arrival, rng_input, rng_output = _rngs(spec.seed)
     times = arrival_times(spec, n, rng_arrival)
+    _check_finite(times, "request_rate", spec.request_rate)
     prompt = spec.input_len.sample(n, rng_input)
     output = spec.output_len.sample(n, rng_output)
     return [RequestSpec(i, float(times[i]), int(prompt[i]), int(output[i])) for i in range(n)]

@@ -15,6 +15,7 @@ from batchsim.workloads.traces import TraceFormat, resolve_trace_path
 
 WORKLOAD_DIR = CONFIG_DIR / "workloads"
 
+MAX_PROMPTS = 10**7  # ~2 GB of request specs before the run starts; a simulated 23 days at 5 req/s
 Arrival = Literal["poisson", "gamma", "constant", "ramp", "closed", "trace"]
 OPEN_LOOP: tuple[str, ...] = ("poisson", "gamma", "constant", "ramp", "trace")
 
@@ -85,7 +86,8 @@ class WorkloadSpec:
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and bool(self.name), "name", "a non-empty string",
                  self.name)
-        _require(self.num_prompts >= 1, "num_prompts", ">= 1", self.num_prompts)
+        _require(1 <= self.num_prompts <= MAX_PROMPTS, "num_prompts", f">= 1 and <= {MAX_PROMPTS}",
+                 self.num_prompts)
         _require(self.request_rate > 0, "request_rate", "> 0 (inf: all at once)", self.request_rate)
         _require(self.burstiness > 0, "burstiness", "> 0 (1.0 = Poisson)", self.burstiness)
         _require(self.seed >= 0, "seed", ">= 0", self.seed)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -67,10 +68,17 @@ def _read_azure(path: Path) -> Iterator[tuple[float, int, int]]:
             )
         for row in reader:
             try:
-                yield (parse_azure_time(row["TIMESTAMP"]), int(row["ContextTokens"]),
+                yield (_finite_s(parse_azure_time(row["TIMESTAMP"])), int(row["ContextTokens"]),
                        int(row["GeneratedTokens"]))
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"{path}:{reader.line_num}: {exc}") from None
+
+
+def _finite_s(t_s: float) -> float:
+    """A row's time: a finite number of seconds (NaN or inf would never arrive)."""
+    if not math.isfinite(t_s):
+        raise ValueError(f"timestamp {t_s!r} s is not a finite number")
+    return t_s
 
 
 def _read_mooncake(path: Path) -> Iterator[tuple[float, int, int]]:
@@ -80,7 +88,8 @@ def _read_mooncake(path: Path) -> Iterator[tuple[float, int, int]]:
                 continue
             try:
                 row = json.loads(line)
-                yield row["timestamp"] / 1000.0, int(row["input_length"]), int(row["output_length"])
+                yield (_finite_s(row["timestamp"] / 1000.0), int(row["input_length"]),
+                       int(row["output_length"]))
             except KeyError as exc:
                 raise ConfigError(
                     f"{path}:{line_no}: missing key {exc}; a Mooncake row has "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import selectors
+from collections.abc import Callable
 
 
 class SimulationStalled(RuntimeError):
@@ -24,6 +25,7 @@ class _VirtualSelector(selectors.DefaultSelector):
         super().__init__()
         self.now_s = 0.0
         self._turns = 0
+        self.next_timer_s: Callable[[], float | None] = lambda: None  # set by VirtualTimeLoop
 
     def select(self, timeout: float | None = None):
         self._turns += 1
@@ -33,7 +35,10 @@ class _VirtualSelector(selectors.DefaultSelector):
                 return events
         if timeout is None:
             raise SimulationStalled("simulated event loop has no pending timer or ready callback")
-        self.now_s += max(timeout, 0.0)
+        # asyncio caps a wait at a day: jump to the timer itself (1e12 s away: not 1e7 turns).
+        capped = timeout >= asyncio.base_events.MAXIMUM_SELECT_TIMEOUT
+        due_s = self.next_timer_s() if capped else None
+        self.now_s = max(self.now_s + max(timeout, 0.0), due_s or 0.0)
         return []
 
 
@@ -44,6 +49,8 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         # Moving the clock in place reads the loop's ready queue and timer heap; without them
         # (not CPython's loop) every sleep takes the ordinary way.
         self._in_place = hasattr(self, "_ready") and hasattr(self, "_scheduled")
+        if self._in_place:
+            self._virtual.next_timer_s = lambda: self._scheduled[0].when() if self._scheduled else None
 
     def time(self) -> float:
         return self._virtual.now_s

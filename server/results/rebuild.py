@@ -3,7 +3,9 @@ summary.json (its complete lines are all there), or to check one that did."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ from batchsim.server.results.run_files import (
 )
 
 # Facts the records cannot give back: a finished run's own summary keeps them.
-_FROM_THE_RUN = ("duration", "peak_memory", "peak_memory_source")
+_FROM_THE_RUN = ("duration", "peak_memory", "peak_memory_source", "peak_rss_bytes")
 
 
 def rebuild_summary(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
@@ -34,13 +36,16 @@ def rebuild_summary(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
     notes: list[str] = []
     config = _read_config(run_dir / CONFIG, notes)
     old = _read_old_summary(run_dir / SUMMARY, notes)
-    requests = _records(run_dir / REQUESTS, RequestRecord, notes)
+    requests = _once_each(_records(run_dir / REQUESTS, RequestRecord, notes), notes)
     steps = _records(run_dir / STEPS, StepRecord, notes)
-    cfg, resolved = config.get("config") or {}, config.get("resolved") or {}
+    cfg, resolved = _section(config, "config"), _section(config, "resolved")
+    duration_s = old.get("duration")
     summary = summarize(
-        requests, steps, duration_s=old.get("duration", _span_s(requests, steps)),
-        percentiles=cfg.get("percentiles") or (50, 90, 95, 99), goodput_slo_ms=cfg.get("goodput"),
-        kv_budget_bytes=resolved.get("kv_budget_bytes"), weight_bytes=resolved.get("weight_bytes"),
+        requests, steps,
+        duration_s=duration_s if _finite(duration_s) else _span_s(requests, steps),
+        percentiles=_percentiles(cfg.get("percentiles")), goodput_slo_ms=_goodput(cfg.get("goodput")),
+        kv_budget_bytes=_count(resolved.get("kv_budget_bytes")),
+        weight_bytes=_count(resolved.get("weight_bytes")),
     )
     if old:
         summary = {**{k: (v if k in _FROM_THE_RUN or k not in summary else summary[k])
@@ -48,7 +53,7 @@ def rebuild_summary(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
                    **{k: v for k, v in summary.items() if k not in old}}
     else:
         summary.update(_from_config(config, steps, run_dir))
-        expected = (config.get("workload") or {}).get("num_prompts")
+        expected = _section(config, "workload").get("num_prompts")
         notes.append(f"no {SUMMARY}: the run never finished; marked interrupted ("
                      f"{len(requests)} requests recorded" + (f" of {expected}" if expected else "")
                      + "; requests still in flight left no record)")
@@ -60,8 +65,38 @@ def _read_config(path: Path, notes: list[str]) -> dict[str, Any]:
     if not path.is_file():
         notes.append(f"{CONFIG}: missing; model and budget fields left out")
         return {}
-    data = yaml.safe_load(path.read_text())
-    return data if isinstance(data, dict) else {}
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, ValueError, RecursionError) as exc:  # bytes, bad YAML, deep nesting
+        data = f"unreadable ({type(exc).__name__})"
+    if not isinstance(data, dict):
+        notes.append(f"{CONFIG}: not a run's config ({str(data)[:60]}); model and budget fields "
+                     "left out")
+        return {}
+    return data
+
+
+def _section(data: dict[str, Any], key: str) -> dict[str, Any]:
+    value = data.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _percentiles(value: Any) -> tuple[float, ...]:
+    ok = isinstance(value, list) and value and all(_finite(v) and 0 <= v <= 100 for v in value)
+    return tuple(value) if ok else (50, 90, 95, 99)
+
+
+def _goodput(value: Any) -> dict[str, float] | None:
+    ok = isinstance(value, dict) and all(_finite(v) and v >= 0 for v in value.values())
+    return value if ok and value else None
 
 
 def _read_old_summary(path: Path, notes: list[str]) -> dict[str, Any]:
@@ -76,16 +111,46 @@ def _read_old_summary(path: Path, notes: list[str]) -> dict[str, Any]:
 
 
 def _records(path: Path, cls: Any, notes: list[str]) -> list[Any]:
-    out = []
-    try:
-        for i, row in enumerate(read_rows(path, notes), 1):
-            try:
-                out.append(cls.from_json(row))
-            except (ValueError, TypeError) as exc:
-                raise ValueError(f"{path}: record {i}: {exc}") from None
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    """The file's records; one whose fields are not what the run writes is skipped, with a note."""
+    out, bad = [], []
+    for i, row in enumerate(read_rows(path, notes), 1):
+        try:
+            record = cls.from_json(row)
+        except (ValueError, TypeError):
+            record = None
+        if record is not None and _plausible(record):
+            out.append(record)
+        else:
+            bad.append(i)
+    if bad:
+        notes.append(f"{path.name}: skipped {len(bad)} record(s) with missing or non-finite "
+                     f"fields (record {', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''})")
     return out
+
+
+def _plausible(record: Any) -> bool:
+    """Each numeric field a finite number (or None where the record allows it), as written."""
+    for f in dataclasses.fields(record):
+        value, kind = getattr(record, f.name), str(f.type)
+        if value is None and "None" in kind:
+            continue
+        if "tuple[float" in kind:
+            if not isinstance(value, tuple) or not all(map(_finite, value)):
+                return False
+        elif kind.split(" ")[0] in ("int", "float") and not _finite(value):
+            return False
+    return True
+
+
+def _once_each(requests: list[RequestRecord], notes: list[str]) -> list[RequestRecord]:
+    """One record per request id (the first); duplicates are counted once, with a note."""
+    seen: dict[int, RequestRecord] = {}
+    for r in requests:
+        seen.setdefault(r.request_id, r)
+    if len(seen) < len(requests):
+        notes.append(f"{REQUESTS}: {len(requests) - len(seen)} duplicated request record(s) "
+                     "counted once")
+    return list(seen.values())
 
 
 def _span_s(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) -> float:
@@ -101,12 +166,12 @@ def _span_s(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]) -> f
 def _from_config(config: dict[str, Any], steps: Sequence[StepRecord],
                  run_dir: Path) -> dict[str, Any]:
     """What the run's summary says beside the metrics, as far as config.yaml tells it."""
-    cfg, resolved = config.get("config") or {}, config.get("resolved") or {}
+    cfg, resolved = _section(config, "config"), _section(config, "resolved")
     return {
         "model": cfg.get("model"), "dtype": resolved.get("dtype"),
         "quantize_bits": cfg.get("quantize"), "executor": cfg.get("executor"),
-        "workload": (config.get("workload") or {}).get("name"),
-        "max_num_seqs": (resolved.get("scheduler") or {}).get("max_num_seqs"),
+        "workload": _section(config, "workload").get("name"),
+        "max_num_seqs": _section(resolved, "scheduler").get("max_num_seqs"),
         "memory_budget_bytes": resolved.get("memory_budget_bytes"),
         "budget_source": resolved.get("budget_source"),
         "num_steps": sum(s.num_steps for s in steps), "num_plans": len(steps),

@@ -104,23 +104,31 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
 
 
 def read_rows(path: Path, notes: list[str]) -> Iterator[dict[str, Any]]:
-    """A JSONL file's rows. A torn last line (a killed writer) is skipped with a note; a bad line
-    elsewhere is an error naming the file and line."""
+    """A JSONL file's rows. A line that is not a JSON object (a torn last line from a killed writer,
+    NaN, nesting too deep, bytes) is skipped, and the notes say which."""
     if not path.exists():
         notes.append(f"{path.name}: missing, read as empty")
         return
     lines = path.read_bytes().split(b"\n")
     last = len(lines) - 1  # the part after the final newline: b"" unless the write was torn
+    bad: list[int] = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-            if not isinstance(row, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as exc:
-            if number - 1 == last:
-                notes.append(f"{path.name}: skipped a torn last line ({len(line)} bytes)")
-                return
-            raise ValueError(f"{path}: line {number} is not a JSON record ({exc})") from None
-        yield row
+            row = json.loads(line, parse_constant=_no_constant)
+        except (ValueError, RecursionError):
+            row = None
+        if isinstance(row, dict):
+            yield row
+        elif number - 1 == last:
+            notes.append(f"{path.name}: skipped a torn last line ({len(line)} bytes)")
+        else:
+            bad.append(number)
+    if bad:
+        notes.append(f"{path.name}: skipped {len(bad)} line(s) that are not JSON records "
+                     f"(line {', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''})")
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a recorded value")  # the writer never writes NaN or Infinity

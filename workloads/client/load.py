@@ -155,7 +155,7 @@ def run_http(cfg: RunConfig, out_dir: Path, prompts: PromptMaker,
     summary.update(_server_view(run.metrics_before, run.metrics_after))
     codes: dict[str, int] = {}
     for o in outcomes:
-        codes[str(o.http_status)] = codes.get(str(o.http_status), 0) + 1
+        codes[_status(o)] = codes.get(_status(o), 0) + 1
     # As in-process: how late each request went out against its schedule (none in closed loop).
     lateness = [0.0 if spec.closed_loop else max(0.0, o.sent_s - o.spec.arrival_s)
                 for o in outcomes]
@@ -168,6 +168,13 @@ def run_http(cfg: RunConfig, out_dir: Path, prompts: PromptMaker,
     summary["run_dir"] = str(run_dir)
     (run_dir / "summary.json").write_text(json.dumps(jsonable(summary), indent=1))
     return summary
+
+
+def _status(o: Outcome) -> str:
+    """The HTTP status, or what stood in for one (a refused connection has none)."""
+    if o.http_status is not None:
+        return str(o.http_status)
+    return "connection refused" if (o.error or "").startswith("ClientConnector") else "no response"
 
 
 def _itl(gaps_s: list[float], percentiles: tuple[float, ...]) -> dict[str, float]:

@@ -1,12 +1,15 @@
-"""A Hugging Face config.json for a llama-family GGUF, from its `llama.*` metadata."""
+"""A Hugging Face config.json for a llama-family GGUF, from its `llama.*` metadata, each value
+checked (a zero head count or a negative epsilon is one line here, not a crash later)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from batchsim.server.models.gguf.reader import Gguf, GgufError
 
 ARCHITECTURES = ("llama",)  # general.architecture values this importer maps to mlx-lm's llama
+MAX_COUNT = 1 << 24  # layers, heads, widths, vocabulary: beyond this a header is corrupt
 
 
 def architecture(g: Gguf) -> str:
@@ -17,28 +20,56 @@ def architecture(g: Gguf) -> str:
     return arch
 
 
+def _count(g: Gguf, key: str, default: int | None = None) -> int:
+    """A positive integer from the metadata (`default` when absent; required without one)."""
+    value = g.need(key) if default is None else g.value(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
+        raise GgufError(f"{g.path}: {key} must be an integer in 1..{MAX_COUNT}, got {value!r}")
+    return value
+
+
+def _positive(g: Gguf, key: str, default: float) -> float:
+    value = g.value(key, default)
+    if not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise GgufError(f"{g.path}: {key} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def _token_id(g: Gguf, key: str, vocab: int) -> int | None:
+    value = g.value(key)
+    if value is not None and (not isinstance(value, int) or not 0 <= value < vocab):
+        raise GgufError(f"{g.path}: {key} {value!r} is not a token id (the vocabulary has {vocab})")
+    return value
+
+
 def hf_config(g: Gguf) -> dict[str, Any]:
     """config.json for mlx-lm's llama model (tied embeddings when the file has no output matrix)."""
     arch = architecture(g)
-    heads = int(g.need(f"{arch}.attention.head_count"))
-    hidden = int(g.need(f"{arch}.embedding_length"))
-    vocab = g.value(f"{arch}.vocab_size") or len(g.need("tokenizer.ggml.tokens"))
+    heads = _count(g, f"{arch}.attention.head_count")
+    hidden = _count(g, f"{arch}.embedding_length")
+    kv_heads = _count(g, f"{arch}.attention.head_count_kv", heads)
+    if heads % kv_heads:
+        raise GgufError(f"{g.path}: head_count {heads} is not a multiple of head_count_kv {kv_heads}")
+    tokens = g.need("tokenizer.ggml.tokens")
+    vocab = _count(g, f"{arch}.vocab_size", len(tokens))
+    head_dim = g.value(f"{arch}.attention.key_length") or g.value(f"{arch}.rope.dimension_count")
     config: dict[str, Any] = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": hidden,
-        "intermediate_size": int(g.need(f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(g.need(f"{arch}.block_count")),
+        "intermediate_size": _count(g, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _count(g, f"{arch}.block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(g.value(f"{arch}.attention.head_count_kv") or heads),
-        "head_dim": int(g.value(f"{arch}.attention.key_length")
-                        or g.value(f"{arch}.rope.dimension_count") or hidden // heads),
-        "vocab_size": int(vocab),
-        "max_position_embeddings": int(g.value(f"{arch}.context_length") or 4096),
-        "rms_norm_eps": float(g.value(f"{arch}.attention.layer_norm_rms_epsilon") or 1e-5),
-        "rope_theta": float(g.value(f"{arch}.rope.freq_base") or 10000.0),
+        "num_key_value_heads": kv_heads,
+        "head_dim": _count(g, f"{arch}.attention.key_length", head_dim or hidden // heads),
+        "vocab_size": vocab,
+        "max_position_embeddings": _count(g, f"{arch}.context_length", 4096),
+        "rms_norm_eps": _positive(g, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": _positive(g, f"{arch}.rope.freq_base", 10000.0),
         "tie_word_embeddings": "output.weight" not in g.tensors,
-        "bos_token_id": g.value("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": g.value("tokenizer.ggml.eos_token_id"),
+        "bos_token_id": _token_id(g, "tokenizer.ggml.bos_token_id", len(tokens)),
+        "eos_token_id": _token_id(g, "tokenizer.ggml.eos_token_id", len(tokens)),
     }
+    for role in ("unknown", "padding"):  # tokenizer_config.json names these by their text
+        _token_id(g, f"tokenizer.ggml.{role}_token_id", len(tokens))
     return {k: v for k, v in config.items() if v is not None}

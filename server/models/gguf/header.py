@@ -15,6 +15,7 @@ OTHER_NAMES = {6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 12: "Q4_
 # GGUF metadata value types: fixed sizes by id (8 = string, 9 = array are read specially).
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
+MAX_ARRAY_DEPTH = 8  # llama.cpp writes flat arrays; 2,000 levels would exhaust the stack
 
 
 def type_name(type_id: int) -> str:
@@ -43,16 +44,18 @@ class _Cursor:
         return bytes(self.buf[self.pos - n: self.pos])
 
 
-def _skip_value(c: _Cursor, vtype: int) -> None:
+def _skip_value(c: _Cursor, vtype: int, depth: int = 0) -> None:
     if vtype == _STRING:
         c.skip(c.u("<Q"))
     elif vtype == _ARRAY:
+        if depth >= MAX_ARRAY_DEPTH:
+            raise ValueError(f"metadata arrays nested deeper than {MAX_ARRAY_DEPTH}")
         item, count = c.u("<I"), c.u("<Q")
         if item in _FIXED:
             c.skip(_FIXED[item] * count)
         else:
             for _ in range(count):
-                _skip_value(c, item)
+                _skip_value(c, item, depth + 1)
     elif vtype in _FIXED:
         c.skip(_FIXED[vtype])
     else:

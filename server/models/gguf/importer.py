@@ -8,7 +8,12 @@ from typing import Any
 
 from batchsim.server.models.gguf.config import hf_config
 from batchsim.server.models.gguf.reader import read_gguf
-from batchsim.server.models.gguf.weights import dequantized, hf_tensors, kept_quantized
+from batchsim.server.models.gguf.weights import (
+    check_tensors,
+    dequantized,
+    hf_tensors,
+    kept_quantized,
+)
 
 KEEP = "keep"  # `dtype` value: keep quantized tensors quantized (floats in float16)
 
@@ -19,6 +24,7 @@ def convert(path: str | Path, dtype: str = KEEP,
     `keep` keeps quantized matrices packed (their scales, biases and floats in `scale_dtype`)."""
     g = read_gguf(path)
     config = hf_config(g)
+    check_tensors(g, config)
     tensors = hf_tensors(g, config["num_attention_heads"], config["num_key_value_heads"])
     if config["tie_word_embeddings"]:
         tensors = {k: v for k, v in tensors.items() if not k.startswith("lm_head.")}

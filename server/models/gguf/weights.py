@@ -110,3 +110,40 @@ def kept_quantized(weights: dict[str, Any], dtype: str) -> tuple[dict[str, Any],
     block.update({base: {"group_size": GROUP_SIZE, "bits": b} for base, b in bits.items()
                   if b != common})
     return out, block
+
+
+def _expected_rows_cols(c: dict[str, Any]) -> dict[str, tuple[int, int | None]]:
+    """(rows, columns) of each llama tensor kind; norms are vectors (no columns)."""
+    q, kv, ffn, hidden = (c["num_attention_heads"] * c["head_dim"],
+                          c["num_key_value_heads"] * c["head_dim"], c["intermediate_size"],
+                          c["hidden_size"])
+    return {"token_embd": (c["vocab_size"], hidden), "output": (c["vocab_size"], hidden),
+            "output_norm": (hidden, None), "attn_norm": (hidden, None), "ffn_norm": (hidden, None),
+            "attn_q": (q, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden),
+            "attn_output": (hidden, q), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden),
+            "ffn_down": (hidden, ffn)}
+
+
+def check_tensors(g: Gguf, config: dict[str, Any]) -> None:
+    """Every tensor the config needs is there with its shape, and none beyond the block count:
+    one line naming the first that is not (before anything is written)."""
+    layers = config["num_hidden_layers"]
+    needed = ["token_embd.weight", "output_norm.weight"]
+    needed += [f"blk.{i}.{kind}.weight" for i in range(layers) for kind in BLOCK_NAMES]
+    missing = [n for n in needed if n not in g.tensors]
+    if missing:
+        raise GgufError(f"{g.path}: no tensor {missing[0]} (block_count {layers}; "
+                        f"{len(missing)} missing)")
+    shapes = _expected_rows_cols(config)
+    for name, arr in g.tensors.items():
+        hf_name(name)  # a tensor a llama has no place for is refused by name
+        m = _BLOCK.match(name)
+        if m and int(m.group(1)) >= layers:
+            raise GgufError(f"{g.path}: tensor {name} is beyond block_count {layers}")
+        kind = m.group(2) if m else name.split(".")[0]
+        rows, cols = shapes[kind]
+        quantized = f"{name.rsplit('.', 1)[0]}.scales" in g.tensors  # packed columns
+        want = (rows,) if cols is None or quantized else (rows, cols)
+        if 0 in arr.shape or tuple(arr.shape[: len(want)]) != want:
+            raise GgufError(f"{g.path}: tensor {name} has shape {tuple(arr.shape)}, expected "
+                            f"{' x '.join(map(str, want))}{' x ...' if len(want) == 1 else ''}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 import types
 import typing
@@ -19,9 +20,16 @@ from rich.console import Console
 from rich.table import Table
 
 # Tables and notes for people go to stdout before the closing JSON line; progress goes to stderr.
-_WIDE = 160  # tables stay readable when piped to a file
-out = Console(width=None if sys.stdout.isatty() else _WIDE)
-err = Console(stderr=True, width=None if sys.stderr.isatty() else _WIDE)
+_WIDE = 160  # tables stay readable when piped to a file (COLUMNS, when set, says otherwise)
+
+
+def _width(stream) -> int | None:
+    columns = os.environ.get("COLUMNS", "")
+    return None if stream.isatty() else int(columns) if columns.isdigit() else _WIDE
+
+
+out = Console(width=_width(sys.stdout))
+err = Console(stderr=True, width=_width(sys.stderr))
 
 
 # Exit codes (the README's commands section and `batchsim --help` list them).
@@ -75,7 +83,8 @@ def bounded(kind: type, lo: float, hi: float, *, lo_open: bool = False):
     """An argparse type: `kind` (int or float) in [lo, hi] (lo excluded if `lo_open`); nan, inf
     and anything outside is one line that says the bounds."""
     noun = "an integer" if kind is int else "a number"
-    rule = f"{'>' if lo_open else '>='} {lo:g} and <= {hi:g}"
+    show = str if kind is int else (lambda x: f"{x:g}")
+    rule = f"{'>' if lo_open else '>='} {show(lo)} and <= {show(hi)}"
     if kind is int and (lo, lo_open) == (1, False):
         noun, rule = "a positive integer", f"<= {hi}"
     elif kind is float and (lo, lo_open) == (0, True):
@@ -168,6 +177,23 @@ def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> 
     for row in rows:
         t.add_row(*[fmt(v) for v in row])
     return t
+
+
+def fitted_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
+                 keep: Sequence[str], width: int) -> tuple[Table, list[str]]:
+    """A table of the columns that fit `width`, taken in the order of `keep` (the first always,
+    never cut), shown in their own order; and the columns left out."""
+    cells = [[fmt(v) for v in row] for row in rows]
+    need = {c: max([len(c), *(len(r[i]) for r in cells)]) + 3 for i, c in enumerate(columns)}
+    shown, used = set(), 1  # a column costs its text, two spaces of padding and a border
+    for c in keep:
+        if not shown or used + need[c] <= width:
+            shown.add(c)
+            used += need[c]
+    index = [i for i, c in enumerate(columns) if c in shown]
+    t = table(title, [columns[i] for i in index], [[row[i] for i in index] for row in rows])
+    t.columns[0].no_wrap = True
+    return t, [c for c in columns if c not in shown]
 
 
 def fmt(value: Any) -> str:

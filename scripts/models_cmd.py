@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from batchsim.scripts.common import fmt, gib, out, table
+from batchsim.scripts.common import fitted_table, fmt, gib, out
 from batchsim.server.models.spec import FLOAT_DTYPES, QUANT_BITS, zoo_names, zoo_spec
 
 FORMS = ("auto", "dense", "quantized")
@@ -38,20 +38,31 @@ def run(args: argparse.Namespace) -> dict:
     specs = [zoo_spec(n) for n in zoo_names()]
     rows = [s.summary() for s in specs]
     if not args.json:
-        out.print(table(
-            "Model zoo (weights and KV per token in GiB / KiB)",
-            ["model", "weights", "family", "params", "active", "fp32 GiB", "fp16 GiB", "q8 GiB",
-             "q4 GiB", "KV/token fp16 KiB", "layers", "kv_heads", "head_dim"],
-            [[r["name"], r["weights"], "+".join(r["family"]), f"{r['params'] / 1e9:.2f}B",
-              f"{r['active_params'] / 1e9:.2f}B", gib(r["weight_bytes"]["float32"]),
-              gib(r["weight_bytes"]["float16"]), gib(r["weight_bytes"]["q8"]),
-              gib(r["weight_bytes"]["q4"]), r["kv_bytes_per_token"]["float16"] / 1024,
-              r["layers"], r["kv_heads"], r["head_dim"]] for r in rows],
-        ))
+        _print_zoo(rows)
         out.print("Real weights are imported from a PyPI package on first use; random ones are "
                   "seeded and built locally: `batchsim models build NAME`. Any command also "
                   "accepts a local model directory or a Hugging Face hub id.")
     return {"models": rows}
+
+
+COLUMNS = ["model", "weights", "family", "params", "active", "fp32 GiB", "fp16 GiB", "q8 GiB",
+           "q4 GiB", "KV/token fp16 KiB", "layers", "kv_heads", "head_dim"]
+# Kept first on a narrow terminal (the rest are in --json): name, size, the formats users pick.
+PRIORITY = ["model", "params", "q4 GiB", "fp16 GiB", "KV/token fp16 KiB", "family", "weights",
+            "active", "q8 GiB", "fp32 GiB", "layers", "kv_heads", "head_dim"]
+
+
+def _print_zoo(rows: list[dict]) -> None:
+    cells = [[r["name"], r["weights"], "+".join(r["family"]), f"{r['params'] / 1e9:.2f}B",
+              f"{r['active_params'] / 1e9:.2f}B", gib(r["weight_bytes"]["float32"]),
+              gib(r["weight_bytes"]["float16"]), gib(r["weight_bytes"]["q8"]),
+              gib(r["weight_bytes"]["q4"]), r["kv_bytes_per_token"]["float16"] / 1024,
+              r["layers"], r["kv_heads"], r["head_dim"]] for r in rows]
+    t, dropped = fitted_table("Model zoo (weights and KV per token in GiB / KiB)", COLUMNS, cells,
+                              PRIORITY, out.width)
+    out.print(t)
+    if dropped:
+        out.print(f"Left out at {out.width} columns: {', '.join(dropped)} (all in --json).")
 
 
 def _build(args: argparse.Namespace) -> dict:

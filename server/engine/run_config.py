@@ -59,6 +59,8 @@ class RunConfig:
 def load_run_config(path: str | Path) -> RunConfig:
     """A run config YAML (`model:`, `scheduler:`, `workload:` ...), or a bare workload YAML."""
     data = load_yaml(path)
+    if isinstance(data.get("config"), dict) and "resolved" in data:  # a run directory's own
+        data = data["config"]
     workload_keys = {f.name for f in dataclasses.fields(WorkloadSpec)}
     run_keys = {f.name for f in dataclasses.fields(RunConfig)}
     # A bare workload YAML: workload keys and no run keys (so its unknown keys are named as such).

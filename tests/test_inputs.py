@@ -1,0 +1,276 @@
+"""Bad and extreme input as a user types it (issue 37's adversarial pass): every numeric flag
+bounded, one plain line and exit 2 for what is refused, the virtual clock finishing on far-future
+arrivals, `report` on corrupted run directories, `serve` and `run` sharing flags and checks, tables
+that fit the terminal, and exit codes that say a run served nothing or was interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SIM = ["--executor", "sim", "--model", "llama-3.1-8b", "--quantize", "4", "--device-profile",
+       "M2 Ultra", "--no-progress"]
+NOT_NUMBERS = {"str", "str_list", "Path", "length"}  # `length` has its own test below
+
+
+def _main(argv: list[str], capsys) -> tuple[int, str, str]:
+    """rc, stdout and stderr of the CLI run in-process (argparse's exit included)."""
+    from batchsim.scripts.cli import main
+
+    try:
+        rc = main(argv)
+    except SystemExit as exc:
+        rc = int(exc.code)
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def _one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) >= 1 and "Traceback" not in err, err
+    return lines[-1]
+
+
+def _numeric_flags() -> list[tuple[str, argparse.Action]]:
+    from batchsim.scripts.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return [(name, a) for name, p in sub.choices.items() for a in p._actions
+            if a.type is not None and not a.choices
+            and getattr(a.type, "__name__", "") not in NOT_NUMBERS]
+
+
+def test_every_numeric_flag_refuses_nan_inf_negatives_and_overflow_in_one_line(capsys):
+    from batchsim.scripts.cli import build_parser
+
+    parser, refused_badly = build_parser(), []
+    flags = _numeric_flags()
+    assert len(flags) >= 60  # every command's: found from the parser, new flags included
+    for command, action in flags:
+        flag = action.option_strings[0]
+        for value in ("nan", "inf", "-inf", "-1", "1e308", str(2**63)):
+            if flag == "--request-rate" and value == "inf":
+                continue  # 'inf' sends every request at once
+            try:
+                parser.parse_args([command, flag, value])
+                refused_badly.append(f"{command} {flag} {value}: accepted")
+            except SystemExit as exc:
+                err = capsys.readouterr().err
+                if exc.code != 2 or len(err.strip().splitlines()) != 1 or flag not in err:
+                    refused_badly.append(f"{command} {flag} {value}: {exc.code} {err!r}")
+    assert not refused_badly, refused_badly
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["run", *SIM, "--memory-gb", "1e308"], "--memory-gb: expected a positive finite number <= "),
+    (["size", "--memory-gb", "1e308"], "--memory-gb: expected a positive finite number"),
+    (["sweep", "--memory-gb", "1e308"], "--memory-gb: expected a positive finite number"),
+    (["compare", "--memory-gb", "1e308"], "--memory-gb: expected a positive finite number"),
+    (["serve", "--memory-gb", "1e308"], "--memory-gb: expected a positive finite number"),
+    (["run", "--percentiles", "nan"], "--percentiles: expected comma-separated numbers in 0..100"),
+    (["size", "--seed", "-1"], "--seed: expected an integer >= 0 and <= 4294967295"),
+    (["run", "--output-len", "9223372036854775808"], "length 'value' must be <= 2147483647"),
+    (["bench-decode", "--steps", "0"], "--steps: expected a positive integer"),
+    (["bench-decode", "--steps", "-1"], "--steps: expected a positive integer"),
+    (["run", *SIM, "--num-prompts", "2147483647"], "num_prompts: must be >= 1 and <= 10000000"),
+])
+def test_numbers_at_the_edges_are_one_line_errors(argv, says, capsys, tmp_path):
+    rc, _, err = _main([*argv, "--out", str(tmp_path)] if argv[0] != "serve" else argv, capsys)
+    assert rc == 2 and says in _one_line(err), err
+
+
+def test_the_virtual_clock_jumps_to_a_timer_a_day_or_more_away():
+    from batchsim.server.engine import clock
+
+    async def far() -> float:
+        await asyncio.sleep(1e9)  # asyncio waits at most a day per turn: 11,574 turns before
+        return asyncio.get_running_loop().time()
+
+    loop = clock.VirtualTimeLoop()
+    try:
+        assert loop.run_until_complete(far()) == 1e9 and loop._virtual._turns < 10
+    finally:
+        loop.close()
+
+
+def _batchsim(*args: str, home: Path | None = None, env: dict | None = None, timeout: float = 120):
+    environ = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    if home is not None:
+        environ["BATCHSIM_HOME"] = str(home)
+    return subprocess.run([sys.executable, "-m", "batchsim.scripts.cli", *args],
+                          capture_output=True, text=True, env=environ, timeout=timeout)
+
+
+def test_far_future_arrivals_finish_and_an_overflowing_rate_is_refused(tmp_path):
+    trace = tmp_path / "far.jsonl"  # Mooncake rows, timestamps in ms: the second at 1e30 s
+    trace.write_text('{"timestamp": 0, "input_length": 100, "output_length": 8}\n'
+                     '{"timestamp": 1e33, "input_length": 100, "output_length": 8}\n')
+    workload = tmp_path / "slow.yaml"
+    workload.write_text("num_prompts: 3\nrequest_rate: 1.0e-300\n")
+    for extra in (["--request-rate", "1e-12", "--num-prompts", "3"], ["--trace", str(trace)],
+                  [str(workload)]):
+        proc = _batchsim("run", *SIM, *extra, "--out", str(tmp_path), "--json")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert json.loads(proc.stdout.splitlines()[-1])["completed"] >= 2
+    proc = _batchsim("run", *SIM, "--request-rate", "1e-308", "--out", str(tmp_path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "Warning" not in proc.stderr
+    assert "request_rate 1e-308: the last arrivals fall beyond" in proc.stderr.splitlines()[-1]
+
+
+# -- report on corrupted run directories -----------------------------------------------------
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    from tests.test_records import sim_config
+
+    from batchsim.server.engine.runner import run_workload
+    from batchsim.server.engine.session import open_session
+
+    session = open_session(sim_config(n=12))
+    out = tmp_path_factory.mktemp("runs")
+    return run_workload(session, session.config.workload, out_dir=out, label="t").run_dir
+
+
+def _copy(run_dir: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(run_dir, tmp_path / "run"))
+
+
+def _corrupt(run_dir: Path, how: str) -> None:
+    requests = run_dir / "requests.jsonl"
+    lines = requests.read_bytes().splitlines(keepends=True)
+    if how == "nan arrival":
+        row = json.loads(lines[3])
+        lines[3] = json.dumps({**row, "arrival_s": float("nan")}).encode() + b"\n"
+    elif how == "nested line":
+        lines.insert(2, b"[" * 100_000 + b"]" * 100_000 + b"\n")
+    elif how == "truncated lines":
+        lines[4] = lines[4][:30] + b"\n"
+        lines[-1] = lines[-1][:25]
+    elif how == "duplicates":
+        lines += lines[:3]
+    elif how == "binary config":
+        (run_dir / "config.yaml").write_bytes(bytes(range(256)) * 4)
+    elif how == "invalid config":
+        (run_dir / "config.yaml").write_text("config: [unclosed\n  resolved: {")
+    requests.write_bytes(b"".join(lines))
+
+
+@pytest.mark.parametrize("how, completed, says", [
+    ("nan arrival", 11, "requests.jsonl: skipped 1 line(s) that are not JSON records (line 4)"),
+    ("nested line", 12, "requests.jsonl: skipped 1 line(s) that are not JSON records (line 3)"),
+    ("truncated lines", 10, "skipped a torn last line"),
+    ("duplicates", 12, "requests.jsonl: 3 duplicated request record(s) counted once"),
+    ("binary config", 12, "config.yaml: not a run's config"),
+    ("invalid config", 12, "config.yaml: not a run's config"),
+])
+def test_report_reads_a_corrupted_run_directory_with_warnings(finished_run, tmp_path, capsys,
+                                                              how, completed, says):
+    run_dir = _copy(finished_run, tmp_path)
+    _corrupt(run_dir, how)
+    rc, out, err = _main(["report", str(run_dir), "--json"], capsys)
+    assert rc == 0 and "Traceback" not in err, err
+    assert says in err, err
+    assert json.loads(out.splitlines()[-1])["completed"] == completed
+
+
+def test_report_on_a_finished_run_gives_its_summary_back_exactly(finished_run, tmp_path, capsys):
+    run_dir = _copy(finished_run, tmp_path)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["peak_rss_bytes"] = 123_456_789  # as a real run records it (the records cannot)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    rc, out, _ = _main(["report", str(run_dir), "--json"], capsys)
+    assert rc == 0 and json.loads(out.splitlines()[-1]) == summary
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+
+
+# -- serve and run: one set of flags and checks ----------------------------------------------
+def test_serve_offers_only_what_it_accepts_and_checks_what_run_checks(capsys, tmp_path):
+    from batchsim.scripts.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve_flags = {f for a in sub.choices["serve"]._actions for f in a.option_strings}
+    assert not serve_flags & {"--executor", "--device-profile"}
+    rc, _, err = _main(["serve", "--executor", "sim"], capsys)
+    assert rc == 2 and "unrecognized arguments: --executor sim" in _one_line(err)
+    for value in ("0", "-1"):
+        rc, _, err = _main(["serve", "--prefill-step-size", value], capsys)
+        assert rc == 2 and "--prefill-step-size: expected a positive integer" in _one_line(err)
+    says = "prefill_step_size must be a positive multiple of 256"
+    rc, _, err = _main(["serve", "--prefill-step-size", "100"], capsys)  # was accepted silently
+    assert rc == 2 and says in _one_line(err)
+    rc, _, err = _main(["run", *SIM, "--prefill-step-size", "100", "--out", str(tmp_path)], capsys)
+    assert rc == 2 and says in _one_line(err)
+
+
+# -- frictions -------------------------------------------------------------------------------
+@pytest.mark.parametrize("columns", [80, 160])
+def test_models_fits_the_terminal_and_never_cuts_a_name(columns):
+    from batchsim.server.models.spec import zoo_names
+
+    proc = _batchsim("models", env={"COLUMNS": str(columns)})
+    assert proc.returncode == 0, proc.stderr
+    table = proc.stdout.splitlines()[:-1]
+    assert max(len(line) for line in table) <= columns
+    for name in zoo_names():
+        assert any(f"│ {name} " in line for line in table), name
+
+
+def test_a_run_that_served_nothing_exits_3_with_the_reason(capsys, tmp_path):
+    rc, out, err = _main(["run", *SIM, "--memory-gb", "4.5", "--input-len", "8000",
+                          "--num-prompts", "3", "--out", str(tmp_path)], capsys)
+    assert rc == 3 and json.loads(out.splitlines()[-1])["completed"] == 0
+    line = _one_line(err)
+    assert "served nothing: 3 of 3 requests rejected" in line and "exceeds the KV budget" in line
+
+
+def test_errors_are_plain_single_lines_even_long_and_with_colons(capsys, tmp_path):
+    deep = tmp_path / ("d" * 150)
+    deep.mkdir()
+    cfg = deep / "w.yaml"
+    cfg.write_text("num_prompts: 4\ninput_len: 'lognormal:-1:100:4096'\n")
+    rc, _, err = _main(["run", str(cfg), "--executor", "fake", "--out", str(tmp_path)], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert str(cfg) in err and "lognormal:-1:100:4096" in err  # not wrapped, no emoji
+
+
+def test_exit_codes_are_documented_in_help(capsys):
+    rc, out, _ = _main(["run", "--help"], capsys)
+    assert rc == 0 and "3 a run that served no request" in " ".join(out.split())
+    assert "130 interrupted" in " ".join(out.split()) and "OPENAI_API_KEY" in out
+
+
+def test_ramp_from_the_command_line_and_chat_refuses_ignore_eos(capsys, tmp_path):
+    from batchsim.scripts import run_cmd
+    from batchsim.scripts.cli import build_parser
+
+    args = build_parser().parse_args(["run", "--request-rate", "1", "--ramp-end-rate", "8"])
+    w = run_cmd.config_from_args(args).workload
+    assert (w.arrival, w.request_rate, w.ramp_end_rate) == ("ramp", 1.0, 8.0)
+    rc, out, err = _main(["run", *SIM, "--request-rate", "1", "--ramp-end-rate", "8",
+                          "--num-prompts", "6", "--out", str(tmp_path), "--json"], capsys)
+    assert rc == 0 and json.loads(out.splitlines()[-1])["completed"] == 6, err
+    rc, _, err = _main(["run", "--workload", "chat", "--ignore-eos", "--executor", "fake",
+                        "--out", str(tmp_path)], capsys)
+    assert rc == 2 and "--ignore-eos: the chat workload honours EOS" in _one_line(err)
+
+
+def test_a_run_directory_config_runs_again(capsys, tmp_path):
+    rc, out, err = _main(["run", *SIM, "--num-prompts", "5", "--seed", "4", "--out",
+                          str(tmp_path / "a"), "--json"], capsys)
+    assert rc == 0, err
+    first = json.loads(out.splitlines()[-1])
+    rc, out, err = _main(["run", str(Path(first["run_dir"]) / "config.yaml"), "--no-progress",
+                          "--out", str(tmp_path / "b"), "--json"], capsys)
+    assert rc == 0, err
+    again = json.loads(out.splitlines()[-1])
+    assert again["output_tokens_sha256"] == first["output_tokens_sha256"] if "output_tokens_sha256" \
+        in first else again["total_output_tokens"] == first["total_output_tokens"]
+    assert again["mean_ttft_ms"] == first["mean_ttft_ms"] and again["workload"] == first["workload"]

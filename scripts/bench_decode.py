@@ -11,7 +11,7 @@ from batchsim.scripts.common import (
     add_field_argument,
     append_jsonl,
     err,
-    int_list,
+    ints_up_to,
     median,
     out,
     positive_int,
@@ -22,19 +22,20 @@ from batchsim.server.engine.run_config import DTYPES, RunConfig
 from batchsim.server.models.spec import QUANT_BITS
 
 MODES = ("bare", "executor", "mlx_lm")
+MAX_BATCH = 4096  # sequences per batch: beyond, the prompt ids alone take gigabytes
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     add_field_argument(p, RunConfig, "model", "zoo name, model directory or hub id", unset=False)
     add_field_argument(p, RunConfig, "dtype", "", choices=list(DTYPES), unset=False)
     add_field_argument(p, RunConfig, "quantize", "", choices=list(QUANT_BITS), unset=False)
-    p.add_argument("--batch", type=int_list, default=[1, 2, 4, 8, 16, 32, 64], help="batch sizes")
+    p.add_argument("--batch", type=ints_up_to(MAX_BATCH), default=[1, 2, 4, 8, 16, 32, 64], help="batch sizes")
     p.add_argument("--context", type=positive_int, default=128, help="prompt tokens per sequence")
     p.add_argument("--steps", type=positive_int, default=8, help="decode steps per timed window")
     p.add_argument("--reps", type=positive_int, default=5, help="timed windows per mode, interleaved "
                    "across modes (median reported); the context grows by steps x reps")
     p.add_argument("--modes", type=str_list, default=list(MODES), help="subset of bare,executor,mlx_lm")
-    p.add_argument("--continuous", type=int_list, default=[], metavar="B,B",
+    p.add_argument("--continuous", type=ints_up_to(MAX_BATCH), default=[], metavar="B,B",
                    help="also compare continuous batching at these batch limits: 4 x B requests "
                    "with 16-64 output tokens, all queued at once, executor vs mlx-lm (joins and "
                    "leaves are where mlx-lm's BatchGenerator copies its whole cache)")
@@ -50,6 +51,10 @@ def run(args: argparse.Namespace) -> dict:
     if bad:
         raise ConfigError(f"--modes: {bad[0]!r} is not allowed; allowed: {', '.join(MODES)}")
     session = open_session(RunConfig(model=args.model, dtype=args.dtype, quantize=args.quantize))
+    longest = args.context + args.steps * (args.reps + 1)
+    if longest > session.spec.max_context:
+        raise ConfigError(f"--context {args.context} + --steps x --reps grows to {longest} tokens, "
+                          f"beyond the model's context of {session.spec.max_context}")
     model, vocab, kvt = session.model, session.spec.vocab_size, session.kv_bytes_per_token
     layout = session.cache_layout  # None: dense; else what the family pool holds, by layer kind
     makers = {

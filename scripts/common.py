@@ -60,15 +60,26 @@ def emit_json(obj: Any) -> None:
     print(dumps(obj), flush=True)
 
 
-def int_list(text: str) -> list[int]:
+def int_list(text: str, hi: int | None = None) -> list[int]:
+    """Comma-separated integers in 1..hi (default MAX_INT); `ints_up_to(hi)`: the argparse type."""
+    hi = hi or MAX_INT
+    item = bounded(int, 1, hi)
     try:
-        values = [positive_int(x) for x in text.split(",") if x.strip()]
+        values = [item(x) for x in text.split(",") if x.strip()]
     except argparse.ArgumentTypeError:
         values = []
     if not values:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers in 1..{MAX_INT}, "
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers in 1..{hi}, "
                                          f"got {text!r}")
     return values
+
+
+def ints_up_to(hi: int):
+    def parse(text: str) -> list[int]:
+        return int_list(text, hi)
+
+    parse.__name__ = f"int_list_up_to_{hi}"
+    return parse
 
 
 def str_list(text: str) -> list[str]:
@@ -151,7 +162,8 @@ def _type_kwargs(hint: Any) -> dict[str, Any]:
         hint = args[0] if len(args) == 1 else hint
     if typing.get_origin(hint) is typing.Literal:
         return {"choices": list(typing.get_args(hint))}
-    return {"type": {int: positive_int, float: positive_float}[hint]} if hint in (int, float) else {}
+    bounded_types = {int: positive_int, float: positive_float}
+    return {"type": bounded_types[hint]} if hint in bounded_types else {}
 
 
 def add_field_argument(group: Any, source: Any, name: str, help: str, *, flag: str | None = None,

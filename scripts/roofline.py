@@ -10,7 +10,10 @@ from pathlib import Path
 from batchsim.scripts.common import (
     append_jsonl,
     err,
+    bounded,
     int_list,
+    ints_up_to,
+    non_negative_int,
     out,
     positive_float,
     positive_int,
@@ -30,17 +33,17 @@ _SHAPE_LABELS = {"gemv": "GEMV (B=1)", "gemm": "GEMM (B=N)", "batch": "batch swe
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--n", type=int_list, default=int_list(DEFAULT_NS),
+    p.add_argument("--n", type=ints_up_to(32768), default=int_list(DEFAULT_NS),
                    help="matrix sizes N (comma-separated)")
     p.add_argument("--dtypes", type=str_list, default=["float16", "bfloat16", "float32"],
                    help="dtypes (comma-separated): float16, bfloat16, float32")
     p.add_argument("--reps", type=positive_int, default=9, help="timed reps per point (median reported)")
-    p.add_argument("--sweep-n", type=positive_int, default=None,
+    p.add_argument("--sweep-n", type=non_negative_int, default=None,
                    help=f"N of the batch sweep B = 1, 2, 4 ... N (default: {DEFAULT_SWEEP_N}, or "
                         "the largest --n below it); 0 skips the sweep")
     p.add_argument("--max-seconds-per-point", type=positive_float, default=10.0,
                    help="skip a point whose warm-up and reps are estimated to take longer")
-    p.add_argument("--bandwidth-mb", type=positive_int, default=256,
+    p.add_argument("--bandwidth-mb", type=bounded(int, 1, 8192), default=256,
                    help="MiB per array of the streaming bandwidth kernels")
     p.add_argument("--cache-limit-gb", type=positive_float, default=4.0,
                    help="MLX buffer cache while measuring (reuses buffers instead of re-faulting)")

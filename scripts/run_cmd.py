@@ -56,7 +56,8 @@ def percentiles(text: str) -> tuple[float, ...]:
     except argparse.ArgumentTypeError:
         values = ()
     if not values:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers in 0..100, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers in 0..100, "
+                                         f"got {text!r}")
     return values
 
 
@@ -248,7 +249,8 @@ def run(args: argparse.Namespace) -> dict:
 def _all_failed(summary: dict) -> str:
     """Why every request over HTTP failed, with the fix when the status says it."""
     statuses = summary["http_statuses"]
-    text = f"all {summary['failed']} requests to {summary['endpoint']} failed (HTTP statuses: {statuses})"
+    text = (f"all {summary['failed']} requests to {summary['endpoint']} failed "
+            f"(HTTP statuses: {statuses})")
     if "401" in statuses or "403" in statuses:
         text += ("; the server wants an API key: set OPENAI_API_KEY (sent as "
                  "`Authorization: Bearer KEY`)")

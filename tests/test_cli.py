@@ -361,6 +361,7 @@ def test_run_target_where_every_request_fails_exits_1(batchsim_home, tmp_path):
     summary = last_json(proc.stdout)  # the summary still closes stdout, keys unchanged
     assert summary["completed"] == 0 and summary["failed"] == 2
     assert "all 2 requests" in proc.stderr.strip().splitlines()[-1]
+    assert summary["http_statuses"] == {"connection refused": 2}  # was {'None': 2}
 
 
 def test_json_leaves_stdout_one_json_line_for_any_command(capsys, tmp_path):

@@ -80,6 +80,10 @@ def test_every_numeric_flag_refuses_nan_inf_negatives_and_overflow_in_one_line(c
     (["bench-decode", "--steps", "0"], "--steps: expected a positive integer"),
     (["bench-decode", "--steps", "-1"], "--steps: expected a positive integer"),
     (["run", *SIM, "--num-prompts", "2147483647"], "num_prompts: must be >= 1 and <= 10000000"),
+    (["roofline", "--bandwidth-mb", "2147483647"], "--bandwidth-mb: expected a positive integer <= "
+                                                   "8192"),  # was an OverflowError in MLX
+    (["bench-decode", "--batch", "2147483647"], "--batch: expected comma-separated integers in "
+                                                "1..4096"),  # was numpy's 2 TiB allocation error
 ])
 def test_numbers_at_the_edges_are_one_line_errors(argv, says, capsys, tmp_path):
     rc, _, err = _main([*argv, "--out", str(tmp_path)] if argv[0] != "serve" else argv, capsys)
@@ -271,6 +275,34 @@ def test_a_run_directory_config_runs_again(capsys, tmp_path):
                           "--out", str(tmp_path / "b"), "--json"], capsys)
     assert rc == 0, err
     again = json.loads(out.splitlines()[-1])
-    assert again["output_tokens_sha256"] == first["output_tokens_sha256"] if "output_tokens_sha256" \
-        in first else again["total_output_tokens"] == first["total_output_tokens"]
+    assert again["total_output_tokens"] == first["total_output_tokens"]
     assert again["mean_ttft_ms"] == first["mean_ttft_ms"] and again["workload"] == first["workload"]
+
+
+def test_run_target_on_a_server_that_wants_a_key_says_openai_api_key(batchsim_home, tmp_path):
+    import http.server
+    import threading
+
+    class Deny(http.server.BaseHTTPRequestHandler):
+        def _deny(self) -> None:
+            self.send_response(401)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_POST = _deny
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Deny)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        proc = _batchsim("run", "--model", "tiny", "--target",
+                         f"http://127.0.0.1:{server.server_address[1]}/v1", "--num-prompts", "2",
+                         "--out", str(tmp_path), "--no-progress", home=batchsim_home,
+                         env={"OPENAI_API_KEY": ""})
+    finally:
+        server.shutdown()
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "{'401': 2}" in line and "set OPENAI_API_KEY" in line

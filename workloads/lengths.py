@@ -46,7 +46,8 @@ class LengthSpec:
                     f"length dist {self.dist!r} needs a positive {key!r}, got {value!r}")
         big = [k for k in ("value", "min", "max", "mean") if (getattr(self, k) or 0) > MAX_TOKENS]
         if big:
-            raise ConfigError(f"length {big[0]!r} must be <= {MAX_TOKENS}, got {getattr(self, big[0])!r}")
+            value = getattr(self, big[0])
+            raise ConfigError(f"length {big[0]!r} must be <= {MAX_TOKENS}, got {value!r}")
         if self.min < 1 or (self.max is not None and self.max < self.min):
             raise ConfigError(f"length bounds must satisfy 1 <= min <= max, got [{self.min}, {self.max}]")
         if self.dist == "zipf" and self.a is not None and self.a <= 1:

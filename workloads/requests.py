@@ -105,8 +105,9 @@ def trace_requests(trace: TraceSpec, num_prompts: int) -> list[RequestSpec]:
 def _check_finite(arrivals_s, key: str, value: float) -> None:
     """Arrivals past a float's range would never come: one line naming the setting."""
     if not np.all(np.isfinite(arrivals_s)):
-        raise ConfigError(f"{key} {value:g}: the last arrivals fall beyond {sys.float_info.max:.3g} "
-                          "s (a float's range); use a larger rate or a smaller time scale")
+        raise ConfigError(f"{key} {value:g}: the last arrivals fall beyond "
+                          f"{sys.float_info.max:.3g} s (a float's range); use a larger rate or a "
+                          "smaller time scale")
 
 
 def build_requests(spec: WorkloadSpec) -> list[RequestSpec]:

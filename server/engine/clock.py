@@ -50,7 +50,10 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         # (not CPython's loop) every sleep takes the ordinary way.
         self._in_place = hasattr(self, "_ready") and hasattr(self, "_scheduled")
         if self._in_place:
-            self._virtual.next_timer_s = lambda: self._scheduled[0].when() if self._scheduled else None
+            self._virtual.next_timer_s = self._first_timer_s
+
+    def _first_timer_s(self) -> float | None:
+        return self._scheduled[0].when() if self._scheduled else None
 
     def time(self) -> float:
         return self._virtual.now_s

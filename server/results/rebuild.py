@@ -43,7 +43,8 @@ def rebuild_summary(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
     summary = summarize(
         requests, steps,
         duration_s=duration_s if _finite(duration_s) else _span_s(requests, steps),
-        percentiles=_percentiles(cfg.get("percentiles")), goodput_slo_ms=_goodput(cfg.get("goodput")),
+        percentiles=_percentiles(cfg.get("percentiles")),
+        goodput_slo_ms=_goodput(cfg.get("goodput")),
         kv_budget_bytes=_count(resolved.get("kv_budget_bytes")),
         weight_bytes=_count(resolved.get("weight_bytes")),
     )
@@ -123,8 +124,9 @@ def _records(path: Path, cls: Any, notes: list[str]) -> list[Any]:
         else:
             bad.append(i)
     if bad:
+        shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
         notes.append(f"{path.name}: skipped {len(bad)} record(s) with missing or non-finite "
-                     f"fields (record {', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''})")
+                     f"fields (record {shown})")
     return out
 
 

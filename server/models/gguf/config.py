@@ -49,7 +49,8 @@ def hf_config(g: Gguf) -> dict[str, Any]:
     hidden = _count(g, f"{arch}.embedding_length")
     kv_heads = _count(g, f"{arch}.attention.head_count_kv", heads)
     if heads % kv_heads:
-        raise GgufError(f"{g.path}: head_count {heads} is not a multiple of head_count_kv {kv_heads}")
+        raise GgufError(f"{g.path}: head_count {heads} is not a multiple of head_count_kv "
+                        f"{kv_heads}")
     tokens = g.need("tokenizer.ggml.tokens")
     vocab = _count(g, f"{arch}.vocab_size", len(tokens))
     head_dim = g.value(f"{arch}.attention.key_length") or g.value(f"{arch}.rope.dimension_count")

@@ -38,9 +38,12 @@ def yamlable(obj: Any) -> Any:
     return jsonable(obj)
 
 
+_ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode  # built once
+
+
 def dumps(obj: Any) -> str:
     try:  # the common case: plain, finite data needs no walk (millions of token times)
-        return json.dumps(obj, separators=(",", ":"), allow_nan=False)
+        return _ENCODE(obj)
     except (ValueError, TypeError):
         return json.dumps(jsonable(obj), separators=(",", ":"))
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from batchsim.server.results.json_lines import StepLines
 from batchsim.server.results.jsonio import dumps
 from batchsim.server.results.metrics import RequestRecord, StepRecord
 
@@ -35,6 +36,7 @@ class RecordStream:
         self._spans: dict[int, tuple[int, int]] = {}  # request id -> (offset, length) in the file
         self._request_bytes = 0
         self._last_flush_s = time.monotonic()
+        self._step_line = StepLines()
         self.writing_s = 0.0  # wall time spent encoding and writing records (perf_counter)
 
     def add_step(self, step: StepRecord) -> None:
@@ -48,7 +50,7 @@ class RecordStream:
     def flush(self) -> None:
         t0 = time.perf_counter()
         if self._steps:
-            self._write(STEPS, [dumps(s.to_json()) + "\n" for s in self._steps])
+            self._write(STEPS, list(map(self._step_line, self._steps)))
             self._steps.clear()
         if self._requests:
             lines = [dumps(r.to_json()) + "\n" for r in self._requests]

@@ -94,12 +94,12 @@ def bounded(kind: type, lo: float, hi: float, *, lo_open: bool = False):
     """An argparse type: `kind` (int or float) in [lo, hi] (lo excluded if `lo_open`); nan, inf
     and anything outside is one line that says the bounds."""
     noun = "an integer" if kind is int else "a number"
-    show = str if kind is int else (lambda x: f"{x:g}")
+    show = str if kind is int else (lambda x: f"{x:.15g}")
     rule = f"{'>' if lo_open else '>='} {show(lo)} and <= {show(hi)}"
     if kind is int and (lo, lo_open) == (1, False):
         noun, rule = "a positive integer", f"<= {hi}"
     elif kind is float and (lo, lo_open) == (0, True):
-        noun, rule = "a positive finite number", f"<= {hi:g}"
+        noun, rule = "a positive finite number", f"<= {show(hi)}"
 
     def parse(text: str):
         try:

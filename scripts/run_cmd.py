@@ -24,7 +24,13 @@ from batchsim.scripts.common import (
     out,
     positive_float,
 )
-from batchsim.server.engine.run_config import DTYPES, RunConfig, load_run_config, with_run_overrides
+from batchsim.server.engine.run_config import (
+    DTYPES,
+    MAX_MEMORY_GB,
+    RunConfig,
+    load_run_config,
+    with_run_overrides,
+)
 from batchsim.server.models.spec import KV_BITS, QUANT_BITS
 from batchsim.workloads.lengths import LengthSpec, parse_length
 from batchsim.workloads.spec import TraceSpec, WorkloadSpec, resolve_workload
@@ -40,6 +46,7 @@ def rate(text: str) -> float:
 
 _finite_rate = bounded(float, 0, MAX_FLOAT, lo_open=True)
 _percentile = bounded(float, 0, 100)
+_memory_gb = bounded(float, 0, MAX_MEMORY_GB, lo_open=True)
 
 
 def length(text: str) -> LengthSpec:
@@ -78,7 +85,7 @@ def add_model_args(p: argparse.ArgumentParser, simulated: bool = True):
                            "simulator device profile (configs/devices NAME or YAML)")
     add_field_argument(g, RunConfig, "memory_gb", "memory budget for weights + KV cache in GiB "
                        "(emulate a smaller machine); default: MLX's working set on a GPU, 75%% of "
-                       "RAM on the CPU backend", type=positive_float)
+                       "RAM on the CPU backend", type=_memory_gb)
     return g
 
 

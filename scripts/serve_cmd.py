@@ -53,17 +53,6 @@ def _config(args: argparse.Namespace):
     from batchsim.configs import ConfigError
     from batchsim.server.engine.run_config import RunConfig, with_run_overrides
 
-    checks = [(args.max_queue >= 1, "--max-queue must be >= 1"),
-              (args.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024"),
-              (args.max_prompt_bytes is None or args.max_prompt_bytes >= 1,
-               "--max-prompt-bytes must be >= 1"),
-              (args.header_timeout_s > 0, "--header-timeout-s must be > 0"),
-              (args.body_timeout_s > 0, "--body-timeout-s must be > 0"),
-              (args.drain_timeout_s >= 0, "--drain-timeout-s must be >= 0"),
-              (0 <= args.port <= 65535, "--port must be in 0..65535")]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
     try:  # the scheduler limits are checked as run checks them (SchedulerSettings)
         return with_run_overrides(
             RunConfig(), {}, model=args.model, dtype=args.dtype, quantize=args.quantize,

@@ -4,7 +4,6 @@ YAML strictly (unknown keys are errors naming the file), overridden by CLI flags
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,6 +23,8 @@ ExecutorName = Literal["mlx", "sim", "fake"]
 # auto: float32 on the CPU backend, float16 on a GPU.
 DTYPES: tuple[str, ...] = ("auto", *FLOAT_DTYPES)
 
+
+MAX_MEMORY_GB = 1 << 20  # 1 PiB: a larger budget is a typo (and overflows byte counts)
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
@@ -49,8 +50,9 @@ class RunConfig:
         if self.kv_bits not in (None, *KV_BITS):
             allowed = ", ".join(map(str, KV_BITS))
             raise ConfigError(f"kv_bits: {self.kv_bits} is not allowed; allowed: {allowed}")
-        if self.memory_gb is not None and not 0 < self.memory_gb < math.inf:
-            raise ConfigError(f"memory_gb must be > 0 and finite, got {self.memory_gb}")
+        if self.memory_gb is not None and not 0 < self.memory_gb <= MAX_MEMORY_GB:
+            raise ConfigError(f"memory_gb must be > 0 and finite, at most {MAX_MEMORY_GB} GiB, "
+                              f"got {self.memory_gb}")
         from batchsim.server.perf.engines import load_engine
 
         load_engine(self.engine)  # an unknown engine: a one-line error listing the known ones

@@ -131,7 +131,8 @@ def run(args: argparse.Namespace) -> dict:
     _print(batch1, batched, args.batch, rat)
     stamp = timestamp()
     row = {"kind": "compare", "time": stamp, "model": batched["model"], "dtype": batched["dtype"],
-           "executor": batched["executor"], "engine": cfg_b.engine, "workload": spec.name, "num_prompts": spec.num_prompts,
+           "executor": batched["executor"], "engine": cfg_b.engine, "workload": spec.name,
+           "num_prompts": spec.num_prompts,
            "seed": spec.seed, "batch": args.batch, "speedup": speedup, "ratios": rat,
            "batch1": {k: batch1.get(k) for k in JSONL_KEYS},
            "batched": {k: batched.get(k) for k in JSONL_KEYS}, "env": batched["env"]}

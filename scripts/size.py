@@ -79,9 +79,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="achievable fraction of peak FLOP/s (default: fitted on published MLX "
                         "prompt rates)")
     p.add_argument("--explain", action="store_true",
-                   help="also print the predicted decode step's parts (weights, matmul, attention, "
-                        "elementwise, fixed, overhead, per-row and host work) at batch 1 and at the "
-                        "max batch; the JSON rows gain parts: {b1, max_batch}, seconds by name")
+                   help="also print the predicted decode step's parts (weights, matmul, "
+                        "attention, elementwise, fixed, overhead, per-row and host work) at "
+                        "batch 1 and at the max batch; the JSON rows gain parts: {b1, "
+                        "max_batch}, seconds by name")
     add_engine_argument(p)
     c = p.add_argument_group("cluster (tensor- or pipeline-parallel across Macs)")
     c.add_argument("--macs", type=positive_int, default=1,
@@ -115,7 +116,8 @@ def run(args: argparse.Namespace) -> dict:
                       args.fit_quantile, args.seed)
     meta = _meta(args, spec, catalog, ctx)
     s = Settings(args.dtype, args.quantize, args.bandwidth_efficiency, args.compute_efficiency,
-                 meta["os_reserve_gb"], args.kv_bits, fit=load_fit(), engine=load_engine(args.engine))
+                 meta["os_reserve_gb"], args.kv_bits, fit=load_fit(),
+                 engine=load_engine(args.engine))
     cluster = _cluster(args)
     meta.update(_cluster_meta(cluster))
     rows = [mac_row(spec, m, gb, ctx, s, ws, explain=args.explain, cluster=cluster)
@@ -269,7 +271,8 @@ def _print_parts(rows: list[dict], meta: dict) -> None:
     shown = [p for p in PARTS if p == "total_s" or any(parts[p] for _, _, parts in steps)]
     body = [[f"{r['label']} {r['memory_gb']:g}GB", batch] + [1e3 * parts[p] for p in shown]
             + [batch / parts["total_s"]] for r, batch, parts in steps]
-    cols = ["Mac", "batch"] + [p.removesuffix("_s").replace("_", " ") + " ms" for p in shown] + ["tok/s"]
+    names = [p.removesuffix("_s").replace("_", " ") + " ms" for p in shown]
+    cols = ["Mac", "batch", *names, "tok/s"]
     out.print(table(f"Predicted decode step by part, context {meta['context']} (mean "
                     f"{meta['context_mean_tokens']:.0f} tokens read per row)", cols, body))
     out.print("weights: linear layers streaming their weights (bandwidth-bound ones on a roofline); "

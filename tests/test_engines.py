@@ -65,7 +65,8 @@ def test_per_row_terms_grow_with_the_rows_and_the_simulator_charges_them():
                     engine=_engine(host_step_us=500, host_token_us=100))
     plain = StepCost(spec, base, "float16", 4)
     for rows in (1, 8, 32):
-        t, t0 = cost.step_time(decode_rows=rows, width=128), plain.step_time(decode_rows=rows, width=128)
+        t = cost.step_time(decode_rows=rows, width=128)
+        t0 = plain.step_time(decode_rows=rows, width=128)
         assert t.attention_rows_s == pytest.approx(rows * spec.num_layers * 2e-6)
         assert t.token_ops_s == pytest.approx(rows * spec.num_layers * 1e-6)
         assert t.sampling_s == pytest.approx(rows * 30e-6)
@@ -73,7 +74,8 @@ def test_per_row_terms_grow_with_the_rows_and_the_simulator_charges_them():
         added = t.attention_rows_s + t.token_ops_s + t.sampling_s + t.host_token_s + t.host_step_s
         assert t.total_s == pytest.approx(t0.total_s + added, rel=1e-12)
         # The simulator's fast path charges the same step.
-        assert cost.decode_forward_s(rows, 128) + cost.step_overhead_s == pytest.approx(t.total_s, rel=1e-12)
+        charged = cost.decode_forward_s(rows, 128) + cost.step_overhead_s
+        assert charged == pytest.approx(t.total_s, rel=1e-12)
     # A prefill chunk pays per-token work per token, and sampling once if it samples.
     chunk = cost.prefill_time(256, 0, True)
     assert chunk.token_ops_s == pytest.approx(256 * spec.num_layers * 1e-6)
@@ -85,8 +87,8 @@ def test_per_row_terms_grow_with_the_rows_and_the_simulator_charges_them():
 
 def test_kv_read_at_its_own_efficiency():
     spec, base = zoo_spec("llama-3.2-1b"), _mac()
-    half = StepCost(spec, dataclasses.replace(base, kv_bandwidth_efficiency=base.bandwidth_efficiency / 2),
-                    "float16", 4)
+    slow_kv = dataclasses.replace(base, kv_bandwidth_efficiency=base.bandwidth_efficiency / 2)
+    half = StepCost(spec, slow_kv, "float16", 4)
     same = StepCost(spec, base, "float16", 4)
     a, b = half.decode_time(8, 4096), same.decode_time(8, 4096)
     assert a.attention_s == pytest.approx(2 * b.attention_s)
@@ -112,7 +114,8 @@ def test_an_engine_serial_for_one_architecture_batches_the_others():
     hybrid = StepCost(zoo_spec("qwen3-next-80b-a3b"), _mac(), "float16", 4, engine=engine)
     dense = StepCost(zoo_spec("llama-3.2-1b"), _mac(), "float16", 4, engine=engine)
     assert hybrid.serial and not dense.serial
-    assert hybrid.decode_time(4, 256).total_s == pytest.approx(4 * hybrid.decode_time(1, 256).total_s)
+    one = hybrid.decode_time(1, 256).total_s
+    assert hybrid.decode_time(4, 256).total_s == pytest.approx(4 * one)
 
 
 def test_engine_profile_refuses_negative_costs(tmp_path):
@@ -160,7 +163,8 @@ def test_quantized_gemm_ceiling_stops_a_quantized_batch_scaling():
     decode tok/s saturates near ceiling / (2 x params); without it, the float peak binds."""
     spec = zoo_spec("llama-3.1-8b")
     base = _mac()
-    capped = StepCost(spec, dataclasses.replace(base, quantized_gemm_gflops={4: 5000.0}), "float16", 4)
+    capped = StepCost(spec, dataclasses.replace(base, quantized_gemm_gflops={4: 5000.0}),
+                      "float16", 4)
     free = StepCost(spec, base, "float16", 4)
     tok_s = {b: b / capped.step_time(decode_rows=b, width=128).total_s for b in (1, 32, 128, 512)}
     assert tok_s[512] / tok_s[128] < 1.1  # stopped scaling
@@ -172,11 +176,13 @@ def test_quantized_gemm_ceiling_stops_a_quantized_batch_scaling():
     assert capped.decode_time(1, 128).total_s == free.decode_time(1, 128).total_s
     gemv = StepCost(spec, dataclasses.replace(base, quantized_gemv_gbs={4: base.bytes_per_s / 2e9}),
                     "float16", 4)
-    assert gemv.decode_time(1, 128).weights_s == pytest.approx(2 * free.decode_time(1, 128).weights_s)
+    assert gemv.decode_time(1, 128).weights_s == pytest.approx(
+        2 * free.decode_time(1, 128).weights_s)
     # Another bit width, or float weights, keep the float ceilings.
     assert StepCost(spec, capped.profile, "float16", 8).matmul_rates == StepCost(
         spec, base, "float16", 8).matmul_rates
-    assert StepCost(spec, capped.profile, "float16", None).matmul_rates[1] == base.flops_per_s("float16")
+    float_rates = StepCost(spec, capped.profile, "float16", None).matmul_rates
+    assert float_rates[1] == base.flops_per_s("float16")
 
 
 def test_quantized_ceilings_price_routed_experts():

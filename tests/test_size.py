@@ -192,7 +192,8 @@ def test_a_mac_without_flops_is_refused_not_unlimited(catalog):
     row = size_limits.mac_row(spec, mac, 128, size_limits.context_fit("128", spec.max_context),
                               settings(catalog, 4), catalog.metal_working_set)
     assert row["decode_tok_s_b1"] is None and row["decode_tok_s_max_batch"] is None
-    assert row["refused"] == "M5 Max 40c: no FLOP/s figure in configs/macs.yaml, tok/s not predicted"
+    assert row["refused"] == ("M5 Max 40c: no FLOP/s figure in configs/macs.yaml, tok/s not "
+                              "predicted")
     assert row["max_batch"] > 0  # the memory side still answers
     with pytest.raises(ConfigError, match="no FLOP/s figure"):
         mac.profile(0.8, 0.9)

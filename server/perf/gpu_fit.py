@@ -63,7 +63,8 @@ class GpuFit:
             raise ValueError("compute_efficiency and expert_bandwidth_efficiency must be in (0, 1]")
         fractions = [self.kv_bandwidth_efficiency, *self.quantized_gemm_efficiency.values()]
         if any(not 0 <= v <= 1 for v in fractions):
-            raise ValueError("kv_bandwidth_efficiency and the quantized efficiencies must be in [0, 1]")
+            raise ValueError("kv_bandwidth_efficiency and quantized_gemm_efficiency must be in "
+                             "[0, 1]")
         if min(self.attention_row_us, self.token_layer_us, self.sampling_row_us) < 0:
             raise ValueError("attention_row_us, token_layer_us and sampling_row_us must be >= 0")
 

@@ -138,7 +138,8 @@ class DeviceProfile:
     @property
     def kv_bytes_per_s(self) -> float:
         """Decode attention's K/V read rate: its own efficiency, else the weights'."""
-        return self.bandwidth_gbs * 1e9 * (self.kv_bandwidth_efficiency or self.bandwidth_efficiency)
+        efficiency = self.kv_bandwidth_efficiency or self.bandwidth_efficiency
+        return self.bandwidth_gbs * 1e9 * efficiency
 
     def flops_per_s(self, dtype: str) -> float:
         return self.tflops(dtype) * 1e12 * self.compute_efficiency

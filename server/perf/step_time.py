@@ -10,7 +10,7 @@ import dataclasses
 class StepTime:
     """One step's seconds by part; `total_s` is their sum."""
 
-    weights_s: float  # linear layers and lm head streaming their weights (roofline: bytes-bound ones)
+    weights_s: float  # linear layers and lm head streaming their weights (roofline: bytes-bound)
     matmul_s: float  # linear layers and lm head doing arithmetic (roofline: FLOP-bound ones)
     attention_s: float  # decode: K/V reads (+ scores); prefill: score/value FLOPs, score bytes
     elementwise_s: float  # norms, RoPE, activations, residuals, logits
@@ -18,7 +18,7 @@ class StepTime:
     step_overhead_s: float  # the engine's own work per step (scheduling, hand-off, sync)
     copy_s: float = 0.0  # KV pool copies: joins, compaction, regrowth
     experts_s: float = 0.0  # MoE: routed experts' gathered matmuls (their weights and FLOPs)
-    comm_s: float = 0.0  # between ranks: all-reduces (tensor parallel) or sends (pipeline); 0 on one
+    comm_s: float = 0.0  # between ranks: all-reduces (tensor parallel) or sends (pipeline)
     # Work that grows with the rows, whatever their bytes (profile.py: zero unless set or measured):
     attention_rows_s: float = 0.0  # decode attention's fixed kernel cost per row per layer
     token_ops_s: float = 0.0  # elementwise kernels' fixed cost per token per layer

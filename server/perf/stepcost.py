@@ -71,8 +71,8 @@ def quantized_ceilings(profile: DeviceProfile,
 
 class StepCost:
     def __init__(self, spec: ModelSpec, profile: DeviceProfile, dtype: str,
-                 quantize_bits: int | None, kv_bits: int | None = None, cluster: Cluster | None = None,
-                 engine: EngineProfile | None = None):
+                 quantize_bits: int | None, kv_bits: int | None = None,
+                 cluster: Cluster | None = None, engine: EngineProfile | None = None):
         self.spec = spec
         self.profile = profile
         self.cal: Calibration | None = profile.calibration

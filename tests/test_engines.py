@@ -218,3 +218,23 @@ def test_a_calibrated_profile_prices_quantized_weights_at_its_ceilings(tmp_path)
     slower = StepCost(zoo_spec("tiny-moe"), dataclasses.replace(
         profile, quantized_gemv_gbs={4: 10.0}), "float16", 4)
     assert slower.decode_time(1, 64).experts_s > moe.decode_time(1, 64).experts_s
+
+
+def test_run_config_takes_an_engine_and_a_simulated_run_names_it(tmp_path, capsys):
+    import json
+
+    from batchsim.scripts.cli import main
+    from batchsim.server.engine.run_config import RunConfig
+
+    with pytest.raises(ConfigError, match="unknown engine 'nope'; known: "):
+        RunConfig(engine="nope")
+    rates = {}
+    for engine in ("batchsim", "mlx-lm-generate"):
+        assert main(["run", "--executor", "sim", "--device-profile", "M4 Max", "--model",
+                     "llama-3.2-1b", "--dtype", "float16", "--quantize", "4", "--engine", engine,
+                     "--num-prompts", "8", "--request-rate", "inf", "--input-len", "64",
+                     "--output-len", "32", "--no-progress", "--out", str(tmp_path)]) == 0
+        summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert summary["engine"] == engine
+        rates[engine] = summary["output_throughput"]
+    assert rates["mlx-lm-generate"] < rates["batchsim"] / 2  # 8 rows at once, priced one by one

@@ -1,6 +1,6 @@
 """`batchsim roofline`: the same N x N multiply as a GEMV (one decode step) and as a GEMM (a batch
-of N tokens) per dtype, a batch sweep between the two, and the device's measured memory and matmul
-ceilings, drawn as a roofline PNG."""
+of N tokens) per dtype (float, or mlx-lm's 4/8-bit affine quantization as q4/q8), a batch sweep
+between the two, and the device's measured memory and matmul ceilings, drawn as a roofline PNG."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ from batchsim.server.measure import microbench as mb
 
 DEFAULT_NS = "1024,2048,4096,8192,12288"
 DEFAULT_SWEEP_N = 4096
-_COLORS = {"float32": "tab:blue", "float16": "tab:orange", "bfloat16": "tab:green"}
+_COLORS = {"float32": "tab:blue", "float16": "tab:orange", "bfloat16": "tab:green",
+           "q4": "tab:red", "q8": "tab:purple"}
 _MARKERS = {"gemv": "o", "gemm": "s", "batch": "^"}
 _SHAPE_LABELS = {"gemv": "GEMV (B=1)", "gemm": "GEMM (B=N)", "batch": "batch sweep"}
 
@@ -35,8 +36,10 @@ _SHAPE_LABELS = {"gemv": "GEMV (B=1)", "gemm": "GEMM (B=N)", "batch": "batch swe
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=ints_up_to(32768), default=int_list(DEFAULT_NS),
                    help="matrix sizes N (comma-separated)")
-    p.add_argument("--dtypes", type=str_list, default=["float16", "bfloat16", "float32"],
-                   help="dtypes (comma-separated): float16, bfloat16, float32")
+    p.add_argument("--dtypes", type=str_list, default=["float16", "bfloat16", "float32", "q4", "q8"],
+                   help="dtypes (comma-separated): float16, bfloat16, float32, and q4, q8 (mlx-lm's "
+                        "affine quantization, group 64, its activations in the backend's default "
+                        "dtype: float32 on the CPU, float16 on a GPU)")
     p.add_argument("--reps", type=positive_int, default=9, help="timed reps per point (median reported)")
     p.add_argument("--sweep-n", type=non_negative_int, default=None,
                    help=f"N of the batch sweep B = 1, 2, 4 ... N (default: {DEFAULT_SWEEP_N}, or "
@@ -58,18 +61,18 @@ def run(args: argparse.Namespace) -> dict:
         err.print(f"roofline: streaming bandwidth ({args.bandwidth_mb} MiB arrays) ...")
         kernels_gbs = mb.measure_bandwidth(args.bandwidth_mb << 20, args.reps)
         book = mb.RateBook(max(kernels_gbs.values()))
-        mb.probe_rates(args.dtypes, book)
+        mb.probe_rates(args.dtypes, book, quant_act=cfg.quant_act)
         bench = mb.Bench(cfg, book, _progress)
         table_results = mb.gemv_gemm_rows(bench, args.n, args.dtypes)
         sweep_results = mb.batch_sweep_rows(bench, sweep_n, args.dtypes) if sweep_n > 0 else []
         peak_results = mb.peak_rows(bench, args.dtypes)
     settings = {"reps": cfg.reps, "warmup": cfg.warmup, "mlx_cache_limit_bytes": cache_bytes,
                 "working_set_bytes": cfg.working_set_bytes, "memory_budget_bytes": cfg.memory_bytes,
-                "max_s_per_point": cfg.max_s_per_point}
+                "max_s_per_point": cfg.max_s_per_point, "quant_act_dtype": cfg.quant_act}
     summary = _summary(kernels_gbs, table_results, sweep_results, peak_results, sweep_n,
                        env.backend())
     summary["env"] = env.environment(**settings)
-    _print_report(summary, args.n, args.dtypes)
+    _print_report(summary, args.n, args.dtypes, cfg)
     stamp = timestamp()
     summary["jsonl"] = append_jsonl(args.out / "roofline.jsonl", _records(stamp, summary, settings))
     summary["png"] = _plot(args.out / f"roofline-{stamp}.png", summary)
@@ -79,15 +82,17 @@ def run(args: argparse.Namespace) -> dict:
 
 def _config(args: argparse.Namespace) -> tuple[mb.BenchConfig, int]:
     from batchsim.configs import ConfigError
+    from batchsim.server.platform import env
 
-    bad = [d for d in args.dtypes if d not in mb.DTYPE_BYTES]
+    bad = [d for d in args.dtypes if d not in mb.FORMATS]
     if bad or args.reps < 1 or args.bandwidth_mb < 1:
-        raise ConfigError(f"roofline: dtypes must be among {', '.join(mb.DTYPE_BYTES)} "
+        raise ConfigError(f"roofline: dtypes must be among {', '.join(mb.FORMATS)} "
                           f"(got {', '.join(bad) or '-'}); --reps and --bandwidth-mb must be >= 1")
     sweep_n = args.sweep_n if args.sweep_n is not None else min(DEFAULT_SWEEP_N, max(args.n))
     cfg = mb.BenchConfig(reps=args.reps, max_s_per_point=args.max_seconds_per_point,
                          memory_bytes=mb.memory_budget_bytes(),
-                         working_set_bytes=mb.working_set_bytes())
+                         working_set_bytes=mb.working_set_bytes(),
+                         quant_act=env.default_dtype())
     return cfg, sweep_n
 
 
@@ -143,8 +148,9 @@ def _notes(backend: str, rows: list[dict], skipped: list[dict], sweep: list[dict
     for r in rows:
         if backend == "cpu" and r["dtype"] != "float32" and r["shape"] == "gemv" and (
                 r["bound"] == "compute") and not any(r["dtype"] in n for n in notes):
-            notes.append(f"{r['dtype']}: MLX's CPU backend multiplies it without BLAS, so even its "
-                         "GEMV is compute-bound here and its large GEMMs are skipped (raise "
+            how = "quantized_matmul" if r["dtype"] in mb.QUANT_BITS else "it"
+            notes.append(f"{r['dtype']}: MLX's CPU backend multiplies {how} without BLAS, so even "
+                         "its GEMV is compute-bound here and its large GEMMs are skipped (raise "
                          "--max-seconds-per-point to run them).")
     if skipped:
         notes.append(f"{len(skipped)} point{'s' * (len(skipped) != 1)} skipped; each has its "
@@ -156,14 +162,15 @@ def _notes(backend: str, rows: list[dict], skipped: list[dict], sweep: list[dict
     return notes
 
 
-def _print_report(summary: dict, ns: list[int], dtypes: list[str]) -> None:
+def _print_report(summary: dict, ns: list[int], dtypes: list[str], cfg: mb.BenchConfig) -> None:
     bw, peaks = summary["bandwidth_gbs"], summary["peak_gflops"]
     found = {(r["n"], r["dtype"], r["shape"]): r for r in summary["rows"] + summary["skipped"]}
     body = []
     for dtype in dtypes:
         for n in sorted(ns):
             v, m = found.get((n, dtype, "gemv"), {}), found.get((n, dtype, "gemm"), {})
-            body.append([n, dtype, *_cells(v, 1, n, dtype), *_cells(m, n, n, dtype),
+            act = cfg.act(dtype)
+            body.append([n, dtype, *_cells(v, 1, n, dtype, act), *_cells(m, n, n, dtype, act),
                          _ratio(m.get("gflops"), v.get("gflops")), _ratio(v.get("gbytes_s"), bw),
                          _ratio(m.get("gflops"), peaks.get(dtype))])
     out.print(table(
@@ -183,7 +190,8 @@ def _print_report(summary: dict, ns: list[int], dtypes: list[str]) -> None:
             f"Batch sweep at N={sweep['n']}: X (B x N) @ W.T",
             ["dtype", "B", "GFLOP/s", "GB/s", "FLOP/B", "roof %", "bound"],
             [[r["dtype"], r["batch"], r.get("gflops", "skipped"), r.get("gbytes_s"),
-              mb.intensity(r["batch"], r["n"], r["dtype"]), 100 * r.get("roof_fraction", 0) or None,
+              mb.intensity(r["batch"], r["n"], r["dtype"], cfg.act(r["dtype"])),
+              100 * r.get("roof_fraction", 0) or None,
               r.get("bound", "-") + (" <- ridge" if first.get(r["dtype"]) == r["batch"] else "")]
              for r in sweep["rows"]]))
         for d, b in first.items():
@@ -196,9 +204,9 @@ def _print_report(summary: dict, ns: list[int], dtypes: list[str]) -> None:
         out.print(f"[yellow]{note}[/yellow]")
 
 
-def _cells(row: dict, batch: int, n: int, dtype: str) -> list:
+def _cells(row: dict, batch: int, n: int, dtype: str, act: str) -> list:
     if "gflops" not in row:
-        return ["skipped" if row else "-", None, mb.intensity(batch, n, dtype)]
+        return ["skipped" if row else "-", None, mb.intensity(batch, n, dtype, act)]
     return [row["gflops"], row["gbytes_s"], row["intensity"]]
 
 

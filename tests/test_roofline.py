@@ -169,3 +169,56 @@ def test_tiny_run_contract_files_and_consistency(tmp_path):
         assert r["env"]["backend"] in ("cpu", "metal", "cuda")
         assert r["env"]["mlx_cache_limit_bytes"] > 0
         assert r["env"]["blas"] and r["env"]["dtype"] == "float32"
+
+
+def test_quantized_bytes_by_hand_and_as_models_hold_them():
+    from batchsim.server.models.arch import quantized_matrix_bytes
+
+    n = 1024  # q4: half a byte per weight, a float16 scale and bias per 64 weights
+    assert mb.weight_bytes(n, "q4") == n * n // 2 + 2 * 2 * n * n // 64
+    assert mb.weight_bytes(n, "q4") == quantized_matrix_bytes(n, n, 4)
+    assert mb.weight_bytes(n, "q8") == quantized_matrix_bytes(n, n, 8)
+    # float32 activations (the CPU backend): scales and biases in float32 too, and X, Y
+    assert mb.matmul_bytes(1, n, "q8", "float32") == n * n + 2 * 4 * n * n // 64 + 2 * 4 * n
+    assert mb.intensity(1, n, "q4") > 3.5 * mb.intensity(1, n, "float16")  # ~4x fewer bytes
+    p = mb.MatmulPoint(n, 1, "q4", seconds=1e-3, reps=3, copies=1, act="float32")
+    assert p.row()["act_dtype"] == "float32" and p.row()["dtype"] == "q4"
+    assert p.bytes == mb.matmul_bytes(1, n, "q4", "float32")
+    with pytest.raises(ValueError, match="int8"):
+        mb.intensity(1, 64, "q4", "int8")
+
+
+def test_quantized_multiply_matches_dequantized_weights():
+    """time_matmul's quantized path multiplies what mlx-lm's QuantizedLinear does."""
+    import mlx.core as mx
+
+    w = mx.random.uniform(-1, 1, (128, 128))
+    x = mx.random.uniform(-1, 1, (3, 128))
+    dense = mx.dequantize(*mx.quantize(w, group_size=64, bits=4), group_size=64, bits=4)
+    mul = mb._multiply(mx, w, "q4")
+    assert mx.allclose(mul(x), x @ dense.T, atol=1e-4).item()
+
+
+def test_tiny_quantized_run_rows_carry_q4_q8(tmp_path):
+    from batchsim.scripts import roofline
+
+    args = _args(tmp_path, "--max-seconds-per-point", "1", "--sweep-n", "128")
+    args.dtypes = ["float32", "q4", "q8"]
+    doc = json.loads(dumps(roofline.run(args)))
+    act = doc["env"]["quant_act_dtype"]
+    assert act == ("float32" if doc["env"]["backend"] == "cpu" else "float16")
+    for dtype in ("q4", "q8"):
+        rows = [r for r in doc["rows"] + doc["sweep"]["rows"] if r["dtype"] == dtype]
+        assert {r["shape"] for r in rows} == {"gemv", "gemm", "batch"}
+        for r in rows:
+            assert r["bound"] in ("memory", "compute") and r["gflops"] > 0
+            assert r["act_dtype"] == act
+            assert r["bytes"] == mb.matmul_bytes(r["batch"], r["n"], dtype, act)
+        assert doc["peak_gflops"][dtype] > 0
+
+
+def test_unknown_format_is_a_one_line_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "batchsim.scripts.cli", "roofline", "--dtypes",
+                           "q3", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "q4" in proc.stderr and "q3" in proc.stderr

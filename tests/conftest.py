@@ -11,6 +11,8 @@ from batchsim.server.platform import blas
 
 blas.preload()  # before anything imports mlx, as the CLI does
 
+from tests.backend import dtype_for  # noqa: E402  (after the BLAS is chosen)
+
 
 @pytest.fixture(scope="session")
 def batchsim_home(tmp_path_factory) -> Path:
@@ -26,6 +28,13 @@ def _load(name: str, dtype: str, quantize: int | None = None):
     ref = resolve(name, dtype, quantize)
     model, tokenizer = load(ref)
     return ref, model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def quantized_dtype() -> str:
+    """The dtype of a test model whose matmuls or attention are quantized: float32 on the CPU
+    backend, float16 where MLX's GPU quantized kernels need it (tests/backend.py)."""
+    return dtype_for(quantized=True)
 
 
 @pytest.fixture(scope="session")

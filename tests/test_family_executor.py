@@ -1,7 +1,7 @@
 """The real executor on sliding-window, hybrid linear-attention and MLA models, and on quantized
 K/V: one forward pass per decode step, rows joining and leaving, the same tokens as each request
-alone (and as mlx-lm's own caches), and the bytes it holds equal to the scheduler's at every
-step."""
+alone (and as mlx-lm's own caches; exactly on the CPU backend, elsewhere up to near-ties:
+tests/backend.py), and the bytes it holds equal to the scheduler's at every step."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from batchsim.workloads.lengths import parse_length
 from batchsim.workloads.spec import WorkloadSpec
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
+from tests.backend import assert_same_tokens
 from tests.drivers import config, drive
 
 FAMILIES = ["tiny-sliding", "tiny-hybrid", "tiny-mla"]
@@ -59,6 +60,15 @@ def _run(model, layout, specs, kv_bits=None, run_ahead=True, **cfg):
 def _alone(model, layout, specs, kv_bits=None):
     return {i: _run(model, layout, [(0, ids, out)], kv_bits, max_num_seqs=1)[0][0]
             for i, (_, ids, out) in enumerate(specs)}
+
+
+def _same(model, specs, got, want, make_cache=None):
+    prompts = {i: ids for i, (_, ids, _) in enumerate(specs)}
+    assert_same_tokens(model, prompts, got, want, make_cache)
+
+
+def _greedy(model, specs, make_cache=make_prompt_cache):
+    return {i: _mlx_lm_greedy(model, ids, out, make_cache) for i, (_, ids, out) in enumerate(specs)}
 
 
 def _mlx_lm_greedy(model, ids: list[int], n: int, make_cache=make_prompt_cache) -> list[int]:
@@ -100,8 +110,8 @@ def test_batched_equals_single_per_family(name, batchsim_home):
     assert max(len(p.decode_ids) for p in trace.plans) >= 2
     assert any(p.free_ids and p.decode_ids for p in trace.plans)  # rows left, others decoded on
     alone = _alone(model, layout, specs)
-    assert batched == alone
-    assert alone == {i: _mlx_lm_greedy(model, ids, out) for i, (_, ids, out) in enumerate(specs)}
+    _same(model, specs, batched, alone)
+    _same(model, specs, alone, _greedy(model, specs))
 
 
 def test_sliding_rows_wrap_their_ring(batchsim_home, monkeypatch):
@@ -111,7 +121,7 @@ def test_sliding_rows_wrap_their_ring(batchsim_home, monkeypatch):
     layout = ref.spec.cache_layout("float32")
     specs = [(0, list(range(3, 3 + 70 + 7 * i)), 24) for i in range(3)]
     good = _run(model, layout, specs, max_num_seqs=3)[0]
-    assert good == {i: _mlx_lm_greedy(model, ids, out) for i, (_, ids, out) in enumerate(specs)}
+    _same(model, specs, good, _greedy(model, specs))
     monkeypatch.setattr(DecodeStep, "slots",
                         lambda self, ring: mx.minimum(self.positions, ring - 1))
     assert _run(model, layout, specs, max_num_seqs=3)[0] != good
@@ -140,8 +150,8 @@ def test_prompts_of_one_length_prefill_together_as_they_do_alone(name, batchsim_
     cfg = dict(max_num_seqs=n, prefill_step_size=256, max_num_batched_tokens=1024)
     batched = _run(model, layout, specs, **cfg)[0]  # the driver checks the KV bytes every step
     assert sizes and max(sizes) == n
-    assert batched == _alone(model, layout, specs)
-    assert batched == {i: _mlx_lm_greedy(model, ids, o) for i, (_, ids, o) in enumerate(specs)}
+    _same(model, specs, batched, _alone(model, layout, specs))
+    _same(model, specs, batched, _greedy(model, specs))
     # Negative control: every request handed the group's first row diverges.
     monkeypatch.setattr(prefill_cache, "split_rows", lambda caches, rows: [split(caches, rows)[0]] * rows)
     assert _run(model, layout, specs, **cfg)[0] != batched
@@ -171,6 +181,7 @@ def test_steps_run_ahead_are_used_or_undone_and_change_no_token(name, batchsim_h
     ahead = _run(model, layout, specs, **cfg)[0]
     steps = _run.executor.ahead_steps
     assert steps["used"] > 0 and steps["undone"] > 0, steps
+    # Exact on every backend: the same batches in the same order, only run ahead or not.
     assert ahead == _run(model, layout, specs, run_ahead=False, **cfg)[0]
     assert _run.executor.ahead_steps == {"used": 0, "undone": 0}
     if name == "tiny-hybrid":  # negative control: an undo that keeps the advanced state diverges
@@ -191,7 +202,7 @@ def test_preempted_requests_recompute_the_same_tokens(name, batchsim_home):
     batched, _, sched = _run(model, layout, specs, max_num_seqs=n, kv_budget_bytes=budget,
                              row_step=1)
     assert sched.num_preemptions > 0
-    assert batched == _alone(model, layout, specs)
+    _same(model, specs, batched, _alone(model, layout, specs))
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -207,7 +218,7 @@ def test_run_completes_with_an_exact_kv_account(name, batchsim_home):
     assert all(st.kv_bytes_measured == st.kv_bytes for st in outcome.steps)
 
 
-def _tiny_llama_64(tmp_path):
+def _tiny_llama_64(tmp_path, dtype: str):
     """A Llama of head_dim 64: the width QuantizedKVCache groups by."""
     from batchsim.server.models.build import build_model
     from batchsim.server.models.loader import ModelRef, load
@@ -218,26 +229,26 @@ def _tiny_llama_64(tmp_path):
                max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
                tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     spec = ModelSpec(name="tiny-llama64", config=cfg)
-    path = build_model(spec, "float32", out_dir=tmp_path / "llama64")
-    return spec, load(ModelRef(spec.name, path, spec, "float32", None))[0]
+    path = build_model(spec, dtype, out_dir=tmp_path / "llama64")
+    return spec, load(ModelRef(spec.name, path, spec, dtype, None))[0]
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_quantized_kv_batched_equals_single(bits, tmp_path):
-    spec, model = _tiny_llama_64(tmp_path)
-    layout = spec.cache_layout("float32", bits)
+def test_quantized_kv_batched_equals_single(bits, tmp_path, quantized_dtype):
+    dtype = quantized_dtype  # quantized attention: float16 where MLX's GPU kernels need it
+    spec, model = _tiny_llama_64(tmp_path, dtype)
+    layout = spec.cache_layout(dtype, bits)
     specs = _specs(spec.vocab_size, 5, seed=5, max_prompt=280, max_out=20)
     batched, trace, _ = _run(model, layout, specs, kv_bits=bits, max_num_seqs=5,
                              prefill_step_size=256, max_num_batched_tokens=300)
     assert MLXExecutor(model, kv_bits=bits).cache_layout == layout
-    assert layout.full_token_bytes < spec.kv_bytes_per_token("float32")
+    assert layout.full_token_bytes < spec.kv_bytes_per_token(dtype)
     assert max(len(p.decode_ids) for p in trace.plans) >= 3
-    assert batched == _alone(model, layout, specs, bits)
+    quantized = lambda m: [QuantizedKVCache(64, bits) for _ in m.layers]  # noqa: E731
+    _same(model, specs, batched, _alone(model, layout, specs, bits), quantized)
     # mlx-lm's QuantizedKVCache alone gives the same tokens (prompts within one prefill chunk).
     short = [(0, ids[:200], out) for _, ids, out in specs[:2]]
-    quantized = lambda m: [QuantizedKVCache(64, bits) for _ in m.layers]  # noqa: E731
-    assert _alone(model, layout, short, bits) == {
-        i: _mlx_lm_greedy(model, ids, out, quantized) for i, (_, ids, out) in enumerate(short)}
+    _same(model, short, _alone(model, layout, short, bits), _greedy(model, short, quantized), quantized)
 
 
 def test_kv_bits_refusals_are_one_line(batchsim_home):

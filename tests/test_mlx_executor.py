@@ -1,5 +1,6 @@
-"""The real executor on real mlx-lm models: batched decode produces exactly the tokens each
-request produces alone, and the KV bytes it reports are what MLX holds."""
+"""The real executor on real mlx-lm models: batched decode produces the tokens each request
+produces alone (exactly on the CPU backend, elsewhere up to near-ties: tests/backend.py), and the
+KV bytes it reports are what MLX holds."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.executors.kv_store import KVView
 from batchsim.server.executors.mlx_executor import MLXExecutor
 
+from tests.backend import assert_same_tokens
 from tests.drivers import config, drive
 
 
@@ -44,6 +46,10 @@ def _kvt(ref, dtype="float32"):
     return ref.spec.kv_bytes_per_token(dtype)
 
 
+def _same(model, specs, got, want):
+    assert_same_tokens(model, {i: ids for i, (_, ids, _) in enumerate(specs)}, got, want)
+
+
 def test_batched_equals_single_tiny(tiny):
     ref, model, _ = tiny
     specs = _requests(ref.spec.vocab_size, 12, seed=1, max_prompt=700, max_out=40)
@@ -53,7 +59,7 @@ def test_batched_equals_single_tiny(tiny):
                                  max_num_batched_tokens=300)
     assert max(len(p.decode_ids) for p in trace.plans) >= 4
     assert any(p.decode_ids and p.prefills for p in trace.plans)
-    assert batched == alone
+    _same(model, specs, batched, alone)
 
 
 def test_steps_run_ahead_are_used_or_undone_and_change_no_token(tiny):
@@ -64,6 +70,7 @@ def test_steps_run_ahead_are_used_or_undone_and_change_no_token(tiny):
     ahead = _run(model, _kvt(ref), specs, **cfg)[0]
     steps = _run.executor.ahead_steps
     assert steps["used"] > 0 and steps["undone"] > 0, steps
+    # Exact on every backend: the same batches in the same order, only run ahead or not.
     assert ahead == _run(model, _kvt(ref), specs, run_ahead=False, **cfg)[0]
 
 
@@ -74,7 +81,7 @@ def test_batched_equals_single_quantized(tiny_q4):
     specs = _requests(ref.spec.vocab_size, 6, seed=3, max_prompt=300, max_out=20)
     batched, _, trace = _run(model, kvt, specs, max_num_seqs=6)
     assert max(len(p.decode_ids) for p in trace.plans) >= 3
-    assert batched == _alone(model, kvt, specs)
+    _same(model, specs, batched, _alone(model, kvt, specs))
 
 
 def test_preempted_requests_recompute_the_same_tokens(tiny):
@@ -84,7 +91,7 @@ def test_preempted_requests_recompute_the_same_tokens(tiny):
     batched, sched, _ = _run(model, _kvt(ref), specs, max_num_seqs=6,
                              kv_budget_bytes=_kvt(ref) * 3 * KV_STEP, row_step=1)
     assert sched.num_preemptions > 0
-    assert batched == alone
+    _same(model, specs, batched, alone)
 
 
 def test_a_masking_bug_would_be_caught(tiny, monkeypatch):
@@ -101,7 +108,8 @@ def test_a_masking_bug_would_be_caught(tiny, monkeypatch):
 def test_batched_equals_single_smollm2(smollm2):
     ref, model, _ = smollm2
     specs = _requests(ref.spec.vocab_size, 5, seed=4, max_prompt=300, max_out=8)
-    assert _run(model, _kvt(ref), specs, max_num_seqs=5)[0] == _alone(model, _kvt(ref), specs)
+    _same(model, specs, _run(model, _kvt(ref), specs, max_num_seqs=5)[0],
+          _alone(model, _kvt(ref), specs))
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_moe"])
@@ -160,7 +168,7 @@ def test_batched_equals_single_on_other_architectures(model_type, tmp_path):
     specs = _requests(spec.vocab_size, 6, seed=7, max_prompt=400, max_out=20)
     batched, _, trace = _run(model, kvt, specs, max_num_seqs=6)
     assert max(len(p.decode_ids) for p in trace.plans) >= 3
-    assert batched == _alone(model, kvt, specs)
+    _same(model, specs, batched, _alone(model, kvt, specs))
 
 
 def test_moe_pool_holds_what_the_spec_prices(tiny_moe):
@@ -179,7 +187,7 @@ def test_batched_equals_single_moe(tiny_moe):
                              max_num_batched_tokens=300)
     assert max(len(p.decode_ids) for p in trace.plans) >= 4
     assert any(p.decode_ids and p.prefills for p in trace.plans)
-    assert batched == _alone(model, _kvt(ref), specs)
+    _same(model, specs, batched, _alone(model, _kvt(ref), specs))
 
 
 def test_batched_equals_single_moe_sorted_experts(tiny_moe):
@@ -190,4 +198,4 @@ def test_batched_equals_single_moe_sorted_experts(tiny_moe):
               rng.randint(4, 10)) for _ in range(34)]
     batched, _, trace = _run(model, _kvt(ref), specs, max_num_seqs=34)
     assert max(len(p.decode_ids) for p in trace.plans) >= 32
-    assert batched == _alone(model, _kvt(ref), specs)
+    _same(model, specs, batched, _alone(model, _kvt(ref), specs))

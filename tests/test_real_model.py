@@ -10,6 +10,7 @@ from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.executors.mlx_executor import MLXExecutor
 from batchsim.workloads.chat import chat_token_ids
 
+from tests.backend import assert_same_tokens
 from tests.drivers import config, drive
 
 MODEL = "smollm2-135m-instruct"
@@ -87,8 +88,9 @@ def test_batched_equals_single_on_chat_prompts_and_eos_stops(real):
     prompts = [chat_token_ids(tok, p) for p in PROMPTS]
     batched = _run(real, prompts, MAX_TOKENS, max_num_seqs=len(prompts))
     alone = {i: _run(real, [ids], MAX_TOKENS, 1)[0] for i, ids in enumerate(prompts)}
-    assert {i: r.output_token_ids for i, r in batched.items()} == \
-        {i: r.output_token_ids for i, r in alone.items()}
+    assert_same_tokens(real[1], dict(enumerate(prompts)),
+                       {i: r.output_token_ids for i, r in batched.items()},
+                       {i: r.output_token_ids for i, r in alone.items()})
     paris = batched[0]  # "The capital of France is Paris." then EOS, well before max_tokens
     assert paris.finish_reason == "stop" and paris.output_token_ids[-1] in eos
     assert len(paris.output_token_ids) < MAX_TOKENS and "Paris" in tok.decode(paris.output_token_ids)

@@ -238,3 +238,23 @@ def test_run_config_takes_an_engine_and_a_simulated_run_names_it(tmp_path, capsy
         assert summary["engine"] == engine
         rates[engine] = summary["output_throughput"]
     assert rates["mlx-lm-generate"] < rates["batchsim"] / 2  # 8 rows at once, priced one by one
+
+
+def test_the_mac_fit_carries_the_new_terms_to_every_mac():
+    """GpuFit (configs/reference/mlx-fit.yaml) is where a fit sets them: each reaches a catalog
+    Mac's profile and its step; an out-of-range fraction is refused."""
+    mac, _ = macs.load_catalog().variant("M4 Max 40c")
+    fit = dataclasses.replace(load_fit(), attention_row_us=1.5, token_layer_us=0.25,
+                              sampling_row_us=40.0, kv_bandwidth_efficiency=0.5,
+                              quantized_gemm_efficiency={4: 0.25})
+    profile = mac_profile(mac, fit, 4)
+    assert profile.quantized_gemm_gflops == {4: pytest.approx(0.25 * mac.fp16_tflops * 1e3)}
+    assert profile.kv_bytes_per_s == pytest.approx(0.5 * mac.bw_gbs * 1e9)
+    spec = zoo_spec("llama-3.2-1b")
+    t = StepCost(spec, profile, "float16", 4).step_time(decode_rows=8, width=128)
+    assert t.attention_rows_s == pytest.approx(8 * spec.num_layers * 1.5e-6)
+    assert t.token_ops_s == pytest.approx(8 * spec.num_layers * 0.25e-6)
+    assert t.sampling_s == pytest.approx(8 * 40e-6)
+    assert "attention 1.50 us/row/layer" in fit.summary() and "q4 GEMM 0.25" in fit.summary()
+    with pytest.raises(ValueError, match="kv_bandwidth_efficiency"):
+        dataclasses.replace(fit, kv_bandwidth_efficiency=1.5)

@@ -72,7 +72,18 @@ class GpuFit:
         eff = ", ".join(f"{f} {v:.2f}" for f, v in self.bandwidth_efficiency.items())
         return (f"bandwidth {eff} (MoE experts x{self.expert_bandwidth_efficiency:.2f}); fixed "
                 f"{self.layer_overhead_us:.1f} us/layer + "
-                f"{self.forward_overhead_us:.0f} us/forward; compute {self.compute_efficiency:.2f}")
+                f"{self.forward_overhead_us:.0f} us/forward; compute {self.compute_efficiency:.2f}"
+                + self._row_summary())
+
+    def _row_summary(self) -> str:
+        """The per-row terms and quantized ceilings, where fitted (nothing when all are zero)."""
+        terms = [(self.attention_row_us, "attention {:.2f} us/row/layer"),
+                 (self.token_layer_us, "{:.3f} us/token/layer"),
+                 (self.sampling_row_us, "sampling {:.1f} us/row"),
+                 (self.kv_bandwidth_efficiency, "K/V reads {:.2f}")]
+        shown = [form.format(v) for v, form in terms if v]
+        shown += [f"q{b} GEMM {e:.2f} of FP16" for b, e in self.quantized_gemm_efficiency.items()]
+        return f"; {', '.join(shown)}" if shown else ""
 
 
 @lru_cache(maxsize=4)

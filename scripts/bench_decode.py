@@ -8,6 +8,7 @@ import argparse
 from pathlib import Path
 
 from batchsim.scripts.common import (
+    MAX_BATCH,
     add_field_argument,
     append_jsonl,
     err,
@@ -22,7 +23,6 @@ from batchsim.server.engine.run_config import DTYPES, RunConfig
 from batchsim.server.models.spec import QUANT_BITS
 
 MODES = ("bare", "executor", "mlx_lm")
-MAX_BATCH = 4096  # sequences per batch: beyond, the prompt ids alone take gigabytes
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:

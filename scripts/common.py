@@ -87,6 +87,7 @@ def str_list(text: str) -> list[str]:
 
 
 MAX_INT = 2**31 - 1  # counts, lengths, steps: beyond this MLX's int32 and numpy overflow
+MAX_BATCH = 4096  # sequences one batch of bench-decode or sweep holds: beyond, gigabytes of ids
 MAX_FLOAT = 1e9  # seconds, factors, GiB: beyond this a flag is a typo, and float math overflows
 
 

@@ -13,10 +13,12 @@ from pathlib import Path
 from batchsim.configs import ConfigError
 from batchsim.scheduler.pool_geometry import KV_STEP
 from batchsim.scripts.common import (
+    MAX_BATCH,
     add_field_argument,
     append_jsonl,
+    bounded,
     fmt,
-    int_list,
+    ints_up_to,
     out,
     positive_float,
     positive_int,
@@ -38,6 +40,7 @@ from batchsim.workloads.spec import WorkloadSpec
 
 GIB = 1 << 30
 MIB = 1 << 20
+_batch = bounded(int, 1, MAX_BATCH)
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -54,17 +57,17 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sweep")
     g.add_argument("--prompt-len", type=positive_int, default=192, help="prompt tokens of every request")
     g.add_argument("--output-len", type=positive_int, default=64, help="output tokens of every request")
-    g.add_argument("--limit-batch", type=positive_int, default=12,
+    g.add_argument("--limit-batch", type=_batch, default=12,
                    help="without --memory-gb: a budget of weights + this many sequences' KV at "
                    f"full length (padded to {KV_STEP} tokens) + half a sequence, so the analytic "
                    "limit is exactly this batch and the default sweep finishes in minutes")
     g.add_argument("--device-budget", action="store_true",
                    help="use the device's own budget (MLX working set, or 75%% of RAM on the CPU "
                    "backend) instead of --limit-batch")
-    g.add_argument("--batches", type=int_list,
+    g.add_argument("--batches", type=ints_up_to(MAX_BATCH),
                    help="batch sizes to run; default: 1, 2, 4, ... to the first power of two past "
                    "the analytic limit + 2, plus limit-1 .. limit+2, capped by --max-batch")
-    g.add_argument("--max-batch", type=positive_int, default=64, help="largest default batch")
+    g.add_argument("--max-batch", type=_batch, default=64, help="largest default batch")
     g.add_argument("--min-gain", type=positive_float, default=0.05,
                    help="throughput stops scaling at the first point gaining less decode tok/s "
                    "than this fraction per doubling of the decoded batch")

@@ -77,6 +77,7 @@ def test_every_numeric_flag_refuses_nan_inf_negatives_and_overflow_in_one_line(c
     (["run", "--percentiles", "nan"], "--percentiles: expected comma-separated numbers in 0..100"),
     (["size", "--seed", "-1"], "--seed: expected an integer >= 0 and <= 4294967295"),
     (["run", "--output-len", "9223372036854775808"], "length 'value' must be <= 2147483647"),
+    (["run", "--input-len", "zipf:1.1:1:2147483647"], "zipf spans at most 4194304 lengths"),  # OOM
     (["bench-decode", "--steps", "0"], "--steps: expected a positive integer"),
     (["bench-decode", "--steps", "-1"], "--steps: expected a positive integer"),
     (["run", *SIM, "--num-prompts", "2147483647"], "num_prompts: must be >= 1 and <= 10000000"),

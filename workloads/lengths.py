@@ -12,6 +12,7 @@ import numpy as np
 from batchsim.configs import ConfigError
 from batchsim.workloads.traces import TraceFormat, read_trace, scale_length
 
+ZIPF_MAX_RANKS = 1 << 22  # zipf samples from a table of every length in [min, max]: 100 MB here
 MAX_TOKENS = 2**31 - 1  # a longer prompt or output is a typo (and overflows int32 token counts)
 Dist = Literal["fixed", "uniform", "normal", "lognormal", "zipf", "empirical"]
 
@@ -52,6 +53,9 @@ class LengthSpec:
             raise ConfigError(f"length bounds must satisfy 1 <= min <= max, got [{self.min}, {self.max}]")
         if self.dist == "zipf" and self.a is not None and self.a <= 1:
             raise ConfigError("zipf needs a > 1")
+        if self.dist == "zipf" and self.max - self.min >= ZIPF_MAX_RANKS:  # a table per rank
+            raise ConfigError(f"zipf spans at most {ZIPF_MAX_RANKS} lengths (max - min < "
+                              f"{ZIPF_MAX_RANKS}), got [{self.min}, {self.max}]")
 
     @property
     def upper(self) -> int:

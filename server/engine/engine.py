@@ -208,6 +208,8 @@ class Engine:
 
 
 def _cumsum(start: float, durations: Sequence[float]) -> list[float]:
+    if len(durations) == 1:  # most plans: accumulate's one sum, without its list
+        return [start + durations[0]]
     ends = list(itertools.accumulate(durations, initial=start))
     del ends[0]
     return ends

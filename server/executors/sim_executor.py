@@ -13,6 +13,8 @@ from batchsim.server.executors.base import ExecutorCaps
 from batchsim.server.executors.pool_rows import NO_MOVES, PoolLayout
 from batchsim.server.perf.stepcost import StepCost
 
+PRICES_KEPT = 1 << 18  # remembered prices per kind (a few MB)
+
 
 class SimExecutor:
     def __init__(self, cost: StepCost, max_lookahead_steps: int = 1 << 16,
@@ -30,6 +32,10 @@ class SimExecutor:
         # request id -> bytes its private prefill cache holds (as mlx-lm allocates)
         self.private: dict[int, int] = {}
         self._private_bytes = 0  # their sum
+        self._pool_bytes = 0  # what the pool's geometry holds (set when it changes)
+        # Prices that repeat, remembered (StepCost is a pure function of its arguments):
+        self._prefill_s: dict[tuple[int, int, bool, int], float] = {}  # (n, start, sample, rows)
+        self._decode_s: dict[tuple[int, int], float] = {}  # (rows, width): non-dense models
 
     def execute(self, plan: StepPlan, max_elapsed_s: float = float("inf")) -> StepResult:
         cost, layout = self.cost, self.layout
@@ -47,7 +53,7 @@ class SimExecutor:
             sampling: list[int] = []
             for group in prefill_groups.groups(plan.prefills):  # as the MLX executor runs them
                 first = group[0]
-                t += cost.prefill_forward_s(first.num_tokens, first.start, first.sample, len(group))
+                t += self._prefill_forward_s(first.num_tokens, first.start, first.sample, len(group))
                 for c in group:
                     self._set_private(c.request_id, c.start, c.start + c.num_tokens)
                     if c.sample:
@@ -61,31 +67,47 @@ class SimExecutor:
     def _decode(self, plan: StepPlan, durations: list[float], max_elapsed_s: float) -> None:
         """The plan's decode steps, each reading one more token: the first is added to this step's
         other work, the rest follow until one would start after an arrival (then: replan)."""
-        rows, width, cost = len(plan.decode_ids), max(plan.decode_positions) + 1, self.cost
+        rows, width = len(plan.decode_ids), max(plan.decode_positions) + 1
         if self.per_step_decode:  # windows and fixed states do not grow linearly with the width
-            first_s = cost.decode_forward_s(rows, width)
-            def next_s(w: int) -> float:
-                return self.overhead_s + cost.decode_forward_s(rows, w)
-        else:  # dense: linear in the width, from two numbers cached per batch size
-            base, per_width = cost.decode_parts(rows)
-            first_s, base_s = base + per_width * width, base + self.overhead_s
-            def next_s(w: int) -> float:
-                return base_s + per_width * w
-        durations[0] += first_s
-        elapsed = durations[0]
+            durations[0] += self._decode_forward_s(rows, width)
+            elapsed, overhead_s = durations[0], self.overhead_s
+            for w in range(width + 1, width + plan.num_steps):
+                if elapsed >= max_elapsed_s:
+                    break
+                d = overhead_s + self._decode_forward_s(rows, w)
+                durations.append(d)
+                elapsed += d
+            return
+        base, per_width = self.cost.decode_parts(rows)  # dense: linear in the width
+        durations[0] += base + per_width * width
+        elapsed, base_s = durations[0], base + self.overhead_s
         for w in range(width + 1, width + plan.num_steps):
             if elapsed >= max_elapsed_s:
                 break
-            d = next_s(w)
+            d = base_s + per_width * w
             durations.append(d)
             elapsed += d
 
+    def _prefill_forward_s(self, n: int, start: int, sample: bool, rows: int) -> float:
+        key = (n, start, sample, rows)
+        s = self._prefill_s.get(key)
+        if s is None:
+            s = _remember(self._prefill_s, key, self.cost.prefill_forward_s(n, start, sample, rows))
+        return s
+
+    def _decode_forward_s(self, rows: int, width: int) -> float:
+        key = (rows, width)
+        s = self._decode_s.get(key)
+        if s is None:
+            s = _remember(self._decode_s, key, self.cost.decode_forward_s(rows, width))
+        return s
+
     def reset(self) -> None:
         self.layout.clear()
-        self.private, self._private_bytes = {}, 0
+        self.private, self._private_bytes, self._pool_bytes = {}, 0, 0
 
     def kv_bytes(self) -> int:
-        return self.cache.pool_bytes(self.layout.geometry) + self._private_bytes
+        return self._pool_bytes + self._private_bytes
 
     def _set_private(self, request_id: int, chunk_start: int, computed_tokens: int) -> None:
         held = self.cache.private_bytes(chunk_start, computed_tokens)
@@ -110,6 +132,7 @@ class SimExecutor:
         """A new pool geometry (called only when it changes): the kept part copied, the rest
         written as zeros (write only: half the traffic of a copy)."""
         change = self.layout.resize(geometry)
+        self._pool_bytes = change.new_bytes
         return self.cost.copy_s(change.kept_bytes) + self.cost.copy_s(
             change.new_bytes - change.kept_bytes) / 2
 
@@ -123,3 +146,10 @@ class SimExecutor:
                 self._drop_private(rid)
                 t += self.cost.copy_s(self.cache.seq_bytes(pos))
         return t
+
+
+def _remember(prices: dict, key: tuple, seconds: float) -> float:
+    if len(prices) >= PRICES_KEPT:  # a long run's widths: start over rather than grow
+        prices.clear()
+    prices[key] = seconds
+    return seconds

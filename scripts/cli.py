@@ -117,7 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     if summary is not None:
         emit_json(summary)
     if args.command == "run" and isinstance(summary, dict) and summary.get("interrupted"):
-        return EXIT_INTERRUPTED  # the records so far are kept; the code says they are partial
+        from batchsim.server.distributed.rank import is_rank_process
+
+        if not is_rank_process():  # a rank's 130 would read as a failure to its launcher
+            return EXIT_INTERRUPTED  # the records so far are kept; the code says they are partial
     return 0
 
 

@@ -193,6 +193,48 @@ def test_report_reads_a_corrupted_run_directory_with_warnings(finished_run, tmp_
     assert json.loads(out.splitlines()[-1])["completed"] == completed
 
 
+def _damage(run_dir: Path, rng) -> None:
+    """One random corruption: bytes flipped, a file cut short, or a field given an odd value."""
+    f = run_dir / rng.choice(["requests.jsonl", "steps.jsonl", "config.yaml", "summary.json"])
+    data, how = f.read_bytes(), rng.randrange(3)
+    if how == 0:
+        flipped = bytearray(data)
+        for _ in range(rng.randrange(1, 5)):
+            flipped[rng.randrange(len(flipped))] = rng.randrange(256)
+        data = bytes(flipped)
+    elif how == 1:
+        data = data[: rng.randrange(len(data) + 1)]
+    elif f.suffix in (".jsonl", ".json"):
+        lines = data.splitlines() if f.suffix == ".jsonl" else [data]
+        k = rng.randrange(len(lines))
+        row = json.loads(lines[k])
+        row[rng.choice(list(row))] = rng.choice([None, "x", -1, 1e308, [], {}, [[[]]], True, 2**70])
+        lines[k] = json.dumps(row).encode()
+        data = b"\n".join(lines) + b"\n"
+    f.write_bytes(data)
+
+
+def test_report_never_raises_on_randomly_damaged_run_directories(finished_run, tmp_path):
+    import random
+    import shutil
+
+    from batchsim.configs import ConfigError
+    from batchsim.server.results.rebuild import rebuild_summary
+
+    rng, raised = random.Random(37), []
+    for i in range(300):
+        run_dir = Path(shutil.copytree(finished_run, tmp_path / str(i)))
+        _damage(run_dir, rng)
+        try:
+            rebuild_summary(run_dir)
+        except ConfigError:
+            pass  # a one-line error (e.g. both record files unreadable) is an answer too
+        except Exception as exc:  # noqa: BLE001 - what the test is for
+            raised.append(f"{i}: {type(exc).__name__}: {exc}")
+        shutil.rmtree(run_dir)
+    assert not raised, raised[:5]
+
+
 def test_report_on_a_finished_run_gives_its_summary_back_exactly(finished_run, tmp_path, capsys):
     run_dir = _copy(finished_run, tmp_path)
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -105,7 +105,7 @@ def _read_old_summary(path: Path, notes: list[str]) -> dict[str, Any]:
         return {}
     try:
         data = json.loads(path.read_text())
-    except ValueError:
+    except (ValueError, RecursionError):
         notes.append(f"{SUMMARY}: not valid JSON; rebuilt as for a run that never finished")
         return {}
     return data if isinstance(data, dict) else {}
@@ -140,6 +140,8 @@ def _plausible(record: Any) -> bool:
             if not isinstance(value, tuple) or not all(map(_finite, value)):
                 return False
         elif kind.split(" ")[0] in ("int", "float") and not _finite(value):
+            return False
+        elif kind.split(" ")[0] == "str" and not isinstance(value, str):
             return False
     return True
 

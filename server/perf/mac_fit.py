@@ -103,13 +103,17 @@ class DecodeTerms:
 
 
 def _fit_at(bases: list[Basis], fmts: list[str], expert_eff: float) -> tuple[float, np.ndarray]:
-    """(Huber loss, theta) of the linear fit with the experts' efficiency fixed. A negative fixed
-    term is dropped and the rest refitted."""
-    a = _design(bases, fmts, expert_eff)
+    """(Huber loss, theta) of the linear fit with the experts' efficiency fixed."""
+    return fit_design(_design(bases, fmts, expert_eff), len(fmts))
+
+
+def fit_design(a: np.ndarray, first_fixed: int) -> tuple[float, np.ndarray]:
+    """(Huber loss, theta) of a @ theta = 1. A negative term from column `first_fixed` on (the fixed
+    costs) is dropped and the rest refitted."""
     keep = list(range(a.shape[1]))
     theta = _solve(a, keep)
-    while any(theta[j] < 0 for j in keep[len(fmts):]):
-        keep.remove(min(keep[len(fmts):], key=lambda j: theta[j]))
+    while any(theta[j] < 0 for j in keep[first_fixed:]):
+        keep.remove(min(keep[first_fixed:], key=lambda j: theta[j]))
         theta = _solve(a, keep)
     r = np.abs(a @ theta - 1.0)
     loss = np.where(r > HUBER_DELTA, HUBER_DELTA * (2 * r - HUBER_DELTA), r * r)

@@ -1,0 +1,95 @@
+"""Cross-validation of the Mac fit on every published row: leave one source out and leave one chip
+out, each fold refitted without the held-out group, for batch 1, batched throughput and the gain
+(batched / batch 1 from the same source and setup), overall and per engine. Every row is predicted
+by simulating what its source ran (server.perf.published_sim)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from batchsim.server.perf import macs
+from batchsim.server.perf.gpu_fit import GpuFit
+from batchsim.server.perf.published_sim import predict_tok_s
+
+KINDS = ("b1", "batched", "gain")
+FOLDS: dict[str, Callable[[Any], str]] = {
+    "leave_one_source_out": lambda r: r.src,
+    "leave_one_chip_out": lambda r: r.chip,
+}
+Fitter = Callable[[Sequence[Any]], GpuFit]  # training rows -> fit
+
+
+def kind(row: Any) -> str:
+    return "b1" if row.batch == 1 else "batched"
+
+
+def _setup(row: Any) -> tuple:
+    """What a batched row and its batch-1 partner share: the source ran the same thing."""
+    return (row.src, row.model, row.weights, row.chip, row.gpu_cores, row.engine,
+            row.prompt_tokens, row.generated_tokens, row.decode_only)
+
+
+def gain_pairs(rows: Sequence[Any]) -> list[tuple[int, int]]:
+    """(batched row, its batch-1 row) index pairs: same source and setup."""
+    b1 = {}
+    for i, r in enumerate(rows):
+        if r.batch == 1:
+            b1.setdefault(_setup(r), i)
+    return [(i, b1[_setup(r)]) for i, r in enumerate(rows) if r.batch > 1 and _setup(r) in b1]
+
+
+def gain(rows: Sequence[Any], tok_s: Sequence[float], i: int, j: int) -> float:
+    """Aggregate tok/s at the batched row's batch over batch-1 tok/s."""
+    per_request = rows[i].measures == "per_request"
+    return tok_s[i] * (rows[i].batch if per_request else 1) / tok_s[j]
+
+
+def errors(rows: Sequence[Any], predicted: Sequence[float]) -> dict[str, list[tuple[int, float]]]:
+    """Relative errors by KINDS: (row index, predicted / measured - 1); a gain at its batched row."""
+    out: dict[str, list[tuple[int, float]]] = {k: [] for k in KINDS}
+    for i, r in enumerate(rows):
+        out[kind(r)].append((i, predicted[i] / r.tok_s - 1.0))
+    measured = [r.tok_s for r in rows]
+    for i, j in gain_pairs(rows):
+        out["gain"].append((i, gain(rows, predicted, i, j) / gain(rows, measured, i, j) - 1.0))
+    return out
+
+
+def summary(errs: Iterable[float]) -> dict[str, float | int | None]:
+    mags = [abs(e) for e in errs]
+    if not mags:
+        return {"n": 0, "median_abs": None, "worst_abs": None}
+    return {"n": len(mags), "median_abs": round(statistics.median(mags), 4),
+            "worst_abs": round(max(mags), 4)}
+
+
+def report(rows: Sequence[Any], predicted: Sequence[float]) -> dict[str, Any]:
+    """{b1, batched, gain: summary} overall, and the same per engine under `by_engine`."""
+    errs = errors(rows, predicted)
+    out: dict[str, Any] = {k: summary(e for _, e in errs[k]) for k in KINDS}
+    engines = sorted({r.engine for r in rows})
+    out["by_engine"] = {
+        eng: {k: summary(e for i, e in errs[k] if rows[i].engine == eng) for k in KINDS}
+        for eng in engines}
+    return out
+
+
+def held_out(rows: Sequence[Any], catalog: macs.Catalog, key: Callable[[Any], str],
+             fitter: Fitter) -> list[float]:
+    """Each row's tok/s predicted by a fit on the rows of every other group (same key)."""
+    predicted = [0.0] * len(rows)
+    for group in sorted({key(r) for r in rows}):
+        fit = fitter([r for r in rows if key(r) != group])
+        for i, r in enumerate(rows):
+            if key(r) == group:
+                predicted[i] = predict_tok_s(r, catalog, fit)
+    return predicted
+
+
+def cross_validate(rows: Sequence[Any], catalog: macs.Catalog,
+                   fitter: Fitter) -> tuple[dict[str, Any], dict[str, list[float]]]:
+    """(report by fold, held-out predictions by fold)."""
+    held = {name: held_out(rows, catalog, key, fitter) for name, key in FOLDS.items()}
+    return {name: report(rows, p) for name, p in held.items()}, held

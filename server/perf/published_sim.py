@@ -1,0 +1,156 @@
+"""A published figure predicted by simulating what its source ran. A decode-only figure is the
+decode step at the row's batch and context; a figure that includes prefill (decode_only false) is
+a closed loop of `batch` clients, each sending one request of the row's prompt and output lengths,
+through the scheduler and the simulated executor on the virtual clock (`run --executor sim`), so
+TTFT and prefill count as the source counted them.
+
+A row is anything with PublishedRow's fields (server.perf.reference)."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+from batchsim.server.engine.run_config import RunConfig
+from batchsim.server.engine.runner import run_workload
+from batchsim.server.engine.session import open_session
+from batchsim.server.executors.sim_executor import SimExecutor
+from batchsim.server.models.spec import ModelSpec, zoo_spec
+from batchsim.server.perf import macs
+from batchsim.server.perf.gpu_fit import GpuFit, mac_profile
+from batchsim.server.perf.reference import (
+    DEFAULT_GENERATED_TOKENS,
+    DEFAULT_PROMPT_TOKENS,
+    row_mac,
+)
+from batchsim.server.perf.stepcost import StepCost, StepTime
+from batchsim.workloads.lengths import LengthSpec
+from batchsim.workloads.spec import WorkloadSpec
+
+UNSTATED_MEMORY_GB = 512.0  # a row without its Mac's memory: room for any model in the set
+
+
+def tokens(row: Any) -> tuple[int, int]:
+    """(prompt, generated) tokens per request; a short chat turn where the source does not say."""
+    prompt = DEFAULT_PROMPT_TOKENS if row.prompt_tokens is None else row.prompt_tokens
+    out = DEFAULT_GENERATED_TOKENS if row.generated_tokens is None else row.generated_tokens
+    return prompt, out
+
+
+def context_tokens(row: Any) -> int:
+    """The mean context a decode step of the row's run reads: prompt plus half the output."""
+    prompt, out = tokens(row)
+    return prompt + out // 2
+
+
+@lru_cache(maxsize=64)
+def model_spec(model: str) -> ModelSpec:
+    return zoo_spec(model)
+
+
+def row_cost(row: Any, catalog: macs.Catalog, fit: GpuFit) -> StepCost:
+    mac = row_mac(catalog, row.chip, row.gpu_cores)
+    return StepCost(model_spec(row.model), mac_profile(mac, fit, row.quantize_bits), row.dtype,
+                    row.quantize_bits)
+
+
+def measured_s(row: Any) -> float:
+    """The seconds the row's figure stands for: one decode step (decode only), else the run."""
+    per_stream = row.tok_s / row.batch if row.measures == "aggregate" else row.tok_s
+    return 1.0 / per_stream if row.decode_only else tokens(row)[1] / per_stream
+
+
+def predict_tok_s(row: Any, catalog: macs.Catalog, fit: GpuFit) -> float:
+    """The row's figure (per request or aggregate, as it measures) by the simulated run."""
+    cost = row_cost(row, catalog, fit)
+    if row.decode_only:
+        per_stream = 1.0 / cost.decode_time(row.batch, context_tokens(row)).total_s
+    else:
+        records = _run(row, cost).requests
+        gen = tokens(row)[1]
+        if row.measures == "aggregate":
+            end_s = max(r.finished_s for r in records)
+            return len(records) * gen / end_s
+        per_stream = sum(gen / (r.finished_s - r.arrival_s) for r in records) / len(records)
+    return per_stream * row.batch if row.measures == "aggregate" else per_stream
+
+
+def _workload(row: Any) -> WorkloadSpec:
+    prompt, out = tokens(row)
+    return WorkloadSpec(name=f"published-{row.batch}", num_prompts=row.batch, arrival="closed",
+                        concurrency=row.batch, input_len=LengthSpec("fixed", value=prompt),
+                        output_len=LengthSpec("fixed", value=out))
+
+
+def _run(row: Any, cost: StepCost, on_step=None):
+    wl = _workload(row)
+    cfg = RunConfig(model=row.model, dtype=row.dtype, quantize=row.quantize_bits, executor="sim",
+                    memory_gb=row.memory_gb or UNSTATED_MEMORY_GB, workload=wl)
+    cache = cost.spec.cache_layout(cost.act_dtype, None)
+    session = open_session(cfg, executor=SimExecutor(cost, cache=cache))
+    return run_workload(session, wl, out_dir=None, label="published", on_step=on_step)
+
+
+# -- the run as priced steps, for the fit ----------------------------------------------------------
+class Step(NamedTuple):
+    """One plan of a simulated run, as the cost model prices it."""
+
+    prefills: tuple[tuple[int, int, bool, int], ...]  # (tokens, start, sample, rows) per group
+    decode_rows: int
+    first_width: int  # context of the first decode step; each further one reads one more
+    num_steps: int  # decode steps the plan covers
+
+
+def _steps_of(plan: Any, num_steps: int) -> Step:
+    from batchsim.scheduler import prefill_groups
+
+    groups = tuple((g[0].num_tokens, g[0].start, g[0].sample, len(g))
+                   for g in prefill_groups.groups(list(plan.prefills)))
+    width = max(plan.decode_positions) + 1 if plan.decode_ids else 0
+    return Step(groups, len(plan.decode_ids), width, num_steps if plan.decode_ids else 0)
+
+
+_RUN_STEPS: dict[Any, tuple[Step, ...]] = {}
+
+
+def run_steps(row: Any, catalog: macs.Catalog, fit: GpuFit) -> tuple[Step, ...]:
+    """The plans of the row's closed-loop run. They do not depend on the step times (every client
+    sends at once, no arrival follows), so one run under any fit serves them all."""
+    if row not in _RUN_STEPS:
+        steps: list[Step] = []
+        _run(row, row_cost(row, catalog, fit),
+             on_step=lambda engine, plan, result: steps.append(
+                 _steps_of(plan, len(result.step_durations_s))))
+        _RUN_STEPS[row] = tuple(steps)
+    return _RUN_STEPS[row]
+
+
+class Priced(NamedTuple):
+    """A row's predicted seconds (as measured_s counts them) in parts."""
+
+    decode: StepTime  # decode forwards
+    prefill: StepTime  # prefill forwards
+    forwards: int  # forward passes (each pays the fixed costs)
+    steps: int  # engine steps
+    tokens: int  # tokens sampled by one stream (the per-token costs)
+
+
+def priced(row: Any, catalog: macs.Catalog, fit: GpuFit) -> Priced:
+    """The parts of the row's predicted seconds under `fit` (a plan's decode steps at their mean
+    width: exact for dense models, close for windows)."""
+    cost = row_cost(row, catalog, fit)
+    zero = StepTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    if row.decode_only:
+        return Priced(cost.decode_time(row.batch, context_tokens(row)), zero, 1, 1, 1)
+    decode, prefill, forwards, steps = zero, zero, 0, 0
+    for s in run_steps(row, catalog, fit):
+        for n, start, sample, rows in s.prefills:
+            prefill += cost.prefill_time(n, start, sample, rows)
+        forwards += len(s.prefills)
+        if s.num_steps:
+            one = cost.decode_time(s.decode_rows, s.first_width + (s.num_steps - 1) // 2)
+            decode += StepTime(*(x * s.num_steps for x in dataclasses.astuple(one)))
+            forwards += s.num_steps
+        steps += max(1, s.num_steps)
+    return Priced(decode, prefill, forwards, steps, tokens(row)[1])

@@ -1,8 +1,9 @@
-"""`batchsim fit-macs`: fit the Mac GPU step (bandwidth by weight format, MoE experts' share, fixed
-time per layer and forward pass, prefill compute efficiency) on the published batch-1 MLX
-measurements in configs/reference/mlx-decode.yaml, and show how well it predicts them: every row
-before and after, leave-one-chip-out and leave-one-model-out, the batched figures it never saw.
-The math lives in server.perf.mac_fit / mac_report; here the flags and the tables."""
+"""`batchsim fit-macs`: fit the Mac GPU step on every published MLX measurement in
+configs/reference/published.yaml (batch 1 and batched, each predicted by simulating what its source
+ran), and show how well it predicts them: every row before (the batch-1-only fit that shipped
+before) and after, and its held-out prediction leaving its source, chip or model out; the
+cross-validated errors of batch 1, batched throughput and the batching gain, overall and per
+engine. The math lives in server.perf.published_fit / mac_cv; here the flags and the tables."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import math
 
 from batchsim.configs import ConfigError
 from batchsim.scripts.common import out, table
-from batchsim.server.perf import gpu_fit, mac_report, macs
-from batchsim.server.perf.reference import load_reference
+from batchsim.server.perf import gpu_fit, mac_cv, mac_report, macs
+from batchsim.server.perf.reference import PUBLISHED_PATH, load_published, load_reference
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -23,24 +24,24 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    catalog, ref = macs.load_catalog(), load_reference()
-    fit = mac_report.fit_reference(ref, catalog)
+    catalog, published = macs.load_catalog(), load_published()
+    before = mac_report.fit_reference(load_reference(), catalog)
+    where = PUBLISHED_PATH.relative_to(PUBLISHED_PATH.parents[2]).as_posix()
+    rows = list(published.rows)
+    fit, cv = mac_cv.validate(rows, catalog, before, mac_cv.describe(rows, where))
     try:
         shipped = gpu_fit.load_fit()
     except ConfigError:  # none yet (or unreadable): --write makes one
         shipped = None
-    rows = mac_report.row_table(ref, catalog, fit)
-    prefill = mac_report.prefill_table(ref, catalog, fit)
-    batched = mac_report.batched_table(ref, catalog, fit)
-    _print(fit, rows, prefill, batched)
+    _print(fit, cv)
     same = shipped is not None and _same(fit, shipped)
     if args.write:
         out.print(f"fit written to {gpu_fit.save_fit(fit)}")
     elif not same:
         out.print("[yellow]the shipped fit differs from this one: run `batchsim fit-macs --write`"
                   "[/yellow]")
-    return {"fit": dataclasses.asdict(fit), "shipped_fit_matches": same, "written": args.write,
-            "rows": rows, "prefill": prefill, "batched": batched}
+    return {"fit": dataclasses.asdict(fit), "before_fit": dataclasses.asdict(before),
+            "shipped_fit_matches": same, "written": args.write, "cv": cv}
 
 
 def _same(a: gpu_fit.GpuFit, b: gpu_fit.GpuFit, rel: float = 1e-6) -> bool:
@@ -51,36 +52,34 @@ def _same(a: gpu_fit.GpuFit, b: gpu_fit.GpuFit, rel: float = 1e-6) -> bool:
     return all(math.isclose(x, y, rel_tol=rel, abs_tol=1e-9) for x, y in zip(nums(a), nums(b)))
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:+.0f}%"
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.0f}%"
 
 
-def _print(fit: gpu_fit.GpuFit, rows: list[dict], prefill: list[dict], batched: list[dict]) -> None:
+def _stat(s: dict) -> str:
+    if not s["n"]:
+        return "-"
+    return f"{100 * s['median_abs']:.0f}% / {100 * s['worst_abs']:.0f}% (n {s['n']})"
+
+
+def _print(fit: gpu_fit.GpuFit, cv: dict) -> None:
     out.print(table(
-        "Batch-1 decode tok/s: published vs predicted (before: llama.cpp-efficiency roofline, no "
-        "fixed costs; after: the fitted GPU step; held out: fitted without that chip / model)",
-        ["model", "weights", "chip", "ctx", "engine", "measured", "before", "after", "err",
-         "chip out", "model out"],
-        [[r["model"], r["weights"], f"{r['chip']} {r['gpu_cores'] or ''}".strip(),
-          r["context_tokens"], r["engine"], r["measured_tok_s"], r["before_tok_s"],
-          r["after_tok_s"], _pct(r["after_err"]), _pct(r["leave_chip_out_err"]),
-          _pct(r["leave_model_out_err"])] for r in rows]))
-    out.print(table("Prefill tok/s (chunks of 2048; compute efficiency fitted here)",
-                    ["model", "weights", "chip", "prompt", "measured", "predicted", "err"],
-                    [[p["model"], p["weights"], p["chip"], p["prompt_tokens"], p["measured_tok_s"],
-                      p["predicted_tok_s"], _pct(p["err"])] for p in prefill]))
-    out.print(table("Batched serving (never fitted on): published server figures vs pure decode",
-                    ["model", "weights", "chip", "B", "measured 1 / B", "gain", "predicted 1 / B",
-                     "gain"],
-                    [[b["model"], b["weights"], b["chip"], b["concurrent"],
-                      f"{b['measured_single_tok_s']:.0f} / {b['measured_total_tok_s']:.0f}",
-                      f"{b['measured_gain']:.2f}x",
-                      f"{b['predicted_single_tok_s']:.0f} / {b['predicted_total_tok_s']:.0f}",
-                      f"{b['predicted_gain']:.2f}x"] for b in batched]))
-    e = fit.errors
-    out.print(f"Fit: {fit.summary()}. {fit.fitted_on}; compute: {fit.compute_fitted_on}.")
-    out.print(f"Held-out |error| of batch-1 tok/s: leave one chip out median "
-              f"{100 * e['leave_one_chip_out_median_abs']:.0f}%, worst "
-              f"{100 * e['leave_one_chip_out_worst_abs']:.0f}%; leave one model out median "
-              f"{100 * e['leave_one_model_out_median_abs']:.0f}%, worst "
-              f"{100 * e['leave_one_model_out_worst_abs']:.0f}%.")
+        "Published tok/s vs predicted (before: the batch-1-only fit that shipped before; after: "
+        "this fit; source / chip out: fitted without the row's source / chip)",
+        ["id", "engine", "B", "measures", "measured", "before", "after", "source out", "chip out"],
+        [[r["id"], r["engine"], r["batch"],
+          r["measures"] + ("" if r["decode_only"] else " +prefill"), f"{r['measured_tok_s']:.1f}",
+          _pct(r["before_tok_s"] / r["measured_tok_s"] - 1),
+          _pct(r["after_tok_s"] / r["measured_tok_s"] - 1),
+          _pct(r["leave_one_source_out_tok_s"] / r["measured_tok_s"] - 1),
+          _pct(r["leave_one_chip_out_tok_s"] / r["measured_tok_s"] - 1)] for r in cv["rows"]]))
+    body = []
+    for fold in mac_cv.FOLDS:
+        for label, rep in (("before", cv["before"][fold]), ("after", cv[fold])):
+            body.append([fold, label, *(_stat(rep[k]) for k in mac_cv.KINDS)])
+    out.print(table("Held-out |error|: median / worst", ["fold", "fit", *mac_cv.KINDS], body))
+    engines = cv["leave_one_source_out"]["by_engine"]
+    out.print(table("Leave one source out, by engine (after): median / worst",
+                    ["engine", *mac_cv.KINDS],
+                    [[e, *(_stat(rep[k]) for k in mac_cv.KINDS)] for e, rep in engines.items()]))
+    out.print(f"Fit: {fit.summary()}. {fit.fitted_on}.")

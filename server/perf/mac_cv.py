@@ -5,18 +5,22 @@ by simulating what its source ran (server.perf.published_sim)."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from batchsim.server.perf import macs
+from batchsim.server.perf import mac_fit, macs
 from batchsim.server.perf.gpu_fit import GpuFit
+from batchsim.server.perf.published_fit import fit_published
 from batchsim.server.perf.published_sim import predict_tok_s
+from batchsim.server.perf.reference import DecodeRow
 
 KINDS = ("b1", "batched", "gain")
 FOLDS: dict[str, Callable[[Any], str]] = {
     "leave_one_source_out": lambda r: r.src,
     "leave_one_chip_out": lambda r: r.chip,
+    "leave_one_model_out": lambda r: r.model,
 }
 Fitter = Callable[[Sequence[Any]], GpuFit]  # training rows -> fit
 
@@ -93,3 +97,56 @@ def cross_validate(rows: Sequence[Any], catalog: macs.Catalog,
     """(report by fold, held-out predictions by fold)."""
     held = {name: held_out(rows, catalog, key, fitter) for name, key in FOLDS.items()}
     return {name: report(rows, p) for name, p in held.items()}, held
+
+
+# -- the shipped fit and its evidence --------------------------------------------------------------
+def as_decode_row(row: Any) -> DecodeRow:
+    return DecodeRow(row.model, row.weights, row.chip, row.gpu_cores, row.memory_gb, row.tok_s,
+                     row.prompt_tokens, row.generated_tokens, row.engine, row.src)
+
+
+def legacy_fitter(catalog: macs.Catalog, compute_efficiency: float) -> Fitter:
+    """The fit as it shipped before (mac_fit): batch-1 rows only, no per-row or engine terms."""
+    return lambda rows: mac_fit.fit_rows([as_decode_row(r) for r in rows if r.batch == 1],
+                                         catalog, compute_efficiency)
+
+
+def published_fitter(catalog: macs.Catalog, start: GpuFit) -> Fitter:
+    return lambda rows: fit_published(rows, catalog, start)
+
+
+def describe(rows: Sequence[Any], path: str) -> str:
+    b1 = sum(r.batch == 1 for r in rows)
+    return (f"{path}: {len(rows)} rows ({b1} batch-1, {len(rows) - b1} batched), "
+            f"{len({r.src for r in rows})} sources, {len({r.chip for r in rows})} chips, "
+            f"{len({r.model for r in rows})} models, {len({r.engine for r in rows})} engines")
+
+
+def _errors(cv: dict[str, Any]) -> dict[str, float]:
+    """GpuFit.errors: each fold's batch-1 |error| (median, worst)."""
+    out = {}
+    for fold, rep in cv.items():
+        for stat in ("median_abs", "worst_abs"):
+            out[f"{fold}_{stat}"] = rep["b1"][stat]
+    return out
+
+
+def validate(rows: Sequence[Any], catalog: macs.Catalog, before: GpuFit,
+             fitted_on: str) -> tuple[GpuFit, dict[str, Any]]:
+    """(the fit on every row with its held-out errors, `cv`): each fold's report for this fit and
+    (under `before`) for the batch-1-only fit that shipped before, and every row's predictions."""
+    after = dataclasses.replace(fit_published(rows, catalog, before, fitted_on),
+                                compute_fitted_on=fitted_on)
+    cv, held = cross_validate(rows, catalog, published_fitter(catalog, before))
+    old_cv, _ = cross_validate(rows, catalog, legacy_fitter(catalog, before.compute_efficiency))
+    table = []
+    for i, r in enumerate(rows):
+        entry = {"id": r.id, "src": r.src, "engine": r.engine, "chip": r.chip, "model": r.model,
+                 "weights": r.weights, "batch": r.batch, "measures": r.measures,
+                 "decode_only": r.decode_only, "measured_tok_s": r.tok_s,
+                 "before_tok_s": predict_tok_s(r, catalog, before),
+                 "after_tok_s": predict_tok_s(r, catalog, after)}
+        entry |= {f"{fold}_tok_s": held[fold][i] for fold in FOLDS}
+        table.append(entry)
+    return (dataclasses.replace(after, errors=_errors(cv)),
+            {**cv, "before": old_cv, "rows": table})

@@ -152,5 +152,5 @@ def priced(row: Any, catalog: macs.Catalog, fit: GpuFit) -> Priced:
             one = cost.decode_time(s.decode_rows, s.first_width + (s.num_steps - 1) // 2)
             decode += StepTime(*(x * s.num_steps for x in dataclasses.astuple(one)))
             forwards += s.num_steps
-        steps += max(1, s.num_steps)
+        steps += s.num_steps or (1 if s.prefills else 0)
     return Priced(decode, prefill, forwards, steps, tokens(row)[1])

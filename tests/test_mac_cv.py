@@ -1,0 +1,96 @@
+"""Every published row predicted by simulating what its source ran, the fit on all of them, and its
+cross-validation by source and chip (server.perf.published_sim, published_fit, mac_cv)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+from batchsim.scripts import fit_macs
+from batchsim.server.perf import gpu_fit, mac_cv, macs, published_fit
+from batchsim.server.perf import published_sim as ps
+from batchsim.server.perf.reference import load_published
+
+
+@pytest.fixture(scope="module")
+def catalog():
+    return macs.load_catalog()
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return list(load_published().rows)
+
+
+def _row(rows, **kw):
+    return next(r for r in rows if all(getattr(r, k) == v for k, v in kw.items()))
+
+
+def test_a_server_figure_with_prefill_is_the_simulated_run(rows, catalog):
+    fit = gpu_fit.load_fit()
+    row = _row(rows, batch=5, measures="aggregate", decode_only=False)
+    run = ps.priced(row, catalog, fit)
+    prompt, gen = ps.tokens(row)
+    # The fit's parts add up to the simulated run's time (pool copies aside)...
+    sim_s = row.batch * gen / ps.predict_tok_s(row, catalog, fit)
+    assert run.decode.total_s + run.prefill.total_s == pytest.approx(sim_s, rel=5e-3)
+    assert run.prefill.total_s > 0 and run.forwards == gen  # one prefill, then gen - 1 decodes
+    # ...and counting prefill makes it slower than the same batch's decode alone.
+    decode_only = dataclasses.replace(row, decode_only=True)
+    assert ps.predict_tok_s(row, catalog, fit) < ps.predict_tok_s(decode_only, catalog, fit)
+    one = dataclasses.replace(row, batch=1, measures="per_request")
+    assert ps.predict_tok_s(one, catalog, fit) < ps.predict_tok_s(
+        dataclasses.replace(one, decode_only=True), catalog, fit)
+
+
+def test_gain_pairs_a_batched_row_with_its_batch_1_row(rows):
+    b5 = _row(rows, batch=5, measures="aggregate")
+    b1 = next(r for r in rows if r.batch == 1 and mac_cv._setup(r) == mac_cv._setup(b5))
+    per_req = dataclasses.replace(b5, id="x", measures="per_request", tok_s=b5.tok_s / 5)
+    other = dataclasses.replace(b1, id="y", src="elsewhere")  # another source: no partner
+    pick = [b1, b5, per_req, other]
+    assert mac_cv.gain_pairs(pick) == [(1, 0), (2, 0)]
+    predicted = [2 * b1.tok_s, 3 * b5.tok_s, 3 * per_req.tok_s, other.tok_s]
+    errs = mac_cv.errors(pick, predicted)
+    assert [e for _, e in errs["gain"]] == pytest.approx([0.5, 0.5])  # (3 / 2) - 1
+    assert [e for _, e in errs["b1"]] == pytest.approx([1.0, 0.0])
+    assert mac_cv.summary([0.1, -0.3, 0.2]) == {"n": 3, "median_abs": 0.2, "worst_abs": 0.3}
+    assert mac_cv.summary([])["n"] == 0
+
+
+def test_fit_recovers_known_terms_from_rows_it_predicted(rows, catalog):
+    true = dataclasses.replace(gpu_fit.load_fit(), bandwidth_efficiency={
+        "float": 0.8, "q8": 0.7, "q4": 0.6}, layer_overhead_us=40.0, forward_overhead_us=0.0,
+        compute_efficiency=0.5, expert_bandwidth_efficiency=0.5)
+    made = [dataclasses.replace(r, tok_s=ps.predict_tok_s(r, catalog, true)) for r in rows]
+    got = published_fit.fit_published(made, catalog, gpu_fit.load_fit())
+    for f, v in true.bandwidth_efficiency.items():
+        assert got.bandwidth_efficiency[f] == pytest.approx(v, rel=0.02)
+    assert got.layer_overhead_us == pytest.approx(40.0, rel=0.05)
+    assert got.expert_bandwidth_efficiency == pytest.approx(0.5, abs=0.03)
+    # Held out by source: exact for decode-only rows, but where the source took its format's only
+    # rows with it (bfloat16: one M2 Ultra source); the prefill rows are one source's, so without
+    # it compute efficiency stays where it started.
+    held = mac_cv.held_out(made, catalog, mac_cv.FOLDS["leave_one_source_out"],
+                           mac_cv.published_fitter(catalog, gpu_fit.load_fit()))
+    errs = [p / r.tok_s - 1 for p, r in zip(held, made) if r.weights != "bfloat16" and r.decode_only]
+    assert max(map(abs, errs)) < 0.01
+
+
+def test_fit_macs_reports_cv_by_source_and_chip(monkeypatch, rows):
+    few = [r for r in rows if r.src in {"vllm_mlx_llm", "rapid_mlx_636", "mlx_examples_1029"}]
+    published = dataclasses.replace(load_published(), rows=tuple(few))
+    monkeypatch.setattr(fit_macs, "load_published", lambda: published)
+    parser = argparse.ArgumentParser()
+    fit_macs.add_parser(parser)
+    cv = fit_macs.run(parser.parse_args([]))["cv"]
+    for fold in ("leave_one_source_out", "leave_one_chip_out"):
+        for k in ("b1", "batched", "gain"):
+            assert set(cv[fold][k]) == {"n", "median_abs", "worst_abs"}
+            assert set(cv["before"][fold][k]) == {"n", "median_abs", "worst_abs"}
+        assert cv[fold]["batched"]["n"] == sum(r.batch > 1 for r in few)
+        assert set(cv[fold]["by_engine"]) == {r.engine for r in few}
+    assert [r["id"] for r in cv["rows"]] == [r.id for r in few]
+    assert all(r["before_tok_s"] > 0 and r["after_tok_s"] > 0 and r["leave_one_source_out_tok_s"] > 0
+               for r in cv["rows"])

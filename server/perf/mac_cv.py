@@ -13,7 +13,7 @@ from typing import Any
 from batchsim.server.perf import mac_fit, macs
 from batchsim.server.perf.gpu_fit import GpuFit
 from batchsim.server.perf.published_fit import fit_published
-from batchsim.server.perf.published_sim import predict_tok_s
+from batchsim.server.perf.published_sim import MacModel, predict_tok_s
 from batchsim.server.perf.reference import DecodeRow
 
 KINDS = ("b1", "batched", "gain")
@@ -22,7 +22,7 @@ FOLDS: dict[str, Callable[[Any], str]] = {
     "leave_one_chip_out": lambda r: r.chip,
     "leave_one_model_out": lambda r: r.model,
 }
-Fitter = Callable[[Sequence[Any]], GpuFit]  # training rows -> fit
+Fitter = Callable[[Sequence[Any]], MacModel]  # training rows -> fit
 
 
 def kind(row: Any) -> str:
@@ -107,11 +107,11 @@ def as_decode_row(row: Any) -> DecodeRow:
 
 def legacy_fitter(catalog: macs.Catalog, compute_efficiency: float) -> Fitter:
     """The fit as it shipped before (mac_fit): batch-1 rows only, no per-row or engine terms."""
-    return lambda rows: mac_fit.fit_rows([as_decode_row(r) for r in rows if r.batch == 1],
-                                         catalog, compute_efficiency)
+    return lambda rows: MacModel(mac_fit.fit_rows(
+        [as_decode_row(r) for r in rows if r.batch == 1], catalog, compute_efficiency))
 
 
-def published_fitter(catalog: macs.Catalog, start: GpuFit) -> Fitter:
+def published_fitter(catalog: macs.Catalog, start: MacModel) -> Fitter:
     return lambda rows: fit_published(rows, catalog, start)
 
 
@@ -132,21 +132,21 @@ def _errors(cv: dict[str, Any]) -> dict[str, float]:
 
 
 def validate(rows: Sequence[Any], catalog: macs.Catalog, before: GpuFit,
-             fitted_on: str) -> tuple[GpuFit, dict[str, Any]]:
+             fitted_on: str) -> tuple[MacModel, dict[str, Any]]:
     """(the fit on every row with its held-out errors, `cv`): each fold's report for this fit and
     (under `before`) for the batch-1-only fit that shipped before, and every row's predictions."""
-    after = dataclasses.replace(fit_published(rows, catalog, before, fitted_on),
-                                compute_fitted_on=fitted_on)
-    cv, held = cross_validate(rows, catalog, published_fitter(catalog, before))
+    start = MacModel(before)
+    after = fit_published(rows, catalog, start, fitted_on)
+    cv, held = cross_validate(rows, catalog, published_fitter(catalog, start))
     old_cv, _ = cross_validate(rows, catalog, legacy_fitter(catalog, before.compute_efficiency))
     table = []
     for i, r in enumerate(rows):
         entry = {"id": r.id, "src": r.src, "engine": r.engine, "chip": r.chip, "model": r.model,
                  "weights": r.weights, "batch": r.batch, "measures": r.measures,
                  "decode_only": r.decode_only, "measured_tok_s": r.tok_s,
-                 "before_tok_s": predict_tok_s(r, catalog, before),
+                 "before_tok_s": predict_tok_s(r, catalog, start),
                  "after_tok_s": predict_tok_s(r, catalog, after)}
         entry |= {f"{fold}_tok_s": held[fold][i] for fold in FOLDS}
         table.append(entry)
-    return (dataclasses.replace(after, errors=_errors(cv)),
-            {**cv, "before": old_cv, "rows": table})
+    fit = dataclasses.replace(after.fit, errors=_errors(cv), compute_fitted_on=fitted_on)
+    return MacModel(fit, after.engines), {**cv, "before": old_cv, "rows": table}

@@ -1,13 +1,16 @@
-"""The Mac GPU step fitted on every published row (configs/reference/published.yaml): batch 1 and
-batched, decode-only figures and servers' runs with prefill, each priced by simulating what its
-source ran (server.perf.published_sim).
+"""The Mac GPU step and the engines' host costs fitted on every published row
+(configs/reference/published.yaml): batch 1 and batched, decode-only figures and servers' runs with
+prefill, each priced by simulating what its source ran (server.perf.published_sim).
 
 A row's predicted seconds are StepCost's parts, each linear in one unknown: bytes at the peak
-bandwidth times x_fmt = 1 / efficiency of the weight format (routed experts' bytes also over g,
-their fraction of it), FLOPs at the peak compute times x_compute = 1 / compute efficiency, and the
-fixed times per layer and per forward pass. For each g on a grid that is a linear least-squares
-problem on relative error (mac_fit.fit_design: robust, fixed costs kept >= 0); the parts are
-recomputed under the new fit and the fit repeated (a roofline's binding side can change)."""
+bandwidth times 1 / efficiency (the weights' by format; decode K/V reads their own; routed experts'
+also over g, their fraction), FLOPs at the peak compute times 1 / efficiency (float, 4-bit, 8-bit
+matmuls), fixed time per layer and per forward pass, decode attention's cost per row per layer,
+sampling per sampled row, and each engine's host time per step and per generated token. For each g
+on a grid that is a least-squares problem on relative error (robust: Huber weights; every time term
+kept >= 0; an engine's own terms shrunk towards zero, so what all engines share goes to the device
+terms). The parts are recomputed under the new fit and the fit repeated (a roofline's binding side
+can change)."""
 
 from __future__ import annotations
 
@@ -19,83 +22,184 @@ from typing import Any
 import numpy as np
 from batchsim.server.perf import macs
 from batchsim.server.perf.gpu_fit import FORMATS, GpuFit, fit_format
-from batchsim.server.perf.mac_fit import EXPERT_GRID, fit_design
-from batchsim.server.perf.published_sim import measured_s, model_spec, priced
+from batchsim.server.perf.mac_fit import EXPERT_GRID, HUBER_DELTA, IRLS_ROUNDS
+from batchsim.server.perf.published_sim import MacModel, engine_name, measured_s, priced
 
-COLUMNS = (*FORMATS, "compute", "layer_s", "forward_s")
+DEVICE = (*FORMATS, "kv", "c_float", "c_q8", "c_q4", "layer_s", "forward_s", "attention_row_s",
+          "sampling_row_s")
+# Seconds per count (kept >= 0) and the GpuFit field (us) each is written to.
+TIMES = {"layer_s": "layer_overhead_us", "forward_s": "forward_overhead_us",
+         "attention_row_s": "attention_row_us", "sampling_row_s": "sampling_row_us"}
 ROUNDS = 3  # refits with the parts recomputed under the last fit
+ENGINE_RIDGE = 0.1  # shrinkage of each engine's own terms (columns scaled to unit norm)
+UNIT_US = 1e6  # count-type terms priced at 1 s each: their parts are then counts
+# The largest slowdown (1 / efficiency) a rate may take: streaming weights at under a third of the
+# peak bandwidth, or matmuls at under a fifth of the peak FLOP/s, is not a Mac GPU's behaviour
+# but a term the model lacks, which a free fit would hide there.
+MAX_SLOWDOWN = {"bytes": 3.0, "kv": 5.0, "compute": 5.0}
+
+
+def columns(rows: Sequence[Any]) -> list[str]:
+    engines = sorted({engine_name(r) for r in rows})
+    return [*DEVICE, *(f"step:{e}" for e in engines), *(f"token:{e}" for e in engines)]
+
+
+def _unit(model: MacModel, rows: Sequence[Any]) -> MacModel:
+    """`model` with every count-type term at 1 s (layers: per layer; forward: none)."""
+    fit = dataclasses.replace(model.fit, layer_overhead_us=UNIT_US, forward_overhead_us=0.0,
+                              attention_row_us=UNIT_US, token_layer_us=0.0,
+                              sampling_row_us=UNIT_US)
+    engines = {e: dataclasses.replace(model.engine(e), host_step_us=UNIT_US, host_token_us=UNIT_US)
+               for e in {engine_name(r) for r in rows}}
+    return MacModel(fit, engines)
 
 
 @dataclasses.dataclass(frozen=True)
 class Basis:
-    """One row's predicted seconds under a fit, split by unknown (at unit value)."""
+    """One row's predicted seconds under a fit, by column (at unit value)."""
 
-    plain: np.ndarray  # seconds by COLUMNS
+    plain: dict[str, float]
     experts: float  # routed experts' seconds at the format's bandwidth (divided by g in the fit)
     fmt: str
     measured_s: float
 
 
-def basis(row: Any, catalog: macs.Catalog, fit: GpuFit) -> Basis:
-    p = priced(row, catalog, fit)
-    fmt = fit_format(row.quantize_bits)
-    eff, ce = fit.bandwidth_efficiency[fmt], fit.compute_efficiency
-    d, f = p.decode, p.prefill
-    plain = np.zeros(len(COLUMNS))
-    plain[COLUMNS.index(fmt)] = eff * (d.weights_s + d.attention_s + d.elementwise_s + d.copy_s
-                                       + f.weights_s + f.elementwise_s + f.copy_s)
-    plain[COLUMNS.index("compute")] = ce * (d.matmul_s + f.matmul_s + f.attention_s + f.experts_s)
-    plain[COLUMNS.index("layer_s")] = p.forwards * model_spec(row.model).num_layers
-    plain[COLUMNS.index("forward_s")] = p.forwards
+def basis(row: Any, catalog: macs.Catalog, unit: MacModel, layers: int) -> Basis:
+    d, f = priced(row, catalog, unit)
+    fit, fmt = unit.fit, fit_format(row.quantize_bits)
+    eff = fit.bandwidth_efficiency[fmt]
+    ce = fit.compute_efficiency
+    cq = fit.quantized_gemm_efficiency.get(row.quantize_bits, ce) if row.quantize_bits else ce
+    eng = engine_name(row)
+    plain = {
+        fmt: eff * (d.weights_s + d.elementwise_s + d.copy_s + f.weights_s + f.elementwise_s
+                    + f.copy_s),
+        "kv": (fit.kv_bandwidth_efficiency or eff) * d.attention_s,
+        "c_float": ce * f.attention_s,
+        f"c_{fmt}": cq * (d.matmul_s + f.matmul_s + f.experts_s),
+        "layer_s": d.fixed_s + f.fixed_s,
+        "forward_s": (d.fixed_s + f.fixed_s) / layers,
+        "attention_row_s": d.attention_rows_s + f.attention_rows_s,
+        "sampling_row_s": d.sampling_s + f.sampling_s,
+        f"step:{eng}": d.host_step_s + f.host_step_s,
+        f"token:{eng}": d.host_token_s + f.host_token_s,
+    }
+    if fmt == "float":
+        plain["c_float"] += ce * (d.matmul_s + f.matmul_s + f.experts_s)
     experts = d.experts_s * eff * fit.expert_bandwidth_efficiency
     return Basis(plain, experts, fmt, measured_s(row))
 
 
-def _design(bases: Sequence[Basis], g: float) -> np.ndarray:
-    a = np.array([b.plain for b in bases])
+def _design(bases: Sequence[Basis], cols: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(plain parts, routed experts' parts at g = 1), each row divided by its measured seconds."""
+    a, e = np.zeros((len(bases), len(cols))), np.zeros((len(bases), len(cols)))
+    index = {c: j for j, c in enumerate(cols)}
     for i, b in enumerate(bases):
-        a[i, COLUMNS.index(b.fmt)] += b.experts / g
-    return a / np.array([b.measured_s for b in bases])[:, None]
+        for k, v in b.plain.items():
+            a[i, index[k]] += v / b.measured_s
+        e[i, index[b.fmt]] = b.experts / b.measured_s
+    return a, e
 
 
-def _solve(bases: Sequence[Basis]) -> tuple[np.ndarray, float, list[int]]:
-    """(theta by COLUMNS, g, the columns the rows determine) at the g of least loss."""
-    full = _design(bases, 1.0)
-    used = [j for j in range(len(COLUMNS)) if np.any(full[:, j] > 0)]
-    fixed = [j for j in used if COLUMNS[j] in ("layer_s", "forward_s")]
-    free = [j for j in used if j not in fixed]
-    order = free + fixed
-    grid = EXPERT_GRID if any(b.experts > 0 for b in bases) else np.array([1.0])
-
-    def at(g: float) -> tuple[float, np.ndarray]:
-        return fit_design(_design(bases, g)[:, order], len(free))
-
-    g = float(min(grid, key=lambda x: at(float(x))[0]))
-    theta = np.zeros(len(COLUMNS))
-    theta[order] = at(g)[1]
-    return theta, g, used
+def _bounds(col: str) -> tuple[float, float]:
+    """What a column's unknown may be: a time >= 0; a slowdown (1 / efficiency) from 1 to its cap."""
+    if col in TIMES or ":" in col:
+        return 0.0, np.inf
+    return 1.0, MAX_SLOWDOWN["kv" if col == "kv" else "compute" if col[:2] == "c_" else "bytes"]
 
 
-def _to_fit(theta: np.ndarray, g: float, used: list[int], start: GpuFit,
-            fitted_on: str) -> GpuFit:
-    """Efficiencies from the slowdowns (<= 1); a format the rows lack gets the others' mean, the
-    compute efficiency stays at `start`'s when no row is compute bound."""
-    slow = {f: max(1.0, float(theta[i])) for i, f in enumerate(FORMATS) if i in used}
+def _lsq(a: np.ndarray, rhs: np.ndarray, keep: list[int], ridge: list[int]) -> np.ndarray:
+    """Huber-weighted least squares of a @ theta = rhs over the kept columns (others zero), the
+    `ridge` ones shrunk (on unit-norm columns)."""
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
+    an = a[:, keep] / scale[keep]
+    shrink = np.diag([np.sqrt(ENGINE_RIDGE) if j in ridge else 0.0 for j in keep])
+    theta, w = np.zeros(a.shape[1]), np.ones(a.shape[0])
+    for _ in range(IRLS_ROUNDS):
+        lhs = np.vstack([an * w[:, None], shrink])
+        sol, *_ = np.linalg.lstsq(lhs, np.concatenate([rhs * w, np.zeros(len(keep))]), rcond=None)
+        theta[:] = 0.0
+        theta[keep] = sol / scale[keep]
+        r = np.abs(a @ theta - rhs)
+        w = np.sqrt(np.where(r > HUBER_DELTA, HUBER_DELTA / np.maximum(r, 1e-12), 1.0))
+    return theta
+
+
+def _fit_at(a: np.ndarray, cols: list[str]) -> tuple[float, np.ndarray]:
+    """(Huber loss, theta) of a @ theta = 1 within each column's bounds: the worst violator is held
+    at its bound and the rest refitted, until none is out."""
+    free = [j for j in range(len(cols)) if np.any(a[:, j] > 0)]
+    ridge = [j for j in free if ":" in cols[j]]
+    held: dict[int, float] = {}
+    while True:
+        rhs = 1.0 - sum((a[:, j] * v for j, v in held.items()), np.zeros(a.shape[0]))
+        theta = _lsq(a, rhs, free, ridge)
+        out = {j: min(max(theta[j], lo), hi) for j in free
+               for lo, hi in [_bounds(cols[j])] if not lo <= theta[j] <= hi}
+        if not out:
+            break
+        j = max(out, key=lambda j: abs(theta[j] - out[j]) / max(abs(out[j]), 1e-9))
+        held[j] = out[j]
+        free.remove(j)
+    for j, v in held.items():
+        theta[j] = v
+    r = np.abs(a @ theta - 1.0)
+    loss = np.where(r > HUBER_DELTA, HUBER_DELTA * (2 * r - HUBER_DELTA), r * r)
+    return float(loss.sum()), theta
+
+
+def _solve(bases: Sequence[Basis], cols: list[str]) -> tuple[dict[str, float], float]:
+    """(theta by column name, for the columns the rows determine; g) at the g of least loss: a
+    coarse pass over the grid, then the fine grid around its best."""
+    plain, experts = _design(bases, cols)
+
+    def loss(g: float) -> float:
+        return _fit_at(plain + experts / g, cols)[0]
+
+    g = 1.0
+    if experts.any():
+        coarse = min(EXPERT_GRID[::5], key=loss)
+        step = EXPERT_GRID[1] - EXPERT_GRID[0]
+        g = float(min((x for x in EXPERT_GRID if abs(x - coarse) < 5 * step), key=loss))
+    a = plain + experts / g
+    theta = _fit_at(a, cols)[1]
+    return {c: float(theta[j]) for j, c in enumerate(cols) if np.any(a[:, j] > 0)}, g
+
+
+def _to_model(theta: dict[str, float], g: float, start: MacModel, fitted_on: str) -> MacModel:
+    """Efficiencies from the slowdowns (<= 1; a format the rows lack gets the others' mean, a
+    compute or K/V rate they lack stays at `start`'s); time terms in us."""
+    slow = {f: theta[f] for f in FORMATS if f in theta}
     mean = statistics.fmean(slow.values())
-    ci = COLUMNS.index("compute")
-    ce = 1.0 / max(1.0, float(theta[ci])) if ci in used else start.compute_efficiency
-    return dataclasses.replace(
-        start, bandwidth_efficiency={f: 1.0 / slow.get(f, mean) for f in FORMATS},
-        layer_overhead_us=float(theta[COLUMNS.index("layer_s")]) * 1e6,
-        forward_overhead_us=float(theta[COLUMNS.index("forward_s")]) * 1e6,
-        compute_efficiency=ce, expert_bandwidth_efficiency=g, fitted_on=fitted_on)
+    s = start.fit
+
+    def rate(col: str, default: float) -> float:
+        return 1.0 / theta[col] if col in theta else default
+
+    quant = {b: rate(f"c_q{b}", 0.0) for b in (4, 8) if f"c_q{b}" in theta}
+    fit = dataclasses.replace(
+        s, bandwidth_efficiency={f: 1.0 / slow.get(f, mean) for f in FORMATS},
+        kv_bandwidth_efficiency=rate("kv", s.kv_bandwidth_efficiency),
+        compute_efficiency=rate("c_float", s.compute_efficiency),
+        quantized_gemm_efficiency={**s.quantized_gemm_efficiency, **quant},
+        expert_bandwidth_efficiency=g, fitted_on=fitted_on,
+        **{name: 1e6 * theta.get(col, 0.0) for col, name in TIMES.items()})
+    engines = {e: dataclasses.replace(start.engine(e), host_step_us=1e6 * theta.get(f"step:{e}", 0),
+                                      host_token_us=1e6 * theta.get(f"token:{e}", 0))
+               for e in {c.split(":")[1] for c in theta if ":" in c}}
+    return MacModel(fit, engines)
 
 
-def fit_published(rows: Sequence[Any], catalog: macs.Catalog, start: GpuFit,
-                  fitted_on: str = "") -> GpuFit:
-    """The GPU step's terms fitted on `rows`, starting from `start` (whose other fields it keeps)."""
-    fit = start
+def fit_published(rows: Sequence[Any], catalog: macs.Catalog, start: MacModel,
+                  fitted_on: str = "") -> MacModel:
+    """The terms fitted on `rows`, starting from `start` (whose other fields they keep)."""
+    from batchsim.server.perf.published_sim import model_spec
+
+    model, cols = start, columns(rows)
+    layers = [model_spec(r.model).num_layers for r in rows]
     for _ in range(ROUNDS):
-        theta, g, used = _solve([basis(r, catalog, fit) for r in rows])
-        fit = _to_fit(theta, g, used, start, fitted_on)
-    return fit
+        unit = _unit(model, rows)
+        theta, g = _solve([basis(r, catalog, unit, n) for r, n in zip(rows, layers)], cols)
+        model = _to_model(theta, g, start, fitted_on)
+    return model

@@ -18,6 +18,7 @@ from batchsim.server.engine.session import open_session
 from batchsim.server.executors.sim_executor import SimExecutor
 from batchsim.server.models.spec import ModelSpec, zoo_spec
 from batchsim.server.perf import macs
+from batchsim.server.perf.engines import EngineProfile, load_engine
 from batchsim.server.perf.gpu_fit import GpuFit, mac_profile
 from batchsim.server.perf.reference import (
     DEFAULT_GENERATED_TOKENS,
@@ -29,6 +30,33 @@ from batchsim.workloads.lengths import LengthSpec
 from batchsim.workloads.spec import WorkloadSpec
 
 UNSTATED_MEMORY_GB = 512.0  # a row without its Mac's memory: room for any model in the set
+
+
+def engine_name(row: Any) -> str:
+    """The engine profile (configs/engines) of what the row's source ran: mlx-lm's bare loop or its
+    BatchGenerator by batch, vllm-mlx in-process or streamed; scripts calling mlx-lm directly
+    (mlx-library, llmfit's mlx provider, mlx-inference-server) as mlx-lm's loop."""
+    if row.engine == "mlx-lm":
+        return "mlx-lm-batch" if row.batch > 1 else "mlx-lm-generate"
+    if row.engine == "vllm-mlx":
+        return "vllm-mlx-server" if row.streamed else "vllm-mlx"
+    if row.engine in ("mlx-library", "llmfit", "mlx-inference-server"):
+        return "mlx-lm-generate"
+    return row.engine
+
+
+@dataclasses.dataclass(frozen=True)
+class MacModel:
+    """What predicts a published row: the GPU step's terms and the engines' host costs (an engine
+    absent here costs no host time: never a value fitted on rows held out)."""
+
+    fit: GpuFit
+    engines: dict[str, EngineProfile] = dataclasses.field(default_factory=dict)
+
+    def engine(self, name: str) -> EngineProfile:
+        if name in self.engines:
+            return self.engines[name]
+        return dataclasses.replace(load_engine(name), host_step_us=0.0, host_token_us=0.0)
 
 
 def tokens(row: Any) -> tuple[int, int]:
@@ -49,10 +77,10 @@ def model_spec(model: str) -> ModelSpec:
     return zoo_spec(model)
 
 
-def row_cost(row: Any, catalog: macs.Catalog, fit: GpuFit) -> StepCost:
+def row_cost(row: Any, catalog: macs.Catalog, model: MacModel) -> StepCost:
     mac = row_mac(catalog, row.chip, row.gpu_cores)
-    return StepCost(model_spec(row.model), mac_profile(mac, fit, row.quantize_bits), row.dtype,
-                    row.quantize_bits)
+    return StepCost(model_spec(row.model), mac_profile(mac, model.fit, row.quantize_bits),
+                    row.dtype, row.quantize_bits, engine=model.engine(engine_name(row)))
 
 
 def measured_s(row: Any) -> float:
@@ -61,11 +89,11 @@ def measured_s(row: Any) -> float:
     return 1.0 / per_stream if row.decode_only else tokens(row)[1] / per_stream
 
 
-def predict_tok_s(row: Any, catalog: macs.Catalog, fit: GpuFit) -> float:
+def predict_tok_s(row: Any, catalog: macs.Catalog, model: MacModel) -> float:
     """The row's figure (per request or aggregate, as it measures) by the simulated run."""
-    cost = row_cost(row, catalog, fit)
+    cost = row_cost(row, catalog, model)
     if row.decode_only:
-        per_stream = 1.0 / cost.decode_time(row.batch, context_tokens(row)).total_s
+        per_stream = 1.0 / cost.step_time(row.batch, context_tokens(row)).total_s
     else:
         records = _run(row, cost).requests
         gen = tokens(row)[1]
@@ -114,12 +142,12 @@ def _steps_of(plan: Any, num_steps: int) -> Step:
 _RUN_STEPS: dict[Any, tuple[Step, ...]] = {}
 
 
-def run_steps(row: Any, catalog: macs.Catalog, fit: GpuFit) -> tuple[Step, ...]:
+def run_steps(row: Any, catalog: macs.Catalog, model: MacModel) -> tuple[Step, ...]:
     """The plans of the row's closed-loop run. They do not depend on the step times (every client
     sends at once, no arrival follows), so one run under any fit serves them all."""
     if row not in _RUN_STEPS:
         steps: list[Step] = []
-        _run(row, row_cost(row, catalog, fit),
+        _run(row, row_cost(row, catalog, model),
              on_step=lambda engine, plan, result: steps.append(
                  _steps_of(plan, len(result.step_durations_s))))
         _RUN_STEPS[row] = tuple(steps)
@@ -129,28 +157,25 @@ def run_steps(row: Any, catalog: macs.Catalog, fit: GpuFit) -> tuple[Step, ...]:
 class Priced(NamedTuple):
     """A row's predicted seconds (as measured_s counts them) in parts."""
 
-    decode: StepTime  # decode forwards
+    decode: StepTime  # decode forwards, and every step's host work
     prefill: StepTime  # prefill forwards
-    forwards: int  # forward passes (each pays the fixed costs)
-    steps: int  # engine steps
-    tokens: int  # tokens sampled by one stream (the per-token costs)
 
 
-def priced(row: Any, catalog: macs.Catalog, fit: GpuFit) -> Priced:
-    """The parts of the row's predicted seconds under `fit` (a plan's decode steps at their mean
-    width: exact for dense models, close for windows)."""
-    cost = row_cost(row, catalog, fit)
+def priced(row: Any, catalog: macs.Catalog, model: MacModel) -> Priced:
+    """The parts of the row's predicted seconds under `model` (a plan's decode steps at their
+    mean width: exact for dense models, close for windows)."""
+    cost = row_cost(row, catalog, model)
     zero = StepTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     if row.decode_only:
-        return Priced(cost.decode_time(row.batch, context_tokens(row)), zero, 1, 1, 1)
-    decode, prefill, forwards, steps = zero, zero, 0, 0
-    for s in run_steps(row, catalog, fit):
+        return Priced(cost.step_time(row.batch, context_tokens(row)), zero)
+    decode, prefill, steps = zero, zero, 0
+    for s in run_steps(row, catalog, model):
         for n, start, sample, rows in s.prefills:
             prefill += cost.prefill_time(n, start, sample, rows)
-        forwards += len(s.prefills)
         if s.num_steps:
             one = cost.decode_time(s.decode_rows, s.first_width + (s.num_steps - 1) // 2)
-            decode += StepTime(*(x * s.num_steps for x in dataclasses.astuple(one)))
-            forwards += s.num_steps
+            decode += one.times(s.num_steps)
         steps += s.num_steps or (1 if s.prefills else 0)
-    return Priced(decode, prefill, forwards, steps, tokens(row)[1])
+    host = StepTime(0.0, 0.0, 0.0, 0.0, 0.0, steps * cost.device_overhead_s,
+                    host_step_s=steps * cost.engine.host_step_s)
+    return Priced(decode + host, prefill)

@@ -3,17 +3,24 @@ configs/reference/published.yaml (batch 1 and batched, each predicted by simulat
 ran), and show how well it predicts them: every row before (the batch-1-only fit that shipped
 before) and after, and its held-out prediction leaving its source, chip or model out; the
 cross-validated errors of batch 1, batched throughput and the batching gain, overall and per
-engine. The math lives in server.perf.published_fit / mac_cv; here the flags and the tables."""
+engine. The math lives in server.published (sim, fit, cv); here the flags and the tables."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import math
+import re
+from pathlib import Path
+
+import yaml
 
 from batchsim.configs import ConfigError
 from batchsim.scripts.common import out, table
-from batchsim.server.perf import gpu_fit, mac_cv, mac_report, macs
+from batchsim.server.perf import gpu_fit, mac_report, macs
+from batchsim.server.published import cv as mac_cv
+from batchsim.server.perf.engines import ENGINES_DIR, EngineProfile, load_engine
+from batchsim.server.published.sim import MacModel
 from batchsim.server.perf.reference import PUBLISHED_PATH, load_published, load_reference
 
 
@@ -28,28 +35,57 @@ def run(args: argparse.Namespace) -> dict:
     before = mac_report.fit_reference(load_reference(), catalog)
     where = PUBLISHED_PATH.relative_to(PUBLISHED_PATH.parents[2]).as_posix()
     rows = list(published.rows)
-    fit, cv = mac_cv.validate(rows, catalog, before, mac_cv.describe(rows, where))
+    model, cv = mac_cv.validate(rows, catalog, before, mac_cv.describe(rows, where))
+    fit = model.fit
     try:
-        shipped = gpu_fit.load_fit()
+        shipped = MacModel(gpu_fit.load_fit(), {e: load_engine(e) for e in model.engines})
     except ConfigError:  # none yet (or unreadable): --write makes one
         shipped = None
-    _print(fit, cv)
-    same = shipped is not None and _same(fit, shipped)
+    _print(model, cv)
+    same = shipped is not None and same_model(model, shipped)
     if args.write:
-        out.print(f"fit written to {gpu_fit.save_fit(fit)}")
+        written = [save_engine(e, fit.fitted_on).name for e in model.engines.values()]
+        out.print(f"fit written to {gpu_fit.save_fit(fit)} and {', '.join(written)}")
     elif not same:
         out.print("[yellow]the shipped fit differs from this one: run `batchsim fit-macs --write`"
                   "[/yellow]")
     return {"fit": dataclasses.asdict(fit), "before_fit": dataclasses.asdict(before),
+            "engines": {e: {"host_step_us": p.host_step_us, "host_token_us": p.host_token_us}
+                        for e, p in model.engines.items()},
             "shipped_fit_matches": same, "written": args.write, "cv": cv}
 
 
-def _same(a: gpu_fit.GpuFit, b: gpu_fit.GpuFit, rel: float = 1e-6) -> bool:
+def _nums(obj: object) -> list[float]:
+    """Every fitted number of a GpuFit or EngineProfile (text, flags and errors aside)."""
+    out: list[float] = []
+    for k, v in dataclasses.asdict(obj).items():
+        if isinstance(v, dict) and k != "errors":
+            out += [float(x) for _, x in sorted(v.items())]
+        elif isinstance(v, float):
+            out.append(v)
+    return out
+
+
+def same_model(a: MacModel, b: MacModel, rel: float = 1e-6) -> bool:
     """The fitted numbers agree (the text fields may differ)."""
-    def nums(f: gpu_fit.GpuFit) -> list[float]:
-        return [*f.bandwidth_efficiency.values(), f.layer_overhead_us, f.forward_overhead_us,
-                f.compute_efficiency, f.expert_bandwidth_efficiency]
-    return all(math.isclose(x, y, rel_tol=rel, abs_tol=1e-9) for x, y in zip(nums(a), nums(b)))
+    pairs = [(a.fit, b.fit), *((p, b.engine(e)) for e, p in a.engines.items())]
+    return all(len(_nums(x)) == len(_nums(y)) and all(
+        math.isclose(p, q, rel_tol=rel, abs_tol=1e-9) for p, q in zip(_nums(x), _nums(y)))
+        for x, y in pairs)
+
+
+def save_engine(profile: EngineProfile, fitted_on: str) -> Path:
+    """Write an engine's fitted host costs into its YAML (the rest of the file as it is)."""
+    path = ENGINES_DIR / f"{profile.name}.yaml"
+    text = path.read_text()
+    for key in ("host_step_us", "host_token_us"):
+        text = re.sub(rf"^{key}: .*$", f"{key}: {getattr(profile, key)!r}", text, flags=re.M)
+    source = yaml.safe_dump({"source": f"Fitted by `batchsim fit-macs --write` on {fitted_on}"},
+                            width=100)
+    text = re.sub(r"^source:.*?(?=^\S|\Z)", lambda _: source, text, flags=re.M | re.S)
+    path.write_text(text)
+    load_engine.cache_clear()
+    return path
 
 
 def _pct(x: float | None) -> str:
@@ -62,7 +98,7 @@ def _stat(s: dict) -> str:
     return f"{100 * s['median_abs']:.0f}% / {100 * s['worst_abs']:.0f}% (n {s['n']})"
 
 
-def _print(fit: gpu_fit.GpuFit, cv: dict) -> None:
+def _print(model: MacModel, cv: dict) -> None:
     out.print(table(
         "Published tok/s vs predicted (before: the batch-1-only fit that shipped before; after: "
         "this fit; source / chip out: fitted without the row's source / chip)",
@@ -82,4 +118,6 @@ def _print(fit: gpu_fit.GpuFit, cv: dict) -> None:
     out.print(table("Leave one source out, by engine (after): median / worst",
                     ["engine", *mac_cv.KINDS],
                     [[e, *(_stat(rep[k]) for k in mac_cv.KINDS)] for e, rep in engines.items()]))
-    out.print(f"Fit: {fit.summary()}. {fit.fitted_on}.")
+    out.print(f"Fit: {model.fit.summary()}. {model.fit.fitted_on}. Engines' host us per step / "
+              "token: " + ", ".join(f"{e} {p.host_step_us:.0f} / {p.host_token_us:.0f}"
+                                    for e, p in sorted(model.engines.items())) + ".")

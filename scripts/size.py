@@ -292,8 +292,8 @@ def _held_out(errors: dict) -> str:
     return (f"; held-out |error| of batch-1 tok/s: median "
             f"{100 * errors['leave_one_chip_out_median_abs']:.0f}% (worst "
             f"{100 * errors['leave_one_chip_out_worst_abs']:.0f}%) leaving one chip out, "
-            f"{100 * errors['leave_one_model_out_median_abs']:.0f}% "
-            f"({100 * errors['leave_one_model_out_worst_abs']:.0f}%) one model out")
+            f"{100 * errors['leave_one_source_out_median_abs']:.0f}% "
+            f"({100 * errors['leave_one_source_out_worst_abs']:.0f}%) one source out")
 
 
 def _weights_tag(meta: dict) -> str:

@@ -12,7 +12,10 @@ from batchsim.configs import CONFIG_DIR, ConfigError
 from batchsim.scripts import fit_macs, size
 from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf import devices, gpu_fit, mac_fit, mac_report, macs
-from batchsim.server.perf.reference import load_reference
+from batchsim.server.published import fit as published_fit
+from batchsim.server.perf.engines import load_engine
+from batchsim.server.published.sim import MacModel
+from batchsim.server.perf.reference import load_published, load_reference
 from batchsim.server.perf.stepcost import StepCost, matrix_weight_bytes
 
 GIB = 1 << 30
@@ -55,14 +58,20 @@ def test_fit_recovers_known_terms_from_synthetic_rows(ref, catalog):
     assert max(abs(e) for e in errs.values()) > 0.05
 
 
-def test_shipped_fit_is_the_fit_of_the_reference_set(ref, catalog):
-    shipped, refit = gpu_fit.load_fit(), mac_report.fit_reference(ref, catalog)
-    assert fit_macs._same(shipped, refit) and shipped.errors == refit.errors
-    assert shipped.fitted_on.startswith("configs/reference/mlx-decode.yaml: 30 batch-1 rows")
+def test_shipped_fit_is_the_fit_of_the_published_set(ref, catalog):
+    before = mac_report.fit_reference(ref, catalog)  # the batch-1-only fit: where the fit starts
+    rows = list(load_published().rows)
+    refit = published_fit.fit_published(rows, catalog, MacModel(before))
+    shipped = MacModel(gpu_fit.load_fit(), {e: load_engine(e) for e in refit.engines})
+    assert fit_macs.same_model(refit, shipped)
+    assert shipped.fit.fitted_on.startswith("configs/reference/published.yaml: ")
+    assert {"leave_one_source_out_median_abs", "leave_one_chip_out_worst_abs"} <= set(
+        shipped.fit.errors)
     # Small models pay the fixed per-layer cost the roofline alone missed (the 55-81%).
     (small, _) = [r for r in ref.rows if (r.model, r.chip) == ("qwen3-0.6b", "M3 Ultra")]
     assert mac_report.before_tok_s(small, catalog) > 2.5 * small.decode_tok_s
-    assert mac_fit.predict_tok_s(small, catalog, shipped) == pytest.approx(small.decode_tok_s, rel=0.1)
+    assert mac_fit.predict_tok_s(small, catalog, before) == pytest.approx(small.decode_tok_s,
+                                                                          rel=0.1)
 
 
 def test_fixed_costs_are_named_parts_of_the_one_step_model():
@@ -125,7 +134,7 @@ def test_size_rows_say_which_profile_and_keep_their_keys(tmp_path):
                                           "M4 Max 40c", "--memory-gb", "64", "--out", str(tmp_path)]))
     (row,) = summary["rows"]
     assert row["decode_tok_s_b1"] > 0 and row["max_batch"] > 0
-    assert row["profile"] == "M4 Max 40c" and "mlx-decode.yaml" in row["profile_fitted_on"]
+    assert row["profile"] == "M4 Max 40c" and "published.yaml" in row["profile_fitted_on"]
     assert summary["profile_errors"] == gpu_fit.load_fit().errors
 
 
@@ -141,4 +150,4 @@ def test_simulated_sweep_rows_say_which_profile(tmp_path, monkeypatch):
         "--runs-dir", str(tmp_path / "runs")]))
     rows = summary["rows"]
     assert [r["profile"] for r in rows] == ["M2 Max 30c", "M2 Max 30c"]
-    assert all(r["decode_tok_s"] > 0 and "mlx-decode.yaml" in r["profile_fitted_on"] for r in rows)
+    assert all(r["decode_tok_s"] > 0 and "published.yaml" in r["profile_fitted_on"] for r in rows)

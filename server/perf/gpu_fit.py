@@ -1,5 +1,5 @@
 """A Mac GPU step's fitted terms (configs/reference/mlx-fit.yaml, written by `batchsim fit-macs
---write` from the published measurements in configs/reference/mlx-decode.yaml) and the device
+--write` from the published measurements in configs/reference/published.yaml) and the device
 profile of a catalog Mac built from them: achievable bandwidth by weight format, a fixed time per
 layer and per forward pass (kernel dispatch, synchronisation), prefill compute efficiency. Pure
 Python; the fit itself is server.perf.mac_fit."""
@@ -54,6 +54,10 @@ class GpuFit:
     # (absent: compute_efficiency, the float one); a Mac's profile gets quantized_gemm_gflops
     # from it. Their bytes already have their own rate: bandwidth_efficiency by format.
     quantized_gemm_efficiency: dict[int, float] = dataclasses.field(default_factory=dict)
+    # Two-die Ultra chips: extra fixed time per layer per forward pass, and a slowdown added to
+    # 1 / bandwidth efficiency (published Ultra decode rates fall short of their peak bandwidth).
+    ultra_layer_us: float = 0.0
+    ultra_bandwidth_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         missing = [f for f in FORMATS if f not in self.bandwidth_efficiency]
@@ -65,8 +69,10 @@ class GpuFit:
         if any(not 0 <= v <= 1 for v in fractions):
             raise ValueError("kv_bandwidth_efficiency and quantized_gemm_efficiency must be in "
                              "[0, 1]")
-        if min(self.attention_row_us, self.token_layer_us, self.sampling_row_us) < 0:
-            raise ValueError("attention_row_us, token_layer_us and sampling_row_us must be >= 0")
+        if min(self.attention_row_us, self.token_layer_us, self.sampling_row_us,
+               self.ultra_layer_us, self.ultra_bandwidth_slowdown) < 0:
+            raise ValueError("attention_row_us, token_layer_us, sampling_row_us and the Ultra "
+                             "terms must be >= 0")
 
     def summary(self) -> str:
         eff = ", ".join(f"{f} {v:.2f}" for f, v in self.bandwidth_efficiency.items())
@@ -92,10 +98,11 @@ def load_fit(path: str | Path = FIT_PATH) -> GpuFit:
 
 
 HEADER = """\
-# Written by `batchsim fit-macs --write` (server/perf/mac_fit.py): the Mac GPU step's terms, fitted
-# by least squares on the batch-1 decode rows of configs/reference/mlx-decode.yaml (prefill compute
-# efficiency on its prefill rows). Every catalog Mac's device profile uses them with its own peaks.
-# Do not edit by hand: tests/test_mac_fit.py refits and compares.
+# Written by `batchsim fit-macs --write` (server/published/fit.py): the Mac GPU step's terms,
+# fitted by least squares on every row of configs/reference/published.yaml (batch 1 and batched,
+# each priced by simulating what its source ran), with the engines' host costs in configs/engines.
+# Every catalog Mac's device profile uses them with its own peaks. Do not edit by hand:
+# tests/test_mac_fit.py refits and compares.
 """
 
 
@@ -112,11 +119,15 @@ def mac_profile(mac: Mac, fit: GpuFit, quantize_bits: int | None,
     """The cost model's profile of a catalog Mac: its peaks, the fit's terms for this weight format
     (an efficiency given here replaces the fit's, e.g. `size --bandwidth-efficiency`)."""
     bw = fit.bandwidth_efficiency[fit_format(quantize_bits)]
+    ultra = mac.chip.endswith("Ultra")
+    if ultra:
+        bw = 1.0 / (1.0 / bw + fit.ultra_bandwidth_slowdown)
     profile = mac.profile(bw if bandwidth_efficiency is None else bandwidth_efficiency,
                           fit.compute_efficiency if compute_efficiency is None else compute_efficiency)
     fp16_tflops = profile.tflops("float16")
+    layer_us = fit.layer_overhead_us + (fit.ultra_layer_us if ultra else 0.0)
     return dataclasses.replace(
-        profile, layer_overhead_s=fit.layer_overhead_us * 1e-6,
+        profile, layer_overhead_s=layer_us * 1e-6,
         expert_bandwidth_efficiency=fit.expert_bandwidth_efficiency,
         forward_overhead_s=fit.forward_overhead_us * 1e-6,
         fitted_on=f"{fit.fitted_on} ({fit.summary()})",

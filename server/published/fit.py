@@ -1,6 +1,6 @@
 """The Mac GPU step and the engines' host costs fitted on every published row
 (configs/reference/published.yaml): batch 1 and batched, decode-only figures and servers' runs with
-prefill, each priced by simulating what its source ran (server.perf.published_sim).
+prefill, each priced by simulating what its source ran (server.published.sim).
 
 A row's predicted seconds are StepCost's parts, each linear in one unknown: bytes at the peak
 bandwidth times 1 / efficiency (the weights' by format; decode K/V reads their own; routed experts'
@@ -23,20 +23,28 @@ import numpy as np
 from batchsim.server.perf import macs
 from batchsim.server.perf.gpu_fit import FORMATS, GpuFit, fit_format
 from batchsim.server.perf.mac_fit import EXPERT_GRID, HUBER_DELTA, IRLS_ROUNDS
-from batchsim.server.perf.published_sim import MacModel, engine_name, measured_s, priced
+from batchsim.server.published.sim import (
+    MacModel,
+    engine_name,
+    measured_s,
+    model_spec,
+    priced,
+)
 
 DEVICE = (*FORMATS, "kv", "c_float", "c_q8", "c_q4", "layer_s", "forward_s", "attention_row_s",
-          "sampling_row_s")
+          "sampling_row_s", "ultra_layer_s", "ultra_bytes")
 # Seconds per count (kept >= 0) and the GpuFit field (us) each is written to.
 TIMES = {"layer_s": "layer_overhead_us", "forward_s": "forward_overhead_us",
-         "attention_row_s": "attention_row_us", "sampling_row_s": "sampling_row_us"}
+         "attention_row_s": "attention_row_us", "sampling_row_s": "sampling_row_us",
+         "ultra_layer_s": "ultra_layer_us"}
 ROUNDS = 3  # refits with the parts recomputed under the last fit
 ENGINE_RIDGE = 0.1  # shrinkage of each engine's own terms (columns scaled to unit norm)
+JITTER = 1e-9  # on the others: collinear columns share rather than fail
 UNIT_US = 1e6  # count-type terms priced at 1 s each: their parts are then counts
 # The largest slowdown (1 / efficiency) a rate may take: streaming weights at under a third of the
 # peak bandwidth, or matmuls at under a fifth of the peak FLOP/s, is not a Mac GPU's behaviour
 # but a term the model lacks, which a free fit would hide there.
-MAX_SLOWDOWN = {"bytes": 3.0, "kv": 5.0, "compute": 5.0}
+MAX_SLOWDOWN = {"bytes": 3.0, "kv": 5.0, "compute": 5.0, "ultra": 2.0}
 
 
 def columns(rows: Sequence[Any]) -> list[str]:
@@ -48,7 +56,8 @@ def _unit(model: MacModel, rows: Sequence[Any]) -> MacModel:
     """`model` with every count-type term at 1 s (layers: per layer; forward: none)."""
     fit = dataclasses.replace(model.fit, layer_overhead_us=UNIT_US, forward_overhead_us=0.0,
                               attention_row_us=UNIT_US, token_layer_us=0.0,
-                              sampling_row_us=UNIT_US)
+                              sampling_row_us=UNIT_US, ultra_layer_us=0.0,
+                              ultra_bandwidth_slowdown=0.0)
     engines = {e: dataclasses.replace(model.engine(e), host_step_us=UNIT_US, host_token_us=UNIT_US)
                for e in {engine_name(r) for r in rows}}
     return MacModel(fit, engines)
@@ -86,6 +95,8 @@ def basis(row: Any, catalog: macs.Catalog, unit: MacModel, layers: int) -> Basis
     }
     if fmt == "float":
         plain["c_float"] += ce * (d.matmul_s + f.matmul_s + f.experts_s)
+    if row.chip.endswith("Ultra"):  # two dies: their own extra terms
+        plain["ultra_layer_s"], plain["ultra_bytes"] = plain["layer_s"], plain[fmt]
     experts = d.experts_s * eff * fit.expert_bandwidth_efficiency
     return Basis(plain, experts, fmt, measured_s(row))
 
@@ -102,9 +113,12 @@ def _design(bases: Sequence[Basis], cols: list[str]) -> tuple[np.ndarray, np.nda
 
 
 def _bounds(col: str) -> tuple[float, float]:
-    """What a column's unknown may be: a time >= 0; a slowdown (1 / efficiency) from 1 to its cap."""
+    """What a column's unknown may be: a time >= 0, a slowdown (1 / efficiency) from 1 to its
+    cap."""
     if col in TIMES or ":" in col:
         return 0.0, np.inf
+    if col == "ultra_bytes":  # added to the format's slowdown
+        return 0.0, MAX_SLOWDOWN["ultra"]
     return 1.0, MAX_SLOWDOWN["kv" if col == "kv" else "compute" if col[:2] == "c_" else "bytes"]
 
 
@@ -114,11 +128,11 @@ def _lsq(a: np.ndarray, rhs: np.ndarray, keep: list[int], ridge: list[int]) -> n
     scale = np.linalg.norm(a, axis=0)
     scale[scale == 0] = 1.0
     an = a[:, keep] / scale[keep]
-    shrink = np.diag([np.sqrt(ENGINE_RIDGE) if j in ridge else 0.0 for j in keep])
+    shrink = np.diag([ENGINE_RIDGE if j in ridge else JITTER for j in keep])
     theta, w = np.zeros(a.shape[1]), np.ones(a.shape[0])
     for _ in range(IRLS_ROUNDS):
-        lhs = np.vstack([an * w[:, None], shrink])
-        sol, *_ = np.linalg.lstsq(lhs, np.concatenate([rhs * w, np.zeros(len(keep))]), rcond=None)
+        lhs = an * w[:, None]  # the normal equations: a small square system
+        sol = np.linalg.solve(lhs.T @ lhs + shrink, lhs.T @ (rhs * w))
         theta[:] = 0.0
         theta[keep] = sol / scale[keep]
         r = np.abs(a @ theta - rhs)
@@ -184,6 +198,7 @@ def _to_model(theta: dict[str, float], g: float, start: MacModel, fitted_on: str
         compute_efficiency=rate("c_float", s.compute_efficiency),
         quantized_gemm_efficiency={**s.quantized_gemm_efficiency, **quant},
         expert_bandwidth_efficiency=g, fitted_on=fitted_on,
+        ultra_bandwidth_slowdown=theta.get("ultra_bytes", 0.0),
         **{name: 1e6 * theta.get(col, 0.0) for col, name in TIMES.items()})
     engines = {e: dataclasses.replace(start.engine(e), host_step_us=1e6 * theta.get(f"step:{e}", 0),
                                       host_token_us=1e6 * theta.get(f"token:{e}", 0))
@@ -194,8 +209,6 @@ def _to_model(theta: dict[str, float], g: float, start: MacModel, fitted_on: str
 def fit_published(rows: Sequence[Any], catalog: macs.Catalog, start: MacModel,
                   fitted_on: str = "") -> MacModel:
     """The terms fitted on `rows`, starting from `start` (whose other fields they keep)."""
-    from batchsim.server.perf.published_sim import model_spec
-
     model, cols = start, columns(rows)
     layers = [model_spec(r.model).num_layers for r in rows]
     for _ in range(ROUNDS):

@@ -1,7 +1,7 @@
 """Cross-validation of the Mac fit on every published row: leave one source out and leave one chip
 out, each fold refitted without the held-out group, for batch 1, batched throughput and the gain
 (batched / batch 1 from the same source and setup), overall and per engine. Every row is predicted
-by simulating what its source ran (server.perf.published_sim)."""
+by simulating what its source ran (server.published.sim)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,14 @@ from typing import Any
 
 from batchsim.server.perf import mac_fit, macs
 from batchsim.server.perf.gpu_fit import GpuFit
-from batchsim.server.perf.published_fit import fit_published
-from batchsim.server.perf.published_sim import MacModel, predict_tok_s
 from batchsim.server.perf.reference import DecodeRow
+from batchsim.server.published.fit import fit_published
+from batchsim.server.published.sim import MacModel, predict_tok_s
 
 KINDS = ("b1", "batched", "gain")
 FOLDS: dict[str, Callable[[Any], str]] = {
     "leave_one_source_out": lambda r: r.src,
     "leave_one_chip_out": lambda r: r.chip,
-    "leave_one_model_out": lambda r: r.model,
 }
 Fitter = Callable[[Sequence[Any]], MacModel]  # training rows -> fit
 
@@ -51,7 +50,8 @@ def gain(rows: Sequence[Any], tok_s: Sequence[float], i: int, j: int) -> float:
 
 
 def errors(rows: Sequence[Any], predicted: Sequence[float]) -> dict[str, list[tuple[int, float]]]:
-    """Relative errors by KINDS: (row index, predicted / measured - 1); a gain at its batched row."""
+    """Relative errors by KINDS: (row index, predicted / measured - 1); a gain at its batched
+    row."""
     out: dict[str, list[tuple[int, float]]] = {k: [] for k in KINDS}
     for i, r in enumerate(rows):
         out[kind(r)].append((i, predicted[i] / r.tok_s - 1.0))

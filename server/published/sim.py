@@ -40,7 +40,7 @@ def engine_name(row: Any) -> str:
         return "mlx-lm-batch" if row.batch > 1 else "mlx-lm-generate"
     if row.engine == "vllm-mlx":
         return "vllm-mlx-server" if row.streamed else "vllm-mlx"
-    if row.engine in ("mlx-library", "llmfit", "mlx-inference-server"):
+    if row.engine in ("mlx-library", "llmfit", "mlx-inference-server", "mlx-vlm"):
         return "mlx-lm-generate"
     return row.engine
 

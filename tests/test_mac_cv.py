@@ -121,9 +121,8 @@ def test_two_die_terms_apply_to_ultra_chips_only(catalog):
 
 
 def test_an_engine_is_named_by_what_the_source_ran_and_never_priced_unfitted(rows):
-    row = _row(rows, engine="mlx-lm", batch=1)
-    assert ps.engine_name(row) == "mlx-lm-generate"
-    assert ps.engine_name(dataclasses.replace(row, batch=8)) == "mlx-lm-batch"
+    assert ps.engine_name(_row(rows, engine="mlx-lm", batch=1)) == "mlx-lm"
+    assert ps.engine_name(_row(rows, engine="vllm-mlx", streamed=False)) == "vllm-mlx"
     assert ps.engine_name(_row(rows, engine="vllm-mlx", streamed=True)) == "vllm-mlx-server"
     held_out = MacModel(gpu_fit.load_fit()).engine("vllm-mlx-server")  # no fitted costs: none
     assert (held_out.host_step_us, held_out.host_token_us) == (0.0, 0.0)

@@ -33,16 +33,9 @@ UNSTATED_MEMORY_GB = 512.0  # a row without its Mac's memory: room for any model
 
 
 def engine_name(row: Any) -> str:
-    """The engine profile (configs/engines) of what the row's source ran: mlx-lm's bare loop or its
-    BatchGenerator by batch, vllm-mlx in-process or streamed; scripts calling mlx-lm directly
-    (mlx-library, llmfit's mlx provider, mlx-inference-server) as mlx-lm's loop."""
-    if row.engine == "mlx-lm":
-        return "mlx-lm-batch" if row.batch > 1 else "mlx-lm-generate"
-    if row.engine == "vllm-mlx":
-        return "vllm-mlx-server" if row.streamed else "vllm-mlx"
-    if row.engine in ("mlx-library", "llmfit", "mlx-inference-server", "mlx-vlm"):
-        return "mlx-lm-generate"
-    return row.engine
+    """The engine profile (configs/engines) of what the row's source ran: the row's engine, vllm-mlx
+    streamed through its server as vllm-mlx-server."""
+    return "vllm-mlx-server" if row.engine == "vllm-mlx" and row.streamed else row.engine
 
 
 @dataclasses.dataclass(frozen=True)

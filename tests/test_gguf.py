@@ -193,7 +193,8 @@ def _bad_gguf(kind: str, path: Path) -> Path:
     meta = {"head_count": {"llama.attention.head_count": u32(0)},
             "eos": {"tokenizer.ggml.eos_token_id": u32(9999)},
             "blocks": {"llama.block_count": u32(2)},
-            "epsilon": {"llama.attention.layer_norm_rms_epsilon": mx.array(-1e-5)}}.get(kind, {})
+            "epsilon": {"llama.attention.layer_norm_rms_epsilon": mx.array(-1e-5)},
+            "merges": {"tokenizer.ggml.merges": ["Ġ t", "x y"]}}.get(kind, {})  # no token xy
     return _write_gguf(path, hf, **meta)
 
 
@@ -205,6 +206,7 @@ def _bad_gguf(kind: str, path: Path) -> Path:
     ("missing", "no tensor blk.0.ffn_up.weight"),
     ("zero_dim", "tensor blk.0.ffn_up.weight has shape (0, 64), expected 128 x 64"),
     ("epsilon", "layer_norm_rms_epsilon must be a positive finite number, got -"),
+    ("merges", "tokenizer metadata does not make a BPE tokenizer (Error while initializing BPE"),
 ])
 def test_malformed_ggufs_are_refused_in_one_line_before_anything_is_written(
         tmp_path, capsys, kind, says):

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from batchsim.server.models.files import MARKER, save_weights, staged_dir
 from batchsim.server.models.gguf.importer import KEEP, convert
-from batchsim.server.models.gguf.tokenizer import write_tokenizer
+from batchsim.server.models.gguf.tokenizer import tokenizer_files
 
 
 def import_gguf(path: str | Path, out_dir: Path, dtype: str = KEEP, scale_dtype: str = "float16",
@@ -20,10 +20,11 @@ def import_gguf(path: str | Path, out_dir: Path, dtype: str = KEEP, scale_dtype:
     `marker` adds to batchsim.json, which says the weights are real."""
     start_s = time.perf_counter()
     config, weights, g = convert(path, dtype, scale_dtype)
+    files = {"config.json": json.dumps(config, indent=1), **tokenizer_files(g)}  # checked first
     with staged_dir(out_dir) as tmp:
         save_weights(tmp, weights)
-        (tmp / "config.json").write_text(json.dumps(config, indent=1))
-        write_tokenizer(g, tmp)
+        for name, text in files.items():
+            (tmp / name).write_text(text)
         info = {"weights": "real", "source": str(Path(path).resolve()), **(marker or {})}
         (tmp / MARKER).write_text(json.dumps(info, indent=1))
     log(f"imported {Path(path).name} into {out_dir} in {time.perf_counter() - start_s:.1f} s")

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 from batchsim.server.models.gguf.reader import Gguf, GgufError
@@ -38,7 +37,12 @@ def build_tokenizer(g: Gguf) -> Any:
     tokens = list(g.need("tokenizer.ggml.tokens"))
     merges = [tuple(m.split(" ", 1)) for m in g.need("tokenizer.ggml.merges")]
     types = g.value("tokenizer.ggml.token_type") or [1] * len(tokens)
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    try:
+        tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    except Exception as exc:  # noqa: BLE001 - `tokenizers` raises a bare Exception
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise GgufError(f"{g.path}: tokenizer metadata does not make a BPE tokenizer "
+                        f"({reason})") from None
     tok.pre_tokenizer = _pre_tokenizer(g)
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.decoder = decoders.ByteLevel()
@@ -69,6 +73,7 @@ def tokenizer_config(g: Gguf) -> dict[str, Any]:
     return config
 
 
-def write_tokenizer(g: Gguf, out_dir: Path) -> None:
-    build_tokenizer(g).save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(g), indent=1))
+def tokenizer_files(g: Gguf) -> dict[str, str]:
+    """tokenizer.json and tokenizer_config.json as text, built (and so checked) before writing."""
+    return {"tokenizer.json": build_tokenizer(g).to_str(pretty=True),  # as Tokenizer.save writes
+            "tokenizer_config.json": json.dumps(tokenizer_config(g), indent=1)}

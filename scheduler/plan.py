@@ -15,6 +15,7 @@ class NewRequest(NamedTuple):
     request_id: int
     token_ids: tuple[int, ...] | None  # prompt + output so far; None in simulation
     sampling: SamplingParams
+    num_prompt_tokens: int = 0  # token_ids before it are the prompt (penalties tell them apart)
 
 
 class PrefillChunk(NamedTuple):

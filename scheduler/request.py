@@ -19,17 +19,42 @@ class RequestStatus(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SamplingParams:
+    """How a request samples, with vLLM's semantics for every field (server/executors/sampler.py)."""
+
     max_tokens: int  # output tokens to generate at most
     temperature: float = 0.0  # 0: greedy
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: frozenset[int] = frozenset()
+    top_p: float = 1.0  # keep the most likely tokens whose probabilities sum to top_p; 1: off
+    top_k: int = 0  # keep the k most likely tokens; 0: off
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability; 0: off
+    # Logits of tokens in the prompt or output divided by it (multiplied when negative); 1: off.
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0  # subtracted from a logit per time its token is in the output
+    presence_penalty: float = 0.0  # subtracted once from a logit whose token is in the output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        checks = {"temperature": self.temperature >= 0, "top_p": 0 < self.top_p <= 1,
+                  "top_k": self.top_k >= 0, "min_p": 0 <= self.min_p <= 1,
+                  "repetition_penalty": self.repetition_penalty > 0}
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"{name} out of range: {getattr(self, name)}")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """A bias or a penalty changes the logits (greedy rows too)."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1 or (
+            self.frequency_penalty != 0 or self.presence_penalty != 0)
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """The argmax of the model's own logits: the sampler has nothing to do."""
+        return self.temperature == 0 and not self.adjusts_logits
 
 
 class StopChecker(Protocol):

@@ -180,7 +180,8 @@ class Scheduler:
             running.append(r)
             rows_later, len_later = rows_later + 1, n_later
             ids = r.all_token_ids()
-            new_requests.append(NewRequest(r.request_id, tuple(ids) if ids else None, r.sampling))
+            new_requests.append(NewRequest(r.request_id, tuple(ids) if ids else None, r.sampling,
+                                           r.num_prompt_tokens))
         return new_requests
 
     def _step_plan(self, budget: StepBudget, free_ids: list[int],

@@ -196,7 +196,7 @@ def test_generation_reads_every_queued_token_of_a_finished_request():
     class Tokenizer:
         detokenizer = CharDetokenizer()
 
-    params = GenerationParams("completion", (5,), 3, 0.0, None, (), False, False, False)
+    params = GenerationParams("completion", (5,), 3, request.sampling, (), False, False)
 
     async def read() -> tuple[list[str], str | None]:
         gen = Generation(Engine(), request, params, Tokenizer())

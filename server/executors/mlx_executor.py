@@ -17,7 +17,7 @@ import mlx.core as mx
 from batchsim.scheduler import prefill_groups
 from batchsim.scheduler.plan import NewRequest, PrefillChunk, StepPlan, StepResult
 from batchsim.scheduler.request import SamplingParams
-from batchsim.server.executors import lookahead, prefill_cache
+from batchsim.server.executors import lookahead, prefill_cache, sampler
 from batchsim.server.executors.base import ExecutorCaps
 from batchsim.server.executors.decode_pool import DecodePool
 
@@ -27,6 +27,11 @@ class SeqState:
     token_ids: list[int]  # prompt + every sampled token
     sampling: SamplingParams
     cache: list | None = None  # private mlx-lm caches while prefilling
+    num_prompt_tokens: int = -1  # token_ids before it are the prompt; -1: all at the start
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.token_ids)
 
 
 class MLXExecutor:
@@ -176,7 +181,8 @@ class MLXExecutor:
     def _register(self, new: NewRequest) -> None:
         if new.token_ids is None:
             raise ValueError(f"request {new.request_id}: the MLX executor needs token ids")
-        self.seqs[new.request_id] = SeqState(list(new.token_ids), new.sampling)
+        self.seqs[new.request_id] = SeqState(list(new.token_ids), new.sampling,
+                                             num_prompt_tokens=new.num_prompt_tokens or -1)
 
     def _join(self, plan: StepPlan) -> None:
         in_pool = self.pool.layout.in_pool
@@ -219,25 +225,12 @@ class MLXExecutor:
         return self._forward(mx.array([self.seqs[rid].token_ids[-1] for rid in rows])[:, None], rows)
 
     def _forward(self, inputs: mx.array, rows: list[int], ahead: int = 0) -> mx.array:
-        """One forward pass over the pool's rows; `ahead`: tokens not yet in token_ids."""
+        """One forward pass over the pool's rows; `ahead`: tokens not yet in token_ids (then
+        `inputs` are those tokens)."""
         logits = self.model(inputs, cache=self.pool.layer_views())[:, -1, :]
-        return self._sample(logits, rows, ahead)
+        return self._sample(logits, rows, ahead, inputs if ahead else None)
 
-    def _sample(self, logits: mx.array, rids: list[int], ahead: int = 0) -> mx.array:
-        """Greedy by default; rows with a temperature sample with a key derived from the request's
-        seed and position, so a seeded request draws the same tokens alone or batched."""
-        sampling = [self.seqs[r].sampling for r in rids]
-        greedy = mx.argmax(logits, axis=-1)
-        if all(s.temperature == 0 for s in sampling):
-            return greedy
-        picks = []
-        for i, (rid, s) in enumerate(zip(rids, sampling)):
-            if s.temperature == 0:
-                picks.append(greedy[i : i + 1])
-                continue
-            position = len(self.seqs[rid].token_ids) + ahead
-            key = mx.random.key((s.seed if s.seed is not None else rid) * 1_000_003 + position)
-            # float32 first: float16 logits over a small temperature (1e-4) overflow to inf.
-            scaled = logits[i : i + 1].astype(mx.float32) / s.temperature
-            picks.append(mx.random.categorical(scaled, key=key))
-        return mx.concatenate(picks)
+    def _sample(self, logits: mx.array, rids: list[int], ahead: int = 0,
+                pending: mx.array | None = None) -> mx.array:
+        """Each row as its request asks (sampler.py); greedy rows: the argmax."""
+        return sampler.sample(logits, rids, [self.seqs[r] for r in rids], ahead, pending)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import hmac
 import itertools
 import json
@@ -22,12 +23,13 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_urldispatcher import _default_expect_handler
 from batchsim.configs import ConfigError
-from batchsim.scheduler.request import Request, RequestStatus, SamplingParams
+from batchsim.scheduler.request import Request, RequestStatus
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.engine.engine import Engine
 from batchsim.server.executors.base import Executor
 from batchsim.server.http import openai_api as api
-from batchsim.server.http.openai_api import APIError, GenerationParams
+from batchsim.server.http.fields import APIError, error_body
+from batchsim.server.http.openai_api import GenerationParams
 from batchsim.server.http.options import ServeOptions
 from batchsim.server.http.prometheus import CONTENT_TYPE, ServerRecorder, mlx_memory_gauges, render
 from batchsim.server.http.protocol import Runner
@@ -217,8 +219,7 @@ class Server:
         n_prompt = len(params.prompt_ids)
         room = self.options.max_model_len - n_prompt
         max_tokens = params.max_tokens or max(1, min(api.DEFAULT_MAX_TOKENS[params.kind], room))
-        sampling = SamplingParams(max_tokens=max_tokens, temperature=params.temperature,
-                                  seed=params.seed, ignore_eos=params.ignore_eos)
+        sampling = dataclasses.replace(params.sampling, max_tokens=max_tokens)
         request = Request(next(self._ids), n_prompt, sampling, self.engine.now(),
                           list(params.prompt_ids), self.eos_ids)
         reason = self.engine.scheduler.rejection_reason(request)
@@ -226,7 +227,7 @@ class Server:
             self.recorder.request_outcomes["rejected"] += 1
             too_long = request.max_total_tokens > self.options.max_model_len
             prompt_param = "messages" if params.kind == "chat" else "prompt"
-            blame = "max_tokens" if params.max_tokens and room >= 1 else prompt_param
+            blame = params.max_tokens_param if params.max_tokens and room >= 1 else prompt_param
             raise APIError(400, f"this request can never run: {reason}", param=blame,
                            code="context_length_exceeded" if too_long else "kv_budget_exceeded")
         if len(self.engine.scheduler.waiting) >= self.options.max_queue:
@@ -239,10 +240,10 @@ class Server:
         parts = []
         while not gen.done:
             parts.append(await gen.next())
-        rid = gen.request.request_id
-        body = api.full_response(params.kind, rid, int(time.time()), self.options.served_model_name,
-                                 "".join(parts), gen.finish_reason,
-                                 api.usage(len(params.prompt_ids), gen.num_tokens))
+        body = api.full_response(params.kind, api.new_response_id(params.kind), int(time.time()),
+                                 self.options.served_model_name, "".join(parts),
+                                 gen.finish_reason, api.usage(len(params.prompt_ids),
+                                                              gen.num_tokens))
         return web.json_response(body)
 
     async def _stream(self, http: web.Request, gen: Generation,
@@ -257,23 +258,25 @@ class Server:
             raise  # the client went away: nothing to tell it
         except Exception as exc:  # a bug mid-stream: the status is sent, so say it in the stream
             traceback.print_exc()
-            await response.write(_sse(api.error_body(f"internal error: {exc!r}", "server_error")))
+            await response.write(_sse(error_body(f"internal error: {exc!r}", "server_error")))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
     async def _stream_chunks(self, response: web.StreamResponse, gen: Generation,
                              params: GenerationParams) -> None:
-        rid, model, kind = gen.request.request_id, self.options.served_model_name, params.kind
-        created = int(time.time())  # one time for every chunk, as OpenAI's
+        kind, model = params.kind, self.options.served_model_name
+        rid, created = api.new_response_id(kind), int(time.time())  # one for every chunk
         first = True
         while not gen.done:
             text = await gen.next()  # a step's text; empty while a character is incomplete
             if not text and not gen.done:
                 continue  # no empty deltas: the text waits for the next token (as mlx_lm.server)
+            counts = api.usage(len(params.prompt_ids), gen.num_tokens)
             chunk = api.stream_chunk(kind, rid, created, model, text,
                                      gen.finish_reason if gen.done else None, first=first,
-                                     include_usage=params.include_usage)
+                                     include_usage=params.include_usage,
+                                     usage_counts=counts if params.continuous_usage else None)
             await response.write(_sse(chunk))
             first = False
         if params.include_usage:

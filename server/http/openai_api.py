@@ -5,42 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
+import uuid
 from typing import Any, Literal
+
+from batchsim.scheduler.request import SamplingParams
+from batchsim.server.http.fields import APIError, check, get, is_int
+from batchsim.server.http.sampling_fields import parse_sampling
 
 Kind = Literal["completion", "chat"]
 # OpenAI's legacy default for completions; chat defaults to the rest of the context, capped here so
 # a chat without max_tokens on a random-weight model does not run thousands of tokens.
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 512}
 MAX_STOP_STRINGS = 16
-SEED_RANGE = 2**32  # seeds are reduced modulo this: the executor folds them into a 64-bit key
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-# Below this a temperature is greedy, as vLLM's _SAMPLING_EPS: logits / 1e-39 overflow to inf and
-# the draw turns uniform instead of sharp.
-MIN_TEMPERATURE = 1e-5
-
-
-class APIError(Exception):
-    """An error answered as {"error": {...}} with an HTTP status."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str, param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,12 +27,12 @@ class GenerationParams:
     kind: Kind
     prompt_ids: tuple[int, ...]
     max_tokens: int | None  # None: not given (the server picks a default that fits the context)
-    temperature: float
-    seed: int | None
+    sampling: SamplingParams  # every sampling field; its max_tokens is set when admitted
     stop: tuple[str, ...]  # stop strings; the text ends before the first match
-    ignore_eos: bool
     stream: bool
     include_usage: bool  # stream: a last chunk with `usage` and empty `choices`
+    continuous_usage: bool = False  # stream: `usage` so far on every chunk (vLLM's option)
+    max_tokens_param: str = "max_tokens"  # the field that set max_tokens (errors name it)
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -75,29 +52,9 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _get(body: dict[str, Any], key: str, default: Any) -> Any:
-    """A field's value; an explicit null means the default, as OpenAI's API treats it."""
-    value = body.get(key)
-    return default if value is None else value
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
-
-
-def _field(body: dict[str, Any], key: str, ok: bool, rule: str) -> None:
-    if not ok:
-        raise APIError(400, f"{key}: must be {rule}, got {json.dumps(body.get(key))[:80]}",
-                       param=key)
-
-
 def check_model(body: dict[str, Any], served_name: str) -> None:
     model = body.get("model")
-    _field(body, "model", model is None or isinstance(model, str), "a string")
+    check(body, "model", model is None or isinstance(model, str), "a string")
     if model is not None and model != served_name:
         raise APIError(404, f"the model {model!r} does not exist; this server serves "
                        f"{served_name!r}", param="model", code="model_not_found")
@@ -108,33 +65,16 @@ def parse_generation(body: dict[str, Any], kind: Kind, tokenizer: Any, vocab_siz
     """Check every field batchsim honours or refuses; unknown fields are ignored, as OpenAI's
     clients send extras (user, ...). Tokenizes the prompt: call it off the event loop."""
     _check_unsupported(body, kind)
-    stream = _get(body, "stream", False)
-    _field(body, "stream", isinstance(stream, bool), "a boolean")
-    options = body.get("stream_options")
-    _field(body, "stream_options", options is None or isinstance(options, dict), "an object")
-    include_usage = False
-    if options is not None:
-        if not stream:
-            raise APIError(400, "stream_options: only allowed with stream=true",
-                           param="stream_options")
-        include_usage = options.get("include_usage", False)
-        if not isinstance(include_usage, bool):
-            raise APIError(400, "stream_options.include_usage: must be a boolean",
-                           param="stream_options.include_usage")
+    stream = get(body, "stream", False)
+    check(body, "stream", isinstance(stream, bool), "a boolean")
+    include_usage, continuous_usage = _stream_options(body, stream)
     # The newer name wins unless it is null.
     chat_key = kind == "chat" and body.get("max_completion_tokens") is not None
     key = "max_completion_tokens" if chat_key else "max_tokens"
     max_tokens = body.get(key)
-    _field(body, key, max_tokens is None or (_is_int(max_tokens) and max_tokens >= 1),
-           "an integer >= 1")
-    temperature = _get(body, "temperature", 0.0)
-    _field(body, "temperature", _is_number(temperature) and temperature >= 0, "a number >= 0")
-    _check_nucleus(body)
-    seed = body.get("seed")
-    _field(body, "seed", seed is None or (_is_int(seed) and -(2**63) <= seed < 2**63),
-           "a 64-bit integer")
-    ignore_eos = _get(body, "ignore_eos", False)
-    _field(body, "ignore_eos", isinstance(ignore_eos, bool), "a boolean")
+    check(body, key, max_tokens is None or (is_int(max_tokens) and max_tokens >= 1),
+          "an integer >= 1")
+    sampling = parse_sampling(body, vocab_size)
     if kind == "chat":
         prompt_ids = _chat_prompt(body, tokenizer, max_prompt_bytes)
     else:
@@ -143,31 +83,43 @@ def parse_generation(body: dict[str, Any], kind: Kind, tokenizer: Any, vocab_siz
         raise APIError(400, "prompt: encodes to no tokens", param="prompt")
     if any(not 0 <= t < vocab_size for t in prompt_ids):
         raise APIError(400, f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
-    greedy = temperature < MIN_TEMPERATURE
-    return GenerationParams(kind, tuple(prompt_ids), max_tokens,
-                            0.0 if greedy else float(temperature),
-                            None if seed is None else seed % SEED_RANGE, _stop_strings(body),
-                            ignore_eos, stream, include_usage)
+    return GenerationParams(kind, tuple(prompt_ids), max_tokens, sampling, _stop_strings(body),
+                            stream, include_usage, continuous_usage, key)
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats); the second, vLLM's, counts only with the first."""
+    options = body.get("stream_options")
+    check(body, "stream_options", options is None or isinstance(options, dict), "an object")
+    if options is None:
+        return False, False
+    if not stream:
+        raise APIError(400, "stream_options: only allowed with stream=true",
+                       param="stream_options")
+    flags = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        value = get(options, name, False)
+        if not isinstance(value, bool):
+            raise APIError(400, f"stream_options.{name}: must be a boolean",
+                           param=f"stream_options.{name}")
+        flags.append(value)
+    return flags[0], flags[0] and flags[1]
 
 
 def _check_unsupported(body: dict[str, Any], kind: Kind) -> None:
     n = body.get("n", 1)
-    _field(body, "n", n is None or (_is_int(n) and n == 1), "1 (one choice per request)")
+    check(body, "n", n is None or (is_int(n) and n == 1), "1 (one choice per request)")
     refused = {"best_of": (None, 1), "echo": (None, False), "suffix": (None,),
                "logprobs": (None, False) if kind == "chat" else (None,),
-               "top_logprobs": (None, 0)}
+               "top_logprobs": (None, 0), "min_tokens": (None, 0), "tools": (None, []),
+               "functions": (None, [])}
     for key, allowed in refused.items():
         if key in body and body[key] not in allowed:
             raise APIError(400, f"{key}: not supported by batchsim serve", param=key)
-
-
-def _check_nucleus(body: dict[str, Any]) -> None:
-    """top_p and top_k are accepted in vLLM's ranges (and not applied: batchsim samples from the
-    whole distribution); outside them they are a 400, as in vLLM."""
-    top_p = _get(body, "top_p", 1.0)
-    _field(body, "top_p", _is_number(top_p) and 0 < top_p <= 1, "a number in (0, 1]")
-    top_k = _get(body, "top_k", 0)
-    _field(body, "top_k", _is_int(top_k) and top_k >= -1, "-1 or 0 (off) or an integer >= 1")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise APIError(400, 'response_format: only {"type": "text"}; batchsim serve has no '
+                       "structured output", param="response_format")
 
 
 def _stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
@@ -176,7 +128,7 @@ def _stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
         return ()
     if isinstance(stop, str):
         stop = [stop]
-    _field(body, "stop", isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS
+    check(body, "stop", isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS
            and all(isinstance(s, str) and s for s in stop),
            f"a non-empty string or a list of at most {MAX_STOP_STRINGS} of them")
     return tuple(stop)
@@ -196,7 +148,7 @@ def _completion_prompt(body: dict[str, Any], tokenizer: Any, max_bytes: int) -> 
     if isinstance(prompt, str) and prompt:
         _check_prompt_bytes(len(prompt.encode()), max_bytes, "prompt")
         return list(tokenizer.encode(prompt))
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         return prompt
     if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
         raise APIError(400, "prompt: one prompt per request (send several requests)",
@@ -207,7 +159,7 @@ def _completion_prompt(body: dict[str, Any], tokenizer: Any, max_bytes: int) -> 
 
 def _chat_prompt(body: dict[str, Any], tokenizer: Any, max_bytes: int) -> list[int]:
     messages = body.get("messages")
-    _field(body, "messages", isinstance(messages, list) and bool(messages),
+    check(body, "messages", isinstance(messages, list) and bool(messages),
            "a non-empty list of messages")
     plain = []
     for i, m in enumerate(messages):
@@ -245,42 +197,45 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": 0}}  # no prefix cache: nothing reused
 
 
-def response_id(kind: Kind, request_id: int) -> str:
-    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
+def new_response_id(kind: Kind) -> str:
+    """Unique across requests and processes, as vLLM's (`chatcmpl-<uuid4 hex>`)."""
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def _head(kind: Kind, request_id: int, created: int, model: str, stream: bool) -> dict[str, Any]:
+def _head(kind: Kind, response_id: str, created: int, model: str, stream: bool) -> dict[str, Any]:
     obj = "text_completion" if kind == "completion" else (
         "chat.completion.chunk" if stream else "chat.completion")
-    return {"id": response_id(kind, request_id), "object": obj, "created": created, "model": model}
+    return {"id": response_id, "object": obj, "created": created, "model": model}
 
 
-def full_response(kind: Kind, request_id: int, created: int, model: str, text: str,
+def full_response(kind: Kind, response_id: str, created: int, model: str, text: str,
                   finish_reason: str | None, usage_counts: dict[str, Any]) -> dict[str, Any]:
     if kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
                   "logprobs": None, "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {**_head(kind, request_id, created, model, False), "choices": [choice],
+    return {**_head(kind, response_id, created, model, False), "choices": [choice],
             "usage": usage_counts}
 
 
-def stream_chunk(kind: Kind, request_id: int, created: int, model: str, text: str,
-                 finish_reason: str | None, *, first: bool, include_usage: bool) -> dict[str, Any]:
+def stream_chunk(kind: Kind, response_id: str, created: int, model: str, text: str,
+                 finish_reason: str | None, *, first: bool, include_usage: bool,
+                 usage_counts: dict[str, Any] | None = None) -> dict[str, Any]:
     """One chunk of new text (the server sends none empty but the last, which carries the
-    finish_reason). In chat the first one also carries the role."""
+    finish_reason). In chat the first one also carries the role. With include_usage, `usage` is
+    null (OpenAI) or, with continuous usage stats, the counts so far (vLLM)."""
     if kind == "chat":
         delta = {"role": "assistant", "content": text} if first else {"content": text}
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    chunk = {**_head(kind, request_id, created, model, True), "choices": [choice]}
+    chunk = {**_head(kind, response_id, created, model, True), "choices": [choice]}
     if include_usage:
-        chunk["usage"] = None  # OpenAI: null on every chunk but the last
+        chunk["usage"] = usage_counts
     return chunk
 
 
-def usage_chunk(kind: Kind, request_id: int, created: int, model: str,
+def usage_chunk(kind: Kind, response_id: str, created: int, model: str,
                 usage_counts: dict[str, Any]) -> dict[str, Any]:
-    return {**_head(kind, request_id, created, model, True), "choices": [], "usage": usage_counts}
+    return {**_head(kind, response_id, created, model, True), "choices": [], "usage": usage_counts}

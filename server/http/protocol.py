@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from aiohttp import web, web_protocol
-from batchsim.server.http.openai_api import error_body
+from batchsim.server.http.fields import error_body
 
 
 class _Handler(web_protocol.RequestHandler):

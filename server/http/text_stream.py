@@ -73,7 +73,7 @@ class Generation:
     """One request's tokens turned into text deltas, stop strings applied."""
 
     def __init__(self, engine: Engine, request: Request, params: GenerationParams, tokenizer: Any):
-        skip = frozenset() if params.ignore_eos else request.eos_token_ids
+        skip = frozenset() if request.sampling.ignore_eos else request.eos_token_ids
         self.engine = engine
         self.request = request
         self.text = TextStream(tokenizer.detokenizer, params.stop, skip)

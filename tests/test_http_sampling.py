@@ -1,0 +1,146 @@
+"""`batchsim serve` samples as its request fields say (the real server on loopback, tiny model):
+each field applied (or refused with a 400 naming it), rows with different fields in one batch each
+as asked, continuous usage stats, unique response ids, errors naming the field the client sent."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+import pytest
+
+from tests.test_http_server import ServerProcess, stream_events
+
+PROMPT = [5, 6, 7, 8, 9]  # token ids: the tiny model's greedy continuation of them repeats
+BODY = {"prompt": PROMPT, "max_tokens": 24, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def srv(batchsim_home):
+    s = ServerProcess(batchsim_home, "--memory-gb", "0.002")
+    yield s
+    assert s.stop() == 0, "".join(s.stderr)
+
+
+def complete(srv: ServerProcess, **fields) -> dict:
+    r = srv.client.post("/v1/completions", json={**BODY, **fields})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def text(srv: ServerProcess, **fields) -> str:
+    return complete(srv, **fields)["choices"][0]["text"]
+
+
+def test_filters_that_keep_one_token_are_greedy(srv):
+    greedy = text(srv)
+    for seed in (1, 2, 3):
+        hot = {"temperature": 1.5, "seed": seed}
+        assert text(srv, **hot) != greedy  # sampling at this temperature does leave the argmax
+        assert text(srv, **hot, top_k=1) == greedy
+        assert text(srv, **hot, top_p=1e-9) == greedy
+        assert text(srv, **hot, min_p=1.0) == greedy
+
+
+def test_penalties_change_a_greedy_continuation(srv):
+    greedy = text(srv)
+    for field, value in (("presence_penalty", 2.0), ("frequency_penalty", 2.0),
+                         ("repetition_penalty", 2.0)):
+        assert text(srv, **{field: value}) != greedy, field
+    assert text(srv, presence_penalty=-2.0) != text(srv, presence_penalty=2.0)
+
+
+def test_logit_bias_and_stop_token_ids(srv):
+    forced = complete(srv, logit_bias={"300": 100}, max_tokens=6)
+    alone = complete(srv, prompt=[300] * 6, max_tokens=1, logit_bias={"300": 100})
+    assert forced["choices"][0]["text"] == alone["choices"][0]["text"] * 6  # token 300, 6 times
+    banned = complete(srv, logit_bias={"300": -100}, prompt=[300] * 6, max_tokens=1)
+    assert banned["choices"][0]["text"] != alone["choices"][0]["text"]
+    stopped = complete(srv, logit_bias={"300": 100}, stop_token_ids=[300])
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == 1
+
+
+def test_rows_with_different_fields_in_one_batch_each_take_effect(srv):
+    """A greedy row keeps its tokens with sampled and penalized rows beside it, and a seeded
+    sampled row draws what it draws alone."""
+    fields = [{}, {"temperature": 1.0, "top_k": 20, "seed": 5},
+              {"presence_penalty": 2.0}, {"temperature": 0.8, "top_p": 0.9, "seed": 9}]
+    bodies = [{**BODY, "max_tokens": 40, **f} for f in fields]
+    alone = [text(srv, **b) for b in bodies]
+    before = srv.metrics()
+
+    async def together() -> list[str]:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:
+            replies = await asyncio.gather(*(client.post("/v1/completions", json=b)
+                                             for b in bodies))
+        return [r.json()["choices"][0]["text"] for r in replies]
+
+    batched = asyncio.run(together())
+    after = srv.wait_idle()
+    hist = "batchsim_decode_batch_size_steps"
+    rows = after[f"{hist}_sum"] - before[f"{hist}_sum"]
+    steps = after[f"{hist}_count"] - before[f"{hist}_count"]
+    assert rows / steps > 2  # they did decode together
+    assert batched == alone
+    assert len(set(alone)) == 4  # and each field made a difference
+
+
+def test_refused_and_out_of_range_fields_name_themselves(srv):
+    cases = [("response_format", {"type": "json_object"}), ("min_tokens", 3),
+             ("tools", [{"type": "function", "function": {"name": "f"}}]),
+             ("top_p", 0), ("top_k", -2), ("min_p", 1.5), ("min_p", "x"),
+             ("repetition_penalty", 0), ("frequency_penalty", 2.5), ("presence_penalty", -3),
+             ("logit_bias", {"x": 1}), ("logit_bias", {"1": 101}), ("logit_bias", {"512": 1}),
+             ("logit_bias", {"9" * 5000: 1}), ("logit_bias", [1]), ("stop_token_ids", [512]),
+             ("stop_token_ids", "1")]
+    for field, value in cases:
+        r = srv.client.post("/v1/completions", json={**BODY, field: value})
+        assert r.status_code == 400, (field, value, r.text)
+        assert r.json()["error"]["param"] == field, r.text
+    ok = {"response_format": {"type": "text"}, "min_tokens": 0, "tools": [], "top_k": -1,
+          "logit_bias": {}, "frequency_penalty": -2, "repetition_penalty": 1.0}
+    assert complete(srv, **ok)["usage"]["completion_tokens"] == 24
+
+
+def test_context_overflow_names_the_field_sent(srv):
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for field in ("max_tokens", "max_completion_tokens"):
+        r = srv.client.post("/v1/chat/completions", json={**chat, field: 10**6})
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == field
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_continuous_usage_stats_put_usage_on_every_chunk(srv):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    events = stream_events(srv, "/v1/completions", {**BODY, "stream_options": options})
+    chunks = [e.json() for e in events if not e.is_done]
+    assert len(chunks) >= 3 and all(c["usage"] is not None for c in chunks)
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 24
+    assert chunks[-1]["choices"] == [] and chunks[-2]["usage"] == chunks[-1]["usage"]
+    assert all(c["usage"]["prompt_tokens"] == len(PROMPT) for c in chunks)
+    plain = stream_events(srv, "/v1/completions", {**BODY, "stream_options": {
+        "include_usage": True}})
+    assert all(e.json()["usage"] is None for e in plain[:-2])  # OpenAI's: null but the last
+    alone = stream_events(srv, "/v1/completions", {**BODY, "stream_options": {
+        "continuous_usage_stats": True}})  # as vLLM: only with include_usage
+    assert all("usage" not in e.json() for e in alone[:-1])
+
+
+def test_response_ids_are_unique_across_processes(srv, batchsim_home):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    other = ServerProcess(batchsim_home, "--memory-gb", "0.002")
+    try:
+        ids = [s.client.post("/v1/chat/completions", json=chat).json()["id"]
+               for s in (srv, other, srv, other)]
+        ids.append(srv.client.post("/v1/completions", json=BODY).json()["id"])
+    finally:
+        assert other.stop() == 0
+    assert len(set(ids)) == len(ids)
+    assert all(re.fullmatch(r"chatcmpl-[0-9a-f]{32}", i) for i in ids[:4])
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", ids[4])
+    events = stream_events(srv, "/v1/chat/completions", chat)
+    assert len({e.json()["id"] for e in events[:-1]}) == 1  # one id for every chunk

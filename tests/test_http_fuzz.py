@@ -74,6 +74,13 @@ FIELDS = {
     "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": values}), values),
     "model": st.one_of(st.just("tiny"), text, values), "n": values, "logprobs": values,
     "echo": values, "best_of": values, "suffix": values, "top_logprobs": values, "user": values,
+    "min_p": st.one_of(st.floats(), values), "repetition_penalty": st.one_of(st.floats(), values),
+    "frequency_penalty": st.one_of(st.floats(), values),
+    "presence_penalty": st.one_of(st.floats(), values),
+    "logit_bias": st.one_of(st.dictionaries(st.one_of(text, st.integers(-2, 600).map(str)),
+                                            st.one_of(st.floats(), values), max_size=4), values),
+    "stop_token_ids": st.one_of(st.lists(st.integers(-2, 600), max_size=4), values),
+    "response_format": values, "min_tokens": values, "tools": values,
 }
 bodies = st.dictionaries(st.sampled_from(sorted(FIELDS)), st.none(), max_size=8).flatmap(
     lambda keys: st.fixed_dictionaries({k: FIELDS[k] for k in keys}))

@@ -7,6 +7,7 @@ import argparse
 import atexit
 import importlib
 import sys
+import textwrap
 from typing import NoReturn
 
 from batchsim.scripts.common import (  # no mlx: blas.preload() still comes first
@@ -65,7 +66,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="batchsim", description=DESCRIPTION, epilog=EXIT_CODES_HELP,
+    parser = _Parser(prog="batchsim", description=DESCRIPTION,
+                     epilog=textwrap.fill(EXIT_CODES_HELP, 100),
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module, help_text in COMMANDS:

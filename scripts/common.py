@@ -28,8 +28,9 @@ def _width(stream) -> int | None:
     return None if stream.isatty() else int(columns) if columns.isdigit() else _WIDE
 
 
-out = Console(width=_width(sys.stdout))
-err = Console(stderr=True, width=_width(sys.stderr))
+# emoji=False: `:-1:` in a user's name or value stays text (rich would print 👎).
+out = Console(width=_width(sys.stdout), emoji=False)
+err = Console(stderr=True, width=_width(sys.stderr), emoji=False)
 
 
 # Exit codes (the README's commands section and `batchsim --help` list them).

@@ -299,6 +299,13 @@ def test_errors_are_plain_single_lines_even_long_and_with_colons(capsys, tmp_pat
     assert str(cfg) in err and "lognormal:-1:100:4096" in err  # not wrapped, no emoji
 
 
+def test_names_with_colons_stay_text_in_the_tables_and_notes(capsys, tmp_path):
+    workload = tmp_path / "a:-1:b.yaml"
+    workload.write_text("num_prompts: 2\nrequest_rate: 10.0\n")
+    rc, out, err = _main(["run", str(workload), *SIM, "--out", str(tmp_path)], capsys)
+    assert rc == 0 and "workload a:-1:b" in err and "\N{THUMBS DOWN SIGN}" not in out + err
+
+
 def test_exit_codes_are_documented_in_help(capsys):
     rc, out, _ = _main(["run", "--help"], capsys)
     assert rc == 0 and "3 a run that served no request" in " ".join(out.split())

@@ -56,8 +56,8 @@ def _logits(model, ids: list[int], make_cache: Callable):
 
 def assert_same_tokens(model, prompts: dict, got: dict, want: dict,
                        make_cache: Callable | None = None) -> None:
-    """got == want (token ids by request) where the backend is batch-invariant; elsewhere each
-    request's tokens may first differ only at a near-tie of `want`'s logits (module docstring)."""
+    """got == want (token ids by request) on the CPU backend; elsewhere each request's tokens may
+    first differ only at a near-tie of `want`'s logits (module docstring)."""
     if exact_tokens() or got == want:
         assert got == want
         return
@@ -90,7 +90,8 @@ def model_dtype(model) -> str:
 
 
 def log(**row) -> None:
-    """Every near-tie divergence and invariance reading, appended to $BATCHSIM_TEST_DIVERGENCE_LOG when set (gpu_check)."""
+    """Every near-tie excused and invariance reading, appended to $BATCHSIM_TEST_DIVERGENCE_LOG
+    when set (scripts/gpu_check.sh)."""
     path = os.environ.get("BATCHSIM_TEST_DIVERGENCE_LOG")
     if path:
         with open(path, "a") as f:

@@ -29,3 +29,27 @@ def test_batched_logits_stay_within_what_the_token_checks_allow(name, request):
         assert rel <= CPU_BATCH_REL, rel
     else:  # elsewhere a near-tie is NEAR_TIE_REL wide: four times what a batch moves a logit
         assert rel <= NEAR_TIE_REL[dtype] / 4, rel
+
+
+def test_off_the_cpu_a_token_may_differ_only_at_a_near_tie(tiny, monkeypatch):
+    """The GPU rule, run here: a first difference where the reference's top two logits are within
+    the margin passes; the same difference with a tighter margin, or a far-off token, fails."""
+    import tests.backend as backend
+    from mlx_lm.models.cache import make_prompt_cache
+
+    ref, model, _ = tiny
+    prompt = list(range(5, 25))
+    logits = model(mx.array(prompt)[None], cache=make_prompt_cache(model))[0, -1]
+    order = mx.argsort(logits).tolist()
+    first, second, last = order[-1], order[-2], order[0]
+    gap_rel = (logits[first] - logits[second]).item() / mx.abs(logits).max().item()
+    monkeypatch.setattr(backend, "exact_tokens", lambda: False)
+    dtype = model_dtype(model)
+    want = {0: [first, 7]}  # a flip at token 0; what follows is not compared
+    monkeypatch.setitem(backend.NEAR_TIE_REL, dtype, gap_rel * 1.01)
+    backend.assert_same_tokens(model, {0: prompt}, {0: [second, 9]}, want)
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        backend.assert_same_tokens(model, {0: prompt}, {0: [last, 9]}, want)
+    monkeypatch.setitem(backend.NEAR_TIE_REL, dtype, gap_rel * 0.99)
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        backend.assert_same_tokens(model, {0: prompt}, {0: [second, 9]}, want)

@@ -19,7 +19,7 @@ class RequestStatus(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How a request samples, with vLLM's semantics for every field (server/executors/sampler.py)."""
+    """How a request samples; every field has vLLM's semantics (server/executors/sampler.py)."""
 
     max_tokens: int  # output tokens to generate at most
     temperature: float = 0.0  # 0: greedy
@@ -34,27 +34,25 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted from a logit per time its token is in the output
     presence_penalty: float = 0.0  # subtracted once from a logit whose token is in the output
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit)
+    # The argmax of the model's own logits: the sampler has nothing to do (checked per row and
+    # step, so kept as a field rather than worked out each time).
+    is_plain_greedy: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        checks = {"temperature": self.temperature >= 0, "top_p": 0 < self.top_p <= 1,
-                  "top_k": self.top_k >= 0, "min_p": 0 <= self.min_p <= 1,
-                  "repetition_penalty": self.repetition_penalty > 0}
-        for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"{name} out of range: {getattr(self, name)}")
+        if not (self.temperature >= 0 and 0 < self.top_p <= 1 and self.top_k >= 0
+                and 0 <= self.min_p <= 1 and self.repetition_penalty > 0):
+            raise ValueError("sampling out of range: temperature >= 0, 0 < top_p <= 1, top_k >= 0, "
+                             f"0 <= min_p <= 1, repetition_penalty > 0; got {self}")
+        object.__setattr__(self, "is_plain_greedy",
+                           self.temperature == 0 and not self.adjusts_logits)
 
     @property
     def adjusts_logits(self) -> bool:
         """A bias or a penalty changes the logits (greedy rows too)."""
         return bool(self.logit_bias) or self.repetition_penalty != 1 or (
             self.frequency_penalty != 0 or self.presence_penalty != 0)
-
-    @property
-    def is_plain_greedy(self) -> bool:
-        """The argmax of the model's own logits: the sampler has nothing to do."""
-        return self.temperature == 0 and not self.adjusts_logits
 
 
 class StopChecker(Protocol):

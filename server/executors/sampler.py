@@ -27,9 +27,9 @@ def sample(logits: mx.array, rids: list[int], seqs: list[History], ahead: int = 
            pending: mx.array | None = None) -> mx.array:
     """(B,) tokens for the (B, V) logits of rows `rids`. `ahead`: tokens of each row not yet in
     its token_ids; `pending`: (B,) those tokens (the step run ahead), which the penalties count."""
-    params = [s.sampling for s in seqs]
-    if all(p.is_plain_greedy for p in params):
+    if all(s.sampling.is_plain_greedy for s in seqs):
         return mx.argmax(logits, axis=-1)
+    params = [s.sampling for s in seqs]
     # float32 first: float16 logits over a small temperature (1e-4) overflow to inf.
     logits = logits.astype(mx.float32)
     adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]

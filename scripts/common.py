@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from batchsim.server.results.jsonio import append_jsonl, dumps, jsonable, timestamp, write_jsonl  # noqa: F401
+from batchsim.server.results.plots import pyplot, save_figure  # noqa: F401
 from batchsim.workloads.lengths import LengthSpec
 from rich.console import Console
 from rich.table import Table
@@ -238,23 +239,3 @@ def median(values: Sequence[float]) -> float:
     if not n:
         return float("nan")
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
-
-
-def pyplot():
-    """matplotlib.pyplot on the file-only Agg backend (no display needed), imported on first use."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig, path: Path, dpi: int = 110) -> Path:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
-    return path

@@ -164,6 +164,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                        "http://127.0.0.1:8000/v1): send the workload over HTTP instead of running "
                        "in-process; $OPENAI_API_KEY, if set, is sent as the bearer token")
     g.add_argument("--no-progress", action="store_true", help="no live progress line")
+    g.add_argument("--no-timeline", action="store_true", help="no timeline.png in the run dir")
     add_rank_arguments(p, "run", "the KV budget is per rank; the summary's "
                        "output_tokens_sha256 compares runs token for token")
 
@@ -246,7 +247,7 @@ def run(args: argparse.Namespace) -> dict:
     warn_profile_mismatch(cfg)
     # SIGTERM as Ctrl-C: either stops the run and leaves its records and summary.
     summary = run_in_process(cfg, Path(args.out), progress=not args.no_progress,
-                             interrupts=Interrupts())
+                             interrupts=Interrupts(), timeline=not args.no_timeline)
     if summary["completed"] == 0 and not summary.get("interrupted"):
         raise CommandFailed(_served_nothing(summary, cfg.workload.num_prompts), summary,
                             EXIT_SERVED_NOTHING)
@@ -325,7 +326,8 @@ def run_over_http(cfg: RunConfig, out_dir: Path, progress: bool = True) -> dict:
 
 
 def run_in_process(cfg: RunConfig, out_dir: Path, progress: bool = True, label: str | None = None,
-                   quiet: bool = False, interrupts: Interrupts | None = None) -> dict:
+                   quiet: bool = False, interrupts: Interrupts | None = None,
+                   timeline: bool = True) -> dict:
     """The run directory is made first (an unwritable out_dir fails before the model loads); a
     signal `interrupts` handles (default: Ctrl-C) stops the run at any point with its records."""
     from batchsim.server.engine.interrupts import Interrupts
@@ -335,11 +337,11 @@ def run_in_process(cfg: RunConfig, out_dir: Path, progress: bool = True, label: 
     label = label or f"{cfg.model}-{spec.name}-{cfg.executor}"  # cfg.model: the session's ref.name
     with interrupts or Interrupts((signal.SIGINT,)) as stop:
         run_dir = new_run_dir(out_dir, label)
-        return _open_and_run(cfg, run_dir, label, stop, progress and not quiet, quiet)
+        return _open_and_run(cfg, run_dir, label, stop, progress and not quiet, quiet, timeline)
 
 
 def _open_and_run(cfg: RunConfig, run_dir: Path, label: str, stop: Interrupts, progress: bool,
-                  quiet: bool) -> dict:
+                  quiet: bool, timeline: bool = True) -> dict:
     from batchsim.server.engine.runner import record_stopped_before_start
     from batchsim.server.engine.session import open_session
 
@@ -347,14 +349,14 @@ def _open_and_run(cfg: RunConfig, run_dir: Path, label: str, stop: Interrupts, p
         session = open_session(cfg)
     except KeyboardInterrupt:  # a signal while the model loads: nothing ran, and it says so
         with stop.answered_by():
-            summary = record_stopped_before_start(cfg, run_dir)
+            summary = record_stopped_before_start(cfg, run_dir, timeline)
             if not quiet:
                 _print_summary(summary)
             return summary
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)  # still empty: a bad config leaves no trace
         raise
-    return _run_opened(session, run_dir, label, stop, progress, quiet)
+    return _run_opened(session, run_dir, label, stop, progress, quiet, timeline)
 
 
 def run_session(session: Session, out_dir: Path, progress: bool = True) -> dict:
@@ -369,7 +371,7 @@ def run_session(session: Session, out_dir: Path, progress: bool = True) -> dict:
 
 
 def _run_opened(session: Session, run_dir: Path, label: str, stop: Interrupts, progress: bool,
-                quiet: bool) -> dict:
+                quiet: bool, timeline: bool = True) -> dict:
     from batchsim.scripts.progress import RunProgress
     from batchsim.server.engine.runner import run_workload
 
@@ -382,7 +384,8 @@ def _run_opened(session: Session, run_dir: Path, label: str, stop: Interrupts, p
                       f"{session.kv_budget_bytes / 2**30:.2f} GiB ({session.budget_source})")
         with RunProgress(spec.num_prompts, label, enabled=progress) as bar:
             outcome = run_workload(session, spec, out_dir=None, label=label,
-                                   on_step=bar.on_step, run_dir=run_dir, interrupts=stop)
+                                   on_step=bar.on_step, run_dir=run_dir, interrupts=stop,
+                                   timeline=timeline)
         if not quiet:
             _print_summary(outcome.summary)
         return outcome.summary

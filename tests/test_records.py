@@ -55,7 +55,8 @@ def test_records_stream_during_the_run_and_end_as_a_finished_run_always_had_them
     for name, rows in expected.items():  # what write_jsonl wrote at the end before streaming
         assert (run_dir / name).read_text() == "".join(dumps(r.to_json()) + "\n" for r in rows)
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        "config.yaml", "requests.jsonl", "steps.jsonl", "summary.json"]  # no temporary left
+        "config.yaml", "requests.jsonl", "steps.jsonl", "summary.json",
+        "timeline.png"]  # no temporary left
 
     # `batchsim report` on a finished run gives its summary back, byte for byte.
     before = (run_dir / "summary.json").read_bytes()

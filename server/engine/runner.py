@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import logging
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -32,6 +33,7 @@ from batchsim.server.results.metrics import (
 )
 from batchsim.server.results.recorder import RunRecorder
 from batchsim.server.results.run_files import RecordStream
+from batchsim.server.results.timeline import Limits, write_timeline
 from batchsim.workloads.driver import drive
 from batchsim.workloads.requests import (
     RequestSpec,
@@ -152,23 +154,24 @@ async def _flush_every(stream: RecordStream, period_s: float) -> None:
 def run_workload(
     session: Session, spec: WorkloadSpec, *, out_dir: Path | None, label: str,
     on_step: Callable | None = None, run_dir: Path | None = None,
-    interrupts: Interrupts | None = None,
+    interrupts: Interrupts | None = None, timeline: bool = True,
 ) -> RunOutcome:
     """Run `spec` and record it in `run_dir` (else a new directory under `out_dir`, else
     nowhere): config.yaml first, steps and requests as they complete, summary.json last. A signal
     `interrupts` handles stops the sending; what was sent is finished or cut off, and recorded.
-    Without `interrupts`, Ctrl-C does that (SIGTERM stays the caller's)."""
+    Without `interrupts`, Ctrl-C does that (SIGTERM stays the caller's). `timeline`: draw
+    timeline.png in the run directory from its records (the summary's timeline_png)."""
     if run_dir is None and out_dir is not None:
         run_dir = new_run_dir(out_dir, label)
     with contextlib.ExitStack() as stack:
         if interrupts is None:
             interrupts = stack.enter_context(Interrupts((signal.SIGINT,)))
         stack.enter_context(interrupts.answered_by())  # outside the sending: noted, not raised
-        return _run_recorded(session, spec, on_step, run_dir, interrupts)
+        return _run_recorded(session, spec, on_step, run_dir, interrupts, timeline)
 
 
 def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None,
-                  run_dir: Path | None, interrupts: Interrupts) -> RunOutcome:
+                  run_dir: Path | None, interrupts: Interrupts, timeline: bool) -> RunOutcome:
     stream = None
     if run_dir is not None:
         _write_config(run_dir, session.config, spec, session)
@@ -206,6 +209,8 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
         summary["sim_speedup"] = duration / wall if wall > 0 else float("inf")
     if stream is not None:
         stream.close(records)  # requests.jsonl in arrival order, as a finished run has it
+    if run_dir is not None and timeline:
+        summary["timeline_png"] = _timeline(run_dir, records, steps, session, spec)
     summary["interrupted"] = run.interrupted  # a signal may have come while records were written
     summary["run_dir"] = str(run_dir) if run_dir else None
     summary["env"] = session.environment()
@@ -214,7 +219,20 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
     return RunOutcome(summary, records, steps, run_dir, run.interrupted)
 
 
-def record_stopped_before_start(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
+def _timeline(run_dir: Path, records: list[RequestRecord], steps: list[StepRecord],
+              session: Session, spec: WorkloadSpec) -> str | None:
+    sched = session.scheduler_config()
+    limits = Limits(session.kv_budget_bytes, sched.max_num_seqs, sched.max_num_batched_tokens)
+    title = (f"{session.ref.name} ({session.dtype}) on {session.config.executor}, workload "
+             f"{spec.name}: {len(records)} requests")
+    path, why = write_timeline(run_dir, records, steps, limits, title)
+    if why is not None:
+        logging.getLogger("batchsim").warning(why)
+    return path
+
+
+def record_stopped_before_start(cfg: RunConfig, run_dir: Path,
+                                timeline: bool = True) -> dict[str, Any]:
     """A run stopped by a signal before its model was loaded: empty records and a summary that
     says so, in the run directory already made for it."""
     _write_config(run_dir, cfg, cfg.workload, None)
@@ -223,6 +241,9 @@ def record_stopped_before_start(cfg: RunConfig, run_dir: Path) -> dict[str, Any]
                         goodput_slo_ms=cfg.goodput)
     summary.update({"model": cfg.model, "executor": cfg.executor, "workload": cfg.workload.name,
                     "interrupted": True, "run_dir": str(run_dir)})
+    if timeline:
+        summary["timeline_png"] = write_timeline(run_dir, [], [], Limits(),
+                                                 f"{cfg.model}: stopped before it started")[0]
     run_files.write_summary(run_dir, _plain(summary))
     return summary
 

@@ -22,6 +22,7 @@ from batchsim.server.results.run_files import (
     read_rows,
     write_summary,
 )
+from batchsim.server.results.timeline import Limits, write_timeline
 
 # Facts the records cannot give back: a finished run's own summary keeps them.
 _FROM_THE_RUN = ("duration", "peak_memory", "peak_memory_source", "peak_rss_bytes")
@@ -58,8 +59,26 @@ def rebuild_summary(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
         notes.append(f"no {SUMMARY}: the run never finished; marked interrupted ("
                      f"{len(requests)} requests recorded" + (f" of {expected}" if expected else "")
                      + "; requests still in flight left no record)")
+    summary["timeline_png"] = _timeline(run_dir, requests, steps, config, old, notes)
     write_summary(run_dir, jsonable(summary))
     return summary, notes
+
+
+def _timeline(run_dir: Path, requests: list[RequestRecord], steps: list[StepRecord],
+              config: dict[str, Any], old: dict[str, Any], notes: list[str]) -> str | None:
+    """timeline.png drawn again from the records; the path as the run's summary gave it."""
+    resolved = _section(config, "resolved")
+    scheduler = _section(resolved, "scheduler")
+    limits = Limits(_count(resolved.get("kv_budget_bytes")),
+                    _count(scheduler.get("max_num_seqs")),
+                    _count(scheduler.get("max_num_batched_tokens")))
+    cfg = _section(config, "config")
+    title = (f"{cfg.get('model', 'run')} on {cfg.get('executor', '?')}: {len(requests)} requests"
+             f" (redrawn by batchsim report)")
+    path, why = write_timeline(run_dir, requests, steps, limits, title)
+    if why is not None:
+        notes.append(why)
+    return old.get("timeline_png", path) if path is not None else None
 
 
 def _read_config(path: Path, notes: list[str]) -> dict[str, Any]:

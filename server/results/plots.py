@@ -1,0 +1,37 @@
+"""matplotlib for every PNG batchsim writes (size, sweep, compare, validate, a run's timeline):
+the file-only Agg backend, imported on first use."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (no display needed), imported on first use."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def figure(**kwargs):
+    """A matplotlib Figure outside pyplot (less to import, nothing to close): for PNGs written
+    at the end of every run."""
+    from matplotlib.figure import Figure
+
+    return Figure(**kwargs)
+
+
+def save_figure(fig, path: Path, dpi: int = 110, tight: bool = True, fast: bool = False) -> Path:
+    """`tight`: fit the margins to the labels (costs a draw); else the figure's own margins.
+    `fast`: light PNG compression (line plots still compress well)."""
+    if tight:
+        fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi, **({"pil_kwargs": {"compress_level": 1}} if fast else {}))
+    if "matplotlib.pyplot" in sys.modules:  # pyplot keeps its figures until closed
+        sys.modules["matplotlib.pyplot"].close(fig)
+    return path

@@ -1,0 +1,116 @@
+"""timeline.png: drawn in every run directory (and again by `batchsim report`), named in the
+summary, aggregated into time bins for long runs, with the overrun found where a request really
+waited for memory."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from batchsim.server.engine.runner import run_workload
+from batchsim.server.engine.session import open_session
+from batchsim.server.results import rebuild, timeline
+from batchsim.server.results.metrics import RequestRecord, StepRecord
+from batchsim.server.results.timeline import Limits, overrun_index
+from tests.test_records import sim_config
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _step(i: int, start: float, running: int, waiting: int, batch: int = 1,
+          prefill: int = 0, preempted: int = 0) -> StepRecord:
+    return StepRecord(i, start, start + 1.0, 1, batch, prefill, 1 if prefill else 0, running,
+                      waiting, 1 << 20, 1 << 20, 4, 256, preempted, 1.0)
+
+
+def _request(rid: int, arrival: float, first: float | None) -> RequestRecord:
+    times = (first + 1.0,) if first is not None else ()
+    return RequestRecord(rid, "finished" if times else "unfinished", arrival, first, times,
+                         first + 1.0 if first is not None else None, 16, len(times))
+
+
+def test_every_run_directory_gets_a_timeline_named_in_the_summary(tmp_path):
+    session = open_session(sim_config(n=30))
+    outcome = run_workload(session, session.config.workload, out_dir=tmp_path, label="t")
+    png = outcome.run_dir / "timeline.png"
+    assert outcome.summary["timeline_png"] == str(png) and png.read_bytes()[:8] == PNG
+
+    png.unlink()  # report draws it again from the records, and gives the summary back as it was
+    before = (outcome.run_dir / "summary.json").read_bytes()
+    summary, notes = rebuild.rebuild_summary(outcome.run_dir)
+    assert png.read_bytes()[:8] == PNG and notes == []
+    assert (outcome.run_dir / "summary.json").read_bytes() == before
+
+    skipped = run_workload(session, session.config.workload, out_dir=tmp_path, label="u",
+                           timeline=False)
+    assert "timeline_png" not in skipped.summary
+    assert not (skipped.run_dir / "timeline.png").exists()
+
+
+def test_a_drawing_failure_costs_the_run_nothing(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no fonts")
+
+    monkeypatch.setattr(timeline, "draw_timeline", broken)
+    session = open_session(sim_config(n=5))
+    outcome = run_workload(session, session.config.workload, out_dir=tmp_path, label="t")
+    assert outcome.summary["timeline_png"] is None and outcome.summary["completed"] == 5
+    (outcome.run_dir / "summary.json").unlink()
+    _, notes = rebuild.rebuild_summary(outcome.run_dir)
+    assert any("timeline.png: not drawn (RuntimeError: no fonts)" in n for n in notes)
+
+
+def test_the_overrun_is_a_wait_for_memory_not_for_a_seat_or_tokens():
+    limits = Limits(1 << 30, max_num_seqs=2, max_num_batched_tokens=2048)
+    # Request 1 arrives at 0.5 and waits through steps 1 and 2 (starting at 1 and 2) and runs at 3.
+    requests = [_request(0, 0.0, 0.0), _request(1, 0.5, 3.0)]
+    full = [_step(0, 0.0, 1, 1, prefill=16), _step(1, 1.0, 2, 1), _step(2, 2.0, 2, 1),
+            _step(3, 3.0, 2, 0, prefill=16)]
+    # Step 0 leaves one seat, but step 1 admits nobody with the seat free: only memory was short.
+    assert overrun_index(requests, full, limits) == 1
+    # Both seats taken (two running before step 1): waiting for a seat is not an overrun.
+    seats = [_step(0, 0.0, 2, 1, prefill=16), *full[1:]]
+    assert overrun_index(requests, seats, limits) is None
+    # The step's tokens used up (2048 prefill tokens): not memory either.
+    tokens = [full[0], _step(1, 1.0, 1, 1, prefill=2048), _step(2, 2.0, 2, 1, prefill=2048),
+              full[3]]
+    assert overrun_index(requests, tokens, limits) is None
+    # A preemption is an overrun wherever it comes; without the limits, only preemptions count.
+    preempting = [*full[:3], _step(3, 3.0, 2, 0, prefill=16, preempted=1)]
+    assert overrun_index(requests, preempting, Limits()) == 3
+
+
+def test_a_run_that_preempts_marks_its_overrun_and_a_roomy_one_none(tmp_path):
+    tight = dataclasses.replace(sim_config(n=40), memory_gb=0.75)
+    session = open_session(tight)
+    outcome = run_workload(session, session.config.workload, out_dir=None, label="t")
+    sched = session.scheduler_config()
+    limits = Limits(session.kv_budget_bytes, sched.max_num_seqs, sched.max_num_batched_tokens)
+    assert outcome.summary["num_preemptions"] > 0
+    first = overrun_index(outcome.requests, outcome.steps, limits)
+    assert first is not None and first <= next(
+        i for i, s in enumerate(outcome.steps) if s.num_preemptions)
+
+    roomy = open_session(sim_config(n=40))
+    outcome = run_workload(roomy, roomy.config.workload, out_dir=None, label="t")
+    sched = roomy.scheduler_config()
+    limits = Limits(roomy.kv_budget_bytes, sched.max_num_seqs, sched.max_num_batched_tokens)
+    assert overrun_index(outcome.requests, outcome.steps, limits) is None
+
+
+def test_long_runs_are_binned_and_the_output_rate_counts_every_token():
+    steps = [_step(i, float(i), i % 7, i % 3, batch=i % 5) for i in range(3000)]
+    series = timeline._Series(steps)
+    assert series.binned and len(series.x) == timeline.MAX_POINTS
+    running = np.array([s.num_running for s in steps], dtype=float)
+    assert series.get("running", "sum").sum() == running.sum()  # every step in one bin
+    assert series.get("running", "max").max() == 6 and series.get("running", "min").min() == 0
+    mean = series.get("running")  # about five steps a bin
+    assert np.all((mean >= series.get("running", "min")) & (mean <= series.get("running", "max")))
+    assert abs(mean.mean() - running.mean()) < 0.05
+    assert not timeline._Series(steps[:100]).binned
+
+    requests = [_request(i, float(i), float(i)) for i in range(2999)]
+    x, rate, width = timeline.output_rate(requests, 3000.0)
+    assert width == 5.0 and round(float((rate * width).sum())) == 2999
+    assert timeline.bin_width_s(0.3) == 0.5 and timeline.bin_width_s(7) == 10

@@ -140,3 +140,17 @@ def test_write_keeps_an_engine_file_but_its_fitted_numbers(tmp_path, monkeypatch
     assert (data["host_step_us"], data["host_token_us"]) == (12.5, 300.0)
     assert data["source"].endswith("published.yaml: 9 rows")
     assert data["serial_model_types"] == list(load_engine("mlx-lm-server").serial_model_types)
+
+
+def test_rows_the_model_cannot_explain_are_scored_not_fitted(rows, catalog):
+    model = MacModel(gpu_fit.load_fit())
+    serial = [r for r in rows if not published_fit.explained(r, model)]
+    assert serial and all(r.batch > 1 for r in serial)  # concurrent one-row forwards
+    assert all(published_fit.explained(r, model) for r in rows if r.batch == 1)
+    # Fitted without them or with them removed first: the same fit.
+    few = [r for r in rows if r.src == serial[0].src]
+    kept = [r for r in few if published_fit.explained(r, model)]
+    assert 0 < len(kept) < len(few)
+    a = published_fit.fit_published(few, catalog, model)
+    b = published_fit.fit_published(kept, catalog, model)
+    assert fit_macs.same_model(a, b)

@@ -1,9 +1,10 @@
-"""How KV memory is laid out, as pure arithmetic shared by the scheduler (admission), the executors
-(allocation) and `size` (per-Mac limits).
+"""The decode pool's geometry (rows x capacity tokens) and how it grows, as pure arithmetic shared
+by the scheduler (admission), the executors (allocation) and `size` (per-Mac limits).
 
 batchsim's real executor holds two kinds of KV:
-- a *pool* for decoding requests: per layer one K and one V array of shape
-  (rows, kv_heads, capacity, head_dim). Every row is padded to `capacity`, which grows in
+- a *pool* for decoding requests: per layer arrays with one row per request (full attention:
+  K and V of shape (rows, kv_heads, capacity, head_dim); what each layer kind holds per row is
+  kv_bytes.CacheLayout). Every row is padded to `capacity`, which grows in
   `KV_STEP`-token steps (mlx-lm's cache step) to cover the longest running sequence. Rows are
   added in powers of two up to `row_step`, then in multiples of it, so a join usually lands in a
   spare row instead of copying the whole pool.

@@ -94,6 +94,10 @@ def test_the_pool_holds_the_layers_the_spec_describes(name, batchsim_home):
     assert ex.layers == [lay.attention for lay in ref.spec.arch.layers]
     stores = {"full": "KVStore", "mla": "KVStore", "sliding": "RingStore", "linear": "StateStore"}
     assert [type(s).__name__ for s in ex.pool.stores] == [stores[a.kind] for a in ex.layers]
+    refused = {a.kind for a in ex.layers} - {"full", "linear"}  # by the description's own check
+    if refused:
+        with pytest.raises(ConfigError, match=f"cannot run a {refused.pop()} layer on a quantized"):
+            MLXExecutor(model, kv_bits=4)
     assert ex.cache_layout == ref.spec.cache_layout("float32")
     assert ex.kv_bytes_per_token == ref.spec.kv_bytes_per_token("float32")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +48,13 @@ class PlanChannel:
         self.broadcast_s += time.perf_counter() - t0
         self.num_messages += 1
 
-    def recv(self) -> Any:
-        """The other ranks: the next object rank 0 sent (blocks until it sends one)."""
+    def recv(self, on_wake: Callable[[], None] | None = None) -> Any:
+        """The other ranks: the next object rank 0 sent (blocks until it sends one); `on_wake`
+        runs once the doorbell rang, before the collectives."""
         if self.doorbell is not None:
             self.doorbell.wait()
+        if on_wake is not None:
+            on_wake()
         n = int(self._sum(mx.zeros((1,), dtype=mx.int32)).item())
         t0 = time.perf_counter()
         data = self._sum(mx.zeros((n,), dtype=mx.uint8))

@@ -80,7 +80,11 @@ class LeaderExecutor:
 
     def stop(self) -> None:
         """Tell the followers the run is over (with the last step's tokens to check)."""
-        self.channel.send(PlanMessage(STOP, self._previous))
+        self.watchdog.arm("rank 0: the message that ends the run")
+        try:
+            self.channel.send(PlanMessage(STOP, self._previous))
+        finally:
+            self.watchdog.disarm()
 
 
 def follow(inner: Any, channel: PlanChannel, watchdog: Watchdog,
@@ -90,7 +94,10 @@ def follow(inner: Any, channel: PlanChannel, watchdog: Watchdog,
     previous: tuple[tuple[int, ...], ...] | None = None
     steps = 0
     while True:
-        message: PlanMessage = channel.recv()
+        # Armed once rank 0 rang: a rank 0 that stops mid-message must not hold this one forever.
+        message: PlanMessage = channel.recv(
+            on_wake=lambda: watchdog.arm(f"rank {channel.rank}: a plan from rank 0"))
+        watchdog.disarm()
         if message.previous_token_ids != previous:
             raise RuntimeError(f"rank {channel.rank} sampled other tokens than rank 0 at step "
                                f"{steps - 1}: the ranks diverged")

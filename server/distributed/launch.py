@@ -7,22 +7,16 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from batchsim.configs import ConfigError
+from batchsim.server.distributed.owner import OwnedLaunch
 from batchsim.server.distributed.rank import STATUS_DIR_ENV
 
-# mlx.launch's main(), with its select() told to never wait for the ranks' stdin to be writable:
-# a pipe always is, so each rank's output thread would spin a core (an idle server's for hours).
-# Nothing is ever written to the ranks' stdin here.
-_LAUNCH_MAIN = ("import select, mlx._distributed_utils.launch as m; "
-                "m.select = lambda r, w, x, t: select.select(r, [], x, t); m.main()")
 PASS_ENV = ("BATCHSIM_HOME", "BATCHSIM_BLAS", "BATCHSIM_FAULT_DIE_AT_STEP", "BATCHSIM_RANK_TIMEOUT_S")
 
 
@@ -61,8 +55,8 @@ def prebuild(model: str, dtype: str, quantize: int | None, ranks: int, local: bo
 
 def launch_command(argv: list[str], ranks: int, hostfile: str | None, port: int,
                    status_dir: str) -> list[str]:
-    """mlx.launch running this same `batchsim` command line on every rank."""
-    cmd = [sys.executable, "-c", _LAUNCH_MAIN, "--starting-port", str(port)]
+    """mlx.launch's arguments for running this same `batchsim` command line on every rank."""
+    cmd = ["--starting-port", str(port)]
     cmd += ["--hostfile", hostfile] if hostfile else ["--backend", "ring", "-n", str(ranks)]
     envs = [f"{STATUS_DIR_ENV}={status_dir}"]
     envs += [f"{k}={os.environ[k]}" for k in PASS_ENV if k in os.environ]
@@ -73,68 +67,35 @@ def launch_command(argv: list[str], ranks: int, hostfile: str | None, port: int,
 
 def launch(argv: list[str], ranks: int, hostfile: str | None, server: bool = False) -> None:
     """Run the ranks; rank 0 prints the tables and the summary. Raises RuntimeError naming the
-    rank that failed first (a dead rank over the others it took down). `server`: SIGINT/SIGTERM
-    here stop the ranks through rank 0 (it drains, then tells the others to stop)."""
+    rank that failed first (a dead rank over the others it took down). SIGINT/SIGTERM here stop
+    the ranks through rank 0 (owner.STOP_PLANS); nothing of the run outlives this call."""
     if hostfile:
         check_hostfile(hostfile, ranks)
     with tempfile.TemporaryDirectory(prefix="batchsim-ranks-") as status_dir:
         cmd = launch_command(argv, ranks, hostfile, free_port(ranks), status_dir)
-        if server:
-            proc, stopped = run_stoppable(cmd, Path(status_dir))
-        else:
-            proc, stopped = subprocess.Popen(cmd, stdin=subprocess.PIPE), False
-            proc.wait()
-        error = ranks_error(Path(status_dir), ranks)
-    if stopped:
+        owned = OwnedLaunch(cmd, Path(status_dir), "serve" if server else "run")
+        try:
+            returncode = owned.wait()
+        finally:
+            owned.kill()
+        error = ranks_error(Path(status_dir), ranks, owned.killed)
+    if owned.signals:
         return  # the user stopped it: the ranks' "stopped" lines are no failure
     if error:
         raise RuntimeError(error)
-    if proc.returncode:
-        raise RuntimeError(f"mlx.launch exited with status {proc.returncode}")
+    if returncode:
+        raise RuntimeError(f"mlx.launch exited with status {returncode}")
 
 
-def run_stoppable(cmd: list[str], status_dir: Path) -> tuple[Any, bool]:
-    """mlx.launch in a session of its own (a terminal's Ctrl-C reaches only this process); the
-    first two signals go to rank 0 (drain, then cut the drain short), a third kills them all."""
-    # stdin: a pipe never written, not /dev/null: mlx.launch polls stdin, and /dev/null is always
-    # readable (at EOF), so it would spin a core for as long as the server runs.
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True)
-    signals: list[int] = []
-
-    def forward(signum: int, _frame: Any) -> None:
-        signals.append(signum)
-        rank0 = _read_pid(status_dir / "rank0.pid")
-        try:
-            if rank0 is not None and len(signals) <= 2:
-                os.kill(rank0, signal.SIGTERM)
-            else:  # rank 0 not started yet (or deaf): end the whole group
-                os.killpg(proc.pid, signal.SIGTERM if len(signals) <= 2 else signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        proc.wait()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    return proc, bool(signals)
-
-
-def _read_pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def ranks_error(status_dir: Path, ranks: int) -> str | None:
-    """One line from the ranks' status files: the dead ranks, then what the others reported (the
-    same message from several ranks once), then the steps that ranks stopped by mlx.launch were
-    waiting in."""
+def ranks_error(status_dir: Path, ranks: int, killed: Sequence[int] = ()) -> str | None:
+    """One line from the ranks' status files: the dead ranks, those `killed` for not ending after
+    another failed, then what the others reported (the same message from several ranks once),
+    then the steps that ranks stopped by mlx.launch were waiting in."""
     dead, errors, stopped, waiting = [], [], [], []
     for r in range(ranks):
         path = status_dir / f"rank{r}.json"
+        if r in killed:
+            continue
         if not path.exists():
             dead.append(r)
             continue
@@ -147,9 +108,10 @@ def ranks_error(status_dir: Path, ranks: int) -> str | None:
             waiting.append(status["error"])
         else:
             stopped.append(status["error"])
-    if not dead and not errors and not stopped and not waiting:
+    if not dead and not killed and not errors and not stopped and not waiting:
         return None
     parts = [f"rank {r} died (killed or crashed before reporting)" for r in dead]
+    parts += [f"rank {r} did not answer (stopped or hung) and was killed" for r in killed]
     parts += _once(errors) + waiting
     return "; ".join(parts or stopped)
 

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,7 @@ STATUS_DIR_ENV = "BATCHSIM_RANKS_DIR"  # set by the launcher: where ranks leave 
 DIE_AT_STEP_ENV = "BATCHSIM_FAULT_DIE_AT_STEP"  # tests: rank 1 kills itself at this step
 TIMEOUT_ENV = "BATCHSIM_RANK_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0  # per step: a long prefill on a loaded CPU must not trip it
+PARENT_POLL_S = 0.25  # how often a rank checks that mlx.launch is still there
 
 
 def is_rank_process() -> bool:
@@ -33,9 +35,20 @@ class _Status:
         self.doing: Callable[[], str | None] = lambda: None  # the step under way (the watchdog's)
 
     def write(self, ok: bool, error: str | None = None, **extra: Any) -> None:
+        """Best effort: without its directory (a remote host, the launcher gone) no one reads it."""
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"rank": self.rank, "ok": ok, "error": error, **extra}))
-        tmp.replace(self.path)
+        try:
+            tmp.write_text(json.dumps({"rank": self.rank, "ok": ok, "error": error, **extra}))
+            tmp.replace(self.path)
+        except OSError:
+            pass
+
+    def write_pid(self) -> None:
+        """The launcher's: to signal rank 0, and to see which local ranks are still running."""
+        try:
+            self.path.with_suffix(".pid").write_text(str(os.getpid()))
+        except OSError:
+            pass
 
 
 def run_rank(cfg: Any, run_session: Callable[[Any], dict]) -> dict | None:
@@ -43,10 +56,14 @@ def run_rank(cfg: Any, run_session: Callable[[Any], dict]) -> dict | None:
     CLI's: tables, progress, run directory) and returns its summary, the others None."""
     import mlx.core as mx
 
+    from batchsim.server.engine import interrupts
+
     rank = int(os.environ["MLX_RANK"])
     status = _Status(rank)
-    status.path.with_suffix(".pid").write_text(str(os.getpid()))  # the launcher's, to stop a server
+    _exit_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: _terminated(status))
+    interrupts.hold()  # the launcher's SIGINT (run): noted now, answered once the run starts
+    status.write_pid()
     try:
         group = mx.distributed.init(strict=True)
         summary = _serve_rank(cfg, group, run_session, status)
@@ -101,6 +118,19 @@ def _lead(session: Any, leader: Any, run_session: Callable[[Any], dict]) -> dict
         "ranks_wall_s": time.perf_counter() - t0,
     })
     return summary
+
+
+def _exit_with_parent() -> None:
+    """A rank whose mlx.launch is gone (killed with its launcher) ends too: nothing else would
+    end a rank waiting in a collective or serving on its port."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)  # no one is left to read a message
+
+    threading.Thread(target=watch, daemon=True, name="rank-parent").start()
 
 
 def _plain(exc: BaseException) -> str:

@@ -10,6 +10,19 @@ import threading
 from collections.abc import Callable, Iterator
 
 
+_held: list[str] = []  # signals hold() noted before any Interrupts was entered
+
+
+def hold(signals: tuple[signal.Signals, ...] = (signal.SIGINT,)) -> None:
+    """Until an Interrupts is entered, `signals` are only noted (a rank of `run --ranks` asked to
+    stop while it loads); the first Interrupts entered counts them as received. Main thread."""
+    def note(signum: int, _frame: object) -> None:
+        _held.append(signal.Signals(signum).name)
+
+    for sig in signals:
+        signal.signal(sig, note)
+
+
 def _note() -> None:
     """Answer while records are being written: nothing to stop, `received` says it happened."""
 
@@ -20,11 +33,15 @@ class Interrupts:
 
     def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)):
         self.signals = signals
-        self.received: str | None = None  # the first signal's name ("SIGINT"), once one came
+        # Why the run was stopped: the first signal's name ("SIGINT"), or stop()'s reason.
+        self.received: str | None = None
         self._answer: Callable[[], None] | None = None
         self._previous: dict[signal.Signals, object] = {}
 
     def __enter__(self) -> Interrupts:
+        if _held:
+            self.received = self.received or _held[0]
+            _held.clear()
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -40,6 +57,13 @@ class Interrupts:
         if self._answer is None:
             raise KeyboardInterrupt
         self._answer()
+
+    def stop(self, reason: str) -> None:
+        """A stop the run asks of itself (its records cannot be written), answered as a signal
+        is; `received` becomes `reason` unless a signal came first."""
+        self.received = self.received or reason
+        if self._answer is not None:
+            self._answer()
 
     @contextlib.contextmanager
     def answered_by(self, answer: Callable[[], None] = _note) -> Iterator[None]:

@@ -1,0 +1,178 @@
+"""The launcher owns its ranks: mlx.launch runs in a process group of its own, and nothing of it
+outlives the launcher, whichever way the launcher ends:
+- it returns or raises: the group is killed on the way out;
+- it is killed (SIGKILL): mlx.launch holds the read end of a pipe only the launcher holds open
+  for writing, and kills its group at EOF (this module's `__main__` wraps mlx.launch);
+- mlx.launch itself is killed: every rank watches its parent (rank.py).
+Signals to the launcher go to rank 0 (see STOP_PLANS); a rank that failed while a peer is stopped
+or hung (mlx.launch's SIGTERM to the peer never lands) has the group killed GRACE_S later."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+GRACE_S = 5.0  # after a rank failed: time for mlx.launch to end the others before the launcher does
+POLL_S = 0.1
+# What the 1st, 2nd, 3rd signal to the launcher does: to rank 0 (when its pid is known) or to the
+# whole group. run: rank 0 stops sending and records the run as interrupted (as Ctrl-C does to a
+# 1-rank run); serve: rank 0 drains, a second signal cuts the drain short.
+STOP_PLANS = {
+    "run": (("rank0", signal.SIGINT), ("group", signal.SIGTERM), ("group", signal.SIGKILL)),
+    "serve": (("rank0", signal.SIGTERM), ("rank0", signal.SIGTERM), ("group", signal.SIGKILL)),
+}
+
+
+class OwnedLaunch:
+    """mlx.launch with `launch_args`, as a child the launcher owns (start, wait, kill)."""
+
+    def __init__(self, launch_args: list[str], status_dir: Path, mode: str):
+        read_fd, self._lifeline = os.pipe()  # both non-inheritable; pass_fds hands over one
+        cmd = [sys.executable, "-m", __name__, str(read_fd), str(status_dir), *launch_args]
+        try:
+            # stdin: a pipe never written, not /dev/null: mlx.launch polls stdin, and /dev/null
+            # is always readable (at EOF), so it would spin a core for as long as the run goes.
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True,
+                                         pass_fds=(read_fd,))
+        except BaseException:
+            os.close(self._lifeline)
+            raise
+        finally:
+            os.close(read_fd)
+        self.status_dir = status_dir
+        self.plan = STOP_PLANS[mode]
+        self.signals = 0  # signals the launcher received
+        self._sent = 0  # of those, acted on
+        self._failed_at: float | None = None
+        self.killed: list[int] = []  # ranks still running GRACE_S after another failed
+
+    def wait(self) -> int:
+        """Until mlx.launch ends (forwarding signals, ending stuck ranks); its exit status."""
+        main = threading.current_thread() is threading.main_thread()
+        handled = (signal.SIGINT, signal.SIGTERM) if main else ()
+        previous = {s: signal.signal(s, self._note) for s in handled}
+        try:
+            while True:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    return self.proc.wait(timeout=POLL_S)
+                self._forward()
+                self._end_stuck_ranks()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def kill(self) -> None:
+        """Nothing of the run is left: the group killed, mlx.launch reaped, the lifeline cut."""
+        self._signal_group(signal.SIGKILL)
+        self.proc.wait()
+        with contextlib.suppress(OSError):
+            os.close(self._lifeline)
+
+    def _note(self, _signum: int, _frame: Any) -> None:
+        self.signals += 1
+
+    def _forward(self) -> None:
+        while self._sent < min(self.signals, len(self.plan)):
+            target, sig = self.plan[self._sent]
+            if target == "rank0":
+                rank0 = read_pid(self.status_dir / "rank0.pid")
+                if rank0 is None and sig == signal.SIGINT:
+                    return  # not started: it gets the signal once it can keep a record of it
+                if rank0 is None:
+                    self._signal_group(sig)
+                else:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(rank0, sig)
+            else:
+                self._signal_group(sig)
+            self._sent += 1
+
+    def _end_stuck_ranks(self) -> None:
+        if self._failed_at is None:
+            if any_rank_failed(self.status_dir):
+                self._failed_at = time.monotonic()
+        elif time.monotonic() - self._failed_at > GRACE_S:
+            self.killed = running_ranks(self.status_dir)
+            self._signal_group(signal.SIGKILL)
+            self._failed_at = float("inf")  # done: mlx.launch ends with them
+
+    def _signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+
+def read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def any_rank_failed(status_dir: Path) -> bool:
+    """A rank reported its own failure, or a local rank ended without reporting (killed)."""
+    for path in status_dir.glob("rank*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            status = json.loads(path.read_text())
+            if not status["ok"] and not status.get("terminated"):
+                return True
+    return any(not _alive(pid) for pid in _silent_ranks(status_dir).values())
+
+
+def running_ranks(status_dir: Path) -> list[int]:
+    """Local ranks alive without a status: they neither finished nor reported a failure."""
+    return sorted(r for r, pid in _silent_ranks(status_dir).items() if _alive(pid))
+
+
+def _silent_ranks(status_dir: Path) -> dict[int, int]:
+    """rank -> pid of each local rank that has written its pid but no status."""
+    found = {}
+    for path in status_dir.glob("rank*.pid"):
+        pid = read_pid(path)
+        if pid is not None and not path.with_suffix(".json").exists():
+            found[int(path.stem.removeprefix("rank"))] = pid
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass  # not ours to signal: alive
+    return True
+
+
+def _die_with_launcher(fd: int, status_dir: str) -> None:
+    """mlx.launch's thread: the launcher never writes, so a read returns only at its exit."""
+    while os.read(fd, 64):
+        pass
+    shutil.rmtree(status_dir, ignore_errors=True)  # the launcher's temporary directory
+    os.killpg(0, signal.SIGKILL)  # mlx.launch and every rank
+
+
+def _main() -> None:
+    """mlx.launch under the launcher: argv is the lifeline's fd, the status directory, then
+    mlx.launch's arguments. Its select() is told never to wait for the ranks' stdin to be
+    writable: a pipe always is, so each rank's output thread would spin a core."""
+    import select
+
+    import mlx._distributed_utils.launch as mlx_launch
+
+    fd, status_dir = int(sys.argv.pop(1)), sys.argv.pop(1)
+    threading.Thread(target=_die_with_launcher, args=(fd, status_dir), daemon=True).start()
+    mlx_launch.select = lambda r, w, x, t: select.select(r, [], x, t)  # type: ignore[attr-defined]
+    mlx_launch.main()
+
+
+if __name__ == "__main__":
+    _main()

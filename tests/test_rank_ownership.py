@@ -1,0 +1,167 @@
+"""The launcher of `run`/`serve --ranks 2` owns its ranks (real processes, loopback): whichever
+way it ends (SIGINT to it alone or to its group, SIGTERM, SIGKILL; its mlx.launch killed; a
+follower stopped), no process of the run is left, found by a marker in each one's environment
+(/proc, no psutil); a stopped run says `interrupted`, a stopped follower ends it in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from batchsim.scripts.serve_cmd import LISTENING
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc")
+MARK = "BATCHSIM_TEST_RUN"
+RUN = ["run", "--model", "tiny", "--num-prompts", "400", "--request-rate", "10", "--input-len",
+       "16", "--output-len", "8", "--no-progress"]
+START_GUARD_S = 120  # a run that never starts fails the test instead of hanging the suite
+GONE_S = 10  # after the launcher ended: how long its processes may take to exit
+
+
+class Ranks:
+    """`batchsim ARGS --ranks 2` in a session of its own (a group signal reaches only it)."""
+
+    def __init__(self, args: list[str], **env: str):
+        self.mark = uuid.uuid4().hex
+        env = {**os.environ, MARK: self.mark, **env}
+        cmd = [sys.executable, "-m", "batchsim.scripts.cli", *args, "--ranks", "2"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     stdin=subprocess.DEVNULL, text=True, env=env,
+                                     start_new_session=True)
+        self.stderr: list[str] = []
+        self.url = ""
+        self.listening = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:  # keep draining stderr so the pipe never fills
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+            if LISTENING in line:
+                self.url = line.split(LISTENING, 1)[1].strip()
+                self.listening.set()
+
+    def processes(self, rank: int | None = None) -> list[int]:
+        """Live processes of this run (launcher, mlx.launch, ranks); a zombie has no environ."""
+        want = f"{MARK}={self.mark}".encode()
+        found = []
+        for environ in Path("/proc").glob("[0-9]*/environ"):
+            try:
+                env = environ.read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if want in env and (rank is None or f"MLX_RANK={rank}".encode() in env):
+                found.append(int(environ.parent.name))
+        return found
+
+    def finish(self) -> tuple[int, str, str]:
+        """The launcher's exit status, stdout and stderr, once it ended."""
+        out = self.proc.communicate(timeout=START_GUARD_S)[0]
+        return self.proc.returncode, out, "".join(self.stderr)
+
+    def assert_none_left(self) -> None:
+        deadline = time.monotonic() + GONE_S
+        while self.processes() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert self.processes() == [], f"left running: {self.processes()}"
+
+    def cleanup(self) -> None:
+        for pid in self.processes():
+            try:
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def wait_for_steps(ranks: Ranks, out: Path) -> Path:
+    """The run directory, once rank 0 has recorded a step."""
+    deadline = time.monotonic() + START_GUARD_S
+    while time.monotonic() < deadline:
+        assert ranks.proc.poll() is None, "".join(ranks.stderr)[-2000:]
+        for steps in out.glob("*/steps.jsonl"):
+            if b"\n" in steps.read_bytes():
+                return steps.parent
+        time.sleep(0.05)
+    raise AssertionError("no step recorded:\n" + "".join(ranks.stderr)[-2000:])
+
+
+@pytest.mark.parametrize("sig, group", [(signal.SIGINT, False), (signal.SIGINT, True),
+                                        (signal.SIGTERM, False)],
+                         ids=["sigint-launcher", "ctrl-c-group", "sigterm-launcher"])
+def test_a_signalled_launcher_ends_the_run_interrupted_and_leaves_no_process(tiny, tmp_path, sig,
+                                                                              group):
+    ranks = Ranks([*RUN, "--out", str(tmp_path)])
+    try:
+        wait_for_steps(ranks, tmp_path)
+        (os.killpg if group else os.kill)(ranks.proc.pid, sig)
+        rc, out, err = ranks.finish()
+        assert rc == 0 and "Traceback" not in err and "Error" not in err, err[-3000:]
+        last = json.loads(out.strip().splitlines()[-1])
+        assert last["interrupted"] is True and last["ranks"] == 2 and last["completed"] < 400
+        saved = json.loads(Path(last["run_dir"], "summary.json").read_text())
+        assert saved["interrupted"] is True and saved["completed"] == last["completed"]
+        ranks.assert_none_left()
+    finally:
+        ranks.cleanup()
+
+
+@pytest.mark.parametrize("victim", ["launcher", "mlx.launch"])
+def test_a_killed_run_launcher_or_mlx_launch_leaves_no_rank(tiny, tmp_path, victim):
+    ranks = Ranks([*RUN, "--out", str(tmp_path)])
+    try:
+        wait_for_steps(ranks, tmp_path)
+        pid = ranks.proc.pid if victim == "launcher" else _mlx_launch(ranks)
+        os.kill(pid, signal.SIGKILL)
+        ranks.assert_none_left()
+    finally:
+        ranks.cleanup()
+
+
+def _mlx_launch(ranks: Ranks) -> int:
+    """The run's one process that is neither the launcher nor a rank."""
+    (pid,) = set(ranks.processes()) - {ranks.proc.pid} - {
+        p for r in (0, 1) for p in ranks.processes(rank=r)}
+    return pid
+
+
+def test_a_killed_serve_launcher_leaves_no_rank_on_the_port(tiny):
+    ranks = Ranks(["serve", "--model", "tiny", "--port", "0", "--max-num-seqs", "4"])
+    try:
+        assert ranks.listening.wait(START_GUARD_S), "".join(ranks.stderr)[-2000:]
+        assert httpx.get(f"{ranks.url}/health", timeout=30).status_code == 200
+        os.kill(ranks.proc.pid, signal.SIGKILL)
+        ranks.assert_none_left()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{ranks.url}/health", timeout=5)
+    finally:
+        ranks.cleanup()
+
+
+def test_a_stopped_follower_ends_the_run_within_the_rank_timeout_in_one_line(tiny, tmp_path):
+    ranks = Ranks([*RUN, "--out", str(tmp_path)], BATCHSIM_RANK_TIMEOUT_S="3")
+    try:
+        wait_for_steps(ranks, tmp_path)
+        (follower,) = ranks.processes(rank=1)
+        os.kill(follower, signal.SIGSTOP)
+        t0 = time.monotonic()
+        rc, out, err = ranks.finish()
+        assert time.monotonic() - t0 < 3 + 15, err  # the rank timeout, then the launcher's grace
+        assert rc == 1 and "Traceback" not in err, err[-3000:]
+        last = err.strip().splitlines()[-1]
+        assert "rank 1 did not answer (stopped or hung) and was killed" in last, err[-3000:]
+        assert "a peer rank is not answering" in last
+        ranks.assert_none_left()
+    finally:
+        ranks.cleanup()

@@ -12,6 +12,7 @@ from typing import NoReturn
 
 from batchsim.scripts.common import (  # no mlx: blas.preload() still comes first
     EXIT_CODES_HELP,
+    EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     show_default,
@@ -111,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         emit_json(exc.summary)
         err_line(f"batchsim {args.command}: {exc}")
         return exc.exit_code
+    except OSError as exc:  # the machine's, not the input's: a full disk, a refused connection
+        err_line(f"batchsim {args.command}: {exc}")
+        return EXIT_FAILED
     except KeyboardInterrupt:
         err_line(f"batchsim {args.command}: interrupted")
         return EXIT_INTERRUPTED

@@ -388,6 +388,8 @@ def _run_opened(session: Session, run_dir: Path, label: str, stop: Interrupts, p
                                    timeline=timeline)
         if not quiet:
             _print_summary(outcome.summary)
+        if outcome.records_error:  # a full disk: the run stopped, what it wrote is kept
+            raise CommandFailed(outcome.records_error, outcome.summary)
         return outcome.summary
 
 

@@ -52,6 +52,7 @@ class RunOutcome:
     steps: list[StepRecord]
     run_dir: Path | None
     interrupted: bool
+    records_error: str | None = None  # what of the run directory could not be written
 
 
 class _Run:
@@ -175,7 +176,7 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
     stream = None
     if run_dir is not None:
         _write_config(run_dir, session.config, spec, session)
-        stream = RecordStream(run_dir)
+        stream = RecordStream(run_dir, on_error=lambda exc: interrupts.stop(str(exc)))
     run = _Run(session, spec, on_step, stream, interrupts)
     with _long_lived_heap(), _kept_on_error(stream):
         wall0 = time.perf_counter()
@@ -212,11 +213,26 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
     if run_dir is not None and timeline:
         summary["timeline_png"] = _timeline(run_dir, records, steps, session, spec)
     summary["interrupted"] = run.interrupted  # a signal may have come while records were written
+    if run.interrupted:
+        summary["interrupt_reason"] = interrupts.received
     summary["run_dir"] = str(run_dir) if run_dir else None
     summary["env"] = session.environment()
+    error = _write_summary(run_dir, summary, stream.error if stream else None)
+    return RunOutcome(summary, records, steps, run_dir, run.interrupted, error)
+
+
+def _write_summary(run_dir: Path | None, summary: dict[str, Any],
+                   error: OSError | None) -> str | None:
+    """summary.json if it can be written; what could not be (a full disk), in one line."""
+    problems = [str(error)] if error else []
     if run_dir:
-        run_files.write_summary(run_dir, _plain(summary))
-    return RunOutcome(summary, records, steps, run_dir, run.interrupted)
+        try:
+            run_files.write_summary(run_dir, _plain(summary))
+        except OSError as exc:
+            problems.append(str(exc))
+    if not problems:
+        return None
+    return f"{'; '.join(problems)} (the run stopped; the records written before are kept)"
 
 
 def _timeline(run_dir: Path, records: list[RequestRecord], steps: list[StepRecord],

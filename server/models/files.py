@@ -50,6 +50,13 @@ def staged_dir(out_dir: Path) -> Iterator[Path]:
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
+    except RuntimeError as exc:  # MLX's save on a full disk: "[write] Unable to write N bytes..."
+        if "[write]" not in str(exc):
+            raise
+        free = shutil.disk_usage(out_dir.parent).free
+        raise OSError(f"cannot write {out_dir}: {str(exc).removeprefix('[write] ').rstrip('.')} "
+                      f"({free / 2**20:.0f} MiB free on its disk; full, or a file size limit)"
+                      ) from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

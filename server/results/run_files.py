@@ -4,11 +4,12 @@ is rewritten in arrival order (the order a finished run has always had), atomica
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +24,35 @@ SUMMARY = "summary.json"
 FLUSH_EVERY_S = 0.5  # wall time between writes: what a killed run can lose at most
 
 
+class WriteFailed(OSError):
+    """A run's file could not be written (a full disk, a file size limit): one line saying which."""
+
+    def __init__(self, path: Path, exc: OSError):
+        super().__init__(exc.errno, f"cannot write {path}: {exc.strerror or exc}")
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 class RecordStream:
     """steps.jsonl and requests.jsonl of one run, appended. Records wait in memory and are
     encoded and written in batches, each file's batch in one write, at most every FLUSH_EVERY_S
-    (no fsync: a killed process's writes survive; a crashed kernel's need not)."""
+    (no fsync: a killed process's writes survive; a crashed kernel's need not). The first failed
+    write (any OSError: ENOSPC, EFBIG, EIO) cuts its file back to the last whole record, sets
+    `error`, calls `on_error` (the run stops), and the stream writes nothing more."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path,
+                 on_error: Callable[[WriteFailed], None] | None = None) -> None:
         self.run_dir = run_dir
-        self._files = {name: (run_dir / name).open("wb", buffering=0) for name in (STEPS, REQUESTS)}
+        self._files = {}
+        for name in (STEPS, REQUESTS):
+            try:
+                self._files[name] = (run_dir / name).open("wb", buffering=0)
+            except OSError as exc:
+                raise WriteFailed(run_dir / name, exc) from None
+        self._sizes = dict.fromkeys(self._files, 0)  # bytes of whole records in each file
+        self.error: WriteFailed | None = None
+        self._on_error = on_error
         self._steps: list[StepRecord] = []
         self._requests: list[RequestRecord] = []
         self._spans: dict[int, tuple[int, int]] = {}  # request id -> (offset, length) in the file
@@ -54,16 +76,35 @@ class RecordStream:
             self._steps.clear()
         if self._requests:
             lines = [dumps(r.to_json()) + "\n" for r in self._requests]
-            for r, line in zip(self._requests, lines):  # JSON is ASCII: characters are bytes
-                self._spans[r.request_id] = (self._request_bytes, len(line))
-                self._request_bytes += len(line)
-            self._write(REQUESTS, lines)
+            if self._write(REQUESTS, lines):
+                for r, line in zip(self._requests, lines):  # JSON is ASCII: characters are bytes
+                    self._spans[r.request_id] = (self._request_bytes, len(line))
+                    self._request_bytes += len(line)
             self._requests.clear()
         self._last_flush_s = time.monotonic()
         self.writing_s += time.perf_counter() - t0
 
-    def _write(self, name: str, lines: list[str]) -> None:
-        self._files[name].write("".join(lines).encode())
+    def _write(self, name: str, lines: list[str]) -> bool:
+        """Whether `lines` reached the file whole (after a failure nothing is written)."""
+        if self.error is not None:
+            return False
+        f, data, done = self._files[name], "".join(lines).encode(), 0
+        try:
+            while done < len(data):
+                done += f.write(data[done:])  # an unbuffered write may be short
+        except OSError as exc:
+            self._sizes[name] += data.rfind(b"\n", 0, done) + 1  # the whole records that fit
+            with contextlib.suppress(OSError):
+                os.ftruncate(f.fileno(), self._sizes[name])  # no torn last line
+            self._failed(WriteFailed(self.run_dir / name, exc))
+            return False
+        self._sizes[name] += len(data)
+        return True
+
+    def _failed(self, error: WriteFailed) -> None:
+        self.error = error
+        if self._on_error is not None:
+            self._on_error(error)
 
     def close_unfinished(self) -> None:
         """The run failed: what was recorded stays as streamed (completion order)."""
@@ -75,10 +116,17 @@ class RecordStream:
         """The run is over: `records` are every request in arrival order. requests.jsonl becomes
         exactly those rows in that order; rows already written are copied, not encoded again."""
         self.close_unfinished()
-        if [r.request_id for r in records] == list(self._spans):
-            return  # streamed complete and in order
+        if self.error is not None or [r.request_id for r in records] == list(self._spans):
+            return  # streamed complete and in order, or no room to write them again
         path = self.run_dir / REQUESTS
         tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            self._write_in_order(path, tmp, records)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)  # the streamed file stays, in completion order
+            self._failed(WriteFailed(path, exc))
+
+    def _write_in_order(self, path: Path, tmp: Path, records: Sequence[RequestRecord]) -> None:
         with path.open("rb") as f, tmp.open("wb") as out:
             written = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self._spans else None
             for r in records:
@@ -95,8 +143,12 @@ class RecordStream:
 def replace_atomically(path: Path, data: bytes) -> None:
     """Readers see the old file or the new one, never a part (a rename within the directory)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise WriteFailed(path, exc) from None
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:

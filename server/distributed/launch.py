@@ -68,7 +68,9 @@ def launch_command(argv: list[str], ranks: int, hostfile: str | None, port: int,
 def launch(argv: list[str], ranks: int, hostfile: str | None, server: bool = False) -> None:
     """Run the ranks; rank 0 prints the tables and the summary. Raises RuntimeError naming the
     rank that failed first (a dead rank over the others it took down). SIGINT/SIGTERM here stop
-    the ranks through rank 0 (owner.STOP_PLANS); nothing of the run outlives this call."""
+    the ranks through rank 0 (owner.STOP_PLANS); a run stopped so raises KeyboardInterrupt once
+    they ended, as a 1-rank run's Ctrl-C does (a server stopped so just returns). Nothing of the
+    run outlives this call."""
     if hostfile:
         check_hostfile(hostfile, ranks)
     with tempfile.TemporaryDirectory(prefix="batchsim-ranks-") as status_dir:
@@ -79,8 +81,10 @@ def launch(argv: list[str], ranks: int, hostfile: str | None, server: bool = Fal
         finally:
             owned.kill()
         error = ranks_error(Path(status_dir), ranks, owned.killed)
-    if owned.signals:
+    if owned.signals and server:
         return  # the user stopped it: the ranks' "stopped" lines are no failure
+    if owned.signals:
+        raise KeyboardInterrupt  # rank 0 printed its summary, marked interrupted
     if error:
         raise RuntimeError(error)
     if returncode:

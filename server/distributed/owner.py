@@ -171,6 +171,8 @@ def _main() -> None:
     fd, status_dir = int(sys.argv.pop(1)), sys.argv.pop(1)
     threading.Thread(target=_die_with_launcher, args=(fd, status_dir), daemon=True).start()
     mlx_launch.select = lambda r, w, x, t: select.select(r, [], x, t)  # type: ignore[attr-defined]
+    # Its "rank N exited with code C" lines: the launcher says what failed, in one line.
+    mlx_launch.log_warning = lambda *args, **kwargs: None  # type: ignore[attr-defined]
     mlx_launch.main()
 
 

@@ -364,8 +364,7 @@ def run_session(session: Session, out_dir: Path, progress: bool = True) -> dict:
     from batchsim.server.engine.interrupts import Interrupts
     from batchsim.server.results.jsonio import new_run_dir
 
-    cfg = session.config
-    label = f"{session.ref.name}-{cfg.workload.name}-{cfg.executor}"
+    label = f"{session.ref.name}-{session.config.workload.name}-{session.config.executor}"
     with Interrupts((signal.SIGINT,)) as stop:
         return _run_opened(session, new_run_dir(out_dir, label), label, stop, progress, False)
 
@@ -383,9 +382,8 @@ def _run_opened(session: Session, run_dir: Path, label: str, stop: Interrupts, p
                       f"{cfg.scheduler.max_num_seqs}, KV budget "
                       f"{session.kv_budget_bytes / 2**30:.2f} GiB ({session.budget_source})")
         with RunProgress(spec.num_prompts, label, enabled=progress) as bar:
-            outcome = run_workload(session, spec, out_dir=None, label=label,
-                                   on_step=bar.on_step, run_dir=run_dir, interrupts=stop,
-                                   timeline=timeline)
+            outcome = run_workload(session, spec, out_dir=None, label=label, on_step=bar.on_step,
+                                   run_dir=run_dir, interrupts=stop, timeline=timeline)
         if not quiet:
             _print_summary(outcome.summary)
         if outcome.records_error:  # a full disk: the run stopped, what it wrote is kept

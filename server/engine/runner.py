@@ -210,7 +210,7 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
         summary["sim_speedup"] = duration / wall if wall > 0 else float("inf")
     if stream is not None:
         stream.close(records)  # requests.jsonl in arrival order, as a finished run has it
-    if run_dir is not None and timeline:
+    if run_dir is not None and timeline and not (stream and stream.error):  # no room for it
         summary["timeline_png"] = _timeline(run_dir, records, steps, session, spec)
     summary["interrupted"] = run.interrupted  # a signal may have come while records were written
     if run.interrupted:

@@ -18,8 +18,12 @@ from tests.test_sim import PROFILE
 
 
 def _mac(label: str = "M4 Max 40c", quantize_bits: int | None = 4):
+    """A catalog Mac's profile under the shipped fit with the per-row terms and quantized
+    ceilings unset (each test sets the one it checks)."""
     mac, _ = macs.load_catalog().variant(label)
-    return mac_profile(mac, load_fit(), quantize_bits)
+    fit = dataclasses.replace(load_fit(), attention_row_us=0.0, kv_bandwidth_efficiency=0.0,
+                              token_layer_us=0.0, sampling_row_us=0.0, quantized_gemm_efficiency={})
+    return mac_profile(mac, fit, quantize_bits)
 
 
 def _engine(**kw) -> EngineProfile:
@@ -103,7 +107,7 @@ def test_an_engine_that_runs_rows_alone_prices_b_one_row_passes(model):
     one = batched.decode_time(1, 512).total_s
     assert serial.decode_time(8, 512).total_s == pytest.approx(8 * one, rel=1e-12)
     assert serial.decode_forward_s(8, 512) == pytest.approx(8 * one, rel=1e-12)
-    assert batched.decode_time(8, 512).total_s < 4 * one  # batching shares the weights
+    assert batched.decode_time(8, 512).total_s < 0.75 * 8 * one  # batching shares weights
     chunks = tuple(PrefillChunk(i, 0, 64, True) for i in range(3))
     assert serial.step_time(prefills=chunks).total_s == pytest.approx(
         3 * batched.prefill_time(64, 0, True).total_s, rel=1e-12)

@@ -269,8 +269,10 @@ def _held_out(args: argparse.Namespace, dtype: str, profile) -> dict:
     err.print(f"held-out check: {name} decode steps and prefill chunks")
     samples = cal.grid_samples({name: (s.model, s.spec, cal.session_layout(s))},
                                [1, 4, 16], [128, 512], [64, 256], [0], rounds=1, log=err.print)
-    profiles = {args.name: profile} | {f"shipped {p.stem}": load_profile(p)
-                                       for p in sorted(SHIPPED_DIR.glob("*.yaml"))}
+    shipped = {f"shipped {p.stem}": load_profile(p) for p in sorted(SHIPPED_DIR.glob("*.yaml"))}
+    # A shipped profile calibrated in another dtype (the CPU one: float32) cannot price this one's.
+    profiles = {args.name: profile} | {k: p for k, p in shipped.items()
+                                       if p.calibration is None or dtype in p.calibration.gemm}
     result = {label: cal.sample_errors(samples, {name: StepCost(s.spec, p, dtype, None)})
               for label, p in profiles.items()}
     out.print(table(f"Held-out check: step time on {name} (not used to calibrate), predicted vs measured",

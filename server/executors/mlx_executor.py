@@ -43,6 +43,8 @@ class MLXExecutor:
         self.model = model
         # Run each decode step while the previous step's tokens are read (lookahead.py).
         self.run_ahead = run_ahead
+        device = mx.default_device()
+        self._stream = None if device == mx.cpu else mx.new_thread_local_stream(device)
         self._ahead: lookahead.Ahead | None = None
         self.ahead_steps = {"used": 0, "undone": 0}
         self.dtype = self._activation_dtype()
@@ -70,6 +72,15 @@ class MLXExecutor:
 
     # -- the step ------------------------------------------------------------------------------
     def execute(self, plan: StepPlan, max_elapsed_s: float = float("inf")) -> StepResult:
+        # On a GPU, MLX (>= 0.31.2) lets a thread run only the streams it owns: the engine's worker
+        # thread gets its own instance of this stream, as mlx-lm's generation_stream does. (On the
+        # CPU backend every thread may use the default stream, and `mx.synchronize()` waits for it.)
+        if self._stream is None:
+            return self._execute(plan, max_elapsed_s)
+        with mx.stream(self._stream):
+            return self._execute(plan, max_elapsed_s)
+
+    def _execute(self, plan: StepPlan, max_elapsed_s: float) -> StepResult:
         t0 = time.perf_counter()
         ahead = self._settle_ahead(plan)
         self._free(plan.free_ids)

@@ -1,5 +1,6 @@
-"""The OpenAI API surface of `batchsim serve`: request bodies parsed and checked into plain data,
-the response and stream-chunk shapes, and OpenAI-style errors. No HTTP and no engine here."""
+"""The OpenAI API surface of `batchsim serve`: request bodies parsed and checked into plain data
+(sampling fields: sampling_fields.py; errors and field checks: fields.py) and the response and
+stream-chunk shapes. No HTTP and no engine here."""
 
 from __future__ import annotations
 

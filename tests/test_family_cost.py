@@ -116,7 +116,9 @@ def test_moe_batching_gain_is_well_below_dense():
     moe = batching_curve(catalog_cost("qwen3-30b-a3b"), 1024)
     dense = batching_curve(catalog_cost("qwen3-8b"), 1024)
     moe_gain, dense_gain = moe[32] / moe[1], dense[32] / dense[1]
-    assert 1 < moe_gain < 0.5 * dense_gain
+    # More rows route to more distinct experts: MoE gains well under dense (0.56x of it with the
+    # fit of per-row terms, under 0.5x before them: the dense gain shrank too).
+    assert 1 < moe_gain < 0.7 * dense_gain
     assert all(moe[a] < moe[b] for a, b in zip(sorted(moe), sorted(moe)[1:]))
 
 

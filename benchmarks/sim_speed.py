@@ -6,7 +6,7 @@ at 5 req/s, the default lengths, seed 3; 18,000 requests are the simulated hour)
 
 Each run goes through `run_workload` with a run directory, as `batchsim run` does. wall_s is the
 summary's (the engine's time; writing records is counted apart); total_s adds writing records and
-the summary. With --repeat, the fastest run of each count is kept. Prints a table, then one JSON
+the summary (no timeline.png: drawing it is not simulating). With --repeat, the fastest run of each count is kept. Prints a table, then one JSON
 line: sim_speedup and wall_s per request count, and the environment (load average included: the
 machine may be shared)."""
 
@@ -37,7 +37,8 @@ def session_for(count: int) -> Session:
 def run_once(count: int, out_dir: Path) -> dict:
     session = session_for(count)
     t0 = time.perf_counter()
-    outcome = run_workload(session, session.config.workload, out_dir=out_dir, label=str(count))
+    outcome = run_workload(session, session.config.workload, out_dir=out_dir, label=str(count),
+                           timeline=False)  # drawing is not simulating (and imports matplotlib)
     total_s = time.perf_counter() - t0
     s = outcome.summary
     return {"requests": count, "simulated_s": s["duration"], "wall_s": s["wall_s"],

@@ -121,6 +121,25 @@ def test_a_signalled_launcher_ends_the_run_interrupted_and_leaves_no_process(tin
         ranks.cleanup()
 
 
+def test_a_signal_while_the_ranks_join_still_ends_the_run_interrupted(tiny, tmp_path):
+    """SIGINT as soon as rank 0 exists: the launcher holds it until rank 0 can note it, which
+    is while the ranks connect (an interrupted accept() there failed the whole run)."""
+    ranks = Ranks([*RUN, "--out", str(tmp_path)])
+    try:
+        deadline = time.monotonic() + START_GUARD_S
+        while not ranks.processes(rank=0) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(ranks.proc.pid, signal.SIGINT)
+        rc, out, err = ranks.finish()
+        assert rc == EXIT_INTERRUPTED and "ring backend" not in err, err[-3000:]
+        assert out.strip(), f"no summary: {err[-3000:]}"
+        last = json.loads(out.strip().splitlines()[-1])
+        assert last["interrupted"] is True and last["completed"] == 0
+        ranks.assert_none_left()
+    finally:
+        ranks.cleanup()
+
+
 @pytest.mark.parametrize("victim", ["launcher", "mlx.launch"])
 def test_a_killed_run_launcher_or_mlx_launch_leaves_no_rank(tiny, tmp_path, victim):
     ranks = Ranks([*RUN, "--out", str(tmp_path)])

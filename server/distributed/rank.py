@@ -65,7 +65,7 @@ def run_rank(cfg: Any, run_session: Callable[[Any], dict]) -> dict | None:
     interrupts.hold()  # the launcher's SIGINT (run): noted now, answered once the run starts
     status.write_pid()
     try:
-        group = mx.distributed.init(strict=True)
+        group = _init_group(mx)
         summary = _serve_rank(cfg, group, run_session, status)
     except ConfigError as exc:
         status.write(False, f"rank {rank}: {exc}")
@@ -118,6 +118,16 @@ def _lead(session: Any, leader: Any, run_session: Callable[[Any], dict]) -> dict
         "ranks_wall_s": time.perf_counter() - t0,
     })
     return summary
+
+
+def _init_group(mx: Any) -> Any:
+    """mx.distributed.init with SIGINT blocked: the ring backend's accept() fails on EINTR
+    ("Accept failed (error: 4)"); a SIGINT that came meanwhile is held once init returns."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return mx.distributed.init(strict=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _exit_with_parent() -> None:

@@ -183,8 +183,9 @@ def test_a_stopped_follower_ends_the_run_within_the_rank_timeout_in_one_line(tin
         assert time.monotonic() - t0 < 3 + 15, err  # the rank timeout, then the launcher's grace
         assert rc == 1 and "Traceback" not in err, err[-3000:]
         last = err.strip().splitlines()[-1]
-        assert "rank 1 did not answer (stopped or hung) and was killed" in last, err[-3000:]
-        assert "a peer rank is not answering" in last
+        # Who ends the stopped rank first is a race: the launcher (after GRACE_S: "rank 1 did not
+        # answer ... and was killed" joins the line) or mlx.launch, once rank 0 has failed.
+        assert "a peer rank is not answering" in last, err[-3000:]
         ranks.assert_none_left()
     finally:
         ranks.cleanup()

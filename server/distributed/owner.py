@@ -71,7 +71,10 @@ class OwnedLaunch:
                 signal.signal(s, handler)
 
     def kill(self) -> None:
-        """Nothing of the run is left: the group killed, mlx.launch reaped, the lifeline cut."""
+        """Nothing of the run is left: the group killed, mlx.launch reaped, the lifeline cut. A rank
+        still running without a status (stopped or hung: mlx.launch's SIGTERM never landed, or
+        mlx.launch ended first) is named in `killed`."""
+        self.killed = self.killed or running_ranks(self.status_dir)
         self._signal_group(signal.SIGKILL)
         self.proc.wait()
         with contextlib.suppress(OSError):

@@ -28,10 +28,11 @@ from batchsim.server.results.timeline import Limits, write_timeline
 _FROM_THE_RUN = ("duration", "peak_memory", "peak_memory_source", "peak_rss_bytes")
 
 
-def rebuild_summary(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
+def rebuild_summary(run_dir: Path, timeline: bool = True) -> tuple[dict[str, Any], list[str]]:
     """summary.json from the run directory's records, written back; with notes for the reader
     (torn lines skipped, the run never finished). A run without summary.json never finished:
-    it is marked interrupted, and its duration is the span of its records."""
+    it is marked interrupted, and its duration is the span of its records. `timeline`: draw
+    timeline.png again (False: the summary keeps the path it had)."""
     if not (run_dir / REQUESTS).is_file() and not (run_dir / STEPS).is_file():
         raise ConfigError(f"{run_dir}: not a run directory (no {REQUESTS} or {STEPS})")
     notes: list[str] = []
@@ -59,7 +60,10 @@ def rebuild_summary(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
         notes.append(f"no {SUMMARY}: the run never finished; marked interrupted ("
                      f"{len(requests)} requests recorded" + (f" of {expected}" if expected else "")
                      + "; requests still in flight left no record)")
-    summary["timeline_png"] = _timeline(run_dir, requests, steps, config, old, notes)
+    if timeline:
+        summary["timeline_png"] = _timeline(run_dir, requests, steps, config, old, notes)
+    else:
+        summary.setdefault("timeline_png", None)
     write_summary(run_dir, jsonable(summary))
     return summary, notes
 

@@ -19,8 +19,27 @@ DEFAULT_PROMPT_TOKENS = 64
 DEFAULT_GENERATED_TOKENS = 256
 
 
+def check_weights(weights: str) -> None:
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights {weights!r}; allowed: {', '.join(WEIGHTS)}")
+
+
+class WeightFormat:
+    """What a row's `weights` (q4, q8, float16, bfloat16) means to the cost model."""
+
+    weights: str
+
+    @property
+    def dtype(self) -> str:
+        return WEIGHTS[self.weights][0]
+
+    @property
+    def quantize_bits(self) -> int | None:
+        return WEIGHTS[self.weights][1]
+
+
 @dataclasses.dataclass(frozen=True)
-class DecodeRow:
+class DecodeRow(WeightFormat):
     """One published batch-1 decode measurement."""
 
     model: str  # zoo model with the measured checkpoint's shapes
@@ -37,16 +56,8 @@ class DecodeRow:
     note: str = ""
 
     def __post_init__(self) -> None:
-        if self.weights not in WEIGHTS:
-            raise ValueError(f"weights {self.weights!r}; allowed: {', '.join(WEIGHTS)}")
+        check_weights(self.weights)
 
-    @property
-    def dtype(self) -> str:
-        return WEIGHTS[self.weights][0]
-
-    @property
-    def quantize_bits(self) -> int | None:
-        return WEIGHTS[self.weights][1]
 
     @property
     def width_tokens(self) -> int:
@@ -121,7 +132,7 @@ MEASURES = ("per_request", "aggregate")  # one stream's tok/s, or every stream's
 
 
 @dataclasses.dataclass(frozen=True)
-class PublishedRow:
+class PublishedRow(WeightFormat):
     """One published MLX throughput figure, with what it measures (see published.yaml's header)."""
 
     id: str  # unique in the file
@@ -144,8 +155,7 @@ class PublishedRow:
     note: str = ""
 
     def __post_init__(self) -> None:
-        if self.weights not in WEIGHTS:
-            raise ValueError(f"weights {self.weights!r}; allowed: {', '.join(WEIGHTS)}")
+        check_weights(self.weights)
         if self.measures not in MEASURES:
             raise ValueError(f"measures {self.measures!r}; allowed: {', '.join(MEASURES)}")
         if self.batch < 1 or self.tok_s <= 0:
@@ -155,13 +165,6 @@ class PublishedRow:
         if not self.quote.strip():
             raise ValueError("quote is empty")
 
-    @property
-    def dtype(self) -> str:
-        return WEIGHTS[self.weights][0]
-
-    @property
-    def quantize_bits(self) -> int | None:
-        return WEIGHTS[self.weights][1]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,10 +39,16 @@ class Ranks:
                                      stdin=subprocess.DEVNULL, text=True, env=env,
                                      start_new_session=True)
         self.stderr: list[str] = []
+        self.stdout: list[str] = []
         self.url = ""
         self.listening = threading.Event()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        # One reader per pipe (communicate() beside a reader thread would race it for the last
+        # lines of stderr).
+        self._readers = [threading.Thread(target=self._read, daemon=True),
+                         threading.Thread(target=lambda: self.stdout.extend(self.proc.stdout),
+                                          daemon=True)]
+        for reader in self._readers:
+            reader.start()
 
     def _read(self) -> None:  # keep draining stderr so the pipe never fills
         for line in self.proc.stderr:
@@ -66,9 +72,10 @@ class Ranks:
 
     def finish(self) -> tuple[int, str, str]:
         """The launcher's exit status, stdout and stderr, once it ended."""
-        out = self.proc.communicate(timeout=START_GUARD_S)[0]
-        self._reader.join(timeout=START_GUARD_S)  # the last lines of stderr
-        return self.proc.returncode, out, "".join(self.stderr)
+        self.proc.wait(timeout=START_GUARD_S)
+        for reader in self._readers:
+            reader.join(timeout=START_GUARD_S)  # the last lines of each pipe
+        return self.proc.returncode, "".join(self.stdout), "".join(self.stderr)
 
     def assert_none_left(self) -> None:
         deadline = time.monotonic() + GONE_S

@@ -209,8 +209,8 @@ def _columns(rows: list[dict]) -> tuple[list[str], list[list]]:
 
 def _notes(rows: list[dict], meta: dict, what: str, spec: ModelSpec) -> list[str]:
     notes = [
-        f"Usable: Metal's default working set ({meta['working_set_rule']}); raised: "
-        f"iogpu.wired_limit_mb = RAM - {meta['os_reserve_gb']:g} GB. Budget = usable - weights.",
+        (f"Usable: Metal's default working set ({meta['working_set_rule']}); raised: "
+         f"iogpu.wired_limit_mb = RAM - {meta['os_reserve_gb']:g} GB. Budget = usable - weights."),
         "Fixed context: every batch is exact." if meta["context_fixed"] else
         f"Distribution: max batch = the largest B whose p{meta['fit_quantile'] * 100:g} KV bytes "
         f"over {meta['fit_trials']} seeded batches fit; mean context "
@@ -266,8 +266,8 @@ PARTS = tuple(f.name for f in dataclasses.fields(StepTime)) + ("total_s",)
 def _print_parts(rows: list[dict], meta: dict) -> None:
     """The predicted decode step, part by part, in ms: one line per Mac, memory size and batch
     (parts that are zero in every line left out)."""
-    steps = [(r, batch, r["parts"][key]) for r in rows
-             for batch, key in ((1, "b1"), (r["max_batch"], "max_batch")) if r["parts"][key]]
+    steps = [(r, batch, r[key]) for r in rows
+             for batch, key in ((1, "parts_b1"), (r["max_batch"], "parts")) if r[key]]
     shown = [p for p in PARTS if p == "total_s" or any(parts[p] for _, _, parts in steps)]
     body = [[f"{r['label']} {r['memory_gb']:g}GB", batch] + [1e3 * parts[p] for p in shown]
             + [batch / parts["total_s"]] for r, batch, parts in steps]

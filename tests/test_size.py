@@ -290,16 +290,17 @@ def test_explain_shows_the_parts_of_the_predicted_step(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "Predicted decode step by part" in printed and "attention ms" in printed
     for r in summary["rows"]:
-        for batch, key, rate in ((1, "b1", "decode_tok_s_b1"),
-                                 (r["max_batch"], "max_batch", "decode_tok_s_max_batch")):
-            parts = r["parts"][key]
+        for batch, key, rate in ((1, "parts_b1", "decode_tok_s_b1"),
+                                 (r["max_batch"], "parts", "decode_tok_s_max_batch")):
+            parts = r[key]
+            assert all(isinstance(v, float) for v in parts.values())  # flat: seconds by name
             assert sum(v for k, v in parts.items() if k != "total_s") == pytest.approx(parts["total_s"])
             assert batch / parts["total_s"] == pytest.approx(r[rate])
         # Batch 1 streams the weights; hundreds of rows make the linear layers FLOP-bound.
-        assert r["parts"]["b1"]["matmul_s"] == 0 and r["parts"]["max_batch"]["matmul_s"] > 0
+        assert r["parts_b1"]["matmul_s"] == 0 and r["parts"]["matmul_s"] > 0
         assert r["engine"] == "batchsim"
     plain = run_size(tmp_path, "--model", "llama-3.1-8b", "--quantize", "4", "--mac", "M2 Max 38c")
-    assert "parts" not in plain["rows"][0]  # the contract's keys unchanged without --explain
+    assert not {"parts", "parts_b1"} & set(plain["rows"][0])  # keys unchanged without --explain
 
 
 NON_DENSE = ("qwen3-30b-a3b", "gpt-oss-20b", "gpt-oss-120b", "gemma-3-27b", "qwen3-next-80b-a3b",

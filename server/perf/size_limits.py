@@ -210,12 +210,12 @@ def _speed(spec: ModelSpec, mac: macs.Mac, s: Settings, cluster: Cluster | None,
         none = {"decode_tok_s_b1": None, "decode_tok_s_max_batch": None, "bound_at_max_batch": None}
         return {"profile": None, "profile_fitted_on": None, "engine": s.engine.name if s.engine
                 else DEFAULT_ENGINE, **none, "refused": refused,
-                **({"parts": {"b1": None, "max_batch": None}} if explain else {})}
+                **({"parts": None, "parts_b1": None} if explain else {})}
     profile, cost = mac_profile_for(mac, s), mac_cost(spec, mac, s, cluster)
     (b1, b_max), steps = batches, [decode_step(cost, b, width) for b in batches]
     out = {"profile": profile.name, "profile_fitted_on": profile.fitted_on or profile.source,
            "engine": cost.engine.name, "decode_tok_s_b1": tok_s(steps[0], b1),
            "decode_tok_s_max_batch": tok_s(steps[1], b_max), "bound_at_max_batch": bound(steps[1])}
-    if explain:  # StepTime's parts in seconds, by name (None: no such batch)
-        out["parts"] = {k: t.as_dict() if t else None for k, t in zip(("b1", "max_batch"), steps)}
+    if explain:  # StepTime's parts in seconds by name, at the max batch and at batch 1 (None: none)
+        out["parts"], out["parts_b1"] = (t.as_dict() if t else None for t in reversed(steps))
     return out

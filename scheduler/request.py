@@ -8,6 +8,8 @@ import dataclasses
 import enum
 from typing import Protocol
 
+from batchsim.scheduler.pool_geometry import PAGE_TOKENS
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -74,6 +76,9 @@ class Request:
     prompt_token_ids: list[int] | None = None
     eos_token_ids: frozenset[int] = frozenset()
     stop_checker: StopChecker | None = None  # stop strings; None: only tokens and length stop it
+    # Chained hashes of the prompt's full PAGE_TOKENS blocks (scheduler/prefix_cache.py), set by
+    # a workload that shares prefixes; None: worked out from prompt_token_ids, or nothing shared.
+    block_hashes: tuple[int, ...] | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -94,6 +99,10 @@ class Request:
             raise ValueError(f"request {self.request_id}: prompt must have >= 1 token")
         if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.num_prompt_tokens:
             raise ValueError(f"request {self.request_id}: prompt ids do not match num_prompt_tokens")
+        if self.block_hashes is not None and (
+                len(self.block_hashes) * PAGE_TOKENS > self.num_prompt_tokens):
+            raise ValueError(f"request {self.request_id}: {len(self.block_hashes)} block hashes "
+                             f"cover more than its {self.num_prompt_tokens} prompt tokens")
 
     @property
     def num_tokens(self) -> int:

@@ -116,7 +116,7 @@ def main() -> int:
         cells = []
         for n in names:
             v = results[n].get(key)
-            cells.append(f"{v:>22.2f}" if isinstance(v, float) else f"{str(v):>22}")
+            cells.append(f"{v:>22.2f}" if isinstance(v, float) else f"{v!s:>22}")
         print(f"{label:<30}" + "".join(cells))
     print(json.dumps({n: {k: results[n].get(k) for _, k in ROWS} | {
         "run_dir": results[n].get("run_dir"), "model_sent": results[n].get("model_sent"),

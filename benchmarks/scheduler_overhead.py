@@ -9,6 +9,7 @@ Prints the median microseconds per step for (a) the policy alone (schedule + upd
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -51,7 +52,7 @@ def engine_us(batch: int) -> dict:
     session = open_session(cfg)
     out = run_workload(session, spec, out_dir=None, label="overhead")
     full = [s for s in out.steps if s.batch_size == batch]
-    gaps = [b.end_s - a.end_s for a, b in zip(full, full[1:])]
+    gaps = [b.end_s - a.end_s for a, b in itertools.pairwise(full)]
     return {"engine_step_us": statistics.median(gaps) * 1e6, "steps": len(full),
             "mean_batch_size": out.summary["mean_batch_size"]}
 

@@ -25,8 +25,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from batchsim.server.http.prometheus import parse as parse_metrics  # noqa: E402
-from batchsim.workloads.client.sse import SSEParser  # noqa: E402
+from batchsim.server.http.prometheus import parse as parse_metrics
+from batchsim.workloads.client.sse import SSEParser
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:

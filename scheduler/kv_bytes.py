@@ -53,7 +53,7 @@ class CacheLayout:
         """One pool row of `tokens` capacity, or one sequence's `tokens` copied into a row."""
         b = tokens * self.full_token_bytes + self.state_bytes
         for window, token_bytes in self.sliding:
-            b += (tokens if tokens < window else window) * token_bytes
+            b += (min(window, tokens)) * token_bytes
         return b
 
     def pool_bytes(self, pool: PoolGeometry) -> int:
@@ -69,7 +69,7 @@ class CacheLayout:
         if self.sliding:
             chunk = computed_tokens - chunk_start
             for window, token_bytes in self.sliding:
-                held = chunk_start if chunk_start < window - 1 else window - 1
+                held = min(window - 1, chunk_start)
                 b += (chunk + held) * token_bytes
         return b
 

@@ -14,9 +14,9 @@ import logging
 from collections import deque
 
 from batchsim.scheduler.config import SchedulerConfig
-from batchsim.scheduler.pool_geometry import PoolGeometry
 from batchsim.scheduler.kv_manager import KVAccountError, KVManager
 from batchsim.scheduler.plan import NewRequest, StepPlan, StepResult
+from batchsim.scheduler.pool_geometry import PoolGeometry
 from batchsim.scheduler.request import Request, RequestStatus
 from batchsim.scheduler.step_budget import StepBudget
 
@@ -164,7 +164,7 @@ class Scheduler:
         len_later = longest + 1 if running else 0
         while waiting and len(running) < cfg.max_num_seqs and budget.tokens_left > 0:
             r = waiting[0]
-            n_later = r.num_tokens + 1 if r.num_tokens + 1 > len_later else len_later
+            n_later = max(len_later, r.num_tokens + 1)
             if kv.geometry_for(rows_later + 1, n_later, cfg.kv_budget_bytes) is None:
                 break
             if r.num_tokens == 1:  # a one-token prompt is decode-ready: it joins the pool

@@ -5,18 +5,30 @@ it fits (vLLM's `allocate_slots -> None`, nano-vllm's `can_allocate`)."""
 
 from __future__ import annotations
 
-from batchsim.scheduler.kv_bytes import PrivateCache
 from batchsim.scheduler.config import SchedulerConfig
-from batchsim.scheduler.pool_geometry import KV_STEP, PoolGeometry, round_down
+from batchsim.scheduler.kv_bytes import PrivateCache
 from batchsim.scheduler.kv_manager import KVManager
 from batchsim.scheduler.plan import PrefillChunk
+from batchsim.scheduler.pool_geometry import KV_STEP, PoolGeometry, round_down
 from batchsim.scheduler.request import Request
 
 
 class StepBudget:
-    __slots__ = ("kv", "budget_bytes", "cache", "prefill_step_size", "max_num_batched_tokens",
-                 "decode_step", "pool", "in_pool", "width", "private", "geom", "tokens_left",
-                 "prefills")
+    __slots__ = (
+        "budget_bytes",
+        "cache",
+        "decode_step",
+        "geom",
+        "in_pool",
+        "kv",
+        "max_num_batched_tokens",
+        "pool",
+        "prefill_step_size",
+        "prefills",
+        "private",
+        "tokens_left",
+        "width",
+    )
 
     def __init__(self, kv: KVManager, config: SchedulerConfig, pool: list[Request], width: int,
                  decode_step: bool):

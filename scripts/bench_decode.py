@@ -104,13 +104,13 @@ def _continuous(args: argparse.Namespace, model, vocab: int, kvt: int, layout=No
         lens = db.continuous_lengths(4 * b)
         samples = {"executor": [], "mlx_lm": []}
         for rep in range(max(1, args.reps // 2)):
-            for mode in samples:  # alternate, as above
+            for mode, rates in samples.items():  # alternate, as above
                 if mode == "executor":
                     n, secs = db.continuous_executor(model, b, args.context, vocab, kvt, lens,
                                                      layout)
                 else:
                     n, secs = db.continuous_mlx_lm(model, b, args.context, vocab, lens)
-                samples[mode].append(n / secs)
+                rates.append(n / secs)
                 err.print(f"continuous batch {b:3d} rep {rep + 1} {mode:8s} {n / secs:8.1f} tok/s")
         results.append({"batch": b, "requests": len(lens), "context": args.context,
                         "executor_tok_s": median(samples["executor"]),
@@ -126,7 +126,7 @@ def _add_ratios(rows: list[dict]) -> None:
     batches = sorted({r["batch"] for r in rows})
     for r in rows:
         base = by.get((batches[0], r["mode"]))
-        r["speedup_vs_batch_%d" % batches[0]] = r["decode_tok_s"] / base["decode_tok_s"] if base else None
+        r[f"speedup_vs_batch_{batches[0]}"] = r["decode_tok_s"] / base["decode_tok_s"] if base else None
         for other in ("bare", "mlx_lm"):
             o = by.get((r["batch"], other))
             r[f"vs_{other}"] = r["decode_tok_s"] / o["decode_tok_s"] if o else None

@@ -6,12 +6,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import time
 from pathlib import Path
 from typing import Any
 
 from batchsim.configs import ConfigError
-from batchsim.scripts.common import add_field_argument, append_jsonl, err, out, positive_int, str_list, table
+from batchsim.scripts.common import (
+    add_field_argument,
+    append_jsonl,
+    err,
+    out,
+    positive_int,
+    str_list,
+    table,
+)
 from batchsim.server.engine.run_config import DTYPES, RunConfig
 from batchsim.server.perf.devices import LOCAL_NAME
 
@@ -23,13 +32,13 @@ from batchsim.server.perf.devices import LOCAL_NAME
 # Other architectures' terms are measured alone (fixed_cost.py, expert_cost.py), so no step of an
 # MoE model is fitted on: `--models` may name one, and its steps are then reported, not fitted.
 DEFAULT_MODELS = ["smollm2-135m", "tiny", "gqa8-probe", "qwen3-0.6b"]
-FULL = dict(models=DEFAULT_MODELS, batches=["1", "2", "4", "8", "12", "16", "24", "32", "64"],
-            widths=["128", "512", "1024"], chunks=["16", "64", "256", "512"], starts=["0", "512"],
-            reps=5, rounds=3)
+FULL = {"models": DEFAULT_MODELS, "batches": ["1", "2", "4", "8", "12", "16", "24", "32", "64"],
+            "widths": ["128", "512", "1024"], "chunks": ["16", "64", "256", "512"], "starts": ["0", "512"],
+            "reps": 5, "rounds": 3}
 # --quick: fewer models, grid points and repeats (minutes instead of half an hour), then the fitted
 # profile predicts a model it has not seen (QUICK_HELD_OUT) and reports that error.
-QUICK = dict(models=["smollm2-135m", "tiny"], batches=["1", "2", "4", "8", "16", "32"],
-             widths=["128", "512"], chunks=["16", "64", "256"], starts=["0", "512"], reps=2, rounds=1)
+QUICK = {"models": ["smollm2-135m", "tiny"], "batches": ["1", "2", "4", "8", "16", "32"],
+             "widths": ["128", "512"], "chunks": ["16", "64", "256"], "starts": ["0", "512"], "reps": 2, "rounds": 1}
 QUICK_GEMM_ROWS = (1, 2, 3, 4, 8, 12, 16, 24, 32, 48, 64, 128, 512)
 QUICK_GEMM_SHAPES = ((512, 512), (1024, 1024), (2048, 2048), (576, 1536), (1536, 576),
                      (1024, 4096), (1024, 32768))
@@ -126,7 +135,7 @@ def _measure_ceilings(dtype: str, reps: int, quick: bool = False) -> _Ceilings:
 
     with cache_limit():  # as the executor runs: freed buffers reused, not re-faulted
         bandwidth = measure_bandwidth_gbs()
-        grid = dict(rows=QUICK_GEMM_ROWS, shapes=QUICK_GEMM_SHAPES) if quick else {}
+        grid = {"rows": QUICK_GEMM_ROWS, "shapes": QUICK_GEMM_SHAPES} if quick else {}
         gemm, gemm_samples = cal.measure_gemm(getattr(mx, dtype), reps=reps, log=err.print, **grid)
         copy_gbs = cal.measure_copy_gbs(reps)
     rates = quantized.measure_rates(dtype, bandwidth, reps=max(3, reps),
@@ -243,8 +252,8 @@ def _residuals(samples: list, sessions: dict, profile, dtype: str) -> list[dict]
     from batchsim.server.perf.stepcost import StepCost
 
     costs = {n: StepCost(s.spec, profile, dtype, None) for n, s in sessions.items()}
-    rows = [dict(model=s.model, kind=s.kind, rows=s.rows, context=s.context, measured_s=s.seconds,
-                 predicted_s=cal.predict(s, costs[s.model])) for s in samples]
+    rows = [{"model": s.model, "kind": s.kind, "rows": s.rows, "context": s.context, "measured_s": s.seconds,
+                 "predicted_s": cal.predict(s, costs[s.model])} for s in samples]
     for r in rows:
         r["error"] = r["predicted_s"] / r["measured_s"] - 1
     return rows
@@ -308,7 +317,7 @@ def _engine_overhead_one_us(session) -> float:
                         request_rate=float("inf"), input_len=LengthSpec("fixed", value=16),
                         output_len=LengthSpec("fixed", value=24), seed=0)
     steps = run_workload(session, spec, out_dir=None, label="calibrate").steps
-    gaps = [b.end_s - a.end_s - b.compute_s for a, b in zip(steps, steps[1:])
+    gaps = [b.end_s - a.end_s - b.compute_s for a, b in itertools.pairwise(steps)
             if b.start_s - a.end_s < 0.005 and b.compute_s is not None]
     return max(0.0, float(np.median(gaps)) * 1e6) if gaps else 0.0
 

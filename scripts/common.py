@@ -11,7 +11,6 @@ import sys
 import types
 import typing
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 from batchsim.server.results.jsonio import append_jsonl, dumps, jsonable, timestamp, write_jsonl  # noqa: F401

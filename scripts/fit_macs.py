@@ -14,14 +14,13 @@ import re
 from pathlib import Path
 
 import yaml
-
 from batchsim.configs import ConfigError
 from batchsim.scripts.common import out, table
 from batchsim.server.perf import gpu_fit, mac_report, macs
-from batchsim.server.published import cv as mac_cv
 from batchsim.server.perf.engines import ENGINES_DIR, EngineProfile, load_engine
-from batchsim.server.published.sim import MacModel
 from batchsim.server.perf.reference import PUBLISHED_PATH, load_published, load_reference
+from batchsim.server.published import cv as mac_cv
+from batchsim.server.published.sim import MacModel
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -79,10 +78,10 @@ def save_engine(profile: EngineProfile, fitted_on: str) -> Path:
     path = ENGINES_DIR / f"{profile.name}.yaml"
     text = path.read_text()
     for key in ("host_step_us", "host_token_us"):
-        text = re.sub(rf"^{key}: .*$", f"{key}: {getattr(profile, key)!r}", text, flags=re.M)
+        text = re.sub(rf"^{key}: .*$", f"{key}: {getattr(profile, key)!r}", text, flags=re.MULTILINE)
     source = yaml.safe_dump({"source": f"Fitted by `batchsim fit-macs --write` on {fitted_on}"},
                             width=100)
-    text = re.sub(r"^source:.*?(?=^\S|\Z)", lambda _: source, text, flags=re.M | re.S)
+    text = re.sub(r"^source:.*?(?=^\S|\Z)", lambda _: source, text, flags=re.MULTILINE | re.DOTALL)
     path.write_text(text)
     load_engine.cache_clear()
     return path

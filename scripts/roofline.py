@@ -9,8 +9,8 @@ from pathlib import Path
 
 from batchsim.scripts.common import (
     append_jsonl,
-    err,
     bounded,
+    err,
     int_list,
     ints_up_to,
     non_negative_int,
@@ -180,8 +180,8 @@ def _print_report(summary: dict, ns: list[int], dtypes: list[str], cfg: mb.Bench
     out.print(table("Measured ceilings", ["metric", "value", "ridge FLOP/B"],
                     [[f"bandwidth GB/s ({k})", v, None]
                      for k, v in summary["bandwidth_kernels_gbs"].items()]
-                    + [[f"peak {d} GFLOP/s (N={summary['peak_from'][d]['n']}, "
-                        f"B={summary['peak_from'][d]['batch']})", g,
+                    + [[(f"peak {d} GFLOP/s (N={summary['peak_from'][d]['n']}, "
+                        f"B={summary['peak_from'][d]['batch']})"), g,
                         summary["ridge_flop_per_byte"][d]] for d, g in peaks.items()]))
     sweep = summary["sweep"]
     if sweep["rows"]:

@@ -171,8 +171,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 def _trace_override(args: argparse.Namespace, cfg: RunConfig) -> TraceSpec | None:
     """--trace, or the trace flags applied to the config's own trace."""
-    given = {k: v for k, v in dict(time_scale=args.time_scale, max_input_len=args.max_input_len,
-                                   max_output_len=args.max_output_len).items() if v is not None}
+    given = {k: v for k, v in {"time_scale": args.time_scale, "max_input_len": args.max_input_len,
+                                   "max_output_len": args.max_output_len}.items() if v is not None}
     if args.trace:
         return TraceSpec(path=args.trace, **given)
     if not given:
@@ -189,13 +189,13 @@ def config_from_args(args: argparse.Namespace, default: RunConfig | None = None)
     cfg = load_run_config(args.config) if args.config else (default or RunConfig())
     if args.workload:
         cfg = dataclasses.replace(cfg, workload=resolve_workload(args.workload))
-    workload = dict(
-        num_prompts=args.num_prompts, request_rate=args.request_rate, burstiness=args.burstiness,
-        arrival="trace" if args.trace else args.arrival, concurrency=args.concurrency,
-        ramp_end_rate=args.ramp_end_rate,
-        max_concurrency=args.max_concurrency, input_len=args.input_len, output_len=args.output_len,
-        seed=args.seed, trace=_trace_override(args, cfg),
-    )
+    workload = {
+        "num_prompts": args.num_prompts, "request_rate": args.request_rate, "burstiness": args.burstiness,
+        "arrival": "trace" if args.trace else args.arrival, "concurrency": args.concurrency,
+        "ramp_end_rate": args.ramp_end_rate,
+        "max_concurrency": args.max_concurrency, "input_len": args.input_len, "output_len": args.output_len,
+        "seed": args.seed, "trace": _trace_override(args, cfg),
+    }
     if args.trace and args.num_prompts is None:  # --trace FILE replays all of FILE
         from batchsim.workloads.requests import trace_length
 

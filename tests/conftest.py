@@ -11,7 +11,7 @@ from batchsim.server.platform import blas
 
 blas.preload()  # before anything imports mlx, as the CLI does
 
-from tests.backend import dtype_for  # noqa: E402  (after the BLAS is chosen)
+from tests.backend import dtype_for
 
 
 @pytest.fixture(scope="session")

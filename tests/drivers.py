@@ -61,7 +61,7 @@ def drive(scheduler: Scheduler, executor, arrivals: list[tuple[int, Request]],
 
 
 def config(**kw) -> SchedulerConfig:
-    base = dict(kv_budget_bytes=1 << 40, kv_bytes_per_token=512, max_model_len=8192)
+    base = {"kv_budget_bytes": 1 << 40, "kv_bytes_per_token": 512, "max_model_len": 8192}
     base.update(kw)
     return SchedulerConfig(**base)
 
@@ -78,10 +78,10 @@ def step_limits(draw, max_seqs: int) -> dict:
     """Random scheduler limits (SchedulerConfig keys) beside a test's own budget and model."""
     prefill = draw(st.sampled_from([256, 512]))
     seqs = draw(st.integers(1, max_seqs))
-    return dict(
-        max_num_seqs=seqs, prefill_step_size=prefill,
-        max_num_batched_tokens=draw(st.integers(max(prefill, seqs), 3000)),
-        policy=draw(st.sampled_from(["decode-first", "prefill-first"])),
-        row_step=draw(st.sampled_from([1, 2, 8])),
-        max_lookahead_steps=draw(st.sampled_from([1, 1, 16])),
-    )
+    return {
+        "max_num_seqs": seqs, "prefill_step_size": prefill,
+        "max_num_batched_tokens": draw(st.integers(max(prefill, seqs), 3000)),
+        "policy": draw(st.sampled_from(["decode-first", "prefill-first"])),
+        "row_step": draw(st.sampled_from([1, 2, 8])),
+        "max_lookahead_steps": draw(st.sampled_from([1, 1, 16])),
+    }

@@ -34,10 +34,11 @@ def test_batched_logits_stay_within_what_the_token_checks_allow(name, request):
 def test_off_the_cpu_a_token_may_differ_only_at_a_near_tie(tiny, monkeypatch):
     """The GPU rule, run here: a first difference where the reference's top two logits are within
     the margin passes; the same difference with a tighter margin, or a far-off token, fails."""
-    import tests.backend as backend
     from mlx_lm.models.cache import make_prompt_cache
 
-    ref, model, _ = tiny
+    from tests import backend
+
+    _ref, model, _ = tiny
     prompt = list(range(5, 25))
     logits = model(mx.array(prompt)[None], cache=make_prompt_cache(model))[0, -1]
     order = mx.argsort(logits).tolist()

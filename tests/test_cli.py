@@ -22,7 +22,7 @@ RUN_KEYS = {
 
 def batchsim(*args: str, home: Path, timeout: float = 300, check: bool = True):
     env = {**os.environ, "BATCHSIM_HOME": str(home), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "batchsim.scripts.cli", *args], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "batchsim.scripts.cli", *args], capture_output=True, check=False,
                           text=True, env=env, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stderr[-3000:]}")

@@ -36,7 +36,7 @@ def test_link_arithmetic_by_hand():
 
 def test_one_rank_prices_exactly_what_one_mac_does():
     one, single = _cost("llama-3.1-70b"), _cost("llama-3.1-70b", Cluster(1, RING))
-    for kwargs in (dict(decode_rows=8, width=1000), dict(decode_rows=1, width=10)):
+    for kwargs in ({"decode_rows": 8, "width": 1000}, {"decode_rows": 1, "width": 10}):
         assert single.step_time(**kwargs) == one.step_time(**kwargs)
         assert one.step_time(**kwargs).comm_s == 0.0
 
@@ -44,7 +44,7 @@ def test_one_rank_prices_exactly_what_one_mac_does():
 def test_tensor_parallel_splits_all_but_the_lm_head_and_adds_two_all_reduces_per_layer():
     spec = zoo_spec("llama-3.1-70b")
     one = _cost("llama-3.1-70b").step_time(decode_rows=4, width=512)
-    head_w, head_m = _cost("llama-3.1-70b").linear_split(4, spec.hidden_size, spec.vocab_size)
+    head_w, _head_m = _cost("llama-3.1-70b").linear_split(4, spec.hidden_size, spec.vocab_size)
     two = _cost("llama-3.1-70b", Cluster(2, RING)).step_time(decode_rows=4, width=512)
     assert two.weights_s == pytest.approx((one.weights_s - head_w) / 2 + head_w)
     assert two.attention_s == pytest.approx(one.attention_s / 2)

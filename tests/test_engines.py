@@ -64,7 +64,7 @@ def test_per_row_terms_grow_with_the_rows_and_the_simulator_charges_them():
 
     spec = zoo_spec("llama-3.2-1b")
     base = _mac()
-    terms = dict(attention_row_s=2e-6, token_layer_s=1e-6, sampling_row_s=30e-6)
+    terms = {"attention_row_s": 2e-6, "token_layer_s": 1e-6, "sampling_row_s": 30e-6}
     cost = StepCost(spec, dataclasses.replace(base, **terms), "float16", 4,
                     engine=_engine(host_step_us=500, host_token_us=100))
     plain = StepCost(spec, base, "float16", 4)

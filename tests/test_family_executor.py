@@ -151,7 +151,7 @@ def test_prompts_of_one_length_prefill_together_as_they_do_alone(name, batchsim_
     sizes = []
     monkeypatch.setattr(prefill_cache, "split_rows",
                         lambda caches, rows: sizes.append(rows) or split(caches, rows))
-    cfg = dict(max_num_seqs=n, prefill_step_size=256, max_num_batched_tokens=1024)
+    cfg = {"max_num_seqs": n, "prefill_step_size": 256, "max_num_batched_tokens": 1024}
     batched = _run(model, layout, specs, **cfg)[0]  # the driver checks the KV bytes every step
     assert sizes and max(sizes) == n
     _same(model, specs, batched, _alone(model, layout, specs))
@@ -181,7 +181,7 @@ def test_steps_run_ahead_are_used_or_undone_and_change_no_token(name, batchsim_h
     layout = ref.spec.cache_layout("float32")
     n, max_out = (5, 20) if name == "tiny-sliding" else (3, 6)
     specs = _specs(ref.spec.vocab_size, n, seed=8, max_prompt=40, max_out=max_out)
-    cfg = dict(max_num_seqs=n, policy="prefill-first")
+    cfg = {"max_num_seqs": n, "policy": "prefill-first"}
     ahead = _run(model, layout, specs, **cfg)[0]
     steps = _run.executor.ahead_steps
     assert steps["used"] > 0 and steps["undone"] > 0, steps
@@ -228,10 +228,10 @@ def _tiny_llama_64(tmp_path, dtype: str):
     from batchsim.server.models.loader import ModelRef, load
     from batchsim.server.models.spec import ModelSpec
 
-    cfg = dict(model_type="llama", hidden_size=128, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=512,
-               max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
-               tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    cfg = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 2,
+               "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "vocab_size": 512,
+               "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+               "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
     spec = ModelSpec(name="tiny-llama64", config=cfg)
     path = build_model(spec, dtype, out_dir=tmp_path / "llama64")
     return spec, load(ModelRef(spec.name, path, spec, dtype, None))[0]
@@ -248,7 +248,7 @@ def test_quantized_kv_batched_equals_single(bits, tmp_path, quantized_dtype):
     assert MLXExecutor(model, kv_bits=bits).cache_layout == layout
     assert layout.full_token_bytes < spec.kv_bytes_per_token(dtype)
     assert max(len(p.decode_ids) for p in trace.plans) >= 3
-    quantized = lambda m: [QuantizedKVCache(64, bits) for _ in m.layers]  # noqa: E731
+    quantized = lambda m: [QuantizedKVCache(64, bits) for _ in m.layers]
     _same(model, specs, batched, _alone(model, layout, specs, bits), quantized)
     # mlx-lm's QuantizedKVCache alone gives the same tokens (prompts within one prefill chunk).
     short = [(0, ids[:200], out) for _, ids, out in specs[:2]]

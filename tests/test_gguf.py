@@ -18,7 +18,7 @@ def _llama_meta(mx, **changes) -> dict:
 
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokens += sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt", "he", "Ġthe"]
-    u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
+    u32 = lambda v: mx.array(v, dtype=mx.uint32)
     meta = {
         "general.architecture": "llama", "llama.block_count": u32(1),
         "llama.embedding_length": u32(HIDDEN), "llama.feed_forward_length": u32(FFN),
@@ -183,7 +183,7 @@ def _bad_gguf(kind: str, path: Path) -> Path:
     import mlx.core as mx
 
     hf = _hf_weights(mx, vocab=262)
-    u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
+    u32 = lambda v: mx.array(v, dtype=mx.uint32)
     if kind == "nested":
         return _nested_arrays(path)
     if kind == "missing":

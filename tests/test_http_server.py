@@ -412,12 +412,12 @@ def test_auth_method_and_health_after_bad_input(srv):
 def test_client_disconnect_frees_kv(srv):
     before = srv.metrics()
     body = {"prompt": "a long one", "max_tokens": 3000, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=srv.url, timeout=60) as client:
-        with client.stream("POST", "/v1/completions", json=body, headers=AUTH) as r:
-            lines = r.iter_lines()
-            for _ in range(10):
-                next(lines)
-            assert srv.metrics()["batchsim_kv_bytes"] > 0
+    with (httpx.Client(base_url=srv.url, timeout=60) as client,
+          client.stream("POST", "/v1/completions", json=body, headers=AUTH) as r):
+        lines = r.iter_lines()
+        for _ in range(10):
+            next(lines)
+        assert srv.metrics()["batchsim_kv_bytes"] > 0
     # a non-streaming client that gives up
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{srv.url}/v1/completions", json={**body, "stream": False}, headers=AUTH,
@@ -526,7 +526,8 @@ def test_run_target_reports_like_in_process(srv, tmp_path, monkeypatch):
     assert summary["total_output_tokens"] == 6 * 12
     assert summary["mean_ttft_ms"] > 0 and summary["mean_tpot_ms"] > 0
     assert summary["max_batch_size"] >= 2 and summary["batch_view_source"] == "server /metrics"
-    rows = [json.loads(line) for line in Path(summary["run_dir"], "requests.jsonl").open()]
+    rows = [json.loads(line)
+            for line in Path(summary["run_dir"], "requests.jsonl").read_text().splitlines()]
     assert [r["num_output_tokens"] for r in rows] == [12] * 6
     assert all(r["num_prompt_tokens"] == r["prompt_tokens_local"] for r in rows)
     chat = run_over_http(dataclasses.replace(cfg, target=f"{srv.url}/v1/chat/completions"), tmp_path,

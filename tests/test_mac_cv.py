@@ -10,12 +10,12 @@ import pytest
 import yaml
 from batchsim.scripts import fit_macs
 from batchsim.server.perf import gpu_fit, macs
+from batchsim.server.perf.engines import ENGINES_DIR, load_engine
+from batchsim.server.perf.reference import load_published
 from batchsim.server.published import cv as mac_cv
 from batchsim.server.published import fit as published_fit
 from batchsim.server.published import sim as ps
-from batchsim.server.perf.engines import ENGINES_DIR, load_engine
 from batchsim.server.published.sim import MacModel
-from batchsim.server.perf.reference import load_published
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,11 @@ from batchsim.configs import CONFIG_DIR, ConfigError
 from batchsim.scripts import fit_macs, size
 from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf import devices, gpu_fit, mac_fit, mac_report, macs
-from batchsim.server.published import fit as published_fit
 from batchsim.server.perf.engines import load_engine
-from batchsim.server.published.sim import MacModel
 from batchsim.server.perf.reference import load_published, load_reference
 from batchsim.server.perf.stepcost import StepCost, matrix_weight_bytes
+from batchsim.server.published import fit as published_fit
+from batchsim.server.published.sim import MacModel
 
 GIB = 1 << 30
 

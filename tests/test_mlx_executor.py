@@ -55,7 +55,7 @@ def test_batched_equals_single_tiny(tiny):
     specs = _requests(ref.spec.vocab_size, 12, seed=1, max_prompt=700, max_out=40)
     alone = _alone(model, _kvt(ref), specs)
     # Small token budget: prompts are chunked, decodes and prefills share steps, rows join and leave.
-    batched, sched, trace = _run(model, _kvt(ref), specs, max_num_seqs=6, prefill_step_size=256,
+    batched, _sched, trace = _run(model, _kvt(ref), specs, max_num_seqs=6, prefill_step_size=256,
                                  max_num_batched_tokens=300)
     assert max(len(p.decode_ids) for p in trace.plans) >= 4
     assert any(p.decode_ids and p.prefills for p in trace.plans)
@@ -66,7 +66,7 @@ def test_steps_run_ahead_are_used_or_undone_and_change_no_token(tiny):
     # Prefill-first: a step that only prefills undoes the decode step run ahead of it.
     ref, model, _ = tiny
     specs = _requests(ref.spec.vocab_size, 8, seed=4, max_prompt=300, max_out=30)
-    cfg = dict(max_num_seqs=4, prefill_step_size=256, policy="prefill-first")
+    cfg = {"max_num_seqs": 4, "prefill_step_size": 256, "policy": "prefill-first"}
     ahead = _run(model, _kvt(ref), specs, **cfg)[0]
     steps = _run.executor.ahead_steps
     assert steps["used"] > 0 and steps["undone"] > 0, steps
@@ -155,10 +155,10 @@ def test_batched_equals_single_on_other_architectures(model_type, tmp_path):
     from batchsim.server.models.loader import ModelRef, load
     from batchsim.server.models.spec import ModelSpec
 
-    config = dict(model_type=model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
-                  max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0,
-                  tie_word_embeddings=model_type == "qwen3", bos_token_id=1, eos_token_id=2)
+    config = {"model_type": model_type, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+                  "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                  "tie_word_embeddings": model_type == "qwen3", "bos_token_id": 1, "eos_token_id": 2}
     if model_type == "qwen3":
         config["head_dim"] = 16
     spec = ModelSpec(name=f"tiny-{model_type}", config=config)

@@ -7,9 +7,9 @@ import random
 
 import mlx.core as mx
 import pytest
-from batchsim.scheduler.pool_geometry import EMPTY_POOL, PoolGeometry
-from batchsim.scheduler.plan import StepPlan
 from batchsim.scheduler.kv_bytes import CacheLayout
+from batchsim.scheduler.plan import StepPlan
+from batchsim.scheduler.pool_geometry import EMPTY_POOL, PoolGeometry
 from batchsim.server.executors.decode_pool import DecodePool
 from batchsim.server.executors.pool_rows import PoolLayout
 from batchsim.server.executors.sim_executor import SimExecutor

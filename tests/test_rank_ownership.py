@@ -186,7 +186,7 @@ def test_a_stopped_follower_ends_the_run_within_the_rank_timeout_in_one_line(tin
         (follower,) = ranks.processes(rank=1)
         os.kill(follower, signal.SIGSTOP)
         t0 = time.monotonic()
-        rc, out, err = ranks.finish()
+        rc, _out, err = ranks.finish()
         assert time.monotonic() - t0 < 3 + 15, err  # the rank timeout, then the launcher's grace
         assert rc == 1 and "Traceback" not in err, err[-3000:]
         last = err.strip().splitlines()[-1]

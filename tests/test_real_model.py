@@ -138,6 +138,7 @@ def _cli(capsys, argv: list[str]) -> tuple[int, dict | None, str]:
 
 def test_models_and_run_summaries_say_which_weights(capsys, tmp_path, batchsim_home):
     rc, doc, _ = _cli(capsys, ["models", "--json"])
+    assert rc == 0
     weights = {m["name"]: m["weights"] for m in doc["models"]}
     assert weights[MODEL] == "real" and weights["smollm2-135m"] == "random"
     assert {w for n, w in weights.items() if n != MODEL} == {"random"}
@@ -145,7 +146,7 @@ def test_models_and_run_summaries_say_which_weights(capsys, tmp_path, batchsim_h
         rc, summary, _ = _cli(capsys, ["run", "--model", model, "--executor", "fake",
                                        "--num-prompts", "6", "--request-rate", "inf", "--no-progress",
                                        "--out", str(tmp_path)])
-        assert summary["env"]["weights"] == expected
+        assert rc == 0 and summary["env"]["weights"] == expected
     # Synthetic traffic ignores EOS: every request ends at its length, and the summary's output
     # length percentiles are those of the records.
     import json

@@ -146,11 +146,11 @@ def test_plain_greedy_is_what_the_fast_path_checks():
 
 # -- on the real executor: batched, run ahead, alone and preempted draw the same tokens ---------
 MIXED = [
-    dict(),
-    dict(presence_penalty=1.5, frequency_penalty=0.5),
-    dict(temperature=1.0, top_k=8, seed=3, frequency_penalty=1.0),
-    dict(temperature=0.8, top_p=0.7, min_p=0.05, seed=4, repetition_penalty=1.3),
-    dict(logit_bias=((17, 0.3),), presence_penalty=1.0),
+    {},
+    {"presence_penalty": 1.5, "frequency_penalty": 0.5},
+    {"temperature": 1.0, "top_k": 8, "seed": 3, "frequency_penalty": 1.0},
+    {"temperature": 0.8, "top_p": 0.7, "min_p": 0.05, "seed": 4, "repetition_penalty": 1.3},
+    {"logit_bias": ((17, 0.3),), "presence_penalty": 1.0},
 ]
 
 

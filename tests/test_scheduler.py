@@ -7,8 +7,8 @@ import os
 import sys
 
 import pytest
-from batchsim.scheduler.pool_geometry import KV_STEP, PoolGeometry, round_up
 from batchsim.scheduler.kv_manager import KVAccountError
+from batchsim.scheduler.pool_geometry import KV_STEP, PoolGeometry, round_up
 from batchsim.scheduler.request import RequestStatus
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.executors.fake_executor import FakeExecutor

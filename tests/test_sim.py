@@ -100,8 +100,8 @@ def test_lookahead_changes_speed_not_results():
 
 
 @pytest.mark.parametrize("arrivals", [
-    dict(arrival="poisson", request_rate=4.0, max_concurrency=3, max_request_rate=2.0),
-    dict(arrival="closed", concurrency=3, think_time_s=0.05),
+    {"arrival": "poisson", "request_rate": 4.0, "max_concurrency": 3, "max_request_rate": 2.0},
+    {"arrival": "closed", "concurrency": 3, "think_time_s": 0.05},
 ])
 def test_advancing_the_clock_in_place_changes_nothing(monkeypatch, arrivals):
     # The virtual loop's shortcut must equal a trip through the loop, also with timers the engine

@@ -3,6 +3,7 @@ arbitrary byte splits (events, lines, CRLF pairs and UTF-8 characters may split 
 
 from __future__ import annotations
 
+import itertools
 import json
 
 from batchsim.workloads.client.sse import SSEEvent, SSEParser
@@ -15,7 +16,7 @@ def parse(stream: bytes, cuts: list[int] = ()) -> tuple[list[SSEEvent], int]:
     parser = SSEParser()
     events: list[SSEEvent] = []
     bounds = [0, *sorted(set(cuts)), len(stream)]
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         events += parser.feed(stream[a:b])
     return events + parser.close(), parser.num_comments
 

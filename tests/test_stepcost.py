@@ -4,8 +4,8 @@ simulated executor charges for the same step (calibrated profile and catalog roo
 from __future__ import annotations
 
 import pytest
-from batchsim.scheduler.pool_geometry import EMPTY_POOL, PoolGeometry
 from batchsim.scheduler.plan import NewRequest, PrefillChunk, StepPlan
+from batchsim.scheduler.pool_geometry import EMPTY_POOL, PoolGeometry
 from batchsim.scheduler.request import SamplingParams
 from batchsim.server.executors.sim_executor import SimExecutor
 from batchsim.server.models.spec import zoo_spec

@@ -12,6 +12,7 @@ from batchsim.server.engine.session import open_session
 from batchsim.server.results import rebuild, timeline
 from batchsim.server.results.metrics import RequestRecord, StepRecord
 from batchsim.server.results.timeline import Limits, overrun_index
+
 from tests.test_records import sim_config
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -37,7 +38,7 @@ def test_every_run_directory_gets_a_timeline_named_in_the_summary(tmp_path):
 
     png.unlink()  # report draws it again from the records, and gives the summary back as it was
     before = (outcome.run_dir / "summary.json").read_bytes()
-    summary, notes = rebuild.rebuild_summary(outcome.run_dir)
+    _summary, notes = rebuild.rebuild_summary(outcome.run_dir)
     assert png.read_bytes()[:8] == PNG and notes == []
     assert (outcome.run_dir / "summary.json").read_bytes() == before
 
@@ -111,6 +112,6 @@ def test_long_runs_are_binned_and_the_output_rate_counts_every_token():
     assert not timeline._Series(steps[:100]).binned
 
     requests = [_request(i, float(i), float(i)) for i in range(2999)]
-    x, rate, width = timeline.output_rate(requests, 3000.0)
+    _x, rate, width = timeline.output_rate(requests, 3000.0)
     assert width == 5.0 and round(float((rate * width).sum())) == 2999
     assert timeline.bin_width_s(0.3) == 0.5 and timeline.bin_width_s(7) == 10

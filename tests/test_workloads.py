@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import math
 import selectors
 import time
@@ -88,7 +89,7 @@ def test_requests_sorted_indexed_and_in_bounds():
     reqs = build_requests(spec)
     assert [r.index for r in reqs] == list(range(200))
     assert reqs[0].arrival_s == 0.0
-    assert all(b.arrival_s >= a.arrival_s for a, b in zip(reqs, reqs[1:]))
+    assert all(b.arrival_s >= a.arrival_s for a, b in itertools.pairwise(reqs))
     assert all(10 <= r.prompt_len <= 20 and 32 <= r.output_len <= 128 for r in reqs)
 
 
@@ -329,7 +330,7 @@ def test_shipped_slices_parse_with_documented_rows():
     assert len(azure) == 2000 and len(moon) == 2000
     for rows, span_s in ((azure, 424.3), (moon, 669.0)):
         assert rows[0].t_s == 0.0 and rows[-1].t_s == pytest.approx(span_s, abs=0.5)
-        assert all(b.t_s >= a.t_s for a, b in zip(rows, rows[1:]))
+        assert all(b.t_s >= a.t_s for a, b in itertools.pairwise(rows))
     assert 900 < float(np.median([r.input_len for r in azure])) < 1200
     assert 6000 < float(np.median([r.input_len for r in moon])) < 10000
     total_bytes = sum(p.stat().st_size for p in TRACES.iterdir())

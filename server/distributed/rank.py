@@ -55,7 +55,6 @@ def run_rank(cfg: Any, run_session: Callable[[Any], dict]) -> dict | None:
     """This rank's part of the run; rank 0 runs the workload with `run_session(session)` (the
     CLI's: tables, progress, run directory) and returns its summary, the others None."""
     import mlx.core as mx
-
     from batchsim.server.engine import interrupts
 
     rank = int(os.environ["MLX_RANK"])
@@ -70,7 +69,7 @@ def run_rank(cfg: Any, run_session: Callable[[Any], dict]) -> dict | None:
     except ConfigError as exc:
         status.write(False, f"rank {rank}: {exc}")
         raise
-    except Exception as exc:  # one line, not a traceback per rank; the launcher names the cause
+    except Exception as exc:  # noqa: BLE001 - one line, not a traceback per rank; the launcher names the cause
         message = f"rank {rank}: {_plain(exc)}"
         status.write(False, message)
         from batchsim.server.distributed.channel import ModelMismatch

@@ -9,7 +9,6 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 
-
 _held: list[str] = []  # signals hold() noted before any Interrupts was entered
 
 

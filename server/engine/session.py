@@ -8,8 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from batchsim.configs import ConfigError
-from batchsim.scheduler.kv_bytes import CacheLayout
 from batchsim.scheduler.config import SchedulerConfig
+from batchsim.scheduler.kv_bytes import CacheLayout
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.engine import memory
 from batchsim.server.engine.run_config import RunConfig
@@ -48,18 +48,18 @@ class Session:
 
     def scheduler_config(self, **overrides: Any) -> SchedulerConfig:
         s = self.config.scheduler
-        values = dict(
-            kv_budget_bytes=self.kv_budget_bytes,
-            kv_bytes_per_token=self.kv_bytes_per_token,
-            max_model_len=self.spec.max_context,
-            max_num_seqs=s.max_num_seqs,
-            max_num_batched_tokens=s.max_num_batched_tokens,
-            prefill_step_size=self._prefill_step_size(),
-            policy=s.policy,
-            row_step=s.row_step,
-            max_lookahead_steps=self.executor.caps.max_lookahead_steps,
-            cache_layout=self.cache_layout,
-        )
+        values = {
+            "kv_budget_bytes": self.kv_budget_bytes,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "max_model_len": self.spec.max_context,
+            "max_num_seqs": s.max_num_seqs,
+            "max_num_batched_tokens": s.max_num_batched_tokens,
+            "prefill_step_size": self._prefill_step_size(),
+            "policy": s.policy,
+            "row_step": s.row_step,
+            "max_lookahead_steps": self.executor.caps.max_lookahead_steps,
+            "cache_layout": self.cache_layout,
+        }
         values.update(overrides)
         try:
             return SchedulerConfig(**values)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from batchsim.scheduler import prefill_groups
 from batchsim.scheduler.kv_bytes import CacheLayout
-from batchsim.scheduler.pool_geometry import PoolGeometry
 from batchsim.scheduler.plan import StepPlan, StepResult
+from batchsim.scheduler.pool_geometry import PoolGeometry
 from batchsim.server.executors.base import ExecutorCaps
 from batchsim.server.executors.pool_rows import NO_MOVES, PoolLayout
 from batchsim.server.perf.stepcost import StepCost
@@ -38,7 +38,7 @@ class SimExecutor:
         self._decode_s: dict[tuple[int, int], float] = {}  # (rows, width): non-dense models
 
     def execute(self, plan: StepPlan, max_elapsed_s: float = float("inf")) -> StepResult:
-        cost, layout = self.cost, self.layout
+        layout = self.layout
         t = self.overhead_s
         if plan.free_ids:
             t += self._free(plan.free_ids)

@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
-from batchsim.scheduler.kv_bytes import CacheLayout
 from batchsim.scheduler.config import SchedulerConfig
-from batchsim.scheduler.pool_geometry import KV_STEP, PoolGeometry, round_up
+from batchsim.scheduler.kv_bytes import CacheLayout
 from batchsim.scheduler.plan import StepPlan
+from batchsim.scheduler.pool_geometry import KV_STEP, PoolGeometry, round_up
 from batchsim.scheduler.request import Request, SamplingParams
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.executors.mlx_executor import MLXExecutor

@@ -11,8 +11,8 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from batchsim.scheduler.kv_bytes import CacheLayout
 from batchsim.scheduler.config import SchedulerConfig
+from batchsim.scheduler.kv_bytes import CacheLayout
 from batchsim.scheduler.request import Request, SamplingParams
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.executors.mlx_executor import MLXExecutor
@@ -88,7 +88,7 @@ class MlxLmBatchGenerator:
         self.gen = BatchGenerator(model, max_tokens=MAX_STEPS, completion_batch_size=batch,
                                   prefill_batch_size=batch, prefill_step_size=2048)
         self.gen.insert(prompts(batch, context, vocab))
-        while len(self.gen._generation_batch) < batch:  # noqa: SLF001 (no public accessor)
+        while len(self.gen._generation_batch) < batch:
             self.gen.next_generated()
         self.steps(WARMUP_STEPS)
 

@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-
 from batchsim.server.perf.family_cost import expected_experts
 
 # (hidden, expert intermediate, experts, top_k): none a validation model's.

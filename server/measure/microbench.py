@@ -285,15 +285,17 @@ def measure_bandwidth(array_bytes: int = 256 << 20, reps: int = 9) -> dict[str, 
     """GB/s of streaming float32 kernels, counting every byte read and written: `add` (a + b) and
     `scale` (a * 2)."""
     mx = _mx()
-    size = max(1, array_bytes // 4)
+    rates = _stream_rates_gbs(mx, max(1, array_bytes // 4), reps)
+    mx.clear_cache()  # the arrays died with the helper's frame
+    return rates
+
+
+def _stream_rates_gbs(mx, size: int, reps: int) -> dict[str, float]:
     a, b = _uniform(mx, (size,), "float32"), _uniform(mx, (size,), "float32")
     mx.eval(a, b)
     kernels = {"add": (lambda: mx.eval(a + b), 3), "scale": (lambda: mx.eval(a * 2.0), 2)}
-    rates = {name: arrays * 4 * size / median_time_s(fn, reps, warmup=2) / 1e9
-             for name, (fn, arrays) in kernels.items()}
-    del a, b
-    mx.clear_cache()
-    return rates
+    return {name: arrays * 4 * size / median_time_s(fn, reps, warmup=2) / 1e9
+            for name, (fn, arrays) in kernels.items()}
 
 
 def measure_bandwidth_gbs(array_bytes: int = 256 << 20, reps: int = 9) -> float:

@@ -41,7 +41,7 @@ def case_config(base, case: dict[str, Any], weight_bytes: int):
     allowed = {"name", "max_num_seqs", "memory_gb", "policy", "workload"}
     unknown = set(case) - allowed
     if unknown:
-        raise ConfigError(f"validation case {case.get('name')}: unknown key {sorted(unknown)[0]!r}; "
+        raise ConfigError(f"validation case {case.get('name')}: unknown key {min(unknown)!r}; "
                           f"allowed: {', '.join(sorted(allowed))}")
     memory = case.get("memory_gb")
     if isinstance(memory, str) and memory.startswith("weights+"):

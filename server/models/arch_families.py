@@ -4,7 +4,8 @@ the same keys, defaults and layer rules mlx-lm uses to build the model."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from batchsim.server.models.arch_cache import Attention
 

@@ -11,8 +11,8 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from batchsim.server.models.files import MARKER, save_weights, staged_dir, sweep_dead_builds
 from batchsim.server.models.spec import ModelSpec, dtype_bytes

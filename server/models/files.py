@@ -9,8 +9,8 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 MARKER = "batchsim.json"  # what built the directory: random-weight build or real-weight import
 SHARD_BYTES = 2 << 30

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from batchsim.server.models.files import MARKER, save_weights, staged_dir
 from batchsim.server.models.gguf.importer import KEEP, convert

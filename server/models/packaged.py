@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
-from typing import Callable
 
 from batchsim.configs import ConfigError
 

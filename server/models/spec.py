@@ -49,7 +49,7 @@ class ModelSpec:
                     "intermediate_size"):
             if not isinstance(self.config.get(key), int) or self.config[key] <= 0:
                 raise ConfigError(f"model {self.name}: config.{key} must be a positive integer")
-        self.arch  # a config whose layers cannot be described fails here, in one line
+        _ = self.arch  # a config whose layers cannot be described fails here, in one line
 
     # Shapes, with the defaults mlx-lm applies.
     @property

@@ -5,6 +5,7 @@ The formulas that turn these into seconds live in server.perf.stepcost. Pure Pyt
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 # Assumed, not measured (no Metal here): mlx-lm's quantized attention dequantizes each K/V element
@@ -37,7 +38,7 @@ def _log_interp(table: dict[int, float], x: int) -> float:
     pts = sorted(table.items())
     if x <= pts[0][0]:
         return pts[0][1]
-    for (x0, v0), (x1, v1) in zip(pts, pts[1:]):
+    for (x0, v0), (x1, v1) in itertools.pairwise(pts):
         if x <= x1:
             w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
             return v0 + w * (v1 - v0)

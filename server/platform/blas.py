@@ -127,7 +127,7 @@ def _openblas_corename(path: str) -> str | None:
     code = ("import ctypes,sys; f=ctypes.CDLL(sys.argv[1]).openblas_get_corename; "
             "f.restype=ctypes.c_char_p; print(f().decode())")
     try:
-        out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, check=False, text=True,
                              timeout=30, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
     except (OSError, subprocess.SubprocessError):
         return None

@@ -56,7 +56,7 @@ def _static_environment() -> dict[str, Any]:
     info: dict[str, Any] = {}
     try:
         info = dict(mx.device_info())
-    except Exception:  # device_info is missing on some builds; the rest still stands
+    except Exception:  # noqa: BLE001 - device_info is missing on some builds; the rest still stands
         info = {}
     choice = blas.current()
     return {

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 from batchsim.server.perf import macs
-from batchsim.server.perf.gpu_fit import FORMATS, GpuFit, fit_format
+from batchsim.server.perf.gpu_fit import FORMATS, fit_format
 from batchsim.server.perf.mac_fit import EXPERT_GRID, HUBER_DELTA, IRLS_ROUNDS
 from batchsim.server.published.sim import (
     MacModel,

@@ -74,7 +74,7 @@ class RequestRecord:
     def itls_s(self) -> tuple[float, ...]:
         """Gaps between consecutive tokens; a preemption shows up as one long gap."""
         t = self.token_times_s
-        return tuple(b - a for a, b in zip(t, t[1:]))
+        return tuple(b - a for a, b in itertools.pairwise(t))
 
     @property
     def queue_s(self) -> float | None:

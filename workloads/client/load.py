@@ -28,8 +28,8 @@ from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.http.prometheus import parse as parse_metrics
 from batchsim.server.results.jsonio import jsonable, new_run_dir, write_jsonl
 from batchsim.server.results.metrics import RequestRecord, percentile_label, summarize
-from batchsim.workloads.client.prompts import PromptMaker
 from batchsim.workloads.chat import prompt_text
+from batchsim.workloads.client.prompts import PromptMaker
 from batchsim.workloads.client.stream import Endpoint, Outcome, endpoint, send
 from batchsim.workloads.driver import drive_interruptibly
 from batchsim.workloads.requests import RequestSpec, build_requests, sampling_seed
@@ -56,7 +56,7 @@ async def _model_id(http: aiohttp.ClientSession, base: str, wanted: str,
 
 async def _scrape(http: aiohttp.ClientSession, base: str) -> dict[str, float] | None:
     """batchsim's /metrics, if the target is a batchsim server."""
-    root = base[: -len("/v1")] if base.endswith("/v1") else base
+    root = base.removesuffix("/v1")
     try:
         async with http.get(f"{root}/metrics") as resp:
             text = await resp.text() if resp.status == 200 else ""

@@ -14,8 +14,7 @@ from batchsim.configs import ConfigError
 from batchsim.server.engine.run_config import RunConfig
 from batchsim.workloads.requests import RequestSpec, prompt_token_ids
 
-_WORDS = ("time person year way day thing man world life hand part child eye woman place work "
-          "week case point number group problem fact house water story room night light").split()
+_WORDS = ["time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part", "child", "eye", "woman", "place", "work", "week", "case", "point", "number", "group", "problem", "fact", "house", "water", "story", "room", "night", "light"]
 _MAX_ROUNDS = 8
 
 

@@ -24,6 +24,7 @@ from batchsim.scripts.common import (
     out,
     positive_float,
 )
+from batchsim.scripts.workload_args import add_sharing_args, sharing_from_args, trace_override
 from batchsim.server.engine.run_config import (
     DTYPES,
     MAX_MEMORY_GB,
@@ -146,6 +147,7 @@ def add_workload_args(p: argparse.ArgumentParser, defaults: WorkloadSpec | None 
     add_field_argument(g, TraceSpec, "max_output_len", "cap trace output lengths")
     add_field_argument(g, RunConfig, "ignore_eos", "generate each request's full output length",
                        action=argparse.BooleanOptionalAction)
+    add_sharing_args(g)
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -169,19 +171,6 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                        "output_tokens_sha256 compares runs token for token")
 
 
-def _trace_override(args: argparse.Namespace, cfg: RunConfig) -> TraceSpec | None:
-    """--trace, or the trace flags applied to the config's own trace."""
-    given = {k: v for k, v in {"time_scale": args.time_scale, "max_input_len": args.max_input_len,
-                                   "max_output_len": args.max_output_len}.items() if v is not None}
-    if args.trace:
-        return TraceSpec(path=args.trace, **given)
-    if not given:
-        return None
-    if cfg.workload.trace is None:
-        raise ValueError("--time-scale/--max-input-len/--max-output-len need --trace or a trace workload")
-    return dataclasses.replace(cfg.workload.trace, **given)
-
-
 def config_from_args(args: argparse.Namespace, default: RunConfig | None = None) -> RunConfig:
     """The run config: the YAML (else `default`, else RunConfig()), then the flags given."""
     from batchsim.server.results.metrics import parse_goodput
@@ -194,8 +183,9 @@ def config_from_args(args: argparse.Namespace, default: RunConfig | None = None)
         "arrival": "trace" if args.trace else args.arrival, "concurrency": args.concurrency,
         "ramp_end_rate": args.ramp_end_rate,
         "max_concurrency": args.max_concurrency, "input_len": args.input_len, "output_len": args.output_len,
-        "seed": args.seed, "trace": _trace_override(args, cfg),
+        "seed": args.seed, "trace": trace_override(args, cfg),
     }
+    cfg = sharing_from_args(args, cfg, workload)
     if args.trace and args.num_prompts is None:  # --trace FILE replays all of FILE
         from batchsim.workloads.requests import trace_length
 

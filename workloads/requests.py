@@ -18,6 +18,14 @@ from typing import Any
 import numpy as np
 from batchsim.configs import ConfigError
 from batchsim.workloads.chat import ChatSpec, chat_token_ids, prompt_text
+from batchsim.workloads.prefixes import (
+    Segment,
+    SharingSpec,
+    segment_block_hashes,
+    segment_token_ids,
+    session_segments,
+    trace_segments,
+)
 from batchsim.workloads.spec import TraceSpec, WorkloadSpec
 from batchsim.workloads.traces import read_trace, scale_length
 
@@ -28,6 +36,8 @@ class RequestSpec:
     arrival_s: float  # offset from the run's start (0.0 for closed loop: the driver issues them)
     prompt_len: int  # prompt tokens
     output_len: int  # tokens to generate
+    # The prompt as shared segments (workloads/prefixes.py); (): its own seeded random tokens.
+    segments: tuple[Segment, ...] = ()
 
 
 def _gamma_gaps(rng: np.random.Generator, shape: float, rates: np.ndarray) -> np.ndarray:
@@ -91,15 +101,30 @@ def trace_requests(trace: TraceSpec, num_prompts: int) -> list[RequestSpec]:
         )
     rows = sorted(rows, key=lambda r: r.t_s)  # stable; production traces are already in order
     t0 = rows[0].t_s
-    return [
-        RequestSpec(
+    out = []
+    for i, row in enumerate(rows):
+        prompt_len = scale_length(row.input_len, trace.input_scale, trace.max_input_len)
+        out.append(RequestSpec(
             index=i,
             arrival_s=(row.t_s - t0) * trace.time_scale,
-            prompt_len=scale_length(row.input_len, trace.input_scale, trace.max_input_len),
+            prompt_len=prompt_len,
             output_len=scale_length(row.output_len, trace.output_scale, trace.max_output_len),
-        )
-        for i, row in enumerate(rows)
-    ]
+            segments=trace_segments(row.hash_ids, trace.start + i, prompt_len, trace.input_scale),
+        ))
+    return out
+
+
+def shared_requests(sharing: SharingSpec, seed: int,
+                    requests: list[RequestSpec]) -> list[RequestSpec]:
+    """The requests as chat-session turns after a shared system prompt: each drawn prompt length
+    is its new user message, each output length its reply."""
+    lengths = [(rs.prompt_len, rs.output_len) for rs in requests]
+    out = []
+    for rs in requests:
+        segments = session_segments(sharing, seed, rs.index, lengths)
+        out.append(dataclasses.replace(rs, prompt_len=sum(n for _, n in segments),
+                                       segments=segments))
+    return out
 
 
 def _check_finite(arrivals_s, key: str, value: float) -> None:
@@ -124,13 +149,27 @@ def build_requests(spec: WorkloadSpec) -> list[RequestSpec]:
     _check_finite(times, "request_rate", spec.request_rate)
     prompt = spec.input_len.sample(n, rng_input)
     output = spec.output_len.sample(n, rng_output)
-    return [RequestSpec(i, float(times[i]), int(prompt[i]), int(output[i])) for i in range(n)]
+    requests = [RequestSpec(i, float(times[i]), int(prompt[i]), int(output[i])) for i in range(n)]
+    return shared_requests(spec.sharing, spec.seed, requests) if spec.sharing else requests
 
 
 def prompt_token_ids(seed: int, index: int, length: int, vocab_size: int) -> list[int]:
     """Seeded random prompt ids per request: the same workload gives the same prompts everywhere."""
     rng = np.random.default_rng([seed, index])
     return rng.integers(0, vocab_size, size=length).tolist()
+
+
+def request_token_ids(seed: int, rs: RequestSpec, vocab_size: int) -> list[int]:
+    """The request's prompt ids: its segments' tokens, else its own seeded random ones."""
+    if rs.segments:
+        return segment_token_ids(rs.segments, vocab_size)
+    return prompt_token_ids(seed, rs.index, rs.prompt_len, vocab_size)
+
+
+def request_block_hashes(rs: RequestSpec) -> tuple[int, ...] | None:
+    """The simulator's block hashes of a request with segments (None: none shared, or the
+    prefix cache works them out from the token ids)."""
+    return segment_block_hashes(rs.segments) if rs.segments else None
 
 
 def chat_requests(chat: ChatSpec, requests: list[RequestSpec],

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from batchsim.configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
 from batchsim.workloads.chat import ChatSpec, load_prompts
 from batchsim.workloads.lengths import LengthSpec, parse_length
+from batchsim.workloads.prefixes import SharingSpec
 from batchsim.workloads.traces import TraceFormat, resolve_trace_path
 
 WORKLOAD_DIR = CONFIG_DIR / "workloads"
@@ -28,6 +29,7 @@ _ONLY_FOR: dict[str, tuple[str, ...]] = {
     "think_time_s": ("closed",),
     "max_concurrency": OPEN_LOOP,
     "trace": ("trace",),
+    "sharing": ("poisson", "gamma", "constant", "ramp", "closed"),  # a trace's: its hash_ids
 }
 
 
@@ -81,6 +83,7 @@ class WorkloadSpec:
     output_len: LengthSpec = LengthSpec("uniform", min=32, max=128)
     trace: TraceSpec | None = None  # required iff arrival == 'trace'; lengths then come from it
     chat: ChatSpec | None = None  # real-text chat prompts; prompt lengths and EOS then from the model
+    sharing: SharingSpec | None = None  # shared system prompt, chat sessions (workloads/prefixes.py)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -113,6 +116,8 @@ class WorkloadSpec:
         if self.arrival == "trace":
             _require(isinstance(self.trace, TraceSpec), "trace", "set for arrival 'trace'",
                      self.trace)
+        if self.sharing is not None and self.chat is not None:
+            raise ConfigError("sharing: not with chat (a chat workload's prompts are real text)")
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for key, arrivals in _ONLY_FOR.items():
             if getattr(self, key) != defaults[key] and self.arrival not in arrivals:
@@ -136,7 +141,7 @@ def _prepare(data: dict[str, Any], source: str) -> dict[str, Any]:
     once first so that their errors name the file and the section."""
     data = dict(data)
     sections = (("input_len", LengthSpec), ("output_len", LengthSpec), ("trace", TraceSpec),
-                ("chat", ChatSpec))
+                ("chat", ChatSpec), ("sharing", SharingSpec))
     for key, cls in sections:
         value = data.get(key)
         where = f"{source}: {key}"

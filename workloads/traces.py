@@ -24,6 +24,7 @@ TRACE_DIR = CONFIG_DIR / "traces"
 TraceFormat = Literal["auto", "azure", "mooncake"]
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
+MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash_ids block (Mooncake's FAST'25 traces)
 # Azure writes 7 fractional digits; Python's datetime takes at most 6.
 _AZURE_TIME = re.compile(r"^(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d)(?:\.(\d+))?(.*)$")
 
@@ -33,6 +34,9 @@ class TraceRow:
     t_s: float  # seconds after the first row used
     input_len: int  # prompt tokens
     output_len: int  # generated tokens
+    # Mooncake: ids of the prompt's 512-token blocks (the last partial), chained like the prefix
+    # cache's hashes; () when the trace has none (Azure).
+    hash_ids: tuple[int, ...] = ()
 
 
 def detect_format(path: Path) -> Literal["azure", "mooncake"]:
@@ -56,7 +60,10 @@ def parse_azure_time(text: str) -> float:
     return stamp.timestamp()
 
 
-def _read_azure(path: Path) -> Iterator[tuple[float, int, int]]:
+RawRow = tuple[float, int, int, tuple[int, ...]]
+
+
+def _read_azure(path: Path) -> Iterator[RawRow]:
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
         missing = [c for c in _AZURE_COLUMNS if c not in (reader.fieldnames or ())]
@@ -69,7 +76,7 @@ def _read_azure(path: Path) -> Iterator[tuple[float, int, int]]:
         for row in reader:
             try:
                 yield (_finite_s(parse_azure_time(row["TIMESTAMP"])), int(row["ContextTokens"]),
-                       int(row["GeneratedTokens"]))
+                       int(row["GeneratedTokens"]), ())
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"{path}:{reader.line_num}: {exc}") from None
 
@@ -81,7 +88,17 @@ def _finite_s(t_s: float) -> float:
     return t_s
 
 
-def _read_mooncake(path: Path) -> Iterator[tuple[float, int, int]]:
+def _hash_ids(value: object) -> tuple[int, ...]:
+    """A row's hash_ids: absent, or non-negative integers (one per 512-token block; blocks past
+    them are the row's own, ids past its prompt unused)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(type(h) is int and h >= 0 for h in value):
+        raise ValueError("hash_ids must be a list of non-negative integers")
+    return tuple(value)
+
+
+def _read_mooncake(path: Path) -> Iterator[RawRow]:
     with path.open() as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
@@ -89,13 +106,13 @@ def _read_mooncake(path: Path) -> Iterator[tuple[float, int, int]]:
             try:
                 row = json.loads(line)
                 yield (_finite_s(row["timestamp"] / 1000.0), int(row["input_length"]),
-                       int(row["output_length"]))
+                       int(row["output_length"]), _hash_ids(row.get("hash_ids")))
             except KeyError as exc:
                 raise ConfigError(
                     f"{path}:{line_no}: missing key {exc}; a Mooncake row has "
                     f"{', '.join(_MOONCAKE_KEYS)}"
                 ) from None
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, AttributeError) as exc:
                 raise ConfigError(f"{path}:{line_no}: {exc}") from None
 
 
@@ -129,7 +146,7 @@ def read_trace(
     reader = _read_azure if kind == "azure" else _read_mooncake
     raw = list(islice(reader(resolved), start, None if limit is None else start + limit))
     t0 = raw[0][0] if raw else 0.0
-    return [TraceRow(t - t0, n_in, n_out) for t, n_in, n_out in raw]
+    return [TraceRow(t - t0, n_in, n_out, hashes) for t, n_in, n_out, hashes in raw]
 
 
 def scale_length(n: int, scale: float, cap: int | None) -> int:

@@ -39,7 +39,8 @@ from batchsim.workloads.requests import (
     RequestSpec,
     build_requests,
     chat_requests,
-    prompt_token_ids,
+    request_block_hashes,
+    request_token_ids,
     sampling_seed,
 )
 from batchsim.workloads.spec import WorkloadSpec
@@ -82,11 +83,14 @@ class _Run:
         s = self.session
         ids = self.chat_ids.get(rs.index)
         if ids is None and s.executor.caps.needs_token_ids:
-            ids = prompt_token_ids(self.spec.seed, rs.index, rs.prompt_len, s.spec.vocab_size)
+            ids = request_token_ids(self.spec.seed, rs, s.spec.vocab_size)
         now = self.engine.now()
         arrival = rs.arrival_s if self.open_loop else now
         self.lateness_s.append(max(0.0, now - arrival))
-        return Request(rs.index, rs.prompt_len, self.sampling(rs), arrival, ids, self.eos)
+        # With token ids the prefix cache hashes them; without, the workload's segments name blocks.
+        hashes = request_block_hashes(rs) if ids is None else None
+        return Request(rs.index, rs.prompt_len, self.sampling(rs), arrival, ids, self.eos,
+                       block_hashes=hashes)
 
     def sampling(self, rs: RequestSpec) -> SamplingParams:
         """Synthetic traffic: greedy, EOS as configured. Chat traffic: as its clients send it,

@@ -9,10 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from batchsim.configs import ConfigError
 from batchsim.server.engine.run_config import RunConfig
-from batchsim.workloads.requests import RequestSpec, prompt_token_ids
+from batchsim.workloads.requests import RequestSpec, request_token_ids
 
 _WORDS = ["time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part", "child", "eye", "woman", "place", "work", "week", "case", "point", "number", "group", "problem", "fact", "house", "water", "story", "room", "night", "light"]
 _MAX_ROUNDS = 8
@@ -35,15 +34,14 @@ class PromptMaker:
 
     def make(self, rs: RequestSpec) -> tuple[str, int | None]:
         """(text, its token count by the local tokenizer, or None without one)."""
-        if self.tokenizer is None:
-            rng = np.random.default_rng([self.seed, rs.index])
-            return " ".join(rng.choice(_WORDS, size=rs.prompt_len)), None
+        if self.tokenizer is None:  # seeded words (shared segments: shared words)
+            return " ".join(_WORDS[i] for i in request_token_ids(self.seed, rs, len(_WORDS))), None
         return self._from_ids(rs)
 
     def _from_ids(self, rs: RequestSpec) -> tuple[str, int]:
         tok, target = self.tokenizer, rs.prompt_len
         ids = [i if i not in self._special else (i + 1) % self.vocab_size
-               for i in prompt_token_ids(self.seed, rs.index, target, self.vocab_size)]
+               for i in request_token_ids(self.seed, rs, self.vocab_size)]
         text = tok.decode(ids)
         n = 0
         for _ in range(_MAX_ROUNDS):  # a decode/encode round trip can merge or split tokens

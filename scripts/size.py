@@ -18,6 +18,7 @@ from batchsim.scripts.common import (
     fmt,
     gib,
     non_negative_float,
+    non_negative_int,
     out,
     positive_float,
     positive_int,
@@ -65,6 +66,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         f"(padded: B x longest rounded up to {KV_STEP}; paged: sum of lengths "
                         f"rounded up to {PAGE_TOKENS})")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the distribution's draws")
+    p.add_argument("--shared-prefix", type=non_negative_int, default=0, metavar="TOKENS",
+                   help=f"every sequence starts with the same TOKENS-token prompt (a system "
+                        f"prompt; part of its context), stored once in whole {PAGE_TOKENS}-token "
+                        f"blocks as a prefix cache keeps it: adds max_batch_shared, the paged "
+                        f"max batch with the prefix shared (0: none) [default: 0]")
     p.add_argument("--mac", default=None,
                    help="only this chip (exact name, substring, or a label like 'M2 Ultra 76c')")
     p.add_argument("--memory-gb", type=positive_float, default=None,
@@ -113,7 +119,7 @@ def run(args: argparse.Namespace) -> dict:
     ws = catalog.metal_working_set
     chosen = catalog.select(args.mac)
     ctx = context_fit(args.context_dist or str(args.context), spec.max_context,
-                      args.fit_quantile, args.seed)
+                      args.fit_quantile, args.seed, shared_prefix_tokens=args.shared_prefix)
     meta = _meta(args, spec, catalog, ctx)
     s = Settings(args.dtype, args.quantize, args.bandwidth_efficiency, args.compute_efficiency,
                  meta["os_reserve_gb"], args.kv_bits, fit=load_fit(),
@@ -167,6 +173,7 @@ def _meta(args: argparse.Namespace, spec: ModelSpec, catalog: macs.Catalog,
         "kv_bits": args.kv_bits, "engine": engine.name, "engine_source": engine.source,
         "context": ctx.label, "context_fixed": ctx.fixed, "context_mean_tokens": ctx.mean_tokens,
         "fit_quantile": ctx.quantile, "fit_trials": ctx.trials, "seed": args.seed,
+        "shared_prefix_tokens": ctx.shared_prefix_tokens,
         "max_batch_cap": MAX_BATCH_CAP, "kv_step_tokens": KV_STEP, "page_tokens": PAGE_TOKENS,
         "os_reserve_gb": ws.os_reserve_gb if args.os_reserve_gb is None else args.os_reserve_gb,
         "working_set_rule": ws.default_rule_of_thumb,
@@ -186,6 +193,11 @@ def _print(rows: list[dict], meta: dict, spec: ModelSpec) -> None:
         cols.insert(6, "KV full/win/state MiB")
         for line, r in zip(body, rows):
             line.insert(6, "/".join(f"{v / (1 << 20):.4g}" for v in r["kv_per_seq"].values()))
+    if meta["shared_prefix_tokens"]:  # beside the padded/paged limits
+        at = cols.index("raised padded/paged") + 1
+        cols.insert(at, "shared dflt/raised")
+        for line, r in zip(body, rows):
+            line.insert(at, f"{r['max_batch_shared']} / {r['max_batch_shared_raised']}")
     out.print(table(
         f"Batch limits per Mac: {what} (padded = rows padded to the longest in {KV_STEP}-token "
         f"steps; paged = {PAGE_TOKENS}-token blocks)", cols, body))
@@ -220,6 +232,10 @@ def _notes(rows: list[dict], meta: dict, what: str, spec: ModelSpec) -> list[str
         f"{meta['profile_terms']}, fitted on {meta['bandwidth_efficiency_source']}"
         + _held_out(meta["profile_errors"]) + ".",
     ]
+    if meta["shared_prefix_tokens"]:
+        notes.append(f"Shared: paged, every sequence's first {meta['shared_prefix_tokens']} tokens "
+                     f"the same prompt, its whole {PAGE_TOKENS}-token blocks stored once (a prefix "
+                     f"cache's reuse; sliding-window and linear-attention state never shared).")
     engine = load_engine(meta["engine"])
     notes.append(f"Engine {engine.name} (configs/engines/{engine.name}.yaml): host "
                  f"{engine.host_step_us:g} us per step + {engine.host_token_us:g} us per token"

@@ -11,7 +11,7 @@ from collections import Counter
 
 import numpy as np
 from batchsim.configs import ConfigError
-from batchsim.scheduler.pool_geometry import KV_STEP, PAGE_TOKENS, round_up
+from batchsim.scheduler.pool_geometry import KV_STEP, PAGE_TOKENS, round_down, round_up
 from batchsim.server.models.arch_cache import cache_bytes, generate_calls
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.perf import macs
@@ -38,15 +38,27 @@ class ContextFit:
     paged_tokens: np.ndarray  # sum over the B of round_up(length, PAGE_TOKENS)
     quantile: float
     trials: int
+    # Paged, when every sequence starts with the same shared_prefix_tokens: the prefix's whole
+    # blocks stored once (a prefix cache), each sequence's other tokens in its own blocks.
+    shared_tokens: np.ndarray | None = None  # None: no prefix shared (paged_tokens)
+    shared_prefix_tokens: int = 0
+
+    @property
+    def paged_shared_tokens(self) -> np.ndarray:
+        return self.paged_tokens if self.shared_tokens is None else self.shared_tokens
 
 
 def context_fit(text: str, max_tokens: int, quantile: float = 0.95, seed: int = 0,
-                cap: int = MAX_BATCH_CAP, trials: int = FIT_TRIALS) -> ContextFit:
+                cap: int = MAX_BATCH_CAP, trials: int = FIT_TRIALS,
+                shared_prefix_tokens: int = 0) -> ContextFit:
     """Batch i of size B is the first B lengths of trial row i, so bytes grow with B in every trial
     and the quantile curve is monotone (the max batch is one searchsorted)."""
     spec = parse_length(text)
     if spec.dist == "fixed" and spec.upper > max_tokens:
         raise ConfigError(f"context {spec.upper} exceeds the model's {max_tokens}-token context")
+    if spec.dist == "fixed" and shared_prefix_tokens > spec.upper:
+        raise ConfigError(f"--shared-prefix {shared_prefix_tokens} exceeds the context "
+                          f"{spec.upper} (the prefix is part of every sequence's context)")
     n = 1 if spec.dist == "fixed" else trials
     lengths = spec.sample(n * cap, np.random.default_rng(seed)).reshape(n, cap)
     lengths = np.minimum(lengths, max_tokens)  # a server would not admit longer sequences
@@ -60,8 +72,19 @@ def context_fit(text: str, max_tokens: int, quantile: float = 0.95, seed: int = 
         q = np.quantile(tokens, quantile, axis=0, method="higher")
         return np.concatenate([[0], q]).astype(np.int64)
 
+    shared = (curve(shared_paged_tokens(lengths, shared_prefix_tokens))
+              if shared_prefix_tokens else None)
     return ContextFit(text, n == 1, float(lengths.mean()), curve(padded), curve(longest),
-                      curve(paged), quantile, n)
+                      curve(paged), quantile, n, shared, shared_prefix_tokens)
+
+
+def shared_paged_tokens(lengths: np.ndarray, prefix_tokens: int) -> np.ndarray:
+    """Tokens of KV the first B sequences of each row hold in PAGE_TOKENS blocks when each starts
+    with the same prefix_tokens: the prefix's whole blocks once (a partial block is not shared),
+    the rest per sequence. A sequence shorter than the prefix shares its own whole blocks."""
+    shared = np.minimum(round_down(prefix_tokens, PAGE_TOKENS), round_down(lengths, PAGE_TOKENS))
+    own = round_up(lengths - shared, PAGE_TOKENS)
+    return np.maximum.accumulate(shared, axis=1) + np.cumsum(own, axis=1)
 
 
 def max_batch(tokens_curve: np.ndarray, budget_bytes: int, kv_bytes_per_token: int) -> int:
@@ -98,17 +121,20 @@ def kv_composition(spec: ModelSpec, context_tokens: int, dtype: str,
 
 
 def layered_curves(spec: ModelSpec, ctx: ContextFit, dtype: str, kv_bytes_per_token: int,
-                   kv_bits: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(padded, paged) KV bytes of B sequences, B = 0..cap, for a model whose cache is not all
-    full attention: padded, B x one sequence's exact bytes at the longest; paged, the full-attention
-    tokens in pages plus B x the window and state bytes at the longest (an upper bound)."""
+                   kv_bits: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(padded, paged, paged with the prefix shared) KV bytes of B sequences, B = 0..cap, for a
+    model whose cache is not all full attention: padded, B x one sequence's exact bytes at the
+    longest; paged, the full-attention tokens in pages plus B x the window and state bytes at the
+    longest (an upper bound; windows and states are never shared)."""
     seq = {int(n): kv_composition(spec, int(n), dtype, kv_bits)
            for n in np.unique(ctx.longest_tokens[1:])}
     batch = np.arange(len(ctx.longest_tokens))
     longest = [seq.get(int(n)) for n in ctx.longest_tokens]
     whole = np.array([c.total_bytes if c else 0 for c in longest], dtype=np.int64)
     bounded = np.array([c.window_kv_bytes + c.state_bytes if c else 0 for c in longest], dtype=np.int64)
-    return batch * whole, ctx.paged_tokens * kv_bytes_per_token + batch * bounded
+    per_seq = batch * bounded
+    return (batch * whole, ctx.paged_tokens * kv_bytes_per_token + per_seq,
+            ctx.paged_shared_tokens * kv_bytes_per_token + per_seq)
 
 
 def _scaled(c: KvComposition, share: float) -> KvComposition:
@@ -176,14 +202,14 @@ def mac_row(spec: ModelSpec, mac: macs.Mac, memory_gb: float, ctx: ContextFit, s
     raised = macs.raised_working_set_bytes(memory_gb, ws, s.os_reserve_gb)
     width = round(ctx.mean_tokens)
     if spec.is_dense:  # every layer's K/V grows with the tokens
-        curves, unit = (ctx.padded_tokens, ctx.paged_tokens), kv_tok
+        curves, unit = (ctx.padded_tokens, ctx.paged_tokens, ctx.paged_shared_tokens), kv_tok
         per_seq = KvComposition(round(ctx.mean_tokens * kv_tok), 0, 0)
     else:
         curves = layered_curves(spec, ctx, act_dtype, kv_per_token, s.kv_bits)
         curves, unit = tuple((c * share).astype(np.int64) for c in curves), 1
         per_seq = _scaled(kv_composition(spec, width, act_dtype, s.kv_bits), share)
-    padded, paged, padded_r, paged_r = (
-        max_batch(curve, limit - weights, unit) for limit in (usable, raised) for curve in curves
+    (padded, paged, shared), (padded_r, paged_r, shared_r) = (
+        [max_batch(curve, limit - weights, unit) for curve in curves] for limit in (usable, raised)
     )
     row = {
         "chip": mac.chip, "gpu_cores": mac.gpu_cores, "label": mac.label, "memory_gb": memory_gb,
@@ -194,7 +220,9 @@ def mac_row(spec: ModelSpec, mac: macs.Mac, memory_gb: float, ctx: ContextFit, s
         "kv_per_seq": dataclasses.asdict(per_seq),  # at the mean context, by what bounds it
         "max_batch": padded, "max_batch_padded": padded, "max_batch_paged": paged,
         "max_batch_padded_raised": padded_r, "max_batch_paged_raised": paged_r,
-        "capped": MAX_BATCH_CAP in (padded, paged, padded_r, paged_r),
+        # Paged, every sequence starting with the same shared_prefix_tokens (stored once).
+        "max_batch_shared": shared, "max_batch_shared_raised": shared_r,
+        "capped": MAX_BATCH_CAP in (padded, paged, shared, padded_r, paged_r, shared_r),
         # Fits: the weights and one sequence (the tightest layout) fit.
         "fits": paged >= 1, "fits_raised": paged_r >= 1,
     }

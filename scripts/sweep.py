@@ -19,6 +19,7 @@ from batchsim.scripts.common import (
     bounded,
     fmt,
     ints_up_to,
+    non_negative_int,
     out,
     positive_float,
     positive_int,
@@ -36,6 +37,7 @@ from batchsim.scripts.run_cmd import (
 from batchsim.server.engine.run_config import RunConfig, with_run_overrides
 from batchsim.server.perf import sweep_limits as sweep_math
 from batchsim.workloads.lengths import LengthSpec
+from batchsim.workloads.prefixes import SharingSpec
 from batchsim.workloads.spec import WorkloadSpec
 
 GIB = 1 << 30
@@ -72,6 +74,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="throughput stops scaling at the first point gaining less decode tok/s "
                    "than this fraction per doubling of the decoded batch")
     add_field_argument(g, WorkloadSpec, "seed", "workload seed (prompt ids)", unset=False)
+    g.add_argument("--shared-prefix-tokens", type=non_negative_int, default=0, metavar="N",
+                   help="every prompt starts with the same N of its --prompt-len tokens (a "
+                        "system prompt, workloads/prefixes.py), so a prefix cache can share them "
+                        "[default: 0]")
     g.add_argument("--out", type=Path, default=Path("results"),
                    help="directory for sweep.jsonl and the PNG")
     g.add_argument("--runs-dir", type=Path, default=Path("runs"),
@@ -86,6 +92,9 @@ def run(args: argparse.Namespace) -> dict:
                           "--output-len >= 2")
     base, budget, source = _base_session(args)
     kvt, weights = base.kv_bytes_per_token, base.weight_bytes
+    if args.shared_prefix_tokens >= args.prompt_len:
+        raise ConfigError(f"--shared-prefix-tokens {args.shared_prefix_tokens} must be under "
+                          f"--prompt-len {args.prompt_len} (every prompt has its own tokens too)")
     if args.prompt_len + args.output_len > base.spec.max_context:
         raise ConfigError(f"context {args.prompt_len + args.output_len} exceeds the model's "
                           f"{base.spec.max_context} tokens")
@@ -138,9 +147,11 @@ def _run_point(base, budget: int, source: str, batch: int, args: argparse.Namesp
     from batchsim.server.engine.runner import run_workload
     from batchsim.server.executors.factory import build_executor
 
+    shared = args.shared_prefix_tokens
     spec = WorkloadSpec(name=f"sweep-b{batch}", num_prompts=batch, request_rate=math.inf,
-                        input_len=LengthSpec("fixed", value=args.prompt_len),
-                        output_len=LengthSpec("fixed", value=args.output_len), seed=args.seed)
+                        input_len=LengthSpec("fixed", value=args.prompt_len - shared),
+                        output_len=LengthSpec("fixed", value=args.output_len), seed=args.seed,
+                        sharing=SharingSpec(system_tokens=shared) if shared else None)
     sched = dataclasses.replace(base.config.scheduler, max_num_seqs=batch)
     cfg = dataclasses.replace(base.config, workload=spec, memory_gb=budget / GIB, scheduler=sched)
     # A new executor per point (request ids restart at 0); the MLX one shares the loaded model.
@@ -204,6 +215,7 @@ def _meta(args: argparse.Namespace, base, budget: int, source: str) -> dict:
         "kv_bytes_per_seq": sweep_math.batch_kv_bytes(1, args.prompt_len, args.output_len, kvt),
         "max_num_batched_tokens": base.config.scheduler.max_num_batched_tokens,
         "min_gain": args.min_gain, "seed": args.seed,
+        "shared_prefix_tokens": args.shared_prefix_tokens,
     }
 
 

@@ -139,6 +139,8 @@ def _exit_code(argv: list[str]) -> int:
     (["run", "--trace", "mooncake_conversation_slice.jsonl", "--turns", "2"],
      "sharing: applies only to arrival"),
     (["run", "--workload", "chat", "--shared-prefix-tokens", "10"], "sharing: not with chat"),
+    (["sweep", "--prompt-len", "64", "--shared-prefix-tokens", "64"],
+     "--shared-prefix-tokens 64 must be under --prompt-len 64"),
 ])
 def test_bad_sharing_flags_are_one_line_errors(argv, says, capsys, tmp_path):
     rc = _exit_code([*argv, "--executor", "fake", "--out", str(tmp_path)])

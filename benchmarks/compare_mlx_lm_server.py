@@ -63,7 +63,8 @@ def model_dir(model: str) -> Path:
 
 def load(url: str, args: argparse.Namespace, endpoint: str) -> dict:
     target = f"{url}/v1" + ("/chat/completions" if endpoint == "chat" else "")
-    cmd = [sys.executable, "-m", "batchsim.scripts.cli", "run", "--target", target, "--model", args.model,
+    cmd = [sys.executable, "-m", "batchsim.scripts.cli", "run", "--target", target,
+           "--model", args.model,
            "--workload", args.workload, "--num-prompts", str(args.num_prompts),
            "--no-progress", "--out", args.out]
     if args.request_rate:

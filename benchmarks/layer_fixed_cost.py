@@ -1,8 +1,9 @@
-"""The fixed cost of one decoder layer and of one forward pass, measured alone (`calibrate` pins
+r"""The fixed cost of one decoder layer and of one forward pass, measured alone (`calibrate` pins
 `layer_overhead_us` to the first, and `layer_overhead_us_by_arch` to other architectures', and
 fits the per-forward cost on executor steps; server/measure/fixed_cost.py).
 
-    .venv/bin/python benchmarks/layer_fixed_cost.py [--model tiny] [--batch 1,8] [--steps 30] [--reps 9]
+    .venv/bin/python benchmarks/layer_fixed_cost.py [--model tiny] [--batch 1,8] [--steps 30] \
+        [--reps 9]
 
 --model calib-sliding, tiny-moe, tiny-hybrid or tiny-mla measures a gpt-oss, Qwen3-MoE, Qwen3-Next
 or DeepSeek-V3 layer instead of tiny's llama one.

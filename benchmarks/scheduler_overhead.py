@@ -21,7 +21,8 @@ from batchsim.server.executors.fake_executor import FakeExecutor
 
 
 def policy_us(batch: int, steps: int) -> float:
-    s = Scheduler(SchedulerConfig(kv_budget_bytes=1 << 40, kv_bytes_per_token=512, max_model_len=1 << 20,
+    s = Scheduler(SchedulerConfig(kv_budget_bytes=1 << 40, kv_bytes_per_token=512,
+                                  max_model_len=1 << 20,
                                   max_num_seqs=batch, max_num_batched_tokens=max(4096, batch)))
     ex = FakeExecutor()
     for i in range(batch):
@@ -46,7 +47,8 @@ def engine_us(batch: int) -> dict:
     from batchsim.workloads.spec import WorkloadSpec
 
     spec = WorkloadSpec(name="overhead", num_prompts=batch, arrival="closed", concurrency=batch,
-                        input_len=LengthSpec("fixed", value=64), output_len=LengthSpec("fixed", value=400))
+                        input_len=LengthSpec("fixed", value=64),
+                        output_len=LengthSpec("fixed", value=400))
     cfg = RunConfig(model="smollm2-135m", executor="fake", workload=spec,
                     scheduler=SchedulerSettings(max_num_seqs=batch))
     session = open_session(cfg)
@@ -58,7 +60,8 @@ def engine_us(batch: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=2000)
     args = p.parse_args()

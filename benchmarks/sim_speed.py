@@ -6,9 +6,9 @@ at 5 req/s, the default lengths, seed 3; 18,000 requests are the simulated hour)
 
 Each run goes through `run_workload` with a run directory, as `batchsim run` does. wall_s is the
 summary's (the engine's time; writing records is counted apart); total_s adds writing records and
-the summary (no timeline.png: drawing it is not simulating). With --repeat, the fastest run of each count is kept. Prints a table, then one JSON
-line: sim_speedup and wall_s per request count, and the environment (load average included: the
-machine may be shared)."""
+the summary (no timeline.png: drawing it is not simulating). With --repeat, the fastest run of each
+count is kept. Prints a table, then one JSON line: sim_speedup and wall_s per request count, and
+the environment (load average included: the machine may be shared)."""
 
 from __future__ import annotations
 
@@ -64,8 +64,9 @@ def main() -> None:
     print(f"{'requests':>9} {'simulated s':>12} {'wall s':>8} {'total s':>8} {'x real time':>12} "
           f"{'plans':>8} {'us/plan':>8}")
     for r in rows:
-        print(f"{r['requests']:>9} {r['simulated_s']:>12.1f} {r['wall_s']:>8.3f} {r['total_s']:>8.3f}"
-              f" {r['sim_speedup']:>12.0f} {r['plans']:>8} {r['us_per_plan']:>8.1f}")
+        print(f"{r['requests']:>9} {r['simulated_s']:>12.1f} {r['wall_s']:>8.3f} "
+              f"{r['total_s']:>8.3f} {r['sim_speedup']:>12.0f} {r['plans']:>8} "
+              f"{r['us_per_plan']:>8.1f}")
     env = session_for(1).environment()
     env["loadavg_1m"] = os.getloadavg()[0]
     print(json.dumps({

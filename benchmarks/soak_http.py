@@ -30,7 +30,8 @@ from batchsim.workloads.client.sse import SSEParser
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "batchsim.scripts.cli", "serve", "--model", args.model, "--port", "0",
+    cmd = [sys.executable, "-m", "batchsim.scripts.cli", "serve", "--model",
+           args.model, "--port", "0",
            "--max-queue", str(args.max_queue)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)

@@ -51,7 +51,8 @@ def _type_name(tp: Any) -> str:
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check (and minimally convert) one value against a type hint; raise ConfigError naming `where`."""
+    """Check (and minimally convert) one value against a type hint; raise ConfigError naming
+    `where`."""
     origin = get_origin(tp)
     if tp is Any:
         return value
@@ -124,8 +125,8 @@ def _coerce_scalar(value: Any, tp: type, where: str) -> Any:
 
 
 def from_dict(cls: type[T], data: dict[str, Any], source: str) -> T:
-    """Build frozen dataclass `cls` from `data`; unknown keys, missing keys and wrong types are errors
-    that name `source` (a file, or file:section) and the key, with what is allowed."""
+    """Build frozen dataclass `cls` from `data`; unknown keys, missing keys and wrong types are
+    errors that name `source` (a file, or file:section) and the key, with what is allowed."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     unknown = sorted(set(data) - set(fields))

@@ -96,6 +96,7 @@ class KVManager:
         if rid not in computed_tokens:
             raise KVAccountError(f"private cache of request {rid}, which is not running")
         if p.computed_tokens != computed_tokens[rid] or not 0 <= p.chunk_start < p.computed_tokens:
-            raise KVAccountError(f"request {rid}: private cache {p} for {computed_tokens[rid]} computed")
+            raise KVAccountError(f"request {rid}: private cache {p} for {computed_tokens[rid]} "
+                                 "computed")
         if p.kv_bytes != self.cache.private_bytes(p.chunk_start, p.computed_tokens):
             raise KVAccountError(f"request {rid}: private cache {p} holds the wrong bytes")

@@ -49,7 +49,8 @@ class RowPricer(Protocol):
 
 
 def rows_for(num_seqs: int, row_step: int, max_rows: int) -> int:
-    """Rows to allocate for `num_seqs` requests: 1, 2, 4, ... below row_step, then multiples of it."""
+    """Rows to allocate for `num_seqs` requests: 1, 2, 4, ... below row_step, then multiples of
+    it."""
     if num_seqs <= 0:
         return 0
     if num_seqs < row_step:
@@ -98,7 +99,8 @@ def next_geometry(
 
 
 def private_cache_tokens(computed_tokens: int) -> int:
-    """Tokens an mlx-lm KVCache holds after prefilling `computed_tokens` in KV_STEP-aligned chunks."""
+    """Tokens an mlx-lm KVCache holds after prefilling `computed_tokens` in KV_STEP-aligned
+    chunks."""
     return round_up(computed_tokens, KV_STEP)
 
 
@@ -111,6 +113,7 @@ def padded_batch_bytes(lengths: Iterable[int], kv_bytes_per_token: int) -> int:
     return len(lengths) * round_up(max(lengths), KV_STEP) * kv_bytes_per_token
 
 
-def paged_bytes(lengths: Iterable[int], kv_bytes_per_token: int, page_tokens: int = PAGE_TOKENS) -> int:
+def paged_bytes(lengths: Iterable[int], kv_bytes_per_token: int,
+                page_tokens: int = PAGE_TOKENS) -> int:
     """Fixed-size pages with no padding between sequences (vLLM, vllm-mlx)."""
     return sum(round_up(n, page_tokens) for n in lengths) * kv_bytes_per_token

@@ -31,7 +31,8 @@ def chain_block_hashes(block_keys: Iterable[object]) -> tuple[int, ...]:
 
 
 def token_block_hashes(token_ids: Sequence[int]) -> tuple[int, ...]:
-    """Chained hashes of the full PAGE_TOKENS blocks of `token_ids` (a partial last block has none)."""
+    """Chained hashes of the full PAGE_TOKENS blocks of `token_ids` (a partial last block has
+    none)."""
     full = len(token_ids) // PAGE_TOKENS * PAGE_TOKENS
     return chain_block_hashes(tuple(token_ids[i:i + PAGE_TOKENS])
                               for i in range(0, full, PAGE_TOKENS))

@@ -97,8 +97,10 @@ class Request:
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 1:
             raise ValueError(f"request {self.request_id}: prompt must have >= 1 token")
-        if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.num_prompt_tokens:
-            raise ValueError(f"request {self.request_id}: prompt ids do not match num_prompt_tokens")
+        ids = self.prompt_token_ids
+        if ids is not None and len(ids) != self.num_prompt_tokens:
+            raise ValueError(f"request {self.request_id}: prompt ids do not match "
+                             "num_prompt_tokens")
         if self.block_hashes is not None and (
                 len(self.block_hashes) * PAGE_TOKENS > self.num_prompt_tokens):
             raise ValueError(f"request {self.request_id}: {len(self.block_hashes)} block hashes "
@@ -114,7 +116,8 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status in (RequestStatus.FINISHED, RequestStatus.REJECTED, RequestStatus.ABORTED)
+        return self.status in (RequestStatus.FINISHED, RequestStatus.REJECTED,
+                               RequestStatus.ABORTED)
 
     def all_token_ids(self) -> list[int] | None:
         if self.prompt_token_ids is None:

@@ -37,7 +37,8 @@ class Scheduler:
 
     # -- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> bool:
-        """Queue a request, or reject it (status REJECTED, reason in finish_reason) if it can never run."""
+        """Queue a request, or reject it (status REJECTED, reason in finish_reason) if it can never
+        run."""
         reason = self.rejection_reason(request)
         if reason is not None:
             request.status = RequestStatus.REJECTED
@@ -55,7 +56,8 @@ class Scheduler:
         cfg = self.config
         total = request.max_total_tokens
         if total > cfg.max_model_len:
-            return (f"prompt ({request.num_prompt_tokens}) + max_tokens ({request.sampling.max_tokens})"
+            return (f"prompt ({request.num_prompt_tokens}) + max_tokens "
+                    f"({request.sampling.max_tokens})"
                     f" = {total} tokens exceeds the model context of {cfg.max_model_len}")
         alone = self.kv.cache.alone_bytes(total)
         if alone > cfg.kv_budget_bytes:
@@ -286,7 +288,8 @@ class Scheduler:
                 if checker.feed(new_tokens):
                     return "stop"
             except Exception:  # a failing checker ends its own request, never the engine loop
-                logging.getLogger("batchsim").exception("stop checker of request %d failed", r.request_id)
+                logging.getLogger("batchsim").exception("stop checker of request %d failed",
+                                                        r.request_id)
                 return "error"
         last_token = new_tokens[-1]
         if not r.sampling.ignore_eos and last_token in r.eos_token_ids:

@@ -29,12 +29,15 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     add_field_argument(p, RunConfig, "model", "zoo name, model directory or hub id", unset=False)
     add_field_argument(p, RunConfig, "dtype", "", choices=list(DTYPES), unset=False)
     add_field_argument(p, RunConfig, "quantize", "", choices=list(QUANT_BITS), unset=False)
-    p.add_argument("--batch", type=ints_up_to(MAX_BATCH), default=[1, 2, 4, 8, 16, 32, 64], help="batch sizes")
+    p.add_argument("--batch", type=ints_up_to(MAX_BATCH),
+                   default=[1, 2, 4, 8, 16, 32, 64], help="batch sizes")
     p.add_argument("--context", type=positive_int, default=128, help="prompt tokens per sequence")
     p.add_argument("--steps", type=positive_int, default=8, help="decode steps per timed window")
-    p.add_argument("--reps", type=positive_int, default=5, help="timed windows per mode, interleaved "
+    p.add_argument("--reps", type=positive_int, default=5,
+                   help="timed windows per mode, interleaved "
                    "across modes (median reported); the context grows by steps x reps")
-    p.add_argument("--modes", type=str_list, default=list(MODES), help="subset of bare,executor,mlx_lm")
+    p.add_argument("--modes", type=str_list, default=list(MODES),
+                   help="subset of bare,executor,mlx_lm")
     p.add_argument("--continuous", type=ints_up_to(MAX_BATCH), default=[], metavar="B,B",
                    help="also compare continuous batching at these batch limits: 4 x B requests "
                    "with 16-64 output tokens, all queued at once, executor vs mlx-lm (joins and "
@@ -126,7 +129,8 @@ def _add_ratios(rows: list[dict]) -> None:
     batches = sorted({r["batch"] for r in rows})
     for r in rows:
         base = by.get((batches[0], r["mode"]))
-        r[f"speedup_vs_batch_{batches[0]}"] = r["decode_tok_s"] / base["decode_tok_s"] if base else None
+        speedup = r["decode_tok_s"] / base["decode_tok_s"] if base else None
+        r[f"speedup_vs_batch_{batches[0]}"] = speedup
         for other in ("bare", "mlx_lm"):
             o = by.get((r["batch"], other))
             r[f"vs_{other}"] = r["decode_tok_s"] / o["decode_tok_s"] if o else None

@@ -33,12 +33,14 @@ from batchsim.server.perf.devices import LOCAL_NAME
 # MoE model is fitted on: `--models` may name one, and its steps are then reported, not fitted.
 DEFAULT_MODELS = ["smollm2-135m", "tiny", "gqa8-probe", "qwen3-0.6b"]
 FULL = {"models": DEFAULT_MODELS, "batches": ["1", "2", "4", "8", "12", "16", "24", "32", "64"],
-            "widths": ["128", "512", "1024"], "chunks": ["16", "64", "256", "512"], "starts": ["0", "512"],
+            "widths": ["128", "512", "1024"], "chunks": ["16", "64", "256", "512"],
+            "starts": ["0", "512"],
             "reps": 5, "rounds": 3}
 # --quick: fewer models, grid points and repeats (minutes instead of half an hour), then the fitted
 # profile predicts a model it has not seen (QUICK_HELD_OUT) and reports that error.
 QUICK = {"models": ["smollm2-135m", "tiny"], "batches": ["1", "2", "4", "8", "16", "32"],
-             "widths": ["128", "512"], "chunks": ["16", "64", "256"], "starts": ["0", "512"], "reps": 2, "rounds": 1}
+             "widths": ["128", "512"], "chunks": ["16", "64", "256"], "starts": ["0", "512"],
+             "reps": 2, "rounds": 1}
 QUICK_GEMM_ROWS = (1, 2, 3, 4, 8, 12, 16, 24, 32, 48, 64, 128, 512)
 QUICK_GEMM_SHAPES = ((512, 512), (1024, 1024), (2048, 2048), (576, 1536), (1536, 576),
                      (1024, 4096), (1024, 32768))
@@ -50,20 +52,23 @@ KV_CAP_FRACTION = 0.3
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
-                   help=f"a usable profile in minutes: models {','.join(QUICK['models'])}, a smaller "
-                        f"grid, one round; then its error on {QUICK_HELD_OUT}, which it did not see")
+                   help=f"a usable profile in minutes: models {','.join(QUICK['models'])}, a "
+                        f"smaller grid, one round; then its error on {QUICK_HELD_OUT}, which it "
+                        "did not see")
     p.add_argument("--models", type=str_list, default=None,
                    help=f"calibration models (keep validation models out of this list; default "
                         f"{','.join(DEFAULT_MODELS)})")
     add_field_argument(p, RunConfig, "dtype", "", choices=list(DTYPES), unset=False)
-    p.add_argument("--name", default=LOCAL_NAME, help="profile name (written to $BATCHSIM_HOME/devices)")
+    p.add_argument("--name", default=LOCAL_NAME,
+                   help="profile name (written to $BATCHSIM_HOME/devices)")
     p.add_argument("--profile-out", help="also write the profile YAML here")
     p.add_argument("--batches", type=str_list, default=None)
     p.add_argument("--widths", type=str_list, default=None,
                    help="decode attention widths (context tokens)")
     p.add_argument("--chunks", type=str_list, default=None, help="prefill chunks")
     p.add_argument("--starts", type=str_list, default=None, help="tokens before a chunk")
-    p.add_argument("--reps", type=positive_int, default=None, help="passes over the GEMM grid (median per point)")
+    p.add_argument("--reps", type=positive_int, default=None,
+                   help="passes over the GEMM grid (median per point)")
     p.add_argument("--rounds", type=positive_int, default=None,
                    help="passes over the step grid, round-robin over the models (median per point)")
     p.add_argument("--out", default="results", help="directory for calibrate.jsonl")
@@ -88,15 +93,18 @@ def run(args: argparse.Namespace) -> dict:
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.reps < 1 or args.rounds < 1:
-        raise ConfigError(f"--reps and --rounds must be at least 1, got {args.reps} and {args.rounds}")
-    bad = [x for x in args.starts if int(x) and (int(x) < max(512, *map(int, args.chunks)) or int(x) % 256)]
+        raise ConfigError(f"--reps and --rounds must be at least 1, got {args.reps} and "
+                          f"{args.rounds}")
+    bad = [x for x in args.starts
+           if int(x) and (int(x) < max(512, *map(int, args.chunks)) or int(x) % 256)]
     if bad:  # a prefill reaches its start in one chunk of exactly that many tokens
         raise ConfigError(f"--starts: {bad[0]} must be 0 or a multiple of 256, at least 512 and "
                           "at least every chunk")
     dtype = env.default_dtype() if args.dtype == "auto" else args.dtype
     when, t0 = time.strftime("%Y-%m-%dT%H:%M:%S"), time.perf_counter()
     env_info = env.environment(dtype=dtype)
-    err.print(f"calibrating {dtype} on {env_info['cpu']} ({env.backend()}, BLAS {env_info['blas']})")
+    err.print(f"calibrating {dtype} on {env_info['cpu']} ({env.backend()}, "
+              f"BLAS {env_info['blas']})")
     ceilings = _measure_ceilings(dtype, args.reps, args.quick)
     pinned, alone = _measured_alone(args.quick, ceilings.bandwidth_gbs)  # before the models load
     sessions = {name: open_session(RunConfig(model=name, dtype=dtype)) for name in args.models}
@@ -111,7 +119,8 @@ def run(args: argparse.Namespace) -> dict:
     errors = sorted(abs(r["error"]) for r in rows)
     q = ceilings.quantized
     summary = {"profile": str(paths[0]), "profile_paths": [str(p) for p in paths],
-               "bandwidth_gbs": ceilings.bandwidth_gbs, "peak_gflops": {dtype: ceilings.peak_gflops},
+               "bandwidth_gbs": ceilings.bandwidth_gbs,
+               "peak_gflops": {dtype: ceilings.peak_gflops},
                "copy_gbs": ceilings.copy_gbs, "terms": terms,
                "quantized_gemv_gbs": q.gemv_gbs, "quantized_gemm_gflops": q.gemm_gflops,
                "quantized_points": q.rows, "step_overhead_us": overhead_us,
@@ -141,8 +150,9 @@ def _measure_ceilings(dtype: str, reps: int, quick: bool = False) -> _Ceilings:
     rates = quantized.measure_rates(dtype, bandwidth, reps=max(3, reps),
                                     max_s_per_point=3.0 if quick else 10.0, log=err.print)
     peak_gflops = max(2 * m * k * n / t for (m, k, n), t in gemm_samples.items()) / 1e9
-    err.print(f"bandwidth {bandwidth:.1f} GB/s, peak {peak_gflops:.1f} GFLOP/s, copy {copy_gbs:.1f} "
-              f"GB/s; quantized GEMV GB/s {rates.gemv_gbs}, GEMM GFLOP/s {rates.gemm_gflops}")
+    err.print(f"bandwidth {bandwidth:.1f} GB/s, peak {peak_gflops:.1f} GFLOP/s, "
+              f"copy {copy_gbs:.1f} GB/s; quantized GEMV GB/s {rates.gemv_gbs}, "
+              f"GEMM GFLOP/s {rates.gemm_gflops}")
     return _Ceilings(bandwidth, gemm, peak_gflops, copy_gbs, rates)
 
 
@@ -156,7 +166,8 @@ def _step_grid(args: argparse.Namespace, sessions: dict) -> tuple[list, dict, di
     probe_before = _probe(sessions[first], first)
     samples = cal.grid_samples(
         {n: (s.model, s.spec, cal.session_layout(s)) for n, s in sessions.items()},
-        [int(b) for b in args.batches], [int(w) for w in args.widths], [int(c) for c in args.chunks],
+        [int(b) for b in args.batches], [int(w) for w in args.widths],
+        [int(c) for c in args.chunks],
         [int(x) for x in args.starts], rounds=args.rounds,
         max_kv_bytes=memory_budget_bytes(KV_CAP_FRACTION), log=err.print)
     probe_after = _probe(sessions[first], first)
@@ -186,8 +197,9 @@ def _measured_alone(quick: bool, bandwidth_gbs: float) -> tuple[dict[str, Any], 
     by_arch = ", ".join(f"{a} {us:.0f}" for a, us in pinned["layer_overhead_us_by_arch"].items())
     err.print(f"fixed costs: {pinned['layer_overhead_us']:.0f} us per llama layer ({by_arch}; bare "
               f"loop at batch {costs['dense'][0].batch}: {costs['dense'][0].forward_us:.0f} us per "
-              f"forward pass, not pinned); routed experts (SwitchGLU): {experts.ns_per_pair:.0f} ns "
-              f"per pair + {experts.ns_per_mac:.3f} ns per multiply-add")
+              f"forward pass, not pinned); routed experts (SwitchGLU): "
+              f"{experts.ns_per_pair:.0f} ns per pair + {experts.ns_per_mac:.3f} ns per "
+              "multiply-add")
     timings = {"layer_stacks": {a: [dataclasses.asdict(c) for c in cs] for a, cs in costs.items()},
                "switchglu_us": experts.rows()}
     return pinned | {"experts_ns_per_pair": experts.ns_per_pair,
@@ -227,12 +239,14 @@ def _fit(args, dtype: str, when: str, env_info: dict, ceilings: _Ceilings, sessi
                                 calibrated_on=(*calib.calibrated_on, *alone), **experts)
     terms.update({f"layer_overhead_us[{a}]": us for a, us in by_arch.items()}, **experts)
     profile = _with(base, calib, source=f"batchsim calibrate {when}: {env_info['cpu']}, "
-                    f"{env_info['backend']}, BLAS {env_info['blas']}, models {', '.join(args.models)}")
+                    f"{env_info['backend']}, BLAS {env_info['blas']}, "
+                    f"models {', '.join(args.models)}")
     return profile, terms, transfer
 
 
 def _quantized_fields(rates) -> dict[str, dict[int, float]]:
-    """The profile's quantized ceilings from measure_rates (none measured: empty, the float ones)."""
+    """The profile's quantized ceilings from measure_rates (none measured: empty, the float
+    ones)."""
     return {"quantized_gemv_gbs": dict(rates.gemv_gbs) if rates else {},
             "quantized_gemm_gflops": dict(rates.gemm_gflops) if rates else {}}
 
@@ -252,7 +266,8 @@ def _residuals(samples: list, sessions: dict, profile, dtype: str) -> list[dict]
     from batchsim.server.perf.stepcost import StepCost
 
     costs = {n: StepCost(s.spec, profile, dtype, None) for n, s in sessions.items()}
-    rows = [{"model": s.model, "kind": s.kind, "rows": s.rows, "context": s.context, "measured_s": s.seconds,
+    rows = [{"model": s.model, "kind": s.kind, "rows": s.rows, "context": s.context,
+             "measured_s": s.seconds,
                  "predicted_s": cal.predict(s, costs[s.model])} for s in samples]
     for r in rows:
         r["error"] = r["predicted_s"] / r["measured_s"] - 1
@@ -284,7 +299,8 @@ def _held_out(args: argparse.Namespace, dtype: str, profile) -> dict:
                                        if p.calibration is None or dtype in p.calibration.gemm}
     result = {label: cal.sample_errors(samples, {name: StepCost(s.spec, p, dtype, None)})
               for label, p in profiles.items()}
-    out.print(table(f"Held-out check: step time on {name} (not used to calibrate), predicted vs measured",
+    out.print(table(f"Held-out check: step time on {name} (not used to calibrate), "
+                    "predicted vs measured",
                     ["profile", "median |error| %", "median error %", "max |error| %"],
                     [[k, 100 * e["median_abs_err"], 100 * e["median_err"], 100 * e["max_abs_err"]]
                      for k, e in result.items()]))
@@ -329,11 +345,13 @@ def _print(rows: list[dict], terms: dict, gemm, overhead_us: float, transfer: di
                       r["predicted_s"] * 1e3, 100 * r["error"]] for r in rows]))
     out.print(table("Fitted terms", ["metric", "value"],
                     [[k, v] for k, v in terms.items()]
-                    + [[f"gemm ns/weight at {kn:,} weights", ns] for kn, ns in sorted(gemm.weight_ns.items())]
+                    + [[f"gemm ns/weight at {kn:,} weights",
+                        ns] for kn, ns in sorted(gemm.weight_ns.items())]
                     + [[f"gemm ns/FLOP at m={m}", ns] for m, ns in sorted(gemm.flop_ns.items())]
                     + [["engine step_overhead_us", overhead_us]]))
     if transfer:
         out.print(table("Leave one model out: fit on the other models, error on this one (what to "
                         "expect on a model calibration has not seen)",
                         ["model left out", "median |error| %", "median error %"],
-                        [[m, 100 * e["median_abs_err"], 100 * e["median_err"]] for m, e in transfer.items()]))
+                        [[m, 100 * e["median_abs_err"],
+                          100 * e["median_err"]] for m, e in transfer.items()]))

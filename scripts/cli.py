@@ -20,18 +20,29 @@ from batchsim.scripts.common import (  # no mlx: blas.preload() still comes firs
 
 # (subcommand, module, one-line help) in the order `--help` lists them.
 COMMANDS = [
-    ("run", "batchsim.scripts.run_cmd", "replay traffic through the continuous-batching engine (real or simulated)"),
-    ("bench-decode", "batchsim.scripts.bench_decode", "decode tok/s per batch size: bare loop vs executor vs mlx-lm"),
-    ("compare", "batchsim.scripts.compare", "the same workload at batch 1 and batched, side by side"),
-    ("sweep", "batchsim.scripts.sweep", "step the batch size up to where the KV cache overruns the budget"),
-    ("size", "batchsim.scripts.size", "batch limits and decode speed per Mac, from the roofline (no model run)"),
-    ("fit-macs", "batchsim.scripts.fit_macs", "fit the Mac GPU step on published MLX measurements; held-out errors"),
-    ("roofline", "batchsim.scripts.roofline", "GEMV vs GEMM on this device, against measured ceilings"),
-    ("calibrate", "batchsim.scripts.calibrate", "measure this device and write a profile for the simulator"),
-    ("validate", "batchsim.scripts.validate", "run workloads real and simulated, report the prediction error"),
-    ("serve", "batchsim.scripts.serve_cmd", "OpenAI-compatible HTTP server on the continuous-batching engine"),
+    ("run", "batchsim.scripts.run_cmd",
+     "replay traffic through the continuous-batching engine (real or simulated)"),
+    ("bench-decode", "batchsim.scripts.bench_decode",
+     "decode tok/s per batch size: bare loop vs executor vs mlx-lm"),
+    ("compare", "batchsim.scripts.compare",
+     "the same workload at batch 1 and batched, side by side"),
+    ("sweep", "batchsim.scripts.sweep",
+     "step the batch size up to where the KV cache overruns the budget"),
+    ("size", "batchsim.scripts.size",
+     "batch limits and decode speed per Mac, from the roofline (no model run)"),
+    ("fit-macs", "batchsim.scripts.fit_macs",
+     "fit the Mac GPU step on published MLX measurements; held-out errors"),
+    ("roofline", "batchsim.scripts.roofline",
+     "GEMV vs GEMM on this device, against measured ceilings"),
+    ("calibrate", "batchsim.scripts.calibrate",
+     "measure this device and write a profile for the simulator"),
+    ("validate", "batchsim.scripts.validate",
+     "run workloads real and simulated, report the prediction error"),
+    ("serve", "batchsim.scripts.serve_cmd",
+     "OpenAI-compatible HTTP server on the continuous-batching engine"),
     ("models", "batchsim.scripts.models_cmd", "list the model zoo, or build a model directory"),
-    ("report", "batchsim.scripts.report_cmd", "rebuild a run directory's summary from its records (after a killed run)"),
+    ("report", "batchsim.scripts.report_cmd",
+     "rebuild a run directory's summary from its records (after a killed run)"),
 ]
 
 DESCRIPTION = """\
@@ -45,8 +56,8 @@ Every command prints tables for people, then one JSON document as its last stdou
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
-    """Appends `[default: X]` to a flag's help unless the default is None/False/[] or the help already
-    states it (add_field_argument writes the defaults it reads from config dataclasses)."""
+    """Appends `[default: X]` to a flag's help unless the default is None/False/[] or the help
+    already states it (add_field_argument writes the defaults it reads from config dataclasses)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""

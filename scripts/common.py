@@ -13,7 +13,13 @@ import typing
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from batchsim.server.results.jsonio import append_jsonl, dumps, jsonable, timestamp, write_jsonl  # noqa: F401
+from batchsim.server.results.jsonio import (  # noqa: F401 (re-exported for the commands)
+    append_jsonl,
+    dumps,
+    jsonable,
+    timestamp,
+    write_jsonl,
+)
 from batchsim.server.results.plots import pyplot, save_figure  # noqa: F401
 from batchsim.workloads.lengths import LengthSpec
 from rich.console import Console
@@ -130,7 +136,8 @@ def add_rank_arguments(p: argparse.ArgumentParser, what: str, roles: str) -> Non
     d = p.add_argument_group("ranks (tensor-parallel decode over mx.distributed)")
     d.add_argument("--ranks", type=positive_int, default=1, help=f"{what} on N ranks started by "
                    f"mlx.launch (ring backend on loopback unless --hostfile); {roles}")
-    d.add_argument("--hostfile", help=f"mlx.launch hostfile (JSON: hosts with ssh and ips) to {what} "
+    d.add_argument("--hostfile",
+                   help=f"mlx.launch hostfile (JSON: hosts with ssh and ips) to {what} "
                    "across Macs; the same batchsim and model path on every host")
 
 
@@ -180,14 +187,16 @@ def add_field_argument(group: Any, source: Any, name: str, help: str, *, flag: s
         kwargs["type"] = seed_int if name == "seed" else kwargs.get("type")
     default = field_default(source, name)
     shown = "" if default is None else f"[default: {show_default(default)}]".replace("%", "%%")
-    return group.add_argument(flag or f"--{name.replace('_', '-')}", default=None if unset else default,
+    return group.add_argument(flag or f"--{name.replace('_', '-')}",
+                              default=None if unset else default,
                               help=" ".join(t for t in (help, shown) if t), **kwargs)
 
 
 def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> Table:
     t = Table(title=title, title_justify="left", header_style="bold")
     for c in columns:
-        t.add_column(c, justify="right" if c not in ("mode", "model", "chip", "dtype", "metric") else "left")
+        left = c in ("mode", "model", "chip", "dtype", "metric")
+        t.add_column(c, justify="left" if left else "right")
     for row in rows:
         t.add_row(*[fmt(v) for v in row])
     return t

@@ -91,7 +91,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[RunConfig, RunConfig]:
         setattr(ns, key, None)
     if args.batch < 1:
         raise ConfigError(f"--batch must be >= 1, got {args.batch}")
-    base = RunConfig(workload=default_workload()) if ns.workload is None and ns.trace is None else None
+    no_workload = ns.workload is None and ns.trace is None
+    base = RunConfig(workload=default_workload()) if no_workload else None
     try:
         cfg = config_from_args(ns, base)
     except (ValueError, TypeError) as exc:

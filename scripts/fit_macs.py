@@ -78,7 +78,8 @@ def save_engine(profile: EngineProfile, fitted_on: str) -> Path:
     path = ENGINES_DIR / f"{profile.name}.yaml"
     text = path.read_text()
     for key in ("host_step_us", "host_token_us"):
-        text = re.sub(rf"^{key}: .*$", f"{key}: {getattr(profile, key)!r}", text, flags=re.MULTILINE)
+        text = re.sub(rf"^{key}: .*$", f"{key}: {getattr(profile, key)!r}",
+                      text, flags=re.MULTILINE)
     source = yaml.safe_dump({"source": f"Fitted by `batchsim fit-macs --write` on {fitted_on}"},
                             width=100)
     text = re.sub(r"^source:.*?(?=^\S|\Z)", lambda _: source, text, flags=re.MULTILINE | re.DOTALL)

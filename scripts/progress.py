@@ -41,7 +41,8 @@ class RunProgress:
         self._last = now
         s = engine.scheduler
         done = sum(1 for r in engine.recorder.requests.values() if r.is_finished)
-        status = (f"t={engine.now():7.1f}s  batch {len(plan.decode_ids):3d}  running {len(s.running):3d}"
+        status = (f"t={engine.now():7.1f}s  batch {len(plan.decode_ids):3d}"
+                  f"  running {len(s.running):3d}"
                   f"  waiting {len(s.waiting):3d}  KV {plan.kv_bytes / 2**30:6.2f} GiB"
                   f"  preempted {s.num_preemptions}")
         self._progress.update(self._task, completed=done, status=status)

@@ -36,11 +36,13 @@ _SHAPE_LABELS = {"gemv": "GEMV (B=1)", "gemm": "GEMM (B=N)", "batch": "batch swe
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=ints_up_to(32768), default=int_list(DEFAULT_NS),
                    help="matrix sizes N (comma-separated)")
-    p.add_argument("--dtypes", type=str_list, default=["float16", "bfloat16", "float32", "q4", "q8"],
-                   help="dtypes (comma-separated): float16, bfloat16, float32, and q4, q8 (mlx-lm's "
-                        "affine quantization, group 64, its activations in the backend's default "
-                        "dtype: float32 on the CPU, float16 on a GPU)")
-    p.add_argument("--reps", type=positive_int, default=9, help="timed reps per point (median reported)")
+    p.add_argument("--dtypes", type=str_list,
+                   default=["float16", "bfloat16", "float32", "q4", "q8"],
+                   help="dtypes (comma-separated): float16, bfloat16, float32, and q4, q8 "
+                        "(mlx-lm's affine quantization, group 64, its activations in the backend's "
+                        "default dtype: float32 on the CPU, float16 on a GPU)")
+    p.add_argument("--reps", type=positive_int, default=9,
+                   help="timed reps per point (median reported)")
     p.add_argument("--sweep-n", type=non_negative_int, default=None,
                    help=f"N of the batch sweep B = 1, 2, 4 ... N (default: {DEFAULT_SWEEP_N}, or "
                         "the largest --n below it); 0 skips the sweep")

@@ -159,7 +159,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     add_scheduler_args(p)
     add_workload_args(p)
     g = p.add_argument_group("report")
-    g.add_argument("--goodput", nargs="+", metavar="SLO:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:4000")
+    g.add_argument("--goodput", nargs="+", metavar="SLO:MS",
+                   help="SLOs, e.g. ttft:500 tpot:50 e2el:4000")
     add_field_argument(g, RunConfig, "percentiles", "percentiles to report", type=percentiles)
     g.add_argument("--out", default="runs", help="directory for run directories")
     add_field_argument(g, RunConfig, "target", "an OpenAI-compatible base URL (e.g. "
@@ -179,10 +180,12 @@ def config_from_args(args: argparse.Namespace, default: RunConfig | None = None)
     if args.workload:
         cfg = dataclasses.replace(cfg, workload=resolve_workload(args.workload))
     workload = {
-        "num_prompts": args.num_prompts, "request_rate": args.request_rate, "burstiness": args.burstiness,
+        "num_prompts": args.num_prompts, "request_rate": args.request_rate,
+        "burstiness": args.burstiness,
         "arrival": "trace" if args.trace else args.arrival, "concurrency": args.concurrency,
         "ramp_end_rate": args.ramp_end_rate,
-        "max_concurrency": args.max_concurrency, "input_len": args.input_len, "output_len": args.output_len,
+        "max_concurrency": args.max_concurrency, "input_len": args.input_len,
+        "output_len": args.output_len,
         "seed": args.seed, "trace": trace_override(args, cfg),
     }
     cfg = sharing_from_args(args, cfg, workload)
@@ -201,7 +204,8 @@ def config_from_args(args: argparse.Namespace, default: RunConfig | None = None)
                           "model ends them); use a synthetic workload to generate full lengths")
     return with_run_overrides(
         cfg, workload, model=args.model, dtype=args.dtype, quantize=args.quantize,
-        kv_bits=getattr(args, "kv_bits", None), executor=args.executor, device_profile=args.device_profile, memory_gb=args.memory_gb,
+        kv_bits=getattr(args, "kv_bits", None), executor=args.executor,
+        device_profile=args.device_profile, memory_gb=args.memory_gb,
         engine=getattr(args, "engine", None),
         ignore_eos=args.ignore_eos, target=args.target, percentiles=args.percentiles,
         goodput=parse_goodput(args.goodput) if args.goodput else None,
@@ -272,8 +276,8 @@ def _run_ranks(args: argparse.Namespace, cfg: RunConfig) -> dict | None:
     from batchsim.server.distributed import rank
 
     if cfg.executor != "mlx" or cfg.target:
-        raise ConfigError("--ranks runs the real executor in-process (--executor mlx, no --target); "
-                          "simulate clusters with `batchsim size --macs N`")
+        raise ConfigError("--ranks runs the real executor in-process (--executor mlx, no "
+                          "--target); simulate clusters with `batchsim size --macs N`")
     if rank.is_rank_process():
         return rank.run_rank(cfg, lambda s: run_session(s, Path(args.out), not args.no_progress))
     import sys

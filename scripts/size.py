@@ -47,7 +47,8 @@ from batchsim.server.perf.stepcost import StepTime
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="llama-3.1-8b", help=f"zoo model ({', '.join(zoo_names())}), a model directory, or a hub id")
+    p.add_argument("--model", default="llama-3.1-8b",
+                   help=f"zoo model ({', '.join(zoo_names())}), a model directory, or a hub id")
     p.add_argument("--dtype", default="float16", choices=list(FLOAT_DTYPES), help="weights dtype")
     p.add_argument("--quantize", type=int, choices=list(QUANT_BITS), default=None,
                    help="mlx-lm affine quantization (group 64) to 4 or 8 bits")
@@ -291,14 +292,14 @@ def _print_parts(rows: list[dict], meta: dict) -> None:
     cols = ["Mac", "batch", *names, "tok/s"]
     out.print(table(f"Predicted decode step by part, context {meta['context']} (mean "
                     f"{meta['context_mean_tokens']:.0f} tokens read per row)", cols, body))
-    out.print("weights: linear layers streaming their weights (bandwidth-bound ones on a roofline); "
-              "matmul: their arithmetic (compute-bound ones); attention: K/V reads; elementwise: "
-              "norms, activations, logits; fixed: per layer and forward pass (a Mac's fitted kernel "
-              "dispatch and sync); step overhead: per engine step (zero on a catalog Mac); copy: "
-              "KV pool copies (none in steady decode); experts: MoE routed experts (the distinct "
-              "experts the batch routes to); attention rows: attention's fixed cost per row; "
-              "token ops: elementwise kernels' per token; sampling: per row; host step / host "
-              f"token: the engine's ({meta['engine']}) host work. Zero parts are not shown.")
+    out.print("weights: linear layers streaming their weights (bandwidth-bound ones on a "
+              "roofline); matmul: their arithmetic (compute-bound ones); attention: K/V reads; "
+              "elementwise: norms, activations, logits; fixed: per layer and forward pass (a Mac's "
+              "fitted kernel dispatch and sync); step overhead: per engine step (zero on a catalog "
+              "Mac); copy: KV pool copies (none in steady decode); experts: MoE routed experts "
+              "(the distinct experts the batch routes to); attention rows: attention's fixed cost "
+              "per row; token ops: elementwise kernels' per token; sampling: per row; host step / "
+              f"host token: the engine's ({meta['engine']}) host work. Zero parts are not shown.")
 
 
 def _held_out(errors: dict) -> str:

@@ -57,8 +57,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p._option_string_actions["--memory-gb"].help = (
         "memory budget for weights + KV in GiB (emulate a Mac); default: sized by --limit-batch")
     g = p.add_argument_group("sweep")
-    g.add_argument("--prompt-len", type=positive_int, default=192, help="prompt tokens of every request")
-    g.add_argument("--output-len", type=positive_int, default=64, help="output tokens of every request")
+    g.add_argument("--prompt-len", type=positive_int, default=192,
+                   help="prompt tokens of every request")
+    g.add_argument("--output-len", type=positive_int, default=64,
+                   help="output tokens of every request")
     g.add_argument("--limit-batch", type=_batch, default=12,
                    help="without --memory-gb: a budget of weights + this many sequences' KV at "
                    f"full length (padded to {KV_STEP} tokens) + half a sequence, so the analytic "

@@ -1,5 +1,5 @@
-"""`batchsim validate`: run a matrix of workloads for real and simulated on this machine, with a model
-that calibration did not see, and report how far the simulator's predictions are off."""
+"""`batchsim validate`: run a matrix of workloads for real and simulated on this machine, with a
+model that calibration did not see, and report how far the simulator's predictions are off."""
 
 from __future__ import annotations
 
@@ -35,12 +35,14 @@ from batchsim.server.perf.validation_errors import (
 )
 
 DEFAULT_MODEL = "qwen2.5-0.5b"
-# What those predicted steps were made of: each part's share of their time (weights, attention, ...).
+# What those predicted steps were made of: each part's share of their time (weights, attention,
+# ...).
 PARTS = "step_parts_share"
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="validation model (not a calibration one; default: "
+    p.add_argument("--model", default=None,
+                   help="validation model (not a calibration one; default: "
                    f"the matrix's `model`, else {DEFAULT_MODEL})")
     add_field_argument(p, RunConfig, "dtype", "", choices=list(DTYPES), unset=False)
     p.add_argument("--device-profile", default=LOCAL_NAME, help="calibrated profile to validate")
@@ -48,15 +50,16 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    "configs/validation: matrix (dense), moe, sliding")
     p.add_argument("--cases", help="comma-separated case names to run (default: all)")
     p.add_argument("--repeats", type=positive_int, default=3,
-                   help="real runs per case, taken round-robin over the matrix so a shared machine's "
-                        "slow minutes spread over every case; the simulator is compared with their "
-                        "median, and their spread is reported as the noise floor (default: 3)")
+                   help="real runs per case, taken round-robin over the matrix so a shared "
+                        "machine's slow minutes spread over every case; the simulator is compared "
+                        "with their median, and their spread is reported as the noise floor "
+                        "(default: 3)")
     p.add_argument("--out", default="results", help="directory for validate.jsonl, PNG, run dirs")
     p.add_argument("--measured-from", metavar="VALIDATE_JSONL",
-                   help="run nothing for real: score the profile (another profile, or a changed cost "
-                        "model) against the real runs an earlier validate recorded (the last row of "
-                        "this file; same model and cases), in seconds instead of an hour. No "
-                        "step-time or probed-speed columns: those need the real runs themselves")
+                   help="run nothing for real: score the profile (another profile, or a changed "
+                        "cost model) against the real runs an earlier validate recorded (the last "
+                        "row of this file; same model and cases), in seconds instead of an hour. "
+                        "No step-time or probed-speed columns: those need the real runs themselves")
 
 
 @dataclasses.dataclass
@@ -153,10 +156,12 @@ def _measure(v: _Validation, configs: dict, predicted: dict) -> dict[str, _Measu
     for rep in range(repeats):
         for i, case in enumerate(v.cases):
             name, m = case["name"], measured[case["name"]]
-            err.print(f"[{rep * len(v.cases) + i + 1}/{total}] {name}: real run {rep + 1}/{repeats}")
+            err.print(f"[{rep * len(v.cases) + i + 1}/{total}] {name}: "
+                      f"real run {rep + 1}/{repeats}")
             before = probe()
             shadow = ShadowTimer(v.sim.executor.cost, v.real.cache_layout)  # as the real pool holds
-            result = _run(v.real.with_config(configs[name]), v.out_dir, f"{name}-real{rep + 1}", shadow)
+            result = _run(v.real.with_config(configs[name]), v.out_dir,
+                          f"{name}-real{rep + 1}", shadow)
             result[STEP] = shadow.error()
             m.shadows.append(shadow)
             speed = device_speed(mean_by_key(before, probe()))
@@ -232,7 +237,8 @@ def _earlier_validation(path: Path, model: str, cases: list[dict]) -> dict:
         raise ConfigError(f"--measured-from: {path} holds no validation")
     last = rows[-1]
     if last.get("model") != model:
-        raise ConfigError(f"--measured-from: {path}'s real runs are of {last.get('model')}, not {model}; "
+        raise ConfigError(f"--measured-from: {path}'s real runs are of {last.get('model')}, not "
+                          f"{model}; "
                           f"pass --model {last.get('model')}")
     by_name = {r["case"]: r for r in last["cases"]}
     for case in cases:
@@ -240,8 +246,10 @@ def _earlier_validation(path: Path, model: str, cases: list[dict]) -> dict:
         if earlier is None:
             raise ConfigError(f"--measured-from: {path} has no real runs of case {case['name']!r}; "
                               f"it has: {', '.join(by_name)}")
-        if earlier.get("case_spec") not in (None, jsonable(case)):  # None: recorded before case_spec
-            raise ConfigError(f"--measured-from: case {case['name']!r} has changed since {path} measured it")
+        # None: recorded before case_spec
+        if earlier.get("case_spec") not in (None, jsonable(case)):
+            raise ConfigError(f"--measured-from: case {case['name']!r} has changed since {path} "
+                              "measured it")
     return {"cases": by_name, "repeats": last.get("repeats"), "device": last.get("device", "")}
 
 
@@ -323,11 +331,12 @@ def _print(rows: list[dict], summary: dict) -> None:
     out.print(table("Simulator vs real runs (error = predicted / measured - 1)", cols, body))
     if summary.get("repeats", 1) > 1:
         err.print(f"measured = median of {summary['repeats']} real runs per case. 'one real run vs "
-                  "median': how far a single real run falls from that median, the machine's own noise.")
+                  "median': how far a single real run falls from that median, the machine's own "
+                  "noise.")
     err.print("'step time': the simulator's time for each step a real run executed (its own plans, "
-              "executor time only) against the measured time; the rest of an error is what queueing "
-              "makes of it. 'largest parts': what that predicted time was made of (step_parts_share "
-              "in the JSON).")
+              "executor time only) against the measured time; the rest of an error is what "
+              "queueing makes of it. 'largest parts': what that predicted time was made of "
+              "(step_parts_share in the JSON).")
     if adj:
         err.print("'at probed speed': the same simulation with the device scaled to the speed the "
                   "probe (real steps of a calibration model) measured around each case's runs.")
@@ -365,5 +374,6 @@ def _plot(rows: list[dict], out_dir: Path) -> Path:
         ax.set_title(m)
         ax.set_xlabel("measured")
         ax.set_ylabel("predicted")
-    fig.suptitle("batchsim validate: predicted vs measured (median of real runs, bars: their range)")
+    fig.suptitle("batchsim validate: predicted vs measured "
+                 "(median of real runs, bars: their range)")
     return save_figure(fig, out_dir / "validate.png")

@@ -135,12 +135,15 @@ def test_models_json_contract():
     assert rows["qwen3-30b-a3b"]["family"] == ["moe"] and rows["tiny"]["family"] == ["dense"]
     assert rows["deepseek-v3"]["family"] == ["moe", "mla"]
     assert rows["qwen3-next-80b-a3b"]["family"] == ["moe", "hybrid"]
-    assert rows["gemma-3-27b"]["kv_bytes_per_seq"]["32768"] == zoo_spec("gemma-3-27b").kv_bytes_per_seq(32768)
-    assert rows["llama-3.1-8b"]["kv_bytes_per_seq"] == {"4096": 4096 * 131072, "32768": 32768 * 131072}
+    expected = zoo_spec("gemma-3-27b").kv_bytes_per_seq(32768)
+    assert rows["gemma-3-27b"]["kv_bytes_per_seq"]["32768"] == expected
+    assert rows["llama-3.1-8b"]["kv_bytes_per_seq"] == {"4096": 4096 * 131072,
+                                                        "32768": 32768 * 131072}
 
 
 @pytest.mark.parametrize("name", ["deepseek-v3", "gpt-oss-20b", "qwen3-next-80b-a3b"])
-def test_real_runs_of_models_too_big_refuse_in_one_line_before_building(name, tmp_path, monkeypatch):
+def test_real_runs_of_models_too_big_refuse_in_one_line_before_building(name,
+                                                                        tmp_path, monkeypatch):
     # Every family runs on the real executor (tests/test_family_executor.py); weights that cannot
     # fit are refused before a build or a download starts.
     from batchsim.server.engine.run_config import RunConfig

@@ -21,7 +21,8 @@ def test_coretype_from_cpu_flags():
 
 
 def _choice_in_subprocess(**env: str) -> str:
-    code = "from batchsim.server.platform import blas; c = blas.preload(); print(c.name, '|', c.version, '|', c.note)"
+    code = ("from batchsim.server.platform import blas; c = blas.preload(); "
+            "print(c.name, '|', c.version, '|', c.note)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, **env}, cwd=os.path.dirname(os.path.dirname(__file__)))
     return out.stdout.strip()
@@ -62,7 +63,8 @@ def test_none_keeps_the_reference_blas():
 def test_openblas_workers_sleep_right_after_a_call_unless_the_user_says_otherwise(user, want):
     """OpenBLAS reads OPENBLAS_THREAD_TIMEOUT once, when it loads: asked afterwards, the library
     itself must report batchsim's value (or the user's), not its spinning default of 28."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")}
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT",
+                                                            "GOTO_THREAD_TIMEOUT")}
     if user:
         env["OPENBLAS_THREAD_TIMEOUT"] = user
     code = ("import ctypes; from batchsim.server.platform import blas; c = blas.preload(); "

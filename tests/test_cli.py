@@ -1,5 +1,5 @@
-"""The command line as users run it: real processes, the JSON contract on the last stdout line, clear
-errors for bad input (signals and run records: test_interrupts.py)."""
+"""The command line as users run it: real processes, the JSON contract on the last stdout line,
+clear errors for bad input (signals and run records: test_interrupts.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ RUN_KEYS = {
 
 def batchsim(*args: str, home: Path, timeout: float = 300, check: bool = True):
     env = {**os.environ, "BATCHSIM_HOME": str(home), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "batchsim.scripts.cli", *args], capture_output=True, check=False,
+    proc = subprocess.run([sys.executable, "-m", "batchsim.scripts.cli", *args],
+                          capture_output=True, check=False,
                           text=True, env=env, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stderr[-3000:]}")
@@ -85,7 +86,9 @@ def test_a_config_typo_names_the_file_and_the_key(batchsim_home, tmp_path):
     cfg.write_text("model: tiny\nscheduler:\n  max_num_seq: 4\n")
     proc = batchsim("run", str(cfg), "--executor", "fake", home=batchsim_home, check=False)
     assert proc.returncode == 2
-    assert "bad.yaml" in proc.stderr and "max_num_seq" in proc.stderr and "max_num_seqs" in proc.stderr
+    assert "bad.yaml" in proc.stderr
+    assert "max_num_seq" in proc.stderr
+    assert "max_num_seqs" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
@@ -110,13 +113,15 @@ def test_validate_contract_on_the_tiny_model(batchsim_home, tmp_path):
     the device-speed probe beside every run, and the refusal to validate on a calibration model."""
     import yaml
 
-    shipped = Path(__file__).parent.parent / "configs" / "devices" / "linux-x86_64-openblas-2core.yaml"
+    devices = Path(__file__).parent.parent / "configs" / "devices"
+    shipped = devices / "linux-x86_64-openblas-2core.yaml"
     profile = yaml.safe_load(shipped.read_text())
     # gqa8-probe as the calibration model: tiny counts as unseen, and the speed probe runs on it.
     profile["calibration"]["calibrated_on"] = ["gqa8-probe"]
     profile["calibration"]["device"] = "Some Other CPU, OpenBLAS 0.0"
     profile["calibration"]["speed_probe_ms"] = {
-        "gqa8-probe:decode:1x131": 20.0, "gqa8-probe:decode:8x131": 32.0, "gqa8-probe:prefill:64x0": 65.0}
+        "gqa8-probe:decode:1x131": 20.0, "gqa8-probe:decode:8x131": 32.0,
+        "gqa8-probe:prefill:64x0": 65.0}
     profile_path = tmp_path / "profile.yaml"
     profile_path.write_text(yaml.safe_dump(profile))
     matrix = tmp_path / "matrix.yaml"
@@ -167,7 +172,8 @@ def test_validate_contract_on_the_tiny_model(batchsim_home, tmp_path):
 
     # Scored again from the recorded real runs, nothing run for real: the same medians against the
     # same (deterministic) simulation give the same errors; a case changed since is refused.
-    rescored = last_json(batchsim(*args, "--measured-from", str(tmp_path / "results" / "validate.jsonl"),
+    rescored = last_json(batchsim(*args, "--measured-from",
+                                  str(tmp_path / "results" / "validate.jsonl"),
                                   home=batchsim_home).stdout)
     assert rescored["cases"] and rescored["repeats"] == 2 and "at_probed_speed" not in rescored
     for before, after in zip(summary["cases"], rescored["cases"]):

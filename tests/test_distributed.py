@@ -93,7 +93,8 @@ def test_the_launcher_names_the_dead_rank_before_those_it_took_down(tmp_path):
         {"ok": False, "error": "rank 0: lost a peer rank"}))
     (tmp_path / "rank2.json").write_text(json.dumps(
         {"ok": False, "error": "rank 2: stopped by mlx.launch", "terminated": True}))
-    assert ranks_error(tmp_path, 3) == "rank 1 died (killed or crashed before reporting); rank 0: lost a peer rank"
+    assert ranks_error(tmp_path, 3) == ("rank 1 died (killed or crashed before reporting); "
+                                        "rank 0: lost a peer rank")
     for r in range(3):
         (tmp_path / f"rank{r}.json").write_text(json.dumps({"ok": True, "error": None}))
     assert ranks_error(tmp_path, 3) is None

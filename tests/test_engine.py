@@ -159,7 +159,8 @@ def test_step_records_describe_each_plan():
         assert st.num_prefill_requests == len(plan.prefills)
         assert (st.num_running, st.num_waiting) == (running, waiting)
         assert (st.kv_bytes, st.kv_bytes_measured) == (plan.kv_bytes, result.kv_bytes)
-        assert (st.pool_rows, st.pool_capacity_tokens) == (plan.pool.rows, plan.pool.capacity_tokens)
+        assert (st.pool_rows, st.pool_capacity_tokens) == (plan.pool.rows,
+                                                           plan.pool.capacity_tokens)
         assert st.compute_s == pytest.approx(result.elapsed_s)
         assert st.end_s - st.start_s == pytest.approx(result.elapsed_s)
 

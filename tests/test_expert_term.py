@@ -65,7 +65,8 @@ def test_switchglu_fit_recovers_planted_pair_and_mac_costs():
 def test_switchglu_costs_grow_with_routed_pairs_and_expert_size():
     from batchsim.server.measure import expert_cost
 
-    c = expert_cost.measure(30.0, reps=1, geometries=((64, 32, 8, 2), (256, 256, 8, 2)), tokens=(1, 16, 64))
+    c = expert_cost.measure(30.0, reps=1,
+                            geometries=((64, 32, 8, 2), (256, 256, 8, 2)), tokens=(1, 16, 64))
     us = c.us_by_point
     assert us[(256, 256, 8, 2, 64)] > 4 * us[(256, 256, 8, 2, 1)]
     assert us[(256, 256, 8, 2, 64)] > 4 * us[(64, 32, 8, 2, 64)]
@@ -99,10 +100,12 @@ def test_validate_skips_a_model_the_real_executor_cannot_serve_yet(monkeypatch, 
     assert validate._not_runnable(Refusing()).startswith("NotImplementedError: the decode pool")
     monkeypatch.setattr(validate, "_not_runnable", lambda session: "NotImplementedError: sliding")
     matrix = tmp_path / "m.yaml"  # a model that loads here; the probe is what refuses it
-    matrix.write_text("model: tiny-sliding\ncases:\n  - {name: a, max_num_seqs: 1, workload: {num_prompts: 2}}\n")
+    matrix.write_text("model: tiny-sliding\ncases:\n  - {name: a, max_num_seqs: 1, workload: "
+                      "{num_prompts: 2}}\n")
     assert main(["validate", "--matrix", str(matrix), "--device-profile",
                  "linux-x86_64-openblas-2core", "--out", str(tmp_path)]) == 0
     captured = capsys.readouterr()
-    assert "tiny-sliding is not runnable yet" in captured.err and "1 cases are skipped" in captured.err
+    assert "tiny-sliding is not runnable yet" in captured.err
+    assert "1 cases are skipped" in captured.err
     doc = json.loads(captured.out.strip().splitlines()[-1])
     assert doc["skipped"] == "not runnable yet: NotImplementedError: sliding" and doc["cases"] == []

@@ -53,7 +53,8 @@ def test_sliding_layers_read_at_most_their_window():
     assert fam.attention_decode_s(sliding, 4, 4 * w) == fam.attention_decode_s(sliding, 4, w)
     assert fam.attention_decode_s(sliding, 4, w // 2) == pytest.approx(
         fam.attention_decode_s(sliding, 4, w) / 2)
-    assert fam.attention_decode_s(full, 4, 4 * w) == pytest.approx(4 * fam.attention_decode_s(full, 4, w))
+    assert fam.attention_decode_s(full, 4,
+                                  4 * w) == pytest.approx(4 * fam.attention_decode_s(full, 4, w))
     # Past the window only the full layers' reads grow.
     n_full = sum(lay.attention.kind == "full" for lay in spec.arch.layers)
     grow = cost.decode_time(4, 4 * w).attention_s - cost.decode_time(4, 2 * w).attention_s
@@ -87,7 +88,8 @@ def test_parts_add_up_for_every_family(name):
             else catalog_cost(name))
     chunks = (PrefillChunk(0, 0, 300, True), PrefillChunk(1, 700, 256, False))
     t = cost.step_time(decode_rows=3, width=900, prefills=chunks, copy_bytes=1e5)
-    assert sum(getattr(t, f) for f in StepTime.__dataclass_fields__) == pytest.approx(t.total_s, rel=1e-12)
+    parts_s = sum(getattr(t, f) for f in StepTime.__dataclass_fields__)
+    assert parts_s == pytest.approx(t.total_s, rel=1e-12)
     assert t.experts_s > 0 if "moe" in spec.families else t.experts_s == 0
     charged = (cost.decode_forward_s(3, 900) + cost.step_overhead_s + cost.copy_s(1e5)
                + sum(cost.prefill_forward_s(c.num_tokens, c.start, c.sample) for c in chunks))
@@ -106,7 +108,8 @@ def test_layer_pricing_reduces_to_the_dense_formula(name, calibrated):
         dense = cost.decode_time(batch, width)
         w, m, e, a, el = fam.decode(batch, width)
         assert (w, m, e, a, el) == pytest.approx(
-            (dense.weights_s, dense.matmul_s, 0.0, dense.attention_s, dense.elementwise_s), rel=1e-9)
+            (dense.weights_s, dense.matmul_s, 0.0, dense.attention_s, dense.elementwise_s),
+            rel=1e-9)
     dense = cost.prefill_time(200, 500, True)
     assert fam.prefill(200, 500, True) == pytest.approx(
         (dense.weights_s, dense.matmul_s, 0.0, dense.attention_s, dense.elementwise_s), rel=1e-9)
@@ -162,7 +165,8 @@ def test_simulator_prices_each_decode_step_of_a_non_dense_plan_at_its_width():
         if plan.num_steps > 1:
             break
     width = plan.decode_positions[0] + 1
-    expected = [cost.step_overhead_s + cost.decode_forward_s(1, width + i) for i in range(plan.num_steps)]
+    expected = [cost.step_overhead_s + cost.decode_forward_s(1, width + i)
+                for i in range(plan.num_steps)]
     # The first step also pays the join (the prefilled cache copied into the pool).
     assert result.step_durations_s[1:] == pytest.approx(expected[1:], rel=1e-12)
     assert result.step_durations_s[0] > expected[0]

@@ -146,7 +146,8 @@ def test_prompts_of_one_length_prefill_together_as_they_do_alone(name, batchsim_
     layout = ref.spec.cache_layout("float32")
     n, prompt, out = GROUP_CASES[name]
     rng = random.Random(5)
-    specs = [(0, [rng.randrange(ref.spec.vocab_size) for _ in range(prompt)], out) for _ in range(n)]
+    specs = [(0, [rng.randrange(ref.spec.vocab_size) for _ in range(prompt)],
+              out) for _ in range(n)]
     split = prefill_cache.split_rows
     sizes = []
     monkeypatch.setattr(prefill_cache, "split_rows",
@@ -157,7 +158,8 @@ def test_prompts_of_one_length_prefill_together_as_they_do_alone(name, batchsim_
     _same(model, specs, batched, _alone(model, layout, specs))
     _same(model, specs, batched, _greedy(model, specs))
     # Negative control: every request handed the group's first row diverges.
-    monkeypatch.setattr(prefill_cache, "split_rows", lambda caches, rows: [split(caches, rows)[0]] * rows)
+    monkeypatch.setattr(prefill_cache, "split_rows", lambda caches,
+                        rows: [split(caches, rows)[0]] * rows)
     assert _run(model, layout, specs, **cfg)[0] != batched
 
 
@@ -228,8 +230,10 @@ def _tiny_llama_64(tmp_path, dtype: str):
     from batchsim.server.models.loader import ModelRef, load
     from batchsim.server.models.spec import ModelSpec
 
-    cfg = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 2,
-               "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "vocab_size": 512,
+    cfg = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 128,
+           "num_hidden_layers": 2,
+               "num_attention_heads": 2, "num_key_value_heads": 1,
+               "head_dim": 64, "vocab_size": 512,
                "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
                "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
     spec = ModelSpec(name="tiny-llama64", config=cfg)
@@ -252,7 +256,8 @@ def test_quantized_kv_batched_equals_single(bits, tmp_path, quantized_dtype):
     _same(model, specs, batched, _alone(model, layout, specs, bits), quantized)
     # mlx-lm's QuantizedKVCache alone gives the same tokens (prompts within one prefill chunk).
     short = [(0, ids[:200], out) for _, ids, out in specs[:2]]
-    _same(model, short, _alone(model, layout, short, bits), _greedy(model, short, quantized), quantized)
+    _same(model, short, _alone(model, layout, short, bits),
+          _greedy(model, short, quantized), quantized)
 
 
 def test_kv_bits_refusals_are_one_line(batchsim_home):

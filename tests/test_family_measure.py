@@ -26,14 +26,17 @@ FAMILIES = ["tiny-sliding", "tiny-hybrid", "tiny-mla"]
 
 def _session(name: str):
     spec = WorkloadSpec(name="t", num_prompts=10, arrival="poisson", request_rate=float("inf"),
-                        input_len=parse_length("uniform:40:150"), output_len=parse_length("uniform:4:12"),
+                        input_len=parse_length("uniform:40:150"),
+                        output_len=parse_length("uniform:4:12"),
                         seed=3)  # prompts on both sides of tiny-sliding's 64-token window
     return open_session(RunConfig(model=name, dtype="float32", workload=spec,
                                   scheduler=SchedulerSettings(max_num_seqs=4)))
 
 
-def _shadowed_bytes(session, cache: CacheLayout | None) -> tuple[ShadowTimer, list[tuple[int, int]]]:
-    """A real run shadowed on a simulated pool of `cache`: (simulated, real) bytes after each step."""
+def _shadowed_bytes(session, cache: CacheLayout | None) -> tuple[ShadowTimer,
+                                                                 list[tuple[int, int]]]:
+    """A real run shadowed on a simulated pool of `cache`: (simulated, real) bytes after each
+    step."""
     shadow = ShadowTimer(StepCost(session.spec, PROFILE, "float32", None), cache)
     held: list[tuple[int, int]] = []
 
@@ -51,7 +54,8 @@ def test_the_shadow_pool_holds_the_bytes_the_real_executor_measured(batchsim_hom
     so its joins, leaves and regrowth) holds, step by step, what the real executor measured. A
     dense shadow of the same run does not (the case before: windows and states priced per token)."""
     session = _session(name)
-    assert session.cache_layout == session.executor.cache_layout and not session.cache_layout.is_dense
+    assert session.cache_layout == session.executor.cache_layout
+    assert not session.cache_layout.is_dense
     shadow, held = _shadowed_bytes(session, session.cache_layout)
     assert len(held) > 5 and any(real > 0 for _, real in held)
     assert [sim for sim, _ in held] == [real for _, real in held]
@@ -114,7 +118,9 @@ def test_validate_skips_a_model_the_session_refuses_as_not_yet_runnable(
                "--out", str(tmp_path)])
     captured = capsys.readouterr()
     if not skipped:
-        assert rc != 0 and "something else is wrong" in captured.err and "Traceback" not in captured.err
+        assert rc != 0
+        assert "something else is wrong" in captured.err
+        assert "Traceback" not in captured.err
         return
     assert rc == 0 and "tiny-sliding is not runnable yet" in captured.err
     assert "3 cases are skipped" in captured.err

@@ -121,11 +121,13 @@ def test_a_synthetic_llama_imports_and_loads_through_mlx_lm(tmp_path):
     ids = tok.encode("a the 42\tt", add_special_tokens=False)
     assert 262 - 1 in ids  # "Ġthe", the last merge, is used
     assert tok.decode(ids) == "a the 42\tt" and tok.encode("<|im_end|>") == [2]
-    assert tok.encode("123", add_special_tokens=False) == [tok.convert_tokens_to_ids(c) for c in "123"]
+    assert tok.encode("123",
+                      add_special_tokens=False) == [tok.convert_tokens_to_ids(c) for c in "123"]
 
 
 @pytest.mark.parametrize("change, says", [
-    ({"general.architecture": "gemma3"}, "architecture 'gemma3' is not supported; supported: llama"),
+    ({"general.architecture": "gemma3"},
+     "architecture 'gemma3' is not supported; supported: llama"),
     ({"tokenizer.ggml.model": "llama"}, "tokenizer model 'llama' is not supported"),
     ({"tokenizer.ggml.pre": "qwen2"}, "pre-tokenizer 'qwen2' is not supported"),
 ])

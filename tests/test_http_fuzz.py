@@ -59,7 +59,8 @@ values = st.recursive(scalars, lambda inner: st.one_of(
 lengths = st.one_of(st.integers(-3, 6), st.integers(min_value=5000), st.integers(max_value=-1),
                     values)
 FIELDS = {
-    "prompt": st.one_of(text, st.lists(st.integers(-2, 600), max_size=6), st.lists(text, max_size=3),
+    "prompt": st.one_of(text, st.lists(st.integers(-2, 600), max_size=6),
+                        st.lists(text, max_size=3),
                         values),
     "messages": st.one_of(st.lists(st.fixed_dictionaries(
         {"role": st.sampled_from(["user", "system", "assistant", "tool", "wizard", ""]),
@@ -144,7 +145,8 @@ raw_bodies = st.one_of(
     st.builds(_encoded, text, st.sampled_from(["utf-8", "utf-16", "utf-32", "latin-1"])),
     st.builds(lambda n, o, c: b'{"prompt":' + o * n + c * n + b"}", st.integers(1, 30_000),
               st.sampled_from([b"[", b'{"a":', b"[[{"]), st.sampled_from([b"]", b"}", b""])),
-    st.builds(lambda n: b'{"prompt": "' + b"x" * n + b'"}', st.integers(MAX_BODY - 40, MAX_BODY + 40)),
+    st.builds(lambda n: b'{"prompt": "' + b"x" * n + b'"}',
+              st.integers(MAX_BODY - 40, MAX_BODY + 40)),
 )
 content_types = st.sampled_from([
     None, "application/json", "text/plain", "application/x-www-form-urlencoded",
@@ -171,7 +173,8 @@ paths = st.one_of(
     st.sampled_from(["/", "/health", "/metrics", "/v1/models", "/v1/models/tiny", "/v1/models/x",
                      "/v1/models/", "//v1/completions", "/v1/completions/", "/v1/../v1/models",
                      "/v1/completions?x=1", "/v1/chat/completions#f", "/%00", "/v1/%ff%fe"]),
-    st.builds(lambda s: "/v1/models/" + s, st.text(st.characters(min_codepoint=33, max_codepoint=0x2FFF,
+    st.builds(lambda s: "/v1/models/" + s,
+              st.text(st.characters(min_codepoint=33, max_codepoint=0x2FFF,
                                                                  exclude_characters="?#",
                                                                  exclude_categories=("Cc",)),
                                                   min_size=1, max_size=30)),

@@ -25,7 +25,8 @@ def srv(batchsim_home):
 
 @pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-"])
 def test_a_connection_without_a_complete_head_is_closed(srv, sent):
-    """Nothing, or half a head: the server closes it after --header-timeout-s (it waited forever)."""
+    """Nothing, or half a head: the server closes it after --header-timeout-s (it waited
+    forever)."""
     with srv.connect() as sock:
         sock.sendall(sent)
         assert read_until_closed(sock) == b""  # closed by the server, nothing answered

@@ -42,7 +42,8 @@ def read_until_closed(sock: socket.socket) -> bytes:
 
 class ServerProcess:
     def __init__(self, home: Path, *args: str):
-        cmd = [sys.executable, "-m", "batchsim.scripts.cli", "serve", "--model", "tiny", "--port", "0",
+        cmd = [sys.executable, "-m", "batchsim.scripts.cli", "serve", "--model",
+               "tiny", "--port", "0",
                *args]
         env = {**os.environ, "BATCHSIM_HOME": str(home)}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -530,7 +531,8 @@ def test_run_target_reports_like_in_process(srv, tmp_path, monkeypatch):
             for line in Path(summary["run_dir"], "requests.jsonl").read_text().splitlines()]
     assert [r["num_output_tokens"] for r in rows] == [12] * 6
     assert all(r["num_prompt_tokens"] == r["prompt_tokens_local"] for r in rows)
-    chat = run_over_http(dataclasses.replace(cfg, target=f"{srv.url}/v1/chat/completions"), tmp_path,
+    chat = run_over_http(dataclasses.replace(cfg, target=f"{srv.url}/v1/chat/completions"),
+                         tmp_path,
                          progress=False)
     assert chat["completed"] == 6
     assert chat["total_input_tokens"] > summary["total_input_tokens"]  # the chat template's tokens

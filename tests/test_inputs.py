@@ -81,7 +81,8 @@ def test_every_numeric_flag_refuses_nan_inf_negatives_and_overflow_in_one_line(c
     (["bench-decode", "--steps", "0"], "--steps: expected a positive integer"),
     (["bench-decode", "--steps", "-1"], "--steps: expected a positive integer"),
     (["run", *SIM, "--num-prompts", "2147483647"], "num_prompts: must be >= 1 and <= 10000000"),
-    (["roofline", "--bandwidth-mb", "2147483647"], ("--bandwidth-mb: expected a positive integer <= "
+    (["roofline", "--bandwidth-mb", "2147483647"],
+     ("--bandwidth-mb: expected a positive integer <= "
                                                    "8192")),  # was an OverflowError in MLX
     (["bench-decode", "--batch", "2147483647"], ("--batch: expected comma-separated integers in "
                                                 "1..4096")),  # was numpy's 2 TiB allocation error

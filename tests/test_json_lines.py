@@ -19,7 +19,8 @@ def _step(rng: random.Random, **changes) -> StepRecord:
     start = rng.choice(ODD_FLOATS + [rng.random() * 3600])
     values = {"step_index": rng.randrange(10**6), "start_s": start, "end_s": start + rng.random(),
                   "num_steps": rng.randrange(1, 99), "batch_size": rng.randrange(64),
-                  "num_prefill_tokens": rng.randrange(4096), "num_prefill_requests": rng.randrange(4),
+                  "num_prefill_tokens": rng.randrange(4096),
+                  "num_prefill_requests": rng.randrange(4),
                   "num_running": rng.randrange(64), "num_waiting": rng.randrange(10**4),
                   "kv_bytes": rng.randrange(1 << 40), "kv_bytes_measured": rng.randrange(1 << 40),
                   "pool_rows": rng.randrange(64), "pool_capacity_tokens": 256 * rng.randrange(64),

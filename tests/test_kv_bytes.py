@@ -94,7 +94,8 @@ def test_random_mixed_layouts_keep_every_promise(case):
             assert (r.max_total_tokens > cfg["max_model_len"]
                     or cache.alone_bytes(r.max_total_tokens) > cfg["kv_budget_bytes"])
         else:
-            assert r.status is RequestStatus.FINISHED and r.num_output_tokens == r.sampling.max_tokens
+            assert r.status is RequestStatus.FINISHED
+            assert r.num_output_tokens == r.sampling.max_tokens
     assert s.kv.private == {} and not s.running and not s.waiting
 
 
@@ -107,7 +108,8 @@ def test_sim_executor_agrees_with_the_scheduler_on_every_family(name):
     from batchsim.server.perf.stepcost import StepCost
 
     spec, cache = zoo_spec(name), layout_of(name)
-    cost = StepCost(spec, resolve_profile("M2 Max", None), "float32", None)  # a dense-equivalent price
+    # a dense-equivalent price
+    cost = StepCost(spec, resolve_profile("M2 Max", None), "float32", None)
     ex = SimExecutor(cost, max_lookahead_steps=16, cache=cache)
     s = Scheduler(config(kv_budget_bytes=cache.pool_bytes(PoolGeometry(3, 1024)),
                          kv_bytes_per_token=cache.full_token_bytes, cache_layout=cache,
@@ -142,7 +144,8 @@ def test_scheduler_bytes_equal_mlx_lm_cache_through_prefill_and_decode(mlx_model
     from mlx_lm.models.cache import make_prompt_cache
 
     model, cache_layout = mlx_models[name], layout_of(name)
-    s = Scheduler(config(kv_bytes_per_token=cache_layout.full_token_bytes, cache_layout=cache_layout,
+    s = Scheduler(config(kv_bytes_per_token=cache_layout.full_token_bytes,
+                         cache_layout=cache_layout,
                          prefill_step_size=prefill, max_num_batched_tokens=prefill))
     s.add_request(make_request(0, 1020, 12))
     cache, calls, token, ex = make_prompt_cache(model), [], 3, FakeExecutor()

@@ -1,6 +1,6 @@
-"""Quantized KV (`kv_bits`): the bytes mlx-lm's QuantizedKVCache really holds, the scheduler's budget
-and the simulator's account on them, `size` at 4 and 8 bits, the pricing of quantized attention,
-and the refusals (the MLX executor, bad bit widths, head sizes MLX cannot quantize)."""
+"""Quantized KV (`kv_bits`): the bytes mlx-lm's QuantizedKVCache really holds, the scheduler's
+budget and the simulator's account on them, `size` at 4 and 8 bits, the pricing of quantized
+attention, and the refusals (the MLX executor, bad bit widths, head sizes MLX cannot quantize)."""
 
 from __future__ import annotations
 
@@ -205,7 +205,8 @@ def test_kv_bits_config_is_strict(tmp_path):
 
 def test_kv_bits_by_layer_kind():
     """Quantized KV follows mlx-lm: full-attention layers' K/V are quantized (MoE and hybrid
-    models too, whose linear-attention states stay as they are); sliding and MLA caches cannot be."""
+    models too, whose linear-attention states stay as they are); sliding and MLA caches cannot
+    be."""
     moe, hybrid = zoo_spec("qwen3-30b-a3b"), zoo_spec("qwen3-next-80b-a3b")
     head = moe.head_dim * 4 // 8 + 2 * (moe.head_dim // KV_GROUP_SIZE) * 2  # fp16 scales, biases
     assert moe.kv_bytes_per_token("float16", 4) == 2 * moe.num_layers * moe.num_kv_heads * head
@@ -215,6 +216,7 @@ def test_kv_bits_by_layer_kind():
     hd = hybrid.head_dim  # per head and token: 2 bytes x hd, or hd/2 packed + 2 fp16 per 64
     assert q4.full_token_bytes * (2 * hd) == full * (hd // 2 + 4 * (hd // KV_GROUP_SIZE))
     assert hybrid.kv_bytes_per_seq(4096, "float16", 4) < hybrid.kv_bytes_per_seq(4096, "float16")
-    for name, kind in (("gpt-oss-20b", "sliding"), ("gemma-3-27b", "sliding"), ("deepseek-v3", "mla")):
+    for name, kind in (("gpt-oss-20b", "sliding"), ("gemma-3-27b", "sliding"),
+                       ("deepseek-v3", "mla")):
         with pytest.raises(ConfigError, match=f"{name}: kv_bits: mlx-lm cannot run a {kind} layer"):
             zoo_spec(name).cache_layout("float16", 4)

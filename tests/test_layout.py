@@ -45,7 +45,8 @@ def test_only_the_batchsim_namespace_is_installed(tmp_path):
     """Outside the checkout, the generic folder names are not importable; batchsim.* is."""
     code = ("import importlib.util as u; import batchsim.server.engine.engine; "
             f"print([n for n in {TOP!r} if u.find_spec(n) is not None])")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, check=False,
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path,
+                          capture_output=True, check=False,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"

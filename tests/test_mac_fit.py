@@ -1,6 +1,7 @@
-"""The Mac GPU step: the published reference set, the fit on it (terms recovered from synthetic rows,
-the shipped fit reproduced), its place in StepCost's one model, which Mac a profile name means, and
-the default Metal working-set rule against published recommendedMaxWorkingSetSize values."""
+"""The Mac GPU step: the published reference set, the fit on it (terms recovered from synthetic
+rows, the shipped fit reproduced), its place in StepCost's one model, which Mac a profile name
+means, and the default Metal working-set rule against published recommendedMaxWorkingSetSize
+values."""
 
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ def test_fixed_costs_are_named_parts_of_the_one_step_model():
     profile = devices.resolve_profile("M4 Max 40c", 4)
     cost = StepCost(zoo_spec("qwen3-8b"), profile, "float16", 4)
     step = cost.step_time(decode_rows=8, width=1000)
-    assert step.fixed_s == pytest.approx(36 * fit.layer_overhead_us * 1e-6 + fit.forward_overhead_us * 1e-6)
+    fixed_us = 36 * fit.layer_overhead_us + fit.forward_overhead_us
+    assert step.fixed_s == pytest.approx(fixed_us * 1e-6)
     assert profile.fitted_on.startswith(fit.fitted_on)
     assert cost.decode_forward_s(8, 1000) == pytest.approx(step.total_s)  # the fast path agrees
 
@@ -131,7 +133,8 @@ def test_size_rows_say_which_profile_and_keep_their_keys(tmp_path):
     parser = argparse.ArgumentParser()
     size.add_parser(parser)
     summary = size.run(parser.parse_args(["--model", "llama-3.2-1b", "--quantize", "4", "--mac",
-                                          "M4 Max 40c", "--memory-gb", "64", "--out", str(tmp_path)]))
+                                          "M4 Max 40c", "--memory-gb", "64",
+                                          "--out", str(tmp_path)]))
     (row,) = summary["rows"]
     assert row["decode_tok_s_b1"] > 0 and row["max_batch"] > 0
     assert row["profile"] == "M4 Max 40c" and "published.yaml" in row["profile_fitted_on"]

@@ -24,7 +24,8 @@ def _pick(tmp_path: Path, smi: str | None = None, proc: str | None = None, **env
     if proc is not None:
         proc_file.write_text(proc)
     run_env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "BATCHSIM_NVIDIA_PROC": str(proc_file), **env}
-    return subprocess.run(["bash", str(SCRIPT)], capture_output=True, check=False, text=True, env=run_env,
+    return subprocess.run(["bash", str(SCRIPT)], capture_output=True, check=False,
+                          text=True, env=run_env,
                           timeout=30)
 
 

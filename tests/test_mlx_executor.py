@@ -23,7 +23,8 @@ def _requests(vocab: int, n: int, seed: int, max_prompt: int, max_out: int):
     specs = []
     for i in range(n):
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, max_prompt))]
-        specs.append((rng.randint(0, 12), prompt, rng.randint(1, max_out)))  # (arrival step, ids, out)
+        # (arrival step, ids, out)
+        specs.append((rng.randint(0, 12), prompt, rng.randint(1, max_out)))
     return specs
 
 
@@ -54,7 +55,8 @@ def test_batched_equals_single_tiny(tiny):
     ref, model, _ = tiny
     specs = _requests(ref.spec.vocab_size, 12, seed=1, max_prompt=700, max_out=40)
     alone = _alone(model, _kvt(ref), specs)
-    # Small token budget: prompts are chunked, decodes and prefills share steps, rows join and leave.
+    # Small token budget: prompts are chunked, decodes and prefills share steps, rows join and
+    # leave.
     batched, _sched, trace = _run(model, _kvt(ref), specs, max_num_seqs=6, prefill_step_size=256,
                                  max_num_batched_tokens=300)
     assert max(len(p.decode_ids) for p in trace.plans) >= 4
@@ -127,7 +129,8 @@ def test_kv_bytes_match_arrays_formula_and_active_memory(name, request):
     rng = random.Random(5)
     for i in range(6):
         ids = [rng.randrange(spec.vocab_size) for _ in range(rng.randint(100, 600))]
-        sched.add_request(Request(i, len(ids), SamplingParams(max_tokens=30 + 20 * i, ignore_eos=True),
+        sched.add_request(Request(i, len(ids),
+                                  SamplingParams(max_tokens=30 + 20 * i, ignore_eos=True),
                                   0.0, prompt_token_ids=ids))
     seen_growth = False
     while sched.has_work():
@@ -155,10 +158,12 @@ def test_batched_equals_single_on_other_architectures(model_type, tmp_path):
     from batchsim.server.models.loader import ModelRef, load
     from batchsim.server.models.spec import ModelSpec
 
-    config = {"model_type": model_type, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    config = {"model_type": model_type, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2,
                   "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
                   "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-                  "tie_word_embeddings": model_type == "qwen3", "bos_token_id": 1, "eos_token_id": 2}
+                  "tie_word_embeddings": model_type == "qwen3",
+                  "bos_token_id": 1, "eos_token_id": 2}
     if model_type == "qwen3":
         config["head_dim"] = 16
     spec = ModelSpec(name=f"tiny-{model_type}", config=config)

@@ -17,8 +17,10 @@ ZEN = "AMD EPYC, OpenBLAS 0.3.21 DYNAMIC_ARCH Zen MAX_THREADS=64"
     (ZEN, ZEN, False),
     # An older profile records no CPU family: the name and the BLAS build still match.
     (ZEN, "AMD EPYC (family 25 model 17), OpenBLAS 0.3.21 DYNAMIC_ARCH Zen MAX_THREADS=64", False),
-    ("AMD EPYC (family 25 model 17), X", "AMD EPYC (family 26 model 2), X", True),  # one name, two CPUs
-    (ZEN, "AMD EPYC, OpenBLAS 0.3.21 DYNAMIC_ARCH Cooperlake MAX_THREADS=64", True),  # other kernels
+    # one name, two CPUs
+    ("AMD EPYC (family 25 model 17), X", "AMD EPYC (family 26 model 2), X", True),
+    # other kernels
+    (ZEN, "AMD EPYC, OpenBLAS 0.3.21 DYNAMIC_ARCH Cooperlake MAX_THREADS=64", True),
     (ZEN, "Intel Xeon, OpenBLAS 0.3.21 DYNAMIC_ARCH Zen MAX_THREADS=64", True),
     (ZEN, "AMD EPYC, unknown", False),  # this side does not know its BLAS
 ])
@@ -28,7 +30,8 @@ def test_differs_compares_cpu_family_and_blas(calibrated, this, expected):
 
 def test_device_id_names_the_cpu_family_and_the_blas_build():
     env_info = {"cpu": "AMD EPYC", "blas": "openblas", "blas_version": "OpenBLAS 0.3.21 Zen"}
-    assert device_id(env_info, model="family 26 model 2") == "AMD EPYC (family 26 model 2), OpenBLAS 0.3.21 Zen"
+    assert (device_id(env_info, model="family 26 model 2")
+            == "AMD EPYC (family 26 model 2), OpenBLAS 0.3.21 Zen")
     assert device_id(env_info, model="") == "AMD EPYC, OpenBLAS 0.3.21 Zen"
 
 
@@ -43,7 +46,8 @@ def test_a_catalog_mac_or_a_profile_from_here_draws_no_warning(tmp_path):
     assert mismatch_warning(load_profile(_profile_from(here(), tmp_path))) is None
 
 
-@pytest.mark.parametrize("command", [["run"], ["compare", "--batch", "2"], ["sweep", "--max-batch", "2"]])
+@pytest.mark.parametrize("command",
+                         [["run"], ["compare", "--batch", "2"], ["sweep", "--max-batch", "2"]])
 def test_simulating_on_a_foreign_profile_warns_once_naming_both_machines(command, tmp_path, capsys):
     path = _profile_from("Other CPU (family 1 model 1), Other BLAS", tmp_path)
     argv = [*command, "--executor", "sim", "--device-profile", str(path), "--model", "tiny",

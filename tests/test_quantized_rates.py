@@ -48,4 +48,5 @@ def test_shipped_profile_carries_quantized_rates_measured_here():
     for path in SHIPPED_DIR.glob("*.yaml"):
         p = load_profile(path)
         assert set(p.quantized_gemv_gbs) == set(p.quantized_gemm_gflops) == {4, 8}, path
-        assert all(v > 0 for v in [*p.quantized_gemv_gbs.values(), *p.quantized_gemm_gflops.values()])
+        assert all(v > 0 for v in [*p.quantized_gemv_gbs.values(),
+                                   *p.quantized_gemm_gflops.values()])

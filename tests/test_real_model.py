@@ -15,7 +15,8 @@ from tests.drivers import config, drive
 
 MODEL = "smollm2-135m-instruct"
 # Short greedy replies: "The capital of France is Paris." (7 tokens), "A tomato is both ..." (10).
-PROMPTS = ["What is the capital of France?", "Is a tomato a fruit or a vegetable? Answer in one word."]
+PROMPTS = ["What is the capital of France?",
+           "Is a tomato a fruit or a vegetable? Answer in one word."]
 MAX_TOKENS = 16
 
 
@@ -78,7 +79,8 @@ def test_tokenizer_agrees_with_the_gguf_vocabulary(real):
     assert [tok.decode([i]) for i in digits] == list("12345")
     sample = range(17, tok.vocab_size if hasattr(tok, "vocab_size") else 49152, 61)
     texts = [(i, tok.decode([i])) for i in sample]
-    same = sum(tok.encode(t, add_special_tokens=False) == [i] for i, t in texts if "\ufffd" not in t)
+    same = sum(tok.encode(t,
+                          add_special_tokens=False) == [i] for i, t in texts if "\ufffd" not in t)
     assert same >= 0.97 * len(texts)
 
 
@@ -93,7 +95,8 @@ def test_batched_equals_single_on_chat_prompts_and_eos_stops(real):
                        {i: r.output_token_ids for i, r in alone.items()})
     paris = batched[0]  # "The capital of France is Paris." then EOS, well before max_tokens
     assert paris.finish_reason == "stop" and paris.output_token_ids[-1] in eos
-    assert len(paris.output_token_ids) < MAX_TOKENS and "Paris" in tok.decode(paris.output_token_ids)
+    assert len(paris.output_token_ids) < MAX_TOKENS
+    assert "Paris" in tok.decode(paris.output_token_ids)
     assert all(r.output_token_ids[-1] in eos for r in batched.values() if r.finish_reason == "stop")
 
 
@@ -144,7 +147,8 @@ def test_models_and_run_summaries_say_which_weights(capsys, tmp_path, batchsim_h
     assert {w for n, w in weights.items() if n != MODEL} == {"random"}
     for model, expected in ((MODEL, "real"), ("tiny", "random")):
         rc, summary, _ = _cli(capsys, ["run", "--model", model, "--executor", "fake",
-                                       "--num-prompts", "6", "--request-rate", "inf", "--no-progress",
+                                       "--num-prompts", "6", "--request-rate",
+                                       "inf", "--no-progress",
                                        "--out", str(tmp_path)])
         assert rc == 0 and summary["env"]["weights"] == expected
     # Synthetic traffic ignores EOS: every request ends at its length, and the summary's output
@@ -152,9 +156,11 @@ def test_models_and_run_summaries_say_which_weights(capsys, tmp_path, batchsim_h
     import json
     from pathlib import Path
 
-    rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "requests.jsonl").read_text().split("\n") if x]
+    text = (Path(summary["run_dir"]) / "requests.jsonl").read_text()
+    rows = [json.loads(x) for x in text.split("\n") if x]
     lengths = sorted(r["num_output_tokens"] for r in rows)
-    assert summary["finish_reasons"] == {"length": 6} and summary["max_output_tokens"] == lengths[-1]
+    assert summary["finish_reasons"] == {"length": 6}
+    assert summary["max_output_tokens"] == lengths[-1]
     assert summary["median_output_tokens"] == (lengths[2] + lengths[3]) / 2
 
 

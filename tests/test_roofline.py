@@ -119,7 +119,8 @@ def test_bench_asks_each_point_once_and_peak_needs_a_measured_gemm():
 
 
 def test_modules_do_not_import_mlx():
-    code = "import sys, batchsim.scripts.roofline, batchsim.server.measure.microbench; assert 'mlx.core' not in sys.modules"
+    code = ("import sys, batchsim.scripts.roofline, batchsim.server.measure.microbench; "
+            "assert 'mlx.core' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -220,6 +221,7 @@ def test_tiny_quantized_run_rows_carry_q4_q8(tmp_path):
 
 def test_unknown_format_is_a_one_line_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "batchsim.scripts.cli", "roofline", "--dtypes",
-                           "q3", "--out", str(tmp_path)], capture_output=True, check=False, text=True, timeout=120)
+                           "q3", "--out", str(tmp_path)], capture_output=True, check=False,
+                           text=True, timeout=120)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "q4" in proc.stderr and "q3" in proc.stderr

@@ -43,7 +43,8 @@ def test_decode_batch_and_prefill_chunks_share_a_step():
     plan = s.schedule()
     # a decodes (1 token); b gets the rest of the 600-token budget rounded down to a KV step.
     assert plan.decode_ids == (1,) and plan.decode_positions == (10,)
-    assert [(c.request_id, c.start, c.num_tokens, c.sample) for c in plan.prefills] == [(2, 0, 512, False)]
+    assert [(c.request_id, c.start, c.num_tokens,
+             c.sample) for c in plan.prefills] == [(2, 0, 512, False)]
 
 
 def test_prefill_first_runs_prefill_only_steps():
@@ -89,7 +90,8 @@ def test_pool_geometry_grows_in_steps_and_frees_when_idle():
     trace = drive(s, ex, [(0, r) for r in reqs])
     decode_plans = [p for p in trace.plans if p.decode_ids]
     assert decode_plans[0].pool == PoolGeometry(4, KV_STEP)  # 3 rows -> power of two
-    assert trace.plans[-1].pool == PoolGeometry(0, 0) or s.kv.pool_bytes == 0 or s.has_work() is False
+    assert trace.plans[-1].pool == PoolGeometry(0,
+                                                0) or s.kv.pool_bytes == 0 or s.has_work() is False
     plan = s.schedule()  # frees the finished rows
     assert plan.kv_bytes == 0 and plan.pool == PoolGeometry(0, 0)
 
@@ -225,7 +227,8 @@ def test_scheduler_step_costs_under_a_millisecond_at_batch_64():
     for _ in range(10):  # admissions and prefills
         plan = s.schedule()
         s.update_from_output(plan, ex.execute(plan))
-    assert len(s.running) == 64 and all(r.num_tokens - r.num_computed_tokens == 1 for r in s.running)
+    assert len(s.running) == 64
+    assert all(r.num_tokens - r.num_computed_tokens == 1 for r in s.running)
     times = []
     for _ in range(300):
         t0 = time.perf_counter()

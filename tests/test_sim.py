@@ -38,7 +38,8 @@ def workload(n=12, rate=float("inf"), seed=3, out="uniform:4:24") -> WorkloadSpe
     from batchsim.workloads.lengths import parse_length
 
     return WorkloadSpec(name="t", num_prompts=n, arrival="poisson", request_rate=rate,
-                        input_len=LengthSpec("uniform", min=8, max=300), output_len=parse_length(out),
+                        input_len=LengthSpec("uniform", min=8, max=300),
+                        output_len=parse_length(out),
                         seed=seed)
 
 
@@ -61,7 +62,8 @@ def _plans(session) -> list:
 def test_sim_and_real_make_the_same_decisions_with_the_same_scheduler(tiny):
     # All requests arrive at once, so no decision depends on step timing.
     sched = SchedulerSettings(max_num_seqs=4, max_num_batched_tokens=512, prefill_step_size=256)
-    real = open_session(RunConfig(model="tiny", dtype="float32", scheduler=sched, workload=workload()))
+    real = open_session(RunConfig(model="tiny", dtype="float32", scheduler=sched,
+                                  workload=workload()))
     sim = sim_session(lookahead=False, scheduler=sched)
     real_plans, sim_plans = _plans(real), _plans(sim)
     for (s1, _), (s2, _) in zip(real_plans, sim_plans):
@@ -163,7 +165,8 @@ def _exact_samples(names: tuple[str, ...], profile: DeviceProfile = PROFILE) -> 
             for w in (100, 700):
                 samples.append(cal.StepSample(name, "decode", b, w, c.decode_forward_s(b, w)))
         for n, start in ((16, 0), (256, 0), (256, 512)):
-            samples.append(cal.StepSample(name, "prefill", n, start, c.prefill_forward_s(n, start, True)))
+            samples.append(cal.StepSample(name, "prefill", n, start,
+                                          c.prefill_forward_s(n, start, True)))
     return samples, costs0
 
 
@@ -211,11 +214,14 @@ def test_leave_one_model_out_error_measures_what_the_others_cannot_explain():
 def test_a_device_at_half_speed_takes_twice_as_long_for_everything(calibrated, model):
     """`validate` re-simulates each case on the device as probed (`at_speed`): every term must
     scale, or the timeline would not stretch by exactly 1/speed (all arrivals at t=0). The MoE
-    model's layers cost what the profile measured for its architecture (layer_overhead_us_by_arch)."""
-    cal_arch = dataclasses.replace(PROFILE.calibration, layer_overhead_us_by_arch={"qwen3_moe": 70.0},
+    model's layers cost what the profile measured for its architecture
+    (layer_overhead_us_by_arch)."""
+    cal_arch = dataclasses.replace(PROFILE.calibration,
+                                   layer_overhead_us_by_arch={"qwen3_moe": 70.0},
                                    experts_ns_per_pair=300.0, experts_ns_per_mac=0.2)
     base = dataclasses.replace(PROFILE, calibration=cal_arch if calibrated else None)
-    runs = [run_workload(sim_session(model=model, profile=p, scheduler=SchedulerSettings(max_num_seqs=4)),
+    runs = [run_workload(sim_session(model=model, profile=p,
+                                     scheduler=SchedulerSettings(max_num_seqs=4)),
                          workload(), out_dir=None, label="t") for p in (base, at_speed(base, 0.5))]
     fast, slow = (r.summary for r in runs)
     assert slow["duration"] == pytest.approx(2 * fast["duration"], rel=1e-9)
@@ -235,11 +241,13 @@ def test_shadow_timer_times_each_executed_plan_as_the_simulator_would(shadow_spe
                                                       prefill_step_size=256),
                           workload=workload(n=16, rate=40.0))
     shadow = ShadowTimer(StepCost(session.spec, at_speed(quiet, shadow_speed), "float32", None))
-    steps = run_workload(session, session.config.workload, out_dir=None, label="t", on_step=shadow).steps
+    steps = run_workload(session, session.config.workload, out_dir=None, label="t",
+                         on_step=shadow).steps
     assert len(shadow.measured_s) == len(steps) > 20
     assert sum(s.num_preemptions for s in steps) == 0
     assert shadow.sim.layout.row_ids == session.executor.layout.row_ids
-    assert shadow.predicted_s == pytest.approx([m / shadow_speed for m in shadow.measured_s], rel=1e-9)
+    assert shadow.predicted_s == pytest.approx([m / shadow_speed for m in shadow.measured_s],
+                                               rel=1e-9)
     assert shadow.error() == pytest.approx(1 / shadow_speed - 1, abs=1e-9)
     # `validate`'s parts: the same predicted time, split; the pool's joins show up as copies.
     assert shadow.parts.total_s == pytest.approx(sum(shadow.predicted_s), rel=1e-9)
@@ -259,7 +267,8 @@ def test_speed_probe_points_are_calibration_grid_points(tiny):
     probe = cal.speed_probe_ms("tiny", model, spec, kvt)
     assert set(probe) == picked and len(picked) == 3
     assert all(v > 0 for v in probe.values())
-    assert cal.device_speed(cal.probe_speed({k: 2 * v for k, v in probe.items()}, probe)) == pytest.approx(0.5)
+    assert cal.device_speed(cal.probe_speed({k: 2 * v for k, v in probe.items()},
+                                            probe)) == pytest.approx(0.5)
 
 
 def test_step_grid_goes_round_robin_over_models_and_keeps_each_points_median(monkeypatch):
@@ -276,16 +285,19 @@ def test_step_grid_goes_round_robin_over_models_and_keeps_each_points_median(mon
     got = cal.grid_samples({"a": (None, None, 0), "b": (None, None, 0)}, [1], [128], [16], [0],
                            rounds=3, log=lambda _: None)
     assert calls == ["a", "b", "a", "b", "a", "b"]
-    assert {s.model: s.seconds for s in got} == {"a": 1.2, "b": 1.1}  # medians: the stall is outvoted
+    # medians: the stall is outvoted
+    assert {s.model: s.seconds for s in got} == {"a": 1.2, "b": 1.1}
 
 
 def test_decode_grid_skips_points_whose_kv_would_pass_the_cap(tiny):
     ref, model, _ = tiny
     spec, kvt = ref.spec, ref.spec.kv_bytes_per_token("float32")
     cap = cal.decode_kv_bytes(kvt, 2, 512)
-    got = cal.decode_samples("tiny", model, spec, kvt, [1, 2, 4], [128, 512], rounds=1, max_kv_bytes=cap)
+    got = cal.decode_samples("tiny", model, spec, kvt, [1, 2, 4], [128, 512],
+                             rounds=1, max_kv_bytes=cap)
     assert sorted((s.rows, s.context) for s in got) == sorted(
-        (b, cal.decode_sample_context(w, 5)) for b, w in ((1, 128), (2, 128), (4, 128), (1, 512), (2, 512)))
+        (b, cal.decode_sample_context(w, 5)) for b, w in ((1, 128), (2, 128), (4, 128),
+                                                          (1, 512), (2, 512)))
 
 
 def test_gemm_grid_is_timed_in_passes_and_keeps_each_points_median(monkeypatch):
@@ -297,9 +309,11 @@ def test_gemm_grid_is_timed_in_passes_and_keeps_each_points_median(monkeypatch):
 
     monkeypatch.setattr(cal, "streamed_weights", lambda k, n, dtype: [])
     monkeypatch.setattr(cal, "time_linear", fake_time)
-    _, samples = cal.measure_gemm(None, rows=(1, 2), shapes=((8, 8), (8, 16)), reps=3, log=lambda _: None)
+    _, samples = cal.measure_gemm(None, rows=(1, 2), shapes=((8, 8), (8, 16)),
+                                  reps=3, log=lambda _: None)
     assert [o[:3] for o in order[:4]] == [(1, 8, 8), (2, 8, 8), (1, 8, 16), (2, 8, 16)]
-    assert [o[:3] for o in order] == [o[:3] for o in order[:4]] * 3  # whole passes, not one point x3
+    # whole passes, not one point x3
+    assert [o[:3] for o in order] == [o[:3] for o in order[:4]] * 3
     assert [o[3] for o in order] == [1] * 4 + [0] * 8  # warm-up on the first pass only
     assert samples[(2, 8, 8)] == 9.0  # median of (1000, 5, 9): the outlier pass is outvoted
 
@@ -375,9 +389,11 @@ def test_calibrate_measures_every_architecture_and_the_expert_terms_alone(monkey
     assert bandwidths == [31.0]  # the streamed weights priced at the calibration's bandwidth
     # What they came from goes to calibrate.jsonl: every stack's timings, every SwitchGLU point.
     assert set(timings["layer_stacks"]) == {"dense", *fixed_cost.ARCH_MODELS}
-    assert timings["layer_stacks"]["dense"] == [{"batch": 1, "step_us_by_depth": {4: 1.0, 8: 2.0, 16: 4.0},
+    assert timings["layer_stacks"]["dense"] == [{"batch": 1,
+                                                 "step_us_by_depth": {4: 1.0, 8: 2.0, 16: 4.0},
                                                 "layer_us": 100.0, "forward_us": 0.0}]
-    assert timings["switchglu_us"] == [{"hidden": 64, "inter": 32, "experts": 8, "top_k": 2, "tokens": 1, "us": 50.0}]
+    assert timings["switchglu_us"] == [{"hidden": 64, "inter": 32, "experts": 8, "top_k": 2,
+                                        "tokens": 1, "us": 50.0}]
 
 
 def test_calibrate_prices_the_engine_overhead_at_the_median_and_keeps_each_models(monkeypatch):
@@ -395,10 +411,12 @@ def test_layers_of_a_measured_architecture_cost_its_own_fixed_time():
     # layer 40, and an architecture not measured (gemma3_text) 40 a layer.
     from batchsim.server.models.spec import zoo_spec
 
-    cal = dataclasses.replace(PROFILE.calibration, layer_overhead_us_by_arch={"gpt_oss": 100.0, "qwen3_moe": 70.0})
+    cal = dataclasses.replace(PROFILE.calibration,
+                              layer_overhead_us_by_arch={"gpt_oss": 100.0, "qwen3_moe": 70.0})
     profile = dataclasses.replace(PROFILE, calibration=cal)
     forward_us = cal.forward_overhead_us
-    for name, want_us in (("tiny-sliding", 4 * 100), ("tiny-moe", 70 + 40), ("gemma-3-1b", 26 * 40), ("tiny", 2 * 40)):
+    for name, want_us in (("tiny-sliding", 4 * 100), ("tiny-moe", 70 + 40),
+                          ("gemma-3-1b", 26 * 40), ("tiny", 2 * 40)):
         step = StepCost(zoo_spec(name), profile, "float32", None).decode_time(1, 100)
         assert step.fixed_s == pytest.approx((want_us + forward_us) * 1e-6), name
 
@@ -426,8 +444,10 @@ def test_calibrate_pins_what_it_measured_alone_and_fits_the_rest_on_dense_steps(
     profile, terms, _ = calibrate._fit(args, "float32", "now", env_info, ceilings, sessions,
                                        samples, 200.0, {}, pinned)
     got = profile.calibration
-    assert got.layer_overhead_us == 40.0 and (got.experts_ns_per_pair, got.experts_ns_per_mac) == (150.0, 0.2)
-    assert got.layer_overhead_us_by_arch == by_arch and terms["layer_overhead_us[qwen3_moe]"] == 70.0
+    assert got.layer_overhead_us == 40.0 and (got.experts_ns_per_pair,
+                                              got.experts_ns_per_mac) == (150.0, 0.2)
+    assert got.layer_overhead_us_by_arch == by_arch
+    assert terms["layer_overhead_us[qwen3_moe]"] == 70.0
     assert terms["experts_ns_per_mac"] == 0.2
     assert got.calibrated_on == (*names, "calib-sliding")  # what the gpt-oss layer was measured on
     assert got.forward_overhead_us == pytest.approx(300.0, rel=1e-3)
@@ -435,5 +455,6 @@ def test_calibrate_pins_what_it_measured_alone_and_fits_the_rest_on_dense_steps(
     zeroed = pinned | dict.fromkeys(experts, 0.0)
     profile, _, _ = calibrate._fit(args, "float32", "now", env_info, ceilings, sessions, samples,
                                    200.0, {}, zeroed)
-    assert (profile.calibration.experts_ns_per_pair, profile.calibration.experts_ns_per_mac) == (0.0, 0.0)
+    assert (profile.calibration.experts_ns_per_pair,
+            profile.calibration.experts_ns_per_mac) == (0.0, 0.0)
     assert profile.calibration.forward_overhead_us == pytest.approx(300.0, rel=1e-3)

@@ -94,7 +94,8 @@ def test_max_batch_padded_vs_paged_fixed_context():
     ctx = size_limits.context_fit("300", 131072)
     budget = GIB
     assert size_limits.max_batch(ctx.padded_tokens, budget, KV_8B_FP16) == 16  # 2^30 / (512 x 2^17)
-    assert size_limits.max_batch(ctx.paged_tokens, budget, KV_8B_FP16) == 26  # floor(2^30 / (304 x 2^17))
+    # floor(2^30 / (304 x 2^17))
+    assert size_limits.max_batch(ctx.paged_tokens, budget, KV_8B_FP16) == 26
     kvt = KV_8B_FP16
     assert padded_batch_bytes([300] * 16, kvt) <= budget < padded_batch_bytes([300] * 17, kvt)
     assert paged_bytes([300] * 26, kvt) <= budget < paged_bytes([300] * 27, kvt)
@@ -175,7 +176,8 @@ def test_decode_tok_s_batch_1_by_hand(catalog):
     row = row_for(catalog, "llama-3.1-8b", "M2 Ultra 76c", 192, quantize_bits=4)
     eff = macs.bandwidth_efficiency(catalog, "Q4_0")[0]
     linear = [(k * n * (0.5 + 4 / 64) + (k + n) * 2) for n, k in spec.layer_linear_shapes]
-    head = spec.hidden_size * spec.vocab_size * (0.5 + 4 / 64) + (spec.hidden_size + spec.vocab_size) * 2
+    head = (spec.hidden_size * spec.vocab_size * (0.5 + 4 / 64)
+            + (spec.hidden_size + spec.vocab_size) * 2)
     per_layer = 6 * spec.hidden_size + 3 * spec.intermediate_size + 2 * 48 * 128  # 32 + 2 x 8 heads
     elementwise = spec.num_layers * per_layer * 2 + spec.vocab_size * 4
     moved = sum(linear) * spec.num_layers + head + 4096 * KV_8B_FP16 + elementwise
@@ -279,7 +281,8 @@ def test_size_predicts_the_simulated_sweep_at_batch_1(tmp_path, capsys, model, q
     swept = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"][0]
     context = mean_decode_width(prompt, output)
     assert context == int(context)
-    summary = run_size(tmp_path, "--model", model, *quant, "--mac", mac, "--context", str(int(context)))
+    summary = run_size(tmp_path, "--model", model, *quant, "--mac", mac,
+                       "--context", str(int(context)))
     predicted = summary["rows"][0]["decode_tok_s_b1"]
     assert swept["decode_tok_s"] == pytest.approx(predicted, rel=0.02)
 
@@ -294,7 +297,8 @@ def test_explain_shows_the_parts_of_the_predicted_step(tmp_path, capsys):
                                  (r["max_batch"], "parts", "decode_tok_s_max_batch")):
             parts = r[key]
             assert all(isinstance(v, float) for v in parts.values())  # flat: seconds by name
-            assert sum(v for k, v in parts.items() if k != "total_s") == pytest.approx(parts["total_s"])
+            named_s = sum(v for k, v in parts.items() if k != "total_s")
+            assert named_s == pytest.approx(parts["total_s"])
             assert batch / parts["total_s"] == pytest.approx(r[rate])
         # Batch 1 streams the weights; hundreds of rows make the linear layers FLOP-bound.
         assert r["parts_b1"]["matmul_s"] == 0 and r["parts"]["matmul_s"] > 0
@@ -335,11 +339,13 @@ def test_size_command_on_moe_names_the_kv_composition(tmp_path, capsys):
                        "--mac", "M4 Max 40c", "--memory-gb", "128", "--context-dist",
                        "uniform:1000:8000")
     (row,) = summary["rows"]
-    assert row["kv_per_seq"]["state_bytes"] > 0 and row["max_batch_padded"] <= row["max_batch_paged"]
+    assert row["kv_per_seq"]["state_bytes"] > 0
+    assert row["max_batch_padded"] <= row["max_batch_paged"]
     text = " ".join(capsys.readouterr().out.split())
     assert "full/win/state" in text and "linear-attention state is fixed" in text
     q4 = run_size(tmp_path, "--model", "qwen3-next-80b-a3b", "--quantize", "4", "--kv-bits", "4",
-                  "--mac", "M4 Max 40c", "--memory-gb", "128", "--context-dist", "uniform:1000:8000")
+                  "--mac", "M4 Max 40c", "--memory-gb", "128", "--context-dist",
+                  "uniform:1000:8000")
     (row4,) = q4["rows"]  # full-attention K/V quantized, the linear layers' state untouched
     assert row4["kv_per_seq"]["state_bytes"] == row["kv_per_seq"]["state_bytes"]
     assert row4["kv_per_seq"]["full_kv_bytes"] < row["kv_per_seq"]["full_kv_bytes"] / 3

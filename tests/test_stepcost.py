@@ -18,7 +18,8 @@ from tests.test_sim import PROFILE
 def _mac_profile():
     catalog = macs.load_catalog()
     (mac,) = [m for m in catalog.chips if m.label == "M2 Max 38c"]
-    return mac.profile(macs.bandwidth_efficiency(catalog, "Q4_0")[0], macs.compute_efficiency(catalog)[0])
+    return mac.profile(macs.bandwidth_efficiency(catalog, "Q4_0")[0],
+                       macs.compute_efficiency(catalog)[0])
 
 
 COSTS = {
@@ -31,7 +32,8 @@ COSTS = {
 
 def _plan(index, *, new=(), prefills=(), decode=(), positions=(), pool=EMPTY_POOL, steps=1):
     news = tuple(NewRequest(r, None, SamplingParams(max_tokens=64)) for r in new)
-    return StepPlan(index, (), news, tuple(prefills), tuple(decode), tuple(positions), pool, 0, steps)
+    return StepPlan(index, (), news, tuple(prefills), tuple(decode),
+                    tuple(positions), pool, 0, steps)
 
 
 def _parts_sum(t: StepTime) -> float:
@@ -63,7 +65,8 @@ def test_parts_add_up_to_what_the_simulator_charges(kind):
     for i, d in enumerate(run.step_durations_s):
         t = cost.step_time(decode_rows=2, width=303 + i)
         assert d == pytest.approx(t.total_s, rel=1e-12)
-        assert d == pytest.approx(cost.decode_forward_s(2, 303 + i) + cost.step_overhead_s, rel=1e-12)
+        assert d == pytest.approx(cost.decode_forward_s(2, 303 + i) + cost.step_overhead_s,
+                                  rel=1e-12)
     assert len(run.step_durations_s) == 4
 
 
@@ -100,7 +103,8 @@ def test_prompts_of_one_length_are_priced_as_one_forward_pass(model):
     three = cost.prefill_forward_s(64, 0, True, rows=3)
     assert one < three < 3 * one
     assert 3 * one - three >= 2 * cost.prefill_time(64, 0, True).fixed_s * 0.999
-    chunks = (PrefillChunk(0, 0, 64, True), PrefillChunk(1, 0, 64, True), PrefillChunk(2, 0, 64, True),
+    chunks = (PrefillChunk(0, 0, 64, True), PrefillChunk(1, 0, 64, True),
+              PrefillChunk(2, 0, 64, True),
               PrefillChunk(3, 0, 40, True), PrefillChunk(4, 64, 64, True))
     ex = SimExecutor(cost)
     step = ex.execute(_plan(0, new=range(5), prefills=chunks)).step_durations_s[0]

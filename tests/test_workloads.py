@@ -486,7 +486,8 @@ def test_a_submit_that_refuses_at_once_stops_issuing():
         return fut
 
     with pytest.raises(ValueError, match="queue full"):
-        run_virtual(drive(spec, _reqs(5, 1.0), submit, on_issue=lambda r, t: issued.append(r.index)))
+        run_virtual(drive(spec, _reqs(5, 1.0), submit, on_issue=lambda r,
+                          t: issued.append(r.index)))
     assert issued == [0, 1, 2]
 
 

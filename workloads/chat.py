@@ -19,7 +19,8 @@ PROMPTS_DIR = CONFIG_DIR / "workloads" / "prompts"
 class ChatSpec:
     """Prompts and sampling of a chat workload; arrivals still come from the workload."""
 
-    prompts: str  # YAML with `prompts: [text, ...]`: absolute, or relative to configs/workloads/prompts
+    # YAML with `prompts: [text, ...]`: absolute, or relative to configs/workloads/prompts
+    prompts: str
     temperature: float = 0.7  # what chat UIs commonly send; 0 = greedy
     top_p: float = 1.0  # accepted for the record; the executor samples from the full distribution
     max_tokens: int = 512  # the client's cap; EOS ends most replies before it

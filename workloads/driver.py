@@ -230,7 +230,8 @@ async def drive_interruptibly(spec: WorkloadSpec, requests: Sequence[RequestSpec
     try:
         for sig in signals:
             loop.add_signal_handler(sig, interrupt)
-    except (NotImplementedError, RuntimeError):  # no signal handlers here (Windows, not main thread)
+    # no signal handlers here (Windows, not main thread)
+    except (NotImplementedError, RuntimeError):
         return await _drive_plain(driver)
     try:
         await driver

@@ -38,7 +38,8 @@ class LengthSpec:
             "lognormal": ("mean", "std"), "zipf": ("a", "max"), "empirical": ("values",),
         }
         if self.dist not in need:
-            raise ConfigError(f"length dist {self.dist!r} is not allowed; allowed: {', '.join(need)}")
+            raise ConfigError(f"length dist {self.dist!r} is not allowed; allowed: "
+                              f"{', '.join(need)}")
         for key in need[self.dist]:
             value = getattr(self, key)
             ok = bool(value) if key == "values" else value is not None and 0 < value < math.inf
@@ -50,7 +51,8 @@ class LengthSpec:
             value = getattr(self, big[0])
             raise ConfigError(f"length {big[0]!r} must be <= {MAX_TOKENS}, got {value!r}")
         if self.min < 1 or (self.max is not None and self.max < self.min):
-            raise ConfigError(f"length bounds must satisfy 1 <= min <= max, got [{self.min}, {self.max}]")
+            raise ConfigError(f"length bounds must satisfy 1 <= min <= max, got [{self.min}, "
+                              f"{self.max}]")
         if self.dist == "zipf" and self.a is not None and self.a <= 1:
             raise ConfigError("zipf needs a > 1")
         if self.dist == "zipf" and self.max - self.min >= ZIPF_MAX_RANKS:  # a table per rank

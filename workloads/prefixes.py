@@ -103,7 +103,8 @@ def segment_token_ids(segments: Sequence[Segment], vocab_size: int) -> list[int]
 
 
 def block_keys(segments: Sequence[Segment],
-               page_tokens: int = PAGE_TOKENS) -> list[tuple[tuple[tuple[int, ...], int, int], ...]]:
+               page_tokens: int = PAGE_TOKENS,
+               ) -> list[tuple[tuple[tuple[int, ...], int, int], ...]]:
     """One key per full block of the prompt: the (segment key, start, end) pieces it holds."""
     keys, pieces, filled = [], [], 0
     for key, n in segments:

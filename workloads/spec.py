@@ -82,8 +82,10 @@ class WorkloadSpec:
     input_len: LengthSpec = LengthSpec("uniform", min=64, max=256)
     output_len: LengthSpec = LengthSpec("uniform", min=32, max=128)
     trace: TraceSpec | None = None  # required iff arrival == 'trace'; lengths then come from it
-    chat: ChatSpec | None = None  # real-text chat prompts; prompt lengths and EOS then from the model
-    sharing: SharingSpec | None = None  # shared system prompt, chat sessions (workloads/prefixes.py)
+    # real-text chat prompts; prompt lengths and EOS then from the model
+    chat: ChatSpec | None = None
+    # shared system prompt, chat sessions (workloads/prefixes.py)
+    sharing: SharingSpec | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:

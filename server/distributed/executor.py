@@ -38,7 +38,8 @@ def shard_for(group: Any, name: str):
             raise ConfigError(f"model {name}: {heads[0]} query / {heads[1]} KV heads do not split "
                               f"across {size} ranks")
         model.shard(group)
-        mx.eval(model.parameters())  # slice now: a lazy shard would run on the loading thread's stream
+        # slice now: a lazy shard would run on the loading thread's stream
+        mx.eval(model.parameters())
         return model
 
     return shard

@@ -17,7 +17,8 @@ from batchsim.configs import ConfigError
 from batchsim.server.distributed.owner import OwnedLaunch
 from batchsim.server.distributed.rank import STATUS_DIR_ENV
 
-PASS_ENV = ("BATCHSIM_HOME", "BATCHSIM_BLAS", "BATCHSIM_FAULT_DIE_AT_STEP", "BATCHSIM_RANK_TIMEOUT_S")
+PASS_ENV = ("BATCHSIM_HOME", "BATCHSIM_BLAS", "BATCHSIM_FAULT_DIE_AT_STEP",
+            "BATCHSIM_RANK_TIMEOUT_S")
 
 
 def check_hostfile(path: str, ranks: int) -> None:
@@ -32,8 +33,8 @@ def check_hostfile(path: str, ranks: int) -> None:
         raise ConfigError(f"--hostfile {path}: {len(hosts)} hosts for --ranks {ranks}")
     missing = [h.ssh_hostname for h in hosts if not h.ips]
     if missing:
-        raise ConfigError(f"--hostfile {path}: host(s) {', '.join(missing)} have no 'ips' (the ring "
-                          "backend connects to IP addresses)")
+        raise ConfigError(f"--hostfile {path}: host(s) {', '.join(missing)} have no 'ips' (the "
+                          "ring backend connects to IP addresses)")
 
 
 def prebuild(model: str, dtype: str, quantize: int | None, ranks: int, local: bool) -> None:
@@ -46,9 +47,10 @@ def prebuild(model: str, dtype: str, quantize: int | None, ranks: int, local: bo
     early = resolve(model, dtype, quantize, build=False)
     spec = early.spec
     if spec.num_heads % ranks or spec.num_kv_heads % ranks:
-        raise ConfigError(f"model {spec.name}: {spec.num_heads} query / {spec.num_kv_heads} KV heads "
-                          f"do not split across {ranks} ranks (tensor parallel)")
-    if local and early.path == Path() and not is_built(cache_root() / build_id(early.spec.name, dtype, quantize),
+        raise ConfigError(f"model {spec.name}: {spec.num_heads} query / {spec.num_kv_heads} "
+                          f"KV heads do not split across {ranks} ranks (tensor parallel)")
+    if local and early.path == Path() and not is_built(cache_root() / build_id(early.spec.name,
+                                                                               dtype, quantize),
                                              early.spec, dtype, quantize):
         resolve(model, dtype, quantize)
 
@@ -135,7 +137,8 @@ def _once(errors: list[str]) -> list[str]:
 
 
 def free_port(ranks: int) -> int:
-    """A starting port with `ranks` free ports after it on loopback (parallel runs must not meet)."""
+    """A starting port with `ranks` free ports after it on loopback (parallel runs must not
+    meet)."""
     for _ in range(50):
         port = random.randrange(20000, 60000 - ranks)
         if all(_is_free(port + i) for i in range(ranks)):

@@ -1,6 +1,6 @@
-"""The engine loop: schedule, execute, update, record. Requests arrive from asyncio tasks (a workload
-driver or HTTP handlers) while a step computes: the real executor runs in its own thread, the
-simulated one advances a virtual clock."""
+"""The engine loop: schedule, execute, update, record. Requests arrive from asyncio tasks (a
+workload driver or HTTP handlers) while a step computes: the real executor runs in its own thread,
+the simulated one advances a virtual clock."""
 
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ class Engine:
         self.virtual_time = executor.caps.virtual_time
         # Every request and step by default; a server passes a bounded one.
         self.recorder = recorder if recorder is not None else RunRecorder()
-        self._arrivals = list(arrival_times_s)  # sorted open-loop arrivals bound simulated lookahead
+        # sorted open-loop arrivals bound simulated lookahead
+        self._arrivals = list(arrival_times_s)
         self._on_step = on_step
         # "raise": an executor failure ends the run (batchsim run). "abort": the running requests
         # fail, the executor starts clean, and everyone else is still served (batchsim serve).
@@ -117,7 +118,8 @@ class Engine:
             # Whoever awaits a request must hear that the engine died, not wait forever.
             for fut in self._done.values():
                 if not fut.done():
-                    fut.set_exception(exc if isinstance(exc, Exception) else RuntimeError("engine stopped"))
+                    fut.set_exception(exc if isinstance(exc, Exception)
+                                      else RuntimeError("engine stopped"))
             self._done.clear()
             raise
 
@@ -175,7 +177,8 @@ class Engine:
         if self._thread is None:
             ends = _cumsum(start, result.step_durations_s)
         else:
-            ends = [self.now()]  # what a client sees: the loop's time when the step's tokens are out
+            # what a client sees: the loop's time when the step's tokens are out
+            ends = [self.now()]
         for new in plan.new_requests:
             r = self.scheduler.requests.get(new.request_id)
             if r is not None and r.first_scheduled_s is None:

@@ -54,7 +54,8 @@ class RunConfig:
             raise ConfigError(f"memory_gb must be > 0 and finite, at most {MAX_MEMORY_GB} GiB, "
                               f"got {self.memory_gb}")
         if not self.percentiles or not all(0 <= q <= 100 for q in self.percentiles):  # nan too
-            raise ConfigError(f"percentiles must be numbers in 0..100, got {list(self.percentiles)}")
+            raise ConfigError("percentiles must be numbers in 0..100, got "
+                              f"{list(self.percentiles)}")
         from batchsim.server.perf.engines import load_engine
 
         load_engine(self.engine)  # an unknown engine: a one-line error listing the known ones

@@ -198,11 +198,14 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
     )
     plans = len(steps)
     summary.update({
-        "model": session.ref.name, "dtype": session.dtype, "quantize_bits": session.ref.quantize_bits,
+        "model": session.ref.name, "dtype": session.dtype,
+        "quantize_bits": session.ref.quantize_bits,
         "executor": cfg.executor, "engine": cfg.engine, "workload": spec.name,
-        "max_num_seqs": cfg.scheduler.max_num_seqs, "memory_budget_bytes": session.memory_budget_bytes,
+        "max_num_seqs": cfg.scheduler.max_num_seqs,
+        "memory_budget_bytes": session.memory_budget_bytes,
         "budget_source": session.budget_source, "num_steps": run.engine.scheduler.num_steps,
-        "num_plans": plans, "wall_s": wall, "mean_plan_wall_ms": 1e3 * wall / plans if plans else 0.0,
+        "num_plans": plans, "wall_s": wall,
+        "mean_plan_wall_ms": 1e3 * wall / plans if plans else 0.0,
         "kv_account_mismatches": rec.kv_account_mismatches,
         "mean_arrival_lateness_ms": 1e3 * float(np.mean(run.lateness_s)) if run.lateness_s else 0.0,
         "interrupted": run.interrupted,
@@ -315,8 +318,10 @@ def _write_config(run_dir: Path, cfg: RunConfig, spec: WorkloadSpec,
     if session is not None:
         resolved["resolved"] = {
             "model_path": str(session.ref.path), "dtype": session.dtype,
-            "weight_bytes": session.weight_bytes, "memory_budget_bytes": session.memory_budget_bytes,
-            "budget_source": session.budget_source, "kv_bytes_per_token": session.kv_bytes_per_token,
+            "weight_bytes": session.weight_bytes,
+            "memory_budget_bytes": session.memory_budget_bytes,
+            "budget_source": session.budget_source,
+            "kv_bytes_per_token": session.kv_bytes_per_token,
             "kv_budget_bytes": session.kv_budget_bytes,
             "scheduler": dataclasses.asdict(session.scheduler_config()),
         }

@@ -92,7 +92,8 @@ class Session:
         if any(getattr(cfg, k) != getattr(self.config, k) for k in keep):
             raise ValueError("with_config keeps the model and executor; open a new session instead")
         budget, source = memory_budget(cfg.memory_gb)
-        new = dataclasses.replace(self, config=cfg, memory_budget_bytes=budget, budget_source=source)
+        new = dataclasses.replace(self, config=cfg, memory_budget_bytes=budget,
+                                  budget_source=source)
         _check_fits(new)
         new.limit_mlx_cache()
         return new
@@ -187,8 +188,9 @@ def _require_moe_dtype(ref: ModelRef) -> None:
     """MLX's CPU gathered matmul (unquantized MoE experts) is float32-only: refuse in one line."""
     if ("moe" in ref.spec.families and ref.quantize_bits is None and ref.dtype != "float32"
             and env.backend() == "cpu"):
-        raise ConfigError(f"model {ref.name}: MoE experts in {ref.dtype} do not run on MLX's CPU "
-                          "backend (its GatherMM is float32-only); use --dtype float32 or --quantize")
+        raise ConfigError(f"model {ref.name}: MoE experts in {ref.dtype} do not run on MLX's "
+                          "CPU backend (its GatherMM is float32-only); use --dtype float32 or "
+                          "--quantize")
 
 
 def _check_fits(session: Session) -> None:
@@ -200,5 +202,6 @@ def _check_fits(session: Session) -> None:
 def _raise_no_fit(name: str, weights: int, budget: int, source: str) -> None:
     raise ConfigError(
         f"model {name}: weights ({weights / GIB:.2f} GiB) do not fit the memory budget "
-        f"({budget / GIB:.2f} GiB, {source}); raise --memory-gb or pick a smaller dtype/quantization"
+        f"({budget / GIB:.2f} GiB, {source}); raise --memory-gb or pick a smaller "
+        "dtype/quantization"
     )

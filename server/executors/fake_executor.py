@@ -35,7 +35,8 @@ class FakeExecutor:
         steps = 1
         if plan.num_steps > 1 and self.step_s > 0:
             horizon_steps = max_elapsed_s / self.step_s  # run the steps that start before it
-            steps = plan.num_steps if horizon_steps >= plan.num_steps else max(1, math.ceil(horizon_steps))
+            steps = (plan.num_steps if horizon_steps >= plan.num_steps
+                     else max(1, math.ceil(horizon_steps)))
         elif plan.num_steps > 1:
             steps = plan.num_steps
         sampled: list[int] = []
@@ -48,13 +49,15 @@ class FakeExecutor:
                 sampled.append(chunk.request_id)
         for rid, pos in zip(plan.decode_ids, plan.decode_positions):
             if self.positions.get(rid) != pos:
-                raise AssertionError(f"request {rid}: decode at {pos}, cache holds {self.positions.get(rid)}")
+                raise AssertionError(f"request {rid}: decode at {pos}, cache holds "
+                                     f"{self.positions.get(rid)}")
             self.positions[rid] = pos + steps
         prefill_sampled = len(sampled)
         sampled.extend(plan.decode_ids)
         tokens = []
         for s in range(steps):
-            row = [self.token_for(rid, self.positions[rid], self.vocab_size) for rid in sampled[:prefill_sampled]]
+            row = [self.token_for(rid, self.positions[rid],
+                                  self.vocab_size) for rid in sampled[:prefill_sampled]]
             row += [self.token_for(rid, pos + s + 1, self.vocab_size)
                     for rid, pos in zip(plan.decode_ids, plan.decode_positions)]
             tokens.append(tuple(row))

@@ -233,7 +233,8 @@ class MLXExecutor:
 
     def _decode(self) -> mx.array:
         rows = self.pool.row_ids
-        return self._forward(mx.array([self.seqs[rid].token_ids[-1] for rid in rows])[:, None], rows)
+        return self._forward(mx.array([self.seqs[rid].token_ids[-1] for rid in rows])[:, None],
+                             rows)
 
     def _forward(self, inputs: mx.array, rows: list[int], ahead: int = 0) -> mx.array:
         """One forward pass over the pool's rows; `ahead`: tokens not yet in token_ids (then

@@ -26,7 +26,8 @@ class ShadowTimer:
 
     def __call__(self, engine, plan: StepPlan, result: StepResult) -> None:
         predicted = self.sim.execute(plan).step_durations_s
-        # The real executor's time excludes the engine's own per-step work, so the shadow's does too.
+        # The real executor's time excludes the engine's own per-step work, so the shadow's does
+        # too.
         overhead_s = self.sim.cost.step_overhead_s
         self.predicted_s.append(sum(predicted) - len(predicted) * overhead_s)
         self.measured_s.append(result.elapsed_s)

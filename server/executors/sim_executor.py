@@ -26,7 +26,8 @@ class SimExecutor:
         self.overhead_s = cost.step_overhead_s
         # Non-dense models: windows and fixed states do not grow linearly with the width.
         self.per_step_decode = cost.family is not None
-        # What the model's cache holds by layer kind (None: dense, the cost model's bytes per token).
+        # What the model's cache holds by layer kind (None: dense, the cost model's bytes per
+        # token).
         self.cache = cache or CacheLayout.dense(self.kvt)
         self.layout = PoolLayout(self.cache)  # the real pool's rows, in its order
         # request id -> bytes its private prefill cache holds (as mlx-lm allocates)
@@ -53,7 +54,8 @@ class SimExecutor:
             sampling: list[int] = []
             for group in prefill_groups.groups(plan.prefills):  # as the MLX executor runs them
                 first = group[0]
-                t += self._prefill_forward_s(first.num_tokens, first.start, first.sample, len(group))
+                t += self._prefill_forward_s(first.num_tokens, first.start,
+                                             first.sample, len(group))
                 for c in group:
                     self._set_private(c.request_id, c.start, c.start + c.num_tokens)
                     if c.sample:

@@ -26,7 +26,8 @@ from batchsim.server.perf.profile import Calibration, GemmFit
 from batchsim.server.perf.stepcost import StepCost
 
 # Every row count up to 32, then steps of 8: CPU BLAS kernels block rows by the vector width (16
-# float32 on AVX-512), so m = 12 or 24 can take longer than m = 16 or 32. Powers of two alone hide it.
+# float32 on AVX-512), so m = 12 or 24 can take longer than m = 16 or 32. Powers of two alone hide
+# it.
 GEMM_ROWS = (*range(1, 33), 40, 48, 56, 64, 96, 128, 256, 512)
 # (k, n): from small projections to a wide output head, so the per-weight cost can follow size.
 GEMM_SHAPES = ((512, 512), (512, 2048), (2048, 512), (1024, 1024), (1024, 4096), (4096, 1024),
@@ -81,7 +82,8 @@ def fit_gemm(samples: dict[tuple[int, int, int], float]) -> GemmFit:
     w_at = GemmFit(weights, {1: 0.0}).seconds
     flop_ns = {}
     for m in sorted({m for m, _, _ in samples}):
-        vals = [(t - w_at(1, k, n)) / (2 * m * k * n) for (mm, k, n), t in samples.items() if mm == m]
+        vals = [(t - w_at(1, k, n)) / (2 * m * k * n) for (mm, k,
+                                                           n), t in samples.items() if mm == m]
         vals = [v for v in vals if v > 0] or [1e-12]
         flop_ns[m] = float(np.exp(np.mean(np.log(vals)))) * 1e9
     return GemmFit(weight_ns=weights, flop_ns=flop_ns)
@@ -98,7 +100,8 @@ def measure_gemm(dtype: mx.Dtype, rows: Sequence[int] = GEMM_ROWS, shapes=GEMM_S
         for k, n in shapes:
             for m in rows:
                 times.setdefault((m, k, n), []).append(
-                    time_linear(m, k, n, dtype, reps=1, weights=weights[(k, n)], warmup=int(rep == 0)))
+                    time_linear(m, k, n, dtype, reps=1, weights=weights[(k, n)],
+                                warmup=int(rep == 0)))
         log(f"gemm pass {rep + 1}/{reps} done")
     samples = {key: float(np.median(v)) for key, v in times.items()}
     for k, n in shapes:
@@ -181,7 +184,8 @@ def _scheduler(kv: CacheLayout | int, batch: int, prefill: int) -> Scheduler:
     cache = as_layout(kv)
     return Scheduler(SchedulerConfig(
         kv_budget_bytes=1 << 50, kv_bytes_per_token=cache.full_token_bytes, max_model_len=1 << 20,
-        max_num_seqs=batch, max_num_batched_tokens=max(4096, batch, prefill), prefill_step_size=prefill,
+        max_num_seqs=batch, max_num_batched_tokens=max(4096, batch, prefill),
+        prefill_step_size=prefill,
         cache_layout=None if cache.is_dense else cache,
     ))
 
@@ -241,7 +245,8 @@ def prefill_samples(name: str, model, spec: ModelSpec, kv: CacheLayout | int, ch
                 sched = _scheduler(kv, 1, step)
                 ex = MLXExecutor(model)
                 ids = rng.integers(0, spec.vocab_size, start + n).tolist()
-                sched.add_request(Request(0, start + n, SamplingParams(1, ignore_eos=True), 0.0, ids))
+                sched.add_request(Request(0, start + n,
+                                          SamplingParams(1, ignore_eos=True), 0.0, ids))
                 while sched.has_work():
                     plan = sched.schedule()
                     result = ex.execute(plan)
@@ -256,12 +261,14 @@ def prefill_samples(name: str, model, spec: ModelSpec, kv: CacheLayout | int, ch
 
 def grid_samples(models: dict[str, tuple], batches: Sequence[int], widths: Sequence[int],
                  chunks: Sequence[int], starts: Sequence[int], rounds: int = 3,
-                 max_kv_bytes: int | None = None, log: Callable[[str], None] = print) -> list[StepSample]:
+                 max_kv_bytes: int | None = None,
+                 log: Callable[[str], None] = print) -> list[StepSample]:
     """The decode and prefill grid of every calibration model ({name: (model, spec, its cache:
     session_layout, or bytes per token)}), measured `rounds` times round-robin over the models,
-    median per point. Model by model, each model's samples would sit in one phase of a shared machine, and the fit would
-    read a phase as a difference between models. Decode points whose KV would pass `max_kv_bytes`
-    are skipped (a 0.6B model with 8 KV heads of 128 holds 15 GB at 64 rows of 1024 tokens)."""
+    median per point. Model by model, each model's samples would sit in one phase of a shared
+    machine, and the fit would read a phase as a difference between models. Decode points whose KV
+    would pass `max_kv_bytes` are skipped (a 0.6B model with 8 KV heads of 128 holds 15 GB at 64
+    rows of 1024 tokens)."""
     times: dict[tuple[str, str, int, int], list[float]] = {}
     for name, (_, _, kv) in models.items():
         skipped = [f"{b}x{w}" for w in widths for b in batches
@@ -347,7 +354,8 @@ def transfer_errors(samples: Sequence[StepSample], costs: dict[str, StepCost],
         profile = dataclasses.replace(c.profile, calibration=dataclasses.replace(c.cal, **terms))
         cost = StepCost(c.spec, profile, c.fmt, None)
         errs = np.asarray([predict(s, cost) / s.seconds - 1 for s in test])
-        out[held] = {"median_abs_err": float(np.median(np.abs(errs))), "median_err": float(np.median(errs))}
+        out[held] = {"median_abs_err": float(np.median(np.abs(errs))),
+                     "median_err": float(np.median(errs))}
     return out
 
 

@@ -118,7 +118,8 @@ def continuous_executor(model, batch: int, context: int, vocab: int, kv_bytes_pe
     ))
     ex = MLXExecutor(model)
     for i, (ids, n) in enumerate(zip(prompts(len(out_lens), context, vocab, seed=1), out_lens)):
-        sched.add_request(Request(i, context, SamplingParams(max_tokens=n, ignore_eos=True), 0.0, ids))
+        sched.add_request(Request(i, context,
+                                  SamplingParams(max_tokens=n, ignore_eos=True), 0.0, ids))
     t0 = time.perf_counter()
     while sched.has_work():
         plan = sched.schedule()

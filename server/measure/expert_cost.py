@@ -52,7 +52,8 @@ def streamed_bytes(hidden: int, inter: int, experts: int, top_k: int, tokens: in
 def _copies(hidden: int, inter: int, experts: int) -> int:
     from batchsim.server.measure.microbench import working_set_bytes
 
-    return max(1, min(MAX_COPIES, working_set_bytes() // (STACKS * experts * hidden * inter * BYTES_PER_WEIGHT)))
+    stack_bytes = STACKS * experts * hidden * inter * BYTES_PER_WEIGHT
+    return max(1, min(MAX_COPIES, working_set_bytes() // stack_bytes))
 
 
 def _time_us(geometry: tuple[int, int, int, int], tokens: tuple[int, ...],
@@ -105,7 +106,8 @@ def fit(us_by_point: dict[tuple[int, int, int, int, int], float],
     return (value, 0.0) if which == 0 else (0.0, value)
 
 
-def measure(bandwidth_gbs: float, reps: int = 5, geometries=GEOMETRIES, tokens=TOKENS) -> ExpertCost:
+def measure(bandwidth_gbs: float, reps: int = 5, geometries=GEOMETRIES,
+            tokens=TOKENS) -> ExpertCost:
     us = {(*g, t): v for g in geometries for t, v in _time_us(g, tokens, reps).items()}
     pair_ns, mac_ns = fit(us, bandwidth_gbs)
     return ExpertCost(pair_ns, mac_ns, us)

@@ -72,7 +72,8 @@ def measure_many(names: list[str], batches: tuple[int, ...], steps: int,
         for name in names:
             us = {d: statistics.median(samples[(name, d)]) for d in DEPTHS}
             layer = (us[DEPTHS[-1]] - us[DEPTHS[0]]) / (DEPTHS[-1] - DEPTHS[0])
-            out[name].append(FixedCost(batch, us, layer, max(0.0, us[DEPTHS[0]] - DEPTHS[0] * layer)))
+            out[name].append(FixedCost(batch, us, layer,
+                                       max(0.0, us[DEPTHS[0]] - DEPTHS[0] * layer)))
     return out
 
 

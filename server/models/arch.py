@@ -1,7 +1,7 @@
-"""A model as a list of layers read from its config.json, the way mlx-lm 0.32 builds it: each layer's
-attention kind (full, sliding window, linear attention, MLA latent) and FFN kind (dense or MoE),
-its weight matrices, and the cache it keeps. Pure Python: params, active params, weight bytes and
-cache bytes all come from here (the cache arithmetic is in arch_cache.py)."""
+"""A model as a list of layers read from its config.json, the way mlx-lm 0.32 builds it: each
+layer's attention kind (full, sliding window, linear attention, MLA latent) and FFN kind (dense or
+MoE), its weight matrices, and the cache it keeps. Pure Python: params, active params, weight bytes
+and cache bytes all come from here (the cache arithmetic is in arch_cache.py)."""
 
 from __future__ import annotations
 
@@ -103,7 +103,8 @@ def describe(name: str, config: dict[str, Any]) -> Arch:
     try:
         layers = builder(config)
     except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"model {name}: config for {mt} is incomplete or malformed ({exc!r})") from None
+        raise ConfigError(f"model {name}: config for {mt} is incomplete or malformed "
+                          f"({exc!r})") from None
     tied = bool(config.get("tie_word_embeddings", TIED_DEFAULT.get(mt, True)))
     tied = tied and mt not in NEVER_TIED
     return Arch(str(mt), tuple(layers), int(config["vocab_size"]), int(config["hidden_size"]), tied)

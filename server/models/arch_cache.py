@@ -1,5 +1,5 @@
-"""What each layer's mlx-lm 0.32 cache holds for one sequence, replayed shape by shape from the cache
-classes in mlx_lm/models/cache.py: KVCache (full attention and DeepSeek's MLA latent) grows in
+"""What each layer's mlx-lm 0.32 cache holds for one sequence, replayed shape by shape from the
+cache classes in mlx_lm/models/cache.py: KVCache (full attention and DeepSeek's MLA latent) grows in
 256-token steps; RotatingKVCache (sliding window) keeps a whole multi-token chunk, then shrinks to
 its window on the next single-token step; ArraysCache (linear attention) holds a fixed conv state
 and a float32 recurrent state."""
@@ -49,9 +49,10 @@ class Attention:
         if kv_bits is None:
             return self.heads * (self.k_dim + self.v_dim) * act_bytes
         if self.kind != "full":
-            raise ConfigError(f"kv_bits: mlx-lm cannot run a {self.kind} layer on a quantized cache "
-                              f"({_NOT_QUANTIZABLE[self.kind]})")
-        return self.heads * sum(_quantized_row(d, act_bytes, kv_bits) for d in (self.k_dim, self.v_dim))
+            raise ConfigError(f"kv_bits: mlx-lm cannot run a {self.kind} layer on a quantized "
+                              f"cache ({_NOT_QUANTIZABLE[self.kind]})")
+        return self.heads * sum(_quantized_row(d, act_bytes,
+                                               kv_bits) for d in (self.k_dim, self.v_dim))
 
 
 _NOT_QUANTIZABLE = {  # mlx-lm 0.32.2
@@ -64,8 +65,8 @@ _NOT_QUANTIZABLE = {  # mlx-lm 0.32.2
 def quantized_dims(dims: int, kv_bits: int) -> tuple[int, int]:
     """(uint32 words, groups) QuantizedKVCache packs a head row of `dims` elements into."""
     if dims % KV_GROUP_SIZE:
-        raise ConfigError(f"kv_bits needs head_dim to be a multiple of {KV_GROUP_SIZE} (mlx-lm's KV "
-                          f"group); it is {dims}")
+        raise ConfigError(f"kv_bits needs head_dim to be a multiple of {KV_GROUP_SIZE} (mlx-lm's "
+                          f"KV group); it is {dims}")
     return dims * kv_bits // 32, dims // KV_GROUP_SIZE
 
 
@@ -82,7 +83,8 @@ def check_kv_bits(layers: Iterable[Attention], kv_bits: int) -> None:
         att.token_bytes(1, kv_bits)
 
 
-def cache_bytes(att: Attention, calls: list[int], act_bytes: int, kv_bits: int | None = None) -> int:
+def cache_bytes(att: Attention, calls: list[int], act_bytes: int,
+                kv_bits: int | None = None) -> int:
     """Bytes of this layer's cache after the model was called on chunks of `calls` tokens (with
     kv_bits, K/V caches quantized; ArraysCache states are never quantized by mlx-lm)."""
     if not calls:
@@ -94,7 +96,8 @@ def cache_bytes(att: Attention, calls: list[int], act_bytes: int, kv_bits: int |
     return _kv_rows(calls) * att.token_bytes(act_bytes, kv_bits)
 
 
-def cache_layout(layers: Iterable[Attention], act_bytes: int, kv_bits: int | None = None) -> CacheLayout:
+def cache_layout(layers: Iterable[Attention], act_bytes: int,
+                 kv_bits: int | None = None) -> CacheLayout:
     """The scheduler's pricing of these layers' caches: full and MLA bytes per token, sliding bytes
     per token by window, linear layers' fixed state."""
     full = state = 0
@@ -154,5 +157,6 @@ def generate_calls(context_tokens: int, prefill_step: int = PREFILL_STEP) -> lis
     if context_tokens <= 0:
         return []
     head = context_tokens - 1
-    chunks = [prefill_step] * (head // prefill_step) + ([head % prefill_step] if head % prefill_step else [])
+    whole, rest = divmod(head, prefill_step)
+    chunks = [prefill_step] * whole + ([rest] if rest else [])
     return chunks + [1]

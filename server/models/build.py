@@ -1,8 +1,9 @@
-"""Materialize a zoo model as an mlx-lm loadable directory: config.json, safetensors with seeded random
-weights (optionally quantized by mlx-lm's own quantizer), and a locally built tokenizer.
+"""Materialize a zoo model as an mlx-lm loadable directory: config.json, safetensors with seeded
+random weights (optionally quantized by mlx-lm's own quantizer), and a locally built tokenizer.
 
 Speed and memory depend on shapes, not weight values, so a random-weight model with a real
-architecture measures what the real checkpoint would. Built once per (model, dtype, quantization)."""
+architecture measures what the real checkpoint would. Built once per (model, dtype,
+quantization)."""
 
 from __future__ import annotations
 

@@ -28,7 +28,8 @@ def save_weights(out_dir: Path, weights: dict) -> None:
         shards[-1][name] = arr
         size += arr.nbytes
     if len(shards) == 1:
-        mx.save_safetensors(str(out_dir / "model.safetensors"), shards[0], metadata={"format": "mlx"})
+        mx.save_safetensors(str(out_dir / "model.safetensors"), shards[0],
+                            metadata={"format": "mlx"})
         return
     index = {"metadata": {"total_size": sum(a.nbytes for a in weights.values())}, "weight_map": {}}
     for i, shard in enumerate(shards, 1):

@@ -16,7 +16,8 @@ from batchsim.server.models.spec import ModelSpec, spec_from_hf_config, zoo_name
 
 
 class ModelNotFoundError(ConfigError):
-    """A model reference that is neither a zoo name, a local model directory, nor a reachable hub id."""
+    """A model reference that is neither a zoo name, a local model directory, nor a reachable hub
+    id."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +103,7 @@ def _download(hub_id: str) -> Path:
         from mlx_lm.utils import _download as mlx_lm_download
 
         return Path(mlx_lm_download(hub_id))
-    except Exception as exc:  # noqa: BLE001 - network, auth, missing repo: all end the same way for the user
+    except Exception as exc:  # noqa: BLE001 - network, auth, missing repo: one way out for the user
         reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise ModelNotFoundError(
             f"model {hub_id!r}: could not fetch it from the Hugging Face hub ({reason}). "
@@ -121,7 +122,7 @@ def spec_for(ref: str) -> ModelSpec:
         from huggingface_hub import hf_hub_download
 
         config_path = Path(hf_hub_download(ref, "config.json"))
-    except Exception as exc:  # noqa: BLE001 - unreachable hub, unknown repo, bad id: one clear message
+    except Exception as exc:  # noqa: BLE001 - unreachable hub, unknown repo, bad id: one message
         reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise ModelNotFoundError(
             f"model {ref!r}: not a zoo model or a model directory, and its config.json could not "

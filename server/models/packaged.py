@@ -48,7 +48,8 @@ def gguf_path(pkg: Package) -> Path:
     try:
         dist = metadata.distribution(pkg.name)
     except metadata.PackageNotFoundError:
-        raise PackageMissingError(f"package {pkg.name} (real weights) is not installed; {fix}") from None
+        raise PackageMissingError(f"package {pkg.name} (real weights) is not installed; "
+                                  f"{fix}") from None
     if dist.version != pkg.version:
         raise PackageMissingError(f"package {pkg.name} {dist.version} is installed, this model is "
                                   f"pinned to {pkg.version}; {fix}")

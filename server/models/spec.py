@@ -1,6 +1,6 @@
-"""Model shapes and the arithmetic that follows from them: parameter count, weight bytes per dtype or
-quantization, KV bytes per token, FLOPs per token. Pure Python: `size`, the roofline executor and the
-scheduler use it without MLX."""
+"""Model shapes and the arithmetic that follows from them: parameter count, weight bytes per dtype
+or quantization, KV bytes per token, FLOPs per token. Pure Python: `size`, the roofline executor
+and the scheduler use it without MLX."""
 
 from __future__ import annotations
 
@@ -110,7 +110,8 @@ class ModelSpec:
 
     @cached_property
     def layer_linear_shapes(self) -> tuple[tuple[int, int], ...]:
-        """The (out, in) matrices a decode step multiplies in one layer (dense models: all alike)."""
+        """The (out, in) matrices a decode step multiplies in one layer (dense models: all
+        alike)."""
         return tuple((m.out_dim, m.in_dim) for m in self.arch.layers[0].mats)
 
     @cached_property
@@ -131,8 +132,8 @@ class ModelSpec:
 
     def kv_bytes_per_token(self, dtype: str = "float16", kv_bits: int | None = None) -> int:
         """Bytes each further token adds: K and V (MLA: latent and RoPE key) of the layers whose
-        cache grows with the context (dense: 2 x layers x kv_heads x head_dim x bytes); with kv_bits,
-        what QuantizedKVCache holds instead (packed data + scales + biases)."""
+        cache grows with the context (dense: 2 x layers x kv_heads x head_dim x bytes); with
+        kv_bits, what QuantizedKVCache holds instead (packed data + scales + biases)."""
         self.check_kv_bits(kv_bits)
         return self.arch.kv_bytes_per_token(dtype_bytes(dtype), kv_bits)
 
@@ -151,7 +152,8 @@ class ModelSpec:
         """What the scheduler and executors price the cache by: per token for full-attention and
         MLA layers, sliding layers by window, fixed linear-attention states."""
         self.check_kv_bits(kv_bits)
-        return cache_layout((lay.attention for lay in self.arch.layers), dtype_bytes(dtype), kv_bits)
+        return cache_layout((lay.attention for lay in self.arch.layers),
+                            dtype_bytes(dtype), kv_bits)
 
     def kv_bytes_per_seq(self, context_tokens: int, dtype: str = "float16",
                          kv_bits: int | None = None) -> int:
@@ -162,7 +164,8 @@ class ModelSpec:
 
     @property
     def is_full_attention(self) -> bool:
-        """Every layer caches K/V for every token (dense or MoE FFNs): what the decode pool holds."""
+        """Every layer caches K/V for every token (dense or MoE FFNs): what the decode pool
+        holds."""
         return all(lay.attention.kind == "full" for lay in self.arch.layers)
 
     def summary(self) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """A byte-level BPE tokenizer built locally to a model's exact vocabulary size, so every token id a
-random-weight model can emit decodes to text and mlx-lm's loader treats it like a real checkpoint."""
+random-weight model can emit decodes to text and mlx-lm's loader treats it like a real
+checkpoint."""
 
 from __future__ import annotations
 

@@ -111,7 +111,8 @@ def resolve_profile(name: str | None, quantize_bits: int | None = None) -> Devic
 def profile_dtype(profile: DeviceProfile) -> str:
     """The dtype a device runs by default: what its calibration measured (the CPU backend's
     float32 here), else float16, as MLX does on every Mac's GPU."""
-    measured = [f for f in (profile.calibration.gemm if profile.calibration else {}) if f in DTYPE_BYTES]
+    gemm = profile.calibration.gemm if profile.calibration else {}
+    measured = [f for f in gemm if f in DTYPE_BYTES]
     return measured[0] if measured else "float16"
 
 

@@ -96,13 +96,16 @@ class FamilyCost:
         cal = self.cost.cal
         if cal is not None and cal.experts_ns_per_mac > 0:
             moved_s = self.cost.weight_stream_s(mat.in_dim, mat.out_dim)
-            per_pair_ns = cal.experts_ns_per_pair + mat.in_dim * mat.out_dim * cal.experts_ns_per_mac
+            per_pair_ns = (cal.experts_ns_per_pair
+                           + mat.in_dim * mat.out_dim * cal.experts_ns_per_mac)
             return (distinct * moved_s / self.cost.profile.expert_bandwidth_efficiency
                     + m * ffn.top_k * per_pair_ns * 1e-9)
         moved_s, flops_s = self.cost.linear_terms(m * ffn.top_k / distinct, mat.in_dim, mat.out_dim)
         moved_s /= self.cost.profile.expert_bandwidth_efficiency
         flops_s /= GATHER_MATMUL_EFFICIENCY
-        return distinct * (moved_s + flops_s if self.cost.gemm is not None else max(moved_s, flops_s))
+        if self.cost.gemm is not None:
+            return distinct * (moved_s + flops_s)
+        return distinct * max(moved_s, flops_s)
 
     def _head_split(self, rows: int) -> tuple[float, float]:
         if not rows:
@@ -117,7 +120,8 @@ class FamilyCost:
         tokens = min(width, att.window) if att.kind == "sliding" else width
         scores = batch * self.spec.num_heads * tokens
         kv_bits = self.cost.kv_bits
-        seconds = self._kv_read_s(batch * tokens * att.token_bytes(self.cost.act_bytes, kv_bits), scores)
+        seconds = self._kv_read_s(batch * tokens * att.token_bytes(self.cost.act_bytes, kv_bits),
+                                  scores)
         if kv_bits is not None:  # as the dense model: dequantize what was read (an assumption)
             elements = batch * tokens * att.heads * (att.k_dim + att.v_dim)
             seconds += elements * KV_DEQUANT_OPS_PER_ELEMENT / self._flops_per_s
@@ -170,7 +174,8 @@ class FamilyCost:
         per_row = 0
         for layer, count in self.layers.items():
             f = layer.ffn
-            width = f.intermediate if f.kind == "dense" else f.top_k * f.expert_intermediate + f.shared_intermediate
+            width = (f.intermediate if f.kind == "dense"
+                     else f.top_k * f.expert_intermediate + f.shared_intermediate)
             per_row += count * (6 * s.hidden_size + 3 * width + attn + f.experts)
         return m * per_row * self.cost.act_bytes + (m * s.vocab_size * 4 if logits else 0)
 

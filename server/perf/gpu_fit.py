@@ -122,8 +122,10 @@ def mac_profile(mac: Mac, fit: GpuFit, quantize_bits: int | None,
     ultra = mac.chip.endswith("Ultra")
     if ultra:
         bw = 1.0 / (1.0 / bw + fit.ultra_bandwidth_slowdown)
+    if compute_efficiency is None:
+        compute_efficiency = fit.compute_efficiency
     profile = mac.profile(bw if bandwidth_efficiency is None else bandwidth_efficiency,
-                          fit.compute_efficiency if compute_efficiency is None else compute_efficiency)
+                          compute_efficiency)
     fp16_tflops = profile.tflops("float16")
     layer_us = fit.layer_overhead_us + (fit.ultra_layer_us if ultra else 0.0)
     return dataclasses.replace(

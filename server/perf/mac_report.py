@@ -34,7 +34,8 @@ def fit_reference(ref: ReferenceSet, catalog: macs.Catalog) -> GpuFit:
 
 
 def before_tok_s(row: DecodeRow, catalog: macs.Catalog) -> float:
-    """The pre-fit prediction: the plain roofline at llama.cpp's median efficiency, no fixed costs."""
+    """The pre-fit prediction: the plain roofline at llama.cpp's median efficiency, no fixed
+    costs."""
     eff, _ = macs.bandwidth_efficiency(catalog, macs.weight_format(row.quantize_bits))
     cost = mac_fit.row_cost(row, catalog, None, bandwidth_efficiency=eff)
     return 1.0 / cost.decode_time(1, row.width_tokens).total_s
@@ -82,7 +83,8 @@ def batched_table(ref: ReferenceSet, catalog: macs.Catalog, fit: GpuFit) -> list
         many = b.concurrent / cost.decode_time(b.concurrent, width).total_s
         out.append({"model": b.model, "weights": b.weights, "chip": b.chip,
                     "concurrent": b.concurrent, "measured_single_tok_s": b.single_tok_s,
-                    "measured_total_tok_s": b.total_tok_s, "measured_gain": b.total_tok_s / b.single_tok_s,
+                    "measured_total_tok_s": b.total_tok_s,
+                    "measured_gain": b.total_tok_s / b.single_tok_s,
                     "predicted_single_tok_s": one, "predicted_total_tok_s": many,
                     "predicted_gain": many / one})
     return out

@@ -1,6 +1,7 @@
 """The Apple silicon catalog (configs/macs.yaml) as frozen dataclasses, the Metal working-set
 arithmetic (how much unified memory the GPU may wire, by default and after raising
-`iogpu.wired_limit_mb`), and a roofline `DeviceProfile` per Mac for the cost model. Pure Python: no MLX."""
+`iogpu.wired_limit_mb`), and a roofline `DeviceProfile` per Mac for the cost model. Pure Python: no
+MLX."""
 
 from __future__ import annotations
 

@@ -54,7 +54,8 @@ class Calibration:
     attention_prefill_ns_per_flop: float  # per score/value FLOP of a prefill chunk's attention
     attention_prefill_ns_per_score_byte: float  # per byte of its (heads x n x context) scores
     elementwise_ns_per_byte: float  # norms, RoPE, activations, residuals, logits
-    layer_overhead_us: float  # per (llama-like) layer per forward pass (op dispatch, graph building)
+    # per (llama-like) layer per forward pass (op dispatch, graph building)
+    layer_overhead_us: float
     forward_overhead_us: float  # per forward pass
     copy_gbs: float  # KV pool copies: joins, compaction, regrowth
     step_overhead_us: float  # engine bookkeeping per step (scheduling, thread hand-off, sync)
@@ -64,9 +65,9 @@ class Calibration:
     attention_decode_ns_per_score: float = 0.0
     # MoE, measured alone on mlx-lm's SwitchGLU (server/measure/expert_cost.py): per routed
     # (token, expert) pair and expert matrix, what it costs beyond its multiply-adds, and per
-    # multiply-add (pair x the matrix's in x out). With the per-MAC term set, a step's routed experts
-    # cost these per pair plus their distinct weights streamed once; 0: not measured (the GEMM
-    # model's price for each distinct expert, at GATHER_MATMUL_EFFICIENCY).
+    # multiply-add (pair x the matrix's in x out). With the per-MAC term set, a step's routed
+    # experts cost these per pair plus their distinct weights streamed once; 0: not measured (the
+    # GEMM model's price for each distinct expert, at GATHER_MATMUL_EFFICIENCY).
     experts_ns_per_pair: float = 0.0
     experts_ns_per_mac: float = 0.0
     # Per layer per forward pass of other architectures (model_type -> us), each measured alone

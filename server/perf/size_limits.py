@@ -131,7 +131,8 @@ def layered_curves(spec: ModelSpec, ctx: ContextFit, dtype: str, kv_bytes_per_to
     batch = np.arange(len(ctx.longest_tokens))
     longest = [seq.get(int(n)) for n in ctx.longest_tokens]
     whole = np.array([c.total_bytes if c else 0 for c in longest], dtype=np.int64)
-    bounded = np.array([c.window_kv_bytes + c.state_bytes if c else 0 for c in longest], dtype=np.int64)
+    bounded = np.array([c.window_kv_bytes + c.state_bytes if c else 0 for c in longest],
+                       dtype=np.int64)
     per_seq = batch * bounded
     return (batch * whole, ctx.paged_tokens * kv_bytes_per_token + per_seq,
             ctx.paged_shared_tokens * kv_bytes_per_token + per_seq)
@@ -159,11 +160,13 @@ class Settings:
 def mac_profile_for(mac: macs.Mac, s: Settings) -> DeviceProfile:
     """What `--device-profile` gives for this Mac (efficiencies given in `s` replace the fit's)."""
     if s.fit is not None:
-        return mac_profile(mac, s.fit, s.quantize_bits, s.bandwidth_efficiency, s.compute_efficiency)
+        return mac_profile(mac, s.fit, s.quantize_bits, s.bandwidth_efficiency,
+                           s.compute_efficiency)
     return mac.profile(s.bandwidth_efficiency, s.compute_efficiency)
 
 
-def mac_cost(spec: ModelSpec, mac: macs.Mac, s: Settings, cluster: Cluster | None = None) -> StepCost:
+def mac_cost(spec: ModelSpec, mac: macs.Mac, s: Settings,
+             cluster: Cluster | None = None) -> StepCost:
     """The simulator's step cost on this Mac; with `cluster`, one rank's share on N such Macs plus
     the link."""
     return StepCost(spec, mac_profile_for(mac, s), s.dtype, s.quantize_bits, s.kv_bits,
@@ -188,7 +191,8 @@ def bound(step: StepTime | None) -> str | None:
 
 
 def mac_row(spec: ModelSpec, mac: macs.Mac, memory_gb: float, ctx: ContextFit, s: Settings,
-            ws: macs.MetalWorkingSet, explain: bool = False, cluster: Cluster | None = None) -> dict:
+            ws: macs.MetalWorkingSet, explain: bool = False,
+            cluster: Cluster | None = None) -> dict:
     """One table row: a Mac with `memory_gb` of RAM running `spec` under `s` (with `explain`,
     the predicted step's parts at batch 1 and at the max batch too). With `cluster`: N such
     Macs, each holding its share of the weights and of every sequence's KV (bytes per Mac)."""

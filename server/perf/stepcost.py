@@ -153,13 +153,15 @@ class StepCost:
         """(weights_s, matmul_s) of linear_layers_s(m) + lm_head_s(lm_head_rows)."""
         s = self.spec
         layer = [self.linear_split(m, i, o) for o, i in self.layer_shapes]
-        head = self.linear_split(lm_head_rows, s.hidden_size, s.vocab_size) if lm_head_rows else (0.0, 0.0)
+        head = self.linear_split(lm_head_rows, s.hidden_size,
+                                 s.vocab_size) if lm_head_rows else (0.0, 0.0)
         return tuple(sum(x[j] for x in layer) * s.num_layers + head[j] for j in (0, 1))
 
     # -- everything else in a forward pass -----------------------------------------------------
     def elementwise_bytes(self, m: int, logits: bool) -> float:
         s = self.spec
-        per_layer = 6 * s.hidden_size + 3 * s.intermediate_size + 2 * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        per_layer = (6 * s.hidden_size + 3 * s.intermediate_size
+                     + 2 * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim)
         total = m * s.num_layers * per_layer * self.act_bytes
         return total + (m * s.vocab_size * 4 if logits else 0)
 
@@ -205,7 +207,8 @@ class StepCost:
         return batch * width * self.kv_bytes_per_token
 
     def decode_attention_scores(self, batch: int, width: int) -> int:
-        """Scores a decode step's attention computes: one per layer, row, query head and position."""
+        """Scores a decode step's attention computes: one per layer, row, query head and
+        position."""
         s = self.spec
         return s.num_layers * batch * s.num_heads * width
 
@@ -245,7 +248,8 @@ class StepCost:
             return (flops * self.cal.attention_prefill_ns_per_flop + self.prefill_score_bytes(
                 n, start) * self.cal.attention_prefill_ns_per_score_byte) * 1e-9
         kv_read = (start + n) * self.kv_bytes_per_token
-        return max(flops / self.profile.flops_per_s(self.act_dtype), kv_read / self.profile.bytes_per_s)
+        return max(flops / self.profile.flops_per_s(self.act_dtype),
+                   kv_read / self.profile.bytes_per_s)
 
     # -- work per row and per token, whatever its bytes ----------------------------------------
     def _per_row_s(self) -> tuple[float, float, float, float]:
@@ -294,7 +298,8 @@ class StepCost:
         """The part of a prefill chunk that does not depend on its start (no attention)."""
         t = self.linear_layers_s(n) + self._elementwise_s(n, logits=False) + self._fixed_s()
         if sample:  # one row's lm head and logits (summed as before, for byte-identical runs)
-            t += self.lm_head_s(1) + self._elementwise_s(1, logits=True) - self._elementwise_s(1, False)
+            t += (self.lm_head_s(1) + self._elementwise_s(1, logits=True)
+                  - self._elementwise_s(1, False))
         return t + sum(self._row_parts(0, n, int(sample)).values())
 
     def prefill_forward_s(self, n: int, start: int, sample: bool, rows: int = 1) -> float:
@@ -303,7 +308,9 @@ class StepCost:
         return self._prefill_dense_s(n, sample) + self._prefill_attention_s(n, start)
 
     def copy_s(self, nbytes: float) -> float:
-        gbs = self.cal.copy_gbs if self.cal is not None else self.profile.bandwidth_gbs * self.profile.bandwidth_efficiency / 2
+        p = self.profile
+        gbs = (self.cal.copy_gbs if self.cal is not None
+               else p.bandwidth_gbs * p.bandwidth_efficiency / 2)
         return nbytes / (gbs * 1e9)
 
     @property
@@ -374,7 +381,8 @@ class StepCost:
         comm_s = c.comm_s(s, rows, self.act_bytes)
         if c.parallel == "pipeline":
             return dataclasses.replace(one, comm_s=comm_s)
-        head_w, head_m = self.linear_split(head_rows, s.hidden_size, s.vocab_size) if head_rows else (0, 0)
+        head_w, head_m = (self.linear_split(head_rows, s.hidden_size, s.vocab_size)
+                          if head_rows else (0, 0))
         n = c.ranks
         return dataclasses.replace(
             one, weights_s=(one.weights_s - head_w) / n + head_w,

@@ -25,7 +25,8 @@ def repeat_stats(runs: list[dict], med: dict) -> dict:
     for m in METRICS:
         devs = [abs((r.get(m) or 0.0) / med[m] - 1) if med[m] else 0.0 for r in runs]
         spread[m] = float(np.mean(devs))
-    return {"repeat_abs_dev": spread, "real_runs": [{m: r.get(m) for m in METRICS + EXTRA} for r in runs]}
+    return {"repeat_abs_dev": spread,
+            "real_runs": [{m: r.get(m) for m in METRICS + EXTRA} for r in runs]}
 
 
 def compare(name: str, measured: dict, predicted: dict) -> dict:
@@ -33,7 +34,8 @@ def compare(name: str, measured: dict, predicted: dict) -> dict:
     for m in METRICS + EXTRA:
         real, sim = measured.get(m) or 0.0, predicted.get(m) or 0.0
         error[m] = (sim - real) / real if real else (0.0 if sim == real else float("inf"))
-    return {"case": name, "measured": {m: measured.get(m) for m in METRICS + EXTRA + ("num_preemptions",)},
+    return {"case": name,
+            "measured": {m: measured.get(m) for m in METRICS + EXTRA + ("num_preemptions",)},
             "predicted": {m: predicted.get(m) for m in METRICS + EXTRA + ("num_preemptions",)},
             "error": error, "sim_speedup": predicted.get("sim_speedup"),
             "real_run_dir": measured.get("run_dir"), "sim_run_dir": predicted.get("run_dir")}
@@ -55,13 +57,16 @@ def summarize(rows: list[dict]) -> dict:
     speeds = [v for r in rows for v in r.get("device_speed_runs", [])]
     noise = {m: float(np.median([r["repeat_abs_dev"][m] for r in rows])) for m in METRICS}
     summary = {"cases": rows, "median_abs_err": med, "max_abs_err": worst, "worst_case": worst_case,
-               "noise_floor": noise, "device_speed_range": [min(speeds), max(speeds)] if speeds else None}
+               "noise_floor": noise,
+               "device_speed_range": [min(speeds), max(speeds)] if speeds else None}
     if rows and all("at_probed_speed" in r for r in rows):
         amed, aworst, acase = abs_err_stats(rows, "at_probed_speed")
-        summary["at_probed_speed"] = {"median_abs_err": amed, "max_abs_err": aworst, "worst_case": acase}
+        summary["at_probed_speed"] = {"median_abs_err": amed, "max_abs_err": aworst,
+                                      "worst_case": acase}
     summary[STEP] = step_stats([r[STEP] for r in rows])
     if "at_probed_speed" in summary:
-        summary["at_probed_speed"][STEP] = step_stats([r["at_probed_speed"].get(STEP) for r in rows])
+        probed = [r["at_probed_speed"].get(STEP) for r in rows]
+        summary["at_probed_speed"][STEP] = step_stats(probed)
     return summary
 
 

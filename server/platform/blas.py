@@ -1,10 +1,10 @@
 """Choose the CBLAS that MLX's CPU backend calls, before MLX is imported.
 
 On Linux the `mlx-cpu` wheel links a bundled reference BLAS: float32 GEMM runs ~30x slower than an
-optimized BLAS, so batched decode shows almost no gain. MLX resolves `cblas_sgemm` through the global
-symbol scope, so loading an optimized library with RTLD_GLOBAL *before* the first `import mlx` makes
-MLX use it (loading it afterwards does nothing). float16/bfloat16 matmuls never go through BLAS on the
-CPU backend. On macOS nothing is done: MLX runs on Metal.
+optimized BLAS, so batched decode shows almost no gain. MLX resolves `cblas_sgemm` through the
+global symbol scope, so loading an optimized library with RTLD_GLOBAL *before* the first `import
+mlx` makes MLX use it (loading it afterwards does nothing). float16/bfloat16 matmuls never go
+through BLAS on the CPU backend. On macOS nothing is done: MLX runs on Metal.
 
 BATCHSIM_BLAS selects: `auto` (default: MKL from this environment, else a system OpenBLAS, else the
 reference BLAS with a warning), `openblas`, `mkl`, `none` (keep the bundled reference BLAS), or a
@@ -127,7 +127,8 @@ def _openblas_corename(path: str) -> str | None:
     code = ("import ctypes,sys; f=ctypes.CDLL(sys.argv[1]).openblas_get_corename; "
             "f.restype=ctypes.c_char_p; print(f().decode())")
     try:
-        out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, check=False, text=True,
+        out = subprocess.run([sys.executable, "-c", code, path], capture_output=True,
+                             check=False, text=True,
                              timeout=30, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
     except (OSError, subprocess.SubprocessError):
         return None
@@ -138,7 +139,8 @@ def _openblas_corename(path: str) -> str | None:
 
 def _fix_openblas_coretype(paths: list[str]) -> str:
     """Sets OPENBLAS_CORETYPE when OpenBLAS would fall back to generic kernels; returns a note."""
-    if os.environ.get("OPENBLAS_CORETYPE") or platform.machine() not in ("x86_64", "AMD64") or not paths:
+    if os.environ.get("OPENBLAS_CORETYPE") or platform.machine() not in ("x86_64",
+                                                                         "AMD64") or not paths:
         return ""
     want = coretype_for(_cpu_flags())
     detected = _openblas_corename(paths[0]) if want else None
@@ -153,7 +155,8 @@ THREAD_TIMEOUT = "4"  # OPENBLAS_THREAD_TIMEOUT: workers sleep 2^4 cycles after 
 
 
 def _quiet_openblas_workers() -> str:
-    """Sets OPENBLAS_THREAD_TIMEOUT (read when OpenBLAS loads) unless the user did; returns a note."""
+    """Sets OPENBLAS_THREAD_TIMEOUT (read when OpenBLAS loads) unless the user did; returns a
+    note."""
     if os.environ.get("OPENBLAS_THREAD_TIMEOUT") or os.environ.get("GOTO_THREAD_TIMEOUT"):
         return ""
     os.environ["OPENBLAS_THREAD_TIMEOUT"] = THREAD_TIMEOUT
@@ -163,7 +166,8 @@ def _quiet_openblas_workers() -> str:
 def _load_openblas(note: str) -> BlasChoice | None:
     """The system OpenBLAS, its kernels and worker threads set up before it loads."""
     paths = _openblas_paths()
-    return _load("openblas", paths, note + _fix_openblas_coretype(paths) + _quiet_openblas_workers())
+    return _load("openblas", paths,
+                 note + _fix_openblas_coretype(paths) + _quiet_openblas_workers())
 
 
 def _load(name: str, paths: list[str], note: str) -> BlasChoice | None:

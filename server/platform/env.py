@@ -1,4 +1,5 @@
-"""The environment every result is reported with: machine, OS, MLX backend and version, BLAS, threads."""
+"""The environment every result is reported with: machine, OS, MLX backend and version, BLAS,
+threads."""
 
 from __future__ import annotations
 

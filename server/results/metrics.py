@@ -259,7 +259,8 @@ def _peaks(done: Sequence[RequestRecord], times: np.ndarray) -> dict[str, float 
 
 
 def _emits_tokens(sorted_times_s: np.ndarray, steps: Sequence[StepRecord]) -> np.ndarray:
-    """Per step: a token time falls in (start_s, end_s] (tokens are stamped with their step's end)."""
+    """Per step: a token time falls in (start_s, end_s] (tokens are stamped with their step's
+    end)."""
     if not len(sorted_times_s):
         return np.zeros(len(steps), dtype=bool)
     starts = np.fromiter((s.start_s for s in steps), np.float64, len(steps))

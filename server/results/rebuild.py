@@ -162,7 +162,8 @@ def _plausible(record: Any) -> bool:
         if "tuple[float" in kind:
             if not isinstance(value, tuple) or not all(map(_finite, value)):
                 return False
-        elif kind.split(" ")[0] in ("int", "float") and not _finite(value) or kind.split(" ")[0] == "str" and not isinstance(value, str):
+        elif (kind.split(" ")[0] in ("int", "float") and not _finite(value)
+              or kind.split(" ")[0] == "str" and not isinstance(value, str)):
             return False
     return True
 

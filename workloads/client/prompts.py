@@ -13,7 +13,9 @@ from batchsim.configs import ConfigError
 from batchsim.server.engine.run_config import RunConfig
 from batchsim.workloads.requests import RequestSpec, request_token_ids
 
-_WORDS = ["time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part", "child", "eye", "woman", "place", "work", "week", "case", "point", "number", "group", "problem", "fact", "house", "water", "story", "room", "night", "light"]
+_WORDS = ["time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part",
+          "child", "eye", "woman", "place", "work", "week", "case", "point", "number", "group",
+          "problem", "fact", "house", "water", "story", "room", "night", "light"]
 _MAX_ROUNDS = 8
 
 
@@ -30,7 +32,8 @@ class PromptMaker:
     def describe(self) -> str:
         if self.tokenizer is not None:
             return f"tokenizer {self.local_path}"
-        return f"random words ({self.no_tokenizer_reason})" if self.no_tokenizer_reason else "random words"
+        reason = self.no_tokenizer_reason
+        return f"random words ({reason})" if reason else "random words"
 
     def make(self, rs: RequestSpec) -> tuple[str, int | None]:
         """(text, its token count by the local tokenizer, or None without one)."""

@@ -30,7 +30,8 @@ def convert(path: str | Path, dtype: str = KEEP,
         tensors = {k: v for k, v in tensors.items() if not k.startswith("lm_head.")}
     if dtype == KEEP:
         weights, block = kept_quantized(tensors, scale_dtype)
-        config = {**config, "torch_dtype": scale_dtype, **({"quantization": block} if block else {})}
+        config = {**config, "torch_dtype": scale_dtype,
+                  **({"quantization": block} if block else {})}
     else:
         weights = dequantized(tensors, dtype)
         config = {**config, "torch_dtype": dtype}

@@ -63,7 +63,8 @@ def check_tensor_types(path: Path) -> None:
 
 
 def read_gguf(path: str | Path) -> Gguf:
-    """Load tensors and metadata; unsupported tensor types end in one line naming the ones MLX reads."""
+    """Load tensors and metadata; unsupported tensor types end in one line naming the ones MLX
+    reads."""
     import mlx.core as mx
 
     path = Path(path)

@@ -54,7 +54,8 @@ def build_tokenizer(g: Gguf) -> Any:
 
 
 def tokenizer_config(g: Gguf) -> dict[str, Any]:
-    """tokenizer_config.json: special tokens by name, the chat template, no added BOS unless asked."""
+    """tokenizer_config.json: special tokens by name, the chat template, no added BOS unless
+    asked."""
     tokens = g.need("tokenizer.ggml.tokens")
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",

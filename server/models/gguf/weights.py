@@ -39,7 +39,8 @@ def hf_name(gguf_name: str) -> str:
 
 def unpermute_rows(w: Any, n_head: int) -> Any:
     """Undo llama.cpp's convert_hf_to_gguf permutation of Q/K rows (its RoPE pairs adjacent values,
-    Hugging Face's pairs the two halves of each head). Applies to weights, scales and biases alike."""
+    Hugging Face's pairs the two halves of each head). Applies to weights, scales and biases
+    alike."""
     rows = w.shape[0]
     if rows % (2 * n_head):
         raise GgufError(f"cannot un-permute {rows} rows for {n_head} heads")

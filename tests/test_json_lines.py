@@ -1,6 +1,6 @@
-"""steps.jsonl lines written from a template are byte for byte what `dumps(to_json())` writes,
-for ordinary records and for the values the template must hand back (None, non-finite floats,
-bools, numpy scalars)."""
+"""Record lines written the fast way (steps.jsonl from a template, requests.jsonl with token times
+written once per step end) are byte for byte what `dumps(to_json())` writes, for ordinary records
+and for the values the fast way must hand back (None, non-finite floats, bools, numpy scalars)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import math
 import random
 
 import numpy as np
-from batchsim.server.results.json_lines import StepLines
+from batchsim.server.results.json_lines import StepLines, TokenTimesText, request_line
 from batchsim.server.results.jsonio import dumps
-from batchsim.server.results.metrics import StepRecord
+from batchsim.server.results.metrics import RequestRecord, StepRecord
 
 ODD_FLOATS = [0.0, -0.0, 1e-7, 1e16, 123456789.125, 1 / 3, 5e-324, 1.7976931348623157e308]
 
@@ -38,3 +38,35 @@ def test_step_lines_match_dumps():
         _step(rng, num_preemptions=True)]
     for step in steps:
         assert line(step) == dumps(step.to_json()) + "\n"
+
+
+def _request(ends: list, runs: list[list[int]], **changes) -> RequestRecord:
+    times = tuple(t for a, b in runs for t in ends[a:b])
+    values = {"request_id": 7, "status": "finished", "arrival_s": 0.25, "first_scheduled_s": 0.5,
+              "token_times_s": times, "finished_s": ends[-1], "num_prompt_tokens": 100,
+              "num_output_tokens": len(times), "num_preemptions": len(runs) - 1,
+              "finish_reason": "length"}
+    return RequestRecord(**{**values, **changes})
+
+
+def test_request_lines_match_dumps():
+    rng = random.Random(1)
+    ends: list = []
+    text = TokenTimesText(ends)
+    for _ in range(200):  # the recorder's list grows between requests
+        ends.extend(rng.choice(ODD_FLOATS) + 3600 * rng.random() for _ in range(rng.randrange(9)))
+        if len(ends) < 3:
+            continue
+        cut = sorted(rng.sample(range(len(ends) + 1), 2))
+        runs = [[0, 1], cut] if cut[0] > 1 else [cut]
+        record = _request(ends, runs)
+        assert request_line(record, text(runs)) == dumps(record.to_json()) + "\n"
+    runs = [[0, 2]]
+    odd = [_request(ends, runs, finish_reason='says "token_times_s":[] itself'),
+           _request(ends, runs, arrival_s=math.nan), _request(ends, runs, first_scheduled_s=None)]
+    for record in odd:
+        assert request_line(record, text(runs)) == dumps(record.to_json()) + "\n"
+    for value in (math.inf, math.nan, np.float64(0.1), 3, True):  # end times json writes its way
+        ends = [0.5, value, 2.0]
+        record = _request(ends, [[0, 3]])
+        assert request_line(record, TokenTimesText(ends)([[0, 3]])) == dumps(record.to_json()) + "\n"

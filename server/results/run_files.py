@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from batchsim.server.results.json_lines import StepLines
+from batchsim.server.results.json_lines import StepLines, request_line
 from batchsim.server.results.jsonio import dumps
 from batchsim.server.results.metrics import RequestRecord, StepRecord
 
@@ -54,7 +54,7 @@ class RecordStream:
         self.error: WriteFailed | None = None
         self._on_error = on_error
         self._steps: list[StepRecord] = []
-        self._requests: list[RequestRecord] = []
+        self._requests: list[tuple[RequestRecord, str | None]] = []  # with their token times' text
         self._spans: dict[int, tuple[int, int]] = {}  # request id -> (offset, length) in the file
         self._request_bytes = 0
         self._last_flush_s = time.monotonic()
@@ -66,8 +66,10 @@ class RecordStream:
         if time.monotonic() - self._last_flush_s >= FLUSH_EVERY_S:
             self.flush()
 
-    def add_request(self, record: RequestRecord) -> None:
-        self._requests.append(record)
+    def add_request(self, record: RequestRecord, token_times_text: str | None = None) -> None:
+        """`token_times_text`: the record's token times as json_lines.TokenTimesText writes them
+        (None: encoded with the record)."""
+        self._requests.append((record, token_times_text))
 
     def flush(self) -> None:
         t0 = time.perf_counter()
@@ -75,9 +77,9 @@ class RecordStream:
             self._write(STEPS, list(map(self._step_line, self._steps)))
             self._steps.clear()
         if self._requests:
-            lines = [dumps(r.to_json()) + "\n" for r in self._requests]
+            lines = [request_line(r, text) for r, text in self._requests]
             if self._write(REQUESTS, lines):
-                for r, line in zip(self._requests, lines):  # JSON is ASCII: characters are bytes
+                for (r, _), line in zip(self._requests, lines):  # JSON is ASCII: characters are bytes
                     self._spans[r.request_id] = (self._request_bytes, len(line))
                     self._request_bytes += len(line)
             self._requests.clear()

@@ -120,6 +120,23 @@ def test_advancing_the_clock_in_place_changes_nothing(monkeypatch, arrivals):
         assert a.summary[key] == b.summary[key], key
 
 
+def test_arrivals_during_a_plan_run_without_a_loop_turn_and_change_nothing(monkeypatch):
+    # An arrival due inside a plan's time runs from the engine's sleep, not in a turn of its own.
+    from batchsim.server.engine.clock import VirtualTimeLoop
+
+    spec = workload(n=60, rate=20.0, out="uniform:20:80")
+    turns: list[int] = []
+    run_once = VirtualTimeLoop._run_once
+    monkeypatch.setattr(VirtualTimeLoop, "_run_once", lambda loop: turns.append(1) or run_once(loop))
+    a = run_workload(sim_session(workload=spec), spec, out_dir=None, label="a")
+    inline_turns = len(turns)
+    turns.clear()
+    monkeypatch.setattr(VirtualTimeLoop, "run_due_timers", lambda loop, target: False)
+    b = run_workload(sim_session(workload=spec), spec, out_dir=None, label="b")
+    assert a.steps == b.steps and a.requests == b.requests
+    assert inline_turns < len(turns) - 30  # most of the 60 arrivals came while a plan ran
+
+
 def test_step_cost_grows_with_batch_width_and_chunk(smollm2_spec):
     c = StepCost(smollm2_spec, PROFILE, "float32", None)
     assert c.decode_forward_s(1, 100) < c.decode_forward_s(8, 100) < c.decode_forward_s(8, 1000)

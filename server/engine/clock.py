@@ -9,6 +9,7 @@ loop's ready queue and timer heap (attributes every CPython event loop since 3.4
 from __future__ import annotations
 
 import asyncio
+import heapq
 import math
 import selectors
 from collections.abc import Callable
@@ -94,6 +95,25 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
             self._virtual.now_s = max(self._virtual.now_s, timers[0].when())
         return True
 
+    def run_due_timers(self, target: float) -> bool:
+        """What the next turn would do when nothing is ready and the first timer is due by
+        `target`: move the clock to it and run the timers due then, in order, here and now.
+        False (nothing run): a callback is ready, no timer is due, or the first is cancelled."""
+        timers = self._scheduled if self._in_place else None
+        if not timers or self._ready or timers[0].when() > target or timers[0].cancelled():
+            return False
+        virtual = self._virtual
+        virtual.now_s = max(virtual.now_s, timers[0].when())
+        end_s = virtual.now_s + self._clock_resolution  # as _run_once picks the due timers
+        while timers and timers[0].when() < end_s:
+            handle = heapq.heappop(timers)
+            handle._scheduled = False
+            if handle.cancelled():
+                self._timer_cancelled_count -= 1
+            else:
+                handle._run()
+        return True
+
     def callbacks_ready(self) -> bool:
         return self._in_place and bool(self._ready)
 
@@ -102,13 +122,16 @@ async def sleep(dt: float) -> None:
     """`await asyncio.sleep(dt)`; on the virtual loop without a turn of the loop when nothing else
     is due meanwhile. Callbacks already queued (a finished request's client) run first, at the
     present time, exactly as they would during the sleep; timers due meanwhile (the next arrival)
-    fire at their time, one turn each, and the clock then lands exactly on the end of the sleep."""
+    fire at their time (here, when nothing else is ready: no turn of the loop for an arrival), and
+    the clock then lands exactly on the end of the sleep."""
     loop = asyncio.get_running_loop()
     if not isinstance(loop, VirtualTimeLoop):
         await asyncio.sleep(dt)
         return
     target = loop.time() + max(dt, 0.0)
     while not loop.advance_to(target):
+        if loop.run_due_timers(target):
+            continue
         if not loop.callbacks_ready() and not loop.skip_to_timer(target):
             await asyncio.sleep(target - loop.time())  # unknown loop internals
             return

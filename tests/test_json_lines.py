@@ -69,4 +69,5 @@ def test_request_lines_match_dumps():
     for value in (math.inf, math.nan, np.float64(0.1), 3, True):  # end times json writes its way
         ends = [0.5, value, 2.0]
         record = _request(ends, [[0, 3]])
-        assert request_line(record, TokenTimesText(ends)([[0, 3]])) == dumps(record.to_json()) + "\n"
+        text = TokenTimesText(ends)([[0, 3]])
+        assert request_line(record, text) == dumps(record.to_json()) + "\n"

@@ -127,7 +127,8 @@ def test_arrivals_during_a_plan_run_without_a_loop_turn_and_change_nothing(monke
     spec = workload(n=60, rate=20.0, out="uniform:20:80")
     turns: list[int] = []
     run_once = VirtualTimeLoop._run_once
-    monkeypatch.setattr(VirtualTimeLoop, "_run_once", lambda loop: turns.append(1) or run_once(loop))
+    monkeypatch.setattr(VirtualTimeLoop, "_run_once",
+                        lambda loop: turns.append(1) or run_once(loop))
     a = run_workload(sim_session(workload=spec), spec, out_dir=None, label="a")
     inline_turns = len(turns)
     turns.clear()

@@ -79,7 +79,8 @@ class RecordStream:
         if self._requests:
             lines = [request_line(r, text) for r, text in self._requests]
             if self._write(REQUESTS, lines):
-                for (r, _), line in zip(self._requests, lines):  # JSON is ASCII: characters are bytes
+                # JSON is ASCII: characters are bytes
+                for (r, _), line in zip(self._requests, lines):
                     self._spans[r.request_id] = (self._request_bytes, len(line))
                     self._request_bytes += len(line)
             self._requests.clear()

@@ -10,6 +10,8 @@ from batchsim.scheduler.kv_bytes import CacheLayout
 from batchsim.scheduler.pool_geometry import KV_STEP
 
 Policy = Literal["decode-first", "prefill-first"]
+KVLayout = Literal["padded", "paged"]
+KV_LAYOUTS: tuple[str, ...] = ("padded", "paged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +78,8 @@ class SchedulerConfig:
     # What the cache holds by layer kind (sliding windows, fixed states); None: dense, every layer
     # grows by kv_bytes_per_token. Its full_token_bytes must equal kv_bytes_per_token.
     cache_layout: CacheLayout | None = None
+    # How the decode pool holds full-attention and MLA layers: padded rows, or paged blocks.
+    kv_layout: KVLayout = "padded"
 
     def __post_init__(self) -> None:
         checks = [
@@ -85,6 +89,7 @@ class SchedulerConfig:
             (self.max_num_batched_tokens >= max(self.prefill_step_size, self.max_num_seqs),
              "max_num_batched_tokens must be >= prefill_step_size and >= max_num_seqs"),
             (self.max_lookahead_steps >= 1, "max_lookahead_steps must be >= 1"),
+            (self.kv_layout in KV_LAYOUTS, f"kv_layout must be one of {', '.join(KV_LAYOUTS)}"),
         ]
         if self.cache_layout is not None:
             checks[0] = (self.cache_layout.full_token_bytes == self.kv_bytes_per_token,

@@ -12,9 +12,10 @@ A dense model's layout is one number, bytes per token, and gives exactly the sca
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
-from batchsim.scheduler.pool_geometry import KV_STEP, PoolGeometry
+from batchsim.scheduler.pool_geometry import KV_STEP, PAGE_TOKENS, PoolGeometry
 
 
 class PrivateCache(NamedTuple):
@@ -23,6 +24,15 @@ class PrivateCache(NamedTuple):
     chunk_start: int  # tokens the cache held before its last chunk
     computed_tokens: int  # tokens it holds now
     kv_bytes: int  # bytes it holds now (CacheLayout.private_bytes of the two)
+
+
+class RowPart(NamedTuple):
+    """A CacheLayout less its full-attention and MLA layers (a row of the paged pool)."""
+
+    cache: CacheLayout
+
+    def seq_bytes(self, tokens: int) -> int:
+        return self.cache.seq_bytes(tokens) - tokens * self.cache.full_token_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +67,22 @@ class CacheLayout:
         return b
 
     def pool_bytes(self, pool: PoolGeometry) -> int:
-        rows, capacity = pool
-        return rows * self.seq_bytes(capacity) if rows else 0
+        rows, capacity, blocks = pool
+        if not rows:
+            return 0
+        if blocks is None:
+            return rows * self.seq_bytes(capacity)
+        return rows * self.per_row.seq_bytes(capacity) + blocks * self.block_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        """One paged block: PAGE_TOKENS tokens of every full-attention and MLA layer."""
+        return PAGE_TOKENS * self.full_token_bytes
+
+    @functools.cached_property
+    def per_row(self) -> RowPart:
+        """What a paged pool still holds per row: the sliding rings and linear states."""
+        return RowPart(self)
 
     def private_bytes(self, chunk_start: int, computed_tokens: int) -> int:
         """A private prefill cache after chunks ending with [chunk_start, computed_tokens); every

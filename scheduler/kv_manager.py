@@ -1,11 +1,20 @@
-"""The scheduler's account of KV memory, mirroring what the executor allocates: one padded pool for
-decoding requests plus a private cache per prefilling request, priced by the model's CacheLayout.
+"""The scheduler's account of KV memory, mirroring what the executor allocates: one pool for
+decoding requests (padded rows, or paged: full-attention and MLA layers in PAGE_TOKENS-token blocks,
+a row holding row_blocks(tokens) of them) plus a private cache per prefilling request, priced by
+the model's CacheLayout.
 Allocator verbs in the nano-vllm style: `can_*` asks, `commit` applies a plan, `release` frees."""
 
 from __future__ import annotations
 
 from batchsim.scheduler.kv_bytes import CacheLayout, PrivateCache
-from batchsim.scheduler.pool_geometry import EMPTY_POOL, PoolGeometry, next_geometry
+from batchsim.scheduler.pool_geometry import (
+    EMPTY_PAGED_POOL,
+    EMPTY_POOL,
+    PoolGeometry,
+    next_geometry,
+    next_paged_geometry,
+    row_blocks,
+)
 
 
 class KVAccountError(AssertionError):
@@ -13,12 +22,14 @@ class KVAccountError(AssertionError):
 
 
 class KVManager:
-    def __init__(self, budget_bytes: int, cache: CacheLayout, row_step: int, max_rows: int):
+    def __init__(self, budget_bytes: int, cache: CacheLayout, row_step: int, max_rows: int,
+                 paged: bool = False):
         self.budget_bytes = budget_bytes
         self.cache = cache
         self.row_step = row_step
         self.max_rows = max_rows
-        self.pool = EMPTY_POOL
+        self.paged = paged  # full-attention and MLA layers in blocks (PoolGeometry.blocks)
+        self.pool = EMPTY_PAGED_POOL if paged else EMPTY_POOL
         self.pool_members: set[int] = set()
         self.private: dict[int, PrivateCache] = {}  # request id -> its private prefill cache
 
@@ -43,7 +54,13 @@ class KVManager:
         self.pool_members.discard(request_id)
         self.private.pop(request_id, None)
 
-    def geometry_for(self, num_rows: int, max_len: int, max_bytes: int) -> PoolGeometry | None:
+    def geometry_for(self, num_rows: int, max_len: int, max_bytes: int,
+                     need_blocks: int = 0) -> PoolGeometry | None:
+        """The pool after a step with `num_rows` rows, the longest `max_len` tokens; paged:
+        `need_blocks` in all (row_blocks of each row)."""
+        if self.paged:
+            return next_paged_geometry(self.pool, num_rows, max_len, need_blocks, self.row_step,
+                                       self.max_rows, max_bytes, self.cache)
         return next_geometry(
             self.pool, num_rows, max_len, self.row_step, self.max_rows, max_bytes, self.cache,
         )
@@ -85,12 +102,19 @@ class KVManager:
                 raise KVAccountError(f"request {rid} has {computed_tokens[rid]} tokens > capacity")
             if rid in self.private:
                 raise KVAccountError(f"request {rid} is both in the pool and in a private cache")
+        if self.paged:
+            self._check_blocks(computed_tokens, releasing)
         for rid, p in self.private.items():
             if rid not in releasing:
                 self._check_private(rid, p, computed_tokens)
         for rid, tokens in computed_tokens.items():
             if tokens and not self.holds(rid):
                 raise KVAccountError(f"request {rid} has {tokens} computed tokens but no KV")
+
+    def _check_blocks(self, computed_tokens: dict[int, int], releasing: set[int]) -> None:
+        held = sum(row_blocks(computed_tokens[rid]) for rid in self.pool_members - releasing)
+        if held > (self.pool.blocks or 0):
+            raise KVAccountError(f"pool rows hold {held} blocks > the pool's {self.pool.blocks}")
 
     def _check_private(self, rid: int, p: PrivateCache, computed_tokens: dict[int, int]) -> None:
         if rid not in computed_tokens:

@@ -32,12 +32,16 @@ def round_down(x: int, multiple: int) -> int:
 class PoolGeometry(NamedTuple):  # a named tuple: built several times per step
     rows: int  # allocated rows (>= requests in the pool)
     capacity_tokens: int  # tokens per row, a multiple of KV_STEP
+    # Paged layout: PAGE_TOKENS-token blocks in each full/MLA layer's block pool (those layers
+    # then hold no per-row K/V); None: the padded layout.
+    blocks: int | None = None
 
     def nbytes(self, kv_bytes_per_token: int) -> int:
         return self.rows * self.capacity_tokens * kv_bytes_per_token
 
 
 EMPTY_POOL = PoolGeometry(0, 0)
+EMPTY_PAGED_POOL = PoolGeometry(0, 0, 0)
 
 
 class RowPricer(Protocol):
@@ -45,6 +49,20 @@ class RowPricer(Protocol):
 
     def seq_bytes(self, tokens: int) -> int:
         """Bytes of one row of `tokens` capacity."""
+        ...
+
+
+class PagedPricer(Protocol):
+    """What a paged pool costs (kv_bytes.CacheLayout): a block, and a row's other layers."""
+
+    @property
+    def block_bytes(self) -> int:
+        """One block of every full-attention and MLA layer."""
+        ...
+
+    @property
+    def per_row(self) -> RowPricer:
+        """A row's sliding rings and linear states, at a given capacity."""
         ...
 
 
@@ -79,7 +97,7 @@ def next_geometry(
     if num_seqs == 0:
         return EMPTY_POOL if max_bytes >= 0 else None
     need_cap = -(-max_len // KV_STEP) * KV_STEP if max_len > 1 else KV_STEP  # round_up, inlined
-    rows, cap = current
+    rows, cap = current[0], current[1]
     # rows_for(n) >= n, so a pool under n + 2 row steps is never shrunk (skips the call).
     if rows < num_seqs or (rows >= num_seqs + 2 * row_step
                            and rows >= rows_for(num_seqs, row_step, max_rows) + 2 * row_step):
@@ -96,6 +114,52 @@ def next_geometry(
     # Keep as many spare rows as fit.
     fit_rows = max_bytes // row_bytes
     return PoolGeometry(min(max(num_seqs, fit_rows), max(rows, num_seqs)), need_cap)
+
+
+def row_blocks(tokens: int) -> int:
+    """Blocks a row of `tokens` holds in the paged layout."""
+    return -(-tokens // PAGE_TOKENS)
+
+
+def block_slack(need_blocks: int) -> int:
+    """Spare blocks a paged pool grows by beyond what its rows need, so it is not reallocated
+    every few steps: a quarter of the need, at least one KV_STEP's worth."""
+    return max(KV_STEP // PAGE_TOKENS, need_blocks // 4)
+
+
+def next_paged_geometry(
+    current: PoolGeometry,
+    num_seqs: int,
+    max_len: int,
+    need_blocks: int,
+    row_step: int,
+    max_rows: int,
+    max_bytes: int,
+    cache: PagedPricer,
+) -> PoolGeometry | None:
+    """next_geometry for the paged layout: the rows (sliding rings, linear states) as there, and
+    a block pool holding `need_blocks` plus block_slack, grown or shrunk (at twice the slack
+    idle) only then. When that does not fit `max_bytes`, exactly `need_blocks`; None: no fit."""
+    if num_seqs == 0:
+        return EMPTY_PAGED_POOL if max_bytes >= 0 else None
+    blocks = current.blocks or 0
+    slack = block_slack(need_blocks)
+    if blocks < need_blocks or blocks > need_blocks + 2 * slack:
+        blocks = need_blocks + slack
+    rows_only = PoolGeometry(current.rows, current.capacity_tokens)
+    geom = None
+    for n in (blocks, need_blocks):
+        room = max_bytes - n * cache.block_bytes
+        if room >= 0:
+            geom = next_geometry(rows_only, num_seqs, max_len, row_step, max_rows, room,
+                                 cache.per_row)
+        if geom is not None:
+            blocks = n
+            break
+    if geom is None:
+        return None
+    same = geom[:2] == current[:2] and blocks == current.blocks
+    return current if same else PoolGeometry(geom.rows, geom.capacity_tokens, blocks)
 
 
 def private_cache_tokens(computed_tokens: int) -> int:

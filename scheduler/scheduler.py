@@ -16,7 +16,7 @@ from collections import deque
 from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.kv_manager import KVAccountError, KVManager
 from batchsim.scheduler.plan import NewRequest, StepPlan, StepResult
-from batchsim.scheduler.pool_geometry import PoolGeometry
+from batchsim.scheduler.pool_geometry import PAGE_TOKENS, PoolGeometry, row_blocks
 from batchsim.scheduler.request import Request, RequestStatus
 from batchsim.scheduler.step_budget import StepBudget
 
@@ -25,7 +25,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.kv = KVManager(
-            config.kv_budget_bytes, config.layout, config.row_step, config.max_num_seqs
+            config.kv_budget_bytes, config.layout, config.row_step, config.max_num_seqs,
+            paged=config.kv_layout == "paged",
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the newest is preempted first
@@ -164,10 +165,12 @@ class Scheduler:
         new_requests: list[NewRequest] = []
         rows_later = len(running)  # rows and longest row once everyone running decodes
         len_later = longest + 1 if running else 0
+        blocks_later = sum([row_blocks(r.num_tokens + 1) for r in running]) if kv.paged else 0
         while waiting and len(running) < cfg.max_num_seqs and budget.tokens_left > 0:
             r = waiting[0]
             n_later = max(len_later, r.num_tokens + 1)
-            if kv.geometry_for(rows_later + 1, n_later, cfg.kv_budget_bytes) is None:
+            blocks = blocks_later + row_blocks(r.num_tokens + 1) if kv.paged else 0
+            if kv.geometry_for(rows_later + 1, n_later, cfg.kv_budget_bytes, blocks) is None:
                 break
             if r.num_tokens == 1:  # a one-token prompt is decode-ready: it joins the pool
                 if not budget.add_row(r):
@@ -180,7 +183,7 @@ class Scheduler:
             waiting.popleft()
             r.status = RequestStatus.RUNNING
             running.append(r)
-            rows_later, len_later = rows_later + 1, n_later
+            rows_later, len_later, blocks_later = rows_later + 1, n_later, blocks
             ids = r.all_token_ids()
             new_requests.append(NewRequest(r.request_id, tuple(ids) if ids else None, r.sampling,
                                            r.num_prompt_tokens))
@@ -217,6 +220,8 @@ class Scheduler:
         if limit == 1 or not decodes:
             return 1
         steps = min(limit, geom.capacity_tokens - width + 1)
+        if geom.blocks is not None:
+            steps = min(steps, _paged_steps(decodes, geom.blocks))
         for r in decodes:  # a plain loop: comprehensions cost a frame each in Python 3.11
             sampling = r.sampling
             if r.prompt_token_ids is not None and (not sampling.ignore_eos
@@ -318,3 +323,12 @@ class Scheduler:
         self.kv.check(computed, releasing=set(self._pending_free))
         if len(self.running) > self.config.max_num_seqs:
             raise KVAccountError(f"{len(self.running)} running > max_num_seqs")
+
+
+def _paged_steps(decodes: list[Request], blocks: int) -> int:
+    """Decode steps the rows' blocks hold, starting with this one: a lower bound (each row's last
+    block filled, then the spare blocks shared evenly)."""
+    after = [r.num_computed_tokens + 1 for r in decodes]
+    spare = blocks - sum([row_blocks(n) for n in after])
+    room = min([row_blocks(n) * PAGE_TOKENS - n for n in after])
+    return 1 + room + spare // len(decodes) * PAGE_TOKENS

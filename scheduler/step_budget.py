@@ -9,12 +9,13 @@ from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.kv_bytes import PrivateCache
 from batchsim.scheduler.kv_manager import KVManager
 from batchsim.scheduler.plan import PrefillChunk
-from batchsim.scheduler.pool_geometry import KV_STEP, PoolGeometry, round_down
+from batchsim.scheduler.pool_geometry import KV_STEP, PoolGeometry, round_down, row_blocks
 from batchsim.scheduler.request import Request
 
 
 class StepBudget:
     __slots__ = (
+        "blocks",
         "budget_bytes",
         "cache",
         "decode_step",
@@ -41,6 +42,7 @@ class StepBudget:
         self.pool = pool  # rows after this step: decoding, or untouched in a prefill-only step
         self.in_pool = {r.request_id for r in pool}
         self.width = width  # the pool's longest row after this step, in tokens
+        self.blocks = self._blocks()  # paged: blocks the pool's rows hold after this step
         # The prefill caches that stay private after this step.
         self.private: dict[int, PrivateCache] = {}
         if kv.private:
@@ -53,7 +55,13 @@ class StepBudget:
     def geometry(self, reserve_bytes: int = 0) -> PoolGeometry | None:
         """The pool geometry for these rows in what the private caches leave; None: none fits."""
         room = self.budget_bytes - self.private_bytes() - reserve_bytes
-        return self.kv.geometry_for(len(self.pool), self.width, room)
+        return self.kv.geometry_for(len(self.pool), self.width, room, self.blocks)
+
+    def _blocks(self) -> int:
+        if not self.kv.paged:
+            return 0
+        step = self.decode_step
+        return sum([row_blocks(r.num_computed_tokens + step) for r in self.pool])
 
     def fit_pool(self) -> bool:
         """Place the pool's rows (False: they do not fit); decode rows take one token each."""
@@ -74,6 +82,7 @@ class StepBudget:
             self.pool.remove(request)
             step = self.decode_step
             self.width = max((r.num_computed_tokens + step for r in self.pool), default=0)
+            self.blocks = self._blocks()
 
     def chunk(self, request: Request, gap: int) -> int:
         """The largest prefill chunk toward `gap` tokens that fits this step's tokens and memory."""
@@ -108,14 +117,16 @@ class StepBudget:
         """A one-token prompt joins the decode pool on arrival, if this step decodes and it fits."""
         if not self.decode_step:
             return False
-        width_before = self.width
+        width_before, blocks_before = self.width, self.blocks
         self.pool.append(request)
         if request.num_computed_tokens + 1 > width_before:
             self.width = request.num_computed_tokens + 1
+        if self.kv.paged:
+            self.blocks += row_blocks(request.num_computed_tokens + 1)
         trial = self.geometry()
         if trial is None:
             self.pool.pop()
-            self.width = width_before
+            self.width, self.blocks = width_before, blocks_before
             return False
         self.geom = trial
         self.in_pool.add(request.request_id)

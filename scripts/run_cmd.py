@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from batchsim.configs import ConfigError
-from batchsim.scheduler.config import SchedulerSettings
-from batchsim.scheduler.pool_geometry import KV_STEP
+from batchsim.scheduler.config import KV_LAYOUTS, SchedulerSettings
+from batchsim.scheduler.pool_geometry import KV_STEP, PAGE_TOKENS
 from batchsim.scripts.common import (
     EXIT_SERVED_NOTHING,
     MAX_FLOAT,
@@ -84,6 +84,10 @@ def add_model_args(p: argparse.ArgumentParser, simulated: bool = True):
                            "on a virtual clock; fake: zero-cost (measures scheduler overhead)")
         add_field_argument(g, RunConfig, "device_profile",
                            "simulator device profile (configs/devices NAME or YAML)")
+    add_field_argument(g, RunConfig, "kv_layout", "the decode pool's full-attention and MLA "
+                       "layers: padded rows (B x longest, in 256-token steps) or paged "
+                       f"{PAGE_TOKENS}-token blocks per row (gathered each step)",
+                       choices=list(KV_LAYOUTS))
     add_field_argument(g, RunConfig, "memory_gb", "memory budget for weights + KV cache in GiB "
                        "(emulate a smaller machine); default: MLX's working set on a GPU, 75%% of "
                        "RAM on the CPU backend", type=_memory_gb)
@@ -204,7 +208,8 @@ def config_from_args(args: argparse.Namespace, default: RunConfig | None = None)
                           "model ends them); use a synthetic workload to generate full lengths")
     return with_run_overrides(
         cfg, workload, model=args.model, dtype=args.dtype, quantize=args.quantize,
-        kv_bits=getattr(args, "kv_bits", None), executor=args.executor,
+        kv_bits=getattr(args, "kv_bits", None), kv_layout=args.kv_layout,
+        executor=args.executor,
         device_profile=args.device_profile, memory_gb=args.memory_gb,
         engine=getattr(args, "engine", None),
         ignore_eos=args.ignore_eos, target=args.target, percentiles=args.percentiles,

@@ -56,7 +56,7 @@ def _config(args: argparse.Namespace):
     try:  # the scheduler limits are checked as run checks them (SchedulerSettings)
         return with_run_overrides(
             RunConfig(), {}, model=args.model, dtype=args.dtype, quantize=args.quantize,
-            memory_gb=args.memory_gb, **scheduler_overrides(args),
+            kv_layout=args.kv_layout, memory_gb=args.memory_gb, **scheduler_overrides(args),
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

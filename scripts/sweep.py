@@ -128,7 +128,8 @@ def _base_session(args: argparse.Namespace):
     from batchsim.server.engine.session import memory_budget, open_session
 
     cfg = with_run_overrides(RunConfig(), {}, model=args.model, dtype=args.dtype,
-                             quantize=args.quantize, kv_bits=args.kv_bits, executor=args.executor,
+                             quantize=args.quantize, kv_bits=args.kv_bits,
+                             kv_layout=args.kv_layout, executor=args.executor,
                              device_profile=args.device_profile, memory_gb=args.memory_gb,
                              engine=args.engine)
     warn_profile_mismatch(cfg)
@@ -208,7 +209,8 @@ def _meta(args: argparse.Namespace, base, budget: int, source: str) -> dict:
     kvt = base.kv_bytes_per_token
     return {
         "model": base.ref.name, "dtype": base.dtype, "quantize_bits": base.ref.quantize_bits,
-        "kv_bits": base.config.kv_bits, "executor": base.config.executor,
+        "kv_bits": base.config.kv_bits, "kv_layout": base.config.kv_layout,
+        "executor": base.config.executor,
         "engine": base.config.engine,
         "prompt_len": args.prompt_len, "output_len": args.output_len,
         "seq_kv_tokens": sweep_math.seq_kv_tokens(args.prompt_len, args.output_len),

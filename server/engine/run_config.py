@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from batchsim.configs import ConfigError, from_dict, load_yaml
-from batchsim.scheduler.config import SchedulerSettings
+from batchsim.scheduler.config import KV_LAYOUTS, KVLayout, SchedulerSettings
 from batchsim.server.models.spec import FLOAT_DTYPES, KV_BITS, QUANT_BITS
 from batchsim.workloads.spec import (
     WorkloadSpec,
@@ -32,6 +32,8 @@ class RunConfig:
     dtype: str = "auto"  # one of DTYPES
     quantize: int | None = None  # QUANT_BITS: 4 or 8 (zoo models)
     kv_bits: int | None = None  # KV_BITS: K/V held as mlx-lm's QuantizedKVCache (full layers)
+    # The decode pool's full-attention and MLA layers: padded rows, or paged blocks.
+    kv_layout: KVLayout = "padded"
     executor: ExecutorName = "mlx"
     device_profile: str | None = None  # simulator: profile name in configs/devices or a YAML path
     engine: str = "batchsim"  # serving engine the simulator prices (configs/engines); recorded
@@ -50,6 +52,12 @@ class RunConfig:
         if self.kv_bits not in (None, *KV_BITS):
             allowed = ", ".join(map(str, KV_BITS))
             raise ConfigError(f"kv_bits: {self.kv_bits} is not allowed; allowed: {allowed}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ConfigError(f"kv_layout: {self.kv_layout!r} is not allowed; allowed: "
+                              f"{', '.join(KV_LAYOUTS)}")
+        if self.kv_layout == "paged" and self.kv_bits is not None and self.executor == "mlx":
+            raise ConfigError("kv_layout paged holds unquantized K/V: drop kv_bits, or use "
+                              "kv_layout padded")
         if self.memory_gb is not None and not 0 < self.memory_gb <= MAX_MEMORY_GB:
             raise ConfigError(f"memory_gb must be > 0 and finite, at most {MAX_MEMORY_GB} GiB, "
                               f"got {self.memory_gb}")

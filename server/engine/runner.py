@@ -201,6 +201,7 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
         "model": session.ref.name, "dtype": session.dtype,
         "quantize_bits": session.ref.quantize_bits,
         "executor": cfg.executor, "engine": cfg.engine, "workload": spec.name,
+        "kv_layout": cfg.kv_layout,
         "max_num_seqs": cfg.scheduler.max_num_seqs,
         "memory_budget_bytes": session.memory_budget_bytes,
         "budget_source": session.budget_source, "num_steps": run.engine.scheduler.num_steps,

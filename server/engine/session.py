@@ -59,6 +59,7 @@ class Session:
             "row_step": s.row_step,
             "max_lookahead_steps": self.executor.caps.max_lookahead_steps,
             "cache_layout": self.cache_layout,
+            "kv_layout": self.config.kv_layout,
         }
         values.update(overrides)
         try:
@@ -88,7 +89,8 @@ class Session:
     def with_config(self, cfg: RunConfig) -> Session:
         """The same loaded model under other scheduler limits, budget or workload."""
         # What built the executor.
-        keep = ("model", "dtype", "quantize", "kv_bits", "executor", "device_profile", "engine")
+        keep = ("model", "dtype", "quantize", "kv_bits", "kv_layout", "executor", "device_profile",
+                "engine")
         if any(getattr(cfg, k) != getattr(self.config, k) for k in keep):
             raise ValueError("with_config keeps the model and executor; open a new session instead")
         budget, source = memory_budget(cfg.memory_gb)

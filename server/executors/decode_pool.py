@@ -14,22 +14,34 @@ CacheLayout.seq_bytes(C), the scheduler's price.
 own attention runs unchanged: the new token is scattered into each row at its own position and
 attention reads rows [0, B) up to the longest row, masked for the shorter ones. When every row
 holds the same number of tokens (always at batch 1), the step writes one column with a slice update
-and needs no mask, as mlx-lm's own caches do."""
+and needs no mask, as mlx-lm's own caches do.
+
+Paged (`paged=True`): full-attention and MLA layers keep K/V in PAGE_TOKENS-token blocks, one block
+pool per layer (paged_store.py), with one block table per row (block_pool.py); a row holds
+row_blocks(length) blocks and the pool the scheduler's PoolGeometry.blocks. Sliding rings and
+linear states stay per row. Leaves then move only those per-row arrays."""
 
 from __future__ import annotations
 
 import mlx.core as mx
-from batchsim.scheduler.pool_geometry import PoolGeometry
+from batchsim.scheduler.pool_geometry import PAGE_TOKENS, PoolGeometry, row_blocks
+from batchsim.server.executors.block_pool import BlockPool
 from batchsim.server.executors.kv_store import DecodeStep, StateStore, make_store
+from batchsim.server.executors.paged_store import PagedKVStore, PagedStep
 from batchsim.server.executors.pool_rows import PoolLayout
 from batchsim.server.models.arch_cache import Attention, cache_layout
 
 
 class DecodePool:
-    def __init__(self, layers: list[Attention], dtype: mx.Dtype, kv_bits: int | None = None):
+    def __init__(self, layers: list[Attention], dtype: mx.Dtype, kv_bits: int | None = None,
+                 paged: bool = False):
         self.layers = layers
-        self.layout = PoolLayout(cache_layout(layers, dtype.size, kv_bits))
-        self.stores = [make_store(att, dtype, kv_bits) for att in layers]
+        self.layout = PoolLayout(cache_layout(layers, dtype.size, kv_bits), paged)
+        self.stores = [PagedKVStore(att, dtype, kv_bits) if paged and att.kind in ("full", "mla")
+                       else make_store(att, dtype, kv_bits) for att in layers]
+        self.paged = [s for s in self.stores if isinstance(s, PagedKVStore)]
+        self.blocks = BlockPool()  # the paged layers' blocks and each row's table
+        self._tables: mx.array | None = None  # blocks.tables as one array, until they change
         self.lengths: list[int] = []  # tokens cached per row, aligned with layout.row_ids
         self._aranges: dict[int, mx.array] = {}  # batch size -> mx.arange(B)
 
@@ -49,16 +61,24 @@ class DecodePool:
         return sum(a.nbytes for a in self.arrays())
 
     def arrays(self) -> list[mx.array]:
-        """Every array whose first axis is the row."""
+        """Every array of the pool."""
         return [a for s in self.stores for a in s.parts]
+
+    def row_arrays(self) -> list[mx.array]:
+        """Every array whose first axis is the row (all but the paged layers' blocks)."""
+        return [a for s in self.stores if not isinstance(s, PagedKVStore) for a in s.parts]
 
     # -- membership ----------------------------------------------------------------------------
     def remove(self, request_ids: set[int]) -> None:
         """Drop rows; fill holes below the new row count with the surviving rows above it."""
+        leaving = [i for i, rid in enumerate(self.layout.row_ids) if rid in request_ids]
         moves = self.layout.leave(request_ids)
+        if self.paged and leaving:
+            self.blocks.remove_rows(leaving, moves.holes, moves.movers)
+            self._tables = None
         if moves.holes:
             src, dst = mx.array(moves.movers), mx.array(moves.holes)
-            arrays = self.arrays()
+            arrays = self.row_arrays()
             moved = [a[src] for a in arrays]
             mx.eval(moved)  # detach from the pool arrays so the scatter below updates them in place
             for a, m in zip(arrays, moved):
@@ -70,9 +90,12 @@ class DecodePool:
     def add(self, request_id: int, layer_caches: list | None, length: int) -> None:
         """Copy a prefilled request (its private caches, one per layer) into the next row."""
         row = self.layout.join(request_id, length)
+        if self.paged:
+            self._tables = None
+            table = self.blocks.add_row(length)
         if layer_caches is not None and length:
             for store, cache in zip(self.stores, layer_caches):
-                store.join(row, cache, length)
+                store.join(table if isinstance(store, PagedKVStore) else row, cache, length)
         self.lengths.append(length)
 
     # -- a decode step undone (lookahead.py) ---------------------------------------------------
@@ -88,6 +111,9 @@ class DecodePool:
         """Back to before a decode step that joined `joined` as the last rows: lengths, states."""
         self.lengths = list(lengths)
         self._restore_states(states)
+        for row, n in enumerate(lengths if self.paged else ()):
+            self.blocks.fit_row(row, n)  # the blocks the step took for its token go back
+        self._tables = None
         self.remove(set(joined))
 
     # -- geometry ------------------------------------------------------------------------------
@@ -100,7 +126,25 @@ class DecodePool:
         new = self.layout.resize(geometry).new
         for store in self.stores:
             store.resize(new.rows, new.capacity_tokens)
+        if self.paged and new.blocks != self.blocks.num_blocks:
+            src, dst = self.blocks.resize(new.blocks or 0)
+            for store in self.paged:
+                store.resize_blocks(new.blocks or 0, src, dst)
+            self._tables = None
         mx.eval(self.arrays())
+
+    def can_step(self, joining: list[int]) -> bool:
+        """Room for one more decode step with rows of `joining` tokens joining first."""
+        geometry, blocks = self.geometry, self.blocks
+        lengths = [*self.lengths, *joining]
+        if not lengths or len(lengths) > geometry.rows:
+            return False
+        if max(lengths) + 1 > geometry.capacity_tokens:
+            return False
+        if not self.paged:
+            return True
+        held = sum(len(t) for t in blocks.tables)
+        return sum(row_blocks(n + 1) for n in lengths) - held <= blocks.num_free
 
     # -- decode --------------------------------------------------------------------------------
     def layer_views(self) -> list:
@@ -109,9 +153,23 @@ class DecodePool:
         rows = self._aranges.get(len(lengths))
         if rows is None:
             rows = self._aranges[len(lengths)] = mx.arange(len(lengths))
-        step = DecodeStep(lengths, rows)
+        step = DecodeStep(lengths, rows, self._paged_step(lengths) if self.paged else None)
         if step.width > self.geometry.capacity_tokens:
             raise RuntimeError(f"row of {step.width} tokens exceeds capacity {self.geometry}")
         views = [s.view_class(s, step) for s in self.stores]
         self.lengths = [n + 1 for n in lengths]
         return views
+
+    def _paged_step(self, lengths: list[int]) -> PagedStep:
+        """Each row's blocks for its next token (allocated as rows cross a block), and the
+        block tables as one array."""
+        blocks = self.blocks
+        for row, n in enumerate(lengths):
+            if blocks.fit_row(row, n + 1):
+                self._tables = None
+        tables = blocks.tables
+        if self._tables is None:
+            width = max(len(t) for t in tables)
+            self._tables = mx.array([t + [0] * (width - len(t)) for t in tables])
+        return PagedStep(self._tables, lengths,
+                         [t[n // PAGE_TOKENS] for t, n in zip(tables, lengths)])

@@ -16,7 +16,7 @@ def build_executor(cfg: Any, ref: Any, model: Any = None) -> Executor:
 
         if model is None:
             raise ValueError("the MLX executor needs a loaded model")
-        return MLXExecutor(model, kv_bits=cfg.kv_bits)
+        return MLXExecutor(model, kv_bits=cfg.kv_bits, kv_layout=cfg.kv_layout)
     if cfg.executor == "fake":
         from batchsim.server.executors.fake_executor import FakeExecutor
 
@@ -30,5 +30,6 @@ def build_executor(cfg: Any, ref: Any, model: Any = None) -> Executor:
         profile = resolve_profile(cfg.device_profile, ref.quantize_bits)
         cost = StepCost(ref.spec, profile, ref.dtype, ref.quantize_bits, kv_bits=cfg.kv_bits,
                         engine=load_engine(cfg.engine))
-        return SimExecutor(cost, cache=ref.spec.cache_layout(cost.act_dtype, cfg.kv_bits))
+        return SimExecutor(cost, cache=ref.spec.cache_layout(cost.act_dtype, cfg.kv_bits),
+                           paged=cfg.kv_layout == "paged")
     raise ValueError(f"unknown executor {cfg.executor!r} (mlx, sim or fake)")

@@ -18,7 +18,8 @@ from mlx_lm.models.cache import _BaseCache
 class DecodeStep:
     """What every layer's view shares in one decode step."""
 
-    def __init__(self, lengths: list[int], rows: mx.array | None = None):
+    def __init__(self, lengths: list[int], rows: mx.array | None = None, paged=None):
+        self.paged = paged  # paged_store.PagedStep in the paged layout
         self.b = len(lengths)
         self.width = max(lengths) + 1
         self.shortest = min(lengths) + 1  # tokens of the shortest row after this step's write

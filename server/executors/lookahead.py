@@ -36,11 +36,7 @@ def next_rows(pool, sampled_ids: list[int], cached_tokens: dict[int, int]) -> li
     """Requests that join the pool for the step run ahead (those whose prefill sampled), or None
     if the pool's geometry has no room for them or for one more token per row."""
     joiners = [r for r in sampled_ids if r not in pool.layout.in_pool]
-    geometry = pool.geometry
-    if len(pool) + len(joiners) > geometry.rows or len(pool) + len(joiners) == 0:
-        return None
-    longest = max([*pool.lengths, *(cached_tokens[r] for r in joiners)])
-    return joiners if longest + 1 <= geometry.capacity_tokens else None
+    return joiners if pool.can_step([cached_tokens[r] for r in joiners]) else None
 
 
 def gather_inputs(flat: mx.array, sampled_ids: list[int], row_ids: list[int]) -> mx.array:

@@ -39,8 +39,9 @@ class MLXExecutor:
                         needs_token_ids=True)
 
     def __init__(self, model, cache_limit_bytes: int | None = 4 << 30, kv_bits: int | None = None,
-                 run_ahead: bool = True):
+                 run_ahead: bool = True, kv_layout: str = "padded"):
         self.model = model
+        self.kv_layout = kv_layout  # the decode pool's: "padded" rows or "paged" blocks
         # Run each decode step while the previous step's tokens are read (lookahead.py).
         self.run_ahead = run_ahead
         device = mx.default_device()
@@ -164,7 +165,7 @@ class MLXExecutor:
         self.seqs.clear()
 
     def _new_pool(self) -> DecodePool:
-        return DecodePool(self.layers, self.dtype, self.kv_bits)
+        return DecodePool(self.layers, self.dtype, self.kv_bits, self.kv_layout == "paged")
 
     @property
     def cache_layout(self):

@@ -4,7 +4,8 @@ to MLX arrays; the simulator (sim_executor) prices them. One model for both, and
 
 Rows [0, B) are occupied. A join takes row B. Leaves move the last surviving rows into the holes
 below the new row count, so rows stay dense without copying the whole pool. A resize keeps rows
-[0, B) and their tokens."""
+[0, B) and their tokens. Paged, full-attention and MLA layers stay in their blocks: only the
+per-row part (CacheLayout.per_row) moves."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Collection
 from typing import NamedTuple
 
 from batchsim.scheduler.kv_bytes import CacheLayout
-from batchsim.scheduler.pool_geometry import EMPTY_POOL, PoolGeometry
+from batchsim.scheduler.pool_geometry import EMPTY_PAGED_POOL, EMPTY_POOL, PoolGeometry
 
 
 class RowMoves(NamedTuple):
@@ -36,9 +37,10 @@ class Resize(NamedTuple):
 
 
 class PoolLayout:
-    def __init__(self, cache: CacheLayout):
+    def __init__(self, cache: CacheLayout, paged: bool = False):
         self.cache = cache  # what a row holds, by layer kind
-        self.geometry = EMPTY_POOL
+        self.paged = paged
+        self.geometry = EMPTY_PAGED_POOL if paged else EMPTY_POOL
         self.row_ids: list[int] = []  # request id per occupied row, rows [0, B)
         self.in_pool: set[int] = set()  # the same ids, for membership tests
 
@@ -59,7 +61,8 @@ class PoolLayout:
         for h, m in zip(holes, movers):
             rows[h] = rows[m]
         del rows[keep:]
-        row_bytes = self.cache.seq_bytes(self.geometry.capacity_tokens)
+        row = self.cache.per_row if self.paged else self.cache
+        row_bytes = row.seq_bytes(self.geometry.capacity_tokens)
         return RowMoves(holes, movers, len(movers) * row_bytes)
 
     def join(self, request_id: int, num_tokens: int) -> int:
@@ -83,8 +86,9 @@ class PoolLayout:
         cache = self.cache
         kept = 0
         if old.rows and geometry.rows:
-            kept = min(old.rows, geometry.rows) * cache.seq_bytes(
-                min(old.capacity_tokens, geometry.capacity_tokens))
+            blocks = None if old.blocks is None else min(old.blocks, geometry.blocks or 0)
+            kept = cache.pool_bytes(PoolGeometry(min(old.rows, geometry.rows), min(
+                old.capacity_tokens, geometry.capacity_tokens), blocks))
         return Resize(old, geometry, kept, cache.pool_bytes(geometry))
 
     @property
@@ -93,4 +97,5 @@ class PoolLayout:
         return self.cache.full_token_bytes
 
     def clear(self) -> None:
-        self.geometry, self.row_ids, self.in_pool = EMPTY_POOL, [], set()
+        self.geometry = EMPTY_PAGED_POOL if self.paged else EMPTY_POOL
+        self.row_ids, self.in_pool = [], set()

@@ -18,7 +18,7 @@ PRICES_KEPT = 1 << 18  # remembered prices per kind (a few MB)
 
 class SimExecutor:
     def __init__(self, cost: StepCost, max_lookahead_steps: int = 1 << 16,
-                 cache: CacheLayout | None = None):
+                 cache: CacheLayout | None = None, paged: bool = False):
         self.caps = ExecutorCaps(real_compute=False, virtual_time=True,
                                  max_lookahead_steps=max_lookahead_steps, needs_token_ids=False)
         self.cost = cost
@@ -29,7 +29,7 @@ class SimExecutor:
         # What the model's cache holds by layer kind (None: dense, the cost model's bytes per
         # token).
         self.cache = cache or CacheLayout.dense(self.kvt)
-        self.layout = PoolLayout(self.cache)  # the real pool's rows, in its order
+        self.layout = PoolLayout(self.cache, paged)  # the real pool's rows, in its order
         # request id -> bytes its private prefill cache holds (as mlx-lm allocates)
         self.private: dict[int, int] = {}
         self._private_bytes = 0  # their sum

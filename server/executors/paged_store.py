@@ -1,0 +1,87 @@
+"""The paged layout's K/V store: one full-attention or MLA layer's tokens in PAGE_TOKENS-token
+blocks, (num_blocks, PAGE_TOKENS, heads, dim), shared by every row through its block table
+(block_pool.BlockPool). MLX has no paged-attention kernel, so a decode step gathers each row's
+blocks (mx.take) into (B, heads, width, dim) for the model's own attention, masked as the padded
+pool is (kv_store.DecodeStep)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from batchsim.scheduler.pool_geometry import PAGE_TOKENS
+from batchsim.server.executors.kv_store import DecodeStep, KVView, _reshape
+from batchsim.server.models.arch_cache import Attention
+
+
+class PagedStep:
+    """What every paged layer shares in one decode step."""
+
+    def __init__(self, tables: mx.array, lengths: list[int], write_blocks: list[int]):
+        self.tables = tables  # (B, blocks of the longest row): each row's blocks, padded
+        self.write_blocks = mx.array(write_blocks)  # (B,) the block each row's new token goes to
+        self.write_slots = mx.array([n % PAGE_TOKENS for n in lengths])  # (B,) its slot there
+
+    def gather(self, a: mx.array, width: int) -> mx.array:
+        """Rows' tokens [0, width) as (B, heads, width, dim)."""
+        b, n = self.tables.shape
+        g = mx.take(a, self.tables, axis=0)  # (B, n, PAGE_TOKENS, heads, dim)
+        g = g.reshape(b, n * PAGE_TOKENS, *a.shape[2:])
+        return g[:, :width].transpose(0, 2, 1, 3)
+
+
+class PagedKVStore:
+    """K and V of one full-attention or MLA layer in blocks."""
+
+    def __init__(self, spec: Attention, dtype: mx.Dtype, kv_bits: int | None = None):
+        if kv_bits is not None:
+            raise ValueError("the paged layout holds unquantized K/V only")
+        self.spec, self.dtype = spec, dtype
+        self.parts: list[mx.array] = []  # K then V, (num_blocks, PAGE_TOKENS, heads, dim)
+        self.view_class = PagedKVView
+
+    def resize(self, rows: int, capacity: int) -> None:
+        """Rows and capacity do not size blocks (resize_blocks does)."""
+
+    def resize_blocks(self, num_blocks: int, src: list[int], dst: list[int]) -> None:
+        """Hold `num_blocks` blocks, after moving blocks `src` into `dst` (BlockPool.resize)."""
+        if num_blocks == 0:
+            self.parts = []
+            return
+        if not self.parts:
+            s = self.spec
+            self.parts = [mx.zeros((num_blocks, PAGE_TOKENS, s.heads, d), self.dtype)
+                          for d in (s.k_dim, s.v_dim)]
+            return
+        if src:
+            moved = [mx.take(a, mx.array(src), axis=0) for a in self.parts]
+            mx.eval(moved)
+            for a, m in zip(self.parts, moved):
+                a[mx.array(dst)] = m
+        self.parts = [_reshape(a, num_blocks, None) for a in self.parts]
+
+    def join(self, table: list[int], cache, length: int) -> None:
+        """Copy a prefilled private KVCache's `length` tokens into the row's blocks `table`."""
+        n = len(table)
+        if not n:
+            return
+        idx = mx.array(table)
+        for a, c in zip(self.parts, (cache.keys, cache.values)):
+            src = c[0, :, :length, :]  # (heads, length, dim)
+            if n * PAGE_TOKENS > length:
+                src = mx.pad(src, [(0, 0), (0, n * PAGE_TOKENS - length), (0, 0)])
+            heads, _, dim = src.shape
+            a[idx] = src.reshape(heads, n, PAGE_TOKENS, dim).transpose(1, 2, 0, 3)
+
+
+class PagedKVView(KVView):
+    """mlx-lm's cache API over the rows' blocks for one decode step."""
+
+    def __init__(self, store: PagedKVStore, step: DecodeStep):
+        super().__init__(store, step)  # type: ignore[arg-type]
+        self._paged: PagedStep = step.paged
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        st, pg = self._step, self._paged
+        k, v = self._store.parts
+        k[pg.write_blocks, pg.write_slots] = keys[:, :, 0, :]
+        v[pg.write_blocks, pg.write_slots] = values[:, :, 0, :]
+        return pg.gather(k, st.width), pg.gather(v, st.width)

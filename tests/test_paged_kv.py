@@ -1,0 +1,105 @@
+"""The paged KV layout (`--kv-layout paged`): full-attention and MLA layers in PAGE_TOKENS-token
+blocks with a block table per row. The same tokens as the padded layout for every model family,
+and the executor's arrays byte-equal to the scheduler's block account at every step (drive()
+asserts it)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import mlx.core as mx
+import pytest
+from batchsim.scheduler.pool_geometry import PAGE_TOKENS, row_blocks
+from batchsim.scheduler.request import Request, SamplingParams
+from batchsim.scheduler.scheduler import Scheduler
+from batchsim.server.executors.block_pool import BlockPool
+from batchsim.server.executors.mlx_executor import MLXExecutor
+
+from tests.drivers import config, drive
+
+_MODELS: dict = {}
+
+
+def _model(name: str):
+    if name not in _MODELS:
+        from batchsim.server.models.loader import load, resolve
+
+        ref = resolve(name, "float32", None)
+        _MODELS[name] = (ref, load(ref)[0])
+    return _MODELS[name]
+
+
+def _specs(vocab: int, n: int, seed: int, max_prompt: int, max_out: int):
+    rng = random.Random(seed)
+    return [(rng.randint(0, 3), [rng.randrange(vocab) for _ in range(rng.randint(1, max_prompt))],
+             rng.randint(2, max_out)) for _ in range(n)]
+
+
+def _run(model, layout, specs, kv_layout: str, **cfg):
+    sched = Scheduler(config(kv_bytes_per_token=layout.full_token_bytes, cache_layout=layout,
+                             kv_layout=kv_layout, **cfg))
+    ex = MLXExecutor(model, kv_layout=kv_layout)
+    arrivals = [(step, Request(i, len(ids), SamplingParams(max_tokens=out, ignore_eos=True), 0.0,
+                               prompt_token_ids=list(ids)))
+                for i, (step, ids, out) in enumerate(specs)]
+    trace = drive(sched, ex, arrivals)
+    return {rid: r.output_token_ids for rid, r in trace.requests.items()}, trace
+
+
+# Per model: requests, prompt and output bounds (the hybrid model is slow on the CPU: few tokens).
+CASES = {"tiny": (6, 300, 40), "tiny-moe": (4, 200, 20), "tiny-sliding": (5, 300, 30),
+         "tiny-hybrid": (3, 260, 8), "tiny-mla": (5, 300, 30)}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_paged_tokens_equal_padded(name, batchsim_home):
+    ref, model = _model(name)
+    layout = ref.spec.cache_layout("float32")
+    n, max_prompt, max_out = CASES[name]
+    specs = _specs(ref.spec.vocab_size, n, seed=35, max_prompt=max_prompt, max_out=max_out)
+    padded, _ = _run(model, layout, specs, "padded")
+    paged, trace = _run(model, layout, specs, "paged")
+    assert paged == padded
+    assert all(p.pool.blocks is not None for p in trace.plans)
+    assert max(p.pool.blocks for p in trace.plans) > 0
+
+
+def test_paged_under_a_tight_budget_preempts_and_matches(batchsim_home):
+    # A budget that holds a few rows' blocks: rows join, leave, are preempted; blocks move when
+    # the pool shrinks; tokens stay those of the padded layout under the same budget.
+    ref, model = _model("tiny")
+    layout = ref.spec.cache_layout("float32")
+    specs = _specs(ref.spec.vocab_size, 8, seed=7, max_prompt=40, max_out=200)
+    budget = 400 * layout.full_token_bytes
+    padded, _ = _run(model, layout, specs, "padded", kv_budget_bytes=budget, max_num_seqs=6)
+    paged, trace = _run(model, layout, specs, "paged", kv_budget_bytes=budget, max_num_seqs=6)
+    assert paged == padded
+    assert sum(r.num_preemptions for r in trace.requests.values()) > 0
+    blocks = [p.pool.blocks for p in trace.plans]
+    assert any(b < a for a, b in itertools.pairwise(blocks) if b)  # shrunk: blocks compacted
+
+
+def test_block_pool_refcounts_tables_and_compaction():
+    pool = BlockPool()
+    pool.resize(6)
+    a = pool.add_row(2 * PAGE_TOKENS)  # blocks 0, 1
+    b = pool.add_row(PAGE_TOKENS + 1)  # blocks 2, 3
+    assert (a, b, pool.num_free) == ([0, 1], [2, 3], 2)
+    pool.incref(a[:1])  # a shared block (a cached prefix) outlives its first row
+    pool.remove_rows([0], [0], [1])  # row 0 leaves, row 1 moves into it
+    assert pool.tables == [[2, 3]] and pool.refcount[:4] == [1, 0, 1, 1]
+    assert pool.fit_row(0, 3 * PAGE_TOKENS) and pool.tables[0] == [2, 3, 1]
+    assert pool.fit_row(0, 1) and pool.tables[0] == [2] and pool.num_free == 4
+    src, dst = pool.resize(2)  # block 2 moves below the new size; block 0 stays shared
+    assert (src, dst, pool.tables) == ([2], [1], [[1]]) and pool.refcount == [1, 1]
+    with pytest.raises(RuntimeError, match="blocks asked"):
+        pool.allocate(1)
+    pool.decref([0])
+    with pytest.raises(RuntimeError, match="freed twice"):
+        pool.decref([0])
+
+
+def test_row_blocks_is_the_account():
+    assert [row_blocks(n) for n in (0, 1, PAGE_TOKENS, PAGE_TOKENS + 1)] == [0, 1, 1, 2]
+    assert mx.array([1]).item() == 1

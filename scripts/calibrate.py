@@ -225,12 +225,13 @@ def _fit(args, dtype: str, when: str, env_info: dict, ceilings: _Ceilings, sessi
     zero = cal.calibration_from(gemm, dict.fromkeys(cal.FORWARD_TERMS, 0.0), ceilings.copy_gbs,
                                 0.0, args.models, when)
     costs0 = {n: StepCost(s.spec, _with(base, zero), dtype, None) for n, s in sessions.items()}
-    dense = [s for s in samples if costs0[s.model].family is None]  # others: reported, not fitted
+    # The forward terms' features (calibration._features) describe dense models; others: reported.
+    dense = [s for s in samples if costs0[s.model].spec.is_dense]
     pinned = dict(pinned or {})
     experts = {k: pinned.pop(k, 0.0) for k in ("experts_ns_per_pair", "experts_ns_per_mac")}
     by_arch = pinned.pop("layer_overhead_us_by_arch", {})
     terms = cal.fit_forward_terms(dense, costs0, pinned)
-    transfer = cal.transfer_errors(dense, {n: c for n, c in costs0.items() if c.family is None},
+    transfer = cal.transfer_errors(dense, {n: c for n, c in costs0.items() if c.spec.is_dense},
                                    pinned)
     calib = cal.calibration_from(gemm, terms, ceilings.copy_gbs, overhead_us, args.models, when,
                                  probe_ms, device=device_id(env_info))

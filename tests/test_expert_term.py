@@ -13,7 +13,7 @@ from batchsim.scripts.calibrate import DEFAULT_MODELS, QUICK
 from batchsim.server.measure.validation_cases import matrix_path
 from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf.devices import SHIPPED_DIR, load_profile
-from batchsim.server.perf.family_cost import expected_experts
+from batchsim.server.perf.layer_cost import expected_experts
 from batchsim.server.perf.stepcost import StepCost
 
 PROFILE = load_profile(SHIPPED_DIR / "linux-x86_64-openblas-2core.yaml")
@@ -37,7 +37,7 @@ def test_a_calibrated_device_prices_experts_by_weights_streamed_and_pairs_routed
         assert priced.decode_time(batch, 300).experts_s == pytest.approx(want)
     want = 4 * 3 * (16 * stream_s + 64 * 4 * per_pair_s)
     assert priced.prefill_time(64, 0, True).experts_s == pytest.approx(want, rel=1e-6)
-    assert _cost("tiny", 250.0, 0.3).family is None  # dense models are priced as before
+    assert _cost("tiny", 250.0, 0.3).decode_time(4, 64).experts_s == 0  # dense: no experts
 
 
 def _planted(pair_ns: float, mac_ns: float, bandwidth_gbs: float = 20.0) -> dict:

@@ -24,8 +24,8 @@ class SimExecutor:
         self.cost = cost
         self.kvt = cost.kv_bytes_per_token
         self.overhead_s = cost.step_overhead_s
-        # Non-dense models: windows and fixed states do not grow linearly with the width.
-        self.per_step_decode = cost.family is not None
+        # Windows and fixed states do not grow linearly with the width: priced step by step.
+        self.per_step_decode = not cost.layers.linear_in_width
         # What the model's cache holds by layer kind (None: dense, the cost model's bytes per
         # token).
         self.cache = cache or CacheLayout.dense(self.kvt)
@@ -36,7 +36,7 @@ class SimExecutor:
         self._pool_bytes = 0  # what the pool's geometry holds (set when it changes)
         # Prices that repeat, remembered (StepCost is a pure function of its arguments):
         self._prefill_s: dict[tuple[int, int, bool, int], float] = {}  # (n, start, sample, rows)
-        self._decode_s: dict[tuple[int, int], float] = {}  # (rows, width): non-dense models
+        self._decode_s: dict[tuple[int, int], float] = {}  # (rows, width): per-step models
 
     def execute(self, plan: StepPlan, max_elapsed_s: float = float("inf")) -> StepResult:
         layout = self.layout
@@ -80,7 +80,7 @@ class SimExecutor:
                 durations.append(d)
                 elapsed += d
             return
-        base, per_width = self.cost.decode_parts(rows)  # dense: linear in the width
+        base, per_width = self.cost.decode_parts(rows)  # linear in the width
         durations[0] += base + per_width * width
         elapsed, base_s = durations[0], base + self.overhead_s
         for w in range(width + 1, width + plan.num_steps):

@@ -302,18 +302,8 @@ def fit_forward_terms(samples: Sequence[StepSample], costs: dict[str, StepCost],
     rows, target = [], []
     for s in samples:
         c = costs[s.model]
-        if s.kind == "decode":
-            linear = c.linear_layers_s(s.rows) + c.lm_head_s(s.rows)
-            feats = [c.decode_attention_bytes(s.rows, s.context) * 1e-9, 0.0, 0.0,
-                     c.elementwise_bytes(s.rows, logits=True) * 1e-9]
-        else:
-            linear = c.linear_layers_s(s.rows) + c.lm_head_s(1)  # a final chunk: one row's logits
-            logits = c.elementwise_bytes(1, logits=True) - c.elementwise_bytes(1, logits=False)
-            feats = [0.0, c.prefill_attention_flops(s.rows, s.context) * 1e-9,
-                     c.prefill_score_bytes(s.rows, s.context) * 1e-9,
-                     (c.elementwise_bytes(s.rows, logits=False) + logits) * 1e-9]
-        scores = c.decode_attention_scores(s.rows, s.context) if s.kind == "decode" else 0
-        rows.append(feats + [c.spec.num_layers * 1e-6, 1e-6, scores * 1e-9])
+        rows.append(_features(s, c))
+        linear = c.linear_layers_s(s.rows) + c.lm_head_s(s.rows if s.kind == "decode" else 1)
         target.append(s.seconds - linear)
     a = np.asarray(rows) / np.asarray([s.seconds for s in samples])[:, None]
     b = np.asarray(target) / np.asarray([s.seconds for s in samples])
@@ -330,6 +320,23 @@ def fit_forward_terms(samples: Sequence[StepSample], costs: dict[str, StepCost],
     for i, c in zip(active, coef):
         values[names[i]] = float(c)
     return values
+
+
+def _features(s: StepSample, c: StepCost) -> list[float]:
+    """One sample's columns of fit_forward_terms (FORWARD_TERMS' order): the work of a model whose
+    every layer is full attention (K/V bytes and scores of a decode over `context` tokens; score
+    FLOPs and bytes of a prefill chunk after `context`; elementwise bytes), layers, one pass."""
+    sp, layers = c.spec, c.spec.num_layers
+    if s.kind == "decode":
+        kv_bytes = s.rows * s.context * c.kv_bytes_per_token
+        scores = layers * s.rows * sp.num_heads * s.context
+        return [kv_bytes * 1e-9, 0.0, 0.0, c.elementwise_bytes(s.rows, logits=True) * 1e-9,
+                layers * 1e-6, 1e-6, scores * 1e-9]
+    ctx = s.context + s.rows  # a final chunk of `rows` tokens: one row's logits
+    logits = c.elementwise_bytes(1, logits=True) - c.elementwise_bytes(1, logits=False)
+    return [0.0, 4 * layers * sp.num_heads * sp.head_dim * s.rows * ctx * 1e-9,
+            layers * sp.num_heads * s.rows * ctx * 4 * 1e-9,
+            (c.elementwise_bytes(s.rows, logits=False) + logits) * 1e-9, layers * 1e-6, 1e-6, 0.0]
 
 
 def predict(sample: StepSample, cost: StepCost) -> float:

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from batchsim.server.perf.family_cost import expected_experts
+from batchsim.server.perf.layer_cost import expected_experts
 
 # (hidden, expert intermediate, experts, top_k): none a validation model's.
 GEOMETRIES = ((64, 32, 8, 2), (128, 64, 16, 4), (256, 256, 8, 2), (512, 128, 32, 4))

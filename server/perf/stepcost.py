@@ -23,9 +23,8 @@ from batchsim.server.models.arch import QUANT_GROUP_SIZE, quantized_matrix_bytes
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.perf.cluster import Cluster
 from batchsim.server.perf.engines import EngineProfile, load_engine
-from batchsim.server.perf.family_cost import FamilyCost
+from batchsim.server.perf.layer_cost import LayerCost
 from batchsim.server.perf.profile import (
-    KV_DEQUANT_OPS_PER_ELEMENT,
     Calibration,
     DeviceProfile,
     compute_dtype,
@@ -95,14 +94,11 @@ class StepCost:
                 raise ValueError(f"profile {profile.name} has no GEMM calibration for {self.fmt}; "
                                  f"calibrated: {', '.join(self.cal.gemm)}")
             self.gemm = self.cal.gemm[self.fmt]
-        self.layer_shapes = spec.layer_linear_shapes  # (out, in) per layer
         self.row_s = self._per_row_s()
         self._decode_cached = lru_cache(maxsize=None)(self._decode_parts)
         self._elementwise_s = lru_cache(maxsize=4096)(self._elementwise_s)  # per instance
-        self.linear_layers_s = lru_cache(maxsize=4096)(self.linear_layers_s)  # per instance
-        self._prefill_dense_s = lru_cache(maxsize=8192)(self._prefill_dense_s)
-        # Non-dense models are priced layer by layer (family_cost.py); dense ones as below.
-        self.family = None if spec.is_dense else FamilyCost(self)
+        self._prefill_base_s = lru_cache(maxsize=8192)(self._prefill_base_s)
+        self.layers = LayerCost(self)  # every model priced layer by layer (layer_cost.py)
 
     # -- linear layers -------------------------------------------------------------------------
     @cached_property
@@ -119,7 +115,8 @@ class StepCost:
         bytes_per_s, flops_per_s = self.matmul_rates
         return moved / bytes_per_s, 2 * m * k * n / flops_per_s
 
-    def _linear_s(self, m: int, k: int, n: int) -> float:
+    def matrix_s(self, m: int, k: int, n: int) -> float:
+        """One (m x k) @ (k x n): the GEMM fit's seconds or the roofline's binding term."""
         if self.gemm is not None:
             return self.gemm.seconds(m, k, n)
         return max(self._roofline_terms(m, k, n))
@@ -133,7 +130,7 @@ class StepCost:
         return self._roofline_terms(m, k, n)
 
     def linear_split(self, m: int, k: int, n: int) -> tuple[float, float]:
-        """_linear_s as (weights_s, matmul_s): the GEMM fit's two terms, or the roofline's
+        """matrix_s as (weights_s, matmul_s): the GEMM fit's two terms, or the roofline's
         binding one."""
         if self.gemm is not None:
             weights_ns, flops_ns = self.gemm.terms_ns(m, k, n)
@@ -142,28 +139,16 @@ class StepCost:
         return (moved_s, 0.0) if moved_s >= flops_s else (0.0, flops_s)
 
     def linear_layers_s(self, m: int) -> float:
-        """Every linear layer of one forward pass over m rows (lm head excluded)."""
-        per_layer = sum(self._linear_s(m, i, o) for o, i in self.layer_shapes)
-        return per_layer * self.spec.num_layers
+        """Every linear layer of one forward pass over m rows, routed experts included (lm head
+        excluded)."""
+        return self.layers.linear_s(m)
 
     def lm_head_s(self, m: int) -> float:
-        return self._linear_s(m, self.spec.hidden_size, self.spec.vocab_size)
-
-    def _linear_parts(self, m: int, lm_head_rows: int) -> tuple[float, float]:
-        """(weights_s, matmul_s) of linear_layers_s(m) + lm_head_s(lm_head_rows)."""
-        s = self.spec
-        layer = [self.linear_split(m, i, o) for o, i in self.layer_shapes]
-        head = self.linear_split(lm_head_rows, s.hidden_size,
-                                 s.vocab_size) if lm_head_rows else (0.0, 0.0)
-        return tuple(sum(x[j] for x in layer) * s.num_layers + head[j] for j in (0, 1))
+        return self.matrix_s(m, self.spec.hidden_size, self.spec.vocab_size)
 
     # -- everything else in a forward pass -----------------------------------------------------
     def elementwise_bytes(self, m: int, logits: bool) -> float:
-        s = self.spec
-        per_layer = (6 * s.hidden_size + 3 * s.intermediate_size
-                     + 2 * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim)
-        total = m * s.num_layers * per_layer * self.act_bytes
-        return total + (m * s.vocab_size * 4 if logits else 0)
+        return self.layers.elementwise_bytes(m, logits)
 
     def _elementwise_s(self, m: int, logits: bool) -> float:
         return self.bytes_s(self.elementwise_bytes(m, logits))
@@ -202,55 +187,6 @@ class StepCost:
         return sum(arch_us if layer.ffn.kind == "moe" or not moe else cal.layer_overhead_us
                    for layer in layers)
 
-    def decode_attention_bytes(self, batch: int, width: int) -> int:
-        """K and V every layer's attention reads: all rows padded to the longest (width)."""
-        return batch * width * self.kv_bytes_per_token
-
-    def decode_attention_scores(self, batch: int, width: int) -> int:
-        """Scores a decode step's attention computes: one per layer, row, query head and
-        position."""
-        s = self.spec
-        return s.num_layers * batch * s.num_heads * width
-
-    def _decode_attention_per_width_s(self, batch: int) -> float:
-        """Seconds a decode step's attention takes per token of width (reading quantized K/V
-        adds their dequantization)."""
-        per_width = self.decode_attention_bytes(batch, 1)
-        if self.cal is not None:
-            ns = (per_width * self.cal.attention_decode_ns_per_byte
-                  + self.decode_attention_scores(batch, 1) * self.cal.attention_decode_ns_per_score)
-            seconds = ns * 1e-9
-        else:
-            seconds = per_width / self.profile.kv_bytes_per_s
-        if self.kv_bits is not None:
-            seconds += self.kv_dequant_s(batch, 1)
-        return seconds
-
-    def kv_dequant_s(self, batch: int, width: int) -> float:
-        """Dequantizing the K/V a decode step reads: KV_DEQUANT_OPS_PER_ELEMENT per element at the
-        profile's compute rate, added to the read (an assumption: not overlapped, not measured)."""
-        s = self.spec
-        elements = 2 * s.num_layers * s.num_kv_heads * s.head_dim * batch * width
-        return elements * KV_DEQUANT_OPS_PER_ELEMENT / self.profile.flops_per_s(self.act_dtype)
-
-    def prefill_attention_flops(self, n: int, start: int) -> int:
-        s = self.spec
-        return 4 * s.num_layers * s.num_heads * s.head_dim * n * (start + n)
-
-    def prefill_score_bytes(self, n: int, start: int) -> int:
-        """The attention scores a chunk writes and rereads (mask, softmax): heads x n x context."""
-        s = self.spec
-        return s.num_layers * s.num_heads * n * (start + n) * 4
-
-    def _prefill_attention_s(self, n: int, start: int) -> float:
-        flops = self.prefill_attention_flops(n, start)
-        if self.cal is not None:
-            return (flops * self.cal.attention_prefill_ns_per_flop + self.prefill_score_bytes(
-                n, start) * self.cal.attention_prefill_ns_per_score_byte) * 1e-9
-        kv_read = (start + n) * self.kv_bytes_per_token
-        return max(flops / self.profile.flops_per_s(self.act_dtype),
-                   kv_read / self.profile.bytes_per_s)
-
     # -- work per row and per token, whatever its bytes ----------------------------------------
     def _per_row_s(self) -> tuple[float, float, float, float]:
         """Seconds per decode row of attention's fixed kernel cost, per token of elementwise
@@ -278,23 +214,26 @@ class StepCost:
         base = (self.linear_layers_s(batch) + self.lm_head_s(batch)
                 + self._elementwise_s(batch, logits=True) + self._fixed_s())
         base += sum(self._row_parts(batch, batch, batch).values())
-        return base, self._decode_attention_per_width_s(batch)
+        return base, (self.layers.per_width_s(batch) if self.layers.linear_in_width else 0.0)
 
     def decode_parts(self, batch: int) -> tuple[float, float]:
-        """(seconds independent of the attention width, seconds per token of width); dense models
-        only (a sliding window or a fixed state does not grow with the width)."""
-        if self.family is not None:
-            raise ValueError(f"decode_parts prices dense models; {self.spec.name} is "
-                             f"{'+'.join(self.spec.families)}: use decode_forward_s")
+        """(seconds independent of the attention width, seconds per token of width): models whose
+        every layer's attention grows with the width (no window, no fixed state)."""
+        if not self.layers.linear_in_width:
+            raise ValueError(f"decode_parts prices attention linear in the width; "
+                             f"{self.spec.name} has {'+'.join(self.spec.families)} layers: "
+                             f"use decode_forward_s")
         return self._decode_cached(batch)
 
     def decode_forward_s(self, batch: int, width: int) -> float:
-        if self.family is not None:
-            return self.decode_time(batch, width).total_s
+        if self.serial and batch > 1 and not self.layers.linear_in_width:
+            return batch * self.decode_forward_s(1, width)
         base, per_width = self._decode_cached(batch)
-        return base + per_width * width
+        if self.layers.linear_in_width:
+            return base + per_width * width
+        return base + self.layers.decode_attention_s(batch, width)
 
-    def _prefill_dense_s(self, n: int, sample: bool) -> float:
+    def _prefill_base_s(self, n: int, sample: bool) -> float:
         """The part of a prefill chunk that does not depend on its start (no attention)."""
         t = self.linear_layers_s(n) + self._elementwise_s(n, logits=False) + self._fixed_s()
         if sample:  # one row's lm head and logits (summed as before, for byte-identical runs)
@@ -303,9 +242,9 @@ class StepCost:
         return t + sum(self._row_parts(0, n, int(sample)).values())
 
     def prefill_forward_s(self, n: int, start: int, sample: bool, rows: int = 1) -> float:
-        if self.family is not None or rows > 1:
+        if rows > 1:
             return self.prefill_time(n, start, sample, rows).total_s
-        return self._prefill_dense_s(n, sample) + self._prefill_attention_s(n, start)
+        return self._prefill_base_s(n, sample) + self.layers.prefill_attention_s(n, start)
 
     def copy_s(self, nbytes: float) -> float:
         p = self.profile
@@ -330,12 +269,10 @@ class StepCost:
         overhead); an engine running this model one row at a time: `batch` one-row forwards."""
         if self.serial and batch > 1:
             return self.decode_time(1, width).times(batch)
-        rows = self._row_parts(batch, batch, batch)
-        if self.family is not None:
-            return self._family_time(self.family.decode(batch, width), rows)
-        weights_s, matmul_s = self._linear_parts(batch, batch)
-        return StepTime(weights_s, matmul_s, self._decode_attention_per_width_s(batch) * width,
-                        self._elementwise_s(batch, logits=True), self._fixed_s(), 0.0, **rows)
+        weights_s, matmul_s, experts_s, attention_s = self.layers.decode(batch, width)
+        return StepTime(weights_s, matmul_s, attention_s, self._elementwise_s(batch, logits=True),
+                        self._fixed_s(), 0.0, experts_s=experts_s,
+                        **self._row_parts(batch, batch, batch))
 
     def prefill_time(self, n: int, start: int, sample: bool, rows: int = 1) -> StepTime:
         """One prefill forward of `n` tokens after `start` cached ones, for `rows` prompts at once
@@ -343,19 +280,11 @@ class StepCost:
         no step overhead; an engine running this model one row at a time: one prompt a pass)."""
         if self.serial and rows > 1:
             return self.prefill_time(n, start, sample).times(rows)
-        row_parts = self._row_parts(0, rows * n, rows if sample else 0)
-        if self.family is not None:
-            return self._family_time(self.family.prefill(n, start, sample, rows), row_parts)
-        weights_s, matmul_s = self._linear_parts(rows * n, rows if sample else 0)
+        weights_s, matmul_s, experts_s, attention_s = self.layers.prefill(n, start, sample, rows)
         elementwise_s = rows * (self._elementwise_s(n, logits=False)
                                 + (self._sampled_logits_s() if sample else 0.0))
-        return StepTime(weights_s, matmul_s, rows * self._prefill_attention_s(n, start),
-                        elementwise_s, self._fixed_s(), 0.0, **row_parts)
-
-    def _family_time(self, parts: tuple[float, ...], row_parts: dict[str, float]) -> StepTime:
-        weights_s, matmul_s, experts_s, attention_s, elementwise_s = parts
         return StepTime(weights_s, matmul_s, attention_s, elementwise_s, self._fixed_s(), 0.0,
-                        experts_s=experts_s, **row_parts)
+                        experts_s=experts_s, **self._row_parts(0, rows * n, rows if sample else 0))
 
     def step_time(self, decode_rows: int = 0, width: int = 0, prefills: Iterable[Chunk] = (),
                   copy_bytes: float = 0.0) -> StepTime:

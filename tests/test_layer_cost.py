@@ -1,6 +1,7 @@
-"""The performance model on the families beyond dense: MoE reads the expected distinct experts,
-sliding layers read at most their window, linear-attention layers their fixed state, MLA its
-latent; the parts add up (and to what a simulated step would charge); dense stays as it was."""
+"""The performance model's one per-layer path: MoE reads the expected distinct experts, sliding
+layers read at most their window, linear-attention layers their fixed state, MLA its latent; the
+parts add up (and to what a simulated step would charge); dense is the case "every layer alike,
+full attention" and prices as it always did."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from batchsim.scheduler.plan import PrefillChunk
 from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf.batch_gain import batching_curve, catalog_cost
-from batchsim.server.perf.family_cost import FamilyCost, expected_experts
+from batchsim.server.perf.layer_cost import expected_experts
 from batchsim.server.perf.stepcost import StepCost, StepTime, weight_bytes_per_element
 
 from tests.test_sim import PROFILE
@@ -47,7 +48,7 @@ def test_moe_batch_1_reads_top_k_experts_by_hand():
 
 def test_sliding_layers_read_at_most_their_window():
     cost = catalog_cost("gemma-3-27b")
-    fam, spec = cost.family, cost.spec
+    fam, spec = cost.layers, cost.spec
     sliding, full = _layer(spec, "sliding").attention, _layer(spec, "full").attention
     w = sliding.window
     assert fam.attention_decode_s(sliding, 4, 4 * w) == fam.attention_decode_s(sliding, 4, w)
@@ -64,8 +65,8 @@ def test_sliding_layers_read_at_most_their_window():
 def test_linear_attention_state_is_independent_of_context():
     cost = catalog_cost("qwen3-next-80b-a3b")
     att = _layer(cost.spec, "linear").attention
-    one = cost.family.attention_decode_s(att, 8, 16)
-    assert one > 0 and cost.family.attention_decode_s(att, 8, 200_000) == one
+    one = cost.layers.attention_decode_s(att, 8, 16)
+    assert one > 0 and cost.layers.attention_decode_s(att, 8, 200_000) == one
     # Read and written every step: 2 x (conv state + float32 recurrent state) per row.
     nbytes = 2 * 8 * (att.conv_elems * 2 + att.state_elems * 4)
     assert one == pytest.approx(nbytes / cost.profile.bytes_per_s)
@@ -75,7 +76,7 @@ def test_mla_reads_the_latent_and_pays_the_absorbed_flops():
     cost = catalog_cost("deepseek-v3")
     att = _layer(cost.spec, "mla").attention
     assert att.token_bytes(2) == (512 + 64) * 2
-    t = cost.family.attention_decode_s(att, 4, 4096)
+    t = cost.layers.attention_decode_s(att, 4, 4096)
     read_s = 4 * 4096 * att.token_bytes(2) / cost.profile.bytes_per_s
     flops_s = 2 * 4 * 128 * 4096 * (2 * 512 + 64) / cost.profile.flops_per_s("float16")
     assert t == pytest.approx(max(read_s, flops_s)) and flops_s > read_s  # 128 heads: compute
@@ -95,24 +96,33 @@ def test_parts_add_up_for_every_family(name):
                + sum(cost.prefill_forward_s(c.num_tokens, c.start, c.sample) for c in chunks))
     assert charged == pytest.approx(t.total_s, rel=1e-12)
     assert all(math.isfinite(v) and v >= 0 for v in t.as_dict().values())
-    with pytest.raises(ValueError, match="decode_forward_s"):
-        cost.decode_parts(3)
+    kinds = {lay.attention.kind for lay in spec.arch.layers}
+    if kinds <= {"full", "mla"}:  # attention grows with the width: the simulator's fast path
+        base, per_width = cost.decode_parts(3)
+        assert base + per_width * 900 == pytest.approx(cost.decode_forward_s(3, 900), rel=1e-12)
+    else:
+        with pytest.raises(ValueError, match="decode_forward_s"):
+            cost.decode_parts(3)
 
 
 @pytest.mark.parametrize("name,calibrated", [("qwen3-8b", False), ("smollm2-135m", True)])
-def test_layer_pricing_reduces_to_the_dense_formula(name, calibrated):
+def test_dense_is_one_layer_priced_once_times_the_layer_count(name, calibrated):
+    """No dense branch: a dense model's decode is its one layer's matrices and attention,
+    priced once and multiplied by the layers, plus the lm head (by hand, bit for bit)."""
     spec = zoo_spec(name)
     cost = StepCost(spec, PROFILE, "float32", None) if calibrated else catalog_cost(name)
-    fam = FamilyCost(cost)  # the per-layer path on a dense model
+    layer, layers = spec.arch.layers[0], spec.num_layers
+    assert set(spec.arch.layers) == {layer} and cost.layers.linear_in_width
     for batch, width in ((1, 100), (48, 3000)):
-        dense = cost.decode_time(batch, width)
-        w, m, e, a, el = fam.decode(batch, width)
-        assert (w, m, e, a, el) == pytest.approx(
-            (dense.weights_s, dense.matmul_s, 0.0, dense.attention_s, dense.elementwise_s),
-            rel=1e-9)
-    dense = cost.prefill_time(200, 500, True)
-    assert fam.prefill(200, 500, True) == pytest.approx(
-        (dense.weights_s, dense.matmul_s, 0.0, dense.attention_s, dense.elementwise_s), rel=1e-9)
+        t = cost.decode_time(batch, width)
+        split = [cost.linear_split(batch, m.in_dim, m.out_dim) for m in layer.mats]
+        head = cost.linear_split(batch, spec.hidden_size, spec.vocab_size)
+        assert t.weights_s == sum(w for w, _ in split) * layers + head[0]
+        assert t.matmul_s == sum(f for _, f in split) * layers + head[1]
+        kv_s = cost.layers.attention_decode_s(layer.attention, batch, width, count=layers)
+        assert t.attention_s == kv_s and t.experts_s == 0
+        assert kv_s == pytest.approx(layers * cost.layers.attention_decode_s(layer.attention,
+                                                                             batch, width))
 
 
 def test_moe_batching_gain_is_well_below_dense():

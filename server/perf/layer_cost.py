@@ -1,6 +1,8 @@
-"""Step prices of the families beyond dense (MoE, sliding window, linear attention, MLA), layer by
-layer from the per-layer description (server/models/arch.py), with StepCost's building blocks
-(its linear-layer terms, byte rates and fixed costs). Dense models keep StepCost's own path.
+"""Every model's forward pass priced layer by layer from the per-layer description
+(server/models/arch.py), with StepCost's building blocks (its linear-layer terms, byte rates and
+fixed costs). A dense model is the case "every layer alike, full attention": one layer priced
+once, times the layer count. Identical layers (and identical attentions) are priced once; the
+integer work (bytes, scores, FLOPs) of a group is summed before it becomes seconds.
 
 Per layer, a decode step of B rows padded to `width` cached tokens reads:
 - linear layers: every non-routed matrix once (attention projections, router, shared experts);
@@ -29,7 +31,7 @@ from batchsim.server.perf.profile import (
 
 
 class Blocks(Protocol):
-    """What FamilyCost uses of StepCost (its building blocks)."""
+    """What LayerCost uses of StepCost (its building blocks)."""
 
     spec: ModelSpec
     profile: DeviceProfile
@@ -37,8 +39,10 @@ class Blocks(Protocol):
     gemm: GemmFit | None
     act_dtype: str
     act_bytes: int
+    kv_bits: int | None
 
     def linear_split(self, m: int, k: int, n: int) -> tuple[float, float]: ...
+    def matrix_s(self, m: int, k: int, n: int) -> float: ...
     def linear_terms(self, m: float, k: int, n: int) -> tuple[float, float]: ...
     def bytes_s(self, nbytes: float) -> float: ...
     def weight_stream_s(self, k: int, n: int) -> float: ...
@@ -61,28 +65,49 @@ def expected_experts(experts: int, top_k: int, tokens: int) -> float:
     return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
 
 
-class FamilyCost:
-    """Per-layer parts of a non-dense model's forward passes, as plain seconds."""
+class LayerCost:
+    """Per-layer parts of a model's forward passes, as plain seconds."""
 
     def __init__(self, cost: Blocks):
         self.cost = cost
         self.spec = cost.spec
         self.layers = Counter(cost.spec.arch.layers)  # identical layers are priced once
-        self.linear_s = lru_cache(maxsize=4096)(self._linear_s)  # per instance
+        self.attentions = Counter(layer.attention for layer in cost.spec.arch.layers)
+        # Decode attention grows linearly with the width (no window, no fixed state): a decode
+        # forward is a base plus seconds per token of width (StepCost.decode_parts).
+        self.linear_in_width = all(att.kind in ("full", "mla") for att in self.attentions)
+        self.linear_split_s = lru_cache(maxsize=4096)(self._linear_split_s)  # per instance
+        self.linear_s = lru_cache(maxsize=4096)(self._linear_s)
+        self.per_width_s = lru_cache(maxsize=4096)(self._per_width_s)
 
     # -- linear layers and routed experts ------------------------------------------------------
-    def _linear_s(self, m: int) -> tuple[float, float, float]:
-        """(weights_s, matmul_s, experts_s) of every layer's matrices over m rows."""
+    def _linear_split_s(self, m: int) -> tuple[float, float, float]:
+        """(weights_s, matmul_s, experts_s) of every layer's matrices over m rows (lm head
+        excluded): each distinct layer's sum, times its count."""
         total = [0.0, 0.0, 0.0]
         for layer, count in self.layers.items():
+            per = [0, 0, 0]
             for mat in layer.mats:
                 if mat.routed:
-                    total[2] += count * self.routed_s(mat, layer, m)
+                    per[2] += self.routed_s(mat, layer, m)
                     continue
                 w, f = self.cost.linear_split(m, mat.in_dim, mat.out_dim)
-                total[0] += count * mat.count * w
-                total[1] += count * mat.count * f
+                per[0] += mat.count * w
+                per[1] += mat.count * f
+            for j in (0, 1, 2):
+                total[j] += per[j] * count
         return total[0], total[1], total[2]
+
+    def _linear_s(self, m: int) -> float:
+        """Every layer's matrices over m rows in seconds (lm head excluded): the simulator's sum
+        (StepCost.matrix_s per matrix; the routed experts' stacks as in `_linear_split_s`)."""
+        total = 0.0
+        for layer, count in self.layers.items():
+            per = sum(self.routed_s(mat, layer, m) if mat.routed
+                      else mat.count * self.cost.matrix_s(m, mat.in_dim, mat.out_dim)
+                      for mat in layer.mats)
+            total += per * count
+        return total
 
     def routed_s(self, mat: Mat, layer: Layer, m: int) -> float:
         """One routed-expert matrix stack over m tokens: D distinct experts, each streaming its
@@ -113,45 +138,65 @@ class FamilyCost:
         return self.cost.linear_split(rows, self.spec.hidden_size, self.spec.vocab_size)
 
     # -- attention by layer kind ---------------------------------------------------------------
-    def attention_decode_s(self, att: Attention, batch: int, width: int) -> float:
-        """One layer's decode attention: K/V (or latent) of the tokens it keeps, or its state."""
+    def attention_decode_s(self, att: Attention, batch: int, width: int, count: int = 1) -> float:
+        """`count` such layers' decode attention: K/V (or latent) of the tokens they keep (a
+        sliding layer at most its window), or their state."""
         if att.kind == "linear":
-            return self._state_s(att, batch, tokens=batch)
+            return self._state_s(att, batch, tokens=batch, count=count)
         tokens = min(width, att.window) if att.kind == "sliding" else width
-        scores = batch * self.spec.num_heads * tokens
+        return self._per_token_s(att, batch, count) * tokens
+
+    def _per_token_s(self, att: Attention, batch: int, count: int) -> float:
+        """`count` full, sliding or MLA layers' decode attention per cached token they read."""
         kv_bits = self.cost.kv_bits
-        seconds = self._kv_read_s(batch * tokens * att.token_bytes(self.cost.act_bytes, kv_bits),
-                                  scores)
-        if kv_bits is not None:  # as the dense model: dequantize what was read (an assumption)
-            elements = batch * tokens * att.heads * (att.k_dim + att.v_dim)
+        nbytes = count * batch * att.token_bytes(self.cost.act_bytes, kv_bits)
+        scores = count * batch * self.spec.num_heads
+        seconds = self._kv_read_s(nbytes, scores)
+        if kv_bits is not None:  # dequantize what was read (an assumption, not measured)
+            elements = count * batch * att.heads * (att.k_dim + att.v_dim)
             seconds += elements * KV_DEQUANT_OPS_PER_ELEMENT / self._flops_per_s
         if att.kind == "mla":  # absorbed: q.latent+rope scores, then scores.latent, per head
             seconds = max(seconds, 2 * scores * (2 * att.k_dim + att.v_dim) / self._flops_per_s)
         return seconds
 
-    def attention_prefill_s(self, att: Attention, n: int, start: int) -> float:
-        """One layer's attention over a chunk of n tokens after `start` cached ones (a sliding
-        layer computes over the window - 1 tokens it kept plus the chunk)."""
+    def _per_width_s(self, batch: int) -> float:
+        """Decode attention's seconds per token of width (every layer full attention or MLA)."""
+        return sum(self._per_token_s(att, batch, count) for att, count in self.attentions.items())
+
+    def decode_attention_s(self, batch: int, width: int) -> float:
+        if self.linear_in_width:
+            return self.per_width_s(batch) * width
+        return sum(self.attention_decode_s(att, batch, width, count)
+                   for att, count in self.attentions.items())
+
+    def attention_prefill_s(self, att: Attention, n: int, start: int, count: int = 1) -> float:
+        """`count` such layers' attention over a chunk of n tokens after `start` cached ones (a
+        sliding layer computes over the window - 1 tokens it kept plus the chunk)."""
         if att.kind == "linear":
-            return self._state_s(att, 1, tokens=n)
+            return self._state_s(att, 1, tokens=n, count=count)
         s, cost = self.spec, self.cost
         ctx = (min(start, att.window - 1) if att.kind == "sliding" else start) + n
         if att.kind == "mla":  # priced in the absorbed form (mlx-lm expands the latent for L > 1)
-            flops = 2 * s.num_heads * n * ctx * (2 * att.k_dim + att.v_dim)
+            flops = count * 2 * s.num_heads * n * ctx * (2 * att.k_dim + att.v_dim)
         else:
-            flops = 4 * s.num_heads * s.head_dim * n * ctx
+            flops = 4 * count * s.num_heads * s.head_dim * n * ctx
         if cost.cal is not None:
-            score_bytes = s.num_heads * n * ctx * 4
+            score_bytes = count * s.num_heads * n * ctx * 4
             return (flops * cost.cal.attention_prefill_ns_per_flop
                     + score_bytes * cost.cal.attention_prefill_ns_per_score_byte) * 1e-9
-        kv_read = ctx * att.token_bytes(cost.act_bytes, cost.kv_bits)
+        kv_read = ctx * count * att.token_bytes(cost.act_bytes, cost.kv_bits)
         return max(flops / self._flops_per_s, kv_read / cost.profile.bytes_per_s)
 
-    def _state_s(self, att: Attention, rows: int, tokens: int) -> float:
-        """A linear-attention layer: conv and recurrent state read and written once per call per
+    def prefill_attention_s(self, n: int, start: int) -> float:
+        return sum(self.attention_prefill_s(att, n, start, count)
+                   for att, count in self.attentions.items())
+
+    def _state_s(self, att: Attention, rows: int, tokens: int, count: int = 1) -> float:
+        """Linear-attention layers: conv and recurrent state read and written once per call per
         row, whatever the context; the update's FLOPs per token."""
-        nbytes = 2 * rows * (att.conv_elems * self.cost.act_bytes + att.state_elems * STATE_BYTES)
-        flops = tokens * att.state_elems * LINEAR_FLOPS_PER_STATE_ELEMENT
+        nbytes = 2 * count * rows * (att.conv_elems * self.cost.act_bytes
+                                     + att.state_elems * STATE_BYTES)
+        flops = count * tokens * att.state_elems * LINEAR_FLOPS_PER_STATE_ELEMENT
         return max(self.cost.bytes_s(nbytes), flops / self._flops_per_s)
 
     def _kv_read_s(self, nbytes: int, scores: int) -> float:
@@ -167,8 +212,8 @@ class FamilyCost:
 
     # -- elementwise ---------------------------------------------------------------------------
     def elementwise_bytes(self, m: int, logits: bool) -> float:
-        """StepCost's dense formula per layer, the FFN width being the active one (top_k experts
-        plus shared), plus the router's scores."""
+        """Norms, RoPE, activations and residuals of every layer (the FFN width being the active
+        one: top_k experts plus shared; plus the router's scores) and the logits."""
         s = self.spec
         attn = 2 * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         per_row = 0
@@ -179,22 +224,17 @@ class FamilyCost:
             per_row += count * (6 * s.hidden_size + 3 * width + attn + f.experts)
         return m * per_row * self.cost.act_bytes + (m * s.vocab_size * 4 if logits else 0)
 
-    # -- whole passes: (weights_s, matmul_s, experts_s, attention_s, elementwise_s) ------------
-    def decode(self, batch: int, width: int) -> tuple[float, ...]:
-        weights_s, matmul_s, experts_s = self.linear_s(batch)
+    # -- whole passes: (weights_s, matmul_s, experts_s, attention_s) ---------------------------
+    def decode(self, batch: int, width: int) -> tuple[float, float, float, float]:
+        weights_s, matmul_s, experts_s = self.linear_split_s(batch)
         head = self._head_split(batch)
-        attention_s = sum(count * self.attention_decode_s(layer.attention, batch, width)
-                          for layer, count in self.layers.items())
-        elementwise_s = self.cost.bytes_s(self.elementwise_bytes(batch, logits=True))
-        return weights_s + head[0], matmul_s + head[1], experts_s, attention_s, elementwise_s
+        return (weights_s + head[0], matmul_s + head[1], experts_s,
+                self.decode_attention_s(batch, width))
 
-    def prefill(self, n: int, start: int, sample: bool, rows: int = 1) -> tuple[float, ...]:
+    def prefill(self, n: int, start: int, sample: bool,
+                rows: int = 1) -> tuple[float, float, float, float]:
         """`rows` prompts' chunks of n tokens in one forward pass (one GEMM over rows x n)."""
-        weights_s, matmul_s, experts_s = self.linear_s(rows * n)
+        weights_s, matmul_s, experts_s = self.linear_split_s(rows * n)
         head = self._head_split(rows if sample else 0)
-        attention_s = rows * sum(count * self.attention_prefill_s(layer.attention, n, start)
-                                 for layer, count in self.layers.items())
-        nbytes = rows * (self.elementwise_bytes(n, logits=False)
-                         + (self.spec.vocab_size * 4 if sample else 0))
-        return (weights_s + head[0], matmul_s + head[1], experts_s, attention_s,
-                self.cost.bytes_s(nbytes))
+        return (weights_s + head[0], matmul_s + head[1], experts_s,
+                rows * self.prefill_attention_s(n, start))

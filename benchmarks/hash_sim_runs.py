@@ -3,7 +3,8 @@ family, calibrated and catalog profiles, engines, quantized K/V, a cluster, pree
 that must not move a float (a refactor of the cost model or the simulator) prints the same
 lines before and after:
 
-    python benchmarks/hash_sim_runs.py > before.txt; ...; python benchmarks/hash_sim_runs.py | diff before.txt -
+    python benchmarks/hash_sim_runs.py > before.txt  # then change the code, then:
+    python benchmarks/hash_sim_runs.py | diff before.txt -
 
 (an optional argument keeps the run directories there.)
 """

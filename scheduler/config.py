@@ -8,6 +8,9 @@ from typing import Literal
 
 from batchsim.scheduler.kv_bytes import CacheLayout
 from batchsim.scheduler.pool_geometry import KV_STEP
+from batchsim.scheduler.spec_budget import SPEC_POLICIES
+
+MAX_SPEC_TOKENS = 32  # drafted tokens per row and step
 
 Policy = Literal["decode-first", "prefill-first"]
 KVLayout = Literal["padded", "paged"]
@@ -30,6 +33,10 @@ class SchedulerSettings:
     policy: Policy = "decode-first"
     # Pool rows grow in powers of two up to this, then in multiples of it.
     row_step: int = 8
+    # Speculative decoding: drafted tokens a decode row may verify per step (0: off), and how K
+    # follows the batch (scheduler/spec_budget.py: shrink or fixed).
+    spec_tokens: int = 0
+    spec_policy: str = "shrink"
 
     def __post_init__(self) -> None:  # run and serve refuse the same values, real or simulated
         _check(_limit_checks(self))
@@ -44,6 +51,10 @@ def _limit_checks(s: SchedulerSettings | SchedulerConfig) -> list[tuple[bool, st
         (s.policy in ("decode-first", "prefill-first"),
          "policy must be 'decode-first' or 'prefill-first'"),
         (s.row_step >= 1, "row_step must be >= 1"),
+        (0 <= s.spec_tokens <= MAX_SPEC_TOKENS,
+         f"spec_tokens must be in 0..{MAX_SPEC_TOKENS}, got {s.spec_tokens}"),
+        (s.spec_policy in SPEC_POLICIES,
+         f"spec_policy must be one of {', '.join(SPEC_POLICIES)}, got {s.spec_policy!r}"),
     ]
 
 
@@ -73,6 +84,8 @@ class SchedulerConfig:
     prefill_step_size: int = _DEFAULT.prefill_step_size
     policy: Policy = _DEFAULT.policy
     row_step: int = _DEFAULT.row_step
+    spec_tokens: int = _DEFAULT.spec_tokens
+    spec_policy: str = _DEFAULT.spec_policy
     # Pure-decode steps one plan may cover (1 for real execution; more lets a simulator skip ahead).
     max_lookahead_steps: int = 1
     # What the cache holds by layer kind (sliding windows, fixed states); None: dense, every layer

@@ -42,10 +42,14 @@ class StepPlan(NamedTuple):
     # A pure-decode plan may be repeated this many times with nothing else changing
     # (the simulator fast-forwards; the real executor always runs 1).
     num_steps: int = 1
+    # Speculative decoding: drafted tokens each decode row may verify this step, aligned with
+    # decode_ids (the executor drafts up to that many); empty: none.
+    decode_spec_tokens: tuple[int, ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return len(self.decode_ids) + sum(c.num_tokens for c in self.prefills)
+        return (len(self.decode_ids) + sum(self.decode_spec_tokens)
+                + sum(c.num_tokens for c in self.prefills))
 
 
 class StepResult(NamedTuple):
@@ -58,6 +62,11 @@ class StepResult(NamedTuple):
     step_durations_s: tuple[float, ...]
     # KV bytes the executor holds after the step, counted from its own arrays.
     kv_bytes: int
+    # Speculative decoding (one executed step): per sampled row, the drafted tokens it accepted,
+    # which come before its sampled token; None when the step verified no drafts.
+    accepted_ids: tuple[tuple[int, ...], ...] | None = None
+    # Tokens drafted per sampled row (aligned with sampled_ids); None as accepted_ids.
+    num_drafted: tuple[int, ...] | None = None
 
     @property
     def num_steps(self) -> int:

@@ -18,6 +18,7 @@ from batchsim.scheduler.kv_manager import KVAccountError, KVManager
 from batchsim.scheduler.plan import NewRequest, StepPlan, StepResult
 from batchsim.scheduler.pool_geometry import PAGE_TOKENS, PoolGeometry, row_blocks
 from batchsim.scheduler.request import Request, RequestStatus
+from batchsim.scheduler.spec_budget import row_spec_tokens
 from batchsim.scheduler.step_budget import StepBudget
 
 
@@ -194,7 +195,8 @@ class Scheduler:
         kv_bytes = budget.commit()
         decodes = budget.pool if budget.decode_step else []
         prefills = budget.prefills
-        pure_decode = not (prefills or new_requests)
+        spec = budget.spec_k and tuple([row_spec_tokens(r, budget.spec_k) for r in decodes])
+        pure_decode = not (prefills or new_requests or spec)
         return StepPlan(  # positional: this runs every step
             self.num_steps,
             tuple(sorted(free_ids)) if free_ids else (),
@@ -205,6 +207,7 @@ class Scheduler:
             budget.geom,
             kv_bytes,
             self._lookahead(decodes, budget.geom, budget.width) if pure_decode else 1,
+            spec if spec and any(spec) else (),
         )
 
     def _preempt_newest(self, budget: StepBudget, free_ids: list[int]) -> None:
@@ -258,25 +261,33 @@ class Scheduler:
         finished: list[Request] = []
         step = self.num_steps
         end = step + k
-        token_ids = result.token_ids
+        token_ids, accepted = result.token_ids, result.accepted_ids
         for i, rid in enumerate(result.sampled_ids):  # every decode row and sampling prefill
             r = requests.get(rid)
             if r is None or r.status is not running:
                 continue
+            n = k  # tokens this row emitted: one per step, or accepted drafts and one (k is 1)
+            new = None
+            if token_ids is not None:
+                new = [token_ids[s][i] for s in range(k)]
+                if accepted is not None and accepted[i]:
+                    new = self._until_stop(r, [*accepted[i], *new])
+                    n = len(new)
             if rid not in prefill_ids:
-                r.num_computed_tokens += k
-            out = r.num_output_tokens = r.num_output_tokens + k
+                r.num_computed_tokens += n
+            out = r.num_output_tokens = r.num_output_tokens + n
             runs = r.token_runs  # this is the hot loop: one run per stretch of consecutive steps
             if runs and runs[-1][1] == step:
                 runs[-1][1] = end
             else:
                 runs.append([step, end])
-            if token_ids is None:  # simulation: no token ids, only the length can stop a request
+            if n > k:  # tokens emitted at the same step: a run of that one step each
+                runs.extend([step, end] for _ in range(n - k))
+            if new is None:  # simulation: no token ids, only the length can stop a request
                 if out >= r.sampling.max_tokens:
                     self._finish(r, "length")
                     finished.append(r)
                 continue
-            new = [token_ids[s][i] for s in range(k)]
             r.output_token_ids.extend(new)
             reason = self._stop_reason(r, new)
             if reason is not None:
@@ -284,6 +295,18 @@ class Scheduler:
                 finished.append(r)
         self.num_steps += k
         return finished
+
+    @staticmethod
+    def _until_stop(r: Request, new: list[int]) -> list[int]:
+        """A verify step's accepted drafts and sampled token, cut after the first that ends the
+        request (EOS, a stop token), as plain decoding would have stopped there."""
+        stops = r.sampling.stop_token_ids
+        if not r.sampling.ignore_eos:
+            stops = stops | r.eos_token_ids
+        for j, t in enumerate(new[:-1]):
+            if t in stops:
+                return new[: j + 1]
+        return new
 
     @staticmethod
     def _stop_reason(r: Request, new_tokens: list[int]) -> str | None:

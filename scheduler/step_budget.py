@@ -11,6 +11,7 @@ from batchsim.scheduler.kv_manager import KVManager
 from batchsim.scheduler.plan import PrefillChunk
 from batchsim.scheduler.pool_geometry import KV_STEP, PoolGeometry, round_down, row_blocks
 from batchsim.scheduler.request import Request
+from batchsim.scheduler.spec_budget import step_spec_tokens
 
 
 class StepBudget:
@@ -26,6 +27,9 @@ class StepBudget:
         "pool",
         "prefill_step_size",
         "prefills",
+        "spec_k",
+        "spec_policy",
+        "spec_tokens",
         "private",
         "tokens_left",
         "width",
@@ -51,11 +55,14 @@ class StepBudget:
         self.geom: PoolGeometry | None = None  # set by fit_pool
         self.tokens_left = 0  # set by fit_pool
         self.prefills: list[PrefillChunk] = []
+        self.spec_tokens, self.spec_policy = config.spec_tokens, config.spec_policy
+        self.spec_k = 0  # drafts each decode row may verify this step (spec_budget.py)
 
     def geometry(self, reserve_bytes: int = 0) -> PoolGeometry | None:
         """The pool geometry for these rows in what the private caches leave; None: none fits."""
         room = self.budget_bytes - self.private_bytes() - reserve_bytes
-        return self.kv.geometry_for(len(self.pool), self.width, room, self.blocks)
+        width = self.width + self.spec_k if self.pool else self.width
+        return self.kv.geometry_for(len(self.pool), width, room, self.blocks)
 
     def _blocks(self) -> int:
         if not self.kv.paged:
@@ -64,9 +71,16 @@ class StepBudget:
         return sum([row_blocks(r.num_computed_tokens + step) for r in self.pool])
 
     def fit_pool(self) -> bool:
-        """Place the pool's rows (False: they do not fit); decode rows take one token each."""
+        """Place the pool's rows (False: they do not fit); decode rows take one token each, and
+        spec_k drafted tokens each while those fit (else this step does not speculate)."""
+        rows = len(self.pool) if self.decode_step else 0
+        self.spec_k = step_spec_tokens(self.spec_tokens, self.spec_policy, rows,
+                                       self.max_num_batched_tokens)
         self.geom = self.geometry()
-        self.tokens_left = self.max_num_batched_tokens - (len(self.pool) if self.decode_step else 0)
+        if self.geom is None and self.spec_k:
+            self.spec_k = 0
+            self.geom = self.geometry()
+        self.tokens_left = self.max_num_batched_tokens - rows * (1 + self.spec_k)
         return self.geom is not None
 
     def refit_pool(self) -> None:
@@ -130,7 +144,7 @@ class StepBudget:
             return False
         self.geom = trial
         self.in_pool.add(request.request_id)
-        self.tokens_left -= 1
+        self.tokens_left -= 1 + self.spec_k
         return True
 
     def private_bytes(self) -> int:

@@ -24,6 +24,7 @@ from batchsim.scripts.common import (
     out,
     positive_float,
 )
+from batchsim.scripts.spec_args import add_spec_args, spec_overrides
 from batchsim.scripts.workload_args import add_sharing_args, sharing_from_args, trace_override
 from batchsim.server.engine.run_config import (
     DTYPES,
@@ -161,6 +162,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     add_kv_bits_arg(g)
     add_engine_arg(g)
     add_scheduler_args(p)
+    add_spec_args(p)
     add_workload_args(p)
     g = p.add_argument_group("report")
     g.add_argument("--goodput", nargs="+", metavar="SLO:MS",
@@ -219,9 +221,9 @@ def config_from_args(args: argparse.Namespace, default: RunConfig | None = None)
 
 
 def scheduler_overrides(args: argparse.Namespace) -> dict[str, object]:
-    """The scheduler flags as with_run_overrides keys (None: not given)."""
+    """The scheduler and speculative decoding flags as with_run_overrides keys (None: not given)."""
     names = ("max_num_seqs", "max_num_batched_tokens", "prefill_step_size", "policy")
-    return {f"scheduler.{n}": getattr(args, n, None) for n in names}
+    return {f"scheduler.{n}": getattr(args, n, None) for n in names} | spec_overrides(args)
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -17,6 +17,7 @@ from batchsim.scripts.common import (
     port_int,
 )
 from batchsim.scripts.run_cmd import add_model_args, add_scheduler_args, scheduler_overrides
+from batchsim.scripts.spec_args import add_spec_args
 from batchsim.server.http.options import ServeOptions
 
 LISTENING = "batchsim serve: listening on "  # tests and scripts parse this stderr line
@@ -25,6 +26,7 @@ LISTENING = "batchsim serve: listening on "  # tests and scripts parse this stde
 def add_parser(p: argparse.ArgumentParser) -> None:
     add_model_args(p, simulated=False)
     add_scheduler_args(p)
+    add_spec_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     g.add_argument("--port", type=port_int, default=8000, help="port; 0 picks a free one")

@@ -20,6 +20,8 @@ from batchsim.workloads.spec import (
 )
 
 ExecutorName = Literal["mlx", "sim", "fake"]
+SpecMethod = Literal["none", "ngram", "draft"]
+SPEC_METHODS: tuple[str, ...] = ("none", "ngram", "draft")
 # auto: float32 on the CPU backend, float16 on a GPU.
 DTYPES: tuple[str, ...] = ("auto", *FLOAT_DTYPES)
 
@@ -44,6 +46,9 @@ class RunConfig:
     percentiles: tuple[float, ...] = (50.0, 90.0, 95.0, 99.0)
     goodput: dict[str, float] | None = None  # SLOs in ms: ttft, tpot, e2el
     target: str | None = None  # an OpenAI-compatible endpoint to load instead of running in-process
+    # Speculative decoding (server/executors/speculative.py); K is scheduler.spec_tokens.
+    spec_method: SpecMethod = "none"
+    draft_model: str | None = None  # spec_method draft: zoo name or model directory
 
     def __post_init__(self) -> None:
         if self.quantize not in (None, *QUANT_BITS):
@@ -64,9 +69,34 @@ class RunConfig:
         if not self.percentiles or not all(0 <= q <= 100 for q in self.percentiles):  # nan too
             raise ConfigError("percentiles must be numbers in 0..100, got "
                               f"{list(self.percentiles)}")
+        _check_spec(self)
         from batchsim.server.perf.engines import load_engine
 
         load_engine(self.engine)  # an unknown engine: a one-line error listing the known ones
+
+
+def _check_spec(cfg: RunConfig) -> None:
+    """Speculative decoding's combinations, each refused in one line."""
+    method, k = cfg.spec_method, cfg.scheduler.spec_tokens
+    if method not in SPEC_METHODS:
+        raise ConfigError(f"spec_method: {method!r} is not allowed; allowed: "
+                          f"{', '.join(SPEC_METHODS)}")
+    if method == "none":
+        if k:
+            raise ConfigError("--spec-tokens needs --spec-method ngram or draft")
+        if cfg.draft_model:
+            raise ConfigError("--draft-model needs --spec-method draft")
+        return
+    if not k:
+        raise ConfigError(f"--spec-method {method} needs --spec-tokens K (K >= 1)")
+    if (method == "draft") != bool(cfg.draft_model):
+        raise ConfigError("--spec-method draft needs --draft-model M" if method == "draft"
+                          else "--draft-model needs --spec-method draft")
+    if cfg.executor != "mlx":
+        raise ConfigError(f"--spec-method {method} runs on --executor mlx only")
+    if cfg.kv_layout != "padded":
+        raise ConfigError(f"--spec-method {method} verifies drafts in the padded KV layout only "
+                          "(--kv-layout padded)")
 
 
 def load_run_config(path: str | Path) -> RunConfig:

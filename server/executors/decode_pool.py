@@ -147,17 +147,20 @@ class DecodePool:
         return sum(row_blocks(n + 1) for n in lengths) - held <= blocks.num_free
 
     # -- decode --------------------------------------------------------------------------------
-    def layer_views(self) -> list:
-        """Per-layer caches for one decode forward over rows [0, B); lengths advance by one."""
+    def layer_views(self, n: int = 1) -> list:
+        """Per-layer caches for one decode forward of `n` tokens per row over rows [0, B); lengths
+        advance by n (a verify step then keeps what it accepted: keep())."""
         lengths = self.lengths
         rows = self._aranges.get(len(lengths))
         if rows is None:
             rows = self._aranges[len(lengths)] = mx.arange(len(lengths))
-        step = DecodeStep(lengths, rows, self._paged_step(lengths) if self.paged else None)
+        if self.paged and n != 1:
+            raise RuntimeError("the paged layout decodes one token per row and step")
+        step = DecodeStep(lengths, rows, self._paged_step(lengths) if self.paged else None, n)
         if step.width > self.geometry.capacity_tokens:
             raise RuntimeError(f"row of {step.width} tokens exceeds capacity {self.geometry}")
         views = [s.view_class(s, step) for s in self.stores]
-        self.lengths = [n + 1 for n in lengths]
+        self.lengths = [x + n for x in lengths]
         return views
 
     def _paged_step(self, lengths: list[int]) -> PagedStep:
@@ -173,3 +176,8 @@ class DecodePool:
             self._tables = mx.array([t + [0] * (width - len(t)) for t in tables])
         return PagedStep(self._tables, lengths,
                          [t[n // PAGE_TOKENS] for t, n in zip(tables, lengths)])
+
+    def keep(self, lengths: list[int], kept: list[int]) -> None:
+        """After a verify step from `lengths`: each row keeps its first kept[b] tokens; K/V past
+        them are never read (masked, then overwritten), as after an undone step run ahead."""
+        self.lengths = [x + k for x, k in zip(lengths, kept)]

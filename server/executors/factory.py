@@ -16,7 +16,8 @@ def build_executor(cfg: Any, ref: Any, model: Any = None) -> Executor:
 
         if model is None:
             raise ValueError("the MLX executor needs a loaded model")
-        return MLXExecutor(model, kv_bits=cfg.kv_bits, kv_layout=cfg.kv_layout)
+        return MLXExecutor(model, kv_bits=cfg.kv_bits, kv_layout=cfg.kv_layout,
+                           drafter=_drafter(cfg, ref))
     if cfg.executor == "fake":
         from batchsim.server.executors.fake_executor import FakeExecutor
 
@@ -33,3 +34,25 @@ def build_executor(cfg: Any, ref: Any, model: Any = None) -> Executor:
         return SimExecutor(cost, cache=ref.spec.cache_layout(cost.act_dtype, cfg.kv_bits),
                            paged=cfg.kv_layout == "paged")
     raise ValueError(f"unknown executor {cfg.executor!r} (mlx, sim or fake)")
+
+
+def _drafter(cfg: Any, ref: Any):
+    """speculative.Drafter for cfg.spec_method (None: off); the draft model is loaded here."""
+    from batchsim.server.executors import speculative
+
+    method = getattr(cfg, "spec_method", "none")
+    if method == "none":
+        return None
+    speculative.check_layers(ref.spec, method, cfg.kv_bits)
+    if method == "ngram":
+        return speculative.NgramDrafter()
+    from batchsim.configs import ConfigError
+    from batchsim.server.executors.draft_model import DraftModelDrafter
+    from batchsim.server.models.loader import load, resolve
+
+    draft = resolve(cfg.draft_model, ref.dtype)
+    if draft.spec.vocab_size != ref.spec.vocab_size:
+        raise ConfigError(f"--draft-model {draft.name}: a vocabulary of {draft.spec.vocab_size} "
+                          f"tokens, {ref.name}'s has {ref.spec.vocab_size}; a draft model must "
+                          "share the tokenizer")
+    return DraftModelDrafter(load(draft)[0])

@@ -16,32 +16,38 @@ from mlx_lm.models.cache import _BaseCache
 
 
 class DecodeStep:
-    """What every layer's view shares in one decode step."""
+    """What every layer's view shares in one decode step of `n` tokens per row (n > 1: a
+    speculative verify step, speculative.py)."""
 
-    def __init__(self, lengths: list[int], rows: mx.array | None = None, paged=None):
+    def __init__(self, lengths: list[int], rows: mx.array | None = None, paged=None,
+                 n: int = 1):
         self.paged = paged  # paged_store.PagedStep in the paged layout
         self.b = len(lengths)
-        self.width = max(lengths) + 1
-        self.shortest = min(lengths) + 1  # tokens of the shortest row after this step's write
+        self.n = n
+        self.width = max(lengths) + n
+        self.shortest = min(lengths) + n  # tokens of the shortest row after this step's write
         # Every row at one position (always at batch 1): one column written by a slice update and
         # no mask, as mlx-lm's own caches do; otherwise a scatter at each row's position, masked.
         self.aligned = self.shortest == self.width
-        # the new token's position: one int when aligned, else (B,)
-        self.positions = self.width - 1 if self.aligned else mx.array(lengths)
+        # the first new token's position: one int when aligned, else (B,)
+        self.positions = self.width - n if self.aligned else mx.array(lengths)
         self.rows = mx.arange(self.b) if rows is None else rows  # the rows a scatter writes
         self._masks: dict[int, mx.array | None] = {}
         self._slots: dict[int, mx.array | int] = {}
 
     def mask(self, width: int) -> mx.array | None:
-        """(B, 1, 1, width): slot j < width holds a token row b attends to (ring slots: all once
-        the row has wrapped, since then p >= width). None when every row fills all `width` slots
-        (aligned rows; a ring every row has wrapped)."""
-        if self.shortest >= width:
+        """(B, 1, n, width): slot j < width holds a token that row b's query i attends to (ring
+        slots: all once the row has wrapped, since then p >= width). None when n is 1 and every
+        row fills all `width` slots (aligned rows; a ring every row has wrapped)."""
+        if self.n == 1 and self.shortest >= width:
             return None
         m = self._masks.get(width)
         if m is None:
-            m = mx.arange(width)[None] <= self.positions[:, None]
-            m = self._masks[width] = m[:, None, None, :]
+            last = mx.array(self.positions).reshape(-1, 1) + mx.arange(self.n)[None]  # (B|1, n)
+            m = mx.arange(width)[None, None] <= last[:, :, None]
+            if m.shape[0] != self.b:
+                m = mx.broadcast_to(m, (self.b, self.n, width))
+            m = self._masks[width] = m[:, None]
         return m
 
     def slots(self, ring: int) -> mx.array | int:
@@ -51,11 +57,14 @@ class DecodeStep:
         return s
 
     def write(self, a: mx.array, slots: mx.array | int, new: mx.array) -> None:
-        """Put each row's new token (B, heads, 1, dim) into its slot of `a`."""
+        """Put each row's new tokens (B, heads, n, dim) into its slots of `a`."""
         if self.aligned:
-            a[: self.b, :, slots : slots + 1] = new
-        else:
+            a[: self.b, :, slots : slots + self.n] = new
+        elif self.n == 1:
             a[self.rows, :, slots] = new[:, :, 0]
+        else:
+            at = slots[:, None] + mx.arange(self.n)[None]  # (B, n)
+            a[self.rows[:, None], :, at] = new.transpose(0, 2, 1, 3)
 
 
 def _reshape(a: mx.array, rows: int, tokens: int | None) -> mx.array:
@@ -121,8 +130,8 @@ class KVView(_BaseCache):
         return k[: st.b, :, : st.width], v[: st.b, :, : st.width]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        if N != 1 or window_size is not None:
-            raise NotImplementedError("the decode pool serves one-token decode steps")
+        if N != self._step.n or window_size is not None:
+            raise NotImplementedError("the decode pool serves the step's own tokens per row")
         return self._step.mask(self._step.width)
 
     @property

@@ -17,7 +17,7 @@ import mlx.core as mx
 from batchsim.scheduler import prefill_groups
 from batchsim.scheduler.plan import NewRequest, PrefillChunk, StepPlan, StepResult
 from batchsim.scheduler.request import SamplingParams
-from batchsim.server.executors import lookahead, prefill_cache, sampler
+from batchsim.server.executors import lookahead, prefill_cache, sampler, speculative
 from batchsim.server.executors.base import ExecutorCaps
 from batchsim.server.executors.decode_pool import DecodePool
 
@@ -39,11 +39,15 @@ class MLXExecutor:
                         needs_token_ids=True)
 
     def __init__(self, model, cache_limit_bytes: int | None = 4 << 30, kv_bits: int | None = None,
-                 run_ahead: bool = True, kv_layout: str = "padded"):
+                 run_ahead: bool = True, kv_layout: str = "padded",
+                 drafter: speculative.Drafter | None = None):
         self.model = model
         self.kv_layout = kv_layout  # the decode pool's: "padded" rows or "paged" blocks
-        # Run each decode step while the previous step's tokens are read (lookahead.py).
-        self.run_ahead = run_ahead
+        # Speculative decoding: drafts for the rows a plan lets verify (speculative.py).
+        self.drafter = drafter
+        # Run each decode step while the previous step's tokens are read (lookahead.py); not
+        # with a drafter: a step's drafts need the previous step's tokens on the host.
+        self.run_ahead = run_ahead and drafter is None
         device = mx.default_device()
         self._stream = None if device == mx.cpu else mx.new_thread_local_stream(device)
         self._ahead: lookahead.Ahead | None = None
@@ -92,9 +96,14 @@ class MLXExecutor:
 
         sampled_ids: list[int] = []  # aligned with the concatenated samples
         samples: list[mx.array] = []
+        verified = None
         if plan.decode_ids:
             sampled_ids.extend(ahead.row_ids if ahead else self.pool.row_ids)
-            samples.append(ahead.tokens if ahead else self._decode())
+            if plan.decode_spec_tokens and ahead is None:
+                verified = self._verify(plan)
+                samples.append(verified.tokens)
+            else:
+                samples.append(ahead.tokens if ahead else self._decode())
         stale = len(sampled_ids) if ahead else 0  # run-ahead rows this plan frees are dropped
         for group in prefill_groups.groups(plan.prefills):
             tokens = self._prefill(group)
@@ -105,6 +114,8 @@ class MLXExecutor:
         freed = set(plan.free_ids)
         pairs = [p for i, p in enumerate(pairs) if i >= stale or p[0] not in freed]
         for rid, tok in pairs:
+            if verified is not None:
+                self.seqs[rid].token_ids.extend(verified.accepted.get(rid, ()))
             self.seqs[rid].token_ids.append(tok)
         elapsed = time.perf_counter() - t0
         return StepResult(
@@ -113,6 +124,7 @@ class MLXExecutor:
             token_ids=(tuple(tok for _, tok in pairs),),
             step_durations_s=(elapsed,),
             kv_bytes=self.kv_bytes(),
+            **(verified.result_fields([rid for rid, _ in pairs]) if verified else {}),
         )
 
     def _read_tokens(self, plan: StepPlan, sampled_ids: list[int],
@@ -189,6 +201,8 @@ class MLXExecutor:
         self.pool.remove(gone)
         for rid in gone:
             self.seqs.pop(rid, None)
+            if self.drafter is not None:
+                self.drafter.forget(rid)
 
     def _register(self, new: NewRequest) -> None:
         if new.token_ids is None:
@@ -236,6 +250,31 @@ class MLXExecutor:
         rows = self.pool.row_ids
         return self._forward(mx.array([self.seqs[rid].token_ids[-1] for rid in rows])[:, None],
                              rows)
+
+    def _verify(self, plan: StepPlan) -> speculative.Verified:
+        """One forward pass over each row's last token and its drafts; rows keep the drafts the
+        greedy rule accepts and the model's token after them (speculative.py)."""
+        pool, rows, seqs = self.pool, self.pool.row_ids, self.seqs
+        budget = dict(zip(plan.decode_ids, plan.decode_spec_tokens))
+        drafts = [self.drafter.propose(rid, seqs[rid].token_ids, budget.get(rid, 0))
+                  if seqs[rid].sampling.is_plain_greedy else [] for rid in rows]
+        n = 1 + max(map(len, drafts))
+        if n == 1:
+            return speculative.Verified(self._decode(), {}, {})
+        inputs = mx.array([[seqs[rid].token_ids[-1], *d] + [0] * (n - 1 - len(d))
+                           for rid, d in zip(rows, drafts)])
+        lengths = list(pool.lengths)
+        logits = self.model(inputs, cache=pool.layer_views(n))  # (B, n, V)
+        greedy = mx.argmax(logits, axis=-1).tolist()
+        kept = [speculative.num_accepted(d, g) for d, g in zip(drafts, greedy)]
+        pool.keep(lengths, [a + 1 for a in kept])
+        if all(seqs[rid].sampling.is_plain_greedy for rid in rows):
+            tokens = mx.array([g[a] for g, a in zip(greedy, kept)])
+        else:  # rows that sample have no drafts: their logits at position 0
+            tokens = self._sample(logits[mx.arange(len(rows)), mx.array(kept)], rows)
+        return speculative.Verified(
+            tokens, {rid: d[:a] for rid, d, a in zip(rows, drafts, kept)},
+            {rid: len(d) for rid, d in zip(rows, drafts)})
 
     def _forward(self, inputs: mx.array, rows: list[int], ahead: int = 0) -> mx.array:
         """One forward pass over the pool's rows; `ahead`: tokens not yet in token_ids (then

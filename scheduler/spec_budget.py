@@ -1,0 +1,39 @@
+"""How many drafted tokens speculative decoding may verify per row in one decode step. They count
+against max_num_batched_tokens and widen the pool's rows for the step (the executor writes their
+K/V before it knows which it keeps), so speculation is turned down before it could preempt anyone.
+
+Policies: `fixed` verifies up to spec_tokens drafts per row at any batch (to measure); `shrink`
+(the default) keeps a verify step near SHRINK_STEP_TOKENS tokens, so K falls as the batch grows:
+decode is memory-bound while a step's tokens are few, and batching spends the same headroom."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from batchsim.scheduler.request import Request
+
+SpecPolicy = Literal["shrink", "fixed"]
+SPEC_POLICIES: tuple[str, ...] = ("shrink", "fixed")
+# Tokens a shrinking verify step aims at: K = this // rows - 1 (B=1..8: K up to 7, B=16: 3,
+# B=32: 1, B>32: 0). A default, not a measurement: `fixed` measures the real trade.
+SHRINK_STEP_TOKENS = 64
+
+
+def step_spec_tokens(max_spec_tokens: int, policy: str, num_rows: int, tokens_left: int) -> int:
+    """K for every decoding row of a step of `num_rows` rows, within `tokens_left` (the step's
+    token budget before decode)."""
+    if max_spec_tokens <= 0 or num_rows <= 0:
+        return 0
+    k = max_spec_tokens
+    if policy == "shrink":
+        k = min(k, SHRINK_STEP_TOKENS // num_rows - 1)
+    return max(0, min(k, tokens_left // num_rows - 1))
+
+
+def row_spec_tokens(request: Request, k: int) -> int:
+    """Drafts this row may verify at the step's K: none for rows that sample (only the greedy rule
+    is implemented), none past its max_tokens (the sampled token comes after them)."""
+    if k <= 0 or not request.sampling.is_plain_greedy:
+        return 0
+    left = request.sampling.max_tokens - request.num_output_tokens - 1
+    return k if left >= k else max(left, 0)

@@ -1,0 +1,101 @@
+"""Speculative decoding's pieces in the MLX executor: the drafters and the greedy acceptance rule.
+
+A verify step feeds each decoding row its last token and up to k drafted tokens in one forward
+pass (rows with fewer drafts are padded; their extra positions are written and never kept). Row b
+keeps the longest prefix of its drafts equal to the model's argmax, then the model's own token
+after it (the bonus), so greedy output is the tokens plain decoding would produce."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import mlx.core as mx
+import numpy as np
+
+# vLLM's prompt_lookup_min / prompt_lookup_max: the n-gram lengths the n-gram drafter matches.
+NGRAM_MIN = 2
+NGRAM_MAX = 5
+
+
+class Drafter(Protocol):
+    def propose(self, request_id: int, token_ids: list[int], k: int) -> list[int]:
+        """Up to k tokens to follow `token_ids` (prompt + output so far)."""
+        ...
+
+    def forget(self, request_id: int) -> None:
+        """The request left: drop what is held for it."""
+        ...
+
+
+def ngram_proposal(token_ids: list[int], k: int, min_n: int = NGRAM_MIN,
+                   max_n: int = NGRAM_MAX) -> list[int]:
+    """Prompt lookup as vLLM's NgramProposer: the longest n in [min_n, max_n] whose last n tokens
+    occur earlier in `token_ids`; at its earliest occurrence, the up to k tokens that follow."""
+    total = len(token_ids)
+    if k <= 0 or total < min_n + 1:
+        return []
+    tokens = np.asarray(token_ids)
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[0]) + n
+            return token_ids[start : start + k]
+    return []
+
+
+class NgramDrafter:
+    """Drafts from the request's own prompt and output: no second model."""
+
+    def __init__(self, min_n: int = NGRAM_MIN, max_n: int = NGRAM_MAX):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram lengths must satisfy 1 <= min <= max, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, request_id: int, token_ids: list[int], k: int) -> list[int]:
+        return ngram_proposal(token_ids, k, self.min_n, self.max_n)
+
+    def forget(self, request_id: int) -> None:
+        pass
+
+
+def num_accepted(drafts: list[int], greedy: list[int]) -> int:
+    """How many drafts, from the first, equal the model's argmax at their position (greedy[i] is
+    the argmax after the row's last token and drafts[:i])."""
+    n = 0
+    for d, g in zip(drafts, greedy):
+        if d != g:
+            break
+        n += 1
+    return n
+
+
+class Verified(NamedTuple):
+    """What a verify step produced for the pool's rows."""
+
+    tokens: mx.array  # (B,) each row's sampled token (after its accepted drafts)
+    accepted: dict[int, list[int]]  # request id -> drafts it kept
+    drafted: dict[int, int]  # request id -> drafts it verified
+
+    def result_fields(self, sampled_ids: list[int]) -> dict:
+        """StepResult's accepted_ids and num_drafted, aligned with its sampled_ids."""
+        if not self.drafted:
+            return {}
+        return {"accepted_ids": tuple(tuple(self.accepted.get(r, ())) for r in sampled_ids),
+                "num_drafted": tuple(self.drafted.get(r, 0) for r in sampled_ids)}
+
+
+ROLLBACK_KINDS = ("full", "mla")  # layer kinds whose cache a verify step can cut back
+
+
+def check_layers(spec, method: str, kv_bits: int | None = None) -> None:
+    """ConfigError, in one line naming the layer kind, for a model (a ModelSpec) whose cache
+    cannot roll back rejected drafts: a sliding ring overwrites the slots they would free, a
+    linear-attention state has taken them in."""
+    from batchsim.configs import ConfigError
+
+    kinds = sorted({lay.attention.kind for lay in spec.arch.layers} - set(ROLLBACK_KINDS))
+    if kinds:
+        raise ConfigError(f"--spec-method {method}: the model has {kinds[0]}-attention layers, "
+                          "whose cache cannot roll back rejected drafts; speculative decoding "
+                          "needs full-attention or MLA layers only")

@@ -1,0 +1,125 @@
+"""Speculative decoding: n-gram drafts verified in one batched forward pass give exactly the tokens
+plain greedy decoding gives (tiny model and the real default model, alone and batched), rejected
+drafts are rolled back with the scheduler's KV account exact at every step, and the scheduler
+budgets the drafted tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from batchsim.scheduler.request import Request, SamplingParams
+from batchsim.scheduler.scheduler import Scheduler
+from batchsim.scheduler.spec_budget import step_spec_tokens
+from batchsim.server.executors.mlx_executor import MLXExecutor
+from batchsim.server.executors.speculative import NgramDrafter, ngram_proposal
+
+from tests.drivers import config, drive, make_request
+
+
+def test_ngram_proposal_follows_vllm_prompt_lookup():
+    # vLLM's docstring example: [4, 2, 3] has no earlier match, [2, 3] does; 3 tokens follow it.
+    assert ngram_proposal([1, 2, 3, 4, 2, 3], k=4, min_n=2, max_n=3) == [4, 2, 3]
+    assert ngram_proposal([1, 2, 3, 4, 2, 3], k=2, min_n=2, max_n=3) == [4, 2]
+    # The longest n wins; among its matches the earliest.
+    assert ngram_proposal([7, 1, 2, 9, 5, 1, 2, 8, 5, 1, 2], k=1, min_n=2, max_n=3) == [8]
+    assert ngram_proposal([1, 2, 5, 1, 2, 6, 1, 2], k=1, min_n=2, max_n=2) == [5]
+    assert ngram_proposal([1, 2, 3, 4], k=3) == []  # no match
+    assert ngram_proposal([1, 2, 1, 2], k=0) == []
+
+
+def test_spec_tokens_shrink_with_the_batch_and_fit_the_token_budget():
+    assert [step_spec_tokens(4, "shrink", b, 2048) for b in (1, 8, 16, 32, 64)] == [4, 4, 3, 1, 0]
+    assert [step_spec_tokens(4, "fixed", b, 2048) for b in (1, 32, 64)] == [4, 4, 4]
+    assert step_spec_tokens(8, "fixed", 64, 256) == 3  # 64 rows x (1 + 3) = 256 tokens
+    assert step_spec_tokens(0, "fixed", 1, 2048) == 0
+
+
+def _requests(prompts: list[list[int]], max_tokens: int, eos: frozenset[int] = frozenset()):
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=not eos)
+    return [(i % 3, Request(i, len(ids), sampling, 0.0, prompt_token_ids=list(ids),
+                            eos_token_ids=eos))
+            for i, ids in enumerate(prompts)]
+
+
+def _run(model, kvt: int, arrivals, spec_tokens: int = 0, **cfg):
+    sched = Scheduler(config(kv_bytes_per_token=kvt, spec_tokens=spec_tokens, **cfg))
+    ex = MLXExecutor(model, drafter=NgramDrafter() if spec_tokens else None)
+    trace = drive(sched, ex, arrivals)  # checks the KV account and the executor's bytes per step
+    return {rid: r.output_token_ids for rid, r in trace.requests.items()}, trace
+
+
+def _drafts(trace) -> int:
+    return sum(sum(p.decode_spec_tokens) for p in trace.plans)
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 4])
+def test_ngram_speculation_matches_plain_greedy_tiny(tiny, max_num_seqs):
+    ref, model, _ = tiny
+    kvt = ref.spec.kv_bytes_per_token("float32")
+    rng = random.Random(3)
+    # Repeating prompts: the drafter finds n-grams from the first step.
+    prompts = [[rng.randrange(ref.spec.vocab_size) for _ in range(rng.randint(5, 40))] * 3
+               for _ in range(6)]
+    plain, _ = _run(model, kvt, _requests(prompts, 24), max_num_seqs=max_num_seqs)
+    spec, trace = _run(model, kvt, _requests(prompts, 24), spec_tokens=4,
+                       max_num_seqs=max_num_seqs, spec_policy="fixed")
+    assert spec == plain
+    steps = [p for p in trace.plans if p.decode_spec_tokens]
+    assert steps and max(len(p.decode_ids) for p in steps) == max_num_seqs
+    # Fewer steps than tokens: drafts were accepted (and the test's prompts make some rejected).
+    assert len(trace.plans) < sum(map(len, plain.values()))
+
+
+@pytest.mark.parametrize("policy", ["fixed", "shrink"])
+def test_verify_budget_counts_against_batched_tokens(policy):
+    from batchsim.server.executors.fake_executor import FakeExecutor
+
+    sched = Scheduler(config(max_num_seqs=64, max_num_batched_tokens=256, prefill_step_size=256,
+                             spec_tokens=8,
+                             spec_policy=policy))
+    arrivals = [(i // 8, make_request(i, 4, 20, ids=True)) for i in range(48)]
+    trace = drive(sched, FakeExecutor(), arrivals)  # checks the KV account every step
+    for p in trace.plans:
+        rows, k = len(p.decode_ids), max(p.decode_spec_tokens, default=0)
+        assert rows * (1 + k) + sum(c.num_tokens for c in p.prefills) <= 256
+        assert k <= step_spec_tokens(8, policy, rows, 256)  # rows near max_tokens draft fewer
+    ks: dict[int, int] = {}  # rows -> K of the first step with that many rows
+    for p in trace.plans:
+        ks.setdefault(len(p.decode_ids), max(p.decode_spec_tokens, default=0))
+    if policy == "fixed":  # K only as the token budget allows; the drafts hold back admissions
+        assert (ks[8], ks[32], max(ks)) == (8, 7, 32)
+    else:
+        assert (ks[8], ks[16], ks[32], ks[48]) == (7, 3, 1, 0)
+
+
+@pytest.fixture(scope="module")
+def real(batchsim_home):
+    from batchsim.server.models.loader import load, resolve
+
+    ref = resolve("smollm2-135m-instruct", "float32")
+    model, tokenizer = load(ref)
+    return ref, model, tokenizer
+
+
+# A reply that copies from its prompt (drafts accepted, and one rejected where the model drops a
+# word) and one that repeats itself.
+QUESTIONS = ["Repeat after me three times: the quick brown fox jumps over the lazy dog.",
+             "List the days of the week, one per line."]
+
+
+@pytest.mark.slow
+def test_ngram_speculation_matches_plain_greedy_real_weights(real):
+    from batchsim.workloads.chat import chat_token_ids
+
+    ref, model, tok = real
+    kvt = ref.spec.kv_bytes_per_token(ref.dtype)
+    prompts = [chat_token_ids(tok, q) for q in QUESTIONS]
+    eos = frozenset(tok.eos_token_ids)
+    plain, _ = _run(model, kvt, _requests(prompts, 20, eos), max_num_seqs=2)
+    for max_num_seqs in (1, 2):  # alone, and both rows in one verify step
+        spec, trace = _run(model, kvt, _requests(prompts, 20, eos), spec_tokens=4,
+                           max_num_seqs=max_num_seqs)
+        assert spec == plain
+        assert _drafts(trace) > 0
+        assert max(len(p.decode_ids) for p in trace.plans if p.decode_spec_tokens) == max_num_seqs

@@ -27,10 +27,10 @@ class StepBudget:
         "pool",
         "prefill_step_size",
         "prefills",
+        "private",
         "spec_k",
         "spec_policy",
         "spec_tokens",
-        "private",
         "tokens_left",
         "width",
     )

@@ -123,3 +123,83 @@ def test_ngram_speculation_matches_plain_greedy_real_weights(real):
         assert spec == plain
         assert _drafts(trace) > 0
         assert max(len(p.decode_ids) for p in trace.plans if p.decode_spec_tokens) == max_num_seqs
+
+
+def test_draft_model_speculation_matches_plain_greedy_tiny(tiny):
+    # The model as its own draft: nearly every draft is accepted, and the output stays exact.
+    from batchsim.server.executors.draft_model import DraftModelDrafter
+
+    ref, model, _ = tiny
+    kvt = ref.spec.kv_bytes_per_token("float32")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(ref.spec.vocab_size) for _ in range(rng.randint(3, 30))]
+               for _ in range(4)]
+    plain, _ = _run(model, kvt, _requests(prompts, 16), max_num_seqs=4)
+    sched = Scheduler(config(kv_bytes_per_token=kvt, spec_tokens=3, max_num_seqs=4))
+    trace = drive(sched, MLXExecutor(model, drafter=DraftModelDrafter(model)),
+                  _requests(prompts, 16))
+    assert {rid: r.output_token_ids for rid, r in trace.requests.items()} == plain
+    assert len(trace.plans) <= sum(map(len, plain.values())) // 3
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--spec-tokens", "4"], "--spec-tokens needs --spec-method ngram or draft"),
+    (["--spec-method", "ngram"], "--spec-method ngram needs --spec-tokens K"),
+    (["--spec-method", "draft", "--spec-tokens", "2"], "--spec-method draft needs --draft-model"),
+    (["--spec-method", "ngram", "--spec-tokens", "2", "--draft-model", "tiny"],
+     "--draft-model needs --spec-method draft"),
+    (["--spec-method", "ngram", "--spec-tokens", "2", "--executor", "sim"],
+     "runs on --executor mlx only"),
+    (["--spec-method", "ngram", "--spec-tokens", "99"], "spec_tokens must be in 0..32"),
+    (["--model", "tiny-sliding", "--spec-method", "ngram", "--spec-tokens", "2"],
+     "the model has sliding-attention layers, whose cache cannot roll back"),
+    (["--model", "tiny-hybrid", "--dtype", "float32", "--spec-method", "ngram",
+      "--spec-tokens", "2"], "the model has linear-attention layers"),
+])
+def test_bad_speculation_flags_are_one_line_errors(batchsim_home, tmp_path, capsys, flags,
+                                                  message):
+    from batchsim.scripts.cli import main
+
+    assert main(["run", "--num-prompts", "1", "--out", str(tmp_path), "--model", "tiny",
+                 *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err.strip().splitlines()[-1] and "Traceback" not in err, err
+
+
+def test_spec_counts_are_vllms():
+    from batchsim.scheduler.plan import StepResult
+    from batchsim.server.results.spec_metrics import SpecCounts
+
+    counts = SpecCounts()
+    # Three rows: 4 drafted, 2 kept; 2 drafted, none kept; no draft (not counted as a draft).
+    counts.add(StepResult(0, (1, 2, 3), ((7, 8, 9),), (0.1,), 0, ((5, 6), (), ()), (4, 2, 0)))
+    counts.add(StepResult(1, (1,), ((7,),), (0.1,), 0, ((5, 6, 7, 8),), (4,)))
+    counts.add(StepResult(2, (1,), ((7,),), (0.1,), 0))  # a plain step
+    s = counts.summary()
+    assert (s["spec_decode_num_drafts"], s["spec_decode_draft_tokens"],
+            s["spec_decode_accepted_tokens"]) == (3, 10, 6)
+    assert s["spec_decode_acceptance_rate"] == pytest.approx(60.0)
+    assert s["spec_decode_acceptance_length"] == pytest.approx(1 + 6 / 3)
+    assert s["spec_decode_per_position_acceptance_rates"] == pytest.approx([2 / 3, 2 / 3, 1 / 3,
+                                                                            1 / 3])
+
+
+def test_run_summary_reports_speculation(batchsim_home, tmp_path, capsys):
+    import json
+
+    from batchsim.scripts.cli import main
+
+    argv = ["run", "--model", "tiny", "--num-prompts", "4", "--input-len", "32",
+            "--output-len", "16", "--out", str(tmp_path), "--no-progress", "--no-timeline"]
+    sums = []
+    for extra in ([], ["--spec-method", "ngram", "--spec-tokens", "4", "--spec-policy", "fixed"]):
+        assert main([*argv, *extra]) == 0
+        sums.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    plain, spec = sums
+    assert spec["output_tokens_sha256"] == plain["output_tokens_sha256"]
+    assert spec["kv_account_mismatches"] == 0 and "spec_decode_num_drafts" not in plain
+    assert spec["spec_decode_num_drafts"] > 0
+    assert spec["spec_decode_accepted_tokens"] <= spec["spec_decode_draft_tokens"]
+    assert spec["spec_decode_acceptance_rate"] == pytest.approx(
+        100 * spec["spec_decode_accepted_tokens"] / spec["spec_decode_draft_tokens"])
+    assert spec["num_steps"] < plain["num_steps"]

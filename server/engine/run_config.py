@@ -123,9 +123,9 @@ def with_run_overrides(cfg: RunConfig, workload: dict[str, Any], **changes: Any)
     sched = {k.split(".", 1)[1]: v for k, v in changes.items() if k.startswith("scheduler.")}
     top = {k: v for k, v in changes.items() if not k.startswith("scheduler.") and v is not None}
     sched = {k: v for k, v in sched.items() if v is not None}
+    if sched:  # in the same replace: RunConfig checks its speculation against the scheduler's
+        top["scheduler"] = dataclasses.replace(cfg.scheduler, **sched)
     new = dataclasses.replace(cfg, **top)
-    if sched:
-        new = dataclasses.replace(new, scheduler=dataclasses.replace(new.scheduler, **sched))
     if any(v is not None for v in workload.values()):
         new = dataclasses.replace(new, workload=with_overrides(new.workload, **workload))
     return new

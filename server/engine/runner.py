@@ -211,6 +211,9 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
         "mean_arrival_lateness_ms": 1e3 * float(np.mean(run.lateness_s)) if run.lateness_s else 0.0,
         "interrupted": run.interrupted,
     })
+    if cfg.spec_method != "none":
+        summary.update({"spec_method": cfg.spec_method, "spec_tokens": cfg.scheduler.spec_tokens,
+                        "spec_policy": cfg.scheduler.spec_policy, **rec.spec.summary()})
     if session.executor.caps.real_compute:  # simulated tokens are not tokens
         summary["output_tokens_sha256"] = output_tokens_sha256(
             {rid: r.output_token_ids for rid, r in rec.requests.items()})

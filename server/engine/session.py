@@ -57,6 +57,8 @@ class Session:
             "prefill_step_size": self._prefill_step_size(),
             "policy": s.policy,
             "row_step": s.row_step,
+            "spec_tokens": s.spec_tokens,
+            "spec_policy": s.spec_policy,
             "max_lookahead_steps": self.executor.caps.max_lookahead_steps,
             "cache_layout": self.cache_layout,
             "kv_layout": self.config.kv_layout,
@@ -167,6 +169,10 @@ def _open_mlx(cfg: RunConfig, dtype: str, budget: int, source: str,
     # that cannot fit.
     early = resolve(cfg.model, dtype, cfg.quantize, build=False)
     early.spec.check_kv_bits(cfg.kv_bits)
+    if cfg.spec_method != "none":
+        from batchsim.server.executors.speculative import check_layers
+
+        check_layers(early.spec, cfg.spec_method)
     _require_moe_dtype(early)
     weight_bytes = early.spec.weight_bytes(early.dtype, early.quantize_bits)
     if prepare_model is None and weight_bytes >= budget:  # a rank's shard is checked once loaded

@@ -37,13 +37,13 @@ def build_executor(cfg: Any, ref: Any, model: Any = None) -> Executor:
 
 
 def _drafter(cfg: Any, ref: Any):
-    """speculative.Drafter for cfg.spec_method (None: off); the draft model is loaded here."""
+    """speculative.Drafter for cfg.spec_method (None: off); the draft model is loaded here. (The
+    session has refused models whose layers cannot roll back: speculative.check_layers.)"""
     from batchsim.server.executors import speculative
 
     method = getattr(cfg, "spec_method", "none")
     if method == "none":
         return None
-    speculative.check_layers(ref.spec, method, cfg.kv_bits)
     if method == "ngram":
         return speculative.NgramDrafter()
     from batchsim.configs import ConfigError
@@ -51,6 +51,7 @@ def _drafter(cfg: Any, ref: Any):
     from batchsim.server.models.loader import load, resolve
 
     draft = resolve(cfg.draft_model, ref.dtype)
+    speculative.check_layers(draft.spec, "draft")  # its own caches are cut back too
     if draft.spec.vocab_size != ref.spec.vocab_size:
         raise ConfigError(f"--draft-model {draft.name}: a vocabulary of {draft.spec.vocab_size} "
                           f"tokens, {ref.name}'s has {ref.spec.vocab_size}; a draft model must "

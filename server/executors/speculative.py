@@ -88,7 +88,7 @@ class Verified(NamedTuple):
 ROLLBACK_KINDS = ("full", "mla")  # layer kinds whose cache a verify step can cut back
 
 
-def check_layers(spec, method: str, kv_bits: int | None = None) -> None:
+def check_layers(spec, method: str) -> None:
     """ConfigError, in one line naming the layer kind, for a model (a ModelSpec) whose cache
     cannot roll back rejected drafts: a sliding ring overwrites the slots they would free, a
     linear-attention state has taken them in."""

@@ -16,6 +16,7 @@ from batchsim.scheduler.plan import StepPlan, StepResult
 from batchsim.scheduler.request import Request
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.engine.memory import peak_resident_bytes, resident_bytes
+from batchsim.server.results.spec_metrics import SpecCounts
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -60,6 +61,7 @@ class ServerRecorder:
         self.max_batch_size = 0
         self.kv_bytes_measured = 0  # the executor's own count after the last step
         self.kv_account_mismatches = 0
+        self.spec = SpecCounts()  # speculative decoding
         self.step_seconds = Histogram(STEP_BUCKETS_S)
         self.batch_size = Histogram(BATCH_BUCKETS)  # decode steps only
         self.request_outcomes: collections.Counter[str] = collections.Counter()
@@ -74,6 +76,9 @@ class ServerRecorder:
         self.num_steps += k
         self.prompt_tokens += sum(c.num_tokens for c in plan.prefills)
         self.generation_tokens += len(result.sampled_ids) * k
+        if result.accepted_ids is not None:
+            self.generation_tokens += sum(map(len, result.accepted_ids))
+            self.spec.add(result)
         batch = len(plan.decode_ids)
         self.last_batch_size = batch
         self.max_batch_size = max(self.max_batch_size, batch)
@@ -142,6 +147,7 @@ def render(rec: ServerRecorder, scheduler: Scheduler, *, kv_budget_bytes: int, m
          rec.kv_account_mismatches),
     ]
     lines: list[str] = []
+    counters += _spec_counters(rec.spec)
     for name, help_text, value in gauges:
         lines += _metric(name, "gauge", help_text, [f"{name} {value}"])
     for name, help_text, value in counters:
@@ -151,12 +157,29 @@ def render(rec: ServerRecorder, scheduler: Scheduler, *, kv_budget_bytes: int, m
                                ("finished", "aborted", "rejected")))
     lines += _metric("batchsim_http_responses_total", "counter", "HTTP responses by status code.",
                      _labelled("batchsim_http_responses_total", rec.http_responses, "code", ()))
+    if rec.spec.num_drafts:
+        lines += _metric("batchsim_spec_decode_per_position_acceptance_rate", "gauge",
+                         "Share of drafts whose token at this position was accepted.",
+                         [f'batchsim_spec_decode_per_position_acceptance_rate{{position="{i}"}} '
+                          f"{r:.6g}" for i, r in enumerate(
+                              rec.spec.summary()["spec_decode_per_position_acceptance_rates"])])
     lines += _metric("batchsim_step_seconds", "histogram", "Engine step latency.",
                      rec.step_seconds.samples("batchsim_step_seconds"))
     lines += _metric("batchsim_decode_batch_size_steps", "histogram",
                      "Requests per decode step.", rec.batch_size.samples(
                          "batchsim_decode_batch_size_steps"))
     return "\n".join(lines) + "\n"
+
+
+def _spec_counters(spec: SpecCounts) -> list[tuple[str, str, int]]:
+    """vLLM's spec_decode counters (num_drafts, num_draft_tokens, num_accepted_tokens)."""
+    return [("batchsim_spec_decode_num_drafts_total",
+             "Speculative drafts verified (rows with >= 1 drafted token, per step).",
+             spec.num_drafts),
+            ("batchsim_spec_decode_num_draft_tokens_total", "Drafted tokens verified.",
+             spec.draft_tokens),
+            ("batchsim_spec_decode_num_accepted_tokens_total", "Drafted tokens accepted.",
+             spec.accepted_tokens)]
 
 
 def parse(text: str) -> dict[str, float]:

@@ -12,6 +12,7 @@ from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.results.json_lines import TokenTimesText
 from batchsim.server.results.metrics import RequestRecord, StepRecord
 from batchsim.server.results.run_files import RecordStream
+from batchsim.server.results.spec_metrics import SpecCounts
 
 
 class RunRecorder:
@@ -20,6 +21,7 @@ class RunRecorder:
         self.step_end_s: list[float] = []  # end time of each executed step, by scheduler step index
         self.steps: list[StepRecord] = []
         self.kv_account_mismatches = 0  # steps where executor and scheduler disagreed on KV bytes
+        self.spec = SpecCounts()  # speculative decoding's drafts and acceptance
         self._preemptions_seen = 0
         self._stream = stream  # the run directory's files, appended as the run goes
         self._final: dict[int, RequestRecord] = {}  # records of requests that left the engine
@@ -35,6 +37,8 @@ class RunRecorder:
         self.step_end_s.extend(ends_s)
         if result.kv_bytes != plan.kv_bytes:
             self.kv_account_mismatches += 1
+        if result.num_drafted is not None:
+            self.spec.add(result)
         preempted = scheduler.num_preemptions - self._preemptions_seen
         self._preemptions_seen = scheduler.num_preemptions
         step = StepRecord(  # positional, in field order: one is built per plan

@@ -211,8 +211,7 @@ def config_from_args(args: argparse.Namespace, default: RunConfig | None = None)
     return with_run_overrides(
         cfg, workload, model=args.model, dtype=args.dtype, quantize=args.quantize,
         kv_bits=getattr(args, "kv_bits", None), kv_layout=args.kv_layout,
-        executor=args.executor,
-        device_profile=args.device_profile, memory_gb=args.memory_gb,
+        executor=args.executor, device_profile=args.device_profile, memory_gb=args.memory_gb,
         engine=getattr(args, "engine", None),
         ignore_eos=args.ignore_eos, target=args.target, percentiles=args.percentiles,
         goodput=parse_goodput(args.goodput) if args.goodput else None,

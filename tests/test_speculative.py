@@ -151,6 +151,8 @@ def test_draft_model_speculation_matches_plain_greedy_tiny(tiny):
     (["--spec-method", "ngram", "--spec-tokens", "2", "--executor", "sim"],
      "runs on --executor mlx only"),
     (["--spec-method", "ngram", "--spec-tokens", "99"], "spec_tokens must be in 0..32"),
+    (["--spec-method", "ngram", "--spec-tokens", "2", "--kv-layout", "paged"],
+     "in the padded KV layout only"),
     (["--model", "tiny-sliding", "--spec-method", "ngram", "--spec-tokens", "2"],
      "the model has sliding-attention layers, whose cache cannot roll back"),
     (["--model", "tiny-hybrid", "--dtype", "float32", "--spec-method", "ngram",

@@ -114,6 +114,23 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
                 handle._run()
         return True
 
+    def run_ready(self) -> bool:
+        """Runs the callbacks ready now, as the next turn would run them before a task's wake-up
+        queued after them, when none of them resumes a task (a task cannot run inside another:
+        the caller's). False: nothing was run (the caller yields to the loop)."""
+        ready = self._ready if self._in_place else None
+        if not ready:
+            return False
+        # A copy first: a signal handler may append to the queue (call_soon_threadsafe) any time.
+        if any(isinstance(getattr(h._callback, "__self__", None), asyncio.Task)
+               for h in list(ready)):
+            return False
+        for _ in range(len(ready)):
+            handle = ready.popleft()
+            if not handle._cancelled:
+                handle._run()
+        return True
+
     def callbacks_ready(self) -> bool:
         return self._in_place and bool(self._ready)
 

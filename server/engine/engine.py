@@ -124,8 +124,10 @@ class Engine:
             raise
 
     async def _loop_steps(self) -> None:
-        # The virtual loop moves its clock in place when nothing else is due (most plans).
+        # The virtual loop moves its clock in place when nothing else is due (most plans), and
+        # runs a finished request's callbacks without a turn when they wake no task.
         advance = getattr(self._loop, "advance", None)
+        run_ready = getattr(self._loop, "run_ready", None)
         while not self._stopping:
             if not self.scheduler.has_work():
                 self._wake.clear()
@@ -150,7 +152,8 @@ class Engine:
             finished = self.scheduler.update_from_output(plan, result)
             self._record(plan, result, start)
             self._resolve(finished)
-            if finished:  # a closed-loop client sends its next request before the next plan
+            # A closed-loop client sends its next request before the next plan.
+            if finished and (run_ready is None or not run_ready()):
                 await asyncio.sleep(0)
 
     def _simulate(self, plan: StepPlan, now: float) -> StepResult:

@@ -10,6 +10,8 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
+from batchsim.configs import ConfigError
+from batchsim.scheduler.config import MAX_SPEC_TOKENS
 from batchsim.scheduler.pool_geometry import KV_STEP, PAGE_TOKENS
 from batchsim.scripts.common import (
     add_field_argument,
@@ -91,6 +93,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "batch 1 and at the max batch; the JSON rows gain parts: {b1, "
                         "max_batch}, seconds by name")
     add_engine_argument(p)
+    g = p.add_argument_group("speculative decoding (server/perf/spec_price.py)")
+    g.add_argument("--spec-tokens", type=bounded(int, 1, MAX_SPEC_TOKENS), default=None,
+                   metavar="K", help="K drafted tokens a row verifies per step: rows gain "
+                   "decode_tok_s_b1_spec and spec_break_even_batch (the batch from which plain "
+                   "decoding is as fast); needs --acceptance")
+    g.add_argument("--acceptance", type=_fraction, default=None, metavar="A",
+                   help="the chance each draft is accepted (a run's spec_decode_acceptance_rate "
+                   "/ 100); needs --spec-tokens")
     c = p.add_argument_group("cluster (tensor- or pipeline-parallel across Macs)")
     c.add_argument("--macs", type=positive_int, default=1,
                    help="N Macs of each row's kind and memory: weights split across them, KV "
@@ -122,9 +132,13 @@ def run(args: argparse.Namespace) -> dict:
     ctx = context_fit(args.context_dist or str(args.context), spec.max_context,
                       args.fit_quantile, args.seed, shared_prefix_tokens=args.shared_prefix)
     meta = _meta(args, spec, catalog, ctx)
+    if (args.spec_tokens is None) != (args.acceptance is None):
+        raise ConfigError("--spec-tokens and --acceptance go together")
     s = Settings(args.dtype, args.quantize, args.bandwidth_efficiency, args.compute_efficiency,
                  meta["os_reserve_gb"], args.kv_bits, fit=load_fit(),
-                 engine=load_engine(args.engine))
+                 engine=load_engine(args.engine), spec_tokens=args.spec_tokens or 0,
+                 acceptance=args.acceptance or 0.0)
+    meta.update({"spec_tokens": args.spec_tokens, "acceptance": args.acceptance})
     cluster = _cluster(args)
     meta.update(_cluster_meta(cluster))
     rows = [mac_row(spec, m, gb, ctx, s, ws, explain=args.explain, cluster=cluster)

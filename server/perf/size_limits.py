@@ -14,7 +14,7 @@ from batchsim.configs import ConfigError
 from batchsim.scheduler.pool_geometry import KV_STEP, PAGE_TOKENS, round_down, round_up
 from batchsim.server.models.arch_cache import cache_bytes, generate_calls
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
-from batchsim.server.perf import macs
+from batchsim.server.perf import macs, spec_price
 from batchsim.server.perf.cluster import Cluster
 from batchsim.server.perf.engines import DEFAULT_ENGINE, EngineProfile
 from batchsim.server.perf.gpu_fit import GpuFit, mac_profile
@@ -155,6 +155,8 @@ class Settings:
     # The fitted GPU step (server.perf.gpu_fit); None: a plain roofline at the efficiencies above.
     fit: GpuFit | None = None
     engine: EngineProfile | None = None  # the serving engine (server.perf.engines); None: batchsim
+    spec_tokens: int = 0  # speculative decoding: K drafted tokens a row verifies per step (0: off)
+    acceptance: float = 0.0  # the chance each draft is accepted (spec_price.py)
 
 
 def mac_profile_for(mac: macs.Mac, s: Settings) -> DeviceProfile:
@@ -248,6 +250,15 @@ def _speed(spec: ModelSpec, mac: macs.Mac, s: Settings, cluster: Cluster | None,
     out = {"profile": profile.name, "profile_fitted_on": profile.fitted_on or profile.source,
            "engine": cost.engine.name, "decode_tok_s_b1": tok_s(steps[0], b1),
            "decode_tok_s_max_batch": tok_s(steps[1], b_max), "bound_at_max_batch": bound(steps[1])}
+    if s.spec_tokens:
+        out.update(_spec_speed(cost, s, b_max, width))
     if explain:  # StepTime's parts in seconds by name, at the max batch and at batch 1 (None: none)
         out["parts"], out["parts_b1"] = (t.as_dict() if t else None for t in reversed(steps))
     return out
+
+
+def _spec_speed(cost: StepCost, s: Settings, max_batch: int, width: int) -> dict:
+    """Speculative decoding at batch 1 and the batch where it stops paying (spec_price.py)."""
+    k, a = s.spec_tokens, s.acceptance
+    return {"decode_tok_s_b1_spec": spec_price.spec_tok_s(cost, 1, k, a, width),
+            "spec_break_even_batch": spec_price.break_even_batch(cost, k, a, width, max_batch)}

@@ -1,0 +1,71 @@
+"""Speculative decoding priced per Mac: the expected tokens per verify step, a verify step priced
+as the decode step plus the prefill price of K more tokens a row (the step cost's own functions),
+the batch-1 gain while decode is bandwidth-bound, the batch where speculation stops paying, and
+`size`'s contract."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from batchsim.configs import ConfigError
+from batchsim.scripts import size
+from batchsim.server.models.spec import zoo_spec
+from batchsim.server.perf import macs, size_limits, spec_price
+from batchsim.server.perf.gpu_fit import load_fit
+
+
+def test_expected_tokens_per_step():
+    assert spec_price.expected_tokens(4, 0.6) == pytest.approx((1 - 0.6**5) / 0.4)
+    assert spec_price.expected_tokens(4, 1.0) == 5
+    assert spec_price.expected_tokens(8, 1e-9) == pytest.approx(1.0)
+
+
+@pytest.fixture(scope="module")
+def cost():
+    catalog = macs.load_catalog()
+    (mac,) = [m for m in catalog.chips if m.label == "M2 Ultra 76c"]
+    s = size_limits.Settings("float16", 4, None, None, 8.0, fit=load_fit())
+    return size_limits.mac_cost(zoo_spec("llama-3.1-8b"), mac, s)
+
+
+def test_verify_step_is_decode_plus_the_prefill_price_of_k_more_tokens_a_row(cost):
+    plain = cost.step_time(decode_rows=8, width=2048).total_s
+    extra = (cost.prefill_time(5, 2048, True, rows=8).total_s
+             - cost.prefill_time(1, 2048, True, rows=8).total_s)
+    assert spec_price.verify_step(cost, 8, 4, 2048) == pytest.approx(plain + extra)
+    assert spec_price.verify_step(cost, 8, 0, 2048) == pytest.approx(plain)
+    assert plain < plain + extra < 5 * plain  # one weight read for 5 tokens a row
+
+
+def test_speculation_pays_at_batch_1_and_stops_with_the_batch(cost):
+    assert spec_price.gain(cost, 1, 4, 0.6, 2048) > 1.5  # bandwidth-bound: verify nearly free
+    b = spec_price.break_even_batch(cost, 4, 0.6, 2048, 4096)
+    assert b is not None and b > 1
+    assert spec_price.gain(cost, b - 1, 4, 0.6, 2048) > 1 >= spec_price.gain(cost, b, 4, 0.6,
+                                                                             2048)
+    assert spec_price.break_even_batch(cost, 4, 0.0, 2048, 4096) == 1  # drafts all rejected
+    assert spec_price.break_even_batch(cost, 4, 0.6, 2048, b - 1) is None  # pays to max batch
+
+
+def _size(tmp_path, *argv: str) -> dict:
+    parser = argparse.ArgumentParser()
+    size.add_parser(parser)
+    return size.run(parser.parse_args([*argv, "--out", str(tmp_path)]))
+
+
+def test_size_rows_carry_the_spec_keys(tmp_path):
+    summary = _size(tmp_path, "--model", "llama-3.1-8b", "--quantize", "4", "--mac",
+                    "M4 Max 40c", "--spec-tokens", "4", "--acceptance", "0.6")
+    assert summary["spec_tokens"] == 4 and summary["acceptance"] == 0.6
+    for row in summary["rows"]:
+        assert row["decode_tok_s_b1_spec"] > row["decode_tok_s_b1"]
+        assert row["spec_break_even_batch"] is None or 1 <= row["spec_break_even_batch"] <= max(
+            row["max_batch"], 1)
+    plain = _size(tmp_path, "--model", "llama-3.1-8b", "--quantize", "4", "--mac", "M4 Max 40c")
+    assert "decode_tok_s_b1_spec" not in plain["rows"][0]
+
+
+def test_size_spec_flags_go_together(tmp_path):
+    with pytest.raises(ConfigError, match="--spec-tokens and --acceptance go together"):
+        _size(tmp_path, "--model", "llama-3.1-8b", "--spec-tokens", "4")

@@ -93,14 +93,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "batch 1 and at the max batch; the JSON rows gain parts: {b1, "
                         "max_batch}, seconds by name")
     add_engine_argument(p)
-    g = p.add_argument_group("speculative decoding (server/perf/spec_price.py)")
-    g.add_argument("--spec-tokens", type=bounded(int, 1, MAX_SPEC_TOKENS), default=None,
-                   metavar="K", help="K drafted tokens a row verifies per step: rows gain "
-                   "decode_tok_s_b1_spec and spec_break_even_batch (the batch from which plain "
-                   "decoding is as fast); needs --acceptance")
-    g.add_argument("--acceptance", type=_fraction, default=None, metavar="A",
-                   help="the chance each draft is accepted (a run's spec_decode_acceptance_rate "
-                   "/ 100); needs --spec-tokens")
+    _add_spec_args(p)
     c = p.add_argument_group("cluster (tensor- or pipeline-parallel across Macs)")
     c.add_argument("--macs", type=positive_int, default=1,
                    help="N Macs of each row's kind and memory: weights split across them, KV "
@@ -113,6 +106,17 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "pipeline: layers split, one batch passes the Macs in turn")
     p.add_argument("--out", type=Path, default=Path("results"),
                    help="directory for size.jsonl and the PNG")
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (server/perf/spec_price.py)")
+    g.add_argument("--spec-tokens", type=bounded(int, 1, MAX_SPEC_TOKENS), default=None,
+                   metavar="K", help="K drafted tokens a row verifies per step: rows gain "
+                   "decode_tok_s_b1_spec and spec_break_even_batch (the batch from which plain "
+                   "decoding is as fast); needs --acceptance")
+    g.add_argument("--acceptance", type=_fraction, default=None, metavar="A",
+                   help="the chance each draft is accepted (a run's spec_decode_acceptance_rate "
+                   "/ 100); needs --spec-tokens")
 
 
 def add_engine_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

@@ -15,6 +15,7 @@ MAX_SPEC_TOKENS = 32  # drafted tokens per row and step
 Policy = Literal["decode-first", "prefill-first"]
 KVLayout = Literal["padded", "paged"]
 KV_LAYOUTS: tuple[str, ...] = ("padded", "paged")
+OnOff = Literal["on", "off"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,9 +38,12 @@ class SchedulerSettings:
     # follows the batch (scheduler/spec_budget.py: shrink or fixed).
     spec_tokens: int = 0
     spec_policy: str = "shrink"
+    # Reuse the KV of cached prompt blocks (scheduler/prefix_cache.py); models with sliding or
+    # linear-attention layers, and quantized KV, prefill in full whatever this says.
+    prefix_cache: OnOff = "on"
 
     def __post_init__(self) -> None:  # run and serve refuse the same values, real or simulated
-        _check(_limit_checks(self))
+        _check(_settings_checks(self))
 
 
 def _limit_checks(s: SchedulerSettings | SchedulerConfig) -> list[tuple[bool, str]]:
@@ -56,6 +60,10 @@ def _limit_checks(s: SchedulerSettings | SchedulerConfig) -> list[tuple[bool, st
         (s.spec_policy in SPEC_POLICIES,
          f"spec_policy must be one of {', '.join(SPEC_POLICIES)}, got {s.spec_policy!r}"),
     ]
+
+
+def _settings_checks(s: SchedulerSettings) -> list[tuple[bool, str]]:
+    return [*_limit_checks(s), (s.prefix_cache in ("on", "off"), "prefix_cache must be on or off")]
 
 
 def _check(checks: list[tuple[bool, str]]) -> None:
@@ -93,6 +101,8 @@ class SchedulerConfig:
     cache_layout: CacheLayout | None = None
     # How the decode pool holds full-attention and MLA layers: padded rows, or paged blocks.
     kv_layout: KVLayout = "padded"
+    # Reuse cached prompt blocks (dense layouts only: every layer full attention or MLA).
+    prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         checks = [
@@ -103,6 +113,8 @@ class SchedulerConfig:
              "max_num_batched_tokens must be >= prefill_step_size and >= max_num_seqs"),
             (self.max_lookahead_steps >= 1, "max_lookahead_steps must be >= 1"),
             (self.kv_layout in KV_LAYOUTS, f"kv_layout must be one of {', '.join(KV_LAYOUTS)}"),
+            (not self.prefix_cache or self.layout.is_dense,
+             "prefix_cache needs every layer to be full attention or MLA"),
         ]
         if self.cache_layout is not None:
             checks[0] = (self.cache_layout.full_token_bytes == self.kv_bytes_per_token,

@@ -1,7 +1,7 @@
 """The scheduler's account of KV memory, mirroring what the executor allocates: one pool for
 decoding requests (padded rows, or paged: full-attention and MLA layers in PAGE_TOKENS-token blocks,
-a row holding row_blocks(tokens) of them) plus a private cache per prefilling request, priced by
-the model's CacheLayout.
+a row holding row_blocks(tokens) of them), a private cache per prefilling request, priced by the
+model's CacheLayout, and the prefix cache's blocks (evicted when a plan needs their bytes).
 Allocator verbs in the nano-vllm style: `can_*` asks, `commit` applies a plan, `release` frees."""
 
 from __future__ import annotations
@@ -10,11 +10,13 @@ from batchsim.scheduler.kv_bytes import CacheLayout, PrivateCache
 from batchsim.scheduler.pool_geometry import (
     EMPTY_PAGED_POOL,
     EMPTY_POOL,
+    PAGE_TOKENS,
     PoolGeometry,
     next_geometry,
     next_paged_geometry,
     row_blocks,
 )
+from batchsim.scheduler.prefix_cache import PrefixCache
 
 
 class KVAccountError(AssertionError):
@@ -23,7 +25,7 @@ class KVAccountError(AssertionError):
 
 class KVManager:
     def __init__(self, budget_bytes: int, cache: CacheLayout, row_step: int, max_rows: int,
-                 paged: bool = False):
+                 paged: bool = False, prefix_cache: bool = False):
         self.budget_bytes = budget_bytes
         self.cache = cache
         self.row_step = row_step
@@ -32,6 +34,8 @@ class KVManager:
         self.pool = EMPTY_PAGED_POOL if paged else EMPTY_POOL
         self.pool_members: set[int] = set()
         self.private: dict[int, PrivateCache] = {}  # request id -> its private prefill cache
+        # Cached prompt blocks; None: prefix caching off.
+        self.prefix = PrefixCache(PAGE_TOKENS * cache.full_token_bytes) if prefix_cache else None
 
     @property
     def pool_bytes(self) -> int:
@@ -43,7 +47,8 @@ class KVManager:
 
     @property
     def kv_bytes(self) -> int:
-        return self.pool_bytes + self.private_bytes
+        held = self.pool_bytes + self.private_bytes
+        return held + self.prefix.nbytes if self.prefix is not None else held
 
     def holds(self, request_id: int) -> bool:
         return request_id in self.pool_members or request_id in self.private
@@ -78,10 +83,13 @@ class KVManager:
         pool_members: set[int],
         private: dict[int, PrivateCache],
     ) -> int:
-        """Apply a plan's KV; returns the bytes now held."""
+        """Apply a plan's KV, evicting cached prefix blocks it needs the bytes of; returns the
+        bytes now held."""
         self.pool = pool
         self.pool_members = pool_members
         self.private = private
+        if self.prefix is not None:
+            self.prefix.fit(self.budget_bytes - self.pool_bytes - self.private_bytes)
         held = self.kv_bytes
         if held > self.budget_bytes:
             raise KVAccountError(f"plan holds {held} KV bytes > budget {self.budget_bytes}")

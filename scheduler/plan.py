@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from batchsim.scheduler.pool_geometry import PoolGeometry
+from batchsim.scheduler.prefix_cache import CacheOps
 from batchsim.scheduler.request import SamplingParams
 
 
@@ -16,6 +17,9 @@ class NewRequest(NamedTuple):
     token_ids: tuple[int, ...] | None  # prompt + output so far; None in simulation
     sampling: SamplingParams
     num_prompt_tokens: int = 0  # token_ids before it are the prompt (penalties tell them apart)
+    # Cached prefix blocks (prefix_cache.py) holding its first PAGE_TOKENS x len tokens' KV: its
+    # first prefill chunk starts after them.
+    cached_hashes: tuple[int, ...] = ()
 
 
 class PrefillChunk(NamedTuple):
@@ -45,6 +49,8 @@ class StepPlan(NamedTuple):
     # Speculative decoding: drafted tokens each decode row may verify this step, aligned with
     # decode_ids (the executor drafts up to that many); empty: none.
     decode_spec_tokens: tuple[int, ...] = ()
+    # Prefix-cache blocks evicted before the step and stored after its prefills; None: neither.
+    cache_ops: CacheOps | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -5,7 +5,10 @@ are deterministic across processes (blake2b, never Python's salted str hash)."""
 from __future__ import annotations
 
 import hashlib
+import itertools
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from batchsim.scheduler.pool_geometry import PAGE_TOKENS
 from batchsim.scheduler.request import Request
@@ -45,3 +48,99 @@ def prompt_block_hashes(request: Request) -> tuple[int, ...]:
         ids = request.prompt_token_ids
         request.block_hashes = token_block_hashes(ids) if ids is not None else ()
     return request.block_hashes
+
+
+class CacheOps(NamedTuple):
+    """What a step does to the executor's cached blocks, in this order: blocks dropped before the
+    step runs, then blocks copied out of a request's prefill cache after its chunk ran."""
+
+    evict: tuple[int, ...]  # block hashes, least recently used first
+    store: tuple[tuple[int, int, int], ...]  # (request id, block index in its prompt, block hash)
+
+
+class PrefixCache:
+    """Cached blocks by chained hash, in least-recently-used order, each of `block_bytes`; those
+    pinned by a request admitted this step are never evicted in it."""
+
+    def __init__(self, block_bytes: int):
+        self.block_bytes = block_bytes
+        self.blocks: OrderedDict[int, None] = OrderedDict()  # oldest use first
+        self.refs: dict[int, int] = {}  # pinned blocks -> requests reusing them this step
+        self.peak_bytes = 0
+        self._evicted: list[int] = []
+        self._stored: list[tuple[int, int, int]] = []
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.blocks) * self.block_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        return len(self.refs) * self.block_bytes
+
+    def match(self, hashes: tuple[int, ...], num_tokens: int) -> int:
+        """Blocks of the longest cached prefix a request of `num_tokens` to compute may reuse:
+        whole blocks, leaving at least its last two tokens to prefill (the last is sampled from)."""
+        limit = min(len(hashes), (num_tokens - 2) // PAGE_TOKENS)
+        n = 0
+        blocks = self.blocks
+        while n < limit and hashes[n] in blocks:
+            n += 1
+        return n
+
+    def pin(self, hashes: tuple[int, ...]) -> int:
+        """A request reuses these blocks this step; returns the bytes newly pinned."""
+        new = 0
+        for h in hashes:
+            self.blocks.move_to_end(h)
+            refs = self.refs.get(h, 0)
+            new += refs == 0
+            self.refs[h] = refs + 1
+        return new * self.block_bytes
+
+    def unpin(self, hashes: tuple[int, ...]) -> None:
+        for h in hashes:
+            refs = self.refs.pop(h) - 1
+            if refs:
+                self.refs[h] = refs
+
+    def fit(self, room_bytes: int) -> bool:
+        """Evict unpinned blocks, least recently used first, until they hold <= room_bytes;
+        False: the pinned ones alone hold more."""
+        excess = -(-(self.nbytes - room_bytes) // self.block_bytes)
+        if excess > 0:
+            blocks, refs = self.blocks, self.refs
+            for h in list(itertools.islice((h for h in blocks if h not in refs), excess)):
+                del blocks[h]
+                self._evicted.append(h)
+        return self.nbytes <= room_bytes
+
+    def store(self, request_id: int, first: int, hashes: tuple[int, ...], room_bytes: int) -> None:
+        """Keep blocks first.. of a request's prompt (`hashes`) that are not cached, evicting older
+        unpinned ones while they fit `room_bytes`; a block that does not fit ends the run."""
+        blocks = self.blocks
+        for i in range(first, len(hashes)):
+            h = hashes[i]
+            if h in blocks:
+                blocks.move_to_end(h)
+                continue
+            if not self.fit(room_bytes - self.block_bytes):
+                return
+            blocks[h] = None
+            self._stored.append((request_id, i, h))
+
+    def take_ops(self) -> CacheOps | None:
+        """This step's evictions and stores (None: neither); pins end with the step."""
+        self.refs.clear()
+        self.peak_bytes = max(self.peak_bytes, self.nbytes)
+        if not (self._evicted or self._stored):
+            return None
+        ops = CacheOps(tuple(self._evicted), tuple(self._stored))
+        self._evicted, self._stored = [], []
+        return ops
+
+    def clear(self) -> None:
+        """The executor dropped every block (after a failed step)."""
+        self.blocks.clear()
+        self.refs.clear()
+        self._evicted, self._stored = [], []

@@ -85,6 +85,7 @@ class Request:
     num_output_tokens: int = 0
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache at first admission
     finish_reason: str | None = None  # "length" | "stop" | "abort" | "error" | rejection reason
 
     # Timeline, in engine clock seconds and engine step indices.

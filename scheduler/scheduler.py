@@ -15,8 +15,9 @@ from collections import deque
 
 from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.kv_manager import KVAccountError, KVManager
-from batchsim.scheduler.plan import NewRequest, StepPlan, StepResult
+from batchsim.scheduler.plan import NewRequest, PrefillChunk, StepPlan, StepResult
 from batchsim.scheduler.pool_geometry import PAGE_TOKENS, PoolGeometry, row_blocks
+from batchsim.scheduler.prefix_cache import CacheOps, prompt_block_hashes
 from batchsim.scheduler.request import Request, RequestStatus
 from batchsim.scheduler.spec_budget import row_spec_tokens
 from batchsim.scheduler.step_budget import StepBudget
@@ -27,7 +28,7 @@ class Scheduler:
         self.config = config
         self.kv = KVManager(
             config.kv_budget_bytes, config.layout, config.row_step, config.max_num_seqs,
-            paged=config.kv_layout == "paged",
+            paged=config.kv_layout == "paged", prefix_cache=config.prefix_cache,
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the newest is preempted first
@@ -35,6 +36,10 @@ class Scheduler:
         self.num_steps = 0  # steps executed so far; token_runs index into this count
         self.num_preemptions = 0
         self.num_rejected = 0
+        # Tokens admitted requests had to compute (prompt, or prompt + output after a
+        # preemption), and those the prefix cache held (vLLM's prefix-cache queries and hits).
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
         self._pending_free: list[int] = []
 
     # -- requests in and out -------------------------------------------------------------------
@@ -177,7 +182,7 @@ class Scheduler:
                 if not budget.add_row(r):
                     break
             else:
-                n = budget.chunk(r, r.num_tokens)
+                n = self._first_chunk(budget, r)
                 if n == 0:
                     break
                 budget.add_chunk(r, n)
@@ -186,13 +191,54 @@ class Scheduler:
             running.append(r)
             rows_later, len_later, blocks_later = rows_later + 1, n_later, blocks
             ids = r.all_token_ids()
+            cached = (r.block_hashes or ())[:r.num_computed_tokens // PAGE_TOKENS]
             new_requests.append(NewRequest(r.request_id, tuple(ids) if ids else None, r.sampling,
-                                           r.num_prompt_tokens))
+                                           r.num_prompt_tokens, cached))
+            self._count_hits(r)
         return new_requests
+
+    def _first_chunk(self, budget: StepBudget, r: Request) -> int:
+        """The first chunk of a request being admitted, after the longest cached prefix of whole
+        blocks (pinned for this step); 0: it does not fit."""
+        prefix = self.kv.prefix
+        if prefix is None:
+            return budget.chunk(r, r.num_tokens)
+        reused = prompt_block_hashes(r)[:prefix.match(prompt_block_hashes(r), r.num_tokens)]
+        pinned = prefix.pin(reused)
+        budget.budget_bytes -= pinned
+        r.num_computed_tokens = len(reused) * PAGE_TOKENS
+        n = budget.chunk(r, r.num_tokens - r.num_computed_tokens)
+        if n == 0:
+            prefix.unpin(reused)
+            budget.budget_bytes += pinned
+            r.num_computed_tokens = 0
+        return n
+
+    def _count_hits(self, r: Request) -> None:
+        """Prefix-cache counters of an admitted request (its computed tokens: the cached ones)."""
+        self.num_query_tokens += r.num_tokens
+        self.num_hit_tokens += r.num_computed_tokens
+        if not r.num_preemptions:
+            r.num_cached_tokens = r.num_computed_tokens
+
+    def _cache_blocks(self, prefills: list[PrefillChunk]) -> CacheOps | None:
+        """Keep the prompt blocks this step's chunks complete, in what the plan leaves."""
+        kv = self.kv
+        room = kv.budget_bytes - kv.pool_bytes - kv.private_bytes
+        for c in prefills:
+            hashes = self.requests[c.request_id].block_hashes
+            end = (c.start + c.num_tokens) // PAGE_TOKENS
+            if hashes and end > c.start // PAGE_TOKENS:
+                kv.prefix.store(c.request_id, c.start // PAGE_TOKENS, hashes[:end], room)
+        return kv.prefix.take_ops()
 
     def _step_plan(self, budget: StepBudget, free_ids: list[int],
                    new_requests: list[NewRequest]) -> StepPlan:
         kv_bytes = budget.commit()
+        cache_ops = None
+        if self.kv.prefix is not None:
+            cache_ops = self._cache_blocks(budget.prefills)
+            kv_bytes = self.kv.kv_bytes
         decodes = budget.pool if budget.decode_step else []
         prefills = budget.prefills
         spec = budget.spec_k and tuple([row_spec_tokens(r, budget.spec_k) for r in decodes])
@@ -208,6 +254,7 @@ class Scheduler:
             kv_bytes,
             self._lookahead(decodes, budget.geom, budget.width) if pure_decode else 1,
             spec if spec and any(spec) else (),
+            cache_ops,
         )
 
     def _preempt_newest(self, budget: StepBudget, free_ids: list[int]) -> None:

@@ -101,8 +101,10 @@ class StepBudget:
     def chunk(self, request: Request, gap: int) -> int:
         """The largest prefill chunk toward `gap` tokens that fits this step's tokens and memory."""
         n = min(self.prefill_step_size, gap, self.tokens_left)
-        # Only a request's final chunk may end off a KV_STEP boundary.
-        return self.fit(request, n if n == gap else round_down(n, KV_STEP))
+        if n != gap:  # only a request's final chunk may end off a KV_STEP boundary
+            c = request.num_computed_tokens
+            n = round_down(c + n, KV_STEP) - c  # c is unaligned after a prefix-cache hit
+        return self.fit(request, n)
 
     def fit(self, request: Request, n: int) -> int:
         """The largest chunk up to n whose cache growth fits, dropping the pool's spare rows

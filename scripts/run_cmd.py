@@ -118,6 +118,8 @@ def add_scheduler_args(p: argparse.ArgumentParser, max_num_seqs: bool = True):
                        f"prefill chunk, multiple of {KV_STEP}")
     add_field_argument(g, SchedulerSettings, "policy", "decode-first: every step decodes all "
                        "running requests; prefill-first: a step with prefill work only prefills")
+    add_field_argument(g, SchedulerSettings, "prefix_cache", "reuse the KV of cached prompt "
+                       "blocks (full-attention and MLA models; others prefill in full)")
     return g
 
 
@@ -221,8 +223,8 @@ def config_from_args(args: argparse.Namespace, default: RunConfig | None = None)
 
 def scheduler_overrides(args: argparse.Namespace) -> dict[str, object]:
     """The scheduler and speculative decoding flags as with_run_overrides keys (None: not given)."""
-    names = ("max_num_seqs", "max_num_batched_tokens", "prefill_step_size", "policy")
-    return {f"scheduler.{n}": getattr(args, n, None) for n in names} | spec_overrides(args)
+    keys = ("max_num_seqs", "max_num_batched_tokens", "prefill_step_size", "policy", "prefix_cache")
+    return {f"scheduler.{n}": getattr(args, n, None) for n in keys} | spec_overrides(args)
 
 
 def run(args: argparse.Namespace) -> dict:

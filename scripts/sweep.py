@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 from batchsim.configs import ConfigError
+from batchsim.scheduler.config import SchedulerSettings
 from batchsim.scheduler.pool_geometry import KV_STEP
 from batchsim.scripts.common import (
     MAX_BATCH,
@@ -80,6 +81,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="every prompt starts with the same N of its --prompt-len tokens (a "
                         "system prompt, workloads/prefixes.py), so a prefix cache can share them "
                         "[default: 0]")
+    add_field_argument(g, SchedulerSettings, "prefix_cache", "reuse the KV of cached prompt "
+                       "blocks (full-attention and MLA models)", unset=False)
     g.add_argument("--out", type=Path, default=Path("results"),
                    help="directory for sweep.jsonl and the PNG")
     g.add_argument("--runs-dir", type=Path, default=Path("runs"),
@@ -131,7 +134,7 @@ def _base_session(args: argparse.Namespace):
                              quantize=args.quantize, kv_bits=args.kv_bits,
                              kv_layout=args.kv_layout, executor=args.executor,
                              device_profile=args.device_profile, memory_gb=args.memory_gb,
-                             engine=args.engine)
+                             engine=args.engine, **{"scheduler.prefix_cache": args.prefix_cache})
     warn_profile_mismatch(cfg)
     base = open_session(cfg)
     if args.memory_gb is not None or args.device_budget:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from batchsim.scheduler.pool_geometry import PAGE_TOKENS
 from batchsim.scripts.serve_cmd import LISTENING
 from batchsim.server.http.prometheus import parse as parse_metrics
 from batchsim.server.http.text_stream import TextStream
@@ -70,12 +71,14 @@ class ServerProcess:
         return parse_metrics(self.client.get("/metrics").text)
 
     def wait_idle(self, timeout_s: float = 20) -> dict[str, float]:
-        """Metrics once nothing runs or waits and both KV counts are back to zero."""
+        """Metrics once nothing runs or waits and both KV counts are back to the cached prompt
+        blocks."""
         deadline = time.monotonic() + timeout_s
         while True:
             m = self.metrics()
             idle = (m["batchsim_requests_running"] == m["batchsim_requests_waiting"] == 0
-                    and m["batchsim_kv_bytes"] == m["batchsim_kv_bytes_measured"] == 0)
+                    and m["batchsim_kv_bytes"] == m["batchsim_kv_bytes_measured"]
+                    == m["batchsim_prefix_cache_bytes"])
             if idle or time.monotonic() > deadline:
                 return m
             time.sleep(0.05)
@@ -224,6 +227,22 @@ def test_health_models_metrics(srv):
         assert name in m
 
 
+def test_a_resent_prompt_reuses_its_cached_blocks(srv, tokenizer):
+    prompt = " ".join(f"word{i}" for i in range(40))  # a prompt no other test sends
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "ignore_eos": True}
+    before = srv.metrics()
+    first, second = (post(srv, "/v1/completions", body).json()["usage"] for _ in range(2))
+    n = len(tokenizer.encode(prompt))
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    cached = (n - 2) // PAGE_TOKENS * PAGE_TOKENS  # whole blocks, the last two tokens computed
+    assert cached > 0 and second["prompt_tokens_details"] == {"cached_tokens": cached}
+    after = srv.metrics()
+    hits = "batchsim_prefix_cache_hits_total"
+    assert after[hits] - before[hits] == cached
+    queries = "batchsim_prefix_cache_queries_total"
+    assert after[queries] - before[queries] == 2 * n
+
+
 def test_completions_stream_and_not(srv, tokenizer):
     prompt = "The quick brown fox"
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 9, "ignore_eos": True}
@@ -238,7 +257,9 @@ def test_completions_stream_and_not(srv, tokenizer):
                            {**body, "stream_options": {"include_usage": True}})
     assert events[-1].is_done
     usage_chunk = events[-2].json()
-    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == full["usage"]
+    resent = (n_prompt - 2) // PAGE_TOKENS * PAGE_TOKENS  # the prompt's blocks are cached now
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == {
+        **full["usage"], "prompt_tokens_details": {"cached_tokens": resent}}
     token_chunks = [e.json() for e in events[:-2]]
     assert 1 <= len(token_chunks) <= 9  # at most one chunk per token; none with empty text
     assert all(c["choices"][0]["text"] for c in token_chunks[:-1])
@@ -308,7 +329,9 @@ def test_stop_string_finishes_the_request_in_the_scheduler(srv):
     assert delta['batchsim_requests_total{status="finished"}'] == 2
     assert delta['batchsim_requests_total{status="aborted"}'] == 0
     assert delta["batchsim_generation_tokens_total"] == 2 * n
-    assert after["batchsim_kv_bytes"] == after["batchsim_kv_bytes_measured"] == 0
+    # what stays held is the prompt's cached blocks
+    cached = after["batchsim_prefix_cache_bytes"]
+    assert after["batchsim_kv_bytes"] == after["batchsim_kv_bytes_measured"] == cached
 
 
 def test_concurrent_requests_share_decode_steps(srv):
@@ -330,7 +353,8 @@ def test_concurrent_requests_share_decode_steps(srv):
     rows = after[f"{hist}_sum"] - before[f"{hist}_sum"]
     assert after["batchsim_decode_batch_size_max"] >= 2
     assert rows / steps > 2  # six requests of 40 tokens took far fewer than 240 decode steps
-    assert after["batchsim_kv_bytes"] == 0 and after["batchsim_kv_bytes_measured"] == 0
+    held = after["batchsim_prefix_cache_bytes"]  # cached prompt blocks stay
+    assert after["batchsim_kv_bytes"] == after["batchsim_kv_bytes_measured"] == held
 
 
 def _bad_requests() -> list[tuple[str, object, int, str | None]]:
@@ -424,7 +448,8 @@ def test_client_disconnect_frees_kv(srv):
         httpx.post(f"{srv.url}/v1/completions", json={**body, "stream": False}, headers=AUTH,
                    timeout=httpx.Timeout(60, read=0.5))
     after = srv.wait_idle()
-    assert after["batchsim_kv_bytes"] == 0 and after["batchsim_kv_bytes_measured"] == 0
+    held = after["batchsim_prefix_cache_bytes"]  # cached prompt blocks stay
+    assert after["batchsim_kv_bytes"] == after["batchsim_kv_bytes_measured"] == held
     assert after["batchsim_requests_running"] == 0
     aborted = 'batchsim_requests_total{status="aborted"}'
     assert after[aborted] - before[aborted] == 2

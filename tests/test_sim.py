@@ -68,9 +68,12 @@ def test_sim_and_real_make_the_same_decisions_with_the_same_scheduler(tiny):
     real_plans, sim_plans = _plans(real), _plans(sim)
     for (s1, _), (s2, _) in zip(real_plans, sim_plans):
         assert type(s1) is Scheduler and type(s2) is Scheduler  # one policy, not a copy
-    strip = [p._replace(new_requests=tuple(n._replace(token_ids=None) for n in p.new_requests))
-             for _, p in real_plans]
-    assert strip == [p for _, p in sim_plans]
+    # The real prompts' blocks are cached (sim prompts have no hashes): bytes the plans evict
+    # when they need them, so the decisions stay the same.
+    strip = [p._replace(new_requests=tuple(n._replace(token_ids=None) for n in p.new_requests),
+                        kv_bytes=0, cache_ops=None) for _, p in real_plans]
+    assert any(p.cache_ops for _, p in real_plans)
+    assert strip == [p._replace(kv_bytes=0) for _, p in sim_plans]
     assert len(strip) > 10
 
 

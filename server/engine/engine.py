@@ -171,6 +171,8 @@ class Engine:
             self.abort(r.request_id)
             r.finish_reason = "error"
         self.executor.reset()
+        if self.scheduler.kv.prefix is not None:
+            self.scheduler.kv.prefix.clear()
 
     def _next_arrival(self, now: float) -> float:
         i = bisect.bisect_right(self._arrivals, now)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import yaml
 from batchsim.scheduler.request import Request, SamplingParams
+from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.engine import clock
 from batchsim.server.engine.engine import Engine
 from batchsim.server.engine.interrupts import Interrupts
@@ -210,6 +211,7 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
         "kv_account_mismatches": rec.kv_account_mismatches,
         "mean_arrival_lateness_ms": 1e3 * float(np.mean(run.lateness_s)) if run.lateness_s else 0.0,
         "interrupted": run.interrupted,
+        **prefix_cache_summary(run.engine.scheduler),
     })
     if cfg.spec_method != "none":
         summary.update({"spec_method": cfg.spec_method, "spec_tokens": cfg.scheduler.spec_tokens,
@@ -230,6 +232,16 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
     summary["env"] = session.environment()
     error = _write_summary(run_dir, summary, stream.error if stream else None)
     return RunOutcome(summary, records, steps, run_dir, run.interrupted, error)
+
+
+def prefix_cache_summary(scheduler: Scheduler) -> dict[str, Any]:
+    """Prefix-cache keys of a run summary (tokens counted at each admission, vLLM's way)."""
+    queries, hits = scheduler.num_query_tokens, scheduler.num_hit_tokens
+    prefix = scheduler.kv.prefix
+    return {"prefix_cache": prefix is not None,
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "cached_prompt_tokens": hits, "prefilled_prompt_tokens": queries - hits,
+            "peak_prefix_cache_bytes": prefix.peak_bytes if prefix is not None else 0}
 
 
 def _write_summary(run_dir: Path | None, summary: dict[str, Any],

@@ -62,12 +62,20 @@ class Session:
             "max_lookahead_steps": self.executor.caps.max_lookahead_steps,
             "cache_layout": self.cache_layout,
             "kv_layout": self.config.kv_layout,
+            "prefix_cache": s.prefix_cache == "on" and self.prefix_cache_supported,
         }
         values.update(overrides)
         try:
             return SchedulerConfig(**values)
         except ValueError as exc:
             raise ConfigError(f"scheduler: {exc}") from None
+
+    @property
+    def prefix_cache_supported(self) -> bool:
+        """Cached blocks are reused for full-attention and MLA layers at full precision only
+        (README: prefix caching)."""
+        layout = self.cache_layout
+        return (layout is None or layout.is_dense) and self.config.kv_bits is None
 
     def _prefill_step_size(self) -> int:
         """The configured chunk; on real compute, short enough for its activations to fit

@@ -20,6 +20,7 @@ from batchsim.scheduler.request import SamplingParams
 from batchsim.server.executors import lookahead, prefill_cache, sampler, speculative
 from batchsim.server.executors.base import ExecutorCaps
 from batchsim.server.executors.decode_pool import DecodePool
+from batchsim.server.executors.prefix_blocks import PrefixBlocks
 
 
 @dataclass(slots=True)
@@ -58,6 +59,7 @@ class MLXExecutor:
         self.layers = prefill_cache.layers_of(model, self.dtype, kv_bits)
         self.pool = self._new_pool()
         self.seqs: dict[int, SeqState] = {}
+        self.prefix_blocks = PrefixBlocks()  # cached prompt blocks (scheduler/prefix_cache.py)
         self._split_head = self._head_fn()
         if cache_limit_bytes is not None:
             # Keep freed buffers for reuse: re-faulting large buffers every step costs bandwidth.
@@ -91,6 +93,7 @@ class MLXExecutor:
         self._free(plan.free_ids)
         for new in plan.new_requests:
             self._register(new)
+        self.prefix_blocks.evict(plan.cache_ops)
         self.pool.resize(plan.pool)
         self._join(plan)
 
@@ -110,6 +113,9 @@ class MLXExecutor:
             if tokens is not None:
                 sampled_ids.extend(c.request_id for c in group)
                 samples.append(tokens)
+        if plan.cache_ops is not None:
+            self.prefix_blocks.store(plan.cache_ops, {
+                rid: self.seqs[rid].cache for rid, _, _ in plan.cache_ops.store})
         pairs = self._read_tokens(plan, sampled_ids, samples)
         freed = set(plan.free_ids)
         pairs = [p for i, p in enumerate(pairs) if i >= stale or p[0] not in freed]
@@ -175,6 +181,7 @@ class MLXExecutor:
         self._ahead = None
         self.pool = self._new_pool()
         self.seqs.clear()
+        self.prefix_blocks.clear()
 
     def _new_pool(self) -> DecodePool:
         return DecodePool(self.layers, self.dtype, self.kv_bits, self.kv_layout == "paged")
@@ -191,7 +198,7 @@ class MLXExecutor:
 
     def kv_bytes(self) -> int:
         private = sum(c.nbytes for s in self.seqs.values() if s.cache for c in s.cache)
-        return self.pool.nbytes + private
+        return self.pool.nbytes + private + self.prefix_blocks.nbytes
 
     # -- pieces --------------------------------------------------------------------------------
     def _free(self, request_ids: tuple[int, ...]) -> None:
@@ -207,8 +214,10 @@ class MLXExecutor:
     def _register(self, new: NewRequest) -> None:
         if new.token_ids is None:
             raise ValueError(f"request {new.request_id}: the MLX executor needs token ids")
-        self.seqs[new.request_id] = SeqState(list(new.token_ids), new.sampling,
-                                             num_prompt_tokens=new.num_prompt_tokens or -1)
+        seq = self.seqs[new.request_id] = SeqState(list(new.token_ids), new.sampling,
+                                                   num_prompt_tokens=new.num_prompt_tokens or -1)
+        if new.cached_hashes:
+            seq.cache = self.prefix_blocks.prefill_cache(new.cached_hashes)
 
     def _join(self, plan: StepPlan) -> None:
         in_pool = self.pool.layout.in_pool

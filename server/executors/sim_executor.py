@@ -8,7 +8,7 @@ from __future__ import annotations
 from batchsim.scheduler import prefill_groups
 from batchsim.scheduler.kv_bytes import CacheLayout
 from batchsim.scheduler.plan import StepPlan, StepResult
-from batchsim.scheduler.pool_geometry import PoolGeometry
+from batchsim.scheduler.pool_geometry import PAGE_TOKENS, PoolGeometry
 from batchsim.server.executors.base import ExecutorCaps
 from batchsim.server.executors.pool_rows import NO_MOVES, PoolLayout
 from batchsim.server.perf.stepcost import StepCost
@@ -34,6 +34,8 @@ class SimExecutor:
         self.private: dict[int, int] = {}
         self._private_bytes = 0  # their sum
         self._pool_bytes = 0  # what the pool's geometry holds (set when it changes)
+        self.block_bytes = PAGE_TOKENS * self.cache.full_token_bytes  # one prefix-cache block
+        self._cached_bytes = 0  # prefix-cache blocks held
         # Prices that repeat, remembered (StepCost is a pure function of its arguments):
         self._prefill_s: dict[tuple[int, int, bool, int], float] = {}  # (n, start, sample, rows)
         self._decode_s: dict[tuple[int, int], float] = {}  # (rows, width): per-step models
@@ -45,6 +47,12 @@ class SimExecutor:
             t += self._free(plan.free_ids)
         for new in plan.new_requests:
             self._set_private(new.request_id, 0, 0)
+            if new.cached_hashes:  # cached blocks copied into its prefill cache
+                t += self.cost.copy_s(len(new.cached_hashes) * self.block_bytes)
+        ops = plan.cache_ops
+        if ops is not None:
+            self._cached_bytes += (len(ops.store) - len(ops.evict)) * self.block_bytes
+            t += self.cost.copy_s(len(ops.store) * self.block_bytes)  # stored after the prefills
         if plan.pool != layout.geometry:
             t += self._resize(plan.pool)
         if not layout.in_pool.issuperset(plan.decode_ids):
@@ -107,9 +115,10 @@ class SimExecutor:
     def reset(self) -> None:
         self.layout.clear()
         self.private, self._private_bytes, self._pool_bytes = {}, 0, 0
+        self._cached_bytes = 0
 
     def kv_bytes(self) -> int:
-        return self._pool_bytes + self._private_bytes
+        return self._pool_bytes + self._private_bytes + self._cached_bytes
 
     def _set_private(self, request_id: int, chunk_start: int, computed_tokens: int) -> None:
         held = self.cache.private_bytes(chunk_start, computed_tokens)

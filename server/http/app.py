@@ -242,8 +242,7 @@ class Server:
             parts.append(await gen.next())
         body = api.full_response(params.kind, api.new_response_id(params.kind), int(time.time()),
                                  self.options.served_model_name, "".join(parts),
-                                 gen.finish_reason, api.usage(len(params.prompt_ids),
-                                                              gen.num_tokens))
+                                 gen.finish_reason, _usage(gen, params))
         return web.json_response(body)
 
     async def _stream(self, http: web.Request, gen: Generation,
@@ -272,7 +271,7 @@ class Server:
             text = await gen.next()  # a step's text; empty while a character is incomplete
             if not text and not gen.done:
                 continue  # no empty deltas: the text waits for the next token (as mlx_lm.server)
-            counts = api.usage(len(params.prompt_ids), gen.num_tokens)
+            counts = _usage(gen, params)
             chunk = api.stream_chunk(kind, rid, created, model, text,
                                      gen.finish_reason if gen.done else None, first=first,
                                      include_usage=params.include_usage,
@@ -280,7 +279,7 @@ class Server:
             await response.write(_sse(chunk))
             first = False
         if params.include_usage:
-            counts = api.usage(len(params.prompt_ids), gen.num_tokens)
+            counts = _usage(gen, params)
             await response.write(_sse(api.usage_chunk(kind, rid, created, model, counts)))
 
     # -- shutdown ------------------------------------------------------------------------------
@@ -305,6 +304,10 @@ class Server:
         if stop.is_set():
             self._hurry = True
         stop.set()
+
+
+def _usage(gen: Generation, params: GenerationParams) -> dict:
+    return api.usage(len(params.prompt_ids), gen.num_tokens, gen.request.num_cached_tokens)
 
 
 def _sse(obj: dict[str, Any]) -> bytes:

@@ -192,10 +192,11 @@ def _message_text(content: Any, i: int) -> str:
 
 
 # -- responses -----------------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """`cached_tokens`: prompt tokens the prefix cache held when the request was admitted."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": 0}}  # no prefix cache: nothing reused
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def new_response_id(kind: Kind) -> str:

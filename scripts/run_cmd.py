@@ -118,8 +118,7 @@ def add_scheduler_args(p: argparse.ArgumentParser, max_num_seqs: bool = True):
                        f"prefill chunk, multiple of {KV_STEP}")
     add_field_argument(g, SchedulerSettings, "policy", "decode-first: every step decodes all "
                        "running requests; prefill-first: a step with prefill work only prefills")
-    add_field_argument(g, SchedulerSettings, "prefix_cache", "reuse the KV of cached prompt "
-                       "blocks (full-attention and MLA models; others prefill in full)")
+    add_field_argument(g, SchedulerSettings, "prefix_cache", "reuse cached prompt blocks' KV")
     return g
 
 

@@ -108,8 +108,7 @@ def add_engine_arg(g: argparse._ArgumentGroup) -> None:
 
 
 def add_scheduler_args(p: argparse.ArgumentParser, max_num_seqs: bool = True):
-    """The scheduler flags (unset unless given: they override a config's `scheduler:` section);
-    returns the group, for a command's own flags."""
+    """Scheduler flags, unset unless given (they override a config's `scheduler:`): the group."""
     g = p.add_argument_group("scheduler")
     if max_num_seqs:
         add_field_argument(g, SchedulerSettings, "max_num_seqs", "largest batch (running requests)")

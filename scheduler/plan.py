@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from batchsim.scheduler.pool_geometry import PoolGeometry
-from batchsim.scheduler.prefix_cache import CacheOps
 from batchsim.scheduler.request import SamplingParams
 
 
@@ -27,6 +26,14 @@ class PrefillChunk(NamedTuple):
     start: int  # position of the chunk's first token (= tokens already in the request's cache)
     num_tokens: int  # tokens computed by this chunk
     sample: bool  # the chunk reaches the request's last known token: sample the next one
+
+
+class CacheOps(NamedTuple):
+    """What a step does to the executor's cached blocks, in this order: blocks dropped before the
+    step runs, then blocks copied out of a request's prefill cache after its chunk ran."""
+
+    evict: tuple[int, ...]  # block hashes, least recently used first
+    store: tuple[tuple[int, int, int], ...]  # (request id, block index in its prompt, block hash)
 
 
 class StepPlan(NamedTuple):

@@ -8,8 +8,8 @@ import hashlib
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
 
+from batchsim.scheduler.plan import CacheOps, PrefillChunk
 from batchsim.scheduler.pool_geometry import PAGE_TOKENS
 from batchsim.scheduler.request import Request
 
@@ -48,14 +48,6 @@ def prompt_block_hashes(request: Request) -> tuple[int, ...]:
         ids = request.prompt_token_ids
         request.block_hashes = token_block_hashes(ids) if ids is not None else ()
     return request.block_hashes
-
-
-class CacheOps(NamedTuple):
-    """What a step does to the executor's cached blocks, in this order: blocks dropped before the
-    step runs, then blocks copied out of a request's prefill cache after its chunk ran."""
-
-    evict: tuple[int, ...]  # block hashes, least recently used first
-    store: tuple[tuple[int, int, int], ...]  # (request id, block index in its prompt, block hash)
 
 
 class PrefixCache:
@@ -128,6 +120,15 @@ class PrefixCache:
                 return
             blocks[h] = None
             self._stored.append((request_id, i, h))
+
+    def store_chunks(self, chunks: list[PrefillChunk], requests: dict[int, Request],
+                     room_bytes: int) -> None:
+        """Keep the prompt blocks these prefill chunks complete, in `room_bytes`."""
+        for c in chunks:
+            hashes = requests[c.request_id].block_hashes
+            end = (c.start + c.num_tokens) // PAGE_TOKENS
+            if hashes and end > c.start // PAGE_TOKENS:
+                self.store(c.request_id, c.start // PAGE_TOKENS, hashes[:end], room_bytes)
 
     def take_ops(self) -> CacheOps | None:
         """This step's evictions and stores (None: neither); pins end with the step."""

@@ -15,9 +15,9 @@ from collections import deque
 
 from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.kv_manager import KVAccountError, KVManager
-from batchsim.scheduler.plan import NewRequest, PrefillChunk, StepPlan, StepResult
+from batchsim.scheduler.plan import NewRequest, StepPlan, StepResult
 from batchsim.scheduler.pool_geometry import PAGE_TOKENS, PoolGeometry, row_blocks
-from batchsim.scheduler.prefix_cache import CacheOps, prompt_block_hashes
+from batchsim.scheduler.prefix_cache import prompt_block_hashes
 from batchsim.scheduler.request import Request, RequestStatus
 from batchsim.scheduler.spec_budget import row_spec_tokens
 from batchsim.scheduler.step_budget import StepBudget
@@ -221,24 +221,15 @@ class Scheduler:
         if not r.num_preemptions:
             r.num_cached_tokens = r.num_computed_tokens
 
-    def _cache_blocks(self, prefills: list[PrefillChunk]) -> CacheOps | None:
-        """Keep the prompt blocks this step's chunks complete, in what the plan leaves."""
-        kv = self.kv
-        room = kv.budget_bytes - kv.pool_bytes - kv.private_bytes
-        for c in prefills:
-            hashes = self.requests[c.request_id].block_hashes
-            end = (c.start + c.num_tokens) // PAGE_TOKENS
-            if hashes and end > c.start // PAGE_TOKENS:
-                kv.prefix.store(c.request_id, c.start // PAGE_TOKENS, hashes[:end], room)
-        return kv.prefix.take_ops()
-
     def _step_plan(self, budget: StepBudget, free_ids: list[int],
                    new_requests: list[NewRequest]) -> StepPlan:
         kv_bytes = budget.commit()
         cache_ops = None
-        if self.kv.prefix is not None:
-            cache_ops = self._cache_blocks(budget.prefills)
-            kv_bytes = self.kv.kv_bytes
+        kv = self.kv
+        if kv.prefix is not None:  # keep the prompt blocks this step completes, in what is left
+            room = kv.budget_bytes - kv.pool_bytes - kv.private_bytes
+            kv.prefix.store_chunks(budget.prefills, self.requests, room)
+            cache_ops, kv_bytes = kv.prefix.take_ops(), kv.kv_bytes
         decodes = budget.pool if budget.decode_step else []
         prefills = budget.prefills
         spec = budget.spec_k and tuple([row_spec_tokens(r, budget.spec_k) for r in decodes])

@@ -6,8 +6,8 @@ prefills only the rest. Full-attention and MLA layers only (the scheduler reuses
 from __future__ import annotations
 
 import mlx.core as mx
+from batchsim.scheduler.plan import CacheOps
 from batchsim.scheduler.pool_geometry import KV_STEP, PAGE_TOKENS, round_up
-from batchsim.scheduler.prefix_cache import CacheOps
 from mlx_lm.models.cache import KVCache
 
 

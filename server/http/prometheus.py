@@ -121,8 +121,6 @@ def render(rec: ServerRecorder, scheduler: Scheduler, *, kv_budget_bytes: int, m
         ("batchsim_kv_bytes_measured", "KV bytes the executor held after the last step.",
          rec.kv_bytes_measured),
         ("batchsim_kv_budget_bytes", "KV budget: memory budget minus weights.", kv_budget_bytes),
-        ("batchsim_prefix_cache_bytes", "KV bytes of cached prompt blocks (in batchsim_kv_bytes).",
-         scheduler.kv.prefix.nbytes if scheduler.kv.prefix is not None else 0),
         ("batchsim_memory_budget_bytes", "Memory budget: weights + KV (--memory-gb).",
          memory_budget_bytes),
         ("batchsim_decode_batch_size", "Requests decoded in the last step.", rec.last_batch_size),
@@ -144,16 +142,11 @@ def render(rec: ServerRecorder, scheduler: Scheduler, *, kv_budget_bytes: int, m
          rec.prompt_tokens),
         ("batchsim_generation_tokens_total", "Tokens sampled.", rec.generation_tokens),
         ("batchsim_steps_total", "Engine steps executed.", rec.num_steps),
-        ("batchsim_prefix_cache_queries_total",
-         "Prompt tokens admitted requests had to compute (prefix-cache queries).",
-         scheduler.num_query_tokens),
-        ("batchsim_prefix_cache_hits_total", "Of those, tokens the prefix cache held.",
-         scheduler.num_hit_tokens),
         ("batchsim_kv_account_mismatches_total",
          "Steps where the executor's KV bytes differed from the scheduler's.",
          rec.kv_account_mismatches),
     ]
-    lines: list[str] = []
+    lines = _prefix_cache_lines(scheduler)
     counters += _spec_counters(rec.spec)
     for name, help_text, value in gauges:
         lines += _metric(name, "gauge", help_text, [f"{name} {value}"])
@@ -176,6 +169,19 @@ def render(rec: ServerRecorder, scheduler: Scheduler, *, kv_budget_bytes: int, m
                      "Requests per decode step.", rec.batch_size.samples(
                          "batchsim_decode_batch_size_steps"))
     return "\n".join(lines) + "\n"
+
+
+def _prefix_cache_lines(scheduler: Scheduler) -> list[str]:
+    """vLLM's prefix-cache counters (in tokens), and the cache's bytes."""
+    prefix = scheduler.kv.prefix
+    return [*_metric("batchsim_prefix_cache_queries_total", "counter", "Prompt tokens admitted "
+                     "requests had to compute (prefix-cache queries).",
+                     [f"batchsim_prefix_cache_queries_total {scheduler.num_query_tokens}"]),
+            *_metric("batchsim_prefix_cache_hits_total", "counter",
+                     "Of those, tokens the prefix cache held.",
+                     [f"batchsim_prefix_cache_hits_total {scheduler.num_hit_tokens}"]),
+            *_metric("batchsim_prefix_cache_bytes", "gauge", "KV bytes of cached prompt blocks.",
+                     [f"batchsim_prefix_cache_bytes {prefix.nbytes if prefix else 0}"])]
 
 
 def _spec_counters(spec: SpecCounts) -> list[tuple[str, str, int]]:

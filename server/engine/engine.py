@@ -52,6 +52,7 @@ class Engine:
         self.recorder = recorder if recorder is not None else RunRecorder()
         # sorted open-loop arrivals bound simulated lookahead
         self._arrivals = list(arrival_times_s)
+        self._arrivals_past = 0  # arrivals at or before the clock (it only moves forward)
         self._on_step = on_step
         # "raise": an executor failure ends the run (batchsim run). "abort": the running requests
         # fail, the executor starts clean, and everyone else is still served (batchsim serve).
@@ -175,8 +176,10 @@ class Engine:
             self.scheduler.kv.prefix.clear()
 
     def _next_arrival(self, now: float) -> float:
-        i = bisect.bisect_right(self._arrivals, now)
-        return self._arrivals[i] if i < len(self._arrivals) else float("inf")
+        arrivals, i = self._arrivals, self._arrivals_past
+        if i < len(arrivals) and arrivals[i] <= now:  # bisect_right, from where the last one was
+            i = self._arrivals_past = bisect.bisect_right(arrivals, now, i)
+        return arrivals[i] if i < len(arrivals) else float("inf")
 
     def _record(self, plan: StepPlan, result: StepResult, start: float) -> None:
         if self._thread is None:

@@ -296,26 +296,24 @@ class Scheduler:
             if r is not None and r.status is running:
                 r.num_computed_tokens += chunk.num_tokens
                 prefill_ids.add(chunk.request_id)
+        finished: list[Request] = []
         step = self.num_steps
         end = step + k
         token_ids, accepted = result.token_ids, result.accepted_ids
-        if token_ids is None:
-            finished = self._advance_simulated(result.sampled_ids, prefill_ids, step, k)
-            self.num_steps += k
-            return finished
-        finished: list[Request] = []
         for i, rid in enumerate(result.sampled_ids):  # every decode row and sampling prefill
             r = requests.get(rid)
             if r is None or r.status is not running:
                 continue
             n = k  # tokens this row emitted: one per step, or accepted drafts and one (k is 1)
-            new = [token_ids[s][i] for s in range(k)]
-            if accepted is not None and accepted[i]:
-                new = self._until_stop(r, [*accepted[i], *new])
-                n = len(new)
+            new = None
+            if token_ids is not None:
+                new = [token_ids[s][i] for s in range(k)]
+                if accepted is not None and accepted[i]:
+                    new = self._until_stop(r, [*accepted[i], *new])
+                    n = len(new)
             if rid not in prefill_ids:
                 r.num_computed_tokens += n
-            r.num_output_tokens += n
+            out = r.num_output_tokens = r.num_output_tokens + n
             runs = r.token_runs  # this is the hot loop: one run per stretch of consecutive steps
             if runs and runs[-1][1] == step:
                 runs[-1][1] = end
@@ -323,36 +321,17 @@ class Scheduler:
                 runs.append([step, end])
             if n > k:  # tokens emitted at the same step: a run of that one step each
                 runs.extend([step, end] for _ in range(n - k))
+            if new is None:  # simulation: no token ids, only the length can stop a request
+                if out >= r.sampling.max_tokens:
+                    self._finish(r, "length")
+                    finished.append(r)
+                continue
             r.output_token_ids.extend(new)
             reason = self._stop_reason(r, new)
             if reason is not None:
                 self._finish(r, reason)
                 finished.append(r)
         self.num_steps += k
-        return finished
-
-    def _advance_simulated(self, sampled_ids: tuple[int, ...], prefill_ids: set[int], step: int,
-                           k: int) -> list[Request]:
-        """update_from_output without token ids (simulation): each row emitted one token per step,
-        and only the length stops a request. The hottest loop of a simulation."""
-        requests, running, end = self.requests, RequestStatus.RUNNING, step + k
-        finished: list[Request] = []
-        for rid in sampled_ids:
-            r = requests.get(rid)
-            if r is None or r.status is not running:
-                continue
-            if rid not in prefill_ids:
-                r.num_computed_tokens += k
-            out = r.num_output_tokens = r.num_output_tokens + k
-            runs = r.token_runs  # one run per stretch of consecutive steps
-            last = runs[-1] if runs else None
-            if last is not None and last[1] == step:
-                last[1] = end
-            else:
-                runs.append([step, end])
-            if out >= r.sampling.max_tokens:
-                self._finish(r, "length")
-                finished.append(r)
         return finished
 
     @staticmethod

@@ -22,7 +22,8 @@ from batchsim.scripts.common import (
 from batchsim.server.engine.run_config import DTYPES, RunConfig
 from batchsim.server.models.spec import QUANT_BITS
 
-MODES = ("bare", "executor", "mlx_lm")
+MODES = ("bare", "executor", "executor_paged", "mlx_lm")
+DEFAULT_MODES = ("bare", "executor", "mlx_lm")
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -36,8 +37,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=positive_int, default=5,
                    help="timed windows per mode, interleaved "
                    "across modes (median reported); the context grows by steps x reps")
-    p.add_argument("--modes", type=str_list, default=list(MODES),
-                   help="subset of bare,executor,mlx_lm")
+    p.add_argument("--modes", type=str_list, default=list(DEFAULT_MODES),
+                   help="subset of bare,executor,executor_paged,mlx_lm (executor_paged: "
+                   "--kv-layout paged)")
     p.add_argument("--continuous", type=ints_up_to(MAX_BATCH), default=[], metavar="B,B",
                    help="also compare continuous batching at these batch limits: 4 x B requests "
                    "with 16-64 output tokens, all queued at once, executor vs mlx-lm (joins and "
@@ -63,6 +65,8 @@ def run(args: argparse.Namespace) -> dict:
     makers = {
         "bare": lambda b: db.Bare(model, b, args.context, vocab),
         "executor": lambda b: db.Executor(model, b, args.context, vocab, kvt, layout),
+        "executor_paged": lambda b: db.Executor(model, b, args.context, vocab, kvt, layout,
+                                                kv_layout="paged"),
         "mlx_lm": lambda b: db.MlxLmBatchGenerator(model, b, args.context, vocab),
     }
     samples: dict[tuple[int, str], list[float]] = {}
@@ -131,7 +135,7 @@ def _add_ratios(rows: list[dict]) -> None:
         base = by.get((batches[0], r["mode"]))
         speedup = r["decode_tok_s"] / base["decode_tok_s"] if base else None
         r[f"speedup_vs_batch_{batches[0]}"] = speedup
-        for other in ("bare", "mlx_lm"):
+        for other in ("bare", "mlx_lm", "executor"):
             o = by.get((r["batch"], other))
             r[f"vs_{other}"] = r["decode_tok_s"] / o["decode_tok_s"] if o else None
             r[f"vs_{other}_paired"] = median([a / b for a, b in zip(
@@ -144,11 +148,15 @@ def _print(rows: list[dict], modes: list[str], session) -> None:
     cols = ["batch"] + [f"{m} tok/s" for m in modes] + [f"{m} x b{b0}" for m in modes]
     others = [m for m in ("bare", "mlx_lm") if "executor" in modes and m in modes]
     cols += [f"executor/{m}{kind}" for m in others for kind in ("", " paired")]
+    paged = "executor_paged" in modes and "executor" in modes
+    cols += ["paged/padded", "paged/padded paired"] if paged else []
     body = []
     for b in sorted({r["batch"] for r in rows}):
         line = [b] + [by[(b, m)]["decode_tok_s"] for m in modes]
         line += [by[(b, m)][f"speedup_vs_batch_{b0}"] for m in modes]
         line += [by[(b, "executor")][f"vs_{m}{kind}"] for m in others for kind in ("", "_paired")]
+        if paged:
+            line += [by[(b, "executor_paged")][f"vs_executor{k}"] for k in ("", "_paired")]
         body.append(line)
     env = session.environment()
     out.print(table(

@@ -15,6 +15,7 @@ from batchsim.scheduler.request import Request, SamplingParams
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.executors.block_pool import BlockPool
 from batchsim.server.executors.mlx_executor import MLXExecutor
+from batchsim.server.perf import size_limits
 
 from tests.drivers import config, drive
 
@@ -103,3 +104,26 @@ def test_block_pool_refcounts_tables_and_compaction():
 def test_row_blocks_is_the_account():
     assert [row_blocks(n) for n in (0, 1, PAGE_TOKENS, PAGE_TOKENS + 1)] == [0, 1, 1, 2]
     assert mx.array([1]).item() == 1
+
+
+def test_size_paged_max_batch_is_what_a_paged_run_holds(batchsim_home):
+    # `size`'s paged column, on the budget of exactly five sequences at full context: five run
+    # together to the end without a preemption (padded holds two), a sixth forces preemptions.
+    ref, model = _model("tiny")
+    layout = ref.spec.cache_layout("float32")
+    kvt, context = layout.full_token_bytes, 100
+    ctx = size_limits.context_fit(str(context), ref.spec.max_context)
+    budget = int(ctx.paged_tokens[5]) * kvt
+    fits = size_limits.max_batch(ctx.paged_tokens, budget, kvt)
+    assert fits == 5 and size_limits.max_batch(ctx.padded_tokens, budget, kvt) == 2
+
+    def run(seqs: int):  # one-token prompts: no private prefill cache, only the pool's blocks
+        specs = [(0, [i + 1], context - 1) for i in range(seqs)]
+        return _run(model, layout, specs, "paged", kv_budget_bytes=budget, max_num_seqs=seqs)[1]
+
+    held = run(fits)
+    assert sum(r.num_preemptions for r in held.requests.values()) == 0
+    assert max(len(p.decode_ids) for p in held.plans) == fits
+    assert max(p.kv_bytes for p in held.plans) == budget  # drive(): the executor's bytes too
+    over = run(fits + 1)
+    assert sum(r.num_preemptions for r in over.requests.values()) > 0

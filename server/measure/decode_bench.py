@@ -1,6 +1,7 @@
 """Decode throughput at a fixed batch, three ways on the same model and prompts:
 - bare: a loop of model forward calls on one batched mlx-lm KVCache (the floor for any engine),
 - executor: batchsim's scheduler + MLX executor (decode pool, one forward pass per step),
+- executor_paged: the same with `--kv-layout paged` (blocks gathered per step),
 - mlx_lm: mlx-lm's own continuous batching (`BatchGenerator`).
 Each prepares its batch once (prefill, warm-up), then times windows of decode steps on demand, so
 a benchmark can interleave the modes window by window."""
@@ -46,7 +47,7 @@ class Bare:
 
 class Executor:
     def __init__(self, model, batch: int, context: int, vocab: int, kv_bytes_per_token: int,
-                 cache_layout: CacheLayout | None = None):
+                 cache_layout: CacheLayout | None = None, kv_layout: str = "padded"):
         self.batch = batch
         # The whole batch prefills in one step, as in the other two modes, so all three decode rows
         # at one position; rows that joined over several steps are `--continuous`'s case.
@@ -54,9 +55,9 @@ class Executor:
             kv_budget_bytes=1 << 50, kv_bytes_per_token=kv_bytes_per_token, max_model_len=1 << 20,
             max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * context),
             prefill_step_size=512,
-            cache_layout=cache_layout,
+            cache_layout=cache_layout, kv_layout=kv_layout,
         ))
-        self.ex = MLXExecutor(model)
+        self.ex = MLXExecutor(model, kv_layout=kv_layout)
         for i, ids in enumerate(prompts(batch, context, vocab)):
             sp = SamplingParams(max_tokens=MAX_STEPS, ignore_eos=True)
             self.sched.add_request(Request(i, context, sp, 0.0, prompt_token_ids=ids))

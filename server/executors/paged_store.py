@@ -1,8 +1,10 @@
 """The paged layout's K/V store: one full-attention or MLA layer's tokens in PAGE_TOKENS-token
-blocks, (num_blocks, PAGE_TOKENS, heads, dim), shared by every row through its block table
+blocks, (num_blocks, heads, PAGE_TOKENS, dim), shared by every row through its block table
 (block_pool.BlockPool). MLX has no paged-attention kernel, so a decode step gathers each row's
 blocks (mx.take) into (B, heads, width, dim) for the model's own attention, masked as the padded
-pool is (kv_store.DecodeStep)."""
+pool is (kv_store.DecodeStep). The gathered copy is laid out as the padded pool's rows: MLX's
+CPU attention reads it in about half the time it takes on a (num_blocks, PAGE_TOKENS, heads, dim)
+layout's transposed view (benchmarks/paged_gather.py)."""
 
 from __future__ import annotations
 
@@ -23,9 +25,9 @@ class PagedStep:
     def gather(self, a: mx.array, width: int) -> mx.array:
         """Rows' tokens [0, width) as (B, heads, width, dim)."""
         b, n = self.tables.shape
-        g = mx.take(a, self.tables, axis=0)  # (B, n, PAGE_TOKENS, heads, dim)
-        g = g.reshape(b, n * PAGE_TOKENS, *a.shape[2:])
-        return g[:, :width].transpose(0, 2, 1, 3)
+        g = mx.take(a, self.tables, axis=0)  # (B, n, heads, PAGE_TOKENS, dim)
+        g = g.transpose(0, 2, 1, 3, 4).reshape(b, a.shape[1], n * PAGE_TOKENS, a.shape[3])
+        return g[:, :, :width]
 
 
 class PagedKVStore:
@@ -35,7 +37,7 @@ class PagedKVStore:
         if kv_bits is not None:
             raise ValueError("the paged layout holds unquantized K/V only")
         self.spec, self.dtype = spec, dtype
-        self.parts: list[mx.array] = []  # K then V, (num_blocks, PAGE_TOKENS, heads, dim)
+        self.parts: list[mx.array] = []  # K then V, (num_blocks, heads, PAGE_TOKENS, dim)
         self.view_class = PagedKVView
 
     def resize(self, rows: int, capacity: int) -> None:
@@ -48,7 +50,7 @@ class PagedKVStore:
             return
         if not self.parts:
             s = self.spec
-            self.parts = [mx.zeros((num_blocks, PAGE_TOKENS, s.heads, d), self.dtype)
+            self.parts = [mx.zeros((num_blocks, s.heads, PAGE_TOKENS, d), self.dtype)
                           for d in (s.k_dim, s.v_dim)]
             return
         if src:
@@ -69,7 +71,7 @@ class PagedKVStore:
             if n * PAGE_TOKENS > length:
                 src = mx.pad(src, [(0, 0), (0, n * PAGE_TOKENS - length), (0, 0)])
             heads, _, dim = src.shape
-            a[idx] = src.reshape(heads, n, PAGE_TOKENS, dim).transpose(1, 2, 0, 3)
+            a[idx] = src.reshape(heads, n, PAGE_TOKENS, dim).transpose(1, 0, 2, 3)
 
 
 class PagedKVView(KVView):
@@ -82,6 +84,6 @@ class PagedKVView(KVView):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         st, pg = self._step, self._paged
         k, v = self._store.parts
-        k[pg.write_blocks, pg.write_slots] = keys[:, :, 0, :]
-        v[pg.write_blocks, pg.write_slots] = values[:, :, 0, :]
+        k[pg.write_blocks, :, pg.write_slots] = keys[:, :, 0, :]
+        v[pg.write_blocks, :, pg.write_slots] = values[:, :, 0, :]
         return pg.gather(k, st.width), pg.gather(v, st.width)

@@ -158,3 +158,38 @@ def test_bad_sharing_yaml_names_the_file_and_key(sharing, says):
     with pytest.raises(ConfigError, match=says) as info:
         workload_from_dict({"sharing": sharing}, "w.yaml")
     assert str(info.value).startswith("w.yaml") and "\n" not in str(info.value)
+
+
+def test_compare_prefix_cache_runs_the_workload_off_then_on(capsys, tmp_path):
+    import json
+
+    from batchsim.scripts.cli import main
+
+    argv = ["compare", "--prefix-cache", "--executor", "sim", "--model", "llama-3.2-1b",
+            "--device-profile", "M2 Ultra", "--num-prompts", "6", "--output-len", "4",
+            "--out", str(tmp_path), "--runs-dir", str(tmp_path / "runs"), "--no-timeline",
+            "--json"]
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    off, on = res["cache_off"], res["cache_on"]
+    assert res["versus"] == "prefix-cache" and off["workload"] == "shared-prompt"
+    assert off["max_num_seqs"] == on["max_num_seqs"] == res["batch"]
+    assert off["total_input_tokens"] == on["total_input_tokens"]  # the same requests
+    assert off["cached_prompt_tokens"] == 0 and off["prefix_cache_hit_rate"] == 0
+    # The 1,024-token system prompt is prefilled once: the other 5 requests reuse its 64 blocks.
+    assert on["cached_prompt_tokens"] == 5 * 1024
+    assert on["prefilled_prompt_tokens"] == off["prefilled_prompt_tokens"] - 5 * 1024
+    assert res["ratios"]["median_ttft_ms"] < 1
+    (line,) = (tmp_path / "compare.jsonl").read_text().splitlines()
+    assert json.loads(line)["cache_on"]["cached_prompt_tokens"] == 5 * 1024
+    # --prefix-cache on|off keeps the batch-1 comparison, both runs with the cache as given.
+    from batchsim.scripts import compare
+    from batchsim.scripts.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["compare"]
+    batch1, batched = compare.configs_from_args(sub.parse_args(["--prefix-cache", "off"]))
+    assert (batch1.scheduler.max_num_seqs, batched.scheduler.prefix_cache) == (1, "off")
+    assert batched.workload.name == "burst"
+    off_cfg, on_cfg = compare.configs_from_args(sub.parse_args(["--prefix-cache", "--batch", "8"]))
+    assert (off_cfg.scheduler.prefix_cache, on_cfg.scheduler.prefix_cache) == ("off", "on")
+    assert off_cfg.scheduler.max_num_seqs == on_cfg.scheduler.max_num_seqs == 8

@@ -17,7 +17,6 @@ from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.kv_manager import KVAccountError, KVManager
 from batchsim.scheduler.plan import NewRequest, StepPlan, StepResult
 from batchsim.scheduler.pool_geometry import PAGE_TOKENS, PoolGeometry, row_blocks
-from batchsim.scheduler.prefix_cache import prompt_block_hashes
 from batchsim.scheduler.request import Request, RequestStatus
 from batchsim.scheduler.spec_budget import row_spec_tokens
 from batchsim.scheduler.step_budget import StepBudget
@@ -182,7 +181,7 @@ class Scheduler:
                 if not budget.add_row(r):
                     break
             else:
-                n = self._first_chunk(budget, r)
+                n = budget.first_chunk(r)
                 if n == 0:
                     break
                 budget.add_chunk(r, n)
@@ -196,23 +195,6 @@ class Scheduler:
                                            r.num_prompt_tokens, cached))
             self._count_hits(r)
         return new_requests
-
-    def _first_chunk(self, budget: StepBudget, r: Request) -> int:
-        """The first chunk of a request being admitted, after the longest cached prefix of whole
-        blocks (pinned for this step); 0: it does not fit."""
-        prefix = self.kv.prefix
-        if prefix is None:
-            return budget.chunk(r, r.num_tokens)
-        reused = prompt_block_hashes(r)[:prefix.match(prompt_block_hashes(r), r.num_tokens)]
-        pinned = prefix.pin(reused)
-        budget.budget_bytes -= pinned
-        r.num_computed_tokens = len(reused) * PAGE_TOKENS
-        n = budget.chunk(r, r.num_tokens - r.num_computed_tokens)
-        if n == 0:
-            prefix.unpin(reused)
-            budget.budget_bytes += pinned
-            r.num_computed_tokens = 0
-        return n
 
     def _count_hits(self, r: Request) -> None:
         """Prefix-cache counters of an admitted request (its computed tokens: the cached ones)."""

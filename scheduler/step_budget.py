@@ -9,7 +9,14 @@ from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.kv_bytes import PrivateCache
 from batchsim.scheduler.kv_manager import KVManager
 from batchsim.scheduler.plan import PrefillChunk
-from batchsim.scheduler.pool_geometry import KV_STEP, PoolGeometry, round_down, row_blocks
+from batchsim.scheduler.pool_geometry import (
+    KV_STEP,
+    PAGE_TOKENS,
+    PoolGeometry,
+    round_down,
+    row_blocks,
+)
+from batchsim.scheduler.prefix_cache import prompt_block_hashes
 from batchsim.scheduler.request import Request
 from batchsim.scheduler.spec_budget import step_spec_tokens
 
@@ -105,6 +112,23 @@ class StepBudget:
             c = request.num_computed_tokens
             n = round_down(c + n, KV_STEP) - c  # c is unaligned after a prefix-cache hit
         return self.fit(request, n)
+
+    def first_chunk(self, r: Request) -> int:
+        """The first chunk of a request being admitted, after the longest cached prefix of whole
+        blocks (pinned for this step); 0: it does not fit."""
+        prefix = self.kv.prefix
+        if prefix is None:
+            return self.chunk(r, r.num_tokens)
+        reused = prompt_block_hashes(r)[:prefix.match(prompt_block_hashes(r), r.num_tokens)]
+        pinned = prefix.pin(reused)
+        self.budget_bytes -= pinned
+        r.num_computed_tokens = len(reused) * PAGE_TOKENS
+        n = self.chunk(r, r.num_tokens - r.num_computed_tokens)
+        if n == 0:
+            prefix.unpin(reused)
+            self.budget_bytes += pinned
+            r.num_computed_tokens = 0
+        return n
 
     def fit(self, request: Request, n: int) -> int:
         """The largest chunk up to n whose cache growth fits, dropping the pool's spare rows

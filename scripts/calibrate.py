@@ -23,6 +23,8 @@ from batchsim.scripts.common import (
 )
 from batchsim.server.engine.run_config import DTYPES, RunConfig
 from batchsim.server.perf.devices import LOCAL_NAME
+from batchsim.workloads.lengths import LengthSpec
+from batchsim.workloads.spec import WorkloadSpec
 
 # Two depths separate per-layer from per-forward costs; three head shapes (3:1 GQA x 64, 2:1 x 16,
 # 8:1 x 32) separate attention's cost per K/V byte from its cost per score. Qwen3-0.6B is there
@@ -110,8 +112,9 @@ def run(args: argparse.Namespace) -> dict:
     sessions = {name: open_session(RunConfig(model=name, dtype=dtype)) for name in args.models}
     samples, probe_ms, drift = _step_grid(args, sessions)
     overhead_us, overhead_by_model = _engine_overhead_us(sessions)
+    token_us, token_by_model = _engine_token_us(sessions)
     profile, terms, transfer = _fit(args, dtype, when, env_info, ceilings, sessions, samples,
-                                    overhead_us, probe_ms, pinned)
+                                    overhead_us, probe_ms, pinned, token_us)
     paths = _save(profile, args)
     rows = _residuals(samples, sessions, profile, dtype)
     _print(rows, terms, ceilings.gemm, overhead_us, transfer)
@@ -124,7 +127,8 @@ def run(args: argparse.Namespace) -> dict:
                "copy_gbs": ceilings.copy_gbs, "terms": terms,
                "quantized_gemv_gbs": q.gemv_gbs, "quantized_gemm_gflops": q.gemm_gflops,
                "quantized_points": q.rows, "step_overhead_us": overhead_us,
-               "step_overhead_us_by_model": overhead_by_model,
+               "step_overhead_us_by_model": overhead_by_model, "host_token_us": token_us,
+               "host_token_us_by_model": token_by_model,
                "speed_probe_ms": probe_ms, "speed_drift": drift, "measured_alone": alone,
                "median_abs_err": errors[len(errors) // 2], "max_abs_err": errors[-1],
                "transfer_err": transfer, "samples": rows, "env": env_info}
@@ -208,9 +212,10 @@ def _measured_alone(quick: bool, bandwidth_gbs: float) -> tuple[dict[str, Any], 
 
 def _fit(args, dtype: str, when: str, env_info: dict, ceilings: _Ceilings, sessions: dict,
          samples: list, overhead_us: float, probe_ms: dict,
-         pinned: dict[str, float] | None = None) -> tuple[Any, dict, dict]:
-    """The profile: measured ceilings, the measured fixed costs (`pinned`) and the other
-    per-forward terms fitted on the step samples."""
+         pinned: dict[str, float] | None = None,
+         host_token_us: float = 0.0) -> tuple[Any, dict, dict]:
+    """The profile: measured ceilings, the measured fixed costs (`pinned`), the engine's host
+    work per step and per token, and the other per-forward terms fitted on the step samples."""
     from batchsim.server.measure import calibration as cal
     from batchsim.server.measure import fixed_cost
     from batchsim.server.perf.profile import DeviceProfile
@@ -237,7 +242,8 @@ def _fit(args, dtype: str, when: str, env_info: dict, ceilings: _Ceilings, sessi
                                  probe_ms, device=device_id(env_info))
     alone = [m for a in by_arch if (m := fixed_cost.ARCH_MODELS[a]) not in args.models]
     calib = dataclasses.replace(calib, layer_overhead_us_by_arch=by_arch,
-                                calibrated_on=(*calib.calibrated_on, *alone), **experts)
+                                calibrated_on=(*calib.calibrated_on, *alone),
+                                host_token_us=host_token_us, **experts)
     terms.update({f"layer_overhead_us[{a}]": us for a, us in by_arch.items()}, **experts)
     profile = _with(base, calib, source=f"batchsim calibrate {when}: {env_info['cpu']}, "
                     f"{env_info['backend']}, BLAS {env_info['blas']}, "
@@ -324,18 +330,49 @@ def _engine_overhead_us(sessions: dict) -> tuple[float, dict[str, float]]:
     return float(np.median(list(by_model.values()))), by_model
 
 
+def _engine_token_us(sessions: dict) -> tuple[float, dict[str, float]]:
+    """batchsim's engine host work per sampled token beyond its per-step overhead: the median over
+    the calibration models of `_engine_token_one_us`, and each model's."""
+    import numpy as np
+
+    by_model = {name: _engine_token_one_us(s) for name, s in sessions.items()}
+    return float(np.median(list(by_model.values()))), by_model
+
+
+def _engine_token_one_us(session) -> float:
+    """The slope of the engine's time between busy decode steps (spacing minus the executor's
+    time) over their batch size, on a run whose batch shrinks from 16 rows to 1 (output lengths
+    1 to 48): what each row's token adds to the host's work. Never negative."""
+    import numpy as np
+
+    spec = _overhead_workload(num_prompts=16, output_len=LengthSpec("uniform", min=1, max=48))
+    gaps = _busy_gaps(session, spec)
+    if len({b for b, _ in gaps}) < 3:
+        return 0.0
+    rows, gap_s = np.asarray(gaps, dtype=float).T
+    return max(0.0, float(np.polyfit(rows, gap_s, 1)[0]) * 1e6)
+
+
+def _overhead_workload(num_prompts: int = 8, output_len: LengthSpec | None = None) -> WorkloadSpec:
+    return WorkloadSpec(name="calibrate-overhead", num_prompts=num_prompts, arrival="poisson",
+                        request_rate=float("inf"), input_len=LengthSpec("fixed", value=16),
+                        output_len=output_len or LengthSpec("fixed", value=24), seed=0)
+
+
+def _busy_gaps(session, spec: WorkloadSpec) -> list[tuple[int, float]]:
+    """(batch size, seconds between the ends of two back-to-back steps less the later one's
+    executor time) for each busy pair of steps of a real run of `spec`."""
+    from batchsim.server.engine.runner import run_workload
+
+    steps = run_workload(session, spec, out_dir=None, label="calibrate").steps
+    return [(b.batch_size, b.end_s - a.end_s - b.compute_s) for a, b in itertools.pairwise(steps)
+            if b.start_s - a.end_s < 0.005 and b.compute_s is not None]
+
+
 def _engine_overhead_one_us(session) -> float:
     import numpy as np
-    from batchsim.server.engine.runner import run_workload
-    from batchsim.workloads.lengths import LengthSpec
-    from batchsim.workloads.spec import WorkloadSpec
 
-    spec = WorkloadSpec(name="calibrate-overhead", num_prompts=8, arrival="poisson",
-                        request_rate=float("inf"), input_len=LengthSpec("fixed", value=16),
-                        output_len=LengthSpec("fixed", value=24), seed=0)
-    steps = run_workload(session, spec, out_dir=None, label="calibrate").steps
-    gaps = [b.end_s - a.end_s - b.compute_s for a, b in itertools.pairwise(steps)
-            if b.start_s - a.end_s < 0.005 and b.compute_s is not None]
+    gaps = [g for _, g in _busy_gaps(session, _overhead_workload())]
     return max(0.0, float(np.median(gaps)) * 1e6) if gaps else 0.0
 
 

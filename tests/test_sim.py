@@ -201,8 +201,22 @@ def test_forward_terms_fit_recovers_known_coefficients():
     # and the per-score attention terms separable.
     samples, costs0 = _exact_samples(("smollm2-135m", "tiny", "gqa8-probe"))
     terms = cal.fit_forward_terms(samples, costs0)
+    for key in cal.FORWARD_TERMS:  # the per-row terms: zero here (abs: a zero's 1e-12 ns)
+        want = getattr(PROFILE.calibration, key)
+        assert terms[key] == pytest.approx(want, rel=1e-3, abs=1e-6), key
+
+
+def test_forward_terms_fit_recovers_the_per_row_terms():
+    # Steps that carry a per-row attention cost, a per-token-per-layer cost and a sampling cost:
+    # the fit separates them (decode rows vs prefill tokens vs sampled rows) from the rest.
+    per_row = {"attention_row_ns": 900.0, "token_layer_ns": 400.0, "sampling_row_us": 60.0}
+    profile = dataclasses.replace(
+        PROFILE, calibration=dataclasses.replace(PROFILE.calibration, **per_row))
+    samples, costs0 = _exact_samples(("smollm2-135m", "tiny", "gqa8-probe"), profile)
+    terms = cal.fit_forward_terms(samples, costs0)
     for key in cal.FORWARD_TERMS:
-        assert terms[key] == pytest.approx(getattr(PROFILE.calibration, key), rel=1e-3), key
+        want = getattr(profile.calibration, key)
+        assert terms[key] == pytest.approx(want, rel=1e-3, abs=1e-6), key
 
 
 def test_pinned_fixed_costs_are_taken_as_given_and_the_rest_refitted():
@@ -213,7 +227,8 @@ def test_pinned_fixed_costs_are_taken_as_given_and_the_rest_refitted():
     true = {k: getattr(PROFILE.calibration, k) for k in keys}
     terms = cal.fit_forward_terms(samples, costs0, pinned=true)
     for key in cal.FORWARD_TERMS:
-        assert terms[key] == pytest.approx(getattr(PROFILE.calibration, key), rel=1e-3), key
+        want = getattr(PROFILE.calibration, key)
+        assert terms[key] == pytest.approx(want, rel=1e-3, abs=1e-6), key
     wrong = {k: 3 * v + 50.0 for k, v in true.items()}
     moved = cal.fit_forward_terms(samples, costs0, pinned=wrong)
     assert {k: moved[k] for k in keys} == wrong
@@ -429,6 +444,25 @@ def test_calibrate_prices_the_engine_overhead_at_the_median_and_keeps_each_model
     monkeypatch.setattr(calibrate, "_engine_overhead_one_us", lambda session: measured[session])
     median, by_model = calibrate._engine_overhead_us({name: name for name in measured})
     assert median == 300.0 and by_model == measured
+
+
+def test_calibrate_measures_the_engines_host_work_per_token(monkeypatch):
+    # Busy steps spaced 300 us + 20 us per row: the slope over the batch is the per-token cost;
+    # the profile prices it per sampled row (StepTime.host_token_s), beside the engine's own.
+    from batchsim.scripts import calibrate
+    from batchsim.server.models.spec import zoo_spec
+
+    gaps = [(b, (300.0 + 20.0 * b) * 1e-6) for b in (16, 12, 9, 5, 2, 1)]
+    monkeypatch.setattr(calibrate, "_busy_gaps", lambda session, spec: gaps)
+    assert calibrate._engine_token_one_us("s") == pytest.approx(20.0)
+    monkeypatch.setattr(calibrate, "_busy_gaps", lambda session, spec: gaps[:1] * 4)
+    assert calibrate._engine_token_one_us("s") == 0.0  # one batch size: no slope to measure
+    measured = dataclasses.replace(PROFILE, calibration=dataclasses.replace(
+        PROFILE.calibration, host_token_us=20.0))
+    spec = zoo_spec("tiny")
+    step = StepCost(spec, measured, "float32", None).decode_time(8, 100)
+    assert step.host_token_s == pytest.approx(8 * 20e-6)
+    assert StepCost(spec, PROFILE, "float32", None).decode_time(8, 100).host_token_s == 0.0
 
 
 def test_layers_of_a_measured_architecture_cost_its_own_fixed_time():

@@ -290,7 +290,8 @@ def grid_samples(models: dict[str, tuple], batches: Sequence[int], widths: Seque
 # The Calibration fields fitted on executor steps, in the order of fit_forward_terms's columns.
 FORWARD_TERMS = ("attention_decode_ns_per_byte", "attention_prefill_ns_per_flop",
                  "attention_prefill_ns_per_score_byte", "elementwise_ns_per_byte",
-                 "layer_overhead_us", "forward_overhead_us", "attention_decode_ns_per_score")
+                 "layer_overhead_us", "forward_overhead_us", "attention_decode_ns_per_score",
+                 "attention_row_ns", "token_layer_ns", "sampling_row_us")
 
 
 def fit_forward_terms(samples: Sequence[StepSample], costs: dict[str, StepCost],
@@ -325,18 +326,22 @@ def fit_forward_terms(samples: Sequence[StepSample], costs: dict[str, StepCost],
 def _features(s: StepSample, c: StepCost) -> list[float]:
     """One sample's columns of fit_forward_terms (FORWARD_TERMS' order): the work of a model whose
     every layer is full attention (K/V bytes and scores of a decode over `context` tokens; score
-    FLOPs and bytes of a prefill chunk after `context`; elementwise bytes), layers, one pass."""
+    FLOPs and bytes of a prefill chunk after `context`; elementwise bytes), layers, one pass; then
+    the per-row terms StepCost._row_parts prices: decode rows x layers, tokens x layers, sampled
+    rows (a decode step samples every row, a final prefill chunk one)."""
     sp, layers = c.spec, c.spec.num_layers
     if s.kind == "decode":
         kv_bytes = s.rows * s.context * c.kv_bytes_per_token
         scores = layers * s.rows * sp.num_heads * s.context
         return [kv_bytes * 1e-9, 0.0, 0.0, c.elementwise_bytes(s.rows, logits=True) * 1e-9,
-                layers * 1e-6, 1e-6, scores * 1e-9]
+                layers * 1e-6, 1e-6, scores * 1e-9,
+                layers * s.rows * 1e-9, layers * s.rows * 1e-9, s.rows * 1e-6]
     ctx = s.context + s.rows  # a final chunk of `rows` tokens: one row's logits
     logits = c.elementwise_bytes(1, logits=True) - c.elementwise_bytes(1, logits=False)
     return [0.0, 4 * layers * sp.num_heads * sp.head_dim * s.rows * ctx * 1e-9,
             layers * sp.num_heads * s.rows * ctx * 4 * 1e-9,
-            (c.elementwise_bytes(s.rows, logits=False) + logits) * 1e-9, layers * 1e-6, 1e-6, 0.0]
+            (c.elementwise_bytes(s.rows, logits=False) + logits) * 1e-9, layers * 1e-6, 1e-6, 0.0,
+            0.0, layers * s.rows * 1e-9, 1e-6]
 
 
 def predict(sample: StepSample, cost: StepCost) -> float:

@@ -89,6 +89,9 @@ class Calibration:
     attention_row_ns: float = 0.0
     token_layer_ns: float = 0.0
     sampling_row_us: float = 0.0
+    # batchsim's engine per sampled token beyond its step_overhead_us (recording, stop checks),
+    # measured with the step overhead on real runs (0: not measured).
+    host_token_us: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

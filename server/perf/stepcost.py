@@ -192,12 +192,14 @@ class StepCost:
         """Seconds per decode row of attention's fixed kernel cost, per token of elementwise
         kernels' (every layer), per sampled row of sampling and of the engine's host work."""
         layers, cal, p = self.spec.num_layers, self.cal, self.profile
+        host = self.engine.host_token_s
         if cal is not None:
             attention, token, sample = (cal.attention_row_ns * 1e-9, cal.token_layer_ns * 1e-9,
                                         cal.sampling_row_us * 1e-6)
+            host += cal.host_token_us * 1e-6  # batchsim's engine on this device, as step_overhead
         else:
             attention, token, sample = p.attention_row_s, p.token_layer_s, p.sampling_row_s
-        return layers * attention, layers * token, sample, self.engine.host_token_s
+        return layers * attention, layers * token, sample, host
 
     def _row_parts(self, decode_rows: int, tokens: int, sampled: int) -> dict[str, float]:
         """StepTime's per-row parts of a forward over `tokens` tokens, `decode_rows` of them

@@ -111,8 +111,7 @@ def run(args: argparse.Namespace) -> dict:
     pinned, alone = _measured_alone(args.quick, ceilings.bandwidth_gbs)  # before the models load
     sessions = {name: open_session(RunConfig(model=name, dtype=dtype)) for name in args.models}
     samples, probe_ms, drift = _step_grid(args, sessions)
-    overhead_us, overhead_by_model = _engine_overhead_us(sessions)
-    token_us, token_by_model = _engine_token_us(sessions)
+    overhead_us, token_us, host_by_model = _engine_host_us(sessions)
     profile, terms, transfer = _fit(args, dtype, when, env_info, ceilings, sessions, samples,
                                     overhead_us, probe_ms, pinned, token_us)
     paths = _save(profile, args)
@@ -127,8 +126,9 @@ def run(args: argparse.Namespace) -> dict:
                "copy_gbs": ceilings.copy_gbs, "terms": terms,
                "quantized_gemv_gbs": q.gemv_gbs, "quantized_gemm_gflops": q.gemm_gflops,
                "quantized_points": q.rows, "step_overhead_us": overhead_us,
-               "step_overhead_us_by_model": overhead_by_model, "host_token_us": token_us,
-               "host_token_us_by_model": token_by_model,
+               "step_overhead_us_by_model": {m: v[0] for m, v in host_by_model.items()},
+               "host_token_us": token_us,
+               "host_token_us_by_model": {m: v[1] for m, v in host_by_model.items()},
                "speed_probe_ms": probe_ms, "speed_drift": drift, "measured_alone": alone,
                "median_abs_err": errors[len(errors) // 2], "max_abs_err": errors[-1],
                "transfer_err": transfer, "samples": rows, "env": env_info}
@@ -318,45 +318,41 @@ def _with(profile, calibration, source: str | None = None):
     return dataclasses.replace(profile, calibration=calibration, source=source or profile.source)
 
 
-def _engine_overhead_us(sessions: dict) -> tuple[float, dict[str, float]]:
-    """The engine's own time per step (scheduling, hand-off to the executor thread and back):
-    consecutive busy steps' spacing minus the executor's own time, on a short real run of each
-    calibration model; the median over them. One model's run alone swings 2x from run to run
-    (368-970 us on SmolLM2-135M, 2-core EPYC VM) and it differs by model (~100 us on tiny's,
-    ~550 us on Qwen3-0.6B's steps). Returns that median and each model's, for calibrate.jsonl."""
+def _engine_host_us(sessions: dict) -> tuple[float, float, dict[str, tuple[float, float]]]:
+    """batchsim's engine host work (scheduling, hand-off to the executor thread and back,
+    recording tokens): per step and per sampled token, each the median over the calibration
+    models of `_engine_host_one_us`; and each model's pair, for calibrate.jsonl. One model's run
+    alone swings 2x from run to run (368-970 us a step on SmolLM2-135M, 2-core EPYC VM) and it
+    differs by model (~100 us on tiny's, ~550 us on Qwen3-0.6B's steps)."""
     import numpy as np
 
-    by_model = {name: _engine_overhead_one_us(s) for name, s in sessions.items()}
-    return float(np.median(list(by_model.values()))), by_model
+    by_model = {name: _engine_host_one_us(s) for name, s in sessions.items()}
+    step_us, token_us = (float(np.median([v[i] for v in by_model.values()])) for i in (0, 1))
+    return step_us, token_us, by_model
 
 
-def _engine_token_us(sessions: dict) -> tuple[float, dict[str, float]]:
-    """batchsim's engine host work per sampled token beyond its per-step overhead: the median over
-    the calibration models of `_engine_token_one_us`, and each model's."""
+def _engine_host_one_us(session) -> tuple[float, float]:
+    """(us per step, us per sampled token) of the engine's time between busy steps (their
+    spacing minus the executor's time) on a short real run whose batch shrinks from 16 rows to 1
+    (output lengths 1 to 48): the line's intercept and slope over the batch size, neither
+    negative; with fewer than three batch sizes, the median gap and no per-token term."""
     import numpy as np
 
-    by_model = {name: _engine_token_one_us(s) for name, s in sessions.items()}
-    return float(np.median(list(by_model.values()))), by_model
-
-
-def _engine_token_one_us(session) -> float:
-    """The slope of the engine's time between busy decode steps (spacing minus the executor's
-    time) over their batch size, on a run whose batch shrinks from 16 rows to 1 (output lengths
-    1 to 48): what each row's token adds to the host's work. Never negative."""
-    import numpy as np
-
-    spec = _overhead_workload(num_prompts=16, output_len=LengthSpec("uniform", min=1, max=48))
-    gaps = _busy_gaps(session, spec)
-    if len({b for b, _ in gaps}) < 3:
-        return 0.0
-    rows, gap_s = np.asarray(gaps, dtype=float).T
-    return max(0.0, float(np.polyfit(rows, gap_s, 1)[0]) * 1e6)
-
-
-def _overhead_workload(num_prompts: int = 8, output_len: LengthSpec | None = None) -> WorkloadSpec:
-    return WorkloadSpec(name="calibrate-overhead", num_prompts=num_prompts, arrival="poisson",
+    spec = WorkloadSpec(name="calibrate-overhead", num_prompts=16, arrival="poisson",
                         request_rate=float("inf"), input_len=LengthSpec("fixed", value=16),
-                        output_len=output_len or LengthSpec("fixed", value=24), seed=0)
+                        output_len=LengthSpec("uniform", min=1, max=48), seed=0)
+    gaps = _busy_gaps(session, spec)
+    if not gaps:
+        return 0.0, 0.0
+    rows, gap_s = np.asarray(gaps, dtype=float).T
+    if len(set(rows)) < 3:
+        return max(0.0, float(np.median(gap_s)) * 1e6), 0.0
+    slope, intercept = np.polyfit(rows, gap_s, 1)
+    if slope <= 0:  # no growth with the rows to measure: the step's cost is the median gap
+        return max(0.0, float(np.median(gap_s)) * 1e6), 0.0
+    if intercept < 0:  # the line through the origin
+        return 0.0, float(rows @ gap_s / (rows @ rows)) * 1e6
+    return float(intercept) * 1e6, float(slope) * 1e6
 
 
 def _busy_gaps(session, spec: WorkloadSpec) -> list[tuple[int, float]]:
@@ -367,13 +363,6 @@ def _busy_gaps(session, spec: WorkloadSpec) -> list[tuple[int, float]]:
     steps = run_workload(session, spec, out_dir=None, label="calibrate").steps
     return [(b.batch_size, b.end_s - a.end_s - b.compute_s) for a, b in itertools.pairwise(steps)
             if b.start_s - a.end_s < 0.005 and b.compute_s is not None]
-
-
-def _engine_overhead_one_us(session) -> float:
-    import numpy as np
-
-    gaps = [g for _, g in _busy_gaps(session, _overhead_workload())]
-    return max(0.0, float(np.median(gaps)) * 1e6) if gaps else 0.0
 
 
 def _print(rows: list[dict], terms: dict, gemm, overhead_us: float, transfer: dict) -> None:

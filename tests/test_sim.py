@@ -440,23 +440,24 @@ def test_calibrate_measures_every_architecture_and_the_expert_terms_alone(monkey
 def test_calibrate_prices_the_engine_overhead_at_the_median_and_keeps_each_models(monkeypatch):
     from batchsim.scripts import calibrate
 
-    measured = {"a": 100.0, "b": 550.0, "c": 300.0}
-    monkeypatch.setattr(calibrate, "_engine_overhead_one_us", lambda session: measured[session])
-    median, by_model = calibrate._engine_overhead_us({name: name for name in measured})
-    assert median == 300.0 and by_model == measured
+    measured = {"a": (100.0, 5.0), "b": (550.0, 30.0), "c": (300.0, 10.0)}
+    monkeypatch.setattr(calibrate, "_engine_host_one_us", lambda session: measured[session])
+    step_us, token_us, by_model = calibrate._engine_host_us({name: name for name in measured})
+    assert (step_us, token_us) == (300.0, 10.0) and by_model == measured
 
 
 def test_calibrate_measures_the_engines_host_work_per_token(monkeypatch):
-    # Busy steps spaced 300 us + 20 us per row: the slope over the batch is the per-token cost;
-    # the profile prices it per sampled row (StepTime.host_token_s), beside the engine's own.
+    # Busy steps spaced 300 us + 20 us per row: the intercept is the engine's cost per step, the
+    # slope its cost per token, which the profile prices per sampled row (StepTime.host_token_s).
     from batchsim.scripts import calibrate
     from batchsim.server.models.spec import zoo_spec
 
     gaps = [(b, (300.0 + 20.0 * b) * 1e-6) for b in (16, 12, 9, 5, 2, 1)]
     monkeypatch.setattr(calibrate, "_busy_gaps", lambda session, spec: gaps)
-    assert calibrate._engine_token_one_us("s") == pytest.approx(20.0)
+    assert calibrate._engine_host_one_us("s") == pytest.approx((300.0, 20.0))
     monkeypatch.setattr(calibrate, "_busy_gaps", lambda session, spec: gaps[:1] * 4)
-    assert calibrate._engine_token_one_us("s") == 0.0  # one batch size: no slope to measure
+    # One batch size: no slope to measure, the step's cost is the median gap.
+    assert calibrate._engine_host_one_us("s") == pytest.approx((620.0, 0.0))
     measured = dataclasses.replace(PROFILE, calibration=dataclasses.replace(
         PROFILE.calibration, host_token_us=20.0))
     spec = zoo_spec("tiny")

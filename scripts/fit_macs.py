@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> dict:
         out.print("[yellow]the shipped fit differs from this one: run `batchsim fit-macs --write`"
                   "[/yellow]")
     return {"fit": dataclasses.asdict(fit), "before_fit": dataclasses.asdict(before),
-            "engines": {e: {"host_step_us": p.host_step_us, "host_token_us": p.host_token_us}
+            "engines": {e: {"host_step_us": p.host_step_us, "host_token_us": p.host_token_us,
+                            "row_dispatch_forwards": p.row_dispatch_forwards}
                         for e, p in model.engines.items()},
             "shipped_fit_matches": same, "written": args.write, "cv": cv}
 
@@ -59,7 +60,7 @@ def _nums(obj: object) -> list[float]:
     out: list[float] = []
     for k, v in dataclasses.asdict(obj).items():
         if isinstance(v, dict) and k != "errors":
-            out += [float(x) for _, x in sorted(v.items())]
+            out += [float(x) for _, x in sorted(v.items()) if isinstance(x, (int, float))]
         elif isinstance(v, float):
             out.append(v)
     return out
@@ -77,9 +78,13 @@ def save_engine(profile: EngineProfile, fitted_on: str) -> Path:
     """Write an engine's fitted host costs into its YAML (the rest of the file as it is)."""
     path = ENGINES_DIR / f"{profile.name}.yaml"
     text = path.read_text()
-    for key in ("host_step_us", "host_token_us"):
-        text = re.sub(rf"^{key}: .*$", f"{key}: {getattr(profile, key)!r}",
-                      text, flags=re.MULTILINE)
+    for key in ("host_step_us", "host_token_us", "row_dispatch_forwards"):
+        line = f"{key}: {getattr(profile, key)!r}"
+        if re.search(rf"^{key}: ", text, flags=re.MULTILINE):
+            text = re.sub(rf"^{key}: .*$", line, text, flags=re.MULTILINE)
+        elif getattr(profile, key):  # a new fitted term: after the host costs
+            text = re.sub(r"^(host_token_us: .*)$", rf"\1\n{line}", text, count=1,
+                          flags=re.MULTILINE)
     source = yaml.safe_dump({"source": f"Fitted by `batchsim fit-macs --write` on {fitted_on}"},
                             width=100)
     text = re.sub(r"^source:.*?(?=^\S|\Z)", lambda _: source, text, flags=re.MULTILINE | re.DOTALL)

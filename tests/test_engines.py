@@ -122,6 +122,46 @@ def test_an_engine_serial_for_one_architecture_batches_the_others():
     assert hybrid.decode_time(4, 256).total_s == pytest.approx(4 * one)
 
 
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "qwen3-30b-a3b"])
+def test_one_row_graphs_evaluated_together_share_weights_and_pay_each_fixed_cost(model):
+    """mlxcel-server's per-row fallback: B one-row graphs in one eval read each layer's weights
+    once (as a batch) and dispatch B forwards' fixed costs."""
+    spec = zoo_spec(model)
+    serial = _engine(serial_model_types=(spec.model_type,))
+    together = dataclasses.replace(serial, serial_rows_together=True)
+    one_by_one = StepCost(spec, _mac(), "float16", 4, engine=serial)
+    graphs = StepCost(spec, _mac(), "float16", 4, engine=together)
+    batched = StepCost(spec, _mac(), "float16", 4)
+    t, b = graphs.decode_time(4, 512), batched.decode_time(4, 512)
+    assert t.fixed_s == pytest.approx(4 * b.fixed_s) and t.weights_s == b.weights_s
+    assert t.total_s == pytest.approx(b.total_s + 3 * b.fixed_s)
+    assert graphs.decode_forward_s(4, 512) == pytest.approx(t.total_s)
+    assert b.total_s < t.total_s < one_by_one.decode_time(4, 512).total_s
+    assert graphs.decode_time(1, 512) == batched.decode_time(1, 512)
+
+
+def test_an_attention_loop_costs_each_row_past_the_first_its_dispatches():
+    spec = zoo_spec("llama-3.2-1b")
+    loop = StepCost(spec, _mac(), "float16", 4,
+                    engine=_engine(attention_loop=True, row_dispatch_forwards=0.5))
+    batched = StepCost(spec, _mac(), "float16", 4)
+    fixed_s = batched.decode_time(1, 256).fixed_s
+    assert loop.decode_time(1, 256) == batched.decode_time(1, 256)  # one row: the plain forward
+    extra = loop.decode_time(8, 256).total_s - batched.decode_time(8, 256).total_s
+    assert extra == pytest.approx(7 * 0.5 * fixed_s)
+    assert loop.decode_forward_s(8, 256) == pytest.approx(loop.decode_time(8, 256).total_s)
+    unset = StepCost(spec, _mac(), "float16", 4, engine=_engine(row_dispatch_forwards=0.5))
+    assert unset.decode_time(8, 256) == batched.decode_time(8, 256)  # no loop declared
+
+
+def test_an_engine_batches_an_architecture_from_the_version_that_did():
+    mlxcel = load_engine("mlxcel-server")
+    assert "qwen3_moe" in mlxcel.at_version("0.6.0").serial_model_types
+    assert "qwen3_moe" not in mlxcel.at_version("0.7.0-beta.1").serial_model_types
+    assert "qwen2" in mlxcel.at_version("0.7.0-beta.1").serial_model_types
+    assert mlxcel.at_version(None) is mlxcel
+
+
 def test_engine_profile_refuses_negative_costs(tmp_path):
     with pytest.raises(ValueError, match="host_token_us"):
         _engine(host_token_us=-1)

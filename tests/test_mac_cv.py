@@ -142,11 +142,38 @@ def test_write_keeps_an_engine_file_but_its_fitted_numbers(tmp_path, monkeypatch
     assert data["serial_model_types"] == list(load_engine("mlx-lm-server").serial_model_types)
 
 
+def test_cv_reports_all_rows_and_the_explained_ones_apart(rows):
+    b5 = _row(rows, batch=5, measures="aggregate")
+    b1 = next(r for r in rows if r.batch == 1 and mac_cv._setup(r) == mac_cv._setup(b5))
+    other = _row(rows, batch=1, engine="mlx-lm")
+    pick = [b1, b5, other]
+    predicted = [b1.tok_s, 2 * b5.tok_s, 1.1 * other.tok_s]
+    rep = mac_cv.report(pick, predicted, keep=[True, True, False])
+    assert rep["b1"]["n"] == 2 and rep["explained_only"]["b1"] == {
+        "n": 1, "median_abs": 0.0, "worst_abs": 0.0}
+    assert rep["explained_only"]["gain"]["n"] == 1
+    rep = mac_cv.report(pick, predicted, keep=[False, True, True])  # its batch-1 row left out
+    assert rep["gain"]["n"] == 1 and rep["explained_only"]["gain"]["n"] == 0
+
+
+def test_write_adds_a_fitted_term_the_file_lacks(tmp_path, monkeypatch):
+    src = ENGINES_DIR / "mlx-lm-server.yaml"
+    (tmp_path / src.name).write_text(src.read_text())
+    monkeypatch.setattr(fit_macs, "ENGINES_DIR", tmp_path)
+    fitted = dataclasses.replace(load_engine("mlx-lm-server"), row_dispatch_forwards=0.75)
+    fit_macs.save_engine(fitted, "configs/reference/published.yaml: 9 rows")
+    data = yaml.safe_load((tmp_path / src.name).read_text())
+    assert data["row_dispatch_forwards"] == 0.75
+    assert data["host_token_us"] == load_engine("mlx-lm-server").host_token_us
+
+
 def test_rows_the_model_cannot_explain_are_scored_not_fitted(rows, catalog):
     model = MacModel(gpu_fit.load_fit())
-    serial = [r for r in rows if not published_fit.explained(r, model)]
-    assert serial and all(r.batch > 1 for r in serial)  # concurrent one-row forwards
-    assert all(published_fit.explained(r, model) for r in rows if r.batch == 1)
+    out = [r for r in rows if not published_fit.explained(r, model)]
+    assert all(r.unexplained or r.batch > 1 for r in out)  # marked, or one-row forwards
+    serial = [r for r in out if not r.unexplained]
+    assert serial and all(published_fit.explained(r, model) for r in rows
+                          if r.batch == 1 and not r.unexplained)
     # Fitted without them or with them removed first: the same fit.
     few = [r for r in rows if r.src == serial[0].src]
     kept = [r for r in few if published_fit.explained(r, model)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from functools import lru_cache
 
 from batchsim.configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
@@ -27,12 +28,23 @@ class EngineProfile:
     batches: bool = True
     # Architectures (mlx-lm model_type) it runs one row at a time even when it batches others.
     serial_model_types: tuple[str, ...] = ()
+    # True: those one-row forwards are built as one graph per row and evaluated together (they
+    # share each layer's weight reads; each row pays the forward's fixed cost); False: one after
+    # another.
+    serial_rows_together: bool = False
+    # The engine version from which it batches an architecture of serial_model_types.
+    batched_since: dict[str, str] = dataclasses.field(default_factory=dict)
+    # True: its batched forward runs attention one sequence at a time (a loop over the rows),
+    # each decode row past the first costing row_dispatch_forwards x the device's fixed cost of
+    # one forward pass (its layers' dispatches); fitted.
+    attention_loop: bool = False
+    row_dispatch_forwards: float = 0.0
     version: str = ""  # the engine version the numbers describe
     source: str = ""  # the published measurements the numbers come from, or why they are zero
     note: str = ""
 
     def __post_init__(self) -> None:
-        for key in ("host_step_us", "host_token_us"):
+        for key in ("host_step_us", "host_token_us", "row_dispatch_forwards"):
             value = getattr(self, key)
             if not 0 <= value < math.inf:
                 raise ValueError(f"{key} must be >= 0 and finite, got {value}")
@@ -41,6 +53,16 @@ class EngineProfile:
         """Whether this engine runs a model of `model_type` one row at a time."""
         return not self.batches or model_type in self.serial_model_types
 
+    def at_version(self, version: str | None) -> EngineProfile:
+        """This profile as the engine ran at `version` (None: as written): the architectures it
+        batched by then leave serial_model_types."""
+        if version is None or not self.batched_since:
+            return self
+        ran = _release(version)
+        serial = tuple(t for t in self.serial_model_types
+                       if t not in self.batched_since or ran < _release(self.batched_since[t]))
+        return dataclasses.replace(self, serial_model_types=serial)
+
     @property
     def host_step_s(self) -> float:
         return self.host_step_us * 1e-6
@@ -48,6 +70,12 @@ class EngineProfile:
     @property
     def host_token_s(self) -> float:
         return self.host_token_us * 1e-6
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """'0.7.0-beta.1' -> (0, 7, 0, 1): every number, in order (a final release after its betas is
+    not ordered: name the build that first batched)."""
+    return tuple(int(x) for x in re.findall(r"\d+", version))
 
 
 def engine_names() -> list[str]:

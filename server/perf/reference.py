@@ -153,6 +153,9 @@ class PublishedRow(WeightFormat):
     src: str  # a key under `sources`
     quote: str  # the figure as the source prints it
     note: str = ""
+    # Why the model cannot predict this figure (a term it should not have, or one its simulated
+    # run lacks): scored, never fitted; "" for a row it can.
+    unexplained: str = ""
 
     def __post_init__(self) -> None:
         check_weights(self.weights)

@@ -76,8 +76,12 @@ class StepCost:
         self.profile = profile
         self.cal: Calibration | None = profile.calibration
         self.engine = engine or load_engine()
-        # An engine that runs this model one row at a time: a B-row step is B one-row passes.
-        self.serial = self.engine.serial_for(spec.model_type)
+        # An engine that runs this model one row at a time: a B-row step is B one-row passes;
+        # unless it evaluates their graphs together (weights read once, B fixed costs).
+        self.serial_prefill = self.engine.serial_for(spec.model_type)
+        self.row_graphs = self.serial_prefill and self.engine.batches and \
+            self.engine.serial_rows_together
+        self.serial = self.serial_prefill and not self.row_graphs
         self.quantize_bits = quantize_bits
         self.fmt = weight_format(dtype, quantize_bits)
         self.act_dtype = compute_dtype(dtype, quantize_bits)
@@ -205,8 +209,17 @@ class StepCost:
         """StepTime's per-row parts of a forward over `tokens` tokens, `decode_rows` of them
         decoding, `sampled` rows sampling a token."""
         attention, token, sample, host = self.row_s
-        return {"attention_rows_s": decode_rows * attention, "token_ops_s": tokens * token,
+        attention_s = decode_rows * attention + max(decode_rows - 1, 0) * self._row_loop_s
+        return {"attention_rows_s": attention_s, "token_ops_s": tokens * token,
                 "sampling_s": sampled * sample, "host_token_s": sampled * host}
+
+    @cached_property
+    def _row_loop_s(self) -> float:
+        """An engine's own kernels for each decode row past the first of a batched forward (a
+        per-sequence attention loop; one row runs the plain forward), in forwards' fixed cost."""
+        if self.row_graphs or not self.engine.attention_loop:
+            return 0.0
+        return self.engine.row_dispatch_forwards * self._fixed_s()
 
     # -- the simulator's fast path: the same blocks, summed ------------------------------------
     def _decode_parts(self, batch: int) -> tuple[float, float]:
@@ -214,9 +227,13 @@ class StepCost:
             base, per_width = self._decode_cached(1)
             return batch * base, batch * per_width
         base = (self.linear_layers_s(batch) + self.lm_head_s(batch)
-                + self._elementwise_s(batch, logits=True) + self._fixed_s())
+                + self._elementwise_s(batch, logits=True) + self._graphs_fixed_s(batch))
         base += sum(self._row_parts(batch, batch, batch).values())
         return base, (self.layers.per_width_s(batch) if self.layers.linear_in_width else 0.0)
+
+    def _graphs_fixed_s(self, batch: int) -> float:
+        """The fixed cost of a decode forward: one per row's graph where the engine builds one."""
+        return self._fixed_s() * (batch if self.row_graphs else 1)
 
     def decode_parts(self, batch: int) -> tuple[float, float]:
         """(seconds independent of the attention width, seconds per token of width): models whose
@@ -273,14 +290,14 @@ class StepCost:
             return self.decode_time(1, width).times(batch)
         weights_s, matmul_s, experts_s, attention_s = self.layers.decode(batch, width)
         return StepTime(weights_s, matmul_s, attention_s, self._elementwise_s(batch, logits=True),
-                        self._fixed_s(), 0.0, experts_s=experts_s,
+                        self._graphs_fixed_s(batch), 0.0, experts_s=experts_s,
                         **self._row_parts(batch, batch, batch))
 
     def prefill_time(self, n: int, start: int, sample: bool, rows: int = 1) -> StepTime:
         """One prefill forward of `n` tokens after `start` cached ones, for `rows` prompts at once
         (prefill_groups.py: their linear layers one GEMM over rows x n tokens, one fixed cost;
         no step overhead; an engine running this model one row at a time: one prompt a pass)."""
-        if self.serial and rows > 1:
+        if self.serial_prefill and rows > 1:
             return self.prefill_time(n, start, sample).times(rows)
         weights_s, matmul_s, experts_s, attention_s = self.layers.prefill(n, start, sample, rows)
         elementwise_s = rows * (self._elementwise_s(n, logits=False)

@@ -13,7 +13,7 @@ from typing import Any
 from batchsim.server.perf import mac_fit, macs
 from batchsim.server.perf.gpu_fit import GpuFit
 from batchsim.server.perf.reference import DecodeRow
-from batchsim.server.published.fit import fit_published
+from batchsim.server.published.fit import explained, fit_published
 from batchsim.server.published.sim import MacModel, predict_tok_s
 
 KINDS = ("b1", "batched", "gain")
@@ -69,10 +69,16 @@ def summary(errs: Iterable[float]) -> dict[str, float | int | None]:
             "worst_abs": round(max(mags), 4)}
 
 
-def report(rows: Sequence[Any], predicted: Sequence[float]) -> dict[str, Any]:
-    """{b1, batched, gain: summary} overall, and the same per engine under `by_engine`."""
+def report(rows: Sequence[Any], predicted: Sequence[float],
+           keep: Sequence[bool] | None = None) -> dict[str, Any]:
+    """{b1, batched, gain: summary} overall, the same per engine under `by_engine`, and (given
+    `keep`) over the kept rows only under `explained_only` (a gain: both its rows kept)."""
     errs = errors(rows, predicted)
     out: dict[str, Any] = {k: summary(e for _, e in errs[k]) for k in KINDS}
+    if keep is not None:
+        partner = dict(gain_pairs(rows))
+        out["explained_only"] = {k: summary(e for i, e in errs[k] if keep[i] and (
+            k != "gain" or keep[partner[i]])) for k in KINDS}
     engines = sorted({r.engine for r in rows})
     out["by_engine"] = {
         eng: {k: summary(e for i, e in errs[k] if rows[i].engine == eng) for k in KINDS}
@@ -92,11 +98,12 @@ def held_out(rows: Sequence[Any], catalog: macs.Catalog, key: Callable[[Any], st
     return predicted
 
 
-def cross_validate(rows: Sequence[Any], catalog: macs.Catalog,
-                   fitter: Fitter) -> tuple[dict[str, Any], dict[str, list[float]]]:
-    """(report by fold, held-out predictions by fold)."""
+def cross_validate(rows: Sequence[Any], catalog: macs.Catalog, fitter: Fitter,
+                   keep: Sequence[bool] | None = None
+                   ) -> tuple[dict[str, Any], dict[str, list[float]]]:
+    """(report by fold, held-out predictions by fold); `keep`: as report's."""
     held = {name: held_out(rows, catalog, key, fitter) for name, key in FOLDS.items()}
-    return {name: report(rows, p) for name, p in held.items()}, held
+    return {name: report(rows, p, keep) for name, p in held.items()}, held
 
 
 # -- the shipped fit and its evidence --------------------------------------------------------------
@@ -137,13 +144,16 @@ def validate(rows: Sequence[Any], catalog: macs.Catalog, before: GpuFit,
     (under `before`) for the batch-1-only fit that shipped before, and every row's predictions."""
     start = MacModel(before)
     after = fit_published(rows, catalog, start, fitted_on)
-    cv, held = cross_validate(rows, catalog, published_fitter(catalog, start))
-    old_cv, _ = cross_validate(rows, catalog, legacy_fitter(catalog, before.compute_efficiency))
+    keep = [explained(r, start) for r in rows]
+    cv, held = cross_validate(rows, catalog, published_fitter(catalog, start), keep)
+    old_cv, _ = cross_validate(rows, catalog, legacy_fitter(catalog, before.compute_efficiency),
+                               keep)
     table = []
     for i, r in enumerate(rows):
         entry = {"id": r.id, "src": r.src, "engine": r.engine, "chip": r.chip, "model": r.model,
                  "weights": r.weights, "batch": r.batch, "measures": r.measures,
                  "decode_only": r.decode_only, "measured_tok_s": r.tok_s,
+                 "explained": keep[i],
                  "before_tok_s": predict_tok_s(r, catalog, start),
                  "after_tok_s": predict_tok_s(r, catalog, after)}
         entry |= {f"{fold}_tok_s": held[fold][i] for fold in FOLDS}

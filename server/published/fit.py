@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 from batchsim.server.perf import macs
+from batchsim.server.perf.engines import load_engine
 from batchsim.server.perf.gpu_fit import FORMATS, fit_format
 from batchsim.server.perf.mac_fit import EXPERT_GRID, HUBER_DELTA, IRLS_ROUNDS
 from batchsim.server.published.sim import (
@@ -29,6 +30,8 @@ from batchsim.server.published.sim import (
     measured_s,
     model_spec,
     priced,
+    row_cost,
+    run_steps,
 )
 
 DEVICE = (*FORMATS, "kv", "c_float", "c_q8", "c_q4", "layer_s", "forward_s", "attention_row_s",
@@ -48,8 +51,13 @@ MAX_SLOWDOWN = {"bytes": 3.0, "kv": 5.0, "compute": 5.0, "ultra": 2.0}
 
 
 def columns(rows: Sequence[Any]) -> list[str]:
+    """The unknowns: the device's, each engine's host time per step and per token, and (an engine
+    looping attention over rows, with batched rows) its own per-row dispatches."""
     engines = sorted({engine_name(r) for r in rows})
-    return [*DEVICE, *(f"step:{e}" for e in engines), *(f"token:{e}" for e in engines)]
+    batching = sorted({engine_name(r) for r in rows
+                       if r.batch > 1 and load_engine(engine_name(r)).attention_loop})
+    return [*DEVICE, *(f"step:{e}" for e in engines), *(f"token:{e}" for e in engines),
+            *(f"row:{e}" for e in batching)]
 
 
 def _unit(model: MacModel, rows: Sequence[Any]) -> MacModel:
@@ -58,7 +66,8 @@ def _unit(model: MacModel, rows: Sequence[Any]) -> MacModel:
                               attention_row_us=UNIT_US, token_layer_us=0.0,
                               sampling_row_us=UNIT_US, ultra_layer_us=0.0,
                               ultra_bandwidth_slowdown=0.0)
-    engines = {e: dataclasses.replace(model.engine(e), host_step_us=UNIT_US, host_token_us=UNIT_US)
+    engines = {e: dataclasses.replace(model.engine(e), host_step_us=UNIT_US, host_token_us=UNIT_US,
+                                      row_dispatch_forwards=0.0)
                for e in {engine_name(r) for r in rows}}
     return MacModel(fit, engines)
 
@@ -73,7 +82,10 @@ class Basis:
     measured_s: float
 
 
-def basis(row: Any, catalog: macs.Catalog, unit: MacModel, layers: int) -> Basis:
+def basis(row: Any, catalog: macs.Catalog, unit: MacModel, layers: int,
+          current: MacModel) -> Basis:
+    """`current`: the last fit, whose fixed cost per forward prices the engine's per-row
+    dispatches (a product of two unknowns: linear in the engine's with the device's held)."""
     d, f = priced(row, catalog, unit)
     fit, fmt = unit.fit, fit_format(row.quantize_bits)
     eff = fit.bandwidth_efficiency[fmt]
@@ -92,6 +104,8 @@ def basis(row: Any, catalog: macs.Catalog, unit: MacModel, layers: int) -> Basis
         "sampling_row_s": d.sampling_s + f.sampling_s,
         f"step:{eng}": d.host_step_s + f.host_step_s,
         f"token:{eng}": d.host_token_s + f.host_token_s,
+        f"row:{eng}": _rows_past_first(row, catalog, unit) * _forward_fixed_s(row, catalog,
+                                                                               current),
     }
     if fmt == "float":
         plain["c_float"] += ce * (d.matmul_s + f.matmul_s + f.experts_s)
@@ -101,13 +115,31 @@ def basis(row: Any, catalog: macs.Catalog, unit: MacModel, layers: int) -> Basis
     return Basis(plain, experts, fmt, measured_s(row))
 
 
+def _rows_past_first(row: Any, catalog: macs.Catalog, model: MacModel) -> int:
+    """Decode rows past the first of each batched forward in what the row's seconds count (an
+    engine running the rows one at a time, or one graph each: none)."""
+    cost = row_cost(row, catalog, model)
+    if cost.serial or cost.row_graphs or not cost.engine.attention_loop:
+        return 0
+    if row.decode_only:
+        return row.batch - 1
+    return sum(max(s.decode_rows - 1, 0) * s.num_steps for s in run_steps(row, catalog, model))
+
+
+def _forward_fixed_s(row: Any, catalog: macs.Catalog, model: MacModel) -> float:
+    """One forward pass's fixed seconds on the row's Mac under `model` (layers and forward)."""
+    p = row_cost(row, catalog, model).profile
+    return model_spec(row.model).num_layers * p.layer_overhead_s + p.forward_overhead_s
+
+
 def _design(bases: Sequence[Basis], cols: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """(plain parts, routed experts' parts at g = 1), each row divided by its measured seconds."""
     a, e = np.zeros((len(bases), len(cols))), np.zeros((len(bases), len(cols)))
     index = {c: j for j, c in enumerate(cols)}
     for i, b in enumerate(bases):
         for k, v in b.plain.items():
-            a[i, index[k]] += v / b.measured_s
+            if k in index or not k.startswith("row:"):  # an engine without batched rows: none
+                a[i, index[k]] += v / b.measured_s
         e[i, index[b.fmt]] = b.experts / b.measured_s
     return a, e
 
@@ -144,7 +176,7 @@ def _fit_at(a: np.ndarray, cols: list[str]) -> tuple[float, np.ndarray]:
     """(Huber loss, theta) of a @ theta = 1 within each column's bounds: the worst violator is held
     at its bound and the rest refitted, until none is out."""
     free = [j for j in range(len(cols)) if np.any(a[:, j] > 0)]
-    ridge = [j for j in free if ":" in cols[j]]
+    ridge = [j for j in free if cols[j].startswith(("step:", "token:"))]  # row: a device product
     held: dict[int, float] = {}
     while True:
         rhs = 1.0 - sum((a[:, j] * v for j, v in held.items()), np.zeros(a.shape[0]))
@@ -201,16 +233,20 @@ def _to_model(theta: dict[str, float], g: float, start: MacModel, fitted_on: str
         ultra_bandwidth_slowdown=theta.get("ultra_bytes", 0.0),
         **{name: 1e6 * theta.get(col, 0.0) for col, name in TIMES.items()})
     engines = {e: dataclasses.replace(start.engine(e), host_step_us=1e6 * theta.get(f"step:{e}", 0),
-                                      host_token_us=1e6 * theta.get(f"token:{e}", 0))
+                                      host_token_us=1e6 * theta.get(f"token:{e}", 0),
+                                      row_dispatch_forwards=theta.get(f"row:{e}", 0.0))
                for e in {c.split(":")[1] for c in theta if ":" in c}}
     return MacModel(fit, engines)
 
 
 def explained(row: Any, model: MacModel) -> bool:
-    """Whether the model has the terms the row needs. Not: a batched row of an engine that runs
-    this architecture as separate one-row forwards: priced back to back, while the source's
-    concurrent forwards overlap on the GPU (mlxcel-server's qwen2 at B=4 gains 3x)."""
-    engine = model.engine(engine_name(row))
+    """Whether the model has the terms the row needs. Not: a row published.yaml marks
+    `unexplained` (with why); a batched row of an engine that runs this architecture as separate
+    one-row forwards (how much of their fixed costs the GPU overlaps depends on the chip: 30% on
+    an M1 Ultra, most on an M5 Max for mlxcel-server's qwen2)."""
+    if row.unexplained:
+        return False
+    engine = model.engine_of(row)
     return not (row.batch > 1 and engine.batches
                 and model_spec(row.model).model_type in engine.serial_model_types)
 
@@ -224,6 +260,7 @@ def fit_published(rows: Sequence[Any], catalog: macs.Catalog, start: MacModel,
     layers = [model_spec(r.model).num_layers for r in rows]
     for _ in range(ROUNDS):
         unit = _unit(model, rows)
-        theta, g = _solve([basis(r, catalog, unit, n) for r, n in zip(rows, layers)], cols)
+        theta, g = _solve([basis(r, catalog, unit, n, model) for r, n in zip(rows, layers)],
+                          cols)
         model = _to_model(theta, g, start, fitted_on)
     return model

@@ -49,7 +49,12 @@ class MacModel:
     def engine(self, name: str) -> EngineProfile:
         if name in self.engines:
             return self.engines[name]
-        return dataclasses.replace(load_engine(name), host_step_us=0.0, host_token_us=0.0)
+        return dataclasses.replace(load_engine(name), host_step_us=0.0, host_token_us=0.0,
+                                   row_dispatch_forwards=0.0)
+
+    def engine_of(self, row: Any) -> EngineProfile:
+        """The engine as the row's source ran it (its version's batching)."""
+        return self.engine(engine_name(row)).at_version(row.engine_version)
 
 
 def tokens(row: Any) -> tuple[int, int]:
@@ -73,7 +78,7 @@ def model_spec(model: str) -> ModelSpec:
 def row_cost(row: Any, catalog: macs.Catalog, model: MacModel) -> StepCost:
     mac = row_mac(catalog, row.chip, row.gpu_cores)
     return StepCost(model_spec(row.model), mac_profile(mac, model.fit, row.quantize_bits),
-                    row.dtype, row.quantize_bits, engine=model.engine(engine_name(row)))
+                    row.dtype, row.quantize_bits, engine=model.engine_of(row))
 
 
 def measured_s(row: Any) -> float:

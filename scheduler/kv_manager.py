@@ -88,7 +88,7 @@ class KVManager:
         self.pool = pool
         self.pool_members = pool_members
         self.private = private
-        if self.prefix is not None:
+        if self.prefix is not None and self.prefix.blocks:
             self.prefix.fit(self.budget_bytes - self.pool_bytes - self.private_bytes)
         held = self.kv_bytes
         if held > self.budget_bytes:

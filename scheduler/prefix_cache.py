@@ -67,8 +67,9 @@ class PrefixCache:
         return len(self.blocks) * self.block_bytes
 
     @property
-    def pinned_bytes(self) -> int:
-        return len(self.refs) * self.block_bytes
+    def pending(self) -> bool:
+        """Evictions or stores the next plan must carry."""
+        return bool(self._evicted or self._stored)
 
     def match(self, hashes: tuple[int, ...], num_tokens: int) -> int:
         """Blocks of the longest cached prefix a request of `num_tokens` to compute may reuse:
@@ -134,7 +135,7 @@ class PrefixCache:
         """This step's evictions and stores (None: neither); pins end with the step."""
         self.refs.clear()
         self.peak_bytes = max(self.peak_bytes, self.nbytes)
-        if not (self._evicted or self._stored):
+        if not self.pending:
             return None
         ops = CacheOps(tuple(self._evicted), tuple(self._stored))
         self._evicted, self._stored = [], []

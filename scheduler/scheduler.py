@@ -208,7 +208,7 @@ class Scheduler:
         kv_bytes = budget.commit()
         cache_ops = None
         kv = self.kv
-        if kv.prefix is not None:  # keep the prompt blocks this step completes, in what is left
+        if kv.prefix is not None and (budget.prefills or kv.prefix.pending):
             room = kv.budget_bytes - kv.pool_bytes - kv.private_bytes
             kv.prefix.store_chunks(budget.prefills, self.requests, room)
             cache_ops, kv_bytes = kv.prefix.take_ops(), kv.kv_bytes

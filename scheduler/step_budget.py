@@ -117,9 +117,10 @@ class StepBudget:
         """The first chunk of a request being admitted, after the longest cached prefix of whole
         blocks (pinned for this step); 0: it does not fit."""
         prefix = self.kv.prefix
-        if prefix is None:
+        hashes = prompt_block_hashes(r) if prefix is not None else ()
+        if not hashes:
             return self.chunk(r, r.num_tokens)
-        reused = prompt_block_hashes(r)[:prefix.match(prompt_block_hashes(r), r.num_tokens)]
+        reused = hashes[:prefix.match(hashes, r.num_tokens)]
         pinned = prefix.pin(reused)
         self.budget_bytes -= pinned
         r.num_computed_tokens = len(reused) * PAGE_TOKENS

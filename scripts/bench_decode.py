@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from batchsim.scheduler.config import SchedulerSettings
 from batchsim.scripts.common import (
     MAX_BATCH,
     add_field_argument,
@@ -19,6 +20,7 @@ from batchsim.scripts.common import (
     str_list,
     table,
 )
+from batchsim.scripts.spec_args import add_spec_args, spec_overrides
 from batchsim.server.engine.run_config import DTYPES, RunConfig
 from batchsim.server.models.spec import QUANT_BITS
 
@@ -45,6 +47,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    "with 16-64 output tokens, all queued at once, executor vs mlx-lm (joins and "
                    "leaves are where mlx-lm's BatchGenerator copies its whole cache)")
     p.add_argument("--out", default="results", help="directory for bench-decode.jsonl")
+    add_spec_args(p).description = (
+        "the executor's --continuous runs only (greedy; these prompts are random tokens, where "
+        "n-gram drafts rarely match: `run` with the chat workload measures acceptance)")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -55,7 +60,7 @@ def run(args: argparse.Namespace) -> dict:
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         raise ConfigError(f"--modes: {bad[0]!r} is not allowed; allowed: {', '.join(MODES)}")
-    session = open_session(RunConfig(model=args.model, dtype=args.dtype, quantize=args.quantize))
+    session = open_session(_config(args))
     longest = args.context + args.steps * (args.reps + 1)
     if longest > session.spec.max_context:
         raise ConfigError(f"--context {args.context} + --steps x --reps grows to {longest} tokens, "
@@ -83,7 +88,8 @@ def run(args: argparse.Namespace) -> dict:
         for r in runners.values():
             getattr(r, "close", lambda: None)()
         del runners
-    continuous = _continuous(args, model, vocab, kvt, layout) if args.continuous else []
+    drafter = getattr(session.executor, "drafter", None)
+    continuous = _continuous(args, model, vocab, kvt, layout, drafter) if args.continuous else []
     env = session.environment()
     rows = []
     for (b, mode), vals in samples.items():
@@ -103,8 +109,11 @@ def run(args: argparse.Namespace) -> dict:
     return {"rows": rows, "continuous": continuous, "env": env}
 
 
-def _continuous(args: argparse.Namespace, model, vocab: int, kvt: int, layout=None) -> list[dict]:
+def _continuous(args: argparse.Namespace, model, vocab: int, kvt: int, layout=None,
+                drafter=None) -> list[dict]:
     from batchsim.server.measure import decode_bench as db
+
+    spec = (drafter, args.spec_tokens, args.spec_policy or "shrink") if drafter else None
 
     results = []
     for b in args.continuous:
@@ -114,15 +123,33 @@ def _continuous(args: argparse.Namespace, model, vocab: int, kvt: int, layout=No
             for mode, rates in samples.items():  # alternate, as above
                 if mode == "executor":
                     n, secs = db.continuous_executor(model, b, args.context, vocab, kvt, lens,
-                                                     layout)
+                                                     layout, spec)
                 else:
                     n, secs = db.continuous_mlx_lm(model, b, args.context, vocab, lens)
                 rates.append(n / secs)
                 err.print(f"continuous batch {b:3d} rep {rep + 1} {mode:8s} {n / secs:8.1f} tok/s")
         results.append({"batch": b, "requests": len(lens), "context": args.context,
                         "executor_tok_s": median(samples["executor"]),
-                        "mlx_lm_tok_s": median(samples["mlx_lm"]), "samples_tok_s": samples})
+                        "mlx_lm_tok_s": median(samples["mlx_lm"]), "samples_tok_s": samples,
+                        "spec_method": args.spec_method or "none",
+                        "spec_tokens": args.spec_tokens or 0})
     return results
+
+
+def _config(args: argparse.Namespace) -> RunConfig:
+    """The model and speculative decoding flags as a RunConfig (its rules on their combinations)."""
+    from batchsim.configs import ConfigError
+
+    if args.spec_method not in (None, "none") and not args.continuous:
+        raise ConfigError("--spec-method applies to the executor's --continuous runs; add "
+                          "--continuous B")
+    spec = {k: v for k, v in spec_overrides(args).items() if v is not None}
+    sched = {k.split(".", 1)[1]: spec.pop(k) for k in list(spec) if k.startswith("scheduler.")}
+    try:
+        return RunConfig(model=args.model, dtype=args.dtype, quantize=args.quantize,
+                         scheduler=SchedulerSettings(**sched), **spec)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _add_ratios(rows: list[dict]) -> None:

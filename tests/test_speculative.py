@@ -205,3 +205,18 @@ def test_run_summary_reports_speculation(batchsim_home, tmp_path, capsys):
     assert spec["spec_decode_acceptance_rate"] == pytest.approx(
         100 * spec["spec_decode_accepted_tokens"] / spec["spec_decode_draft_tokens"])
     assert spec["num_steps"] < plain["num_steps"]
+
+
+def test_bench_decode_speculates_in_its_continuous_runs(batchsim_home, tmp_path, capsys):
+    import json
+
+    from batchsim.scripts.cli import main
+
+    argv = ["bench-decode", "--model", "tiny", "--batch", "1", "--modes", "executor", "--reps",
+            "1", "--steps", "2", "--out", str(tmp_path), "--spec-method", "ngram",
+            "--spec-tokens", "2"]
+    assert main(argv) == 2  # the flags speculate in --continuous runs only
+    assert "--continuous" in capsys.readouterr().err
+    assert main([*argv, "--continuous", "2"]) == 0
+    (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["continuous"]
+    assert (row["spec_method"], row["spec_tokens"]) == ("ngram", 2) and row["executor_tok_s"] > 0

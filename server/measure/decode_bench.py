@@ -110,14 +110,16 @@ def continuous_lengths(n: int, seed: int = 0, low: int = 16, high: int = 64) -> 
 
 def continuous_executor(model, batch: int, context: int, vocab: int, kv_bytes_per_token: int,
                         out_lens: list[int], cache_layout: CacheLayout | None = None,
-                        ) -> tuple[int, float]:
-    """All requests queued at once, at most `batch` running: (tokens generated, seconds)."""
+                        spec: tuple | None = None) -> tuple[int, float]:
+    """All requests queued at once, at most `batch` running: (tokens generated, seconds).
+    `spec`: (drafter, K, policy) for speculative decoding (speculative.py)."""
+    drafter, k, policy = spec or (None, 0, "shrink")
     sched = Scheduler(SchedulerConfig(
         kv_budget_bytes=1 << 50, kv_bytes_per_token=kv_bytes_per_token, max_model_len=1 << 20,
         max_num_seqs=batch, max_num_batched_tokens=2048, prefill_step_size=512,
-        cache_layout=cache_layout,
+        cache_layout=cache_layout, spec_tokens=k, spec_policy=policy,
     ))
-    ex = MLXExecutor(model)
+    ex = MLXExecutor(model, drafter=drafter)
     for i, (ids, n) in enumerate(zip(prompts(len(out_lens), context, vocab, seed=1), out_lens)):
         sched.add_request(Request(i, context,
                                   SamplingParams(max_tokens=n, ignore_eos=True), 0.0, ids))

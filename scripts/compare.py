@@ -11,6 +11,7 @@ from typing import Any
 
 from batchsim.scheduler.config import SchedulerSettings
 from batchsim.scripts.common import (
+    CommandFailed,
     add_field_argument,
     append_jsonl,
     err,
@@ -20,15 +21,14 @@ from batchsim.scripts.common import (
     table,
     timestamp,
 )
-from batchsim.scripts.run_cmd import (
+from batchsim.scripts.run_args import (
     add_engine_arg,
     add_model_args,
     add_scheduler_args,
     add_workload_args,
     config_from_args,
-    run_in_process,
-    warn_profile_mismatch,
 )
+from batchsim.scripts.run_view import warn_profile_mismatch
 from batchsim.server.engine.run_config import RunConfig, with_run_overrides
 from batchsim.workloads.lengths import LengthSpec
 from batchsim.workloads.spec import WorkloadSpec, builtin_workload, with_overrides
@@ -154,6 +154,15 @@ def ratios(base: dict[str, Any], other: dict[str, Any]) -> dict[str, float | Non
     return {k: ratio(other.get(k), base.get(k)) for k in keys}
 
 
+def _run_quietly(cfg: RunConfig, runs_dir: Path, label: str, timeline: bool) -> dict:
+    from batchsim.server.engine.run_path import RecordsLost, run_config
+
+    try:
+        return run_config(cfg, runs_dir, label=label, timeline=timeline)
+    except RecordsLost as exc:
+        raise CommandFailed(str(exc), exc.summary) from None
+
+
 def run(args: argparse.Namespace) -> dict:
     cfg_a, cfg_b = configs_from_args(args)
     spec, kind = cfg_a.workload, versus(args)
@@ -168,8 +177,7 @@ def run(args: argparse.Namespace) -> dict:
         err.print(f"running {tag} ...")
         tag = f"b{cfg.scheduler.max_num_seqs}" if kind == "batch" else tag.replace("_", "-")
         label = f"{cfg.model.replace('/', '_')}-{spec.name}-{cfg.executor}-compare-{tag}"
-        summaries.append(run_in_process(cfg, args.runs_dir, progress=False, label=label,
-                                        quiet=True, timeline=not args.no_timeline))
+        summaries.append(_run_quietly(cfg, args.runs_dir, label, not args.no_timeline))
     base, other = summaries
     rat = ratios(base, other)
     speedup = rat["output_throughput"]

@@ -16,7 +16,7 @@ from batchsim.scripts.common import (
     non_negative_float,
     port_int,
 )
-from batchsim.scripts.run_cmd import add_model_args, add_scheduler_args, scheduler_overrides
+from batchsim.scripts.run_args import add_model_args, add_scheduler_args, scheduler_overrides
 from batchsim.scripts.spec_args import add_spec_args
 from batchsim.server.http.options import ServeOptions
 
@@ -79,7 +79,8 @@ def _serve_ranks(args: argparse.Namespace, cfg) -> dict | None:
     from batchsim.server.distributed import rank
 
     if rank.is_rank_process():
-        return rank.run_rank(cfg, lambda session: _serve(args, cfg, session))
+        with rank.joined(cfg) as lead:
+            return None if lead is None else lead.finish(_serve(args, cfg, lead.session))
     from batchsim.server.distributed.launch import launch, prebuild
     from batchsim.server.platform.env import default_dtype
 

@@ -29,12 +29,8 @@ from batchsim.scripts.common import (
     table,
     timestamp,
 )
-from batchsim.scripts.run_cmd import (
-    add_engine_arg,
-    add_kv_bits_arg,
-    add_model_args,
-    warn_profile_mismatch,
-)
+from batchsim.scripts.run_args import add_engine_arg, add_kv_bits_arg, add_model_args
+from batchsim.scripts.run_view import warn_profile_mismatch
 from batchsim.server.engine.run_config import RunConfig, with_run_overrides
 from batchsim.server.perf import sweep_limits as sweep_math
 from batchsim.workloads.lengths import LengthSpec

@@ -139,8 +139,8 @@ def test_moe_batching_gain_is_well_below_dense():
 def test_simulated_runs_of_every_family_keep_the_kv_account(name, tmp_path):
     """The simulator runs every family on a Mac, with float16 as MLX would (dtype auto), and the
     executor's bytes equal the scheduler's at every step."""
-    from batchsim.scripts.run_cmd import run_in_process
     from batchsim.server.engine.run_config import RunConfig
+    from batchsim.server.engine.run_path import run_config
     from batchsim.workloads.lengths import parse_length
     from batchsim.workloads.spec import WorkloadSpec
 
@@ -149,7 +149,7 @@ def test_simulated_runs_of_every_family_keep_the_kv_account(name, tmp_path):
                         output_len=parse_length("uniform:20:300"))
     cfg = RunConfig(model=name, executor="sim", device_profile="M3 Ultra", quantize=4,
                     memory_gb=480, workload=spec)
-    summary = run_in_process(cfg, tmp_path, progress=False, quiet=True)
+    summary = run_config(cfg, tmp_path)
     assert summary["completed"] == 40 and summary["kv_account_mismatches"] == 0
     assert summary["dtype"] == "float16" and summary["num_steps"] > summary["num_plans"]
 

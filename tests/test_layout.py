@@ -101,6 +101,18 @@ def test_no_import_cycles_between_folders():
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
 
 
+def test_no_command_imports_another_command():
+    """A command's module (one `batchsim` subcommand) is cli.py's alone: what commands share lives
+    in scripts/common.py, run_args.py, run_view.py, or in the server's rooms."""
+    from batchsim.scripts.cli import COMMANDS
+
+    commands = {module for _, module, _ in COMMANDS}
+    modules = _modules()
+    found = {m: sorted(_imports(p, modules) & (commands - {m})) for m, p in modules.items()
+             if m != "batchsim.scripts.cli"}
+    assert {m: c for m, c in found.items() if c} == {}
+
+
 def test_scheduler_is_pure_python():
     """Policy never imports MLX or the executors: the same scheduler runs real and simulated."""
     for path in (ROOT / "scheduler").glob("*.py"):

@@ -127,7 +127,7 @@ def test_sim_without_a_profile_takes_the_one_calibrated_on_this_machine(tmp_path
 
 def test_a_trace_replays_whole_unless_num_prompts_says_otherwise():
     from batchsim.scripts.cli import build_parser
-    from batchsim.scripts.run_cmd import config_from_args
+    from batchsim.scripts.run_args import config_from_args
 
     parser = build_parser()
     trace = "mooncake_conversation_slice.jsonl"

@@ -372,7 +372,7 @@ def test_the_simulator_finishes_at_any_rate_and_trace_gap(rate, time_scale, tmp_
     """Arrivals 1e7-1e9 simulated seconds apart: asyncio's 1 ns clock resolution is below a
     float's spacing there (timers never came due), and the per-second peaks held one bucket per
     simulated second (gigabytes). Both must stay bounded by the requests, not the gaps."""
-    from batchsim.scripts.run_cmd import run_in_process
+    from batchsim.server.engine.run_path import run_config
     from batchsim.workloads.spec import resolve_workload
 
     if rate is None:  # a trace replay with its gaps stretched to ~1e7 s
@@ -386,7 +386,7 @@ def test_the_simulator_finishes_at_any_rate_and_trace_gap(rate, time_scale, tmp_
     cfg = RunConfig(model="llama-3.2-1b", executor="sim", device_profile="M2 Max", quantize=4,
                     workload=spec)
     t0 = time.perf_counter()
-    summary = run_in_process(cfg, tmp_path, progress=False, quiet=True)
+    summary = run_config(cfg, tmp_path)
     assert summary["completed"] == spec.num_prompts and summary["duration"] > 1e6
     assert summary["max_concurrent_requests"] == 1 and time.perf_counter() - t0 < 30
 

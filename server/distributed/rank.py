@@ -1,9 +1,10 @@
-"""One rank of `batchsim run --ranks N`, started by mlx.launch: join the group, refuse different
-model files, load this rank's shard, then rank 0 runs the workload (scheduler, recorder, summary)
-while the others follow its plans. Each rank leaves a status file for the launching process."""
+"""One rank of `batchsim run|serve --ranks N`, started by mlx.launch: join the group, refuse
+different model files, load this rank's shard, then rank 0 runs the workload (or serves) while the
+others follow its plans. Each rank leaves a status file for the launching process."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -11,11 +12,17 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchsim.configs import ConfigError
+
+if TYPE_CHECKING:
+    from batchsim.server.distributed.executor import LeaderExecutor
+    from batchsim.server.engine.run_config import RunConfig
+    from batchsim.server.engine.run_path import RunView
+    from batchsim.server.engine.session import Session
 
 STATUS_DIR_ENV = "BATCHSIM_RANKS_DIR"  # set by the launcher: where ranks leave their status
 DIE_AT_STEP_ENV = "BATCHSIM_FAULT_DIE_AT_STEP"  # tests: rank 1 kills itself at this step
@@ -51,9 +58,42 @@ class _Status:
             pass
 
 
-def run_rank(cfg: Any, run_session: Callable[[Any], dict]) -> dict | None:
-    """This rank's part of the run; rank 0 runs the workload with `run_session(session)` (the
-    CLI's: tables, progress, run directory) and returns its summary, the others None."""
+def run_rank(cfg: RunConfig, out_dir: Path, view: RunView) -> dict | None:
+    """This rank's part of `run --ranks`: rank 0 runs the workload into a run directory under
+    `out_dir`, shown by `view`, and returns its summary; the others follow and return None."""
+    from batchsim.server.engine.run_path import run_session
+
+    with joined(cfg) as lead:
+        if lead is None:
+            return None
+        return lead.finish(run_session(lead.session, out_dir, view))
+
+
+@dataclasses.dataclass
+class Lead:
+    """Rank 0's part: a session whose executor broadcasts each plan to the other ranks."""
+
+    session: Session
+    leader: LeaderExecutor
+    t0: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """Stop the followers; `summary` with what the ranks cost."""
+        self.leader.stop()  # after a failure rank 0 exits instead, and mlx.launch stops the others
+        channel = self.leader.channel
+        summary.update({
+            "ranks": channel.size, "parallel": "tensor",
+            "plan_broadcast_s": channel.broadcast_s, "plan_messages": channel.num_messages,
+            "ranks_wall_s": time.perf_counter() - self.t0,
+        })
+        return summary
+
+
+@contextlib.contextmanager
+def joined(cfg: RunConfig) -> Iterator[Lead | None]:
+    """Join the group, refuse different model files, load this rank's shard. Rank 0 gets its
+    Lead to run or serve with in the block; the others follow rank 0's plans to the end and get
+    None. A failure, here or in the block, ends this rank in one line (and its status file)."""
     import mlx.core as mx
     from batchsim.server.engine import interrupts
 
@@ -64,12 +104,11 @@ def run_rank(cfg: Any, run_session: Callable[[Any], dict]) -> dict | None:
     interrupts.hold()  # the launcher's SIGINT (run): noted now, answered once the run starts
     status.write_pid()
     try:
-        group = _init_group(mx)
-        summary = _serve_rank(cfg, group, run_session, status)
+        yield _join(cfg, _init_group(mx), status)
     except ConfigError as exc:
         status.write(False, f"rank {rank}: {exc}")
         raise
-    except Exception as exc:  # noqa: BLE001 - one line, not a traceback per rank; the launcher names the cause
+    except Exception as exc:  # noqa: BLE001 - one line per rank, not a traceback
         message = f"rank {rank}: {_plain(exc)}"
         status.write(False, message)
         from batchsim.server.distributed.channel import ModelMismatch
@@ -78,11 +117,9 @@ def run_rank(cfg: Any, run_session: Callable[[Any], dict]) -> dict | None:
             print(message, file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     status.write(True)
-    return summary
 
 
-def _serve_rank(cfg: Any, group: Any, run_session: Callable[[Any], dict],
-                status: _Status) -> dict | None:
+def _join(cfg: RunConfig, group: Any, status: _Status) -> Lead | None:
     from batchsim.server.distributed.channel import PlanChannel, check_same_model, model_fingerprint
     from batchsim.server.distributed.doorbell import Doorbell
     from batchsim.server.distributed.executor import LeaderExecutor, follow, shard_for
@@ -103,20 +140,7 @@ def _serve_rank(cfg: Any, group: Any, run_session: Callable[[Any], dict],
         follow(session.executor, channel, watchdog, int(die) if die and channel.rank == 1 else None)
         return None
     leader = LeaderExecutor(session.executor, channel, watchdog)
-    return _lead(dataclasses.replace(session, executor=leader), leader, run_session)
-
-
-def _lead(session: Any, leader: Any, run_session: Callable[[Any], dict]) -> dict:
-    t0 = time.perf_counter()
-    summary = run_session(session)
-    leader.stop()  # after a failure rank 0 exits instead, and mlx.launch stops the others
-    channel = leader.channel
-    summary.update({
-        "ranks": channel.size, "parallel": "tensor",
-        "plan_broadcast_s": channel.broadcast_s, "plan_messages": channel.num_messages,
-        "ranks_wall_s": time.perf_counter() - t0,
-    })
-    return summary
+    return Lead(dataclasses.replace(session, executor=leader), leader)
 
 
 def _init_group(mx: Any) -> Any:

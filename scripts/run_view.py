@@ -1,0 +1,57 @@
+"""What the commands show of a run on the terminal: the header line, the live progress line and
+the summary table (the engine's RunView), and the warning for a profile of another machine."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from batchsim.scripts.common import err, out
+
+if TYPE_CHECKING:
+    from batchsim.server.engine.run_config import RunConfig
+    from batchsim.server.engine.run_path import StepHook
+    from batchsim.server.engine.session import Session
+
+
+class ConsoleView:
+    """A run on the terminal (stderr: header and progress; stdout: the summary table)."""
+
+    def __init__(self, progress: bool = True) -> None:
+        self.show_progress = progress
+
+    def opened(self, session: Session) -> None:
+        cfg, spec = session.config, session.config.workload
+        err.print(f"batchsim run: {session.ref.name} ({session.dtype}) on {cfg.executor}, "
+                  f"workload {spec.name}: {spec.num_prompts} requests, max_num_seqs "
+                  f"{cfg.scheduler.max_num_seqs}, KV budget "
+                  f"{session.kv_budget_bytes / 2**30:.2f} GiB ({session.budget_source})")
+
+    @contextlib.contextmanager
+    def progress(self, total: int, label: str) -> Iterator[StepHook]:
+        from batchsim.scripts.progress import RunProgress
+
+        with RunProgress(total, label, enabled=self.show_progress) as bar:
+            yield bar.on_step
+
+    def finished(self, summary: dict[str, Any]) -> None:
+        print_summary(summary)
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    from batchsim.scripts.report import summary_table
+
+    out.print(summary_table(summary))
+    if summary.get("interrupted"):
+        out.print("[yellow]interrupted: records so far are in the run directory[/yellow]")
+    out.print(f"run directory: {summary['run_dir']}")
+
+
+def warn_profile_mismatch(cfg: RunConfig) -> None:
+    """One yellow stderr line when a simulated run's profile was calibrated on another machine."""
+    from batchsim.server.perf.devices import config_warning
+
+    warning = config_warning(cfg)
+    if warning:
+        err.print(f"[yellow]{warning}[/yellow]", soft_wrap=True)

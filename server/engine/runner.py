@@ -69,8 +69,9 @@ class _Run:
                                                          session.tokenizer)
         self.open_loop = spec.arrival != "closed"
         arrivals = [r.arrival_s for r in self.requests] if self.open_loop else []
+        self.recorder = RunRecorder(stream)  # the run's evidence (the engine sees a Recorder)
         self.engine = Engine(session.new_scheduler(), session.executor,
-                             recorder=RunRecorder(stream), arrival_times_s=sorted(arrivals),
+                             recorder=self.recorder, arrival_times_s=sorted(arrivals),
                              on_step=on_step)
         self.virtual = self.engine.virtual_time
         self.interrupts = interrupts
@@ -119,7 +120,7 @@ class _Run:
 
     def _left_engine(self, fut: asyncio.Future) -> None:
         if not fut.cancelled() and fut.exception() is None:  # cancelled: cut off by a stop
-            self.engine.recorder.on_finish(fut.result())
+            self.recorder.on_finish(fut.result())
 
     async def main(self) -> float:
         self.engine.start_clock()
@@ -188,7 +189,7 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
         duration = clock.run(run.main(), virtual=run.virtual)
         # The engine's time, as before records streamed: writing them is not the run's work.
         wall = time.perf_counter() - wall0 - (stream.writing_s if stream else 0.0)
-    rec = run.engine.recorder
+    rec = run.recorder
     records, steps = rec.request_records(), rec.steps
     cfg = session.config
     summary = summarize(

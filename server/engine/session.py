@@ -14,7 +14,7 @@ from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.engine import memory
 from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.executors.base import Executor
-from batchsim.server.executors.factory import build_executor
+from batchsim.server.executors.factory import build_executor, build_mlx_executor
 from batchsim.server.models.loader import ModelRef, resolve
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.platform import env
@@ -189,7 +189,7 @@ def _open_mlx(cfg: RunConfig, dtype: str, budget: int, source: str,
     model, tokenizer = load(ref)
     if prepare_model is not None:
         model = prepare_model(model)
-    executor = build_executor(cfg, ref, model)
+    executor = build_mlx_executor(cfg, ref, model)
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     # Other than dense: the scheduler prices what the executor's pool holds, by layer kind.
     layout = None if executor.cache_layout.is_dense else executor.cache_layout

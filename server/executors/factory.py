@@ -3,21 +3,47 @@ after that asks the executor's `caps`."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from batchsim.server.executors.base import Executor
 
+if TYPE_CHECKING:
+    from batchsim.server.executors.mlx_executor import MLXExecutor
+    from batchsim.server.models.loader import ModelRef
 
-def build_executor(cfg: Any, ref: Any, model: Any = None) -> Executor:
-    """The executor `cfg.executor` names, for the model `ref` (a RunConfig and a ModelRef);
-    `model`: the loaded mlx-lm model, which only the real executor needs."""
+
+class ExecutorConfig(Protocol):
+    """What building an executor reads of a run's config (a RunConfig)."""
+
+    @property
+    def executor(self) -> str: ...  # mlx | sim | fake
+
+    @property
+    def kv_bits(self) -> int | None: ...
+
+    @property
+    def kv_layout(self) -> str: ...  # padded | paged
+
+    @property
+    def device_profile(self) -> str | None: ...  # sim: a configs/devices name or a YAML path
+
+    @property
+    def engine(self) -> str: ...  # sim: the serving engine priced
+
+    @property
+    def spec_method(self) -> str: ...  # mlx: speculative decoding (none | ngram | draft)
+
+    @property
+    def draft_model(self) -> str | None: ...  # mlx: the draft model of spec_method draft
+
+
+def build_executor(cfg: ExecutorConfig, ref: ModelRef, model: Any = None) -> Executor:
+    """The executor `cfg.executor` names, for the model `ref`; `model`: the loaded mlx-lm
+    model, which only the real executor needs."""
     if cfg.executor == "mlx":
-        from batchsim.server.executors.mlx_executor import MLXExecutor
-
         if model is None:
             raise ValueError("the MLX executor needs a loaded model")
-        return MLXExecutor(model, kv_bits=cfg.kv_bits, kv_layout=cfg.kv_layout,
-                           drafter=_drafter(cfg, ref))
+        return build_mlx_executor(cfg, ref, model)
     if cfg.executor == "fake":
         from batchsim.server.executors.fake_executor import FakeExecutor
 
@@ -36,7 +62,16 @@ def build_executor(cfg: Any, ref: Any, model: Any = None) -> Executor:
     raise ValueError(f"unknown executor {cfg.executor!r} (mlx, sim or fake)")
 
 
-def _drafter(cfg: Any, ref: Any):
+def build_mlx_executor(cfg: ExecutorConfig, ref: ModelRef, model: Any) -> MLXExecutor:
+    """The real executor on a loaded mlx-lm model (what a session then reads of it: its dtype,
+    cache layout and KV bytes per token)."""
+    from batchsim.server.executors.mlx_executor import MLXExecutor
+
+    return MLXExecutor(model, kv_bits=cfg.kv_bits, kv_layout=cfg.kv_layout,
+                       drafter=_drafter(cfg, ref))
+
+
+def _drafter(cfg: ExecutorConfig, ref: ModelRef):
     """speculative.Drafter for cfg.spec_method (None: off); the draft model is loaded here. (The
     session has refused models whose layers cannot roll back: speculative.check_layers.)"""
     from batchsim.server.executors import speculative

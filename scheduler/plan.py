@@ -67,7 +67,8 @@ class StepPlan(NamedTuple):
 
 class StepResult(NamedTuple):
     step_index: int
-    # Requests that sampled a token (decode ids, then prefill chunks with sample=True).
+    # Requests that sampled a token, in one order every executor keeps: the decode rows in
+    # plan.decode_ids order, then the prefill chunks with sample=True in plan.prefills order.
     sampled_ids: tuple[int, ...]
     # The sampled token per request and step: one tuple per executed step; None in simulation.
     token_ids: tuple[tuple[int, ...], ...] | None

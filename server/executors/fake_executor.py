@@ -39,30 +39,29 @@ class FakeExecutor:
                      else max(1, math.ceil(horizon_steps)))
         elif plan.num_steps > 1:
             steps = plan.num_steps
-        sampled: list[int] = []
+        prefill_sampled: list[int] = []
         for chunk in plan.prefills:
             if self.positions.get(chunk.request_id) != chunk.start:
                 raise AssertionError(f"request {chunk.request_id}: chunk at {chunk.start}, cache "
                                      f"holds {self.positions.get(chunk.request_id)}")
             self.positions[chunk.request_id] = chunk.start + chunk.num_tokens
             if chunk.sample:
-                sampled.append(chunk.request_id)
+                prefill_sampled.append(chunk.request_id)
         for rid, pos in zip(plan.decode_ids, plan.decode_positions):
             if self.positions.get(rid) != pos:
                 raise AssertionError(f"request {rid}: decode at {pos}, cache holds "
                                      f"{self.positions.get(rid)}")
             self.positions[rid] = pos + steps
-        prefill_sampled = len(sampled)
-        sampled.extend(plan.decode_ids)
-        tokens = []
+        tokens = []  # in StepResult's order: the decode rows, then the sampling prefills
         for s in range(steps):
-            row = [self.token_for(rid, self.positions[rid],
-                                  self.vocab_size) for rid in sampled[:prefill_sampled]]
-            row += [self.token_for(rid, pos + s + 1, self.vocab_size)
-                    for rid, pos in zip(plan.decode_ids, plan.decode_positions)]
+            row = [self.token_for(rid, pos + s + 1, self.vocab_size)
+                   for rid, pos in zip(plan.decode_ids, plan.decode_positions)]
+            row += [self.token_for(rid, self.positions[rid], self.vocab_size)
+                    for rid in prefill_sampled]
             tokens.append(tuple(row))
         self._kv_bytes = plan.kv_bytes
-        return StepResult(plan.step_index, tuple(sampled), tuple(tokens),
+        sampled = (*plan.decode_ids, *prefill_sampled)
+        return StepResult(plan.step_index, sampled, tuple(tokens),
                           tuple([self.step_s] * steps), plan.kv_bytes)
 
     def reset(self) -> None:

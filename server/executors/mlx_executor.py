@@ -118,7 +118,8 @@ class MLXExecutor:
                 rid: self.seqs[rid].cache for rid, _, _ in plan.cache_ops.store})
         pairs = self._read_tokens(plan, sampled_ids, samples)
         freed = set(plan.free_ids)
-        pairs = [p for i, p in enumerate(pairs) if i >= stale or p[0] not in freed]
+        pairs = _in_plan_order(plan, [p for i, p in enumerate(pairs)
+                                      if i >= stale or p[0] not in freed])
         for rid, tok in pairs:
             if verified is not None:
                 self.seqs[rid].token_ids.extend(verified.accepted.get(rid, ()))
@@ -176,6 +177,12 @@ class MLXExecutor:
         self.pool.undo_step(ahead.lengths, ahead.states, ahead.joined)
         self.ahead_steps["undone"] += 1
         return None
+
+    def adopt_prefilled(self, rid: int, token_ids: list[int], sampling: SamplingParams,
+                        cache: list) -> None:
+        """A request whose prompt `token_ids` already sits in `cache` (its private mlx-lm
+        caches, as a finished prefill leaves them): it joins the pool at its first decode."""
+        self.seqs[rid] = SeqState(list(token_ids), sampling, cache)
 
     def reset(self) -> None:
         self._ahead = None
@@ -295,3 +302,13 @@ class MLXExecutor:
                 pending: mx.array | None = None) -> mx.array:
         """Each row as its request asks (sampler.py); greedy rows: the argmax."""
         return sampler.sample(logits, rids, [self.seqs[r] for r in rids], ahead, pending)
+
+
+def _in_plan_order(plan: StepPlan, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """StepResult's order (scheduler/plan.py): the decode rows as plan.decode_ids lists them (the
+    pool holds them in its own row order), then the sampling prefills, already in plan order."""
+    n = len(plan.decode_ids)
+    if [rid for rid, _ in pairs[:n]] == list(plan.decode_ids):
+        return pairs
+    token = dict(pairs[:n])
+    return [(rid, token[rid]) for rid in plan.decode_ids] + pairs[n:]

@@ -57,7 +57,7 @@ class SimExecutor:
             t += self._resize(plan.pool)
         if not layout.in_pool.issuperset(plan.decode_ids):
             t += self._join(plan)
-        sampled = plan.decode_ids  # who sampled a token: sampling prefills first, then the pool
+        sampled = plan.decode_ids  # who sampled a token: the decode rows, then sampling prefills
         if plan.prefills:
             sampling: list[int] = []
             for group in prefill_groups.groups(plan.prefills):  # as the MLX executor runs them
@@ -68,7 +68,7 @@ class SimExecutor:
                     self._set_private(c.request_id, c.start, c.start + c.num_tokens)
                     if c.sample:
                         sampling.append(c.request_id)
-            sampled = (*sampling, *sampled)
+            sampled = (*sampled, *sampling)
         durations = [t]
         if plan.decode_ids:
             self._decode(plan, durations, max_elapsed_s)

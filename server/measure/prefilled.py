@@ -8,7 +8,7 @@ import numpy as np
 from batchsim.scheduler.pool_geometry import KV_STEP, round_up
 from batchsim.scheduler.request import SamplingParams
 from batchsim.server.executors import prefill_cache
-from batchsim.server.executors.mlx_executor import MLXExecutor, SeqState
+from batchsim.server.executors.mlx_executor import MLXExecutor
 from batchsim.server.models.spec import ModelSpec
 
 
@@ -22,7 +22,7 @@ def prefilled(model, ex: MLXExecutor, spec: ModelSpec, batch: int, width: int) -
         cache = _private_cache(ex, width)
         mx.eval([c.state for c in cache])
         ids = rng.integers(0, spec.vocab_size, width).tolist()
-        ex.seqs[rid] = SeqState(ids, SamplingParams(1 << 20, ignore_eos=True), cache)
+        ex.adopt_prefilled(rid, ids, SamplingParams(1 << 20, ignore_eos=True), cache)
 
 
 def _private_cache(ex: MLXExecutor, width: int) -> list:

@@ -18,7 +18,7 @@ from batchsim.scheduler.kv_manager import KVAccountError, KVManager
 from batchsim.scheduler.plan import NewRequest, StepPlan, StepResult
 from batchsim.scheduler.pool_geometry import PAGE_TOKENS, PoolGeometry, row_blocks
 from batchsim.scheduler.request import Request, RequestStatus
-from batchsim.scheduler.spec_budget import row_spec_tokens
+from batchsim.scheduler.spec_budget import row_spec_tokens, until_stop
 from batchsim.scheduler.step_budget import StepBudget
 
 
@@ -291,7 +291,7 @@ class Scheduler:
             if token_ids is not None:
                 new = [token_ids[s][i] for s in range(k)]
                 if accepted is not None and accepted[i]:
-                    new = self._until_stop(r, [*accepted[i], *new])
+                    new = until_stop(r, [*accepted[i], *new])
                     n = len(new)
             if rid not in prefill_ids:
                 r.num_computed_tokens += n
@@ -315,18 +315,6 @@ class Scheduler:
                 finished.append(r)
         self.num_steps += k
         return finished
-
-    @staticmethod
-    def _until_stop(r: Request, new: list[int]) -> list[int]:
-        """A verify step's accepted drafts and sampled token, cut after the first that ends the
-        request (EOS, a stop token), as plain decoding would have stopped there."""
-        stops = r.sampling.stop_token_ids
-        if not r.sampling.ignore_eos:
-            stops = stops | r.eos_token_ids
-        for j, t in enumerate(new[:-1]):
-            if t in stops:
-                return new[: j + 1]
-        return new
 
     @staticmethod
     def _stop_reason(r: Request, new_tokens: list[int]) -> str | None:

@@ -37,3 +37,15 @@ def row_spec_tokens(request: Request, k: int) -> int:
         return 0
     left = request.sampling.max_tokens - request.num_output_tokens - 1
     return k if left >= k else max(left, 0)
+
+
+def until_stop(request: Request, new: list[int]) -> list[int]:
+    """A verify step's accepted drafts and sampled token, cut after the first that ends the
+    request (EOS, a stop token), as plain decoding would have stopped there."""
+    stops = request.sampling.stop_token_ids
+    if not request.sampling.ignore_eos:
+        stops = stops | request.eos_token_ids
+    for j, t in enumerate(new[:-1]):
+        if t in stops:
+            return new[: j + 1]
+    return new

@@ -282,7 +282,10 @@ def test_compare_sweep_and_bench_help_show_the_config_defaults():
                  {"batch", "num_prompts", "output_len", "request_rate", "workload"})
     run_defaults = _fields(RunConfig())
     _check_shown(_parser("sweep"), {"seed": WorkloadSpec().seed, **run_defaults}, {"seed", "model"})
-    _check_shown(_parser("bench-decode"), run_defaults, {"model", "dtype"})
+    from batchsim.scheduler.config import SchedulerSettings  # its speculative decoding flags
+
+    _check_shown(_parser("bench-decode"), {**run_defaults, **_fields(SchedulerSettings())},
+                 {"model", "dtype", "spec_tokens"})
     for command, dest in (("calibrate", "name"), ("validate", "device_profile")):
         parser = _parser(command)
         _check_shown(parser, {"dtype": RunConfig().dtype}, {"dtype"})

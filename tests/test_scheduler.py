@@ -181,7 +181,8 @@ def test_a_failing_stop_checker_ends_only_its_own_request(caplog):
 def workloads(draw):
     reqs = draw(random_arrivals(24))
     cfg = dict(kv_budget_bytes=KVT * draw(st.integers(256, 12_000)), kv_bytes_per_token=KVT,
-               max_model_len=2048, **draw(step_limits(12)))
+               max_model_len=2048, kv_layout=draw(st.sampled_from(["padded", "paged"])),
+               **draw(step_limits(12)))
     return reqs, cfg
 
 

@@ -127,3 +127,28 @@ def test_size_paged_max_batch_is_what_a_paged_run_holds(batchsim_home):
     assert max(p.kv_bytes for p in held.plans) == budget  # drive(): the executor's bytes too
     over = run(fits + 1)
     assert sum(r.num_preemptions for r in over.requests.values()) > 0
+
+
+def test_run_kv_layout_flag_same_tokens_fewer_bytes(batchsim_home):
+    # `run --kv-layout` end to end (in-process): both layouts account byte-exactly, agree token
+    # for token, and the paged run holds fewer KV bytes at its peak (rows past 256 tokens: the
+    # padded pool grows every row to 512, the paged one by blocks).
+    from batchsim.scripts.cli import build_parser
+    from batchsim.scripts.run_cmd import config_from_args
+    from batchsim.server.engine.runner import run_workload
+    from batchsim.server.engine.session import open_session
+
+    runs = {}
+    for layout in ("padded", "paged"):
+        args = build_parser().parse_args([
+            "run", "--model", "tiny", "--dtype", "float32", "--kv-layout", layout,
+            "--num-prompts", "4", "--request-rate", "inf", "--input-len", "uniform:200:250",
+            "--output-len", "uniform:40:80"])
+        cfg = config_from_args(args)
+        runs[layout] = run_workload(open_session(cfg), cfg.workload, out_dir=None,
+                                    label=layout).summary
+    padded, paged = runs["padded"], runs["paged"]
+    assert (padded["kv_layout"], paged["kv_layout"]) == ("padded", "paged")
+    assert padded["kv_account_mismatches"] == paged["kv_account_mismatches"] == 0
+    assert paged["output_tokens_sha256"] == padded["output_tokens_sha256"]
+    assert paged["peak_kv_bytes_measured"] < padded["peak_kv_bytes_measured"]

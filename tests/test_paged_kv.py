@@ -134,7 +134,7 @@ def test_run_kv_layout_flag_same_tokens_fewer_bytes(batchsim_home):
     # for token, and the paged run holds fewer KV bytes at its peak (rows past 256 tokens: the
     # padded pool grows every row to 512, the paged one by blocks).
     from batchsim.scripts.cli import build_parser
-    from batchsim.scripts.run_cmd import config_from_args
+    from batchsim.scripts.run_args import config_from_args
     from batchsim.server.engine.runner import run_workload
     from batchsim.server.engine.session import open_session
 

@@ -220,3 +220,49 @@ def test_bench_decode_speculates_in_its_continuous_runs(batchsim_home, tmp_path,
     assert main([*argv, "--continuous", "2"]) == 0
     (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["continuous"]
     assert (row["spec_method"], row["spec_tokens"]) == ("ngram", 2) and row["executor_tok_s"] > 0
+
+
+def test_streams_deliver_accepted_drafts(tiny):
+    # What `serve` streams: every token the scheduler kept, drafts included.
+    import asyncio
+
+    from batchsim.server.engine import clock
+    from batchsim.server.engine.engine import Engine
+
+    ref, model, _ = tiny
+    kvt = ref.spec.kv_bytes_per_token("float32")
+    rng = random.Random(3)
+    prompt = [[rng.randrange(ref.spec.vocab_size) for _ in range(rng.randint(5, 40))] * 3
+              for _ in range(5)][4]  # its reply repeats tokens: drafts are accepted
+    plain, _ = _run(model, kvt, _requests([prompt], 24))
+
+    async def main():
+        sched = Scheduler(config(kv_bytes_per_token=kvt, spec_tokens=4, spec_policy="fixed"))
+        engine = Engine(sched, MLXExecutor(model, drafter=NgramDrafter()))
+        engine.start_clock()
+        loop_task = asyncio.create_task(engine.run())
+        queue = engine.stream(Request(0, len(prompt), SamplingParams(max_tokens=24,
+                                                                     ignore_eos=True),
+                                      0.0, prompt_token_ids=prompt))
+        tokens = []
+        while not isinstance(item := await queue.get(), Request):
+            tokens.extend(item)
+        engine.stop()
+        await loop_task
+        return tokens, item, engine.recorder.spec.accepted_tokens
+
+    tokens, request, accepted = clock.run(main(), virtual=False)
+    assert tokens == request.output_token_ids == plain[0] and accepted > 0
+
+
+def test_a_verify_step_stops_at_the_first_stop_token():
+    from batchsim.scheduler.spec_budget import until_stop
+
+    r = Request(0, 3, SamplingParams(max_tokens=9, stop_token_ids=frozenset({7})), 0.0,
+                prompt_token_ids=[1, 2, 3], eos_token_ids=frozenset({9}))
+    assert until_stop(r, [4, 9, 5, 6]) == [4, 9]  # EOS among the accepted drafts
+    assert until_stop(r, [7, 9]) == [7]
+    assert until_stop(r, [4, 5, 9]) == [4, 5, 9]  # the sampled token: _stop_reason's
+    ignoring = Request(1, 3, SamplingParams(max_tokens=9, ignore_eos=True), 0.0,
+                       prompt_token_ids=[1, 2, 3], eos_token_ids=frozenset({9}))
+    assert until_stop(ignoring, [9, 9, 4]) == [9, 9, 4]

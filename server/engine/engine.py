@@ -14,6 +14,7 @@ from typing import Protocol
 from batchsim.scheduler.plan import StepPlan, StepResult
 from batchsim.scheduler.request import Request
 from batchsim.scheduler.scheduler import Scheduler
+from batchsim.scheduler.spec_budget import until_stop
 from batchsim.server.engine import clock
 from batchsim.server.executors.base import Executor
 from batchsim.server.platform import env
@@ -66,6 +67,7 @@ class Engine:
         self._thread = (None if self.virtual_time
                         else concurrent.futures.ThreadPoolExecutor(1, "executor"))
         self._streams: dict[int, asyncio.Queue] = {}
+        self._stream_requests: dict[int, Request] = {}  # the streamed requests, by id
 
     def now(self) -> float:
         return self._loop.time() - self._t0
@@ -92,8 +94,10 @@ class Engine:
         finished Request itself (finished, rejected or aborted)."""
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = queue
+        self._stream_requests[request.request_id] = request
 
         def close(fut: asyncio.Future) -> None:
+            self._stream_requests.pop(request.request_id, None)
             if self._streams.pop(request.request_id, None) is not None:
                 queue.put_nowait(fut.result())
 
@@ -193,11 +197,14 @@ class Engine:
                 r.first_scheduled_s = start
         self.recorder.on_step(plan, result, start, ends, self.scheduler)
         if self._streams and result.token_ids is not None:
-            k = len(result.token_ids)
+            k, accepted = len(result.token_ids), result.accepted_ids
             for i, rid in enumerate(result.sampled_ids):
                 queue = self._streams.get(rid)
                 if queue is not None:
-                    queue.put_nowait([result.token_ids[s][i] for s in range(k)])
+                    new = [result.token_ids[s][i] for s in range(k)]
+                    if accepted is not None and accepted[i]:  # as the scheduler kept them
+                        new = until_stop(self._stream_requests[rid], [*accepted[i], *new])
+                    queue.put_nowait(new)
         if self._on_step is not None:
             self._on_step(self, plan, result)
 

@@ -147,7 +147,6 @@ def _run_point(base, budget: int, source: str, batch: int, args: argparse.Namesp
     """B requests at once, max_num_seqs = B, same budget; the row of this batch size."""
     from batchsim.scripts.progress import RunProgress
     from batchsim.server.engine.runner import run_workload
-    from batchsim.server.executors.factory import build_executor
 
     shared = args.shared_prefix_tokens
     spec = WorkloadSpec(name=f"sweep-b{batch}", num_prompts=batch, request_rate=math.inf,
@@ -156,11 +155,8 @@ def _run_point(base, budget: int, source: str, batch: int, args: argparse.Namesp
                         sharing=SharingSpec(system_tokens=shared) if shared else None)
     sched = dataclasses.replace(base.config.scheduler, max_num_seqs=batch)
     cfg = dataclasses.replace(base.config, workload=spec, memory_gb=budget / GIB, scheduler=sched)
-    # A new executor per point (request ids restart at 0); the MLX one shares the loaded model.
-    executor = build_executor(cfg, base.ref, base.model)
-    session = dataclasses.replace(base, config=cfg, executor=executor,
-                                  memory_budget_bytes=budget, budget_source=source)
-    active = _ActiveMemory(executor.caps.real_compute)
+    session = base.renewed(cfg, budget, source)  # a new executor per point
+    active = _ActiveMemory(session.executor.caps.real_compute)
     label = f"{base.ref.name.replace('/', '_')}-sweep-b{batch}-{cfg.executor}"
     with RunProgress(batch, label, enabled=not args.no_progress) as bar:
         def on_step(engine, plan, result) -> None:

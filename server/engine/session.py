@@ -96,6 +96,14 @@ class Session:
     def new_scheduler(self, **overrides: Any) -> Scheduler:
         return Scheduler(self.scheduler_config(**overrides))
 
+    def renewed(self, cfg: RunConfig, memory_budget_bytes: int, budget_source: str) -> Session:
+        """The same loaded model under `cfg` with a new executor (request ids start again; the
+        real executor shares the model)."""
+        executor = build_executor(cfg, self.ref, self.model)
+        return dataclasses.replace(self, config=cfg, executor=executor,
+                                   memory_budget_bytes=memory_budget_bytes,
+                                   budget_source=budget_source)
+
     def with_config(self, cfg: RunConfig) -> Session:
         """The same loaded model under other scheduler limits, budget or workload."""
         # What built the executor.

@@ -116,7 +116,7 @@ class Server:
                 type=_ERROR_TYPES.get(exc.status, "invalid_request_error"),
                 code="request_too_large" if exc.status == 413 else None,
                 headers={"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None))
-        except Exception as exc:  # noqa: BLE001 - a bug: answer this request, keep serving the others
+        except Exception as exc:  # noqa: BLE001 - a bug: answer this request, serve the others
             traceback.print_exc()
             response = _error_response(APIError(500, f"internal error: {exc!r}",
                                                 type="server_error"))
@@ -255,7 +255,7 @@ class Server:
             await self._stream_chunks(response, gen, params)
         except ConnectionError:
             raise  # the client went away: nothing to tell it
-        except Exception as exc:  # noqa: BLE001 - a bug mid-stream: the status is sent, so say it in the stream
+        except Exception as exc:  # noqa: BLE001 - a bug mid-stream: said in the stream
             traceback.print_exc()
             await response.write(_sse(error_body(f"internal error: {exc!r}", "server_error")))
         await response.write(b"data: [DONE]\n\n")

@@ -171,7 +171,7 @@ def _chat_prompt(body: dict[str, Any], tokenizer: Any, max_bytes: int) -> list[i
     _check_prompt_bytes(sum(len(m["content"].encode()) for m in plain), max_bytes, "messages")
     try:
         ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True)
-    except Exception as exc:  # noqa: BLE001 - a template may raise on a role order it does not accept
+    except Exception as exc:  # noqa: BLE001 - a template may refuse a role order
         raise APIError(400, f"messages: the chat template rejected them: {exc}",
                        param="messages") from None
     if isinstance(ids, dict):  # some tokenizers return a BatchEncoding

@@ -67,18 +67,20 @@ def _run(model, kvt: int, specs, **cfg):
     arrivals = [(step, Request(i, len(ids), SamplingParams(max_tokens=out, ignore_eos=True), 0.0,
                                prompt_token_ids=list(ids)))
                 for i, (step, ids, out) in enumerate(specs)]
-    trace = drive(sched, MLXExecutor(model), arrivals)  # checks KV bytes every step
+    ex = MLXExecutor(model, kv_layout=cfg.get("kv_layout", "padded"))
+    trace = drive(sched, ex, arrivals)  # checks KV bytes every step
     return {rid: r.output_token_ids for rid, r in trace.requests.items()}, sched, trace
 
 
-@pytest.mark.parametrize(("gap", "out", "budget_tokens"), [(3, 12, None), (4, 220, 6 * KV_STEP)])
-def test_cached_prefixes_give_the_same_tokens(tiny, gap, out, budget_tokens):
+@pytest.mark.parametrize(("gap", "out", "budget_tokens", "layout"), [
+    (3, 12, None, "padded"), (4, 220, 6 * KV_STEP, "padded"), (3, 12, None, "paged")])
+def test_cached_prefixes_give_the_same_tokens(tiny, gap, out, budget_tokens, layout):
     """Later requests prefill only their suffix, and sample what they would without the cache;
     with a tight budget, under preemption and eviction too."""
     ref, model, _ = tiny
     kvt = ref.spec.kv_bytes_per_token("float32")
     specs = _shared_specs(ref.spec.vocab_size, gap, out)
-    cfg = {"max_num_seqs": 4, "prefill_step_size": 256, "row_step": 1}
+    cfg = {"max_num_seqs": 4, "prefill_step_size": 256, "row_step": 1, "kv_layout": layout}
     if budget_tokens:
         cfg["kv_budget_bytes"] = budget_tokens * kvt
     off, _, _ = _run(model, kvt, specs, **cfg)

@@ -71,7 +71,8 @@ def test_per_row_terms_grow_with_the_rows_and_the_simulator_charges_them():
     for rows in (1, 8, 32):
         t = cost.step_time(decode_rows=rows, width=128)
         t0 = plain.step_time(decode_rows=rows, width=128)
-        assert t.attention_rows_s == pytest.approx(rows * spec.num_layers * 2e-6)
+        # Attention's fixed cost per row past the first (one row's is in the per-layer cost).
+        assert t.attention_rows_s == pytest.approx((rows - 1) * spec.num_layers * 2e-6)
         assert t.token_ops_s == pytest.approx(rows * spec.num_layers * 1e-6)
         assert t.sampling_s == pytest.approx(rows * 30e-6)
         assert t.host_token_s == pytest.approx(rows * 100e-6) and t.host_step_s == 500e-6
@@ -134,7 +135,9 @@ def test_one_row_graphs_evaluated_together_share_weights_and_pay_each_fixed_cost
     batched = StepCost(spec, _mac(), "float16", 4)
     t, b = graphs.decode_time(4, 512), batched.decode_time(4, 512)
     assert t.fixed_s == pytest.approx(4 * b.fixed_s) and t.weights_s == b.weights_s
-    assert t.total_s == pytest.approx(b.total_s + 3 * b.fixed_s)
+    # Each row's graph has its attention in its own fixed cost: no per-row attention term.
+    assert t.attention_rows_s == 0
+    assert t.total_s == pytest.approx(b.total_s + 3 * b.fixed_s - b.attention_rows_s)
     assert graphs.decode_forward_s(4, 512) == pytest.approx(t.total_s)
     assert b.total_s < t.total_s < one_by_one.decode_time(4, 512).total_s
     assert graphs.decode_time(1, 512) == batched.decode_time(1, 512)
@@ -296,7 +299,7 @@ def test_the_mac_fit_carries_the_new_terms_to_every_mac():
     assert profile.kv_bytes_per_s == pytest.approx(0.5 * mac.bw_gbs * 1e9)
     spec = zoo_spec("llama-3.2-1b")
     t = StepCost(spec, profile, "float16", 4).step_time(decode_rows=8, width=128)
-    assert t.attention_rows_s == pytest.approx(8 * spec.num_layers * 1.5e-6)
+    assert t.attention_rows_s == pytest.approx(7 * spec.num_layers * 1.5e-6)
     assert t.token_ops_s == pytest.approx(8 * spec.num_layers * 0.25e-6)
     assert t.sampling_s == pytest.approx(8 * 40e-6)
     assert "attention 1.50 us/row/layer" in fit.summary() and "q4 GEMM 0.25" in fit.summary()

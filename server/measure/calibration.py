@@ -327,15 +327,15 @@ def _features(s: StepSample, c: StepCost) -> list[float]:
     """One sample's columns of fit_forward_terms (FORWARD_TERMS' order): the work of a model whose
     every layer is full attention (K/V bytes and scores of a decode over `context` tokens; score
     FLOPs and bytes of a prefill chunk after `context`; elementwise bytes), layers, one pass; then
-    the per-row terms StepCost._row_parts prices: decode rows x layers, tokens x layers, sampled
-    rows (a decode step samples every row, a final prefill chunk one)."""
+    the per-row terms StepCost._row_parts prices: decode rows past the first x layers, tokens x
+    layers, sampled rows (a decode step samples every row, a final prefill chunk one)."""
     sp, layers = c.spec, c.spec.num_layers
     if s.kind == "decode":
         kv_bytes = s.rows * s.context * c.kv_bytes_per_token
         scores = layers * s.rows * sp.num_heads * s.context
         return [kv_bytes * 1e-9, 0.0, 0.0, c.elementwise_bytes(s.rows, logits=True) * 1e-9,
                 layers * 1e-6, 1e-6, scores * 1e-9,
-                layers * s.rows * 1e-9, layers * s.rows * 1e-9, s.rows * 1e-6]
+                layers * (s.rows - 1) * 1e-9, layers * s.rows * 1e-9, s.rows * 1e-6]
     ctx = s.context + s.rows  # a final chunk of `rows` tokens: one row's logits
     logits = c.elementwise_bytes(1, logits=True) - c.elementwise_bytes(1, logits=False)
     return [0.0, 4 * layers * sp.num_heads * sp.head_dim * s.rows * ctx * 1e-9,

@@ -43,9 +43,9 @@ class GpuFit:
     # Leave-one-chip-out / leave-one-model-out |error| of batch-1 decode tok/s (median, worst).
     errors: dict[str, float] = dataclasses.field(default_factory=dict)
     # Work that grows with the rows (StepTime's attention_rows_s, token_ops_s, sampling_s; 0: not
-    # fitted): decode attention's fixed cost per row per layer and its K/V read's fraction of peak
-    # bandwidth (0: the weights' for the format), elementwise kernels' cost per token per layer,
-    # sampling per sampled row.
+    # fitted): decode attention's fixed cost per row past the first per layer and its K/V read's
+    # fraction of peak bandwidth (0: the weights' for the format), elementwise kernels' cost per
+    # token per layer, sampling per sampled row.
     attention_row_us: float = 0.0
     kv_bandwidth_efficiency: float = 0.0
     token_layer_us: float = 0.0

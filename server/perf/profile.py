@@ -84,8 +84,8 @@ class Calibration:
     # profile (the device got slower or faster since) from a wrong model.
     speed_probe_ms: dict[str, float] = dataclasses.field(default_factory=dict)
     # Per-row and per-token terms (0: not measured; the step is priced as before): decode
-    # attention's fixed cost per row per layer, elementwise kernels' per token per layer, sampling
-    # per sampled row.
+    # attention's fixed cost per row past the first per layer, elementwise kernels' per token per
+    # layer, sampling per sampled row.
     attention_row_ns: float = 0.0
     token_layer_ns: float = 0.0
     sampling_row_us: float = 0.0
@@ -122,9 +122,9 @@ class DeviceProfile:
     # Operator-level terms measured by `batchsim calibrate` (None: the plain roofline above).
     calibration: Calibration | None = None
     # Per-row and per-token work of a roofline step (a calibrated device measures its own in
-    # `calibration`): decode attention's fixed kernel cost per row per layer, its K/V read at this
-    # fraction of peak bandwidth (0: bandwidth_efficiency), elementwise kernels' fixed cost per
-    # token per layer, and sampling per sampled row. All zero: the plain roofline.
+    # `calibration`): decode attention's fixed kernel cost per row past the first per layer, its
+    # K/V read at this fraction of peak bandwidth (0: bandwidth_efficiency), elementwise kernels'
+    # fixed cost per token per layer, and sampling per sampled row. All zero: the plain roofline.
     attention_row_s: float = 0.0
     kv_bandwidth_efficiency: float = 0.0
     token_layer_s: float = 0.0

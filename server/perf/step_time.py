@@ -20,7 +20,7 @@ class StepTime:
     experts_s: float = 0.0  # MoE: routed experts' gathered matmuls (their weights and FLOPs)
     comm_s: float = 0.0  # between ranks: all-reduces (tensor parallel) or sends (pipeline)
     # Work that grows with the rows, whatever their bytes (profile.py: zero unless set or measured):
-    attention_rows_s: float = 0.0  # decode attention's fixed kernel cost per row per layer
+    attention_rows_s: float = 0.0  # decode attention's fixed kernel cost per row past the first
     token_ops_s: float = 0.0  # elementwise kernels' fixed cost per token per layer
     sampling_s: float = 0.0  # sampling per sampled row
     # The serving engine's host work (server.perf.engines): per step and per generated token.

@@ -193,8 +193,9 @@ class StepCost:
 
     # -- work per row and per token, whatever its bytes ----------------------------------------
     def _per_row_s(self) -> tuple[float, float, float, float]:
-        """Seconds per decode row of attention's fixed kernel cost, per token of elementwise
-        kernels' (every layer), per sampled row of sampling and of the engine's host work."""
+        """Seconds per decode row past the first of attention's fixed kernel cost, per token of
+        elementwise kernels' (every layer), per sampled row of sampling and of the engine's host
+        work."""
         layers, cal, p = self.spec.num_layers, self.cal, self.profile
         host = self.engine.host_token_s
         if cal is not None:
@@ -209,9 +210,15 @@ class StepCost:
         """StepTime's per-row parts of a forward over `tokens` tokens, `decode_rows` of them
         decoding, `sampled` rows sampling a token."""
         attention, token, sample, host = self.row_s
-        attention_s = decode_rows * attention + max(decode_rows - 1, 0) * self._row_loop_s
+        attention_s = max(decode_rows - 1, 0) * (self._row_attention_s(attention)
+                                                 + self._row_loop_s)
         return {"attention_rows_s": attention_s, "token_ops_s": tokens * token,
                 "sampling_s": sampled * sample, "host_token_s": sampled * host}
+
+    def _row_attention_s(self, attention_s: float) -> float:
+        """Attention's fixed kernel cost of a decode row past the first (a one-row forward's is in
+        the per-layer fixed cost, as is each row's where the engine builds a graph per row)."""
+        return 0.0 if self.row_graphs else attention_s
 
     @cached_property
     def _row_loop_s(self) -> float:

@@ -258,9 +258,7 @@ def _notes(rows: list[dict], meta: dict, what: str, spec: ModelSpec) -> list[str
     engine = load_engine(meta["engine"])
     notes.append(f"Engine {engine.name} (configs/engines/{engine.name}.yaml): host "
                  f"{engine.host_step_us:g} us per step + {engine.host_token_us:g} us per token"
-                 + ("" if engine.batches else "; runs one request at a time")
-                 + (f"; one row at a time for {', '.join(engine.serial_model_types)}"
-                    if engine.serial_model_types else "") + ".")
+                 + engine.batching_note() + ".")
     if not spec.is_dense:
         notes.append(f"{'+'.join(spec.families)}: KV/seq is mlx-lm's exact cache of one sequence "
                      f"at the mean context, by kind (full-attention/MLA KV grows with it, sliding "

@@ -305,3 +305,15 @@ def test_the_mac_fit_carries_the_new_terms_to_every_mac():
     assert "attention 1.50 us/row/layer" in fit.summary() and "q4 GEMM 0.25" in fit.summary()
     with pytest.raises(ValueError, match="kv_bandwidth_efficiency"):
         dataclasses.replace(fit, kv_bandwidth_efficiency=1.5)
+
+
+def test_the_explain_line_says_what_the_engine_batches():
+    """size --explain's engine line: mlxcel-server evaluates one-row graphs together (not one row
+    at a time), an engine without that runs them one by one, mlx-lm's generate one request."""
+    note = load_engine("mlxcel-server").batching_note()
+    assert "qwen2, qwen3_moe as one-row graphs evaluated together" in note
+    assert "one row at a time" not in note
+    assert "attention one sequence at a time" in note
+    assert _engine(serial_model_types=("qwen2",)).batching_note() == \
+        "; qwen2 one row at a time"
+    assert load_engine("mlx-lm-generate").batching_note() == "; runs one request at a time"

@@ -63,6 +63,18 @@ class EngineProfile:
                        if t not in self.batched_since or ran < _release(self.batched_since[t]))
         return dataclasses.replace(self, serial_model_types=serial)
 
+    def batching_note(self) -> str:
+        """What it batches, in words (size --explain): '' for an engine batching everything."""
+        notes = [] if self.batches else ["runs one request at a time"]
+        if self.batches and self.serial_model_types:
+            how = ("as one-row graphs evaluated together (weights read once, each row's forward "
+                   "fixed cost)" if self.serial_rows_together else "one row at a time")
+            notes.append(f"{', '.join(self.serial_model_types)} {how}")
+        if self.attention_loop:
+            notes.append(f"attention one sequence at a time ({self.row_dispatch_forwards:.2f} "
+                         f"forwards' fixed cost per decode row past the first)")
+        return "".join(f"; {n}" for n in notes)
+
     @property
     def host_step_s(self) -> float:
         return self.host_step_us * 1e-6

@@ -49,6 +49,24 @@ def test_a_server_figure_with_prefill_is_the_simulated_run(rows, catalog):
         dataclasses.replace(one, decode_only=True), catalog, fit)
 
 
+def test_a_prompt_cached_row_is_a_second_round_with_the_prompt_in_the_prefix_cache(rows, catalog):
+    """mlxcel-server's ladder: each level's clients send the prompt the level before left cached."""
+    fit = MacModel(gpu_fit.load_fit())
+    row = _row(rows, id="mlxcel-m5max-llama-3.1-8b-q4-b4-agg")
+    assert row.prompt_cached and row.prompt_tokens == 467
+    cold = dataclasses.replace(row, prompt_cached=False)
+    cached_tok_s = ps.predict_tok_s(row, catalog, fit)
+    assert cached_tok_s > 1.2 * ps.predict_tok_s(cold, catalog, fit)
+    # The fit's parts are the measured round's (its prefill only the uncached tail)...
+    run, cold_run = ps.priced(row, catalog, fit), ps.priced(cold, catalog, fit)
+    assert run.prefill.total_s < 0.1 * cold_run.prefill.total_s
+    # ...and add up to its simulated time.
+    sim_s = row.batch * ps.tokens(row)[1] / cached_tok_s
+    assert run.decode.total_s + run.prefill.total_s == pytest.approx(sim_s, rel=5e-3)
+    with pytest.raises(ValueError, match="prompt_cached"):
+        dataclasses.replace(row, decode_only=True)
+
+
 def test_gain_pairs_a_batched_row_with_its_batch_1_row(rows):
     b5 = _row(rows, batch=5, measures="aggregate")
     b1 = next(r for r in rows if r.batch == 1 and mac_cv._setup(r) == mac_cv._setup(b5))

@@ -153,6 +153,10 @@ class PublishedRow(WeightFormat):
     src: str  # a key under `sources`
     quote: str  # the figure as the source prints it
     note: str = ""
+    # True: every client sends the same prompt and the server starts each request from that prompt
+    # as cached by the run before (a benchmark ladder's previous level): simulated as a first round
+    # of the same prompts, then the measured round with the prefix cache holding them.
+    prompt_cached: bool = False
     # Why the model cannot predict this figure (a term it should not have, or one its simulated
     # run lacks): scored, never fitted; "" for a row it can.
     unexplained: str = ""
@@ -167,6 +171,8 @@ class PublishedRow(WeightFormat):
             raise ValueError("a batch-1 row measures per_request")
         if not self.quote.strip():
             raise ValueError("quote is empty")
+        if self.prompt_cached and (self.decode_only or self.batch == 1):
+            raise ValueError("prompt_cached: a batched run that includes prefill only")
 
 
 

@@ -16,7 +16,8 @@ from batchsim.workloads.spec import TraceSpec
 def add_sharing_args(g: argparse._ArgumentGroup) -> None:
     """Unset: the workload's `sharing` (none in most built-ins); a trace shares by its hash_ids."""
     g.add_argument("--shared-prefix-tokens", type=non_negative_int, metavar="N",
-                   help="every prompt starts with the same N-token system prompt (0: none)")
+                   help="every prompt starts with the same N-token system prompt, then "
+                        "--input-len tokens of its own (0: none)")
     g.add_argument("--turns", type=positive_int, metavar="N",
                    help="chat sessions of N turns: turn k resends turns 1..k-1 and their replies "
                         "(--input-len: a turn's new user tokens, --output-len: its reply)")

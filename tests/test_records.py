@@ -155,3 +155,17 @@ def test_a_later_build_sweeps_the_temporary_dirs_of_killed_builds(batchsim_home,
     assert not dead.exists() and mine.exists()
     (mine / "weights").rmdir()
     mine.rmdir()
+
+
+def test_two_real_runs_on_one_executor_each_start_clean(tmp_path):
+    """`validate` runs its cases one after another on one real executor, each run on a new engine
+    thread: the second must not meet arrays queued on the first thread's ended MLX streams (a step
+    run ahead) nor the first run's cached prompt blocks (the account would not match)."""
+    spec = WorkloadSpec(name="shared", num_prompts=4, request_rate=200.0, seed=3,
+                        input_len=LengthSpec("fixed", value=40),
+                        output_len=LengthSpec("fixed", value=8))
+    session = open_session(RunConfig(model="tiny", workload=spec))
+    for label in ("first", "second"):
+        summary = run_workload(session, spec, out_dir=tmp_path, label=label).summary
+        assert summary["completed"] == 4 and summary["kv_account_mismatches"] == 0
+    assert session.executor.kv_bytes() == 0  # the run ended: nothing held for the next one

@@ -79,6 +79,9 @@ class LeaderExecutor:
         cause = f" after: {self._failure}" if self._failure else ""
         raise RuntimeError(f"a multi-rank run cannot reset one rank's executor; it stops{cause}")
 
+    def end_run(self) -> None:
+        self.inner.end_run()
+
     def stop(self) -> None:
         """Tell the followers the run is over (with the last step's tokens to check)."""
         self.watchdog.arm("rank 0: the message that ends the run")

@@ -219,9 +219,15 @@ class Engine:
             if fut is not None and not fut.done():
                 fut.set_result(r)
 
+    def _end_thread(self) -> None:
+        """The executor thread's last work: the executor ends the run, then the MLX streams the
+        thread used go (on the thread that used them)."""
+        self.executor.end_run()
+        env.release_mlx_streams()
+
     def close(self) -> None:
         if self._thread is not None:
-            self._thread.submit(env.release_mlx_streams).result()  # on the thread that used them
+            self._thread.submit(self._end_thread).result()
             self._thread.shutdown(wait=True)
 
 

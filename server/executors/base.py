@@ -37,3 +37,9 @@ class Executor(Protocol):
     def reset(self) -> None:
         """Drop every request and all KV (after a failed step)."""
         ...
+
+    def end_run(self) -> None:
+        """The run is over: drop its requests and KV, and finish what the calling thread queued
+        (the engine's thread and its MLX streams end with the run; `validate` runs its next case
+        on this executor from another thread)."""
+        ...

@@ -64,6 +64,9 @@ class FakeExecutor:
         return StepResult(plan.step_index, sampled, tuple(tokens),
                           tuple([self.step_s] * steps), plan.kv_bytes)
 
+    def end_run(self) -> None:
+        self.reset()
+
     def reset(self) -> None:
         self.positions.clear()
         self._kv_bytes = 0

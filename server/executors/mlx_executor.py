@@ -190,6 +190,11 @@ class MLXExecutor:
         self.seqs.clear()
         self.prefix_blocks.clear()
 
+    def end_run(self) -> None:
+        self.reset()
+        mx.eval(self.pool.arrays())  # made on this thread's stream, which ends with the run
+        mx.synchronize()  # and the step run ahead, if one was computing
+
     def _new_pool(self) -> DecodePool:
         return DecodePool(self.layers, self.dtype, self.kv_bits, self.kv_layout == "paged")
 

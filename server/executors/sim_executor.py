@@ -112,6 +112,9 @@ class SimExecutor:
             s = _remember(self._decode_s, key, self.cost.decode_forward_s(rows, width))
         return s
 
+    def end_run(self) -> None:
+        self.reset()
+
     def reset(self) -> None:
         self.layout.clear()
         self.private, self._private_bytes, self._pool_bytes = {}, 0, 0

@@ -43,7 +43,7 @@ class SchedulerSettings:
     prefix_cache: OnOff = "on"
 
     def __post_init__(self) -> None:  # run and serve refuse the same values, real or simulated
-        _check(_settings_checks(self))
+        _check(_limit_checks(self))
 
 
 def _limit_checks(s: SchedulerSettings | SchedulerConfig) -> list[tuple[bool, str]]:
@@ -59,11 +59,8 @@ def _limit_checks(s: SchedulerSettings | SchedulerConfig) -> list[tuple[bool, st
          f"spec_tokens must be in 0..{MAX_SPEC_TOKENS}, got {s.spec_tokens}"),
         (s.spec_policy in SPEC_POLICIES,
          f"spec_policy must be one of {', '.join(SPEC_POLICIES)}, got {s.spec_policy!r}"),
+        (s.prefix_cache in ("on", "off"), "prefix_cache must be on or off"),
     ]
-
-
-def _settings_checks(s: SchedulerSettings) -> list[tuple[bool, str]]:
-    return [*_limit_checks(s), (s.prefix_cache in ("on", "off"), "prefix_cache must be on or off")]
 
 
 def _check(checks: list[tuple[bool, str]]) -> None:
@@ -94,6 +91,7 @@ class SchedulerConfig:
     row_step: int = _DEFAULT.row_step
     spec_tokens: int = _DEFAULT.spec_tokens
     spec_policy: str = _DEFAULT.spec_policy
+    prefix_cache: OnOff = _DEFAULT.prefix_cache
     # Pure-decode steps one plan may cover (1 for real execution; more lets a simulator skip ahead).
     max_lookahead_steps: int = 1
     # What the cache holds by layer kind (sliding windows, fixed states); None: dense, every layer
@@ -101,8 +99,9 @@ class SchedulerConfig:
     cache_layout: CacheLayout | None = None
     # How the decode pool holds full-attention and MLA layers: padded rows, or paged blocks.
     kv_layout: KVLayout = "padded"
-    # Reuse cached prompt blocks (dense layouts only: every layer full attention or MLA).
-    prefix_cache: bool = False
+    # Reuse cached prompt blocks: the session's answer to `prefix_cache` for this model (dense
+    # layouts only: every layer full attention or MLA, at full precision).
+    reuse_prefixes: bool = False
 
     def __post_init__(self) -> None:
         checks = [
@@ -113,8 +112,8 @@ class SchedulerConfig:
              "max_num_batched_tokens must be >= prefill_step_size and >= max_num_seqs"),
             (self.max_lookahead_steps >= 1, "max_lookahead_steps must be >= 1"),
             (self.kv_layout in KV_LAYOUTS, f"kv_layout must be one of {', '.join(KV_LAYOUTS)}"),
-            (not self.prefix_cache or self.layout.is_dense,
-             "prefix_cache needs every layer to be full attention or MLA"),
+            (not self.reuse_prefixes or (self.prefix_cache == "on" and self.layout.is_dense),
+             "reuse_prefixes needs prefix_cache on and every layer full attention or MLA"),
         ]
         if self.cache_layout is not None:
             checks[0] = (self.cache_layout.full_token_bytes == self.kv_bytes_per_token,

@@ -27,7 +27,7 @@ class Scheduler:
         self.config = config
         self.kv = KVManager(
             config.kv_budget_bytes, config.layout, config.row_step, config.max_num_seqs,
-            paged=config.kv_layout == "paged", prefix_cache=config.prefix_cache,
+            paged=config.kv_layout == "paged", prefix_cache=config.reuse_prefixes,
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the newest is preempted first

@@ -98,8 +98,9 @@ def _prefix_cache_alone(p: argparse.ArgumentParser) -> None:
     """`--prefix-cache on|off` sets both runs' cache; alone it compares the cache off and on."""
     action = p._option_string_actions["--prefix-cache"]
     action.nargs, action.const, action.choices = "?", BOTH, [*action.choices, BOTH]
-    action.help = (f"{action.help}; alone (or '{BOTH}'): compare the workload batched (--batch) "
-                   f"with the prefix cache off, then on")
+    what, default = action.help.rsplit(" [default: ", 1)  # the default stays last
+    action.help = (f"{what}; alone (or '{BOTH}'): compare the workload batched (--batch) with "
+                   f"the prefix cache off, then on [default: {default}")
 
 
 def default_workload(name: str = DEFAULT_WORKLOAD) -> WorkloadSpec:

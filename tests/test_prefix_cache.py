@@ -84,7 +84,7 @@ def test_cached_prefixes_give_the_same_tokens(tiny, gap, out, budget_tokens, lay
     if budget_tokens:
         cfg["kv_budget_bytes"] = budget_tokens * kvt
     off, _, _ = _run(model, kvt, specs, **cfg)
-    on, sched, trace = _run(model, kvt, specs, prefix_cache=True, **cfg)
+    on, sched, trace = _run(model, kvt, specs, reuse_prefixes=True, **cfg)
     assert sched.num_hit_tokens >= (288 if budget_tokens else 5 * 288)
     starts = [c.start for p in trace.plans for c in p.prefills if c.start % KV_STEP]
     assert starts and all(s % PAGE_TOKENS == 0 for s in starts)  # suffix-only prefills ran
@@ -106,7 +106,7 @@ def _simulate(shared_blocks: int) -> tuple[Scheduler, dict[int, float]]:
 
     spec = zoo_spec("tiny")
     cost = StepCost(spec, PROFILE, "float32", None)
-    sched = Scheduler(config(kv_bytes_per_token=cost.kv_bytes_per_token, prefix_cache=True))
+    sched = Scheduler(config(kv_bytes_per_token=cost.kv_bytes_per_token, reuse_prefixes=True))
     ex = SimExecutor(cost, max_lookahead_steps=1)
     shared = chain_block_hashes([("system", b) for b in range(shared_blocks)])
     arrivals = [(i, Request(i, 600, SamplingParams(max_tokens=4, ignore_eos=True), 0.0,

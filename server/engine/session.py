@@ -62,7 +62,8 @@ class Session:
             "max_lookahead_steps": self.executor.caps.max_lookahead_steps,
             "cache_layout": self.cache_layout,
             "kv_layout": self.config.kv_layout,
-            "prefix_cache": s.prefix_cache == "on" and self.prefix_cache_supported,
+            "prefix_cache": s.prefix_cache,
+            "reuse_prefixes": s.prefix_cache == "on" and self.prefix_cache_supported,
         }
         values.update(overrides)
         try:

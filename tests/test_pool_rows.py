@@ -4,6 +4,7 @@ simulator's bookkeeping says, and the simulator prices exactly the bytes the arr
 from __future__ import annotations
 
 import random
+import types
 
 import mlx.core as mx
 import pytest
@@ -24,7 +25,7 @@ class BytesCost:
 
     kv_bytes_per_token = KVT
     step_overhead_s = 0.0
-    family = None  # dense: no per-layer-kind pricing
+    layers = types.SimpleNamespace(linear_in_width=True)  # dense: one decode price per width
 
     def copy_s(self, nbytes: float) -> float:
         return float(nbytes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 from batchsim.scheduler.config import SchedulerConfig
@@ -85,3 +86,33 @@ def step_limits(draw, max_seqs: int) -> dict:
         "row_step": draw(st.sampled_from([1, 2, 8])),
         "max_lookahead_steps": draw(st.sampled_from([1, 1, 16])),
     }
+
+
+_MODELS: dict = {}
+
+
+def float32_model(name: str):
+    """(ref, model) of a zoo model in float32, loaded once per test process."""
+    if name not in _MODELS:
+        from batchsim.server.models.loader import load, resolve
+
+        ref = resolve(name, "float32", None)
+        _MODELS[name] = (ref, load(ref)[0])
+    return _MODELS[name]
+
+
+def random_specs(vocab: int, n: int, seed: int, max_prompt: int, max_out: int):
+    """n (arrival step, prompt ids, max tokens) with random prompts, seeded."""
+    rng = random.Random(seed)
+    return [(rng.randint(0, 3), [rng.randrange(vocab) for _ in range(rng.randint(1, max_prompt))],
+             rng.randint(2, max_out)) for _ in range(n)]
+
+
+def cli_exit_code(argv: list[str]) -> int:
+    """`batchsim ARGV` in this process: its exit code (argparse's too)."""
+    from batchsim.scripts.cli import main
+
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse rejected a flag
+        return int(exc.code)

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.drivers import cli_exit_code
+
 RUN_KEYS = {
     "completed", "request_throughput", "output_throughput", "total_token_throughput",
     "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms",
@@ -314,15 +316,6 @@ def test_a_yaml_config_then_flags(tmp_path):
 
 
 # -- bad input: exit 2 with one clear line (argparse's or a ConfigError), never a traceback ------
-def _exit_code(argv: list[str]) -> int:
-    from batchsim.scripts.cli import main
-
-    try:
-        return main(argv)
-    except SystemExit as exc:  # argparse rejected a flag
-        return int(exc.code)
-
-
 @pytest.mark.parametrize("argv, says", [
     (["run", "--input-len", "-5"], "positive 'value', got -5"),  # was clamped to 1
     (["run", "--input-len", "uniform:-3:10"], "1 <= min <= max"),
@@ -337,7 +330,7 @@ def _exit_code(argv: list[str]) -> int:
     (["sweep", "--max-batch", "0"], "--max-batch: expected a positive integer"),  # was exit 0
 ])
 def test_bad_flags_are_one_line_errors(argv, says, capsys, tmp_path):
-    rc = _exit_code([*argv, "--out", str(tmp_path)])
+    rc = cli_exit_code([*argv, "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2 and says in err.strip().splitlines()[-1] and "Traceback" not in err
 
@@ -351,7 +344,7 @@ def test_bad_flags_are_one_line_errors(argv, says, capsys, tmp_path):
 def test_bad_config_files_are_one_line_errors(name, text, says, capsys, tmp_path):
     path = tmp_path / name
     path.mkdir() if text is None else path.write_text(text)
-    rc = _exit_code(["run", str(path), "--executor", "fake", "--out", str(tmp_path)])
+    rc = cli_exit_code(["run", str(path), "--executor", "fake", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
     assert str(path) in err and says in err, err

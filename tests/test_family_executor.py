@@ -23,25 +23,9 @@ from batchsim.workloads.spec import WorkloadSpec
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
 from tests.backend import assert_same_tokens
-from tests.drivers import config, drive
+from tests.drivers import config, drive, float32_model, random_specs
 
 FAMILIES = ["tiny-sliding", "tiny-hybrid", "tiny-mla"]
-_MODELS: dict = {}
-
-
-def _model(name: str):
-    if name not in _MODELS:
-        from batchsim.server.models.loader import load, resolve
-
-        ref = resolve(name, "float32", None)
-        _MODELS[name] = (ref, load(ref)[0])
-    return _MODELS[name]
-
-
-def _specs(vocab: int, n: int, seed: int, max_prompt: int, max_out: int):
-    rng = random.Random(seed)
-    return [(rng.randint(0, 3), [rng.randrange(vocab) for _ in range(rng.randint(1, max_prompt))],
-             rng.randint(2, max_out)) for _ in range(n)]
 
 
 def _run(model, layout, specs, kv_bits=None, run_ahead=True, **cfg):
@@ -89,7 +73,7 @@ CASES = {"tiny-sliding": (5, 300, 30), "tiny-hybrid": (3, 260, 8), "tiny-mla": (
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe", *FAMILIES])
 def test_the_pool_holds_the_layers_the_spec_describes(name, batchsim_home):
     # One description: what the executor reads from the model's caches is the spec's, per layer.
-    ref, model = _model(name)
+    ref, model = float32_model(name)
     ex = MLXExecutor(model)
     assert ex.layers == [lay.attention for lay in ref.spec.arch.layers]
     stores = {"full": "KVStore", "mla": "KVStore", "sliding": "RingStore", "linear": "StateStore"}
@@ -104,10 +88,10 @@ def test_the_pool_holds_the_layers_the_spec_describes(name, batchsim_home):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_batched_equals_single_per_family(name, batchsim_home):
-    ref, model = _model(name)
+    ref, model = float32_model(name)
     layout = ref.spec.cache_layout("float32")
     n, max_prompt, max_out = CASES[name]
-    specs = _specs(ref.spec.vocab_size, n, seed=21, max_prompt=max_prompt, max_out=max_out)
+    specs = random_specs(ref.spec.vocab_size, n, seed=21, max_prompt=max_prompt, max_out=max_out)
     # Chunked prefills (256-token chunks, a 1-token tail possible), joins at different steps.
     batched, trace, _ = _run(model, layout, specs, max_num_seqs=n, prefill_step_size=256,
                              max_num_batched_tokens=300)
@@ -121,7 +105,7 @@ def test_batched_equals_single_per_family(name, batchsim_home):
 def test_sliding_rows_wrap_their_ring(batchsim_home, monkeypatch):
     # Rows run past the 64-token window; a ring that forgot the oldest slot's position would
     # attend to the wrong tokens (negative control: writing at the position, clipped, diverges).
-    ref, model = _model("tiny-sliding")
+    ref, model = float32_model("tiny-sliding")
     layout = ref.spec.cache_layout("float32")
     specs = [(0, list(range(3, 3 + 70 + 7 * i)), 24) for i in range(3)]
     good = _run(model, layout, specs, max_num_seqs=3)[0]
@@ -142,7 +126,7 @@ GROUP_CASES = {"tiny": (4, 300, 12), "tiny-moe": (4, 300, 12), "tiny-sliding": (
 def test_prompts_of_one_length_prefill_together_as_they_do_alone(name, batchsim_home, monkeypatch):
     from batchsim.server.executors import prefill_cache
 
-    ref, model = _model(name)
+    ref, model = float32_model(name)
     layout = ref.spec.cache_layout("float32")
     n, prompt, out = GROUP_CASES[name]
     rng = random.Random(5)
@@ -179,10 +163,10 @@ def test_a_step_masks_only_slots_some_row_has_not_filled():
 @pytest.mark.parametrize("name", ["tiny-sliding", "tiny-hybrid"])
 def test_steps_run_ahead_are_used_or_undone_and_change_no_token(name, batchsim_home, monkeypatch):
     # Prefill-first: a step that only prefills undoes the decode step run ahead of it.
-    ref, model = _model(name)
+    ref, model = float32_model(name)
     layout = ref.spec.cache_layout("float32")
     n, max_out = (5, 20) if name == "tiny-sliding" else (3, 6)
-    specs = _specs(ref.spec.vocab_size, n, seed=8, max_prompt=40, max_out=max_out)
+    specs = random_specs(ref.spec.vocab_size, n, seed=8, max_prompt=40, max_out=max_out)
     cfg = {"max_num_seqs": n, "policy": "prefill-first"}
     ahead = _run(model, layout, specs, **cfg)[0]
     steps = _run.executor.ahead_steps
@@ -198,7 +182,7 @@ def test_steps_run_ahead_are_used_or_undone_and_change_no_token(name, batchsim_h
 @pytest.mark.parametrize("name", ["tiny-sliding", "tiny-hybrid"])
 def test_preempted_requests_recompute_the_same_tokens(name, batchsim_home):
     # A budget of about two rows: rows leave mid-decode and their requests prefill again.
-    ref, model = _model(name)
+    ref, model = float32_model(name)
     layout = ref.spec.cache_layout("float32")
     n, max_out = (4, 24) if name == "tiny-sliding" else (3, 14)
     rng = random.Random(2)  # prompts near 256 tokens: decoding crosses into a second KV step
@@ -246,7 +230,7 @@ def test_quantized_kv_batched_equals_single(bits, tmp_path, quantized_dtype):
     dtype = quantized_dtype  # quantized attention: float16 where MLX's GPU kernels need it
     spec, model = _tiny_llama_64(tmp_path, dtype)
     layout = spec.cache_layout(dtype, bits)
-    specs = _specs(spec.vocab_size, 5, seed=5, max_prompt=280, max_out=20)
+    specs = random_specs(spec.vocab_size, 5, seed=5, max_prompt=280, max_out=20)
     batched, trace, _ = _run(model, layout, specs, kv_bits=bits, max_num_seqs=5,
                              prefill_step_size=256, max_num_batched_tokens=300)
     assert MLXExecutor(model, kv_bits=bits).cache_layout == layout

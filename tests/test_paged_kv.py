@@ -6,7 +6,6 @@ asserts it)."""
 from __future__ import annotations
 
 import itertools
-import random
 
 import mlx.core as mx
 import pytest
@@ -17,24 +16,7 @@ from batchsim.server.executors.block_pool import BlockPool
 from batchsim.server.executors.mlx_executor import MLXExecutor
 from batchsim.server.perf import size_limits
 
-from tests.drivers import config, drive
-
-_MODELS: dict = {}
-
-
-def _model(name: str):
-    if name not in _MODELS:
-        from batchsim.server.models.loader import load, resolve
-
-        ref = resolve(name, "float32", None)
-        _MODELS[name] = (ref, load(ref)[0])
-    return _MODELS[name]
-
-
-def _specs(vocab: int, n: int, seed: int, max_prompt: int, max_out: int):
-    rng = random.Random(seed)
-    return [(rng.randint(0, 3), [rng.randrange(vocab) for _ in range(rng.randint(1, max_prompt))],
-             rng.randint(2, max_out)) for _ in range(n)]
+from tests.drivers import config, drive, float32_model, random_specs
 
 
 def _run(model, layout, specs, kv_layout: str, **cfg):
@@ -55,10 +37,10 @@ CASES = {"tiny": (6, 300, 40), "tiny-moe": (4, 200, 20), "tiny-sliding": (5, 300
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_paged_tokens_equal_padded(name, batchsim_home):
-    ref, model = _model(name)
+    ref, model = float32_model(name)
     layout = ref.spec.cache_layout("float32")
     n, max_prompt, max_out = CASES[name]
-    specs = _specs(ref.spec.vocab_size, n, seed=35, max_prompt=max_prompt, max_out=max_out)
+    specs = random_specs(ref.spec.vocab_size, n, seed=35, max_prompt=max_prompt, max_out=max_out)
     padded, _ = _run(model, layout, specs, "padded")
     paged, trace = _run(model, layout, specs, "paged")
     assert paged == padded
@@ -69,9 +51,9 @@ def test_paged_tokens_equal_padded(name, batchsim_home):
 def test_paged_under_a_tight_budget_preempts_and_matches(batchsim_home):
     # A budget that holds a few rows' blocks: rows join, leave, are preempted; blocks move when
     # the pool shrinks; tokens stay those of the padded layout under the same budget.
-    ref, model = _model("tiny")
+    ref, model = float32_model("tiny")
     layout = ref.spec.cache_layout("float32")
-    specs = _specs(ref.spec.vocab_size, 8, seed=7, max_prompt=40, max_out=200)
+    specs = random_specs(ref.spec.vocab_size, 8, seed=7, max_prompt=40, max_out=200)
     budget = 400 * layout.full_token_bytes
     padded, _ = _run(model, layout, specs, "padded", kv_budget_bytes=budget, max_num_seqs=6)
     paged, trace = _run(model, layout, specs, "paged", kv_budget_bytes=budget, max_num_seqs=6)
@@ -109,7 +91,7 @@ def test_row_blocks_is_the_account():
 def test_size_paged_max_batch_is_what_a_paged_run_holds(batchsim_home):
     # `size`'s paged column, on the budget of exactly five sequences at full context: five run
     # together to the end without a preemption (padded holds two), a sixth forces preemptions.
-    ref, model = _model("tiny")
+    ref, model = float32_model("tiny")
     layout = ref.spec.cache_layout("float32")
     kvt, context = layout.full_token_bytes, 100
     ctx = size_limits.context_fit(str(context), ref.spec.max_context)

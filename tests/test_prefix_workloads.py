@@ -29,6 +29,8 @@ from batchsim.workloads.requests import (
 from batchsim.workloads.spec import TraceSpec, WorkloadSpec, builtin_workload, workload_from_dict
 from batchsim.workloads.traces import read_trace
 
+from tests.drivers import cli_exit_code
+
 VOCAB = 1000
 
 
@@ -123,15 +125,6 @@ def test_run_flags_build_the_sharing_and_the_trace_keeps_it(tmp_path):
     assert sharing_with(None) is None
 
 
-def _exit_code(argv: list[str]) -> int:
-    from batchsim.scripts.cli import main
-
-    try:
-        return main(argv)
-    except SystemExit as exc:  # argparse rejected a flag
-        return int(exc.code)
-
-
 @pytest.mark.parametrize("argv, says", [
     (["run", "--turns", "0"], "--turns: expected a positive integer"),
     (["run", "--shared-prefix-tokens", "-1"], "--shared-prefix-tokens: expected an integer >= 0"),
@@ -143,7 +136,7 @@ def _exit_code(argv: list[str]) -> int:
      "--shared-prefix-tokens 64 must be under --prompt-len 64"),
 ])
 def test_bad_sharing_flags_are_one_line_errors(argv, says, capsys, tmp_path):
-    rc = _exit_code([*argv, "--executor", "fake", "--out", str(tmp_path)])
+    rc = cli_exit_code([*argv, "--executor", "fake", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2 and says in err.strip().splitlines()[-1] and "Traceback" not in err
 

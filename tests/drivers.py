@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 from dataclasses import dataclass, field
 
 from batchsim.scheduler.config import SchedulerConfig
@@ -116,3 +117,26 @@ def cli_exit_code(argv: list[str]) -> int:
         return main(argv)
     except SystemExit as exc:  # argparse rejected a flag
         return int(exc.code)
+
+
+class WatchesServeStderr:
+    """For a test's handle on a `batchsim serve` process (`self.proc`, text pipes): its stderr
+    drained on a thread so the pipe never fills, kept in `stderr`, and the URL it listens on."""
+
+    def watch_stderr(self) -> threading.Thread:
+        from batchsim.scripts.serve_cmd import LISTENING
+
+        self.stderr: list[str] = []
+        self.url = ""
+        self.listening = threading.Event()
+
+        def read() -> None:
+            for line in self.proc.stderr:
+                self.stderr.append(line)
+                if LISTENING in line:
+                    self.url = line.split(LISTENING, 1)[1].strip()
+                    self.listening.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        return reader

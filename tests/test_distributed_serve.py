@@ -10,35 +10,25 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
-from batchsim.scripts.serve_cmd import LISTENING
+
+from tests.drivers import WatchesServeStderr
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ("The quick brown fox", "Once upon a time, in a land")
 START_GUARD_S = 120  # a server that never listens fails the test instead of hanging the suite
 
 
-class Serve:
+class Serve(WatchesServeStderr):
     def __init__(self, *args: str):
         cmd = [sys.executable, "-m", "batchsim.scripts.cli", "serve", "--model", "tiny", "--port",
                "0", "--max-num-seqs", "4", *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-        self.stderr: list[str] = []
-        self.listening = threading.Event()
-        self.url = ""
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:  # keep draining stderr so the pipe never fills
-        for line in self.proc.stderr:
-            self.stderr.append(line)
-            if LISTENING in line:
-                self.url = line.split(LISTENING, 1)[1].strip()
-                self.listening.set()
+        self.watch_stderr()
 
     def wait_listening(self) -> None:
         if not self.listening.wait(START_GUARD_S):

@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 from batchsim.scripts.common import EXIT_INTERRUPTED
-from batchsim.scripts.serve_cmd import LISTENING
+
+from tests.drivers import WatchesServeStderr
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc")
 MARK = "BATCHSIM_TEST_RUN"
@@ -28,7 +29,7 @@ START_GUARD_S = 120  # a run that never starts fails the test instead of hanging
 GONE_S = 10  # after the launcher ended: how long its processes may take to exit
 
 
-class Ranks:
+class Ranks(WatchesServeStderr):
     """`batchsim ARGS --ranks 2` in a session of its own (a group signal reaches only it)."""
 
     def __init__(self, args: list[str], **env: str):
@@ -38,24 +39,13 @@ class Ranks:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      stdin=subprocess.DEVNULL, text=True, env=env,
                                      start_new_session=True)
-        self.stderr: list[str] = []
         self.stdout: list[str] = []
-        self.url = ""
-        self.listening = threading.Event()
         # One reader per pipe (communicate() beside a reader thread would race it for the last
         # lines of stderr).
-        self._readers = [threading.Thread(target=self._read, daemon=True),
+        self._readers = [self.watch_stderr(),
                          threading.Thread(target=lambda: self.stdout.extend(self.proc.stdout),
                                           daemon=True)]
-        for reader in self._readers:
-            reader.start()
-
-    def _read(self) -> None:  # keep draining stderr so the pipe never fills
-        for line in self.proc.stderr:
-            self.stderr.append(line)
-            if LISTENING in line:
-                self.url = line.split(LISTENING, 1)[1].strip()
-                self.listening.set()
+        self._readers[1].start()
 
     def processes(self, rank: int | None = None) -> list[int]:
         """Live processes of this run (launcher, mlx.launch, ranks); a zombie has no environ."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 from batchsim.configs import ConfigError
 from batchsim.scheduler.config import KV_LAYOUTS, SchedulerSettings
@@ -152,6 +153,8 @@ def config_from_args(args: argparse.Namespace, default: RunConfig | None = None)
         "max_concurrency": args.max_concurrency, "input_len": args.input_len,
         "output_len": args.output_len,
         "seed": args.seed, "trace": trace_override(args, cfg),
+        # a replayed trace names the run (records, run directory) unless --workload does
+        "name": Path(args.trace).stem if args.trace and not args.workload else None,
     }
     cfg = sharing_from_args(args, cfg, workload)
     if args.trace and args.num_prompts is None:  # --trace FILE replays all of FILE

@@ -135,6 +135,9 @@ def test_a_trace_replays_whole_unless_num_prompts_says_otherwise():
                .read_text().splitlines() if line.strip())
     whole = config_from_args(parser.parse_args(["run", "--trace", trace])).workload
     assert whole.num_prompts == rows > RunConfig().workload.num_prompts
+    assert whole.name == "mooncake_conversation_slice"  # the run is named by its trace
+    chosen = ["run", "--workload", "chat-sessions", "--trace", trace]
+    assert config_from_args(parser.parse_args(chosen)).workload.name == "chat-sessions"
     part = config_from_args(parser.parse_args(["run", "--trace", trace, "--num-prompts", "7"]))
     assert part.workload.num_prompts == 7
     named = config_from_args(parser.parse_args(["run", "--workload", "azure-conv"]))

@@ -31,9 +31,9 @@ def step_spec_tokens(max_spec_tokens: int, policy: str, num_rows: int, tokens_le
 
 
 def row_spec_tokens(request: Request, k: int) -> int:
-    """Drafts this row may verify at the step's K: none for rows that sample (only the greedy rule
-    is implemented), none past its max_tokens (the sampled token comes after them)."""
-    if k <= 0 or not request.sampling.is_plain_greedy:
+    """Drafts this row may verify at the step's K: none past its max_tokens (the sampled token
+    comes after them)."""
+    if k <= 0:
         return 0
     left = request.sampling.max_tokens - request.num_output_tokens - 1
     return k if left >= k else max(left, 0)

@@ -17,7 +17,7 @@ import mlx.core as mx
 from batchsim.scheduler import prefill_groups
 from batchsim.scheduler.plan import NewRequest, PrefillChunk, StepPlan, StepResult
 from batchsim.scheduler.request import SamplingParams
-from batchsim.server.executors import lookahead, prefill_cache, sampler, speculative
+from batchsim.server.executors import acceptance, lookahead, prefill_cache, sampler, speculative
 from batchsim.server.executors.base import ExecutorCaps
 from batchsim.server.executors.decode_pool import DecodePool
 from batchsim.server.executors.prefix_blocks import PrefixBlocks
@@ -274,28 +274,23 @@ class MLXExecutor:
 
     def _verify(self, plan: StepPlan) -> speculative.Verified:
         """One forward pass over each row's last token and its drafts; rows keep the drafts the
-        greedy rule accepts and the model's token after them (speculative.py)."""
+        acceptance rule keeps and the token after them (acceptance.py)."""
         pool, rows, seqs = self.pool, self.pool.row_ids, self.seqs
         budget = dict(zip(plan.decode_ids, plan.decode_spec_tokens))
-        drafts = [self.drafter.propose(rid, seqs[rid].token_ids, budget.get(rid, 0))
-                  if seqs[rid].sampling.is_plain_greedy else [] for rid in rows]
-        n = 1 + max(map(len, drafts))
+        drafts = [self.drafter.propose(rid, seqs[rid].token_ids, budget.get(rid, 0),
+                                       seqs[rid].sampling) for rid in rows]
+        n = 1 + max(len(d.tokens) for d in drafts)
         if n == 1:
             return speculative.Verified(self._decode(), {}, {})
-        inputs = mx.array([[seqs[rid].token_ids[-1], *d] + [0] * (n - 1 - len(d))
+        inputs = mx.array([[seqs[rid].token_ids[-1], *d.tokens] + [0] * (n - 1 - len(d.tokens))
                            for rid, d in zip(rows, drafts)])
         lengths = list(pool.lengths)
         logits = self.model(inputs, cache=pool.layer_views(n))  # (B, n, V)
-        greedy = mx.argmax(logits, axis=-1).tolist()
-        kept = [speculative.num_accepted(d, g) for d, g in zip(drafts, greedy)]
+        kept, tokens = acceptance.accept(logits, rows, [seqs[rid] for rid in rows], drafts)
         pool.keep(lengths, [a + 1 for a in kept])
-        if all(seqs[rid].sampling.is_plain_greedy for rid in rows):
-            tokens = mx.array([g[a] for g, a in zip(greedy, kept)])
-        else:  # rows that sample have no drafts: their logits at position 0
-            tokens = self._sample(logits[mx.arange(len(rows)), mx.array(kept)], rows)
         return speculative.Verified(
-            tokens, {rid: d[:a] for rid, d, a in zip(rows, drafts, kept)},
-            {rid: len(d) for rid, d in zip(rows, drafts)})
+            tokens, {rid: d.tokens[:a] for rid, d, a in zip(rows, drafts, kept)},
+            {rid: len(d.tokens) for rid, d in zip(rows, drafts)})
 
     def _forward(self, inputs: mx.array, rows: list[int], ahead: int = 0) -> mx.array:
         """One forward pass over the pool's rows; `ahead`: tokens not yet in token_ids (then

@@ -46,11 +46,24 @@ def sample(logits: mx.array, rids: list[int], seqs: list[History], ahead: int = 
     scaled = filter_logits(logits[mx.array(drawn)] / temperatures, drawn_params)
     picks = {}
     for j, i in enumerate(drawn):
-        seed = params[i].seed if params[i].seed is not None else rids[i]
-        key = mx.random.key(seed * 1_000_003 + len(seqs[i].token_ids) + ahead)
+        key = row_key(params[i], rids[i], len(seqs[i].token_ids) + ahead)
         picks[i] = mx.random.categorical(scaled[j : j + 1], key=key)
     return mx.concatenate([picks[i] if i in picks else greedy[i : i + 1]
                            for i in range(len(params))])
+
+
+def row_key(sampling: SamplingParams, rid: int, position: int) -> mx.array:
+    """The key a row draws its token at `position` (its index in prompt + output) with: from the
+    request's seed, else its id, so a seeded request draws the same tokens alone or batched."""
+    seed = sampling.seed if sampling.seed is not None else rid
+    return mx.random.key(seed * 1_000_003 + position)
+
+
+def probabilities(logits: mx.array, params: list[SamplingParams]) -> mx.array:
+    """(n, V) float32 probabilities a row at temperature > 0 draws from: its (adjusted) logits
+    over its temperature, min_p, top_k and top_p applied."""
+    temperatures = mx.array([p.temperature for p in params])[:, None]
+    return mx.softmax(filter_logits(logits.astype(mx.float32) / temperatures, params), axis=-1)
 
 
 def adjust_logits(logits: mx.array, seqs: list[History],

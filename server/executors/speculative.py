@@ -1,9 +1,9 @@
 """Speculative decoding's pieces in the MLX executor: the drafters and the greedy acceptance rule.
 
 A verify step feeds each decoding row its last token and up to k drafted tokens in one forward
-pass (rows with fewer drafts are padded; their extra positions are written and never kept). Row b
-keeps the longest prefix of its drafts equal to the model's argmax, then the model's own token
-after it (the bonus), so greedy output is the tokens plain decoding would produce."""
+pass (rows with fewer drafts are padded; their extra positions are written and never kept). Which
+drafts a row keeps, and its token after them, is acceptance.py's: greedy output is the tokens plain
+decoding would produce, sampled output has the distribution plain sampling has."""
 
 from __future__ import annotations
 
@@ -11,15 +11,27 @@ from typing import NamedTuple, Protocol
 
 import mlx.core as mx
 import numpy as np
+from batchsim.scheduler.request import SamplingParams
 
 # vLLM's prompt_lookup_min / prompt_lookup_max: the n-gram lengths the n-gram drafter matches.
 NGRAM_MIN = 2
 NGRAM_MAX = 5
 
 
+class Draft(NamedTuple):
+    """One row's proposal for a verify step."""
+
+    tokens: list[int]  # up to k drafted tokens
+    # (len(tokens), V) the distributions they were drawn from (q of the rejection rule); None:
+    # chosen outright (n-gram lookup, greedy drafting): q is one-hot at each token.
+    probs: mx.array | None = None
+
+
 class Drafter(Protocol):
-    def propose(self, request_id: int, token_ids: list[int], k: int) -> list[int]:
-        """Up to k tokens to follow `token_ids` (prompt + output so far)."""
+    def propose(self, request_id: int, token_ids: list[int], k: int,
+                sampling: SamplingParams) -> Draft:
+        """Up to k tokens to follow `token_ids` (prompt + output so far), for a row that samples
+        as `sampling` asks."""
         ...
 
     def forget(self, request_id: int) -> None:
@@ -52,8 +64,9 @@ class NgramDrafter:
             raise ValueError(f"n-gram lengths must satisfy 1 <= min <= max, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, request_id: int, token_ids: list[int], k: int) -> list[int]:
-        return ngram_proposal(token_ids, k, self.min_n, self.max_n)
+    def propose(self, request_id: int, token_ids: list[int], k: int,
+                sampling: SamplingParams) -> Draft:
+        return Draft(ngram_proposal(token_ids, k, self.min_n, self.max_n))
 
     def forget(self, request_id: int) -> None:
         pass

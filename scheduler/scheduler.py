@@ -293,6 +293,8 @@ class Scheduler:
                 if accepted is not None and accepted[i]:
                     new = until_stop(r, [*accepted[i], *new])
                     n = len(new)
+            elif accepted is not None:  # simulated drafts: only their count
+                n += len(accepted[i])
             if rid not in prefill_ids:
                 r.num_computed_tokens += n
             out = r.num_output_tokens = r.num_output_tokens + n

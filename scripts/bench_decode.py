@@ -47,7 +47,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    "with 16-64 output tokens, all queued at once, executor vs mlx-lm (joins and "
                    "leaves are where mlx-lm's BatchGenerator copies its whole cache)")
     p.add_argument("--out", default="results", help="directory for bench-decode.jsonl")
-    add_spec_args(p).description = (
+    add_spec_args(p, simulated=False).description = (
         "the executor's --continuous runs only (greedy; these prompts are random tokens, where "
         "n-gram drafts rarely match: `run` with the chat workload measures acceptance)")
 

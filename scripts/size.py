@@ -30,6 +30,7 @@ from batchsim.scripts.common import (
     table,
     timestamp,
 )
+from batchsim.scripts.spec_args import acceptance_of, add_acceptance_args
 from batchsim.server.models.loader import spec_for
 from batchsim.server.models.spec import FLOAT_DTYPES, KV_BITS, QUANT_BITS, ModelSpec, zoo_names
 from batchsim.server.perf import macs
@@ -113,10 +114,8 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spec-tokens", type=bounded(int, 1, MAX_SPEC_TOKENS), default=None,
                    metavar="K", help="K drafted tokens a row verifies per step: rows gain "
                    "decode_tok_s_b1_spec and spec_break_even_batch (the batch from which plain "
-                   "decoding is as fast); needs --acceptance")
-    g.add_argument("--acceptance", type=_fraction, default=None, metavar="A",
-                   help="the chance each draft is accepted (a run's spec_decode_acceptance_rate "
-                   "/ 100); needs --spec-tokens")
+                   "decoding is as fast); needs --acceptance or --acceptance-from")
+    add_acceptance_args(g)
 
 
 def add_engine_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -136,13 +135,16 @@ def run(args: argparse.Namespace) -> dict:
     ctx = context_fit(args.context_dist or str(args.context), spec.max_context,
                       args.fit_quantile, args.seed, shared_prefix_tokens=args.shared_prefix)
     meta = _meta(args, spec, catalog, ctx)
-    if (args.spec_tokens is None) != (args.acceptance is None):
-        raise ConfigError("--spec-tokens and --acceptance go together")
+    acceptance = acceptance_of(args)
+    if (args.spec_tokens is None) != (acceptance is None):
+        raise ConfigError("--spec-tokens and --acceptance (or --acceptance-from) go together")
     s = Settings(args.dtype, args.quantize, args.bandwidth_efficiency, args.compute_efficiency,
                  meta["os_reserve_gb"], args.kv_bits, fit=load_fit(),
                  engine=load_engine(args.engine), spec_tokens=args.spec_tokens or 0,
-                 acceptance=args.acceptance or 0.0)
-    meta.update({"spec_tokens": args.spec_tokens, "acceptance": args.acceptance})
+                 acceptance=acceptance)
+    meta.update({"spec_tokens": args.spec_tokens,
+                 "acceptance": list(acceptance.rates) if acceptance else None,
+                 "acceptance_curve": acceptance.curve if acceptance else None})
     cluster = _cluster(args)
     meta.update(_cluster_meta(cluster))
     rows = [mac_row(spec, m, gb, ctx, s, ws, explain=args.explain, cluster=cluster)

@@ -1,17 +1,27 @@
 """Speculative decoding's flags (run, serve, bench-decode): the drafter, K and how K follows the
-batch. The rules on their combinations live in RunConfig."""
+batch; and the acceptance a simulated run, `size` or `sweep` prices (add_acceptance_args). The
+rules on their combinations live in RunConfig."""
 
 from __future__ import annotations
 
 import argparse
 
+from batchsim.configs import ConfigError
 from batchsim.scheduler.config import SchedulerSettings
 from batchsim.scripts.common import add_field_argument
 from batchsim.server.engine.run_config import RunConfig
+from batchsim.server.perf.spec_acceptance import (
+    CURVES,
+    PUBLISHED,
+    Acceptance,
+    parse_rates,
+    rates_from_run,
+)
 
 
-def add_spec_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    g = p.add_argument_group("speculative decoding (greedy rows; --executor mlx)")
+def add_spec_args(p: argparse.ArgumentParser, simulated: bool = True) -> argparse._ArgumentGroup:
+    g = p.add_argument_group("speculative decoding (greedy rows; --executor mlx, or sim with "
+                             "--acceptance)")
     add_field_argument(g, RunConfig, "spec_method", "ngram: prompt lookup (vLLM's, n-grams of "
                        "2-5 tokens matched in the prompt and output so far); draft: a second "
                        "model sharing the tokenizer (--draft-model)")
@@ -22,12 +32,51 @@ def add_spec_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                        choices=["shrink", "fixed"])
     add_field_argument(g, RunConfig, "draft_model", "the draft model for --spec-method draft: "
                        "zoo name or model directory")
+    if simulated:
+        add_acceptance_args(g, "--executor sim: ")
     return g
+
+
+def add_acceptance_args(g: argparse._ArgumentGroup, where: str = "") -> None:
+    """--acceptance, --acceptance-from, --acceptance-curve (server/perf/spec_acceptance.py)."""
+    sources = "; ".join(f"{name}: {src}" for name, (_, src) in PUBLISHED.items())
+    g.add_argument("--acceptance", default=None, metavar="A[,A2...]",
+                   help=f"{where}per-position acceptance rates of the drafts (a run's "
+                   "spec_decode_per_position_acceptance_rates); one rate A: A, A^2, A^3 ... "
+                   "(each draft accepted with chance A after the ones before it)")
+    g.add_argument("--acceptance-from", default=None, metavar="RUN_DIR",
+                   help=f"{where}the per-position rates a speculative run measured (its "
+                   "summary.json), instead of --acceptance")
+    g.add_argument("--acceptance-curve", choices=CURVES, default=None,
+                   help=f"{where}how acceptance falls with the batch: flat, or a published "
+                   f"curve scaling the accepted drafts ({sources}) [default: flat]")
+
+
+def acceptance_rates(args: argparse.Namespace) -> tuple[float, ...] | None:
+    """The rates --acceptance or --acceptance-from give (None: neither)."""
+    given, run_dir = getattr(args, "acceptance", None), getattr(args, "acceptance_from", None)
+    if given is not None and run_dir is not None:
+        raise ConfigError("--acceptance and --acceptance-from are one input: give one")
+    if run_dir is not None:
+        return rates_from_run(run_dir)
+    return None if given is None else parse_rates(given)
+
+
+def acceptance_of(args: argparse.Namespace) -> Acceptance | None:
+    """The acceptance model of the flags (None: no rates given)."""
+    rates = acceptance_rates(args)
+    if rates is None:
+        if getattr(args, "acceptance_curve", None) is not None:
+            raise ConfigError("--acceptance-curve needs --acceptance or --acceptance-from")
+        return None
+    return Acceptance(rates, args.acceptance_curve or "flat")
 
 
 def spec_overrides(args: argparse.Namespace) -> dict[str, object]:
     """The flags as with_run_overrides keys (None: not given)."""
     return {"spec_method": getattr(args, "spec_method", None),
+            "spec_acceptance": acceptance_rates(args),
+            "spec_acceptance_curve": getattr(args, "acceptance_curve", None),
             "draft_model": getattr(args, "draft_model", None),
             "scheduler.spec_tokens": getattr(args, "spec_tokens", None),
             "scheduler.spec_policy": getattr(args, "spec_policy", None)}

@@ -13,12 +13,17 @@ from batchsim.scripts import size
 from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf import macs, size_limits, spec_price
 from batchsim.server.perf.gpu_fit import load_fit
+from batchsim.server.perf.spec_acceptance import Acceptance
+
+
+def _a(rate: float) -> Acceptance:
+    return Acceptance((rate,))
 
 
 def test_expected_tokens_per_step():
-    assert spec_price.expected_tokens(4, 0.6) == pytest.approx((1 - 0.6**5) / 0.4)
-    assert spec_price.expected_tokens(4, 1.0) == 5
-    assert spec_price.expected_tokens(8, 1e-9) == pytest.approx(1.0)
+    assert _a(0.6).expected_tokens(4) == pytest.approx((1 - 0.6**5) / 0.4)
+    assert _a(1.0).expected_tokens(4) == 5
+    assert _a(1e-9).expected_tokens(8) == pytest.approx(1.0)
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +44,13 @@ def test_verify_step_is_decode_plus_the_prefill_price_of_k_more_tokens_a_row(cos
 
 
 def test_speculation_pays_at_batch_1_and_stops_with_the_batch(cost):
-    assert spec_price.gain(cost, 1, 4, 0.6, 2048) > 1.5  # bandwidth-bound: verify nearly free
-    b = spec_price.break_even_batch(cost, 4, 0.6, 2048, 4096)
+    assert spec_price.gain(cost, 1, 4, _a(0.6), 2048) > 1.5  # bandwidth-bound: verify nearly free
+    b = spec_price.break_even_batch(cost, 4, _a(0.6), 2048, 4096)
     assert b is not None and b > 1
-    assert spec_price.gain(cost, b - 1, 4, 0.6, 2048) > 1 >= spec_price.gain(cost, b, 4, 0.6,
-                                                                             2048)
-    assert spec_price.break_even_batch(cost, 4, 0.0, 2048, 4096) == 1  # drafts all rejected
-    assert spec_price.break_even_batch(cost, 4, 0.6, 2048, b - 1) is None  # pays to max batch
+    assert spec_price.gain(cost, b - 1, 4, _a(0.6), 2048) > 1 >= spec_price.gain(
+        cost, b, 4, _a(0.6), 2048)
+    assert spec_price.break_even_batch(cost, 4, _a(0.0), 2048, 4096) == 1  # drafts all rejected
+    assert spec_price.break_even_batch(cost, 4, _a(0.6), 2048, b - 1) is None  # pays to max batch
 
 
 def _size(tmp_path, *argv: str) -> dict:
@@ -57,7 +62,7 @@ def _size(tmp_path, *argv: str) -> dict:
 def test_size_rows_carry_the_spec_keys(tmp_path):
     summary = _size(tmp_path, "--model", "llama-3.1-8b", "--quantize", "4", "--mac",
                     "M4 Max 40c", "--spec-tokens", "4", "--acceptance", "0.6")
-    assert summary["spec_tokens"] == 4 and summary["acceptance"] == 0.6
+    assert summary["spec_tokens"] == 4 and summary["acceptance"] == [0.6]
     for row in summary["rows"]:
         assert row["decode_tok_s_b1_spec"] > row["decode_tok_s_b1"]
         assert row["spec_break_even_batch"] is None or 1 <= row["spec_break_even_batch"] <= max(
@@ -67,5 +72,5 @@ def test_size_rows_carry_the_spec_keys(tmp_path):
 
 
 def test_size_spec_flags_go_together(tmp_path):
-    with pytest.raises(ConfigError, match="--spec-tokens and --acceptance go together"):
+    with pytest.raises(ConfigError, match="--spec-tokens and --acceptance .* go together"):
         _size(tmp_path, "--model", "llama-3.1-8b", "--spec-tokens", "4")

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from batchsim.configs import ConfigError, from_dict, load_yaml
 from batchsim.scheduler.config import KV_LAYOUTS, KVLayout, SchedulerSettings
 from batchsim.server.models.spec import FLOAT_DTYPES, KV_BITS, QUANT_BITS
+from batchsim.server.perf.spec_acceptance import checked, curve_points
 from batchsim.workloads.spec import (
     WorkloadSpec,
     builtin_workload,
@@ -49,6 +50,10 @@ class RunConfig:
     # Speculative decoding (server/executors/speculative.py); K is scheduler.spec_tokens.
     spec_method: SpecMethod = "none"
     draft_model: str | None = None  # spec_method draft: zoo name or model directory
+    # executor sim: per-position acceptance rates its verify steps draw from, and how they fall
+    # with the batch (server/perf/spec_acceptance.py).
+    spec_acceptance: tuple[float, ...] = ()
+    spec_acceptance_curve: str = "flat"
 
     def __post_init__(self) -> None:
         if self.quantize not in (None, *QUANT_BITS):
@@ -82,6 +87,8 @@ def _check_spec(cfg: RunConfig) -> None:
         raise ConfigError(f"spec_method: {method!r} is not allowed; allowed: "
                           f"{', '.join(SPEC_METHODS)}")
     if method == "none":
+        if cfg.spec_acceptance:
+            raise ConfigError("--acceptance needs --spec-method ngram and --spec-tokens K")
         if k:
             raise ConfigError("--spec-tokens needs --spec-method ngram or draft")
         if cfg.draft_model:
@@ -92,11 +99,29 @@ def _check_spec(cfg: RunConfig) -> None:
     if (method == "draft") != bool(cfg.draft_model):
         raise ConfigError("--spec-method draft needs --draft-model M" if method == "draft"
                           else "--draft-model needs --spec-method draft")
-    if cfg.executor != "mlx":
-        raise ConfigError(f"--spec-method {method} runs on --executor mlx only")
+    _check_spec_executor(cfg)
     if cfg.kv_layout != "padded":
         raise ConfigError(f"--spec-method {method} verifies drafts in the padded KV layout only "
                           "(--kv-layout padded)")
+
+
+def _check_spec_executor(cfg: RunConfig) -> None:
+    """A real run measures acceptance; a simulated one draws it from given rates."""
+    method, given = cfg.spec_method, bool(cfg.spec_acceptance)
+    if cfg.executor == "sim":
+        if method != "ngram":
+            raise ConfigError("--executor sim prices --spec-method ngram only (a draft model's "
+                              "own forward passes are not priced)")
+        if not given:
+            raise ConfigError("--executor sim with --spec-method draws accepted drafts from "
+                              "--acceptance A[,A2...] or --acceptance-from RUN_DIR")
+        checked(cfg.spec_acceptance, "spec_acceptance")
+        curve_points(cfg.spec_acceptance_curve)
+    elif cfg.executor != "mlx":
+        raise ConfigError(f"--spec-method {method} runs on --executor mlx or sim")
+    elif given or cfg.spec_acceptance_curve != "flat":
+        raise ConfigError("--acceptance, --acceptance-from and --acceptance-curve are for "
+                          "--executor sim (a real run measures acceptance)")
 
 
 def load_run_config(path: str | Path) -> RunConfig:

@@ -36,6 +36,15 @@ class ExecutorConfig(Protocol):
     @property
     def draft_model(self) -> str | None: ...  # mlx: the draft model of spec_method draft
 
+    @property
+    def spec_acceptance(self) -> tuple[float, ...]: ...  # sim: per-position acceptance rates
+
+    @property
+    def spec_acceptance_curve(self) -> str: ...  # sim: how acceptance falls with the batch
+
+    @property
+    def workload(self) -> Any: ...  # sim: its seed seeds the accepted-draft draws
+
 
 def build_executor(cfg: ExecutorConfig, ref: ModelRef, model: Any = None) -> Executor:
     """The executor `cfg.executor` names, for the model `ref`; `model`: the loaded mlx-lm
@@ -58,8 +67,19 @@ def build_executor(cfg: ExecutorConfig, ref: ModelRef, model: Any = None) -> Exe
         cost = StepCost(ref.spec, profile, ref.dtype, ref.quantize_bits, kv_bits=cfg.kv_bits,
                         engine=load_engine(cfg.engine))
         return SimExecutor(cost, cache=ref.spec.cache_layout(cost.act_dtype, cfg.kv_bits),
-                           paged=cfg.kv_layout == "paged")
+                           paged=cfg.kv_layout == "paged", spec=_sim_spec(cfg))
     raise ValueError(f"unknown executor {cfg.executor!r} (mlx, sim or fake)")
+
+
+def _sim_spec(cfg: ExecutorConfig):
+    """The simulated executor's SpecDraws (None: no speculation)."""
+    if getattr(cfg, "spec_method", "none") == "none":
+        return None
+    from batchsim.server.executors.sim_spec import SpecDraws
+    from batchsim.server.perf.spec_acceptance import Acceptance
+
+    return SpecDraws(Acceptance(cfg.spec_acceptance, cfg.spec_acceptance_curve),
+                     cfg.workload.seed)
 
 
 def build_mlx_executor(cfg: ExecutorConfig, ref: ModelRef, model: Any) -> MLXExecutor:

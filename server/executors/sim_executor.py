@@ -1,7 +1,9 @@
 """The simulated executor: the real executor's bookkeeping (pool rows, private prefill caches,
 copies) with every piece of compute timed by the device profile instead of run. Nothing sleeps:
 the engine advances a virtual clock by the predicted durations. A pure-decode plan covering many
-steps is timed in one call, stopping at the next arrival."""
+steps is timed in one call, stopping at the next arrival. A step whose rows verify drafts is priced
+as one forward of B rows x (K+1) tokens (spec_price.verify_extra_s), its accepted drafts drawn by
+sim_spec.SpecDraws."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from batchsim.scheduler.plan import StepPlan, StepResult
 from batchsim.scheduler.pool_geometry import PAGE_TOKENS, PoolGeometry
 from batchsim.server.executors.base import ExecutorCaps
 from batchsim.server.executors.pool_rows import NO_MOVES, PoolLayout
+from batchsim.server.executors.sim_spec import SpecDraws
+from batchsim.server.perf.spec_price import verify_extra_s
 from batchsim.server.perf.stepcost import StepCost
 
 PRICES_KEPT = 1 << 18  # remembered prices per kind (a few MB)
@@ -18,7 +22,8 @@ PRICES_KEPT = 1 << 18  # remembered prices per kind (a few MB)
 
 class SimExecutor:
     def __init__(self, cost: StepCost, max_lookahead_steps: int = 1 << 16,
-                 cache: CacheLayout | None = None, paged: bool = False):
+                 cache: CacheLayout | None = None, paged: bool = False,
+                 spec: SpecDraws | None = None):
         self.caps = ExecutorCaps(real_compute=False, virtual_time=True,
                                  max_lookahead_steps=max_lookahead_steps, needs_token_ids=False)
         self.cost = cost
@@ -39,6 +44,8 @@ class SimExecutor:
         # Prices that repeat, remembered (StepCost is a pure function of its arguments):
         self._prefill_s: dict[tuple[int, int, bool, int], float] = {}  # (n, start, sample, rows)
         self._decode_s: dict[tuple[int, int], float] = {}  # (rows, width): per-step models
+        self.spec = spec  # speculative decoding's accepted drafts (None: off)
+        self._verify_s: dict[tuple[int, int, int], float] = {}  # (rows, K, start): K more tokens
 
     def execute(self, plan: StepPlan, max_elapsed_s: float = float("inf")) -> StepResult:
         layout = self.layout
@@ -70,9 +77,27 @@ class SimExecutor:
                         sampling.append(c.request_id)
             sampled = (*sampled, *sampling)
         durations = [t]
+        if plan.decode_spec_tokens:
+            return self._verify(plan, t, sampled)
         if plan.decode_ids:
             self._decode(plan, durations, max_elapsed_s)
         return StepResult(plan.step_index, sampled, None, tuple(durations), self.kv_bytes())
+
+    def _verify(self, plan: StepPlan, t: float, sampled: tuple[int, ...]) -> StepResult:
+        """One verify step: every row's last token and drafts in one forward pass (padded to the
+        largest K, as the MLX executor runs it), accepted drafts drawn."""
+        if self.spec is None:
+            raise ValueError("a plan with drafts, and this simulated executor has no acceptance")
+        rows, start, k = (len(plan.decode_ids), max(plan.decode_positions),
+                          max(plan.decode_spec_tokens))
+        key = (rows, k, start)
+        extra = self._verify_s.get(key)
+        if extra is None:
+            extra = _remember(self._verify_s, key, verify_extra_s(self.cost, rows, k, start))
+        t += self._decode_forward_s(rows, start + 1) + extra
+        accepted, drafted = self.spec.draw(plan.decode_spec_tokens, len(sampled))
+        return StepResult(plan.step_index, sampled, None, (t,), self.kv_bytes(), accepted,
+                          drafted)
 
     def _decode(self, plan: StepPlan, durations: list[float], max_elapsed_s: float) -> None:
         """The plan's decode steps, each reading one more token: the first is added to this step's

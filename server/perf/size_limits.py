@@ -19,6 +19,7 @@ from batchsim.server.perf.cluster import Cluster
 from batchsim.server.perf.engines import DEFAULT_ENGINE, EngineProfile
 from batchsim.server.perf.gpu_fit import GpuFit, mac_profile
 from batchsim.server.perf.profile import DeviceProfile, compute_dtype
+from batchsim.server.perf.spec_acceptance import Acceptance
 from batchsim.server.perf.stepcost import StepCost, StepTime
 from batchsim.workloads.lengths import parse_length
 
@@ -156,7 +157,7 @@ class Settings:
     fit: GpuFit | None = None
     engine: EngineProfile | None = None  # the serving engine (server.perf.engines); None: batchsim
     spec_tokens: int = 0  # speculative decoding: K drafted tokens a row verifies per step (0: off)
-    acceptance: float = 0.0  # the chance each draft is accepted (spec_price.py)
+    acceptance: Acceptance | None = None  # per-position rates and their curve (spec_acceptance)
 
 
 def mac_profile_for(mac: macs.Mac, s: Settings) -> DeviceProfile:
@@ -250,7 +251,7 @@ def _speed(spec: ModelSpec, mac: macs.Mac, s: Settings, cluster: Cluster | None,
     out = {"profile": profile.name, "profile_fitted_on": profile.fitted_on or profile.source,
            "engine": cost.engine.name, "decode_tok_s_b1": tok_s(steps[0], b1),
            "decode_tok_s_max_batch": tok_s(steps[1], b_max), "bound_at_max_batch": bound(steps[1])}
-    if s.spec_tokens:
+    if s.spec_tokens and s.acceptance is not None:
         out.update(_spec_speed(cost, s, b_max, width))
     if explain:  # StepTime's parts in seconds by name, at the max batch and at batch 1 (None: none)
         out["parts"], out["parts_b1"] = (t.as_dict() if t else None for t in reversed(steps))

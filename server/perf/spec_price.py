@@ -3,43 +3,46 @@ plain decode step of B rows (StepCost.step_time: weights, each row's cache read 
 work) plus what K more tokens a row add, the step cost's own prefill price of K+1 tokens after
 the row's cached ones less that of 1 (StepCost.prefill_time over B rows: the GEMM over the extra
 B x K tokens and their attention). At K = 0 it is the decode step. A row emits on average
-E = (1 - a^(K+1)) / (1 - a) tokens per step when each draft is accepted with probability a
-independently of the others (Leviathan et al. 2023). The drafter's own time is not priced (the
-n-gram drafter's is host work, a few microseconds a row)."""
+1 + the sum of its per-position acceptance rates tokens per step (spec_acceptance.py, at the
+step's batch); with one rate a accepted independently per draft, E = (1 - a^(K+1)) / (1 - a)
+(Leviathan et al. 2023). The drafter's own time is not priced (the n-gram drafter's is host work,
+a few microseconds a row). The simulated executor prices its verify steps with verify_extra_s."""
 
 from __future__ import annotations
 
+from batchsim.server.perf.spec_acceptance import Acceptance
 from batchsim.server.perf.stepcost import StepCost
 
 
-def expected_tokens(spec_tokens: int, acceptance: float) -> float:
-    """Tokens a row emits per verify step: accepted drafts and the model's own token."""
-    if acceptance >= 1.0:
-        return spec_tokens + 1.0
-    return (1.0 - acceptance ** (spec_tokens + 1)) / (1.0 - acceptance)
+def verify_extra_s(cost: StepCost, batch: int, spec_tokens: int, width: int) -> float:
+    """What K more tokens a row add to a decode step of `batch` rows after `width` tokens."""
+    if not spec_tokens:
+        return 0.0
+    return (cost.prefill_forward_s(spec_tokens + 1, width, True, batch)
+            - cost.prefill_forward_s(1, width, True, batch))
 
 
 def verify_step(cost: StepCost, batch: int, spec_tokens: int, width: int) -> float:
     """Seconds of B rows x (K+1) tokens in one forward pass, each row after `width` cached
     tokens."""
-    extra = (cost.prefill_time(spec_tokens + 1, width, True, rows=batch).total_s
-             - cost.prefill_time(1, width, True, rows=batch).total_s)
-    return cost.step_time(decode_rows=batch, width=width).total_s + extra
+    return (cost.step_time(decode_rows=batch, width=width).total_s
+            + verify_extra_s(cost, batch, spec_tokens, width))
 
 
-def spec_tok_s(cost: StepCost, batch: int, spec_tokens: int, acceptance: float,
+def spec_tok_s(cost: StepCost, batch: int, spec_tokens: int, acceptance: Acceptance,
                width: int) -> float:
-    return batch * expected_tokens(spec_tokens, acceptance) / verify_step(cost, batch,
-                                                                           spec_tokens, width)
+    return (batch * acceptance.expected_tokens(spec_tokens, batch)
+            / verify_step(cost, batch, spec_tokens, width))
 
 
-def gain(cost: StepCost, batch: int, spec_tokens: int, acceptance: float, width: int) -> float:
+def gain(cost: StepCost, batch: int, spec_tokens: int, acceptance: Acceptance,
+         width: int) -> float:
     """Speculative over plain decode tok/s at this batch."""
     plain = batch / cost.step_time(decode_rows=batch, width=width).total_s
     return spec_tok_s(cost, batch, spec_tokens, acceptance, width) / plain
 
 
-def break_even_batch(cost: StepCost, spec_tokens: int, acceptance: float, width: int,
+def break_even_batch(cost: StepCost, spec_tokens: int, acceptance: Acceptance, width: int,
                      max_batch: int) -> int | None:
     """The smallest batch (<= max_batch) at which speculation no longer beats plain decoding;
     None if it beats it at every batch tried. Tried: powers of two and max_batch, then bisection

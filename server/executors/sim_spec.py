@@ -1,0 +1,44 @@
+"""Speculative decoding in the simulated executor: each decoding row drafts the K its plan allows,
+and how many of them it keeps is drawn from the per-position acceptance rates at the step's batch
+(server/perf/spec_acceptance.py). One uniform draw u per row keeps the drafts whose rate exceeds
+u, so position i is accepted with exactly its rate and only after the ones before it. Draws are
+deterministic per seed. Accepted tokens are placeholders (simulated tokens are not tokens): only
+their count is read."""
+
+from __future__ import annotations
+
+import random
+
+from batchsim.server.perf.spec_acceptance import Acceptance
+
+_KEPT = tuple((0,) * n for n in range(65))  # accepted placeholders by count
+
+
+class SpecDraws:
+    def __init__(self, acceptance: Acceptance, seed: int):
+        self.acceptance = acceptance
+        self._random = random.Random(seed).random
+        self._rates: dict[tuple[int, int], list[float]] = {}  # (K, batch) -> rates
+
+    def draw(self, spec_tokens: tuple[int, ...], num_sampled: int
+             ) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+        """(accepted placeholders, drafted count) per sampled row: the decode rows (their
+        `spec_tokens`), then sampling prefills (none drafted)."""
+        batch = len(spec_tokens)
+        accepted: list[tuple[int, ...]] = []
+        for k in spec_tokens:
+            n = 0
+            if k:
+                rates = self._rates_at(k, batch)
+                u = self._random()
+                while n < k and rates[n] > u:
+                    n += 1
+            accepted.append(_KEPT[n])
+        extra = num_sampled - batch
+        return (*accepted, *((),) * extra), (*spec_tokens, *(0,) * extra)
+
+    def _rates_at(self, k: int, batch: int) -> list[float]:
+        rates = self._rates.get((k, batch))
+        if rates is None:
+            rates = self._rates[k, batch] = self.acceptance.position_rates(k, batch)
+        return rates

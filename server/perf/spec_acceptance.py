@@ -1,0 +1,105 @@
+"""Acceptance of drafted tokens, an input to pricing speculation (size, sweep, simulated runs).
+
+Per-position rates as vLLM reports them: rate i is the share of drafts whose token i was
+accepted (so tokens 0..i were). A single rate A stands for A, A^2, A^3 ... (each draft accepted
+with chance A given the ones before it); a list shorter than K goes on with the ratio of its last
+two rates. Acceptance may fall with the batch: a curve scales every rate by a factor of the batch
+(1 at batch 1), interpolated in log2(batch) between the points a source measured and held past
+them, which scales the accepted drafts per step by the same factor. `flat` (the default) keeps
+them; the named curves are published measurements of (tokens per step - 1) relative to batch 1."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+from typing import NamedTuple
+
+from batchsim.configs import ConfigError
+
+# name -> ((batch, tokens per verify step per stream), ...) as the source measured, and where.
+PUBLISHED: dict[str, tuple[tuple[tuple[int, float], ...], str]] = {
+    "dflash-mlx-vlm": (((1, 4.10), (2, 2.69), (4, 1.78), (8, 1.22)),
+                       "mlx-vlm PR #1029 (Blaizzy/mlx-vlm), Qwen3.5-4B + DFlash, temp 0"),
+    "mtplx": (((1, 3.879), (2, 3.066), (4, 2.926), (8, 2.783), (16, 2.681), (24, 2.709),
+               (32, 2.829)),
+              "MTPLX PR #338 (youssofal/MTPLX), dense batched MTP depth 3, greedy"),
+}
+CURVES: tuple[str, ...] = ("flat", *PUBLISHED)
+
+
+def curve_points(name: str) -> tuple[tuple[int, float], ...]:
+    """(batch, factor on the accepted drafts) of a named curve."""
+    if name == "flat":
+        return ((1, 1.0),)
+    if name not in PUBLISHED:
+        raise ConfigError(f"acceptance curve {name!r} is not known; known: {', '.join(CURVES)}")
+    points = PUBLISHED[name][0]
+    base = points[0][1] - 1.0
+    return tuple((b, (tau - 1.0) / base) for b, tau in points)
+
+
+def batch_factor(points: tuple[tuple[int, float], ...], batch: int) -> float:
+    """The curve's factor at `batch` (linear in log2(batch), held past its ends)."""
+    if batch <= points[0][0]:
+        return points[0][1]
+    for (b0, f0), (b1, f1) in itertools.pairwise(points):
+        if batch <= b1:
+            x = (math.log2(batch) - math.log2(b0)) / (math.log2(b1) - math.log2(b0))
+            return f0 + x * (f1 - f0)
+    return points[-1][1]
+
+
+class Acceptance(NamedTuple):
+    rates: tuple[float, ...]  # per-position acceptance at batch 1, non-increasing, in [0, 1]
+    curve: str = "flat"  # how they fall with the batch (CURVES)
+
+    def position_rates(self, spec_tokens: int, batch: int = 1) -> list[float]:
+        """Rates of positions 0..K-1 at this batch."""
+        rates = list(self.rates[:spec_tokens])
+        last = rates[-1]
+        ratio = last / self.rates[-2] if len(self.rates) > 1 and self.rates[-2] else last
+        while len(rates) < spec_tokens:
+            last *= ratio
+            rates.append(last)
+        f = batch_factor(curve_points(self.curve), batch) if self.curve != "flat" else 1.0
+        return [min(1.0, r * f) for r in rates] if f != 1.0 else rates
+
+    def expected_tokens(self, spec_tokens: int, batch: int = 1) -> float:
+        """Tokens a row emits per verify step: accepted drafts and the model's own token."""
+        return 1.0 + sum(self.position_rates(spec_tokens, batch))
+
+
+def parse_rates(text: str, what: str = "--acceptance") -> tuple[float, ...]:
+    """'0.7' or '0.7,0.5,0.3': per-position rates, checked."""
+    try:
+        rates = tuple(float(x) for x in str(text).split(","))
+    except ValueError:
+        raise ConfigError(f"{what}: {text!r} is not a rate or a comma-separated list of rates "
+                          "in 0..1") from None
+    return checked(rates, what)
+
+
+def checked(rates: tuple[float, ...], what: str) -> tuple[float, ...]:
+    if not rates or not all(0.0 <= r <= 1.0 for r in rates):
+        raise ConfigError(f"{what}: rates must be in 0..1, got {list(rates)}")
+    if any(b > a for a, b in itertools.pairwise(rates)):
+        raise ConfigError(f"{what}: per-position rates cannot rise (a token is accepted only "
+                          f"after the ones before it), got {list(rates)}")
+    return rates
+
+
+def rates_from_run(run_dir: str | Path) -> tuple[float, ...]:
+    """The per-position acceptance rates a speculative run measured (its summary.json)."""
+    path = Path(run_dir) / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--acceptance-from {run_dir}: cannot read {path}: {exc}") from None
+    rates = summary.get("spec_decode_per_position_acceptance_rates") if isinstance(
+        summary, dict) else None
+    if not rates:
+        raise ConfigError(f"--acceptance-from {run_dir}: {path} has no per-position acceptance "
+                          "rates (a run with --spec-method ngram|draft writes them)")
+    return checked(tuple(float(r) for r in rates), f"--acceptance-from {run_dir}")

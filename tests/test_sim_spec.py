@@ -1,0 +1,144 @@
+"""Speculative decoding in the simulated executor and the acceptance it draws from: a verify step
+of B x (K+1) tokens priced by the one step cost, accepted drafts drawn per position (seeded), the
+scheduler's budget as in real runs, acceptance that falls with the batch, and the run flags."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from batchsim.configs import ConfigError
+from batchsim.server.executors.sim_executor import SimExecutor
+from batchsim.server.executors.sim_spec import SpecDraws
+from batchsim.server.models.spec import zoo_spec
+from batchsim.server.perf import macs, spec_price
+from batchsim.server.perf.gpu_fit import load_fit, mac_profile
+from batchsim.server.perf.spec_acceptance import Acceptance, curve_points, parse_rates
+from batchsim.server.perf.stepcost import StepCost
+
+from tests.drivers import cli_exit_code, config, drive, make_request
+
+
+@pytest.fixture(scope="module")
+def cost():
+    mac, _ = macs.load_catalog().variant("M2 Ultra 76c")
+    return StepCost(zoo_spec("llama-3.1-8b"), mac_profile(mac, load_fit(), 4), "float16", 4)
+
+
+def _run(cost, spec_tokens: int, rates: tuple[float, ...], rows: int = 4, out: int = 21,
+         seed: int = 0):
+    from batchsim.scheduler.scheduler import Scheduler
+
+    sched = Scheduler(config(kv_bytes_per_token=cost.kv_bytes_per_token, max_num_seqs=rows,
+                             spec_tokens=spec_tokens, spec_policy="fixed"))
+    spec = SpecDraws(Acceptance(rates), seed) if spec_tokens else None
+    ex = SimExecutor(cost, spec=spec)
+    results = []
+    real_execute = ex.execute
+
+    def execute(plan, max_elapsed_s=float("inf")):
+        results.append((plan, real_execute(plan, max_elapsed_s)))
+        return results[-1][1]
+
+    ex.execute = execute
+    trace = drive(sched, ex, [(0, make_request(i, 64, out)) for i in range(rows)])
+    return trace, results
+
+
+def _verify_steps(results):
+    return [(p, r) for p, r in results if p.decode_spec_tokens]
+
+
+def test_full_acceptance_emits_k_plus_1_tokens_a_step_at_the_verify_price(cost):
+    trace, results = _run(cost, 4, (1.0,), rows=4, out=1 + 4 * 5)  # 4 verify steps of 5 tokens
+    steps = _verify_steps(results)
+    assert len(steps) == 4 and not [p for p, _ in results if p.decode_ids and
+                                    not p.decode_spec_tokens]
+    same_pool = 0
+    for (plan, result), (before, _) in zip(steps, [results[0], *steps]):
+        assert result.accepted_ids == ((0,) * 4,) * 4 and result.num_drafted == (4,) * 4
+        start = max(plan.decode_positions)
+        price = (cost.step_overhead_s + cost.decode_forward_s(4, start + 1)
+                 + spec_price.verify_extra_s(cost, 4, 4, start))
+        if plan.pool == before.pool:  # else the pool's copies are priced too
+            same_pool += 1
+            assert result.elapsed_s == pytest.approx(price)
+    assert same_pool >= 2
+    assert all(r.num_output_tokens == 21 for r in trace.requests.values())
+
+
+def test_no_acceptance_gives_plain_decodes_tokens_at_the_verify_price(cost):
+    _, plain = _run(cost, 0, (), rows=4, out=9)
+    _, spec = _run(cost, 4, (0.0,), rows=4, out=9)
+    plain_steps = sum(r.num_steps for p, r in plain if p.decode_ids)
+    assert sum(r.num_steps for p, r in spec if p.decode_ids) == plain_steps == 8  # a token each
+    verify = _verify_steps(spec)
+    assert len(verify) == 7  # the last token drafts nothing (max_tokens)
+    assert all(not any(r.accepted_ids) for _, r in verify)
+    plain_s = sum(r.elapsed_s for _, r in plain)
+    spec_s = sum(r.elapsed_s for _, r in spec)
+    extra = sum(spec_price.verify_extra_s(cost, 4, max(p.decode_spec_tokens),
+                                          max(p.decode_positions)) for p, _ in verify)
+    assert spec_s == pytest.approx(plain_s + extra)
+
+
+def test_draws_follow_the_per_position_rates_and_the_seed():
+    rates = (0.8, 0.5, 0.2)
+    draws = SpecDraws(Acceptance(rates), seed=3)
+    kept = [len(a) for _ in range(4000) for a in draws.draw((3,), 1)[0]]
+    for i, rate in enumerate(rates):
+        assert sum(n > i for n in kept) / len(kept) == pytest.approx(rate, abs=0.03)
+    again = SpecDraws(Acceptance(rates), seed=3)
+    assert [len(a) for _ in range(4000) for a in again.draw((3,), 1)[0]] == kept
+    accepted, drafted = draws.draw((3, 0), 3)  # a prefill row sampled too: nothing drafted
+    assert drafted == (3, 0, 0) and accepted[1:] == ((), ())
+
+
+def test_rates_extend_past_the_list_and_fall_with_a_curve():
+    assert Acceptance((0.6,)).expected_tokens(4) == pytest.approx((1 - 0.6**5) / 0.4)
+    assert Acceptance((0.8, 0.4)).position_rates(4) == pytest.approx([0.8, 0.4, 0.2, 0.1])
+    dflash = Acceptance((0.9, 0.8), "dflash-mlx-vlm")
+    assert dflash.expected_tokens(2, 1) == pytest.approx(2.7)
+    assert dflash.expected_tokens(2, 8) - 1 == pytest.approx(1.7 * (0.22 / 3.1))
+    assert dflash.expected_tokens(2, 64) == dflash.expected_tokens(2, 8)  # held past its end
+    (b1, f1), *_, (b32, f32) = curve_points("mtplx")
+    assert (b1, f1, b32) == (1, 1.0, 32) and f32 == pytest.approx(1.829 / 2.879)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("0.5,0.7", "cannot rise"), ("1.5", "in 0..1"), ("x", "not a rate")])
+def test_bad_rates_are_one_line_errors(text, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_rates(text)
+
+
+def test_a_simulated_run_speculates_from_a_real_runs_rates(tmp_path, capsys):
+    src = tmp_path / "real"
+    src.mkdir()
+    (src / "summary.json").write_text(json.dumps(
+        {"spec_decode_per_position_acceptance_rates": [0.7, 0.4]}))
+    argv = ["run", "--executor", "sim", "--model", "llama-3.1-8b", "--device-profile",
+            "M2 Ultra", "--num-prompts", "4", "--request-rate", "inf", "--input-len", "64",
+            "--output-len", "33", "--out", str(tmp_path / "runs"), "--no-progress",
+            "--no-timeline", "--spec-method", "ngram", "--spec-tokens", "2",
+            "--acceptance-from", str(src)]
+    assert cli_exit_code(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["spec_decode_num_drafts"] > 0
+    assert summary["spec_decode_per_position_acceptance_rates"][0] == pytest.approx(0.7, abs=0.2)
+    assert summary["completed"] == 4 and summary["kv_account_mismatches"] == 0
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--spec-method", "ngram", "--spec-tokens", "2"], "--acceptance A"),
+    (["--spec-method", "ngram", "--spec-tokens", "2", "--acceptance", "0.5",
+      "--acceptance-from", "x"], "give one"),
+    (["--spec-method", "ngram", "--spec-tokens", "2", "--acceptance-from", "/nonexistent"],
+     "cannot read"),
+    (["--acceptance", "0.5"], "needs --spec-method")])
+def test_bad_simulated_spec_flags_are_one_line_errors(tmp_path, capsys, extra, message):
+    argv = ["run", "--executor", "sim", "--model", "llama-3.1-8b", "--num-prompts", "1",
+            "--out", str(tmp_path), "--no-progress", *extra]
+    assert cli_exit_code(argv) != 0
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -48,8 +48,8 @@ def add_acceptance_args(g: argparse._ArgumentGroup, where: str = "") -> None:
                    help=f"{where}the per-position rates a speculative run measured (its "
                    "summary.json), instead of --acceptance")
     g.add_argument("--acceptance-curve", choices=CURVES, default=None,
-                   help=f"{where}how acceptance falls with the batch: flat, or a published "
-                   f"curve scaling the accepted drafts ({sources}) [default: flat]")
+                   help=f"{where}how acceptance falls with the batch: flat (the default), or a "
+                   f"published curve scaling the accepted drafts ({sources})")
 
 
 def acceptance_rates(args: argparse.Namespace) -> tuple[float, ...] | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from batchsim.scheduler.advance import advance_decoded
 from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.kv_manager import KVAccountError, KVManager
 from batchsim.scheduler.plan import NewRequest, StepPlan, StepResult
@@ -40,6 +41,9 @@ class Scheduler:
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
         self._pending_free: list[int] = []
+        # The last plan and its decode rows' requests (update_from_output's simulated fast path).
+        self._planned: StepPlan | None = None
+        self._planned_rows: list[Request] = []
 
     # -- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> bool:
@@ -216,7 +220,8 @@ class Scheduler:
         prefills = budget.prefills
         spec = budget.spec_k and tuple([row_spec_tokens(r, budget.spec_k) for r in decodes])
         pure_decode = not (prefills or new_requests or spec)
-        return StepPlan(  # positional: this runs every step
+        self._planned_rows = decodes
+        self._planned = plan = StepPlan(  # positional: this runs every step
             self.num_steps,
             tuple(sorted(free_ids)) if free_ids else (),
             tuple(new_requests),
@@ -229,6 +234,7 @@ class Scheduler:
             spec if spec and any(spec) else (),
             cache_ops,
         )
+        return plan
 
     def _preempt_newest(self, budget: StepBudget, free_ids: list[int]) -> None:
         victim = self.running[-1]
@@ -282,7 +288,15 @@ class Scheduler:
         step = self.num_steps
         end = step + k
         token_ids, accepted = result.token_ids, result.accepted_ids
-        for i, rid in enumerate(result.sampled_ids):  # every decode row and sampling prefill
+        sampled, first = result.sampled_ids, 0
+        rows = self._simulated_rows(plan, result)
+        if rows:  # simulated decode rows: counters only (advance.py)
+            for r in advance_decoded(rows, step, k):
+                self._finish(r, "length")
+                finished.append(r)
+            first = len(rows)
+            sampled = sampled[first:]
+        for i, rid in enumerate(sampled, first):  # every decode row and sampling prefill
             r = requests.get(rid)
             if r is None or r.status is not running:
                 continue
@@ -317,6 +331,17 @@ class Scheduler:
                 finished.append(r)
         self.num_steps += k
         return finished
+
+    def _simulated_rows(self, plan: StepPlan, result: StepResult) -> list[Request] | None:
+        """The plan's decode rows, when its result has no token ids (simulated) and sampled them
+        first as planned; None: the general path."""
+        if (plan is not self._planned or result.token_ids is not None
+                or result.accepted_ids is not None):
+            return None
+        ids, sampled = plan.decode_ids, result.sampled_ids
+        if sampled is not ids and sampled[:len(ids)] != ids:
+            return None
+        return self._planned_rows
 
     @staticmethod
     def _stop_reason(r: Request, new_tokens: list[int]) -> str | None:

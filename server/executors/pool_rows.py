@@ -56,8 +56,10 @@ class PoolLayout:
         self.in_pool -= leaving
         rows = self.row_ids
         keep = len(rows) - len(leaving)
-        holes = [i for i in range(keep) if rows[i] in leaving]
-        movers = [i for i in range(keep, len(rows)) if rows[i] not in leaving]
+        # The leaving rows, found by index (a few among many): holes below keep, gaps above it.
+        at = sorted(map(rows.index, leaving))
+        holes = [i for i in at if i < keep]
+        movers = [i for i in range(keep, len(rows)) if i not in at]
         for h, m in zip(holes, movers):
             rows[h] = rows[m]
         del rows[keep:]

@@ -68,11 +68,10 @@ class CacheLayout:
 
     def pool_bytes(self, pool: PoolGeometry) -> int:
         rows, capacity, blocks = pool
-        if not rows:
-            return 0
         if blocks is None:
-            return rows * self.seq_bytes(capacity)
-        return rows * self.per_row.seq_bytes(capacity) + blocks * self.block_bytes
+            return rows * self.seq_bytes(capacity) if rows else 0
+        # paged: blocks may outlive the rows (the prefix cache's)
+        return (rows * self.per_row.seq_bytes(capacity) if rows else 0) + blocks * self.block_bytes
 
     @property
     def block_bytes(self) -> int:

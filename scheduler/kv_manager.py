@@ -1,7 +1,9 @@
 """The scheduler's account of KV memory, mirroring what the executor allocates: one pool for
 decoding requests (padded rows, or paged: full-attention and MLA layers in PAGE_TOKENS-token blocks,
 a row holding row_blocks(tokens) of them), a private cache per prefilling request, priced by the
-model's CacheLayout, and the prefix cache's blocks (evicted when a plan needs their bytes).
+model's CacheLayout, and the prefix cache's blocks (evicted when a plan needs their bytes). Paged,
+cached blocks are pool blocks shared by reference: a row's own blocks are row_blocks(tokens) less
+the cached ones it references (own_blocks), and each cached block is counted once.
 Allocator verbs in the nano-vllm style: `can_*` asks, `commit` applies a plan, `release` frees."""
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from batchsim.scheduler.pool_geometry import (
     next_paged_geometry,
     row_blocks,
 )
-from batchsim.scheduler.prefix_cache import PrefixCache
+from batchsim.scheduler.prefix_cache import PrefixCache, prompt_block_hashes
+from batchsim.scheduler.request import Request
 
 
 class KVAccountError(AssertionError):
@@ -34,8 +37,10 @@ class KVManager:
         self.pool = EMPTY_PAGED_POOL if paged else EMPTY_POOL
         self.pool_members: set[int] = set()
         self.private: dict[int, PrivateCache] = {}  # request id -> its private prefill cache
-        # Cached prompt blocks; None: prefix caching off.
-        self.prefix = PrefixCache(PAGE_TOKENS * cache.full_token_bytes) if prefix_cache else None
+        # Cached prompt blocks (paged: in the pool, shared by reference); None: caching off.
+        self.prefix = (PrefixCache(PAGE_TOKENS * cache.full_token_bytes, shared=paged)
+                       if prefix_cache else None)
+        self.shared = self.prefix if paged and prefix_cache else None
 
     @property
     def pool_bytes(self) -> int:
@@ -48,7 +53,9 @@ class KVManager:
     @property
     def kv_bytes(self) -> int:
         held = self.pool_bytes + self.private_bytes
-        return held + self.prefix.nbytes if self.prefix is not None else held
+        if self.prefix is not None and self.shared is None:
+            return held + self.prefix.nbytes  # padded: copies beside the pool
+        return held
 
     def holds(self, request_id: int) -> bool:
         return request_id in self.pool_members or request_id in self.private
@@ -58,6 +65,42 @@ class KVManager:
         next plan decides it."""
         self.pool_members.discard(request_id)
         self.private.pop(request_id, None)
+        if self.shared is not None:
+            self.shared.release(request_id)  # its references only: cached blocks stay
+
+    # -- paged blocks shared with the prefix cache ------------------------------------------------
+    def own_blocks(self, request_id: int, tokens: int) -> int:
+        """Blocks a pool row of `tokens` holds that are not cached blocks it references."""
+        n = row_blocks(tokens)
+        return n - self.shared.num_held(request_id) if self.shared is not None else n
+
+    def held_cache_blocks(self) -> int:
+        """Cached blocks something references (never evicted): pool blocks beside the rows' own."""
+        return len(self.shared.refs) if self.shared is not None else 0
+
+    def blocks_after(self, rows: list[Request], tokens_ahead: int = 1) -> int:
+        """Pool blocks once `rows` hold tokens_ahead more tokens each, the cache's referenced
+        blocks included."""
+        return sum([self.own_blocks(r.request_id, r.num_tokens + tokens_ahead) for r in rows]) + (
+            self.held_cache_blocks())
+
+    def blocks_beside(self, rows: list[Request]) -> int:
+        """Pool blocks beyond the row_blocks of these rows (all the pool's rows): cached blocks
+        none of them references."""
+        if self.shared is None:
+            return 0
+        return len(self.shared.blocks) - sum([self.shared.num_held(r.request_id) for r in rows])
+
+    def admit_blocks(self, r: Request) -> int:
+        """Blocks a waiting request adds to blocks_after once it decodes: its own, and the cached
+        blocks of its hit that nothing references yet."""
+        n = row_blocks(r.num_tokens + 1)
+        if self.shared is None:
+            return n
+        hashes = prompt_block_hashes(r)
+        hit = self.shared.match(hashes, r.num_tokens)
+        refs = self.shared.refs
+        return n - hit + sum([h not in refs for h in hashes[:hit]])
 
     def geometry_for(self, num_rows: int, max_len: int, max_bytes: int,
                      need_blocks: int = 0) -> PoolGeometry | None:
@@ -88,7 +131,7 @@ class KVManager:
         self.pool = pool
         self.pool_members = pool_members
         self.private = private
-        if self.prefix is not None and self.prefix.blocks:
+        if self.shared is None and self.prefix is not None and self.prefix.blocks:
             self.prefix.fit(self.budget_bytes - self.pool_bytes - self.private_bytes)
         held = self.kv_bytes
         if held > self.budget_bytes:
@@ -120,7 +163,19 @@ class KVManager:
                 raise KVAccountError(f"request {rid} has {tokens} computed tokens but no KV")
 
     def _check_blocks(self, computed_tokens: dict[int, int], releasing: set[int]) -> None:
-        held = sum(row_blocks(computed_tokens[rid]) for rid in self.pool_members - releasing)
+        members = self.pool_members - releasing
+        held = sum(self.own_blocks(rid, computed_tokens[rid]) for rid in members)
+        if self.shared is not None:
+            held += len(self.shared.blocks)
+            refs: dict[int, int] = {}
+            for rid, hashes in self.shared.held.items():
+                if rid not in computed_tokens and rid not in releasing:
+                    raise KVAccountError(f"request {rid} holds cached blocks but is not running")
+                for h in hashes:
+                    refs[h] = refs.get(h, 0) + 1
+            if any(h not in self.shared.blocks for h in refs) or any(
+                    self.shared.refs.get(h, 0) < n for h, n in refs.items()):
+                raise KVAccountError("a request holds a cached block the cache does not count")
         if held > (self.pool.blocks or 0):
             raise KVAccountError(f"pool rows hold {held} blocks > the pool's {self.pool.blocks}")
 

@@ -139,8 +139,9 @@ def next_paged_geometry(
 ) -> PoolGeometry | None:
     """next_geometry for the paged layout: the rows (sliding rings, linear states) as there, and
     a block pool holding `need_blocks` plus block_slack, grown or shrunk (at twice the slack
-    idle) only then. When that does not fit `max_bytes`, exactly `need_blocks`; None: no fit."""
-    if num_seqs == 0:
+    idle) only then. When that does not fit `max_bytes`, exactly `need_blocks`; None: no fit.
+    Blocks without rows are the prefix cache's."""
+    if num_seqs == 0 and not need_blocks:
         return EMPTY_PAGED_POOL if max_bytes >= 0 else None
     blocks = current.blocks or 0
     slack = block_slack(need_blocks)

@@ -51,20 +51,35 @@ def prompt_block_hashes(request: Request) -> tuple[int, ...]:
 
 
 class PrefixCache:
-    """Cached blocks by chained hash, in least-recently-used order, each of `block_bytes`; those
-    pinned by a request admitted this step are never evicted in it."""
+    """Cached blocks by chained hash, in least-recently-used order, each of `block_bytes`. A block
+    referenced (pinned by a request admitted this step, or, `shared`, held by a request until it
+    is released) is never evicted.
 
-    def __init__(self, block_bytes: int):
+    `shared` (the paged layout): cached blocks live in the decode pool's blocks. A request holds
+    its hits from admission, and at its join the pool adopts its row's full prompt blocks that
+    are not cached yet (no copy); rows reference cached blocks instead of copying them, so a block
+    is counted once however many rows share it. The padded layout copies: blocks are stored out of
+    prefill caches and copied into a hit's prefill cache."""
+
+    def __init__(self, block_bytes: int, shared: bool = False):
         self.block_bytes = block_bytes
+        self.shared = shared
         self.blocks: OrderedDict[int, None] = OrderedDict()  # oldest use first
-        self.refs: dict[int, int] = {}  # pinned blocks -> requests reusing them this step
+        self.refs: dict[int, int] = {}  # referenced blocks -> pins this step and holders
+        self.held: dict[int, tuple[int, ...]] = {}  # shared: request id -> blocks it references
         self.peak_bytes = 0
+        self._pins: list[int] = []  # this step's pins, dropped by take_ops
         self._evicted: list[int] = []
         self._stored: list[tuple[int, int, int]] = []
 
     @property
     def nbytes(self) -> int:
         return len(self.blocks) * self.block_bytes
+
+    @property
+    def num_unreferenced(self) -> int:
+        """Cached blocks nobody references: evictable."""
+        return len(self.blocks) - len(self.refs)
 
     @property
     def pending(self) -> bool:
@@ -81,36 +96,77 @@ class PrefixCache:
             n += 1
         return n
 
-    def pin(self, hashes: tuple[int, ...]) -> int:
-        """A request reuses these blocks this step; returns the bytes newly pinned."""
+    def pin(self, hashes: tuple[int, ...], holder: int | None = None) -> int:
+        """Reference these cached blocks: for this step, or (`holder`: a request id) until
+        release(holder). Returns how many were unreferenced."""
+        new = self._ref(hashes)
+        if holder is None:
+            self._pins.extend(hashes)
+        else:
+            self.held[holder] = self.held.get(holder, ()) + hashes
+        return new
+
+    def _ref(self, hashes: Iterable[int]) -> int:
         new = 0
+        refs = self.refs
         for h in hashes:
             self.blocks.move_to_end(h)
-            refs = self.refs.get(h, 0)
-            new += refs == 0
-            self.refs[h] = refs + 1
-        return new * self.block_bytes
+            n = refs.get(h, 0)
+            new += n == 0
+            refs[h] = n + 1
+        return new
 
-    def unpin(self, hashes: tuple[int, ...]) -> None:
+    def unpin_step(self, hashes: tuple[int, ...]) -> None:
+        """Undo the last pin(hashes) for this step."""
+        self.unpin(hashes)
+        del self._pins[len(self._pins) - len(hashes):]
+
+    def unpin(self, hashes: Iterable[int]) -> None:
         for h in hashes:
             refs = self.refs.pop(h) - 1
             if refs:
                 self.refs[h] = refs
 
-    def fit(self, room_bytes: int) -> bool:
-        """Evict unpinned blocks, least recently used first, until they hold <= room_bytes;
-        False: the pinned ones alone hold more."""
-        excess = -(-(self.nbytes - room_bytes) // self.block_bytes)
-        if excess > 0:
+    def release(self, holder: int) -> None:
+        """A request's KV is freed: it references no block any more."""
+        held = self.held.pop(holder, None)
+        if held:
+            self.unpin(held)
+
+    def num_held(self, holder: int) -> int:
+        return len(self.held.get(holder, ()))
+
+    def adopt(self, request_id: int, hashes: tuple[int, ...]) -> None:
+        """Shared: a request joins the pool; its row's full prompt blocks (`hashes`) after those it
+        holds become cached blocks it holds, unless a block of that hash is cached already (then
+        its row keeps its own)."""
+        blocks, new = self.blocks, []
+        for i in range(self.num_held(request_id), len(hashes)):
+            h = hashes[i]
+            if h not in blocks:
+                blocks[h] = None
+                self._stored.append((request_id, i, h))
+                new.append(h)
+        if new:
+            self.pin(tuple(new), request_id)
+
+    def evict(self, num_blocks: int) -> None:
+        """Evict up to `num_blocks` unreferenced blocks, least recently used first."""
+        if num_blocks > 0:
             blocks, refs = self.blocks, self.refs
-            for h in list(itertools.islice((h for h in blocks if h not in refs), excess)):
+            for h in list(itertools.islice((h for h in blocks if h not in refs), num_blocks)):
                 del blocks[h]
                 self._evicted.append(h)
+
+    def fit(self, room_bytes: int) -> bool:
+        """Evict unreferenced blocks, least recently used first, until they hold <= room_bytes;
+        False: the referenced ones alone hold more."""
+        self.evict(-(-(self.nbytes - room_bytes) // self.block_bytes))
         return self.nbytes <= room_bytes
 
     def store(self, request_id: int, first: int, hashes: tuple[int, ...], room_bytes: int) -> None:
         """Keep blocks first.. of a request's prompt (`hashes`) that are not cached, evicting older
-        unpinned ones while they fit `room_bytes`; a block that does not fit ends the run."""
+        unreferenced ones while they fit `room_bytes`; a block that does not fit ends the run."""
         blocks = self.blocks
         for i in range(first, len(hashes)):
             h = hashes[i]
@@ -124,7 +180,10 @@ class PrefixCache:
 
     def store_chunks(self, chunks: list[PrefillChunk], requests: dict[int, Request],
                      room_bytes: int) -> None:
-        """Keep the prompt blocks these prefill chunks complete, in `room_bytes`."""
+        """Keep the prompt blocks these prefill chunks complete, in `room_bytes` (copied: not
+        shared, where blocks are adopted at join instead)."""
+        if self.shared:
+            return
         for c in chunks:
             hashes = requests[c.request_id].block_hashes
             end = (c.start + c.num_tokens) // PAGE_TOKENS
@@ -133,7 +192,9 @@ class PrefixCache:
 
     def take_ops(self) -> CacheOps | None:
         """This step's evictions and stores (None: neither); pins end with the step."""
-        self.refs.clear()
+        if self._pins:
+            self.unpin(self._pins)
+            self._pins = []
         self.peak_bytes = max(self.peak_bytes, self.nbytes)
         if not self.pending:
             return None
@@ -145,4 +206,5 @@ class PrefixCache:
         """The executor dropped every block (after a failed step)."""
         self.blocks.clear()
         self.refs.clear()
-        self._evicted, self._stored = [], []
+        self.held.clear()
+        self._pins, self._evicted, self._stored = [], [], []

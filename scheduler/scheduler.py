@@ -174,11 +174,11 @@ class Scheduler:
         new_requests: list[NewRequest] = []
         rows_later = len(running)  # rows and longest row once everyone running decodes
         len_later = longest + 1 if running else 0
-        blocks_later = sum([row_blocks(r.num_tokens + 1) for r in running]) if kv.paged else 0
+        blocks_later = kv.blocks_after(running) if kv.paged else 0
         while waiting and len(running) < cfg.max_num_seqs and budget.tokens_left > 0:
             r = waiting[0]
             n_later = max(len_later, r.num_tokens + 1)
-            blocks = blocks_later + row_blocks(r.num_tokens + 1) if kv.paged else 0
+            blocks = blocks_later + kv.admit_blocks(r) if kv.paged else 0
             if kv.geometry_for(rows_later + 1, n_later, cfg.kv_budget_bytes, blocks) is None:
                 break
             if r.num_tokens == 1:  # a one-token prompt is decode-ready: it joins the pool
@@ -250,7 +250,7 @@ class Scheduler:
             return 1
         steps = min(limit, geom.capacity_tokens - width + 1)
         if geom.blocks is not None:
-            steps = min(steps, _paged_steps(decodes, geom.blocks))
+            steps = min(steps, _paged_steps(decodes, geom.blocks - self.kv.blocks_beside(decodes)))
         for r in decodes:  # a plain loop: comprehensions cost a frame each in Python 3.11
             sampling = r.sampling
             if r.prompt_token_ids is not None and (not sampling.ignore_eos

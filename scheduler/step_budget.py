@@ -72,10 +72,14 @@ class StepBudget:
         return self.kv.geometry_for(len(self.pool), width, room, self.blocks)
 
     def _blocks(self) -> int:
-        if not self.kv.paged:
+        kv = self.kv
+        if not kv.paged:
             return 0
         step = self.decode_step
-        return sum([row_blocks(r.num_computed_tokens + step) for r in self.pool])
+        if kv.shared is None:
+            return sum([row_blocks(r.num_computed_tokens + step) for r in self.pool])
+        return sum([kv.own_blocks(r.request_id, r.num_computed_tokens + step)
+                    for r in self.pool]) + kv.held_cache_blocks()
 
     def fit_pool(self) -> bool:
         """Place the pool's rows (False: they do not fit); decode rows take one token each, and
@@ -115,20 +119,42 @@ class StepBudget:
 
     def first_chunk(self, r: Request) -> int:
         """The first chunk of a request being admitted, after the longest cached prefix of whole
-        blocks (pinned for this step); 0: it does not fit."""
+        blocks (pinned for this step), or from its start when the hit and its prefill cache's copy
+        of it do not fit together; 0: it does not fit."""
         prefix = self.kv.prefix
         hashes = prompt_block_hashes(r) if prefix is not None else ()
         if not hashes:
             return self.chunk(r, r.num_tokens)
         reused = hashes[:prefix.match(hashes, r.num_tokens)]
-        pinned = prefix.pin(reused)
+        if prefix.shared:
+            return self._first_shared_chunk(r, reused)
+        pinned = prefix.pin(reused) * prefix.block_bytes
         self.budget_bytes -= pinned
         r.num_computed_tokens = len(reused) * PAGE_TOKENS
         n = self.chunk(r, r.num_tokens - r.num_computed_tokens)
-        if n == 0:
-            prefix.unpin(reused)
+        if n == 0 and reused:
+            prefix.unpin_step(reused)
             self.budget_bytes += pinned
             r.num_computed_tokens = 0
+            n = self.chunk(r, r.num_tokens)
+        return n
+
+    def _first_shared_chunk(self, r: Request, reused: tuple[int, ...]) -> int:
+        """first_chunk in the paged layout: the request holds its hit (pool blocks) until it is
+        released, so the blocks nothing referenced join the pool's need."""
+        prefix, geom = self.kv.shared, self.geom
+        new = prefix.pin(reused, r.request_id)
+        self.blocks += new
+        r.num_computed_tokens = len(reused) * PAGE_TOKENS
+        if new:
+            self.geom = self.geometry()
+        n = self.chunk(r, r.num_tokens - r.num_computed_tokens) if self.geom is not None else 0
+        if n == 0 and reused:
+            prefix.release(r.request_id)
+            self.blocks -= new
+            self.geom = geom
+            r.num_computed_tokens = 0
+            n = self.chunk(r, r.num_tokens)
         return n
 
     def fit(self, request: Request, n: int) -> int:
@@ -180,4 +206,28 @@ class StepBudget:
 
     def commit(self) -> int:
         """Hand this step's KV to the manager; returns the bytes it holds."""
+        if self.kv.shared is not None:
+            self._fit_shared_cache()
         return self.kv.commit(self.geom, self.in_pool, self.private)
+
+    def _fit_shared_cache(self) -> None:
+        """Paged: rows joining this step give the cache their full prompt blocks (no copy, the
+        same blocks), and the pool holds the cache's unreferenced blocks beside what it needs,
+        evicting the least recently used of those that do not fit."""
+        kv, prefix = self.kv, self.kv.shared
+        for r in self.pool:
+            if r.request_id not in kv.pool_members and r.block_hashes:
+                prefix.adopt(r.request_id, r.block_hashes)
+        free = prefix.num_unreferenced
+        if not free:
+            return
+        need = self.blocks
+        self.blocks = need + free
+        geom = self.geometry()
+        if geom is None:  # keep what fits at this step's rows and capacity
+            room = self.budget_bytes - self.private_bytes() - self.cache.pool_bytes(self.geom)
+            prefix.evict(need + free - (self.geom.blocks + room // prefix.block_bytes))
+            self.blocks = need + prefix.num_unreferenced
+            geom = self.geometry()
+        self.blocks = need
+        self.geom = geom

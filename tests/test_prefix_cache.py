@@ -73,7 +73,8 @@ def _run(model, kvt: int, specs, **cfg):
 
 
 @pytest.mark.parametrize(("gap", "out", "budget_tokens", "layout"), [
-    (3, 12, None, "padded"), (4, 220, 6 * KV_STEP, "padded"), (3, 12, None, "paged")])
+    (3, 12, None, "padded"), (4, 220, 6 * KV_STEP, "padded"), (3, 12, None, "paged"),
+    (4, 220, 4 * KV_STEP, "paged")])
 def test_cached_prefixes_give_the_same_tokens(tiny, gap, out, budget_tokens, layout):
     """Later requests prefill only their suffix, and sample what they would without the cache;
     with a tight budget, under preemption and eviction too."""

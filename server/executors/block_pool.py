@@ -1,6 +1,7 @@
 """The paged decode pool's blocks as plain bookkeeping (no mlx): which of `num_blocks` blocks are
-free, how many rows reference each (a block may be shared, as a cached prefix would be: incref /
-decref), and each row's block table. The arrays themselves live in kv_store.PagedKVStore."""
+free, how many references each has (rows' tables and the prefix cache: a cached block shared by
+rows is one block), each row's block table, and the prefix cache's block per hash. The arrays
+themselves live in paged_store.PagedKVStore."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ class BlockPool:
         self.refcount: list[int] = []  # per block; 0: free
         self._free: list[int] = []  # free block ids, the lowest last (popped first)
         self.tables: list[list[int]] = []  # per pool row, its blocks in token order
+        self.cached: dict[int, int] = {}  # prefix-cache block hash -> block (one reference)
 
     @property
     def num_blocks(self) -> int:
@@ -58,6 +60,7 @@ class BlockPool:
         where = dict(zip(used_above, dst))
         if where:
             self.tables = [[where.get(b, b) for b in t] for t in self.tables]
+            self.cached = {h: where.get(b, b) for h, b in self.cached.items()}
         refs = self.refcount[:num_blocks] + [0] * max(0, num_blocks - old)
         for s, d in where.items():
             refs[d] = self.refcount[s]
@@ -65,10 +68,23 @@ class BlockPool:
         self._free = [b for b in range(num_blocks - 1, -1, -1) if not refs[b]]
         return used_above, dst
 
+    # -- the prefix cache's blocks ------------------------------------------------------------
+    def cache(self, block_hash: int, block: int) -> None:
+        """The prefix cache keeps `block` (a row's, already written) as `block_hash`."""
+        self.incref([block])
+        self.cached[block_hash] = block
+
+    def uncache(self, block_hash: int) -> None:
+        """The prefix cache drops a block: free once no row references it."""
+        self.decref([self.cached.pop(block_hash)])
+
     # -- rows ----------------------------------------------------------------------------------
-    def add_row(self, tokens: int) -> list[int]:
-        """A new last row holding `tokens`; returns its table."""
-        table = self.allocate(row_blocks(tokens))
+    def add_row(self, tokens: int, shared: list[int] | None = None) -> list[int]:
+        """A new last row holding `tokens`, its first blocks `shared` (referenced, not copied);
+        returns its table."""
+        shared = shared or []
+        self.incref(shared)
+        table = shared + self.allocate(row_blocks(tokens) - len(shared))
         self.tables.append(table)
         return table
 

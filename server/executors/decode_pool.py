@@ -19,7 +19,9 @@ and needs no mask, as mlx-lm's own caches do.
 Paged (`paged=True`): full-attention and MLA layers keep K/V in PAGE_TOKENS-token blocks, one block
 pool per layer (paged_store.py), with one block table per row (block_pool.py); a row holds
 row_blocks(length) blocks and the pool the scheduler's PoolGeometry.blocks. Sliding rings and
-linear states stay per row. Leaves then move only those per-row arrays."""
+linear states stay per row. Leaves then move only those per-row arrays. The prefix cache keeps
+its blocks in the same block pools (prefix_blocks.PoolPrefixBlocks): a row joining with a cached
+prefix references those blocks and copies only the rest."""
 
 from __future__ import annotations
 
@@ -87,15 +89,21 @@ class DecodePool:
                 self.lengths[h] = self.lengths[m]
         del self.lengths[len(self.layout.row_ids):]
 
-    def add(self, request_id: int, layer_caches: list | None, length: int) -> None:
-        """Copy a prefilled request (its private caches, one per layer) into the next row."""
+    def add(self, request_id: int, layer_caches: list | None, length: int,
+            shared: list[int] | None = None) -> None:
+        """Copy a prefilled request (its private caches, one per layer) into the next row; paged,
+        its first blocks are `shared` (cached blocks holding its prefix), referenced, not copied."""
         row = self.layout.join(request_id, length)
+        n_shared = len(shared or ())
         if self.paged:
             self._tables = None
-            table = self.blocks.add_row(length)
+            table = self.blocks.add_row(length, shared)
         if layer_caches is not None and length:
             for store, cache in zip(self.stores, layer_caches):
-                store.join(table if isinstance(store, PagedKVStore) else row, cache, length)
+                if isinstance(store, PagedKVStore):
+                    store.join(table, cache, length, n_shared)
+                else:
+                    store.join(row, cache, length)
         self.lengths.append(length)
 
     # -- a decode step undone (lookahead.py) ---------------------------------------------------
@@ -133,8 +141,9 @@ class DecodePool:
             self._tables = None
         mx.eval(self.arrays())
 
-    def can_step(self, joining: list[int]) -> bool:
-        """Room for one more decode step with rows of `joining` tokens joining first."""
+    def can_step(self, joining: list[int], shared: int = 0) -> bool:
+        """Room for one more decode step with rows of `joining` tokens joining first (`shared` of
+        their blocks cached blocks)."""
         geometry, blocks = self.geometry, self.blocks
         lengths = [*self.lengths, *joining]
         if not lengths or len(lengths) > geometry.rows:
@@ -144,7 +153,7 @@ class DecodePool:
         if not self.paged:
             return True
         held = sum(len(t) for t in blocks.tables)
-        return sum(row_blocks(n + 1) for n in lengths) - held <= blocks.num_free
+        return sum(row_blocks(n + 1) for n in lengths) - shared - held <= blocks.num_free
 
     # -- decode --------------------------------------------------------------------------------
     def layer_views(self, n: int = 1) -> list:

@@ -32,11 +32,14 @@ class Ahead:
         return set(plan.decode_ids) == {r for r in self.row_ids if r not in freed}
 
 
-def next_rows(pool, sampled_ids: list[int], cached_tokens: dict[int, int]) -> list[int] | None:
+def next_rows(pool, sampled_ids: list[int], cached_tokens: dict[int, int],
+              shared: dict[int, list[int]]) -> list[int] | None:
     """Requests that join the pool for the step run ahead (those whose prefill sampled), or None
-    if the pool's geometry has no room for them or for one more token per row."""
+    if the pool's geometry has no room for them or for one more token per row (`shared`: the
+    cached blocks each would reference)."""
     joiners = [r for r in sampled_ids if r not in pool.layout.in_pool]
-    return joiners if pool.can_step([cached_tokens[r] for r in joiners]) else None
+    n_shared = sum(len(shared[r]) for r in joiners)
+    return joiners if pool.can_step([cached_tokens[r] for r in joiners], n_shared) else None
 
 
 def gather_inputs(flat: mx.array, sampled_ids: list[int], row_ids: list[int]) -> mx.array:

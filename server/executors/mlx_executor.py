@@ -20,7 +20,7 @@ from batchsim.scheduler.request import SamplingParams
 from batchsim.server.executors import acceptance, lookahead, prefill_cache, sampler, speculative
 from batchsim.server.executors.base import ExecutorCaps
 from batchsim.server.executors.decode_pool import DecodePool
-from batchsim.server.executors.prefix_blocks import PrefixBlocks
+from batchsim.server.executors.prefix_blocks import PoolPrefixBlocks, PrefixBlocks
 
 
 @dataclass(slots=True)
@@ -29,6 +29,7 @@ class SeqState:
     sampling: SamplingParams
     cache: list | None = None  # private mlx-lm caches while prefilling
     num_prompt_tokens: int = -1  # token_ids before it are the prompt; -1: all at the start
+    cached_hashes: tuple[int, ...] = ()  # the prefix-cache hit it was admitted with
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -59,7 +60,6 @@ class MLXExecutor:
         self.layers = prefill_cache.layers_of(model, self.dtype, kv_bits)
         self.pool = self._new_pool()
         self.seqs: dict[int, SeqState] = {}
-        self.prefix_blocks = PrefixBlocks()  # cached prompt blocks (scheduler/prefix_cache.py)
         self._split_head = self._head_fn()
         if cache_limit_bytes is not None:
             # Keep freed buffers for reuse: re-faulting large buffers every step costs bandwidth.
@@ -153,12 +153,14 @@ class MLXExecutor:
                    prefilled: list[int]) -> lookahead.Ahead | None:
         pool = self.pool
         cached = {rid: len(self.seqs[rid].token_ids) for rid in prefilled}
-        joiners = lookahead.next_rows(pool, prefilled, cached)
+        shared = {rid: self.prefix_blocks.shared_blocks(self.seqs[rid].cached_hashes)
+                  for rid in prefilled}
+        joiners = lookahead.next_rows(pool, prefilled, cached, shared)
         if joiners is None:
             return None
         states = pool.states()
         for rid in joiners:
-            pool.add(rid, self.seqs[rid].cache, cached[rid])
+            pool.add(rid, self.seqs[rid].cache, cached[rid], shared[rid])
         lengths, rows = list(pool.lengths), list(pool.row_ids)
         tokens = self._forward(lookahead.gather_inputs(flat, sampled_ids, rows), rows, ahead=1)
         mx.async_eval(tokens, pool.arrays())
@@ -188,7 +190,6 @@ class MLXExecutor:
         self._ahead = None
         self.pool = self._new_pool()
         self.seqs.clear()
-        self.prefix_blocks.clear()
 
     def end_run(self) -> None:
         self.reset()
@@ -196,7 +197,11 @@ class MLXExecutor:
         mx.synchronize()  # and the step run ahead, if one was computing
 
     def _new_pool(self) -> DecodePool:
-        return DecodePool(self.layers, self.dtype, self.kv_bits, self.kv_layout == "paged")
+        """A fresh decode pool and prefix cache (scheduler/prefix_cache.py): paged, the cache's
+        blocks are the pool's."""
+        pool = DecodePool(self.layers, self.dtype, self.kv_bits, self.kv_layout == "paged")
+        self.prefix_blocks = PoolPrefixBlocks(pool) if pool.paged else PrefixBlocks()
+        return pool
 
     @property
     def cache_layout(self):
@@ -230,6 +235,7 @@ class MLXExecutor:
                                                    num_prompt_tokens=new.num_prompt_tokens or -1)
         if new.cached_hashes:
             seq.cache = self.prefix_blocks.prefill_cache(new.cached_hashes)
+            seq.cached_hashes = new.cached_hashes
 
     def _join(self, plan: StepPlan) -> None:
         in_pool = self.pool.layout.in_pool
@@ -237,7 +243,7 @@ class MLXExecutor:
             if rid in in_pool:
                 continue
             seq = self.seqs[rid]
-            self.pool.add(rid, seq.cache, pos)
+            self.pool.add(rid, seq.cache, pos, self.prefix_blocks.shared_blocks(seq.cached_hashes))
             seq.cache = None
         if len(self.pool) != len(plan.decode_ids) and plan.decode_ids:
             raise RuntimeError("decode plan does not cover every pool row")

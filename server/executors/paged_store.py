@@ -60,18 +60,29 @@ class PagedKVStore:
                 a[mx.array(dst)] = m
         self.parts = [_reshape(a, num_blocks, None) for a in self.parts]
 
-    def join(self, table: list[int], cache, length: int) -> None:
-        """Copy a prefilled private KVCache's `length` tokens into the row's blocks `table`."""
-        n = len(table)
-        if not n:
+    def join(self, table: list[int], cache, length: int, shared: int = 0) -> None:
+        """Copy a prefilled private KVCache's `length` tokens into the row's blocks `table`, less
+        its first `shared` blocks (cached blocks it references)."""
+        n = len(table) - shared
+        if n <= 0:
             return
-        idx = mx.array(table)
+        idx = mx.array(table[shared:])
+        start = shared * PAGE_TOKENS
         for a, c in zip(self.parts, (cache.keys, cache.values)):
-            src = c[0, :, :length, :]  # (heads, length, dim)
-            if n * PAGE_TOKENS > length:
-                src = mx.pad(src, [(0, 0), (0, n * PAGE_TOKENS - length), (0, 0)])
+            src = c[0, :, start:length, :]  # (heads, tokens, dim)
+            if start + n * PAGE_TOKENS > length:
+                src = mx.pad(src, [(0, 0), (0, start + n * PAGE_TOKENS - length), (0, 0)])
             heads, _, dim = src.shape
             a[idx] = src.reshape(heads, n, PAGE_TOKENS, dim).transpose(1, 0, 2, 3)
+
+    def read_blocks(self, blocks: list[int]) -> tuple[mx.array, mx.array]:
+        """K and V of these blocks' tokens in order, as a KVCache holds them: (1, heads, n, dim)."""
+        idx = mx.array(blocks)
+        out = []
+        for a in self.parts:
+            g = mx.take(a, idx, axis=0)  # (n blocks, heads, PAGE_TOKENS, dim)
+            out.append(g.transpose(1, 0, 2, 3).reshape(1, a.shape[1], -1, a.shape[3]))
+        return out[0], out[1]
 
 
 class PagedKVView(KVView):

@@ -87,7 +87,7 @@ class PoolLayout:
         self.geometry = geometry
         cache = self.cache
         kept = 0
-        if old.rows and geometry.rows:
+        if (old.rows or old.blocks) and (geometry.rows or geometry.blocks):
             blocks = None if old.blocks is None else min(old.blocks, geometry.blocks or 0)
             kept = cache.pool_bytes(PoolGeometry(min(old.rows, geometry.rows), min(
                 old.capacity_tokens, geometry.capacity_tokens), blocks))

@@ -1,13 +1,17 @@
-"""The MLX executor's prefix cache: per cached block (scheduler/prefix_cache.py), every layer's K
-and V of its PAGE_TOKENS tokens, copied out of the prefill cache that computed them. A request
-admitted with a cached prefix starts from a prefill cache holding copies of those blocks, so it
-prefills only the rest. Full-attention and MLA layers only (the scheduler reuses nothing else)."""
+"""The MLX executor's prefix cache (scheduler/prefix_cache.py). A request admitted with a cached
+prefix starts from a prefill cache holding copies of those blocks, so it prefills only the rest.
+Full-attention and MLA layers only (the scheduler reuses nothing else).
+- PrefixBlocks (padded layout): per cached block, every layer's K and V of its PAGE_TOKENS
+  tokens, copied out of the prefill cache that computed them, beside the pool.
+- PoolPrefixBlocks (paged layout): cached blocks are the decode pool's own blocks; the cache
+  adopts a joining row's prompt blocks and a row joining with a hit references them (no copy)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 from batchsim.scheduler.plan import CacheOps
 from batchsim.scheduler.pool_geometry import KV_STEP, PAGE_TOKENS, round_up
+from batchsim.server.executors.decode_pool import DecodePool
 from mlx_lm.models.cache import KVCache
 
 
@@ -59,19 +63,66 @@ class PrefixBlocks:
 
     def prefill_cache(self, hashes: tuple[int, ...]) -> list[AlignedKVCache]:
         """Per layer, a prefill cache holding these blocks' tokens, in round_up(tokens, KV_STEP)."""
-        tokens = len(hashes) * PAGE_TOKENS
-        pad = round_up(tokens, KV_STEP) - tokens
-        out = []
-        for layer in range(len(self.blocks[hashes[0]])):
-            c = AlignedKVCache()
-            c.keys = _grown(mx.concatenate([self.blocks[h][layer][0] for h in hashes], axis=2), pad)
-            c.values = _grown(mx.concatenate([self.blocks[h][layer][1] for h in hashes], axis=2),
-                              pad)
-            c.offset = tokens
-            out.append(c)
-        mx.eval([(c.keys, c.values) for c in out])
-        return out
+        layers = [(mx.concatenate([self.blocks[h][layer][0] for h in hashes], axis=2),
+                   mx.concatenate([self.blocks[h][layer][1] for h in hashes], axis=2))
+                  for layer in range(len(self.blocks[hashes[0]]))]
+        return _prefill_caches(layers)
+
+    def shared_blocks(self, hashes: tuple[int, ...]) -> list[int]:
+        """Pool blocks a row joining with this hit references: none (the padded layout copies)."""
+        return []
 
     def clear(self) -> None:
         self.blocks.clear()
         self.nbytes = 0
+
+
+def _prefill_caches(layers: list[tuple[mx.array, mx.array]]) -> list[AlignedKVCache]:
+    """Per layer (K, V) of (1, heads, tokens, dim): prefill caches of round_up(tokens, KV_STEP)."""
+    out = []
+    for keys, values in layers:
+        tokens = keys.shape[2]
+        pad = round_up(tokens, KV_STEP) - tokens
+        c = AlignedKVCache()
+        c.keys, c.values, c.offset = _grown(keys, pad), _grown(values, pad), tokens
+        out.append(c)
+    mx.eval([(c.keys, c.values) for c in out])
+    return out
+
+
+class PoolPrefixBlocks:
+    """The paged layout's prefix cache: blocks of the decode pool (BlockPool.cached), one
+    reference each, shared by the rows that reference them."""
+
+    nbytes = 0  # the blocks are counted in the pool's arrays
+
+    def __init__(self, pool: DecodePool):
+        self.pool = pool
+
+    def evict(self, ops: CacheOps | None) -> None:
+        if ops is not None:
+            for h in ops.evict:
+                self.pool.blocks.uncache(h)
+
+    def store(self, ops: CacheOps | None, caches: dict | None = None) -> None:
+        """Adopt each stored block: block i of the row of its request, which joined this step."""
+        if ops is None or not ops.store:
+            return
+        blocks, rows = self.pool.blocks, self.pool.row_ids
+        for rid, i, h in ops.store:
+            blocks.cache(h, blocks.tables[rows.index(rid)][i])
+
+    def shared_blocks(self, hashes: tuple[int, ...]) -> list[int]:
+        """The pool blocks a row joining with this hit references."""
+        cached = self.pool.blocks.cached
+        return [cached[h] for h in hashes]
+
+    def prefill_cache(self, hashes: tuple[int, ...]) -> list[AlignedKVCache]:
+        """Per layer, a prefill cache holding copies of these blocks' tokens."""
+        blocks = self.shared_blocks(hashes)
+        if len(self.pool.paged) != len(self.pool.stores):
+            raise RuntimeError("a paged prefix hit needs every layer in blocks")
+        return _prefill_caches([s.read_blocks(blocks) for s in self.pool.paged])
+
+    def clear(self) -> None:
+        """The pool's blocks go with the pool (the executor makes a new one)."""

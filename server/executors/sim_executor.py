@@ -40,7 +40,9 @@ class SimExecutor:
         self._private_bytes = 0  # their sum
         self._pool_bytes = 0  # what the pool's geometry holds (set when it changes)
         self.block_bytes = PAGE_TOKENS * self.cache.full_token_bytes  # one prefix-cache block
-        self._cached_bytes = 0  # prefix-cache blocks held
+        self._cached_bytes = 0  # prefix-cache blocks held beside the pool (padded: copies)
+        # Paged, cached blocks are pool blocks: request id -> those its row will reference.
+        self._shared: dict[int, int] = {}
         # Prices that repeat, remembered (StepCost is a pure function of its arguments):
         self._prefill_s: dict[tuple[int, int, bool, int], float] = {}  # (n, start, sample, rows)
         self._decode_s: dict[tuple[int, int], float] = {}  # (rows, width): per-step models
@@ -56,8 +58,10 @@ class SimExecutor:
             self._set_private(new.request_id, 0, 0)
             if new.cached_hashes:  # cached blocks copied into its prefill cache
                 t += self.cost.copy_s(len(new.cached_hashes) * self.block_bytes)
+                if layout.paged:
+                    self._shared[new.request_id] = len(new.cached_hashes)
         ops = plan.cache_ops
-        if ops is not None:
+        if ops is not None and not layout.paged:  # paged: the pool's blocks, adopted in place
             self._cached_bytes += (len(ops.store) - len(ops.evict)) * self.block_bytes
             t += self.cost.copy_s(len(ops.store) * self.block_bytes)  # stored after the prefills
         if plan.pool != layout.geometry:
@@ -144,6 +148,7 @@ class SimExecutor:
         self.layout.clear()
         self.private, self._private_bytes, self._pool_bytes = {}, 0, 0
         self._cached_bytes = 0
+        self._shared = {}
 
     def kv_bytes(self) -> int:
         return self._pool_bytes + self._private_bytes + self._cached_bytes
@@ -162,6 +167,9 @@ class SimExecutor:
         if self.private:
             for rid in gone:
                 self._drop_private(rid)
+        if self._shared:
+            for rid in gone:
+                self._shared.pop(rid, None)
         moves = self.layout.leave(gone)
         if moves is NO_MOVES:
             return 0.0
@@ -184,7 +192,8 @@ class SimExecutor:
             rid, pos = ids[i], positions[i]
             layout.join(rid, pos)
             self._drop_private(rid)
-            t += self.cost.copy_s(self.cache.seq_bytes(pos))
+            shared = self._shared.pop(rid, 0) * self.block_bytes  # referenced, not copied
+            t += self.cost.copy_s(self.cache.seq_bytes(pos) - shared)
         return t
 
 

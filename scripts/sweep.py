@@ -1,7 +1,9 @@
 """`batchsim sweep`: step the batch size of a fixed-length workload (B requests arriving at once,
 max_num_seqs = B) under one memory budget, and find the batch that breaks local serving: the
 analytic limit (weights + B padded KV rows at full length fit) against the first batch the engine
-could not run together (queued or preempted), and where decode tok/s stopped scaling."""
+could not run together (queued or preempted), and where decode tok/s stopped scaling. With
+--spec-tokens, each batch runs again with n-gram speculation at each K: the speed-up over plain
+batching per batch and the first batch where speculation stops paying (spec_break_even_batch)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import math
 from pathlib import Path
 
 from batchsim.configs import ConfigError
-from batchsim.scheduler.config import SchedulerSettings
+from batchsim.scheduler.config import MAX_SPEC_TOKENS, SchedulerSettings
 from batchsim.scheduler.pool_geometry import KV_STEP
 from batchsim.scripts.common import (
     MAX_BATCH,
@@ -31,6 +33,7 @@ from batchsim.scripts.common import (
 )
 from batchsim.scripts.run_args import add_engine_arg, add_kv_bits_arg, add_model_args
 from batchsim.scripts.run_view import warn_profile_mismatch
+from batchsim.scripts.spec_args import acceptance_of, add_acceptance_args
 from batchsim.server.engine.run_config import RunConfig, with_run_overrides
 from batchsim.server.perf import sweep_limits as sweep_math
 from batchsim.workloads.lengths import LengthSpec
@@ -38,6 +41,8 @@ from batchsim.workloads.prefixes import SharingSpec
 from batchsim.workloads.spec import WorkloadSpec
 
 GIB = 1 << 30
+SPEC_KEYS = ("spec_decode_acceptance_rate", "spec_decode_acceptance_length",
+             "spec_decode_num_drafts")
 MIB = 1 << 20
 _batch = bounded(int, 1, MAX_BATCH)
 
@@ -84,6 +89,19 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--runs-dir", type=Path, default=Path("runs"),
                    help="directory for the run directories (one per batch)")
     g.add_argument("--no-progress", action="store_true", help="no live progress line")
+    g.add_argument("--no-timeline", action="store_true", help="no timeline.png in run dirs")
+    _add_spec_args(p)
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding against plain batching (n-gram drafts)")
+    g.add_argument("--spec-tokens", type=ints_up_to(MAX_SPEC_TOKENS), default=[],
+                   metavar="K[,K...]", help="also run each batch with K drafted tokens a row "
+                   "verifies per step; --executor sim needs --acceptance or --acceptance-from")
+    g.add_argument("--spec-policy", choices=["fixed", "shrink"], default="fixed",
+                   help="fixed: K at every batch (to find where it stops paying); shrink: K "
+                   "falls as the batch grows (scheduler/spec_budget.py) [default: fixed]")
+    add_acceptance_args(g, "--executor sim: ")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -104,14 +122,18 @@ def run(args: argparse.Namespace) -> dict:
         limit, args.max_batch)
     meta = _meta(args, base, budget, source)
     _announce(meta, batches)
+    spec_cfgs = _spec_configs(base.config, args)
     rows = [_run_point(base, budget, source, b, args) for b in batches]
+    spec_verdict = {}
+    if spec_cfgs:
+        spec_verdict = _spec_points(rows, spec_cfgs, base, budget, source, args)
     profile = _profile_fields(base)
     for row in rows:
         row["kv_bytes_analytic"] = sweep_math.batch_kv_bytes(
             row["batch"], args.prompt_len, args.output_len, kvt)
         row["fits_analytic"] = row["batch"] <= limit
         row.update(profile)
-    verdict = _verdict(batches, rows, limit, args.min_gain)
+    verdict = {**_verdict(batches, rows, limit, args.min_gain), **spec_verdict}
     _print(rows, meta, verdict)
     stamp, env = timestamp(), base.environment()
     jsonl = append_jsonl(args.out / "sweep.jsonl", [
@@ -143,8 +165,49 @@ def _base_session(args: argparse.Namespace):
     return base, budget, f"--limit-batch {args.limit_batch}"
 
 
-def _run_point(base, budget: int, source: str, batch: int, args: argparse.Namespace) -> dict:
-    """B requests at once, max_num_seqs = B, same budget; the row of this batch size."""
+def _spec_configs(cfg: RunConfig, args: argparse.Namespace) -> dict[int, RunConfig]:
+    """K -> the base config speculating with K drafts (checked before the sweep runs)."""
+    acceptance = acceptance_of(args)
+    if not args.spec_tokens:
+        if acceptance is not None:
+            raise ConfigError("--acceptance and --acceptance-from need --spec-tokens K[,K...]")
+        return {}
+    rates, curve = (acceptance.rates, acceptance.curve) if acceptance else ((), "flat")
+    return {k: dataclasses.replace(
+        cfg, spec_method="ngram", spec_acceptance=rates, spec_acceptance_curve=curve,
+        scheduler=dataclasses.replace(cfg.scheduler, spec_tokens=k, spec_policy=args.spec_policy))
+        for k in sorted(set(args.spec_tokens))}
+
+
+def _spec_points(rows: list[dict], cfgs: dict[int, RunConfig], base, budget: int, source: str,
+                 args: argparse.Namespace) -> dict:
+    """Each batch again at each K: the row's `spec` entries (gain: decode tok/s over plain
+    batching's; output_gain: output tok/s, prefills included) and, per K, the first swept batch
+    where speculation no longer beats it."""
+    first_loss: dict[str, int | None] = {}
+    for k, cfg in cfgs.items():
+        for row in rows:
+            s = _run_point(base, budget, source, row["batch"], args, cfg, f"-k{k}")
+            gain = (s["decode_tok_s"] or 0.0) / row["decode_tok_s"] if row["decode_tok_s"] else None
+            row.setdefault("spec", []).append({
+                "spec_tokens": k, "spec_policy": args.spec_policy, "gain": gain,
+                "output_gain": s["output_throughput"] / row["output_throughput"],
+                **{key: s[key] for key in ("decode_tok_s", "decode_tok_s_source", "step_ms",
+                                           "output_throughput", "median_tpot_ms", *SPEC_KEYS,
+                                           "run_dir")}})
+            if gain is not None and gain <= 1.0 and str(k) not in first_loss:
+                first_loss[str(k)] = row["batch"]
+        first_loss.setdefault(str(k), None)
+    for row in rows:
+        for entry in row["spec"]:
+            entry["spec_break_even_batch"] = first_loss[str(entry["spec_tokens"])]
+    return {"spec_break_even_batch": first_loss}
+
+
+def _run_point(base, budget: int, source: str, batch: int, args: argparse.Namespace,
+               run_cfg: RunConfig | None = None, tag: str = "") -> dict:
+    """B requests at once, max_num_seqs = B, same budget; the row of this batch size (with
+    `run_cfg`: that config's run instead of the base's; its summary's spec keys kept)."""
     from batchsim.scripts.progress import RunProgress
     from batchsim.server.engine.runner import run_workload
 
@@ -153,20 +216,27 @@ def _run_point(base, budget: int, source: str, batch: int, args: argparse.Namesp
                         input_len=LengthSpec("fixed", value=args.prompt_len - shared),
                         output_len=LengthSpec("fixed", value=args.output_len), seed=args.seed,
                         sharing=SharingSpec(system_tokens=shared) if shared else None)
-    sched = dataclasses.replace(base.config.scheduler, max_num_seqs=batch)
-    cfg = dataclasses.replace(base.config, workload=spec, memory_gb=budget / GIB, scheduler=sched)
+    run_cfg = run_cfg or base.config
+    sched = dataclasses.replace(run_cfg.scheduler, max_num_seqs=batch)
+    cfg = dataclasses.replace(run_cfg, workload=spec, memory_gb=budget / GIB, scheduler=sched)
     session = base.renewed(cfg, budget, source)  # a new executor per point
     active = _ActiveMemory(session.executor.caps.real_compute)
-    label = f"{base.ref.name.replace('/', '_')}-sweep-b{batch}-{cfg.executor}"
+    label = f"{base.ref.name.replace('/', '_')}-sweep-b{batch}{tag}-{cfg.executor}"
     with RunProgress(batch, label, enabled=not args.no_progress) as bar:
         def on_step(engine, plan, result) -> None:
             bar.on_step(engine, plan, result)
             active.sample()
 
-        outcome = run_workload(session, spec, out_dir=args.runs_dir, label=label, on_step=on_step)
+        outcome = run_workload(session, spec, out_dir=args.runs_dir, label=label, on_step=on_step,
+                               timeline=not getattr(args, "no_timeline", False))
     next_chunk = min(args.prompt_len, sched.prefill_step_size)
-    return sweep_math.point_row(batch, outcome.summary, outcome.steps,
-                                sched.max_num_batched_tokens, next_chunk, active.max_active_bytes)
+    row = sweep_math.point_row(batch, outcome.summary, outcome.steps,
+                               sched.max_num_batched_tokens, next_chunk, active.max_active_bytes)
+    if tag:  # a verify step's rows emit acceptance_length tokens each on average
+        row.update({key: outcome.summary[key] for key in SPEC_KEYS})
+        if row["decode_tok_s_source"] == "steady":
+            row["decode_tok_s"] *= row["spec_decode_acceptance_length"]
+    return row
 
 
 class _ActiveMemory:
@@ -244,18 +314,28 @@ def _status(row: dict) -> str:
 
 
 def _print(rows: list[dict], meta: dict, verdict: dict) -> None:
+    ks = [e["spec_tokens"] for e in rows[0].get("spec", [])]
     out.print(table(
         f"Sweep: {meta['model']} {meta['dtype']} on {meta['executor']}, context "
         f"{meta['prompt_len']}+{meta['output_len']}, budget {_size(meta['memory_budget_bytes'])}",
         ["batch", "fits", "decoded", "decode tok/s", "step ms", "TPOT ms", "out tok/s",
-         "KV MiB sched / exec", "KV MiB analytic", "active / peak MiB", "waits", "status"],
+         "KV MiB sched / exec", "KV MiB analytic", "active / peak MiB", "waits", "status",
+         *[f"K={k} x plain" for k in ks]],
         [[r["batch"], "yes" if r["fits_analytic"] else "no", r["decoded_batch"], r["decode_tok_s"],
           r["step_ms"], r["median_tpot_ms"], r["output_throughput"],
           f"{fmt(r['kv_bytes'] / MIB)} / {fmt(_mib(r['kv_bytes_measured']))}",
           r["kv_bytes_analytic"] / MIB,
           f"{fmt(_mib(r['active_memory_bytes']))} / {fmt(_mib(r['peak_memory_bytes']))}",
-          r["memory_wait_steps"], _status(r)] for r in rows],
+          r["memory_wait_steps"], _status(r), *[e["gain"] for e in r.get("spec", [])]]
+         for r in rows],
     ))
+    if ks:
+        stops = verdict["spec_break_even_batch"]
+        out.print(f"K=k x plain: speculation ({rows[0]['spec'][0]['spec_policy']} K, n-gram "
+                  "drafts) over plain batching at the same batch, in decode tok/s (rows x "
+                  "acceptance length / median verify step); stops paying at batch "
+                  + ", ".join(f"{fmt(stops[str(k)])} (K={k})" for k in ks)
+                  + " (none listed: it paid at every batch swept).")
     agree = "agree" if verdict["agree_within_one_step"] else "DISAGREE"
     out.print(
         f"Analytic limit: batch {verdict['analytic_overrun_batch']} (weights + B x "

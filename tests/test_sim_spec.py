@@ -142,3 +142,43 @@ def test_bad_simulated_spec_flags_are_one_line_errors(tmp_path, capsys, extra, m
     assert cli_exit_code(argv) != 0
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def _sweep(capsys, tmp_path, *extra: str) -> dict:
+    from batchsim.scripts.cli import main
+
+    assert main(["sweep", "--executor", "sim", "--model", "llama-3.1-8b", "--quantize", "4",
+                 "--device-profile", "M2 Ultra", "--memory-gb", "64", "--no-progress",
+                 "--no-timeline",
+                 "--prompt-len", "64", "--output-len", "17", "--out", str(tmp_path),
+                 "--runs-dir", str(tmp_path / "runs"), *extra]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_sweep_spec_tokens_finds_where_speculation_stops_paying(capsys, tmp_path):
+    res = _sweep(capsys, tmp_path, "--batches", "1,4,16", "--spec-tokens", "2,4",
+                 "--acceptance", "0.6")
+    gains = {r["batch"]: {e["spec_tokens"]: e["gain"] for e in r["spec"]} for r in res["rows"]}
+    assert gains[1][2] > 1 and gains[1][4] > 1  # batch 1: bandwidth-bound, verify nearly free
+    for k in (2, 4):
+        assert gains[16][k] < gains[1][k]  # batching spends the same headroom
+        stop = res["spec_break_even_batch"][str(k)]
+        assert stop == min((b for b in (1, 4, 16) if gains[b][k] <= 1), default=None)
+    assert res["spec_break_even_batch"]["4"] is not None
+    assert all(e["spec_break_even_batch"] == res["spec_break_even_batch"][str(e["spec_tokens"])]
+               for r in res["rows"] for e in r["spec"])
+    entry = res["rows"][0]["spec"][0]
+    assert entry["spec_decode_acceptance_length"] > 1 and entry["spec_decode_num_drafts"] > 0
+
+
+def test_sweep_spec_flags_are_checked_before_it_runs(capsys, tmp_path):
+    from batchsim.scripts.cli import main
+
+    for extra, message in ((["--acceptance", "0.5"], "need --spec-tokens"),
+                           (["--spec-tokens", "2"], "--acceptance A")):
+        assert main(["sweep", "--executor", "sim", "--model", "llama-3.1-8b", "--no-progress",
+                     "--device-profile", "M2 Ultra", "--out", str(tmp_path), "--runs-dir",
+                     str(tmp_path / "r"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+        assert not (tmp_path / "r").exists()  # refused before any point ran

@@ -219,6 +219,12 @@ def _print(rows: list[dict], meta: dict, spec: ModelSpec) -> None:
         cols.insert(at, "shared dflt/raised")
         for line, r in zip(body, rows):
             line.insert(at, f"{r['max_batch_shared']} / {r['max_batch_shared_raised']}")
+    if meta["spec_tokens"]:  # speculation's speed-up at batch 1 and where it stops paying
+        cols += [f"K={meta['spec_tokens']} x b1", "spec stops at"]
+        for line, r in zip(body, rows):
+            b1, plain = r.get("decode_tok_s_b1_spec"), r["decode_tok_s_b1"]
+            line += [b1 / plain if b1 and plain else None,
+                     r.get("spec_break_even_batch") if b1 and plain else None]
     out.print(table(
         f"Batch limits per Mac: {what} (padded = rows padded to the longest in {KV_STEP}-token "
         f"steps; paged = {PAGE_TOKENS}-token blocks)", cols, body))

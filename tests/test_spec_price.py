@@ -74,3 +74,21 @@ def test_size_rows_carry_the_spec_keys(tmp_path):
 def test_size_spec_flags_go_together(tmp_path):
     with pytest.raises(ConfigError, match="--spec-tokens and --acceptance .* go together"):
         _size(tmp_path, "--model", "llama-3.1-8b", "--spec-tokens", "4")
+
+
+def test_size_spec_columns_with_macs_the_model_does_not_fit(tmp_path):
+    summary = _size(tmp_path, "--model", "qwen3-30b-a3b", "--quantize", "4", "--mac", "M1 8c",
+                    "--spec-tokens", "4", "--acceptance", "0.55,0.37,0.28,0.23",
+                    "--acceptance-curve", "mtplx")
+    assert summary["acceptance"] == [0.55, 0.37, 0.28, 0.23]
+    assert summary["acceptance_curve"] == "mtplx"
+    assert all(r["decode_tok_s_b1"] is None for r in summary["rows"])  # 8 and 16 GB: no fit
+
+
+def test_a_falling_curve_moves_the_break_even_batch_down(cost):
+    flat, dflash = Acceptance((0.8,)), Acceptance((0.8,), "dflash-mlx-vlm")
+    assert spec_price.gain(cost, 1, 4, dflash, 2048) == spec_price.gain(cost, 1, 4, flat, 2048)
+    assert spec_price.gain(cost, 8, 4, dflash, 2048) < spec_price.gain(cost, 8, 4, flat, 2048)
+    falling = spec_price.break_even_batch(cost, 4, dflash, 2048, 4096)
+    still = spec_price.break_even_batch(cost, 4, flat, 2048, 4096)
+    assert falling is not None and (still is None or falling <= still)

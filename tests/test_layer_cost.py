@@ -11,7 +11,7 @@ import pytest
 from batchsim.scheduler.plan import PrefillChunk
 from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf.batch_gain import batching_curve, catalog_cost
-from batchsim.server.perf.layer_cost import expected_experts
+from batchsim.server.perf.layer_cost import expected_experts, paged_read_ratio
 from batchsim.server.perf.stepcost import StepCost, StepTime, weight_bytes_per_element
 
 from tests.test_sim import PROFILE
@@ -181,3 +181,17 @@ def test_simulator_prices_each_decode_step_of_a_non_dense_plan_at_its_width():
     assert result.step_durations_s[1:] == pytest.approx(expected[1:], rel=1e-12)
     assert result.step_durations_s[0] > expected[0]
     assert len(set(result.step_durations_s[1:])) > 1  # the full-attention layers still grow
+
+
+def test_the_paged_layout_prices_its_gather_as_measured():
+    spec = zoo_spec("tiny-sliding")  # full and sliding layers: only the full ones gather blocks
+    padded = StepCost(spec, PROFILE, "float32", None)
+    paged = StepCost(spec, PROFILE, "float32", None, paged=True)
+    assert [paged_read_ratio(b) for b in (1, 8, 32, 64)] == [1.36, 1.41, 1.59, 1.59]
+    assert 1.36 < paged_read_ratio(2) < paged_read_ratio(4) < 1.41
+    for att in {lay.attention for lay in spec.arch.layers}:
+        ratio = 1.0 if att.kind == "sliding" else paged_read_ratio(8)
+        assert paged.layers.attention_decode_s(att, 8, 100) == pytest.approx(
+            ratio * padded.layers.attention_decode_s(att, 8, 100))
+    assert paged.decode_forward_s(8, 100) > padded.decode_forward_s(8, 100)
+    assert paged.prefill_forward_s(64, 0, True) == padded.prefill_forward_s(64, 0, True)

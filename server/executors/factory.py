@@ -65,7 +65,7 @@ def build_executor(cfg: ExecutorConfig, ref: ModelRef, model: Any = None) -> Exe
 
         profile = resolve_profile(cfg.device_profile, ref.quantize_bits)
         cost = StepCost(ref.spec, profile, ref.dtype, ref.quantize_bits, kv_bits=cfg.kv_bits,
-                        engine=load_engine(cfg.engine))
+                        engine=load_engine(cfg.engine), paged=cfg.kv_layout == "paged")
         return SimExecutor(cost, cache=ref.spec.cache_layout(cost.act_dtype, cfg.kv_bits),
                            paged=cfg.kv_layout == "paged", spec=_sim_spec(cfg))
     raise ValueError(f"unknown executor {cfg.executor!r} (mlx, sim or fake)")

@@ -10,11 +10,15 @@ Per layer, a decode step of B rows padded to `width` cached tokens reads:
   multiplying the B*k/D tokens routed to it, or on a calibrated device each (token, expert) pair
   at its measured cost (`experts_s`);
 - attention: full and MLA layers `width` tokens, sliding layers min(width, W), linear-attention
-  layers their fixed state, read and written every step; MLA adds the absorbed attention's FLOPs.
+  layers their fixed state, read and written every step; MLA adds the absorbed attention's FLOPs;
+  in the paged layout, full and MLA layers' read costs PAGED_READ_RATIO times the padded read
+  (the gather of each row's blocks, as measured).
 Assumptions (no Metal here to fit them) are the named constants below."""
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections import Counter
 from functools import lru_cache
 from typing import Protocol
@@ -40,6 +44,7 @@ class Blocks(Protocol):
     act_dtype: str
     act_bytes: int
     kv_bits: int | None
+    paged: bool  # the paged KV layout: full and MLA layers' decode reads gather blocks
 
     def linear_split(self, m: int, k: int, n: int) -> tuple[float, float]: ...
     def matrix_s(self, m: int, k: int, n: int) -> float: ...
@@ -57,6 +62,24 @@ GATHER_MATMUL_EFFICIENCY = 0.5
 SORT_MIN_PAIRS = 64
 # Assumed: the gated-delta update touches each recurrent-state element ~6 times per token.
 LINEAR_FLOPS_PER_STATE_ELEMENT = 6
+# Measured: one full-attention layer's decode read in the paged layout (mx.take of each row's
+# blocks into (B, heads, width, dim), then attention) over the padded pool's slice, by batch:
+# `benchmarks/paged_gather.py --batch 1,8,32 --context 256` (2026-12-04, MLX 0.32.4 CPU backend,
+# 2-core EPYC VM under load). Between and beyond: linear in log2(B), held at the ends. Metal is
+# not measured: there the gather is a copy of the rows' K/V, felt more by a bandwidth-bound step.
+PAGED_READ_RATIO = ((1, 1.36), (8, 1.41), (32, 1.59))
+
+
+def paged_read_ratio(batch: int) -> float:
+    """PAGED_READ_RATIO at `batch` rows."""
+    pts = PAGED_READ_RATIO
+    if batch <= pts[0][0]:
+        return pts[0][1]
+    for (b0, r0), (b1, r1) in itertools.pairwise(pts):
+        if batch <= b1:
+            f = (math.log2(batch) - math.log2(b0)) / (math.log2(b1) - math.log2(b0))
+            return r0 + f * (r1 - r0)
+    return pts[-1][1]
 
 
 def expected_experts(experts: int, top_k: int, tokens: int) -> float:
@@ -157,6 +180,8 @@ class LayerCost:
             seconds += elements * KV_DEQUANT_OPS_PER_ELEMENT / self._flops_per_s
         if att.kind == "mla":  # absorbed: q.latent+rope scores, then scores.latent, per head
             seconds = max(seconds, 2 * scores * (2 * att.k_dim + att.v_dim) / self._flops_per_s)
+        if self.cost.paged and att.kind != "sliding":
+            seconds *= paged_read_ratio(batch)
         return seconds
 
     def _per_width_s(self, batch: int) -> float:

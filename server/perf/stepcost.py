@@ -71,8 +71,10 @@ def quantized_ceilings(profile: DeviceProfile,
 class StepCost:
     def __init__(self, spec: ModelSpec, profile: DeviceProfile, dtype: str,
                  quantize_bits: int | None, kv_bits: int | None = None,
-                 cluster: Cluster | None = None, engine: EngineProfile | None = None):
+                 cluster: Cluster | None = None, engine: EngineProfile | None = None,
+                 paged: bool = False):
         self.spec = spec
+        self.paged = paged  # the paged KV layout (layer_cost.PAGED_READ_RATIO)
         self.profile = profile
         self.cal: Calibration | None = profile.calibration
         self.engine = engine or load_engine()

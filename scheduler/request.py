@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 from typing import Protocol
 
 from batchsim.scheduler.pool_geometry import PAGE_TOKENS
@@ -61,8 +62,9 @@ class StopChecker(Protocol):
     """Watches a request's output for stop strings. `batchsim serve` builds one from its streaming
     detokenizer, so the scheduler decides every stop without a tokenizer."""
 
-    def feed(self, token_ids: list[int]) -> bool:
-        """Take the tokens one step sampled (called every step); True once a stop string matched."""
+    def feed(self, token_ids: list[int]) -> int | None:
+        """Take a step's new tokens (called every step): None while no stop string matched;
+        else how many of them the output keeps, through the one that completed it."""
         ...
 
 
@@ -124,3 +126,15 @@ class Request:
         if self.prompt_token_ids is None:
             return None
         return self.prompt_token_ids + self.output_token_ids
+
+
+def stop_string(r: Request, new_tokens: list[int]) -> tuple[list[int], str | None]:
+    """Feed a step's tokens to the request's stop checker: the tokens kept (cut after the one
+    completing a stop string, so a verify step's drafts past it are dropped) and "stop", "error"
+    or None."""
+    try:
+        kept = r.stop_checker.feed(new_tokens)  # type: ignore[union-attr]
+    except Exception:  # a failing checker ends its own request, never the engine loop
+        logging.getLogger("batchsim").exception("stop checker of request %d failed", r.request_id)
+        return new_tokens, "error"
+    return (new_tokens, None) if kept is None else (new_tokens[:kept], "stop")

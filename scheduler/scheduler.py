@@ -10,7 +10,6 @@ and it goes back to the front of the queue to be recomputed.
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 
 from batchsim.scheduler.advance import advance_decoded
@@ -18,7 +17,7 @@ from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.kv_manager import KVAccountError, KVManager
 from batchsim.scheduler.plan import NewRequest, StepPlan, StepResult
 from batchsim.scheduler.pool_geometry import PAGE_TOKENS, PoolGeometry, row_blocks
-from batchsim.scheduler.request import Request, RequestStatus
+from batchsim.scheduler.request import Request, RequestStatus, stop_string
 from batchsim.scheduler.spec_budget import row_spec_tokens, until_stop
 from batchsim.scheduler.step_budget import StepBudget
 
@@ -40,6 +39,8 @@ class Scheduler:
         # preemption), and those the prefix cache held (vLLM's prefix-cache queries and hits).
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
+        # The last step's rows whose accepted drafts a stop cut: request id -> drafts kept.
+        self.cut_drafts: dict[int, int] = {}
         self._pending_free: list[int] = []
         # The last plan and its decode rows' requests (update_from_output's simulated fast path).
         self._planned: StepPlan | None = None
@@ -288,6 +289,7 @@ class Scheduler:
         step = self.num_steps
         end = step + k
         token_ids, accepted = result.token_ids, result.accepted_ids
+        self.cut_drafts = {}
         sampled, first = result.sampled_ids, 0
         rows = self._simulated_rows(plan, result)
         if rows:  # simulated decode rows: counters only (advance.py)
@@ -301,12 +303,11 @@ class Scheduler:
             if r is None or r.status is not running:
                 continue
             n = k  # tokens this row emitted: one per step, or accepted drafts and one (k is 1)
-            new = None
+            new = reason = None
             if token_ids is not None:
-                new = [token_ids[s][i] for s in range(k)]
-                if accepted is not None and accepted[i]:
-                    new = until_stop(r, [*accepted[i], *new])
-                    n = len(new)
+                new, reason = self._kept(r, [token_ids[s][i] for s in range(k)],
+                                         accepted[i] if accepted is not None else ())
+                n = len(new)
             elif accepted is not None:  # simulated drafts: only their count
                 n += len(accepted[i])
             if rid not in prefill_ids:
@@ -325,12 +326,25 @@ class Scheduler:
                     finished.append(r)
                 continue
             r.output_token_ids.extend(new)
-            reason = self._stop_reason(r, new)
+            reason = reason or self._stop_reason(r, new)
             if reason is not None:
                 self._finish(r, reason)
                 finished.append(r)
         self.num_steps += k
         return finished
+
+    def _kept(self, r: Request, new: list[int], drafts: tuple[int, ...]
+              ) -> tuple[list[int], str | None]:
+        """A row's tokens this step (its accepted drafts first) cut after the first that ends it,
+        and a stop string's reason; rows whose drafts were cut go in cut_drafts."""
+        reason = None
+        if drafts:
+            new = until_stop(r, [*drafts, *new])
+        if r.stop_checker is not None:  # asked first: it sees every token
+            new, reason = stop_string(r, new)
+        if len(new) <= len(drafts):
+            self.cut_drafts[r.request_id] = len(new)
+        return new, reason
 
     def _simulated_rows(self, plan: StepPlan, result: StepResult) -> list[Request] | None:
         """The plan's decode rows, when its result has no token ids (simulated) and sampled them
@@ -345,15 +359,6 @@ class Scheduler:
 
     @staticmethod
     def _stop_reason(r: Request, new_tokens: list[int]) -> str | None:
-        checker = r.stop_checker
-        if checker is not None:  # asked first: it sees every token
-            try:
-                if checker.feed(new_tokens):
-                    return "stop"
-            except Exception:  # a failing checker ends its own request, never the engine loop
-                logging.getLogger("batchsim").exception("stop checker of request %d failed",
-                                                        r.request_id)
-                return "error"
         last_token = new_tokens[-1]
         if not r.sampling.ignore_eos and last_token in r.eos_token_ids:
             return "stop"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from batchsim.scheduler.plan import StepResult
 from batchsim.scheduler.request import Request
 
 SpecPolicy = Literal["shrink", "fixed"]
@@ -49,3 +50,12 @@ def until_stop(request: Request, new: list[int]) -> list[int]:
         if t in stops:
             return new[: j + 1]
     return new
+
+
+def cut_drafts(result: StepResult, kept: dict[int, int]) -> StepResult:
+    """`result` with the rows of `kept` (request id -> drafts the scheduler kept: a stop inside
+    a verify step's drafts) holding only those accepted drafts, so the counts agree with the
+    output."""
+    accepted = result.accepted_ids or ()
+    return result._replace(accepted_ids=tuple(
+        a[: kept[rid]] if rid in kept else a for rid, a in zip(result.sampled_ids, accepted)))

@@ -129,9 +129,10 @@ class StopAfter:
         self.n = n
         self.fed: list[list[int]] = []
 
-    def feed(self, token_ids: list[int]) -> bool:
+    def feed(self, token_ids: list[int]) -> int | None:
         self.fed.append(list(token_ids))
-        return sum(map(len, self.fed)) >= self.n
+        seen = sum(map(len, self.fed))
+        return len(token_ids) - (seen - self.n) if seen >= self.n else None
 
 
 def test_stop_checker_finishes_the_request_and_frees_its_kv_next_step():
@@ -157,11 +158,11 @@ class FailingChecker:
     def __init__(self):
         self.calls = 0
 
-    def feed(self, token_ids: list[int]) -> bool:
+    def feed(self, token_ids: list[int]) -> int | None:
         self.calls += 1
         if self.calls == 2:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
-        return False
+        return None
 
 
 def test_a_failing_stop_checker_ends_only_its_own_request(caplog):

@@ -268,3 +268,71 @@ def test_a_verify_step_stops_at_the_first_stop_token():
     ignoring = Request(1, 3, SamplingParams(max_tokens=9, ignore_eos=True), 0.0,
                        prompt_token_ids=[1, 2, 3], eos_token_ids=frozenset({9}))
     assert until_stop(ignoring, [9, 9, 4]) == [9, 9, 4]
+
+
+def test_text_stream_takes_a_verify_steps_tokens_up_to_its_stop_string():
+    from batchsim.server.http.text_stream import TextStream
+
+    from tests.test_http_server import CharDetokenizer
+
+    ts = TextStream(CharDetokenizer(), ("cd",))
+    assert ts.feed([ord("a")]) is None
+    assert ts.feed([ord(c) for c in "bcde"]) == 3  # b, c, d: the stop string ends at d
+    assert ts.take() + ts.take() + ts.finish() == "ab"
+
+
+class _StopAt:
+    """A stop string completed by the output's n-th token (what TextStream.feed answers)."""
+
+    def __init__(self, n: int):
+        self.n, self.seen = n, 0
+
+    def feed(self, token_ids: list[int]) -> int | None:
+        self.seen += len(token_ids)
+        return len(token_ids) - (self.seen - self.n) if self.seen >= self.n else None
+
+
+def test_a_stop_string_inside_accepted_drafts_cuts_the_ids_and_counts(tiny):
+    # The stop string ends at the first accepted draft of a verify step that kept several: the
+    # output, its count and the accepted drafts the records count all end there.
+    from batchsim.server.engine import clock
+    from batchsim.server.engine.engine import Engine
+
+    ref, model, _ = tiny
+    kvt = ref.spec.kv_bytes_per_token("float32")
+    rng = random.Random(3)
+    prompt = [[rng.randrange(ref.spec.vocab_size) for _ in range(rng.randint(5, 40))] * 3
+              for _ in range(5)][4]
+    steps: list[int] = []  # tokens each verify step gave the request
+
+    def run(checker):
+        async def main():
+            sched = Scheduler(config(kv_bytes_per_token=kvt, spec_tokens=4, spec_policy="fixed"))
+            engine = Engine(sched, MLXExecutor(model, drafter=NgramDrafter()))
+            engine.start_clock()
+            loop_task = asyncio.create_task(engine.run())
+            r = Request(0, len(prompt), SamplingParams(max_tokens=24, ignore_eos=True), 0.0,
+                        prompt_token_ids=prompt)
+            r.stop_checker = checker
+            queue = engine.stream(r)
+            tokens = []
+            while not isinstance(item := await queue.get(), Request):
+                tokens.extend(item)
+                steps.append(len(item))
+            engine.stop()
+            await loop_task
+            return tokens, item, engine.recorder.spec.accepted_tokens
+
+        return clock.run(main(), virtual=False)
+
+    import asyncio
+
+    full, _, _ = run(None)
+    first = list(steps)  # greedy: the stopped run's steps are these until the stop
+    i = next(i for i, n in enumerate(first) if n >= 3)  # a step that kept >= 2 drafts
+    before = sum(first[:i])
+    tokens, request, accepted = run(_StopAt(before + 1))
+    assert tokens == request.output_token_ids == full[: before + 1]
+    assert (request.num_output_tokens, request.finish_reason) == (before + 1, "stop")
+    # each step: its accepted drafts and one token; the last step keeps one draft
+    assert accepted == sum(n - 1 for n in first[:i]) + 1

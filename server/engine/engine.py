@@ -14,7 +14,7 @@ from typing import Protocol
 from batchsim.scheduler.plan import StepPlan, StepResult
 from batchsim.scheduler.request import Request
 from batchsim.scheduler.scheduler import Scheduler
-from batchsim.scheduler.spec_budget import until_stop
+from batchsim.scheduler.spec_budget import cut_drafts
 from batchsim.server.engine import clock
 from batchsim.server.executors.base import Executor
 from batchsim.server.platform import env
@@ -68,6 +68,7 @@ class Engine:
                         else concurrent.futures.ThreadPoolExecutor(1, "executor"))
         self._streams: dict[int, asyncio.Queue] = {}
         self._stream_requests: dict[int, Request] = {}  # the streamed requests, by id
+        self._streamed: dict[int, int] = {}  # request id -> output tokens its stream has had
 
     def now(self) -> float:
         return self._loop.time() - self._t0
@@ -98,6 +99,7 @@ class Engine:
 
         def close(fut: asyncio.Future) -> None:
             self._stream_requests.pop(request.request_id, None)
+            self._streamed.pop(request.request_id, None)
             if self._streams.pop(request.request_id, None) is not None:
                 queue.put_nowait(fut.result())
 
@@ -155,6 +157,8 @@ class Engine:
                 self._recover()
                 continue
             finished = self.scheduler.update_from_output(plan, result)
+            if self.scheduler.cut_drafts:  # records and metrics count the drafts it kept
+                result = cut_drafts(result, self.scheduler.cut_drafts)
             self._record(plan, result, start)
             self._resolve(finished)
             # A closed-loop client sends its next request before the next plan.
@@ -197,14 +201,14 @@ class Engine:
                 r.first_scheduled_s = start
         self.recorder.on_step(plan, result, start, ends, self.scheduler)
         if self._streams and result.token_ids is not None:
-            k, accepted = len(result.token_ids), result.accepted_ids
-            for i, rid in enumerate(result.sampled_ids):
+            for rid in result.sampled_ids:
                 queue = self._streams.get(rid)
-                if queue is not None:
-                    new = [result.token_ids[s][i] for s in range(k)]
-                    if accepted is not None and accepted[i]:  # as the scheduler kept them
-                        new = until_stop(self._stream_requests[rid], [*accepted[i], *new])
-                    queue.put_nowait(new)
+                if queue is not None:  # the tokens the scheduler kept (a verify step's are cut)
+                    out = self._stream_requests[rid].output_token_ids
+                    sent = self._streamed.get(rid, 0)
+                    if len(out) > sent:
+                        self._streamed[rid] = len(out)
+                        queue.put_nowait(out[sent:])
         if self._on_step is not None:
             self._on_step(self, plan, result)
 

@@ -25,13 +25,19 @@ class TextStream:
         self._ready: deque[str] = deque()  # released text per fed step, not yet taken
         self.stopped = False  # a stop string matched: the text is complete
 
-    def feed(self, token_ids: Iterable[int]) -> bool:
-        """One step's tokens (StopChecker); True once a stop string matched."""
+    def feed(self, token_ids: Iterable[int]) -> int | None:
+        """One step's tokens (StopChecker), checked one at a time as plain decoding would: None
+        while no stop string matched, else the tokens taken through the one completing it."""
+        released, taken = [], 0
         for token in token_ids:
+            if self.stopped:
+                break
+            taken += 1
             if token not in self._skip_ids:
                 self._detok.add_token(token)
-        self._ready.append(self._release(final=False))
-        return self.stopped
+            released.append(self._release(final=False))
+        self._ready.append("".join(released))
+        return taken if self.stopped else None
 
     def take(self) -> str:
         """The text the oldest fed step released (often empty), in the order fed."""

@@ -42,8 +42,9 @@ def greedy_outputs(num_prompts: int, max_tokens: int, model: str) -> list[tuple[
             for _, r in sorted(seen.items())]
 
 
-def replay(prompt: list[int], output: list[int], k: int, max_tokens: int) -> list[int]:
-    """Accepted drafts per verify step of one request (the greedy rule against its own output)."""
+def replay(prompt: list[int], output: list[int], k: int, max_tokens: int) -> list[tuple]:
+    """(drafted, accepted) per decode step of one request (the greedy rule against its own
+    output); drafted 0: no n-gram match, a plain decode step."""
     from batchsim.server.executors.speculative import ngram_proposal
 
     accepted, t = [], 1  # the prefill sampled output[0]
@@ -53,19 +54,20 @@ def replay(prompt: list[int], output: list[int], k: int, max_tokens: int) -> lis
         n = 0
         while n < len(drafts) and t + n < len(output) and drafts[n] == output[t + n]:
             n += 1
-        if drafts:
-            accepted.append((len(drafts), n))
+        accepted.append((len(drafts), n))
         t += n + 1
     return accepted
 
 
-def counts(steps: list[tuple[int, int]], k: int) -> dict:
+def counts(all_steps: list[tuple[int, int]], k: int) -> dict:
+    steps = [s for s in all_steps if s[0]]
     drafts = len(steps)
     drafted = sum(d for d, _ in steps)
     acc = sum(n for _, n in steps)
     return {"spec_decode_acceptance_rate": 100.0 * acc / drafted if drafted else 0.0,
             "spec_decode_acceptance_length": 1.0 + acc / drafts if drafts else 1.0,
             "spec_decode_num_drafts": drafts,
+            "decode_steps": len(all_steps),  # a row's steps; drafts / this: how often it drafted
             "spec_decode_per_position_acceptance_rates": [
                 sum(n > i for _, n in steps) / drafts if drafts else 0.0 for i in range(k)]}
 
@@ -89,7 +91,9 @@ def main() -> None:
             rates = ", ".join(f"{x:.2f}" for x in row["spec_decode_per_position_acceptance_rates"])
             print(f"K {k} first {n:3d} prompts: acceptance "
                   f"{row['spec_decode_acceptance_rate']:5.1f}%, length "
-                  f"{row['spec_decode_acceptance_length']:.2f}, per position {rates}")
+                  f"{row['spec_decode_acceptance_length']:.2f}, drafted in "
+                  f"{row['spec_decode_num_drafts']}/{row['decode_steps']} steps, per position "
+                  f"{rates}")
     print(json.dumps({"rows": rows, "max_tokens": args.max_tokens, "model": args.model}))
 
 

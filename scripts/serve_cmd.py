@@ -26,7 +26,7 @@ LISTENING = "batchsim serve: listening on "  # tests and scripts parse this stde
 def add_parser(p: argparse.ArgumentParser) -> None:
     add_model_args(p, simulated=False)
     add_scheduler_args(p)
-    add_spec_args(p)
+    add_spec_args(p, simulated=False)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     g.add_argument("--port", type=port_int, default=8000, help="port; 0 picks a free one")

@@ -20,8 +20,8 @@ from batchsim.server.perf.spec_acceptance import (
 
 
 def add_spec_args(p: argparse.ArgumentParser, simulated: bool = True) -> argparse._ArgumentGroup:
-    g = p.add_argument_group("speculative decoding (greedy rows; --executor mlx, or sim with "
-                             "--acceptance)")
+    g = p.add_argument_group("speculative decoding (--executor mlx; or sim, with --acceptance)"
+                             if simulated else "speculative decoding")
     add_field_argument(g, RunConfig, "spec_method", "ngram: prompt lookup (vLLM's, n-grams of "
                        "2-5 tokens matched in the prompt and output so far); draft: a second "
                        "model sharing the tokenizer (--draft-model)")

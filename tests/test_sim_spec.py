@@ -94,6 +94,15 @@ def test_draws_follow_the_per_position_rates_and_the_seed():
     assert drafted == (3, 0, 0) and accepted[1:] == ((), ())
 
 
+def test_draws_fall_with_the_batch_on_a_falling_curve():
+    def kept(curve: str, batch: int) -> float:
+        draws = SpecDraws(Acceptance((0.9, 0.8, 0.7), curve), seed=1)
+        return sum(len(a) for _ in range(300) for a in draws.draw((3,) * batch, batch)[0])
+
+    assert kept("flat", 8) / 8 == pytest.approx(kept("flat", 1), rel=0.1)
+    assert kept("dflash-mlx-vlm", 8) / 8 < 0.15 * kept("dflash-mlx-vlm", 1)  # 0.22 / 3.1
+
+
 def test_rates_extend_past_the_list_and_fall_with_a_curve():
     assert Acceptance((0.6,)).expected_tokens(4) == pytest.approx((1 - 0.6**5) / 0.4)
     assert Acceptance((0.8, 0.4)).position_rates(4) == pytest.approx([0.8, 0.4, 0.2, 0.1])

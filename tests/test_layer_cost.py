@@ -129,9 +129,10 @@ def test_moe_batching_gain_is_well_below_dense():
     moe = batching_curve(catalog_cost("qwen3-30b-a3b"), 1024)
     dense = batching_curve(catalog_cost("qwen3-8b"), 1024)
     moe_gain, dense_gain = moe[32] / moe[1], dense[32] / dense[1]
-    # More rows route to more distinct experts: MoE gains well under dense (0.56x of it with the
-    # fit of per-row terms, under 0.5x before them: the dense gain shrank too).
-    assert 1 < moe_gain < 0.7 * dense_gain
+    # More rows route to more distinct experts: MoE gains well under dense (0.72x of it since a
+    # tiled matmul pays its FLOPs beside its bytes: the dense gain shrank; 0.56x with the fit of
+    # per-row terms, under 0.5x before them).
+    assert 1 < moe_gain < 0.75 * dense_gain
     assert all(moe[a] < moe[b] for a, b in zip(sorted(moe), sorted(moe)[1:]))
 
 
@@ -195,3 +196,15 @@ def test_the_paged_layout_prices_its_gather_as_measured():
             ratio * padded.layers.attention_decode_s(att, 8, 100))
     assert paged.decode_forward_s(8, 100) > padded.decode_forward_s(8, 100)
     assert paged.prefill_forward_s(64, 0, True) == padded.prefill_forward_s(64, 0, True)
+
+
+def test_one_row_hides_its_flops_several_rows_pay_both():
+    """A catalog Mac's matrix-vector kernel (one row) is its binding term; a tiled matmul (several
+    rows) pays weight bytes plus FLOPs."""
+    cost = catalog_cost("llama-3.2-1b", quantize_bits=None)
+    k, n = cost.spec.hidden_size, cost.spec.intermediate_size
+    for m in (1, 2, 16):
+        moved_s, flops_s = cost._roofline_terms(m, k, n)
+        want = max(moved_s, flops_s) if m == 1 else moved_s + flops_s
+        assert cost.matrix_s(m, k, n) == pytest.approx(want)
+        assert sum(cost.linear_split(m, k, n)) == pytest.approx(want)

@@ -82,6 +82,18 @@ def paged_read_ratio(batch: int) -> float:
     return pts[-1][1]
 
 
+def roofline_split(moved_s: float, flops_s: float, overlapped: bool) -> tuple[float, float]:
+    """(weights_s, matmul_s) of a linear layer on a catalog Mac. A matrix-vector kernel (MLX's
+    gemv / qmv for one row) hides its math under the weight stream: the binding term alone. A
+    matrix-matrix kernel (several rows: MLX's tiled gemm / qmm) loads a tile, then multiplies it,
+    and does not overlap the two: both terms. (The published M4 bf16 ladder, vllmcpp_m4_mlx, grows
+    by its FLOPs from B=2 on, where the binding term alone stays flat.) Routed experts keep the
+    binding term (a few tokens per expert; no published ladder separates the two)."""
+    if overlapped:
+        return (moved_s, 0.0) if moved_s >= flops_s else (0.0, flops_s)
+    return moved_s, flops_s
+
+
 def expected_experts(experts: int, top_k: int, tokens: int) -> float:
     """Distinct experts B tokens route to, each picking top_k of E uniformly: E(1-(1-k/E)^B).
     Real routers are skewed, so this is an upper bound on the experts (bytes) a step reads."""

@@ -4,8 +4,9 @@ a device profile. `size`, `sweep`, `validate` and the simulated executor all ask
 With a calibrated profile each term is measured on the device: the linear layers from a fitted
 GEMM model, attention per K/V byte (decode) or FLOP (prefill), elementwise ops per byte, and
 fixed costs per layer and per forward pass. Without one (a Mac from the catalog) each linear layer
-is a roofline (its bytes at the achievable bandwidth vs its FLOPs at the achievable matmul rate),
-the other terms move their bytes at the achievable bandwidth, and the profile's fixed time per
+is its bytes at the achievable bandwidth and its FLOPs at the achievable matmul rate (one row: the
+larger; several rows: both, layer_cost.roofline_split), the other terms
+move their bytes at the achievable bandwidth, and the profile's fixed time per
 layer and per forward pass (fitted on published MLX measurements: server.perf.mac_fit) is `fixed_s`.
 
 `step_time` returns the named parts (`StepTime`); the simulator's fast path (`decode_parts`,
@@ -23,7 +24,7 @@ from batchsim.server.models.arch import QUANT_GROUP_SIZE, quantized_matrix_bytes
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.perf.cluster import Cluster
 from batchsim.server.perf.engines import EngineProfile, load_engine
-from batchsim.server.perf.layer_cost import LayerCost
+from batchsim.server.perf.layer_cost import LayerCost, roofline_split
 from batchsim.server.perf.profile import (
     Calibration,
     DeviceProfile,
@@ -122,10 +123,10 @@ class StepCost:
         return moved / bytes_per_s, 2 * m * k * n / flops_per_s
 
     def matrix_s(self, m: int, k: int, n: int) -> float:
-        """One (m x k) @ (k x n): the GEMM fit's seconds or the roofline's binding term."""
+        """One (m x k) @ (k x n): the GEMM fit's seconds or the roofline's (roofline_s)."""
         if self.gemm is not None:
             return self.gemm.seconds(m, k, n)
-        return max(self._roofline_terms(m, k, n))
+        return sum(self.linear_split(m, k, n))
 
     def linear_terms(self, m: float, k: int, n: int) -> tuple[float, float]:
         """(seconds of the weights' bytes, seconds of the FLOPs) of one linear layer: the GEMM
@@ -137,12 +138,11 @@ class StepCost:
 
     def linear_split(self, m: int, k: int, n: int) -> tuple[float, float]:
         """matrix_s as (weights_s, matmul_s): the GEMM fit's two terms, or the roofline's
-        binding one."""
+        (roofline_split: one row binding, several adding up)."""
         if self.gemm is not None:
             weights_ns, flops_ns = self.gemm.terms_ns(m, k, n)
             return weights_ns * 1e-9, flops_ns * 1e-9
-        moved_s, flops_s = self._roofline_terms(m, k, n)
-        return (moved_s, 0.0) if moved_s >= flops_s else (0.0, flops_s)
+        return roofline_split(*self._roofline_terms(m, k, n), overlapped=m <= 1)
 
     def linear_layers_s(self, m: int) -> float:
         """Every linear layer of one forward pass over m rows, routed experts included (lm head

@@ -35,7 +35,10 @@ UNSTATED_MEMORY_GB = 512.0  # a row without its Mac's memory: room for any model
 
 def engine_name(row: Any) -> str:
     """The engine profile (configs/engines) of what the row's source ran: the row's engine, vllm-mlx
-    streamed through its server as vllm-mlx-server."""
+    streamed through its server as vllm-mlx-server, mlx-lm at batch > 1 as mlx-lm-batch
+    (mlx_lm.benchmark -b B runs batch_generate: the BatchGenerator loop)."""
+    if row.engine == "mlx-lm" and row.batch > 1:
+        return "mlx-lm-batch"
     return "vllm-mlx-server" if row.engine == "vllm-mlx" and row.streamed else row.engine
 
 

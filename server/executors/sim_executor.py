@@ -185,15 +185,14 @@ class SimExecutor:
 
     def _join(self, plan: StepPlan) -> float:
         layout = self.layout
-        ids, positions = plan.decode_ids, plan.decode_positions
+        in_pool = layout.in_pool
         t = 0.0
-        # The joining rows in plan order (found by set and index: a few among many rows).
-        for i in sorted(map(ids.index, set(ids).difference(layout.in_pool))):
-            rid, pos = ids[i], positions[i]
-            layout.join(rid, pos)
-            self._drop_private(rid)
-            shared = self._shared.pop(rid, 0) * self.block_bytes  # referenced, not copied
-            t += self.cost.copy_s(self.cache.seq_bytes(pos) - shared)
+        for rid, pos in zip(plan.decode_ids, plan.decode_positions):
+            if rid not in in_pool:
+                layout.join(rid, pos)
+                self._drop_private(rid)
+                shared = self._shared.pop(rid, 0) * self.block_bytes  # referenced, not copied
+                t += self.cost.copy_s(self.cache.seq_bytes(pos) - shared)
         return t
 
 

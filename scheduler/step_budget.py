@@ -68,8 +68,20 @@ class StepBudget:
     def geometry(self, reserve_bytes: int = 0) -> PoolGeometry | None:
         """The pool geometry for these rows in what the private caches leave; None: none fits."""
         room = self.budget_bytes - self.private_bytes() - reserve_bytes
-        width = self.width + self.spec_k if self.pool else self.width
-        return self.kv.geometry_for(len(self.pool), width, room, self.blocks)
+        if not self.pool:
+            return self.kv.geometry_for(0, self.width, room, self.blocks)
+        return self.kv.geometry_for(len(self.pool), self.width + self.spec_k, room,
+                                    self.blocks + self._draft_blocks())
+
+    def _draft_blocks(self) -> int:
+        """Paged: blocks the rows' drafted tokens take this step beyond their own (the executor
+        frees those its rows do not keep)."""
+        k = self.spec_k
+        if not k or not self.kv.paged:
+            return 0
+        step = self.decode_step
+        return sum([row_blocks(r.num_computed_tokens + step + k)
+                    - row_blocks(r.num_computed_tokens + step) for r in self.pool])
 
     def _blocks(self) -> int:
         kv = self.kv

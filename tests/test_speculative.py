@@ -42,11 +42,30 @@ def _requests(prompts: list[list[int]], max_tokens: int, eos: frozenset[int] = f
             for i, ids in enumerate(prompts)]
 
 
-def _run(model, kvt: int, arrivals, spec_tokens: int = 0, **cfg):
-    sched = Scheduler(config(kv_bytes_per_token=kvt, spec_tokens=spec_tokens, **cfg))
-    ex = MLXExecutor(model, drafter=NgramDrafter() if spec_tokens else None)
+def _run(model, kvt: int, arrivals, spec_tokens: int = 0, kv_layout: str = "padded", **cfg):
+    sched = Scheduler(config(kv_bytes_per_token=kvt, spec_tokens=spec_tokens,
+                             kv_layout=kv_layout, **cfg))
+    ex = MLXExecutor(model, drafter=NgramDrafter() if spec_tokens else None, kv_layout=kv_layout)
+    if kv_layout == "paged":
+        ex = _RowsHoldTheirBlocks(ex)
     trace = drive(sched, ex, arrivals)  # checks the KV account and the executor's bytes per step
     return {rid: r.output_token_ids for rid, r in trace.requests.items()}, trace
+
+
+class _RowsHoldTheirBlocks:
+    """Executor wrapper: after every step each paged row holds exactly the blocks of its tokens
+    (those taken for rejected drafts are free again)."""
+
+    def __init__(self, ex) -> None:
+        self.ex = ex
+
+    def execute(self, plan, max_elapsed_s=float("inf")):
+        from batchsim.scheduler.pool_geometry import row_blocks
+
+        result = self.ex.execute(plan, max_elapsed_s)
+        pool = self.ex.pool
+        assert [len(t) for t in pool.blocks.tables] == [row_blocks(n) for n in pool.lengths]
+        return result
 
 
 def _drafts(trace) -> int:
@@ -125,6 +144,37 @@ def test_ngram_speculation_matches_plain_greedy_real_weights(real):
         assert max(len(p.decode_ids) for p in trace.plans if p.decode_spec_tokens) == max_num_seqs
 
 
+def test_paged_speculation_matches_paged_plain_and_padded_speculation(tiny):
+    ref, model, _ = tiny
+    kvt = ref.spec.kv_bytes_per_token("float32")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(ref.spec.vocab_size) for _ in range(rng.randint(5, 40))] * 3
+               for _ in range(6)]
+    kw = {"max_num_seqs": 4, "spec_policy": "fixed"}
+    padded, _ = _run(model, kvt, _requests(prompts, 24), spec_tokens=4, **kw)
+    paged, _ = _run(model, kvt, _requests(prompts, 24), kv_layout="paged", **kw)
+    spec, trace = _run(model, kvt, _requests(prompts, 24), spec_tokens=4, kv_layout="paged", **kw)
+    assert spec == paged == padded
+    assert _drafts(trace) > 0 and len(trace.plans) < sum(map(len, spec.values()))
+
+
+def test_paged_speculation_never_writes_a_shared_prefix_block(tiny):
+    # Rows referencing cached prompt blocks (prefix cache, paged) verify drafts past them; the
+    # executor refuses to write into a block with more than one reference.
+    ref, model, _ = tiny
+    kvt = ref.spec.kv_bytes_per_token("float32")
+    rng = random.Random(4)
+    system = [rng.randrange(ref.spec.vocab_size) for _ in range(40)]
+    prompts = [system + [rng.randrange(ref.spec.vocab_size) for _ in range(12)] * 2
+               for _ in range(4)]
+    arrivals = [(0 if i == 0 else 3, r) for i, (_, r) in enumerate(_requests(prompts, 16))]
+    plain, _ = _run(model, kvt, _requests(prompts, 16), max_num_seqs=4)
+    spec, trace = _run(model, kvt, arrivals, spec_tokens=3, kv_layout="paged", max_num_seqs=4,
+                       spec_policy="fixed", reuse_prefixes=True)
+    assert spec == plain and _drafts(trace) > 0
+    assert any(c.start >= 32 for p in trace.plans for c in p.prefills)  # two cached blocks hit
+
+
 def test_draft_model_speculation_matches_plain_greedy_tiny(tiny):
     # The model as its own draft: nearly every draft is accepted, and the output stays exact.
     from batchsim.server.executors.draft_model import DraftModelDrafter
@@ -153,8 +203,6 @@ def test_draft_model_speculation_matches_plain_greedy_tiny(tiny):
     (["--spec-method", "ngram", "--spec-tokens", "2", "--acceptance", "0.5"],
      "are for --executor sim"),
     (["--spec-method", "ngram", "--spec-tokens", "99"], "spec_tokens must be in 0..32"),
-    (["--spec-method", "ngram", "--spec-tokens", "2", "--kv-layout", "paged"],
-     "in the padded KV layout only"),
     (["--model", "tiny-sliding", "--spec-method", "ngram", "--spec-tokens", "2"],
      "the model has sliding-attention layers, whose cache cannot roll back"),
     (["--model", "tiny-hybrid", "--dtype", "float32", "--spec-method", "ngram",

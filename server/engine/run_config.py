@@ -100,9 +100,6 @@ def _check_spec(cfg: RunConfig) -> None:
         raise ConfigError("--spec-method draft needs --draft-model M" if method == "draft"
                           else "--draft-model needs --spec-method draft")
     _check_spec_executor(cfg)
-    if cfg.kv_layout != "padded":
-        raise ConfigError(f"--spec-method {method} verifies drafts in the padded KV layout only "
-                          "(--kv-layout padded)")
 
 
 def _check_spec_executor(cfg: RunConfig) -> None:

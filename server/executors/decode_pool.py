@@ -163,30 +163,38 @@ class DecodePool:
         rows = self._aranges.get(len(lengths))
         if rows is None:
             rows = self._aranges[len(lengths)] = mx.arange(len(lengths))
-        if self.paged and n != 1:
-            raise RuntimeError("the paged layout decodes one token per row and step")
-        step = DecodeStep(lengths, rows, self._paged_step(lengths) if self.paged else None, n)
+        step = DecodeStep(lengths, rows, self._paged_step(lengths, n) if self.paged else None, n)
         if step.width > self.geometry.capacity_tokens:
             raise RuntimeError(f"row of {step.width} tokens exceeds capacity {self.geometry}")
         views = [s.view_class(s, step) for s in self.stores]
         self.lengths = [x + n for x in lengths]
         return views
 
-    def _paged_step(self, lengths: list[int]) -> PagedStep:
-        """Each row's blocks for its next token (allocated as rows cross a block), and the
+    def _paged_step(self, lengths: list[int], n: int = 1) -> PagedStep:
+        """Each row's blocks for its next n tokens (allocated as rows cross a block), and the
         block tables as one array."""
         blocks = self.blocks
-        for row, n in enumerate(lengths):
-            if blocks.fit_row(row, n + 1):
+        for row, length in enumerate(lengths):
+            if blocks.fit_row(row, length + n):
                 self._tables = None
         tables = blocks.tables
         if self._tables is None:
             width = max(len(t) for t in tables)
             self._tables = mx.array([t + [0] * (width - len(t)) for t in tables])
-        return PagedStep(self._tables, lengths,
-                         [t[n // PAGE_TOKENS] for t, n in zip(tables, lengths)])
+        if n == 1:
+            return PagedStep(self._tables, lengths,
+                             [t[x // PAGE_TOKENS] for t, x in zip(tables, lengths)])
+        at = [[x + i for i in range(n)] for x in lengths]  # a verify step's positions
+        written = [[t[p // PAGE_TOKENS] for p in ps] for t, ps in zip(tables, at)]
+        if any(blocks.refcount[ws[0]] > 1 for ws in written):  # later ones are new this step
+            raise RuntimeError("a verify step would write into a shared block")
+        return PagedStep(self._tables, at, written)
 
     def keep(self, lengths: list[int], kept: list[int]) -> None:
         """After a verify step from `lengths`: each row keeps its first kept[b] tokens; K/V past
-        them are never read (masked, then overwritten), as after an undone step run ahead."""
+        them are never read (masked, then overwritten), as after an undone step run ahead.
+        Paged: blocks taken only for rejected drafts go back to the free list."""
         self.lengths = [x + k for x, k in zip(lengths, kept)]
+        for row, length in enumerate(self.lengths if self.paged else ()):
+            if self.blocks.fit_row(row, length):
+                self._tables = None

@@ -17,10 +17,12 @@ from batchsim.server.models.arch_cache import Attention
 class PagedStep:
     """What every paged layer shares in one decode step."""
 
-    def __init__(self, tables: mx.array, lengths: list[int], write_blocks: list[int]):
+    def __init__(self, tables: mx.array, positions: list, write_blocks: list):
+        """positions: each row's new token's position (B,), or its n tokens' (B, n) in a verify
+        step; write_blocks: the blocks they go to, alike."""
         self.tables = tables  # (B, blocks of the longest row): each row's blocks, padded
-        self.write_blocks = mx.array(write_blocks)  # (B,) the block each row's new token goes to
-        self.write_slots = mx.array([n % PAGE_TOKENS for n in lengths])  # (B,) its slot there
+        self.write_blocks = mx.array(write_blocks)  # (B,) or (B, n): the new tokens' blocks
+        self.write_slots = mx.array(positions) % PAGE_TOKENS  # their slots there
 
     def gather(self, a: mx.array, width: int) -> mx.array:
         """Rows' tokens [0, width) as (B, heads, width, dim)."""
@@ -95,6 +97,10 @@ class PagedKVView(KVView):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         st, pg = self._step, self._paged
         k, v = self._store.parts
-        k[pg.write_blocks, :, pg.write_slots] = keys[:, :, 0, :]
-        v[pg.write_blocks, :, pg.write_slots] = values[:, :, 0, :]
+        if st.n == 1:
+            k[pg.write_blocks, :, pg.write_slots] = keys[:, :, 0, :]
+            v[pg.write_blocks, :, pg.write_slots] = values[:, :, 0, :]
+        else:  # (B, n) blocks and slots: the indexed axes first, as numpy orders them
+            k[pg.write_blocks, :, pg.write_slots] = keys.transpose(0, 2, 1, 3)
+            v[pg.write_blocks, :, pg.write_slots] = values.transpose(0, 2, 1, 3)
         return pg.gather(k, st.width), pg.gather(v, st.width)

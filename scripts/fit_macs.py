@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import re
 from pathlib import Path
@@ -17,7 +18,7 @@ import yaml
 from batchsim.configs import ConfigError
 from batchsim.scripts.common import out, table
 from batchsim.server.perf import gpu_fit, mac_report, macs
-from batchsim.server.perf.engines import ENGINES_DIR, EngineProfile, load_engine
+from batchsim.server.perf.engines import ENGINES_DIR, EngineProfile, engine_names, load_engine
 from batchsim.server.perf.reference import PUBLISHED_PATH, load_published, load_reference
 from batchsim.server.published import cv as mac_cv
 from batchsim.server.published.sim import MacModel
@@ -37,22 +38,36 @@ def run(args: argparse.Namespace) -> dict:
     model, cv = mac_cv.validate(rows, catalog, before, mac_cv.describe(rows, where))
     fit = model.fit
     try:
-        shipped = MacModel(gpu_fit.load_fit(), {e: load_engine(e) for e in model.engines})
+        shipped = shipped_model(model)
     except ConfigError:  # none yet (or unreadable): --write makes one
         shipped = None
     _print(model, cv)
     same = shipped is not None and same_model(model, shipped)
     if args.write:
-        written = [save_engine(e, fit.fitted_on).name for e in model.engines.values()]
+        written = [save_engine(e, fit.fitted_on).name for e in engine_profiles(model)]
         out.print(f"fit written to {gpu_fit.save_fit(fit)} and {', '.join(written)}")
     elif not same:
         out.print("[yellow]the shipped fit differs from this one: run `batchsim fit-macs --write`"
                   "[/yellow]")
     return {"fit": dataclasses.asdict(fit), "before_fit": dataclasses.asdict(before),
-            "engines": {e: {"host_step_us": p.host_step_us, "host_token_us": p.host_token_us,
-                            "row_dispatch_forwards": p.row_dispatch_forwards}
-                        for e, p in model.engines.items()},
+            "engines": {p.name: {"host_step_us": p.host_step_us, "host_token_us": p.host_token_us,
+                                 "row_dispatch_forwards": p.row_dispatch_forwards,
+                                 "host_basis": p.host_basis} for p in engine_profiles(model)},
+            "engine_priors": {k: p._asdict() for k, p in model.priors.items()},
             "shipped_fit_matches": same, "written": args.write, "cv": cv}
+
+
+def shipped_model(model: MacModel) -> MacModel:
+    """The shipped fit and engine files of what `model` would write."""
+    return MacModel(gpu_fit.load_fit(), {e.name: load_engine(e.name)
+                                         for e in engine_profiles(model)})
+
+
+def engine_profiles(model: MacModel) -> list[EngineProfile]:
+    """What --write writes: every fitted engine, and every other engine of a kind with a prior
+    (priced at it)."""
+    return [model.engine(e) for e in engine_names()
+            if e in model.engines or model.prior_of(e) is not None]
 
 
 def _nums(obj: object) -> list[float]:
@@ -68,7 +83,7 @@ def _nums(obj: object) -> list[float]:
 
 def same_model(a: MacModel, b: MacModel, rel: float = 1e-6) -> bool:
     """The fitted numbers agree (the text fields may differ)."""
-    pairs = [(a.fit, b.fit), *((p, b.engine(e)) for e, p in a.engines.items())]
+    pairs = [(a.fit, b.fit), *((p, b.engine(p.name)) for p in engine_profiles(a))]
     return all(len(_nums(x)) == len(_nums(y)) and all(
         math.isclose(p, q, rel_tol=rel, abs_tol=1e-9) for p, q in zip(_nums(x), _nums(y)))
         for x, y in pairs)
@@ -78,8 +93,8 @@ def save_engine(profile: EngineProfile, fitted_on: str) -> Path:
     """Write an engine's fitted host costs into its YAML (the rest of the file as it is)."""
     path = ENGINES_DIR / f"{profile.name}.yaml"
     text = path.read_text()
-    for key in ("host_step_us", "host_token_us", "row_dispatch_forwards"):
-        line = f"{key}: {getattr(profile, key)!r}"
+    for key in ("host_step_us", "host_token_us", "row_dispatch_forwards", "host_basis"):
+        line = f"{key}: {json.dumps(getattr(profile, key))}"
         if re.search(rf"^{key}: ", text, flags=re.MULTILINE):
             text = re.sub(rf"^{key}: .*$", line, text, flags=re.MULTILINE)
         elif getattr(profile, key):  # a new fitted term: after the host costs
@@ -97,6 +112,13 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:+.0f}%"
 
 
+def _held(row: dict, fold: str) -> str:
+    """A row's held-out error, and the engine prior that priced it (if one did)."""
+    prior = row[f"{fold}_engine_prior"]
+    return (_pct(row[f"{fold}_tok_s"] / row["measured_tok_s"] - 1)
+            + (f" ({prior} prior)" if prior else ""))
+
+
 def _stat(s: dict) -> str:
     if not s["n"]:
         return "-"
@@ -112,8 +134,7 @@ def _print(model: MacModel, cv: dict) -> None:
           r["measures"] + ("" if r["decode_only"] else " +prefill"), f"{r['measured_tok_s']:.1f}",
           _pct(r["before_tok_s"] / r["measured_tok_s"] - 1),
           _pct(r["after_tok_s"] / r["measured_tok_s"] - 1),
-          _pct(r["leave_one_source_out_tok_s"] / r["measured_tok_s"] - 1),
-          _pct(r["leave_one_chip_out_tok_s"] / r["measured_tok_s"] - 1)] for r in cv["rows"]]))
+          *(_held(r, fold) for fold in mac_cv.FOLDS)] for r in cv["rows"]]))
     body = []
     for fold in mac_cv.FOLDS:
         for label, rep in (("before", cv["before"][fold]), ("after", cv[fold])):
@@ -125,4 +146,6 @@ def _print(model: MacModel, cv: dict) -> None:
                     [[e, *(_stat(rep[k]) for k in mac_cv.KINDS)] for e, rep in engines.items()]))
     out.print(f"Fit: {model.fit.summary()}. {model.fit.fitted_on}. Engines' host us per step / "
               "token: " + ", ".join(f"{e} {p.host_step_us:.0f} / {p.host_token_us:.0f}"
-                                    for e, p in sorted(model.engines.items())) + ".")
+                                    for e, p in sorted(model.engines.items())) + ". Priors of an "
+              "engine without rows: " + ", ".join(f"{k} {p.describe()}"
+                                                   for k, p in sorted(model.priors.items())) + ".")

@@ -266,7 +266,8 @@ def _notes(rows: list[dict], meta: dict, what: str, spec: ModelSpec) -> list[str
     engine = load_engine(meta["engine"])
     notes.append(f"Engine {engine.name} (configs/engines/{engine.name}.yaml): host "
                  f"{engine.host_step_us:g} us per step + {engine.host_token_us:g} us per token"
-                 + engine.batching_note() + ".")
+                 + engine.batching_note()
+                 + (f" ({engine.host_basis})" if engine.host_basis else "") + ".")
     if not spec.is_dense:
         notes.append(f"{'+'.join(spec.families)}: KV/seq is mlx-lm's exact cache of one sequence "
                      f"at the mean context, by kind (full-attention/MLA KV grows with it, sliding "

@@ -200,7 +200,7 @@ def test_size_and_sweep_price_the_engine_named_and_say_so(tmp_path, capsys):
     row = predict("vllm-mlx-server")
     assert row["engine"] == "vllm-mlx-server"
     assert served["decode_tok_s"] == pytest.approx(row["decode_tok_s_b1"], rel=0.02)
-    assert served["decode_tok_s"] < 0.7 * plain["decode_tok_s"]
+    assert served["decode_tok_s"] < 0.8 * plain["decode_tok_s"]  # its kind's prior: 0.7 ms a token
 
 
 # -- quantized ceilings (issue 36): a quantized layer's bytes at the quantized GEMV rate, its
@@ -317,3 +317,12 @@ def test_the_explain_line_says_what_the_engine_batches():
     assert _engine(serial_model_types=("qwen2",)).batching_note() == \
         "; qwen2 one row at a time"
     assert load_engine("mlx-lm-generate").batching_note() == "; runs one request at a time"
+
+
+def test_an_engine_kind_is_server_library_or_none():
+    assert _engine(kind="server").kind == "server" and _engine().kind == ""
+    with pytest.raises(ValueError, match="kind must be one of"):
+        _engine(kind="daemon")
+    kinds = {n: load_engine(n).kind for n in engine_names()}
+    assert kinds["mlx-lm-server"] == "server" and kinds["mlx-lm-batch"] == "library"
+    assert kinds["batchsim"] == "" and kinds["mlx-lm-generate"] == ""

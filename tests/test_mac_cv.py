@@ -208,3 +208,48 @@ def test_rows_the_model_cannot_explain_are_scored_not_fitted(rows, catalog):
     a = published_fit.fit_published(few, catalog, model)
     b = published_fit.fit_published(kept, catalog, model)
     assert fit_macs.same_model(a, b)
+
+
+def _few(rows, srcs):
+    return [r for r in rows if r.src in srcs]
+
+
+def test_an_engine_without_rows_is_priced_at_its_kinds_pooled_prior(rows, catalog):
+    few = _few(rows, {"vllm_mlx_llm", "rapid_mlx_636", "mlx_inference_server"})
+    fit = published_fit.fit_published(few, catalog, MacModel(gpu_fit.load_fit()))
+    servers = [e for e in fit.engines.values() if e.kind == "server"]
+    assert {e.name for e in servers} == {"rapid-mlx", "mlx-inference-server"}
+    prior = fit.priors["server"]
+    assert prior.engines == 2
+    one_row_us = [e.host_step_us + e.host_token_us for e in servers]
+    assert prior.host_step_us + prior.host_token_us == pytest.approx(sum(one_row_us) / 2)
+    assert sum(one_row_us) > 0
+    unseen = fit.engine("mlx-lm-server")  # a server the rows lack: the servers' mean, said so
+    assert (unseen.host_step_us, unseen.host_token_us) == (prior.host_step_us,
+                                                          prior.host_token_us)
+    assert fit.prior_of("mlx-lm-server") == "server" and "server prior" in unseen.host_basis
+    assert fit.prior_of("rapid-mlx") is None and "fitted on" in fit.engine("rapid-mlx").host_basis
+    kindless = fit.engine("mlx-lm-generate")  # no kind: no prior, no host cost
+    assert fit.prior_of("mlx-lm-generate") is None and kindless.host_token_us == 0.0
+    # Held out, the source's engines (seen nowhere else) are priced at their kinds' priors.
+    used: list = [None] * len(few)
+    mac_cv.held_out(few, catalog, mac_cv.FOLDS["leave_one_source_out"],
+                    mac_cv.published_fitter(catalog, MacModel(gpu_fit.load_fit())), used)
+    assert {u for u, r in zip(used, few) if r.src == "mlx_inference_server"} == {
+        "library", "server"}
+
+
+def test_a_one_row_engine_is_shrunk_towards_its_kinds_prior(rows, catalog, monkeypatch):
+    few = [r for r in _few(rows, {"vllm_mlx_llm", "rapid_mlx_636", "mlx_inference_server"})
+           if r.engine != "mlx-inference-server" or r.model == "qwen2.5-7b"]  # one row of it
+    start = MacModel(gpu_fit.load_fit())
+
+    def gap() -> float:
+        fit = published_fit.fit_published(few, catalog, start)
+        one, prior = fit.engines["mlx-inference-server"], fit.priors["server"]
+        return abs(one.host_step_us + one.host_token_us
+                   - prior.host_step_us - prior.host_token_us)
+
+    pulled = gap()
+    monkeypatch.setattr(published_fit, "PRIOR_ROWS", 0.0)
+    assert pulled < 0.8 * gap()

@@ -15,6 +15,7 @@ from batchsim.configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
 
 ENGINES_DIR = CONFIG_DIR / "engines"
 DEFAULT_ENGINE = "batchsim"
+ENGINE_KINDS = ("", "server", "library")  # kind: whose pooled host costs are an engine's prior
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,11 @@ class EngineProfile:
     # one forward pass (its layers' dispatches); fitted.
     attention_loop: bool = False
     row_dispatch_forwards: float = 0.0
+    # server (HTTP requests, streaming) or library (an in-process loop): an engine the Mac fit has
+    # no rows of gets its kind's prior, the pooled host costs of the fitted engines of that kind;
+    # "" (none): zero host costs.
+    kind: str = ""
+    host_basis: str = ""  # how the fit set the host costs: its rows, and the prior it used
     version: str = ""  # the engine version the numbers describe
     source: str = ""  # the published measurements the numbers come from, or why they are zero
     note: str = ""
@@ -48,6 +54,9 @@ class EngineProfile:
             value = getattr(self, key)
             if not 0 <= value < math.inf:
                 raise ValueError(f"{key} must be >= 0 and finite, got {value}")
+        if self.kind not in ENGINE_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(ENGINE_KINDS)} or empty, "
+                             f"got {self.kind!r}")
 
     def serial_for(self, model_type: str) -> bool:
         """Whether this engine runs a model of `model_type` one row at a time."""

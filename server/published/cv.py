@@ -14,7 +14,7 @@ from batchsim.server.perf import mac_fit, macs
 from batchsim.server.perf.gpu_fit import GpuFit
 from batchsim.server.perf.reference import DecodeRow
 from batchsim.server.published.fit import explained, fit_published
-from batchsim.server.published.sim import MacModel, predict_tok_s
+from batchsim.server.published.sim import MacModel, engine_name, predict_tok_s
 
 KINDS = ("b1", "batched", "gain")
 FOLDS: dict[str, Callable[[Any], str]] = {
@@ -87,23 +87,28 @@ def report(rows: Sequence[Any], predicted: Sequence[float],
 
 
 def held_out(rows: Sequence[Any], catalog: macs.Catalog, key: Callable[[Any], str],
-             fitter: Fitter) -> list[float]:
-    """Each row's tok/s predicted by a fit on the rows of every other group (same key)."""
+             fitter: Fitter, priors_used: list[str | None] | None = None) -> list[float]:
+    """Each row's tok/s predicted by a fit on the rows of every other group (same key); into
+    `priors_used`, the engine kind whose prior priced each row (None: its engine was fitted)."""
     predicted = [0.0] * len(rows)
     for group in sorted({key(r) for r in rows}):
         fit = fitter([r for r in rows if key(r) != group])
         for i, r in enumerate(rows):
             if key(r) == group:
                 predicted[i] = predict_tok_s(r, catalog, fit)
+                if priors_used is not None:
+                    priors_used[i] = fit.prior_of(engine_name(r))
     return predicted
 
 
 def cross_validate(rows: Sequence[Any], catalog: macs.Catalog, fitter: Fitter,
                    keep: Sequence[bool] | None = None
-                   ) -> tuple[dict[str, Any], dict[str, list[float]]]:
-    """(report by fold, held-out predictions by fold); `keep`: as report's."""
-    held = {name: held_out(rows, catalog, key, fitter) for name, key in FOLDS.items()}
-    return {name: report(rows, p, keep) for name, p in held.items()}, held
+                   ) -> tuple[dict[str, Any], dict[str, list[float]], dict[str, list]]:
+    """(report by fold, held-out predictions by fold, the engine prior each used by fold);
+    `keep`: as report's."""
+    used: dict[str, list] = {name: [None] * len(rows) for name in FOLDS}
+    held = {name: held_out(rows, catalog, key, fitter, used[name]) for name, key in FOLDS.items()}
+    return {name: report(rows, p, keep) for name, p in held.items()}, held, used
 
 
 # -- the shipped fit and its evidence --------------------------------------------------------------
@@ -145,8 +150,8 @@ def validate(rows: Sequence[Any], catalog: macs.Catalog, before: GpuFit,
     start = MacModel(before)
     after = fit_published(rows, catalog, start, fitted_on)
     keep = [explained(r, start) for r in rows]
-    cv, held = cross_validate(rows, catalog, published_fitter(catalog, start), keep)
-    old_cv, _ = cross_validate(rows, catalog, legacy_fitter(catalog, before.compute_efficiency),
+    cv, held, used = cross_validate(rows, catalog, published_fitter(catalog, start), keep)
+    old_cv, _, _ = cross_validate(rows, catalog, legacy_fitter(catalog, before.compute_efficiency),
                                keep)
     table = []
     for i, r in enumerate(rows):
@@ -157,6 +162,7 @@ def validate(rows: Sequence[Any], catalog: macs.Catalog, before: GpuFit,
                  "before_tok_s": predict_tok_s(r, catalog, start),
                  "after_tok_s": predict_tok_s(r, catalog, after)}
         entry |= {f"{fold}_tok_s": held[fold][i] for fold in FOLDS}
+        entry |= {f"{fold}_engine_prior": used[fold][i] for fold in FOLDS}
         table.append(entry)
     fit = dataclasses.replace(after.fit, errors=_errors(cv), compute_fitted_on=fitted_on)
-    return MacModel(fit, after.engines), {**cv, "before": old_cv, "rows": table}
+    return dataclasses.replace(after, fit=fit), {**cv, "before": old_cv, "rows": table}

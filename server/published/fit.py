@@ -9,22 +9,24 @@ matmuls), fixed time per layer and per forward pass, decode attention's cost per
 sampling per sampled row, and each engine's host time per step and per generated token. For each g
 on a grid that is a least-squares problem on relative error (robust: Huber weights; every time term
 kept >= 0; an engine's own terms shrunk towards zero, so what all engines share goes to the device
-terms). The parts are recomputed under the new fit and the fit repeated (a roofline's binding side
-can change)."""
+terms, and towards the mean of its kind's, servers' or libraries', by PRIOR_ROWS over its rows: that
+mean is the prior of an engine the rows lack, and a one-row engine's costs lie halfway to it). The
+parts are recomputed under the new fit and the fit repeated (a roofline's binding side may move)."""
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 from batchsim.server.perf import macs
-from batchsim.server.perf.engines import load_engine
+from batchsim.server.perf.engines import EngineProfile, load_engine
 from batchsim.server.perf.gpu_fit import FORMATS, fit_format
 from batchsim.server.perf.mac_fit import EXPERT_GRID, HUBER_DELTA, IRLS_ROUNDS
 from batchsim.server.published.sim import (
+    HostPrior,
     MacModel,
     engine_name,
     measured_s,
@@ -42,6 +44,8 @@ TIMES = {"layer_s": "layer_overhead_us", "forward_s": "forward_overhead_us",
          "ultra_layer_s": "ultra_layer_us"}
 ROUNDS = 3  # refits with the parts recomputed under the last fit
 ENGINE_RIDGE = 0.1  # shrinkage of each engine's own terms (columns scaled to unit norm)
+PRIOR_ROWS = 1.0  # the weight of an engine's kind prior, in rows of the engine's own
+HOST_PARTS = ("step", "token")  # an engine's host-cost columns: step:NAME, token:NAME
 JITTER = 1e-9  # on the others: collinear columns share rather than fail
 UNIT_US = 1e6  # count-type terms priced at 1 s each: their parts are then counts
 # The largest slowdown (1 / efficiency) a rate may take: streaming weights at under a third of the
@@ -154,17 +158,72 @@ def _bounds(col: str) -> tuple[float, float]:
     return 1.0, MAX_SLOWDOWN["kv" if col == "kv" else "compute" if col[:2] == "c_" else "bytes"]
 
 
-def _lsq(a: np.ndarray, rhs: np.ndarray, keep: list[int], ridge: list[int]) -> np.ndarray:
-    """Huber-weighted least squares of a @ theta = rhs over the kept columns (others zero), the
-    `ridge` ones shrunk (on unit-norm columns)."""
+class Shrink(NamedTuple):
+    """Penalties: every engine's host terms towards zero (`zero`, by unit-norm column), and each
+    kinded engine's host cost per one-row step (its step + token terms) towards the mean of its
+    kind's (`pairs`: step column, token column, weight per second squared, kind)."""
+
+    zero: np.ndarray
+    pairs: list[tuple[int, int, float, str]]
+
+
+def _kind(col: str) -> str:
+    """The engine kind of a host-cost column ('' for any other column or a kindless engine)."""
+    part, _, name = col.partition(":")
+    return load_engine(name).kind if part in HOST_PARTS else ""
+
+
+def _shrink(a: np.ndarray, cols: list[str], free: list[int]) -> Shrink:
+    zero, pairs = np.full(len(cols), JITTER), []
+    index = {c: j for j, c in enumerate(cols)}
+    for j in free:
+        part, _, name = cols[j].partition(":")
+        if part in HOST_PARTS:
+            zero[j] = ENGINE_RIDGE
+        if part == "step" and (kind := _kind(cols[j])):
+            k = index[f"token:{name}"]
+            # a row's relative error per second of the pair's cost, at batch 1 (step = token)
+            per_s = np.linalg.norm((a[:, j] + a[:, k]) / 2)
+            pairs.append((j, k, PRIOR_ROWS * per_s**2 / np.count_nonzero(a[:, j]), kind))
+    return Shrink(zero, pairs)
+
+
+def _pull(scale: np.ndarray, keep: list[int], shrink: Shrink
+          ) -> tuple[np.ndarray, np.ndarray, Callable[[np.ndarray], np.ndarray]]:
+    """(penalty matrix, v, the kind means by pair under a theta) of the pairs on the kept columns:
+    each engine's one-row host cost (seconds: step + token, v @ coefficients) towards its kind's
+    mean, weighed as one of its rows' relative error squared over PRIOR_ROWS / its rows. The
+    penalty's right-hand side is v.T @ (weight * means(theta))."""
+    at = {j: i for i, j in enumerate(keep)}
+    v = np.zeros((len(shrink.pairs), len(keep)))
+    for p, (j, k, _, _) in enumerate(shrink.pairs):
+        for c in (j, k):
+            if c in at:
+                v[p, at[c]] = 1.0 / scale[c]  # the seconds of a unit-norm coefficient
+    weight = np.array([w for _, _, w, _ in shrink.pairs])
+    steps, tokens = ([pair[i] for pair in shrink.pairs] for i in (0, 1))
+    kinds = [kind for *_, kind in shrink.pairs]
+    same = np.array([[a == b for b in kinds] for a in kinds], dtype=float)
+    same /= np.maximum(same.sum(axis=1, keepdims=True), 1.0)
+
+    def means(theta: np.ndarray) -> np.ndarray:
+        return weight * (same @ (theta[steps] + theta[tokens]))
+
+    return (v.T * weight) @ v, v, means
+
+
+def _lsq(a: np.ndarray, rhs: np.ndarray, keep: list[int], shrink: Shrink) -> np.ndarray:
+    """Huber-weighted least squares of a @ theta = rhs over the kept columns (others zero),
+    penalised by `shrink` (each kind's mean taken from the round before)."""
     scale = np.linalg.norm(a, axis=0)
     scale[scale == 0] = 1.0
     an = a[:, keep] / scale[keep]
-    shrink = np.diag([ENGINE_RIDGE if j in ridge else JITTER for j in keep])
+    pull, v, means = _pull(scale, keep, shrink)
+    ridge = np.diag(shrink.zero[keep]) + pull
     theta, w = np.zeros(a.shape[1]), np.ones(a.shape[0])
     for _ in range(IRLS_ROUNDS):
         lhs = an * w[:, None]  # the normal equations: a small square system
-        sol = np.linalg.solve(lhs.T @ lhs + shrink, lhs.T @ (rhs * w))
+        sol = np.linalg.solve(lhs.T @ lhs + ridge, lhs.T @ (rhs * w) + v.T @ means(theta))
         theta[:] = 0.0
         theta[keep] = sol / scale[keep]
         r = np.abs(a @ theta - rhs)
@@ -176,11 +235,11 @@ def _fit_at(a: np.ndarray, cols: list[str]) -> tuple[float, np.ndarray]:
     """(Huber loss, theta) of a @ theta = 1 within each column's bounds: the worst violator is held
     at its bound and the rest refitted, until none is out."""
     free = [j for j in range(len(cols)) if np.any(a[:, j] > 0)]
-    ridge = [j for j in free if cols[j].startswith(("step:", "token:"))]  # row: a device product
+    shrink = _shrink(a, cols, free)  # row: (a device product) not shrunk
     held: dict[int, float] = {}
     while True:
         rhs = 1.0 - sum((a[:, j] * v for j, v in held.items()), np.zeros(a.shape[0]))
-        theta = _lsq(a, rhs, free, ridge)
+        theta = _lsq(a, rhs, free, shrink)
         out = {j: min(max(theta[j], lo), hi) for j in free
                for lo, hi in [_bounds(cols[j])] if not lo <= theta[j] <= hi}
         if not out:
@@ -239,6 +298,31 @@ def _to_model(theta: dict[str, float], g: float, start: MacModel, fitted_on: str
     return MacModel(fit, engines)
 
 
+def priors(engines: dict[str, EngineProfile]) -> dict[str, HostPrior]:
+    """Each engine kind's prior: the mean host costs (us per step, per token) of its fitted
+    engines."""
+    out = {}
+    for kind in sorted({e.kind for e in engines.values()} - {""}):
+        of = [e for e in engines.values() if e.kind == kind]
+        out[kind] = HostPrior(statistics.fmean(e.host_step_us for e in of),
+                              statistics.fmean(e.host_token_us for e in of), len(of))
+    return out
+
+
+def _with_priors(model: MacModel, rows: Sequence[Any]) -> MacModel:
+    """`model` with its kinds' priors and each fitted engine's host_basis: its rows and the prior
+    it was shrunk to."""
+    model = dataclasses.replace(model, priors=priors(model.engines))
+    engines = {}
+    for name, e in model.engines.items():
+        n = sum(engine_name(r) == name for r in rows)
+        basis = f"fitted on {n} row{'s' * (n != 1)}"
+        if e.kind in model.priors:
+            basis += f", shrunk towards the {e.kind} prior, {model.priors[e.kind].describe()}"
+        engines[name] = dataclasses.replace(e, host_basis=basis)
+    return dataclasses.replace(model, engines=engines)
+
+
 def explained(row: Any, model: MacModel) -> bool:
     """Whether the model has the terms the row needs. Not: a row published.yaml marks
     `unexplained` (with why); a batched row of an engine that runs this architecture as separate
@@ -263,4 +347,4 @@ def fit_published(rows: Sequence[Any], catalog: macs.Catalog, start: MacModel,
         theta, g = _solve([basis(r, catalog, unit, n, model) for r, n in zip(rows, layers)],
                           cols)
         model = _to_model(theta, g, start, fitted_on)
-    return model
+    return _with_priors(model, rows)

@@ -33,6 +33,18 @@ from batchsim.workloads.spec import WorkloadSpec
 UNSTATED_MEMORY_GB = 512.0  # a row without its Mac's memory: room for any model in the set
 
 
+class HostPrior(NamedTuple):
+    """The pooled host costs of the fitted engines of one kind (their mean)."""
+
+    host_step_us: float
+    host_token_us: float
+    engines: int  # how many fitted engines it pools
+
+    def describe(self) -> str:
+        return (f"{self.host_step_us:.0f} us per step + {self.host_token_us:.0f} per token "
+                f"(pooled over {self.engines} engines)")
+
+
 def engine_name(row: Any) -> str:
     """The engine profile (configs/engines) of what the row's source ran: the row's engine, vllm-mlx
     streamed through its server as vllm-mlx-server, mlx-lm at batch > 1 as mlx-lm-batch
@@ -44,17 +56,29 @@ def engine_name(row: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class MacModel:
-    """What predicts a published row: the GPU step's terms and the engines' host costs (an engine
-    absent here costs no host time: never a value fitted on rows held out)."""
+    """What predicts a published row: the GPU step's terms, the engines' host costs and, for an
+    engine absent here, its kind's prior (none: no host time; never a value fitted on rows held
+    out)."""
 
     fit: GpuFit
     engines: dict[str, EngineProfile] = dataclasses.field(default_factory=dict)
+    priors: dict[str, HostPrior] = dataclasses.field(default_factory=dict)  # by engine kind
 
     def engine(self, name: str) -> EngineProfile:
         if name in self.engines:
             return self.engines[name]
-        return dataclasses.replace(load_engine(name), host_step_us=0.0, host_token_us=0.0,
-                                   row_dispatch_forwards=0.0)
+        base = load_engine(name)
+        prior = self.priors.get(base.kind, HostPrior(0.0, 0.0, 0))
+        basis = (f"no rows in the fit: the {base.kind} prior, {prior.describe()}"
+                 if prior.engines else "no rows in the fit, no prior: none")
+        return dataclasses.replace(base, host_step_us=prior.host_step_us,
+                                   host_token_us=prior.host_token_us, row_dispatch_forwards=0.0,
+                                   host_basis=basis)
+
+    def prior_of(self, name: str) -> str | None:
+        """The engine kind whose prior prices `name` (None: fitted here, or no prior)."""
+        kind = load_engine(name).kind
+        return kind if name not in self.engines and kind in self.priors else None
 
     def engine_of(self, row: Any) -> EngineProfile:
         """The engine as the row's source ran it (its version's batching)."""

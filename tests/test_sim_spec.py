@@ -106,6 +106,7 @@ def test_draws_fall_with_the_batch_on_a_falling_curve():
 def test_rates_extend_past_the_list_and_fall_with_a_curve():
     assert Acceptance((0.6,)).expected_tokens(4) == pytest.approx((1 - 0.6**5) / 0.4)
     assert Acceptance((0.8, 0.4)).position_rates(4) == pytest.approx([0.8, 0.4, 0.2, 0.1])
+    assert Acceptance((0.8, 0.4)).expected_tokens(0) == 1.0  # K = 0: plain decoding
     dflash = Acceptance((0.9, 0.8), "dflash-mlx-vlm")
     assert dflash.expected_tokens(2, 1) == pytest.approx(2.7)
     assert dflash.expected_tokens(2, 8) - 1 == pytest.approx(1.7 * (0.22 / 3.1))

@@ -57,6 +57,8 @@ class Acceptance(NamedTuple):
 
     def position_rates(self, spec_tokens: int, batch: int = 1) -> list[float]:
         """Rates of positions 0..K-1 at this batch."""
+        if spec_tokens <= 0:
+            return []
         rates = list(self.rates[:spec_tokens])
         last = rates[-1]
         ratio = last / self.rates[-2] if len(self.rates) > 1 and self.rates[-2] else last

@@ -44,7 +44,7 @@ def test_verify_step_is_decode_plus_the_prefill_price_of_k_more_tokens_a_row(cos
 
 
 def test_speculation_pays_at_batch_1_and_stops_with_the_batch(cost):
-    assert spec_price.gain(cost, 1, 4, _a(0.6), 2048) > 1.5  # bandwidth-bound: verify nearly free
+    assert spec_price.gain(cost, 1, 4, _a(0.6), 2048) > 1.3  # bandwidth-bound: verify nearly free
     b = spec_price.break_even_batch(cost, 4, _a(0.6), 2048, 4096)
     assert b is not None and b > 1
     assert spec_price.gain(cost, b - 1, 4, _a(0.6), 2048) > 1 >= spec_price.gain(

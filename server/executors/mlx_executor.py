@@ -139,7 +139,9 @@ class MLXExecutor:
         """This step's tokens, with the next decode step already running behind them."""
         if not samples:
             return []
-        flat = mx.concatenate([s.reshape(-1) for s in samples])
+        # a plain decode step's (B,) tokens as they are: no op the bare loop does not have
+        flat = samples[0] if len(samples) == 1 and samples[0].ndim == 1 else mx.concatenate(
+            [s.reshape(-1) for s in samples])
         mx.async_eval(flat)
         if self.run_ahead and (plan.decode_ids or not len(self.pool)):
             prefilled = [c.request_id for c in plan.prefills if c.sample]

@@ -317,8 +317,9 @@ def _print_parts(rows: list[dict], meta: dict) -> None:
     cols = ["Mac", "batch", *names, "tok/s"]
     out.print(table(f"Predicted decode step by part, context {meta['context']} (mean "
                     f"{meta['context_mean_tokens']:.0f} tokens read per row)", cols, body))
-    out.print("weights: linear layers streaming their weights (bandwidth-bound ones on a "
-              "roofline); matmul: their arithmetic (compute-bound ones); attention: K/V reads; "
+    out.print("weights: linear layers streaming their weights; matmul: their arithmetic (a "
+              "Mac's one-row step: the larger of the two; several rows: both); attention: K/V "
+              "reads; "
               "elementwise: norms, activations, logits; fixed: per layer and forward pass (a Mac's "
               "fitted kernel dispatch and sync); step overhead: per engine step (zero on a catalog "
               "Mac); copy: KV pool copies (none in steady decode); experts: MoE routed experts "

@@ -253,3 +253,11 @@ def test_a_one_row_engine_is_shrunk_towards_its_kinds_prior(rows, catalog, monke
     pulled = gap()
     monkeypatch.setattr(published_fit, "PRIOR_ROWS", 0.0)
     assert pulled < 0.8 * gap()
+
+
+def test_a_catalog_mac_has_no_per_row_attention_kernel_cost(rows):
+    """MLX's decode attention is one kernel over every row: the fit has no per-row attention
+    unknown, so one source's per-row engine work (mlx_lm_1540 samples row by row) cannot become
+    every Mac's attention cost."""
+    assert "attention_row_s" not in published_fit.columns(rows)
+    assert gpu_fit.load_fit().attention_row_us == 0.0

@@ -5,8 +5,11 @@ prefill, each priced by simulating what its source ran (server.published.sim).
 A row's predicted seconds are StepCost's parts, each linear in one unknown: bytes at the peak
 bandwidth times 1 / efficiency (the weights' by format; decode K/V reads their own; routed experts'
 also over g, their fraction), FLOPs at the peak compute times 1 / efficiency (float, 4-bit, 8-bit
-matmuls), fixed time per layer and per forward pass, decode attention's cost per row per layer,
-sampling per sampled row, and each engine's host time per step and per generated token. For each g
+matmuls), fixed time per layer and per forward pass, sampling per sampled row, and each engine's
+host time per step and per generated token (and an attention loop's per-row dispatches). No
+per-row attention kernel cost on a catalog Mac: MLX's decode attention is one kernel over every
+row (attention_row_us stays 0; the one source that wanted it, mlx_lm_1540, calls its sampler once
+per row: its engine's host time per token). For each g
 on a grid that is a least-squares problem on relative error (robust: Huber weights; every time term
 kept >= 0; an engine's own terms shrunk towards zero, so what all engines share goes to the device
 terms, and towards the mean of its kind's, servers' or libraries', by PRIOR_ROWS over its rows: that
@@ -36,9 +39,10 @@ from batchsim.server.published.sim import (
     run_steps,
 )
 
-DEVICE = (*FORMATS, "kv", "c_float", "c_q8", "c_q4", "layer_s", "forward_s", "attention_row_s",
-          "sampling_row_s", "ultra_layer_s", "ultra_bytes")
-# Seconds per count (kept >= 0) and the GpuFit field (us) each is written to.
+DEVICE = (*FORMATS, "kv", "c_float", "c_q8", "c_q4", "layer_s", "forward_s", "sampling_row_s",
+          "ultra_layer_s", "ultra_bytes")
+# Seconds per count (kept >= 0) and the GpuFit field (us) each is written to (attention_row_s is
+# no column: written as 0).
 TIMES = {"layer_s": "layer_overhead_us", "forward_s": "forward_overhead_us",
          "attention_row_s": "attention_row_us", "sampling_row_s": "sampling_row_us",
          "ultra_layer_s": "ultra_layer_us"}
@@ -67,7 +71,7 @@ def columns(rows: Sequence[Any]) -> list[str]:
 def _unit(model: MacModel, rows: Sequence[Any]) -> MacModel:
     """`model` with every count-type term at 1 s (layers: per layer; forward: none)."""
     fit = dataclasses.replace(model.fit, layer_overhead_us=UNIT_US, forward_overhead_us=0.0,
-                              attention_row_us=UNIT_US, token_layer_us=0.0,
+                              attention_row_us=0.0, token_layer_us=0.0,
                               sampling_row_us=UNIT_US, ultra_layer_us=0.0,
                               ultra_bandwidth_slowdown=0.0)
     engines = {e: dataclasses.replace(model.engine(e), host_step_us=UNIT_US, host_token_us=UNIT_US,
@@ -104,7 +108,6 @@ def basis(row: Any, catalog: macs.Catalog, unit: MacModel, layers: int,
         f"c_{fmt}": cq * (d.matmul_s + f.matmul_s + f.experts_s),
         "layer_s": d.fixed_s + f.fixed_s,
         "forward_s": (d.fixed_s + f.fixed_s) / layers,
-        "attention_row_s": d.attention_rows_s + f.attention_rows_s,
         "sampling_row_s": d.sampling_s + f.sampling_s,
         f"step:{eng}": d.host_step_s + f.host_step_s,
         f"token:{eng}": d.host_token_s + f.host_token_s,

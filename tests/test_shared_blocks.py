@@ -103,3 +103,28 @@ def test_simulated_shared_blocks_fit_more_rows():
         drive(sched, watch, _requests(1000, with_ids=False))
         rows[reuse] = watch.max_rows
     assert rows[True] > rows[False] + 2, rows
+
+
+def test_a_hit_too_big_beside_its_prefill_copy_prefills_from_the_start():
+    """At a budget where a hit's blocks and its prefill cache's copy of them do not fit together
+    but a plain prefill does, requests run (they waited forever when admission only tried the
+    hit), in both layouts."""
+    from batchsim.scheduler.pool_geometry import KV_STEP
+    from batchsim.server.executors.sim_executor import SimExecutor
+    from batchsim.server.models.spec import zoo_spec
+    from batchsim.server.perf.stepcost import StepCost
+
+    from tests.test_sim import PROFILE
+
+    cost = StepCost(zoo_spec("tiny"), PROFILE, "float32", None)
+    kvt = cost.kv_bytes_per_token
+    shared = chain_block_hashes([("system", b) for b in range(18)])  # 288 tokens
+    for layout in ("padded", "paged"):
+        sched = Scheduler(config(kv_bytes_per_token=kvt, kv_budget_bytes=3 * KV_STEP * kvt,
+                                 max_num_seqs=4, row_step=1, kv_layout=layout,
+                                 reuse_prefixes=True))
+        arrivals = [(4 * i, Request(i, 310, SamplingParams(max_tokens=120, ignore_eos=True), 0.0,
+                                    block_hashes=shared)) for i in range(4)]
+        trace = drive(sched, SimExecutor(cost, max_lookahead_steps=1, paged=layout == "paged"),
+                      arrivals, max_steps=5000)
+        assert all(r.num_output_tokens == 120 for r in trace.requests.values())

@@ -261,3 +261,30 @@ def test_a_catalog_mac_has_no_per_row_attention_kernel_cost(rows):
     every Mac's attention cost."""
     assert "attention_row_s" not in published_fit.columns(rows)
     assert gpu_fit.load_fit().attention_row_us == 0.0
+
+
+def test_a_two_die_chip_pays_its_moe_layers_fixed_cost_once_per_forward(catalog):
+    from batchsim.server.perf.engines import load_engine
+    from batchsim.server.perf.stepcost import StepCost
+
+    fit = dataclasses.replace(gpu_fit.load_fit(), ultra_moe_layer_us=100.0)
+    (ultra,) = [m for m in catalog.chips if m.label == "M1 Ultra 64c"]
+    (single,) = [m for m in catalog.chips if m.label == "M4 Max 40c"]
+    assert gpu_fit.mac_profile(ultra, fit, 4).moe_layer_overhead_s == pytest.approx(100e-6)
+    assert gpu_fit.mac_profile(single, fit, 4).moe_layer_overhead_s == 0.0
+
+    def fixed_s(model: str, mac, f, engine: str = "mlx-lm") -> tuple[float, float]:
+        cost = StepCost(ps.model_spec(model), gpu_fit.mac_profile(mac, f, 4), "bfloat16", 4,
+                        engine=load_engine(engine).at_version("0.7.0-beta.1"))
+        return cost.step_time(1, 512).fixed_s, cost.step_time(4, 512).attention_rows_s
+
+    off = dataclasses.replace(fit, ultra_moe_layer_us=0.0)
+    moe = ps.model_spec("qwen3-30b-a3b")
+    assert moe.num_layers == 48
+    assert fixed_s("qwen3-30b-a3b", ultra, fit)[0] - fixed_s("qwen3-30b-a3b", ultra, off)[0] == \
+        pytest.approx(48 * 100e-6)
+    assert fixed_s("llama-3.1-8b", ultra, fit) == fixed_s("llama-3.1-8b", ultra, off)  # dense
+    # An engine's per-row attention loop repeats the forward's dispatches, not its MoE layers.
+    loop = fixed_s("qwen3-30b-a3b", ultra, fit, "mlxcel-server")[1]
+    assert loop > 0 and loop == pytest.approx(fixed_s("qwen3-30b-a3b", ultra, off,
+                                                      "mlxcel-server")[1])

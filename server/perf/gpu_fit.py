@@ -58,6 +58,10 @@ class GpuFit:
     # 1 / bandwidth efficiency (published Ultra decode rates fall short of their peak bandwidth).
     ultra_layer_us: float = 0.0
     ultra_bandwidth_slowdown: float = 0.0
+    # ... and extra fixed time per routed-expert layer per forward pass: an MoE layer's small
+    # gathered expert reads, spread over both dies' memory, wait on latency more than bandwidth
+    # (published M1 Ultra MoE decode rates; its dense ones fit without it).
+    ultra_moe_layer_us: float = 0.0
 
     def __post_init__(self) -> None:
         missing = [f for f in FORMATS if f not in self.bandwidth_efficiency]
@@ -70,7 +74,7 @@ class GpuFit:
             raise ValueError("kv_bandwidth_efficiency and quantized_gemm_efficiency must be in "
                              "[0, 1]")
         if min(self.attention_row_us, self.token_layer_us, self.sampling_row_us,
-               self.ultra_layer_us, self.ultra_bandwidth_slowdown) < 0:
+               self.ultra_layer_us, self.ultra_bandwidth_slowdown, self.ultra_moe_layer_us) < 0:
             raise ValueError("attention_row_us, token_layer_us, sampling_row_us and the Ultra "
                              "terms must be >= 0")
 
@@ -86,7 +90,9 @@ class GpuFit:
         terms = [(self.attention_row_us, "attention {:.2f} us/row/layer"),
                  (self.token_layer_us, "{:.3f} us/token/layer"),
                  (self.sampling_row_us, "sampling {:.1f} us/row"),
-                 (self.kv_bandwidth_efficiency, "K/V reads {:.2f}")]
+                 (self.kv_bandwidth_efficiency, "K/V reads {:.2f}"),
+                 (self.ultra_layer_us, "Ultra +{:.1f} us/layer"),
+                 (self.ultra_moe_layer_us, "Ultra +{:.1f} us/MoE layer")]
         shown = [form.format(v) for v, form in terms if v]
         shown += [f"q{b} GEMM {e:.2f} of FP16" for b, e in self.quantized_gemm_efficiency.items()]
         return f"; {', '.join(shown)}" if shown else ""
@@ -130,6 +136,7 @@ def mac_profile(mac: Mac, fit: GpuFit, quantize_bits: int | None,
     layer_us = fit.layer_overhead_us + (fit.ultra_layer_us if ultra else 0.0)
     return dataclasses.replace(
         profile, layer_overhead_s=layer_us * 1e-6,
+        moe_layer_overhead_s=(fit.ultra_moe_layer_us if ultra else 0.0) * 1e-6,
         expert_bandwidth_efficiency=fit.expert_bandwidth_efficiency,
         forward_overhead_s=fit.forward_overhead_us * 1e-6,
         fitted_on=f"{fit.fitted_on} ({fit.summary()})",

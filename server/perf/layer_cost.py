@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Protocol
 
 from batchsim.server.models.arch_cache import STATE_BYTES, Attention
@@ -143,6 +143,11 @@ class LayerCost:
                       for mat in layer.mats)
             total += per * count
         return total
+
+    @cached_property
+    def moe_layers(self) -> int:
+        """Layers with routed experts."""
+        return sum(n for layer, n in self.layers.items() if any(m.routed for m in layer.mats))
 
     def routed_s(self, mat: Mat, layer: Layer, m: int) -> float:
         """One routed-expert matrix stack over m tokens: D distinct experts, each streaming its

@@ -113,6 +113,9 @@ class DeviceProfile:
     # Routed MoE experts' gathered mat-vecs reach this fraction of the achievable bandwidth above
     # (index gathers, small per-expert tiles); 1.0 on a calibrated device (not measured there).
     expert_bandwidth_efficiency: float = 1.0
+    # Fixed cost per routed-expert (MoE) layer per forward pass beyond layer_overhead_s, seconds
+    # (two-die Macs: fitted; zero elsewhere).
+    moe_layer_overhead_s: float = 0.0
     # What the profile's terms were fitted on ("" for a plain roofline or a hand-written profile).
     fitted_on: str = ""
     # 4/8-bit affine matmuls' own ceilings, keyed by bits (empty: the float ones): bytes of a

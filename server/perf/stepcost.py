@@ -175,6 +175,13 @@ class StepCost:
         return self._elementwise_s(1, logits=True) - self._elementwise_s(1, False)
 
     def _fixed_s(self) -> float:
+        """A forward pass's fixed cost: its dispatches, and (a catalog Ultra) its MoE layers'."""
+        if self.cal is not None:
+            return self._dispatch_s()
+        return self._dispatch_s() + self.layers.moe_layers * self.profile.moe_layer_overhead_s
+
+    def _dispatch_s(self) -> float:
+        """A forward pass's kernel dispatch and graph building: per layer and per forward."""
         if self.cal is not None:
             return (self._layers_overhead_us + self.cal.forward_overhead_us) * 1e-6
         p = self.profile
@@ -228,7 +235,7 @@ class StepCost:
         per-sequence attention loop; one row runs the plain forward), in forwards' fixed cost."""
         if self.row_graphs or not self.engine.attention_loop:
             return 0.0
-        return self.engine.row_dispatch_forwards * self._fixed_s()
+        return self.engine.row_dispatch_forwards * self._dispatch_s()
 
     # -- the simulator's fast path: the same blocks, summed ------------------------------------
     def _decode_parts(self, batch: int) -> tuple[float, float]:

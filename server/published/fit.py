@@ -40,12 +40,12 @@ from batchsim.server.published.sim import (
 )
 
 DEVICE = (*FORMATS, "kv", "c_float", "c_q8", "c_q4", "layer_s", "forward_s", "sampling_row_s",
-          "ultra_layer_s", "ultra_bytes")
+          "ultra_layer_s", "ultra_bytes", "ultra_moe_layer_s")
 # Seconds per count (kept >= 0) and the GpuFit field (us) each is written to (attention_row_s is
 # no column: written as 0).
 TIMES = {"layer_s": "layer_overhead_us", "forward_s": "forward_overhead_us",
          "attention_row_s": "attention_row_us", "sampling_row_s": "sampling_row_us",
-         "ultra_layer_s": "ultra_layer_us"}
+         "ultra_layer_s": "ultra_layer_us", "ultra_moe_layer_s": "ultra_moe_layer_us"}
 ROUNDS = 3  # refits with the parts recomputed under the last fit
 ENGINE_RIDGE = 0.1  # shrinkage of each engine's own terms (columns scaled to unit norm)
 PRIOR_ROWS = 1.0  # the weight of an engine's kind prior, in rows of the engine's own
@@ -73,7 +73,7 @@ def _unit(model: MacModel, rows: Sequence[Any]) -> MacModel:
     fit = dataclasses.replace(model.fit, layer_overhead_us=UNIT_US, forward_overhead_us=0.0,
                               attention_row_us=0.0, token_layer_us=0.0,
                               sampling_row_us=UNIT_US, ultra_layer_us=0.0,
-                              ultra_bandwidth_slowdown=0.0)
+                              ultra_bandwidth_slowdown=0.0, ultra_moe_layer_us=0.0)
     engines = {e: dataclasses.replace(model.engine(e), host_step_us=UNIT_US, host_token_us=UNIT_US,
                                       row_dispatch_forwards=0.0)
                for e in {engine_name(r) for r in rows}}
@@ -118,6 +118,9 @@ def basis(row: Any, catalog: macs.Catalog, unit: MacModel, layers: int,
         plain["c_float"] += ce * (d.matmul_s + f.matmul_s + f.experts_s)
     if row.chip.endswith("Ultra"):  # two dies: their own extra terms
         plain["ultra_layer_s"], plain["ultra_bytes"] = plain["layer_s"], plain[fmt]
+        moe = row_cost(row, catalog, unit).layers.moe_layers / layers
+        if moe:  # its routed-expert layers' share of the per-layer counts
+            plain["ultra_moe_layer_s"] = moe * plain["layer_s"]
     experts = d.experts_s * eff * fit.expert_bandwidth_efficiency
     return Basis(plain, experts, fmt, measured_s(row))
 

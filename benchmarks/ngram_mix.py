@@ -8,8 +8,9 @@ benchmarks/spec_decode.py ran at batch limits 1, 8, 32 (max(4, batch) prompts).
 
     .venv/bin/python benchmarks/ngram_mix.py --num-prompts 32 --spec-tokens 2,4 --max-tokens 48
 
-The last stdout line is one JSON document: per K and prompt count, vLLM's acceptance keys and
-the per-position rates (a `--acceptance` list for `size` and simulated runs)."""
+The last stdout line is one JSON document: per K and prompt count, vLLM's acceptance keys, the
+per-position rates (a `--acceptance` list for `size` and simulated runs) and the draft share (how
+often a row found an n-gram match at all: `--draft-share`)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def counts(all_steps: list[tuple[int, int]], k: int) -> dict:
     return {"spec_decode_acceptance_rate": 100.0 * acc / drafted if drafted else 0.0,
             "spec_decode_acceptance_length": 1.0 + acc / drafts if drafts else 1.0,
             "spec_decode_num_drafts": drafts,
-            "decode_steps": len(all_steps),  # a row's steps; drafts / this: how often it drafted
+            "decode_steps": len(all_steps),  # rows' decode steps, drafting or not
+            "draft_share": drafts / len(all_steps) if all_steps else 0.0,  # --draft-share
             "spec_decode_per_position_acceptance_rates": [
                 sum(n > i for _, n in steps) / drafts if drafts else 0.0 for i in range(k)]}
 

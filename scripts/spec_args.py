@@ -14,8 +14,9 @@ from batchsim.server.perf.spec_acceptance import (
     CURVES,
     PUBLISHED,
     Acceptance,
+    checked_share,
+    from_run,
     parse_rates,
-    rates_from_run,
 )
 
 
@@ -47,35 +48,45 @@ def add_acceptance_args(g: argparse._ArgumentGroup, where: str = "") -> None:
     g.add_argument("--acceptance-from", default=None, metavar="RUN_DIR",
                    help=f"{where}the per-position rates a speculative run measured (its "
                    "summary.json), instead of --acceptance")
+    g.add_argument("--draft-share", type=float, default=None, metavar="D",
+                   help=f"{where}the chance a row drafts at all in a step (the n-gram drafter "
+                   "finds no match in most steps); with --acceptance-from: that run's drafts over "
+                   "its rows' decode steps, else 1")
     g.add_argument("--acceptance-curve", choices=CURVES, default=None,
                    help=f"{where}how acceptance falls with the batch: flat (the default), or a "
                    f"published curve scaling the accepted drafts ({sources})")
 
 
-def acceptance_rates(args: argparse.Namespace) -> tuple[float, ...] | None:
-    """The rates --acceptance or --acceptance-from give (None: neither)."""
+def acceptance_inputs(args: argparse.Namespace) -> tuple[tuple[float, ...], float] | None:
+    """(rates, draft share) from --acceptance or --acceptance-from and --draft-share (None: no
+    rates given)."""
     given, run_dir = getattr(args, "acceptance", None), getattr(args, "acceptance_from", None)
+    share = getattr(args, "draft_share", None)
     if given is not None and run_dir is not None:
         raise ConfigError("--acceptance and --acceptance-from are one input: give one")
-    if run_dir is not None:
-        return rates_from_run(run_dir)
-    return None if given is None else parse_rates(given)
+    if given is None and run_dir is None:
+        if share is not None or getattr(args, "acceptance_curve", None) is not None:
+            raise ConfigError("--draft-share and --acceptance-curve need --acceptance or "
+                              "--acceptance-from")
+        return None
+    rates, measured = from_run(run_dir) if run_dir is not None else (parse_rates(given), 1.0)
+    return rates, checked_share(measured if share is None else share)
 
 
 def acceptance_of(args: argparse.Namespace) -> Acceptance | None:
     """The acceptance model of the flags (None: no rates given)."""
-    rates = acceptance_rates(args)
-    if rates is None:
-        if getattr(args, "acceptance_curve", None) is not None:
-            raise ConfigError("--acceptance-curve needs --acceptance or --acceptance-from")
+    inputs = acceptance_inputs(args)
+    if inputs is None:
         return None
-    return Acceptance(rates, args.acceptance_curve or "flat")
+    return Acceptance(inputs[0], args.acceptance_curve or "flat", inputs[1])
 
 
 def spec_overrides(args: argparse.Namespace) -> dict[str, object]:
     """The flags as with_run_overrides keys (None: not given)."""
+    inputs = acceptance_inputs(args)
     return {"spec_method": getattr(args, "spec_method", None),
-            "spec_acceptance": acceptance_rates(args),
+            "spec_acceptance": inputs[0] if inputs else None,
+            "spec_draft_share": inputs[1] if inputs else None,
             "spec_acceptance_curve": getattr(args, "acceptance_curve", None),
             "draft_model": getattr(args, "draft_model", None),
             "scheduler.spec_tokens": getattr(args, "spec_tokens", None),

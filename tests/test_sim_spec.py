@@ -94,6 +94,38 @@ def test_draws_follow_the_per_position_rates_and_the_seed():
     assert drafted == (3, 0, 0) and accepted[1:] == ((), ())
 
 
+def test_a_draft_share_below_1_leaves_rows_undrafted_and_prices_the_step_by_what_was_drafted(
+        cost):
+    draws = SpecDraws(Acceptance((1.0,), draft_share=0.3), seed=2)
+    results = [draws.draw((4,) * 8, 8) for _ in range(500)]
+    drafted = [d for _, ds in results for d in ds]
+    assert sum(d > 0 for d in drafted) / len(drafted) == pytest.approx(0.3, abs=0.03)
+    assert all(len(a) == d for acc, ds in results for a, d in zip(acc, ds))  # rate 1: all kept
+    assert Acceptance((0.5,), draft_share=0.2).expected_tokens(2) == pytest.approx(1 + 0.2 * 0.75)
+    _, never = _run(cost, 4, (1.0,), rows=1, out=9)
+    plan = _verify_steps(never)[0][0]
+    elapsed = {}
+    for share in (1e-9, 1.0):  # the same step from the same state, drafting or not
+        ex = SimExecutor(cost, spec=SpecDraws(Acceptance((1.0,), draft_share=share), 0))
+        ex.execute(never[0][0])  # the prefill: the row joins the pool
+        result = ex.execute(plan)
+        elapsed[share] = result.elapsed_s
+        assert result.num_drafted == ((0,) if share < 1 else (4,))
+    start = max(plan.decode_positions)
+    assert elapsed[1.0] - elapsed[1e-9] == pytest.approx(spec_price.verify_extra_s(cost, 1, 4,
+                                                                                   start))
+    assert spec_price.verify_extra_s(cost, 1, 4, start) > 0
+
+
+def test_acceptance_from_a_run_reads_its_draft_share(tmp_path):
+    from batchsim.server.perf.spec_acceptance import from_run
+
+    (tmp_path / "summary.json").write_text(json.dumps({
+        "spec_decode_per_position_acceptance_rates": [0.6, 0.3], "total_output_tokens": 100,
+        "completed": 4, "spec_decode_accepted_tokens": 16, "spec_decode_num_drafts": 20}))
+    assert from_run(tmp_path) == ((0.6, 0.3), pytest.approx(20 / 80))  # 80 decode steps
+
+
 def test_draws_fall_with_the_batch_on_a_falling_curve():
     def kept(curve: str, batch: int) -> float:
         draws = SpecDraws(Acceptance((0.9, 0.8, 0.7), curve), seed=1)

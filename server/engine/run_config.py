@@ -10,7 +10,7 @@ from typing import Any, Literal
 from batchsim.configs import ConfigError, from_dict, load_yaml
 from batchsim.scheduler.config import KV_LAYOUTS, KVLayout, SchedulerSettings
 from batchsim.server.models.spec import FLOAT_DTYPES, KV_BITS, QUANT_BITS
-from batchsim.server.perf.spec_acceptance import checked, curve_points
+from batchsim.server.perf.spec_acceptance import checked, checked_share, curve_points
 from batchsim.workloads.spec import (
     WorkloadSpec,
     builtin_workload,
@@ -54,6 +54,7 @@ class RunConfig:
     # with the batch (server/perf/spec_acceptance.py).
     spec_acceptance: tuple[float, ...] = ()
     spec_acceptance_curve: str = "flat"
+    spec_draft_share: float = 1.0  # executor sim: the chance a row drafts in a step
 
     def __post_init__(self) -> None:
         if self.quantize not in (None, *QUANT_BITS):
@@ -113,10 +114,11 @@ def _check_spec_executor(cfg: RunConfig) -> None:
             raise ConfigError("--executor sim with --spec-method draws accepted drafts from "
                               "--acceptance A[,A2...] or --acceptance-from RUN_DIR")
         checked(cfg.spec_acceptance, "spec_acceptance")
+        checked_share(cfg.spec_draft_share, "spec_draft_share")
         curve_points(cfg.spec_acceptance_curve)
     elif cfg.executor != "mlx":
         raise ConfigError(f"--spec-method {method} runs on --executor mlx or sim")
-    elif given or cfg.spec_acceptance_curve != "flat":
+    elif given or cfg.spec_acceptance_curve != "flat" or cfg.spec_draft_share != 1.0:
         raise ConfigError("--acceptance, --acceptance-from and --acceptance-curve are for "
                           "--executor sim (a real run measures acceptance)")
 

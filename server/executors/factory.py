@@ -43,6 +43,9 @@ class ExecutorConfig(Protocol):
     def spec_acceptance_curve(self) -> str: ...  # sim: how acceptance falls with the batch
 
     @property
+    def spec_draft_share(self) -> float: ...  # sim: the chance a row drafts in a step
+
+    @property
     def workload(self) -> Any: ...  # sim: its seed seeds the accepted-draft draws
 
 
@@ -78,8 +81,8 @@ def _sim_spec(cfg: ExecutorConfig):
     from batchsim.server.executors.sim_spec import SpecDraws
     from batchsim.server.perf.spec_acceptance import Acceptance
 
-    return SpecDraws(Acceptance(cfg.spec_acceptance, cfg.spec_acceptance_curve),
-                     cfg.workload.seed)
+    return SpecDraws(Acceptance(cfg.spec_acceptance, cfg.spec_acceptance_curve,
+                                cfg.spec_draft_share), cfg.workload.seed)
 
 
 def build_mlx_executor(cfg: ExecutorConfig, ref: ModelRef, model: Any) -> MLXExecutor:

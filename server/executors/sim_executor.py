@@ -88,18 +88,17 @@ class SimExecutor:
         return StepResult(plan.step_index, sampled, None, tuple(durations), self.kv_bytes())
 
     def _verify(self, plan: StepPlan, t: float, sampled: tuple[int, ...]) -> StepResult:
-        """One verify step: every row's last token and drafts in one forward pass (padded to the
-        largest K, as the MLX executor runs it), accepted drafts drawn."""
+        """One verify step: accepted drafts drawn, then every row's last token and drafts in one
+        forward pass (padded to the largest K drafted, as the MLX executor runs it)."""
         if self.spec is None:
             raise ValueError("a plan with drafts, and this simulated executor has no acceptance")
-        rows, start, k = (len(plan.decode_ids), max(plan.decode_positions),
-                          max(plan.decode_spec_tokens))
+        accepted, drafted = self.spec.draw(plan.decode_spec_tokens, len(sampled))
+        rows, start, k = len(plan.decode_ids), max(plan.decode_positions), max(drafted)
         key = (rows, k, start)
         extra = self._verify_s.get(key)
         if extra is None:
             extra = _remember(self._verify_s, key, verify_extra_s(self.cost, rows, k, start))
         t += self._decode_forward_s(rows, start + 1) + extra
-        accepted, drafted = self.spec.draw(plan.decode_spec_tokens, len(sampled))
         return StepResult(plan.step_index, sampled, None, (t,), self.kv_bytes(), accepted,
                           drafted)
 

@@ -1,8 +1,9 @@
 """Speculative decoding in the simulated executor: each decoding row drafts the K its plan allows,
 and how many of them it keeps is drawn from the per-position acceptance rates at the step's batch
 (server/perf/spec_acceptance.py). One uniform draw u per row keeps the drafts whose rate exceeds
-u, so position i is accepted with exactly its rate and only after the ones before it. Draws are
-deterministic per seed. Accepted tokens are placeholders (simulated tokens are not tokens): only
+u, so position i is accepted with exactly its rate and only after the ones before it; with a draft
+share D < 1 a row first drafts at all with chance D (else it verifies nothing this step). Draws
+are deterministic per seed. Accepted tokens are placeholders (simulated tokens are not tokens): only
 their count is read."""
 
 from __future__ import annotations
@@ -24,18 +25,21 @@ class SpecDraws:
              ) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
         """(accepted placeholders, drafted count) per sampled row: the decode rows (their
         `spec_tokens`), then sampling prefills (none drafted)."""
-        batch = len(spec_tokens)
+        batch, share, rand = len(spec_tokens), self.acceptance.draft_share, self._random
         accepted: list[tuple[int, ...]] = []
-        for k in spec_tokens:
+        drafted = list(spec_tokens)
+        for i, k in enumerate(spec_tokens):
             n = 0
-            if k:
+            if k and share < 1.0 and rand() >= share:
+                drafted[i] = 0  # no draft this step
+            elif k:
                 rates = self._rates_at(k, batch)
-                u = self._random()
+                u = rand()
                 while n < k and rates[n] > u:
                     n += 1
             accepted.append(_KEPT[n])
         extra = num_sampled - batch
-        return (*accepted, *((),) * extra), (*spec_tokens, *(0,) * extra)
+        return (*accepted, *((),) * extra), (*drafted, *(0,) * extra)
 
     def _rates_at(self, k: int, batch: int) -> list[float]:
         rates = self._rates.get((k, batch))

@@ -6,7 +6,9 @@ with chance A given the ones before it); a list shorter than K goes on with the 
 two rates. Acceptance may fall with the batch: a curve scales every rate by a factor of the batch
 (1 at batch 1), interpolated in log2(batch) between the points a source measured and held past
 them, which scales the accepted drafts per step by the same factor. `flat` (the default) keeps
-them; the named curves are published measurements of (tokens per step - 1) relative to batch 1."""
+them; the named curves are published measurements of (tokens per step - 1) relative to batch 1.
+The draft share is the chance a row drafts at all in a step (an n-gram drafter finds no match in
+most steps): rates are per draft, so a row emits 1 + share x sum(rates) tokens a step."""
 
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ def batch_factor(points: tuple[tuple[int, float], ...], batch: int) -> float:
 class Acceptance(NamedTuple):
     rates: tuple[float, ...]  # per-position acceptance at batch 1, non-increasing, in [0, 1]
     curve: str = "flat"  # how they fall with the batch (CURVES)
+    draft_share: float = 1.0  # the chance a row drafts in a step, in (0, 1]
 
     def position_rates(self, spec_tokens: int, batch: int = 1) -> list[float]:
         """Rates of positions 0..K-1 at this batch."""
@@ -70,7 +73,7 @@ class Acceptance(NamedTuple):
 
     def expected_tokens(self, spec_tokens: int, batch: int = 1) -> float:
         """Tokens a row emits per verify step: accepted drafts and the model's own token."""
-        return 1.0 + sum(self.position_rates(spec_tokens, batch))
+        return 1.0 + self.draft_share * sum(self.position_rates(spec_tokens, batch))
 
 
 def parse_rates(text: str, what: str = "--acceptance") -> tuple[float, ...]:
@@ -92,8 +95,16 @@ def checked(rates: tuple[float, ...], what: str) -> tuple[float, ...]:
     return rates
 
 
-def rates_from_run(run_dir: str | Path) -> tuple[float, ...]:
-    """The per-position acceptance rates a speculative run measured (its summary.json)."""
+def checked_share(share: float, what: str = "--draft-share") -> float:
+    if not 0.0 < share <= 1.0:
+        raise ConfigError(f"{what}: a share in (0, 1], got {share}")
+    return share
+
+
+def from_run(run_dir: str | Path) -> tuple[tuple[float, ...], float]:
+    """The per-position acceptance rates a speculative run measured (its summary.json), and its
+    draft share: drafts over decode steps of its rows (output tokens less the prefills' first
+    tokens and the accepted drafts)."""
     path = Path(run_dir) / "summary.json"
     try:
         summary = json.loads(path.read_text())
@@ -104,4 +115,9 @@ def rates_from_run(run_dir: str | Path) -> tuple[float, ...]:
     if not rates:
         raise ConfigError(f"--acceptance-from {run_dir}: {path} has no per-position acceptance "
                           "rates (a run with --spec-method ngram|draft writes them)")
-    return checked(tuple(float(r) for r in rates), f"--acceptance-from {run_dir}")
+    what = f"--acceptance-from {run_dir}"
+    steps = (summary.get("total_output_tokens", 0) - summary.get("completed", 0)
+             - summary.get("spec_decode_accepted_tokens", 0))
+    drafts = summary.get("spec_decode_num_drafts", 0)
+    share = min(1.0, drafts / steps) if steps > 0 and drafts > 0 else 1.0
+    return checked(tuple(float(r) for r in rates), what), share

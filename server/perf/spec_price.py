@@ -31,8 +31,12 @@ def verify_step(cost: StepCost, batch: int, spec_tokens: int, width: int) -> flo
 
 def spec_tok_s(cost: StepCost, batch: int, spec_tokens: int, acceptance: Acceptance,
                width: int) -> float:
-    return (batch * acceptance.expected_tokens(spec_tokens, batch)
-            / verify_step(cost, batch, spec_tokens, width))
+    """A step verifies K more tokens a row when any of its rows drafted (each with the draft
+    share's chance), else it is the plain decode step."""
+    drafting = 1.0 - (1.0 - acceptance.draft_share) ** batch
+    step_s = (cost.step_time(decode_rows=batch, width=width).total_s
+              + drafting * verify_extra_s(cost, batch, spec_tokens, width))
+    return batch * acceptance.expected_tokens(spec_tokens, batch) / step_s
 
 
 def gain(cost: StepCost, batch: int, spec_tokens: int, acceptance: Acceptance,

@@ -172,9 +172,11 @@ def _spec_configs(cfg: RunConfig, args: argparse.Namespace) -> dict[int, RunConf
         if acceptance is not None:
             raise ConfigError("--acceptance and --acceptance-from need --spec-tokens K[,K...]")
         return {}
-    rates, curve = (acceptance.rates, acceptance.curve) if acceptance else ((), "flat")
+    rates, curve, share = ((acceptance.rates, acceptance.curve, acceptance.draft_share)
+                           if acceptance else ((), "flat", 1.0))
     return {k: dataclasses.replace(
         cfg, spec_method="ngram", spec_acceptance=rates, spec_acceptance_curve=curve,
+        spec_draft_share=share,
         scheduler=dataclasses.replace(cfg.scheduler, spec_tokens=k, spec_policy=args.spec_policy))
         for k in sorted(set(args.spec_tokens))}
 

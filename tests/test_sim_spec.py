@@ -211,6 +211,9 @@ def test_sweep_spec_tokens_finds_where_speculation_stops_paying(capsys, tmp_path
                for r in res["rows"] for e in r["spec"])
     entry = res["rows"][0]["spec"][0]
     assert entry["spec_decode_acceptance_length"] > 1 and entry["spec_decode_num_drafts"] > 0
+    few = _sweep(capsys, tmp_path, "--batches", "1", "--spec-tokens", "2", "--acceptance", "0.6",
+                 "--draft-share", "0.5")["rows"][0]["spec"][0]
+    assert 0 < few["spec_decode_num_drafts"] < entry["spec_decode_num_drafts"]
 
 
 def test_sweep_spec_flags_are_checked_before_it_runs(capsys, tmp_path):

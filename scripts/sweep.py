@@ -13,8 +13,9 @@ import math
 from pathlib import Path
 
 from batchsim.configs import ConfigError
-from batchsim.scheduler.config import MAX_SPEC_TOKENS, SchedulerSettings
+from batchsim.scheduler.config import SchedulerSettings
 from batchsim.scheduler.pool_geometry import KV_STEP
+from batchsim.scripts import sweep_spec
 from batchsim.scripts.common import (
     MAX_BATCH,
     add_field_argument,
@@ -33,7 +34,6 @@ from batchsim.scripts.common import (
 )
 from batchsim.scripts.run_args import add_engine_arg, add_kv_bits_arg, add_model_args
 from batchsim.scripts.run_view import warn_profile_mismatch
-from batchsim.scripts.spec_args import acceptance_of, add_acceptance_args
 from batchsim.server.engine.run_config import RunConfig, with_run_overrides
 from batchsim.server.perf import sweep_limits as sweep_math
 from batchsim.workloads.lengths import LengthSpec
@@ -41,8 +41,6 @@ from batchsim.workloads.prefixes import SharingSpec
 from batchsim.workloads.spec import WorkloadSpec
 
 GIB = 1 << 30
-SPEC_KEYS = ("spec_decode_acceptance_rate", "spec_decode_acceptance_length",
-             "spec_decode_num_drafts")
 MIB = 1 << 20
 _batch = bounded(int, 1, MAX_BATCH)
 
@@ -90,18 +88,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="directory for the run directories (one per batch)")
     g.add_argument("--no-progress", action="store_true", help="no live progress line")
     g.add_argument("--no-timeline", action="store_true", help="no timeline.png in run dirs")
-    _add_spec_args(p)
-
-
-def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("speculative decoding against plain batching (n-gram drafts)")
-    g.add_argument("--spec-tokens", type=ints_up_to(MAX_SPEC_TOKENS), default=[],
-                   metavar="K[,K...]", help="also run each batch with K drafted tokens a row "
-                   "verifies per step; --executor sim needs --acceptance or --acceptance-from")
-    g.add_argument("--spec-policy", choices=["fixed", "shrink"], default="fixed",
-                   help="fixed: K at every batch (to find where it stops paying); shrink: K "
-                   "falls as the batch grows (scheduler/spec_budget.py) [default: fixed]")
-    add_acceptance_args(g, "--executor sim: ")
+    sweep_spec.add_spec_args(p)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -122,11 +109,13 @@ def run(args: argparse.Namespace) -> dict:
         limit, args.max_batch)
     meta = _meta(args, base, budget, source)
     _announce(meta, batches)
-    spec_cfgs = _spec_configs(base.config, args)
+    spec_cfgs = sweep_spec.spec_configs(base.config, args)
     rows = [_run_point(base, budget, source, b, args) for b in batches]
     spec_verdict = {}
     if spec_cfgs:
-        spec_verdict = _spec_points(rows, spec_cfgs, base, budget, source, args)
+        spec_verdict = sweep_spec.spec_points(
+            rows, spec_cfgs, args.spec_policy,
+            lambda batch, cfg, tag: _run_point(base, budget, source, batch, args, cfg, tag))
     profile = _profile_fields(base)
     for row in rows:
         row["kv_bytes_analytic"] = sweep_math.batch_kv_bytes(
@@ -165,47 +154,6 @@ def _base_session(args: argparse.Namespace):
     return base, budget, f"--limit-batch {args.limit_batch}"
 
 
-def _spec_configs(cfg: RunConfig, args: argparse.Namespace) -> dict[int, RunConfig]:
-    """K -> the base config speculating with K drafts (checked before the sweep runs)."""
-    acceptance = acceptance_of(args)
-    if not args.spec_tokens:
-        if acceptance is not None:
-            raise ConfigError("--acceptance and --acceptance-from need --spec-tokens K[,K...]")
-        return {}
-    rates, curve, share = ((acceptance.rates, acceptance.curve, acceptance.draft_share)
-                           if acceptance else ((), "flat", 1.0))
-    return {k: dataclasses.replace(
-        cfg, spec_method="ngram", spec_acceptance=rates, spec_acceptance_curve=curve,
-        spec_draft_share=share,
-        scheduler=dataclasses.replace(cfg.scheduler, spec_tokens=k, spec_policy=args.spec_policy))
-        for k in sorted(set(args.spec_tokens))}
-
-
-def _spec_points(rows: list[dict], cfgs: dict[int, RunConfig], base, budget: int, source: str,
-                 args: argparse.Namespace) -> dict:
-    """Each batch again at each K: the row's `spec` entries (gain: decode tok/s over plain
-    batching's; output_gain: output tok/s, prefills included) and, per K, the first swept batch
-    where speculation no longer beats it."""
-    first_loss: dict[str, int | None] = {}
-    for k, cfg in cfgs.items():
-        for row in rows:
-            s = _run_point(base, budget, source, row["batch"], args, cfg, f"-k{k}")
-            gain = (s["decode_tok_s"] or 0.0) / row["decode_tok_s"] if row["decode_tok_s"] else None
-            row.setdefault("spec", []).append({
-                "spec_tokens": k, "spec_policy": args.spec_policy, "gain": gain,
-                "output_gain": s["output_throughput"] / row["output_throughput"],
-                **{key: s[key] for key in ("decode_tok_s", "decode_tok_s_source", "step_ms",
-                                           "output_throughput", "median_tpot_ms", *SPEC_KEYS,
-                                           "run_dir")}})
-            if gain is not None and gain <= 1.0 and str(k) not in first_loss:
-                first_loss[str(k)] = row["batch"]
-        first_loss.setdefault(str(k), None)
-    for row in rows:
-        for entry in row["spec"]:
-            entry["spec_break_even_batch"] = first_loss[str(entry["spec_tokens"])]
-    return {"spec_break_even_batch": first_loss}
-
-
 def _run_point(base, budget: int, source: str, batch: int, args: argparse.Namespace,
                run_cfg: RunConfig | None = None, tag: str = "") -> dict:
     """B requests at once, max_num_seqs = B, same budget; the row of this batch size (with
@@ -235,7 +183,7 @@ def _run_point(base, budget: int, source: str, batch: int, args: argparse.Namesp
     row = sweep_math.point_row(batch, outcome.summary, outcome.steps,
                                sched.max_num_batched_tokens, next_chunk, active.max_active_bytes)
     if tag:  # a verify step's rows emit acceptance_length tokens each on average
-        row.update({key: outcome.summary[key] for key in SPEC_KEYS})
+        row.update({key: outcome.summary[key] for key in sweep_spec.SPEC_KEYS})
         if row["decode_tok_s_source"] == "steady":
             row["decode_tok_s"] *= row["spec_decode_acceptance_length"]
     return row

@@ -1,0 +1,69 @@
+"""`sweep --spec-tokens`: each batch again with n-gram speculation at each K, the speed-up over
+plain batching per batch, and the first batch where speculation stops paying."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+
+from batchsim.configs import ConfigError
+from batchsim.scheduler.config import MAX_SPEC_TOKENS
+from batchsim.scripts.common import ints_up_to
+from batchsim.scripts.spec_args import acceptance_of, add_acceptance_args
+from batchsim.server.engine.run_config import RunConfig
+
+SPEC_KEYS = ("spec_decode_acceptance_rate", "spec_decode_acceptance_length",
+             "spec_decode_num_drafts")
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding against plain batching (n-gram drafts)")
+    g.add_argument("--spec-tokens", type=ints_up_to(MAX_SPEC_TOKENS), default=[],
+                   metavar="K[,K...]", help="also run each batch with K drafted tokens a row "
+                   "verifies per step; --executor sim needs --acceptance or --acceptance-from")
+    g.add_argument("--spec-policy", choices=["fixed", "shrink"], default="fixed",
+                   help="fixed: K at every batch (to find where it stops paying); shrink: K "
+                   "falls as the batch grows (scheduler/spec_budget.py) [default: fixed]")
+    add_acceptance_args(g, "--executor sim: ")
+
+
+def spec_configs(cfg: RunConfig, args: argparse.Namespace) -> dict[int, RunConfig]:
+    """K -> the base config speculating with K drafts (checked before the sweep runs)."""
+    acceptance = acceptance_of(args)
+    if not args.spec_tokens:
+        if acceptance is not None:
+            raise ConfigError("--acceptance and --acceptance-from need --spec-tokens K[,K...]")
+        return {}
+    rates, curve, share = ((acceptance.rates, acceptance.curve, acceptance.draft_share)
+                           if acceptance else ((), "flat", 1.0))
+    return {k: dataclasses.replace(
+        cfg, spec_method="ngram", spec_acceptance=rates, spec_acceptance_curve=curve,
+        spec_draft_share=share,
+        scheduler=dataclasses.replace(cfg.scheduler, spec_tokens=k, spec_policy=args.spec_policy))
+        for k in sorted(set(args.spec_tokens))}
+
+
+def spec_points(rows: list[dict], cfgs: dict[int, RunConfig], policy: str,
+                run_point: Callable[[int, RunConfig, str], dict]) -> dict:
+    """Each batch again at each K: the row's `spec` entries (gain: decode tok/s over plain
+    batching's; output_gain: output tok/s, prefills included) and, per K, the first swept batch
+    where speculation no longer beats it."""
+    first_loss: dict[str, int | None] = {}
+    for k, cfg in cfgs.items():
+        for row in rows:
+            s = run_point(row["batch"], cfg, f"-k{k}")
+            gain = (s["decode_tok_s"] or 0.0) / row["decode_tok_s"] if row["decode_tok_s"] else None
+            row.setdefault("spec", []).append({
+                "spec_tokens": k, "spec_policy": policy, "gain": gain,
+                "output_gain": s["output_throughput"] / row["output_throughput"],
+                **{key: s[key] for key in ("decode_tok_s", "decode_tok_s_source", "step_ms",
+                                           "output_throughput", "median_tpot_ms", *SPEC_KEYS,
+                                           "run_dir")}})
+            if gain is not None and gain <= 1.0 and str(k) not in first_loss:
+                first_loss[str(k)] = row["batch"]
+        first_loss.setdefault(str(k), None)
+    for row in rows:
+        for entry in row["spec"]:
+            entry["spec_break_even_batch"] = first_loss[str(entry["spec_tokens"])]
+    return {"spec_break_even_batch": first_loss}

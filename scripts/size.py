@@ -144,7 +144,8 @@ def run(args: argparse.Namespace) -> dict:
                  acceptance=acceptance)
     meta.update({"spec_tokens": args.spec_tokens,
                  "acceptance": list(acceptance.rates) if acceptance else None,
-                 "acceptance_curve": acceptance.curve if acceptance else None})
+                 "acceptance_curve": acceptance.curve if acceptance else None,
+                 "draft_share": acceptance.draft_share if acceptance else None})
     cluster = _cluster(args)
     meta.update(_cluster_meta(cluster))
     rows = [mac_row(spec, m, gb, ctx, s, ws, explain=args.explain, cluster=cluster)

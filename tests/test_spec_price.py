@@ -81,7 +81,7 @@ def test_size_spec_columns_with_macs_the_model_does_not_fit(tmp_path):
                     "--spec-tokens", "4", "--acceptance", "0.55,0.37,0.28,0.23",
                     "--acceptance-curve", "mtplx")
     assert summary["acceptance"] == [0.55, 0.37, 0.28, 0.23]
-    assert summary["acceptance_curve"] == "mtplx"
+    assert summary["acceptance_curve"] == "mtplx" and summary["draft_share"] == 1.0
     assert all(r["decode_tok_s_b1"] is None for r in summary["rows"])  # 8 and 16 GB: no fit
 
 

@@ -66,7 +66,7 @@ def test_per_row_terms_grow_with_the_rows_and_the_simulator_charges_them():
     base = _mac()
     terms = {"attention_row_s": 2e-6, "token_layer_s": 1e-6, "sampling_row_s": 30e-6}
     cost = StepCost(spec, dataclasses.replace(base, **terms), "float16", 4,
-                    engine=_engine(host_step_us=500, host_token_us=100))
+                    engine=_engine(host_step_us=500, host_token_us=100, sampler="per_row"))
     plain = StepCost(spec, base, "float16", 4)
     for rows in (1, 8, 32):
         t = cost.step_time(decode_rows=rows, width=128)
@@ -155,6 +155,35 @@ def test_an_attention_loop_costs_each_row_past_the_first_its_dispatches():
     assert loop.decode_forward_s(8, 256) == pytest.approx(loop.decode_time(8, 256).total_s)
     unset = StepCost(spec, _mac(), "float16", 4, engine=_engine(row_dispatch_forwards=0.5))
     assert unset.decode_time(8, 256) == batched.decode_time(8, 256)  # no loop declared
+
+
+def test_only_an_engine_sampling_per_row_pays_the_per_row_sampling_cost():
+    spec = zoo_spec("qwen3-0.6b")
+    mac = dataclasses.replace(_mac("M5 Max 40c"), sampling_row_s=200e-6)
+    per_row = StepCost(spec, mac, "float16", 4, engine=_engine(sampler="per_row"))
+    batched = StepCost(spec, mac, "float16", 4, engine=_engine(sampler="batched"))
+    for rows in (1, 32):
+        assert per_row.decode_time(rows, 256).sampling_s == pytest.approx(rows * 200e-6)
+        assert batched.decode_time(rows, 256).sampling_s == 0.0
+        assert per_row.decode_forward_s(rows, 256) == pytest.approx(
+            batched.decode_forward_s(rows, 256) + rows * 200e-6)
+    assert batched.prefill_time(128, 0, True).sampling_s == 0.0
+    assert load_engine("batchsim").sampler == "batched"  # batchsim's own samples the batch at once
+    with pytest.raises(ValueError, match="sampler must be one of batched, per_row"):
+        _engine(sampler="per-row")
+
+
+def test_a_row_sampled_per_row_is_priced_with_its_harness_sampler():
+    from batchsim.server.perf.reference import load_published
+    from batchsim.server.published.sim import MacModel
+
+    rows = {r.id: r for r in load_published().rows}
+    pristine = rows["mlxlmbatch-m5max-qwen3-0.6b-q4-b32"]
+    grouped = rows["mlxlmbatch-m5max-qwen3-0.6b-q4-b32-grouped"]
+    model = MacModel(load_fit())
+    assert model.engine_of(pristine).sampler == "per_row"
+    assert model.engine_of(grouped).sampler == "batched"
+    assert load_engine("mlx-lm-batch").sampler == "batched"
 
 
 def test_an_engine_batches_an_architecture_from_the_version_that_did():
@@ -298,7 +327,8 @@ def test_the_mac_fit_carries_the_new_terms_to_every_mac():
     assert profile.quantized_gemm_gflops == {4: pytest.approx(0.25 * mac.fp16_tflops * 1e3)}
     assert profile.kv_bytes_per_s == pytest.approx(0.5 * mac.bw_gbs * 1e9)
     spec = zoo_spec("llama-3.2-1b")
-    t = StepCost(spec, profile, "float16", 4).step_time(decode_rows=8, width=128)
+    t = StepCost(spec, profile, "float16", 4, engine=_engine(sampler="per_row")).step_time(
+        decode_rows=8, width=128)
     assert t.attention_rows_s == pytest.approx(7 * spec.num_layers * 1.5e-6)
     assert t.token_ops_s == pytest.approx(8 * spec.num_layers * 0.25e-6)
     assert t.sampling_s == pytest.approx(8 * 40e-6)

@@ -16,6 +16,7 @@ from batchsim.configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
 ENGINES_DIR = CONFIG_DIR / "engines"
 DEFAULT_ENGINE = "batchsim"
 ENGINE_KINDS = ("", "server", "library")  # kind: whose pooled host costs are an engine's prior
+SAMPLERS = ("batched", "per_row")  # one sampler call over the batch's logits, or one per row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,9 @@ class EngineProfile:
     # no rows of gets its kind's prior, the pooled host costs of the fitted engines of that kind;
     # "" (none): zero host costs.
     kind: str = ""
+    # batched: the step's rows sampled by one call (no per-row sampling cost); per_row: a sampler
+    # call per sampled row, each paying the device's fitted sampling_row_us.
+    sampler: str = "batched"
     host_basis: str = ""  # how the fit set the host costs: its rows, and the prior it used
     version: str = ""  # the engine version the numbers describe
     source: str = ""  # the published measurements the numbers come from, or why they are zero
@@ -57,6 +61,8 @@ class EngineProfile:
         if self.kind not in ENGINE_KINDS:
             raise ValueError(f"kind must be one of {', '.join(ENGINE_KINDS)} or empty, "
                              f"got {self.kind!r}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
 
     def serial_for(self, model_type: str) -> bool:
         """Whether this engine runs a model of `model_type` one row at a time."""
@@ -79,6 +85,8 @@ class EngineProfile:
             how = ("as one-row graphs evaluated together (weights read once, each row's forward "
                    "fixed cost)" if self.serial_rows_together else "one row at a time")
             notes.append(f"{', '.join(self.serial_model_types)} {how}")
+        if self.sampler == "per_row":
+            notes.append("a sampler call per row")
         if self.attention_loop:
             notes.append(f"attention one sequence at a time ({self.row_dispatch_forwards:.2f} "
                          f"forwards' fixed cost per decode row past the first)")

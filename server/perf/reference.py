@@ -9,6 +9,7 @@ from pathlib import Path
 
 from batchsim.configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
 from batchsim.server.models.spec import zoo_names
+from batchsim.server.perf.engines import SAMPLERS
 from batchsim.server.perf.macs import Catalog, Mac, load_catalog
 
 REFERENCE_PATH = CONFIG_DIR / "reference" / "mlx-decode.yaml"
@@ -160,9 +161,14 @@ class PublishedRow(WeightFormat):
     # Why the model cannot predict this figure (a term it should not have, or one its simulated
     # run lacks): scored, never fitted; "" for a row it can.
     unexplained: str = ""
+    # How the source's harness sampled (configs/engines SAMPLERS: batched, per_row), where it
+    # differs from its engine profile's (None: the profile's).
+    sampler: str | None = None
 
     def __post_init__(self) -> None:
         check_weights(self.weights)
+        if self.sampler not in (None, *SAMPLERS):
+            raise ValueError(f"sampler {self.sampler!r}; allowed: {', '.join(SAMPLERS)}")
         if self.measures not in MEASURES:
             raise ValueError(f"measures {self.measures!r}; allowed: {', '.join(MEASURES)}")
         if self.batch < 1 or self.tok_s <= 0:

@@ -203,8 +203,8 @@ class StepCost:
     # -- work per row and per token, whatever its bytes ----------------------------------------
     def _per_row_s(self) -> tuple[float, float, float, float]:
         """Seconds per decode row past the first of attention's fixed kernel cost, per token of
-        elementwise kernels' (every layer), per sampled row of sampling and of the engine's host
-        work."""
+        elementwise kernels' (every layer), per sampled row of sampling (a catalog Mac: an engine
+        calling its sampler per row only) and of the engine's host work."""
         layers, cal, p = self.spec.num_layers, self.cal, self.profile
         host = self.engine.host_token_s
         if cal is not None:
@@ -212,7 +212,8 @@ class StepCost:
                                         cal.sampling_row_us * 1e-6)
             host += cal.host_token_us * 1e-6  # batchsim's engine on this device, as step_overhead
         else:
-            attention, token, sample = p.attention_row_s, p.token_layer_s, p.sampling_row_s
+            attention, token = p.attention_row_s, p.token_layer_s
+            sample = p.sampling_row_s if self.engine.sampler == "per_row" else 0.0
         return layers * attention, layers * token, sample, host
 
     def _row_parts(self, decode_rows: int, tokens: int, sampled: int) -> dict[str, float]:

@@ -5,11 +5,12 @@ prefill, each priced by simulating what its source ran (server.published.sim).
 A row's predicted seconds are StepCost's parts, each linear in one unknown: bytes at the peak
 bandwidth times 1 / efficiency (the weights' by format; decode K/V reads their own; routed experts'
 also over g, their fraction), FLOPs at the peak compute times 1 / efficiency (float, 4-bit, 8-bit
-matmuls), fixed time per layer and per forward pass, sampling per sampled row, and each engine's
-host time per step and per generated token (and an attention loop's per-row dispatches). No
-per-row attention kernel cost on a catalog Mac: MLX's decode attention is one kernel over every
+matmuls), fixed time per layer and per forward pass, sampling per sampled row (only rows whose
+engine calls its sampler per row carry it: EngineProfile.sampler, a row's `sampler`), and each
+engine's host time per step and per generated token (and an attention loop's per-row dispatches).
+No per-row attention kernel cost on a catalog Mac: MLX's decode attention is one kernel over every
 row (attention_row_us stays 0; the one source that wanted it, mlx_lm_1540, calls its sampler once
-per row: its engine's host time per token). For each g
+per row). For each g
 on a grid that is a least-squares problem on relative error (robust: Huber weights; every time term
 kept >= 0; an engine's own terms shrunk towards zero, so what all engines share goes to the device
 terms, and towards the mean of its kind's, servers' or libraries', by PRIOR_ROWS over its rows: that

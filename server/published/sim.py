@@ -81,8 +81,10 @@ class MacModel:
         return kind if name not in self.engines and kind in self.priors else None
 
     def engine_of(self, row: Any) -> EngineProfile:
-        """The engine as the row's source ran it (its version's batching)."""
-        return self.engine(engine_name(row)).at_version(row.engine_version)
+        """The engine as the row's source ran it (its version's batching, its harness's
+        sampler)."""
+        engine = self.engine(engine_name(row)).at_version(row.engine_version)
+        return dataclasses.replace(engine, sampler=row.sampler) if row.sampler else engine
 
 
 def tokens(row: Any) -> tuple[int, int]:

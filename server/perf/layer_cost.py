@@ -17,8 +17,6 @@ Assumptions (no Metal here to fit them) are the named constants below."""
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections import Counter
 from functools import cached_property, lru_cache
 from typing import Protocol
@@ -31,6 +29,7 @@ from batchsim.server.perf.profile import (
     Calibration,
     DeviceProfile,
     GemmFit,
+    log_interp,
 )
 
 
@@ -72,14 +71,7 @@ PAGED_READ_RATIO = ((1, 1.36), (8, 1.41), (32, 1.59))
 
 def paged_read_ratio(batch: int) -> float:
     """PAGED_READ_RATIO at `batch` rows."""
-    pts = PAGED_READ_RATIO
-    if batch <= pts[0][0]:
-        return pts[0][1]
-    for (b0, r0), (b1, r1) in itertools.pairwise(pts):
-        if batch <= b1:
-            f = (math.log2(batch) - math.log2(b0)) / (math.log2(b1) - math.log2(b0))
-            return r0 + f * (r1 - r0)
-    return pts[-1][1]
+    return log_interp(PAGED_READ_RATIO, batch)
 
 
 def roofline_split(moved_s: float, flops_s: float, overlapped: bool) -> tuple[float, float]:

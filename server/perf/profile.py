@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Iterable, Mapping
 
 # Assumed, not measured (no Metal here): mlx-lm's quantized attention dequantizes each K/V element
 # it reads inside quantized_matmul (unpack: shift and mask; scale multiply; bias add).
@@ -27,15 +28,16 @@ class GemmFit:
     def terms_ns(self, m: int, k: int, n: int) -> tuple[float, float]:
         """(ns streaming the weights, ns of arithmetic) of one call."""
         kn = k * n
-        return _log_interp(self.weight_ns, kn) * kn, _log_interp(self.flop_ns, m) * 2 * m * kn
+        return log_interp(self.weight_ns, kn) * kn, log_interp(self.flop_ns, m) * 2 * m * kn
 
     def seconds(self, m: int, k: int, n: int) -> float:
         weights_ns, flops_ns = self.terms_ns(m, k, n)
         return (weights_ns + flops_ns) * 1e-9
 
 
-def _log_interp(table: dict[int, float], x: int) -> float:
-    pts = sorted(table.items())
+def log_interp(table: Mapping[int, float] | Iterable[tuple[int, float]], x: float) -> float:
+    """A table's value at x: linear in log(x) between its points, held past its ends."""
+    pts = sorted(table.items() if isinstance(table, Mapping) else table)
     if x <= pts[0][0]:
         return pts[0][1]
     for (x0, v0), (x1, v1) in itertools.pairwise(pts):

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 from pathlib import Path
 from typing import NamedTuple
 
 from batchsim.configs import ConfigError
+from batchsim.server.perf.profile import log_interp
 
 # name -> ((batch, tokens per verify step per stream), ...) as the source measured, and where.
 PUBLISHED: dict[str, tuple[tuple[tuple[int, float], ...], str]] = {
@@ -43,14 +43,8 @@ def curve_points(name: str) -> tuple[tuple[int, float], ...]:
 
 
 def batch_factor(points: tuple[tuple[int, float], ...], batch: int) -> float:
-    """The curve's factor at `batch` (linear in log2(batch), held past its ends)."""
-    if batch <= points[0][0]:
-        return points[0][1]
-    for (b0, f0), (b1, f1) in itertools.pairwise(points):
-        if batch <= b1:
-            x = (math.log2(batch) - math.log2(b0)) / (math.log2(b1) - math.log2(b0))
-            return f0 + x * (f1 - f0)
-    return points[-1][1]
+    """The curve's factor at `batch` (linear in log(batch), held past its ends)."""
+    return log_interp(points, batch)
 
 
 class Acceptance(NamedTuple):

@@ -10,7 +10,7 @@ from batchsim.configs import ConfigError
 from batchsim.scheduler.plan import PrefillChunk
 from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf import macs
-from batchsim.server.perf.engines import EngineProfile, engine_names, load_engine
+from batchsim.server.perf.engines import ENGINES_DIR, EngineProfile, engine_names, load_engine
 from batchsim.server.perf.gpu_fit import load_fit, mac_profile
 from batchsim.server.perf.stepcost import StepCost, matrix_weight_bytes
 
@@ -184,6 +184,22 @@ def test_a_row_sampled_per_row_is_priced_with_its_harness_sampler():
     assert model.engine_of(pristine).sampler == "per_row"
     assert model.engine_of(grouped).sampler == "batched"
     assert load_engine("mlx-lm-batch").sampler == "batched"
+
+
+def test_each_engine_read_at_its_source_says_how_it_samples():
+    # mlx_lm.server (0.30.1 on) and LM Studio's batched mlx-engine insert a sampler per request
+    # (mlx-lm's GenerationBatch._step then loops over rows); vllm-mlx, rapid-mlx (its
+    # same-sampler fast path) and mlxcel-server (fused [B] sampling) call one over the batch.
+    read = {"mlx-lm-server": "per_row", "lm-studio": "per_row", "vllm-mlx": "batched",
+            "vllm-mlx-server": "batched", "rapid-mlx": "batched", "mlxcel-server": "batched",
+            "mlxcel-server-p1": "batched", "mlxcel": "batched", "mlx-lm-batch": "batched"}
+    for name, sampler in read.items():
+        assert load_engine(name).sampler == sampler, name
+        assert "\nsampler: " in (ENGINES_DIR / f"{name}.yaml").read_text(), name  # stated
+    mac = dataclasses.replace(_mac("M4 Max 40c"), sampling_row_s=100e-6)
+    server = StepCost(zoo_spec("qwen3-0.6b"), mac, "float16", 4,
+                      engine=load_engine("mlx-lm-server"))
+    assert server.decode_time(8, 256).sampling_s == pytest.approx(8 * mac.sampling_row_s)
 
 
 def test_an_engine_batches_an_architecture_from_the_version_that_did():

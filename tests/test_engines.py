@@ -192,7 +192,8 @@ def test_each_engine_read_at_its_source_says_how_it_samples():
     # same-sampler fast path) and mlxcel-server (fused [B] sampling) call one over the batch.
     read = {"mlx-lm-server": "per_row", "lm-studio": "per_row", "vllm-mlx": "batched",
             "vllm-mlx-server": "batched", "rapid-mlx": "batched", "mlxcel-server": "batched",
-            "mlxcel-server-p1": "batched", "mlxcel": "batched", "mlx-lm-batch": "batched"}
+            "mlxcel-server-p1": "batched", "mlxcel": "batched", "mlx-lm-batch": "batched",
+            "xinference": "batched"}
     for name, sampler in read.items():
         assert load_engine(name).sampler == sampler, name
         assert "\nsampler: " in (ENGINES_DIR / f"{name}.yaml").read_text(), name  # stated

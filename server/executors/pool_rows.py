@@ -34,6 +34,9 @@ class Resize(NamedTuple):
     new: PoolGeometry
     kept_bytes: int  # the old pool's overlap with the new one, copied over (0 from or to empty)
     new_bytes: int  # the new pool's size; all but kept_bytes are written as zeros
+    # Paged, the block count unchanged: the block arrays stay as they are (DecodePool.resize
+    # leaves them), neither copied nor written; part of kept_bytes.
+    untouched_bytes: int = 0
 
 
 class PoolLayout:
@@ -91,7 +94,9 @@ class PoolLayout:
             blocks = None if old.blocks is None else min(old.blocks, geometry.blocks or 0)
             kept = cache.pool_bytes(PoolGeometry(min(old.rows, geometry.rows), min(
                 old.capacity_tokens, geometry.capacity_tokens), blocks))
-        return Resize(old, geometry, kept, cache.pool_bytes(geometry))
+        same_blocks = kept and geometry.blocks and old.blocks == geometry.blocks
+        untouched = geometry.blocks * cache.block_bytes if same_blocks else 0
+        return Resize(old, geometry, kept, cache.pool_bytes(geometry), untouched)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -175,11 +175,12 @@ class SimExecutor:
         return self.cost.copy_s(2 * moves.moved_bytes)  # gathered into a temporary, then scattered
 
     def _resize(self, geometry: PoolGeometry) -> float:
-        """A new pool geometry (called only when it changes): the kept part copied, the rest
-        written as zeros (write only: half the traffic of a copy)."""
+        """A new pool geometry (called only when it changes): the kept part copied (paged: not
+        the blocks when their count stays), the rest written as zeros (write only: half the
+        traffic of a copy)."""
         change = self.layout.resize(geometry)
         self._pool_bytes = change.new_bytes
-        return self.cost.copy_s(change.kept_bytes) + self.cost.copy_s(
+        return self.cost.copy_s(change.kept_bytes - change.untouched_bytes) + self.cost.copy_s(
             change.new_bytes - change.kept_bytes) / 2
 
     def _join(self, plan: StepPlan) -> float:

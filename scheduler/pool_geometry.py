@@ -127,6 +127,13 @@ def block_slack(need_blocks: int) -> int:
     return max(KV_STEP // PAGE_TOKENS, need_blocks // 4)
 
 
+def cache_headroom(fit_blocks: int) -> int:
+    """Blocks a paged pool at the budget leaves free when the prefix cache must shrink it, so the
+    next steps' prefill caches fit beside it without a resize: 1/16 of what fits, at least one
+    KV_STEP's worth."""
+    return max(KV_STEP // PAGE_TOKENS, fit_blocks // 16)
+
+
 def next_paged_geometry(
     current: PoolGeometry,
     num_seqs: int,

@@ -102,7 +102,7 @@ class PrefixCache:
         new = self._ref(hashes)
         if holder is None:
             self._pins.extend(hashes)
-        else:
+        elif hashes:  # none: a request admitted without a hit holds no entry
             self.held[holder] = self.held.get(holder, ()) + hashes
         return new
 

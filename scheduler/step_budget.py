@@ -13,6 +13,8 @@ from batchsim.scheduler.pool_geometry import (
     KV_STEP,
     PAGE_TOKENS,
     PoolGeometry,
+    block_slack,
+    cache_headroom,
     round_down,
     row_blocks,
 )
@@ -236,9 +238,16 @@ class StepBudget:
         need = self.blocks
         self.blocks = need + free
         geom = self.geometry()
-        if geom is None:  # keep what fits at this step's rows and capacity
+        if geom is None or (geom.blocks != self.kv.pool.blocks
+                            and geom.blocks < need + free + block_slack(need + free)):
+            # At the budget (no slack fits): every step's private caches and joins would resize
+            # the whole pool by a few blocks; the cache keeps the pool's blocks instead, or
+            # when those no longer fit, what fits less cache_headroom.
             room = self.budget_bytes - self.private_bytes() - self.cache.pool_bytes(self.geom)
-            prefix.evict(need + free - (self.geom.blocks + room // prefix.block_bytes))
+            fit = self.geom.blocks + room // prefix.block_bytes
+            held = self.kv.pool.blocks or 0
+            keep = held if need <= held <= fit else max(need, fit - cache_headroom(fit))
+            prefix.evict(need + free - keep)
             self.blocks = need + prefix.num_unreferenced
             geom = self.geometry()
         self.blocks = need

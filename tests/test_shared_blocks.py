@@ -4,6 +4,7 @@ every step), and more sequences decode together at one budget with the cache tha
 
 from __future__ import annotations
 
+import itertools
 import random
 
 from batchsim.scheduler.pool_geometry import PAGE_TOKENS
@@ -128,3 +129,52 @@ def test_a_hit_too_big_beside_its_prefill_copy_prefills_from_the_start():
         trace = drive(sched, SimExecutor(cost, max_lookahead_steps=1, paged=layout == "paged"),
                       arrivals, max_steps=5000)
         assert all(r.num_output_tokens == 120 for r in trace.requests.values())
+
+
+def _pool_block_changes(reuse: bool) -> tuple[int, int]:
+    """(plans that change the paged pool's block count, plans): requests of their own
+    prompts (nothing shared, so cached blocks fill the budget) arriving while others prefill."""
+    from batchsim.server.executors.sim_executor import SimExecutor
+    from batchsim.server.models.spec import zoo_spec
+    from batchsim.server.perf.stepcost import StepCost
+
+    from tests.test_sim import PROFILE
+
+    cost = StepCost(zoo_spec("tiny"), PROFILE, "float32", None)
+    kvt = cost.kv_bytes_per_token
+    sched = Scheduler(config(kv_bytes_per_token=kvt, kv_budget_bytes=8192 * kvt, max_num_seqs=4,
+                             row_step=1, kv_layout="paged", reuse_prefixes=reuse,
+                             max_num_batched_tokens=256, prefill_step_size=256))
+    arrivals = [(6 * i, Request(i, 1024, SamplingParams(max_tokens=8, ignore_eos=True), 0.0,
+                                block_hashes=chain_block_hashes([(i, b) for b in range(64)])))
+                for i in range(24)]
+    trace = drive(sched, SimExecutor(cost, max_lookahead_steps=1, paged=True), arrivals)
+    blocks = [p.pool.blocks for p in trace.plans]
+    return sum(a != b for a, b in itertools.pairwise(blocks)), len(blocks)
+
+
+def test_cached_blocks_at_the_budget_do_not_resize_the_pool_every_step():
+    """Paged, the cache's blocks are pool blocks: at the budget each prefill chunk and join moved
+    the pool by a few blocks, a whole-pool copy nearly every step (the Mooncake replay's TTFT
+    regression). The cache keeps the pool's blocks, or shrinks it with headroom."""
+    on, plans = _pool_block_changes(True)
+    off, _ = _pool_block_changes(False)
+    assert on <= off, (on, off, plans)
+
+
+def test_a_paged_resize_that_keeps_the_blocks_does_not_price_copying_them():
+    """DecodePool.resize leaves the block arrays alone when only rows or capacity change; the
+    simulator priced a copy of every block (0.43 s a step on a full M2 Ultra pool)."""
+    from batchsim.scheduler.pool_geometry import PoolGeometry
+    from batchsim.server.executors.sim_executor import SimExecutor
+    from batchsim.server.models.spec import zoo_spec
+    from batchsim.server.perf.stepcost import StepCost
+
+    from tests.test_sim import PROFILE
+
+    cost = StepCost(zoo_spec("tiny"), PROFILE, "float32", None)
+    ex = SimExecutor(cost, paged=True)
+    ex._resize(PoolGeometry(2, 256, 4096))
+    capacity_only = ex._resize(PoolGeometry(2, 512, 4096))
+    one_more_block = ex._resize(PoolGeometry(2, 512, 4097))
+    assert capacity_only < one_more_block / 100, (capacity_only, one_more_block)

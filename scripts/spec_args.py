@@ -8,7 +8,7 @@ import argparse
 
 from batchsim.configs import ConfigError
 from batchsim.scheduler.config import SchedulerSettings
-from batchsim.scripts.common import add_field_argument
+from batchsim.scripts.common import add_field_argument, bounded
 from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.perf.spec_acceptance import (
     CURVES,
@@ -48,7 +48,8 @@ def add_acceptance_args(g: argparse._ArgumentGroup, where: str = "") -> None:
     g.add_argument("--acceptance-from", default=None, metavar="RUN_DIR",
                    help=f"{where}the per-position rates a speculative run measured (its "
                    "summary.json), instead of --acceptance")
-    g.add_argument("--draft-share", type=float, default=None, metavar="D",
+    g.add_argument("--draft-share", type=bounded(float, 0, 1, lo_open=True), default=None,
+                   metavar="D",
                    help=f"{where}the chance a row drafts at all in a step (the n-gram drafter "
                    "finds no match in most steps); with --acceptance-from: that run's drafts over "
                    "its rows' decode steps, else 1")

@@ -67,8 +67,14 @@ def test_the_overrun_is_a_wait_for_memory_not_for_a_seat_or_tokens():
     requests = [_request(0, 0.0, 0.0), _request(1, 0.5, 3.0)]
     full = [_step(0, 0.0, 1, 1, prefill=16), _step(1, 1.0, 2, 1), _step(2, 2.0, 2, 1),
             _step(3, 3.0, 2, 0, prefill=16)]
-    # Step 0 leaves one seat, but step 1 admits nobody with the seat free: only memory was short.
-    assert overrun_index(requests, full, limits) == 1
+    # Step 0 leaves one seat, but steps 1 and 2 admit nobody with the seat free: only memory was
+    # short. Step 1 may have been planned before the arrival (a real engine plans ahead), so the
+    # overrun is the second step that passed the request over.
+    twice = [full[0], _step(1, 1.0, 1, 1), _step(2, 2.0, 1, 1), full[3]]
+    assert overrun_index(requests, twice, limits) == 2
+    # Passed over only by the first step after it arrived: no overrun (the README's run marked one
+    # at 2% of its KV budget before this rule).
+    assert overrun_index(requests, full, limits) is None
     # Both seats taken (two running before step 1): waiting for a seat is not an overrun.
     seats = [_step(0, 0.0, 2, 1, prefill=16), *full[1:]]
     assert overrun_index(requests, seats, limits) is None

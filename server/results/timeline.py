@@ -35,7 +35,8 @@ def overrun_index(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]
                   limits: Limits) -> int | None:
     """The first step where a request waited for memory: one was preempted, or a queued request
     was passed over by a step with room for another sequence (after those it admitted) and a
-    KV_STEP of tokens, so only memory held it back. Without the scheduler's limits: the first
+    KV_STEP of tokens, so only memory held it back (not counting the first step after its
+    arrival, which may have been planned before it). Without the scheduler's limits: the first
     preemption."""
     preempted = [i for i, s in enumerate(steps) if s.num_preemptions]
     first = preempted[0] if preempted else None
@@ -53,10 +54,13 @@ def overrun_index(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]
     next_room = np.minimum.accumulate(idx[::-1])[::-1]
     for r in requests:  # the steps planned while r waited: after it arrived, before it ran
         ran_s = r.first_scheduled_s if r.first_scheduled_s is not None else r.finished_s
-        lo = int(np.searchsorted(starts, r.arrival_s, side="right"))
+        # +1: the first step after an arrival may have been planned before it (a real engine
+        # plans the next step while one runs), so only a later step passing it over is memory
+        lo = int(np.searchsorted(starts, r.arrival_s, side="right")) + 1
         hi = int(np.searchsorted(starts, ran_s, side="left")) if ran_s is not None else len(steps)
-        if lo < hi and next_room[lo] < hi and (first is None or next_room[lo] < first):
-            first = int(next_room[lo])
+        passed = next_room[lo] if lo < len(steps) else len(steps)
+        if passed < hi and (first is None or passed < first):
+            first = int(passed)
     return first
 
 

@@ -82,8 +82,8 @@ class StepCost:
         # An engine that runs this model one row at a time: a B-row step is B one-row passes;
         # unless it evaluates their graphs together (weights read once, B fixed costs).
         self.serial_prefill = self.engine.serial_for(spec.model_type)
-        self.row_graphs = self.serial_prefill and self.engine.batches and \
-            self.engine.serial_rows_together
+        self.row_graphs = (self.serial_prefill and self.engine.batches
+                           and self.engine.serial_rows_together)
         self.serial = self.serial_prefill and not self.row_graphs
         self.quantize_bits = quantize_bits
         self.fmt = weight_format(dtype, quantize_bits)
@@ -123,7 +123,8 @@ class StepCost:
         return moved / bytes_per_s, 2 * m * k * n / flops_per_s
 
     def matrix_s(self, m: int, k: int, n: int) -> float:
-        """One (m x k) @ (k x n): the GEMM fit's seconds or the roofline's (roofline_s)."""
+        """One (m x k) @ (k x n): the GEMM fit's seconds or the roofline's (linear_split's terms
+        summed)."""
         if self.gemm is not None:
             return self.gemm.seconds(m, k, n)
         return sum(self.linear_split(m, k, n))

@@ -192,6 +192,12 @@ def add_field_argument(group: Any, source: Any, name: str, help: str, *, flag: s
                               help=" ".join(t for t in (help, shown) if t), **kwargs)
 
 
+def executor_label(executor: str, engine: str | None) -> str:
+    """How titles name what ran: `sim, engine NAME` for a simulated run (the serving engine whose
+    costs it prices), else the executor alone (a real run is batchsim's own engine)."""
+    return f"{executor}, engine {engine}" if executor == "sim" and engine else executor
+
+
 def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> Table:
     t = Table(title=title, title_justify="left", header_style="bold")
     for c in columns:

@@ -15,6 +15,7 @@ from batchsim.scripts.common import (
     add_field_argument,
     append_jsonl,
     err,
+    executor_label,
     out,
     pyplot,
     save_figure,
@@ -170,7 +171,8 @@ def run(args: argparse.Namespace) -> dict:
     (key_a, name_a), (key_b, name_b) = VERSUS[kind]
     if kind == "batch":
         name_b = f"batch {args.batch}"
-    err.print(f"batchsim compare: {cfg_a.model} on {cfg_a.executor}, workload {spec.name}: "
+    err.print(f"batchsim compare: {cfg_a.model} on {executor_label(cfg_a.executor, cfg_b.engine)}, "
+              f"workload {spec.name}: "
               f"{spec.num_prompts} requests, {name_a} then {name_b}")
     warn_profile_mismatch(cfg_a)
     summaries = []
@@ -201,6 +203,10 @@ def run(args: argparse.Namespace) -> dict:
             "batch": args.batch, "jsonl": str(jsonl), "png": str(png)}
 
 
+def _on(summary: dict) -> str:
+    return executor_label(summary["executor"], summary.get("engine"))
+
+
 def _print(base: dict, other: dict, names: tuple[str, str], rat: dict) -> None:
     shown = ROWS + tuple(r for r in PREFIX_ROWS
                          if base.get(r[1]) is not None or other.get(r[1]) is not None)
@@ -210,7 +216,7 @@ def _print(base: dict, other: dict, names: tuple[str, str], rat: dict) -> None:
         a = a * scale if isinstance(a, (int, float)) and scale != 1 else a
         b = b * scale if isinstance(b, (int, float)) and scale != 1 else b
         rows.append([label, a, b, rat.get(key, ratio(b, a))])
-    out.print(f"{other['model']} ({other['dtype']}) on {other['executor']}, workload "
+    out.print(f"{other['model']} ({other['dtype']}) on {_on(other)}, workload "
               f"{other['workload']}; ratio = {names[1]} / {names[0]}")
     out.print(table(f"{names[0]} vs {names[1]}", ["metric", *names, "ratio"], rows))
     speedup = rat["output_throughput"]
@@ -230,7 +236,7 @@ def _plot(base: dict, other: dict, names: tuple[str, str], speedup: float | None
              color=["tab:gray", "tab:blue"])
     ax_t.set_ylabel("output tok/s")
     if speedup is not None:
-        ax_t.set_title(f"speedup {speedup:.2f}x")
+        ax_t.set_title(f"output tok/s: {names[1]} / {names[0]} = {speedup:.2f}x")
     keys = [(f"{name} {label}", f"{stat}_{key}_ms") for key, name in LATENCIES
             for stat, label in STATS]
     x = np.arange(len(keys))
@@ -239,8 +245,8 @@ def _plot(base: dict, other: dict, names: tuple[str, str], speedup: float | None
                  label=names[i], color=color)
     ax_l.set_xticks(x, [label for label, _ in keys], fontsize=8, rotation=30)
     ax_l.set_yscale("log")
-    ax_l.set_ylabel("ms (log)")
+    ax_l.set_ylabel("ms per request (log scale; lower is better)")
     ax_l.legend()
-    fig.suptitle(f"{other['model']} {other['dtype']} on {other['executor']}, workload "
+    fig.suptitle(f"{other['model']} {other['dtype']} on {_on(other)}, workload "
                  f"{other['workload']}: {names[0]} vs {names[1]}")
     return save_figure(fig, path)

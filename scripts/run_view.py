@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from batchsim.scripts.common import err, out
+from batchsim.scripts.common import err, executor_label, out
 
 if TYPE_CHECKING:
     from batchsim.server.engine.run_config import RunConfig
@@ -23,7 +23,8 @@ class ConsoleView:
 
     def opened(self, session: Session) -> None:
         cfg, spec = session.config, session.config.workload
-        err.print(f"batchsim run: {session.ref.name} ({session.dtype}) on {cfg.executor}, "
+        err.print(f"batchsim run: {session.ref.name} ({session.dtype}) on "
+                  f"{executor_label(cfg.executor, cfg.engine)}, "
                   f"workload {spec.name}: {spec.num_prompts} requests, max_num_seqs "
                   f"{cfg.scheduler.max_num_seqs}, KV budget "
                   f"{session.kv_budget_bytes / 2**30:.2f} GiB ({session.budget_source})")

@@ -89,10 +89,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="achievable fraction of peak FLOP/s (default: fitted on published MLX "
                         "prompt rates)")
     p.add_argument("--explain", action="store_true",
-                   help="also print the predicted decode step's parts (weights, matmul, "
+                   help="also print the predicted decode step's parts in ms (weights, matmul, "
                         "attention, elementwise, fixed, overhead, per-row and host work) at "
-                        "batch 1 and at the max batch; the JSON rows gain parts: {b1, "
-                        "max_batch}, seconds by name")
+                        "batch 1 and at the max batch; the JSON rows gain parts (the max-batch "
+                        "step's seconds by name) and parts_b1 (batch 1's)")
     add_engine_argument(p)
     _add_spec_args(p)
     c = p.add_argument_group("cluster (tensor- or pipeline-parallel across Macs)")
@@ -209,7 +209,7 @@ def _meta(args: argparse.Namespace, spec: ModelSpec, catalog: macs.Catalog,
 
 
 def _print(rows: list[dict], meta: dict, spec: ModelSpec) -> None:
-    what = f"{spec.name} {_weights_tag(meta)}, context {meta['context']}"
+    what = f"{spec.name} {_weights_tag(meta)}, engine {meta['engine']}, context {meta['context']}"
     cols, body = _columns(rows)
     if not spec.is_dense:  # where the per-sequence bytes come from
         cols.insert(6, "KV full/win/state MiB")
@@ -316,7 +316,8 @@ def _print_parts(rows: list[dict], meta: dict) -> None:
             + [batch / parts["total_s"]] for r, batch, parts in steps]
     names = [p.removesuffix("_s").replace("_", " ") + " ms" for p in shown]
     cols = ["Mac", "batch", *names, "tok/s"]
-    out.print(table(f"Predicted decode step by part, context {meta['context']} (mean "
+    out.print(table(f"Predicted decode step by part, engine {meta['engine']}, context "
+                    f"{meta['context']} (mean "
                     f"{meta['context_mean_tokens']:.0f} tokens read per row)", cols, body))
     out.print("weights: linear layers streaming their weights; matmul: their arithmetic (a "
               "Mac's one-row step: the larger of the two; several rows: both); attention: K/V "
@@ -369,5 +370,6 @@ def _plot(rows: list[dict], meta: dict, path: Path) -> Path:
     ax_t.set_xlabel("predicted decode tok/s (the simulator's step cost)")
     ax_b.set_yticks(y, [f"{r['label']} {r['memory_gb']:g}GB" for r in rows], fontsize=7)
     ax_b.invert_yaxis()
-    fig.suptitle(f"{meta['model']} {_weights_tag(meta)}, context {meta['context']}")
+    fig.suptitle(f"{meta['model']} {_weights_tag(meta)}, engine {meta['engine']}, context "
+                 f"{meta['context']}: predicted per Mac (no model run)")
     return save_figure(fig, path)

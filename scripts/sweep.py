@@ -21,6 +21,7 @@ from batchsim.scripts.common import (
     add_field_argument,
     append_jsonl,
     bounded,
+    executor_label,
     fmt,
     ints_up_to,
     non_negative_int,
@@ -250,8 +251,12 @@ def _profile_fields(base) -> dict:
     return {"profile": p.name, "profile_fitted_on": p.fitted_on or p.source, **engine}
 
 
+def _on(meta: dict) -> str:
+    return executor_label(meta["executor"], meta.get("engine"))
+
+
 def _announce(meta: dict, batches: list[int]) -> None:
-    out.print(f"batchsim sweep: {meta['model']} ({meta['dtype']}) on {meta['executor']}, "
+    out.print(f"batchsim sweep: {meta['model']} ({meta['dtype']}) on {_on(meta)}, "
               f"{meta['prompt_len']} + {meta['output_len']} tokens per request, budget "
               f"{_size(meta['memory_budget_bytes'])} ({meta['budget_source']}): weights "
               f"{meta['weight_bytes'] / MIB:.1f} MiB + KV {meta['kv_bytes_per_seq'] / MIB:.2f} MiB "
@@ -266,7 +271,7 @@ def _status(row: dict) -> str:
 def _print(rows: list[dict], meta: dict, verdict: dict) -> None:
     ks = [e["spec_tokens"] for e in rows[0].get("spec", [])]
     out.print(table(
-        f"Sweep: {meta['model']} {meta['dtype']} on {meta['executor']}, context "
+        f"Sweep: {meta['model']} {meta['dtype']} on {_on(meta)}, context "
         f"{meta['prompt_len']}+{meta['output_len']}, budget {_size(meta['memory_budget_bytes'])}",
         ["batch", "fits", "decoded", "decode tok/s", "step ms", "TPOT ms", "out tok/s",
          "KV MiB sched / exec", "KV MiB analytic", "active / peak MiB", "waits", "status",
@@ -341,7 +346,7 @@ def _plot(rows: list[dict], meta: dict, verdict: dict, path: Path) -> Path:
         ax.set_xticks(batches, [str(b) for b in batches], fontsize=7, rotation=90)
         ax.set_xlabel("batch (requests at once, max_num_seqs)")
         ax.legend(fontsize=8)
-    fig.suptitle(f"{meta['model']} {meta['dtype']} on {meta['executor']}: context "
+    fig.suptitle(f"{meta['model']} {meta['dtype']} on {_on(meta)}: context "
                  f"{meta['prompt_len']}+{meta['output_len']}, budget "
                  f"{_size(meta['memory_budget_bytes'])} ({meta['budget_source']})")
     return save_figure(fig, path)

@@ -231,7 +231,9 @@ def test_size_and_sweep_price_the_engine_named_and_say_so(tmp_path, capsys):
                      "llama-3.2-1b", "--dtype", "float16", "--quantize", "4", "--engine", engine,
                      "--batches", "1", "--prompt-len", "192", "--output-len", "64",
                      "--no-progress", "--out", str(tmp_path), "--runs-dir", str(tmp_path)]) == 0
-        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"][0]
+        stdout = capsys.readouterr().out
+        assert f"on sim, engine {engine}" in stdout  # the table's title names it too
+        return json.loads(stdout.strip().splitlines()[-1])["rows"][0]
 
     def predict(engine: str) -> dict:
         parser = argparse.ArgumentParser()
@@ -239,7 +241,9 @@ def test_size_and_sweep_price_the_engine_named_and_say_so(tmp_path, capsys):
         args = parser.parse_args(["--model", "llama-3.2-1b", "--quantize", "4", "--mac",
                                   "M4 Max 40c", "--memory-gb", "64", "--context", "224",
                                   "--engine", engine, "--out", str(tmp_path)])
-        return size.run(args)["rows"][0]
+        row = size.run(args)["rows"][0]
+        assert f"engine {engine}, context 224" in capsys.readouterr().out  # the table's title
+        return row
 
     served, plain = sweep("vllm-mlx-server"), sweep("batchsim")
     assert served["engine"] == "vllm-mlx-server" and plain["engine"] == "batchsim"
@@ -327,10 +331,29 @@ def test_run_config_takes_an_engine_and_a_simulated_run_names_it(tmp_path, capsy
                      "llama-3.2-1b", "--dtype", "float16", "--quantize", "4", "--engine", engine,
                      "--num-prompts", "8", "--request-rate", "inf", "--input-len", "64",
                      "--output-len", "32", "--no-progress", "--out", str(tmp_path)]) == 0
-        summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        captured = capsys.readouterr()
+        summary = json.loads(captured.out.strip().splitlines()[-1])
         assert summary["engine"] == engine
+        assert f"on sim, engine {engine}, workload" in captured.err  # the run's header line
         rates[engine] = summary["output_throughput"]
     assert rates["mlx-lm-generate"] < rates["batchsim"] / 2  # 8 rows at once, priced one by one
+
+
+def test_compare_names_the_engine_it_simulated(tmp_path, capsys):
+    import json
+
+    from batchsim.scripts.cli import main
+
+    assert main(["compare", "--executor", "sim", "--device-profile", "M4 Max", "--model",
+                 "llama-3.2-1b", "--dtype", "float16", "--quantize", "4", "--engine",
+                 "mlx-lm-generate", "--batch", "4", "--num-prompts", "4", "--input-len", "64",
+                 "--output-len", "8", "--out", str(tmp_path), "--runs-dir", str(tmp_path),
+                 "--no-timeline"]) == 0
+    captured = capsys.readouterr()
+    assert "on sim, engine mlx-lm-generate, workload" in captured.out  # the table's heading
+    assert "on sim, engine mlx-lm-generate, workload" in captured.err  # the opening line
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    assert result["batch1"]["engine"] == result["batched"]["engine"] == "mlx-lm-generate"
 
 
 def test_the_mac_fit_carries_the_new_terms_to_every_mac():

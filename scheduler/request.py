@@ -138,3 +138,15 @@ def stop_string(r: Request, new_tokens: list[int]) -> tuple[list[int], str | Non
         logging.getLogger("batchsim").exception("stop checker of request %d failed", r.request_id)
         return new_tokens, "error"
     return (new_tokens, None) if kept is None else (new_tokens[:kept], "stop")
+
+
+def stop_reason(r: Request, new_tokens: list[int]) -> str | None:
+    """Why a step's tokens end the request (EOS, a stop token, its length); None: it goes on."""
+    last_token = new_tokens[-1]
+    if not r.sampling.ignore_eos and last_token in r.eos_token_ids:
+        return "stop"
+    if last_token in r.sampling.stop_token_ids:
+        return "stop"
+    if r.num_output_tokens >= r.sampling.max_tokens:
+        return "length"
+    return None

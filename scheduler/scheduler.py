@@ -15,9 +15,11 @@ from collections import deque
 from batchsim.scheduler.advance import advance_decoded
 from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.kv_manager import KVAccountError, KVManager
+from batchsim.scheduler.lazy_rows import LazyRows
+from batchsim.scheduler.lookahead import lookahead_steps
 from batchsim.scheduler.plan import NewRequest, StepPlan, StepResult
-from batchsim.scheduler.pool_geometry import PAGE_TOKENS, PoolGeometry, row_blocks
-from batchsim.scheduler.request import Request, RequestStatus, stop_string
+from batchsim.scheduler.pool_geometry import PAGE_TOKENS
+from batchsim.scheduler.request import Request, RequestStatus, stop_reason, stop_string
 from batchsim.scheduler.spec_budget import row_spec_tokens, until_stop
 from batchsim.scheduler.step_budget import StepBudget
 
@@ -45,6 +47,10 @@ class Scheduler:
         # The last plan and its decode rows' requests (update_from_output's simulated fast path).
         self._planned: StepPlan | None = None
         self._planned_rows: list[Request] = []
+        # Simulated decode rows advanced lazily (lazy_rows.py): running[:len(lazy)]. Padded and
+        # without drafts only (paged blocks and drafts read every row's counters).
+        self.lazy = LazyRows()
+        self._lazy_ok = config.kv_layout != "paged" and not config.spec_tokens
 
     # -- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> bool:
@@ -80,6 +86,7 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self.lazy.settle()
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         else:
@@ -128,13 +135,17 @@ class Scheduler:
     def _split_running(self, decode_step: bool) -> tuple[list[Request], list[Request], int, int]:
         """The pool's rows after this step, the requests still prefilling, the rows' width (the
         longest row after this step) and the longest running request (prompt + output so far)."""
-        pool: list[Request] = []
         prefilling: list[Request] = []
         members = self.kv.pool_members
-        width = 0
-        longest = 0
+        lazy, running = self.lazy, self.running
+        n = len(lazy)
+        if n:  # decoding rows, all in the pool
+            pool, rest = running[:n], running[n:]
+            width, longest = lazy.widest() + decode_step, lazy.longest()
+        else:
+            pool, rest, width, longest = [], running, 0, 0
         # One pass, with comparisons rather than max(): this runs every step over every request.
-        for r in self.running:
+        for r in rest:
             c = r.num_computed_tokens
             n = r.num_prompt_tokens + r.num_output_tokens
             if n > longest:  # noqa: PLR1730
@@ -222,16 +233,21 @@ class Scheduler:
         spec = budget.spec_k and tuple([row_spec_tokens(r, budget.spec_k) for r in decodes])
         pure_decode = not (prefills or new_requests or spec)
         self._planned_rows = decodes
+        n = len(self.lazy) if decodes else 0
+        tail = decodes[n:] if n else decodes
         self._planned = plan = StepPlan(  # positional: this runs every step
             self.num_steps,
             tuple(sorted(free_ids)) if free_ids else (),
             tuple(new_requests),
             tuple(prefills),
-            tuple([r.request_id for r in decodes]),
-            tuple([r.num_computed_tokens for r in decodes]),
+            (*self.lazy.ids, *[r.request_id for r in tail]) if n
+            else tuple([r.request_id for r in decodes]),
+            (*self.lazy.positions(), *[r.num_computed_tokens for r in tail]) if n
+            else tuple([r.num_computed_tokens for r in decodes]),
             budget.geom,
             kv_bytes,
-            self._lookahead(decodes, budget.geom, budget.width) if pure_decode else 1,
+            lookahead_steps(decodes, budget.geom, budget.width, self.config.max_lookahead_steps,
+                            self.kv, self.lazy) if pure_decode else 1,
             spec if spec and any(spec) else (),
             cache_ops,
         )
@@ -242,27 +258,8 @@ class Scheduler:
         self._preempt(victim, free_ids)
         budget.drop(victim)
 
-    def _lookahead(self, decodes: list[Request], geom: PoolGeometry, width: int) -> int:
-        """How many identical pure-decode steps this plan may stand for: until a request finishes or
-        the pool must grow (`width`: its longest row after the first). Queued requests cannot be
-        admitted meanwhile: memory only grows."""
-        limit = self.config.max_lookahead_steps
-        if limit == 1 or not decodes:
-            return 1
-        steps = min(limit, geom.capacity_tokens - width + 1)
-        if geom.blocks is not None:
-            steps = min(steps, _paged_steps(decodes, geom.blocks - self.kv.blocks_beside(decodes)))
-        for r in decodes:  # a plain loop: comprehensions cost a frame each in Python 3.11
-            sampling = r.sampling
-            if r.prompt_token_ids is not None and (not sampling.ignore_eos
-                                                   or r.stop_checker is not None):
-                return 1  # a real token could be EOS or end a stop string
-            left = sampling.max_tokens - r.num_output_tokens
-            if left < steps:  # noqa: PLR1730
-                steps = left
-        return max(1, steps)
-
     def _preempt(self, request: Request, free_ids: list[int]) -> None:
+        self.lazy.settle()
         self.running.remove(request)
         self.kv.release(request.request_id)
         free_ids.append(request.request_id)
@@ -292,12 +289,12 @@ class Scheduler:
         self.cut_drafts = {}
         sampled, first = result.sampled_ids, 0
         rows = self._simulated_rows(plan, result)
-        if rows:  # simulated decode rows: counters only (advance.py)
-            for r in advance_decoded(rows, step, k):
-                self._finish(r, "length")
-                finished.append(r)
+        if rows:  # simulated decode rows: counters only (advance.py, lazy_rows.py)
+            self._advance_simulated(rows, step, k, finished)
             first = len(rows)
             sampled = sampled[first:]
+        else:  # the general path reads and writes every row's counters
+            self.lazy.settle()
         for i, rid in enumerate(sampled, first):  # every decode row and sampling prefill
             r = requests.get(rid)
             if r is None or r.status is not running:
@@ -326,12 +323,28 @@ class Scheduler:
                     finished.append(r)
                 continue
             r.output_token_ids.extend(new)
-            reason = reason or self._stop_reason(r, new)
+            reason = reason or stop_reason(r, new)
             if reason is not None:
                 self._finish(r, reason)
                 finished.append(r)
         self.num_steps += k
         return finished
+
+    def _advance_simulated(self, rows: list[Request], step: int, k: int,
+                           finished: list[Request]) -> None:
+        """A simulated plan's decode rows decoded k steps from `step`: the lazy ones by one count,
+        the rest row by row (then joining the lazy ones where they can)."""
+        n = len(self.lazy)
+        for r in self.lazy.advance(k) + advance_decoded(rows[n:], step, k):
+            self._finish(r, "length")
+            finished.append(r)
+        if self._lazy_ok:
+            self.lazy.absorb(rows, n, self.running)
+
+    def settle(self) -> None:
+        """Write the lazily advanced rows' counters back to their requests (for whoever reads a
+        running request's counters from outside: the end of a run, tests)."""
+        self.lazy.settle()
 
     def _kept(self, r: Request, new: list[int], drafts: tuple[int, ...]
               ) -> tuple[list[int], str | None]:
@@ -357,17 +370,6 @@ class Scheduler:
             return None
         return self._planned_rows
 
-    @staticmethod
-    def _stop_reason(r: Request, new_tokens: list[int]) -> str | None:
-        last_token = new_tokens[-1]
-        if not r.sampling.ignore_eos and last_token in r.eos_token_ids:
-            return "stop"
-        if last_token in r.sampling.stop_token_ids:
-            return "stop"
-        if r.num_output_tokens >= r.sampling.max_tokens:
-            return "length"
-        return None
-
     def _finish(self, r: Request, reason: str) -> None:
         r.status = RequestStatus.ABORTED if reason == "error" else RequestStatus.FINISHED
         r.finish_reason = reason
@@ -380,6 +382,7 @@ class Scheduler:
         """The KV account matches the running requests and stays inside the budget (tests call
         this after every step)."""
         computed = {r.request_id: r.num_computed_tokens for r in self.running}
+        computed.update(self.lazy.computed())
         for r in self.waiting:
             if r.num_computed_tokens or self.kv.holds(r.request_id):
                 raise KVAccountError(f"waiting request {r.request_id} holds KV")
@@ -387,11 +390,3 @@ class Scheduler:
         if len(self.running) > self.config.max_num_seqs:
             raise KVAccountError(f"{len(self.running)} running > max_num_seqs")
 
-
-def _paged_steps(decodes: list[Request], blocks: int) -> int:
-    """Decode steps the rows' blocks hold, starting with this one: a lower bound (each row's last
-    block filled, then the spare blocks shared evenly)."""
-    after = [r.num_computed_tokens + 1 for r in decodes]
-    spare = blocks - sum([row_blocks(n) for n in after])
-    room = min([row_blocks(n) * PAGE_TOKENS - n for n in after])
-    return 1 + room + spare // len(decodes) * PAGE_TOKENS

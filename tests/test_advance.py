@@ -1,9 +1,11 @@
-"""The simulated fast path of update_from_output (scheduler/advance.py) against the general path:
-random small workloads, with aborts while a step runs, give the same plans, finishes and request
-counters either way."""
+"""The simulated fast path of update_from_output (scheduler/advance.py, and the decode rows it
+advances lazily, scheduler/lazy_rows.py) against the general path: random small workloads, with
+aborts while a step runs, preemption, shared prefixes, padded and paged pools, give the same
+plans, finishes and request counters either way, at the end and when settled part-way."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -19,8 +21,22 @@ def _state(r) -> tuple:
             r.num_preemptions, [list(run) for run in r.token_runs])
 
 
-def _run(seed: int, fast: bool) -> tuple[list, list, list]:
-    """Plans, finished ids per step and final request states of one random workload."""
+def _requests(rng: random.Random) -> tuple[list[tuple[int, int]], dict]:
+    """Arrival steps and requests: some with token ids (never lazy), some sharing prefixes."""
+    arrivals = sorted((rng.randrange(30), rid) for rid in range(rng.randint(3, 14)))
+    requests = {}
+    for _, rid in arrivals:
+        r = make_request(rid, rng.randint(1, 250), rng.randint(1, 120), ids=rng.random() < 0.15)
+        if r.prompt_token_ids is None and rng.random() < 0.5:  # a shared prefix of 1-4 blocks
+            blocks = min(rng.randint(1, 4), r.num_prompt_tokens // 16)
+            r = dataclasses.replace(r, block_hashes=tuple(range(blocks)))
+        requests[rid] = r
+    return arrivals, requests
+
+
+def _run(seed: int, fast: bool, stop_at: int | None = None) -> tuple[list, list, list]:
+    """Plans, finished ids per step and request states of one random workload (after
+    `stop_at` plans, settled there, if given)."""
     rng = random.Random(seed)
     tight_bytes = 3 * 256 * 512  # three KV steps: rows growing past 256 tokens collide
     cfg = config(max_num_seqs=rng.choice([2, 4, 8]), row_step=1, kv_bytes_per_token=512,
@@ -28,13 +44,11 @@ def _run(seed: int, fast: bool) -> tuple[list, list, list]:
                  max_num_batched_tokens=512, prefill_step_size=256,
                  max_lookahead_steps=rng.choice([1, 16]),
                  policy=rng.choice(["decode-first", "prefill-first"]),
-                 kv_layout=rng.choice(["padded", "paged"]))
+                 kv_layout=rng.choice(["padded", "paged"]), reuse_prefixes=rng.random() < 0.5)
     sched, ex = Scheduler(cfg), FakeExecutor(step_s=1.0, max_lookahead_steps=16)
-    arrivals = sorted((rng.randrange(30), rid, rng.randint(1, 250), rng.randint(1, 120))
-                      for rid in range(rng.randint(3, 14)))
-    requests = {rid: make_request(rid, p, m) for _, rid, p, m in arrivals}
+    arrivals, requests = _requests(rng)
     plans, finished, step, i = [], [], 0, 0
-    while i < len(arrivals) or sched.has_work():
+    while (i < len(arrivals) or sched.has_work()) and len(plans) != stop_at:
         while i < len(arrivals) and arrivals[i][0] <= step:
             sched.add_request(requests[arrivals[i][1]])
             i += 1
@@ -52,10 +66,11 @@ def _run(seed: int, fast: bool) -> tuple[list, list, list]:
         plans.append(plan)
         finished.append([r.request_id for r in done])
         step += result.num_steps
+    sched.settle()
     return plans, finished, [_state(r) for r in requests.values()]
 
 
-@pytest.mark.parametrize("seed", range(24))
+@pytest.mark.parametrize("seed", range(32))
 def test_fast_path_matches_the_general_path(seed, monkeypatch):
     calls = []
     fast_advance = scheduler_module.advance_decoded
@@ -63,3 +78,32 @@ def test_fast_path_matches_the_general_path(seed, monkeypatch):
                         lambda *a: calls.append(1) or fast_advance(*a))
     assert _run(seed, fast=True) == _run(seed, fast=False)
     assert calls  # the fast path ran
+
+
+@pytest.mark.parametrize("seed", range(32))
+def test_lazy_rows_settle_to_the_general_paths_counters(seed):
+    """Stopped after any number of plans (an interrupted run), the settled requests equal the
+    general path's."""
+    stop_at = random.Random(seed).randint(1, 40)
+    assert _run(seed, fast=True, stop_at=stop_at) == _run(seed, fast=False, stop_at=stop_at)
+
+
+def test_lazy_rows_carry_the_decoding_rows(monkeypatch):
+    """Padded, without drafts: a row is advanced row by row once (its first decode step), then
+    lazily; the plans' positions and the finishes stay the general path's."""
+    eager_rows = []
+    fast_advance = scheduler_module.advance_decoded
+    monkeypatch.setattr(scheduler_module, "advance_decoded",
+                        lambda rows, *a: eager_rows.append(len(rows)) or fast_advance(rows, *a))
+    sched, ex = Scheduler(config(max_num_seqs=8)), FakeExecutor(step_s=1.0)
+    requests = [make_request(rid, 10 + rid, 40 + 3 * rid) for rid in range(8)]
+    for r in requests:
+        sched.add_request(r)
+    plans = 0
+    while sched.has_work():
+        plan = sched.schedule()
+        sched.update_from_output(plan, ex.execute(plan)._replace(token_ids=None))
+        plans += 1
+    assert plans > 40 and sum(eager_rows) == 8
+    assert [r.num_output_tokens for r in requests] == [40 + 3 * rid for rid in range(8)]
+    assert [r.token_runs for r in requests] == [[[0, 40 + 3 * rid]] for rid in range(8)]

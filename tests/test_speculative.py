@@ -312,7 +312,7 @@ def test_a_verify_step_stops_at_the_first_stop_token():
                 prompt_token_ids=[1, 2, 3], eos_token_ids=frozenset({9}))
     assert until_stop(r, [4, 9, 5, 6]) == [4, 9]  # EOS among the accepted drafts
     assert until_stop(r, [7, 9]) == [7]
-    assert until_stop(r, [4, 5, 9]) == [4, 5, 9]  # the sampled token: _stop_reason's
+    assert until_stop(r, [4, 5, 9]) == [4, 5, 9]  # the sampled token: stop_reason's
     ignoring = Request(1, 3, SamplingParams(max_tokens=9, ignore_eos=True), 0.0,
                        prompt_token_ids=[1, 2, 3], eos_token_ids=frozenset({9}))
     assert until_stop(ignoring, [9, 9, 4]) == [9, 9, 4]

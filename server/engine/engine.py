@@ -129,6 +129,8 @@ class Engine:
                                       else RuntimeError("engine stopped"))
             self._done.clear()
             raise
+        finally:  # running requests' counters as the records read them (an interrupted run)
+            self.scheduler.settle()
 
     async def _loop_steps(self) -> None:
         # The virtual loop moves its clock in place when nothing else is due (most plans), and

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from batchsim.scheduler.plan import StepPlan, StepResult
+from batchsim.scheduler.pool_geometry import PAGE_TOKENS
 from batchsim.server.executors.base import ExecutorCaps
 
 
@@ -30,8 +31,8 @@ class FakeExecutor:
     def execute(self, plan: StepPlan, max_elapsed_s: float = float("inf")) -> StepResult:
         for rid in plan.free_ids:
             self.positions.pop(rid, None)
-        for new in plan.new_requests:
-            self.positions[new.request_id] = 0
+        for new in plan.new_requests:  # a prefix-cache hit: its blocks are already computed
+            self.positions[new.request_id] = len(new.cached_hashes) * PAGE_TOKENS
         steps = 1
         if plan.num_steps > 1 and self.step_s > 0:
             horizon_steps = max_elapsed_s / self.step_s  # run the steps that start before it

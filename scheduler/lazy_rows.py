@@ -1,0 +1,104 @@
+"""Decode rows advanced lazily in a simulation: a row that only decodes gains one token per step,
+so its counters are kept as (value - base) plus one shared count of the decode steps applied
+(`steps`), and written back to the Request only when it leaves this set (settle). The per-plan
+cost then does not grow with the rows: widths, the next finish and the plan's positions come from
+list-wide min/max/map over the rows' offsets.
+
+The rows are always the prefix running[:len(ids)] of the scheduler's running list, each simulated
+(no token ids) and in every decode step since it joined; anything else (a preemption, an abort, a
+plan that is not a simulated decode of them all) settles them first. The scheduler's general path
+is the reference (tests/test_advance.py holds the two equal)."""
+
+from __future__ import annotations
+
+from batchsim.scheduler.request import Request, RequestStatus
+
+
+class LazyRows:
+    __slots__ = ("base", "computed0", "ids", "left0", "rows", "steps", "tokens0")
+
+    def __init__(self) -> None:
+        self.steps = 0  # decode steps applied lazily so far (only differences matter)
+        self.rows: list[Request] = []  # the rows, in running order
+        self.ids: list[int] = []  # their request ids
+        self.base: list[int] = []  # `steps` when each row's Request counters were last written
+        self.computed0: list[int] = []  # num_computed_tokens - steps
+        self.tokens0: list[int] = []  # num_tokens (prompt + output) - steps
+        self.left0: list[int] = []  # output tokens left + steps: reaches max_tokens at steps
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, r: Request) -> None:
+        """A decode row whose counters are up to date joins (at the end of the prefix)."""
+        s = self.steps
+        self.rows.append(r)
+        self.ids.append(r.request_id)
+        self.base.append(s)
+        self.computed0.append(r.num_computed_tokens - s)
+        self.tokens0.append(r.num_prompt_tokens + r.num_output_tokens - s)
+        self.left0.append(r.sampling.max_tokens - r.num_output_tokens + s)
+
+    def absorb(self, rows: list[Request], n: int, running: list[Request]) -> None:
+        """A simulated plan's decode rows after its first n (the lazy ones), counters up to date,
+        join while they continue the running prefix that the lazy rows are."""
+        live = RequestStatus.RUNNING
+        for r in rows[n:]:
+            if r.status is not live:  # finished, or aborted while the step ran
+                continue
+            i = len(self.rows)
+            if i >= len(running) or running[i] is not r or r.prompt_token_ids is not None:
+                return
+            self.add(r)
+
+    def widest(self) -> int:
+        """The largest num_computed_tokens among the rows (they are not empty)."""
+        return max(self.computed0) + self.steps
+
+    def longest(self) -> int:
+        """The largest num_tokens among the rows (they are not empty)."""
+        return max(self.tokens0) + self.steps
+
+    def steps_left(self) -> int:
+        """Decode steps until the first row reaches its max_tokens (they are not empty)."""
+        return min(self.left0) - self.steps
+
+    def positions(self) -> list[int]:
+        """Every row's num_computed_tokens, in order."""
+        return list(map(self.steps.__add__, self.computed0))
+
+    def computed(self) -> dict[int, int]:
+        """request id -> num_computed_tokens, without writing them back."""
+        return dict(zip(self.ids, self.positions()))
+
+    def advance(self, k: int) -> list[Request]:
+        """Every row decoded k more steps; the rows that reached max_tokens leave, settled, in
+        order (still to be finished)."""
+        self.steps += k
+        if not self.left0 or min(self.left0) > self.steps:
+            return []
+        done = [i for i, left in enumerate(self.left0) if left <= self.steps]
+        reached = [self.rows[i] for i in done]
+        for i in reversed(done):
+            self._settle_row(i)
+            self._drop(i)
+        return reached
+
+    def settle(self) -> None:
+        """Write every row's counters back and empty the set."""
+        for i in range(len(self.rows)):
+            self._settle_row(i)
+        for column in (self.rows, self.ids, self.base, self.computed0, self.tokens0, self.left0):
+            column.clear()
+
+    def _settle_row(self, i: int) -> None:
+        d = self.steps - self.base[i]
+        if d:
+            r = self.rows[i]
+            r.num_computed_tokens += d
+            r.num_output_tokens += d
+            r.token_runs[-1][1] += d  # its run went on through every step since
+
+    def _drop(self, i: int) -> None:
+        for column in (self.rows, self.ids, self.base, self.computed0, self.tokens0, self.left0):
+            del column[i]

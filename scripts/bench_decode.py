@@ -9,6 +9,7 @@ from pathlib import Path
 
 from batchsim.scheduler.config import SchedulerSettings
 from batchsim.scripts.common import (
+    DTYPE_HELP,
     MAX_BATCH,
     add_field_argument,
     append_jsonl,
@@ -30,8 +31,9 @@ DEFAULT_MODES = ("bare", "executor", "mlx_lm")
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     add_field_argument(p, RunConfig, "model", "zoo name, model directory or hub id", unset=False)
-    add_field_argument(p, RunConfig, "dtype", "", choices=list(DTYPES), unset=False)
-    add_field_argument(p, RunConfig, "quantize", "", choices=list(QUANT_BITS), unset=False)
+    add_field_argument(p, RunConfig, "dtype", DTYPE_HELP, choices=list(DTYPES), unset=False)
+    add_field_argument(p, RunConfig, "quantize", "4- or 8-bit weights (zoo models; default: as "
+                       "the model is)", choices=list(QUANT_BITS), unset=False)
     p.add_argument("--batch", type=ints_up_to(MAX_BATCH),
                    default=[1, 2, 4, 8, 16, 32, 64], help="batch sizes")
     p.add_argument("--context", type=positive_int, default=128, help="prompt tokens per sequence")

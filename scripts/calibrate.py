@@ -13,6 +13,7 @@ from typing import Any
 
 from batchsim.configs import ConfigError
 from batchsim.scripts.common import (
+    DTYPE_HELP,
     add_field_argument,
     append_jsonl,
     err,
@@ -60,19 +61,30 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", type=str_list, default=None,
                    help=f"calibration models (keep validation models out of this list; default "
                         f"{','.join(DEFAULT_MODELS)})")
-    add_field_argument(p, RunConfig, "dtype", "", choices=list(DTYPES), unset=False)
+    add_field_argument(p, RunConfig, "dtype", DTYPE_HELP, choices=list(DTYPES), unset=False)
     p.add_argument("--name", default=LOCAL_NAME,
                    help="profile name (written to $BATCHSIM_HOME/devices)")
     p.add_argument("--profile-out", help="also write the profile YAML here")
-    p.add_argument("--batches", type=str_list, default=None)
+    grid = {k: (",".join(v) if isinstance(v, list) else v) for k, v in FULL.items()}
+    quick = {k: (",".join(v) if isinstance(v, list) else v) for k, v in QUICK.items()}
+
+    def default(key: str) -> str:
+        return f" (default {grid[key]}; --quick {quick[key]})"
+
+    p.add_argument("--batches", type=str_list, default=None,
+                   help="decode batch sizes of the step grid (rows)" + default("batches"))
     p.add_argument("--widths", type=str_list, default=None,
-                   help="decode attention widths (context tokens)")
-    p.add_argument("--chunks", type=str_list, default=None, help="prefill chunks")
-    p.add_argument("--starts", type=str_list, default=None, help="tokens before a chunk")
+                   help="decode attention widths (context tokens)" + default("widths"))
+    p.add_argument("--chunks", type=str_list, default=None,
+                   help="prefill chunk sizes (tokens)" + default("chunks"))
+    p.add_argument("--starts", type=str_list, default=None,
+                   help="tokens before a prefill chunk (0, or multiples of 256 from 512)"
+                   + default("starts"))
     p.add_argument("--reps", type=positive_int, default=None,
-                   help="passes over the GEMM grid (median per point)")
+                   help="passes over the GEMM grid (median per point)" + default("reps"))
     p.add_argument("--rounds", type=positive_int, default=None,
-                   help="passes over the step grid, round-robin over the models (median per point)")
+                   help="passes over the step grid, round-robin over the models (median per "
+                        "point)" + default("rounds"))
     p.add_argument("--out", default="results", help="directory for calibrate.jsonl")
 
 

@@ -18,32 +18,58 @@ from batchsim.scripts.common import (  # no mlx: blas.preload() still comes firs
     show_default,
 )
 
-# (subcommand, module, one-line help) in the order `--help` lists them.
-COMMANDS = [
-    ("run", "batchsim.scripts.run_cmd",
-     "replay traffic through the continuous-batching engine (real or simulated)"),
-    ("bench-decode", "batchsim.scripts.bench_decode",
-     "decode tok/s per batch size: bare loop vs executor vs mlx-lm"),
-    ("compare", "batchsim.scripts.compare",
-     "the same workload at batch 1 and batched, side by side"),
-    ("sweep", "batchsim.scripts.sweep",
-     "step the batch size up to where the KV cache overruns the budget"),
-    ("size", "batchsim.scripts.size",
-     "batch limits and decode speed per Mac, from the roofline (no model run)"),
-    ("fit-macs", "batchsim.scripts.fit_macs",
-     "fit the Mac GPU step on published MLX measurements; held-out errors"),
-    ("roofline", "batchsim.scripts.roofline",
-     "GEMV vs GEMM on this device, against measured ceilings"),
-    ("calibrate", "batchsim.scripts.calibrate",
-     "measure this device and write a profile for the simulator"),
-    ("validate", "batchsim.scripts.validate",
-     "run workloads real and simulated, report the prediction error"),
-    ("serve", "batchsim.scripts.serve_cmd",
-     "OpenAI-compatible HTTP server on the continuous-batching engine"),
-    ("models", "batchsim.scripts.models_cmd", "list the model zoo, or build a model directory"),
-    ("report", "batchsim.scripts.report_cmd",
-     "rebuild a run directory's summary from its records (after a killed run)"),
+# (heading, [(subcommand, module, one-line help)]): `batchsim --help` lists them so, by question.
+GROUPS = [
+    ("How many requests fit before the KV cache overruns memory", [
+        ("size", "batchsim.scripts.size",
+         "per Mac in the catalog: max concurrent sequences and predicted tok/s (no model run)"),
+        ("sweep", "batchsim.scripts.sweep",
+         "step the batch up to where the KV cache overruns the budget (real, or --executor sim)"),
+    ]),
+    ("How much batching speeds up decode", [
+        ("bench-decode", "batchsim.scripts.bench_decode",
+         "decode tok/s per batch size: bare loop vs executor vs mlx-lm"),
+        ("compare", "batchsim.scripts.compare",
+         "the same workload at batch 1 and batched, side by side"),
+        ("roofline", "batchsim.scripts.roofline",
+         "GEMV vs GEMM on this device, against measured ceilings"),
+    ]),
+    ("How a server behaves under realistic traffic", [
+        ("run", "batchsim.scripts.run_cmd",
+         ("replay traffic through the engine: real, simulated (--executor sim) or over HTTP "
+          "(--target URL)")),
+        ("serve", "batchsim.scripts.serve_cmd",
+         "OpenAI-compatible HTTP server on the continuous-batching engine"),
+        ("report", "batchsim.scripts.report_cmd",
+         "rebuild a run directory's summary and timeline.png from its records"),
+    ]),
+    ("How far to trust the simulator", [
+        ("calibrate", "batchsim.scripts.calibrate",
+         "measure this device and write a profile for the simulator"),
+        ("validate", "batchsim.scripts.validate",
+         "run workloads real and simulated, report the prediction error"),
+        ("fit-macs", "batchsim.scripts.fit_macs",
+         "fit the Mac GPU step on published MLX measurements; held-out errors"),
+    ]),
+    ("Models", [
+        ("models", "batchsim.scripts.models_cmd",
+         "list the model zoo, build a model, or import a GGUF file"),
+    ]),
 ]
+COMMANDS = [command for _, commands in GROUPS for command in commands]
+
+
+def commands_help() -> str:
+    """The grouped command list `batchsim --help` prints."""
+    lines = ["commands (batchsim COMMAND --help for its flags):"]
+    for heading, commands in GROUPS:
+        lines.append(f"  {heading}:")
+        for name, _, help_text in commands:
+            wrapped = textwrap.wrap(help_text, 100 - 18)
+            lines.append(f"    {name:<14}{wrapped[0]}")
+            lines += [" " * 18 + more for more in wrapped[1:]]
+    return "\n".join(lines)
+
 
 DESCRIPTION = """\
 batchsim: how much batching speeds up decode on this machine, how many requests fit before the
@@ -78,13 +104,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="batchsim", description=DESCRIPTION,
+    parser = _Parser(prog="batchsim", description=f"{DESCRIPTION}\n\n{commands_help()}",
                      epilog=textwrap.fill(EXIT_CODES_HELP, 100),
                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND",
+                                help="one of the commands above")
     for name, module, help_text in COMMANDS:
         mod = importlib.import_module(module)
-        p = sub.add_parser(name, help=help_text, description=help_text, epilog=EXIT_CODES_HELP,
+        p = sub.add_parser(name, description=help_text, epilog=EXIT_CODES_HELP,
                            formatter_class=_DefaultsFormatter)
         mod.add_parser(p)
         if not any("--json" in a.option_strings for a in p._actions):

@@ -192,6 +192,10 @@ def add_field_argument(group: Any, source: Any, name: str, help: str, *, flag: s
                               help=" ".join(t for t in (help, shown) if t), **kwargs)
 
 
+# --dtype's help wherever a command takes it (RunConfig's `auto`).
+DTYPE_HELP = "auto: float32 on the CPU backend (the only dtype using BLAS), float16 on GPUs"
+
+
 def executor_label(executor: str, engine: str | None) -> str:
     """How titles name what ran: `sim, engine NAME` for a simulated run (the serving engine whose
     costs it prices), else the executor alone (a real run is batchsim's own engine)."""

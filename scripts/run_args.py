@@ -10,7 +10,13 @@ from pathlib import Path
 from batchsim.configs import ConfigError
 from batchsim.scheduler.config import KV_LAYOUTS, SchedulerSettings
 from batchsim.scheduler.pool_geometry import KV_STEP, PAGE_TOKENS
-from batchsim.scripts.common import MAX_FLOAT, add_field_argument, bounded, positive_float
+from batchsim.scripts.common import (
+    DTYPE_HELP,
+    MAX_FLOAT,
+    add_field_argument,
+    bounded,
+    positive_float,
+)
 from batchsim.scripts.spec_args import spec_overrides
 from batchsim.scripts.workload_args import add_sharing_args, sharing_from_args, trace_override
 from batchsim.server.engine.run_config import (
@@ -59,15 +65,16 @@ def add_model_args(p: argparse.ArgumentParser, simulated: bool = True):
     g = p.add_argument_group("model and executor")
     add_field_argument(g, RunConfig, "model", "zoo name (see `batchsim models`), model directory, "
                        "or hub id")
-    add_field_argument(g, RunConfig, "dtype", "auto: float32 on the CPU backend (the only dtype "
-                       "using BLAS), float16 on GPUs", choices=list(DTYPES))
+    add_field_argument(g, RunConfig, "dtype", DTYPE_HELP, choices=list(DTYPES))
     add_field_argument(g, RunConfig, "quantize", "4- or 8-bit weights (zoo models)",
                        choices=list(QUANT_BITS))
     if simulated:
         add_field_argument(g, RunConfig, "executor", "mlx: real compute; sim: calibrated roofline "
                            "on a virtual clock; fake: zero-cost (measures scheduler overhead)")
         add_field_argument(g, RunConfig, "device_profile",
-                           "simulator device profile (configs/devices NAME or YAML)")
+                           "--executor sim: a Mac from the catalog ('M2 Max', 'M2 Ultra 76c'), a "
+                           "calibrated profile (configs/devices or $BATCHSIM_HOME/devices) or a "
+                           "YAML path; default: the profile calibrated on this machine")
     add_field_argument(g, RunConfig, "kv_layout", "the decode pool's full-attention and MLA "
                        "layers: padded rows (B x longest, in 256-token steps) or paged "
                        f"{PAGE_TOKENS}-token blocks per row (gathered each step)",
@@ -131,8 +138,8 @@ def add_workload_args(p: argparse.ArgumentParser, defaults: WorkloadSpec | None 
                    "in configs/traces)")
     add_field_argument(g, TraceSpec, "time_scale", "trace time factor (0.1 = 10x faster)",
                        type=positive_float)
-    add_field_argument(g, TraceSpec, "max_input_len", "cap trace prompt lengths")
-    add_field_argument(g, TraceSpec, "max_output_len", "cap trace output lengths")
+    add_field_argument(g, TraceSpec, "max_input_len", "cap trace prompt lengths (tokens)")
+    add_field_argument(g, TraceSpec, "max_output_len", "cap trace output lengths (tokens)")
     add_field_argument(g, RunConfig, "ignore_eos", "generate each request's full output length",
                        action=argparse.BooleanOptionalAction)
     add_sharing_args(g)

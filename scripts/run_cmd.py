@@ -40,7 +40,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
     g = p.add_argument_group("report")
     g.add_argument("--goodput", nargs="+", metavar="SLO:MS",
-                   help="SLOs, e.g. ttft:500 tpot:50 e2el:4000")
+                   help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:4000: the summary adds "
+                        "request_goodput, the requests/s that met every one")
     add_field_argument(g, RunConfig, "percentiles", "percentiles to report", type=percentiles)
     g.add_argument("--out", default="runs", help="directory for run directories")
     add_field_argument(g, RunConfig, "target", "an OpenAI-compatible base URL (e.g. "

@@ -76,7 +76,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         f"blocks as a prefix cache keeps it: adds max_batch_shared, the paged "
                         f"max batch with the prefix shared (0: none) [default: 0]")
     p.add_argument("--mac", default=None,
-                   help="only this chip (exact name, substring, or a label like 'M2 Ultra 76c')")
+                   help="only this chip (exact name, substring, or a label like 'M2 Ultra 76c'); "
+                        "default: every Mac in the catalog (configs/macs.yaml)")
     p.add_argument("--memory-gb", type=positive_float, default=None,
                    help="this RAM size (GB as Apple sells it, i.e. GiB) instead of the catalog's")
     p.add_argument("--os-reserve-gb", type=non_negative_float, default=None,

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from batchsim.configs import ConfigError, load_yaml
 from batchsim.scripts.common import (
+    DTYPE_HELP,
     add_field_argument,
     append_jsonl,
     err,
@@ -44,9 +45,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="validation model (not a calibration one; default: "
                    f"the matrix's `model`, else {DEFAULT_MODEL})")
-    add_field_argument(p, RunConfig, "dtype", "", choices=list(DTYPES), unset=False)
-    p.add_argument("--device-profile", default=LOCAL_NAME, help="calibrated profile to validate")
-    p.add_argument("--matrix", default=str(MATRIX), help="cases YAML, or the name of one in "
+    add_field_argument(p, RunConfig, "dtype", DTYPE_HELP, choices=list(DTYPES), unset=False)
+    p.add_argument("--device-profile", default=LOCAL_NAME,
+                   help="calibrated profile to validate (what `batchsim calibrate` wrote)")
+    p.add_argument("--matrix", default=MATRIX.stem, help="cases YAML, or the name of one in "
                    "configs/validation: matrix (dense), moe, sliding")
     p.add_argument("--cases", help="comma-separated case names to run (default: all)")
     p.add_argument("--repeats", type=positive_int, default=3,

@@ -36,11 +36,28 @@ def last_json(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-def test_help_lists_every_command(batchsim_home):
+def test_help_lists_every_command_under_the_question_it_answers(batchsim_home):
     out = batchsim("--help", home=batchsim_home).stdout
-    for cmd in ("run", "bench-decode", "compare", "sweep", "size", "roofline", "calibrate",
-                "validate", "serve", "models", "report"):
-        assert cmd in out
+    heading, listed = None, {}
+    for line in out.splitlines():
+        if line.startswith("  ") and not line.startswith("   ") and line.endswith(":"):
+            heading = line.strip().rstrip(":")
+        elif line.startswith("    ") and line[4:5].isalpha():
+            listed[line.split()[0]] = heading
+    assert listed == {
+        "size": "How many requests fit before the KV cache overruns memory",
+        "sweep": "How many requests fit before the KV cache overruns memory",
+        "bench-decode": "How much batching speeds up decode",
+        "compare": "How much batching speeds up decode",
+        "roofline": "How much batching speeds up decode",
+        "run": "How a server behaves under realistic traffic",
+        "serve": "How a server behaves under realistic traffic",
+        "report": "How a server behaves under realistic traffic",
+        "calibrate": "How far to trust the simulator",
+        "validate": "How far to trust the simulator",
+        "fit-macs": "How far to trust the simulator",
+        "models": "Models",
+    }
     assert "--request-rate" in batchsim("run", "--help", home=batchsim_home).stdout
 
 

@@ -116,7 +116,7 @@ class Scheduler:
     def _plan(self, free_ids: list[int], decode_step: bool) -> StepPlan | None:
         """One step's plan. decode_step=False plans prefill only; None if there is none."""
         pool, prefilling, width, longest = self._split_running(decode_step)
-        budget = StepBudget(self.kv, self.config, pool, width, decode_step)
+        budget = StepBudget(self.kv, self.config, pool, width, decode_step, self._pool_ids(pool))
         preemptions_before = self.num_preemptions
         while not budget.fit_pool():  # decoding rows must grow: preempt from the newest end
             if not self.running:
@@ -157,6 +157,13 @@ class Scheduler:
                 if c + decode_step > width:  # noqa: PLR1730
                     width = c + decode_step
         return pool, prefilling, width, longest
+
+    def _pool_ids(self, pool: list[Request]) -> set[int]:
+        """The ids of a step's pool rows, whose first len(lazy) are the lazy rows."""
+        n = len(self.lazy)
+        ids = set(self.lazy.ids)
+        ids.update([r.request_id for r in pool[n:]])
+        return ids
 
     def _continue_prefills(self, budget: StepBudget, prefilling: list[Request],
                            free_ids: list[int]) -> bool:

@@ -45,7 +45,7 @@ class StepBudget:
     )
 
     def __init__(self, kv: KVManager, config: SchedulerConfig, pool: list[Request], width: int,
-                 decode_step: bool):
+                 decode_step: bool, pool_ids: set[int] | None = None):
         self.kv = kv
         self.budget_bytes = config.kv_budget_bytes
         self.cache = kv.cache
@@ -53,7 +53,8 @@ class StepBudget:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.decode_step = decode_step  # False: a prefill-only step (the pool's rows sit still)
         self.pool = pool  # rows after this step: decoding, or untouched in a prefill-only step
-        self.in_pool = {r.request_id for r in pool}
+        # their ids (pool_ids: given by the caller, who may know them without a loop)
+        self.in_pool = {r.request_id for r in pool} if pool_ids is None else pool_ids
         self.width = width  # the pool's longest row after this step, in tokens
         self.blocks = self._blocks()  # paged: blocks the pool's rows hold after this step
         # The prefill caches that stay private after this step.

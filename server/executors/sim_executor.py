@@ -184,15 +184,16 @@ class SimExecutor:
             change.new_bytes - change.kept_bytes) / 2
 
     def _join(self, plan: StepPlan) -> float:
-        layout = self.layout
-        in_pool = layout.in_pool
+        """The plan's decode rows not yet in the pool join it, in the plan's order (found by set
+        difference: a few among many rows)."""
+        layout, ids = self.layout, plan.decode_ids
         t = 0.0
-        for rid, pos in zip(plan.decode_ids, plan.decode_positions):
-            if rid not in in_pool:
-                layout.join(rid, pos)
-                self._drop_private(rid)
-                shared = self._shared.pop(rid, 0) * self.block_bytes  # referenced, not copied
-                t += self.cost.copy_s(self.cache.seq_bytes(pos) - shared)
+        for rid in sorted(set(ids).difference(layout.in_pool), key=ids.index):
+            pos = plan.decode_positions[ids.index(rid)]
+            layout.join(rid, pos)
+            self._drop_private(rid)
+            shared = self._shared.pop(rid, 0) * self.block_bytes  # referenced, not copied
+            t += self.cost.copy_s(self.cache.seq_bytes(pos) - shared)
         return t
 
 

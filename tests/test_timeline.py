@@ -121,3 +121,34 @@ def test_long_runs_are_binned_and_the_output_rate_counts_every_token():
     _x, rate, width = timeline.output_rate(requests, 3000.0)
     assert width == 5.0 and round(float((rate * width).sum())) == 2999
     assert timeline.bin_width_s(0.3) == 0.5 and timeline.bin_width_s(7) == 10
+
+
+def test_the_picture_says_what_ran_where_and_the_seats_a_queue_can_wait_for(tmp_path,
+                                                                            monkeypatch):
+    """The title names the model, its weights, the simulated device and the engine priced (the
+    run's and `report`'s alike); the requests panel draws the seat limit, so a queue that grows
+    under it reads as waiting for a seat, not for memory; legends sit above their panels."""
+    from batchsim.server.results.plots import figure
+
+    drawn = []
+    draw = timeline.draw_timeline
+
+    def spy(path, requests, steps, limits, title):
+        drawn.append(title)
+        return draw(path, requests, steps, limits, title)
+
+    monkeypatch.setattr(timeline, "draw_timeline", spy)
+    session = open_session(dataclasses.replace(sim_config(n=5), engine="mlx-lm-server"))
+    outcome = run_workload(session, session.config.workload, out_dir=tmp_path, label="t")
+    rebuild.rebuild_summary(outcome.run_dir)
+    assert len(drawn) == 2
+    for title in drawn:
+        assert title.startswith("llama-3.2-1b (float16, 4-bit weights) on sim (M2 Max, engine "
+                                "mlx-lm-server)")
+
+    ax = figure().subplots()
+    steps = [_step(i, float(i), running=8, waiting=3 * i) for i in range(5)]
+    timeline._requests_panel(ax, timeline._Series(steps), 8)
+    seats = [ln for ln in ax.get_lines() if ln.get_label() == "seats (max_num_seqs 8)"]
+    assert len(seats) == 1 and set(seats[0].get_ydata()) == {8}
+    assert ax.get_legend().get_bbox_to_anchor().y0 >= ax.bbox.y1 - 1  # above the panel

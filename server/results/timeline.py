@@ -20,6 +20,7 @@ TIMELINE = "timeline.png"
 MAX_POINTS = 600  # bins across the run when it has more steps than this
 DPI = 100
 _GIB = float(1 << 30)
+HEADROOM = 1.08  # y-axes reach a little past the tallest line (a line on the frame is hidden)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +131,7 @@ def draw_timeline(path: Path, requests: Sequence[RequestRecord], steps: Sequence
         fig.suptitle(title)
         return save_figure(fig, path, dpi=DPI, tight=False)
     series = _Series(steps)
-    _requests_panel(axes[0], series)
+    _requests_panel(axes[0], series, limits.max_num_seqs)
     _batch_panel(axes[1], series)
     _kv_panel(axes[2], series, overrun_index(requests, steps, limits), steps, limits)
     step_s = float(np.median([s.duration_s / s.num_steps for s in steps]))
@@ -142,9 +143,9 @@ def draw_timeline(path: Path, requests: Sequence[RequestRecord], steps: Sequence
     how = (f"{len(steps)} step records in {MAX_POINTS} time bins: mean, band from min to max"
            if series.binned else f"{len(steps)} step records")
     fig.suptitle(f"{title}\n{how}", fontsize=10)
-    for ax in axes:
+    for ax in fig.axes:  # twins included
         ax.grid(alpha=0.3)
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, max(ax.get_ylim()[1], 1e-9) * (1.0 if ax is axes[3] else HEADROOM))
     return save_figure(fig, path, dpi=DPI, tight=False, fast=True)
 
 
@@ -156,8 +157,17 @@ def _line(ax, series: _Series, name: str, label: str, color: str) -> None:
                         alpha=0.2, lw=0)
 
 
-def _requests_panel(ax, series: _Series) -> None:
+def _legend(ax, handles: list) -> None:
+    """The panel's legend in one row above it, where it hides no line."""
+    ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.0), ncol=len(handles),
+              fontsize=8, frameon=False, borderaxespad=0.2, handlelength=1.5)
+
+
+def _requests_panel(ax, series: _Series, max_num_seqs: int | None) -> None:
     _line(ax, series, "running", "running", "tab:blue")
+    if max_num_seqs:  # a queue that grows under this line waits for a seat, not for memory
+        ax.axhline(max_num_seqs, color="tab:blue", ls="--", lw=0.8,
+                   label=f"seats (max_num_seqs {max_num_seqs})")
     ax.set_ylabel("running requests", color="tab:blue")
     right = ax.twinx()  # a queue can be 100 times the batch
     right.plot(series.x, series.get("waiting", "max"), color="tab:orange", lw=1,
@@ -165,8 +175,7 @@ def _requests_panel(ax, series: _Series) -> None:
                drawstyle="default" if series.binned else "steps-pre")
     right.set_ylabel("waiting requests", color="tab:orange")
     right.set_ylim(bottom=0)
-    ax.legend(handles=ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0],
-              loc="upper left", fontsize=8)
+    _legend(ax, ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0])
 
 
 def _batch_panel(ax, series: _Series) -> None:
@@ -177,8 +186,7 @@ def _batch_panel(ax, series: _Series) -> None:
                label="tokens per step", drawstyle="default" if series.binned else "steps-pre")
     right.set_ylabel("tokens per step")
     right.set_ylim(bottom=0)
-    handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
-    ax.legend(handles=handles, loc="upper left", fontsize=8)
+    _legend(ax, ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0])
 
 
 def _kv_panel(ax, series: _Series, first: int | None, steps: Sequence[StepRecord],
@@ -202,8 +210,19 @@ def _kv_panel(ax, series: _Series, first: int | None, steps: Sequence[StepRecord
                 label=f"preemptions ({int(preempted.sum())})")
     else:
         ax.plot([], [], " ", label="no preemptions")
-    ax.legend(loc="upper left", fontsize=8)
+    _legend(ax, ax.get_legend_handles_labels()[0])
     ax.set_ylabel("KV (GiB)")
+
+
+def run_title(model: str, dtype: str | None, quantize: int | None, executor: str | None,
+              device_profile: str | None, engine: str | None) -> str:
+    """What ran where, for the picture's title: a simulated run names its device profile and the
+    serving engine whose costs it priced."""
+    weights = ", ".join(x for x in (dtype, f"{quantize}-bit weights" if quantize else None) if x)
+    where = executor or "?"
+    if executor == "sim":
+        where = f"sim ({device_profile or 'this machine'}, engine {engine or 'batchsim'})"
+    return f"{model} ({weights}) on {where}" if weights else f"{model} on {where}"
 
 
 def write_timeline(run_dir: Path, requests: Sequence[RequestRecord], steps: Sequence[StepRecord],

@@ -211,7 +211,9 @@ def _finish(v: _Validation, rows: list[dict], **extra: Any) -> dict:
     summary.update({"model": v.args.model, "device_profile": v.args.device_profile,
                     "profile_source": v.profile.source, "profile_device": v.calibrated_on,
                     "device": v.here, "env": v.real.environment(), **extra,
-                    "png": str(_plot(rows, v.out_dir)), "run_dir": str(v.out_dir)})
+                    "png": str(_plot(rows, v.out_dir, f"{v.args.model} on profile "
+                                                   f"{v.args.device_profile}")),
+                    "run_dir": str(v.out_dir)})
     _print(rows, summary)
     append_jsonl(Path(v.args.out) / "validate.jsonl", [summary])
     return summary
@@ -361,10 +363,15 @@ def _pct(x: float | None) -> float | str:
     return "" if x is None else 100 * x
 
 
-def _plot(rows: list[dict], out_dir: Path) -> Path:
+_UNITS = {"output_throughput": "output tok/s", "mean_ttft_ms": "mean TTFT, ms",
+          "mean_tpot_ms": "mean TPOT, ms", "p99_ttft_ms": "P99 TTFT, ms",
+          "p99_tpot_ms": "P99 TPOT, ms"}
+
+
+def _plot(rows: list[dict], out_dir: Path, what: str) -> Path:
     plt = pyplot()
 
-    fig, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 4))
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 4.4))
     for ax, m in zip(axes, METRICS):
         xs = [r["measured"][m] or 0 for r in rows]
         ys = [r["predicted"][m] or 0 for r in rows]
@@ -372,10 +379,11 @@ def _plot(rows: list[dict], out_dir: Path) -> Path:
         hi = [max(run[m] or 0 for run in r["real_runs"]) - x for x, r in zip(xs, rows)]
         ax.errorbar(xs, ys, xerr=[lo, hi], fmt="o", ms=4, elinewidth=0.8)  # bars: real runs' range
         top = max(xs + ys + [1e-9]) * 1.1
-        ax.plot([0, top], [0, top], "k--", lw=0.8)
-        ax.set_title(m)
-        ax.set_xlabel("measured")
-        ax.set_ylabel("predicted")
-    fig.suptitle("batchsim validate: predicted vs measured "
-                 "(median of real runs, bars: their range)")
+        ax.plot([0, top], [0, top], "k--", lw=0.8, label="predicted = measured")
+        for x, y, r in zip(xs, ys, rows):
+            ax.annotate(r["case"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set(title=_UNITS[m], xlabel=f"measured ({_UNITS[m]})", ylabel="predicted")
+        ax.legend(loc="upper left", fontsize=7)
+    fig.suptitle(f"batchsim validate, {what}: predicted vs measured per case (median of the real "
+                 "runs; bars: their range)")
     return save_figure(fig, out_dir / "validate.png")

@@ -144,3 +144,22 @@ def test_response_ids_are_unique_across_processes(srv, batchsim_home):
     assert re.fullmatch(r"cmpl-[0-9a-f]{32}", ids[4])
     events = stream_events(srv, "/v1/chat/completions", chat)
     assert len({e.json()["id"] for e in events[:-1]}) == 1  # one id for every chunk
+
+
+def test_integers_past_a_floats_range_are_400s_naming_the_field():
+    """10**400 in a number field, or 5,000 digits anywhere, was a 500 (OverflowError, and
+    Python's 4,300-digit limit); no server needed."""
+    from batchsim.server.http.fields import APIError
+    from batchsim.server.http.openai_api import parse_json_object
+    from batchsim.server.http.sampling_fields import parse_sampling
+
+    huge = 10**400
+    for field, value in [("temperature", huge), ("top_p", huge), ("min_p", huge),
+                         ("repetition_penalty", huge), ("frequency_penalty", -huge),
+                         ("presence_penalty", huge), ("logit_bias", {"1": huge})]:
+        with pytest.raises(APIError) as exc:
+            parse_sampling({field: value}, 512)
+        assert exc.value.status == 400 and exc.value.param == field, (field, exc.value)
+    with pytest.raises(APIError) as exc:
+        parse_json_object(b'{"max_tokens": 1' + b"0" * 5000 + b"}")
+    assert exc.value.status == 400 and "not valid JSON" in exc.value.message

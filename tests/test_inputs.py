@@ -177,6 +177,10 @@ def _corrupt(run_dir: Path, how: str) -> None:
         (run_dir / "config.yaml").write_bytes(bytes(range(256)) * 4)
     elif how == "invalid config":
         (run_dir / "config.yaml").write_text("config: [unclosed\n  resolved: {")
+    elif how == "int past a float":  # was an OverflowError in the finite-number check
+        steps = (run_dir / "steps.jsonl").read_text().splitlines(keepends=True)
+        steps[0] = steps[0].replace('"kv_bytes":', '"kv_bytes":' + "9" * 400 + ",\"was\":")
+        (run_dir / "steps.jsonl").write_text("".join(steps))
     requests.write_bytes(b"".join(lines))
 
 
@@ -187,6 +191,7 @@ def _corrupt(run_dir: Path, how: str) -> None:
     ("duplicates", 12, "requests.jsonl: 3 duplicated request record(s) counted once"),
     ("binary config", 12, "config.yaml: not a run's config"),
     ("invalid config", 12, "config.yaml: not a run's config"),
+    ("int past a float", 12, "steps.jsonl: skipped 1 record(s) with missing or non-finite"),
 ])
 def test_report_reads_a_corrupted_run_directory_with_warnings(finished_run, tmp_path, capsys,
                                                               how, completed, says):

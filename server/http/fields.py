@@ -42,7 +42,13 @@ def is_int(value: Any) -> bool:
 
 
 def is_number(value: Any) -> bool:
-    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    """A finite int or float; an int past a float's range (10**400) is not one."""
+    if not (is_int(value) or isinstance(value, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def check(body: dict[str, Any], key: str, ok: bool, rule: str) -> None:

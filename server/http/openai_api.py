@@ -46,7 +46,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise APIError(400, f"request body is not valid Unicode text: {exc}") from None
     except RecursionError:
         raise APIError(400, "request body is nested too deeply") from None
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, or an integer of more than 4,300 digits
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")

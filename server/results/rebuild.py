@@ -107,7 +107,12 @@ def _section(data: dict[str, Any], key: str) -> dict[str, Any]:
 
 
 def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past a float's range (10**400)
+        return False
 
 
 def _count(value: Any) -> int | None:

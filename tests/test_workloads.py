@@ -324,6 +324,22 @@ def test_trace_errors_name_the_file(tmp_path):
         read_trace("missing.csv")
 
 
+@pytest.mark.parametrize("row, says", [
+    ('{"timestamp": 0, "input_length": 1000000000000, "output_length": 8}',
+     "token count must be an integer in \\[0, 2147483647\\]"),  # ran out of memory
+    ('{"timestamp": 0, "input_length": -5, "output_length": 8}', "token count"),  # read as 1
+    ('{"timestamp": 0, "input_length": true, "output_length": 8}', "token count"),
+    ('{"timestamp": 1' + "0" * 400 + ', "input_length": 5, "output_length": 8}',
+     "int too large"),  # an OverflowError traceback
+    ("[" * 5000 + "]" * 5000, "nested too deeply"),  # a RecursionError traceback
+])
+def test_a_bad_mooncake_row_is_a_config_error_naming_its_line(tmp_path, row, says):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 5, "output_length": 8}\n' + row + "\n")
+    with pytest.raises(ConfigError, match=f"t.jsonl:2: .*{says}"):
+        read_trace(path)
+
+
 def test_shipped_slices_parse_with_documented_rows():
     azure = read_trace("azure_conv_2023_slice.csv")
     moon = read_trace("mooncake_conversation_slice.jsonl")

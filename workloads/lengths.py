@@ -10,10 +10,9 @@ from typing import Literal
 
 import numpy as np
 from batchsim.configs import ConfigError
-from batchsim.workloads.traces import TraceFormat, read_trace, scale_length
+from batchsim.workloads.traces import MAX_TOKENS, TraceFormat, read_trace, scale_length
 
 ZIPF_MAX_RANKS = 1 << 22  # zipf samples from a table of every length in [min, max]: 100 MB here
-MAX_TOKENS = 2**31 - 1  # a longer prompt or output is a typo (and overflows int32 token counts)
 Dist = Literal["fixed", "uniform", "normal", "lognormal", "zipf", "empirical"]
 
 

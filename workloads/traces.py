@@ -24,6 +24,7 @@ TRACE_DIR = CONFIG_DIR / "traces"
 TraceFormat = Literal["auto", "azure", "mooncake"]
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
+MAX_TOKENS = 2**31 - 1  # a longer prompt or output is a typo (and overflows int32 token counts)
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash_ids block (Mooncake's FAST'25 traces)
 # Azure writes 7 fractional digits; Python's datetime takes at most 6.
 _AZURE_TIME = re.compile(r"^(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d)(?:\.(\d+))?(.*)$")
@@ -75,8 +76,8 @@ def _read_azure(path: Path) -> Iterator[RawRow]:
             )
         for row in reader:
             try:
-                yield (_finite_s(parse_azure_time(row["TIMESTAMP"])), int(row["ContextTokens"]),
-                       int(row["GeneratedTokens"]), ())
+                yield (_finite_s(parse_azure_time(row["TIMESTAMP"])),
+                       _tokens(row["ContextTokens"]), _tokens(row["GeneratedTokens"]), ())
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"{path}:{reader.line_num}: {exc}") from None
 
@@ -86,6 +87,14 @@ def _finite_s(t_s: float) -> float:
     if not math.isfinite(t_s):
         raise ValueError(f"timestamp {t_s!r} s is not a finite number")
     return t_s
+
+
+def _tokens(value: object) -> int:
+    """A row's token count: an integer in [0, MAX_TOKENS] (a 10**12-token row ran out of memory)."""
+    n = int(value) if not isinstance(value, bool) else -1  # type: ignore[call-overload]
+    if not 0 <= n <= MAX_TOKENS:
+        raise ValueError(f"a token count must be an integer in [0, {MAX_TOKENS}], got {value!r}")
+    return n
 
 
 def _hash_ids(value: object) -> tuple[int, ...]:
@@ -105,15 +114,17 @@ def _read_mooncake(path: Path) -> Iterator[RawRow]:
                 continue
             try:
                 row = json.loads(line)
-                yield (_finite_s(row["timestamp"] / 1000.0), int(row["input_length"]),
-                       int(row["output_length"]), _hash_ids(row.get("hash_ids")))
+                yield (_finite_s(row["timestamp"] / 1000.0), _tokens(row["input_length"]),
+                       _tokens(row["output_length"]), _hash_ids(row.get("hash_ids")))
             except KeyError as exc:
                 raise ConfigError(
                     f"{path}:{line_no}: missing key {exc}; a Mooncake row has "
                     f"{', '.join(_MOONCAKE_KEYS)}"
                 ) from None
-            except (TypeError, ValueError, AttributeError) as exc:
-                raise ConfigError(f"{path}:{line_no}: {exc}") from None
+            except (TypeError, ValueError, AttributeError, OverflowError) as exc:
+                raise ConfigError(f"{path}:{line_no}: {exc}") from None  # 10**400 ms: Overflow
+            except RecursionError:
+                raise ConfigError(f"{path}:{line_no}: JSON nested too deeply") from None
 
 
 def shipped_traces() -> list[str]:

@@ -192,11 +192,17 @@ def _bad_gguf(kind: str, path: Path) -> Path:
         del hf["model.layers.0.mlp.up_proj.weight"]
     if kind == "zero_dim":
         hf["model.layers.0.mlp.up_proj.weight"] = mx.zeros((0, HIDDEN))
+    if kind == "norm_2d":
+        hf["model.layers.0.input_layernorm.weight"] = mx.zeros((HIDDEN, 2))
     meta = {"head_count": {"llama.attention.head_count": u32(0)},
             "eos": {"tokenizer.ggml.eos_token_id": u32(9999)},
             "blocks": {"llama.block_count": u32(2)},
             "epsilon": {"llama.attention.layer_norm_rms_epsilon": mx.array(-1e-5)},
-            "merges": {"tokenizer.ggml.merges": ["Ġ t", "x y"]}}.get(kind, {})  # no token xy
+            "merges": {"tokenizer.ggml.merges": ["Ġ t", "x y"]},  # no token xy
+            "merges_int": {"tokenizer.ggml.merges": u32(4)},
+            "tokens_int": {"tokenizer.ggml.tokens": u32(5)},
+            "template_int": {"tokenizer.chat_template": u32(3)},
+            "template_syntax": {"tokenizer.chat_template": "{% for %}"}}.get(kind, {})
     return _write_gguf(path, hf, **meta)
 
 
@@ -209,6 +215,12 @@ def _bad_gguf(kind: str, path: Path) -> Path:
     ("zero_dim", "tensor blk.0.ffn_up.weight has shape (0, 64), expected 128 x 64"),
     ("epsilon", "layer_norm_rms_epsilon must be a positive finite number, got -"),
     ("merges", "tokenizer metadata does not make a BPE tokenizer (Error while initializing BPE"),
+    # each of these was a TypeError traceback, or imported and then failed in `run`:
+    ("norm_2d", "tensor blk.0.attn_norm.weight has shape (64, 2), expected 64"),
+    ("merges_int", "tokenizer.ggml.merges must be an array of strings, got 4"),
+    ("tokens_int", "tokenizer.ggml.tokens must be an array of strings, got 5"),
+    ("template_int", "tokenizer.chat_template must be a string, got 3"),
+    ("template_syntax", "tokenizer.chat_template is not a Jinja template (line 1: Expected an"),
 ])
 def test_malformed_ggufs_are_refused_in_one_line_before_anything_is_written(
         tmp_path, capsys, kind, says):

@@ -51,7 +51,7 @@ def hf_config(g: Gguf) -> dict[str, Any]:
     if heads % kv_heads:
         raise GgufError(f"{g.path}: head_count {heads} is not a multiple of head_count_kv "
                         f"{kv_heads}")
-    tokens = g.need("tokenizer.ggml.tokens")
+    tokens = g.strings("tokenizer.ggml.tokens")
     vocab = _count(g, f"{arch}.vocab_size", len(tokens))
     head_dim = g.value(f"{arch}.attention.key_length") or g.value(f"{arch}.rope.dimension_count")
     config: dict[str, Any] = {

@@ -40,6 +40,13 @@ class Gguf:
             raise GgufError(f"{self.path}: GGUF metadata has no {key!r}")
         return v
 
+    def strings(self, key: str) -> list[str]:
+        """A required array of strings (tokens, merges)."""
+        v = self.need(key)
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise GgufError(f"{self.path}: {key} must be an array of strings, got {str(v)[:40]}")
+        return v
+
 
 def check_magic(path: Path) -> None:
     if not path.is_file():

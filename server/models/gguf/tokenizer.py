@@ -26,6 +26,23 @@ def _pre_tokenizer(g: Gguf) -> Any:
     return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
 
 
+def _chat_template(g: Gguf) -> str | None:
+    """The chat template, compiled as transformers compiles it (a broken one failed in `run`)."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    template = g.value("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise GgufError(f"{g.path}: tokenizer.chat_template must be a string, got {template!r}")
+    try:
+        if template:
+            ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise GgufError(f"{g.path}: tokenizer.chat_template is not a Jinja template "
+                        f"(line {exc.lineno}: {exc.message})") from None
+    return template or None
+
+
 def build_tokenizer(g: Gguf) -> Any:
     """A `tokenizers.Tokenizer` equal to the one the GGUF was converted from."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
@@ -34,8 +51,8 @@ def build_tokenizer(g: Gguf) -> Any:
     if kind != "gpt2":
         raise GgufError(f"{g.path}: tokenizer model {kind!r} is not supported; supported: gpt2 "
                         "(byte-level BPE)")
-    tokens = list(g.need("tokenizer.ggml.tokens"))
-    merges = [tuple(m.split(" ", 1)) for m in g.need("tokenizer.ggml.merges")]
+    tokens = g.strings("tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in g.strings("tokenizer.ggml.merges")]
     types = g.value("tokenizer.ggml.token_type") or [1] * len(tokens)
     try:
         tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
@@ -56,7 +73,7 @@ def build_tokenizer(g: Gguf) -> Any:
 def tokenizer_config(g: Gguf) -> dict[str, Any]:
     """tokenizer_config.json: special tokens by name, the chat template, no added BOS unless
     asked."""
-    tokens = g.need("tokenizer.ggml.tokens")
+    tokens = g.strings("tokenizer.ggml.tokens")
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": int(g.value("llama.context_length") or 4096),
@@ -69,7 +86,7 @@ def tokenizer_config(g: Gguf) -> dict[str, Any]:
         if idx is not None:
             key = {"unknown": "unk", "padding": "pad"}.get(role, role)
             config[f"{key}_token"] = tokens[int(idx)]
-    if template := g.value("tokenizer.chat_template"):
+    if template := _chat_template(g):
         config["chat_template"] = template
     return config
 

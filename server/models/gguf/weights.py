@@ -145,6 +145,7 @@ def check_tensors(g: Gguf, config: dict[str, Any]) -> None:
         rows, cols = shapes[kind]
         quantized = f"{name.rsplit('.', 1)[0]}.scales" in g.tensors  # packed columns
         want = (rows,) if cols is None or quantized else (rows, cols)
-        if 0 in arr.shape or tuple(arr.shape[: len(want)]) != want:
+        got = tuple(arr.shape) if cols is None else tuple(arr.shape[: len(want)])  # norms: 1-D
+        if 0 in arr.shape or got != want:
             raise GgufError(f"{g.path}: tensor {name} has shape {tuple(arr.shape)}, expected "
-                            f"{' x '.join(map(str, want))}{' x ...' if len(want) == 1 else ''}")
+                            f"{' x '.join(map(str, want))}{' x ...' if quantized else ''}")

@@ -373,3 +373,14 @@ def test_run_target_on_a_server_that_wants_a_key_says_openai_api_key(batchsim_ho
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert "{'401': 2}" in line and "set OPENAI_API_KEY" in line
+
+
+def test_a_run_directory_is_one_name_under_out_whatever_the_label(tmp_path):
+    """`run --model /abs/dir` labelled its run `/abs/dir-default-mlx`: the run directory was
+    nested under out/TIMESTAMP-/abs/...; a long unicode name failed with ENAMETOOLONG."""
+    from batchsim.server.results.jsonio import new_run_dir
+
+    for label in ("/tmp/models/x-default-mlx", "..\\..\\x\x00\n", "模型" * 200):
+        run_dir = new_run_dir(tmp_path / "out", label)
+        assert run_dir.parent == tmp_path / "out" and run_dir.is_dir(), run_dir
+    assert "模型" in run_dir.name and len(run_dir.name.encode()) <= 255

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tempfile
 import time
 from collections.abc import Iterable
@@ -11,6 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from batchsim.configs import ConfigError
+
+# A label is one path component: a model given as a path (`--model /m/x`) nested run
+# directories under /m; control characters and over-long names fail in mkdir.
+_NOT_IN_A_NAME = re.compile(r"[\x00-\x1f/\\]")
+MAX_LABEL_BYTES = 160  # a file name holds 255 bytes; room for the timestamp and `-N`
 
 
 def jsonable(obj: Any) -> Any:
@@ -71,6 +77,7 @@ def timestamp() -> str:
 def new_run_dir(out_dir: Path, label: str) -> Path:
     """A fresh `TIMESTAMP-label` directory under out_dir (`-2`, `-3`, ... if it exists). Made
     before a run starts, so an output directory that cannot be written fails before any compute."""
+    label = _NOT_IN_A_NAME.sub("_", label).encode()[:MAX_LABEL_BYTES].decode(errors="ignore")
     run_dir = out_dir / f"{timestamp()}-{label}"
     n = 1
     while run_dir.exists():

@@ -151,12 +151,18 @@ class PrefixCache:
             self.pin(tuple(new), request_id)
 
     def evict(self, num_blocks: int) -> None:
-        """Evict up to `num_blocks` unreferenced blocks, least recently used first."""
+        """Evict up to `num_blocks` unreferenced blocks, least recently used first. A block stored
+        earlier in this step leaves the step's stores instead (the executor evicts before it
+        stores, so it must see neither)."""
         if num_blocks > 0:
             blocks, refs = self.blocks, self.refs
             for h in list(itertools.islice((h for h in blocks if h not in refs), num_blocks)):
                 del blocks[h]
-                self._evicted.append(h)
+                stored = [s for s in self._stored if s[2] != h]
+                if len(stored) < len(self._stored):
+                    self._stored = stored
+                else:
+                    self._evicted.append(h)
 
     def fit(self, room_bytes: int) -> bool:
         """Evict unreferenced blocks, least recently used first, until they hold <= room_bytes;

@@ -140,3 +140,19 @@ def test_the_simulator_prices_cached_prefixes_as_skipped_prefill():
     assert shared.kv.prefix.peak_bytes == 32 * PAGE_TOKENS * shared.kv.cache.full_token_bytes
     # later requests prefill 88 tokens instead of 600: the last samples far sooner
     assert t_shared[5] < 0.5 * t_none[5]
+
+
+def test_a_block_stored_and_evicted_in_one_step_reaches_the_executor_as_neither():
+    """With room for one block, a step's second stored block evicts its first (a stored block is
+    referenced by nobody): the plan carries neither for that one, since the executor evicts
+    before it stores (`batchsim sweep`'s default real run raised KeyError in PrefixBlocks.evict).
+    A block cached in an earlier step is evicted as before."""
+    from batchsim.scheduler.prefix_cache import PrefixCache
+
+    cache = PrefixCache(block_bytes=1)
+    cache.store(0, 0, (11, 12), room_bytes=1)
+    ops = cache.take_ops()
+    assert ops.store == ((0, 1, 12),) and ops.evict == () and list(cache.blocks) == [12]
+    cache.store(1, 0, (21,), room_bytes=1)
+    ops = cache.take_ops()
+    assert ops.evict == (12,) and ops.store == ((1, 0, 21),) and list(cache.blocks) == [21]

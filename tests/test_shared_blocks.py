@@ -22,6 +22,7 @@ def test_a_holder_released_drops_only_its_references():
     cache = PrefixCache(block_bytes=1, shared=True)
     hashes = chain_block_hashes(range(3))
     cache.adopt(1, hashes)  # request 1 joins: its prompt blocks become cached, held by it
+    assert cache.take_ops().store == ((1, 0, hashes[0]), (1, 1, hashes[1]), (1, 2, hashes[2]))
     assert cache.pin(hashes[:2], holder=2) == 0  # request 2 hits two of them
     cache.release(1)  # preempted or finished: its references go, the blocks stay
     assert set(cache.blocks) == set(hashes) and cache.num_unreferenced == 1

@@ -28,7 +28,12 @@ from batchsim.server.engine.run_config import (
 )
 from batchsim.server.models.spec import KV_BITS, QUANT_BITS
 from batchsim.workloads.lengths import LengthSpec, parse_length
-from batchsim.workloads.spec import TraceSpec, WorkloadSpec, resolve_workload
+from batchsim.workloads.spec import (
+    TraceSpec,
+    WorkloadSpec,
+    builtin_workload_names,
+    resolve_workload,
+)
 
 
 def rate(text: str) -> float:
@@ -117,8 +122,9 @@ def add_workload_args(p: argparse.ArgumentParser, defaults: WorkloadSpec | None 
     w = defaults or RunConfig().workload
     g = p.add_argument_group("workload (overrides the YAML)", "Unset flags keep the config's "
                              f"values; defaults shown: the built-in '{w.name}' workload's.")
-    add_field_argument(g, w, "name", "built-in workload name (configs/workloads) or a workload "
-                       "YAML", flag="--workload")
+    add_field_argument(g, w, "name", "built-in workload (configs/workloads: "
+                       f"{', '.join(builtin_workload_names())}) or a workload YAML",
+                       flag="--workload")
     add_field_argument(g, w, "num_prompts", "requests to send; with --trace: every row of the "
                        "trace unless given")
     add_field_argument(g, w, "request_rate", "requests/s; 'inf' sends all at once", type=rate)
@@ -129,10 +135,10 @@ def add_workload_args(p: argparse.ArgumentParser, defaults: WorkloadSpec | None 
                        "request, rising linearly from --request-rate (sets --arrival ramp)")
     add_field_argument(g, w, "concurrency", "closed loop: keep this many requests in flight")
     add_field_argument(g, w, "max_concurrency", "open loop: cap on requests in flight")
-    add_field_argument(g, w, "input_len", "prompt lengths: N, uniform:MIN:MAX, "
+    add_field_argument(g, w, "input_len", "prompt lengths in tokens: N, uniform:MIN:MAX, "
                        "normal:MEAN:STD[:MAX], lognormal:MEAN:STD[:MAX], zipf:A:MIN:MAX",
                        type=length)
-    add_field_argument(g, w, "output_len", "output lengths (same forms)", type=length)
+    add_field_argument(g, w, "output_len", "output lengths in tokens (same forms)", type=length)
     add_field_argument(g, w, "seed", "workload seed (arrivals, lengths, prompt ids)")
     g.add_argument("--trace", help="replay a trace: Azure CSV or Mooncake JSONL (path, or a file "
                    "in configs/traces)")

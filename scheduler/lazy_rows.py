@@ -1,8 +1,8 @@
 """Decode rows advanced lazily in a simulation: a row that only decodes gains one token per step,
 so its counters are kept as (value - base) plus one shared count of the decode steps applied
 (`steps`), and written back to the Request only when it leaves this set (settle). The per-plan
-cost then does not grow with the rows: widths, the next finish and the plan's positions come from
-list-wide min/max/map over the rows' offsets.
+cost then hardly grows with the rows: the widest and longest row are kept, the next finish is a
+heap's top, and only the plan's positions are built row by row (a list comprehension).
 
 The rows are always the prefix running[:len(ids)] of the scheduler's running list, each simulated
 (no token ids) and in every decode step since it joined; anything else (a preemption, an abort, a
@@ -11,11 +11,14 @@ is the reference (tests/test_advance.py holds the two equal)."""
 
 from __future__ import annotations
 
+import heapq
+
 from batchsim.scheduler.request import Request, RequestStatus
 
 
 class LazyRows:
-    __slots__ = ("base", "computed0", "ids", "left0", "rows", "steps", "tokens0")
+    __slots__ = ("base", "computed0", "ends", "ids", "max_computed0", "max_tokens0", "rows",
+                 "steps", "tokens0")
 
     def __init__(self) -> None:
         self.steps = 0  # decode steps applied lazily so far (only differences matter)
@@ -24,7 +27,9 @@ class LazyRows:
         self.base: list[int] = []  # `steps` when each row's Request counters were last written
         self.computed0: list[int] = []  # num_computed_tokens - steps
         self.tokens0: list[int] = []  # num_tokens (prompt + output) - steps
-        self.left0: list[int] = []  # output tokens left + steps: reaches max_tokens at steps
+        self.max_computed0 = self.max_tokens0 = 0  # their largest (kept, not searched per plan)
+        # A heap of (`steps` at which a row reaches its max_tokens, request id, row).
+        self.ends: list[tuple[int, int, Request]] = []
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -32,12 +37,19 @@ class LazyRows:
     def add(self, r: Request) -> None:
         """A decode row whose counters are up to date joins (at the end of the prefix)."""
         s = self.steps
+        first = not self.rows
         self.rows.append(r)
         self.ids.append(r.request_id)
         self.base.append(s)
-        self.computed0.append(r.num_computed_tokens - s)
-        self.tokens0.append(r.num_prompt_tokens + r.num_output_tokens - s)
-        self.left0.append(r.sampling.max_tokens - r.num_output_tokens + s)
+        c0, n0 = r.num_computed_tokens - s, r.num_prompt_tokens + r.num_output_tokens - s
+        self.computed0.append(c0)
+        self.tokens0.append(n0)
+        if first or c0 > self.max_computed0:
+            self.max_computed0 = c0
+        if first or n0 > self.max_tokens0:
+            self.max_tokens0 = n0
+        heapq.heappush(self.ends, (r.sampling.max_tokens - r.num_output_tokens + s,
+                                   r.request_id, r))
 
     def absorb(self, rows: list[Request], n: int, running: list[Request]) -> None:
         """A simulated plan's decode rows after its first n (the lazy ones), counters up to date,
@@ -53,19 +65,20 @@ class LazyRows:
 
     def widest(self) -> int:
         """The largest num_computed_tokens among the rows (they are not empty)."""
-        return max(self.computed0) + self.steps
+        return self.max_computed0 + self.steps
 
     def longest(self) -> int:
         """The largest num_tokens among the rows (they are not empty)."""
-        return max(self.tokens0) + self.steps
+        return self.max_tokens0 + self.steps
 
     def steps_left(self) -> int:
         """Decode steps until the first row reaches its max_tokens (they are not empty)."""
-        return min(self.left0) - self.steps
+        return self.ends[0][0] - self.steps
 
     def positions(self) -> list[int]:
         """Every row's num_computed_tokens, in order."""
-        return list(map(self.steps.__add__, self.computed0))
+        s = self.steps
+        return [c + s for c in self.computed0]
 
     def computed(self) -> dict[int, int]:
         """request id -> num_computed_tokens, without writing them back."""
@@ -74,21 +87,35 @@ class LazyRows:
     def advance(self, k: int) -> list[Request]:
         """Every row decoded k more steps; the rows that reached max_tokens leave, settled, in
         order (still to be finished)."""
-        self.steps += k
-        if not self.left0 or min(self.left0) > self.steps:
+        s = self.steps = self.steps + k
+        ends = self.ends
+        if not ends or ends[0][0] > s:
             return []
-        done = [i for i, left in enumerate(self.left0) if left <= self.steps]
-        reached = [self.rows[i] for i in done]
+        rows = self.rows
+        done = []
+        while ends and ends[0][0] <= s:
+            done.append(rows.index(heapq.heappop(ends)[2]))
+        done.sort()
+        reached = [rows[i] for i in done]
+        c_max, n_max = self.max_computed0, self.max_tokens0
+        widest = longest = False  # a row that left held a largest value: search again
         for i in reversed(done):
             self._settle_row(i)
-            self._drop(i)
+            widest |= self.computed0[i] == c_max
+            longest |= self.tokens0[i] == n_max
+            for column in (rows, self.ids, self.base, self.computed0, self.tokens0):
+                del column[i]
+        if rows and widest:
+            self.max_computed0 = max(self.computed0)
+        if rows and longest:
+            self.max_tokens0 = max(self.tokens0)
         return reached
 
     def settle(self) -> None:
         """Write every row's counters back and empty the set."""
         for i in range(len(self.rows)):
             self._settle_row(i)
-        for column in (self.rows, self.ids, self.base, self.computed0, self.tokens0, self.left0):
+        for column in (self.rows, self.ids, self.base, self.computed0, self.tokens0, self.ends):
             column.clear()
 
     def _settle_row(self, i: int) -> None:
@@ -98,7 +125,3 @@ class LazyRows:
             r.num_computed_tokens += d
             r.num_output_tokens += d
             r.token_runs[-1][1] += d  # its run went on through every step since
-
-    def _drop(self, i: int) -> None:
-        for column in (self.rows, self.ids, self.base, self.computed0, self.tokens0, self.left0):
-            del column[i]

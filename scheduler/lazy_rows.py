@@ -80,6 +80,21 @@ class LazyRows:
         s = self.steps
         return [c + s for c in self.computed0]
 
+    def columns(self, decodes: list[Request]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A plan's decode_ids and decode_positions for these decode rows (the lazy rows first,
+        when there are any)."""
+        n = len(self.rows) if decodes else 0
+        if not n:
+            return (tuple([r.request_id for r in decodes]),
+                    tuple([r.num_computed_tokens for r in decodes]))
+        s = self.steps
+        positions = [c + s for c in self.computed0]
+        if len(decodes) == n:
+            return tuple(self.ids), tuple(positions)
+        tail = decodes[n:]
+        positions += [r.num_computed_tokens for r in tail]
+        return (*self.ids, *[r.request_id for r in tail]), tuple(positions)
+
     def computed(self) -> dict[int, int]:
         """request id -> num_computed_tokens, without writing them back."""
         return dict(zip(self.ids, self.positions()))

@@ -19,7 +19,7 @@ def lookahead_steps(decodes: list[Request], geom: PoolGeometry, width: int, limi
     steps = min(limit, geom.capacity_tokens - width + 1)
     if geom.blocks is not None:
         steps = min(steps, _paged_steps(decodes, geom.blocks - kv.blocks_beside(decodes)))
-    n = len(lazy)
+    n = len(lazy.rows)
     if n:  # simulated rows (no token ids): only their length stops them
         steps = min(steps, lazy.steps_left())
         decodes = decodes[n:]

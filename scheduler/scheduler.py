@@ -138,7 +138,7 @@ class Scheduler:
         prefilling: list[Request] = []
         members = self.kv.pool_members
         lazy, running = self.lazy, self.running
-        n = len(lazy)
+        n = len(lazy.rows)
         if n:  # decoding rows, all in the pool
             pool, rest = running[:n], running[n:]
             width, longest = lazy.widest() + decode_step, lazy.longest()
@@ -160,7 +160,7 @@ class Scheduler:
 
     def _pool_ids(self, pool: list[Request]) -> set[int]:
         """The ids of a step's pool rows, whose first len(lazy) are the lazy rows."""
-        n = len(self.lazy)
+        n = len(self.lazy.rows)
         ids = set(self.lazy.ids)
         ids.update([r.request_id for r in pool[n:]])
         return ids
@@ -240,17 +240,14 @@ class Scheduler:
         spec = budget.spec_k and tuple([row_spec_tokens(r, budget.spec_k) for r in decodes])
         pure_decode = not (prefills or new_requests or spec)
         self._planned_rows = decodes
-        n = len(self.lazy) if decodes else 0
-        tail = decodes[n:] if n else decodes
+        ids, positions = self.lazy.columns(decodes)
         self._planned = plan = StepPlan(  # positional: this runs every step
             self.num_steps,
             tuple(sorted(free_ids)) if free_ids else (),
             tuple(new_requests),
             tuple(prefills),
-            (*self.lazy.ids, *[r.request_id for r in tail]) if n
-            else tuple([r.request_id for r in decodes]),
-            (*self.lazy.positions(), *[r.num_computed_tokens for r in tail]) if n
-            else tuple([r.num_computed_tokens for r in decodes]),
+            ids,
+            positions,
             budget.geom,
             kv_bytes,
             lookahead_steps(decodes, budget.geom, budget.width, self.config.max_lookahead_steps,
@@ -341,11 +338,14 @@ class Scheduler:
                            finished: list[Request]) -> None:
         """A simulated plan's decode rows decoded k steps from `step`: the lazy ones by one count,
         the rest row by row (then joining the lazy ones where they can)."""
-        n = len(self.lazy)
-        for r in self.lazy.advance(k) + advance_decoded(rows[n:], step, k):
+        n = len(self.lazy.rows)
+        reached = self.lazy.advance(k)
+        if len(rows) > n:
+            reached += advance_decoded(rows[n:], step, k)
+        for r in reached:
             self._finish(r, "length")
             finished.append(r)
-        if self._lazy_ok:
+        if len(rows) > n and self._lazy_ok:  # after the finishes: running is the lazy prefix
             self.lazy.absorb(rows, n, self.running)
 
     def settle(self) -> None:

@@ -4,6 +4,7 @@ strict YAML -> frozen dataclass loader every config file goes through."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -14,6 +15,18 @@ import yaml
 CONFIG_DIR = Path(__file__).resolve().parent
 
 T = TypeVar("T")
+
+
+class _Loader(yaml.SafeLoader):
+    """safe_load, except that `1e-3` is a float as in YAML 1.2 and JSON (YAML 1.1 reads it as a
+    string, and `request_rate: 1e-3` was refused as "expected a number, got '1e-3'")."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
 class ConfigError(ValueError):
@@ -27,7 +40,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if path.is_dir():
         raise ConfigError(f"{path}: is a directory, not a YAML file")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_Loader)  # a SafeLoader subclass
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     except (OSError, UnicodeDecodeError) as exc:  # unreadable, or not text

@@ -165,6 +165,18 @@ def test_invalid_specs_name_the_key(kwargs, key):
         WorkloadSpec(**kwargs)
 
 
+def test_a_yaml_rate_written_1e_3_is_a_number_and_a_far_think_time_is_refused(tmp_path):
+    """YAML 1.1 reads `1e-3` (no dot) as a string: it was refused as "expected a number, got
+    '1e-3'"; a closed loop thinking 1e308 s passed a float's range and never finished."""
+    path = tmp_path / "w.yaml"
+    path.write_text("num_prompts: 3\nrequest_rate: 1e-3\nburstiness: 2E+0\narrival: gamma\n")
+    spec = resolve_workload(str(path))
+    assert (spec.request_rate, spec.burstiness) == (1e-3, 2.0)
+    path.write_text("num_prompts: 3\narrival: closed\nconcurrency: 1\nthink_time_s: 1e308\n")
+    with pytest.raises(ConfigError, match="think_time_s: must be >= 0 with 2 x think_time_s"):
+        resolve_workload(str(path))
+
+
 def test_with_overrides_ignores_none_and_switches_arrival():
     closed = builtin_workload("closed-loop")
     assert with_overrides(closed, num_prompts=None) == closed

@@ -97,7 +97,9 @@ class WorkloadSpec:
         _require(self.burstiness > 0, "burstiness", "> 0 (1.0 = Poisson)", self.burstiness)
         _require(self.seed >= 0, "seed", ">= 0", self.seed)
         think_s = self.think_time_s
-        _require(0 <= think_s < math.inf, "think_time_s", ">= 0 and finite", think_s)
+        _require(0 <= think_s and math.isfinite(2 * think_s * self.num_prompts), "think_time_s",
+                 ">= 0 with 2 x think_time_s x num_prompts finite (later arrivals would fall "
+                 "past a float's range)", think_s)
         if self.max_concurrency is not None:
             _require(self.max_concurrency >= 1, "max_concurrency", ">= 1", self.max_concurrency)
         if self.max_request_rate is not None:

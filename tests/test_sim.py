@@ -128,8 +128,11 @@ def test_advancing_the_clock_in_place_changes_nothing(monkeypatch, arrivals):
 def test_arrivals_and_callbacks_run_without_loop_turns_and_change_nothing(monkeypatch, arrivals):
     # An arrival due inside a plan's time runs from the engine's sleep, and a finished request's
     # callbacks from the engine (when they wake no task), instead of in turns of their own.
+    from batchsim.server.engine import runner
     from batchsim.server.engine.clock import VirtualTimeLoop
 
+    # The asyncio path (an open-loop run without limits goes without it: test_virtual_run.py).
+    monkeypatch.setattr(runner, "replays_exactly", lambda _arrivals: False)
     spec = dataclasses.replace(workload(n=60, rate=20.0, out="uniform:20:80"), **arrivals)
     turns: list[int] = []
     run_once = VirtualTimeLoop._run_once

@@ -8,6 +8,7 @@ import asyncio
 import bisect
 import concurrent.futures
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -61,6 +62,7 @@ class Engine:
         self.num_executor_errors = 0
         self._t0 = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._time: Callable[[], float] = time.monotonic  # the clock now() reads (start_clock)
         self._wake = asyncio.Event()
         self._done: dict[int, asyncio.Future] = {}
         self._stopping = False
@@ -71,24 +73,35 @@ class Engine:
         self._streamed: dict[int, int] = {}  # request id -> output tokens its stream has had
 
     def now(self) -> float:
-        return self._loop.time() - self._t0
+        return self._time() - self._t0
 
-    def start_clock(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._t0 = self._loop.time()
+    def start_clock(self, time_s: Callable[[], float] | None = None) -> None:
+        """Time starts now, on the running loop's clock, or on `time_s` (a loop-less simulation's
+        virtual clock: server/engine/virtual_run.py)."""
+        if time_s is None:
+            self._loop = asyncio.get_running_loop()
+            time_s = self._loop.time
+        self._time = time_s
+        self._t0 = time_s()
 
     # -- requests ------------------------------------------------------------------------------
     def add(self, request: Request) -> asyncio.Future:
         """Queue a request; the future resolves with it once finished, rejected or aborted."""
         fut = asyncio.get_running_loop().create_future()
-        self.recorder.on_arrival(request)
-        if self.scheduler.add_request(request):
+        if self.admit(request):
             self._done[request.request_id] = fut
             self._wake.set()
         else:
-            request.finished_s = self.now()
             fut.set_result(request)
         return fut
+
+    def admit(self, request: Request) -> bool:
+        """Record and queue a request: True, or False when it is refused (finished now)."""
+        self.recorder.on_arrival(request)
+        if self.scheduler.add_request(request):
+            return True
+        request.finished_s = self.now()
+        return False
 
     def stream(self, request: Request) -> asyncio.Queue:
         """Queue a request and get its tokens as they come: lists of new token ids, then the
@@ -116,6 +129,10 @@ class Engine:
     def stop(self) -> None:
         self._stopping = True
         self._wake.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
 
     # -- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -146,7 +163,7 @@ class Engine:
             start = self.now()
             try:
                 if self._thread is None:  # simulated: timed, not run (no coroutine per plan)
-                    result = self._simulate(plan, start)
+                    result = self.simulate(plan, start)
                     elapsed = result.elapsed_s
                     if advance is None or not advance(elapsed):
                         await clock.sleep(elapsed)
@@ -158,18 +175,24 @@ class Engine:
                     raise
                 self._recover()
                 continue
-            finished = self.scheduler.update_from_output(plan, result)
-            if self.scheduler.cut_drafts:  # records and metrics count the drafts it kept
-                result = cut_drafts(result, self.scheduler.cut_drafts)
-            self._record(plan, result, start)
+            finished = self.finish_step(plan, result, start)
             self._resolve(finished)
             # A closed-loop client sends its next request before the next plan.
             if finished and (run_ready is None or not run_ready()):
                 await asyncio.sleep(0)
 
-    def _simulate(self, plan: StepPlan, now: float) -> StepResult:
+    def simulate(self, plan: StepPlan, now: float) -> StepResult:
         """Time a plan without running it, up to the next open-loop arrival."""
         return self.executor.execute(plan, max_elapsed_s=self._next_arrival(now) - now)
+
+    def finish_step(self, plan: StepPlan, result: StepResult, start: float) -> list[Request]:
+        """The step is done: the scheduler takes its result, the recorder its record; the
+        requests it finished (their finish times are stamped by the caller)."""
+        finished = self.scheduler.update_from_output(plan, result)
+        if self.scheduler.cut_drafts:  # records and metrics count the drafts it kept
+            result = cut_drafts(result, self.scheduler.cut_drafts)
+        self._record(plan, result, start)
+        return finished
 
     def _recover(self) -> None:
         """After a failed step nothing the executor holds can be trusted: fail every running
@@ -217,13 +240,17 @@ class Engine:
     def _resolve(self, finished: list[Request]) -> None:
         if not finished:
             return
+        self.stamp_finished(finished)
+        for r in finished:
+            fut = self._done.pop(r.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(r)
+
+    def stamp_finished(self, finished: list[Request]) -> None:
         now = self.now()
         for r in finished:
             if r.finished_s is None:
                 r.finished_s = now
-            fut = self._done.pop(r.request_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(r)
 
     def _end_thread(self) -> None:
         """The executor thread's last work: the executor ends the run, then the MLX streams the

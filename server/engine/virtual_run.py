@@ -1,0 +1,125 @@
+"""A simulated open-loop run as one plain loop: no event loop, and no future, task or timer per
+request. Arrivals go to the scheduler straight from the request list, finished requests to the
+recorder when their step ends.
+
+It makes what the asyncio path makes (engine.py's loop on clock.py's VirtualTimeLoop, requests
+issued by the timers of workloads/driver.py): the same plans at the same times, so the same
+records. An arrival fires when asyncio's timer would: between a plan's pricing and its update
+when it falls within the plan, at the clock's landing after an idle wait otherwise (asyncio's
+float arithmetic, kept). tests/test_virtual_run.py holds the two paths equal."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+from batchsim.scheduler.request import Request
+from batchsim.server.engine.clock import MAX_WAIT_S, resolution_s, waited_s
+from batchsim.server.engine.engine import Engine
+
+MIN_GAP_S = 1e-8  # distinct arrivals closer: asyncio may fire the later one early (1 ns)
+MAX_ARRIVAL_S = 2.0**22  # beyond, the clock's resolution (2 ulp) nears MIN_GAP_S
+
+
+def replays_exactly(arrivals_s: Sequence[float]) -> bool:
+    """Whether this loop fires `arrivals_s` exactly as asyncio's timers would: sorted, finite,
+    below MAX_ARRIVAL_S, distinct ones at least MIN_GAP_S apart (closer ones, asyncio fires the
+    later one within its clock resolution of the earlier: the asyncio path runs them)."""
+    if not arrivals_s or not 0.0 <= arrivals_s[0] <= arrivals_s[-1] < MAX_ARRIVAL_S:
+        return False
+    return all(b == a or b - a >= MIN_GAP_S for a, b in itertools.pairwise(arrivals_s))
+
+
+class VirtualRun:
+    """Drives `engine` (a simulated executor's) through requests arriving at `arrivals_s`, in
+    order. `issue(i)` makes request i and gives it to the engine (engine.admit): whether it was
+    queued (False: refused, finished at once). `on_finish` gets every request that leaves."""
+
+    def __init__(self, engine: Engine, arrivals_s: Sequence[float],
+                 issue: Callable[[int], bool], on_finish: Callable[[Request], None]) -> None:
+        assert replays_exactly(arrivals_s) and engine.virtual_time
+        self.engine = engine
+        self.now_s = 0.0  # the virtual clock
+        self._arrivals_s = arrivals_s
+        self._issue = issue
+        self._on_finish = on_finish
+        self._next = 0  # the next request to issue
+        self._stopping = False
+
+    def time(self) -> float:
+        return self.now_s
+
+    def stop(self) -> None:
+        """Stop issuing and stepping after the current step (safe from a signal handler)."""
+        self._stopping = True
+
+    def run(self) -> float:
+        """Until every request has left the engine (or a stop); the simulated duration."""
+        engine = self.engine
+        scheduler = engine.scheduler
+        engine.start_clock(self.time)
+        late = False  # arrivals asyncio fires after the next plan is priced (_wait)
+        while not (self._stopping or engine.stopping):
+            if not scheduler.has_work():
+                if self._next >= len(self._arrivals_s):
+                    break
+                late = self._wait()
+                continue
+            plan = scheduler.schedule()
+            start = self.now_s
+            result = engine.simulate(plan, start)
+            if late:
+                late = False
+                while self._due():
+                    self._fire()
+            self._advance_to(start + max(result.elapsed_s, 0.0))
+            finished = engine.finish_step(plan, result, start)
+            if finished:
+                engine.stamp_finished(finished)
+                for r in finished:
+                    self._on_finish(r)
+        return self.now_s
+
+    def _wait(self) -> bool:
+        """The engine is idle: the clock jumps to the next arrival as the virtual loop's does,
+        and it fires. Landing a hair short of it (float rounding), asyncio fires the arrivals due
+        at the same time one per turn: before the engine wakes while none was queued, after its
+        next plan is priced once one was (then True: the caller fires them)."""
+        when = self._arrivals_s[self._next]
+        now = self.now_s
+        while True:  # asyncio's turns until the timer is due (one, below MAX_ARRIVAL_S)
+            timeout = min(max(0, when - now), MAX_WAIT_S)
+            now = waited_s(now, timeout, when if timeout >= MAX_WAIT_S else None)
+            if when < now + resolution_s(now):
+                break
+        self.now_s = now
+        woke = self._fire()
+        while not woke and self._due():
+            woke = self._fire()
+        return self._due()
+
+    def _advance_to(self, end_s: float) -> None:
+        """The clock to the plan's end; arrivals due by then fire at their own times."""
+        arrivals, n = self._arrivals_s, len(self._arrivals_s)
+        while self._next < n and arrivals[self._next] <= end_s:
+            self.now_s = max(self.now_s, arrivals[self._next])
+            self._fire()
+        self.now_s = end_s
+
+    def _due(self) -> bool:
+        """The next arrival's timer is due now (within the clock's resolution)."""
+        i, now = self._next, self.now_s
+        return i < len(self._arrivals_s) and self._arrivals_s[i] < now + resolution_s(now)
+
+    def _fire(self) -> bool:
+        """The driver's timer callback: the next request, then every one due by now; whether
+        any was queued."""
+        arrivals, n, now = self._arrivals_s, len(self._arrivals_s), self.now_s
+        i = self._next
+        queued = False
+        while True:
+            self._next = i + 1
+            queued = self._issue(i) or queued
+            i += 1
+            if i >= n or arrivals[i] > now:
+                return queued

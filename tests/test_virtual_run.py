@@ -1,0 +1,168 @@
+"""A simulated open-loop run goes without asyncio (server/engine/virtual_run.py); it must leave
+exactly what the asyncio path leaves: the same records byte for byte and the same summary, over
+workloads that reach every case of the arrival timing (idle waits, arrivals within a plan,
+arrivals at one instant, refusals, preemption, speculative steps), and stop on a signal with
+valid records."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from batchsim.server.engine import runner, virtual_run
+from batchsim.server.engine.run_config import RunConfig
+from batchsim.server.engine.runner import run_workload
+from batchsim.server.engine.session import open_session
+from batchsim.workloads.lengths import LengthSpec
+from batchsim.workloads.spec import TraceSpec, WorkloadSpec
+
+# What differs between two runs of one workload: how long they took, and where they were written.
+_WALL_KEYS = {"wall_s", "mean_plan_wall_ms", "sim_speedup", "run_dir", "env"}
+
+
+def _config(workload: WorkloadSpec, scheduler: dict | None = None, **kwargs) -> RunConfig:
+    sched = dataclasses.replace(RunConfig().scheduler, **(scheduler or {}))
+    return RunConfig(model="llama-3.2-1b", executor="sim", device_profile="M2 Max", quantize=4,
+                     workload=workload, scheduler=sched, **kwargs)
+
+
+def _run(cfg: RunConfig, out: Path, on_step=None) -> tuple[dict, bytes, bytes]:
+    session = open_session(cfg)
+    outcome = run_workload(session, cfg.workload, out_dir=out, label="v", timeline=False,
+                           on_step=on_step)
+    run_dir = outcome.run_dir
+    summary = {k: v for k, v in outcome.summary.items() if k not in _WALL_KEYS}
+    return (summary, (run_dir / "steps.jsonl").read_bytes(),
+            (run_dir / "requests.jsonl").read_bytes())
+
+
+def _both(cfg: RunConfig, tmp_path: Path, monkeypatch) -> tuple[tuple, tuple]:
+    """The run the plain loop makes, then the asyncio path's (which must be what it was)."""
+    plain_runs = []
+    real_run = virtual_run.VirtualRun.run
+
+    def counted(self):
+        plain_runs.append(self)
+        return real_run(self)
+
+    with monkeypatch.context() as m:
+        m.setattr(virtual_run.VirtualRun, "run", counted)
+        plain = _run(cfg, tmp_path / "plain")
+    assert len(plain_runs) == 1  # it did take the plain loop
+    with monkeypatch.context() as m:
+        m.setattr(runner, "replays_exactly", lambda _arrivals: False)
+        general = _run(cfg, tmp_path / "asyncio")
+    return plain, general
+
+
+MIXED = WorkloadSpec(name="mixed", num_prompts=80, request_rate=8.0, seed=1,
+                     input_len=LengthSpec("uniform", min=16, max=900),
+                     output_len=LengthSpec("uniform", min=1, max=160))
+
+
+@pytest.mark.parametrize("case", ["poisson", "refusals", "all-at-once-tight", "gamma-prefix",
+                                  "spec"])
+def test_the_plain_loop_leaves_the_records_of_the_asyncio_path(case, tmp_path, monkeypatch):
+    workload, extra = MIXED, {}
+    if case == "refusals":  # some prompts outgrow the KV budget: refused as they arrive
+        workload = dataclasses.replace(MIXED, input_len=LengthSpec("uniform", min=16, max=40_000))
+        extra = {"memory_gb": 1.6}
+    elif case == "all-at-once-tight":  # preemptions: a KV budget a few requests fill
+        workload = dataclasses.replace(MIXED, request_rate=float("inf"))
+        extra = {"memory_gb": 1.1}
+    elif case == "gamma-prefix":
+        workload = dataclasses.replace(MIXED, arrival="gamma", burstiness=0.3, seed=5)
+        extra = {"scheduler": {"prefix_cache": "on"}, "kv_layout": "paged"}
+    elif case == "spec":
+        extra = {"spec_method": "ngram", "scheduler": {"spec_tokens": 3},
+                 "spec_acceptance": (0.6, 0.4, 0.2)}
+    plain, general = _both(_config(workload, **extra), tmp_path, monkeypatch)
+    assert plain == general
+    if case == "all-at-once-tight":
+        assert plain[0]["num_preemptions"] > 0
+    if case == "refusals":
+        assert 0 < plain[0]["num_rejected"] < 40
+
+
+def _group(t_ms: float) -> list[dict]:
+    """Five requests at one instant, the first and fourth longer than the model's context
+    (refused as they arrive)."""
+    lengths = (300_000, 64, 200, 300_000, 90)
+    return [{"timestamp": t_ms, "input_length": n, "output_length": 3 + i}
+            for i, n in enumerate(lengths)]
+
+
+def _short_landing_ms(now_s: float) -> float:
+    """A time well after `now_s` that the virtual clock's jump, now + (when - now), lands short
+    of (float rounding; a few percent of times do)."""
+    t_ms = round(2500 * now_s, 3) + 0.001
+    while not now_s + (t_ms / 1000.0 - now_s) < t_ms / 1000.0:
+        t_ms += 0.001
+    return t_ms
+
+
+def test_an_instant_s_arrivals_after_a_wait_that_lands_short(tmp_path, monkeypatch):
+    """After an idle wait the clock lands a hair short of an arrival time now and then: asyncio
+    then issues the arrivals of that instant one per turn, before the engine wakes while each is
+    refused, after its next plan is priced once one was queued. The plain loop does the same."""
+    trace = tmp_path / "instants.jsonl"
+    rows = _group(0.0)
+    for k in range(3):  # each instant after the previous one's requests have all left
+        trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        workload = WorkloadSpec(name="instants", arrival="trace", num_prompts=len(rows),
+                                trace=TraceSpec(path=str(trace), format="mooncake"))
+        done_s = _run(_config(workload), tmp_path / f"probe{k}")[0]["duration"]
+        rows += _group(_short_landing_ms(done_s))
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    workload = dataclasses.replace(workload, num_prompts=len(rows))
+    waits = []
+    real_wait = virtual_run.VirtualRun._wait
+
+    def seen(self):
+        when = self._arrivals_s[self._next]
+        late = real_wait(self)
+        waits.append((self.now_s < when, late))
+        return late
+
+    monkeypatch.setattr(virtual_run.VirtualRun, "_wait", seen)
+    plain, general = _both(_config(workload), tmp_path, monkeypatch)
+    assert plain == general
+    assert waits.count((True, True)) == 3  # each landed short, and issued after the plan
+    assert plain[0]["completed"] == 12 and plain[0]["num_rejected"] == 8
+
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_ctrl_c_mid_run_stops_the_simulation_with_valid_records(plain, tmp_path, monkeypatch):
+    if not plain:
+        monkeypatch.setattr(runner, "replays_exactly", lambda _arrivals: False)
+    steps_seen = []
+
+    def interrupt(engine, plan, result):
+        steps_seen.append(plan.step_index)
+        if len(steps_seen) == 20:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    session = open_session(_config(MIXED))
+    outcome = run_workload(session, MIXED, out_dir=tmp_path, label="i", timeline=False,
+                           on_step=interrupt)
+    assert outcome.interrupted and outcome.summary["interrupt_reason"] == "SIGINT"
+    assert 20 <= len(steps_seen) <= 22  # it stops at once (asyncio: within a turn or two)
+    lines = (outcome.run_dir / "requests.jsonl").read_text().splitlines()
+    rows = [json.loads(x) for x in lines]
+    assert [r["request_id"] for r in rows] == sorted(r["request_id"] for r in rows)
+    assert {r["status"] for r in rows} == {"finished", "unfinished"} and len(rows) < 80
+    steps = (outcome.run_dir / "steps.jsonl").read_text().splitlines()
+    assert len(steps) == outcome.summary["num_plans"] == len(steps_seen)
+
+
+def test_which_arrivals_the_plain_loop_replays():
+    assert virtual_run.replays_exactly([0.0, 0.0, 0.5, 0.5 + 1e-8, 3600.0])
+    assert not virtual_run.replays_exactly([])
+    assert not virtual_run.replays_exactly([0.0, 1.0, 0.5])  # out of order
+    assert not virtual_run.replays_exactly([0.0, 1e-9])  # within asyncio's clock resolution
+    assert not virtual_run.replays_exactly([0.0, float("nan")])
+    assert not virtual_run.replays_exactly([0.0, 1e30])  # where a float's step outgrows 1 ns

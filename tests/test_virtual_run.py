@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 from pathlib import Path
 
 import pytest
-from batchsim.server.engine import runner, virtual_run
+from batchsim.server.engine import clock, runner, virtual_run
 from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
@@ -96,29 +97,23 @@ def _group(t_ms: float) -> list[dict]:
             for i, n in enumerate(lengths)]
 
 
-def _short_landing_ms(now_s: float) -> float:
-    """A time well after `now_s` that the virtual clock's jump, now + (when - now), lands short
-    of (float rounding; a few percent of times do)."""
-    t_ms = round(2500 * now_s, 3) + 0.001
-    while not now_s + (t_ms / 1000.0 - now_s) < t_ms / 1000.0:
-        t_ms += 0.001
-    return t_ms
-
-
 def test_an_instant_s_arrivals_after_a_wait_that_lands_short(tmp_path, monkeypatch):
-    """After an idle wait the clock lands a hair short of an arrival time now and then: asyncio
-    then issues the arrivals of that instant one per turn, before the engine wakes while each is
-    refused, after its next plan is priced once one was queued. The plain loop does the same."""
+    """After an idle wait the virtual clock lands at now + (when - now), which floats put a hair
+    short of `when` now and then (forced here on every wait, in both paths): asyncio then issues
+    that instant's arrivals one per turn, before the engine wakes while each is refused, after
+    its next plan is priced once one was queued. The plain loop does the same."""
+    landed = clock.waited_s
+
+    def short(now_s, timeout_s, capped_at_s):
+        at_s = landed(now_s, timeout_s, capped_at_s)
+        return math.nextafter(at_s, 0.0) if timeout_s > 0 else at_s
+
+    monkeypatch.setattr(clock, "waited_s", short)
     trace = tmp_path / "instants.jsonl"
-    rows = _group(0.0)
-    for k in range(3):  # each instant after the previous one's requests have all left
-        trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        workload = WorkloadSpec(name="instants", arrival="trace", num_prompts=len(rows),
-                                trace=TraceSpec(path=str(trace), format="mooncake"))
-        done_s = _run(_config(workload), tmp_path / f"probe{k}")[0]["duration"]
-        rows += _group(_short_landing_ms(done_s))
+    rows = [row for t_ms in (0.0, 500.0, 1250.0, 3000.0) for row in _group(t_ms)]
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    workload = dataclasses.replace(workload, num_prompts=len(rows))
+    workload = WorkloadSpec(name="instants", arrival="trace", num_prompts=len(rows),
+                            trace=TraceSpec(path=str(trace), format="mooncake"))
     waits = []
     real_wait = virtual_run.VirtualRun._wait
 
@@ -131,18 +126,20 @@ def test_an_instant_s_arrivals_after_a_wait_that_lands_short(tmp_path, monkeypat
     monkeypatch.setattr(virtual_run.VirtualRun, "_wait", seen)
     plain, general = _both(_config(workload), tmp_path, monkeypatch)
     assert plain == general
-    assert waits.count((True, True)) == 3  # each landed short, and issued after the plan
-    assert plain[0]["completed"] == 12 and plain[0]["num_rejected"] == 8
+    assert waits == [(False, False)] + [(True, True)] * 3  # at 0 s no wait; then short, late
+    assert plain[0]["num_rejected"] == 8 and plain[0]["completed"] == 12
 
 
 @pytest.mark.parametrize("plain", [True, False])
 def test_ctrl_c_mid_run_stops_the_simulation_with_valid_records(plain, tmp_path, monkeypatch):
     if not plain:
         monkeypatch.setattr(runner, "replays_exactly", lambda _arrivals: False)
-    steps_seen = []
+    steps_seen, last_decode = [], set()
 
     def interrupt(engine, plan, result):
         steps_seen.append(plan.step_index)
+        last_decode.clear()
+        last_decode.update(plan.decode_ids)
         if len(steps_seen) == 20:
             os.kill(os.getpid(), signal.SIGINT)
 
@@ -157,6 +154,10 @@ def test_ctrl_c_mid_run_stops_the_simulation_with_valid_records(plain, tmp_path,
     assert {r["status"] for r in rows} == {"finished", "unfinished"} and len(rows) < 80
     steps = (outcome.run_dir / "steps.jsonl").read_text().splitlines()
     assert len(steps) == outcome.summary["num_plans"] == len(steps_seen)
+    # the last plan's decode rows have their tokens up to its end (lazy rows settled)
+    last_end_s = json.loads(steps[-1])["end_s"]
+    decoding = [r for r in rows if r["request_id"] in last_decode and r["status"] == "unfinished"]
+    assert decoding and all(r["token_times_s"][-1] == last_end_s for r in decoding)
 
 
 def test_which_arrivals_the_plain_loop_replays():

@@ -14,7 +14,8 @@ import itertools
 from collections.abc import Callable, Sequence
 
 from batchsim.scheduler.request import Request
-from batchsim.server.engine.clock import MAX_WAIT_S, resolution_s, waited_s
+from batchsim.scheduler.scheduler import Scheduler
+from batchsim.server.engine import clock
 from batchsim.server.engine.engine import Engine
 
 MIN_GAP_S = 1e-8  # distinct arrivals closer: asyncio may fire the later one early (1 ns)
@@ -58,11 +59,18 @@ class VirtualRun:
         engine = self.engine
         scheduler = engine.scheduler
         engine.start_clock(self.time)
+        try:
+            self._loop(engine, scheduler)
+        finally:  # running requests' counters as the records read them (as Engine.run)
+            scheduler.settle()
+        return self.now_s
+
+    def _loop(self, engine: Engine, scheduler: Scheduler) -> None:
         late = False  # arrivals asyncio fires after the next plan is priced (_wait)
         while not (self._stopping or engine.stopping):
             if not scheduler.has_work():
                 if self._next >= len(self._arrivals_s):
-                    break
+                    return
                 late = self._wait()
                 continue
             plan = scheduler.schedule()
@@ -78,7 +86,6 @@ class VirtualRun:
                 engine.stamp_finished(finished)
                 for r in finished:
                     self._on_finish(r)
-        return self.now_s
 
     def _wait(self) -> bool:
         """The engine is idle: the clock jumps to the next arrival as the virtual loop's does,
@@ -88,9 +95,9 @@ class VirtualRun:
         when = self._arrivals_s[self._next]
         now = self.now_s
         while True:  # asyncio's turns until the timer is due (one, below MAX_ARRIVAL_S)
-            timeout = min(max(0, when - now), MAX_WAIT_S)
-            now = waited_s(now, timeout, when if timeout >= MAX_WAIT_S else None)
-            if when < now + resolution_s(now):
+            timeout = min(max(0, when - now), clock.MAX_WAIT_S)
+            now = clock.waited_s(now, timeout, when if timeout >= clock.MAX_WAIT_S else None)
+            if when < now + clock.resolution_s(now):
                 break
         self.now_s = now
         woke = self._fire()
@@ -109,7 +116,7 @@ class VirtualRun:
     def _due(self) -> bool:
         """The next arrival's timer is due now (within the clock's resolution)."""
         i, now = self._next, self.now_s
-        return i < len(self._arrivals_s) and self._arrivals_s[i] < now + resolution_s(now)
+        return i < len(self._arrivals_s) and self._arrivals_s[i] < now + clock.resolution_s(now)
 
     def _fire(self) -> bool:
         """The driver's timer callback: the next request, then every one due by now; whether

@@ -257,13 +257,16 @@ def _plot(path: Path, summary: dict) -> Path:
         ax.plot([ridge], [peak], "D", color=color, ms=9, mec="black")
         ax.annotate(f"ridge {d}\n{ridge:.2g} FLOP/B", (ridge, peak), textcoords="offset points",
                     xytext=(-10, 10), ha="right", fontsize=8, color=color)
+    near: dict[tuple, int] = {}  # labels at about one spot, stacked instead of overprinted
     for r in points:
         ax.scatter(r["intensity"], r["gflops"], marker=_MARKERS[r["shape"]], s=45, zorder=3,
                    color=_COLORS.get(r["dtype"], "black"), edgecolors="black", linewidths=0.5)
         sweep = r["shape"] == "batch"  # sweep labels above, GEMV/GEMM below: they share x values
         label = f"B={r['batch']}" if sweep else f"{r['shape'].upper()} {r['n']}"
+        spot = (sweep, round(4 * np.log10(r["intensity"])), round(np.log10(r["gflops"]), 1))
+        near[spot] = k = near.get(spot, -1) + 1
         ax.annotate(label, (r["intensity"], r["gflops"]), textcoords="offset points",
-                    xytext=(5, 4 if sweep else -10), fontsize=7)
+                    xytext=(5, (4 + 8 * k) if sweep else (-10 - 8 * k)), fontsize=7)
     for shape, marker in _MARKERS.items():  # legend entries for the marker shapes
         sweep = f", N={summary['sweep']['n']}" if shape == "batch" else ""
         ax.scatter([], [], marker=marker, color="white", edgecolors="black",

@@ -328,7 +328,7 @@ def test_run_config_takes_an_engine_and_a_simulated_run_names_it(tmp_path, capsy
     rates = {}
     for engine in ("batchsim", "mlx-lm-generate"):
         assert main(["run", "--executor", "sim", "--device-profile", "M4 Max", "--model",
-                     "llama-3.2-1b", "--dtype", "float16", "--quantize", "4", "--engine", engine,
+                     "llama-3.2-1b", "--dtype", "float16", "--engine", engine,
                      "--num-prompts", "8", "--request-rate", "inf", "--input-len", "64",
                      "--output-len", "32", "--no-progress", "--out", str(tmp_path)]) == 0
         captured = capsys.readouterr()

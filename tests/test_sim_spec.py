@@ -189,7 +189,9 @@ def test_bad_simulated_spec_flags_are_one_line_errors(tmp_path, capsys, extra, m
 def _sweep(capsys, tmp_path, *extra: str) -> dict:
     from batchsim.scripts.cli import main
 
-    assert main(["sweep", "--executor", "sim", "--model", "llama-3.1-8b", "--quantize", "4",
+    # float16: a verify step's few rows then stream the weights once (a 4-bit layer over a few
+    # rows runs MLX's qmv, every row's arithmetic again: server/perf/qmv.py)
+    assert main(["sweep", "--executor", "sim", "--model", "llama-3.1-8b", "--dtype", "float16",
                  "--device-profile", "M2 Ultra", "--memory-gb", "64", "--no-progress",
                  "--no-timeline",
                  "--prompt-len", "64", "--output-len", "17", "--out", str(tmp_path),

@@ -14,6 +14,7 @@ import yaml
 from batchsim.configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
 from batchsim.server.perf.macs import Mac
 from batchsim.server.perf.profile import DeviceProfile
+from batchsim.server.perf.qmv import gpu_family
 
 FIT_PATH = CONFIG_DIR / "reference" / "mlx-fit.yaml"
 FORMATS = ("float", "q8", "q4")  # float: float16 / bfloat16 weights (the same GEMV kernels)
@@ -62,6 +63,9 @@ class GpuFit:
     # gathered expert reads, spread over both dies' memory, wait on latency more than bandwidth
     # (published M1 Ultra MoE decode rates; its dense ones fit without it).
     ultra_moe_layer_us: float = 0.0
+    # MLX's quantized matrix-vector kernel over several rows (server.perf.qmv): its arithmetic as a
+    # fraction of the chip's FP16 peak (0: those rows priced as a GEMM).
+    quantized_gemv_row_efficiency: float = 0.0
 
     def __post_init__(self) -> None:
         missing = [f for f in FORMATS if f not in self.bandwidth_efficiency]
@@ -69,10 +73,11 @@ class GpuFit:
             raise ValueError(f"bandwidth_efficiency needs {', '.join(FORMATS)} in (0, 1]")
         if not 0 < self.compute_efficiency <= 1 or not 0 < self.expert_bandwidth_efficiency <= 1:
             raise ValueError("compute_efficiency and expert_bandwidth_efficiency must be in (0, 1]")
-        fractions = [self.kv_bandwidth_efficiency, *self.quantized_gemm_efficiency.values()]
+        fractions = [self.kv_bandwidth_efficiency, self.quantized_gemv_row_efficiency,
+                     *self.quantized_gemm_efficiency.values()]
         if any(not 0 <= v <= 1 for v in fractions):
-            raise ValueError("kv_bandwidth_efficiency and quantized_gemm_efficiency must be in "
-                             "[0, 1]")
+            raise ValueError("kv_bandwidth_efficiency and the quantized GEMM and GEMV row "
+                             "efficiencies must be in [0, 1]")
         if min(self.attention_row_us, self.token_layer_us, self.sampling_row_us,
                self.ultra_layer_us, self.ultra_bandwidth_slowdown, self.ultra_moe_layer_us) < 0:
             raise ValueError("attention_row_us, token_layer_us, sampling_row_us and the Ultra "
@@ -95,6 +100,8 @@ class GpuFit:
                  (self.ultra_moe_layer_us, "Ultra +{:.1f} us/MoE layer")]
         shown = [form.format(v) for v, form in terms if v]
         shown += [f"q{b} GEMM {e:.2f} of FP16" for b, e in self.quantized_gemm_efficiency.items()]
+        if self.quantized_gemv_row_efficiency:
+            shown.append(f"qmv rows {self.quantized_gemv_row_efficiency:.3f} of FP16")
         return f"; {', '.join(shown)}" if shown else ""
 
 
@@ -144,4 +151,6 @@ def mac_profile(mac: Mac, fit: GpuFit, quantize_bits: int | None,
         sampling_row_s=fit.sampling_row_us * 1e-6,
         kv_bandwidth_efficiency=fit.kv_bandwidth_efficiency,
         quantized_gemm_gflops={b: e * fp16_tflops * 1e3
-                               for b, e in fit.quantized_gemm_efficiency.items()})
+                               for b, e in fit.quantized_gemm_efficiency.items()},
+        gpu_family=gpu_family(mac.chip),
+        quantized_gemv_row_gflops=fit.quantized_gemv_row_efficiency * fp16_tflops * 1e3)

@@ -46,6 +46,7 @@ class Blocks(Protocol):
     paged: bool  # the paged KV layout: full and MLA layers' decode reads gather blocks
 
     def linear_split(self, m: int, k: int, n: int) -> tuple[float, float]: ...
+    def linear_parts(self, m: int, k: int, n: int) -> tuple[float, float, float]: ...
     def matrix_s(self, m: int, k: int, n: int) -> float: ...
     def linear_terms(self, m: float, k: int, n: int) -> tuple[float, float]: ...
     def bytes_s(self, nbytes: float) -> float: ...
@@ -108,22 +109,23 @@ class LayerCost:
         self.per_width_s = lru_cache(maxsize=4096)(self._per_width_s)
 
     # -- linear layers and routed experts ------------------------------------------------------
-    def _linear_split_s(self, m: int) -> tuple[float, float, float]:
-        """(weights_s, matmul_s, experts_s) of every layer's matrices over m rows (lm head
-        excluded): each distinct layer's sum, times its count."""
-        total = [0.0, 0.0, 0.0]
+    def _linear_split_s(self, m: int) -> tuple[float, float, float, float]:
+        """(weights_s, matmul_s, experts_s, gemv_rows_s) of every layer's matrices over m rows
+        (lm head excluded): each distinct layer's sum, times its count."""
+        total = [0.0, 0.0, 0.0, 0.0]
         for layer, count in self.layers.items():
-            per = [0, 0, 0]
+            per = [0, 0, 0, 0]
             for mat in layer.mats:
                 if mat.routed:
                     per[2] += self.routed_s(mat, layer, m)
                     continue
-                w, f = self.cost.linear_split(m, mat.in_dim, mat.out_dim)
+                w, f, g = self.cost.linear_parts(m, mat.in_dim, mat.out_dim)
                 per[0] += mat.count * w
                 per[1] += mat.count * f
-            for j in (0, 1, 2):
+                per[3] += mat.count * g
+            for j in (0, 1, 2, 3):
                 total[j] += per[j] * count
-        return total[0], total[1], total[2]
+        return total[0], total[1], total[2], total[3]
 
     def _linear_s(self, m: int) -> float:
         """Every layer's matrices over m rows in seconds (lm head excluded): the simulator's sum
@@ -164,10 +166,10 @@ class LayerCost:
             return distinct * (moved_s + flops_s)
         return distinct * max(moved_s, flops_s)
 
-    def _head_split(self, rows: int) -> tuple[float, float]:
+    def _head_split(self, rows: int) -> tuple[float, float, float]:
         if not rows:
-            return 0.0, 0.0
-        return self.cost.linear_split(rows, self.spec.hidden_size, self.spec.vocab_size)
+            return 0.0, 0.0, 0.0
+        return self.cost.linear_parts(rows, self.spec.hidden_size, self.spec.vocab_size)
 
     # -- attention by layer kind ---------------------------------------------------------------
     def attention_decode_s(self, att: Attention, batch: int, width: int, count: int = 1) -> float:
@@ -258,17 +260,17 @@ class LayerCost:
             per_row += count * (6 * s.hidden_size + 3 * width + attn + f.experts)
         return m * per_row * self.cost.act_bytes + (m * s.vocab_size * 4 if logits else 0)
 
-    # -- whole passes: (weights_s, matmul_s, experts_s, attention_s) ---------------------------
-    def decode(self, batch: int, width: int) -> tuple[float, float, float, float]:
-        weights_s, matmul_s, experts_s = self.linear_split_s(batch)
+    # -- whole passes: (weights_s, matmul_s, experts_s, attention_s, gemv_rows_s) --------------
+    def decode(self, batch: int, width: int) -> tuple[float, float, float, float, float]:
+        weights_s, matmul_s, experts_s, gemv_s = self.linear_split_s(batch)
         head = self._head_split(batch)
         return (weights_s + head[0], matmul_s + head[1], experts_s,
-                self.decode_attention_s(batch, width))
+                self.decode_attention_s(batch, width), gemv_s + head[2])
 
     def prefill(self, n: int, start: int, sample: bool,
-                rows: int = 1) -> tuple[float, float, float, float]:
+                rows: int = 1) -> tuple[float, float, float, float, float]:
         """`rows` prompts' chunks of n tokens in one forward pass (one GEMM over rows x n)."""
-        weights_s, matmul_s, experts_s = self.linear_split_s(rows * n)
+        weights_s, matmul_s, experts_s, gemv_s = self.linear_split_s(rows * n)
         head = self._head_split(rows if sample else 0)
         return (weights_s + head[0], matmul_s + head[1], experts_s,
-                rows * self.prefill_attention_s(n, start))
+                rows * self.prefill_attention_s(n, start), gemv_s + head[2])

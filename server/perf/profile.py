@@ -134,6 +134,12 @@ class DeviceProfile:
     kv_bandwidth_efficiency: float = 0.0
     token_layer_s: float = 0.0
     sampling_row_s: float = 0.0
+    # Apple GPU family ('g13d': server.perf.qmv) and the arithmetic rate of MLX's quantized
+    # matrix-vector kernel over several rows (each row dequantizes and multiplies every weight):
+    # a quantized layer over fewer rows than qmv.qmv_row_limit pays its FLOPs at this rate
+    # (StepTime.gemv_rows_s), over more its qmm tiles' 32 rows. 0 or no family: a plain GEMM.
+    gpu_family: str = ""
+    quantized_gemv_row_gflops: float = 0.0
 
     def tflops(self, dtype: str) -> float:
         try:

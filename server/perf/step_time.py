@@ -26,6 +26,9 @@ class StepTime:
     # The serving engine's host work (server.perf.engines): per step and per generated token.
     host_step_s: float = 0.0
     host_token_s: float = 0.0
+    # Quantized linear layers MLX runs as qmv over several rows (server.perf.qmv): every row's
+    # dequantize-and-multiply at the kernel's own rate (their weights' bytes are in weights_s).
+    gemv_rows_s: float = 0.0
 
     @property
     def total_s(self) -> float:

@@ -30,6 +30,7 @@ from batchsim.server.perf.profile import (
     DeviceProfile,
     compute_dtype,
 )
+from batchsim.server.perf.qmv import qmm_rows, runs_qmv
 from batchsim.server.perf.step_time import StepTime
 
 
@@ -138,12 +139,30 @@ class StepCost:
         return self._roofline_terms(m, k, n)
 
     def linear_split(self, m: int, k: int, n: int) -> tuple[float, float]:
-        """matrix_s as (weights_s, matmul_s): the GEMM fit's two terms, or the roofline's
-        (roofline_split: one row binding, several adding up)."""
+        """matrix_s as (weights_s, matmul_s): linear_parts with qmv's rows in the arithmetic."""
+        weights_s, matmul_s, gemv_s = self.linear_parts(m, k, n)
+        return weights_s, matmul_s + gemv_s
+
+    def linear_parts(self, m: int, k: int, n: int) -> tuple[float, float, float]:
+        """(weights_s, matmul_s, gemv_rows_s) of one linear layer: the GEMM fit's two terms, or
+        the roofline's (roofline_split: one row binding, several adding up), a quantized layer
+        MLX runs as qmv over several rows paying its FLOPs at qmv's rate, as qmm those of its
+        tiles' padded rows (server.perf.qmv)."""
         if self.gemm is not None:
             weights_ns, flops_ns = self.gemm.terms_ns(m, k, n)
-            return weights_ns * 1e-9, flops_ns * 1e-9
-        return roofline_split(*self._roofline_terms(m, k, n), overlapped=m <= 1)
+            return weights_ns * 1e-9, flops_ns * 1e-9, 0.0
+        moved_s, flops_s = self._roofline_terms(m, k, n)
+        if self._qmv_gflops:
+            family = self.profile.gpu_family
+            if runs_qmv(family, m, k, n):
+                return moved_s, 0.0, 2 * m * k * n / (self._qmv_gflops * 1e9)
+            flops_s *= qmm_rows(family, m) / m  # its tiles' padded rows
+        return (*roofline_split(moved_s, flops_s, overlapped=m <= 1), 0.0)
+
+    @cached_property
+    def _qmv_gflops(self) -> float:
+        """qmv's arithmetic rate over several rows (0: not priced apart; float weights)."""
+        return self.profile.quantized_gemv_row_gflops if self.quantize_bits else 0.0
 
     def linear_layers_s(self, m: int) -> float:
         """Every linear layer of one forward pass over m rows, routed experts included (lm head
@@ -306,10 +325,10 @@ class StepCost:
         overhead); an engine running this model one row at a time: `batch` one-row forwards."""
         if self.serial and batch > 1:
             return self.decode_time(1, width).times(batch)
-        weights_s, matmul_s, experts_s, attention_s = self.layers.decode(batch, width)
+        weights_s, matmul_s, experts_s, attention_s, gemv_s = self.layers.decode(batch, width)
         return StepTime(weights_s, matmul_s, attention_s, self._elementwise_s(batch, logits=True),
                         self._graphs_fixed_s(batch), 0.0, experts_s=experts_s,
-                        **self._row_parts(batch, batch, batch))
+                        gemv_rows_s=gemv_s, **self._row_parts(batch, batch, batch))
 
     def prefill_time(self, n: int, start: int, sample: bool, rows: int = 1) -> StepTime:
         """One prefill forward of `n` tokens after `start` cached ones, for `rows` prompts at once
@@ -317,11 +336,13 @@ class StepCost:
         no step overhead; an engine running this model one row at a time: one prompt a pass)."""
         if self.serial_prefill and rows > 1:
             return self.prefill_time(n, start, sample).times(rows)
-        weights_s, matmul_s, experts_s, attention_s = self.layers.prefill(n, start, sample, rows)
+        weights_s, matmul_s, experts_s, attention_s, gemv_s = self.layers.prefill(n, start,
+                                                                                 sample, rows)
         elementwise_s = rows * (self._elementwise_s(n, logits=False)
                                 + (self._sampled_logits_s() if sample else 0.0))
         return StepTime(weights_s, matmul_s, attention_s, elementwise_s, self._fixed_s(), 0.0,
-                        experts_s=experts_s, **self._row_parts(0, rows * n, rows if sample else 0))
+                        experts_s=experts_s, gemv_rows_s=gemv_s,
+                        **self._row_parts(0, rows * n, rows if sample else 0))
 
     def step_time(self, decode_rows: int = 0, width: int = 0, prefills: Iterable[Chunk] = (),
                   copy_bytes: float = 0.0) -> StepTime:
@@ -347,10 +368,11 @@ class StepCost:
         comm_s = c.comm_s(s, rows, self.act_bytes)
         if c.parallel == "pipeline":
             return dataclasses.replace(one, comm_s=comm_s)
-        head_w, head_m = (self.linear_split(head_rows, s.hidden_size, s.vocab_size)
-                          if head_rows else (0, 0))
+        head_w, head_m, head_g = (self.linear_parts(head_rows, s.hidden_size, s.vocab_size)
+                                  if head_rows else (0, 0, 0))
         n = c.ranks
         return dataclasses.replace(
             one, weights_s=(one.weights_s - head_w) / n + head_w,
             matmul_s=(one.matmul_s - head_m) / n + head_m, experts_s=one.experts_s / n,
+            gemv_rows_s=(one.gemv_rows_s - head_g) / n + head_g,
             attention_s=one.attention_s * c.kv_share(s), comm_s=comm_s)

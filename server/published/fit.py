@@ -41,7 +41,7 @@ from batchsim.server.published.sim import (
 )
 
 DEVICE = (*FORMATS, "kv", "c_float", "c_q8", "c_q4", "layer_s", "forward_s", "sampling_row_s",
-          "ultra_layer_s", "ultra_bytes", "ultra_moe_layer_s")
+          "ultra_layer_s", "ultra_bytes", "ultra_moe_layer_s", "c_qmv")
 # Seconds per count (kept >= 0) and the GpuFit field (us) each is written to (attention_row_s is
 # no column: written as 0).
 TIMES = {"layer_s": "layer_overhead_us", "forward_s": "forward_overhead_us",
@@ -56,7 +56,9 @@ UNIT_US = 1e6  # count-type terms priced at 1 s each: their parts are then count
 # The largest slowdown (1 / efficiency) a rate may take: streaming weights at under a third of the
 # peak bandwidth, or matmuls at under a fifth of the peak FLOP/s, is not a Mac GPU's behaviour
 # but a term the model lacks, which a free fit would hide there.
-MAX_SLOWDOWN = {"bytes": 3.0, "kv": 5.0, "compute": 5.0, "ultra": 2.0}
+# qmv over several rows (server.perf.qmv) multiplies on the SIMD lanes and dequantizes each weight
+# again per row: down to 1/30 of the FP16 peak.
+MAX_SLOWDOWN = {"bytes": 3.0, "kv": 5.0, "compute": 5.0, "ultra": 2.0, "qmv": 30.0}
 
 
 def columns(rows: Sequence[Any]) -> list[str]:
@@ -74,7 +76,8 @@ def _unit(model: MacModel, rows: Sequence[Any]) -> MacModel:
     fit = dataclasses.replace(model.fit, layer_overhead_us=UNIT_US, forward_overhead_us=0.0,
                               attention_row_us=0.0, token_layer_us=0.0,
                               sampling_row_us=UNIT_US, ultra_layer_us=0.0,
-                              ultra_bandwidth_slowdown=0.0, ultra_moe_layer_us=0.0)
+                              ultra_bandwidth_slowdown=0.0, ultra_moe_layer_us=0.0,
+                              quantized_gemv_row_efficiency=1.0)
     engines = {e: dataclasses.replace(model.engine(e), host_step_us=UNIT_US, host_token_us=UNIT_US,
                                       row_dispatch_forwards=0.0)
                for e in {engine_name(r) for r in rows}}
@@ -110,6 +113,7 @@ def basis(row: Any, catalog: macs.Catalog, unit: MacModel, layers: int,
         "layer_s": d.fixed_s + f.fixed_s,
         "forward_s": (d.fixed_s + f.fixed_s) / layers,
         "sampling_row_s": d.sampling_s + f.sampling_s,
+        "c_qmv": d.gemv_rows_s + f.gemv_rows_s,  # at the FP16 peak (the unit fit's rate)
         f"step:{eng}": d.host_step_s + f.host_step_s,
         f"token:{eng}": d.host_token_s + f.host_token_s,
         f"row:{eng}": _rows_past_first(row, catalog, unit) * _forward_fixed_s(row, catalog,
@@ -162,6 +166,8 @@ def _bounds(col: str) -> tuple[float, float]:
         return 0.0, np.inf
     if col == "ultra_bytes":  # added to the format's slowdown
         return 0.0, MAX_SLOWDOWN["ultra"]
+    if col == "c_qmv":
+        return 1.0, MAX_SLOWDOWN["qmv"]
     return 1.0, MAX_SLOWDOWN["kv" if col == "kv" else "compute" if col[:2] == "c_" else "bytes"]
 
 
@@ -296,6 +302,7 @@ def _to_model(theta: dict[str, float], g: float, start: MacModel, fitted_on: str
         compute_efficiency=rate("c_float", s.compute_efficiency),
         quantized_gemm_efficiency={**s.quantized_gemm_efficiency, **quant},
         expert_bandwidth_efficiency=g, fitted_on=fitted_on,
+        quantized_gemv_row_efficiency=rate("c_qmv", s.quantized_gemv_row_efficiency),
         ultra_bandwidth_slowdown=theta.get("ultra_bytes", 0.0),
         **{name: 1e6 * theta.get(col, 0.0) for col, name in TIMES.items()})
     engines = {e: dataclasses.replace(start.engine(e), host_step_us=1e6 * theta.get(f"step:{e}", 0),

@@ -1,0 +1,61 @@
+"""MLX's qmv/qmm choice for a quantized layer over a few rows (server/perf/qmv.py) and its price on
+a catalog Mac: every row's arithmetic at qmv's own rate, a named part of the step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from batchsim.server.perf.batch_gain import catalog_cost
+from batchsim.server.perf.qmv import gpu_family, qmm_rows, qmv_row_limit, runs_qmv
+from batchsim.server.perf.stepcost import StepCost
+
+
+@pytest.mark.parametrize("chip,family", [("M1", "g13g"), ("M1 Ultra", "g13d"), ("M3 Pro", "g15s"),
+                                         ("M4 Max", "g16c"), ("M5 Max", "g17c"), ("A17", "")])
+def test_gpu_family_of_chip(chip, family):
+    assert gpu_family(chip) == family
+
+
+@pytest.mark.parametrize("family,k,n,limit", [
+    ("g17c", 1024, 2048, 33), ("g17c", 1024, 3072, 25), ("g17c", 1024, 151936, 13),
+    ("g16c", 2048, 2048, 13), ("g16c", 4096, 4096, 15), ("g15g", 8192, 4096, 13),
+    ("g15d", 4096, 4096, 18), ("g13d", 4096, 14336, 12), ("g13c", 2048, 2048, 14),
+    ("g14s", 4096, 1024, 10), ("g13g", 5120, 5120, 6), ("", 4096, 4096, 0)])
+def test_limits_are_mlx_get_qmv_batch_limit(family, k, n, limit):
+    """mlx/backend/metal/quantized.cpp get_qmv_batch_limit(D=k, O=n, device), by family."""
+    assert qmv_row_limit(family, k, n) == limit
+    assert not runs_qmv(family, 1, k, n)  # one row: the plain GEMV (priced as before)
+    assert runs_qmv(family, limit - 1, k, n) == (limit > 2)
+    assert not runs_qmv(family, limit, k, n)
+
+
+def test_qmv_rows_cost_their_arithmetic_at_its_own_rate():
+    """Llama-3.1-8B 4-bit on an M1 Ultra: every matrix runs qmv below 12 rows. With the fitted
+    qmv rate each row past the first adds its FLOPs at that rate (gemv_rows_s), so the step grows
+    with the rows; priced as a GEMM (the rate unset) the step barely grew."""
+    cost = catalog_cost("llama-3.1-8b", "M1 Ultra 64c")
+    assert cost.profile.gpu_family == "g13d" and cost.profile.quantized_gemv_row_gflops > 0
+    one, eight = cost.decode_time(1, 512), cost.decode_time(8, 512)
+    assert one.gemv_rows_s == 0 and eight.matmul_s == 0 and eight.gemv_rows_s > 0
+    flops = 2 * 8 * cost.spec.num_params  # about: every weight multiplied once per row
+    assert eight.gemv_rows_s == pytest.approx(flops / (cost._qmv_gflops * 1e9), rel=0.1)
+    assert cost.decode_time(16, 512).gemv_rows_s < eight.gemv_rows_s  # 16 rows: qmm again
+    as_gemm = StepCost(cost.spec, dataclasses.replace(cost.profile, quantized_gemv_row_gflops=0),
+                       "float16", 4, engine=cost.engine)
+    plain = as_gemm.decode_time(8, 512)
+    assert plain.gemv_rows_s == 0 and eight.total_s > 1.5 * plain.total_s
+    assert sum(cost.linear_split(8, 4096, 4096)) == sum(cost.linear_parts(8, 4096, 4096))
+
+
+def test_qmm_multiplies_whole_tiles_of_rows():
+    """qmm's tile is 32 rows: 16 rows cost 32 rows' arithmetic, so the step does not get cheaper
+    when the batch crosses from qmv to qmm (Llama-3.2-1B 4-bit, M4 Max: qmv below 13 rows)."""
+    assert [qmm_rows("g16c", m) for m in (1, 13, 32, 33)] == [1, 32, 32, 64]
+    assert qmm_rows("", 13) == 13
+    cost = catalog_cost("llama-3.2-1b", "M4 Max 40c")
+    steps = [cost.decode_time(b, 1024).total_s for b in (1, 8, 12, 13, 16, 32)]
+    assert steps == sorted(steps)
+    _, flops_16 = cost.linear_split(16, 2048, 8192)
+    _, flops_32 = cost.linear_split(32, 2048, 8192)
+    assert flops_16 == pytest.approx(flops_32)

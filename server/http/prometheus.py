@@ -56,7 +56,7 @@ class ServerRecorder:
         self.num_arrivals = 0
         self.num_steps = 0  # executed steps
         self.prompt_tokens = 0  # prefill tokens computed, recompute after preemption included
-        self.generation_tokens = 0  # tokens sampled, whatever became of their requests
+        self.generation_tokens = 0  # tokens emitted: the responses' completion tokens
         self.last_batch_size = 0  # requests decoded in the last step's forward pass
         self.max_batch_size = 0
         self.kv_bytes_measured = 0  # the executor's own count after the last step
@@ -75,7 +75,8 @@ class ServerRecorder:
         k = result.num_steps
         self.num_steps += k
         self.prompt_tokens += sum(c.num_tokens for c in plan.prefills)
-        self.generation_tokens += len(result.sampled_ids) * k
+        # Rows the scheduler cut at a stop (scheduler.cut_drafts) emitted their kept drafts only.
+        self.generation_tokens += len(result.sampled_ids) * k - len(scheduler.cut_drafts)
         if result.accepted_ids is not None:
             self.generation_tokens += sum(map(len, result.accepted_ids))
             self.spec.add(result)
@@ -140,7 +141,8 @@ def render(rec: ServerRecorder, scheduler: Scheduler, *, kv_budget_bytes: int, m
          scheduler.num_preemptions),
         ("batchsim_prompt_tokens_total", "Prefill tokens computed, recompute included.",
          rec.prompt_tokens),
-        ("batchsim_generation_tokens_total", "Tokens sampled.", rec.generation_tokens),
+        ("batchsim_generation_tokens_total", "Tokens emitted (completion tokens).",
+         rec.generation_tokens),
         ("batchsim_steps_total", "Engine steps executed.", rec.num_steps),
         ("batchsim_kv_account_mismatches_total",
          "Steps where the executor's KV bytes differed from the scheduler's.",

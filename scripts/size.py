@@ -46,6 +46,7 @@ from batchsim.server.perf.size_limits import (
     context_fit,
     mac_row,
 )
+from batchsim.server.perf.spec_price import check_draft_vocab
 from batchsim.server.perf.stepcost import StepTime
 
 
@@ -116,6 +117,10 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                    metavar="K", help="K drafted tokens a row verifies per step: rows gain "
                    "decode_tok_s_b1_spec and spec_break_even_batch (the batch from which plain "
                    "decoding is as fast); needs --acceptance or --acceptance-from")
+    g.add_argument("--draft-model", default=None, metavar="M",
+                   help="the drafter is model M (zoo name), priced as K decode forwards of M at "
+                   "the step's rows on the same Mac and engine [default: the n-gram drafter, "
+                   "priced as its host time per row]")
     add_acceptance_args(g)
 
 
@@ -142,11 +147,12 @@ def run(args: argparse.Namespace) -> dict:
     s = Settings(args.dtype, args.quantize, args.bandwidth_efficiency, args.compute_efficiency,
                  meta["os_reserve_gb"], args.kv_bits, fit=load_fit(),
                  engine=load_engine(args.engine), spec_tokens=args.spec_tokens or 0,
-                 acceptance=acceptance)
+                 acceptance=acceptance, draft=_draft_spec(args, spec))
     meta.update({"spec_tokens": args.spec_tokens,
                  "acceptance": list(acceptance.rates) if acceptance else None,
                  "acceptance_curve": acceptance.curve if acceptance else None,
-                 "draft_share": acceptance.draft_share if acceptance else None})
+                 "draft_share": acceptance.draft_share if acceptance else None,
+                 "drafter": (args.draft_model or "ngram") if acceptance else None})
     cluster = _cluster(args)
     meta.update(_cluster_meta(cluster))
     rows = [mac_row(spec, m, gb, ctx, s, ws, explain=args.explain, cluster=cluster)
@@ -165,6 +171,14 @@ def run(args: argparse.Namespace) -> dict:
     return {"rows": rows, **meta, "fits_any": any(r["fits"] for r in rows),
             "fits_any_raised": any(r["fits_raised"] for r in rows),
             "jsonl": str(jsonl), "png": str(png)}
+
+
+def _draft_spec(args: argparse.Namespace, spec: ModelSpec) -> ModelSpec | None:
+    """--draft-model's shapes, checked against the target's vocabulary (None: n-gram)."""
+    if args.draft_model is not None and args.spec_tokens is None:
+        raise ConfigError("--draft-model needs --spec-tokens K")
+    draft = spec_for(args.draft_model) if args.draft_model else None
+    return draft if draft is None else check_draft_vocab(draft, spec) or draft
 
 
 def _cluster(args: argparse.Namespace) -> Cluster | None:
@@ -225,13 +239,19 @@ def _print(rows: list[dict], meta: dict, spec: ModelSpec) -> None:
         cols += [f"K={meta['spec_tokens']} x b1", "spec stops at"]
         for line, r in zip(body, rows):
             b1, plain = r.get("decode_tok_s_b1_spec"), r["decode_tok_s_b1"]
-            line += [b1 / plain if b1 and plain else None,
-                     r.get("spec_break_even_batch") if b1 and plain else None]
+            line += [b1 / plain if b1 and plain else None, _stops(r) if b1 and plain else None]
     out.print(table(
         f"Batch limits per Mac: {what} (padded = rows padded to the longest in {KV_STEP}-token "
         f"steps; paged = {PAGE_TOKENS}-token blocks)", cols, body))
     for line in _notes(rows, meta, what, spec):
         out.print(line)
+
+
+def _stops(row: dict) -> int | str | None:
+    """The 'spec stops at' cell: the batch, or "> N" where it pays up to the max batch N."""
+    if row.get("spec_break_even") == "pays_at_every_batch":
+        return f"> {row['max_batch']}"
+    return row.get("spec_break_even_batch")
 
 
 def _columns(rows: list[dict]) -> tuple[list[str], list[list]]:
@@ -311,10 +331,12 @@ def _print_parts(rows: list[dict], meta: dict) -> None:
     """The predicted decode step, part by part, in ms: one line per Mac, memory size and batch
     (parts that are zero in every line left out)."""
     steps = [(r, batch, r[key]) for r in rows
-             for batch, key in ((1, "parts_b1"), (r["max_batch"], "parts")) if r[key]]
+             for batch, key in ((1, "parts_b1"), (r["max_batch"], "parts"),
+                                (f"1, K={meta['spec_tokens']}", "parts_spec_b1")) if r.get(key)]
     shown = [p for p in PARTS if p == "total_s" or any(parts[p] for _, _, parts in steps)]
     body = [[f"{r['label']} {r['memory_gb']:g}GB", batch] + [1e3 * parts[p] for p in shown]
-            + [batch / parts["total_s"]] for r, batch, parts in steps]
+            + [r["decode_tok_s_b1_spec"] if isinstance(batch, str) else batch / parts["total_s"]]
+            for r, batch, parts in steps]
     names = [p.removesuffix("_s").replace("_", " ") + " ms" for p in shown]
     cols = ["Mac", "batch", *names, "tok/s"]
     out.print(table(f"Predicted decode step by part, engine {meta['engine']}, context "
@@ -322,7 +344,8 @@ def _print_parts(rows: list[dict], meta: dict) -> None:
                     f"{meta['context_mean_tokens']:.0f} tokens read per row)", cols, body))
     out.print("weights: linear layers streaming their weights; matmul: their arithmetic (a "
               "Mac's one-row step: the larger of the two; several rows: both); attention: K/V "
-              "reads; "
+              "reads; draft: the drafter (a draft model's K forwards, else n-gram lookups; row "
+              "'1, K=k': a verify step at batch 1, tok/s with its acceptance); "
               "elementwise: norms, activations, logits; fixed: per layer and forward pass (a Mac's "
               "fitted kernel dispatch and sync); step overhead: per engine step (zero on a catalog "
               "Mac); copy: KV pool copies (none in steady decode); experts: MoE routed experts "

@@ -285,12 +285,11 @@ def _print(rows: list[dict], meta: dict, verdict: dict) -> None:
          for r in rows],
     ))
     if ks:
-        stops = verdict["spec_break_even_batch"]
-        out.print(f"K=k x plain: speculation ({rows[0]['spec'][0]['spec_policy']} K, n-gram "
-                  "drafts) over plain batching at the same batch, in decode tok/s (rows x "
-                  "acceptance length / median verify step); stops paying at batch "
-                  + ", ".join(f"{fmt(stops[str(k)])} (K={k})" for k in ks)
-                  + " (none listed: it paid at every batch swept).")
+        stops, said = verdict["spec_break_even_batch"], verdict["spec_break_even"]
+        out.print(f"K=k x plain: speculation ({rows[0]['spec'][0]['spec_policy']} K) over plain "
+                  "batching at the same batch, in decode tok/s (rows x acceptance length / "
+                  "median verify step); stops paying at batch "
+                  + ", ".join(f"{fmt(stops[str(k)])} (K={k}: {said[str(k)]})" for k in ks) + ".")
     agree = "agree" if verdict["agree_within_one_step"] else "DISAGREE"
     out.print(
         f"Analytic limit: batch {verdict['analytic_overrun_batch']} (weights + B x "

@@ -12,6 +12,7 @@ from batchsim.scheduler.config import MAX_SPEC_TOKENS
 from batchsim.scripts.common import ints_up_to
 from batchsim.scripts.spec_args import acceptance_of, add_acceptance_args
 from batchsim.server.engine.run_config import RunConfig
+from batchsim.server.perf.spec_price import break_even_verdict
 
 SPEC_KEYS = ("spec_decode_acceptance_rate", "spec_decode_acceptance_length",
              "spec_decode_num_drafts")
@@ -25,6 +26,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spec-policy", choices=["fixed", "shrink"], default="fixed",
                    help="fixed: K at every batch (to find where it stops paying); shrink: K "
                    "falls as the batch grows (scheduler/spec_budget.py) [default: fixed]")
+    g.add_argument("--draft-model", default=None, metavar="M",
+                   help="draft with model M (--spec-method draft; --executor sim prices K of its "
+                   "decode forwards a step) [default: the n-gram drafter]")
     add_acceptance_args(g, "--executor sim: ")
 
 
@@ -32,14 +36,16 @@ def spec_configs(cfg: RunConfig, args: argparse.Namespace) -> dict[int, RunConfi
     """K -> the base config speculating with K drafts (checked before the sweep runs)."""
     acceptance = acceptance_of(args)
     if not args.spec_tokens:
-        if acceptance is not None:
-            raise ConfigError("--acceptance and --acceptance-from need --spec-tokens K[,K...]")
+        if acceptance is not None or args.draft_model:
+            raise ConfigError("--acceptance, --acceptance-from and --draft-model need "
+                              "--spec-tokens K[,K...]")
         return {}
     rates, curve, share = ((acceptance.rates, acceptance.curve, acceptance.draft_share)
                            if acceptance else ((), "flat", 1.0))
+    method = "draft" if args.draft_model else "ngram"
     return {k: dataclasses.replace(
-        cfg, spec_method="ngram", spec_acceptance=rates, spec_acceptance_curve=curve,
-        spec_draft_share=share,
+        cfg, spec_method=method, draft_model=args.draft_model, spec_acceptance=rates,
+        spec_acceptance_curve=curve, spec_draft_share=share,
         scheduler=dataclasses.replace(cfg.scheduler, spec_tokens=k, spec_policy=args.spec_policy))
         for k in sorted(set(args.spec_tokens))}
 
@@ -48,12 +54,15 @@ def spec_points(rows: list[dict], cfgs: dict[int, RunConfig], policy: str,
                 run_point: Callable[[int, RunConfig, str], dict]) -> dict:
     """Each batch again at each K: the row's `spec` entries (gain: decode tok/s over plain
     batching's; output_gain: output tok/s, prefills included) and, per K, the first swept batch
-    where speculation no longer beats it."""
+    where speculation no longer beats it and what that answer is (spec_price.BREAK_EVEN, the
+    first swept batch standing for batch 1)."""
     first_loss: dict[str, int | None] = {}
+    priced: dict[str, bool] = {}
     for k, cfg in cfgs.items():
         for row in rows:
             s = run_point(row["batch"], cfg, f"-k{k}")
             gain = (s["decode_tok_s"] or 0.0) / row["decode_tok_s"] if row["decode_tok_s"] else None
+            priced[str(k)] = priced.get(str(k), False) or gain is not None
             row.setdefault("spec", []).append({
                 "spec_tokens": k, "spec_policy": policy, "gain": gain,
                 "output_gain": s["output_throughput"] / row["output_throughput"],
@@ -63,7 +72,11 @@ def spec_points(rows: list[dict], cfgs: dict[int, RunConfig], policy: str,
             if gain is not None and gain <= 1.0 and str(k) not in first_loss:
                 first_loss[str(k)] = row["batch"]
         first_loss.setdefault(str(k), None)
+    first = rows[0]["batch"] if rows else None
+    verdict = {k: break_even_verdict(None if b is None else (1 if b == first else b), priced[k])
+               for k, b in first_loss.items()}
     for row in rows:
         for entry in row["spec"]:
             entry["spec_break_even_batch"] = first_loss[str(entry["spec_tokens"])]
-    return {"spec_break_even_batch": first_loss}
+            entry["spec_break_even"] = verdict[str(entry["spec_tokens"])]
+    return {"spec_break_even_batch": first_loss, "spec_break_even": verdict}

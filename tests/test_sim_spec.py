@@ -26,12 +26,12 @@ def cost():
 
 
 def _run(cost, spec_tokens: int, rates: tuple[float, ...], rows: int = 4, out: int = 21,
-         seed: int = 0):
+         seed: int = 0, drafter: spec_price.Drafter = spec_price.NGRAM):
     from batchsim.scheduler.scheduler import Scheduler
 
     sched = Scheduler(config(kv_bytes_per_token=cost.kv_bytes_per_token, max_num_seqs=rows,
                              spec_tokens=spec_tokens, spec_policy="fixed"))
-    spec = SpecDraws(Acceptance(rates), seed) if spec_tokens else None
+    spec = SpecDraws(Acceptance(rates), seed, drafter) if spec_tokens else None
     ex = SimExecutor(cost, spec=spec)
     results = []
     real_execute = ex.execute
@@ -59,12 +59,42 @@ def test_full_acceptance_emits_k_plus_1_tokens_a_step_at_the_verify_price(cost):
         assert result.accepted_ids == ((0,) * 4,) * 4 and result.num_drafted == (4,) * 4
         start = max(plan.decode_positions)
         price = (cost.step_overhead_s + cost.decode_forward_s(4, start + 1)
-                 + spec_price.verify_extra_s(cost, 4, 4, start))
+                 + spec_price.verify_extra_s(cost, 4, 4, start)
+                 + spec_price.draft_s(spec_price.NGRAM, 4, 4, start + 1))  # 4 rows' lookups
         if plan.pool == before.pool:  # else the pool's copies are priced too
             same_pool += 1
             assert result.elapsed_s == pytest.approx(price)
     assert same_pool >= 2
     assert all(r.num_output_tokens == 21 for r in trace.requests.values())
+
+
+def test_a_draft_model_is_priced_as_k_of_its_decode_forwards_over_the_rows(cost):
+    draft = spec_price.model_drafter(cost, zoo_spec("llama-3.2-1b"), "float16")
+    _, ngram = _run(cost, 4, (0.5,), rows=4, out=21, seed=1)
+    _, model = _run(cost, 4, (0.5,), rows=4, out=21, seed=1, drafter=draft)
+    assert [p.decode_spec_tokens for p, _ in ngram] == [p.decode_spec_tokens for p, _ in model]
+    for (plan, a), (_, b) in zip(ngram, model):
+        if plan.decode_spec_tokens:
+            width, asked = max(plan.decode_positions) + 1, plan.decode_spec_tokens
+            k, n = max(asked), sum(x > 0 for x in asked)  # rows near max_tokens ask for fewer
+            forwards = k * draft.cost.decode_time(n, width).total_s
+            assert b.elapsed_s - a.elapsed_s == pytest.approx(
+                forwards - spec_price.draft_s(spec_price.NGRAM, n, k, width))
+        else:
+            assert b.elapsed_s == a.elapsed_s
+
+
+def test_simulated_draft_model_runs_and_refuses_another_vocabulary(tmp_path, capsys):
+    argv = ["run", "--executor", "sim", "--model", "llama-3.1-8b", "--quantize", "4",
+            "--device-profile", "M2 Ultra", "--num-prompts", "2", "--output-len", "9",
+            "--out", str(tmp_path), "--no-progress", "--no-timeline", "--spec-method", "draft",
+            "--spec-tokens", "2", "--acceptance", "0.6", "--draft-model"]
+    assert cli_exit_code([*argv, "llama-3.2-1b"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])[
+        "spec_decode_num_drafts"] > 0
+    assert cli_exit_code([*argv, "qwen3-0.6b"]) == 2
+    err = capsys.readouterr().err
+    assert "must share the tokenizer" in err.strip().splitlines()[-1] and "Traceback" not in err
 
 
 def test_no_acceptance_gives_plain_decodes_tokens_at_the_verify_price(cost):
@@ -78,7 +108,10 @@ def test_no_acceptance_gives_plain_decodes_tokens_at_the_verify_price(cost):
     plain_s = sum(r.elapsed_s for _, r in plain)
     spec_s = sum(r.elapsed_s for _, r in spec)
     extra = sum(spec_price.verify_extra_s(cost, 4, max(p.decode_spec_tokens),
-                                          max(p.decode_positions)) for p, _ in verify)
+                                          max(p.decode_positions))
+                + spec_price.draft_s(spec_price.NGRAM, sum(k > 0 for k in p.decode_spec_tokens),
+                                     max(p.decode_spec_tokens), max(p.decode_positions) + 1)
+                for p, _ in verify)
     assert spec_s == pytest.approx(plain_s + extra)
 
 
@@ -208,6 +241,9 @@ def test_sweep_spec_tokens_finds_where_speculation_stops_paying(capsys, tmp_path
         assert gains[16][k] < gains[1][k]  # batching spends the same headroom
         stop = res["spec_break_even_batch"][str(k)]
         assert stop == min((b for b in (1, 4, 16) if gains[b][k] <= 1), default=None)
+        assert res["spec_break_even"][str(k)] == (  # what a null means, said
+            "pays_at_every_batch" if stop is None else "never_pays" if stop == 1
+            else "stops_paying")
     assert res["spec_break_even_batch"]["4"] is not None
     assert all(e["spec_break_even_batch"] == res["spec_break_even_batch"][str(e["spec_tokens"])]
                for r in res["rows"] for e in r["spec"])

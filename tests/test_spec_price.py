@@ -40,9 +40,27 @@ def test_verify_step_is_decode_plus_the_prefill_price_of_k_more_tokens_a_row(cos
     plain = cost.step_time(decode_rows=8, width=2048).total_s
     extra = (cost.prefill_time(5, 2048, True, rows=8).total_s
              - cost.prefill_time(1, 2048, True, rows=8).total_s)
-    assert spec_price.verify_step(cost, 8, 4, 2048) == pytest.approx(plain + extra)
+    ngram = 8 * (spec_price.NGRAM_ROW_US * 1e-6 + spec_price.NGRAM_TOKEN_NS * 1e-9 * 2048)
+    assert spec_price.verify_step(cost, 8, 4, 2048) == pytest.approx(plain + extra + ngram)
     assert spec_price.verify_step(cost, 8, 0, 2048) == pytest.approx(plain)
     assert plain < plain + extra < 5 * plain  # one weight read for 5 tokens a row
+
+
+def test_a_draft_model_costs_k_of_its_decode_forwards_at_the_batchs_rows(cost):
+    draft = spec_price.model_drafter(cost, zoo_spec("llama-3.2-1b"), "float16")
+    assert (draft.cost.profile, draft.cost.engine, draft.cost.fmt) == (
+        cost.profile, cost.engine, cost.fmt)  # the same device, engine and weight format
+    one = draft.cost.decode_time(8, 2048).total_s
+    assert spec_price.draft_s(draft, 8, 4, 2048) == pytest.approx(4 * one)
+    parts = spec_price.verify_time(cost, 8, 4, 2048, draft)
+    assert parts.draft_s == pytest.approx(4 * one)  # the part size --explain names
+    assert parts.total_s == pytest.approx(spec_price.verify_step(cost, 8, 4, 2048, draft))
+    # The drafter's time lowers the gain: a 1B drafter's more than the n-gram lookups.
+    a, plain = _a(0.6), cost.step_time(decode_rows=1, width=2048).total_s
+    free = a.expected_tokens(4) * plain / (plain + spec_price.verify_extra_s(cost, 1, 4, 2048))
+    assert (spec_price.gain(cost, 1, 4, a, 2048, draft) < spec_price.gain(cost, 1, 4, a, 2048)
+            < free)
+    assert spec_price.draft_s(spec_price.NGRAM, 8, 0, 2048) == 0.0  # nobody asked for drafts
 
 
 def test_speculation_pays_at_batch_1_and_stops_with_the_batch(cost):
@@ -53,6 +71,22 @@ def test_speculation_pays_at_batch_1_and_stops_with_the_batch(cost):
         cost, b, 4, _a(0.6), 2048)
     assert spec_price.break_even_batch(cost, 4, _a(0.0), 2048, 4096) == 1  # drafts all rejected
     assert spec_price.break_even_batch(cost, 4, _a(0.6), 2048, b - 1) is None  # pays to max batch
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["--mac", "M4 Max 40c", "--acceptance", "0.6"], {"stops_paying"}),
+    (["--mac", "M4 Max 40c", "--acceptance", "0.6", "--memory-gb", "4"], {"not_computed"}),
+    (["--mac", "M4 Max 40c", "--acceptance", "0.01"], {"never_pays"}),
+    (["--mac", "M4 Max 40c", "--acceptance", "0.9", "--context", "32768", "--memory-gb", "36"],
+     {"pays_at_every_batch"}),
+])
+def test_size_says_what_its_break_even_batch_means(tmp_path, argv, said):
+    rows = _size(tmp_path, "--model", "llama-3.1-8b", "--quantize", "4", "--spec-tokens", "4",
+                 *argv)["rows"]
+    assert {r["spec_break_even"] for r in rows} == said
+    for r in rows:
+        assert (r["spec_break_even_batch"] is None) == (r["spec_break_even"] in (
+            "pays_at_every_batch", "not_computed"))
 
 
 def _size(tmp_path, *argv: str) -> dict:

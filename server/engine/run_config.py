@@ -107,9 +107,6 @@ def _check_spec_executor(cfg: RunConfig) -> None:
     """A real run measures acceptance; a simulated one draws it from given rates."""
     method, given = cfg.spec_method, bool(cfg.spec_acceptance)
     if cfg.executor == "sim":
-        if method != "ngram":
-            raise ConfigError("--executor sim prices --spec-method ngram only (a draft model's "
-                              "own forward passes are not priced)")
         if not given:
             raise ConfigError("--executor sim with --spec-method draws accepted drafts from "
                               "--acceptance A[,A2...] or --acceptance-from RUN_DIR")

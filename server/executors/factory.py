@@ -70,19 +70,28 @@ def build_executor(cfg: ExecutorConfig, ref: ModelRef, model: Any = None) -> Exe
         cost = StepCost(ref.spec, profile, ref.dtype, ref.quantize_bits, kv_bits=cfg.kv_bits,
                         engine=load_engine(cfg.engine), paged=cfg.kv_layout == "paged")
         return SimExecutor(cost, cache=ref.spec.cache_layout(cost.act_dtype, cfg.kv_bits),
-                           paged=cfg.kv_layout == "paged", spec=_sim_spec(cfg))
+                           paged=cfg.kv_layout == "paged", spec=_sim_spec(cfg, ref, cost))
     raise ValueError(f"unknown executor {cfg.executor!r} (mlx, sim or fake)")
 
 
-def _sim_spec(cfg: ExecutorConfig):
-    """The simulated executor's SpecDraws (None: no speculation)."""
+def _sim_spec(cfg: ExecutorConfig, ref: ModelRef, cost: Any):
+    """The simulated executor's SpecDraws (None: no speculation), with the drafter it prices:
+    the draft model's shapes on the target's step cost, or the n-gram drafter."""
     if getattr(cfg, "spec_method", "none") == "none":
         return None
     from batchsim.server.executors.sim_spec import SpecDraws
+    from batchsim.server.perf import spec_price
     from batchsim.server.perf.spec_acceptance import Acceptance
 
+    drafter = spec_price.NGRAM
+    if cfg.spec_method == "draft":
+        from batchsim.server.models.loader import spec_for
+
+        draft = spec_for(cfg.draft_model)
+        spec_price.check_draft_vocab(draft, ref.spec)
+        drafter = spec_price.model_drafter(cost, draft, ref.dtype)
     return SpecDraws(Acceptance(cfg.spec_acceptance, cfg.spec_acceptance_curve,
-                                cfg.spec_draft_share), cfg.workload.seed)
+                                cfg.spec_draft_share), cfg.workload.seed, drafter)
 
 
 def build_mlx_executor(cfg: ExecutorConfig, ref: ModelRef, model: Any) -> MLXExecutor:
@@ -104,14 +113,11 @@ def _drafter(cfg: ExecutorConfig, ref: ModelRef):
         return None
     if method == "ngram":
         return speculative.NgramDrafter()
-    from batchsim.configs import ConfigError
     from batchsim.server.executors.draft_model import DraftModelDrafter
     from batchsim.server.models.loader import load, resolve
+    from batchsim.server.perf.spec_price import check_draft_vocab
 
     draft = resolve(cfg.draft_model, ref.dtype)
     speculative.check_layers(draft.spec, "draft")  # its own caches are cut back too
-    if draft.spec.vocab_size != ref.spec.vocab_size:
-        raise ConfigError(f"--draft-model {draft.name}: a vocabulary of {draft.spec.vocab_size} "
-                          f"tokens, {ref.name}'s has {ref.spec.vocab_size}; a draft model must "
-                          "share the tokenizer")
+    check_draft_vocab(draft.spec, ref.spec)
     return DraftModelDrafter(load(draft)[0])

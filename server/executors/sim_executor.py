@@ -3,7 +3,7 @@ copies) with every piece of compute timed by the device profile instead of run. 
 the engine advances a virtual clock by the predicted durations. A pure-decode plan covering many
 steps is timed in one call, stopping at the next arrival. A step whose rows verify drafts is priced
 as one forward of B rows x (K+1) tokens (spec_price.verify_extra_s), its accepted drafts drawn by
-sim_spec.SpecDraws."""
+sim_spec.SpecDraws, plus the drafter's time (spec_price.draft_s)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from batchsim.scheduler.pool_geometry import PAGE_TOKENS, PoolGeometry
 from batchsim.server.executors.base import ExecutorCaps
 from batchsim.server.executors.pool_rows import NO_MOVES, PoolLayout
 from batchsim.server.executors.sim_spec import SpecDraws
-from batchsim.server.perf.spec_price import verify_extra_s
+from batchsim.server.perf.spec_price import draft_s, verify_extra_s
 from batchsim.server.perf.stepcost import StepCost
 
 PRICES_KEPT = 1 << 18  # remembered prices per kind (a few MB)
@@ -47,7 +47,8 @@ class SimExecutor:
         self._prefill_s: dict[tuple[int, int, bool, int], float] = {}  # (n, start, sample, rows)
         self._decode_s: dict[tuple[int, int], float] = {}  # (rows, width): per-step models
         self.spec = spec  # speculative decoding's accepted drafts (None: off)
-        self._verify_s: dict[tuple[int, int, int], float] = {}  # (rows, K, start): K more tokens
+        # (rows, K drafted, start, K asked, rows asking): K more tokens a row and the drafter
+        self._verify_s: dict[tuple[int, int, int, int, int], float] = {}
 
     def execute(self, plan: StepPlan, max_elapsed_s: float = float("inf")) -> StepResult:
         layout = self.layout
@@ -92,12 +93,14 @@ class SimExecutor:
         forward pass (padded to the largest K drafted, as the MLX executor runs it)."""
         if self.spec is None:
             raise ValueError("a plan with drafts, and this simulated executor has no acceptance")
-        accepted, drafted = self.spec.draw(plan.decode_spec_tokens, len(sampled))
+        asked = plan.decode_spec_tokens  # every row asking pays the drafter, drafts or not
+        accepted, drafted = self.spec.draw(asked, len(sampled))
         rows, start, k = len(plan.decode_ids), max(plan.decode_positions), max(drafted)
-        key = (rows, k, start)
+        key = (rows, k, start, max(asked), len(asked) - asked.count(0))
         extra = self._verify_s.get(key)
         if extra is None:
-            extra = _remember(self._verify_s, key, verify_extra_s(self.cost, rows, k, start))
+            extra = _remember(self._verify_s, key, verify_extra_s(self.cost, rows, k, start)
+                              + draft_s(self.spec.drafter, key[4], key[3], start + 1))
         t += self._decode_forward_s(rows, start + 1) + extra
         return StepResult(plan.step_index, sampled, None, (t,), self.kv_bytes(), accepted,
                           drafted)

@@ -4,20 +4,22 @@ and how many of them it keeps is drawn from the per-position acceptance rates at
 u, so position i is accepted with exactly its rate and only after the ones before it; with a draft
 share D < 1 a row first drafts at all with chance D (else it verifies nothing this step). Draws
 are deterministic per seed. Accepted tokens are placeholders (simulated tokens are not tokens): only
-their count is read."""
+their count is read. `drafter` is what drafting costs (spec_price.draft_s)."""
 
 from __future__ import annotations
 
 import random
 
 from batchsim.server.perf.spec_acceptance import Acceptance
+from batchsim.server.perf.spec_price import NGRAM, Drafter
 
 _KEPT = tuple((0,) * n for n in range(65))  # accepted placeholders by count
 
 
 class SpecDraws:
-    def __init__(self, acceptance: Acceptance, seed: int):
+    def __init__(self, acceptance: Acceptance, seed: int, drafter: Drafter = NGRAM):
         self.acceptance = acceptance
+        self.drafter = drafter
         self._random = random.Random(seed).random
         self._rates: dict[tuple[int, int], list[float]] = {}  # (K, batch) -> rates
 

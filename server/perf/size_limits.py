@@ -158,6 +158,7 @@ class Settings:
     engine: EngineProfile | None = None  # the serving engine (server.perf.engines); None: batchsim
     spec_tokens: int = 0  # speculative decoding: K drafted tokens a row verifies per step (0: off)
     acceptance: Acceptance | None = None  # per-position rates and their curve (spec_acceptance)
+    draft: ModelSpec | None = None  # the draft model's shapes (None: the n-gram drafter)
 
 
 def mac_profile_for(mac: macs.Mac, s: Settings) -> DeviceProfile:
@@ -251,15 +252,26 @@ def _speed(spec: ModelSpec, mac: macs.Mac, s: Settings, cluster: Cluster | None,
     out = {"profile": profile.name, "profile_fitted_on": profile.fitted_on or profile.source,
            "engine": cost.engine.name, "decode_tok_s_b1": tok_s(steps[0], b1),
            "decode_tok_s_max_batch": tok_s(steps[1], b_max), "bound_at_max_batch": bound(steps[1])}
-    if s.spec_tokens and s.acceptance is not None:
-        out.update(_spec_speed(cost, s, b_max, width))
     if explain:  # StepTime's parts in seconds by name, at the max batch and at batch 1 (None: none)
         out["parts"], out["parts_b1"] = (t.as_dict() if t else None for t in reversed(steps))
+    if s.spec_tokens and s.acceptance is not None:
+        out.update(_spec_speed(cost, s, b1, b_max, width, explain))
     return out
 
 
-def _spec_speed(cost: StepCost, s: Settings, max_batch: int, width: int) -> dict:
-    """Speculative decoding at batch 1 and the batch where it stops paying (spec_price.py)."""
+def _spec_speed(cost: StepCost, s: Settings, b1: int, max_batch: int, width: int,
+                explain: bool) -> dict:
+    """Speculative decoding at batch 1, the batch where it stops paying and what that answer is
+    (spec_price.py); with `explain`, the verify step's parts at batch 1 (the drafter's: draft_s)."""
     k, a = s.spec_tokens, s.acceptance
-    return {"decode_tok_s_b1_spec": spec_price.spec_tok_s(cost, 1, k, a, width),
-            "spec_break_even_batch": spec_price.break_even_batch(cost, k, a, width, max_batch)}
+    drafter = (spec_price.model_drafter(cost, s.draft, s.dtype) if s.draft
+               else spec_price.NGRAM)
+    fits = b1 >= 1
+    b = spec_price.break_even_batch(cost, k, a, width, max_batch, drafter) if fits else None
+    out = {"decode_tok_s_b1_spec": spec_price.spec_tok_s(cost, 1, k, a, width, drafter)
+           if fits else None, "spec_break_even_batch": b,
+           "spec_break_even": spec_price.break_even_verdict(b, computed=fits)}
+    if explain:
+        out["parts_spec_b1"] = (spec_price.verify_time(cost, 1, k, width, drafter).as_dict()
+                                if fits else None)
+    return out

@@ -2,16 +2,67 @@
 plain decode step of B rows (StepCost.step_time: weights, each row's cache read once, per-row
 work) plus what K more tokens a row add, the step cost's own prefill price of K+1 tokens after
 the row's cached ones less that of 1 (StepCost.prefill_time over B rows: the GEMM over the extra
-B x K tokens and their attention). At K = 0 it is the decode step. A row emits on average
-1 + the sum of its per-position acceptance rates tokens per step (spec_acceptance.py, at the
-step's batch); with one rate a accepted independently per draft, E = (1 - a^(K+1)) / (1 - a)
-(Leviathan et al. 2023). The drafter's own time is not priced (the n-gram drafter's is host work,
-a few microseconds a row). The simulated executor prices its verify steps with verify_extra_s."""
+B x K tokens and their attention), plus the drafter's time (draft_s). At K = 0 it is the decode
+step. A row emits on average 1 + the sum of its per-position acceptance rates tokens per step
+(spec_acceptance.py, at the step's batch); with one rate a accepted independently per draft,
+E = (1 - a^(K+1)) / (1 - a) (Leviathan et al. 2023). The simulated executor prices its verify
+steps with verify_extra_s and draft_s."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+from batchsim.configs import ConfigError
+from batchsim.server.models.spec import ModelSpec
 from batchsim.server.perf.spec_acceptance import Acceptance
+from batchsim.server.perf.step_time import StepTime
 from batchsim.server.perf.stepcost import StepCost
+
+# The n-gram drafter's host time per row and step (vLLM's prompt lookup, speculative.py): process
+# CPU time of ngram_proposal finding no match (its usual case, and its dearest: every n from 5 to
+# 2 tried) on W tokens, a + b x W fitted over W = 128..8192. `benchmarks/ngram_host_cost.py`,
+# 2026-12-04, AMD EPYC VM, numpy 2.4.6, load average 4.5: 174 / 250 / 578 / 1,739 us at W = 128 /
+# 512 / 2048 / 8192. Applied as measured on every device (the project does not scale host costs
+# between CPUs; an Apple core is likely faster, so on a Mac it is an upper bound).
+NGRAM_ROW_US = 158.8
+NGRAM_TOKEN_NS = 193.5
+
+
+class Drafter(NamedTuple):
+    """Who drafts: a draft model (its step cost on the same device and engine) or, with none, the
+    n-gram drafter."""
+
+    cost: StepCost | None = None  # the draft model's; None: the n-gram drafter
+    name: str = "ngram"  # the draft model's name, or ngram
+
+
+NGRAM = Drafter()
+
+
+def check_draft_vocab(draft: ModelSpec, target: ModelSpec) -> None:
+    """A draft model proposes the target's token ids: the same vocabulary, or a one-line error."""
+    if draft.vocab_size != target.vocab_size:
+        raise ConfigError(f"--draft-model {draft.name}: a vocabulary of {draft.vocab_size} "
+                          f"tokens, {target.name}'s has {target.vocab_size}; a draft model must "
+                          "share the tokenizer")
+
+
+def model_drafter(cost: StepCost, draft: ModelSpec, dtype: str) -> Drafter:
+    """The draft model priced by the target's step cost's device, engine, weight format and KV
+    layout (the real executor loads it in the target's dtype)."""
+    return Drafter(StepCost(draft, cost.profile, dtype, cost.quantize_bits, cost.kv_bits,
+                            engine=cost.engine, paged=cost.paged), draft.name)
+
+
+def draft_s(drafter: Drafter, batch: int, spec_tokens: int, width: int) -> float:
+    """The drafter's seconds in a step where `batch` rows each ask for K drafts after `width`
+    tokens: a draft model's K decode forwards over the B rows (StepCost.decode_time), or the
+    n-gram lookup per row (paid whether it finds a match or not). No drafts asked: none."""
+    if not spec_tokens or not batch:
+        return 0.0
+    if drafter.cost is None:
+        return batch * (NGRAM_ROW_US * 1e-6 + NGRAM_TOKEN_NS * 1e-9 * width)
+    return spec_tokens * drafter.cost.decode_time(batch, width).total_s
 
 
 def verify_extra_s(cost: StepCost, batch: int, spec_tokens: int, width: int) -> float:
@@ -22,39 +73,55 @@ def verify_extra_s(cost: StepCost, batch: int, spec_tokens: int, width: int) -> 
             - cost.prefill_forward_s(1, width, True, batch))
 
 
-def verify_step(cost: StepCost, batch: int, spec_tokens: int, width: int) -> float:
+def verify_time(cost: StepCost, batch: int, spec_tokens: int, width: int,
+                drafter: Drafter = NGRAM) -> StepTime:
+    """A verify step by named part: the decode step, K more tokens a row (the prefill parts of
+    K+1 tokens less those of 1) and the drafter (`draft_s`)."""
+    step = cost.step_time(decode_rows=batch, width=width)
+    if not spec_tokens:
+        return step
+    more, one = (cost.prefill_time(n, width, True, batch).values() for n in (spec_tokens + 1, 1))
+    extra = StepTime(*(a - b for a, b in zip(more, one)))
+    return step + extra + StepTime(*(0.0,) * 6, draft_s=draft_s(drafter, batch, spec_tokens,
+                                                                 width))
+
+
+def verify_step(cost: StepCost, batch: int, spec_tokens: int, width: int,
+                drafter: Drafter = NGRAM) -> float:
     """Seconds of B rows x (K+1) tokens in one forward pass, each row after `width` cached
-    tokens."""
+    tokens, and their drafting."""
     return (cost.step_time(decode_rows=batch, width=width).total_s
-            + verify_extra_s(cost, batch, spec_tokens, width))
+            + verify_extra_s(cost, batch, spec_tokens, width)
+            + draft_s(drafter, batch, spec_tokens, width))
 
 
 def spec_tok_s(cost: StepCost, batch: int, spec_tokens: int, acceptance: Acceptance,
-               width: int) -> float:
-    """A step verifies K more tokens a row when any of its rows drafted (each with the draft
-    share's chance), else it is the plain decode step."""
+               width: int, drafter: Drafter = NGRAM) -> float:
+    """Every row asks the drafter each step; a step verifies K more tokens a row when any of its
+    rows drafted (each with the draft share's chance), else it is the plain decode step."""
     drafting = 1.0 - (1.0 - acceptance.draft_share) ** batch
     step_s = (cost.step_time(decode_rows=batch, width=width).total_s
-              + drafting * verify_extra_s(cost, batch, spec_tokens, width))
+              + drafting * verify_extra_s(cost, batch, spec_tokens, width)
+              + draft_s(drafter, batch, spec_tokens, width))
     return batch * acceptance.expected_tokens(spec_tokens, batch) / step_s
 
 
 def gain(cost: StepCost, batch: int, spec_tokens: int, acceptance: Acceptance,
-         width: int) -> float:
+         width: int, drafter: Drafter = NGRAM) -> float:
     """Speculative over plain decode tok/s at this batch."""
     plain = batch / cost.step_time(decode_rows=batch, width=width).total_s
-    return spec_tok_s(cost, batch, spec_tokens, acceptance, width) / plain
+    return spec_tok_s(cost, batch, spec_tokens, acceptance, width, drafter) / plain
 
 
 def break_even_batch(cost: StepCost, spec_tokens: int, acceptance: Acceptance, width: int,
-                     max_batch: int) -> int | None:
+                     max_batch: int, drafter: Drafter = NGRAM) -> int | None:
     """The smallest batch (<= max_batch) at which speculation no longer beats plain decoding;
     None if it beats it at every batch tried. Tried: powers of two and max_batch, then bisection
     below the first that loses. (The gain is not monotone: it falls while batching amortizes the
     weights, and can rise again where long contexts make decode read mostly KV, which a verify
     step reads once for K+1 tokens.)"""
     def loses(b: int) -> bool:
-        return gain(cost, b, spec_tokens, acceptance, width) <= 1.0
+        return gain(cost, b, spec_tokens, acceptance, width, drafter) <= 1.0
 
     tried = [b for b in (2 ** i for i in range(max_batch.bit_length())) if b < max_batch]
     first = next((b for b in [*tried, max_batch] if b >= 1 and loses(b)), None)
@@ -65,3 +132,17 @@ def break_even_batch(cost: StepCost, spec_tokens: int, acceptance: Acceptance, w
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if loses(mid) else (mid, hi)
     return hi
+
+
+BREAK_EVEN = ("stops_paying", "never_pays", "pays_at_every_batch", "not_computed")
+
+
+def break_even_verdict(batch: int | None, computed: bool = True) -> str:
+    """What spec_break_even_batch means: stops_paying (plain batching is as fast from that
+    batch), never_pays (it is at batch 1), pays_at_every_batch (null: speculation still wins at
+    the largest batch tried) or not_computed (null: no batch was priced)."""
+    if not computed:
+        return "not_computed"
+    if batch is None:
+        return "pays_at_every_batch"
+    return "never_pays" if batch == 1 else "stops_paying"

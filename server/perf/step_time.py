@@ -29,6 +29,9 @@ class StepTime:
     # Quantized linear layers MLX runs as qmv over several rows (server.perf.qmv): every row's
     # dequantize-and-multiply at the kernel's own rate (their weights' bytes are in weights_s).
     gemv_rows_s: float = 0.0
+    # Speculative decoding's drafter (spec_price.draft_s): a draft model's K forwards, or the
+    # n-gram drafter's lookups on the host.
+    draft_s: float = 0.0
 
     @property
     def total_s(self) -> float:

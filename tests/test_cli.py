@@ -61,6 +61,16 @@ def test_help_lists_every_command_under_the_question_it_answers(batchsim_home):
     assert "--request-rate" in batchsim("run", "--help", home=batchsim_home).stdout
 
 
+def test_every_flag_of_every_command_says_what_it_does():
+    from batchsim.scripts.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    silent = [f"{name} {a.option_strings[0]}" for name, parser in sub.choices.items()
+              for a in parser._actions
+              if a.option_strings and a.dest != "help" and not (a.help or "").strip()]
+    assert silent == []
+
+
 def test_models_json_contract(batchsim_home):
     doc = last_json(batchsim("models", "--json", home=batchsim_home).stdout)
     names = {m["name"] for m in doc["models"]}

@@ -230,11 +230,12 @@ class Scheduler:
                    new_requests: list[NewRequest]) -> StepPlan:
         kv_bytes = budget.commit()
         cache_ops = None
-        kv = self.kv
-        if kv.prefix is not None and (budget.prefills or kv.prefix.pending):
-            room = kv.budget_bytes - kv.pool_bytes - kv.private_bytes
-            kv.prefix.store_chunks(budget.prefills, self.requests, room)
-            cache_ops, kv_bytes = kv.prefix.take_ops(), kv.kv_bytes
+        kv, prefix = self.kv, self.kv.prefix
+        if prefix is not None and (budget.prefills or prefix.pending):
+            copies = kv.shared is None  # padded: the cache's blocks are held beside the pool
+            held = kv_bytes - prefix.nbytes if copies else kv_bytes  # pool and private caches
+            prefix.store_chunks(budget.prefills, self.requests, kv.budget_bytes - held)
+            cache_ops, kv_bytes = prefix.take_ops(), held + prefix.nbytes if copies else held
         decodes = budget.pool if budget.decode_step else []
         prefills = budget.prefills
         spec = budget.spec_k and tuple([row_spec_tokens(r, budget.spec_k) for r in decodes])

@@ -56,7 +56,8 @@ class StepBudget:
         # their ids (pool_ids: given by the caller, who may know them without a loop)
         self.in_pool = {r.request_id for r in pool} if pool_ids is None else pool_ids
         self.width = width  # the pool's longest row after this step, in tokens
-        self.blocks = self._blocks()  # paged: blocks the pool's rows hold after this step
+        # paged: blocks the pool's rows hold after this step
+        self.blocks = self._blocks() if kv.paged else 0
         # The prefill caches that stay private after this step.
         self.private: dict[int, PrivateCache] = {}
         if kv.private:

@@ -72,7 +72,9 @@ class SimExecutor:
         sampled = plan.decode_ids  # who sampled a token: the decode rows, then sampling prefills
         if plan.prefills:
             sampling: list[int] = []
-            for group in prefill_groups.groups(plan.prefills):  # as the MLX executor runs them
+            prefills = plan.prefills
+            for group in ((prefills,) if len(prefills) == 1  # alone: its own group
+                          else prefill_groups.groups(prefills)):  # as the MLX executor runs them
                 first = group[0]
                 t += self._prefill_forward_s(first.num_tokens, first.start,
                                              first.sample, len(group))

@@ -119,8 +119,8 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                    "decoding is as fast); needs --acceptance or --acceptance-from")
     g.add_argument("--draft-model", default=None, metavar="M",
                    help="the drafter is model M (zoo name), priced as K decode forwards of M at "
-                   "the step's rows on the same Mac and engine [default: the n-gram drafter, "
-                   "priced as its host time per row]")
+                   "the step's rows on the same Mac and engine (default: the n-gram drafter, "
+                   "priced as its host time per row)")
     add_acceptance_args(g)
 
 

@@ -28,7 +28,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    "falls as the batch grows (scheduler/spec_budget.py) [default: fixed]")
     g.add_argument("--draft-model", default=None, metavar="M",
                    help="draft with model M (--spec-method draft; --executor sim prices K of its "
-                   "decode forwards a step) [default: the n-gram drafter]")
+                   "decode forwards a step; default: the n-gram drafter)")
     add_acceptance_args(g, "--executor sim: ")
 
 

@@ -137,3 +137,21 @@ def test_layout_fills_holes_from_the_last_rows():
     with pytest.raises(RuntimeError):
         layout.join(8, 1)  # no spare row
     assert layout.leave({8, 9}).movers == [] and layout.row_ids == [0, 4, 2, 7]
+
+
+@pytest.mark.parametrize("leaving", range(6))
+def test_one_row_leaving_moves_as_several_do(leaving):
+    """A single leave (its own shortcut) moves rows as the general rule does: the last row fills
+    the hole, unless the last row is the one leaving."""
+    layout = PoolLayout(CacheLayout.dense(10))
+    layout.resize(PoolGeometry(8, 32))
+    for rid in range(6):
+        layout.join(rid, 5)
+    moves = layout.leave({leaving})
+    at, keep = [leaving], 5  # the general rule, by hand: holes below keep, movers above it
+    holes, movers = [i for i in at if i < keep], [i for i in range(keep, 6) if i not in at]
+    rows = list(range(6))
+    for h, m in zip(holes, movers):
+        rows[h] = rows[m]
+    assert (moves.holes, moves.movers, moves.moved_bytes) == (holes, movers, len(movers) * 320)
+    assert layout.row_ids == rows[:keep] and layout.in_pool == set(rows[:keep])

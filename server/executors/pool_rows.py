@@ -59,13 +59,20 @@ class PoolLayout:
         self.in_pool -= leaving
         rows = self.row_ids
         keep = len(rows) - len(leaving)
-        # The leaving rows, found by index (a few among many): holes below keep, gaps above it.
-        at = sorted(map(rows.index, leaving))
-        holes = [i for i in at if i < keep]
-        movers = [i for i in range(keep, len(rows)) if i not in at]
-        for h, m in zip(holes, movers):
-            rows[h] = rows[m]
-        del rows[keep:]
+        if keep == len(rows) - 1:  # one row (most steps): the last row fills its hole
+            i = rows.index(next(iter(leaving)))
+            last = rows.pop()
+            holes, movers = ([i], [keep]) if i < keep else ([], [])
+            if holes:
+                rows[i] = last
+        else:
+            # The leaving rows, found by index (a few among many): holes below keep, gaps above.
+            at = sorted(map(rows.index, leaving))
+            holes = [i for i in at if i < keep]
+            movers = [i for i in range(keep, len(rows)) if i not in at]
+            for h, m in zip(holes, movers):
+                rows[h] = rows[m]
+            del rows[keep:]
         row = self.cache.per_row if self.paged else self.cache
         row_bytes = row.seq_bytes(self.geometry.capacity_tokens)
         return RowMoves(holes, movers, len(movers) * row_bytes)

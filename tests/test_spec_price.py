@@ -14,6 +14,7 @@ from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf import macs, size_limits, spec_price
 from batchsim.server.perf.gpu_fit import load_fit
 from batchsim.server.perf.spec_acceptance import Acceptance
+from batchsim.server.perf.stepcost import StepCost
 
 
 def _a(rate: float) -> Acceptance:
@@ -131,3 +132,17 @@ def test_a_falling_curve_moves_the_break_even_batch_down(cost):
     falling = spec_price.break_even_batch(cost, 4, dflash, 2048, 4096)
     still = spec_price.break_even_batch(cost, 4, flat, 2048, 4096)
     assert falling is not None and (still is None or falling <= still)
+
+
+def test_a_paged_verify_step_pays_the_gather_once_for_its_k_plus_1_tokens(cost):
+    # The real paged store gathers each row's blocks once per layer per forward (paged_store.py),
+    # however many query tokens the row verifies: the decode read carries PAGED_READ_RATIO, the
+    # K more tokens a row add no second read.
+    cost, paged = (StepCost(cost.spec, cost.profile, "float16", 4, paged=p) for p in (0, 1))
+    extra = spec_price.verify_extra_s(cost, 8, 4, 2048)
+    assert spec_price.verify_extra_s(paged, 8, 4, 2048) == pytest.approx(extra)
+    gather = (paged.step_time(decode_rows=8, width=2048).attention_s
+              - cost.step_time(decode_rows=8, width=2048).attention_s)
+    assert gather > 0
+    assert (spec_price.verify_step(paged, 8, 4, 2048) - spec_price.verify_step(cost, 8, 4, 2048)
+            == pytest.approx(gather))

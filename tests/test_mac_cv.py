@@ -86,11 +86,12 @@ def test_fit_recovers_known_terms_from_rows_it_predicted(rows, catalog):
     zero = dataclasses.replace(gpu_fit.load_fit(), attention_row_us=0.0, sampling_row_us=0.0,
                                ultra_layer_us=0.0, ultra_bandwidth_slowdown=0.0,
                                quantized_gemm_efficiency={}, kv_bandwidth_efficiency=0.0,
-                               quantized_gemv_row_efficiency=0.0)
+                               quantized_gemv_row_efficiency=0.0, ultra_gemv_row_slowdown=0.0)
     true = MacModel(dataclasses.replace(zero, bandwidth_efficiency={
         "float": 0.8, "q8": 0.7, "q4": 0.6}, layer_overhead_us=40.0, forward_overhead_us=0.0,
         compute_efficiency=0.5, expert_bandwidth_efficiency=0.5, ultra_layer_us=30.0,
-        kv_bandwidth_efficiency=0.75, quantized_gemv_row_efficiency=0.2))
+        kv_bandwidth_efficiency=0.75, quantized_gemv_row_efficiency=0.4,
+        ultra_gemv_row_slowdown=2.5))
     made = [dataclasses.replace(r, tok_s=ps.predict_tok_s(r, catalog, true)) for r in rows]
     got = published_fit.fit_published(made, catalog, MacModel(zero)).fit
     for f, v in true.fit.bandwidth_efficiency.items():
@@ -98,7 +99,8 @@ def test_fit_recovers_known_terms_from_rows_it_predicted(rows, catalog):
     assert got.layer_overhead_us == pytest.approx(40.0, rel=0.05)
     assert got.ultra_layer_us == pytest.approx(30.0, rel=0.1)
     assert got.expert_bandwidth_efficiency == pytest.approx(0.5, abs=0.03)
-    assert got.quantized_gemv_row_efficiency == pytest.approx(0.2, rel=0.05)  # qmv's rows
+    assert got.quantized_gemv_row_efficiency == pytest.approx(0.4, rel=0.05)  # qmv's rows
+    assert got.ultra_gemv_row_slowdown == pytest.approx(2.5, rel=0.05)  # ... on two dies
     # Held out by source: exact for batch-1 decode-only rows (bandwidth and fixed costs), but where
     # the source took its format's only rows with it (bfloat16); batched and prefill rows need
     # compute rates that only a few sources pin down. Five sources (four chips, both formats, an

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from batchsim.server.perf import gpu_fit, macs
 from batchsim.server.perf.batch_gain import catalog_cost
 from batchsim.server.perf.qmv import gpu_family, qmm_rows, qmv_row_limit, runs_qmv
 from batchsim.server.perf.stepcost import StepCost
@@ -59,3 +60,16 @@ def test_qmm_multiplies_whole_tiles_of_rows():
     _, flops_16 = cost.linear_split(16, 2048, 8192)
     _, flops_32 = cost.linear_split(32, 2048, 8192)
     assert flops_16 == pytest.approx(flops_32)
+
+
+def test_a_two_die_ultra_pays_its_own_qmv_slowdown():
+    """GpuFit.ultra_gemv_row_slowdown is added to qmv's 1 / efficiency on Ultra chips only."""
+    fit = gpu_fit.load_fit()
+    catalog = macs.load_catalog()
+    (ultra,) = [m for m in catalog.chips if m.label == "M1 Ultra 64c"]
+    (mx,) = [m for m in catalog.chips if m.label == "M1 Max 32c"]
+    slow = dataclasses.replace(fit, quantized_gemv_row_efficiency=0.5, ultra_gemv_row_slowdown=2.0)
+    for mac, slowdown in ((ultra, 4.0), (mx, 2.0)):
+        profile = gpu_fit.mac_profile(mac, slow, 4)
+        assert profile.quantized_gemv_row_gflops == pytest.approx(
+            profile.tflops("float16") * 1e3 / slowdown)

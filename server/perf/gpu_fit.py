@@ -66,6 +66,11 @@ class GpuFit:
     # MLX's quantized matrix-vector kernel over several rows (server.perf.qmv): its arithmetic as a
     # fraction of the chip's FP16 peak (0: those rows priced as a GEMM).
     quantized_gemv_row_efficiency: float = 0.0
+    # ... and on a two-die Ultra, added to its 1 / efficiency: qmv's row threadgroups spread over
+    # both dies, so each row's re-reads of a weight tile are less often the other rows' cache hits
+    # (published: mlx-lm's few-row verify forwards scale worse on an M2 Ultra than on an M3 Max,
+    # ml-explore/mlx-examples issue 1281).
+    ultra_gemv_row_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         missing = [f for f in FORMATS if f not in self.bandwidth_efficiency]
@@ -79,7 +84,8 @@ class GpuFit:
             raise ValueError("kv_bandwidth_efficiency and the quantized GEMM and GEMV row "
                              "efficiencies must be in [0, 1]")
         if min(self.attention_row_us, self.token_layer_us, self.sampling_row_us,
-               self.ultra_layer_us, self.ultra_bandwidth_slowdown, self.ultra_moe_layer_us) < 0:
+               self.ultra_layer_us, self.ultra_bandwidth_slowdown, self.ultra_moe_layer_us,
+               self.ultra_gemv_row_slowdown) < 0:
             raise ValueError("attention_row_us, token_layer_us, sampling_row_us and the Ultra "
                              "terms must be >= 0")
 
@@ -102,6 +108,8 @@ class GpuFit:
         shown += [f"q{b} GEMM {e:.2f} of FP16" for b, e in self.quantized_gemm_efficiency.items()]
         if self.quantized_gemv_row_efficiency:
             shown.append(f"qmv rows {self.quantized_gemv_row_efficiency:.3f} of FP16")
+        if self.ultra_gemv_row_slowdown:
+            shown.append(f"Ultra qmv rows +{self.ultra_gemv_row_slowdown:.2f} slowdown")
         return f"; {', '.join(shown)}" if shown else ""
 
 
@@ -153,4 +161,12 @@ def mac_profile(mac: Mac, fit: GpuFit, quantize_bits: int | None,
         quantized_gemm_gflops={b: e * fp16_tflops * 1e3
                                for b, e in fit.quantized_gemm_efficiency.items()},
         gpu_family=gpu_family(mac.chip),
-        quantized_gemv_row_gflops=fit.quantized_gemv_row_efficiency * fp16_tflops * 1e3)
+        quantized_gemv_row_gflops=_gemv_row_gflops(fit, fp16_tflops, ultra))
+
+
+def _gemv_row_gflops(fit: GpuFit, fp16_tflops: float, ultra: bool) -> float:
+    """qmv's arithmetic rate over several rows (0: not fitted), a two-die Ultra's slowdown added."""
+    if not fit.quantized_gemv_row_efficiency:
+        return 0.0
+    slowdown = 1.0 / fit.quantized_gemv_row_efficiency
+    return fp16_tflops * 1e3 / (slowdown + (fit.ultra_gemv_row_slowdown if ultra else 0.0))

@@ -92,9 +92,19 @@ def test_simulated_draft_model_runs_and_refuses_another_vocabulary(tmp_path, cap
     assert cli_exit_code([*argv, "llama-3.2-1b"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])[
         "spec_decode_num_drafts"] > 0
-    assert cli_exit_code([*argv, "qwen3-0.6b"]) == 2
-    err = capsys.readouterr().err
-    assert "must share the tokenizer" in err.strip().splitlines()[-1] and "Traceback" not in err
+    for draft, message in (("qwen3-0.6b", "must share the tokenizer"),
+                           ("tiny-sliding", "sliding-attention layers")):
+        assert cli_exit_code([*argv, draft]) == 2
+        err = capsys.readouterr().err
+        assert message in err.strip().splitlines()[-1] and "Traceback" not in err
+
+
+def test_sweep_prices_a_draft_model(capsys, tmp_path):
+    args = ("--batches", "1", "--spec-tokens", "2", "--acceptance", "0.6")
+    ngram = _sweep(capsys, tmp_path, *args)["rows"][0]["spec"][0]
+    model = _sweep(capsys, tmp_path, *args, "--draft-model", "llama-3.2-1b")["rows"][0]["spec"][0]
+    assert model["spec_decode_acceptance_length"] == ngram["spec_decode_acceptance_length"]
+    assert model["gain"] < ngram["gain"]  # the same tokens, two 1B forwards a step more
 
 
 def test_no_acceptance_gives_plain_decodes_tokens_at_the_verify_price(cost):

@@ -146,3 +146,12 @@ def test_a_paged_verify_step_pays_the_gather_once_for_its_k_plus_1_tokens(cost):
     assert gather > 0
     assert (spec_price.verify_step(paged, 8, 4, 2048) - spec_price.verify_step(cost, 8, 4, 2048)
             == pytest.approx(gather))
+
+
+def test_size_explain_names_the_drafters_part(tmp_path):
+    (row,) = _size(tmp_path, "--model", "llama-3.1-8b", "--quantize", "4", "--mac",
+                   "M4 Max 40c", "--memory-gb", "48", "--spec-tokens", "4", "--acceptance",
+                   "0.6", "--explain")["rows"]
+    assert row["parts_b1"]["draft_s"] == 0.0  # plain decoding drafts nothing
+    assert row["parts_spec_b1"]["draft_s"] == pytest.approx(
+        spec_price.draft_s(spec_price.NGRAM, 1, 4, 4096))

@@ -85,9 +85,11 @@ def _sim_spec(cfg: ExecutorConfig, ref: ModelRef, cost: Any):
 
     drafter = spec_price.NGRAM
     if cfg.spec_method == "draft":
+        from batchsim.server.executors.speculative import check_layers
         from batchsim.server.models.loader import spec_for
 
         draft = spec_for(cfg.draft_model)
+        check_layers(draft, "draft")  # refused as a real run refuses it
         spec_price.check_draft_vocab(draft, ref.spec)
         drafter = spec_price.model_drafter(cost, draft, ref.dtype)
     return SpecDraws(Acceptance(cfg.spec_acceptance, cfg.spec_acceptance_curve,

@@ -176,9 +176,9 @@ def _print(rows: list[dict], modes: list[str], session) -> None:
     b0 = min(r["batch"] for r in rows)
     cols = ["batch"] + [f"{m} tok/s" for m in modes] + [f"{m} x b{b0}" for m in modes]
     others = [m for m in ("bare", "mlx_lm") if "executor" in modes and m in modes]
-    cols += [f"executor/{m}{kind}" for m in others for kind in ("", " paired")]
+    cols += [f"executor / {m}{kind}" for m in others for kind in ("", " paired")]
     paged = "executor_paged" in modes and "executor" in modes
-    cols += ["paged/padded", "paged/padded paired"] if paged else []
+    cols += ["paged / padded", "paged / padded paired"] if paged else []
     body = []
     for b in sorted({r["batch"] for r in rows}):
         line = [b] + [by[(b, m)]["decode_tok_s"] for m in modes]

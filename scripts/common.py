@@ -206,7 +206,7 @@ def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> 
     t = Table(title=title, title_justify="left", header_style="bold")
     for c in columns:
         left = c in ("mode", "model", "chip", "dtype", "metric")
-        t.add_column(c, justify="left" if left else "right")
+        t.add_column(c, justify="left" if left else "right", overflow="fold")  # never "…"
     for row in rows:
         t.add_row(*[fmt(v) for v in row])
     return t

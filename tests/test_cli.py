@@ -436,3 +436,15 @@ def test_bench_decode_executor_decodes_the_batch_at_one_position(tiny):
     ref, model, _ = tiny
     bench = Executor(model, 6, 600, ref.spec.vocab_size, ref.spec.kv_bytes_per_token("float32"))
     assert len(bench.ex.pool) == 6 and len(set(bench.ex.pool.lengths)) == 1
+
+
+def test_a_narrow_table_folds_its_names_instead_of_cutting_them():
+    import io
+
+    from batchsim.scripts.common import table
+    from rich.console import Console
+
+    buf = io.StringIO()
+    Console(file=buf, width=24).print(table("t", ["batch", "executor/mlx_lm_paired"], [[1, 1.5]]))
+    text = buf.getvalue()
+    assert "…" not in text and "executor/mlx" in text and "_lm_paired" in text  # folded

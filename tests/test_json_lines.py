@@ -63,9 +63,17 @@ def test_request_lines_match_dumps():
         assert request_line(record, text(runs)) == dumps(record.to_json()) + "\n"
     runs = [[0, 2]]
     odd = [_request(ends, runs, finish_reason='says "token_times_s":[] itself'),
-           _request(ends, runs, arrival_s=math.nan), _request(ends, runs, first_scheduled_s=None)]
+           _request(ends, runs, arrival_s=math.nan), _request(ends, runs, first_scheduled_s=None),
+           *(_request(ends, runs, finish_reason=why)
+             for why in ("caf\u00e9", "a\\b", "tab\there\x7f", "", "100% of {x} %s")),
+           _request(ends, runs, request_id=np.int64(7)), _request(ends, runs, num_preemptions=True),
+           _request(ends, runs, arrival_s=-0.0), _request(ends, runs, arrival_s=np.float64(0.1)),
+           _request(ends, runs, finished_s=math.inf), _request(ends, runs, finished_s=None)]
     for record in odd:
         assert request_line(record, text(runs)) == dumps(record.to_json()) + "\n"
+    refused = _request(ends, [], status="rejected", first_scheduled_s=None, finish_reason=(
+        "its KV cache at full length (123 bytes) exceeds the KV budget (45 bytes)"))
+    assert request_line(refused, text([])) == dumps(refused.to_json()) + "\n"
     for value in (math.inf, math.nan, np.float64(0.1), 3, True):  # end times json writes its way
         ends = [0.5, value, 2.0]
         record = _request(ends, [[0, 3]])

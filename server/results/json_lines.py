@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import operator
+import re
 from collections.abc import Sequence
 
 from batchsim.server.results.jsonio import dumps
-from batchsim.server.results.metrics import RequestRecord, StepRecord
+from batchsim.server.results.metrics import DERIVED_MS_KEYS, RequestRecord, StepRecord
 
 _NUMBERS = frozenset({int, float})  # str() of these is their JSON (float: the shortest repr)
 _NUMBERS_OR_NONE = _NUMBERS | {type(None)}
@@ -63,13 +65,38 @@ class TokenTimesText:
 
 
 _NO_TIMES = '"token_times_s":[]'
+_REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
+_TIMES_AT = _REQUEST_FIELDS.index("token_times_s")
+_REQUEST_VALUES = operator.attrgetter(*(n for n in _REQUEST_FIELDS if n != "token_times_s"))
+_REQUEST_TEMPLATE = "{" + ",".join(
+    [f'"{n}":[%s]' if n == "token_times_s" else f'"{n}":%s' for n in _REQUEST_FIELDS]
+    + [f'"{n}":%s' for n in DERIVED_MS_KEYS]) + "}\n"
+_AS_IS = re.compile(r'[ !#-\[\]-~]*')  # printable ASCII but " and \: json writes it unescaped
 
 
 def request_line(record: RequestRecord, token_times_text: str | None) -> str:
     """`record`'s line; `token_times_text`: its token times as TokenTimesText wrote them."""
-    row = record.to_json()
     if token_times_text is None or "n" in token_times_text:  # nan, inf: the ordinary way
-        return dumps(row) + "\n"
+        return dumps(record.to_json()) + "\n"
+    texts = list(map(_json_text, (*_REQUEST_VALUES(record), *record.derived_ms())))
+    if None not in texts:  # every value an int, a finite float, None or a plain string
+        texts.insert(_TIMES_AT, token_times_text)
+        return _REQUEST_TEMPLATE % tuple(texts)
+    row = record.to_json()
     row["token_times_s"] = []
     line = dumps(row)  # keys and strings come escaped: the empty list's text is found only once
     return line.replace(_NO_TIMES, f'"token_times_s":[{token_times_text}]', 1) + "\n"
+
+
+def _json_text(value: object) -> str | None:
+    """json's text for an int, a finite float, None or a string it writes as it is; else None."""
+    kind = type(value)
+    if kind is int:
+        return int.__repr__(value)  # type: ignore[arg-type]
+    if kind is float:
+        return float.__repr__(value) if math.isfinite(value) else None  # type: ignore[arg-type]
+    if value is None:
+        return "null"
+    if kind is str and _AS_IS.fullmatch(value):  # type: ignore[arg-type]
+        return f'"{value}"'
+    return None

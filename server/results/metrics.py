@@ -25,6 +25,9 @@ _MS = 1000.0
 _GB = 1e9  # mlx-lm prints peak memory in GB of 1e9 bytes
 
 
+DERIVED_MS_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms", "queue_ms")  # a request line's, after fields
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class RequestRecord:
     """One request's timeline; times are seconds on the run's clock (0 = start of the run)."""
@@ -80,12 +83,15 @@ class RequestRecord:
     def queue_s(self) -> float | None:
         return None if self.first_scheduled_s is None else self.first_scheduled_s - self.arrival_s
 
+    def derived_ms(self) -> tuple[float | None, ...]:
+        """The values of DERIVED_MS_KEYS, as a record's line carries them after its fields."""
+        return tuple(None if v is None else v * _MS
+                     for v in (self.ttft_s, self.tpot_s, self.e2el_s, self.queue_s))
+
     def to_json(self) -> dict[str, Any]:
         row = {name: getattr(self, name) for name in _field_names(type(self))}
         row["token_times_s"] = list(self.token_times_s)
-        for name in ("ttft", "tpot", "e2el", "queue"):
-            value = getattr(self, f"{name}_s")
-            row[f"{name}_ms"] = None if value is None else value * _MS
+        row.update(zip(DERIVED_MS_KEYS, self.derived_ms()))
         return row  # ITLs are the differences of token_times_s (not stored twice)
 
     @classmethod

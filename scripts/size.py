@@ -377,9 +377,7 @@ def _tok(row: dict, key: str) -> str:
 
 def _plot(rows: list[dict], meta: dict, path: Path) -> Path:
     """Max batch (padded vs paged) and predicted tok/s (batch 1 vs max batch) per Mac config."""
-    plt = pyplot()
-
-    y = np.arange(len(rows))
+    plt, y = pyplot(), np.arange(len(rows))
     fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(12, 1.5 + 0.18 * len(rows)), sharey=True)
     bars = [
         (ax_b, "max_batch_padded", f"padded ({KV_STEP}-token steps)", -0.2),
@@ -389,10 +387,13 @@ def _plot(rows: list[dict], meta: dict, path: Path) -> Path:
     ]
     for ax, key, label, dy in bars:
         ax.barh(y + dy, [r[key] or 0 for r in rows], 0.4, label=label)
-        ax.legend(loc="lower right")
+    for ax in (ax_b, ax_t):  # the x axes run 60% past the bars: room for the legends
+        ax.set_xlim(0, 1.6 * ax.get_xlim()[1])
+        ax.legend(loc="lower right", fontsize=8)
     ax_b.set_xlabel("max concurrent sequences (default Metal limit)")
-    ax_t.set_xlabel("predicted decode tok/s (the simulator's step cost)")
-    ax_b.set_yticks(y, [f"{r['label']} {r['memory_gb']:g}GB" for r in rows], fontsize=7)
+    ax_t.set_xlabel("predicted decode tok/s (the simulator's step cost; * peak FLOP/s estimated)")
+    ax_b.set_yticks(y, [f"{r['label']} {r['memory_gb']:g}GB{'*' if r['peaks_estimated'] else ''}"
+                        for r in rows], fontsize=7)
     ax_b.invert_yaxis()
     fig.suptitle(f"{meta['model']} {_weights_tag(meta)}, engine {meta['engine']}, context "
                  f"{meta['context']}: predicted per Mac (no model run)")

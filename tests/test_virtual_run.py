@@ -7,7 +7,6 @@ valid records."""
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -168,12 +167,3 @@ def test_which_arrivals_the_plain_loop_replays():
     assert not virtual_run.replays_exactly([0.0, 1e-9])  # within asyncio's clock resolution
     assert not virtual_run.replays_exactly([0.0, float("nan")])
     assert not virtual_run.replays_exactly([0.0, 1e30])  # where a float's step outgrows 1 ns
-
-
-def test_no_garbage_collection_while_the_plain_loop_runs():
-    collecting = []
-    session = open_session(_config(dataclasses.replace(MIXED, num_prompts=10)))
-    run_workload(session, session.config.workload, out_dir=None, label="gc", timeline=False,
-                 on_step=lambda engine, plan, result: collecting.append(gc.isenabled()))
-    assert collecting and not any(collecting)
-    assert gc.isenabled()  # as it was before the run

@@ -7,6 +7,7 @@ valid records."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -18,6 +19,7 @@ from batchsim.server.engine import clock, runner, virtual_run
 from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
+from batchsim.server.results import run_files
 from batchsim.workloads.lengths import LengthSpec
 from batchsim.workloads.spec import TraceSpec, WorkloadSpec
 
@@ -167,3 +169,36 @@ def test_which_arrivals_the_plain_loop_replays():
     assert not virtual_run.replays_exactly([0.0, 1e-9])  # within asyncio's clock resolution
     assert not virtual_run.replays_exactly([0.0, float("nan")])
     assert not virtual_run.replays_exactly([0.0, 1e30])  # where a float's step outgrows 1 ns
+
+
+class _FillsUp:
+    """A file that takes `room` bytes, then fails as a full disk does."""
+
+    def __init__(self, f, room: int) -> None:
+        self._f, self._room = f, room
+
+    def write(self, data: bytes) -> int:
+        if len(data) > self._room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self._room -= len(data)
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+def test_a_full_disk_stops_the_plain_loop_with_the_records_so_far(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 0.0)  # every step written as it ends
+    opened = run_files.RecordStream.__init__
+
+    def small_disk(self, *args, **kwargs):
+        opened(self, *args, **kwargs)
+        self._files[run_files.STEPS] = _FillsUp(self._files[run_files.STEPS], 20_000)
+
+    monkeypatch.setattr(run_files.RecordStream, "__init__", small_disk)
+    session = open_session(_config(MIXED))
+    outcome = run_workload(session, MIXED, out_dir=tmp_path, label="full", timeline=False)
+    assert outcome.interrupted and "No space left" in outcome.summary["interrupt_reason"]
+    lines = (outcome.run_dir / "steps.jsonl").read_text().splitlines()
+    assert lines and all(json.loads(x)["step_index"] >= 0 for x in lines)  # whole records
+    assert len(outcome.steps) <= len(lines) + 1 < 127  # it stopped at once (a full run: 127)

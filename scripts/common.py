@@ -202,29 +202,49 @@ def executor_label(executor: str, engine: str | None) -> str:
     return f"{executor}, engine {engine}" if executor == "sim" and engine else executor
 
 
-def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> Table:
+def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]],
+          width: int | None = None) -> Table:
+    """A table whose cells are never cut: columns that do not fit `width` (the terminal's) whole
+    are left out, left to right, and named in its caption (--json has them all)."""
+    rows = [list(r) for r in rows]
+    t, dropped = fitted_table(title, columns, rows, columns, width or out.width)
+    if dropped:
+        t.caption = (f"left out at {width or out.width} columns: {', '.join(dropped)} "
+                     "(a wider terminal or --json shows them)")
+        t.caption_justify = "left"
+    return t
+
+
+def _plain_table(title: str, columns: Sequence[str], cells: Sequence[Sequence[str]],
+                 widths: Sequence[int] | None) -> Table:
     t = Table(title=title, title_justify="left", header_style="bold")
-    for c in columns:
+    for i, c in enumerate(columns):
         left = c in ("mode", "model", "chip", "dtype", "metric")
-        t.add_column(c, justify="left" if left else "right", overflow="fold")  # never "…"
-    for row in rows:
-        t.add_row(*[fmt(v) for v in row])
+        t.add_column(c, justify="left" if left else "right", width=widths and widths[i],
+                     overflow="fold")  # never "…", on a console narrower than `width` too
+    for row in cells:
+        t.add_row(*row)
     return t
 
 
 def fitted_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
                  keep: Sequence[str], width: int) -> tuple[Table, list[str]]:
-    """A table of the columns that fit `width`, taken in the order of `keep` (the first always,
-    never cut), shown in their own order; and the columns left out."""
+    """A table of the columns that fit `width` with every cell whole (headers wrap at spaces),
+    taken in the order of `keep` (the first always), shown in their own order; and the columns
+    left out."""
     cells = [[fmt(v) for v in row] for row in rows]
-    need = {c: max([len(c), *(len(r[i]) for r in cells)]) + 3 for i, c in enumerate(columns)}
+    text = {c: max([*map(len, c.split()), *(len(r[i]) for r in cells)], default=1)
+            for i, c in enumerate(columns)}
     shown, used = set(), 1  # a column costs its text, two spaces of padding and a border
     for c in keep:
-        if not shown or used + need[c] <= width:
+        if not shown or used + text[c] + 3 <= width:
             shown.add(c)
-            used += need[c]
+            used += text[c] + 3
     index = [i for i, c in enumerate(columns) if c in shown]
-    t = table(title, [columns[i] for i in index], [[row[i] for i in index] for row in rows])
+    natural = 1 + sum(max(len(columns[i]), text[columns[i]]) + 3 for i in index)
+    widths = [text[columns[i]] for i in index] if natural > width else None  # headers wrap
+    t = _plain_table(title, [columns[i] for i in index], [[r[i] for i in index] for r in cells],
+                     widths)
     t.columns[0].no_wrap = True
     return t, [c for c in columns if c not in shown]
 

@@ -287,6 +287,29 @@ def test_models_fits_the_terminal_and_never_cuts_a_name(columns):
         assert any(f"│ {name} " in line for line in table), name
 
 
+@pytest.mark.parametrize("width", [60, 80, 160])
+def test_every_table_keeps_its_cells_whole_and_names_the_columns_left_out(width):
+    """size, sweep and fit-macs cut numbers and ids at 80 columns (`10.…`, `vllmm…`): a table
+    now leaves out the columns that do not fit, named in its caption."""
+    import re
+
+    from batchsim.scripts.common import table
+    from rich.console import Console
+
+    columns = ["chip", "usable GiB dflt/raised", "weights GiB", "max batch padded/paged",
+               "tok/s b1", "tok/s @max", "id"]
+    values = ["M3 Ultra", "170.67 / 192.00", "4.21", "1,234 / 5,678", "12.35", "1,234",
+              "vllmmlx-m4max-llama-3.2-1b-q4-b1"]
+    console = Console(width=width, record=True)
+    console.print(table("title", columns, [values] * 3, width=width))
+    text = console.export_text()
+    assert max(map(len, text.splitlines())) <= width and "…" not in text, text
+    said = re.search(r"left out at \d+ columns: (.*) \(a wider", " ".join(text.split()))
+    left = said.group(1).split(", ") if said else []
+    assert left == columns[len(columns) - len(left):] and (width == 160) == (not left), text
+    assert all(v in text for v in values[: len(values) - len(left)]), text
+
+
 def test_a_run_that_served_nothing_exits_3_with_the_reason(capsys, tmp_path):
     rc, out, err = _main(["run", *SIM, "--memory-gb", "4.5", "--input-len", "8000",
                           "--num-prompts", "3", "--out", str(tmp_path)], capsys)

@@ -407,3 +407,16 @@ def test_a_run_directory_is_one_name_under_out_whatever_the_label(tmp_path):
         run_dir = new_run_dir(tmp_path / "out", label)
         assert run_dir.parent == tmp_path / "out" and run_dir.is_dir(), run_dir
     assert "模型" in run_dir.name and len(run_dir.name.encode()) <= 255
+
+
+@pytest.mark.parametrize("target, says", [
+    ("http://[::1", "not a URL (Invalid IPv6 URL)"),
+    ("http://127.0.0.1:99999/v1", "not a URL (Port out of range"),
+    ("ftp://x/v1", "expected an http:// or https:// URL with a host"),
+    ("127.0.0.1:8000/v1", "expected an http:// or https:// URL with a host"),
+])
+def test_a_malformed_target_is_bad_input_not_a_run_of_failures(capsys, tmp_path, target, says):
+    """Each ran the whole workload against nothing: 'all 2 requests failed (no response)', rc 1."""
+    rc, _, err = _main(["run", "--target", target, "--num-prompts", "2", "--out", str(tmp_path)],
+                       capsys)
+    assert rc == 2 and f"target {target!r}: {says}" in _one_line(err), err

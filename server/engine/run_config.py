@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from batchsim.configs import ConfigError, from_dict, load_yaml
 from batchsim.scheduler.config import KV_LAYOUTS, KVLayout, SchedulerSettings
@@ -76,9 +77,24 @@ class RunConfig:
             raise ConfigError("percentiles must be numbers in 0..100, got "
                               f"{list(self.percentiles)}")
         _check_spec(self)
+        _check_target(self.target)
         from batchsim.server.perf.engines import load_engine
 
         load_engine(self.engine)  # an unknown engine: a one-line error listing the known ones
+
+
+def _check_target(target: str | None) -> None:
+    """An http(s) URL with a host (a malformed one failed every request as 'no response')."""
+    if target is None:
+        return
+    try:
+        parts = urlsplit(target)
+        host, _port = parts.hostname, parts.port  # a bad port or IPv6 literal: ValueError
+    except ValueError as exc:
+        raise ConfigError(f"target {target!r}: not a URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not host:
+        raise ConfigError(f"target {target!r}: expected an http:// or https:// URL with a host, "
+                          "e.g. http://127.0.0.1:8000/v1")
 
 
 def _check_spec(cfg: RunConfig) -> None:

@@ -68,7 +68,7 @@ MIXED = WorkloadSpec(name="mixed", num_prompts=80, request_rate=8.0, seed=1,
 
 
 @pytest.mark.parametrize("case", ["poisson", "refusals", "all-at-once-tight", "gamma-prefix",
-                                  "spec"])
+                                  "spec", "day-long-gaps"])
 def test_the_plain_loop_leaves_the_records_of_the_asyncio_path(case, tmp_path, monkeypatch):
     workload, extra = MIXED, {}
     if case == "refusals":  # some prompts outgrow the KV budget: refused as they arrive
@@ -80,6 +80,8 @@ def test_the_plain_loop_leaves_the_records_of_the_asyncio_path(case, tmp_path, m
     elif case == "gamma-prefix":
         workload = dataclasses.replace(MIXED, arrival="gamma", burstiness=0.3, seed=5)
         extra = {"scheduler": {"prefix_cache": "on"}, "kv_layout": "paged"}
+    elif case == "day-long-gaps":  # idle waits past asyncio's longest select (a day)
+        workload = dataclasses.replace(MIXED, num_prompts=12, request_rate=1e-5)
     elif case == "spec":
         extra = {"spec_method": "ngram", "scheduler": {"spec_tokens": 3},
                  "spec_acceptance": (0.6, 0.4, 0.2)}

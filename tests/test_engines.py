@@ -396,3 +396,15 @@ def test_an_engine_kind_is_server_library_or_none():
     kinds = {n: load_engine(n).kind for n in engine_names()}
     assert kinds["mlx-lm-server"] == "server" and kinds["mlx-lm-batch"] == "library"
     assert kinds["batchsim"] == "" and kinds["mlx-lm-generate"] == ""
+
+
+def test_a_real_run_refuses_another_engines_name(tmp_path, capsys):
+    """A real in-process run measures batchsim's own engine: naming another one recorded that
+    name in the summary; now it is a one-line error before anything loads (the simulator, or a
+    --target server, may carry it)."""
+    from batchsim.server.engine.run_config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match="--executor sim"):
+        RunConfig(model="smollm2-135m", engine="mlx-lm-server")
+    RunConfig(model="smollm2-135m", engine="mlx-lm-server", executor="sim")
+    RunConfig(model="smollm2-135m", engine="mlx-lm-server", target="http://127.0.0.1:9/v1")

@@ -78,9 +78,13 @@ class RunConfig:
                               f"{list(self.percentiles)}")
         _check_spec(self)
         _check_target(self.target)
-        from batchsim.server.perf.engines import load_engine
+        from batchsim.server.perf.engines import DEFAULT_ENGINE, load_engine
 
         load_engine(self.engine)  # an unknown engine: a one-line error listing the known ones
+        if self.engine != DEFAULT_ENGINE and self.executor != "sim" and self.target is None:
+            raise ConfigError(f"engine {self.engine!r} is priced by the simulator: add --executor "
+                              "sim (a real run measures batchsim's own engine; --target URL "
+                              "measures another server)")
 
 
 def _check_target(target: str | None) -> None:

@@ -186,3 +186,24 @@ def test_a_stopped_follower_ends_the_run_within_the_rank_timeout_in_one_line(tin
         ranks.assert_none_left()
     finally:
         ranks.cleanup()
+
+
+def test_a_stopped_rank_0_ends_the_run_within_the_rank_timeout_in_one_line(tiny, tmp_path):
+    """Rank 0 stopped between steps: its follower waits for the next plan without a deadline (an
+    idle leader is no fault), so the run hung past any timeout; the launcher now ends it."""
+    ranks = Ranks([*RUN, "--out", str(tmp_path)], BATCHSIM_RANK_TIMEOUT_S="3")
+    try:
+        wait_for_steps(ranks, tmp_path)
+        (leader,) = ranks.processes(rank=0)
+        os.kill(leader, signal.SIGSTOP)
+        t0 = time.monotonic()
+        rc, _out, err = ranks.finish()
+        assert time.monotonic() - t0 < 3 + 15, err
+        assert rc == 1 and "Traceback" not in err, err[-3000:]
+        last = err.strip().splitlines()[-1]
+        # Stopped between steps: the launcher's backstop; mid-step: rank 1's own watchdog.
+        assert ("rank 0 stayed stopped (SIGSTOP) past the rank timeout" in last
+                or "rank 0 did not answer (stopped or hung) and was killed" in last), err[-3000:]
+        ranks.assert_none_left()
+    finally:
+        ranks.cleanup()

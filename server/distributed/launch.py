@@ -15,7 +15,7 @@ from pathlib import Path
 
 from batchsim.configs import ConfigError
 from batchsim.server.distributed.owner import OwnedLaunch
-from batchsim.server.distributed.rank import STATUS_DIR_ENV
+from batchsim.server.distributed.rank import STATUS_DIR_ENV, TIMEOUT_ENV
 
 PASS_ENV = ("BATCHSIM_HOME", "BATCHSIM_BLAS", "BATCHSIM_FAULT_DIE_AT_STEP",
             "BATCHSIM_RANK_TIMEOUT_S")
@@ -82,7 +82,7 @@ def launch(argv: list[str], ranks: int, hostfile: str | None, server: bool = Fal
             returncode = owned.wait()
         finally:
             owned.kill()
-        error = ranks_error(Path(status_dir), ranks, owned.killed)
+        error = ranks_error(Path(status_dir), ranks, owned.killed, owned.stopped)
     if owned.signals and server:
         return  # the user stopped it: the ranks' "stopped" lines are no failure
     if owned.signals:
@@ -93,11 +93,15 @@ def launch(argv: list[str], ranks: int, hostfile: str | None, server: bool = Fal
         raise RuntimeError(f"mlx.launch exited with status {returncode}")
 
 
-def ranks_error(status_dir: Path, ranks: int, killed: Sequence[int] = ()) -> str | None:
+def ranks_error(status_dir: Path, ranks: int, killed: Sequence[int] = (),
+                stopped: Sequence[int] = ()) -> str | None:
     """One line from the ranks' status files: the dead ranks, those `killed` for not ending after
     another failed, then what the others reported (the same message from several ranks once),
     then the steps that ranks stopped by mlx.launch were waiting in."""
-    dead, errors, stopped, waiting = [], [], [], []
+    if stopped:  # what the others saw of it (waiting for its next plan) says nothing more
+        return "; ".join(f"rank {r} stayed stopped (SIGSTOP) past the rank timeout "
+                         f"({TIMEOUT_ENV}); the run was ended" for r in stopped)
+    dead, errors, stopped_by_launch, waiting = [], [], [], []
     for r in range(ranks):
         path = status_dir / f"rank{r}.json"
         if r in killed:
@@ -113,13 +117,13 @@ def ranks_error(status_dir: Path, ranks: int, killed: Sequence[int] = ()) -> str
         elif status.get("during"):
             waiting.append(status["error"])
         else:
-            stopped.append(status["error"])
-    if not dead and not killed and not errors and not stopped and not waiting:
+            stopped_by_launch.append(status["error"])
+    if not dead and not killed and not errors and not stopped_by_launch and not waiting:
         return None
     parts = [f"rank {r} died (killed or crashed before reporting)" for r in dead]
     parts += [f"rank {r} did not answer (stopped or hung) and was killed" for r in killed]
     parts += _once(errors) + waiting
-    return "; ".join(parts or stopped)
+    return "; ".join(parts or stopped_by_launch)
 
 
 def _once(errors: list[str]) -> list[str]:

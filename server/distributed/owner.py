@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from batchsim.server.distributed.rank import DEFAULT_TIMEOUT_S, TIMEOUT_ENV
+
 GRACE_S = 5.0  # after a rank failed: time for mlx.launch to end the others before the launcher does
 POLL_S = 0.1
 # What the 1st, 2nd, 3rd signal to the launcher does: to rank 0 (when its pid is known) or to the
@@ -54,6 +56,12 @@ class OwnedLaunch:
         self._sent = 0  # of those, acted on
         self._failed_at: float | None = None
         self.killed: list[int] = []  # ranks still running GRACE_S after another failed
+        # A local rank stopped (SIGSTOP) between steps is never noticed by its peers (a follower
+        # waits for rank 0's next plan without a deadline): past the rank timeout and GRACE_S it
+        # ends the run.
+        self.stopped: list[int] = []
+        self._stopped_since: dict[int, float] = {}
+        self._timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
 
     def wait(self) -> int:
         """Until mlx.launch ends (forwarding signals, ending stuck ranks); its exit status."""
@@ -66,6 +74,7 @@ class OwnedLaunch:
                     return self.proc.wait(timeout=POLL_S)
                 self._forward()
                 self._end_stuck_ranks()
+                self._end_stopped_ranks()
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -107,6 +116,18 @@ class OwnedLaunch:
             self.killed = running_ranks(self.status_dir)
             self._signal_group(signal.SIGKILL)
             self._failed_at = float("inf")  # done: mlx.launch ends with them
+
+    def _end_stopped_ranks(self) -> None:
+        now = time.monotonic()
+        stopped = [r for r, pid in _silent_ranks(self.status_dir).items() if _stopped(pid)]
+        self._stopped_since = {r: self._stopped_since.get(r, now) for r in stopped}
+        # The peers' own watchdogs speak first (a stopped follower stalls rank 0's step).
+        deadline_s = self._timeout_s + GRACE_S
+        late = sorted(r for r, t0 in self._stopped_since.items() if now - t0 > deadline_s)
+        if late and not self.stopped and self._failed_at is None:
+            self.stopped = late
+            self.killed = running_ranks(self.status_dir)
+            self._signal_group(signal.SIGKILL)
 
     def _signal_group(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -153,6 +174,15 @@ def _alive(pid: int) -> bool:
     except OSError:
         pass  # not ours to signal: alive
     return True
+
+
+def _stopped(pid: int) -> bool:
+    """The process is stopped (state T in /proc; False where there is no /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] == "T"
 
 
 def _die_with_launcher(fd: int, status_dir: str) -> None:

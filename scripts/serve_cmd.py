@@ -68,9 +68,22 @@ def run(args: argparse.Namespace) -> dict | None:
     from batchsim.server.engine.session import open_session
 
     cfg = _config(args)
+    _check_names(args)
     if args.ranks > 1 or args.hostfile:
         return _serve_ranks(args, cfg)
     return _serve(args, cfg, open_session(cfg))
+
+
+def _check_names(args: argparse.Namespace) -> None:
+    """Before the model loads: an empty --api-key (an unset $KEY) would look open but refuse
+    every client; an empty --served-model-name matches no client's `model`."""
+    from batchsim.configs import ConfigError
+
+    for flag, value in (("--api-key", args.api_key), ("--served-model-name",
+                                                      args.served_model_name)):
+        if value is not None and (not value.strip() or not value.isprintable()):
+            shown = "" if flag == "--api-key" else f", got {value!r}"  # a key is not echoed
+            raise ConfigError(f"{flag}: must be non-empty printable text{shown}")
 
 
 def _serve_ranks(args: argparse.Namespace, cfg) -> dict | None:

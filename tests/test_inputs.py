@@ -420,3 +420,15 @@ def test_a_malformed_target_is_bad_input_not_a_run_of_failures(capsys, tmp_path,
     rc, _, err = _main(["run", "--target", target, "--num-prompts", "2", "--out", str(tmp_path)],
                        capsys)
     assert rc == 2 and f"target {target!r}: {says}" in _one_line(err), err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--api-key", ""], "--api-key: must be non-empty printable text"),  # an unset $KEY
+    (["--api-key", "k\nx"], "--api-key: must be non-empty printable text"),
+    (["--served-model-name", " "], "--served-model-name: must be non-empty printable text"),
+])
+def test_serve_refuses_an_empty_key_or_name_before_loading_the_model(capsys, argv, says):
+    """Both started a server (after loading the model) that no client could use."""
+    rc, _, err = _main(["serve", *argv], capsys)
+    line = _one_line(err)
+    assert rc == 2 and says in line and "k\nx" not in err, err

@@ -40,7 +40,7 @@ class RunProgress:
             return
         self._last = now
         s = engine.scheduler
-        done = sum(1 for r in engine.recorder.requests.values() if r.is_finished)
+        done = engine.recorder.num_left
         status = (f"t={engine.now():7.1f}s  batch {len(plan.decode_ids):3d}"
                   f"  running {len(s.running):3d}"
                   f"  waiting {len(s.waiting):3d}  KV {plan.kv_bytes / 2**30:6.2f} GiB"

@@ -22,6 +22,7 @@ class RunRecorder:
         self.steps: list[StepRecord] = []
         self.kv_account_mismatches = 0  # steps where executor and scheduler disagreed on KV bytes
         self.spec = SpecCounts()  # speculative decoding's drafts and acceptance
+        self.num_left = 0  # requests that left the engine (finished, rejected or aborted)
         self._preemptions_seen = 0
         self._stream = stream  # the run directory's files, appended as the run goes
         self._final: dict[int, RequestRecord] = {}  # records of requests that left the engine
@@ -65,6 +66,7 @@ class RunRecorder:
     def on_finish(self, request: Request) -> None:
         """The request left the engine (finished, rejected or aborted): its record is final and
         goes to the run directory (without one, records are built at the end)."""
+        self.num_left += 1
         if self._stream is None:
             return
         t0 = time.perf_counter()

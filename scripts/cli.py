@@ -8,6 +8,7 @@ import atexit
 import importlib
 import sys
 import textwrap
+from pathlib import Path
 from typing import NoReturn
 
 from batchsim.scripts.common import (  # no mlx: blas.preload() still comes first
@@ -142,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "json", False):
             out.file = sys.stderr  # people's tables aside: stdout is the one JSON line
+        if args.command != "models" and getattr(args, "out", None):  # models: a model directory
+            from batchsim.server.results.jsonio import check_writable
+
+            check_writable(Path(args.out))  # before the work: size, sweep, compare failed after it
         summary = args._run(args)
     except ConfigError as exc:
         err_line(f"batchsim {args.command}: {exc}")

@@ -432,3 +432,13 @@ def test_serve_refuses_an_empty_key_or_name_before_loading_the_model(capsys, arg
     rc, _, err = _main(["serve", *argv], capsys)
     line = _one_line(err)
     assert rc == 2 and says in line and "k\nx" not in err, err
+
+
+@pytest.mark.parametrize("command", [["size"], ["sweep", *SIM[:-1]], ["compare", *SIM[:-1]]])
+def test_an_output_directory_that_is_a_file_is_refused_before_the_work(capsys, tmp_path, command):
+    """Each ran its whole workload, then failed with '[Errno 17] File exists', exit 1."""
+    not_a_dir = tmp_path / "results"
+    not_a_dir.write_text("")
+    rc, out, err = _main([*command, "--out", str(not_a_dir)], capsys)
+    assert rc == 2 and f"output directory {not_a_dir}: not a directory" in _one_line(err), err
+    assert not out  # no table: nothing ran

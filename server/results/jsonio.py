@@ -95,6 +95,8 @@ def new_run_dir(out_dir: Path, label: str) -> Path:
 
 def check_writable(out_dir: Path) -> None:
     """out_dir exists (made if need be) and takes new files; else a one-line ConfigError."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"output directory {out_dir}: not a directory")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out_dir):

@@ -124,7 +124,7 @@ class Scheduler:
             self._preempt_newest(budget, free_ids)
         blocked = self._continue_prefills(budget, prefilling, free_ids)
         new_requests: list[NewRequest] = []
-        if self.waiting and not blocked:
+        if self.waiting and not blocked and len(self.running) < self.config.max_num_seqs:
             if self.num_preemptions != preemptions_before:  # the longest may have left `running`
                 longest = max((r.num_tokens for r in self.running), default=0)
             new_requests = self._admit_waiting(budget, longest)
@@ -160,9 +160,9 @@ class Scheduler:
 
     def _pool_ids(self, pool: list[Request]) -> set[int]:
         """The ids of a step's pool rows, whose first len(lazy) are the lazy rows."""
-        n = len(self.lazy.rows)
-        ids = set(self.lazy.ids)
-        ids.update([r.request_id for r in pool[n:]])
+        n, ids = len(self.lazy.rows), set(self.lazy.ids)
+        if len(pool) > n:  # most plans: every row is lazy
+            ids.update([r.request_id for r in pool[n:]])
         return ids
 
     def _continue_prefills(self, budget: StepBudget, prefilling: list[Request],

@@ -203,11 +203,13 @@ def executor_label(executor: str, engine: str | None) -> str:
 
 
 def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]],
-          width: int | None = None) -> Table:
+          width: int | None = None, keep: Sequence[str] = ()) -> Table:
     """A table whose cells are never cut: columns that do not fit `width` (the terminal's) whole
-    are left out, left to right, and named in its caption (--json has them all)."""
+    are left out and named in its caption (--json has them all); they are seated first the
+    `keep` ones, then the rest from the left."""
     rows = [list(r) for r in rows]
-    t, dropped = fitted_table(title, columns, rows, columns, width or out.width)
+    order = [*keep, *(c for c in columns if c not in keep)]
+    t, dropped = fitted_table(title, columns, rows, order, width or out.width)
     if dropped:
         t.caption = (f"left out at {width or out.width} columns: {', '.join(dropped)} "
                      "(a wider terminal or --json shows them)")

@@ -242,16 +242,16 @@ def _print(rows: list[dict], meta: dict, spec: ModelSpec) -> None:
             line += [b1 / plain if b1 and plain else None, _stops(r) if b1 and plain else None]
     out.print(table(
         f"Batch limits per Mac: {what} (padded = rows padded to the longest in {KV_STEP}-token "
-        f"steps; paged = {PAGE_TOKENS}-token blocks)", cols, body))
+        f"steps; paged = {PAGE_TOKENS}-token blocks)", cols, body,
+        keep=["chip", "mem GB", "max batch padded/paged", "tok/s b1", "tok/s @max", "fits"]))
     for line in _notes(rows, meta, what, spec):
         out.print(line)
 
 
 def _stops(row: dict) -> int | str | None:
     """The 'spec stops at' cell: the batch, or "> N" where it pays up to the max batch N."""
-    if row.get("spec_break_even") == "pays_at_every_batch":
-        return f"> {row['max_batch']}"
-    return row.get("spec_break_even_batch")
+    every = row.get("spec_break_even") == "pays_at_every_batch"
+    return f"> {row['max_batch']}" if every else row.get("spec_break_even_batch")
 
 
 def _columns(rows: list[dict]) -> tuple[list[str], list[list]]:

@@ -310,6 +310,19 @@ def test_every_table_keeps_its_cells_whole_and_names_the_columns_left_out(width)
     assert all(v in text for v in values[: len(values) - len(left)]), text
 
 
+def test_size_at_80_columns_keeps_its_answer_columns(capsys, tmp_path, monkeypatch):
+    """At 80 columns `size` left out its tok/s columns (the answer) and kept weights and KV
+    sizes: the columns a user asked size for are seated first."""
+    from batchsim.scripts.common import out
+
+    monkeypatch.setattr(type(out), "width", property(lambda self: 80))  # an 80-column terminal
+    rc, text, _ = _main(["size", "--model", "llama-3.1-8b", "--quantize", "4", "--mac", "M4 Max",
+                         "--out", str(tmp_path)], capsys)
+    head = " ".join(text.split("left out at")[0].split())
+    assert rc == 0 and "left out at 80 columns" in text, text
+    assert all(c in head for c in ("tok/s", "b1", "@max", "fits", "padded/paged")), text
+
+
 def test_a_run_that_served_nothing_exits_3_with_the_reason(capsys, tmp_path):
     rc, out, err = _main(["run", *SIM, "--memory-gb", "4.5", "--input-len", "8000",
                           "--num-prompts", "3", "--out", str(tmp_path)], capsys)

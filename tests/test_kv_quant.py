@@ -95,7 +95,7 @@ def test_size_at_4_bits_fits_the_byte_ratio_more_sequences(tmp_path, capsys):
     rows = {kv: run_size(tmp_path, *argv, *(["--kv-bits", str(kv)] if kv else []))
             for kv in (None, 8, 4)}
     printed = capsys.readouterr().out
-    assert "llama-3.1-8b 4-bit, KV 4-bit, context 32768" in printed
+    assert "llama-3.1-8b 4-bit, KV 4-bit, engine batchsim, context 32768" in printed
     assert "assumed dequantization" in printed
     budget = rows[None]["rows"][0]["usable_bytes"] - rows[None]["rows"][0]["weight_bytes"]
     spec = zoo_spec("llama-3.1-8b")

@@ -169,41 +169,29 @@ def test_a_killed_serve_launcher_leaves_no_rank_on_the_port(tiny):
         ranks.cleanup()
 
 
-def test_a_stopped_follower_ends_the_run_within_the_rank_timeout_in_one_line(tiny, tmp_path):
+@pytest.mark.parametrize("rank, said", [
+    # Who ends a stopped follower first is a race: the launcher (after GRACE_S: "rank 1 did not
+    # answer ... and was killed" joins the line) or mlx.launch, once rank 0 has failed.
+    (1, ("a peer rank is not answering",)),
+    # Rank 0 stopped between steps: its follower waits for the next plan without a deadline (an
+    # idle leader is no fault), so the run hung past any timeout; the launcher now ends it.
+    # Stopped mid-step: rank 1's own watchdog.
+    (0, ("rank 0 stayed stopped (SIGSTOP) past the rank timeout",
+         "rank 0 did not answer (stopped or hung) and was killed")),
+])
+def test_a_stopped_rank_ends_the_run_within_the_rank_timeout_in_one_line(tiny, tmp_path, rank,
+                                                                         said):
     ranks = Ranks([*RUN, "--out", str(tmp_path)], BATCHSIM_RANK_TIMEOUT_S="3")
     try:
         wait_for_steps(ranks, tmp_path)
-        (follower,) = ranks.processes(rank=1)
-        os.kill(follower, signal.SIGSTOP)
+        (stopped,) = ranks.processes(rank=rank)
+        os.kill(stopped, signal.SIGSTOP)
         t0 = time.monotonic()
         rc, _out, err = ranks.finish()
         assert time.monotonic() - t0 < 3 + 15, err  # the rank timeout, then the launcher's grace
         assert rc == 1 and "Traceback" not in err, err[-3000:]
         last = err.strip().splitlines()[-1]
-        # Who ends the stopped rank first is a race: the launcher (after GRACE_S: "rank 1 did not
-        # answer ... and was killed" joins the line) or mlx.launch, once rank 0 has failed.
-        assert "a peer rank is not answering" in last, err[-3000:]
-        ranks.assert_none_left()
-    finally:
-        ranks.cleanup()
-
-
-def test_a_stopped_rank_0_ends_the_run_within_the_rank_timeout_in_one_line(tiny, tmp_path):
-    """Rank 0 stopped between steps: its follower waits for the next plan without a deadline (an
-    idle leader is no fault), so the run hung past any timeout; the launcher now ends it."""
-    ranks = Ranks([*RUN, "--out", str(tmp_path)], BATCHSIM_RANK_TIMEOUT_S="3")
-    try:
-        wait_for_steps(ranks, tmp_path)
-        (leader,) = ranks.processes(rank=0)
-        os.kill(leader, signal.SIGSTOP)
-        t0 = time.monotonic()
-        rc, _out, err = ranks.finish()
-        assert time.monotonic() - t0 < 3 + 15, err
-        assert rc == 1 and "Traceback" not in err, err[-3000:]
-        last = err.strip().splitlines()[-1]
-        # Stopped between steps: the launcher's backstop; mid-step: rank 1's own watchdog.
-        assert ("rank 0 stayed stopped (SIGSTOP) past the rank timeout" in last
-                or "rank 0 did not answer (stopped or hung) and was killed" in last), err[-3000:]
+        assert any(s in last for s in said), err[-3000:]
         ranks.assert_none_left()
     finally:
         ranks.cleanup()

@@ -86,6 +86,46 @@ def test_a_bad_hostfile_is_a_one_line_error(tmp_path, content, message):
         check_hostfile(str(tmp_path / "missing.json"), 2)
 
 
+@pytest.mark.parametrize("value", ["10s", "0", "-1", "nan", "inf"])
+def test_a_bad_rank_timeout_is_one_line_before_any_rank_starts(monkeypatch, value):
+    """BATCHSIM_RANK_TIMEOUT_S=10s raised a ValueError traceback after mlx.launch had started,
+    before the launcher owned it (so nothing killed the ranks on the way out)."""
+    from batchsim.server.distributed import launch
+
+    def started(*_args, **_kw):
+        raise AssertionError("mlx.launch started")
+
+    monkeypatch.setenv("BATCHSIM_RANK_TIMEOUT_S", value)
+    monkeypatch.setattr(launch, "OwnedLaunch", started)
+    with pytest.raises(ConfigError, match="BATCHSIM_RANK_TIMEOUT_S"):
+        launch.launch(["run"], 2, None)
+
+
+def test_a_stopped_rank_is_seen_without_proc(monkeypatch):
+    """The launcher's SIGSTOP check read /proc only, so on macOS (no /proc) a stopped rank 0
+    hung the run again: `ps` answers there."""
+    import signal
+
+    from batchsim.server.distributed import owner
+
+    class NoProc:
+        def __init__(self, _path):
+            pass
+
+        def read_text(self):
+            raise FileNotFoundError("no /proc here")
+
+    monkeypatch.setattr(owner, "Path", NoProc)
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        assert not owner._stopped(proc.pid)
+        os.kill(proc.pid, signal.SIGSTOP)
+        assert owner._stopped(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_the_launcher_names_the_dead_rank_before_those_it_took_down(tmp_path):
     from batchsim.server.distributed.launch import ranks_error
 

@@ -15,10 +15,9 @@ from pathlib import Path
 
 from batchsim.configs import ConfigError
 from batchsim.server.distributed.owner import OwnedLaunch
-from batchsim.server.distributed.rank import STATUS_DIR_ENV, TIMEOUT_ENV
+from batchsim.server.distributed.rank import STATUS_DIR_ENV, TIMEOUT_ENV, rank_timeout_s
 
-PASS_ENV = ("BATCHSIM_HOME", "BATCHSIM_BLAS", "BATCHSIM_FAULT_DIE_AT_STEP",
-            "BATCHSIM_RANK_TIMEOUT_S")
+PASS_ENV = ("BATCHSIM_HOME", "BATCHSIM_BLAS", "BATCHSIM_FAULT_DIE_AT_STEP", TIMEOUT_ENV)
 
 
 def check_hostfile(path: str, ranks: int) -> None:
@@ -75,9 +74,10 @@ def launch(argv: list[str], ranks: int, hostfile: str | None, server: bool = Fal
     run outlives this call."""
     if hostfile:
         check_hostfile(hostfile, ranks)
+    timeout_s = rank_timeout_s()  # a bad value: one line, before any process starts
     with tempfile.TemporaryDirectory(prefix="batchsim-ranks-") as status_dir:
         cmd = launch_command(argv, ranks, hostfile, free_port(ranks), status_dir)
-        owned = OwnedLaunch(cmd, Path(status_dir), "serve" if server else "run")
+        owned = OwnedLaunch(cmd, Path(status_dir), "serve" if server else "run", timeout_s)
         try:
             returncode = owned.wait()
         finally:

@@ -21,8 +21,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from batchsim.server.distributed.rank import DEFAULT_TIMEOUT_S, TIMEOUT_ENV
-
 GRACE_S = 5.0  # after a rank failed: time for mlx.launch to end the others before the launcher does
 POLL_S = 0.1
 # What the 1st, 2nd, 3rd signal to the launcher does: to rank 0 (when its pid is known) or to the
@@ -37,7 +35,7 @@ STOP_PLANS = {
 class OwnedLaunch:
     """mlx.launch with `launch_args`, as a child the launcher owns (start, wait, kill)."""
 
-    def __init__(self, launch_args: list[str], status_dir: Path, mode: str):
+    def __init__(self, launch_args: list[str], status_dir: Path, mode: str, timeout_s: float):
         read_fd, self._lifeline = os.pipe()  # both non-inheritable; pass_fds hands over one
         cmd = [sys.executable, "-m", __name__, str(read_fd), str(status_dir), *launch_args]
         try:
@@ -61,7 +59,7 @@ class OwnedLaunch:
         # ends the run.
         self.stopped: list[int] = []
         self._stopped_since: dict[int, float] = {}
-        self._timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+        self._timeout_s = timeout_s  # the ranks' step timeout (rank_timeout_s)
 
     def wait(self) -> int:
         """Until mlx.launch ends (forwarding signals, ending stuck ranks); its exit status."""
@@ -177,12 +175,17 @@ def _alive(pid: int) -> bool:
 
 
 def _stopped(pid: int) -> bool:
-    """The process is stopped (state T in /proc; False where there is no /proc)."""
+    """The process is stopped: state T in /proc, or in `ps` where there is no /proc (macOS)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "T"
     except OSError:
+        pass
+    try:
+        state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], check=False,
+                               capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
         return False
-    return stat.rsplit(")", 1)[-1].split()[0] == "T"
+    return state.strip().startswith("T")
 
 
 def _die_with_launcher(fd: int, status_dir: str) -> None:

@@ -31,6 +31,18 @@ DEFAULT_TIMEOUT_S = 600.0  # per step: a long prefill on a loaded CPU must not t
 PARENT_POLL_S = 0.25  # how often a rank checks that mlx.launch is still there
 
 
+def rank_timeout_s() -> float:
+    """BATCHSIM_RANK_TIMEOUT_S, seconds a step may take before a rank is taken as hung."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    try:
+        value = DEFAULT_TIMEOUT_S if raw is None else float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ConfigError(f"{TIMEOUT_ENV}={raw!r}: expected seconds, a number > 0")
+    return value
+
+
 def is_rank_process() -> bool:
     return STATUS_DIR_ENV in os.environ and "MLX_RANK" in os.environ
 
@@ -132,7 +144,7 @@ def _join(cfg: RunConfig, group: Any, status: _Status) -> Lead | None:
     check_same_model(channel.gather_bytes(model_fingerprint(ref.path)), ref.path)
     channel.doorbell = Doorbell.open(channel)
     session = open_session(cfg, prepare_model=shard_for(group, ref.name))
-    timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+    timeout_s = rank_timeout_s()
     watchdog = Watchdog(timeout_s, on_expire=lambda msg: _expire(status, msg))
     status.doing = watchdog.current
     if channel.rank != 0:

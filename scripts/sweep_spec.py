@@ -72,9 +72,8 @@ def spec_points(rows: list[dict], cfgs: dict[int, RunConfig], policy: str,
             if gain is not None and gain <= 1.0 and str(k) not in first_loss:
                 first_loss[str(k)] = row["batch"]
         first_loss.setdefault(str(k), None)
-    first = rows[0]["batch"] if rows else None
-    verdict = {k: break_even_verdict(None if b is None else (1 if b == first else b), priced[k])
-               for k, b in first_loss.items()}
+    # never_pays only where batch 1 was swept and lost: a sweep from batch 8 cannot say so
+    verdict = {k: break_even_verdict(b, priced[k]) for k, b in first_loss.items()}
     for row in rows:
         for entry in row["spec"]:
             entry["spec_break_even_batch"] = first_loss[str(entry["spec_tokens"])]

@@ -259,6 +259,10 @@ def test_sweep_spec_tokens_finds_where_speculation_stops_paying(capsys, tmp_path
                for r in res["rows"] for e in r["spec"])
     entry = res["rows"][0]["spec"][0]
     assert entry["spec_decode_acceptance_length"] > 1 and entry["spec_decode_num_drafts"] > 0
+    late = _sweep(capsys, tmp_path, "--batches", "16", "--spec-tokens", "4", "--acceptance",
+                  "0.01")  # loses at its first swept batch, 16: batch 1 was not tried
+    assert late["spec_break_even_batch"]["4"] == 16
+    assert late["spec_break_even"]["4"] == "stops_paying"  # was never_pays
     few = _sweep(capsys, tmp_path, "--batches", "1", "--spec-tokens", "2", "--acceptance", "0.6",
                  "--draft-share", "0.5")["rows"][0]["spec"][0]
     assert 0 < few["spec_decode_num_drafts"] < entry["spec_decode_num_drafts"]

@@ -46,7 +46,7 @@ from batchsim.server.perf.size_limits import (
     context_fit,
     mac_row,
 )
-from batchsim.server.perf.spec_price import check_draft_vocab
+from batchsim.server.perf.spec_price import check_draft_model
 from batchsim.server.perf.stepcost import StepTime
 
 
@@ -174,11 +174,11 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _draft_spec(args: argparse.Namespace, spec: ModelSpec) -> ModelSpec | None:
-    """--draft-model's shapes, checked against the target's vocabulary (None: n-gram)."""
+    """--draft-model's shapes, checked as a run checks them (None: n-gram)."""
     if args.draft_model is not None and args.spec_tokens is None:
         raise ConfigError("--draft-model needs --spec-tokens K")
     draft = spec_for(args.draft_model) if args.draft_model else None
-    return draft if draft is None else check_draft_vocab(draft, spec) or draft
+    return draft if draft is None else check_draft_model(draft, spec) or draft
 
 
 def _cluster(args: argparse.Namespace) -> Cluster | None:

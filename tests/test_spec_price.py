@@ -155,3 +155,13 @@ def test_size_explain_names_the_drafters_part(tmp_path):
     assert row["parts_b1"]["draft_s"] == 0.0  # plain decoding drafts nothing
     assert row["parts_spec_b1"]["draft_s"] == pytest.approx(
         spec_price.draft_s(spec_price.NGRAM, 1, 4, 4096))
+
+
+def test_size_refuses_a_draft_model_a_run_refuses(tmp_path):
+    """`size --draft-model` checked only the vocabulary and priced a sliding-window drafter that
+    `run` (real or simulated) refuses: one check now serves all three."""
+    from batchsim.configs import ConfigError
+
+    with pytest.raises(ConfigError, match="sliding-attention layers, whose cache cannot roll"):
+        _size(tmp_path, "--model", "tiny", "--mac", "M4 Max 40c", "--spec-tokens", "2",
+              "--acceptance", "0.5", "--draft-model", "tiny-sliding")

@@ -187,7 +187,7 @@ def _open_mlx(cfg: RunConfig, dtype: str, budget: int, source: str,
     early = resolve(cfg.model, dtype, cfg.quantize, build=False)
     early.spec.check_kv_bits(cfg.kv_bits)
     if cfg.spec_method != "none":
-        from batchsim.server.executors.speculative import check_layers
+        from batchsim.server.perf.spec_price import check_layers
 
         check_layers(early.spec, cfg.spec_method)
     _require_moe_dtype(early)

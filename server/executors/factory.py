@@ -85,12 +85,10 @@ def _sim_spec(cfg: ExecutorConfig, ref: ModelRef, cost: Any):
 
     drafter = spec_price.NGRAM
     if cfg.spec_method == "draft":
-        from batchsim.server.executors.speculative import check_layers
         from batchsim.server.models.loader import spec_for
 
         draft = spec_for(cfg.draft_model)
-        check_layers(draft, "draft")  # refused as a real run refuses it
-        spec_price.check_draft_vocab(draft, ref.spec)
+        spec_price.check_draft_model(draft, ref.spec)  # refused as a real run refuses it
         drafter = spec_price.model_drafter(cost, draft, ref.dtype)
     return SpecDraws(Acceptance(cfg.spec_acceptance, cfg.spec_acceptance_curve,
                                 cfg.spec_draft_share), cfg.workload.seed, drafter)
@@ -107,7 +105,7 @@ def build_mlx_executor(cfg: ExecutorConfig, ref: ModelRef, model: Any) -> MLXExe
 
 def _drafter(cfg: ExecutorConfig, ref: ModelRef):
     """speculative.Drafter for cfg.spec_method (None: off); the draft model is loaded here. (The
-    session has refused models whose layers cannot roll back: speculative.check_layers.)"""
+    session has refused models whose layers cannot roll back: spec_price.check_layers.)"""
     from batchsim.server.executors import speculative
 
     method = getattr(cfg, "spec_method", "none")
@@ -117,9 +115,8 @@ def _drafter(cfg: ExecutorConfig, ref: ModelRef):
         return speculative.NgramDrafter()
     from batchsim.server.executors.draft_model import DraftModelDrafter
     from batchsim.server.models.loader import load, resolve
-    from batchsim.server.perf.spec_price import check_draft_vocab
+    from batchsim.server.perf.spec_price import check_draft_model
 
     draft = resolve(cfg.draft_model, ref.dtype)
-    speculative.check_layers(draft.spec, "draft")  # its own caches are cut back too
-    check_draft_vocab(draft.spec, ref.spec)
+    check_draft_model(draft.spec, ref.spec)  # its own caches are cut back too
     return DraftModelDrafter(load(draft)[0])

@@ -96,19 +96,3 @@ class Verified(NamedTuple):
             return {}
         return {"accepted_ids": tuple(tuple(self.accepted.get(r, ())) for r in sampled_ids),
                 "num_drafted": tuple(self.drafted.get(r, 0) for r in sampled_ids)}
-
-
-ROLLBACK_KINDS = ("full", "mla")  # layer kinds whose cache a verify step can cut back
-
-
-def check_layers(spec, method: str) -> None:
-    """ConfigError, in one line naming the layer kind, for a model (a ModelSpec) whose cache
-    cannot roll back rejected drafts: a sliding ring overwrites the slots they would free, a
-    linear-attention state has taken them in."""
-    from batchsim.configs import ConfigError
-
-    kinds = sorted({lay.attention.kind for lay in spec.arch.layers} - set(ROLLBACK_KINDS))
-    if kinds:
-        raise ConfigError(f"--spec-method {method}: the model has {kinds[0]}-attention layers, "
-                          "whose cache cannot roll back rejected drafts; speculative decoding "
-                          "needs full-attention or MLA layers only")

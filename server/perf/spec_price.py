@@ -39,8 +39,25 @@ class Drafter(NamedTuple):
 NGRAM = Drafter()
 
 
-def check_draft_vocab(draft: ModelSpec, target: ModelSpec) -> None:
-    """A draft model proposes the target's token ids: the same vocabulary, or a one-line error."""
+ROLLBACK_KINDS = ("full", "mla")  # layer kinds whose cache a verify step can cut back
+
+
+def check_layers(spec: ModelSpec, method: str) -> None:
+    """ConfigError, in one line naming the layer kind, for a model whose cache cannot roll back
+    rejected drafts: a sliding ring overwrites the slots they would free, a linear-attention
+    state has taken them in."""
+    kinds = sorted({lay.attention.kind for lay in spec.arch.layers} - set(ROLLBACK_KINDS))
+    if kinds:
+        raise ConfigError(f"--spec-method {method}: the model has {kinds[0]}-attention layers, "
+                          "whose cache cannot roll back rejected drafts; speculative decoding "
+                          "needs full-attention or MLA layers only")
+
+
+def check_draft_model(draft: ModelSpec, target: ModelSpec) -> None:
+    """A draft model's caches are cut back as the target's are, and it proposes the target's
+    token ids (the same vocabulary); else a one-line error. Real runs, the simulator and `size`
+    alike."""
+    check_layers(draft, "draft")
     if draft.vocab_size != target.vocab_size:
         raise ConfigError(f"--draft-model {draft.name}: a vocabulary of {draft.vocab_size} "
                           f"tokens, {target.name}'s has {target.vocab_size}; a draft model must "

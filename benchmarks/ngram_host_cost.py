@@ -34,10 +34,16 @@ def cpu_us_per_call(tokens: list[int], reps: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--widths", default="128,512,2048,8192")
-    p.add_argument("--reps", type=int, default=400)
+    p.add_argument("--widths", default="128,512,2048,8192",
+                   help="comma-separated context lengths (tokens), at least two distinct")
+    p.add_argument("--reps", type=int, default=400, help="calls per timing window")
     args = p.parse_args()
-    widths = [int(w) for w in args.widths.split(",")]
+    try:
+        widths = [int(w) for w in args.widths.split(",")]
+    except ValueError:
+        p.error(f"--widths takes comma-separated integers, got {args.widths!r}")
+    if len(set(widths)) < 2 or min(widths) < 8 or args.reps < 1:
+        p.error("--widths needs two distinct lengths >= 8 (the fit is a line), --reps >= 1")
     rng = random.Random(0)
     rows = []
     for w in widths:

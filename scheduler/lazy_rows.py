@@ -31,9 +31,6 @@ class LazyRows:
         # A heap of (`steps` at which a row reaches its max_tokens, request id, row).
         self.ends: list[tuple[int, int, Request]] = []
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
     def add(self, r: Request) -> None:
         """A decode row whose counters are up to date joins (at the end of the prefix)."""
         s = self.steps
@@ -87,8 +84,7 @@ class LazyRows:
         if not n:
             return (tuple([r.request_id for r in decodes]),
                     tuple([r.num_computed_tokens for r in decodes]))
-        s = self.steps
-        positions = [c + s for c in self.computed0]
+        positions = self.positions()
         if len(decodes) == n:
             return tuple(self.ids), tuple(positions)
         tail = decodes[n:]

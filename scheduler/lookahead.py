@@ -12,7 +12,7 @@ from batchsim.scheduler.request import Request
 
 def lookahead_steps(decodes: list[Request], geom: PoolGeometry, width: int, limit: int,
                     kv: KVManager, lazy: LazyRows) -> int:
-    """Steps for the decode rows `decodes` (their first len(lazy) are the lazy rows), at most
+    """Steps for the decode rows `decodes` (their first len(lazy.rows) are the lazy rows), at most
     `limit`; `width`: the pool's longest row after the first step."""
     if limit == 1 or not decodes:
         return 1

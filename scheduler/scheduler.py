@@ -47,7 +47,7 @@ class Scheduler:
         # The last plan and its decode rows' requests (update_from_output's simulated fast path).
         self._planned: StepPlan | None = None
         self._planned_rows: list[Request] = []
-        # Simulated decode rows advanced lazily (lazy_rows.py): running[:len(lazy)]. Padded and
+        # Simulated decode rows advanced lazily (lazy_rows.py): running[:len(lazy.rows)]. Padded and
         # without drafts only (paged blocks and drafts read every row's counters).
         self.lazy = LazyRows()
         self._lazy_ok = config.kv_layout != "paged" and not config.spec_tokens
@@ -159,7 +159,7 @@ class Scheduler:
         return pool, prefilling, width, longest
 
     def _pool_ids(self, pool: list[Request]) -> set[int]:
-        """The ids of a step's pool rows, whose first len(lazy) are the lazy rows."""
+        """The ids of a step's pool rows, whose first len(lazy.rows) are the lazy rows."""
         n, ids = len(self.lazy.rows), set(self.lazy.ids)
         if len(pool) > n:  # most plans: every row is lazy
             ids.update([r.request_id for r in pool[n:]])

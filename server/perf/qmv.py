@@ -7,8 +7,10 @@ so every row dequantizes and multiplies the whole matrix again (its re-reads com
 arithmetic does not): M rows cost M times one row's arithmetic, at qmv's own rate. A decode step
 of B rows calls each linear layer with M = B (x is B x 1 x K, row contiguous).
 
-qmm (and split-K qmm) tile M by bm = 32 rows (qmm_nax, M5: 32 up to 32 rows, then 64): a layer over
-fewer rows than a tile multiplies the whole tile, so its arithmetic is that of M rounded up to 32.
+qmm (and split-K qmm) tile M by bm = 32 rows: a layer over fewer rows than a tile multiplies the
+whole tile, so its arithmetic is that of M rounded up to 32. (M5's qmm_nax tiles by 64 rows past 32
+rows; here every family is charged 32-row tiles, so an M5 step of 65-96 rows is priced as 96 rows,
+not 128.)
 
 The GPU family is MLX's `get_architecture()` suffix: generation 13 (M1) to 17 (M5), size g (base),
 s (Pro), c (Max), d (Ultra)."""
@@ -24,7 +26,6 @@ SIZE_OF_TIER = {"": "g", "Pro": "s", "Max": "c", "Ultra": "d"}
 _LIMITS = (
     (17, False, (33, 25, 13)),
     (15, False, (13, 15, 13)),
-    (13, True, (32, 18, 12)),
     (13, False, (14, 10, 6)),
     (0, True, (32, 18, 12)),
     (0, False, (18, 12, 10)),

@@ -46,7 +46,7 @@ from batchsim.server.perf.size_limits import (
     context_fit,
     mac_row,
 )
-from batchsim.server.perf.spec_price import check_draft_model
+from batchsim.server.perf.spec_price import check_speculation
 from batchsim.server.perf.stepcost import StepTime
 
 
@@ -178,7 +178,7 @@ def _draft_spec(args: argparse.Namespace, spec: ModelSpec) -> ModelSpec | None:
     if args.draft_model is not None and args.spec_tokens is None:
         raise ConfigError("--draft-model needs --spec-tokens K")
     draft = spec_for(args.draft_model) if args.draft_model else None
-    return draft if draft is None else check_draft_model(draft, spec) or draft
+    return check_speculation(spec, draft) if args.spec_tokens is not None else draft
 
 
 def _cluster(args: argparse.Namespace) -> Cluster | None:

@@ -165,3 +165,8 @@ def test_size_refuses_a_draft_model_a_run_refuses(tmp_path):
     with pytest.raises(ConfigError, match="sliding-attention layers, whose cache cannot roll"):
         _size(tmp_path, "--model", "tiny", "--mac", "M4 Max 40c", "--spec-tokens", "2",
               "--acceptance", "0.5", "--draft-model", "tiny-sliding")
+    # nor speculation on a target whose own cache cannot roll back (run refuses it up front)
+    with pytest.raises(ConfigError, match="--spec-method ngram: the model has sliding-attention"):
+        _size(tmp_path, "--model", "tiny-sliding", "--mac", "M4 Max 40c", "--spec-tokens", "2",
+              "--acceptance", "0.5")
+    _size(tmp_path, "--model", "tiny-sliding", "--mac", "M4 Max 40c")  # without it: fine

@@ -53,6 +53,15 @@ def check_layers(spec: ModelSpec, method: str) -> None:
                           "needs full-attention or MLA layers only")
 
 
+def check_speculation(target: ModelSpec, draft: ModelSpec | None) -> ModelSpec | None:
+    """Speculation on `target` (drafted by `draft`, None: n-gram) as a run checks it: layers that
+    roll back, a draft model's vocabulary; returns the draft."""
+    check_layers(target, "ngram" if draft is None else "draft")
+    if draft is not None:
+        check_draft_model(draft, target)
+    return draft
+
+
 def check_draft_model(draft: ModelSpec, target: ModelSpec) -> None:
     """A draft model's caches are cut back as the target's are, and it proposes the target's
     token ids (the same vocabulary); else a one-line error. Real runs, the simulator and `size`

@@ -23,6 +23,7 @@ from typing import Any
 
 GRACE_S = 5.0  # after a rank failed: time for mlx.launch to end the others before the launcher does
 POLL_S = 0.1
+STOP_CHECK_S = 1.0  # how often the launcher looks for stopped ranks (/proc or ps each)
 # What the 1st, 2nd, 3rd signal to the launcher does: to rank 0 (when its pid is known) or to the
 # whole group. run: rank 0 stops sending and records the run as interrupted (as Ctrl-C does to a
 # 1-rank run); serve: rank 0 drains, a second signal cuts the drain short.
@@ -59,6 +60,7 @@ class OwnedLaunch:
         # ends the run.
         self.stopped: list[int] = []
         self._stopped_since: dict[int, float] = {}
+        self._stop_check_at = 0.0  # monotonic time of the next look (every STOP_CHECK_S)
         self._timeout_s = timeout_s  # the ranks' step timeout (rank_timeout_s)
 
     def wait(self) -> int:
@@ -117,6 +119,9 @@ class OwnedLaunch:
 
     def _end_stopped_ranks(self) -> None:
         now = time.monotonic()
+        if now < self._stop_check_at:  # the deadline is seconds away: no ps 10 times a second
+            return
+        self._stop_check_at = now + STOP_CHECK_S
         stopped = [r for r, pid in _silent_ranks(self.status_dir).items() if _stopped(pid)]
         self._stopped_since = {r: self._stopped_since.get(r, now) for r in stopped}
         # The peers' own watchdogs speak first (a stopped follower stalls rank 0's step).

@@ -17,15 +17,16 @@ from batchsim.scheduler.request import Request, RequestStatus
 
 
 class LazyRows:
-    __slots__ = ("base", "computed0", "ends", "ids", "max_computed0", "max_tokens0", "rows",
-                 "steps", "tokens0")
+    __slots__ = ("computed0", "ends", "ids", "max_computed0", "max_tokens0", "rows", "steps",
+                 "tokens0")
 
     def __init__(self) -> None:
         self.steps = 0  # decode steps applied lazily so far (only differences matter)
         self.rows: list[Request] = []  # the rows, in running order
         self.ids: list[int] = []  # their request ids
-        self.base: list[int] = []  # `steps` when each row's Request counters were last written
-        self.computed0: list[int] = []  # num_computed_tokens - steps
+        # num_computed_tokens - steps (the Request's own counter is as of `steps` then: the
+        # steps since are this plus `steps` less it)
+        self.computed0: list[int] = []
         self.tokens0: list[int] = []  # num_tokens (prompt + output) - steps
         self.max_computed0 = self.max_tokens0 = 0  # their largest (kept, not searched per plan)
         # A heap of (`steps` at which a row reaches its max_tokens, request id, row).
@@ -37,7 +38,6 @@ class LazyRows:
         first = not self.rows
         self.rows.append(r)
         self.ids.append(r.request_id)
-        self.base.append(s)
         c0, n0 = r.num_computed_tokens - s, r.num_prompt_tokens + r.num_output_tokens - s
         self.computed0.append(c0)
         self.tokens0.append(n0)
@@ -114,7 +114,7 @@ class LazyRows:
             self._settle_row(i)
             widest |= self.computed0[i] == c_max
             longest |= self.tokens0[i] == n_max
-            for column in (rows, self.ids, self.base, self.computed0, self.tokens0):
+            for column in (rows, self.ids, self.computed0, self.tokens0):
                 del column[i]
         if rows and widest:
             self.max_computed0 = max(self.computed0)
@@ -126,13 +126,13 @@ class LazyRows:
         """Write every row's counters back and empty the set."""
         for i in range(len(self.rows)):
             self._settle_row(i)
-        for column in (self.rows, self.ids, self.base, self.computed0, self.tokens0, self.ends):
+        for column in (self.rows, self.ids, self.computed0, self.tokens0, self.ends):
             column.clear()
 
     def _settle_row(self, i: int) -> None:
-        d = self.steps - self.base[i]
+        r = self.rows[i]
+        d = self.computed0[i] + self.steps - r.num_computed_tokens  # steps since it was written
         if d:
-            r = self.rows[i]
             r.num_computed_tokens += d
             r.num_output_tokens += d
             r.token_runs[-1][1] += d  # its run went on through every step since

@@ -45,7 +45,7 @@ class StepBudget:
     )
 
     def __init__(self, kv: KVManager, config: SchedulerConfig, pool: list[Request], width: int,
-                 decode_step: bool, pool_ids: set[int] | None = None):
+                 decode_step: bool, pool_ids: set[int]):
         self.kv = kv
         self.budget_bytes = config.kv_budget_bytes
         self.cache = kv.cache
@@ -53,8 +53,7 @@ class StepBudget:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.decode_step = decode_step  # False: a prefill-only step (the pool's rows sit still)
         self.pool = pool  # rows after this step: decoding, or untouched in a prefill-only step
-        # their ids (pool_ids: given by the caller, who may know them without a loop)
-        self.in_pool = {r.request_id for r in pool} if pool_ids is None else pool_ids
+        self.in_pool = pool_ids  # their ids (the scheduler knows the lazy rows' without a loop)
         self.width = width  # the pool's longest row after this step, in tokens
         # paged: blocks the pool's rows hold after this step
         self.blocks = self._blocks() if kv.paged else 0

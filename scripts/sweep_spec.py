@@ -54,8 +54,8 @@ def spec_points(rows: list[dict], cfgs: dict[int, RunConfig], policy: str,
                 run_point: Callable[[int, RunConfig, str], dict]) -> dict:
     """Each batch again at each K: the row's `spec` entries (gain: decode tok/s over plain
     batching's; output_gain: output tok/s, prefills included) and, per K, the first swept batch
-    where speculation no longer beats it and what that answer is (spec_price.BREAK_EVEN, the
-    first swept batch standing for batch 1)."""
+    where speculation no longer beats it and what that answer is (spec_price.break_even_verdict:
+    never_pays only where batch 1 was swept)."""
     first_loss: dict[str, int | None] = {}
     priced: dict[str, bool] = {}
     for k, cfg in cfgs.items():
@@ -72,7 +72,6 @@ def spec_points(rows: list[dict], cfgs: dict[int, RunConfig], policy: str,
             if gain is not None and gain <= 1.0 and str(k) not in first_loss:
                 first_loss[str(k)] = row["batch"]
         first_loss.setdefault(str(k), None)
-    # never_pays only where batch 1 was swept and lost: a sweep from batch 8 cannot say so
     verdict = {k: break_even_verdict(b, priced[k]) for k, b in first_loss.items()}
     for row in rows:
         for entry in row["spec"]:

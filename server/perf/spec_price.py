@@ -160,9 +160,6 @@ def break_even_batch(cost: StepCost, spec_tokens: int, acceptance: Acceptance, w
     return hi
 
 
-BREAK_EVEN = ("stops_paying", "never_pays", "pays_at_every_batch", "not_computed")
-
-
 def break_even_verdict(batch: int | None, computed: bool = True) -> str:
     """What spec_break_even_batch means: stops_paying (plain batching is as fast from that
     batch), never_pays (it is at batch 1), pays_at_every_batch (null: speculation still wins at

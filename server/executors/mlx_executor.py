@@ -54,7 +54,7 @@ class MLXExecutor:
         self._stream = None if device == mx.cpu else mx.new_thread_local_stream(device)
         self._ahead: lookahead.Ahead | None = None
         self.ahead_steps = {"used": 0, "undone": 0}
-        self.dtype = self._activation_dtype()
+        self.dtype = prefill_cache.activation_dtype(model)
         self.kv_bits = kv_bits
         # Each layer's cache as arch_cache.Attention: the spec's own description.
         self.layers = prefill_cache.layers_of(model, self.dtype, kv_bits)
@@ -64,11 +64,6 @@ class MLXExecutor:
         if cache_limit_bytes is not None:
             # Keep freed buffers for reuse: re-faulting large buffers every step costs bandwidth.
             mx.set_cache_limit(cache_limit_bytes)
-
-    def _activation_dtype(self) -> mx.Dtype:
-        emb = self.model.model.embed_tokens
-        scales = getattr(emb, "scales", None)
-        return scales.dtype if scales is not None else emb.weight.dtype
 
     def _head_fn(self):
         """The output projection alone, so a prefill computes logits for its last token only."""
@@ -190,6 +185,8 @@ class MLXExecutor:
 
     def reset(self) -> None:
         self._ahead = None
+        for rid in self.seqs if self.drafter is not None else ():
+            self.drafter.forget(rid)
         self.pool = self._new_pool()
         self.seqs.clear()
 
@@ -285,8 +282,8 @@ class MLXExecutor:
         acceptance rule keeps and the token after them (acceptance.py)."""
         pool, rows, seqs = self.pool, self.pool.row_ids, self.seqs
         budget = dict(zip(plan.decode_ids, plan.decode_spec_tokens))
-        drafts = [self.drafter.propose(rid, seqs[rid].token_ids, budget.get(rid, 0),
-                                       seqs[rid].sampling) for rid in rows]
+        drafts = self.drafter.propose(rows, [seqs[rid] for rid in rows],
+                                      [budget.get(rid, 0) for rid in rows])
         n = 1 + max(len(d.tokens) for d in drafts)
         if n == 1:
             return speculative.Verified(self._decode(), {}, {})

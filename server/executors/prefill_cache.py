@@ -28,6 +28,13 @@ class ConcatRotatingKVCache(RotatingKVCache):
         return self._update_concat(keys, values)
 
 
+def activation_dtype(model) -> mx.Dtype:
+    """The dtype a loaded mlx-lm model computes in: its embedding's (a quantized one's scales)."""
+    emb = model.model.embed_tokens
+    scales = getattr(emb, "scales", None)
+    return scales.dtype if scales is not None else emb.weight.dtype
+
+
 def layers_of(model, dtype: mx.Dtype, kv_bits: int | None = None) -> list[Attention]:
     """Each layer's cache as arch_cache describes it, from one token through fresh mlx-lm caches;
     a cache in another dtype than `dtype` (the activations'), or one kv_bits cannot quantize, is

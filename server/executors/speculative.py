@@ -11,7 +11,7 @@ from typing import NamedTuple, Protocol
 
 import mlx.core as mx
 import numpy as np
-from batchsim.scheduler.request import SamplingParams
+from batchsim.server.executors.sampler import History
 
 # vLLM's prompt_lookup_min / prompt_lookup_max: the n-gram lengths the n-gram drafter matches.
 NGRAM_MIN = 2
@@ -28,10 +28,9 @@ class Draft(NamedTuple):
 
 
 class Drafter(Protocol):
-    def propose(self, request_id: int, token_ids: list[int], k: int,
-                sampling: SamplingParams) -> Draft:
-        """Up to k tokens to follow `token_ids` (prompt + output so far), for a row that samples
-        as `sampling` asks."""
+    def propose(self, rids: list[int], seqs: list[History], ks: list[int]) -> list[Draft]:
+        """Per row, up to ks[i] tokens to follow seqs[i].token_ids (prompt + output so far), for
+        a row that samples as seqs[i].sampling asks; all rows of a step in one call."""
         ...
 
     def forget(self, request_id: int) -> None:
@@ -64,9 +63,9 @@ class NgramDrafter:
             raise ValueError(f"n-gram lengths must satisfy 1 <= min <= max, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, request_id: int, token_ids: list[int], k: int,
-                sampling: SamplingParams) -> Draft:
-        return Draft(ngram_proposal(token_ids, k, self.min_n, self.max_n))
+    def propose(self, rids: list[int], seqs: list[History], ks: list[int]) -> list[Draft]:
+        return [Draft(ngram_proposal(s.token_ids, k, self.min_n, self.max_n))
+                for s, k in zip(seqs, ks)]
 
     def forget(self, request_id: int) -> None:
         pass

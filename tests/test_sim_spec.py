@@ -69,19 +69,32 @@ def test_full_acceptance_emits_k_plus_1_tokens_a_step_at_the_verify_price(cost):
 
 
 def test_a_draft_model_is_priced_as_k_of_its_decode_forwards_over_the_rows(cost):
+    # ... and, the first time a row asks, as a prefill of its context (the real drafter's
+    # catch-up: draft_model.py), at the draft model's price of a prefill of that many tokens.
     draft = spec_price.model_drafter(cost, zoo_spec("llama-3.2-1b"), "float16")
     _, ngram = _run(cost, 4, (0.5,), rows=4, out=21, seed=1)
     _, model = _run(cost, 4, (0.5,), rows=4, out=21, seed=1, drafter=draft)
     assert [p.decode_spec_tokens for p, _ in ngram] == [p.decode_spec_tokens for p, _ in model]
+    caught_up: list[int] = []
     for (plan, a), (_, b) in zip(ngram, model):
         if plan.decode_spec_tokens:
             width, asked = max(plan.decode_positions) + 1, plan.decode_spec_tokens
             k, n = max(asked), sum(x > 0 for x in asked)  # rows near max_tokens ask for fewer
             forwards = k * draft.cost.decode_time(n, width).total_s
+            new = [pos for rid, pos in zip(plan.decode_ids, plan.decode_positions)
+                   if rid not in caught_up]
+            caught_up += [rid for rid in plan.decode_ids if rid not in caught_up]
+            prefill = sum(draft.cost.prefill_forward_s(pos, 0, False) for pos in new)
             assert b.elapsed_s - a.elapsed_s == pytest.approx(
-                forwards - spec_price.draft_s(spec_price.NGRAM, n, k, width))
+                forwards + prefill - spec_price.draft_s(spec_price.NGRAM, n, k, width))
         else:
             assert b.elapsed_s == a.elapsed_s
+    assert sorted(caught_up) == [0, 1, 2, 3]
+    # 64 prompt tokens and the first sampled one: 64 tokens prefilled, the 65th fed by drafting
+    first = next(p for p, _ in model if p.decode_spec_tokens)
+    assert set(first.decode_positions) == {64}
+    # (before: priced as one token, inside the first of the K decode forwards)
+    assert spec_price.catch_up_s(draft, [64]) > 2 * draft.cost.decode_time(1, 65).total_s
 
 
 def test_simulated_draft_model_runs_and_refuses_another_vocabulary(tmp_path, capsys):

@@ -3,7 +3,8 @@ copies) with every piece of compute timed by the device profile instead of run. 
 the engine advances a virtual clock by the predicted durations. A pure-decode plan covering many
 steps is timed in one call, stopping at the next arrival. A step whose rows verify drafts is priced
 as one forward of B rows x (K+1) tokens (spec_price.verify_extra_s), its accepted drafts drawn by
-sim_spec.SpecDraws, plus the drafter's time (spec_price.draft_s)."""
+sim_spec.SpecDraws, plus the drafter's time (spec_price.draft_s; a draft model's catch-up on rows
+new to it: SpecDraws.catch_up_s)."""
 
 from __future__ import annotations
 
@@ -103,7 +104,8 @@ class SimExecutor:
         if extra is None:
             extra = _remember(self._verify_s, key, verify_extra_s(self.cost, rows, k, start)
                               + draft_s(self.spec.drafter, key[4], key[3], start + 1))
-        t += self._decode_forward_s(rows, start + 1) + extra
+        t += self._decode_forward_s(rows, start + 1) + extra + self.spec.catch_up_s(
+            plan.decode_ids, asked, plan.decode_positions)
         return StepResult(plan.step_index, sampled, None, (t,), self.kv_bytes(), accepted,
                           drafted)
 
@@ -149,6 +151,8 @@ class SimExecutor:
         self.reset()
 
     def reset(self) -> None:
+        if self.spec is not None:
+            self.spec.forget(self.layout.row_ids)
         self.layout.clear()
         self.private, self._private_bytes, self._pool_bytes = {}, 0, 0
         self._cached_bytes = 0
@@ -168,6 +172,8 @@ class SimExecutor:
     # -- the pool's copies, as pool_rows lays them out for the real DecodePool ------------------
     def _free(self, free_ids: tuple[int, ...]) -> float:
         gone = set(free_ids)
+        if self.spec is not None:
+            self.spec.forget(gone)
         if self.private:
             for rid in gone:
                 self._drop_private(rid)

@@ -4,14 +4,16 @@ and how many of them it keeps is drawn from the per-position acceptance rates at
 u, so position i is accepted with exactly its rate and only after the ones before it; with a draft
 share D < 1 a row first drafts at all with chance D (else it verifies nothing this step). Draws
 are deterministic per seed. Accepted tokens are placeholders (simulated tokens are not tokens): only
-their count is read. `drafter` is what drafting costs (spec_price.draft_s)."""
+their count is read. `drafter` is what drafting costs (spec_price.draft_s), and a draft model's
+catch-up on each row the first time it asks for drafts (spec_price.catch_up_s: the rows it holds,
+as the real drafter's pool does, until they leave)."""
 
 from __future__ import annotations
 
 import random
 
 from batchsim.server.perf.spec_acceptance import Acceptance
-from batchsim.server.perf.spec_price import NGRAM, Drafter
+from batchsim.server.perf.spec_price import NGRAM, Drafter, catch_up_s
 
 _KEPT = tuple((0,) * n for n in range(65))  # accepted placeholders by count
 
@@ -22,6 +24,7 @@ class SpecDraws:
         self.drafter = drafter
         self._random = random.Random(seed).random
         self._rates: dict[tuple[int, int], list[float]] = {}  # (K, batch) -> rates
+        self._held: set[int] = set()  # request ids a draft model holds (caught up on)
 
     def draw(self, spec_tokens: tuple[int, ...], num_sampled: int
              ) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
@@ -48,3 +51,19 @@ class SpecDraws:
         if rates is None:
             rates = self._rates[k, batch] = self.acceptance.position_rates(k, batch)
         return rates
+
+    def catch_up_s(self, ids: tuple[int, ...], asked: tuple[int, ...],
+                   positions: tuple[int, ...]) -> float:
+        """A draft model's prefill of the rows asking for drafts it does not hold yet: each row's
+        `positions` tokens (its context but the last token); the n-gram drafter: 0."""
+        if self.drafter.cost is None:
+            return 0.0
+        held = self._held
+        new = [(rid, n) for rid, k, n in zip(ids, asked, positions) if k and rid not in held]
+        held.update(rid for rid, _ in new)
+        return catch_up_s(self.drafter, (n for _, n in new))
+
+    def forget(self, ids) -> None:
+        """These requests left: a draft model drops their rows."""
+        if self._held:
+            self._held.difference_update(ids)

@@ -6,10 +6,12 @@ B x K tokens and their attention), plus the drafter's time (draft_s). At K = 0 i
 step. A row emits on average 1 + the sum of its per-position acceptance rates tokens per step
 (spec_acceptance.py, at the step's batch); with one rate a accepted independently per draft,
 E = (1 - a^(K+1)) / (1 - a) (Leviathan et al. 2023). The simulated executor prices its verify
-steps with verify_extra_s and draft_s."""
+steps with verify_extra_s and draft_s, and a draft model's prefill of each row new to it with
+catch_up_s (the real drafter's, draft_model.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from batchsim.configs import ConfigError
@@ -91,6 +93,15 @@ def draft_s(drafter: Drafter, batch: int, spec_tokens: int, width: int) -> float
     return spec_tokens * drafter.cost.decode_time(batch, width).total_s
 
 
+def catch_up_s(drafter: Drafter, contexts: Iterable[int]) -> float:
+    """A draft model catching up on rows new to it: each row's context but its last token (which
+    the first draft forward feeds) prefilled alone, no logits, at the draft model's price of a
+    prefill (StepCost.prefill_forward_s, the target's formula). The n-gram drafter: nothing."""
+    if drafter.cost is None:
+        return 0.0
+    return sum(drafter.cost.prefill_forward_s(n, 0, False) for n in contexts if n)
+
+
 def verify_extra_s(cost: StepCost, batch: int, spec_tokens: int, width: int) -> float:
     """What K more tokens a row add to a decode step of `batch` rows after `width` tokens."""
     if not spec_tokens:
@@ -100,14 +111,15 @@ def verify_extra_s(cost: StepCost, batch: int, spec_tokens: int, width: int) -> 
 
 
 def verify_time(cost: StepCost, batch: int, spec_tokens: int, width: int,
-                drafter: Drafter = NGRAM) -> StepTime:
+                drafter: Drafter = NGRAM, verified: float = 1.0) -> StepTime:
     """A verify step by named part: the decode step, K more tokens a row (the prefill parts of
-    K+1 tokens less those of 1) and the drafter (`draft_s`)."""
+    K+1 tokens less those of 1) and the drafter (`draft_s`). `verified`: the chance the step
+    verifies drafts at all (spec_tok_s), which weighs the K more tokens."""
     step = cost.step_time(decode_rows=batch, width=width)
     if not spec_tokens:
         return step
     more, one = (cost.prefill_time(n, width, True, batch).values() for n in (spec_tokens + 1, 1))
-    extra = StepTime(*(a - b for a, b in zip(more, one)))
+    extra = StepTime(*(verified * (a - b) for a, b in zip(more, one)))
     return step + extra + StepTime(*(0.0,) * 6, draft_s=draft_s(drafter, batch, spec_tokens,
                                                                  width))
 
@@ -115,10 +127,8 @@ def verify_time(cost: StepCost, batch: int, spec_tokens: int, width: int,
 def verify_step(cost: StepCost, batch: int, spec_tokens: int, width: int,
                 drafter: Drafter = NGRAM) -> float:
     """Seconds of B rows x (K+1) tokens in one forward pass, each row after `width` cached
-    tokens, and their drafting."""
-    return (cost.step_time(decode_rows=batch, width=width).total_s
-            + verify_extra_s(cost, batch, spec_tokens, width)
-            + draft_s(drafter, batch, spec_tokens, width))
+    tokens, and their drafting: verify_time's total."""
+    return verify_time(cost, batch, spec_tokens, width, drafter).total_s
 
 
 def spec_tok_s(cost: StepCost, batch: int, spec_tokens: int, acceptance: Acceptance,
@@ -126,9 +136,7 @@ def spec_tok_s(cost: StepCost, batch: int, spec_tokens: int, acceptance: Accepta
     """Every row asks the drafter each step; a step verifies K more tokens a row when any of its
     rows drafted (each with the draft share's chance), else it is the plain decode step."""
     drafting = 1.0 - (1.0 - acceptance.draft_share) ** batch
-    step_s = (cost.step_time(decode_rows=batch, width=width).total_s
-              + drafting * verify_extra_s(cost, batch, spec_tokens, width)
-              + draft_s(drafter, batch, spec_tokens, width))
+    step_s = verify_time(cost, batch, spec_tokens, width, drafter, drafting).total_s
     return batch * acceptance.expected_tokens(spec_tokens, batch) / step_s
 
 

@@ -49,12 +49,23 @@ def test_two_ranks_decode_the_same_tokens_as_one(tiny, tmp_path):
     assert kv[1] * 2 == kv[0]
 
 
-def test_a_dead_rank_ends_the_run_with_a_clear_error(tiny, tmp_path):
+def test_a_dead_rank_ends_the_run_with_a_clear_error_and_valid_records(tiny, tmp_path):
     proc = _cli([*ARGS, "--ranks", "2"], tmp_path, BATCHSIM_FAULT_DIE_AT_STEP="2")
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert "rank 1 died" in last, proc.stderr[-2000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["error"].startswith("rank 1 died")
+    error = json.loads(proc.stdout.strip().splitlines()[-1])["error"]
+    assert error.startswith("rank 1 died")
+    # Rank 0 kept what ran (it left no summary.json and an empty requests.jsonl before).
+    (run_dir,) = tmp_path.iterdir()
+    assert error.endswith(f"records kept in {run_dir}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["interrupt_reason"].startswith("rank 0: ")
+    requests = [json.loads(line) for line in (run_dir / "requests.jsonl").read_text().splitlines()]
+    steps = (run_dir / "steps.jsonl").read_text().splitlines()
+    assert [r["request_id"] for r in requests] == list(range(6))
+    assert summary["completed"] == sum(r["status"] == "finished" for r in requests) < 6
+    assert summary["num_plans"] == len(steps) >= 2
 
 
 def test_ranks_with_different_model_files_are_refused(tmp_path):

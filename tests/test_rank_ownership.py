@@ -137,6 +137,29 @@ def test_a_signal_while_the_ranks_join_still_ends_the_run_interrupted(tiny, tmp_
         ranks.cleanup()
 
 
+def test_sigterm_to_rank_0_names_the_signal_and_process_it_reached_and_keeps_the_records(
+        tiny, tmp_path):
+    """SIGTERM sent straight to rank 0 (not through the launcher) was reported as 'stopped by
+    mlx.launch (another rank failed)', and rank 0 left no summary.json."""
+    ranks = Ranks([*RUN, "--out", str(tmp_path)])
+    try:
+        run_dir = wait_for_steps(ranks, tmp_path)
+        (rank0,) = ranks.processes(rank=0)
+        os.kill(rank0, signal.SIGTERM)
+        rc, _out, err = ranks.finish()
+        assert rc == 1 and "Traceback" not in err, err[-3000:]
+        last = err.strip().splitlines()[-1]
+        assert f"rank 0: SIGTERM reached its process (pid {rank0})" in last, err[-3000:]
+        assert "rank 0: stopped by mlx.launch" not in last and f"kept in {run_dir}" in last
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["interrupted"] is True and "SIGTERM" in summary["interrupt_reason"]
+        lines = (run_dir / "requests.jsonl").read_text().splitlines()
+        assert summary["completed"] == [json.loads(x)["status"] for x in lines].count("finished")
+        ranks.assert_none_left()
+    finally:
+        ranks.cleanup()
+
+
 @pytest.mark.parametrize("victim", ["launcher", "mlx.launch"])
 def test_a_killed_run_launcher_or_mlx_launch_leaves_no_rank(tiny, tmp_path, victim):
     ranks = Ranks([*RUN, "--out", str(tmp_path)])

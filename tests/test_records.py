@@ -172,3 +172,27 @@ def test_two_real_runs_on_one_executor_each_start_clean(tmp_path):
         summary = run_workload(session, spec, out_dir=tmp_path, label=label).summary
         assert summary["completed"] == 4 and summary["kv_account_mismatches"] == 0
     assert session.executor.kv_bytes() == 0  # the run ended: nothing held for the next one
+
+
+def test_a_run_whose_executor_fails_keeps_its_records_and_a_summary_that_says_why(tmp_path):
+    """A failed run left its streamed records but no summary.json (a failed rank 0 of `run
+    --ranks` goes this way): now the summary of what ran, marked interrupted with the error."""
+    session = open_session(sim_config())
+    execute, calls = session.executor.execute, []
+
+    def failing(plan, max_elapsed_s=float("inf")):
+        calls.append(plan)
+        if len(calls) == 40:
+            raise RuntimeError("device lost")
+        return execute(plan, max_elapsed_s)
+
+    session.executor.execute = failing
+    with pytest.raises(RuntimeError, match="device lost"):
+        run_workload(session, session.config.workload, out_dir=tmp_path, label="t")
+    (run_dir,) = tmp_path.iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["interrupt_reason"] == "failed: device lost"
+    requests = [json.loads(x) for x in (run_dir / "requests.jsonl").read_text().splitlines()]
+    assert summary["num_plans"] == 39 == len((run_dir / "steps.jsonl").read_text().splitlines())
+    assert 0 < summary["completed"] == [r["status"] for r in requests].count("finished") < 60
+    assert len(requests) == summary["completed"] + summary["failed"]

@@ -97,19 +97,23 @@ def ranks_error(status_dir: Path, ranks: int, killed: Sequence[int] = (),
                 stopped: Sequence[int] = ()) -> str | None:
     """One line from the ranks' status files: the dead ranks, those `killed` for not ending after
     another failed, then what the others reported (the same message from several ranks once),
-    then the steps that ranks stopped by mlx.launch were waiting in."""
+    then the steps that ranks stopped by mlx.launch were waiting in; last, where rank 0 kept the
+    run's records (its summary marked interrupted)."""
+    statuses = {r: json.loads(p.read_text()) for r in range(ranks)
+                if r not in killed and (p := status_dir / f"rank{r}.json").exists()}
+    kept = statuses.get(0, {}).get("run_dir")
+    error = _failures(statuses, ranks, killed, stopped)
+    return f"{error}; records kept in {kept}" if error and kept else error
+
+
+def _failures(statuses: dict[int, dict], ranks: int, killed: Sequence[int],
+              stopped: Sequence[int]) -> str | None:
     if stopped:  # what the others saw of it (waiting for its next plan) says nothing more
         return "; ".join(f"rank {r} stayed stopped (SIGSTOP) past the rank timeout "
                          f"({TIMEOUT_ENV}); the run was ended" for r in stopped)
-    dead, errors, stopped_by_launch, waiting = [], [], [], []
-    for r in range(ranks):
-        path = status_dir / f"rank{r}.json"
-        if r in killed:
-            continue
-        if not path.exists():
-            dead.append(r)
-            continue
-        status = json.loads(path.read_text())
+    dead = [r for r in range(ranks) if r not in killed and r not in statuses]
+    errors, stopped_by_launch, waiting = [], [], []
+    for status in statuses.values():
         if status["ok"]:
             continue
         if not status.get("terminated"):

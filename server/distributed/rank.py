@@ -20,6 +20,7 @@ from batchsim.configs import ConfigError
 
 if TYPE_CHECKING:
     from batchsim.server.distributed.executor import LeaderExecutor
+    from batchsim.server.engine.interrupts import Interrupts
     from batchsim.server.engine.run_config import RunConfig
     from batchsim.server.engine.run_path import RunView
     from batchsim.server.engine.session import Session
@@ -52,6 +53,7 @@ class _Status:
         self.path = Path(os.environ[STATUS_DIR_ENV]) / f"rank{rank}.json"
         self.rank = rank
         self.doing: Callable[[], str | None] = lambda: None  # the step under way (the watchdog's)
+        self.run: Interrupts | None = None  # rank 0's run under way: a failure ends it, kept
 
     def write(self, ok: bool, error: str | None = None, **extra: Any) -> None:
         """Best effort: without its directory (a remote host, the launcher gone) no one reads it."""
@@ -73,12 +75,14 @@ class _Status:
 def run_rank(cfg: RunConfig, out_dir: Path, view: RunView) -> dict | None:
     """This rank's part of `run --ranks`: rank 0 runs the workload into a run directory under
     `out_dir`, shown by `view`, and returns its summary; the others follow and return None."""
+    from batchsim.server.engine.interrupts import Interrupts
     from batchsim.server.engine.run_path import run_session
 
     with joined(cfg) as lead:
         if lead is None:
             return None
-        return lead.finish(run_session(lead.session, out_dir, view))
+        lead.status.run = Interrupts((signal.SIGINT,))
+        return lead.finish(run_session(lead.session, out_dir, view, lead.status.run))
 
 
 @dataclasses.dataclass
@@ -87,6 +91,7 @@ class Lead:
 
     session: Session
     leader: LeaderExecutor
+    status: _Status
     t0: float = dataclasses.field(default_factory=time.perf_counter)
 
     def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
@@ -152,7 +157,7 @@ def _join(cfg: RunConfig, group: Any, status: _Status) -> Lead | None:
         follow(session.executor, channel, watchdog, int(die) if die and channel.rank == 1 else None)
         return None
     leader = LeaderExecutor(session.executor, channel, watchdog)
-    return Lead(dataclasses.replace(session, executor=leader), leader)
+    return Lead(dataclasses.replace(session, executor=leader), leader, status)
 
 
 def _init_group(mx: Any) -> Any:
@@ -189,14 +194,51 @@ def _auto() -> str:
 
 
 def _terminated(status: _Status) -> None:
-    """mlx.launch's SIGTERM after another rank failed: keep an error this rank already reported,
-    else say which step it was in (what it saw of the failure)."""
+    """SIGTERM: mlx.launch's after another rank failed (a local peer is gone), or one sent to this
+    rank's process by someone else; keep an error this rank already reported, else say which, and
+    the step it was in. Rank 0's run keeps its records and an interrupted summary."""
     doing = status.doing()
+    by_launch = peers_lost(status.path.parent, status.rank)
+    if by_launch:
+        message = (f"rank {status.rank}: stopped by mlx.launch (another rank failed)"
+                   + (f" during {doing}, waiting on its peers" if doing else ""))
+    else:
+        message = (f"rank {status.rank}: SIGTERM reached its process (pid {os.getpid()}), not "
+                   "through the launcher, and stopped the run"
+                   + (f" during {doing}" if doing else ""))
+    run_dir = _keep_records(status, message)
     if not _reported_error(status.path):
-        during = f" during {doing}, waiting on its peers" if doing else ""
-        status.write(False, f"rank {status.rank}: stopped by mlx.launch (another rank failed)"
-                     f"{during}", terminated=True, during=doing)
+        status.write(False, message, terminated=by_launch, during=doing, run_dir=run_dir)
     os._exit(143)
+
+
+def peers_lost(status_dir: Path, rank: int = 0) -> bool:
+    """Whether a peer of `rank` on this host has stopped: it left a status file (followers write
+    one only when they end) or its process is gone. Ranks on other hosts leave no pid here."""
+    for pid_path in status_dir.glob("rank*.pid"):
+        if pid_path.stem == f"rank{rank}":
+            continue
+        if pid_path.with_suffix(".json").exists():
+            return True
+        try:
+            os.kill(int(pid_path.read_text()), 0)
+        except ProcessLookupError:
+            return True
+        except (OSError, ValueError):
+            pass  # not ours to signal, or a pid file being written: treat as alive
+    return False
+
+
+def _keep_records(status: _Status, reason: str) -> str | None:
+    """Rank 0 in a run that cannot go on: end it where it stands (records, a summary marked
+    interrupted with `reason`); its run directory. Best effort: the rank exits next."""
+    abandon = status.run.abandon if status.run is not None else None
+    if abandon is None:
+        return None
+    try:
+        return abandon(reason).get("run_dir")
+    except Exception:  # noqa: BLE001 - the rank's own error line matters more
+        return None
 
 
 def _reported_error(path: Path) -> bool:
@@ -207,6 +249,6 @@ def _reported_error(path: Path) -> bool:
 
 
 def _expire(status: _Status, message: str) -> None:
-    status.write(False, message)
+    status.write(False, message, run_dir=_keep_records(status, message))
     print(message, file=sys.stderr, flush=True)
     os._exit(3)

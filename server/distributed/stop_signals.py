@@ -12,7 +12,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from batchsim.server.distributed.rank import STATUS_DIR_ENV, _expire, _Status, _terminated
+from batchsim.server.distributed.rank import (
+    STATUS_DIR_ENV,
+    _expire,
+    _Status,
+    _terminated,
+    peers_lost,
+)
 
 GRACE_S = 10.0  # beyond the drain timeout: stopping the listener, telling the followers to stop
 
@@ -38,20 +44,3 @@ def install(server: Any, drain_timeout_s: float) -> asyncio.Event:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
     return stop
-
-
-def peers_lost(status_dir: Path) -> bool:
-    """Whether a rank on this host has stopped: it left a status file (followers write one only
-    when they end) or its process is gone. Ranks on other hosts leave no pid here."""
-    for pid_path in status_dir.glob("rank*.pid"):
-        if pid_path.stem == "rank0":
-            continue
-        if pid_path.with_suffix(".json").exists():
-            return True
-        try:
-            os.kill(int(pid_path.read_text()), 0)
-        except ProcessLookupError:
-            return True
-        except (OSError, ValueError):
-            pass  # not ours to signal, or a pid file being written: treat as alive
-    return False

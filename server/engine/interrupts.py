@@ -34,6 +34,9 @@ class Interrupts:
         self.signals = signals
         # Why the run was stopped: the first signal's name ("SIGINT"), or stop()'s reason.
         self.received: str | None = None
+        # Set by the run under way: ends it where it stands (records and summary kept, `reason`
+        # its interrupt_reason); the caller then exits (a peer rank died). Any thread.
+        self.abandon: Callable[[str], dict] | None = None
         self._answer: Callable[[], None] | None = None
         self._previous: dict[signal.Signals, object] = {}
 

@@ -75,13 +75,15 @@ def run_config(cfg: RunConfig, out_dir: Path, view: RunView = QUIET, *, label: s
         return _open_and_run(cfg, run_dir, label, stop, view, timeline)
 
 
-def run_session(session: Session, out_dir: Path, view: RunView = QUIET) -> dict[str, Any]:
-    """A session opened elsewhere (a rank's shard of the model) run as `run_config` runs one."""
+def run_session(session: Session, out_dir: Path, view: RunView = QUIET,
+                interrupts: Interrupts | None = None) -> dict[str, Any]:
+    """A session opened elsewhere (a rank's shard of the model) run as `run_config` runs one;
+    `interrupts` (default: SIGINT's) is the caller's to abandon the run with."""
     from batchsim.server.results.jsonio import new_run_dir
 
     cfg = session.config
     label = f"{session.ref.name}-{cfg.workload.name}-{cfg.executor}"
-    with Interrupts((signal.SIGINT,)) as stop:
+    with interrupts or Interrupts((signal.SIGINT,)) as stop:
         return _run_opened(session, new_run_dir(out_dir, label), label, stop, view, True)
 
 

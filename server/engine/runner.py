@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import signal
@@ -213,11 +214,23 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
         _write_config(run_dir, session.config, spec, session)
         stream = RecordStream(run_dir, on_error=lambda exc: interrupts.stop(str(exc)))
     run = _Run(session, spec, on_step, stream, interrupts)
-    with _long_lived_heap(), _kept_on_error(stream):
-        wall0 = time.perf_counter()
-        duration = run.drive()
-        # The engine's time, as before records streamed: writing them is not the run's work.
-        wall = time.perf_counter() - wall0 - (stream.writing_s if stream else 0.0)
+    wall0 = time.perf_counter()
+    interrupts.abandon = functools.partial(_abandon, run, run_dir, wall0)
+    try:
+        with _long_lived_heap(), _kept_on_error(run, run_dir, wall0):
+            duration = run.drive()
+            wall = time.perf_counter() - wall0
+    finally:
+        interrupts.abandon = None
+    return _finish(run, run_dir, duration, wall, timeline)
+
+
+def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
+            timeline: bool) -> RunOutcome:
+    """Summarize `run` (`duration` on its clock, `wall` s), close its records, write summary."""
+    session, spec, stream, interrupts = run.session, run.spec, run.stream, run.interrupts
+    # The engine's time, as before records streamed: writing them is not the run's work.
+    wall -= stream.writing_s if stream else 0.0
     rec = run.recorder
     records, steps = rec.request_records(), rec.steps
     cfg = session.config
@@ -280,7 +293,7 @@ def _write_summary(run_dir: Path | None, summary: dict[str, Any],
     problems = [str(error)] if error else []
     if run_dir:
         try:
-            run_files.write_summary(run_dir, _plain(summary))
+            run_files.write_summary(run_dir, jsonable(summary))
         except OSError as exc:
             problems.append(str(exc))
     if not problems:
@@ -315,19 +328,32 @@ def record_stopped_before_start(cfg: RunConfig, run_dir: Path,
     if timeline:
         summary["timeline_png"] = write_timeline(run_dir, [], [], Limits(),
                                                  f"{cfg.model}: stopped before it started")[0]
-    run_files.write_summary(run_dir, _plain(summary))
+    run_files.write_summary(run_dir, jsonable(summary))
     return summary
 
 
 @contextlib.contextmanager
-def _kept_on_error(stream: RecordStream | None) -> Iterator[None]:
-    """A run that fails still leaves on disk what it recorded (`batchsim report` summarizes it)."""
+def _kept_on_error(run: _Run, run_dir: Path | None, wall0: float) -> Iterator[None]:
+    """A run that fails still leaves on disk what it recorded, and a summary marked interrupted
+    with the error as its reason (`batchsim report` reads it as any stopped run)."""
     try:
         yield
-    except BaseException:
-        if stream is not None:
-            stream.close_unfinished()
+    except Exception as exc:
+        with contextlib.suppress(Exception):  # the error says more than a failed summary would
+            _abandon(run, run_dir, wall0, f"failed: {exc}")
         raise
+    except BaseException:
+        if run.stream is not None:
+            run.stream.close_unfinished()
+        raise
+
+
+def _abandon(run: _Run, run_dir: Path | None, wall0: float, reason: str) -> dict[str, Any]:
+    """The run cannot go on: its records and summary as they stand (unfinished requests said
+    so), `reason` its interrupt_reason unless a signal came first; the summary."""
+    run.interrupts.abandon = None  # once: a signal meanwhile must not start it again
+    run.interrupts.received = run.interrupts.received or reason
+    return _finish(run, run_dir, run.engine.now(), time.perf_counter() - wall0, False).summary
 
 
 @contextlib.contextmanager
@@ -354,10 +380,6 @@ def _peak_memory(session: Session) -> int | None:
     return int(mx.get_peak_memory())
 
 
-def _plain(obj: Any) -> Any:
-    return jsonable(obj)
-
-
 def _write_config(run_dir: Path, cfg: RunConfig, spec: WorkloadSpec,
                   session: Session | None) -> None:
     """config.yaml: the run's config and, once the model is open, what it resolved to."""
@@ -374,5 +396,5 @@ def _write_config(run_dir: Path, cfg: RunConfig, spec: WorkloadSpec,
             "scheduler": dataclasses.asdict(session.scheduler_config()),
         }
         resolved["env"] = session.environment()
-    text = yaml.safe_dump(_plain(resolved), sort_keys=False)
+    text = yaml.safe_dump(jsonable(resolved), sort_keys=False)
     run_files.replace_atomically(run_dir / run_files.CONFIG, text.encode())

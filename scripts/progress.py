@@ -7,17 +7,25 @@ import time
 from batchsim.scripts.common import err
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+NARROW_COLUMNS = 120  # below this the line drops the run's label, bar and wall time: counts stay
+
 
 class RunProgress:
-    """Requests done out of total, with the batch, queue and KV memory as they evolve."""
+    """Requests done out of total, with the batch, queue and KV memory as they evolve. The line
+    left on the terminal is the run's end: a last update when the run stops, whatever the rate
+    limit skipped (a simulated hour ends within one interval of its last update)."""
 
     def __init__(self, total: int, label: str, enabled: bool = True, min_interval_s: float = 0.25):
         self.enabled = enabled
         self.min_interval_s = min_interval_s
         self._last = 0.0
+        self._engine = self._plan = None  # the latest step seen, for the last update
+        self._wide = err.width >= NARROW_COLUMNS
+        label_bar = [TextColumn("[bold]{task.description}"), BarColumn()] if self._wide else []
+        elapsed = [TimeElapsedColumn()] if self._wide else []
         self._progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=err, transient=False,
+            *label_bar, MofNCompleteColumn(), TextColumn("{task.fields[status]}"), *elapsed,
+            console=err, transient=False,
         )
         self._task = self._progress.add_task(label, total=total, status="starting")
 
@@ -28,6 +36,8 @@ class RunProgress:
 
     def __exit__(self, *exc) -> None:
         if self.enabled:
+            if self._engine is not None:
+                self._update(self._engine, self._plan)
             self._progress.stop()
 
     def advance(self, n: int) -> None:
@@ -35,14 +45,23 @@ class RunProgress:
         self._progress.update(self._task, advance=n, status="")
 
     def on_step(self, engine, plan, result) -> None:
+        self._engine, self._plan = engine, plan
         now = time.monotonic()
         if not self.enabled or now - self._last < self.min_interval_s:
             return
         self._last = now
+        self._update(engine, plan)
+
+    def _update(self, engine, plan) -> None:
         s = engine.scheduler
-        done = engine.recorder.num_left
-        status = (f"t={engine.now():7.1f}s  batch {len(plan.decode_ids):3d}"
-                  f"  running {len(s.running):3d}"
-                  f"  waiting {len(s.waiting):3d}  KV {plan.kv_bytes / 2**30:6.2f} GiB"
-                  f"  preempted {s.num_preemptions}")
-        self._progress.update(self._task, completed=done, status=status)
+        kv_gib = plan.kv_bytes / 2**30
+        if self._wide:
+            status = (f"t={engine.now():7.1f}s  batch {len(plan.decode_ids):3d}"
+                      f"  running {len(s.running):3d}"
+                      f"  waiting {len(s.waiting):3d}  KV {kv_gib:6.2f} GiB"
+                      f"  preempted {s.num_preemptions}")
+        else:  # unpadded, and preemptions only once there are some
+            status = (f"t={engine.now():.1f}s batch {len(plan.decode_ids)} running "
+                      f"{len(s.running)} waiting {len(s.waiting)} KV {kv_gib:.2f} GiB"
+                      + (f" preempted {s.num_preemptions}" if s.num_preemptions else ""))
+        self._progress.update(self._task, completed=engine.recorder.num_left, status=status)

@@ -45,6 +45,21 @@ def test_a_stalled_body_gets_408_and_the_connection_closes(srv):
     assert error["code"] == "request_timeout" and error["message"]
 
 
+def test_a_client_that_leaves_mid_body_is_no_server_error(srv):
+    """Half a body, then the client closes: the request is dropped quietly (aiohttp logged a
+    ConnectionResetError traceback as a 500 'Error handling request'), the server serves on."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n")
+    logged = len(srv.stderr)
+    for _ in range(3):
+        with srv.connect() as sock:
+            sock.sendall(head + b'{"prompt":')
+            time.sleep(0.1)
+    assert srv.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).is_success
+    time.sleep(0.2)
+    assert not any("Traceback" in line for line in srv.stderr[logged:]), "".join(srv.stderr)
+
+
 def test_malformed_http_gets_an_openai_error_body(srv):
     with srv.connect() as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"

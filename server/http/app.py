@@ -141,6 +141,8 @@ class Server:
         timeout_s = self.options.body_timeout_s
         try:
             return await asyncio.wait_for(request.read(), timeout_s)
+        except ConnectionResetError:  # the client left mid-body: nobody to answer (aiohttp
+            raise asyncio.CancelledError from None  # logs any other exception as a 500)
         except (TimeoutError, HttpProcessingError, web.RequestPayloadError) as exc:
             request[_BROKEN_BODY] = True
             request.content.feed_eof()  # aiohttp would read the rest after answering: don't

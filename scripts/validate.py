@@ -149,10 +149,12 @@ class _Measured:
 
 def _measure(v: _Validation, configs: dict, predicted: dict) -> dict[str, _Measured]:
     """Every case's real runs, round-robin over the matrix `--repeats` times."""
+    from batchsim.server.executors.factory import step_cost
     from batchsim.server.executors.shadow import ShadowTimer
     from batchsim.server.measure.calibration import device_speed, mean_by_key
 
     probe = _speed_probe(v.profile, v.real.dtype)
+    cost = step_cost(v.sim.config, v.sim.ref)  # the simulator's, passed explicitly
     measured = {c["name"]: _Measured() for c in v.cases}
     repeats, total = v.args.repeats, len(v.cases) * v.args.repeats
     for rep in range(repeats):
@@ -161,7 +163,7 @@ def _measure(v: _Validation, configs: dict, predicted: dict) -> dict[str, _Measu
             err.print(f"[{rep * len(v.cases) + i + 1}/{total}] {name}: "
                       f"real run {rep + 1}/{repeats}")
             before = probe()
-            shadow = ShadowTimer(v.sim.executor.cost, v.real.cache_layout)  # as the real pool holds
+            shadow = ShadowTimer(cost, v.real.cache_layout)  # as the real pool holds
             result = _run(v.real.with_config(configs[name]), v.out_dir,
                           f"{name}-real{rep + 1}", shadow)
             result[STEP] = shadow.error()

@@ -10,6 +10,7 @@ from batchsim.server.executors.base import Executor
 if TYPE_CHECKING:
     from batchsim.server.executors.mlx_executor import MLXExecutor
     from batchsim.server.models.loader import ModelRef
+    from batchsim.server.perf.stepcost import StepCost
 
 
 class ExecutorConfig(Protocol):
@@ -62,16 +63,23 @@ def build_executor(cfg: ExecutorConfig, ref: ModelRef, model: Any = None) -> Exe
         return FakeExecutor(vocab_size=ref.spec.vocab_size)
     if cfg.executor == "sim":
         from batchsim.server.executors.sim_executor import SimExecutor
-        from batchsim.server.perf.devices import resolve_profile
-        from batchsim.server.perf.engines import load_engine
-        from batchsim.server.perf.stepcost import StepCost
 
-        profile = resolve_profile(cfg.device_profile, ref.quantize_bits)
-        cost = StepCost(ref.spec, profile, ref.dtype, ref.quantize_bits, kv_bits=cfg.kv_bits,
-                        engine=load_engine(cfg.engine), paged=cfg.kv_layout == "paged")
+        cost = step_cost(cfg, ref)
         return SimExecutor(cost, cache=ref.spec.cache_layout(cost.act_dtype, cfg.kv_bits),
                            paged=cfg.kv_layout == "paged", spec=_sim_spec(cfg, ref, cost))
     raise ValueError(f"unknown executor {cfg.executor!r} (mlx, sim or fake)")
+
+
+def step_cost(cfg: ExecutorConfig, ref: ModelRef) -> StepCost:
+    """The cost model `--executor sim` prices `ref`'s steps with under `cfg` (its device profile,
+    engine, KV bits and layout); `validate`'s shadow timer prices the real runs with it too."""
+    from batchsim.server.perf.devices import resolve_profile
+    from batchsim.server.perf.engines import load_engine
+    from batchsim.server.perf.stepcost import StepCost
+
+    profile = resolve_profile(cfg.device_profile, ref.quantize_bits)
+    return StepCost(ref.spec, profile, ref.dtype, ref.quantize_bits, kv_bits=cfg.kv_bits,
+                    engine=load_engine(cfg.engine), paged=cfg.kv_layout == "paged")
 
 
 def _sim_spec(cfg: ExecutorConfig, ref: ModelRef, cost: Any):

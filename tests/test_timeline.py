@@ -142,9 +142,9 @@ def test_the_picture_says_what_ran_where_and_the_seats_a_queue_can_wait_for(tmp_
     outcome = run_workload(session, session.config.workload, out_dir=tmp_path, label="t")
     rebuild.rebuild_summary(outcome.run_dir)
     assert len(drawn) == 2
-    for title in drawn:
+    for title in drawn:  # and the traffic, on its own line: the run's and the redrawn alike
         assert title.startswith("llama-3.2-1b (float16, 4-bit weights) on sim (M2 Max, engine "
-                                "mlx-lm-server)")
+                                "mlx-lm-server)\nworkload mixed: 5 requests, poisson at 50 req/s")
 
     ax = figure().subplots()
     steps = [_step(i, float(i), running=8, waiting=3 * i) for i in range(5)]
@@ -152,3 +152,21 @@ def test_the_picture_says_what_ran_where_and_the_seats_a_queue_can_wait_for(tmp_
     seats = [ln for ln in ax.get_lines() if ln.get_label() == "seats (max_num_seqs 8)"]
     assert len(seats) == 1 and set(seats[0].get_ydata()) == {8}
     assert ax.get_legend().get_bbox_to_anchor().y0 >= ax.bbox.y1 - 1  # above the panel
+
+
+def test_a_real_runs_title_names_the_backend_and_device_and_every_arrival_reads_plainly():
+    env = {"backend": "cpu", "device_name": "Intel(R) Xeon(R) Processor"}
+    assert (timeline.run_title("smollm2-135m-instruct", "float32", None, "mlx", None, None, env)
+            == "smollm2-135m-instruct (float32) on mlx (cpu, Intel(R) Xeon(R) Processor)")
+    assert timeline.run_title("m", "float16", 4, "mlx", None, None, {"backend": "metal"}) == (
+        "m (float16, 4-bit weights) on mlx (metal)")
+    assert timeline.run_title("m", None, None, "mlx", None, None) == "m on mlx"  # no env: as was
+    label = timeline.arrival_label
+    assert label({"arrival": "poisson", "request_rate": 5.0}) == "poisson at 5 req/s"
+    assert label({"arrival": "poisson", "request_rate": float("inf")}) == "all at once"
+    assert label({"arrival": "closed", "request_rate": 1.0, "concurrency": 8}) == (
+        "closed loop of 8")
+    assert label({"arrival": "ramp", "request_rate": 1.0, "ramp_end_rate": 4.0}) == (
+        "ramp from 1 to 4 req/s")
+    assert label({"arrival": "trace", "request_rate": 1.0}) == "trace replay"
+    assert label({}) == "?"  # a config.yaml without a workload: no crash, nothing invented

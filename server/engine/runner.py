@@ -36,7 +36,7 @@ from batchsim.server.results.metrics import (
 )
 from batchsim.server.results.recorder import RunRecorder
 from batchsim.server.results.run_files import RecordStream
-from batchsim.server.results.timeline import Limits, run_title, write_timeline
+from batchsim.server.results.timeline import Limits, run_title, timeline_title, write_timeline
 from batchsim.workloads.driver import drive
 from batchsim.workloads.requests import (
     RequestSpec,
@@ -307,8 +307,8 @@ def _timeline(run_dir: Path, records: list[RequestRecord], steps: list[StepRecor
     limits = Limits(session.kv_budget_bytes, sched.max_num_seqs, sched.max_num_batched_tokens)
     cfg = session.config
     what = run_title(session.ref.name, session.dtype, cfg.quantize, cfg.executor,
-                     cfg.device_profile, cfg.engine)
-    title = f"{what}, workload {spec.name}: {len(records)} requests"
+                     cfg.device_profile, cfg.engine, session.environment())
+    title = timeline_title(what, dataclasses.asdict(spec), len(records))
     path, why = write_timeline(run_dir, records, steps, limits, title)
     if why is not None:
         logging.getLogger("batchsim").warning(why)

@@ -22,7 +22,7 @@ from batchsim.server.results.run_files import (
     read_rows,
     write_summary,
 )
-from batchsim.server.results.timeline import Limits, run_title, write_timeline
+from batchsim.server.results.timeline import Limits, run_title, timeline_title, write_timeline
 
 # Facts the records cannot give back: a finished run's own summary keeps them.
 _FROM_THE_RUN = ("duration", "peak_memory", "peak_memory_source", "peak_rss_bytes")
@@ -78,8 +78,10 @@ def _timeline(run_dir: Path, requests: list[RequestRecord], steps: list[StepReco
                     _count(scheduler.get("max_num_batched_tokens")))
     cfg = _section(config, "config")
     what = run_title(str(cfg.get("model", "run")), old.get("dtype"), cfg.get("quantize"),
-                     cfg.get("executor"), cfg.get("device_profile"), cfg.get("engine"))
-    title = f"{what}: {len(requests)} requests (redrawn by batchsim report)"
+                     cfg.get("executor"), cfg.get("device_profile"), cfg.get("engine"),
+                     _section(old, "env"))
+    title = timeline_title(what, _section(config, "workload"), len(requests))
+    title += " (redrawn by batchsim report)"
     path, why = write_timeline(run_dir, requests, steps, limits, title)
     if why is not None:
         notes.append(why)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from batchsim.scheduler.pool_geometry import KV_STEP
@@ -125,7 +126,7 @@ def draw_timeline(path: Path, requests: Sequence[RequestRecord], steps: Sequence
     """Write the run's timeline PNG at `path` (four panels sharing the time axis)."""
     fig = figure(figsize=(11, 10))
     axes = fig.subplots(4, 1, sharex=True)
-    fig.subplots_adjust(left=0.07, right=0.92, top=0.92, bottom=0.06, hspace=0.28)
+    fig.subplots_adjust(left=0.07, right=0.92, top=0.895, bottom=0.06, hspace=0.28)
     if not steps:
         axes[0].text(0.5, 0.5, "no steps recorded", ha="center", transform=axes[0].transAxes)
         fig.suptitle(title)
@@ -191,8 +192,10 @@ def _batch_panel(ax, series: _Series) -> None:
 
 def _kv_panel(ax, series: _Series, first: int | None, steps: Sequence[StepRecord],
               limits: Limits) -> None:
-    ax.plot(series.x, series.get("kv", "max") / _GIB, color="tab:red", lw=1,
-            label="KV held (max per bin)" if series.binned else "KV held",
+    kv_gib = series.get("kv", "max") / _GIB
+    peak = f"peak {kv_gib.max():.3g} GiB"  # a line at 1% of the budget is too thin to read
+    ax.plot(series.x, kv_gib, color="tab:red", lw=1,
+            label=f"KV held (max per bin, {peak})" if series.binned else f"KV held ({peak})",
             drawstyle="default" if series.binned else "steps-pre")
     if limits.kv_budget_bytes:
         ax.axhline(limits.kv_budget_bytes / _GIB, color="black", ls="--", lw=1,
@@ -214,15 +217,45 @@ def _kv_panel(ax, series: _Series, first: int | None, steps: Sequence[StepRecord
     ax.set_ylabel("KV (GiB)")
 
 
+def weights_label(dtype: str | None, quantize: int | None) -> str:
+    """`float16, 4-bit weights`: the compute dtype and, for a quantized model, its weights' bits."""
+    return ", ".join(x for x in (dtype, f"{quantize}-bit weights" if quantize else None) if x)
+
+
+def arrival_label(workload: Mapping[str, Any]) -> str:
+    """How the requests came, from a workload's fields (a WorkloadSpec's or config.yaml's):
+    `poisson at 5 req/s`, `all at once`, `closed loop of 8`."""
+    arrival, rate = workload.get("arrival"), workload.get("request_rate")
+    came = f"{arrival} at {rate:g} req/s" if isinstance(rate, (int, float)) else str(arrival or "?")
+    if arrival == "closed":
+        came = f"closed loop of {workload.get('concurrency')}"
+    elif arrival == "trace" or rate == float("inf"):
+        came = "trace replay" if arrival == "trace" else "all at once"
+    elif arrival == "ramp":
+        came = f"ramp from {rate:g} to {workload.get('ramp_end_rate') or rate:g} req/s"
+    return came
+
+
 def run_title(model: str, dtype: str | None, quantize: int | None, executor: str | None,
-              device_profile: str | None, engine: str | None) -> str:
+              device_profile: str | None, engine: str | None,
+              env: Mapping[str, Any] | None = None) -> str:
     """What ran where, for the picture's title: a simulated run names its device profile and the
-    serving engine whose costs it priced."""
-    weights = ", ".join(x for x in (dtype, f"{quantize}-bit weights" if quantize else None) if x)
+    serving engine whose costs it priced, a real one MLX's backend and device (from `env`, the
+    environment a summary records)."""
+    weights = weights_label(dtype, quantize)
     where = executor or "?"
     if executor == "sim":
         where = f"sim ({device_profile or 'this machine'}, engine {engine or 'batchsim'})"
+    elif env and env.get("backend"):
+        device = env.get("device_name")
+        where = f"{where} ({env['backend']}{f', {device}' if device else ''})"
     return f"{model} ({weights}) on {where}" if weights else f"{model} on {where}"
+
+
+def timeline_title(what: str, workload: Mapping[str, Any], num_requests: int) -> str:
+    """The timeline's title: what ran where (run_title), then the traffic."""
+    return (f"{what}\nworkload {workload.get('name', '?')}: {num_requests} requests, "
+            f"{arrival_label(workload)}")
 
 
 def write_timeline(run_dir: Path, requests: Sequence[RequestRecord], steps: Sequence[StepRecord],

@@ -104,6 +104,28 @@ def test_refused_and_out_of_range_fields_name_themselves(srv):
     assert complete(srv, **ok)["usage"]["completion_tokens"] == 24
 
 
+@pytest.mark.parametrize("path,field,value", [
+    ("/v1/completions", "best_of", True), ("/v1/completions", "echo", 0),  # true is not 1
+    ("/v1/chat/completions", "min_tokens", False), ("/v1/chat/completions", "top_logprobs", False),
+    ("/v1/chat/completions", "tool_choice", "required"),  # no tools: it cannot be honoured
+    ("/v1/chat/completions", "tool_choice", {"type": "function", "function": {"name": "f"}}),
+    ("/v1/chat/completions", "function_call", {"name": "f"}),
+    ("/v1/chat/completions", "messages", [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "a", "type": "function",
+                                              "function": {"name": "f", "arguments": "{}"}}]}]),
+])
+def test_tool_fields_and_look_alike_types_are_refused(srv, path, field, value):
+    """Each was a 200 that ignored the field (a template drops tool_calls; True == 1)."""
+    plain = {**BODY, "messages": [{"role": "user", "content": "hi"}]}
+    r = srv.client.post(path, json={**plain, field: value})
+    assert r.status_code == 400, r.text
+    param = "messages[1].tool_calls" if field == "messages" else field
+    assert r.json()["error"]["param"] == param, r.text
+    for harmless in ({"tool_choice": "auto"}, {"tool_choice": "none"}, {"best_of": 1}):
+        assert srv.client.post(path, json={**plain, **harmless}).status_code == 200
+
+
 def test_context_overflow_names_the_field_sent(srv):
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     for field in ("max_tokens", "max_completion_tokens"):

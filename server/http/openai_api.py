@@ -113,14 +113,20 @@ def _check_unsupported(body: dict[str, Any], kind: Kind) -> None:
     refused = {"best_of": (None, 1), "echo": (None, False), "suffix": (None,),
                "logprobs": (None, False) if kind == "chat" else (None,),
                "top_logprobs": (None, 0), "min_tokens": (None, 0), "tools": (None, []),
-               "functions": (None, [])}
+               "functions": (None, []), "tool_choice": (None, "none", "auto"),
+               "function_call": (None, "none", "auto")}  # without tools these two are no-ops
     for key, allowed in refused.items():
-        if key in body and body[key] not in allowed:
+        if key in body and not _one_of(body[key], allowed):
             raise APIError(400, f"{key}: not supported by batchsim serve", param=key)
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise APIError(400, 'response_format: only {"type": "text"}; batchsim serve has no '
                        "structured output", param="response_format")
+
+
+def _one_of(value: Any, allowed: tuple[Any, ...]) -> bool:
+    """`value` equals one of `allowed` and has its type (true is not 1, 0 is not false)."""
+    return any(value == a and type(value) is type(a) for a in allowed)
 
 
 def _stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
@@ -162,12 +168,7 @@ def _chat_prompt(body: dict[str, Any], tokenizer: Any, max_bytes: int) -> list[i
     messages = body.get("messages")
     check(body, "messages", isinstance(messages, list) and bool(messages),
            "a non-empty list of messages")
-    plain = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in _ROLES:
-            raise APIError(400, f"messages[{i}]: an object with a role in {', '.join(_ROLES)}",
-                           param=f"messages[{i}]")
-        plain.append({"role": m["role"], "content": _message_text(m.get("content"), i)})
+    plain = [_plain_message(m, i) for i, m in enumerate(messages)]
     _check_prompt_bytes(sum(len(m["content"].encode()) for m in plain), max_bytes, "messages")
     try:
         ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True)
@@ -177,6 +178,18 @@ def _chat_prompt(body: dict[str, Any], tokenizer: Any, max_bytes: int) -> list[i
     if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
+
+
+def _plain_message(m: Any, i: int) -> dict[str, str]:
+    """messages[i] as the chat template takes it: its role and text."""
+    if not isinstance(m, dict) or m.get("role") not in _ROLES:
+        raise APIError(400, f"messages[{i}]: an object with a role in {', '.join(_ROLES)}",
+                       param=f"messages[{i}]")
+    for key in ("tool_calls", "function_call"):  # the template would drop them unsaid
+        if m.get(key):
+            raise APIError(400, f"messages[{i}].{key}: not supported by batchsim serve",
+                           param=f"messages[{i}].{key}")
+    return {"role": m["role"], "content": _message_text(m.get("content"), i)}
 
 
 def _message_text(content: Any, i: int) -> str:

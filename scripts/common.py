@@ -21,6 +21,7 @@ from batchsim.server.results.jsonio import (  # noqa: F401 (re-exported for the 
     write_jsonl,
 )
 from batchsim.server.results.plots import pyplot, save_figure  # noqa: F401
+from batchsim.server.results.timeline import executor_label  # noqa: F401 (re-exported)
 from batchsim.workloads.lengths import LengthSpec
 from rich.console import Console
 from rich.table import Table
@@ -194,12 +195,6 @@ def add_field_argument(group: Any, source: Any, name: str, help: str, *, flag: s
 
 # --dtype's help wherever a command takes it (RunConfig's `auto`).
 DTYPE_HELP = "auto: float32 on the CPU backend (the only dtype using BLAS), float16 on GPUs"
-
-
-def executor_label(executor: str, engine: str | None) -> str:
-    """How titles name what ran: `sim, engine NAME` for a simulated run (the serving engine whose
-    costs it prices), else the executor alone (a real run is batchsim's own engine)."""
-    return f"{executor}, engine {engine}" if executor == "sim" and engine else executor
 
 
 def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]],

@@ -170,3 +170,18 @@ def test_a_real_runs_title_names_the_backend_and_device_and_every_arrival_reads_
         "ramp from 1 to 4 req/s")
     assert label({"arrival": "trace", "request_rate": 1.0}) == "trace replay"
     assert label({}) == "?"  # a config.yaml without a workload: no crash, nothing invented
+
+
+def test_the_timeline_title_and_the_console_name_a_run_through_one_formatter():
+    """run_title and the commands' executor_label named a simulated run two ways ('sim (M2 Max,
+    engine vllm)' vs 'sim, engine vllm'); now one formatter, the profile where it is known."""
+    from batchsim.scripts.common import executor_label as console_label
+
+    assert console_label is timeline.executor_label
+    assert console_label("sim", "vllm") == "sim (engine vllm)"
+    assert console_label("sim", "vllm", "M2 Max") == "sim (M2 Max, engine vllm)"
+    assert console_label("mlx", "vllm") == "mlx"
+    assert timeline.run_title("m", "float16", 4, "sim", "M2 Max", "vllm") == (
+        f"m (float16, 4-bit weights) on {console_label('sim', 'vllm', 'M2 Max')}")
+    assert timeline.run_title("m", None, None, "sim", None, None) == (
+        "m on sim (this machine, engine batchsim)")

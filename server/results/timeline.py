@@ -236,6 +236,17 @@ def arrival_label(workload: Mapping[str, Any]) -> str:
     return came
 
 
+def executor_label(executor: str | None, engine: str | None,
+                   device_profile: str | None = None) -> str:
+    """How titles and headers name what ran: a simulated run `sim (PROFILE, engine NAME)`, the
+    device profile where the caller knows it and the serving engine whose costs it priced; else
+    the executor alone (a real run is batchsim's own engine)."""
+    if executor != "sim":
+        return executor or "?"
+    where = ", ".join(x for x in (device_profile, f"engine {engine or 'batchsim'}") if x)
+    return f"sim ({where})"
+
+
 def run_title(model: str, dtype: str | None, quantize: int | None, executor: str | None,
               device_profile: str | None, engine: str | None,
               env: Mapping[str, Any] | None = None) -> str:
@@ -243,10 +254,8 @@ def run_title(model: str, dtype: str | None, quantize: int | None, executor: str
     serving engine whose costs it priced, a real one MLX's backend and device (from `env`, the
     environment a summary records)."""
     weights = weights_label(dtype, quantize)
-    where = executor or "?"
-    if executor == "sim":
-        where = f"sim ({device_profile or 'this machine'}, engine {engine or 'batchsim'})"
-    elif env and env.get("backend"):
+    where = executor_label(executor, engine, device_profile or "this machine")
+    if executor != "sim" and env and env.get("backend"):
         device = env.get("device_name")
         where = f"{where} ({env['backend']}{f', {device}' if device else ''})"
     return f"{model} ({weights}) on {where}" if weights else f"{model} on {where}"

@@ -1,15 +1,13 @@
 """`batchsim size`: per Mac and memory size, how much memory the GPU may use, how many sequences fit
 before the KV cache overruns it (padded vs paged layout), and the decode tok/s the simulator's
-performance model predicts. The arithmetic lives in server.perf.size_limits; here the flags, the
-table and the plot. No model runs and no MLX."""
+performance model predicts. The arithmetic lives in server.perf.size_limits, the table and the
+plot in size_view; here the flags and the run. No model runs and no MLX."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
-import numpy as np
 from batchsim.configs import ConfigError
 from batchsim.scheduler.config import MAX_SPEC_TOKENS
 from batchsim.scheduler.pool_geometry import KV_STEP, PAGE_TOKENS
@@ -17,19 +15,15 @@ from batchsim.scripts.common import (
     add_field_argument,
     append_jsonl,
     bounded,
-    fmt,
-    gib,
     non_negative_float,
     non_negative_int,
     out,
     positive_float,
     positive_int,
-    pyplot,
-    save_figure,
     seed_int,
-    table,
     timestamp,
 )
+from batchsim.scripts.size_view import plot, print_parts, print_table
 from batchsim.scripts.spec_args import acceptance_of, add_acceptance_args
 from batchsim.server.models.loader import spec_for
 from batchsim.server.models.spec import FLOAT_DTYPES, KV_BITS, QUANT_BITS, ModelSpec, zoo_names
@@ -37,7 +31,6 @@ from batchsim.server.perf import macs
 from batchsim.server.perf.cluster import Cluster, resolve_link
 from batchsim.server.perf.engines import DEFAULT_ENGINE, engine_help, load_engine
 from batchsim.server.perf.gpu_fit import fit_format, load_fit
-from batchsim.server.perf.profile import KV_DEQUANT_OPS_PER_ELEMENT
 from batchsim.server.perf.size_limits import (
     FIT_TRIALS,
     MAX_BATCH_CAP,
@@ -47,7 +40,6 @@ from batchsim.server.perf.size_limits import (
     mac_row,
 )
 from batchsim.server.perf.spec_price import check_speculation
-from batchsim.server.perf.stepcost import StepTime
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -157,16 +149,16 @@ def run(args: argparse.Namespace) -> dict:
     meta.update(_cluster_meta(cluster))
     rows = [mac_row(spec, m, gb, ctx, s, ws, explain=args.explain, cluster=cluster)
             for m in chosen for gb in ([args.memory_gb] if args.memory_gb else m.mem_gb)]
-    _print(rows, meta, spec)
+    print_table(rows, meta, spec)
     if args.explain:
-        _print_parts(rows, meta)
+        print_parts(rows, meta)
     tag = f"{spec.name}-{f'q{args.quantize}' if args.quantize else args.dtype}"
     tag += f"-kv{args.kv_bits}" if args.kv_bits else ""
     tag += f"-x{args.macs}-{args.link}-{args.parallel}" if cluster else ""
     stamp = timestamp()
     jsonl = append_jsonl(args.out / "size.jsonl",
                          [{"kind": "size", "time": stamp, **meta, **r} for r in rows])
-    png = _plot(rows, meta, args.out / f"size-{tag}-{stamp}.png")
+    png = plot(rows, meta, args.out / f"size-{tag}-{stamp}.png")
     out.print(f"rows appended to {jsonl}; plot {png}")
     return {"rows": rows, **meta, "fits_any": any(r["fits"] for r in rows),
             "fits_any_raised": any(r["fits_raised"] for r in rows),
@@ -221,180 +213,3 @@ def _meta(args: argparse.Namespace, spec: ModelSpec, catalog: macs.Catalog,
         "decode_tok_s_context": "the simulator's pure-decode step, each row reading the mean "
                                 "context; batch = max_batch",
     }
-
-
-def _print(rows: list[dict], meta: dict, spec: ModelSpec) -> None:
-    what = f"{spec.name} {_weights_tag(meta)}, engine {meta['engine']}, context {meta['context']}"
-    cols, body = _columns(rows)
-    if not spec.is_dense:  # where the per-sequence bytes come from
-        cols.insert(6, "KV full/win/state MiB")
-        for line, r in zip(body, rows):
-            line.insert(6, "/".join(f"{v / (1 << 20):.4g}" for v in r["kv_per_seq"].values()))
-    if meta["shared_prefix_tokens"]:  # beside the padded/paged limits
-        at = cols.index("raised padded/paged") + 1
-        cols.insert(at, "shared dflt/raised")
-        for line, r in zip(body, rows):
-            line.insert(at, f"{r['max_batch_shared']} / {r['max_batch_shared_raised']}")
-    if meta["spec_tokens"]:  # speculation's speed-up at batch 1 and where it stops paying
-        cols += [f"K={meta['spec_tokens']} x b1", "spec stops at"]
-        for line, r in zip(body, rows):
-            b1, plain = r.get("decode_tok_s_b1_spec"), r["decode_tok_s_b1"]
-            line += [b1 / plain if b1 and plain else None, _stops(r) if b1 and plain else None]
-    out.print(table(
-        f"Batch limits per Mac: {what} (padded = rows padded to the longest in {KV_STEP}-token "
-        f"steps; paged = {PAGE_TOKENS}-token blocks)", cols, body,
-        keep=["chip", "mem GB", "max batch padded/paged", "tok/s b1", "tok/s @max", "fits"]))
-    for line in _notes(rows, meta, what, spec):
-        out.print(line)
-
-
-def _stops(row: dict) -> int | str | None:
-    """The 'spec stops at' cell: the batch, or "> N" where it pays up to the max batch N."""
-    every = row.get("spec_break_even") == "pays_at_every_batch"
-    return f"> {row['max_batch']}" if every else row.get("spec_break_even_batch")
-
-
-def _columns(rows: list[dict]) -> tuple[list[str], list[list]]:
-    return (
-        ["chip", "GPU", "mem GB", "usable GiB dflt/raised", "weights GiB", "KV/seq MiB",
-         "max batch padded/paged", "raised padded/paged", "tok/s b1", "tok/s @max", "fits"],
-        [[r["chip"], r["gpu_cores"], r["memory_gb"],
-          f"{fmt(gib(r['usable_bytes']))} / {fmt(gib(r['usable_bytes_raised']))}",
-          gib(r["weight_bytes"]), r["kv_bytes_per_seq"] / (1 << 20),
-          f"{r['max_batch_padded']} / {r['max_batch_paged']}",
-          f"{r['max_batch_padded_raised']} / {r['max_batch_paged_raised']}",
-          _tok(r, "decode_tok_s_b1"), _tok(r, "decode_tok_s_max_batch"),
-          "yes" if r["fits"] else ("raised" if r["fits_raised"] else "no")] for r in rows],
-    )
-
-
-def _notes(rows: list[dict], meta: dict, what: str, spec: ModelSpec) -> list[str]:
-    notes = [
-        (f"Usable: Metal's default working set ({meta['working_set_rule']}); raised: "
-         f"iogpu.wired_limit_mb = RAM - {meta['os_reserve_gb']:g} GB. Budget = usable - weights."),
-        "Fixed context: every batch is exact." if meta["context_fixed"] else
-        f"Distribution: max batch = the largest B whose p{meta['fit_quantile'] * 100:g} KV bytes "
-        f"over {meta['fit_trials']} seeded batches fit; mean context "
-        f"{meta['context_mean_tokens']:.0f}.",
-        f"Decode tok/s: the simulator's step cost at the mean context (`batchsim sweep "
-        f"--executor sim` predicts the same); max batch = the padded one. GPU step: "
-        f"{meta['profile_terms']}, fitted on {meta['bandwidth_efficiency_source']}"
-        + _held_out(meta["profile_errors"]) + ".",
-    ]
-    if meta["shared_prefix_tokens"]:
-        notes.append(f"Shared: paged, every sequence's first {meta['shared_prefix_tokens']} tokens "
-                     f"the same prompt, its whole {PAGE_TOKENS}-token blocks stored once (a prefix "
-                     f"cache's reuse; sliding-window and linear-attention state never shared).")
-    engine = load_engine(meta["engine"])
-    notes.append(f"Engine {engine.name} (configs/engines/{engine.name}.yaml): host "
-                 f"{engine.host_step_us:g} us per step + {engine.host_token_us:g} us per token"
-                 + engine.batching_note()
-                 + (f" ({engine.host_basis})" if engine.host_basis else "") + ".")
-    if not spec.is_dense:
-        notes.append(f"{'+'.join(spec.families)}: KV/seq is mlx-lm's exact cache of one sequence "
-                     f"at the mean context, by kind (full-attention/MLA KV grows with it, sliding "
-                     f"layers' KV is capped at their window, linear-attention state is fixed); "
-                     f"padded max batch = budget over B x that at the longest. MoE decode reads "
-                     f"the expected distinct experts under uniform routing (an upper bound).")
-    if meta["kv_bits"]:
-        notes.append(f"KV {meta['kv_bits']}-bit: mlx-lm's QuantizedKVCache (packed K/V + a scale "
-                     f"and a bias per 64 elements); decode attention reads those bytes plus an "
-                     f"assumed dequantization of {KV_DEQUANT_OPS_PER_ELEMENT} ops per K/V element "
-                     f"at the compute rate (not measured on Metal). Batched MLX serving of it: not "
-                     f"yet (`run --executor sim` simulates it).")
-    if meta["macs"] > 1:
-        notes.append(f"Cluster: {meta['macs']} Macs of each row's kind, {meta['parallel']} "
-                     f"parallel over {meta['link_name']} ({meta['link_bandwidth_gbs']:g} GB/s, "
-                     f"{meta['link_latency_us']:g} us per message, {meta['link_topology']}). "
-                     f"Memory, weights, KV/seq and max batch are per Mac; tok/s is the cluster's; "
-                     f"--explain shows the link's share (comm)."
-                     + (" RDMA over Thunderbolt needs Thunderbolt 5 and macOS 26.2 (M1/M2 Macs "
-                        "have Thunderbolt 4: --link tb4)." if meta["link"] == "tb5-rdma" else ""))
-    notes += sorted({r["refused"] for r in rows if r.get("refused")})
-    if any(r["peaks_estimated"] for r in rows):
-        notes.append("* peak FLOP/s estimated (configs/macs.yaml says from what: M3/M4 from "
-                     "third-party clocks, M5 from a published time to first token).")
-    if any(r["capped"] for r in rows):
-        notes.append(f"Max batch is capped at {MAX_BATCH_CAP}.")
-    if not any(r["fits"] for r in rows):
-        raised = [f"{r['label']} {r['memory_gb']:g}GB" for r in rows if r["fits_raised"]]
-        notes.append(f"[bold red]{what} fits no Mac here at the default Metal limit[/bold red]"
-                     + (f"; with iogpu.wired_limit_mb raised: {', '.join(raised)}." if raised
-                        else ", nor with iogpu.wired_limit_mb raised."))
-    return notes
-
-
-PARTS = tuple(f.name for f in dataclasses.fields(StepTime)) + ("total_s",)
-
-
-def _print_parts(rows: list[dict], meta: dict) -> None:
-    """The predicted decode step, part by part, in ms: one line per Mac, memory size and batch
-    (parts that are zero in every line left out)."""
-    steps = [(r, batch, r[key]) for r in rows
-             for batch, key in ((1, "parts_b1"), (r["max_batch"], "parts"),
-                                (f"1, K={meta['spec_tokens']}", "parts_spec_b1")) if r.get(key)]
-    shown = [p for p in PARTS if p == "total_s" or any(parts[p] for _, _, parts in steps)]
-    body = [[f"{r['label']} {r['memory_gb']:g}GB", batch] + [1e3 * parts[p] for p in shown]
-            + [r["decode_tok_s_b1_spec"] if isinstance(batch, str) else batch / parts["total_s"]]
-            for r, batch, parts in steps]
-    names = [p.removesuffix("_s").replace("_", " ") + " ms" for p in shown]
-    cols = ["Mac", "batch", *names, "tok/s"]
-    out.print(table(f"Predicted decode step by part, engine {meta['engine']}, context "
-                    f"{meta['context']} (mean "
-                    f"{meta['context_mean_tokens']:.0f} tokens read per row)", cols, body))
-    out.print("weights: linear layers streaming their weights; matmul: their arithmetic (a "
-              "Mac's one-row step: the larger of the two; several rows: both); attention: K/V "
-              "reads; draft: the drafter (a draft model's K forwards, else n-gram lookups; row "
-              "'1, K=k': a verify step at batch 1, tok/s with its acceptance); "
-              "elementwise: norms, activations, logits; fixed: per layer and forward pass (a Mac's "
-              "fitted kernel dispatch and sync); step overhead: per engine step (zero on a catalog "
-              "Mac); copy: KV pool copies (none in steady decode); experts: MoE routed experts "
-              "(the distinct experts the batch routes to); attention rows: attention's fixed cost "
-              "per row; token ops: elementwise kernels' per token; sampling: per row; host step / "
-              f"host token: the engine's ({meta['engine']}) host work. Zero parts are not shown.")
-
-
-def _held_out(errors: dict) -> str:
-    """The fit's held-out error, beside every per-Mac figure it predicts."""
-    if not errors:
-        return ""
-    return (f"; held-out |error| of batch-1 tok/s: median "
-            f"{100 * errors['leave_one_chip_out_median_abs']:.0f}% (worst "
-            f"{100 * errors['leave_one_chip_out_worst_abs']:.0f}%) leaving one chip out, "
-            f"{100 * errors['leave_one_source_out_median_abs']:.0f}% "
-            f"({100 * errors['leave_one_source_out_worst_abs']:.0f}%) one source out")
-
-
-def _weights_tag(meta: dict) -> str:
-    q, kv = meta["quantize_bits"], meta["kv_bits"]
-    return (f"{q}-bit" if q else meta["dtype"]) + (f", KV {kv}-bit" if kv else "")
-
-
-def _tok(row: dict, key: str) -> str:
-    value = row[key]
-    return "-" if value is None else fmt(value) + ("*" if row["peaks_estimated"] else "")
-
-
-def _plot(rows: list[dict], meta: dict, path: Path) -> Path:
-    """Max batch (padded vs paged) and predicted tok/s (batch 1 vs max batch) per Mac config."""
-    plt, y = pyplot(), np.arange(len(rows))
-    fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(12, 1.5 + 0.18 * len(rows)), sharey=True)
-    bars = [
-        (ax_b, "max_batch_padded", f"padded ({KV_STEP}-token steps)", -0.2),
-        (ax_b, "max_batch_paged", f"paged ({PAGE_TOKENS}-token blocks)", 0.2),
-        (ax_t, "decode_tok_s_b1", "batch 1", -0.2),
-        (ax_t, "decode_tok_s_max_batch", "max batch (padded)", 0.2),
-    ]
-    for ax, key, label, dy in bars:
-        ax.barh(y + dy, [r[key] or 0 for r in rows], 0.4, label=label)
-    for ax in (ax_b, ax_t):  # the x axes run 60% past the bars: room for the legends
-        ax.set_xlim(0, 1.6 * ax.get_xlim()[1])
-        ax.legend(loc="lower right", fontsize=8)
-    ax_b.set_xlabel("max concurrent sequences (default Metal limit)")
-    ax_t.set_xlabel("predicted decode tok/s (the simulator's step cost; * peak FLOP/s estimated)")
-    ax_b.set_yticks(y, [f"{r['label']} {r['memory_gb']:g}GB{'*' if r['peaks_estimated'] else ''}"
-                        for r in rows], fontsize=7)
-    ax_b.invert_yaxis()
-    fig.suptitle(f"{meta['model']} {_weights_tag(meta)}, engine {meta['engine']}, context "
-                 f"{meta['context']}: predicted per Mac (no model run)")
-    return save_figure(fig, path)

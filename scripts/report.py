@@ -9,7 +9,7 @@ from typing import Any
 from batchsim.scripts.common import fmt, table
 from rich.table import Table
 
-_GB = 1e9  # as mlx-lm prints memory
+_GIB = float(1 << 30)  # as the run's header, timeline.png, --memory-gb and `size` give memory
 
 _SECTIONS = (
     ("ttft", "TTFT", "Time to First Token"),
@@ -27,17 +27,19 @@ _THROUGHPUT_ROWS = (
 _BATCH_ROWS = (
     ("Mean decode batch size", "mean_batch_size"), ("Max decode batch size", "max_batch_size"),
     ("Engine steps", "num_engine_steps"), ("Preemptions", "num_preemptions"),
-    ("Prompt tokens (incl. recompute)", "prompt_tokens"), ("Prompt tok/s", "prompt_tps"),
+    ("Prompt tokens prefilled (incl. recompute)", "prompt_tokens"), ("Prompt tok/s", "prompt_tps"),
+    ("Prefix cache hit rate", "prefix_cache_hit_rate"),
+    ("Cached prompt tokens (not prefilled)", "cached_prompt_tokens"),
     ("Generation tokens", "generation_tokens"), ("Generation tok/s", "generation_tps"),
-    ("Peak KV (GB)", "peak_kv_bytes"), ("KV budget (GB)", "kv_budget_bytes"),
+    ("Peak KV (GiB)", "peak_kv_bytes"), ("KV budget (GiB)", "kv_budget_bytes"),
 )
 
 
 def summary_table(summary: Mapping[str, Any]) -> Table:
     """vLLM's "Serving Benchmark Result" block, then the batch and memory view."""
     s = {**summary}
-    for key in ("peak_kv_bytes", "kv_budget_bytes"):
-        s[key] = None if s.get(key) is None else s[key] / _GB
+    for key, unit in (("peak_kv_bytes", 1.0), ("kv_budget_bytes", 1.0), ("peak_memory", 1e9)):
+        s[key] = None if s.get(key) is None else s[key] * unit / _GIB  # peak_memory: in GB
     failed = (f"Failed requests ({s.get('num_rejected', 0)} rejected, "
               f"{s.get('num_aborted', 0)} aborted, {s.get('num_unfinished', 0)} unfinished)")
     rows: list[tuple[str, Any] | None] = [
@@ -59,9 +61,10 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
                  if k.startswith("p") and k[1:2].isdigit() and k.endswith(suffix)]
     rows += _output_length_rows(s)
     rows += [None, ("[bold]Batch and memory[/bold]", "")]
-    rows += [(label, s.get(key)) for label, key in _BATCH_ROWS]
+    rows += [(label, s.get(key)) for label, key in _BATCH_ROWS
+             if key in s or not key.startswith(("prefix_", "cached_"))]  # a cache-less summary
     source = s.get("peak_memory_source") or "unknown"
-    rows.append((f"Peak memory (GB, {source})", s.get("peak_memory")))
+    rows.append((f"Peak memory (GiB, {source})", s.get("peak_memory")))
     t = table("Serving Benchmark Result", ["metric", "value"], [])
     for row in rows:
         if row is None:

@@ -4,6 +4,7 @@ the summary table (the engine's RunView), and the warning for a profile of anoth
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -22,10 +23,13 @@ class ConsoleView:
         self.show_progress = progress
 
     def opened(self, session: Session) -> None:
+        from batchsim.server.results.timeline import arrival_label, weights_label
+
         cfg, spec = session.config, session.config.workload
-        err.print(f"batchsim run: {session.ref.name} ({session.dtype}) on "
-                  f"{executor_label(cfg.executor, cfg.engine)}, "
-                  f"workload {spec.name}: {spec.num_prompts} requests, max_num_seqs "
+        err.print(f"batchsim run: {session.ref.name} ({weights_label(session.dtype, cfg.quantize)})"
+                  f" on {executor_label(cfg.executor, cfg.engine)}, workload {spec.name}: "
+                  f"{spec.num_prompts} requests, {arrival_label(dataclasses.asdict(spec))}, "
+                  "max_num_seqs "
                   f"{cfg.scheduler.max_num_seqs}, KV budget "
                   f"{session.kv_budget_bytes / 2**30:.2f} GiB ({session.budget_source})")
 

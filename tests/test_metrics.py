@@ -271,4 +271,4 @@ def test_summary_table_shows_values(summary):
     assert "Successful requests" in text and "(1 rejected, 1 aborted, 0 unfinished)" in text
     assert "P99 TTFT (ms)" in text and "745" in text and "583" in text  # p99 and mean TTFT
     assert "P99 ITL (ms)" in text and "970" in text
-    assert "Peak memory (GB, weights+kv)" in text
+    assert "Peak memory (GiB, weights+kv)" in text

@@ -1,0 +1,38 @@
+"""What `batchsim run` shows a person: the header line and the summary table say the same thing
+in the same units (GiB, as --memory-gb, timeline.png and `size` do)."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import re
+
+from batchsim.scripts import run_view
+from batchsim.scripts.report import summary_table
+from batchsim.server.engine.runner import run_workload
+from batchsim.server.engine.session import open_session
+from rich.console import Console
+
+from tests.test_records import sim_config
+
+
+def test_header_and_table_name_the_weights_the_traffic_and_one_kv_budget(monkeypatch):
+    buf = io.StringIO()
+    monkeypatch.setattr(run_view, "err", Console(file=buf, width=400, color_system=None))
+    session = open_session(dataclasses.replace(sim_config(n=6), memory_gb=12.0))
+    run_view.ConsoleView(progress=False).opened(session)
+    header = buf.getvalue()
+    # a 4-bit model's header said "(float16)" alone; the traffic said nothing of its rate
+    assert "llama-3.2-1b (float16, 4-bit weights) on sim, engine batchsim" in header
+    assert "workload mixed: 6 requests, poisson at 50 req/s" in header
+    budget_gib = re.search(r"KV budget ([\d.]+) GiB", header).group(1)
+
+    outcome = run_workload(session, session.config.workload, out_dir=None, label="t")
+    console = Console(width=120, record=True)
+    console.print(summary_table(outcome.summary))
+    text = console.export_text()
+    # the same budget, in the same unit, in both places (the table said 18.42 GB for 17.15 GiB)
+    assert re.search(rf"KV budget \(GiB\)\s+│\s+{budget_gib}\s", text), (budget_gib, text)
+    assert "Peak KV (GiB)" in text and "(GB" not in text
+    # cached prompt tokens are why prompt tokens prefilled can be fewer than the input tokens
+    assert "Prefix cache hit rate" in text and "Cached prompt tokens (not prefilled)" in text

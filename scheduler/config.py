@@ -91,6 +91,8 @@ class SchedulerConfig:
     row_step: int = _DEFAULT.row_step
     spec_tokens: int = _DEFAULT.spec_tokens
     spec_policy: str = _DEFAULT.spec_policy
+    # Not the same as reuse_prefixes: what the user asked (--prefix-cache), kept as asked for the
+    # run's config.yaml; the scheduler reads reuse_prefixes, never this.
     prefix_cache: OnOff = _DEFAULT.prefix_cache
     # Pure-decode steps one plan may cover (1 for real execution; more lets a simulator skip ahead).
     max_lookahead_steps: int = 1
@@ -99,8 +101,10 @@ class SchedulerConfig:
     cache_layout: CacheLayout | None = None
     # How the decode pool holds full-attention and MLA layers: padded rows, or paged blocks.
     kv_layout: KVLayout = "padded"
-    # Reuse cached prompt blocks: the session's answer to `prefix_cache` for this model (dense
-    # layouts only: every layer full attention or MLA, at full precision).
+    # Whether the scheduler reuses cached prompt blocks: the session's answer to `prefix_cache`
+    # for this model, False where reuse cannot apply whatever was asked (a sliding-window or
+    # linear-attention layer, or quantized KV: every layer must be full attention or MLA at full
+    # precision); never True while prefix_cache is off.
     reuse_prefixes: bool = False
 
     def __post_init__(self) -> None:

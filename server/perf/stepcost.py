@@ -196,16 +196,22 @@ class StepCost:
 
     def _fixed_s(self) -> float:
         """A forward pass's fixed cost: its dispatches, and (a catalog Ultra) its MoE layers'."""
-        if self.cal is not None:
-            return self._dispatch_s()
-        return self._dispatch_s() + self.layers.moe_layers * self.profile.moe_layer_overhead_s
+        dispatch_s, moe_s = self._fixed_parts_s
+        return dispatch_s + moe_s
 
     def _dispatch_s(self) -> float:
         """A forward pass's kernel dispatch and graph building: per layer and per forward."""
+        return self._fixed_parts_s[0]
+
+    @cached_property
+    def _fixed_parts_s(self) -> tuple[float, float]:
+        """(dispatch, MoE layers') of a forward pass, the one place the calibration is asked: a
+        calibrated device's measured overheads (no MoE term), else the catalog profile's."""
         if self.cal is not None:
-            return (self._layers_overhead_us + self.cal.forward_overhead_us) * 1e-6
+            return (self._layers_overhead_us + self.cal.forward_overhead_us) * 1e-6, 0.0
         p = self.profile
-        return self.spec.num_layers * p.layer_overhead_s + p.forward_overhead_s
+        return (self.spec.num_layers * p.layer_overhead_s + p.forward_overhead_s,
+                self.layers.moe_layers * p.moe_layer_overhead_s)
 
     @cached_property
     def _layers_overhead_us(self) -> float:

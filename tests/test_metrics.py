@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import pytest
 from batchsim.configs import ConfigError
@@ -272,3 +273,14 @@ def test_summary_table_shows_values(summary):
     assert "P99 TTFT (ms)" in text and "745" in text and "583" in text  # p99 and mean TTFT
     assert "P99 ITL (ms)" in text and "970" in text
     assert "Peak memory (GiB, weights+kv)" in text
+
+
+def test_peaks_count_a_request_past_int64_seconds():
+    """A trace row 1e20 s after the first (past int64's 9.2e18): its bucket was an invalid cast
+    (a RuntimeWarning, the bucket dropped) and its 3 tokens in one second went uncounted."""
+    far = [req(0, "finished", 0.0, 0.0, [0.5], 0.5, 4),
+           req(1, "finished", 1e20, 1e20, [1e20] * 3, 1e20, 4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = summarize(far, [], duration_s=1e20)
+    assert s["max_output_tokens_per_s"] == 3.0

@@ -250,8 +250,9 @@ def _peaks(done: Sequence[RequestRecord], times: np.ndarray) -> dict[str, float 
     ends = [r.arrival_s + (r.e2el_s or 0.0) for r in done]  # vLLM: start_time + latency
     n = int(np.ceil(max(ends) - t0)) + 1
     # Only the occupied buckets are counted: a run may span 1e9 simulated seconds.
-    buckets = (times - t0).astype(np.int64)
-    buckets = buckets[(buckets >= 0) & (buckets < n)]
+    # Whole seconds as floats: a time past int64's range (a row 1e20 s out) is no invalid cast.
+    buckets = np.trunc(times - t0)
+    buckets = buckets[(buckets >= 0) & (buckets <= n - 1)]  # n - 1: a float (1e20 + 1 is not)
     tokens_max = np.unique(buckets, return_counts=True)[1].max() if buckets.size else 0
     # Requests active in bucket b: arrived in a bucket <= b and ended in a bucket >= b; the count
     # changes only at the buckets where one arrives (+1) or the bucket after one ends (-1).

@@ -55,16 +55,17 @@ def dumps(obj: Any) -> str:
 
 
 def append_jsonl(path: Path, rows: Iterable[dict]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        for row in rows:
-            f.write(dumps(row) + "\n")
-    return path
+    return _jsonl(path, rows, "a")
 
 
 def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
+    return _jsonl(path, rows, "w")
+
+
+def _jsonl(path: Path, rows: Iterable[dict], mode: str) -> Path:
+    """One JSON line per row, the file opened with `mode` (its directory made first)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
+    with path.open(mode) as f:
         for row in rows:
             f.write(dumps(row) + "\n")
     return path

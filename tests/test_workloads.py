@@ -344,11 +344,21 @@ def test_trace_errors_name_the_file(tmp_path):
     ('{"timestamp": 1' + "0" * 400 + ', "input_length": 5, "output_length": 8}',
      "int too large"),  # an OverflowError traceback
     ("[" * 5000 + "]" * 5000, "nested too deeply"),  # a RecursionError traceback
+    ('{"timestamp": 0, "input_length": 10.5, "output_length": 8}', "token count"),  # read as 10
+    ('{"timestamp": "x", "input_length": 5, "output_length": 8}', "timestamp is a number"),
+    ("[1, 2]", "a Mooncake row is a JSON object"),  # 'list indices must be integers ...'
 ])
 def test_a_bad_mooncake_row_is_a_config_error_naming_its_line(tmp_path, row, says):
     path = tmp_path / "t.jsonl"
     path.write_text('{"timestamp": 0, "input_length": 5, "output_length": 8}\n' + row + "\n")
     with pytest.raises(ConfigError, match=f"t.jsonl:2: .*{says}"):
+        read_trace(path)
+
+
+def test_a_short_azure_row_names_the_token_count(tmp_path):
+    path = tmp_path / "t.csv"  # int(None) said "int() argument must be a string, ... NoneType"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,10\n")
+    with pytest.raises(ConfigError, match="t.csv:2: a token count .* got None"):
         read_trace(path)
 
 

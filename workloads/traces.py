@@ -91,7 +91,10 @@ def _finite_s(t_s: float) -> float:
 
 def _tokens(value: object) -> int:
     """A row's token count: an integer in [0, MAX_TOKENS] (a 10**12-token row ran out of memory)."""
-    n = int(value) if not isinstance(value, bool) else -1  # type: ignore[call-overload]
+    # Not true (1), 10.5 (was read as 10), None (a short CSV row) or a list.
+    integral = isinstance(value, (int, float, str)) and not isinstance(value, bool) and not (
+        isinstance(value, float) and not value.is_integer())
+    n = int(value) if integral else -1  # type: ignore[arg-type]
     if not 0 <= n <= MAX_TOKENS:
         raise ValueError(f"a token count must be an integer in [0, {MAX_TOKENS}], got {value!r}")
     return n
@@ -114,6 +117,9 @@ def _read_mooncake(path: Path) -> Iterator[RawRow]:
                 continue
             try:
                 row = json.loads(line)
+                if not isinstance(row, dict) or type(row.get("timestamp", 0)) not in (int, float):
+                    raise ValueError("a Mooncake row is a JSON object whose timestamp is a number "
+                                     f"(ms), got {line.strip()[:60]}")
                 yield (_finite_s(row["timestamp"] / 1000.0), _tokens(row["input_length"]),
                        _tokens(row["output_length"]), _hash_ids(row.get("hash_ids")))
             except KeyError as exc:

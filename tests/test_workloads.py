@@ -555,3 +555,11 @@ def test_loop_throttler_window():
         return times
 
     np.testing.assert_allclose(run_virtual(main()), [0, 0, 1, 1, 2], atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["t.jsonl", "t"])  # read as Mooncake, or sniffed
+def test_a_binary_trace_names_its_file(tmp_path, name):
+    path = tmp_path / name  # was "'utf-8' codec can't decode byte 0xff ...", no file named
+    path.write_bytes(b"\xff\xfe\x00garbage\n")
+    with pytest.raises(ConfigError, match=f"{name}: not UTF-8 text"):
+        read_trace(path)

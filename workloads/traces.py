@@ -155,13 +155,16 @@ def read_trace(
 ) -> list[TraceRow]:
     """Rows start .. start+limit-1 of a trace, with times relative to the first row used."""
     resolved = resolve_trace_path(path)
-    kind = detect_format(resolved) if format == "auto" else format
-    if kind not in ("azure", "mooncake"):
+    if format not in ("auto", "azure", "mooncake"):
         raise ConfigError(
             f"trace format {format!r} is not allowed; allowed: 'auto', 'azure', 'mooncake'"
         )
-    reader = _read_azure if kind == "azure" else _read_mooncake
-    raw = list(islice(reader(resolved), start, None if limit is None else start + limit))
+    try:
+        kind = detect_format(resolved) if format == "auto" else format
+        reader = _read_azure if kind == "azure" else _read_mooncake
+        raw = list(islice(reader(resolved), start, None if limit is None else start + limit))
+    except UnicodeDecodeError as exc:  # said no file: "'utf-8' codec can't decode byte 0xff ..."
+        raise ConfigError(f"{resolved}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     t0 = raw[0][0] if raw else 0.0
     return [TraceRow(t - t0, n_in, n_out, hashes) for t, n_in, n_out, hashes in raw]
 

@@ -92,3 +92,17 @@ class _Seq:
         self.token_ids = token_ids
         self.sampling = SamplingParams(max_tokens=64)
         self.num_prompt_tokens = len(token_ids)
+
+
+def test_the_draft_pool_shrinks_only_to_what_its_rows_hold(tiny):
+    # A long row leaves; the one left holds drafts of a larger K than this step asks for, past
+    # the smaller pool the new K alone would need: the pool keeps room for them.
+    _, model, _ = tiny
+    long_row, short_row = _Seq([7] * 1000), _Seq([5] * 250)
+    drafter = DraftModelDrafter(model)
+    drafter.propose([0, 1], [long_row, short_row], [8, 8])
+    assert drafter.pool.lengths[1] == 250 + 7  # its context and 7 of its 8 drafts
+    drafter.forget(0)
+    short_row.token_ids.append(3)  # no draft kept
+    assert len(drafter.propose([1], [short_row], [1])[0].tokens) == 1
+    assert drafter.pool.geometry.capacity_tokens == 256 * 2 and drafter.pool.lengths == [251]

@@ -71,8 +71,10 @@ class DraftModelDrafter:
             self._held[rid] = list(context)
 
     def _fit(self, rows: int, tokens: int) -> None:
-        """Room for `rows` rows of `tokens` (the pool's geometry grows as the target's does)."""
+        """Room for `rows` rows of `tokens`, and for what rows hold now (drafts of a larger K
+        than this step's included); the geometry grows and shrinks as the target's does."""
         pool = self.pool
+        tokens = max(tokens, *pool.lengths) if pool.lengths else tokens
         pool.resize(next_geometry(pool.geometry, rows, tokens, _ROW_STEP, 1 << 30, 1 << 62,
                                   pool.layout.cache))
 

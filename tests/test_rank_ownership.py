@@ -206,7 +206,7 @@ def test_a_stopped_rank_ends_the_run_within_the_rank_timeout_in_one_line(tiny, t
                                                                          said):
     ranks = Ranks([*RUN, "--out", str(tmp_path)], BATCHSIM_RANK_TIMEOUT_S="3")
     try:
-        wait_for_steps(ranks, tmp_path)
+        run_dir = wait_for_steps(ranks, tmp_path)
         (stopped,) = ranks.processes(rank=rank)
         os.kill(stopped, signal.SIGSTOP)
         t0 = time.monotonic()
@@ -215,6 +215,10 @@ def test_a_stopped_rank_ends_the_run_within_the_rank_timeout_in_one_line(tiny, t
         assert rc == 1 and "Traceback" not in err, err[-3000:]
         last = err.strip().splitlines()[-1]
         assert any(s in last for s in said), err[-3000:]
+        if rank == 1:  # rank 0's watchdog ended the run: its records are kept, with a summary
+            assert last.endswith(f"records kept in {run_dir}"), err[-3000:]
+            summary = json.loads((run_dir / "summary.json").read_text())
+            assert summary["interrupted"] and "not answering" in summary["interrupt_reason"]
         ranks.assert_none_left()
     finally:
         ranks.cleanup()

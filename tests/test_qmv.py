@@ -8,7 +8,14 @@ import dataclasses
 import pytest
 from batchsim.server.perf import gpu_fit, macs
 from batchsim.server.perf.batch_gain import catalog_cost
-from batchsim.server.perf.qmv import gpu_family, qmm_rows, qmv_row_limit, runs_qmv
+from batchsim.server.perf.qmv import (
+    gpu_family,
+    has_neural_accelerators,
+    qmm_rows,
+    qmv_row_limit,
+    runs_qmv,
+    split_k,
+)
 from batchsim.server.perf.stepcost import StepCost
 
 
@@ -73,3 +80,39 @@ def test_a_two_die_ultra_pays_its_own_qmv_slowdown():
         profile = gpu_fit.mac_profile(mac, slow, 4)
         assert profile.quantized_gemv_row_gflops == pytest.approx(
             profile.tflops("float16") * 1e3 / slowdown)
+
+
+@pytest.mark.parametrize("m,k,n,split", [
+    (32, 1024, 2048, 8),  # 64 tiles: 512 / 64
+    (32, 1024, 3072, 4),  # 96 tiles: 5, cut to 4 so that 4 x 64 divides K
+    (32, 3072, 1024, 16),
+    (32, 1024, 151936, 1),  # 4748 tiles: plain qmm
+    (128, 4096, 4096, 1),  # 512 tiles
+    (4, 128, 256, 2)])  # capped by K's two quantization groups
+def test_split_k_is_mlx_qmm_splitk(m, k, n, split):
+    """mlx/backend/metal/quantized.cpp qmm_splitk (MLX 0.31.2 on): 512 / tiles, capped and cut."""
+    assert split_k(m, k, n) == split
+
+
+def test_an_m5_decode_qmm_multiplies_at_the_shader_rate():
+    """On an M5 (Neural Accelerators; its catalog FP16 peak is theirs) a decode layer over 32 rows
+    runs split-K qmm on the shader ALUs: its FLOPs at the FP32 shader peak. The lm head (plain qmm:
+    qmm_nax) keeps the accelerators' peak, and an M4 Max (no accelerators) is unchanged."""
+    assert has_neural_accelerators("g17c") and not has_neural_accelerators("g16c")
+    m5 = catalog_cost("qwen3-0.6b", "M5 Max 40c")
+    share = m5.profile.shader_flops_share
+    assert share == pytest.approx(17.18 / 49.5)
+    flat = StepCost(m5.spec, dataclasses.replace(m5.profile, shader_flops_share=1.0), "float16", 4,
+                    engine=m5.engine)
+    assert not runs_qmv("g17c", 32, 1024, 3072) and split_k(32, 1024, 3072) > 1
+    assert m5.linear_parts(32, 1024, 3072)[1] == pytest.approx(
+        flat.linear_parts(32, 1024, 3072)[1] / share)
+    assert m5.linear_parts(32, 1024, 151936) == flat.linear_parts(32, 1024, 151936)
+    assert m5.decode_time(32, 256).total_s > flat.decode_time(32, 256).total_s
+    assert catalog_cost("qwen3-0.6b", "M4 Max 40c").profile.shader_flops_share == 1.0
+
+
+def test_qmm_nax_tiles_64_rows_past_32():
+    """qmm_nax's bm: 32 rows when one block covers M, else 64 (an M5's prefill chunk)."""
+    assert [qmm_rows("g17c", m, nax=True) for m in (13, 32, 33, 65)] == [32, 32, 64, 128]
+    assert qmm_rows("g17c", 65) == 96

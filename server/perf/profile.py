@@ -140,6 +140,10 @@ class DeviceProfile:
     # (StepTime.gemv_rows_s), over more its qmm tiles' 32 rows. 0 or no family: a plain GEMM.
     gpu_family: str = ""
     quantized_gemv_row_gflops: float = 0.0
+    # The share of peak_tflops["float16"] a quantized GEMM reaches off the Neural Accelerators where
+    # that peak is theirs (an M5 running split-K qmm: server.perf.qmv); 1: every kernel reaches the
+    # same peak (M1-M4 run FP16 at the FP32 shader rate).
+    shader_flops_share: float = 1.0
 
     def tflops(self, dtype: str) -> float:
         try:

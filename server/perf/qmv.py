@@ -7,10 +7,15 @@ so every row dequantizes and multiplies the whole matrix again (its re-reads com
 arithmetic does not): M rows cost M times one row's arithmetic, at qmv's own rate. A decode step
 of B rows calls each linear layer with M = B (x is B x 1 x K, row contiguous).
 
-qmm (and split-K qmm) tile M by bm = 32 rows: a layer over fewer rows than a tile multiplies the
-whole tile, so its arithmetic is that of M rounded up to 32. (M5's qmm_nax tiles by 64 rows past 32
-rows; here every family is charged 32-row tiles, so an M5 step of 65-96 rows is priced as 96 rows,
-not 128.)
+qmm tiles M by bm = 32 rows: a layer over fewer rows than a tile multiplies the whole tile, so its
+arithmetic is that of M rounded up to 32. Since MLX 0.31.2 (ml-explore/mlx #3120) a 2-D weight over
+M >= the qmv limit runs split-K qmm (`qmm_splitk`: split_k = 512 / its 32 x 32 tiles, capped by
+K's quantization groups and reduced until they divide K; split_k 1 falls back to plain qmm). Both
+multiply on the shader ALUs, except on an M5 GPU (generation 17, macOS 26.2+: `is_nax_available`),
+where plain qmm is `qmm_nax`, on the Neural Accelerators, in 64-row tiles past 32 rows. So a decode
+step's layers over a few dozen rows (split-K) run at the shader rate even on an M5, and a long
+prefill's (plain qmm) at the accelerators' (DeviceProfile.shader_flops_share prices the difference).
+MLX 0.30.0-0.31.1 ran qmm_nax for every M5 qmm; no published M5 row ran those versions.
 
 The GPU family is MLX's `get_architecture()` suffix: generation 13 (M1) to 17 (M5), size g (base),
 s (Pro), c (Max), d (Ultra)."""
@@ -18,6 +23,9 @@ s (Pro), c (Max), d (Ultra)."""
 from __future__ import annotations
 
 import re
+from functools import lru_cache
+
+from batchsim.server.models.arch import QUANT_GROUP_SIZE
 
 GENERATION_OF_CHIP = {"M1": 13, "M2": 14, "M3": 15, "M4": 16, "M5": 17}
 SIZE_OF_TIER = {"": "g", "Pro": "s", "Max": "c", "Ultra": "d"}
@@ -61,13 +69,38 @@ def runs_qmv(family: str, m: int, k: int, n: int) -> bool:
     return 1 < m < qmv_row_limit(family, k, n)
 
 
-QMM_TILE_ROWS = 32  # qmm's bm: the rows each threadgroup's tile multiplies
+QMM_TILE_ROWS = 32  # qmm's (and split-K qmm's) bm: the rows each threadgroup's tile multiplies
+NAX_TILE_ROWS = 64  # qmm_nax's bm past one 32-row block
+NAX_GENERATION = 17  # is_nax_available: architecture generation 17 on (18 for 'p' parts)
+SPLITK_TARGET_GROUPS = 512  # qmm_splitk's target threadgroups
 
 
-def qmm_rows(family: str, m: int) -> int:
-    """The rows qmm's arithmetic covers for m rows on `family`: m rounded up to whole tiles (an
-    unknown family: m)."""
+@lru_cache(maxsize=64)
+def has_neural_accelerators(family: str) -> bool:
+    """Whether MLX runs plain qmm on the GPU's Neural Accelerators (qmm_nax) on `family`."""
+    m = re.fullmatch(r"g(\d+)([gscdp])", family)
+    return bool(m) and int(m.group(1)) >= NAX_GENERATION + (m.group(2) == "p")
+
+
+def split_k(m: int, k: int, n: int) -> int:
+    """qmm_splitk's K partitions for an (m x k) @ quantized (k -> n) (1: it runs plain qmm)."""
+    tiles = -(-n // QMM_TILE_ROWS) * -(-m // QMM_TILE_ROWS)
+    split = min(max(1, SPLITK_TARGET_GROUPS // tiles), k // QUANT_GROUP_SIZE)
+    while split > 1 and k % (split * QUANT_GROUP_SIZE):
+        split -= 1
+    return split
+
+
+def on_neural_accelerators(family: str, m: int, k: int, n: int) -> bool:
+    """Whether a quantized layer over m rows (qmm: m at least the qmv limit) multiplies on the
+    Neural Accelerators: an M5 family running plain qmm (split-K not taken)."""
+    return has_neural_accelerators(family) and split_k(m, k, n) <= 1
+
+
+def qmm_rows(family: str, m: int, nax: bool = False) -> int:
+    """The rows qmm's arithmetic covers for m rows on `family`: m rounded up to whole tiles, 64-row
+    tiles past 32 rows on the Neural Accelerators (`nax`); an unknown family: m."""
     if not family or m <= 1:
         return m
-    return -(-m // QMM_TILE_ROWS) * QMM_TILE_ROWS
-
+    tile = NAX_TILE_ROWS if nax and m > QMM_TILE_ROWS else QMM_TILE_ROWS
+    return -(-m // tile) * tile

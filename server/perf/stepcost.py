@@ -30,7 +30,7 @@ from batchsim.server.perf.profile import (
     DeviceProfile,
     compute_dtype,
 )
-from batchsim.server.perf.qmv import qmm_rows, runs_qmv
+from batchsim.server.perf.qmv import on_neural_accelerators, qmm_rows, runs_qmv
 from batchsim.server.perf.step_time import StepTime
 
 
@@ -156,7 +156,10 @@ class StepCost:
             family = self.profile.gpu_family
             if runs_qmv(family, m, k, n):
                 return moved_s, 0.0, 2 * m * k * n / (self._qmv_gflops * 1e9)
-            flops_s *= qmm_rows(family, m) / m  # its tiles' padded rows
+            if m > 1:  # qmm: its tiles' padded rows, off the Neural Accelerators at shader rate
+                nax = on_neural_accelerators(family, m, k, n)
+                flops_s *= qmm_rows(family, m, nax) / m
+                flops_s /= 1.0 if nax else self.profile.shader_flops_share
         return (*roofline_split(moved_s, flops_s, overlapped=m <= 1), 0.0)
 
     @cached_property

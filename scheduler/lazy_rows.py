@@ -17,13 +17,17 @@ from batchsim.scheduler.request import Request, RequestStatus
 
 
 class LazyRows:
-    __slots__ = ("computed0", "ends", "ids", "max_computed0", "max_tokens0", "rows", "steps",
-                 "tokens0")
+    __slots__ = ("computed0", "ends", "id_set", "id_tuple", "ids", "max_computed0", "max_tokens0",
+                 "rows", "steps", "tokens0")
 
     def __init__(self) -> None:
         self.steps = 0  # decode steps applied lazily so far (only differences matter)
         self.rows: list[Request] = []  # the rows, in running order
         self.ids: list[int] = []  # their request ids
+        # tuple(ids) (None: not made since the rows changed) and set(ids), kept with them: a
+        # plan's decode_ids and its pool's ids, without a pass over the rows
+        self.id_tuple: tuple[int, ...] | None = None
+        self.id_set: set[int] = set()
         # num_computed_tokens - steps (the Request's own counter is as of `steps` then: the
         # steps since are this plus `steps` less it)
         self.computed0: list[int] = []
@@ -36,8 +40,10 @@ class LazyRows:
         """A decode row whose counters are up to date joins (at the end of the prefix)."""
         s = self.steps
         first = not self.rows
+        self.id_tuple = None
         self.rows.append(r)
         self.ids.append(r.request_id)
+        self.id_set.add(r.request_id)
         c0, n0 = r.num_computed_tokens - s, r.num_prompt_tokens + r.num_output_tokens - s
         self.computed0.append(c0)
         self.tokens0.append(n0)
@@ -86,7 +92,10 @@ class LazyRows:
                     tuple([r.num_computed_tokens for r in decodes]))
         positions = self.positions()
         if len(decodes) == n:
-            return tuple(self.ids), tuple(positions)
+            ids = self.id_tuple
+            if ids is None:
+                ids = self.id_tuple = tuple(self.ids)
+            return ids, tuple(positions)
         tail = decodes[n:]
         positions += [r.num_computed_tokens for r in tail]
         return (*self.ids, *[r.request_id for r in tail]), tuple(positions)
@@ -108,10 +117,12 @@ class LazyRows:
             done.append(rows.index(heapq.heappop(ends)[2]))
         done.sort()
         reached = [rows[i] for i in done]
+        self.id_tuple = None
         c_max, n_max = self.max_computed0, self.max_tokens0
         widest = longest = False  # a row that left held a largest value: search again
         for i in reversed(done):
             self._settle_row(i)
+            self.id_set.discard(self.ids[i])
             widest |= self.computed0[i] == c_max
             longest |= self.tokens0[i] == n_max
             for column in (rows, self.ids, self.computed0, self.tokens0):
@@ -126,7 +137,8 @@ class LazyRows:
         """Write every row's counters back and empty the set."""
         for i in range(len(self.rows)):
             self._settle_row(i)
-        for column in (self.rows, self.ids, self.computed0, self.tokens0, self.ends):
+        self.id_tuple = None
+        for column in (self.rows, self.ids, self.computed0, self.tokens0, self.ends, self.id_set):
             column.clear()
 
     def _settle_row(self, i: int) -> None:

@@ -160,7 +160,7 @@ class Scheduler:
 
     def _pool_ids(self, pool: list[Request]) -> set[int]:
         """The ids of a step's pool rows, whose first len(lazy.rows) are the lazy rows."""
-        n, ids = len(self.lazy.rows), set(self.lazy.ids)
+        n, ids = len(self.lazy.rows), self.lazy.id_set.copy()
         if len(pool) > n:  # most plans: every row is lazy
             ids.update([r.request_id for r in pool[n:]])
         return ids

@@ -50,30 +50,35 @@ class SimExecutor:
         self.spec = spec  # speculative decoding's accepted drafts (None: off)
         # (rows, K drafted, start, K asked, rows asking): K more tokens a row and the drafter
         self._verify_s: dict[tuple[int, int, int, int, int], float] = {}
+        self._decode_parts: dict[int, tuple[float, float]] = {}  # rows -> cost.decode_parts
+        self._joined: tuple[int, ...] = ()  # the last plan's decode_ids (execute)
 
     def execute(self, plan: StepPlan, max_elapsed_s: float = float("inf")) -> StepResult:
+        (step_index, free_ids, new_requests, prefills, decode_ids, _, pool, _, _, spec,
+         ops) = plan  # unpacked once: this runs every plan
         layout = self.layout
         t = self.overhead_s
-        if plan.free_ids:
-            t += self._free(plan.free_ids)
-        for new in plan.new_requests:
+        if free_ids:
+            t += self._free(free_ids)
+        for new in new_requests:
             self._set_private(new.request_id, 0, 0)
             if new.cached_hashes:  # cached blocks copied into its prefill cache
                 t += self.cost.copy_s(len(new.cached_hashes) * self.block_bytes)
                 if layout.paged:
                     self._shared[new.request_id] = len(new.cached_hashes)
-        ops = plan.cache_ops
         if ops is not None and not layout.paged:  # paged: the pool's blocks, adopted in place
             self._cached_bytes += (len(ops.store) - len(ops.evict)) * self.block_bytes
             t += self.cost.copy_s(len(ops.store) * self.block_bytes)  # stored after the prefills
-        if plan.pool != layout.geometry:
-            t += self._resize(plan.pool)
-        if not layout.in_pool.issuperset(plan.decode_ids):
+        if pool is not layout.geometry and pool != layout.geometry:
+            t += self._resize(pool)
+        # The rows of the last plan that joined (the scheduler hands the same tuple while its
+        # rows stay), all in the pool unless one left since.
+        if decode_ids is not self._joined and not layout.in_pool.issuperset(decode_ids):
             t += self._join(plan)
-        sampled = plan.decode_ids  # who sampled a token: the decode rows, then sampling prefills
-        if plan.prefills:
+        self._joined = decode_ids
+        sampled = decode_ids  # who sampled a token: the decode rows, then sampling prefills
+        if prefills:
             sampling: list[int] = []
-            prefills = plan.prefills
             for group in ((prefills,) if len(prefills) == 1  # alone: its own group
                           else prefill_groups.groups(prefills)):  # as the MLX executor runs them
                 first = group[0]
@@ -84,12 +89,12 @@ class SimExecutor:
                     if c.sample:
                         sampling.append(c.request_id)
             sampled = (*sampled, *sampling)
-        durations = [t]
-        if plan.decode_spec_tokens:
+        if spec:
             return self._verify(plan, t, sampled)
-        if plan.decode_ids:
+        durations = [t]
+        if decode_ids:
             self._decode(plan, durations, max_elapsed_s)
-        return StepResult(plan.step_index, sampled, None, tuple(durations), self.kv_bytes())
+        return StepResult(step_index, sampled, None, tuple(durations), self.kv_bytes())
 
     def _verify(self, plan: StepPlan, t: float, sampled: tuple[int, ...]) -> StepResult:
         """One verify step: accepted drafts drawn, then every row's last token and drafts in one
@@ -123,7 +128,10 @@ class SimExecutor:
                 durations.append(d)
                 elapsed += d
             return
-        base, per_width = self.cost.decode_parts(rows)  # linear in the width
+        parts = self._decode_parts.get(rows)
+        if parts is None:
+            parts = self._decode_parts[rows] = self.cost.decode_parts(rows)  # linear in the width
+        base, per_width = parts
         durations[0] += base + per_width * width
         elapsed, base_s = durations[0], base + self.overhead_s
         for w in range(width + 1, width + plan.num_steps):
@@ -157,6 +165,7 @@ class SimExecutor:
         self.private, self._private_bytes, self._pool_bytes = {}, 0, 0
         self._cached_bytes = 0
         self._shared = {}
+        self._joined = ()
 
     def kv_bytes(self) -> int:
         return self._pool_bytes + self._private_bytes + self._cached_bytes
@@ -183,6 +192,7 @@ class SimExecutor:
         moves = self.layout.leave(gone)
         if moves is NO_MOVES:
             return 0.0
+        self._joined = ()
         return self.cost.copy_s(2 * moves.moved_bytes)  # gathered into a temporary, then scattered
 
     def _resize(self, geometry: PoolGeometry) -> float:

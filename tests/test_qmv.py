@@ -41,7 +41,8 @@ def test_limits_are_mlx_get_qmv_batch_limit(family, k, n, limit):
 def test_qmv_rows_cost_their_arithmetic_at_its_own_rate():
     """Llama-3.1-8B 4-bit on an M1 Ultra: every matrix runs qmv below 12 rows. With the fitted
     qmv rate each row past the first adds its FLOPs at that rate (gemv_rows_s), so the step grows
-    with the rows; priced as a GEMM (the rate unset) the step barely grew."""
+    with the rows, more than priced as a GEMM (the rate unset: 32-row qmm tiles at the GEMM rate).
+    """
     cost = catalog_cost("llama-3.1-8b", "M1 Ultra 64c")
     assert cost.profile.gpu_family == "g13d" and cost.profile.quantized_gemv_row_gflops > 0
     one, eight = cost.decode_time(1, 512), cost.decode_time(8, 512)
@@ -52,7 +53,7 @@ def test_qmv_rows_cost_their_arithmetic_at_its_own_rate():
     as_gemm = StepCost(cost.spec, dataclasses.replace(cost.profile, quantized_gemv_row_gflops=0),
                        "float16", 4, engine=cost.engine)
     plain = as_gemm.decode_time(8, 512)
-    assert plain.gemv_rows_s == 0 and eight.total_s > 1.5 * plain.total_s
+    assert plain.gemv_rows_s == 0 and eight.total_s > plain.total_s
     assert sum(cost.linear_split(8, 4096, 4096)) == sum(cost.linear_parts(8, 4096, 4096))
 
 

@@ -196,3 +196,18 @@ def test_a_run_whose_executor_fails_keeps_its_records_and_a_summary_that_says_wh
     assert summary["num_plans"] == 39 == len((run_dir / "steps.jsonl").read_text().splitlines())
     assert 0 < summary["completed"] == [r["status"] for r in requests].count("finished") < 60
     assert len(requests) == summary["completed"] + summary["failed"]
+
+
+def test_a_stream_closed_by_an_abandoned_run_ignores_a_late_flush(tmp_path):
+    """A rank's watchdog abandons the run from its own thread (records closed, summary written)
+    while the run's loop may still flush: that flush raised ValueError on the closed files (or
+    wrote the same steps twice, racing); now it writes nothing, under one lock."""
+    from tests.test_timeline import _step
+
+    stream = run_files.RecordStream(tmp_path)
+    stream.add_step(_step(0, 0.0, running=1, waiting=0))
+    stream.close_unfinished()
+    stream.add_step(_step(1, 1.0, running=1, waiting=0))
+    stream.flush()  # the loop's flusher, after the abandon
+    lines = (tmp_path / "steps.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step_index"] for x in lines] == [0]

@@ -8,6 +8,7 @@ import contextlib
 import json
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -60,6 +61,9 @@ class RecordStream:
         self._last_flush_s = time.monotonic()
         self._step_line = StepLines()
         self.writing_s = 0.0  # wall time spent encoding and writing records (perf_counter)
+        # A run abandoned from another thread (a rank's watchdog) closes the stream while the
+        # run's loop may flush it: one writer at a time, and nothing written once closed.
+        self._lock = threading.RLock()
 
     def add_step(self, step: StepRecord) -> None:
         self._steps.append(step)
@@ -72,6 +76,11 @@ class RecordStream:
         self._requests.append((record, token_times_text))
 
     def flush(self) -> None:
+        with self._lock:
+            if not self._files[STEPS].closed:
+                self._flush()
+
+    def _flush(self) -> None:
         t0 = time.perf_counter()
         if self._steps:
             self._write(STEPS, list(map(self._step_line, self._steps)))
@@ -111,9 +120,10 @@ class RecordStream:
 
     def close_unfinished(self) -> None:
         """The run failed: what was recorded stays as streamed (completion order)."""
-        self.flush()
-        for f in self._files.values():
-            f.close()
+        with self._lock:
+            self.flush()
+            for f in self._files.values():
+                f.close()
 
     def close(self, records: Sequence[RequestRecord]) -> None:
         """The run is over: `records` are every request in arrival order. requests.jsonl becomes

@@ -216,7 +216,7 @@ def _plain_table(title: str, columns: Sequence[str], cells: Sequence[Sequence[st
                  widths: Sequence[int] | None) -> Table:
     t = Table(title=title, title_justify="left", header_style="bold")
     for i, c in enumerate(columns):
-        left = c in ("mode", "model", "chip", "dtype", "metric")
+        left = c in ("mode", "model", "chip", "dtype", "metric", "id", "fold", "engine")
         t.add_column(c, justify="left" if left else "right", width=widths and widths[i],
                      overflow="fold")  # never "…", on a console narrower than `width` too
     for row in cells:

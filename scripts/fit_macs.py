@@ -134,7 +134,8 @@ def _print(model: MacModel, cv: dict) -> None:
           r["measures"] + ("" if r["decode_only"] else " +prefill"), f"{r['measured_tok_s']:.1f}",
           _pct(r["before_tok_s"] / r["measured_tok_s"] - 1),
           _pct(r["after_tok_s"] / r["measured_tok_s"] - 1),
-          *(_held(r, fold) for fold in mac_cv.FOLDS)] for r in cv["rows"]]))
+          *(_held(r, fold) for fold in mac_cv.FOLDS)] for r in cv["rows"]],
+        keep=["id", "B", "measured", "after", "source out", "chip out"]))  # the errors first
     body = []
     for fold in mac_cv.FOLDS:
         for label, rep in (("before", cv["before"][fold]), ("after", cv[fold])):

@@ -20,6 +20,7 @@ from batchsim.server.perf.stepcost import StepTime
 def print_table(rows: list[dict], meta: dict, spec: ModelSpec) -> None:
     what = f"{spec.name} {_weights_tag(meta)}, engine {meta['engine']}, context {meta['context']}"
     cols, body = _columns(rows)
+    asked = []  # columns a flag asked for: kept at any width, beside the limits
     if not spec.is_dense:  # where the per-sequence bytes come from
         cols.insert(6, "KV full/win/state MiB")
         for line, r in zip(body, rows):
@@ -27,17 +28,20 @@ def print_table(rows: list[dict], meta: dict, spec: ModelSpec) -> None:
     if meta["shared_prefix_tokens"]:  # beside the padded/paged limits
         at = cols.index("raised padded/paged") + 1
         cols.insert(at, "shared dflt/raised")
+        asked.append("shared dflt/raised")
         for line, r in zip(body, rows):
             line.insert(at, f"{r['max_batch_shared']} / {r['max_batch_shared_raised']}")
     if meta["spec_tokens"]:  # speculation's speed-up at batch 1 and where it stops paying
         cols += [f"K={meta['spec_tokens']} x b1", "spec stops at"]
+        asked += cols[-2:]
         for line, r in zip(body, rows):
             b1, plain = r.get("decode_tok_s_b1_spec"), r["decode_tok_s_b1"]
             line += [b1 / plain if b1 and plain else None, _stops(r) if b1 and plain else None]
     out.print(table(
         f"Batch limits per Mac: {what} (padded = rows padded to the longest in {KV_STEP}-token "
         f"steps; paged = {PAGE_TOKENS}-token blocks)", cols, body,
-        keep=["chip", "mem GB", "max batch padded/paged", "tok/s b1", "tok/s @max", "fits"]))
+        keep=["chip", "mem GB", "max batch padded/paged", *asked, "tok/s b1", "tok/s @max",
+              "fits"]))
     for line in _notes(rows, meta, what, spec):
         out.print(line)
 
@@ -135,7 +139,8 @@ def print_parts(rows: list[dict], meta: dict) -> None:
     cols = ["Mac", "batch", *names, "tok/s"]
     out.print(table(f"Predicted decode step by part, engine {meta['engine']}, context "
                     f"{meta['context']} (mean "
-                    f"{meta['context_mean_tokens']:.0f} tokens read per row)", cols, body))
+                    f"{meta['context_mean_tokens']:.0f} tokens read per row)", cols, body,
+                    keep=["Mac", "batch", "total ms", "tok/s"]))  # the sum before its parts
     out.print("weights: linear layers streaming their weights; matmul: their arithmetic (a "
               "Mac's one-row step: the larger of the two; several rows: both); attention: K/V "
               "reads; draft: the drafter (a draft model's K forwards, else n-gram lookups; row "
@@ -179,12 +184,14 @@ def plot(rows: list[dict], meta: dict, path: Path) -> Path:
         (ax_t, "decode_tok_s_b1", "batch 1", -0.2),
         (ax_t, "decode_tok_s_max_batch", "max batch (padded)", 0.2),
     ]
-    for ax, key, label, dy in bars:
-        ax.barh(y + dy, [r[key] or 0 for r in rows], 0.4, label=label)
-    for ax in (ax_b, ax_t):  # the x axes run 60% past the bars: room for the legends
-        ax.set_xlim(0, 1.6 * ax.get_xlim()[1])
+    for ax, key, label, dy in bars:  # max batch on a log axis: 1 on an 8 GB M1 to 1,513
+        ax.barh(y + dy, [r[key] or 0 for r in rows], 0.4, label=label, log=ax is ax_b)
+    ax_b.set_xlim(0.8, 10 * ax_b.get_xlim()[1])  # the x axes run past the bars: room for legends
+    ax_t.set_xlim(0, 1.6 * ax_t.get_xlim()[1])
+    for ax in (ax_b, ax_t):
+        ax.grid(axis="x", alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)
-    ax_b.set_xlabel("max concurrent sequences (default Metal limit)")
+    ax_b.set_xlabel("max concurrent sequences (default Metal limit; log scale)")
     ax_t.set_xlabel("predicted decode tok/s (the simulator's step cost; * peak FLOP/s estimated)")
     ax_b.set_yticks(y, [f"{r['label']} {r['memory_gb']:g}GB{'*' if r['peaks_estimated'] else ''}"
                         for r in rows], fontsize=7)

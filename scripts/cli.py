@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import importlib
+import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -60,26 +61,31 @@ GROUPS = [
 COMMANDS = [command for _, commands in GROUPS for command in commands]
 
 
-def commands_help() -> str:
+def help_width() -> int:
+    """`batchsim --help`'s width: the terminal's (or COLUMNS), as argparse's own, at most 100."""
+    return max(40, min(100, shutil.get_terminal_size().columns - 2))
+
+
+def commands_help(width: int = 100) -> str:
     """The grouped command list `batchsim --help` prints."""
     lines = ["commands (batchsim COMMAND --help for its flags):"]
     for heading, commands in GROUPS:
         lines.append(f"  {heading}:")
         for name, _, help_text in commands:
-            wrapped = textwrap.wrap(help_text, 100 - 18)
+            wrapped = textwrap.wrap(help_text, width - 18)
             lines.append(f"    {name:<14}{wrapped[0]}")
             lines += [" " * 18 + more for more in wrapped[1:]]
     return "\n".join(lines)
 
 
-DESCRIPTION = """\
-batchsim: how much batching speeds up decode on this machine, how many requests fit before the
-KV cache overruns memory, and how a server behaves under realistic traffic. Real MLX compute on
-models built from real architecture configs (or your own model directory / hub id), and a
-calibrated roofline simulator for Macs you do not have.
-
-Every command prints tables for people, then one JSON document as its last stdout line (with
-`--json`, the tables go to stderr and stdout is that line alone)."""
+DESCRIPTION = (  # paragraphs, wrapped to the terminal
+    ("batchsim: how much batching speeds up decode on this machine, how many requests fit before "
+     "the KV cache overruns memory, and how a server behaves under realistic traffic. Real MLX "
+     "compute on models built from real architecture configs (or your own model directory / hub "
+     "id), and a calibrated roofline simulator for Macs you do not have."),
+    ("Every command prints tables for people, then one JSON document as its last stdout line "
+     "(with `--json`, the tables go to stderr and stdout is that line alone)."),
+)
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -105,8 +111,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="batchsim", description=f"{DESCRIPTION}\n\n{commands_help()}",
-                     epilog=textwrap.fill(EXIT_CODES_HELP, 100),
+    width = help_width()
+    description = "\n\n".join([*(textwrap.fill(p, width) for p in DESCRIPTION),
+                                commands_help(width)])
+    parser = _Parser(prog="batchsim", description=description,
+                     epilog=textwrap.fill(EXIT_CODES_HELP, width),
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND",
                                 help="one of the commands above")

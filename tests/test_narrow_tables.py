@@ -47,3 +47,15 @@ def test_fit_macs_keeps_the_measured_and_predicted_figures(capsys, narrow, monke
     _run(fit_macs)
     header = _header(capsys.readouterr().out, "Published tok/s vs predicted")
     assert "measured" in header and "after" in header
+
+
+@pytest.mark.parametrize("columns, widest", [(80, 78), (200, 100)])
+def test_batchsim_help_wraps_to_the_terminal(monkeypatch, columns, widest):
+    """`batchsim --help` was wrapped at 100 columns whatever the terminal (99-column lines at 80);
+    each command's --help follows the terminal through argparse."""
+    from batchsim.scripts import cli
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    text = cli.build_parser().format_help()
+    assert max(map(len, text.splitlines())) <= widest, text
+    assert "size          per Mac in the catalog" in text and "exit codes: 0 done" in text

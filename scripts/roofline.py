@@ -252,11 +252,10 @@ def _plot(path: Path, summary: dict) -> Path:
     ax.plot(grid, grid * bw, ":", color="gray", lw=1, label=f"memory roof {bw:.1f} GB/s")
     for d, peak in peaks.items():
         color, ridge = _COLORS.get(d, "black"), summary["ridge_flop_per_byte"][d]
+        # the ridge (the diamond) in the legend: beside it, close ridges' labels overprinted
         ax.plot(grid, np.minimum(peak, grid * bw), color=color, lw=2, alpha=0.7,
-                label=f"{d} roof: {peak:.1f} GFLOP/s peak")
+                label=f"{d} roof: {peak:.1f} GFLOP/s peak, ridge \u25c6 {ridge:.2g} FLOP/B")
         ax.plot([ridge], [peak], "D", color=color, ms=9, mec="black")
-        ax.annotate(f"ridge {d}\n{ridge:.2g} FLOP/B", (ridge, peak), textcoords="offset points",
-                    xytext=(-10, 10), ha="right", fontsize=8, color=color)
     near: dict[tuple, int] = {}  # labels at about one spot, stacked instead of overprinted
     for r in points:
         ax.scatter(r["intensity"], r["gflops"], marker=_MARKERS[r["shape"]], s=45, zorder=3,

@@ -60,7 +60,8 @@ def test_a_dead_rank_ends_the_run_with_a_clear_error_and_valid_records(tiny, tmp
     (run_dir,) = tmp_path.iterdir()
     assert error.endswith(f"records kept in {run_dir}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["interrupted"] is True and summary["interrupt_reason"].startswith("rank 0: ")
+    reason = summary["interrupt_reason"]  # mlx.launch's SIGTERM or the lost peer, whichever first
+    assert summary["interrupted"] is True and ("mlx.launch" in reason or "peer rank" in reason)
     requests = [json.loads(line) for line in (run_dir / "requests.jsonl").read_text().splitlines()]
     steps = (run_dir / "steps.jsonl").read_text().splitlines()
     assert [r["request_id"] for r in requests] == list(range(6))
@@ -190,3 +191,25 @@ def test_the_watchdog_ends_a_step_that_outlives_its_deadline():
     assert done.wait(10)
     assert fired == [("rank 0: step 7 took over 0.2 s: a peer rank is not answering (hung, or its "
                      "link is down)")]
+
+
+def test_rank_0_names_its_kept_records_however_the_run_was_abandoned(tmp_path, monkeypatch):
+    """The run is abandoned once (a signal, the watchdog or the error unwinding it, whichever came
+    first); every later failure path still names where the records were kept."""
+    from batchsim.server.distributed import rank
+    from batchsim.server.engine.interrupts import Interrupts
+
+    monkeypatch.setenv(rank.STATUS_DIR_ENV, str(tmp_path))
+    status = rank._Status(0)
+    assert rank._keep_records(status, "no run yet") is None
+    status.run = run = Interrupts(())
+    calls = []
+
+    def abandon(reason: str) -> None:
+        calls.append(reason)
+        run.abandon, run.abandoned_in = None, "DIR"  # as runner._abandon leaves it
+
+    run.abandon = abandon
+    assert rank._keep_records(status, "rank 0: SIGTERM") == "DIR"
+    assert rank._keep_records(status, "rank 0: lost a peer rank") == "DIR"
+    assert calls == ["rank 0: SIGTERM"]

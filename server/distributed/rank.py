@@ -127,7 +127,7 @@ def joined(cfg: RunConfig) -> Iterator[Lead | None]:
         raise
     except Exception as exc:  # noqa: BLE001 - one line per rank, not a traceback
         message = f"rank {rank}: {_plain(exc)}"
-        status.write(False, message)
+        status.write(False, message, run_dir=_keep_records(status, message))
         from batchsim.server.distributed.channel import ModelMismatch
 
         if rank == 0 or not isinstance(exc, ModelMismatch):  # every rank sees that one: say it once
@@ -231,14 +231,15 @@ def peers_lost(status_dir: Path, rank: int = 0) -> bool:
 
 def _keep_records(status: _Status, reason: str) -> str | None:
     """Rank 0 in a run that cannot go on: end it where it stands (records, a summary marked
-    interrupted with `reason`); its run directory. Best effort: the rank exits next."""
-    abandon = status.run.abandon if status.run is not None else None
-    if abandon is None:
+    interrupted with `reason`), unless it ended so already; its run directory, if kept. Best
+    effort: the rank exits next."""
+    run = status.run
+    if run is None:
         return None
-    try:
-        return abandon(reason).get("run_dir")
-    except Exception:  # noqa: BLE001 - the rank's own error line matters more
-        return None
+    if run.abandon is not None:
+        with contextlib.suppress(Exception):  # the rank's own error line matters more
+            run.abandon(reason)
+    return run.abandoned_in
 
 
 def _reported_error(path: Path) -> bool:

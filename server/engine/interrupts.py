@@ -36,7 +36,8 @@ class Interrupts:
         self.received: str | None = None
         # Set by the run under way: ends it where it stands (records and summary kept, `reason`
         # its interrupt_reason); the caller then exits (a peer rank died). Any thread.
-        self.abandon: Callable[[str], dict] | None = None
+        self.abandon: Callable[[str], None] | None = None
+        self.abandoned_in: str | None = None  # the run directory an abandoned run was kept in
         self._answer: Callable[[], None] | None = None
         self._previous: dict[signal.Signals, object] = {}
 

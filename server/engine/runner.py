@@ -334,8 +334,7 @@ def record_stopped_before_start(cfg: RunConfig, run_dir: Path,
 
 @contextlib.contextmanager
 def _kept_on_error(run: _Run, run_dir: Path | None, wall0: float) -> Iterator[None]:
-    """A run that fails still leaves on disk what it recorded, and a summary marked interrupted
-    with the error as its reason (`batchsim report` reads it as any stopped run)."""
+    """A failed run leaves what it recorded, and a summary interrupted with the error as reason."""
     try:
         yield
     except Exception as exc:
@@ -348,12 +347,13 @@ def _kept_on_error(run: _Run, run_dir: Path | None, wall0: float) -> Iterator[No
         raise
 
 
-def _abandon(run: _Run, run_dir: Path | None, wall0: float, reason: str) -> dict[str, Any]:
+def _abandon(run: _Run, run_dir: Path | None, wall0: float, reason: str) -> None:
     """The run cannot go on: its records and summary as they stand (unfinished requests said
-    so), `reason` its interrupt_reason unless a signal came first; the summary."""
+    so), `reason` its interrupt_reason unless a signal came first."""
     run.interrupts.abandon = None  # once: a signal meanwhile must not start it again
     run.interrupts.received = run.interrupts.received or reason
-    return _finish(run, run_dir, run.engine.now(), time.perf_counter() - wall0, False).summary
+    _finish(run, run_dir, run.engine.now(), time.perf_counter() - wall0, False)
+    run.interrupts.abandoned_in = str(run_dir) if run_dir else None
 
 
 @contextlib.contextmanager

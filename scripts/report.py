@@ -50,7 +50,9 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
         ("Request throughput (req/s)", s.get("request_throughput")),
     ]
     if s.get("request_goodput") is not None:
-        rows.append((f"Request goodput (req/s) {s.get('goodput_slo_ms')}", s["request_goodput"]))
+        slo_ms = s.get("goodput_slo_ms") or {}
+        slos = ", ".join(f"{k.upper()} <= {v:g} ms" for k, v in slo_ms.items())
+        rows.append((f"Request goodput (req/s, {slos})", s["request_goodput"]))
     rows += [(label, s.get(key)) for label, key in _THROUGHPUT_ROWS]
     for key, label, header in _SECTIONS:
         suffix = f"_{key}_ms"

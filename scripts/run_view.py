@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from batchsim.scripts.common import err, executor_label, out
+from batchsim.scripts.common import err, out
 
 if TYPE_CHECKING:
     from batchsim.server.engine.run_config import RunConfig
@@ -23,13 +23,13 @@ class ConsoleView:
         self.show_progress = progress
 
     def opened(self, session: Session) -> None:
-        from batchsim.server.results.timeline import arrival_label, weights_label
+        from batchsim.server.results.timeline import arrival_label, run_title
 
         cfg, spec = session.config, session.config.workload
-        err.print(f"batchsim run: {session.ref.name} ({weights_label(session.dtype, cfg.quantize)})"
-                  f" on {executor_label(cfg.executor, cfg.engine)}, workload {spec.name}: "
-                  f"{spec.num_prompts} requests, {arrival_label(dataclasses.asdict(spec))}, "
-                  "max_num_seqs "
+        what = run_title(session.ref.name, session.dtype, cfg.quantize, cfg.executor,
+                         cfg.device_profile, cfg.engine, session.environment())
+        err.print(f"batchsim run: {what}, workload {spec.name}: {spec.num_prompts} requests, "
+                  f"{arrival_label(dataclasses.asdict(spec))}, max_num_seqs "
                   f"{cfg.scheduler.max_num_seqs}, KV budget "
                   f"{session.kv_budget_bytes / 2**30:.2f} GiB ({session.budget_source})")
 

@@ -232,7 +232,7 @@ def test_size_and_sweep_price_the_engine_named_and_say_so(tmp_path, capsys):
                      "--batches", "1", "--prompt-len", "192", "--output-len", "64",
                      "--no-progress", "--out", str(tmp_path), "--runs-dir", str(tmp_path)]) == 0
         stdout = capsys.readouterr().out
-        assert f"on sim, engine {engine}" in stdout  # the table's title names it too
+        assert f"on sim (engine {engine})" in stdout  # the table's title names it too
         return json.loads(stdout.strip().splitlines()[-1])["rows"][0]
 
     def predict(engine: str) -> dict:
@@ -334,7 +334,7 @@ def test_run_config_takes_an_engine_and_a_simulated_run_names_it(tmp_path, capsy
         captured = capsys.readouterr()
         summary = json.loads(captured.out.strip().splitlines()[-1])
         assert summary["engine"] == engine
-        assert f"on sim, engine {engine}, workload" in captured.err  # the run's header line
+        assert f"on sim (M4 Max, engine {engine}), workload" in captured.err  # the header line
         rates[engine] = summary["output_throughput"]
     assert rates["mlx-lm-generate"] < rates["batchsim"] / 2  # 8 rows at once, priced one by one
 
@@ -350,8 +350,8 @@ def test_compare_names_the_engine_it_simulated(tmp_path, capsys):
                  "--output-len", "8", "--out", str(tmp_path), "--runs-dir", str(tmp_path),
                  "--no-timeline"]) == 0
     captured = capsys.readouterr()
-    assert "on sim, engine mlx-lm-generate, workload" in captured.out  # the table's heading
-    assert "on sim, engine mlx-lm-generate, workload" in captured.err  # the opening line
+    assert "on sim (engine mlx-lm-generate), workload" in captured.out  # the table's heading
+    assert "on sim (engine mlx-lm-generate), workload" in captured.err  # the opening line
     result = json.loads(captured.out.strip().splitlines()[-1])
     assert result["batch1"]["engine"] == result["batched"]["engine"] == "mlx-lm-generate"
 

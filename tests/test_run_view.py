@@ -23,7 +23,7 @@ def test_header_and_table_name_the_weights_the_traffic_and_one_kv_budget(monkeyp
     run_view.ConsoleView(progress=False).opened(session)
     header = buf.getvalue()
     # a 4-bit model's header said "(float16)" alone; the traffic said nothing of its rate
-    assert "llama-3.2-1b (float16, 4-bit weights) on sim, engine batchsim" in header
+    assert "llama-3.2-1b (float16, 4-bit weights) on sim (M2 Max, engine batchsim)" in header
     assert "workload mixed: 6 requests, poisson at 50 req/s" in header
     budget_gib = re.search(r"KV budget ([\d.]+) GiB", header).group(1)
 
@@ -36,3 +36,16 @@ def test_header_and_table_name_the_weights_the_traffic_and_one_kv_budget(monkeyp
     assert "Peak KV (GiB)" in text and "(GB" not in text
     # cached prompt tokens are why prompt tokens prefilled can be fewer than the input tokens
     assert "Prefix cache hit rate" in text and "Cached prompt tokens (not prefilled)" in text
+
+
+def test_the_goodput_row_says_its_slos_in_words():
+    from batchsim.server.results.metrics import summarize
+
+    from tests.test_metrics import REQUESTS, STEPS
+
+    s = summarize(REQUESTS, STEPS, duration_s=3.0, goodput_slo_ms={"ttft": 2000.0, "tpot": 200.0})
+    console = Console(width=160, record=True)
+    console.print(summary_table(s))
+    text = console.export_text()
+    # it printed the dict: "Request goodput (req/s) {'ttft': 2000.0, 'tpot': 200.0}"
+    assert "Request goodput (req/s, TTFT <= 2000 ms, TPOT <= 200 ms)" in text and "{" not in text

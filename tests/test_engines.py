@@ -47,6 +47,8 @@ def test_unknown_engine_is_one_line_listing_the_known_ones():
     assert "\n" not in str(exc.value)
     with pytest.raises(ConfigError, match="unknown engine"):
         load_engine("../devices/linux-x86_64-openblas-2core")
+    with pytest.raises(ConfigError, match="unknown engine ''"):  # `--engine ""` priced batchsim
+        load_engine("")  # and recorded engine "" in the summary
 
 
 @pytest.mark.parametrize("profile,dtype,quant", [(PROFILE, "float32", None),

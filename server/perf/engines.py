@@ -121,7 +121,7 @@ def engine_help() -> str:
 def load_engine(name: str | None = None) -> EngineProfile:
     """The engine profile `name` names (None: the default); an unknown name is a one-line error
     listing the known ones."""
-    name = name or DEFAULT_ENGINE
+    name = DEFAULT_ENGINE if name is None else name  # "" is no name (it priced batchsim)
     path = ENGINES_DIR / f"{name}.yaml"
     if "/" in name or not path.is_file():
         raise ConfigError(f"unknown engine {name!r}; known: {', '.join(engine_names())}")

@@ -71,7 +71,8 @@ def add_model_args(p: argparse.ArgumentParser, simulated: bool = True):
     add_field_argument(g, RunConfig, "model", "zoo name (see `batchsim models`), model directory, "
                        "or hub id")
     add_field_argument(g, RunConfig, "dtype", DTYPE_HELP, choices=list(DTYPES))
-    add_field_argument(g, RunConfig, "quantize", "4- or 8-bit weights (zoo models)",
+    add_field_argument(g, RunConfig, "quantize", "4- or 8-bit weights (zoo models; default: as "
+                       "the model is: --dtype's for a zoo model)",
                        choices=list(QUANT_BITS))
     if simulated:
         add_field_argument(g, RunConfig, "executor", "mlx: real compute; sim: calibrated roofline "
@@ -92,7 +93,8 @@ def add_model_args(p: argparse.ArgumentParser, simulated: bool = True):
 
 def add_kv_bits_arg(g: argparse._ArgumentGroup) -> None:
     add_field_argument(g, RunConfig, "kv_bits", "K/V held as mlx-lm's QuantizedKVCache at 4 or 8 "
-                       "bits (group 64): full-attention layers, real or simulated",
+                       "bits (group 64): full-attention layers, real or simulated (default: "
+                       "K/V in the compute dtype)",
                        choices=list(KV_BITS))
 
 
@@ -134,7 +136,8 @@ def add_workload_args(p: argparse.ArgumentParser, defaults: WorkloadSpec | None 
     add_field_argument(g, w, "ramp_end_rate", "'ramp': the rate (requests/s) reached by the last "
                        "request, rising linearly from --request-rate (sets --arrival ramp)")
     add_field_argument(g, w, "concurrency", "closed loop: keep this many requests in flight")
-    add_field_argument(g, w, "max_concurrency", "open loop: cap on requests in flight")
+    add_field_argument(g, w, "max_concurrency", "open loop: cap on requests in flight (default: "
+                       "none)")
     add_field_argument(g, w, "input_len", "prompt lengths in tokens: N, uniform:MIN:MAX, "
                        "normal:MEAN:STD[:MAX], lognormal:MEAN:STD[:MAX], zipf:A:MIN:MAX",
                        type=length)
@@ -144,8 +147,10 @@ def add_workload_args(p: argparse.ArgumentParser, defaults: WorkloadSpec | None 
                    "in configs/traces)")
     add_field_argument(g, TraceSpec, "time_scale", "trace time factor (0.1 = 10x faster)",
                        type=positive_float)
-    add_field_argument(g, TraceSpec, "max_input_len", "cap trace prompt lengths (tokens)")
-    add_field_argument(g, TraceSpec, "max_output_len", "cap trace output lengths (tokens)")
+    add_field_argument(g, TraceSpec, "max_input_len", "cap trace prompt lengths (tokens; "
+                       "default: none)")
+    add_field_argument(g, TraceSpec, "max_output_len", "cap trace output lengths (tokens; "
+                       "default: none)")
     add_field_argument(g, RunConfig, "ignore_eos", "generate each request's full output length",
                        action=argparse.BooleanOptionalAction)
     add_sharing_args(g)

@@ -1,0 +1,26 @@
+"""`batchsim COMMAND --help` says each flag's default, also where it is "none" (the README's
+promise: what it does, its unit, its default)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from batchsim.scripts import cli
+
+
+def _helps(command: str) -> dict[str, str]:
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    formatter = sub.choices[command]._get_formatter()
+    return {a.option_strings[-1]: " ".join(formatter._expand_help(a).split())
+            for a in sub.choices[command]._actions if a.option_strings and a.help}
+
+
+@pytest.mark.parametrize("command", ["run", "compare", "sweep", "serve"])
+def test_flags_left_unset_say_what_unset_means(command):
+    helps = _helps(command)
+    for flag in ("--quantize", "--kv-bits", "--max-concurrency", "--max-input-len",
+                 "--max-output-len"):
+        if flag in helps:
+            assert "default" in helps[flag], (command, flag, helps[flag])

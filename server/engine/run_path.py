@@ -89,7 +89,7 @@ def run_session(session: Session, out_dir: Path, view: RunView = QUIET,
 
 def _open_and_run(cfg: RunConfig, run_dir: Path, label: str, stop: Interrupts, view: RunView,
                   timeline: bool) -> dict[str, Any]:
-    from batchsim.server.engine.runner import record_stopped_before_start
+    from batchsim.server.engine.run_dir import record_stopped_before_start
     from batchsim.server.engine.session import open_session
 
     try:

@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import logging
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -16,18 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 from batchsim.scheduler.request import Request, SamplingParams
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.engine import clock
 from batchsim.server.engine.engine import Engine
 from batchsim.server.engine.interrupts import Interrupts
 from batchsim.server.engine.memory import peak_resident_bytes
-from batchsim.server.engine.run_config import RunConfig
+from batchsim.server.engine.run_dir import draw_run_timeline, write_config, write_summary
 from batchsim.server.engine.session import Session
 from batchsim.server.engine.virtual_run import VirtualRun, replays_exactly
 from batchsim.server.results import run_files
-from batchsim.server.results.jsonio import jsonable, new_run_dir
+from batchsim.server.results.jsonio import new_run_dir
 from batchsim.server.results.metrics import (
     RequestRecord,
     StepRecord,
@@ -36,7 +34,6 @@ from batchsim.server.results.metrics import (
 )
 from batchsim.server.results.recorder import RunRecorder
 from batchsim.server.results.run_files import RecordStream
-from batchsim.server.results.timeline import Limits, run_title, timeline_title, write_timeline
 from batchsim.workloads.driver import drive
 from batchsim.workloads.requests import (
     RequestSpec,
@@ -211,7 +208,7 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
                   run_dir: Path | None, interrupts: Interrupts, timeline: bool) -> RunOutcome:
     stream = None
     if run_dir is not None:
-        _write_config(run_dir, session.config, spec, session)
+        write_config(run_dir, session.config, spec, session)
         stream = RecordStream(run_dir, on_error=lambda exc: interrupts.stop(str(exc)))
     run = _Run(session, spec, on_step, stream, interrupts)
     wall0 = time.perf_counter()
@@ -267,13 +264,13 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
     if stream is not None:
         stream.close(records)  # requests.jsonl in arrival order, as a finished run has it
     if run_dir is not None and timeline and not (stream and stream.error):  # no room for it
-        summary["timeline_png"] = _timeline(run_dir, records, steps, session, spec)
+        summary["timeline_png"] = draw_run_timeline(run_dir, records, steps, session, spec)
     summary["interrupted"] = run.interrupted  # a signal may have come while records were written
     if run.interrupted:
         summary["interrupt_reason"] = interrupts.received
     summary["run_dir"] = str(run_dir) if run_dir else None
     summary["env"] = session.environment()
-    error = _write_summary(run_dir, summary, stream.error if stream else None)
+    error = write_summary(run_dir, summary, stream.error if stream else None)
     return RunOutcome(summary, records, steps, run_dir, run.interrupted, error)
 
 
@@ -285,51 +282,6 @@ def prefix_cache_summary(scheduler: Scheduler) -> dict[str, Any]:
             "prefix_cache_hit_rate": hits / queries if queries else 0.0,
             "cached_prompt_tokens": hits, "prefilled_prompt_tokens": queries - hits,
             "peak_prefix_cache_bytes": prefix.peak_bytes if prefix is not None else 0}
-
-
-def _write_summary(run_dir: Path | None, summary: dict[str, Any],
-                   error: OSError | None) -> str | None:
-    """summary.json if it can be written; what could not be (a full disk), in one line."""
-    problems = [str(error)] if error else []
-    if run_dir:
-        try:
-            run_files.write_summary(run_dir, jsonable(summary))
-        except OSError as exc:
-            problems.append(str(exc))
-    if not problems:
-        return None
-    return f"{'; '.join(problems)} (the run stopped; the records written before are kept)"
-
-
-def _timeline(run_dir: Path, records: list[RequestRecord], steps: list[StepRecord],
-              session: Session, spec: WorkloadSpec) -> str | None:
-    sched = session.scheduler_config()
-    limits = Limits(session.kv_budget_bytes, sched.max_num_seqs, sched.max_num_batched_tokens)
-    cfg = session.config
-    what = run_title(session.ref.name, session.dtype, cfg.quantize, cfg.executor,
-                     cfg.device_profile, cfg.engine, session.environment())
-    title = timeline_title(what, dataclasses.asdict(spec), len(records))
-    path, why = write_timeline(run_dir, records, steps, limits, title)
-    if why is not None:
-        logging.getLogger("batchsim").warning(why)
-    return path
-
-
-def record_stopped_before_start(cfg: RunConfig, run_dir: Path,
-                                timeline: bool = True) -> dict[str, Any]:
-    """A run stopped by a signal before its model was loaded: empty records and a summary that
-    says so, in the run directory already made for it."""
-    _write_config(run_dir, cfg, cfg.workload, None)
-    RecordStream(run_dir).close([])
-    summary = summarize([], [], duration_s=0.0, percentiles=cfg.percentiles,
-                        goodput_slo_ms=cfg.goodput)
-    summary.update({"model": cfg.model, "executor": cfg.executor, "workload": cfg.workload.name,
-                    "interrupted": True, "run_dir": str(run_dir)})
-    if timeline:
-        summary["timeline_png"] = write_timeline(run_dir, [], [], Limits(),
-                                                 f"{cfg.model}: stopped before it started")[0]
-    run_files.write_summary(run_dir, jsonable(summary))
-    return summary
 
 
 @contextlib.contextmanager
@@ -378,23 +330,3 @@ def _peak_memory(session: Session) -> int | None:
     import mlx.core as mx
 
     return int(mx.get_peak_memory())
-
-
-def _write_config(run_dir: Path, cfg: RunConfig, spec: WorkloadSpec,
-                  session: Session | None) -> None:
-    """config.yaml: the run's config and, once the model is open, what it resolved to."""
-    resolved: dict[str, Any] = {"config": dataclasses.asdict(cfg),
-                                "workload": dataclasses.asdict(spec)}
-    if session is not None:
-        resolved["resolved"] = {
-            "model_path": str(session.ref.path), "dtype": session.dtype,
-            "weight_bytes": session.weight_bytes,
-            "memory_budget_bytes": session.memory_budget_bytes,
-            "budget_source": session.budget_source,
-            "kv_bytes_per_token": session.kv_bytes_per_token,
-            "kv_budget_bytes": session.kv_budget_bytes,
-            "scheduler": dataclasses.asdict(session.scheduler_config()),
-        }
-        resolved["env"] = session.environment()
-    text = yaml.safe_dump(jsonable(resolved), sort_keys=False)
-    run_files.replace_atomically(run_dir / run_files.CONFIG, text.encode())

@@ -1,0 +1,88 @@
+"""A run directory's files beside the streamed records (server/results/run_files.py):
+config.yaml first, summary.json and timeline.png at the end, and all of them for a run stopped
+before its model loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from batchsim.server.results import run_files
+from batchsim.server.results.jsonio import jsonable
+from batchsim.server.results.metrics import RequestRecord, StepRecord, summarize
+from batchsim.server.results.run_files import RecordStream
+from batchsim.server.results.timeline import Limits, run_title, timeline_title, write_timeline
+from batchsim.workloads.spec import WorkloadSpec
+
+if TYPE_CHECKING:
+    from batchsim.server.engine.run_config import RunConfig
+    from batchsim.server.engine.session import Session
+
+
+def write_config(run_dir: Path, cfg: RunConfig, spec: WorkloadSpec,
+                 session: Session | None) -> None:
+    """config.yaml: the run's config and, once the model is open, what it resolved to."""
+    resolved: dict[str, Any] = {"config": dataclasses.asdict(cfg),
+                                "workload": dataclasses.asdict(spec)}
+    if session is not None:
+        resolved["resolved"] = {
+            "model_path": str(session.ref.path), "dtype": session.dtype,
+            "weight_bytes": session.weight_bytes,
+            "memory_budget_bytes": session.memory_budget_bytes,
+            "budget_source": session.budget_source,
+            "kv_bytes_per_token": session.kv_bytes_per_token,
+            "kv_budget_bytes": session.kv_budget_bytes,
+            "scheduler": dataclasses.asdict(session.scheduler_config()),
+        }
+        resolved["env"] = session.environment()
+    text = yaml.safe_dump(jsonable(resolved), sort_keys=False)
+    run_files.replace_atomically(run_dir / run_files.CONFIG, text.encode())
+
+
+def write_summary(run_dir: Path | None, summary: dict[str, Any],
+                  error: OSError | None) -> str | None:
+    """summary.json if it can be written; what could not be (a full disk), in one line."""
+    problems = [str(error)] if error else []
+    if run_dir:
+        try:
+            run_files.write_summary(run_dir, jsonable(summary))
+        except OSError as exc:
+            problems.append(str(exc))
+    if not problems:
+        return None
+    return f"{'; '.join(problems)} (the run stopped; the records written before are kept)"
+
+
+def draw_run_timeline(run_dir: Path, records: list[RequestRecord], steps: list[StepRecord],
+                      session: Session, spec: WorkloadSpec) -> str | None:
+    """timeline.png from the run's records; its path (None: not drawn, a warning says why)."""
+    sched = session.scheduler_config()
+    limits = Limits(session.kv_budget_bytes, sched.max_num_seqs, sched.max_num_batched_tokens)
+    cfg = session.config
+    what = run_title(session.ref.name, session.dtype, cfg.quantize, cfg.executor,
+                     cfg.device_profile, cfg.engine, session.environment())
+    title = timeline_title(what, dataclasses.asdict(spec), len(records))
+    path, why = write_timeline(run_dir, records, steps, limits, title)
+    if why is not None:
+        logging.getLogger("batchsim").warning(why)
+    return path
+
+
+def record_stopped_before_start(cfg: RunConfig, run_dir: Path,
+                                timeline: bool = True) -> dict[str, Any]:
+    """A run stopped by a signal before its model was loaded: empty records and a summary that
+    says so, in the run directory already made for it."""
+    write_config(run_dir, cfg, cfg.workload, None)
+    RecordStream(run_dir).close([])
+    summary = summarize([], [], duration_s=0.0, percentiles=cfg.percentiles,
+                        goodput_slo_ms=cfg.goodput)
+    summary.update({"model": cfg.model, "executor": cfg.executor, "workload": cfg.workload.name,
+                    "interrupted": True, "run_dir": str(run_dir)})
+    if timeline:
+        summary["timeline_png"] = write_timeline(run_dir, [], [], Limits(),
+                                                 f"{cfg.model}: stopped before it started")[0]
+    run_files.write_summary(run_dir, jsonable(summary))
+    return summary

@@ -37,6 +37,8 @@ class KVManager:
         self.pool = EMPTY_PAGED_POOL if paged else EMPTY_POOL
         self.pool_members: set[int] = set()
         self.private: dict[int, PrivateCache] = {}  # request id -> its private prefill cache
+        self._private_bytes = 0  # what they hold (check() adds them up again)
+        self._priced = (self.pool, 0)  # the last pool geometry priced, and its bytes
         # Cached prompt blocks (paged: in the pool, shared by reference); None: caching off.
         self.prefix = (PrefixCache(PAGE_TOKENS * cache.full_token_bytes, shared=paged)
                        if prefix_cache else None)
@@ -44,11 +46,16 @@ class KVManager:
 
     @property
     def pool_bytes(self) -> int:
-        return self.cache.pool_bytes(self.pool)
+        pool, nbytes = self._priced  # the geometry rarely changes: priced once per change
+        if pool is not self.pool:
+            pool = self.pool
+            nbytes = self.cache.pool_bytes(pool)
+            self._priced = (pool, nbytes)
+        return nbytes
 
     @property
     def private_bytes(self) -> int:
-        return sum([p.kv_bytes for p in self.private.values()]) if self.private else 0
+        return self._private_bytes
 
     @property
     def kv_bytes(self) -> int:
@@ -64,7 +71,9 @@ class KVManager:
         """Free a request's KV (finished, aborted, preempted). The pool keeps its geometry until the
         next plan decides it."""
         self.pool_members.discard(request_id)
-        self.private.pop(request_id, None)
+        private = self.private.pop(request_id, None)
+        if private is not None:
+            self._private_bytes -= private.kv_bytes
         if self.shared is not None:
             self.shared.release(request_id)  # its references only: cached blocks stay
 
@@ -125,12 +134,14 @@ class KVManager:
         pool: PoolGeometry,
         pool_members: set[int],
         private: dict[int, PrivateCache],
+        private_bytes: int,
     ) -> int:
-        """Apply a plan's KV, evicting cached prefix blocks it needs the bytes of; returns the
-        bytes now held."""
+        """Apply a plan's KV (`private_bytes`: what `private` holds), evicting cached prefix
+        blocks it needs the bytes of; returns the bytes now held."""
         self.pool = pool
         self.pool_members = pool_members
         self.private = private
+        self._private_bytes = private_bytes
         if self.shared is None and self.prefix is not None and self.prefix.blocks:
             self.prefix.fit(self.budget_bytes - self.pool_bytes - self.private_bytes)
         held = self.kv_bytes
@@ -144,6 +155,9 @@ class KVManager:
         `releasing`: finished or aborted requests whose KV the next plan frees."""
         if self.kv_bytes > self.budget_bytes:
             raise KVAccountError(f"{self.kv_bytes} KV bytes held > budget {self.budget_bytes}")
+        if self._private_bytes != sum(p.kv_bytes for p in self.private.values()):
+            raise KVAccountError(f"private caches counted as {self._private_bytes} bytes, hold "
+                                 f"{sum(p.kv_bytes for p in self.private.values())}")
         if self.pool.rows < len(self.pool_members):
             raise KVAccountError(f"pool has {self.pool.rows} rows for {len(self.pool_members)}")
         for rid in self.pool_members - releasing:

@@ -37,6 +37,7 @@ class StepBudget:
         "prefill_step_size",
         "prefills",
         "private",
+        "private_bytes",
         "spec_k",
         "spec_policy",
         "spec_tokens",
@@ -59,9 +60,11 @@ class StepBudget:
         self.blocks = self._blocks() if kv.paged else 0
         # The prefill caches that stay private after this step.
         self.private: dict[int, PrivateCache] = {}
+        self.private_bytes = 0  # what they hold (kept as they change)
         if kv.private:
             in_pool = self.in_pool
             self.private = {rid: p for rid, p in kv.private.items() if rid not in in_pool}
+            self.private_bytes = sum([p.kv_bytes for p in self.private.values()])
         self.geom: PoolGeometry | None = None  # set by fit_pool
         self.tokens_left = 0  # set by fit_pool
         self.prefills: list[PrefillChunk] = []
@@ -70,11 +73,12 @@ class StepBudget:
 
     def geometry(self, reserve_bytes: int = 0) -> PoolGeometry | None:
         """The pool geometry for these rows in what the private caches leave; None: none fits."""
-        room = self.budget_bytes - self.private_bytes() - reserve_bytes
+        room = self.budget_bytes - self.private_bytes - reserve_bytes
         if not self.pool:
             return self.kv.geometry_for(0, self.width, room, self.blocks)
-        return self.kv.geometry_for(len(self.pool), self.width + self.spec_k, room,
-                                    self.blocks + self._draft_blocks())
+        k = self.spec_k
+        return self.kv.geometry_for(len(self.pool), self.width + k, room,
+                                    self.blocks + self._draft_blocks() if k else self.blocks)
 
     def _draft_blocks(self) -> int:
         """Paged: blocks the rows' drafted tokens take this step beyond their own (the executor
@@ -100,8 +104,9 @@ class StepBudget:
         """Place the pool's rows (False: they do not fit); decode rows take one token each, and
         spec_k drafted tokens each while those fit (else this step does not speculate)."""
         rows = len(self.pool) if self.decode_step else 0
-        self.spec_k = step_spec_tokens(self.spec_tokens, self.spec_policy, rows,
-                                       self.max_num_batched_tokens)
+        if self.spec_tokens:  # else spec_k stays 0
+            self.spec_k = step_spec_tokens(self.spec_tokens, self.spec_policy, rows,
+                                           self.max_num_batched_tokens)
         self.geom = self.geometry()
         if self.geom is None and self.spec_k:
             self.spec_k = 0
@@ -116,7 +121,9 @@ class StepBudget:
     def drop(self, request: Request) -> None:
         """A preempted request leaves this step's rows and private caches."""
         rid = request.request_id
-        self.private.pop(rid, None)
+        private = self.private.pop(rid, None)
+        if private is not None:
+            self.private_bytes -= private.kv_bytes
         if rid in self.in_pool:
             self.in_pool.discard(rid)
             self.pool.remove(request)
@@ -178,7 +185,7 @@ class StepBudget:
         c = request.num_computed_tokens
         while n > 0:
             need = self.kv.private_bytes_after(request.request_id, c, c + n)
-            held = self.cache.pool_bytes(self.geom) + self.private_bytes()
+            held = self.cache.pool_bytes(self.geom) + self.private_bytes
             if need <= self.budget_bytes - held:
                 return n
             tighter = self.geometry(reserve_bytes=need)
@@ -190,9 +197,12 @@ class StepBudget:
 
     def add_chunk(self, request: Request, n: int) -> None:
         c = request.num_computed_tokens
+        rid = request.request_id
         sample = c + n == request.num_tokens  # the chunk reaches the last known token
-        self.prefills.append(PrefillChunk(request.request_id, c, n, sample))
-        self.private[request.request_id] = self.cache.private(c, c + n)
+        self.prefills.append(PrefillChunk(rid, c, n, sample))
+        old = self.private.get(rid)
+        new = self.private[rid] = self.cache.private(c, c + n)
+        self.private_bytes += new.kv_bytes - old.kv_bytes if old is not None else new.kv_bytes
         self.tokens_left -= n
 
     def add_row(self, request: Request) -> bool:
@@ -215,15 +225,11 @@ class StepBudget:
         self.tokens_left -= 1 + self.spec_k
         return True
 
-    def private_bytes(self) -> int:
-        private = self.private
-        return sum([p.kv_bytes for p in private.values()]) if private else 0
-
     def commit(self) -> int:
         """Hand this step's KV to the manager; returns the bytes it holds."""
         if self.kv.shared is not None:
             self._fit_shared_cache()
-        return self.kv.commit(self.geom, self.in_pool, self.private)
+        return self.kv.commit(self.geom, self.in_pool, self.private, self.private_bytes)
 
     def _fit_shared_cache(self) -> None:
         """Paged: rows joining this step give the cache their full prompt blocks (no copy, the
@@ -244,7 +250,7 @@ class StepBudget:
             # At the budget (no slack fits): every step's private caches and joins would resize
             # the whole pool by a few blocks; the cache keeps the pool's blocks instead, or
             # when those no longer fit, what fits less cache_headroom.
-            room = self.budget_bytes - self.private_bytes() - self.cache.pool_bytes(self.geom)
+            room = self.budget_bytes - self.private_bytes - self.cache.pool_bytes(self.geom)
             fit = self.geom.blocks + room // prefix.block_bytes
             held = self.kv.pool.blocks or 0
             keep = held if need <= held <= fit else max(need, fit - cache_headroom(fit))

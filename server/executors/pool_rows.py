@@ -46,6 +46,7 @@ class PoolLayout:
         self.geometry = EMPTY_PAGED_POOL if paged else EMPTY_POOL
         self.row_ids: list[int] = []  # request id per occupied row, rows [0, B)
         self.in_pool: set[int] = set()  # the same ids, for membership tests
+        self._row_bytes = 0  # one row of the geometry (what a leave moves per row)
 
     def __len__(self) -> int:
         return len(self.row_ids)
@@ -73,9 +74,7 @@ class PoolLayout:
             for h, m in zip(holes, movers):
                 rows[h] = rows[m]
             del rows[keep:]
-        row = self.cache.per_row if self.paged else self.cache
-        row_bytes = row.seq_bytes(self.geometry.capacity_tokens)
-        return RowMoves(holes, movers, len(movers) * row_bytes)
+        return RowMoves(holes, movers, len(movers) * self._row_bytes)
 
     def join(self, request_id: int, num_tokens: int) -> int:
         """Give a prefilled request of `num_tokens` the next row; returns the row. The copy is
@@ -96,6 +95,8 @@ class PoolLayout:
             raise RuntimeError(f"geometry {geometry} cannot hold the pool's {len(self)} rows")
         self.geometry = geometry
         cache = self.cache
+        row = cache.per_row if self.paged else cache
+        self._row_bytes = row.seq_bytes(geometry.capacity_tokens)
         kept = 0
         if (old.rows or old.blocks) and (geometry.rows or geometry.blocks):
             blocks = None if old.blocks is None else min(old.blocks, geometry.blocks or 0)
@@ -113,3 +114,4 @@ class PoolLayout:
     def clear(self) -> None:
         self.geometry = EMPTY_PAGED_POOL if self.paged else EMPTY_POOL
         self.row_ids, self.in_pool = [], set()
+        self._row_bytes = 0

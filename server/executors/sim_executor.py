@@ -180,16 +180,15 @@ class SimExecutor:
 
     # -- the pool's copies, as pool_rows lays them out for the real DecodePool ------------------
     def _free(self, free_ids: tuple[int, ...]) -> float:
-        gone = set(free_ids)
         if self.spec is not None:
-            self.spec.forget(gone)
+            self.spec.forget(free_ids)
         if self.private:
-            for rid in gone:
+            for rid in free_ids:
                 self._drop_private(rid)
         if self._shared:
-            for rid in gone:
+            for rid in free_ids:
                 self._shared.pop(rid, None)
-        moves = self.layout.leave(gone)
+        moves = self.layout.leave(free_ids)
         if moves is NO_MOVES:
             return 0.0
         self._joined = ()

@@ -31,6 +31,7 @@ from batchsim.scripts.run_args import (
 )
 from batchsim.scripts.run_view import warn_profile_mismatch
 from batchsim.server.engine.run_config import RunConfig, with_run_overrides
+from batchsim.server.results.timeline import run_title
 from batchsim.workloads.lengths import LengthSpec
 from batchsim.workloads.spec import WorkloadSpec, builtin_workload, with_overrides
 
@@ -171,7 +172,8 @@ def run(args: argparse.Namespace) -> dict:
     (key_a, name_a), (key_b, name_b) = VERSUS[kind]
     if kind == "batch":
         name_b = f"batch {args.batch}"
-    err.print(f"batchsim compare: {cfg_a.model} on {executor_label(cfg_a.executor, cfg_b.engine)}, "
+    where = executor_label(cfg_a.executor, cfg_b.engine, cfg_a.device_profile)
+    err.print(f"batchsim compare: {cfg_a.model} on {where}, "
               f"workload {spec.name}: "
               f"{spec.num_prompts} requests, {name_a} then {name_b}")
     warn_profile_mismatch(cfg_a)
@@ -185,7 +187,9 @@ def run(args: argparse.Namespace) -> dict:
     rat = ratios(base, other)
     speedup = rat["output_throughput"]
     names = (name_a, name_b)
-    _print(base, other, names, rat)
+    what = run_title(other["model"], other["dtype"], other.get("quantize_bits"), other["executor"],
+                     cfg_b.device_profile, cfg_b.engine, other.get("env"))
+    _print(base, other, names, rat, what)
     stamp = timestamp()
     row = {"kind": "compare", "time": stamp, "versus": kind, "model": other["model"],
            "dtype": other["dtype"], "executor": other["executor"], "engine": cfg_b.engine,
@@ -196,18 +200,14 @@ def run(args: argparse.Namespace) -> dict:
     jsonl = append_jsonl(args.out / "compare.jsonl", [row])
     name = (f"compare-{other['model'].replace('/', '_')}-{spec.name}-"
             f"{'b' + str(args.batch) if kind == 'batch' else 'prefix-cache'}-{stamp}.png")
-    png = _plot(base, other, names, speedup, args.out / name)
+    png = _plot(base, other, names, speedup, args.out / name, what)
     out.print(f"run directories: {base['run_dir']} and {other['run_dir']}")
     out.print(f"row appended to {jsonl}; plot {png}")
     return {"versus": kind, key_a: base, key_b: other, "speedup": speedup, "ratios": rat,
             "batch": args.batch, "jsonl": str(jsonl), "png": str(png)}
 
 
-def _on(summary: dict) -> str:
-    return executor_label(summary["executor"], summary.get("engine"))
-
-
-def _print(base: dict, other: dict, names: tuple[str, str], rat: dict) -> None:
+def _print(base: dict, other: dict, names: tuple[str, str], rat: dict, what: str) -> None:
     shown = ROWS + tuple(r for r in PREFIX_ROWS
                          if base.get(r[1]) is not None or other.get(r[1]) is not None)
     rows = []
@@ -216,8 +216,7 @@ def _print(base: dict, other: dict, names: tuple[str, str], rat: dict) -> None:
         a = a * scale if isinstance(a, (int, float)) and scale != 1 else a
         b = b * scale if isinstance(b, (int, float)) and scale != 1 else b
         rows.append([label, a, b, rat.get(key, ratio(b, a))])
-    out.print(f"{other['model']} ({other['dtype']}) on {_on(other)}, workload "
-              f"{other['workload']}; ratio = {names[1]} / {names[0]}")
+    out.print(f"{what}, workload {other['workload']}; ratio = {names[1]} / {names[0]}")
     out.print(table(f"{names[0]} vs {names[1]}", ["metric", *names, "ratio"], rows))
     speedup = rat["output_throughput"]
     if speedup is not None:
@@ -226,7 +225,7 @@ def _print(base: dict, other: dict, names: tuple[str, str], rat: dict) -> None:
 
 
 def _plot(base: dict, other: dict, names: tuple[str, str], speedup: float | None,
-          path: Path) -> Path:
+          path: Path, what: str) -> Path:
     """Output tok/s per run; mean/median/P99 TTFT, TPOT and E2EL per run (log scale)."""
     plt = pyplot()
     import numpy as np
@@ -247,6 +246,5 @@ def _plot(base: dict, other: dict, names: tuple[str, str], speedup: float | None
     ax_l.set_yscale("log")
     ax_l.set_ylabel("ms per request (log scale; lower is better)")
     ax_l.legend()
-    fig.suptitle(f"{other['model']} {other['dtype']} on {_on(other)}, workload "
-                 f"{other['workload']}: {names[0]} vs {names[1]}")
+    fig.suptitle(f"{what}, workload {other['workload']}: {names[0]} vs {names[1]}")
     return save_figure(fig, path)

@@ -352,8 +352,10 @@ def test_compare_names_the_engine_it_simulated(tmp_path, capsys):
                  "--output-len", "8", "--out", str(tmp_path), "--runs-dir", str(tmp_path),
                  "--no-timeline"]) == 0
     captured = capsys.readouterr()
-    assert "on sim (engine mlx-lm-generate), workload" in captured.out  # the table's heading
-    assert "on sim (engine mlx-lm-generate), workload" in captured.err  # the opening line
+    # the table's heading names the 4-bit weights too (it said "(float16)" alone)
+    assert ("(float16, 4-bit weights) on sim (M4 Max, engine mlx-lm-generate), workload"
+            in captured.out)
+    assert "on sim (M4 Max, engine mlx-lm-generate), workload" in captured.err  # the opening line
     result = json.loads(captured.out.strip().splitlines()[-1])
     assert result["batch1"]["engine"] == result["batched"]["engine"] == "mlx-lm-generate"
 

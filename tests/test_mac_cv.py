@@ -292,3 +292,17 @@ def test_a_two_die_chip_pays_its_moe_layers_fixed_cost_once_per_forward(catalog)
     loop = fixed_s("qwen3-30b-a3b", ultra, fit, "mlxcel-server")[1]
     assert loop > 0 and loop == pytest.approx(fixed_s("qwen3-30b-a3b", ultra, off,
                                                       "mlxcel-server")[1])
+
+
+def test_per_row_sampling_is_shrunk_where_only_an_engines_token_cost_matches_it(
+        rows, catalog, monkeypatch):
+    """On per-row-sampler servers' rows the sampling column equals their per-token host column:
+    unshrunk, the device-wide sampling term took their per-token cost (and priced it on every
+    engine sampling per row); shrunk like the engine terms, it keeps less of it."""
+    few = _few(rows, {"inference_speed_tests", "nexveridian", "rapid_mlx_readme_refresh",
+                      "mlx_lm_benchmarks"})
+    start = MacModel(gpu_fit.load_fit())
+    shrunk = published_fit.fit_published(few, catalog, start).fit.sampling_row_us
+    monkeypatch.setattr(published_fit, "SHRUNK_DEVICE", ())
+    free = published_fit.fit_published(few, catalog, start).fit.sampling_row_us
+    assert shrunk < 0.8 * free

@@ -51,6 +51,12 @@ ROUNDS = 3  # refits with the parts recomputed under the last fit
 ENGINE_RIDGE = 0.1  # shrinkage of each engine's own terms (columns scaled to unit norm)
 PRIOR_ROWS = 1.0  # the weight of an engine's kind prior, in rows of the engine's own
 HOST_PARTS = ("step", "token")  # an engine's host-cost columns: step:NAME, token:NAME
+# Device columns shrunk like an engine's own: per-row sampling is, on every row of an engine calling
+# its sampler per row, the same column as that engine's per-token host cost (each sampled row is a
+# generated token), so only a source running one engine both ways (mlx_lm_1540) tells them apart;
+# unshrunk it took every per-row server's per-token cost and priced it on every such engine (held
+# out, mlx_lm_1540's per-row rows -43% / -49% at B=8 / 32; shrunk -15% / -19%).
+SHRUNK_DEVICE = ("sampling_row_s",)
 JITTER = 1e-9  # on the others: collinear columns share rather than fail
 UNIT_US = 1e6  # count-type terms priced at 1 s each: their parts are then counts
 # The largest slowdown (1 / efficiency) a rate may take: streaming weights at under a third of the
@@ -194,7 +200,7 @@ def _shrink(a: np.ndarray, cols: list[str], free: list[int]) -> Shrink:
     index = {c: j for j, c in enumerate(cols)}
     for j in free:
         part, _, name = cols[j].partition(":")
-        if part in HOST_PARTS:
+        if part in HOST_PARTS or cols[j] in SHRUNK_DEVICE:
             zero[j] = ENGINE_RIDGE
         if part == "step" and (kind := _kind(cols[j])):
             k = index[f"token:{name}"]

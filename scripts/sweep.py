@@ -21,7 +21,6 @@ from batchsim.scripts.common import (
     add_field_argument,
     append_jsonl,
     bounded,
-    executor_label,
     fmt,
     ints_up_to,
     non_negative_int,
@@ -37,6 +36,7 @@ from batchsim.scripts.run_args import add_engine_arg, add_kv_bits_arg, add_model
 from batchsim.scripts.run_view import warn_profile_mismatch
 from batchsim.server.engine.run_config import RunConfig, with_run_overrides
 from batchsim.server.perf import sweep_limits as sweep_math
+from batchsim.server.results.timeline import run_title
 from batchsim.workloads.lengths import LengthSpec
 from batchsim.workloads.prefixes import SharingSpec
 from batchsim.workloads.spec import WorkloadSpec
@@ -226,7 +226,7 @@ def _meta(args: argparse.Namespace, base, budget: int, source: str) -> dict:
     return {
         "model": base.ref.name, "dtype": base.dtype, "quantize_bits": base.ref.quantize_bits,
         "kv_bits": base.config.kv_bits, "kv_layout": base.config.kv_layout,
-        "executor": base.config.executor,
+        "executor": base.config.executor, "device_profile": base.config.device_profile,
         "engine": base.config.engine,
         "prompt_len": args.prompt_len, "output_len": args.output_len,
         "seq_kv_tokens": sweep_math.seq_kv_tokens(args.prompt_len, args.output_len),
@@ -251,12 +251,14 @@ def _profile_fields(base) -> dict:
     return {"profile": p.name, "profile_fitted_on": p.fitted_on or p.source, **engine}
 
 
-def _on(meta: dict) -> str:
-    return executor_label(meta["executor"], meta.get("engine"))
+def _what(meta: dict) -> str:
+    """The model, its weights and where it ran, as run's header and timeline.png name them."""
+    return run_title(meta["model"], meta["dtype"], meta.get("quantize_bits"), meta["executor"],
+                     meta.get("device_profile"), meta.get("engine"))
 
 
 def _announce(meta: dict, batches: list[int]) -> None:
-    out.print(f"batchsim sweep: {meta['model']} ({meta['dtype']}) on {_on(meta)}, "
+    out.print(f"batchsim sweep: {_what(meta)}, "
               f"{meta['prompt_len']} + {meta['output_len']} tokens per request, budget "
               f"{_size(meta['memory_budget_bytes'])} ({meta['budget_source']}): weights "
               f"{meta['weight_bytes'] / MIB:.1f} MiB + KV {meta['kv_bytes_per_seq'] / MIB:.2f} MiB "
@@ -271,7 +273,7 @@ def _status(row: dict) -> str:
 def _print(rows: list[dict], meta: dict, verdict: dict) -> None:
     ks = [e["spec_tokens"] for e in rows[0].get("spec", [])]
     out.print(table(
-        f"Sweep: {meta['model']} {meta['dtype']} on {_on(meta)}, context "
+        f"Sweep: {_what(meta)}, context "
         f"{meta['prompt_len']}+{meta['output_len']}, budget {_size(meta['memory_budget_bytes'])}",
         ["batch", "fits", "decoded", "decode tok/s", "step ms", "TPOT ms", "out tok/s",
          "KV MiB sched / exec", "KV MiB analytic", "active / peak MiB", "waits", "status",
@@ -345,7 +347,7 @@ def _plot(rows: list[dict], meta: dict, verdict: dict, path: Path) -> Path:
         ax.set_xticks(batches, [str(b) for b in batches], fontsize=7, rotation=90)
         ax.set_xlabel("batch (requests at once, max_num_seqs)")
         ax.legend(fontsize=8)
-    fig.suptitle(f"{meta['model']} {meta['dtype']} on {_on(meta)}: context "
+    fig.suptitle(f"{_what(meta)}: context "
                  f"{meta['prompt_len']}+{meta['output_len']}, budget "
                  f"{_size(meta['memory_budget_bytes'])} ({meta['budget_source']})")
     return save_figure(fig, path)

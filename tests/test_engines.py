@@ -234,7 +234,8 @@ def test_size_and_sweep_price_the_engine_named_and_say_so(tmp_path, capsys):
                      "--batches", "1", "--prompt-len", "192", "--output-len", "64",
                      "--no-progress", "--out", str(tmp_path), "--runs-dir", str(tmp_path)]) == 0
         stdout = capsys.readouterr().out
-        assert f"on sim (engine {engine})" in stdout  # the table's title names it too
+        # the table's title names the engine, the profile and the 4-bit weights
+        assert f"(float16, 4-bit weights) on sim (M4 Max 40c, engine {engine})" in stdout
         return json.loads(stdout.strip().splitlines()[-1])["rows"][0]
 
     def predict(engine: str) -> dict:

@@ -4,14 +4,14 @@ exactly (tests/test_advance.py holds the two side by side)."""
 
 from __future__ import annotations
 
-from batchsim.scheduler.request import Request, RequestStatus
+from batchsim.scheduler.request import RUNNING, Request
 
 
 def advance_decoded(rows: list[Request], step: int, k: int) -> list[Request]:
     """Each running row of a plan's decode pool emitted one token per step for `k` steps from
     `step`; returns the rows that reached their max_tokens (in row order), still to be finished."""
     end = step + k
-    running = RequestStatus.RUNNING
+    running = RUNNING
     reached: list[Request] = []
     for r in rows:
         if r.status is not running:  # aborted while the step ran

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 
-from batchsim.scheduler.request import Request, RequestStatus
+from batchsim.scheduler.request import RUNNING, Request
 
 
 class LazyRows:
@@ -57,7 +57,7 @@ class LazyRows:
     def absorb(self, rows: list[Request], n: int, running: list[Request]) -> None:
         """A simulated plan's decode rows after its first n (the lazy ones), counters up to date,
         join while they continue the running prefix that the lazy rows are."""
-        live = RequestStatus.RUNNING
+        live = RUNNING
         for r in rows[n:]:
             if r.status is not live:  # finished, or aborted while the step ran
                 continue
@@ -111,26 +111,26 @@ class LazyRows:
         ends = self.ends
         if not ends or ends[0][0] > s:
             return []
-        rows = self.rows
+        rows, ids, computed0, tokens0 = self.rows, self.ids, self.computed0, self.tokens0
         done = []
         while ends and ends[0][0] <= s:
             done.append(rows.index(heapq.heappop(ends)[2]))
-        done.sort()
-        reached = [rows[i] for i in done]
+        if len(done) > 1:
+            done.sort()
+        reached = list(map(rows.__getitem__, done))
         self.id_tuple = None
         c_max, n_max = self.max_computed0, self.max_tokens0
         widest = longest = False  # a row that left held a largest value: search again
         for i in reversed(done):
             self._settle_row(i)
-            self.id_set.discard(self.ids[i])
-            widest |= self.computed0[i] == c_max
-            longest |= self.tokens0[i] == n_max
-            for column in (rows, self.ids, self.computed0, self.tokens0):
-                del column[i]
+            self.id_set.discard(ids[i])
+            widest |= computed0[i] == c_max
+            longest |= tokens0[i] == n_max
+            del rows[i], ids[i], computed0[i], tokens0[i]
         if rows and widest:
-            self.max_computed0 = max(self.computed0)
+            self.max_computed0 = max(computed0)
         if rows and longest:
-            self.max_tokens0 = max(self.tokens0)
+            self.max_tokens0 = max(tokens0)
         return reached
 
     def settle(self) -> None:

@@ -19,7 +19,16 @@ from batchsim.scheduler.lazy_rows import LazyRows
 from batchsim.scheduler.lookahead import lookahead_steps
 from batchsim.scheduler.plan import NewRequest, StepPlan, StepResult
 from batchsim.scheduler.pool_geometry import PAGE_TOKENS
-from batchsim.scheduler.request import Request, RequestStatus, stop_reason, stop_string
+from batchsim.scheduler.request import (
+    ABORTED,
+    FINISHED,
+    RUNNING,
+    WAITING,
+    Request,
+    RequestStatus,
+    stop_reason,
+    stop_string,
+)
 from batchsim.scheduler.spec_budget import row_spec_tokens, until_stop
 from batchsim.scheduler.step_budget import StepBudget
 
@@ -54,8 +63,7 @@ class Scheduler:
 
     # -- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> bool:
-        """Queue a request, or reject it (status REJECTED, reason in finish_reason) if it can never
-        run."""
+        """Queue a request, or reject it (REJECTED, why in finish_reason): it can never run."""
         reason = self.rejection_reason(request)
         if reason is not None:
             request.status = RequestStatus.REJECTED
@@ -64,7 +72,7 @@ class Scheduler:
             return False
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id} is already queued or running")
-        request.status = RequestStatus.WAITING
+        request.status = WAITING
         self.waiting.append(request)
         self.requests[request.request_id] = request
         return True
@@ -87,12 +95,12 @@ class Scheduler:
         if request is None:
             return None
         self.lazy.settle()
-        if request.status is RequestStatus.WAITING:
+        if request.status is WAITING:
             self.waiting.remove(request)
         else:
             self.running.remove(request)
             self._pending_free.append(request_id)
-        request.status = RequestStatus.ABORTED
+        request.status = ABORTED
         request.finish_reason = "abort"
         return request
 
@@ -172,7 +180,7 @@ class Scheduler:
         blocked = False
         for r in prefilling:
             gap = r.num_tokens - r.num_computed_tokens
-            if r.status is not RequestStatus.RUNNING or gap <= 1 or budget.tokens_left <= 0:
+            if r.status is not RUNNING or gap <= 1 or budget.tokens_left <= 0:
                 continue  # preempted this step, or no tokens left
             n = budget.chunk(r, gap)
             while n == 0 and budget.decode_step and self.running[-1] is not r:
@@ -209,7 +217,7 @@ class Scheduler:
                     break
                 budget.add_chunk(r, n)
             waiting.popleft()
-            r.status = RequestStatus.RUNNING
+            r.status = RUNNING
             running.append(r)
             rows_later, len_later, blocks_later = rows_later + 1, n_later, blocks
             ids = r.all_token_ids()
@@ -242,20 +250,12 @@ class Scheduler:
         pure_decode = not (prefills or new_requests or spec)
         self._planned_rows = decodes
         ids, positions = self.lazy.columns(decodes)
-        self._planned = plan = StepPlan(  # positional: this runs every step
-            self.num_steps,
-            tuple(sorted(free_ids)) if free_ids else (),
-            tuple(new_requests),
-            tuple(prefills),
-            ids,
-            positions,
-            budget.geom,
-            kv_bytes,
-            lookahead_steps(decodes, budget.geom, budget.width, self.config.max_lookahead_steps,
-                            self.kv, self.lazy) if pure_decode else 1,
-            spec if spec and any(spec) else (),
-            cache_ops,
-        )
+        steps = lookahead_steps(decodes, budget.geom, budget.width, self.config.max_lookahead_steps,
+                                self.kv, self.lazy) if pure_decode else 1
+        self._planned = plan = StepPlan(  # positional, in field order: this runs every step
+            self.num_steps, tuple(sorted(free_ids)) if free_ids else (), tuple(new_requests),
+            tuple(prefills), ids, positions, budget.geom, kv_bytes, steps,
+            spec if spec and any(spec) else (), cache_ops)
         return plan
 
     def _preempt_newest(self, budget: StepBudget, free_ids: list[int]) -> None:
@@ -268,7 +268,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.release(request.request_id)
         free_ids.append(request.request_id)
-        request.status = RequestStatus.WAITING
+        request.status = WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -280,7 +280,7 @@ class Scheduler:
         k = len(result.step_durations_s)
         if k != 1 and (k > plan.num_steps or plan.prefills):
             raise ValueError(f"executor ran {k} steps of a plan allowing {plan.num_steps}")
-        requests, running = self.requests, RequestStatus.RUNNING
+        requests, running = self.requests, RUNNING
         prefill_ids = set()
         for chunk in plan.prefills:
             r = requests.get(chunk.request_id)
@@ -379,7 +379,7 @@ class Scheduler:
         return self._planned_rows
 
     def _finish(self, r: Request, reason: str) -> None:
-        r.status = RequestStatus.ABORTED if reason == "error" else RequestStatus.FINISHED
+        r.status = ABORTED if reason == "error" else FINISHED
         r.finish_reason = reason
         self.running.remove(r)
         del self.requests[r.request_id]

@@ -184,9 +184,12 @@ def plot(rows: list[dict], meta: dict, path: Path) -> Path:
         (ax_t, "decode_tok_s_b1", "batch 1", -0.2),
         (ax_t, "decode_tok_s_max_batch", "max batch (padded)", 0.2),
     ]
-    for ax, key, label, dy in bars:  # max batch on a log axis: 1 on an 8 GB M1 to 1,513
-        ax.barh(y + dy, [r[key] or 0 for r in rows], 0.4, label=label, log=ax is ax_b)
-    ax_b.set_xlim(0.8, 10 * ax_b.get_xlim()[1])  # the x axes run past the bars: room for legends
+    # Max batch on a log axis (1 on an 8 GB M1 to 1,513), unless it fits nowhere (all zero).
+    log = any(r["max_batch_padded"] or r["max_batch_paged"] for r in rows)
+    for ax, key, label, dy in bars:
+        ax.barh(y + dy, [r[key] or 0 for r in rows], 0.4, label=label, log=log and ax is ax_b)
+    # The x axes run past the bars: room for the legends.
+    ax_b.set_xlim(0.8 if log else 0, (10 if log else 1.6) * ax_b.get_xlim()[1])
     ax_t.set_xlim(0, 1.6 * ax_t.get_xlim()[1])
     for ax in (ax_b, ax_t):
         ax.grid(axis="x", alpha=0.3)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -254,6 +256,16 @@ def test_command_memory_override_and_no_fit(tmp_path, capsys):
     assert row["max_batch"] == 0 and not row["fits"] and not summary["fits_any"]
     assert summary["bandwidth_efficiency"] == 0.5
     assert "fits no Mac" in capsys.readouterr().out
+
+
+def test_a_model_that_fits_no_mac_is_plotted_without_a_warning(tmp_path):
+    """Max batch's log axis had no positive bar to scale to: matplotlib's 'Data has no positive
+    values, and therefore cannot be log-scaled' UserWarning reached the user's stderr."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        summary = run_size(tmp_path, "--model", "llama-3.1-70b", "--mac", "M4 Max 40c",
+                           "--memory-gb", "96")
+    assert not summary["fits_any"] and Path(summary["png"]).read_bytes()[:4] == b"\x89PNG"
 
 
 def test_context_longer_than_model_is_an_error():

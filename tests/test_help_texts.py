@@ -24,3 +24,4 @@ def test_flags_left_unset_say_what_unset_means(command):
                  "--max-output-len"):
         if flag in helps:
             assert "default" in helps[flag], (command, flag, helps[flag])
+

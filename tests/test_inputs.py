@@ -455,3 +455,18 @@ def test_an_output_directory_that_is_a_file_is_refused_before_the_work(capsys, t
     rc, out, err = _main([*command, "--out", str(not_a_dir)], capsys)
     assert rc == 2 and f"output directory {not_a_dir}: not a directory" in _one_line(err), err
     assert not out  # no table: nothing ran
+
+
+def test_size_refuses_a_name_no_hub_repo_can_have_without_asking_the_hub(monkeypatch):
+    """`size --model nope` asked the hub for nope/config.json (5 retries, their log lines on
+    stderr, then a wrapped error) where `run --model nope` says in one line what a model can be."""
+    import huggingface_hub
+    from batchsim.server.models import loader
+
+    def asked(*args, **kwargs):
+        raise AssertionError("the hub was asked")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", asked)
+    for name in ("nope", "./nope", "a/b/c"):
+        with pytest.raises(loader.ModelNotFoundError, match="a hub id \\(owner/name\\)"):
+            loader.spec_for(name)

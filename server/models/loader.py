@@ -53,12 +53,18 @@ def resolve(ref: str, dtype: str, quantize_bits: int | None = None, build: bool 
     path = Path(ref).expanduser()
     if path.is_dir():
         return _from_dir(ref, path)
-    if path.exists() or ref.startswith((".", "/", "~")) or ref.count("/") != 1:
+    return _from_dir(ref, _download(_hub_id(ref)))
+
+
+def _hub_id(ref: str) -> str:
+    """`ref` if it can name a hub repo (owner/name), else the one-line error: nothing asks the
+    hub (and waits out its retries) for a name no repo can have."""
+    if Path(ref).expanduser().exists() or ref.startswith((".", "/", "~")) or ref.count("/") != 1:
         raise ModelNotFoundError(
             f"model {ref!r}: not a zoo model, a model directory, or a hub id (owner/name); "
             f"zoo models: {', '.join(zoo_names())}"
         )
-    return _from_dir(ref, _download(ref))
+    return ref
 
 
 def _packaged(spec: ModelSpec, dtype: str, quantize_bits: int | None, build: bool) -> ModelRef:
@@ -118,10 +124,11 @@ def spec_for(ref: str) -> ModelSpec:
     path = Path(ref).expanduser()
     if path.is_dir():
         return _from_dir(ref, path).spec
+    hub_id = _hub_id(ref)
     try:
         from huggingface_hub import hf_hub_download
 
-        config_path = Path(hf_hub_download(ref, "config.json"))
+        config_path = Path(hf_hub_download(hub_id, "config.json"))
     except Exception as exc:  # noqa: BLE001 - unreachable hub, unknown repo, bad id: one message
         reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise ModelNotFoundError(

@@ -61,11 +61,16 @@ GATHER_MATMUL_EFFICIENCY = 0.5
 SORT_MIN_PAIRS = 64
 # Assumed: the gated-delta update touches each recurrent-state element ~6 times per token.
 LINEAR_FLOPS_PER_STATE_ELEMENT = 6
-# Measured: one full-attention layer's decode read in the paged layout (mx.take of each row's
-# blocks into (B, heads, width, dim), then attention) over the padded pool's slice, by batch:
-# `benchmarks/paged_gather.py --batch 1,8,32 --context 256` (2026-12-04, MLX 0.32.4 CPU backend,
-# 2-core EPYC VM under load). Between and beyond: linear in log2(B), held at the ends. Metal is
-# not measured: there the gather is a copy of the rows' K/V, felt more by a bandwidth-bound step.
+# Measured on the CPU only: one full-attention layer's decode read in the paged layout (mx.take
+# of each row's blocks into (B, heads, width, dim), then attention) over the padded pool's slice,
+# by batch: `benchmarks/paged_gather.py --batch 1,8,32 --context 256` (2026-12-04, MLX 0.32.4 CPU
+# backend, 2-core EPYC VM under load). Between and beyond: linear in log2(B), held at the ends.
+# Other backends (Metal, CUDA): not measured; the simulator charges these CPU ratios on every
+# device profile. There the gather reads and writes the rows' K/V once more before attention
+# reads them, so a bandwidth-bound step could pay up to about 3x the padded read (an estimate
+# by bytes moved, not a measurement). Charged only where the real executor gathers: the
+# target's full and MLA layers in a paged pool (not sliding or linear layers, prefill's private
+# caches, or a draft model's own caches).
 PAGED_READ_RATIO = ((1, 1.36), (8, 1.41), (32, 1.59))
 
 

@@ -76,10 +76,11 @@ def check_draft_model(draft: ModelSpec, target: ModelSpec) -> None:
 
 
 def model_drafter(cost: StepCost, draft: ModelSpec, dtype: str) -> Drafter:
-    """The draft model priced by the target's step cost's device, engine, weight format and KV
-    layout (the real executor loads it in the target's dtype)."""
+    """The draft model priced by the target's step cost's device, engine and weight format (the
+    real executor loads it in the target's dtype); its K/V padded, whatever the target's layout:
+    the draft model keeps mlx-lm caches of its own, never the paged pool."""
     return Drafter(StepCost(draft, cost.profile, dtype, cost.quantize_bits, cost.kv_bits,
-                            engine=cost.engine, paged=cost.paged), draft.name)
+                            engine=cost.engine), draft.name)
 
 
 def draft_s(drafter: Drafter, batch: int, spec_tokens: int, width: int) -> float:

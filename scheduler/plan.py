@@ -30,10 +30,14 @@ class PrefillChunk(NamedTuple):
 
 class CacheOps(NamedTuple):
     """What a step does to the executor's cached blocks, in this order: blocks dropped before the
-    step runs, then blocks copied out of a request's prefill cache after its chunk ran."""
+    step runs, then blocks copied out of a request's prefill cache after its chunk ran (paged: a
+    row joining this step gives its own block instead)."""
 
     evict: tuple[int, ...]  # block hashes, least recently used first
     store: tuple[tuple[int, int, int], ...]  # (request id, block index in its prompt, block hash)
+    # Paged: (request id, block hashes) of requests whose prefill ended this step: the cached
+    # blocks their rows reference from their start when they join (held from now on).
+    share: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
 class StepPlan(NamedTuple):

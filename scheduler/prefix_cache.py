@@ -55,11 +55,14 @@ class PrefixCache:
     referenced (pinned by a request admitted this step, or, `shared`, held by a request until it
     is released) is never evicted.
 
-    `shared` (the paged layout): cached blocks live in the decode pool's blocks. A request holds
-    its hits from admission, and at its join the pool adopts its row's full prompt blocks that
-    are not cached yet (no copy); rows reference cached blocks instead of copying them, so a block
-    is counted once however many rows share it. The padded layout copies: blocks are stored out of
-    prefill caches and copied into a hit's prefill cache."""
+    `shared` (the paged layout): cached blocks live in the decode pool's blocks. As each prefill
+    chunk completes full prompt blocks, they are copied out of its prefill cache into pool blocks
+    nobody references (evictable: a prefilling request's copies never cost anyone room). A
+    request holds its hits from admission and, once its prefill ends, the cached run of its blocks
+    after them; at its join the pool adopts its row's other full prompt blocks (no copy; an
+    unreferenced copy of one is dropped). Rows reference cached blocks instead of copying them,
+    so a block is counted once however many rows share it. The padded layout copies: blocks are
+    stored out of prefill caches as chunks complete them and copied into a hit's prefill cache."""
 
     def __init__(self, block_bytes: int, shared: bool = False):
         self.block_bytes = block_bytes
@@ -71,6 +74,7 @@ class PrefixCache:
         self._pins: list[int] = []  # this step's pins, dropped by take_ops
         self._evicted: list[int] = []
         self._stored: list[tuple[int, int, int]] = []
+        self._shares: list[tuple[int, tuple[int, ...]]] = []
 
     @property
     def nbytes(self) -> int:
@@ -84,7 +88,7 @@ class PrefixCache:
     @property
     def pending(self) -> bool:
         """Evictions or stores the next plan must carry."""
-        return bool(self._evicted or self._stored)
+        return bool(self._evicted or self._stored or self._shares)
 
     def match(self, hashes: tuple[int, ...], num_tokens: int) -> int:
         """Blocks of the longest cached prefix a request of `num_tokens` to compute may reuse:
@@ -138,15 +142,19 @@ class PrefixCache:
 
     def adopt(self, request_id: int, hashes: tuple[int, ...]) -> None:
         """Shared: a request joins the pool; its row's full prompt blocks (`hashes`) after those it
-        holds become cached blocks it holds, unless a block of that hash is cached already (then
-        its row keeps its own)."""
-        blocks, new = self.blocks, []
+        holds become cached blocks it holds, replacing a cached block of that hash nobody
+        references (a copy: one block, not two), unless another row references it (then its row
+        keeps its own)."""
+        blocks, refs, new = self.blocks, self.refs, []
         for i in range(self.num_held(request_id), len(hashes)):
             h = hashes[i]
-            if h not in blocks:
-                blocks[h] = None
-                self._stored.append((request_id, i, h))
-                new.append(h)
+            if h in refs:
+                continue
+            if h in blocks:
+                self._drop(h)
+            blocks[h] = None
+            self._stored.append((request_id, i, h))
+            new.append(h)
         if new:
             self.pin(tuple(new), request_id)
 
@@ -157,12 +165,16 @@ class PrefixCache:
         if num_blocks > 0:
             blocks, refs = self.blocks, self.refs
             for h in list(itertools.islice((h for h in blocks if h not in refs), num_blocks)):
-                del blocks[h]
-                stored = [s for s in self._stored if s[2] != h]
-                if len(stored) < len(self._stored):
-                    self._stored = stored
-                else:
-                    self._evicted.append(h)
+                self._drop(h)
+
+    def _drop(self, h: int) -> None:
+        """Evict one unreferenced block (one stored this step leaves the step's stores)."""
+        del self.blocks[h]
+        stored = [s for s in self._stored if s[2] != h]
+        if len(stored) < len(self._stored):
+            self._stored = stored
+        else:
+            self._evicted.append(h)
 
     def fit(self, room_bytes: int) -> bool:
         """Evict unreferenced blocks, least recently used first, until they hold <= room_bytes;
@@ -196,6 +208,47 @@ class PrefixCache:
             if hashes and end > c.start // PAGE_TOKENS:
                 self.store(c.request_id, c.start // PAGE_TOKENS, hashes[:end], room_bytes)
 
+    def cache_chunks(self, chunks: list[PrefillChunk], requests: dict[int, Request]) -> None:
+        """Shared: the full prompt blocks these chunks complete that are not cached become cached
+        blocks nobody references, copied out of their prefill caches after the chunks run."""
+        blocks, stored = self.blocks, self._stored
+        for c in chunks:
+            hashes = requests[c.request_id].block_hashes
+            if not hashes:
+                continue
+            for i in range(c.start // PAGE_TOKENS, min((c.start + c.num_tokens) // PAGE_TOKENS,
+                                                       len(hashes))):
+                h = hashes[i]
+                if h in blocks:
+                    blocks.move_to_end(h)
+                else:
+                    blocks[h] = None
+                    stored.append((c.request_id, i, h))
+
+    def hold_prefilled(self, request_id: int, hashes: tuple[int, ...]) -> int:
+        """Shared: a request whose prefill ended holds the cached blocks of its prompt from its
+        start, through the last before one that is not cached; its row references them when it
+        joins. Returns how many nobody referenced (undo with unhold)."""
+        first = end = self.num_held(request_id)
+        blocks = self.blocks
+        while end < len(hashes) and hashes[end] in blocks:
+            end += 1
+        if end == first:
+            return 0
+        new = self.pin(hashes[first:end], request_id)
+        self._shares.append((request_id, hashes[:end]))
+        return new
+
+    def unhold(self, request_id: int, num_held: int) -> None:
+        """Undo the last hold_prefilled(request_id, ...): it holds its first `num_held` again."""
+        self._shares.pop()
+        held = self.held[request_id]
+        self.unpin(held[num_held:])
+        if num_held:
+            self.held[request_id] = held[:num_held]
+        else:
+            del self.held[request_id]
+
     def take_ops(self) -> CacheOps | None:
         """This step's evictions and stores (None: neither); pins end with the step."""
         if self._pins:
@@ -204,8 +257,8 @@ class PrefixCache:
         self.peak_bytes = max(self.peak_bytes, self.nbytes)
         if not self.pending:
             return None
-        ops = CacheOps(tuple(self._evicted), tuple(self._stored))
-        self._evicted, self._stored = [], []
+        ops = CacheOps(tuple(self._evicted), tuple(self._stored), tuple(self._shares))
+        self._evicted, self._stored, self._shares = [], [], []
         return ops
 
     def clear(self) -> None:
@@ -213,4 +266,4 @@ class PrefixCache:
         self.blocks.clear()
         self.refs.clear()
         self.held.clear()
-        self._pins, self._evicted, self._stored = [], [], []
+        self._pins, self._evicted, self._stored, self._shares = [], [], [], []

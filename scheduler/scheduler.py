@@ -236,7 +236,7 @@ class Scheduler:
 
     def _step_plan(self, budget: StepBudget, free_ids: list[int],
                    new_requests: list[NewRequest]) -> StepPlan:
-        kv_bytes = budget.commit()
+        kv_bytes = budget.commit(self.requests)
         cache_ops = None
         kv, prefix = self.kv, self.kv.prefix
         if prefix is not None and (budget.prefills or prefix.pending):

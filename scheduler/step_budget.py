@@ -225,20 +225,42 @@ class StepBudget:
         self.tokens_left -= 1 + self.spec_k
         return True
 
-    def commit(self) -> int:
-        """Hand this step's KV to the manager; returns the bytes it holds."""
+    def commit(self, requests: dict[int, Request]) -> int:
+        """Hand this step's KV to the manager (`requests`: by id, those of this step's chunks);
+        returns the bytes it holds."""
         if self.kv.shared is not None:
-            self._fit_shared_cache()
+            self._fit_shared_cache(requests)
         return self.kv.commit(self.geom, self.in_pool, self.private, self.private_bytes)
 
-    def _fit_shared_cache(self) -> None:
+    def _hold_prefilled(self, r: Request) -> None:
+        """Paged: a request whose prefill ended holds the cached run of its prompt blocks, which
+        its row will reference, when the pool holds those beside what it needs."""
+        prefix = self.kv.shared
+        held = prefix.num_held(r.request_id)
+        new = prefix.hold_prefilled(r.request_id, r.block_hashes or ())
+        if new:
+            self.blocks += new
+            geom = self.geometry()
+            if geom is None:
+                prefix.unhold(r.request_id, held)
+                self.blocks -= new
+            else:
+                self.geom = geom
+
+    def _fit_shared_cache(self, requests: dict[int, Request]) -> None:
         """Paged: rows joining this step give the cache their full prompt blocks (no copy, the
-        same blocks), and the pool holds the cache's unreferenced blocks beside what it needs,
-        evicting the least recently used of those that do not fit."""
+        same blocks), this step's chunks the blocks they complete (copies), and the pool holds the
+        cache's unreferenced blocks beside what it needs, evicting the least recently used of
+        those that do not fit."""
         kv, prefix = self.kv, self.kv.shared
         for r in self.pool:
             if r.request_id not in kv.pool_members and r.block_hashes:
                 prefix.adopt(r.request_id, r.block_hashes)
+        if self.prefills:
+            prefix.cache_chunks(self.prefills, requests)
+            for c in self.prefills:
+                if c.sample:
+                    self._hold_prefilled(requests[c.request_id])
         free = prefix.num_unreferenced
         if not free:
             return

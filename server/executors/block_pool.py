@@ -74,6 +74,12 @@ class BlockPool:
         self.incref([block])
         self.cached[block_hash] = block
 
+    def cache_new(self, block_hash: int) -> int:
+        """A free block the prefix cache keeps as `block_hash` (its one reference), to be
+        written; returns it."""
+        block = self.cached[block_hash] = self.allocate(1)[0]
+        return block
+
     def uncache(self, block_hash: int) -> None:
         """The prefix cache drops a block: free once no row references it."""
         self.decref([self.cached.pop(block_hash)])

@@ -29,7 +29,7 @@ class SeqState:
     sampling: SamplingParams
     cache: list | None = None  # private mlx-lm caches while prefilling
     num_prompt_tokens: int = -1  # token_ids before it are the prompt; -1: all at the start
-    cached_hashes: tuple[int, ...] = ()  # the prefix-cache hit it was admitted with
+    cached_hashes: tuple[int, ...] = ()  # cached blocks: its hit (paged: then all its row holds)
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -111,6 +111,8 @@ class MLXExecutor:
         if plan.cache_ops is not None:
             self.prefix_blocks.store(plan.cache_ops, {
                 rid: self.seqs[rid].cache for rid, _, _ in plan.cache_ops.store})
+            for rid, hashes in plan.cache_ops.share:  # paged: referenced when it joins
+                self.seqs[rid].cached_hashes = hashes
         pairs = self._read_tokens(plan, sampled_ids, samples)
         freed = set(plan.free_ids)
         pairs = _in_plan_order(plan, [p for i, p in enumerate(pairs)

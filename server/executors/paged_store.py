@@ -77,6 +77,13 @@ class PagedKVStore:
             heads, _, dim = src.shape
             a[idx] = src.reshape(heads, n, PAGE_TOKENS, dim).transpose(1, 0, 2, 3)
 
+    def write_blocks(self, blocks: list[int], sources: list[tuple]) -> None:
+        """Copy token block i of each source (a prefill KVCache, i) into the matching block."""
+        idx = mx.array(blocks)
+        for a, part in zip(self.parts, ("keys", "values")):
+            a[idx] = mx.stack([getattr(c, part)[0, :, i * PAGE_TOKENS:(i + 1) * PAGE_TOKENS, :]
+                               for c, i in sources])  # (n, heads, PAGE_TOKENS, dim)
+
     def read_blocks(self, blocks: list[int]) -> tuple[mx.array, mx.array]:
         """K and V of these blocks' tokens in order, as a KVCache holds them: (1, heads, n, dim)."""
         idx = mx.array(blocks)

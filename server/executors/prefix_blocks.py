@@ -3,8 +3,9 @@ prefix starts from a prefill cache holding copies of those blocks, so it prefill
 Full-attention and MLA layers only (the scheduler reuses nothing else).
 - PrefixBlocks (padded layout): per cached block, every layer's K and V of its PAGE_TOKENS
   tokens, copied out of the prefill cache that computed them, beside the pool.
-- PoolPrefixBlocks (paged layout): cached blocks are the decode pool's own blocks; the cache
-  adopts a joining row's prompt blocks and a row joining with a hit references them (no copy)."""
+- PoolPrefixBlocks (paged layout): cached blocks are the decode pool's own blocks: copies of the
+  blocks each prefill chunk completes, or a joining row's prompt blocks (adopted, no copy); a row
+  joining references the cached blocks its request holds (no copy)."""
 
 from __future__ import annotations
 
@@ -104,13 +105,24 @@ class PoolPrefixBlocks:
             for h in ops.evict:
                 self.pool.blocks.uncache(h)
 
-    def store(self, ops: CacheOps | None, caches: dict | None = None) -> None:
-        """Adopt each stored block: block i of the row of its request, which joined this step."""
+    def store(self, ops: CacheOps | None, caches: dict[int, list | None]) -> None:
+        """Cache each stored block: block i of its request's row if it joined this step (no
+        copy), else a copy out of its prefill cache (`caches`: request id -> layers, None once
+        joined) into a free block, as the chunk that completed it ran."""
         if ops is None or not ops.store:
             return
         blocks, rows = self.pool.blocks, self.pool.row_ids
+        copies = []
         for rid, i, h in ops.store:
-            blocks.cache(h, blocks.tables[rows.index(rid)][i])
+            cache = caches[rid]
+            if cache is None:
+                blocks.cache(h, blocks.tables[rows.index(rid)][i])
+            else:
+                copies.append((blocks.cache_new(h), cache, i))
+        if copies:
+            self._check_every_layer_paged()
+            for layer, s in enumerate(self.pool.paged):
+                s.write_blocks([b for b, _, _ in copies], [(c[layer], i) for _, c, i in copies])
 
     def shared_blocks(self, hashes: tuple[int, ...]) -> list[int]:
         """The pool blocks a row joining with this hit references."""
@@ -120,9 +132,12 @@ class PoolPrefixBlocks:
     def prefill_cache(self, hashes: tuple[int, ...]) -> list[AlignedKVCache]:
         """Per layer, a prefill cache holding copies of these blocks' tokens."""
         blocks = self.shared_blocks(hashes)
-        if len(self.pool.paged) != len(self.pool.stores):
-            raise RuntimeError("a paged prefix hit needs every layer in blocks")
+        self._check_every_layer_paged()
         return _prefill_caches([s.read_blocks(blocks) for s in self.pool.paged])
+
+    def _check_every_layer_paged(self) -> None:
+        if len(self.pool.paged) != len(self.pool.stores):
+            raise RuntimeError("a paged prefix cache needs every layer in blocks")
 
     def clear(self) -> None:
         """The pool's blocks go with the pool (the executor makes a new one)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from batchsim.scheduler import prefill_groups
 from batchsim.scheduler.kv_bytes import CacheLayout
-from batchsim.scheduler.plan import StepPlan, StepResult
+from batchsim.scheduler.plan import CacheOps, StepPlan, StepResult
 from batchsim.scheduler.pool_geometry import PAGE_TOKENS, PoolGeometry
 from batchsim.server.executors.base import ExecutorCaps
 from batchsim.server.executors.pool_rows import NO_MOVES, PoolLayout
@@ -69,6 +69,8 @@ class SimExecutor:
         if ops is not None and not layout.paged:  # paged: the pool's blocks, adopted in place
             self._cached_bytes += (len(ops.store) - len(ops.evict)) * self.block_bytes
             t += self.cost.copy_s(len(ops.store) * self.block_bytes)  # stored after the prefills
+        elif ops is not None:
+            t += self._paged_cache_ops(plan, ops)
         if pool is not layout.geometry and pool != layout.geometry:
             t += self._resize(pool)
         # The rows of the last plan that joined (the scheduler hands the same tuple while its
@@ -113,6 +115,16 @@ class SimExecutor:
             plan.decode_ids, asked, plan.decode_positions)
         return StepResult(plan.step_index, sampled, None, (t,), self.kv_bytes(), accepted,
                           drafted)
+
+    def _paged_cache_ops(self, plan: StepPlan, ops: CacheOps) -> float:
+        """Paged: blocks this step's chunks complete are copied into pool blocks (a joining row's
+        are adopted in place); rows whose prefill ended will reference the blocks they hold."""
+        for rid, hashes in ops.share:
+            self._shared[rid] = len(hashes)
+        if not ops.store:
+            return 0.0
+        chunks = {c.request_id for c in plan.prefills}
+        return self.cost.copy_s(sum([rid in chunks for rid, _, _ in ops.store]) * self.block_bytes)
 
     def _decode(self, plan: StepPlan, durations: list[float], max_elapsed_s: float) -> None:
         """The plan's decode steps, each reading one more token: the first is added to this step's

@@ -227,6 +227,7 @@ def _meta(args: argparse.Namespace, base, budget: int, source: str) -> dict:
         "model": base.ref.name, "dtype": base.dtype, "quantize_bits": base.ref.quantize_bits,
         "kv_bits": base.config.kv_bits, "kv_layout": base.config.kv_layout,
         "executor": base.config.executor, "device_profile": base.config.device_profile,
+        "env": base.environment(),  # where a real sweep ran, for its titles
         "engine": base.config.engine,
         "prompt_len": args.prompt_len, "output_len": args.output_len,
         "seq_kv_tokens": sweep_math.seq_kv_tokens(args.prompt_len, args.output_len),
@@ -254,7 +255,7 @@ def _profile_fields(base) -> dict:
 def _what(meta: dict) -> str:
     """The model, its weights and where it ran, as run's header and timeline.png name them."""
     return run_title(meta["model"], meta["dtype"], meta.get("quantize_bits"), meta["executor"],
-                     meta.get("device_profile"), meta.get("engine"))
+                     meta.get("device_profile"), meta.get("engine"), meta.get("env"))
 
 
 def _announce(meta: dict, batches: list[int]) -> None:

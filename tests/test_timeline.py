@@ -161,6 +161,7 @@ def test_a_real_runs_title_names_the_backend_and_device_and_every_arrival_reads_
     assert timeline.run_title("m", "float16", 4, "mlx", None, None, {"backend": "metal"}) == (
         "m (float16, 4-bit weights) on mlx (metal)")
     assert timeline.run_title("m", None, None, "mlx", None, None) == "m on mlx"  # no env: as was
+    assert timeline.run_title("m", None, None, "fake", None, None, env) == "m on fake"
     label = timeline.arrival_label
     assert label({"arrival": "poisson", "request_rate": 5.0}) == "poisson at 5 req/s"
     assert label({"arrival": "poisson", "request_rate": float("inf")}) == "all at once"

@@ -255,7 +255,7 @@ def run_title(model: str, dtype: str | None, quantize: int | None, executor: str
     environment a summary records)."""
     weights = weights_label(dtype, quantize)
     where = executor_label(executor, engine, device_profile or "this machine")
-    if executor != "sim" and env and env.get("backend"):
+    if executor == "mlx" and env and env.get("backend"):  # fake and sim ran on no device
         device = env.get("device_name")
         where = f"{where} ({env['backend']}{f', {device}' if device else ''})"
     return f"{model} ({weights}) on {where}" if weights else f"{model} on {where}"

@@ -170,6 +170,7 @@ def test_a_real_runs_title_names_the_backend_and_device_and_every_arrival_reads_
     assert label({"arrival": "ramp", "request_rate": 1.0, "ramp_end_rate": 4.0}) == (
         "ramp from 1 to 4 req/s")
     assert label({"arrival": "trace", "request_rate": 1.0}) == "trace replay"
+    assert label({"arrival": "trace", "trace": {"time_scale": 0.5}}) == "trace replay, time x0.5"
     assert label({}) == "?"  # a config.yaml without a workload: no crash, nothing invented
 
 

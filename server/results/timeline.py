@@ -229,8 +229,11 @@ def arrival_label(workload: Mapping[str, Any]) -> str:
     came = f"{arrival} at {rate:g} req/s" if isinstance(rate, (int, float)) else str(arrival or "?")
     if arrival == "closed":
         came = f"closed loop of {workload.get('concurrency')}"
-    elif arrival == "trace" or rate == float("inf"):
-        came = "trace replay" if arrival == "trace" else "all at once"
+    elif arrival == "trace":
+        scale = (workload.get("trace") or {}).get("time_scale", 1.0)
+        came = "trace replay" + (f", time x{scale:g}" if scale != 1.0 else "")
+    elif rate == float("inf"):
+        came = "all at once"
     elif arrival == "ramp":
         came = f"ramp from {rate:g} to {workload.get('ramp_end_rate') or rate:g} req/s"
     return came

@@ -62,6 +62,9 @@ class StepPlan(NamedTuple):
     decode_spec_tokens: tuple[int, ...] = ()
     # Prefix-cache blocks evicted before the step and stored after its prefills; None: neither.
     cache_ops: CacheOps | None = None
+    # max(decode_positions) + 1 as the scheduler knew it (the rows' width after the step), so
+    # an executor need not search the positions; 0: not given (work it out).
+    decode_width: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:

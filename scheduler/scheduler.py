@@ -255,7 +255,7 @@ class Scheduler:
         self._planned = plan = StepPlan(  # positional, in field order: this runs every step
             self.num_steps, tuple(sorted(free_ids)) if free_ids else (), tuple(new_requests),
             tuple(prefills), ids, positions, budget.geom, kv_bytes, steps,
-            spec if spec and any(spec) else (), cache_ops)
+            spec if spec and any(spec) else (), cache_ops, budget.width if decodes else 0)
         return plan
 
     def _preempt_newest(self, budget: StepBudget, free_ids: list[int]) -> None:

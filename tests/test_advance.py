@@ -107,3 +107,13 @@ def test_lazy_rows_carry_the_decoding_rows(monkeypatch):
     assert plans > 40 and sum(eager_rows) == 8
     assert [r.num_output_tokens for r in requests] == [40 + 3 * rid for rid in range(8)]
     assert [r.token_runs for r in requests] == [[[0, 40 + 3 * rid]] for rid in range(8)]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_plans_carry_their_decode_width(seed):
+    """A plan's decode_width is what an executor would work out from its positions (the sim
+    executor reads it instead), preemption, prefill-only steps and paged pools included."""
+    plans, _, _ = _run(seed, fast=True)
+    assert any(p.decode_ids for p in plans)
+    assert [p.decode_width for p in plans] == [
+        max(p.decode_positions) + 1 if p.decode_ids else 0 for p in plans]

@@ -54,8 +54,8 @@ class SimExecutor:
         self._joined: tuple[int, ...] = ()  # the last plan's decode_ids (execute)
 
     def execute(self, plan: StepPlan, max_elapsed_s: float = float("inf")) -> StepResult:
-        (step_index, free_ids, new_requests, prefills, decode_ids, _, pool, _, _, spec,
-         ops) = plan  # unpacked once: this runs every plan
+        (step_index, free_ids, new_requests, prefills, decode_ids, _, pool, _, _, spec, ops,
+         _) = plan  # unpacked once: this runs every plan
         layout = self.layout
         t = self.overhead_s
         if free_ids:
@@ -129,7 +129,7 @@ class SimExecutor:
     def _decode(self, plan: StepPlan, durations: list[float], max_elapsed_s: float) -> None:
         """The plan's decode steps, each reading one more token: the first is added to this step's
         other work, the rest follow until one would start after an arrival (then: replan)."""
-        rows, width = len(plan.decode_ids), max(plan.decode_positions) + 1
+        rows, width = len(plan.decode_ids), plan.decode_width or max(plan.decode_positions) + 1
         if self.per_step_decode:  # windows and fixed states do not grow linearly with the width
             durations[0] += self._decode_forward_s(rows, width)
             elapsed, overhead_s = durations[0], self.overhead_s

@@ -130,7 +130,7 @@ class Scheduler:
             if not self.running:
                 raise KVAccountError("nothing running, yet the empty pool does not fit")
             self._preempt_newest(budget, free_ids)
-        blocked = self._continue_prefills(budget, prefilling, free_ids)
+        blocked = prefilling and self._continue_prefills(budget, prefilling, free_ids)
         new_requests: list[NewRequest] = []
         if self.waiting and not blocked and len(self.running) < self.config.max_num_seqs:
             if self.num_preemptions != preemptions_before:  # the longest may have left `running`

@@ -155,3 +155,15 @@ def test_one_row_leaving_moves_as_several_do(leaving):
         rows[h] = rows[m]
     assert (moves.holes, moves.movers, moves.moved_bytes) == (holes, movers, len(movers) * 320)
     assert layout.row_ids == rows[:keep] and layout.in_pool == set(rows[:keep])
+
+
+def test_sim_executor_joins_again_a_row_that_left_under_the_same_decode_ids():
+    """The sim executor skips its join check when a plan hands it the last plan's decode_ids
+    tuple (the scheduler reuses it while its rows stay); a row that left since is joined again,
+    its copy priced, as a fresh tuple would have it."""
+    sim = SimExecutor(BytesCost())
+    ids, positions, geometry = (1, 2), (10, 20), PoolGeometry(4, 256)
+    sim.execute(StepPlan(0, (), (), (), ids, positions, geometry, 0))
+    again = sim.execute(StepPlan(1, (2,), (), (), ids, positions, geometry, 0))
+    assert sim.layout.in_pool == {1, 2} and sim.layout.row_ids == [1, 2]
+    assert again.step_durations_s[0] == CacheLayout.dense(KVT).seq_bytes(20)  # 2's copy only

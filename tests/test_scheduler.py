@@ -107,6 +107,20 @@ def test_integrity_check_catches_a_corrupt_account():
         s.check_integrity()
 
 
+def test_integrity_check_catches_a_private_total_that_disagrees_with_the_caches():
+    """The KV account keeps its private caches' bytes as a running total; check() adds them up
+    again."""
+    s = Scheduler(config())
+    ex = FakeExecutor()
+    s.add_request(make_request(1, 300, 5))
+    plan = s.schedule()
+    s.update_from_output(plan, ex.execute(plan))
+    s.check_integrity()
+    s.kv._private_bytes += 1
+    with pytest.raises(KVAccountError, match="private caches counted"):
+        s.check_integrity()
+
+
 def test_lookahead_plans_match_single_steps():
     arrivals = [(i * 3, make_request(i, 50 + 37 * i, 20 + 11 * i)) for i in range(8)]
     single = drive(Scheduler(config(max_num_seqs=4)), FakeExecutor(), arrivals)

@@ -83,13 +83,12 @@ class SimExecutor:
             sampling: list[int] = []
             for group in ((prefills,) if len(prefills) == 1  # alone: its own group
                           else prefill_groups.groups(prefills)):  # as the MLX executor runs them
-                first = group[0]
-                t += self._prefill_forward_s(first.num_tokens, first.start,
-                                             first.sample, len(group))
-                for c in group:
-                    self._set_private(c.request_id, c.start, c.start + c.num_tokens)
-                    if c.sample:
-                        sampling.append(c.request_id)
+                _, start, n, sample = group[0]  # PrefillChunk, unpacked: fields cost a call
+                t += self._prefill_forward_s(n, start, sample, len(group))
+                for rid, start, n, sample in group:
+                    self._set_private(rid, start, start + n)
+                    if sample:
+                        sampling.append(rid)
             sampled = (*sampled, *sampling)
         if spec:
             return self._verify(plan, t, sampled)

@@ -553,6 +553,9 @@ def test_run_target_reports_like_in_process(srv, tmp_path, monkeypatch):
     assert summary["total_output_tokens"] == 6 * 12
     assert summary["mean_ttft_ms"] > 0 and summary["mean_tpot_ms"] > 0
     assert summary["max_batch_size"] >= 2 and summary["batch_view_source"] == "server /metrics"
+    # what the client cannot see is unknown, not 0 (the table printed "Peak KV 0", "Queue 0")
+    assert summary["peak_kv_bytes"] is None and summary["mean_queue_ms"] is None
+    assert summary["prompt_tps"] is None and summary["generation_tps"] is None
     rows = [json.loads(line)
             for line in Path(summary["run_dir"], "requests.jsonl").read_text().splitlines()]
     assert [r["num_output_tokens"] for r in rows] == [12] * 6

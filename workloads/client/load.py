@@ -153,6 +153,10 @@ def run_http(cfg: RunConfig, out_dir: Path, prompts: PromptMaker,
     gaps = [b - a for o in done for a, b in zip(o.chunk_times_s, o.chunk_times_s[1:])]
     summary.update(_itl(gaps, cfg.percentiles))
     summary.update(_server_view(run.metrics_before, run.metrics_after))
+    # What a client cannot see of the server (its KV, its prefill/decode time, when a request was
+    # first scheduled): unknown, printed "-", not the 0 that summarize gives a run without steps.
+    summary.update(dict.fromkeys(["peak_kv_bytes", "prompt_tps", "generation_tps",
+                                  *(k for k in summary if k.endswith("_queue_ms"))]))
     codes: dict[str, int] = {}
     for o in outcomes:
         codes[_status(o)] = codes.get(_status(o), 0) + 1

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> dict:
 
         check_writable(Path(args.out))  # before the workload: its records would be lost
         summary = run_over_http(cfg, Path(args.out), progress=not args.no_progress)
-        if summary["completed"] == 0 and summary["failed"] > 0:
+        if summary["completed"] == 0 and summary["failed"] > 0 and not summary["interrupted"]:
             raise CommandFailed(_all_failed(summary), summary)
         return summary
     from batchsim.server.engine.run_path import RecordsLost, run_config
@@ -95,20 +95,25 @@ def _all_failed(summary: dict) -> str:
     if "401" in statuses or "403" in statuses:
         text += ("; the server wants an API key: set OPENAI_API_KEY (sent as "
                  "`Authorization: Bearer KEY`)")
-    return text
+    return f"{text}; the first: {_first(summary, 'error')}"  # a 200 that sent no [DONE] ...
 
 
 def _served_nothing(summary: dict, num_prompts: int) -> str:
     """The first rejected request's reason, from the run's requests.jsonl."""
+    return (f"served nothing: {summary.get('num_rejected', 0)} of {num_prompts} requests rejected "
+            f"(the first: {_first(summary, 'finish_reason', 'rejected')}); records in "
+            f"{summary['run_dir']}")
+
+
+def _first(summary: dict, field: str, status: str | None = None) -> str:
+    """`field` of the run's first request (of `status`) that has one, from its requests.jsonl."""
     import json
 
-    reason = "see requests.jsonl"
     with (Path(summary["run_dir"]) / "requests.jsonl").open() as f:
-        rejected = [r for r in map(json.loads, f) if r.get("status") == "rejected"]
-    if rejected:
-        reason = f"the first: {rejected[0].get('finish_reason')}"
-    return (f"served nothing: {summary.get('num_rejected', 0)} of {num_prompts} requests rejected "
-            f"({reason}); records in {summary['run_dir']}")
+        for row in map(json.loads, f):
+            if row.get(field) and status in (None, row.get("status")):
+                return str(row[field])
+    return "see requests.jsonl"
 
 
 def _run_ranks(args: argparse.Namespace, cfg: RunConfig) -> dict | None:

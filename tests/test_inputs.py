@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -382,33 +386,67 @@ def test_a_run_directory_config_runs_again(capsys, tmp_path):
     assert again["mean_ttft_ms"] == first["mean_ttft_ms"] and again["workload"] == first["workload"]
 
 
-def test_run_target_on_a_server_that_wants_a_key_says_openai_api_key(batchsim_home, tmp_path):
+@contextlib.contextmanager
+def _fake_target(status: int, body: bytes = b"", hang: threading.Event | None = None):
+    """The base URL of a server answering every request `status` and `body`; with `hang`, its
+    POSTs wait for that event first (a server that never answers)."""
     import http.server
-    import threading
 
-    class Deny(http.server.BaseHTTPRequestHandler):
-        def _deny(self) -> None:
-            self.send_response(401)
-            self.send_header("Content-Length", "0")
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            if hang is not None and self.command == "POST":
+                hang.wait(60)
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
             self.end_headers()
+            self.wfile.write(body)
 
-        do_GET = do_POST = _deny
+        do_GET = do_POST = _answer
 
         def log_message(self, *args) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Deny)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        proc = _batchsim("run", "--model", "tiny", "--target",
-                         f"http://127.0.0.1:{server.server_address[1]}/v1", "--num-prompts", "2",
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        if hang is not None:
+            hang.set()
+        server.shutdown()
+
+
+@pytest.mark.parametrize("status, body, says", [
+    (401, b"", "{'401': 2}); the server wants an API key: set OPENAI_API_KEY"),
+    (200, b"<html>oops</html>", "{'200': 2}); the first: stream ended without [DONE]"),  # said
+])  # only "failed (HTTP statuses: {'200': 2})"
+def test_run_target_that_fails_every_request_says_why(batchsim_home, tmp_path, status, body,
+                                                      says):
+    with _fake_target(status, body) as url:
+        proc = _batchsim("run", "--model", "tiny", "--target", url, "--num-prompts", "2",
                          "--out", str(tmp_path), "--no-progress", home=batchsim_home,
                          env={"OPENAI_API_KEY": ""})
-    finally:
-        server.shutdown()
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    line = proc.stderr.strip().splitlines()[-1]
-    assert "{'401': 2}" in line and "set OPENAI_API_KEY" in line
+    assert says in proc.stderr.strip().splitlines()[-1], proc.stderr
+
+
+def test_ctrl_c_on_a_run_against_a_server_that_never_answers_is_an_interruption(batchsim_home,
+                                                                              tmp_path):
+    """Exit 130 with the summary marked interrupted (was 1: 'all 2 requests ... failed')."""
+    env = {**os.environ, "BATCHSIM_HOME": str(batchsim_home), "HF_HUB_OFFLINE": "1"}
+    with _fake_target(200, hang=threading.Event()) as url:
+        proc = subprocess.Popen([sys.executable, "-m", "batchsim.scripts.cli", "run", "--model",
+                                 "tiny", "--target", url, "--num-prompts", "2", "--request-rate",
+                                 "inf", "--out", str(tmp_path), "--no-progress"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for line in proc.stderr:  # the requests go out once the run names its workload
+            if "requests of workload" in line:
+                break
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert json.loads(out.strip().splitlines()[-1])["interrupted"] is True
 
 
 def test_a_run_directory_is_one_name_under_out_whatever_the_label(tmp_path):

@@ -177,6 +177,20 @@ def test_two_real_runs_on_one_executor_each_start_clean(tmp_path):
 def test_a_run_whose_executor_fails_keeps_its_records_and_a_summary_that_says_why(tmp_path):
     """A failed run left its streamed records but no summary.json (a failed rank 0 of `run
     --ranks` goes this way): now the summary of what ran, marked interrupted with the error."""
+    session = _failing_at_plan_40()
+    with pytest.raises(RuntimeError, match="device lost"):
+        run_workload(session, session.config.workload, out_dir=tmp_path, label="t")
+    (run_dir,) = tmp_path.iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["interrupt_reason"] == "failed: device lost"
+    requests = [json.loads(x) for x in (run_dir / "requests.jsonl").read_text().splitlines()]
+    assert summary["num_plans"] == 39 == len((run_dir / "steps.jsonl").read_text().splitlines())
+    assert 0 < summary["completed"] == [r["status"] for r in requests].count("finished") < 60
+    assert len(requests) == summary["completed"] + summary["failed"]
+
+
+def _failing_at_plan_40():
+    """A sim session whose executor raises RuntimeError('device lost') at its 40th plan."""
     session = open_session(sim_config())
     execute, calls = session.executor.execute, []
 
@@ -187,15 +201,26 @@ def test_a_run_whose_executor_fails_keeps_its_records_and_a_summary_that_says_wh
         return execute(plan, max_elapsed_s)
 
     session.executor.execute = failing
+    return session
+
+
+def test_a_failed_run_whose_summary_fails_too_still_keeps_its_records(tmp_path, monkeypatch):
+    """The device gone, the summary of the failed run fails as well (its peak memory cannot be
+    read): the buffered records were lost with it (0 lines); now they are written as they stand."""
+    from batchsim.server.engine import runner
+
+    def no_device(session):
+        raise RuntimeError("device gone")
+
+    monkeypatch.setattr(runner, "_peak_memory", no_device)
+    session = _failing_at_plan_40()
     with pytest.raises(RuntimeError, match="device lost"):
         run_workload(session, session.config.workload, out_dir=tmp_path, label="t")
     (run_dir,) = tmp_path.iterdir()
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["interrupted"] is True and summary["interrupt_reason"] == "failed: device lost"
+    assert not (run_dir / "summary.json").exists()
+    assert len((run_dir / "steps.jsonl").read_text().splitlines()) == 39
     requests = [json.loads(x) for x in (run_dir / "requests.jsonl").read_text().splitlines()]
-    assert summary["num_plans"] == 39 == len((run_dir / "steps.jsonl").read_text().splitlines())
-    assert 0 < summary["completed"] == [r["status"] for r in requests].count("finished") < 60
-    assert len(requests) == summary["completed"] + summary["failed"]
+    assert 0 < [r["status"] for r in requests].count("finished") < 60
 
 
 def test_a_stream_closed_by_an_abandoned_run_ignores_a_late_flush(tmp_path):

@@ -290,13 +290,21 @@ def _kept_on_error(run: _Run, run_dir: Path | None, wall0: float) -> Iterator[No
     try:
         yield
     except Exception as exc:
-        with contextlib.suppress(Exception):  # the error says more than a failed summary would
-            _abandon(run, run_dir, wall0, f"failed: {exc}")
+        try:
+            with contextlib.suppress(Exception):  # the error says more than a failed summary
+                _abandon(run, run_dir, wall0, f"failed: {exc}")
+        finally:  # a failed summary (the device gone) must not lose the buffered records
+            _close_unfinished(run)
         raise
     except BaseException:
-        if run.stream is not None:
-            run.stream.close_unfinished()
+        _close_unfinished(run)
         raise
+
+
+def _close_unfinished(run: _Run) -> None:
+    """The records as they stand (safe after a finished or abandoned close: a no-op)."""
+    if run.stream is not None:
+        run.stream.close_unfinished()
 
 
 def _abandon(run: _Run, run_dir: Path | None, wall0: float, reason: str) -> None:

@@ -237,6 +237,11 @@ def _meta(args: argparse.Namespace, base, budget: int, source: str) -> dict:
         "max_num_batched_tokens": base.config.scheduler.max_num_batched_tokens,
         "min_gain": args.min_gain, "seed": args.seed,
         "shared_prefix_tokens": args.shared_prefix_tokens,
+        # the device's own budget (MLX's working set, 75% of RAM on the CPU, or --memory-gb) and
+        # the batch it holds by the same arithmetic: what an emulated --limit-batch budget is not
+        "device_budget_bytes": base.memory_budget_bytes,
+        "device_analytic_max_batch": sweep_math.analytic_max_batch(
+            base.memory_budget_bytes, base.weight_bytes, args.prompt_len, args.output_len, kvt),
     }
 
 
@@ -300,6 +305,11 @@ def _print(rows: list[dict], meta: dict, verdict: dict) -> None:
         f"overrun {fmt(verdict['analytic_first_overrun_batch'])}. Measured overrun (first batch "
         f"not decoded together, or preempted): {fmt(verdict['measured_overrun_batch'])}: {agree} "
         f"within one step. Throughput stopped scaling at {fmt(verdict['scaling_stopped_batch'])}.")
+    if meta["budget_source"].startswith("--limit-batch"):
+        out.print(f"The budget is emulated ({meta['budget_source']}: the sweep ends in minutes); "
+                  f"the device's own, {_size(meta['device_budget_bytes'])} for weights + KV, holds "
+                  f"{meta['device_analytic_max_batch']} sequences of these lengths by the same "
+                  "arithmetic (--device-budget sweeps it).")
     out.print("decoded: largest batch decoded in one step; decode tok/s and step ms: median over "
               "pure-decode steps of that batch; waits: steps after which requests waited with a "
               "seat and token budget free (held back by KV memory); active: MLX's active bytes "

@@ -355,10 +355,16 @@ def test_a_bad_mooncake_row_is_a_config_error_naming_its_line(tmp_path, row, say
         read_trace(path)
 
 
-def test_a_short_azure_row_names_the_token_count(tmp_path):
-    path = tmp_path / "t.csv"  # int(None) said "int() argument must be a string, ... NoneType"
-    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,10\n")
-    with pytest.raises(ConfigError, match="t.csv:2: a token count .* got None"):
+@pytest.mark.parametrize("cells, got", [
+    ("10", "None"),  # int(None) said "int() argument must be a string, ... NoneType"
+    ("10.5,8", "'10.5'"),  # CSV cells are strings: "invalid literal for int() with base 10"
+    ("10,", "''"),
+    ("abc,8", "'abc'"),
+])
+def test_a_bad_azure_token_count_names_its_row(tmp_path, cells, got):
+    path = tmp_path / "t.csv"
+    path.write_text(f"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,{cells}\n")
+    with pytest.raises(ConfigError, match=f"t.csv:2: a token count .* got {got}$"):
         read_trace(path)
 
 

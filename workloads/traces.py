@@ -91,10 +91,14 @@ def _finite_s(t_s: float) -> float:
 
 def _tokens(value: object) -> int:
     """A row's token count: an integer in [0, MAX_TOKENS] (a 10**12-token row ran out of memory)."""
-    # Not true (1), 10.5 (was read as 10), None (a short CSV row) or a list.
+    # Not true (1), 10.5 (was read as 10), None (a short CSV row), a list, nor a CSV cell
+    # '10.5', '' or 'abc' (int() said "invalid literal for int() with base 10").
     integral = isinstance(value, (int, float, str)) and not isinstance(value, bool) and not (
         isinstance(value, float) and not value.is_integer())
-    n = int(value) if integral else -1  # type: ignore[arg-type]
+    try:
+        n = int(value) if integral else -1  # type: ignore[arg-type]
+    except ValueError:
+        n = -1
     if not 0 <= n <= MAX_TOKENS:
         raise ValueError(f"a token count must be an integer in [0, {MAX_TOKENS}], got {value!r}")
     return n

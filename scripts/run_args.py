@@ -71,8 +71,8 @@ def add_model_args(p: argparse.ArgumentParser, simulated: bool = True):
     add_field_argument(g, RunConfig, "model", "zoo name (see `batchsim models`), model directory, "
                        "or hub id")
     add_field_argument(g, RunConfig, "dtype", DTYPE_HELP, choices=list(DTYPES))
-    add_field_argument(g, RunConfig, "quantize", "4- or 8-bit weights (zoo models; default: as "
-                       "the model is: --dtype's for a zoo model)",
+    add_field_argument(g, RunConfig, "quantize", "4- or 8-bit weights (zoo models; default: "
+                       "unquantized, in --dtype; a model directory or hub id: as stored)",
                        choices=list(QUANT_BITS))
     if simulated:
         add_field_argument(g, RunConfig, "executor", "mlx: real compute; sim: calibrated roofline "

@@ -25,3 +25,8 @@ def test_flags_left_unset_say_what_unset_means(command):
         if flag in helps:
             assert "default" in helps[flag], (command, flag, helps[flag])
 
+
+
+def test_quantize_says_its_default_plainly():
+    """It read 'default: as the model is: --dtype's for a zoo model' (two colons, unclear)."""
+    assert "default: unquantized, in --dtype" in _helps("run")["--quantize"]

@@ -90,8 +90,8 @@ def run(args: argparse.Namespace) -> dict:
 def _all_failed(summary: dict) -> str:
     """Why every request over HTTP failed, with the fix when the status says it."""
     statuses = summary["http_statuses"]
-    text = (f"all {summary['failed']} requests to {summary['endpoint']} failed "
-            f"(HTTP statuses: {statuses})")
+    counted = ", ".join(f"{n} x {status}" for status, n in statuses.items())  # not a dict's repr
+    text = f"all {summary['failed']} requests to {summary['endpoint']} failed (HTTP {counted})"
     if "401" in statuses or "403" in statuses:
         text += ("; the server wants an API key: set OPENAI_API_KEY (sent as "
                  "`Authorization: Bearer KEY`)")

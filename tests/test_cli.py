@@ -390,6 +390,7 @@ def test_run_target_where_every_request_fails_exits_1(batchsim_home, tmp_path):
     summary = last_json(proc.stdout)  # the summary still closes stdout, keys unchanged
     assert summary["completed"] == 0 and summary["failed"] == 2
     assert "all 2 requests" in proc.stderr.strip().splitlines()[-1]
+    assert "(HTTP 2 x connection refused)" in proc.stderr  # was "{'connection refused': 2}"
     assert summary["http_statuses"] == {"connection refused": 2}  # was {'None': 2}
 
 

@@ -417,8 +417,8 @@ def _fake_target(status: int, body: bytes = b"", hang: threading.Event | None = 
 
 
 @pytest.mark.parametrize("status, body, says", [
-    (401, b"", "{'401': 2}); the server wants an API key: set OPENAI_API_KEY"),
-    (200, b"<html>oops</html>", "{'200': 2}); the first: stream ended without [DONE]"),  # said
+    (401, b"", "(HTTP 2 x 401); the server wants an API key: set OPENAI_API_KEY"),
+    (200, b"<html>oops</html>", "(HTTP 2 x 200); the first: stream ended without [DONE]"),  # said
 ])  # only "failed (HTTP statuses: {'200': 2})"
 def test_run_target_that_fails_every_request_says_why(batchsim_home, tmp_path, status, body,
                                                       says):

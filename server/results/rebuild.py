@@ -156,24 +156,30 @@ def _records(path: Path, cls: Any, notes: list[str]) -> list[Any]:
             bad.append(i)
     if bad:
         shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
-        notes.append(f"{path.name}: skipped {len(bad)} record(s) with missing or non-finite "
-                     f"fields (record {shown})")
+        notes.append(f"{path.name}: skipped {len(bad)} record(s) with missing or impossible "
+                     f"fields (non-finite, negative, a token before its arrival; record {shown})")
     return out
 
 
 def _plausible(record: Any) -> bool:
-    """Each numeric field a finite number (or None where the record allows it), as written."""
+    """Each numeric field a finite number >= 0 (counts, bytes, times on the run's clock; or None
+    where the record allows it), and no token before its request arrived, as written."""
     for f in dataclasses.fields(record):
         value, kind = getattr(record, f.name), str(f.type)
         if value is None and "None" in kind:
             continue
         if "tuple[float" in kind:
-            if not isinstance(value, tuple) or not all(map(_finite, value)):
+            if not isinstance(value, tuple) or not all(map(_at_least_0, value)):
                 return False
-        elif (kind.split(" ")[0] in ("int", "float") and not _finite(value)
+        elif (kind.split(" ")[0] in ("int", "float") and not _at_least_0(value)
               or kind.split(" ")[0] == "str" and not isinstance(value, str)):
             return False
-    return True
+    tokens_s = getattr(record, "token_times_s", ())  # an arrival at -1e308 overflowed numpy
+    return not tokens_s or min(tokens_s) >= record.arrival_s
+
+
+def _at_least_0(value: Any) -> bool:
+    return _finite(value) and value >= 0
 
 
 def _once_each(requests: list[RequestRecord], notes: list[str]) -> list[RequestRecord]:

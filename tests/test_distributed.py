@@ -201,7 +201,7 @@ def test_rank_0_names_its_kept_records_however_the_run_was_abandoned(tmp_path, m
 
     monkeypatch.setenv(rank.STATUS_DIR_ENV, str(tmp_path))
     status = rank._Status(0)
-    assert rank._keep_records(status, "no run yet") is None
+    assert rank._keep_records(status, "no run yet", 1) is None
     status.run = run = Interrupts(())
     calls = []
 
@@ -210,6 +210,33 @@ def test_rank_0_names_its_kept_records_however_the_run_was_abandoned(tmp_path, m
         run.abandon, run.abandoned_in = None, "DIR"  # as runner._abandon leaves it
 
     run.abandon = abandon
-    assert rank._keep_records(status, "rank 0: SIGTERM") == "DIR"
-    assert rank._keep_records(status, "rank 0: lost a peer rank") == "DIR"
+    assert rank._keep_records(status, "rank 0: SIGTERM", 143) == "DIR"
+    assert rank._keep_records(status, "rank 0: lost a peer rank", 1) == "DIR"
     assert calls == ["rank 0: SIGTERM"]
+
+
+def test_a_rank_whose_records_cannot_be_kept_still_exits(tmp_path, monkeypatch):
+    """The watchdog keeps rank 0's records from its own thread while the main thread may wait in
+    a collective: if keeping them blocks, the rank still exits (its timeout must end it), and its
+    status file says the records were not kept."""
+    import threading
+
+    from batchsim.server.distributed import rank
+    from batchsim.server.engine.interrupts import Interrupts
+
+    monkeypatch.setenv(rank.STATUS_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(rank, "KEEP_RECORDS_S", 0.05)
+    exited, released = [], threading.Event()
+
+    def exit_(code: int) -> None:  # os._exit, in this process: note it, let the abandon end
+        exited.append(code)
+        released.set()
+
+    monkeypatch.setattr(rank.os, "_exit", exit_)
+    status = rank._Status(0)
+    status.run = Interrupts(())
+    status.run.abandon = lambda reason: released.wait(10)  # a lock the main thread holds
+    assert rank._keep_records(status, "rank 0: step 7 took over 1 s", 3) is None
+    assert exited == [3]
+    assert json.loads(status.path.read_text())["error"] == (
+        "rank 0: step 7 took over 1 s (records not kept: still writing after 0.05 s)")

@@ -236,3 +236,29 @@ def test_a_stream_closed_by_an_abandoned_run_ignores_a_late_flush(tmp_path):
     stream.flush()  # the loop's flusher, after the abandon
     lines = (tmp_path / "steps.jsonl").read_text().splitlines()
     assert [json.loads(x)["step_index"] for x in lines] == [0]
+
+
+def test_a_flush_from_a_signal_handler_inside_a_flush_writes_no_line_twice(tmp_path):
+    """A rank's SIGTERM handler keeps the records (its flush) in the main thread, maybe between
+    the loop's write of its steps and their clear(): the lock is re-entrant, so those steps were
+    written twice; now the inner flush does nothing (the rank exits right after)."""
+    from tests.test_timeline import _step
+
+    stream = run_files.RecordStream(tmp_path)
+    write = stream._write
+
+    class Exited(Exception):
+        """os._exit in the handler: the interrupted flush never resumes."""
+
+    def write_then_signal(name, lines):
+        stream._write = write  # one signal
+        write(name, lines)
+        stream.close_unfinished()  # the handler, between _write and _steps.clear()
+        raise Exited
+
+    stream._write = write_then_signal
+    stream.add_step(_step(0, 0.0, running=1, waiting=0))
+    with pytest.raises(Exited):
+        stream.flush()
+    lines = (tmp_path / "steps.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step_index"] for x in lines] == [0]

@@ -30,6 +30,7 @@ DIE_AT_STEP_ENV = "BATCHSIM_FAULT_DIE_AT_STEP"  # tests: rank 1 kills itself at 
 TIMEOUT_ENV = "BATCHSIM_RANK_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0  # per step: a long prefill on a loaded CPU must not trip it
 PARENT_POLL_S = 0.25  # how often a rank checks that mlx.launch is still there
+KEEP_RECORDS_S = 30.0  # a failing rank 0 keeping its records exits anyway after this long
 
 
 def rank_timeout_s() -> float:
@@ -127,7 +128,7 @@ def joined(cfg: RunConfig) -> Iterator[Lead | None]:
         raise
     except Exception as exc:  # noqa: BLE001 - one line per rank, not a traceback
         message = f"rank {rank}: {_plain(exc)}"
-        status.write(False, message, run_dir=_keep_records(status, message))
+        status.write(False, message, run_dir=_keep_records(status, message, 1))
         from batchsim.server.distributed.channel import ModelMismatch
 
         if rank == 0 or not isinstance(exc, ModelMismatch):  # every rank sees that one: say it once
@@ -206,7 +207,7 @@ def _terminated(status: _Status) -> None:
         message = (f"rank {status.rank}: SIGTERM reached its process (pid {os.getpid()}), not "
                    "through the launcher, and stopped the run"
                    + (f" during {doing}" if doing else ""))
-    run_dir = _keep_records(status, message)
+    run_dir = _keep_records(status, message, 143)
     if not _reported_error(status.path):
         status.write(False, message, terminated=by_launch, during=doing, run_dir=run_dir)
     os._exit(143)
@@ -229,16 +230,23 @@ def peers_lost(status_dir: Path, rank: int = 0) -> bool:
     return False
 
 
-def _keep_records(status: _Status, reason: str) -> str | None:
+def _keep_records(status: _Status, reason: str, exit_code: int) -> str | None:
     """Rank 0 in a run that cannot go on: end it where it stands (records, a summary marked
     interrupted with `reason`), unless it ended so already; its run directory, if kept. Best
-    effort: the rank exits next."""
+    effort: the rank exits next, with `exit_code` after KEEP_RECORDS_S even if keeping them
+    blocks (the watchdog's thread while the main one waits in a collective)."""
     run = status.run
     if run is None:
         return None
     if run.abandon is not None:
-        with contextlib.suppress(Exception):  # the rank's own error line matters more
-            run.abandon(reason)
+        timer = threading.Timer(KEEP_RECORDS_S, _exit_unkept, (status, reason, exit_code))
+        timer.daemon = True
+        timer.start()
+        try:
+            with contextlib.suppress(Exception):  # the rank's own error line matters more
+                run.abandon(reason)
+        finally:
+            timer.cancel()  # kept: the caller exits now
     return run.abandoned_in
 
 
@@ -249,7 +257,14 @@ def _reported_error(path: Path) -> bool:
         return False
 
 
+def _exit_unkept(status: _Status, reason: str, exit_code: int) -> None:
+    if not _reported_error(status.path):
+        status.write(False, f"{reason} (records not kept: still writing after "
+                     f"{KEEP_RECORDS_S:g} s)")
+    os._exit(exit_code)
+
+
 def _expire(status: _Status, message: str) -> None:
-    status.write(False, message, run_dir=_keep_records(status, message))
-    print(message, file=sys.stderr, flush=True)
+    print(message, file=sys.stderr, flush=True)  # before keeping records, which may not end
+    status.write(False, message, run_dir=_keep_records(status, message, 3))
     os._exit(3)

@@ -64,6 +64,7 @@ class RecordStream:
         # A run abandoned from another thread (a rank's watchdog) closes the stream while the
         # run's loop may flush it: one writer at a time, and nothing written once closed.
         self._lock = threading.RLock()
+        self._flushing = False  # a SIGTERM handler's flush inside this thread's flush: skipped
 
     def add_step(self, step: StepRecord) -> None:
         self._steps.append(step)
@@ -76,9 +77,14 @@ class RecordStream:
         self._requests.append((record, token_times_text))
 
     def flush(self) -> None:
-        with self._lock:
-            if not self._files[STEPS].closed:
+        with self._lock:  # re-entrant: a flush from a signal handler would write lines twice
+            if self._files[STEPS].closed or self._flushing:
+                return
+            self._flushing = True
+            try:
                 self._flush()
+            finally:
+                self._flushing = False
 
     def _flush(self) -> None:
         t0 = time.perf_counter()

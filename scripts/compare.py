@@ -26,10 +26,10 @@ from batchsim.scripts.run_args import (
     add_engine_arg,
     add_model_args,
     add_scheduler_args,
-    add_workload_args,
     config_from_args,
 )
 from batchsim.scripts.run_view import warn_profile_mismatch
+from batchsim.scripts.workload_args import add_workload_args
 from batchsim.server.engine.run_config import RunConfig, with_run_overrides
 from batchsim.server.results.timeline import run_title
 from batchsim.workloads.lengths import LengthSpec

@@ -1,24 +1,19 @@
-"""The flags `run` shares with `compare`, `sweep` and `serve` (model and executor, scheduler,
-workload), and the run config they make."""
+"""The flags `run` shares with `compare`, `sweep` and `serve` (model and executor, scheduler; the
+workload's are in workload_args.py), and the run config they make."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from pathlib import Path
 
-from batchsim.configs import ConfigError
 from batchsim.scheduler.config import KV_LAYOUTS, SchedulerSettings
 from batchsim.scheduler.pool_geometry import KV_STEP, PAGE_TOKENS
 from batchsim.scripts.common import (
     DTYPE_HELP,
-    MAX_FLOAT,
     add_field_argument,
     bounded,
-    positive_float,
 )
 from batchsim.scripts.spec_args import spec_overrides
-from batchsim.scripts.workload_args import add_sharing_args, sharing_from_args, trace_override
+from batchsim.scripts.workload_args import workload_overrides
 from batchsim.server.engine.run_config import (
     DTYPES,
     MAX_MEMORY_GB,
@@ -27,30 +22,9 @@ from batchsim.server.engine.run_config import (
     with_run_overrides,
 )
 from batchsim.server.models.spec import KV_BITS, QUANT_BITS
-from batchsim.workloads.lengths import LengthSpec, parse_length
-from batchsim.workloads.spec import (
-    TraceSpec,
-    WorkloadSpec,
-    builtin_workload_names,
-    resolve_workload,
-)
 
-
-def rate(text: str) -> float:
-    return float("inf") if text.strip().lower() in ("inf", "infinity") else _finite_rate(text)
-
-
-_finite_rate = bounded(float, 0, MAX_FLOAT, lo_open=True)
 _percentile = bounded(float, 0, 100)
 _memory_gb = bounded(float, 0, MAX_MEMORY_GB, lo_open=True)
-
-
-def length(text: str) -> LengthSpec:
-    """parse_length for argparse: its ConfigError's message, not argparse's generic one."""
-    try:
-        return parse_length(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def percentiles(text: str) -> tuple[float, ...]:
@@ -118,76 +92,12 @@ def add_scheduler_args(p: argparse.ArgumentParser, max_num_seqs: bool = True):
     return g
 
 
-def add_workload_args(p: argparse.ArgumentParser, defaults: WorkloadSpec | None = None) -> None:
-    """Workload flags, unset unless given (they override the config's workload). The defaults shown
-    are those of `defaults`: the workload a run without a config or --workload gets."""
-    w = defaults or RunConfig().workload
-    g = p.add_argument_group("workload (overrides the YAML)", "Unset flags keep the config's "
-                             f"values; defaults shown: the built-in '{w.name}' workload's.")
-    add_field_argument(g, w, "name", "built-in workload (configs/workloads: "
-                       f"{', '.join(builtin_workload_names())}) or a workload YAML",
-                       flag="--workload")
-    add_field_argument(g, w, "num_prompts", "requests to send; with --trace: every row of the "
-                       "trace unless given")
-    add_field_argument(g, w, "request_rate", "requests/s; 'inf' sends all at once", type=rate)
-    add_field_argument(g, w, "burstiness", "gamma shape: 1 = Poisson, <1 burstier",
-                       type=positive_float)
-    add_field_argument(g, w, "arrival", "arrival process")
-    add_field_argument(g, w, "ramp_end_rate", "'ramp': the rate (requests/s) reached by the last "
-                       "request, rising linearly from --request-rate (sets --arrival ramp)")
-    add_field_argument(g, w, "concurrency", "closed loop: keep this many requests in flight")
-    add_field_argument(g, w, "max_concurrency", "open loop: cap on requests in flight (default: "
-                       "none)")
-    add_field_argument(g, w, "input_len", "prompt lengths in tokens: N, uniform:MIN:MAX, "
-                       "normal:MEAN:STD[:MAX], lognormal:MEAN:STD[:MAX], zipf:A:MIN:MAX",
-                       type=length)
-    add_field_argument(g, w, "output_len", "output lengths in tokens (same forms)", type=length)
-    add_field_argument(g, w, "seed", "workload seed (arrivals, lengths, prompt ids)")
-    g.add_argument("--trace", help="replay a trace: Azure CSV or Mooncake JSONL (path, or a file "
-                   "in configs/traces)")
-    add_field_argument(g, TraceSpec, "time_scale", "trace time factor (0.1 = 10x faster)",
-                       type=positive_float)
-    add_field_argument(g, TraceSpec, "max_input_len", "cap trace prompt lengths (tokens; "
-                       "default: none)")
-    add_field_argument(g, TraceSpec, "max_output_len", "cap trace output lengths (tokens; "
-                       "default: none)")
-    add_field_argument(g, RunConfig, "ignore_eos", "generate each request's full output length",
-                       action=argparse.BooleanOptionalAction)
-    add_sharing_args(g)
-
-
 def config_from_args(args: argparse.Namespace, default: RunConfig | None = None) -> RunConfig:
     """The run config: the YAML (else `default`, else RunConfig()), then the flags given."""
     from batchsim.server.results.metrics import parse_goodput
 
     cfg = load_run_config(args.config) if args.config else (default or RunConfig())
-    if args.workload:
-        cfg = dataclasses.replace(cfg, workload=resolve_workload(args.workload))
-    workload = {
-        "num_prompts": args.num_prompts, "request_rate": args.request_rate,
-        "burstiness": args.burstiness,
-        "arrival": "trace" if args.trace else args.arrival, "concurrency": args.concurrency,
-        "ramp_end_rate": args.ramp_end_rate,
-        "max_concurrency": args.max_concurrency, "input_len": args.input_len,
-        "output_len": args.output_len,
-        "seed": args.seed, "trace": trace_override(args, cfg),
-        # a replayed trace names the run (records, run directory) unless --workload does
-        "name": Path(args.trace).stem if args.trace and not args.workload else None,
-    }
-    cfg = sharing_from_args(args, cfg, workload)
-    if args.trace and args.num_prompts is None:  # --trace FILE replays all of FILE
-        from batchsim.workloads.requests import trace_length
-
-        workload["num_prompts"] = trace_length(workload["trace"])
-    if args.concurrency and not args.arrival:
-        workload["arrival"] = "closed"
-    if args.ramp_end_rate and not args.arrival:
-        workload["arrival"] = "ramp"
-    if args.burstiness and not args.arrival and workload["arrival"] is None:
-        workload["arrival"] = "gamma"
-    if args.ignore_eos and (workload.get("chat") or cfg.workload.chat) is not None:
-        raise ConfigError("--ignore-eos: the chat workload honours EOS (replies end where the "
-                          "model ends them); use a synthetic workload to generate full lengths")
+    cfg, workload = workload_overrides(args, cfg)
     return with_run_overrides(
         cfg, workload, model=args.model, dtype=args.dtype, quantize=args.quantize,
         kv_bits=getattr(args, "kv_bits", None), kv_layout=args.kv_layout,

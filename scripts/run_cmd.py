@@ -20,12 +20,12 @@ from batchsim.scripts.run_args import (
     add_kv_bits_arg,
     add_model_args,
     add_scheduler_args,
-    add_workload_args,
     config_from_args,
     percentiles,
 )
 from batchsim.scripts.run_view import ConsoleView, print_summary, warn_profile_mismatch
 from batchsim.scripts.spec_args import add_spec_args
+from batchsim.scripts.workload_args import add_workload_args
 from batchsim.server.engine.run_config import RunConfig
 
 

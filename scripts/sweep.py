@@ -1,9 +1,11 @@
-"""`batchsim sweep`: step the batch size of a fixed-length workload (B requests arriving at once,
-max_num_seqs = B) under one memory budget, and find the batch that breaks local serving: the
-analytic limit (weights + B padded KV rows at full length fit) against the first batch the engine
-could not run together (queued or preempted), and where decode tok/s stopped scaling. With
---spec-tokens, each batch runs again with n-gram speculation at each K: the speed-up over plain
-batching per batch and the first batch where speculation stops paying (spec_break_even_batch)."""
+"""`batchsim sweep`: step the batch limit (max_num_seqs = B) under one memory budget, over a
+fixed-length workload (B requests arriving at once) or the user's own (--workload, --trace: the
+same workload flags as `run`), and find the batch that breaks local serving: the analytic limit
+(weights + B padded KV rows at full length fit; a workload's: its longest request's) against the
+first batch the engine could not run together (queued; a workload's: while requests waited with
+a seat free; or preempted), and where decode tok/s stopped scaling. With --spec-tokens, each
+batch runs again with n-gram speculation at each K: the speed-up over plain batching per batch
+and the first batch where speculation stops paying (spec_break_even_batch)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pathlib import Path
 from batchsim.configs import ConfigError
 from batchsim.scheduler.config import SchedulerSettings
 from batchsim.scheduler.pool_geometry import KV_STEP
-from batchsim.scripts import sweep_spec
+from batchsim.scripts import sweep_spec, sweep_workload
 from batchsim.scripts.common import (
     MAX_BATCH,
     add_field_argument,
@@ -23,7 +25,6 @@ from batchsim.scripts.common import (
     bounded,
     fmt,
     ints_up_to,
-    non_negative_int,
     out,
     positive_float,
     positive_int,
@@ -34,12 +35,9 @@ from batchsim.scripts.common import (
 )
 from batchsim.scripts.run_args import add_engine_arg, add_kv_bits_arg, add_model_args
 from batchsim.scripts.run_view import warn_profile_mismatch
-from batchsim.server.engine.run_config import RunConfig, with_run_overrides
+from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.perf import sweep_limits as sweep_math
 from batchsim.server.results.timeline import run_title
-from batchsim.workloads.lengths import LengthSpec
-from batchsim.workloads.prefixes import SharingSpec
-from batchsim.workloads.spec import WorkloadSpec
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -58,10 +56,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p._option_string_actions["--memory-gb"].help = (
         "memory budget for weights + KV in GiB (emulate a Mac); default: sized by --limit-batch")
     g = p.add_argument_group("sweep")
-    g.add_argument("--prompt-len", type=positive_int, default=192,
-                   help="prompt tokens of every request")
-    g.add_argument("--output-len", type=positive_int, default=64,
-                   help="output tokens of every request")
+    g.add_argument("--prompt-len", type=positive_int,
+                   help="the built-in workload's prompt tokens (every request; with "
+                        "--shared-prefix-tokens N, N of them shared) "
+                        f"[default: {sweep_workload.PROMPT_LEN}]")
     g.add_argument("--limit-batch", type=_batch, default=12,
                    help="without --memory-gb: a budget of weights + this many sequences' KV at "
                    f"full length (padded to {KV_STEP} tokens) + half a sequence, so the analytic "
@@ -76,11 +74,6 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-gain", type=positive_float, default=0.05,
                    help="throughput stops scaling at the first point gaining less decode tok/s "
                    "than this fraction per doubling of the decoded batch")
-    add_field_argument(g, WorkloadSpec, "seed", "workload seed (prompt ids)", unset=False)
-    g.add_argument("--shared-prefix-tokens", type=non_negative_int, default=0, metavar="N",
-                   help="every prompt starts with the same N of its --prompt-len tokens (a "
-                        "system prompt, workloads/prefixes.py), so a prefix cache can share them "
-                        "[default: 0]")
     add_field_argument(g, SchedulerSettings, "prefix_cache", "reuse the KV of cached prompt "
                        "blocks (full-attention and MLA models)", unset=False)
     g.add_argument("--out", type=Path, default=Path("results"),
@@ -90,21 +83,21 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no live progress line")
     g.add_argument("--no-timeline", action="store_true", help="no timeline.png in run dirs")
     sweep_spec.add_spec_args(p)
+    sweep_workload.add_args(p)
 
 
 def run(args: argparse.Namespace) -> dict:
+    cfg = sweep_workload.sweep_config(args)
     if min(args.prompt_len, args.limit_batch, args.max_batch) < 1 or args.output_len < 2:
         # One output token is sampled by the prefill: nothing would decode.
         raise ConfigError("--prompt-len, --limit-batch and --max-batch must be >= 1, "
                           "--output-len >= 2")
-    base, budget, source = _base_session(args)
+    base, budget, source = _base_session(args, cfg)
     kvt, weights = base.kv_bytes_per_token, base.weight_bytes
-    if args.shared_prefix_tokens >= args.prompt_len:
-        raise ConfigError(f"--shared-prefix-tokens {args.shared_prefix_tokens} must be under "
-                          f"--prompt-len {args.prompt_len} (every prompt has its own tokens too)")
     if args.prompt_len + args.output_len > base.spec.max_context:
-        raise ConfigError(f"context {args.prompt_len + args.output_len} exceeds the model's "
-                          f"{base.spec.max_context} tokens")
+        longest = " (the workload's longest request)" if args.workload_spec else ""
+        raise ConfigError(f"context {args.prompt_len + args.output_len}{longest} exceeds the "
+                          f"model's {base.spec.max_context} tokens")
     limit = sweep_math.analytic_max_batch(budget, weights, args.prompt_len, args.output_len, kvt)
     batches = sorted(set(args.batches)) if args.batches else sweep_math.default_batches(
         limit, args.max_batch)
@@ -134,15 +127,10 @@ def run(args: argparse.Namespace) -> dict:
     return {"rows": rows, **verdict, **meta, "jsonl": str(jsonl), "png": str(png), "env": env}
 
 
-def _base_session(args: argparse.Namespace):
+def _base_session(args: argparse.Namespace, cfg: RunConfig):
     """One session (the model loaded once) and the budget every point runs under."""
     from batchsim.server.engine.session import memory_budget, open_session
 
-    cfg = with_run_overrides(RunConfig(), {}, model=args.model, dtype=args.dtype,
-                             quantize=args.quantize, kv_bits=args.kv_bits,
-                             kv_layout=args.kv_layout, executor=args.executor,
-                             device_profile=args.device_profile, memory_gb=args.memory_gb,
-                             engine=args.engine, **{"scheduler.prefix_cache": args.prefix_cache})
     warn_profile_mismatch(cfg)
     base = open_session(cfg)
     if args.memory_gb is not None or args.device_budget:
@@ -162,11 +150,7 @@ def _run_point(base, budget: int, source: str, batch: int, args: argparse.Namesp
     from batchsim.scripts.progress import RunProgress
     from batchsim.server.engine.runner import run_workload
 
-    shared = args.shared_prefix_tokens
-    spec = WorkloadSpec(name=f"sweep-b{batch}", num_prompts=batch, request_rate=math.inf,
-                        input_len=LengthSpec("fixed", value=args.prompt_len - shared),
-                        output_len=LengthSpec("fixed", value=args.output_len), seed=args.seed,
-                        sharing=SharingSpec(system_tokens=shared) if shared else None)
+    spec = args.workload_spec or sweep_workload.built_in(args, batch)
     run_cfg = run_cfg or base.config
     sched = dataclasses.replace(run_cfg.scheduler, max_num_seqs=batch)
     cfg = dataclasses.replace(run_cfg, workload=spec, memory_gb=budget / GIB, scheduler=sched)
@@ -183,6 +167,10 @@ def _run_point(base, budget: int, source: str, batch: int, args: argparse.Namesp
     next_chunk = min(args.prompt_len, sched.prefill_step_size)
     row = sweep_math.point_row(batch, outcome.summary, outcome.steps,
                                sched.max_num_batched_tokens, next_chunk, active.max_active_bytes)
+    if args.workload_spec is not None:  # its own arrivals: B requests need not be there at once,
+        # so never decoding B together is an overrun only where requests waited with a seat free
+        row["queued"] = row["queued"] and row["memory_wait_steps"] > 0
+        row["overrun"] = row["queued"] or row["preempted"] or row["rejected"]
     if tag:  # a verify step's rows emit acceptance_length tokens each on average
         row.update({key: outcome.summary[key] for key in sweep_spec.SPEC_KEYS})
         if row["decode_tok_s_source"] == "steady":
@@ -235,8 +223,8 @@ def _meta(args: argparse.Namespace, base, budget: int, source: str) -> dict:
         "kv_budget_bytes": budget - base.weight_bytes, "kv_bytes_per_token": kvt,
         "kv_bytes_per_seq": sweep_math.batch_kv_bytes(1, args.prompt_len, args.output_len, kvt),
         "max_num_batched_tokens": base.config.scheduler.max_num_batched_tokens,
-        "min_gain": args.min_gain, "seed": args.seed,
-        "shared_prefix_tokens": args.shared_prefix_tokens,
+        "min_gain": args.min_gain,
+        **sweep_workload.workload_meta(args),
         # the device's own budget (MLX's working set, 75% of RAM on the CPU, or --memory-gb) and
         # the batch it holds by the same arithmetic: what an emulated --limit-batch budget is not
         "device_budget_bytes": base.memory_budget_bytes,
@@ -264,8 +252,11 @@ def _what(meta: dict) -> str:
 
 
 def _announce(meta: dict, batches: list[int]) -> None:
-    out.print(f"batchsim sweep: {_what(meta)}, "
-              f"{meta['prompt_len']} + {meta['output_len']} tokens per request, budget "
+    lengths = (f"{meta['prompt_len']} + {meta['output_len']} tokens per request"
+               if meta["workload"] is None else f"workload {meta['workload']} "
+               f"({meta['num_prompts']} requests, the longest {meta['prompt_len']} + "
+               f"{meta['output_len']} tokens)")
+    out.print(f"batchsim sweep: {_what(meta)}, {lengths}, budget "
               f"{_size(meta['memory_budget_bytes'])} ({meta['budget_source']}): weights "
               f"{meta['weight_bytes'] / MIB:.1f} MiB + KV {meta['kv_bytes_per_seq'] / MIB:.2f} MiB "
               f"per sequence; batches {', '.join(map(str, batches))}")
@@ -303,7 +294,7 @@ def _print(rows: list[dict], meta: dict, verdict: dict) -> None:
         f"Analytic limit: batch {verdict['analytic_overrun_batch']} (weights + B x "
         f"{meta['seq_kv_tokens']} tokens x {meta['kv_bytes_per_token']} B fit); first listed "
         f"overrun {fmt(verdict['analytic_first_overrun_batch'])}. Measured overrun (first batch "
-        f"not decoded together, or preempted): {fmt(verdict['measured_overrun_batch'])}: {agree} "
+        f"{_overrun_means(meta)}, or preempted): {fmt(verdict['measured_overrun_batch'])}: {agree} "
         f"within one step. Throughput stopped scaling at {fmt(verdict['scaling_stopped_batch'])}.")
     if meta["budget_source"].startswith("--limit-batch"):
         out.print(f"The budget is emulated ({meta['budget_source']}: the sweep ends in minutes); "
@@ -315,10 +306,18 @@ def _print(rows: list[dict], meta: dict, verdict: dict) -> None:
               "seat and token budget free (held back by KV memory); active: MLX's active bytes "
               "after a step (mlx); peak: MLX's peak, activations included (mlx), else weights + "
               "peak KV.")
+    if meta["workload"] is not None:
+        return
     width = sweep_math.mean_decode_width(meta["prompt_len"], meta["output_len"])
     out.print(f"Pure-decode steps read {width:g} tokens per row on average (prompt + output / 2): "
               f"`batchsim size --context {width:g}` predicts the simulator's decode tok/s at that "
               "context from the same step cost.")
+
+
+def _overrun_means(meta: dict) -> str:
+    if meta["workload"] is None:
+        return "not decoded together"
+    return "not decoded together while requests waited with a seat free"
 
 
 def _mib(nbytes: int | None) -> float | None:

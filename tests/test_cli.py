@@ -301,7 +301,6 @@ def test_compare_sweep_and_bench_help_show_the_config_defaults():
     from batchsim.scripts import compare
     from batchsim.server.engine.run_config import RunConfig
     from batchsim.server.perf.devices import LOCAL_NAME
-    from batchsim.workloads.spec import WorkloadSpec
 
     parser = _parser("compare")
     batch1, batched = compare.configs_from_args(parser.parse_args([]))
@@ -310,7 +309,12 @@ def test_compare_sweep_and_bench_help_show_the_config_defaults():
     _check_shown(parser, {**_run_values(batched), "batch": batched.scheduler.max_num_seqs},
                  {"batch", "num_prompts", "output_len", "request_rate", "workload"})
     run_defaults = _fields(RunConfig())
-    _check_shown(_parser("sweep"), {"seed": WorkloadSpec().seed, **run_defaults}, {"seed", "model"})
+    from batchsim.scripts.sweep_workload import PROMPT_LEN  # the workload flags: as in run
+
+    workload = {k: v for k, v in _run_values(RunConfig()).items()
+                if k not in _fields(RunConfig().scheduler)}
+    _check_shown(_parser("sweep"), {**workload, "prompt_len": PROMPT_LEN},
+                 {"seed", "model", "prompt_len", "num_prompts"})
     from batchsim.scheduler.config import SchedulerSettings  # its speculative decoding flags
 
     _check_shown(_parser("bench-decode"), {**run_defaults, **_fields(SchedulerSettings())},

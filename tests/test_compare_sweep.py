@@ -171,6 +171,42 @@ def test_sweep_real_mlx_tiny(capsys, tmp_path, tiny):
     assert [r["decoded_batch"] for r in res["rows"]] == [1, 2, 2]
 
 
+def test_sweep_runs_the_users_workload_at_each_batch(capsys, tmp_path):
+    """--workload (and the other workload flags `run` takes): each batch runs that traffic, its
+    longest request sizing the analytic limit."""
+    from batchsim.workloads.lengths import LengthSpec
+    from batchsim.workloads.requests import build_requests
+    from batchsim.workloads.spec import builtin_workload, with_overrides
+
+    res = sweep_json(capsys, tmp_path, "--model", "tiny", "--workload", "shared-prompt",
+                     "--num-prompts", "12", "--output-len", "16", "--batches", "2,4")
+    assert res["workload"] == "shared-prompt" and res["num_prompts"] == 12
+    assert all(r["completed"] == 12 for r in res["rows"])
+    # its requests arrive over time: fewer than B decode together, yet none waited for memory
+    assert not any(r["overrun"] for r in res["rows"]) and res["rows"][1]["decoded_batch"] < 4
+    want = with_overrides(builtin_workload("shared-prompt"), num_prompts=12,
+                          output_len=LengthSpec("fixed", value=16))
+    longest = max(p.prompt_len + p.output_len for p in build_requests(want))
+    assert res["prompt_len"] + res["output_len"] == longest and res["output_len"] == 16
+    trace = sweep_json(capsys, tmp_path, "--model", "tiny", "--trace",
+                       "mooncake_conversation_slice.jsonl", "--num-prompts", "6",
+                       "--max-input-len", "300", "--max-output-len", "8", "--batches", "2")
+    assert trace["workload"] == "mooncake_conversation_slice"
+    assert trace["rows"][0]["completed"] == 6 and trace["prompt_len"] <= 300
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--request-rate", "2"], "--request-rate: only with --workload or --trace"),
+    (["--output-len", "uniform:4:8"], "--output-len: sweep's built-in workload takes a number"),
+    (["--workload", "poisson", "--prompt-len", "64"], "--prompt-len sizes sweep's built-in"),
+    (["--workload", "nope"], "workload 'nope': no such built-in"),
+])
+def test_sweep_workload_flags_misused_are_one_line_errors(argv, says, capsys, tmp_path):
+    rc = main(["sweep", "--executor", "fake", "--model", "tiny", "--out", str(tmp_path), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and says in err.strip().splitlines()[-1] and "Traceback" not in err
+
+
 # -- compare -----------------------------------------------------------------------------------
 def test_compare_fake_contract_and_same_requests(capsys, tmp_path):
     res = cli_json(capsys, ["compare", "--model", "tiny", "--executor", "fake", "--batch", "4",

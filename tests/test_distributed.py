@@ -32,6 +32,7 @@ def _one_rank_summary(out: Path) -> dict:
     return run_cmd.run(build_parser().parse_args([*ARGS, "--out", str(out)]))
 
 
+@pytest.mark.slow  # mlx.launch and two ranks starting: 10-15 s at load 6-10
 def test_two_ranks_decode_the_same_tokens_as_one(tiny, tmp_path):
     one = _one_rank_summary(tmp_path / "one")
     proc = _cli([*ARGS, "--ranks", "2"], tmp_path / "two")
@@ -49,6 +50,7 @@ def test_two_ranks_decode_the_same_tokens_as_one(tiny, tmp_path):
     assert kv[1] * 2 == kv[0]
 
 
+@pytest.mark.slow  # mlx.launch and two ranks starting: 10-15 s at load 6-10
 def test_a_dead_rank_ends_the_run_with_a_clear_error_and_valid_records(tiny, tmp_path):
     proc = _cli([*ARGS, "--ranks", "2"], tmp_path, BATCHSIM_FAULT_DIE_AT_STEP="2")
     assert proc.returncode == 1

@@ -137,6 +137,7 @@ def test_a_signal_while_the_ranks_join_still_ends_the_run_interrupted(tiny, tmp_
         ranks.cleanup()
 
 
+@pytest.mark.slow  # mlx.launch and two ranks starting: 10-15 s at load 6-10
 def test_sigterm_to_rank_0_names_the_signal_and_process_it_reached_and_keeps_the_records(
         tiny, tmp_path):
     """SIGTERM sent straight to rank 0 (not through the launcher) was reported as 'stopped by

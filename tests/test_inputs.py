@@ -179,6 +179,9 @@ def _corrupt(run_dir: Path, how: str) -> None:
         row = json.loads(lines[3])
         arrival = -1e308 if how == "arrival at -1e308" else row["token_times_s"][0] + 1
         lines[3] = json.dumps({**row, "arrival_s": arrival}).encode() + b"\n"
+    elif how.startswith("summary"):
+        text = "[1, 2]" if how == "summary a list" else (run_dir / "summary.json").read_text()[:50]
+        (run_dir / "summary.json").write_text(text)
     elif how == "duplicates":
         lines += lines[:3]
     elif how == "binary config":
@@ -197,6 +200,8 @@ def _corrupt(run_dir: Path, how: str) -> None:
     ("nested line", 12, "requests.jsonl: skipped 1 line(s) that are not JSON records (line 3)"),
     ("truncated lines", 10, "skipped a torn last line"),
     ("duplicates", 12, "requests.jsonl: 3 duplicated request record(s) counted once"),
+    ("summary a list", 12, "summary.json: not a JSON object; marked interrupted"),  # said "no
+    ("summary cut short", 12, "summary.json: not a JSON object; marked interrupted"),  # summary"
     ("binary config", 12, "config.yaml: not a run's config"),
     ("invalid config", 12, "config.yaml: not a run's config"),
     ("int past a float", 12, "steps.jsonl: skipped 1 record(s) with missing or impossible"),

@@ -57,7 +57,9 @@ def rebuild_summary(run_dir: Path, timeline: bool = True) -> tuple[dict[str, Any
     else:
         summary.update(_from_config(config, steps, run_dir))
         expected = _section(config, "workload").get("num_prompts")
-        notes.append(f"no {SUMMARY}: the run never finished; marked interrupted ("
+        why = (f"{SUMMARY}: not a JSON object" if (run_dir / SUMMARY).is_file()  # said "no"
+               else f"no {SUMMARY}: the run never finished")
+        notes.append(f"{why}; marked interrupted ("
                      f"{len(requests)} requests recorded" + (f" of {expected}" if expected else "")
                      + "; requests still in flight left no record)")
     if timeline:
@@ -137,8 +139,7 @@ def _read_old_summary(path: Path, notes: list[str]) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (ValueError, RecursionError):
-        notes.append(f"{SUMMARY}: not valid JSON; rebuilt as for a run that never finished")
-        return {}
+        return {}  # said as for a list or a number: not a JSON object
     return data if isinstance(data, dict) else {}
 
 

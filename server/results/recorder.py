@@ -14,6 +14,10 @@ from batchsim.server.results.metrics import RequestRecord, StepRecord
 from batchsim.server.results.run_files import RecordStream
 from batchsim.server.results.spec_metrics import SpecCounts
 
+# A record's status by the request's (built once: an Enum class's attribute reads cost ~0.4 us).
+_STATUS_NAMES = {RequestStatus.FINISHED: "finished", RequestStatus.REJECTED: "rejected",
+                 RequestStatus.ABORTED: "aborted"}
+
 
 class RunRecorder:
     def __init__(self, stream: RecordStream | None = None) -> None:
@@ -85,8 +89,7 @@ class RunRecorder:
         return [final.get(r.request_id) or self.record(r) for r in self.requests.values()]
 
     def record(self, r: Request) -> RequestRecord:
-        status = {RequestStatus.FINISHED: "finished", RequestStatus.REJECTED: "rejected",
-                  RequestStatus.ABORTED: "aborted"}.get(r.status, "unfinished")
+        status = _STATUS_NAMES.get(r.status, "unfinished")
         return RequestRecord(
             request_id=r.request_id,
             status=status,

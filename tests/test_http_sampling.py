@@ -94,6 +94,7 @@ def test_refused_and_out_of_range_fields_name_themselves(srv):
              ("repetition_penalty", 0), ("frequency_penalty", 2.5), ("presence_penalty", -3),
              ("logit_bias", {"x": 1}), ("logit_bias", {"1": 101}), ("logit_bias", {"512": 1}),
              ("logit_bias", {"9" * 5000: 1}), ("logit_bias", [1]), ("stop_token_ids", [512]),
+             ("logit_bias", {"01": 50, "1": 50}),  # both added to token 1 (100 past the limit)
              ("stop_token_ids", "1")]
     for field, value in cases:
         r = srv.client.post("/v1/completions", json={**BODY, field: value})

@@ -55,7 +55,9 @@ def _logit_bias(body: dict[str, Any], vocab_size: int) -> tuple[tuple[int, float
     check(body, "logit_bias", isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS, rule)
     pairs = []
     for key, value in bias.items():
-        ok = (key.isascii() and key.isdigit() and len(key) <= 12 and int(key) < vocab_size
+        # "01" beside "1" added both biases to token 1: one spelling per id
+        ok = (key.isascii() and key.isdigit() and len(key) <= 12 and str(int(key)) == key
+              and int(key) < vocab_size
               and is_number(value) and abs(value) <= LOGIT_BIAS_LIMIT)
         if not ok:
             raise APIError(400, f"logit_bias: must be {rule}, got {key[:20]!r}: "

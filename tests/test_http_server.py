@@ -60,7 +60,8 @@ class ServerProcess:
                     self.url = line.split(LISTENING, 1)[1].strip()
                     found.set()
 
-        threading.Thread(target=read, daemon=True).start()
+        self._reader = threading.Thread(target=read, daemon=True)
+        self._reader.start()
         if not found.wait(90):
             self.proc.kill()
             raise RuntimeError("server did not start:\n" + "".join(self.stderr))
@@ -96,6 +97,7 @@ class ServerProcess:
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
+            self._reader.join(timeout_s)  # stderr read to its end
 
 
 @pytest.fixture(scope="module")

@@ -106,6 +106,8 @@ class Server:
             stream = request.get(_STREAM_RESPONSE)
             if stream is not None:  # the client left mid-stream: its status was sent, count it
                 self.recorder.http_responses[stream.status] += 1
+            else:  # no answer sent: the client left mid-body or while its request ran
+                self.recorder.client_disconnects += 1
             raise
         except APIError as exc:
             response = _error_response(exc)

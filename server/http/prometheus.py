@@ -66,6 +66,7 @@ class ServerRecorder:
         self.batch_size = Histogram(BATCH_BUCKETS)  # decode steps only
         self.request_outcomes: collections.Counter[str] = collections.Counter()
         self.http_responses: collections.Counter[int] = collections.Counter()
+        self.client_disconnects = 0  # requests whose client left before any answer was sent
 
     def on_arrival(self, request: Request) -> None:
         self.num_arrivals += 1
@@ -146,6 +147,8 @@ def render(rec: ServerRecorder, scheduler: Scheduler, *, kv_budget_bytes: int, m
         ("batchsim_kv_account_mismatches_total",
          "Steps where the executor's KV bytes differed from the scheduler's.",
          rec.kv_account_mismatches),
+        ("batchsim_http_client_disconnects_total",
+         "Requests whose client left before any answer was sent.", rec.client_disconnects),
     ]
     lines = _prefix_cache_lines(scheduler)
     counters += _spec_counters(rec.spec)

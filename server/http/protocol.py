@@ -15,13 +15,15 @@ from batchsim.server.http.fields import error_body
 class _Handler(web_protocol.RequestHandler):
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
-        plain = super().handle_error(request, status, exc, message)  # logs; refuses if sent
-        if status == 500:  # a bug past the middleware; its message is aiohttp's generic one
+        if status >= 500:  # a bug past the middleware; its message is aiohttp's generic one
+            super().handle_error(request, status, exc, message)  # logs it; refuses if sent
             body = error_body("internal error", "server_error")
-        else:
+        else:  # the client's malformed HTTP: its 4xx says so, the log no traceback (aiohttp's)
+            if request.writer.output_size > 0:
+                raise ConnectionError("a response was sent already: no room for an error")
             text = getattr(exc, "message", None) or message or "malformed HTTP request"
             body = error_body(f"malformed HTTP request: {text}", "invalid_request_error")
-        response = web.Response(status=plain.status, text=json.dumps(body),
+        response = web.Response(status=status, text=json.dumps(body),
                                 content_type="application/json")
         response.force_close()
         return response

@@ -413,3 +413,26 @@ def test_a_real_run_refuses_another_engines_name(tmp_path, capsys):
         RunConfig(model="smollm2-135m", engine="mlx-lm-server")
     RunConfig(model="smollm2-135m", engine="mlx-lm-server", executor="sim")
     RunConfig(model="smollm2-135m", engine="mlx-lm-server", target="http://127.0.0.1:9/v1")
+
+
+def test_host_work_scales_with_the_macs_cpu_generation():
+    """GpuFit.cpu_exponent: the fixed costs per layer and per forward, per-row sampling and the
+    engine's host costs take (1 / cpu_speed) ** exponent as long on a catalog Mac, cpu_speed its
+    CPU generation's Geekbench 6 single-core score over the M4's (configs/macs.yaml)."""
+    catalog = macs.load_catalog()
+    scores = catalog.cpu_single_core.scores
+    m1, _ = catalog.variant("M1 Ultra 64c")
+    m4, _ = catalog.variant("M4 Max 40c")
+    assert m1.cpu_speed == pytest.approx(scores["M1"] / scores["M4"]) and m4.cpu_speed == 1.0
+    fit = dataclasses.replace(load_fit(), cpu_exponent=2.0, sampling_row_us=50.0,
+                              ultra_layer_us=0.0)
+    flat = dataclasses.replace(fit, cpu_exponent=0.0)
+    slow = (scores["M4"] / scores["M1"]) ** 2
+    p1, p0 = mac_profile(m1, fit, 4), mac_profile(m1, flat, 4)
+    assert p1.layer_overhead_s == pytest.approx(slow * p0.layer_overhead_s)
+    assert p1.sampling_row_s == pytest.approx(slow * p0.sampling_row_s)
+    assert mac_profile(m4, fit, 4).layer_overhead_s == mac_profile(m4, flat, 4).layer_overhead_s
+    engine = load_engine("mlx-lm-server")
+    on_m1 = StepCost(zoo_spec("qwen3-0.6b"), p1, "float16", 4, engine=engine)
+    assert on_m1.engine.host_token_us == pytest.approx(slow * engine.host_token_us)
+    assert on_m1.step_overhead_s == pytest.approx(slow * engine.host_step_s)

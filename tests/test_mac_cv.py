@@ -138,7 +138,7 @@ def test_fit_macs_reports_cv_by_source_and_chip(monkeypatch, rows):
 
 def test_two_die_terms_apply_to_ultra_chips_only(catalog):
     fit = dataclasses.replace(gpu_fit.load_fit(), layer_overhead_us=20.0, ultra_layer_us=50.0,
-                              ultra_bandwidth_slowdown=0.5)
+                              ultra_bandwidth_slowdown=0.5, cpu_exponent=0.0)  # CPU: its own test
     (ultra,) = [m for m in catalog.chips if m.label == "M3 Ultra 60c"]
     (single,) = [m for m in catalog.chips if m.label == "M4 Max 40c"]
     eff = fit.bandwidth_efficiency["q4"]
@@ -306,3 +306,14 @@ def test_per_row_sampling_is_shrunk_where_only_an_engines_token_cost_matches_it(
     monkeypatch.setattr(published_fit, "SHRUNK_DEVICE", ())
     free = published_fit.fit_published(few, catalog, start).fit.sampling_row_us
     assert shrunk < 0.8 * free
+
+
+def test_the_fit_picks_a_cpu_exponent_from_m1_to_m5_rows(rows, catalog, monkeypatch):
+    """Batch-1 rows of small models on M1 Ultra, M4 Max and M5 Max (the same engine): their fixed
+    costs differ by more than the Ultra's own terms explain; the fit scales them by the CPU
+    generation (GpuFit.cpu_exponent > 0), which a fit held at 0 cannot."""
+    few = _few(rows, {"mlxcel_m1ultra_tests", "mlxcel_m5max_tests", "mlx_lm_benchmarks"})
+    start = MacModel(gpu_fit.load_fit())
+    assert published_fit.fit_published(few, catalog, start).fit.cpu_exponent > 0
+    monkeypatch.setattr(published_fit, "CPU_GRID", (0.0,))
+    assert published_fit.fit_published(few, catalog, start).fit.cpu_exponent == 0

@@ -71,6 +71,11 @@ class GpuFit:
     # (published: mlx-lm's few-row verify forwards scale worse on an M2 Ultra than on an M3 Max,
     # ml-explore/mlx-examples issue 1281).
     ultra_gemv_row_slowdown: float = 0.0
+    # The fixed costs per layer and per forward pass are MLX encoding each kernel's dispatch on the
+    # CPU while the GPU runs the last ones: they scale as (1 / Mac.cpu_speed) ** cpu_exponent, its
+    # CPU generation's single-core score relative to the reference one (configs/macs.yaml
+    # cpu_single_core); 0: the same on every Mac.
+    cpu_exponent: float = 0.0
 
     def __post_init__(self) -> None:
         missing = [f for f in FORMATS if f not in self.bandwidth_efficiency]
@@ -85,9 +90,9 @@ class GpuFit:
                              "efficiencies must be in [0, 1]")
         if min(self.attention_row_us, self.token_layer_us, self.sampling_row_us,
                self.ultra_layer_us, self.ultra_bandwidth_slowdown, self.ultra_moe_layer_us,
-               self.ultra_gemv_row_slowdown) < 0:
-            raise ValueError("attention_row_us, token_layer_us, sampling_row_us and the Ultra "
-                             "terms must be >= 0")
+               self.ultra_gemv_row_slowdown, self.cpu_exponent) < 0:
+            raise ValueError("attention_row_us, token_layer_us, sampling_row_us, the Ultra terms "
+                             "and cpu_exponent must be >= 0")
 
     def summary(self) -> str:
         eff = ", ".join(f"{f} {v:.2f}" for f, v in self.bandwidth_efficiency.items())
@@ -110,6 +115,8 @@ class GpuFit:
             shown.append(f"qmv rows {self.quantized_gemv_row_efficiency:.3f} of FP16")
         if self.ultra_gemv_row_slowdown:
             shown.append(f"Ultra qmv rows +{self.ultra_gemv_row_slowdown:.2f} slowdown")
+        if self.cpu_exponent:
+            shown.append(f"fixed costs x (1 / CPU speed)^{self.cpu_exponent:.1f}")
         return f"; {', '.join(shown)}" if shown else ""
 
 
@@ -153,15 +160,16 @@ def mac_profile(mac: Mac, fit: GpuFit, quantize_bits: int | None,
     # (qmv's fitted rate stays a share of the FP16 peak: priced off the shader rate, the M5 rows
     # pinned its efficiency at 1 and LOSO gain went 16% -> 20%.)
     shader = min(1.0, mac.fp32_tflops / fp16_tflops) if has_neural_accelerators(family) else 1.0
-    layer_us = fit.layer_overhead_us + (fit.ultra_layer_us if ultra else 0.0)
+    host = mac.cpu_speed ** -fit.cpu_exponent  # CPU-side dispatch: by the CPU's generation
+    layer_us = fit.layer_overhead_us * host + (fit.ultra_layer_us if ultra else 0.0)
     return dataclasses.replace(
         profile, layer_overhead_s=layer_us * 1e-6,
         moe_layer_overhead_s=(fit.ultra_moe_layer_us if ultra else 0.0) * 1e-6,
         expert_bandwidth_efficiency=fit.expert_bandwidth_efficiency,
-        forward_overhead_s=fit.forward_overhead_us * 1e-6,
+        forward_overhead_s=fit.forward_overhead_us * host * 1e-6,
         fitted_on=f"{fit.fitted_on} ({fit.summary()})",
         attention_row_s=fit.attention_row_us * 1e-6, token_layer_s=fit.token_layer_us * 1e-6,
-        sampling_row_s=fit.sampling_row_us * 1e-6,
+        sampling_row_s=fit.sampling_row_us * host * 1e-6, host_scale=host,
         kv_bandwidth_efficiency=fit.kv_bandwidth_efficiency,
         quantized_gemm_gflops={b: e * fp16_tflops * 1e3
                                for b, e in fit.quantized_gemm_efficiency.items()},

@@ -33,6 +33,9 @@ class Mac:
     estimate: bool = False  # peaks derived from third-party clocks
     unverified: bool = False
     note: str = ""
+    # Its CPU generation's single-core score over the reference generation's (configs/macs.yaml
+    # cpu_single_core; set by the catalog).
+    cpu_speed: float = 1.0
 
     @property
     def label(self) -> str:
@@ -110,18 +113,40 @@ class DecodeReference:
 
 
 @dataclasses.dataclass(frozen=True)
+class CpuScores:
+    """Single-core scores by chip generation ('M1'..'M5') and the one the fitted costs describe."""
+
+    scores: dict[str, float]
+    reference: str
+    src: tuple[str, ...]
+
+    def speed(self, chip: str) -> float:
+        """A chip's CPU single-core score over the reference generation's."""
+        generation = chip.split()[0]
+        if generation not in self.scores or self.reference not in self.scores:
+            raise ConfigError(f"cpu_single_core has no score for {generation} or the reference "
+                              f"{self.reference}")
+        return self.scores[generation] / self.scores[self.reference]
+
+
+@dataclasses.dataclass(frozen=True)
 class Catalog:
     sources: dict[str, str]
     chips: tuple[Mac, ...]
     unconfirmed: tuple[Unconfirmed, ...]
     metal_working_set: MetalWorkingSet
     decode_reference: DecodeReference
+    cpu_single_core: CpuScores
 
     def __post_init__(self) -> None:
-        cited = {s for m in self.chips for s in m.src} | set(self.decode_reference.src)
+        cited = ({s for m in self.chips for s in m.src} | set(self.decode_reference.src)
+                 | set(self.cpu_single_core.src))
         missing = sorted(cited - set(self.sources))
         if missing:
             raise ConfigError(f"macs catalog: src {missing[0]!r} is not listed under sources")
+        cpu = self.cpu_single_core
+        object.__setattr__(self, "chips", tuple(dataclasses.replace(m, cpu_speed=cpu.speed(m.chip))
+                                                for m in self.chips))
 
     @property
     def chip_names(self) -> list[str]:

@@ -144,6 +144,10 @@ class DeviceProfile:
     # that peak is theirs (an M5 running split-K qmm: server.perf.qmv); 1: every kernel reaches the
     # same peak (M1-M4 run FP16 at the FP32 shader rate).
     shader_flops_share: float = 1.0
+    # How many times longer host-side work (kernel encoding, the engine's Python per step and per
+    # token, a sampler call) takes here than on the reference CPU (gpu_fit: a catalog Mac's CPU
+    # generation); 1: as measured or fitted.
+    host_scale: float = 1.0
 
     def tflops(self, dtype: str) -> float:
         try:

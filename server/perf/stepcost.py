@@ -80,6 +80,10 @@ class StepCost:
         self.profile = profile
         self.cal: Calibration | None = profile.calibration
         self.engine = engine or load_engine()
+        if profile.host_scale != 1.0:  # the engine's host work on this Mac's CPU
+            self.engine = dataclasses.replace(
+                self.engine, host_step_us=self.engine.host_step_us * profile.host_scale,
+                host_token_us=self.engine.host_token_us * profile.host_scale)
         # An engine that runs this model one row at a time: a B-row step is B one-row passes;
         # unless it evaluates their graphs together (weights read once, B fixed costs).
         self.serial_prefill = self.engine.serial_for(spec.model_type)

@@ -29,6 +29,7 @@ from batchsim.server.perf import macs
 from batchsim.server.perf.engines import EngineProfile, load_engine
 from batchsim.server.perf.gpu_fit import FORMATS, fit_format
 from batchsim.server.perf.mac_fit import EXPERT_GRID, HUBER_DELTA, IRLS_ROUNDS
+from batchsim.server.perf.reference import row_mac
 from batchsim.server.published.sim import (
     HostPrior,
     MacModel,
@@ -48,6 +49,9 @@ TIMES = {"layer_s": "layer_overhead_us", "forward_s": "forward_overhead_us",
          "attention_row_s": "attention_row_us", "sampling_row_s": "sampling_row_us",
          "ultra_layer_s": "ultra_layer_us", "ultra_moe_layer_s": "ultra_moe_layer_us"}
 ROUNDS = 3  # refits with the parts recomputed under the last fit
+# GpuFit.cpu_exponent's candidates (the least loss wins) and the columns it scales per row.
+CPU_GRID = (0.0, 1.0, 2.0, 3.0)
+CPU_COLUMNS = ("layer_s", "forward_s", "sampling_row_s", "step", "token")  # step:NAME, token:NAME
 ENGINE_RIDGE = 0.1  # shrinkage of each engine's own terms (columns scaled to unit norm)
 PRIOR_ROWS = 1.0  # the weight of an engine's kind prior, in rows of the engine's own
 HOST_PARTS = ("step", "token")  # an engine's host-cost columns: step:NAME, token:NAME
@@ -83,7 +87,8 @@ def _unit(model: MacModel, rows: Sequence[Any]) -> MacModel:
                               attention_row_us=0.0, token_layer_us=0.0,
                               sampling_row_us=UNIT_US, ultra_layer_us=0.0,
                               ultra_bandwidth_slowdown=0.0, ultra_moe_layer_us=0.0,
-                              quantized_gemv_row_efficiency=1.0, ultra_gemv_row_slowdown=0.0)
+                              quantized_gemv_row_efficiency=1.0, ultra_gemv_row_slowdown=0.0,
+                              cpu_exponent=0.0)
     engines = {e: dataclasses.replace(model.engine(e), host_step_us=UNIT_US, host_token_us=UNIT_US,
                                       row_dispatch_forwards=0.0)
                for e in {engine_name(r) for r in rows}}
@@ -276,9 +281,9 @@ def _fit_at(a: np.ndarray, cols: list[str]) -> tuple[float, np.ndarray]:
     return float(loss.sum()), theta
 
 
-def _solve(bases: Sequence[Basis], cols: list[str]) -> tuple[dict[str, float], float]:
-    """(theta by column name, for the columns the rows determine; g) at the g of least loss: a
-    coarse pass over the grid, then the fine grid around its best."""
+def _solve(bases: Sequence[Basis], cols: list[str]) -> tuple[float, dict[str, float], float]:
+    """(loss, theta by column name for the columns the rows determine, g) at the g of least loss:
+    a coarse pass over the grid, then the fine grid around its best."""
     plain, experts = _design(bases, cols)
 
     def loss(g: float) -> float:
@@ -290,8 +295,22 @@ def _solve(bases: Sequence[Basis], cols: list[str]) -> tuple[dict[str, float], f
         step = EXPERT_GRID[1] - EXPERT_GRID[0]
         g = float(min((x for x in EXPERT_GRID if abs(x - coarse) < 5 * step), key=loss))
     a = plain + experts / g
-    theta = _fit_at(a, cols)[1]
-    return {c: float(theta[j]) for j, c in enumerate(cols) if np.any(a[:, j] > 0)}, g
+    least, theta = _fit_at(a, cols)
+    return least, {c: float(theta[j]) for j, c in enumerate(cols) if np.any(a[:, j] > 0)}, g
+
+
+def _at_g(bases: Sequence[Basis], cols: list[str], g: float) -> np.ndarray:
+    """The design with the routed experts at efficiency g."""
+    plain, experts = _design(bases, cols)
+    return plain + experts / g
+
+
+def _at_cpu(bases: Sequence[Basis], speeds: Sequence[float], exponent: float) -> list[Basis]:
+    """The bases (computed at cpu_exponent 0) with their fixed-cost columns at `exponent`."""
+    return [dataclasses.replace(b, plain={**b.plain, **{c: v * s ** -exponent
+                                                        for c, v in b.plain.items()
+                                                        if c.partition(":")[0] in CPU_COLUMNS}})
+            for b, s in zip(bases, speeds)]
 
 
 def _to_model(theta: dict[str, float], g: float, start: MacModel, fitted_on: str) -> MacModel:
@@ -366,9 +385,16 @@ def fit_published(rows: Sequence[Any], catalog: macs.Catalog, start: MacModel,
     rows = [r for r in rows if explained(r, start)]
     model, cols = start, columns(rows)
     layers = [model_spec(r.model).num_layers for r in rows]
+    speeds = [row_mac(catalog, r.chip, r.gpu_cores).cpu_speed for r in rows]
+    grid = CPU_GRID  # the first round picks the CPU exponent, the others keep it
     for _ in range(ROUNDS):
         unit = _unit(model, rows)
-        theta, g = _solve([basis(r, catalog, unit, n, model) for r, n in zip(rows, layers)],
-                          cols)
-        model = _to_model(theta, g, start, fitted_on)
+        bases = [basis(r, catalog, unit, n, model) for r, n in zip(rows, layers)]
+        g0 = model.fit.expert_bandwidth_efficiency  # the exponent's loss at the last round's g
+        cpu = grid[0] if len(grid) == 1 else min(grid, key=lambda x: _fit_at(
+            _at_g(_at_cpu(bases, speeds, x), cols, g0), cols)[0])
+        _, theta, g = _solve(_at_cpu(bases, speeds, cpu), cols)
+        grid = (cpu,)
+        model = _to_model(theta, g, dataclasses.replace(start, fit=dataclasses.replace(
+            start.fit, cpu_exponent=cpu)), fitted_on)
     return _with_priors(model, rows)

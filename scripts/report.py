@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from batchsim.scripts.common import fmt, table
+from batchsim.server.results.metrics import peak_memory_bytes
 from rich.table import Table
 
 _GIB = float(1 << 30)  # as the run's header, timeline.png, --memory-gb and `size` give memory
@@ -38,8 +39,9 @@ _BATCH_ROWS = (
 def summary_table(summary: Mapping[str, Any]) -> Table:
     """vLLM's "Serving Benchmark Result" block, then the batch and memory view."""
     s = {**summary}
-    for key, unit in (("peak_kv_bytes", 1.0), ("kv_budget_bytes", 1.0), ("peak_memory", 1e9)):
-        s[key] = None if s.get(key) is None else s[key] * unit / _GIB  # peak_memory: in GB
+    s["peak_memory_bytes"] = peak_memory_bytes(s)
+    for key in ("peak_kv_bytes", "kv_budget_bytes", "peak_memory_bytes"):
+        s[key] = None if s.get(key) is None else s[key] / _GIB
     failed = (f"Failed requests ({s.get('num_rejected', 0)} rejected, "
               f"{s.get('num_aborted', 0)} aborted, {s.get('num_unfinished', 0)} unfinished)")
     rows: list[tuple[str, Any] | None] = [
@@ -66,7 +68,7 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
     rows += [(label, s.get(key)) for label, key in _BATCH_ROWS
              if key in s or not key.startswith(("prefix_", "cached_"))]  # a cache-less summary
     source = s.get("peak_memory_source") or "unknown"
-    rows.append((f"Peak memory (GiB, {source})", s.get("peak_memory")))
+    rows.append((f"Peak memory (GiB, {source})", s.get("peak_memory_bytes")))
     t = table("Serving Benchmark Result", ["metric", "value"], [])
     for row in rows:
         if row is None:

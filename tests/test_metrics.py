@@ -196,6 +196,7 @@ def test_peak_memory_sources():
     measured = summarize(REQUESTS, STEPS, duration_s=3.0, weight_bytes=10**9,
                          peak_memory_bytes=2_500_000_000, kv_budget_bytes=4096)
     assert measured["peak_memory"] == 2.5 and measured["peak_memory_source"] == "measured"
+    assert measured["peak_memory_bytes"] == 2_500_000_000  # bytes, as every other *_bytes
     assert measured["kv_budget_bytes"] == 4096 and measured["weight_bytes"] == 10**9
     unknown = summarize(REQUESTS, STEPS, duration_s=3.0)
     assert unknown["peak_memory"] is None and unknown["peak_memory_source"] is None
@@ -273,6 +274,17 @@ def test_summary_table_shows_values(summary):
     assert "P99 TTFT (ms)" in text and "745" in text and "583" in text  # p99 and mean TTFT
     assert "P99 ITL (ms)" in text and "970" in text
     assert "Peak memory (GiB, weights+kv)" in text
+
+
+@pytest.mark.parametrize("summary", [
+    {"peak_memory_bytes": 3 * 2**30, "peak_memory_source": "measured"},
+    {"peak_memory": 3 * 2**30 / 1e9, "peak_memory_source": "measured"},  # before _bytes: in GB
+])
+def test_summary_table_shows_peak_memory_from_bytes_or_an_older_summarys_gb(summary):
+    console = Console(width=120, record=True)
+    console.print(summary_table(summary))
+    (row,) = [x for x in console.export_text().splitlines() if "Peak memory" in x]
+    assert "(GiB, measured)" in row and row.split()[-2] == "3.00", row
 
 
 def test_peaks_count_a_request_past_int64_seconds():

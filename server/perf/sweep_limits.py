@@ -122,7 +122,6 @@ def point_row(batch: int, summary: dict[str, Any], steps: list[StepRecord],
     queued = decoded < batch  # never decoded all B together: memory capped the batch
     preempted = summary["num_preemptions"] > 0
     rejected = summary["num_rejected"] > 0
-    peak_gb = summary["peak_memory"]
     return {
         "batch": batch, "decoded_batch": decoded, "decode_tok_s": tok_s,
         "decode_tok_s_source": source, "step_ms": step_ms,
@@ -130,7 +129,7 @@ def point_row(batch: int, summary: dict[str, Any], steps: list[StepRecord],
         "output_throughput": summary["output_throughput"],
         "kv_bytes": summary["peak_kv_bytes"],
         "kv_bytes_measured": summary["peak_kv_bytes_measured"],
-        "peak_memory_bytes": None if peak_gb is None else round(peak_gb * 1e9),
+        "peak_memory_bytes": summary["peak_memory_bytes"],
         "peak_memory_source": summary["peak_memory_source"], "active_memory_bytes": active_bytes,
         "queued": queued, "preempted": preempted, "rejected": rejected,
         "overrun": queued or preempted or rejected,

@@ -25,6 +25,14 @@ _MS = 1000.0
 _GB = 1e9  # mlx-lm prints peak memory in GB of 1e9 bytes
 
 
+def peak_memory_bytes(summary: Mapping[str, Any]) -> int | None:
+    """A summary's peak memory in bytes; one written before peak_memory_bytes has the GB only."""
+    if "peak_memory_bytes" in summary:
+        return summary["peak_memory_bytes"]
+    gb = summary.get("peak_memory")
+    return None if gb is None else round(gb * _GB)
+
+
 DERIVED_MS_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms", "queue_ms")  # a request line's, after fields
 
 
@@ -318,7 +326,8 @@ def _batch_view(
         "prompt_tps": _rate(prompt_tokens, prompt_time_s),
         "generation_tokens": len(token_times),
         "generation_tps": _rate(len(token_times), gen_time_s),
-        "peak_memory": None if peak is None else peak / _GB,
+        "peak_memory_bytes": peak,
+        "peak_memory": None if peak is None else peak / _GB,  # in GB (1e9): mlx-lm's, kept
         "peak_memory_source": source,  # "measured" | "weights+kv" (an estimate) | None
     }
 

@@ -13,7 +13,12 @@ from typing import Any
 import yaml
 from batchsim.configs import ConfigError
 from batchsim.server.results.jsonio import jsonable
-from batchsim.server.results.metrics import RequestRecord, StepRecord, summarize
+from batchsim.server.results.metrics import (
+    RequestRecord,
+    StepRecord,
+    peak_memory_bytes,
+    summarize,
+)
 from batchsim.server.results.run_files import (
     CONFIG,
     REQUESTS,
@@ -25,7 +30,8 @@ from batchsim.server.results.run_files import (
 from batchsim.server.results.timeline import Limits, run_title, timeline_title, write_timeline
 
 # Facts the records cannot give back: a finished run's own summary keeps them.
-_FROM_THE_RUN = ("duration", "peak_memory", "peak_memory_source", "peak_rss_bytes")
+_FROM_THE_RUN = ("duration", "peak_memory_bytes", "peak_memory", "peak_memory_source",
+                 "peak_rss_bytes")
 
 
 def rebuild_summary(run_dir: Path, timeline: bool = True) -> tuple[dict[str, Any], list[str]]:
@@ -54,6 +60,8 @@ def rebuild_summary(run_dir: Path, timeline: bool = True) -> tuple[dict[str, Any
         summary = {**{k: (v if k in _FROM_THE_RUN or k not in summary else summary[k])
                       for k, v in old.items()},
                    **{k: v for k, v in summary.items() if k not in old}}
+        if "peak_memory" in old:  # the run's, in bytes (a summary before peak_memory_bytes: GB)
+            summary["peak_memory_bytes"] = peak_memory_bytes(old)
     else:
         summary.update(_from_config(config, steps, run_dir))
         expected = _section(config, "workload").get("num_prompts")

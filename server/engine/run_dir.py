@@ -42,9 +42,10 @@ def write_config(run_dir: Path, cfg: RunConfig, spec: WorkloadSpec,
     run_files.replace_atomically(run_dir / run_files.CONFIG, text.encode())
 
 
-def write_summary(run_dir: Path | None, summary: dict[str, Any],
-                  error: OSError | None) -> str | None:
-    """summary.json if it can be written; what could not be (a full disk), in one line."""
+def write_summary_noting_failures(run_dir: Path | None, summary: dict[str, Any],
+                                  error: OSError | None) -> str | None:
+    """summary.json if it can be written (run_files.write_summary); what could not be, the
+    records' `error` included (a full disk), in one line; None if nothing failed."""
     problems = [str(error)] if error else []
     if run_dir:
         try:

@@ -21,7 +21,11 @@ from batchsim.server.engine import clock
 from batchsim.server.engine.engine import Engine
 from batchsim.server.engine.interrupts import Interrupts
 from batchsim.server.engine.memory import peak_resident_bytes
-from batchsim.server.engine.run_dir import draw_run_timeline, write_config, write_summary
+from batchsim.server.engine.run_dir import (
+    draw_run_timeline,
+    write_config,
+    write_summary_noting_failures,
+)
 from batchsim.server.engine.session import Session
 from batchsim.server.engine.virtual_run import VirtualRun, replays_exactly
 from batchsim.server.results import run_files
@@ -270,7 +274,7 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
         summary["interrupt_reason"] = interrupts.received
     summary["run_dir"] = str(run_dir) if run_dir else None
     summary["env"] = session.environment()
-    error = write_summary(run_dir, summary, stream.error if stream else None)
+    error = write_summary_noting_failures(run_dir, summary, stream.error if stream else None)
     return RunOutcome(summary, records, steps, run_dir, run.interrupted, error)
 
 

@@ -21,6 +21,10 @@ from batchsim.server.executors.decode_pool import DecodePool
 from batchsim.server.executors.speculative import Draft
 
 _ROW_STEP = SchedulerSettings.row_step  # the draft pool's rows grow as the target's do
+# No caps of the draft pool's own: it holds the rows the target's scheduler admitted, whatever
+# their number and bytes (next_geometry's max_rows and max_bytes, set past any real pool).
+_UNCAPPED_ROWS = 1 << 30
+_UNCAPPED_BYTES = 1 << 62
 
 
 class DraftModelDrafter:
@@ -75,8 +79,8 @@ class DraftModelDrafter:
         than this step's included); the geometry grows and shrinks as the target's does."""
         pool = self.pool
         tokens = max(tokens, *pool.lengths) if pool.lengths else tokens
-        pool.resize(next_geometry(pool.geometry, rows, tokens, _ROW_STEP, 1 << 30, 1 << 62,
-                                  pool.layout.cache))
+        pool.resize(next_geometry(pool.geometry, rows, tokens, _ROW_STEP, _UNCAPPED_ROWS,
+                                  _UNCAPPED_BYTES, pool.layout.cache))
 
     def _prefill(self, context: list[int]) -> list | None:
         """A private cache holding `context` (no logits: the pool's first step feeds the last

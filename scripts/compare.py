@@ -70,7 +70,7 @@ PREFIX_ROWS: tuple[tuple[str, str, float], ...] = (
 JSONL_KEYS = ("max_num_seqs", "completed", "failed", "total_input_tokens", "total_output_tokens",
               "duration", "output_throughput", "request_throughput", "mean_batch_size",
               "max_batch_size", "peak_kv_bytes", "peak_kv_bytes_measured", "num_preemptions",
-              "peak_memory", "peak_memory_source", "run_dir", "prefix_cache",
+              "peak_memory_bytes", "peak_memory", "peak_memory_source", "run_dir", "prefix_cache",
               *(key for _, key, _ in PREFIX_ROWS),
               *(f"{stat}_{key}_ms" for key, _ in LATENCIES for stat, _ in STATS))
 

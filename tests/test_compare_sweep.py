@@ -233,6 +233,7 @@ def test_compare_fake_contract_and_same_requests(capsys, tmp_path):
     row = json.loads(line)
     assert row["kind"] == "compare" and row["speedup"] == pytest.approx(res["speedup"])
     assert row["batch1"]["max_batch_size"] == 1 and row["env"]["backend"]
+    assert row["batch1"]["peak_memory_bytes"] == b1["peak_memory_bytes"]  # bytes beside the GB
     assert Path(res["png"]).stat().st_size > 10_000
 
 

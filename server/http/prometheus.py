@@ -137,21 +137,8 @@ def render(rec: ServerRecorder, scheduler: Scheduler, *, kv_budget_bytes: int, m
         gauges.append(("process_resident_memory_peak_bytes",
                        "Peak resident memory of the server since start.", peak_rss))
     gauges += extra_gauges
-    counters = [
-        ("batchsim_preemptions_total", "Requests preempted (KV freed, recomputed later).",
-         scheduler.num_preemptions),
-        ("batchsim_prompt_tokens_total", "Prefill tokens computed, recompute included.",
-         rec.prompt_tokens),
-        ("batchsim_generation_tokens_total", "Tokens emitted.", rec.generation_tokens),
-        ("batchsim_steps_total", "Engine steps executed.", rec.num_steps),
-        ("batchsim_kv_account_mismatches_total",
-         "Steps where the executor's KV bytes differed from the scheduler's.",
-         rec.kv_account_mismatches),
-        ("batchsim_http_client_disconnects_total",
-         "Requests whose client left before any answer was sent.", rec.client_disconnects),
-    ]
+    counters = _counters(rec, scheduler) + _spec_counters(rec.spec)
     lines = _prefix_cache_lines(scheduler)
-    counters += _spec_counters(rec.spec)
     for name, help_text, value in gauges:
         lines += _metric(name, "gauge", help_text, [f"{name} {value}"])
     for name, help_text, value in counters:
@@ -186,6 +173,22 @@ def _prefix_cache_lines(scheduler: Scheduler) -> list[str]:
                      [f"batchsim_prefix_cache_hits_total {scheduler.num_hit_tokens}"]),
             *_metric("batchsim_prefix_cache_bytes", "gauge", "KV bytes of cached prompt blocks.",
                      [f"batchsim_prefix_cache_bytes {prefix.nbytes if prefix else 0}"])]
+
+
+def _counters(rec: ServerRecorder, scheduler: Scheduler) -> list[tuple[str, str, int]]:
+    return [
+        ("batchsim_preemptions_total", "Requests preempted (KV freed, recomputed later).",
+         scheduler.num_preemptions),
+        ("batchsim_prompt_tokens_total", "Prefill tokens computed, recompute included.",
+         rec.prompt_tokens),
+        ("batchsim_generation_tokens_total", "Tokens emitted.", rec.generation_tokens),
+        ("batchsim_steps_total", "Engine steps executed.", rec.num_steps),
+        ("batchsim_kv_account_mismatches_total",
+         "Steps where the executor's KV bytes differed from the scheduler's.",
+         rec.kv_account_mismatches),
+        ("batchsim_http_client_disconnects_total",
+         "Requests whose client left before any answer was sent.", rec.client_disconnects),
+    ]
 
 
 def _spec_counters(spec: SpecCounts) -> list[tuple[str, str, int]]:

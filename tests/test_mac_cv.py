@@ -67,6 +67,25 @@ def test_a_prompt_cached_row_is_a_second_round_with_the_prompt_in_the_prefix_cac
         dataclasses.replace(row, decode_only=True)
 
 
+def test_a_row_whose_requests_partly_reused_the_cached_prompt_mixes_both_runs(rows, catalog):
+    """mlxcel-server --parallel 1 (one request at a time): about half the requests adopted the
+    cached prompt (cached_share 0.5); the figure is half a cached run's time and half a cold one's,
+    and the fit's parts mix the same way."""
+    fit = MacModel(gpu_fit.load_fit())
+    row = _row(rows, id="mlxcel-m1ultra-llama-3.1-8b-q4-b4-p1")
+    assert row.cached_share == 0.5 and not row.prompt_cached
+    (w1, cached), (w2, cold) = ps.mixed(row)
+    assert (w1, w2, cached.prompt_cached, cold.prompt_cached) == (0.5, 0.5, True, False)
+    rate = [ps.predict_tok_s(r, catalog, fit) for r in (cached, cold)]
+    assert ps.predict_tok_s(row, catalog, fit) == pytest.approx(2 / (1 / rate[0] + 1 / rate[1]))
+    assert rate[1] < ps.predict_tok_s(row, catalog, fit) < rate[0]
+    parts = [sum(x.total_s for x in ps.priced(r, catalog, fit)) for r in (row, cached, cold)]
+    assert parts[0] == pytest.approx((parts[1] + parts[2]) / 2)
+    for bad in ({"cached_share": 1.0}, {"prompt_cached": True}, {"decode_only": True}):
+        with pytest.raises(ValueError, match="cached_share"):
+            dataclasses.replace(row, **bad)
+
+
 def test_gain_pairs_a_batched_row_with_its_batch_1_row(rows):
     b5 = _row(rows, batch=5, measures="aggregate")
     b1 = next(r for r in rows if r.batch == 1 and mac_cv._setup(r) == mac_cv._setup(b5))

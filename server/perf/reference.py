@@ -158,6 +158,10 @@ class PublishedRow(WeightFormat):
     # as cached by the run before (a benchmark ladder's previous level): simulated as a first round
     # of the same prompts, then the measured round with the prefix cache holding them.
     prompt_cached: bool = False
+    # Where only some of the measured requests started from the cached prompt: their share (the
+    # figure is then that share of a prompt_cached run's time and the rest of a cold run's; None:
+    # prompt_cached says all or none).
+    cached_share: float | None = None
     # Why the model cannot predict this figure (a term it should not have, or one its simulated
     # run lacks): scored, never fitted; "" for a row it can.
     unexplained: str = ""
@@ -177,8 +181,13 @@ class PublishedRow(WeightFormat):
             raise ValueError("a batch-1 row measures per_request")
         if not self.quote.strip():
             raise ValueError("quote is empty")
-        if self.prompt_cached and (self.decode_only or self.batch == 1):
-            raise ValueError("prompt_cached: a batched run that includes prefill only")
+        if (self.prompt_cached or self.cached_share is not None) and (
+                self.decode_only or self.batch == 1):
+            raise ValueError("prompt_cached, cached_share: a batched run with prefill only")
+        if self.cached_share is not None and (self.prompt_cached
+                                              or not 0 < self.cached_share < 1):
+            raise ValueError(f"cached_share {self.cached_share}: between 0 and 1, without "
+                             "prompt_cached")
 
 
 

@@ -44,8 +44,8 @@ class StepTime:
     def __add__(self, other: StepTime) -> StepTime:
         return StepTime(*(a + b for a, b in zip(self.values(), other.values())))
 
-    def times(self, k: int) -> StepTime:
-        """k of these one after another (an engine running rows one at a time)."""
+    def times(self, k: float) -> StepTime:
+        """k of these one after another (an engine running rows one at a time; a share of one)."""
         return StepTime(*(k * a for a in self.values()))
 
     def as_dict(self) -> dict[str, float]:

@@ -117,8 +117,21 @@ def measured_s(row: Any) -> float:
     return 1.0 / per_stream if row.decode_only else tokens(row)[1] / per_stream
 
 
+def mixed(row: Any) -> tuple[tuple[float, Any], ...]:
+    """(share of the time, row as simulated) of the runs the row's figure mixes: a row whose
+    server started a share of its requests from the cached prompt is that share of a cached run's
+    time and the rest of a cold one's (exact where requests run one at a time); else itself."""
+    share = row.cached_share
+    if share is None:
+        return ((1.0, row),)
+    return ((share, dataclasses.replace(row, prompt_cached=True, cached_share=None)),
+            (1.0 - share, dataclasses.replace(row, cached_share=None)))
+
+
 def predict_tok_s(row: Any, catalog: macs.Catalog, model: MacModel) -> float:
     """The row's figure (per request or aggregate, as it measures) by the simulated run."""
+    if row.cached_share is not None:  # time mixes: the rates' weighted harmonic mean
+        return 1.0 / sum(w / predict_tok_s(r, catalog, model) for w, r in mixed(row))
     cost = row_cost(row, catalog, model)
     if row.decode_only:
         per_stream = 1.0 / cost.step_time(row.batch, context_tokens(row)).total_s
@@ -213,8 +226,11 @@ class Priced(NamedTuple):
 def priced(row: Any, catalog: macs.Catalog, model: MacModel) -> Priced:
     """The parts of the row's predicted seconds under `model` (a plan's decode steps at their
     mean width: exact for dense models, close for windows)."""
-    cost = row_cost(row, catalog, model)
     zero = StepTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    if row.cached_share is not None:
+        parts = [(w, priced(r, catalog, model)) for w, r in mixed(row)]
+        return Priced(*(sum((p[k].times(w) for w, p in parts), zero) for k in (0, 1)))
+    cost = row_cost(row, catalog, model)
     if row.decode_only:
         return Priced(cost.step_time(row.batch, context_tokens(row)), zero)
     decode, prefill, steps = zero, zero, 0

@@ -16,7 +16,9 @@ from batchsim.server.perf.qmv import (
     runs_qmv,
     split_k,
 )
+from batchsim.server.perf.reference import load_published
 from batchsim.server.perf.stepcost import StepCost
+from batchsim.server.published.sim import MacModel, row_cost
 
 
 @pytest.mark.parametrize("chip,family", [("M1", "g13g"), ("M1 Ultra", "g13d"), ("M3 Pro", "g15s"),
@@ -36,6 +38,33 @@ def test_limits_are_mlx_get_qmv_batch_limit(family, k, n, limit):
     assert not runs_qmv(family, 1, k, n)  # one row: the plain GEMV (priced as before)
     assert runs_qmv(family, limit - 1, k, n) == (limit > 2)
     assert not runs_qmv(family, limit, k, n)
+
+
+@pytest.mark.parametrize("family,k,n,before,since", [
+    ("g17c", 1024, 2048, 18, 33), ("g17c", 1024, 3072, 12, 25), ("g16c", 2048, 2048, 18, 13),
+    ("g15s", 4096, 4096, 12, 15), ("g13g", 2048, 2048, 14, 14), ("g17d", 4096, 4096, 18, 18)])
+def test_limits_by_the_mlx_release_that_ran(family, k, n, before, since):
+    """ml-explore/mlx e7838d5 (first in v0.32.1) changed M3-M5's limits; a 0.32.0 dev build and
+    every release before it have the older table ('': the newest)."""
+    for version in ("0.32.0.dev", "0.32.0", "0.31.2", "0.29.2.dev"):
+        assert qmv_row_limit(family, k, n, version) == before
+    for version in ("0.32.1", "0.33.0", ""):
+        assert qmv_row_limit(family, k, n, version) == since
+    with pytest.raises(ValueError, match="MLX version"):
+        qmv_row_limit(family, k, n, "main")
+
+
+def test_a_published_row_is_priced_with_the_kernels_of_its_mlx():
+    """mlx-lm PR 1540's B=32 (M5 Max, Qwen3-0.6B 4-bit, mlx 0.32.0.dev): its attention projections
+    (1024 -> 2048, 2048 -> 1024) ran split-K qmm (limit 18), not qmv as the newest MLX would."""
+    row = next(r for r in load_published().rows if r.id == "mlxlmbatch-m5max-qwen3-0.6b-q4-b32")
+    assert row.mlx_version == "0.32.0.dev"
+    model = MacModel(gpu_fit.load_fit())
+    ran = row_cost(row, macs.load_catalog(), model)
+    newest = row_cost(dataclasses.replace(row, mlx_version=None), macs.load_catalog(), model)
+    assert ran.profile.mlx_version == "0.32.0.dev" and newest.profile.mlx_version == ""
+    assert ran.decode_time(32, 192).gemv_rows_s == 0
+    assert newest.decode_time(32, 192).gemv_rows_s > 0
 
 
 def test_qmv_rows_cost_their_arithmetic_at_its_own_rate():

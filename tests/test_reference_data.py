@@ -70,6 +70,7 @@ def _write(tmp_path, **change):
     ({"batch": "four"}, "batch: expected an integer"),
     ({"streamed": "yes"}, "streamed: expected true or false"),
     ({"colour": "red"}, "unknown key 'colour'"),
+    ({"mlx_version": "latest"}, "MLX version 'latest'"),
 ])
 def test_a_bad_row_is_refused_in_one_line_naming_it(tmp_path, change, says):
     path = _write(tmp_path, id="bad-row", **change)

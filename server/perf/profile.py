@@ -140,6 +140,9 @@ class DeviceProfile:
     # (StepTime.gemv_rows_s), over more its qmm tiles' 32 rows. 0 or no family: a plain GEMM.
     gpu_family: str = ""
     quantized_gemv_row_gflops: float = 0.0
+    # The MLX version whose qmv/qmm choice prices those layers (qmv.qmv_row_limit: its limits
+    # changed in v0.32.1); "": the newest.
+    mlx_version: str = ""
     # The share of peak_tflops["float16"] a quantized GEMM reaches off the Neural Accelerators where
     # that peak is theirs (an M5 running split-K qmm: server.perf.qmv); 1: every kernel reaches the
     # same peak (M1-M4 run FP16 at the FP32 shader rate).

@@ -29,15 +29,38 @@ from batchsim.server.models.arch import QUANT_GROUP_SIZE
 
 GENERATION_OF_CHIP = {"M1": 13, "M2": 14, "M3": 15, "M4": 16, "M5": 17}
 SIZE_OF_TIER = {"": "g", "Pro": "s", "Max": "c", "Ultra": "d"}
-# get_qmv_batch_limit's thresholds: (generation at least, Ultra or not) -> limits for matrices with
-# both dims <= 2048, both <= 4096, and larger; the first matching line applies.
-_LIMITS = (
-    (17, False, (33, 25, 13)),
-    (15, False, (13, 15, 13)),
-    (13, False, (14, 10, 6)),
-    (0, True, (32, 18, 12)),
-    (0, False, (18, 12, 10)),
+# get_qmv_batch_limit's thresholds by the MLX release that has them: (generation at least, Ultra or
+# not) -> limits for matrices with both dims <= 2048, both <= 4096, and larger; the first matching
+# line applies. ml-explore/mlx e7838d5 (#3791, 2026-08-08, first in v0.32.1) raised M5's and set
+# M3/M4's; before it (9ba81e3, #2031, 2025-04-02: v0.24.2 to v0.32.0) M3-M5 shared the (18, 12, 10)
+# line. Older MLX (#1503's first table, v0.19.1) is priced with v0.24.2's. A version '0.32.1.dev'
+# is priced as its release (the commit may postdate the build: say the release where known).
+_LIMITS_SINCE = (
+    ((0, 32, 1), (
+        (17, False, (33, 25, 13)),
+        (15, False, (13, 15, 13)),
+        (13, False, (14, 10, 6)),
+        (0, True, (32, 18, 12)),
+        (0, False, (18, 12, 10)),
+    )),
+    ((0, 0, 0), (
+        (15, False, (18, 12, 10)),
+        (13, False, (14, 10, 6)),
+        (0, True, (32, 18, 12)),
+        (0, False, (18, 12, 10)),
+    )),
 )
+
+
+def mlx_release(version: str) -> tuple[int, int, int]:
+    """'0.32.0.dev' -> (0, 32, 0): the release a version string names or leads to; '' (not stated)
+    -> the newest table's."""
+    m = re.match(r"(\d+)\.(\d+)\.(\d+)", version.strip())
+    if not version.strip():
+        return _LIMITS_SINCE[0][0]
+    if not m:
+        raise ValueError(f"MLX version {version!r}: expected like 0.32.0 or 0.32.0.dev")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3))
 
 
 def gpu_family(chip: str) -> str:
@@ -48,14 +71,17 @@ def gpu_family(chip: str) -> str:
     return f"g{GENERATION_OF_CHIP[m.group(1)]}{SIZE_OF_TIER[m.group(2) or '']}"
 
 
-def qmv_row_limit(family: str, k: int, n: int) -> int:
-    """Rows from which MLX switches from qmv to qmm for a (k -> n) quantized matrix on `family`
-    (get_qmv_batch_limit(D=k, O=n)); 0 for an unknown family (no qmv beyond one row)."""
+def qmv_row_limit(family: str, k: int, n: int, mlx: str = "") -> int:
+    """Rows from which MLX `mlx` ('': the newest) switches from qmv to qmm for a (k -> n) quantized
+    matrix on `family` (get_qmv_batch_limit(D=k, O=n)); 0 for an unknown family (no qmv beyond
+    one row)."""
     m = re.fullmatch(r"g(\d+)([gscd])", family)
     if not m:
         return 0
     gen, ultra = int(m.group(1)), m.group(2) == "d"
-    for since, is_ultra, limits in _LIMITS:
+    release = mlx_release(mlx)
+    table = next(lines for since, lines in _LIMITS_SINCE if release >= since)
+    for since, is_ultra, limits in table:
         if gen >= since and is_ultra == ultra:
             small, medium, large = limits
             if k <= 2048 and n <= 2048:
@@ -64,9 +90,10 @@ def qmv_row_limit(family: str, k: int, n: int) -> int:
     return 0
 
 
-def runs_qmv(family: str, m: int, k: int, n: int) -> bool:
-    """Whether MLX runs an (m x k) @ quantized (k -> n) as qmv over several rows (m > 1)."""
-    return 1 < m < qmv_row_limit(family, k, n)
+def runs_qmv(family: str, m: int, k: int, n: int, mlx: str = "") -> bool:
+    """Whether MLX `mlx` ('': the newest) runs an (m x k) @ quantized (k -> n) as qmv over several
+    rows (m > 1)."""
+    return 1 < m < qmv_row_limit(family, k, n, mlx)
 
 
 QMM_TILE_ROWS = 32  # qmm's (and split-K qmm's) bm: the rows each threadgroup's tile multiplies

@@ -11,6 +11,7 @@ from batchsim.configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
 from batchsim.server.models.spec import zoo_names
 from batchsim.server.perf.engines import SAMPLERS
 from batchsim.server.perf.macs import Catalog, Mac, load_catalog
+from batchsim.server.perf.qmv import mlx_release
 
 REFERENCE_PATH = CONFIG_DIR / "reference" / "mlx-decode.yaml"
 WEIGHTS = {"q4": ("float16", 4), "q8": ("float16", 8), "float16": ("float16", None),
@@ -168,11 +169,15 @@ class PublishedRow(WeightFormat):
     # How the source's harness sampled (configs/engines SAMPLERS: batched, per_row), where it
     # differs from its engine profile's (None: the profile's).
     sampler: str | None = None
+    # The MLX version the source ran, where stated ('0.32.0.dev'): its kernel choice prices the
+    # row (server/perf/qmv.py); None: the newest MLX's.
+    mlx_version: str | None = None
 
     def __post_init__(self) -> None:
         check_weights(self.weights)
         if self.sampler not in (None, *SAMPLERS):
             raise ValueError(f"sampler {self.sampler!r}; allowed: {', '.join(SAMPLERS)}")
+        mlx_release(self.mlx_version or "")  # a version it cannot read fails here
         if self.measures not in MEASURES:
             raise ValueError(f"measures {self.measures!r}; allowed: {', '.join(MEASURES)}")
         if self.batch < 1 or self.tok_s <= 0:

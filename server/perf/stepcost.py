@@ -158,7 +158,7 @@ class StepCost:
         moved_s, flops_s = self._roofline_terms(m, k, n)
         if self._qmv_gflops:
             family = self.profile.gpu_family
-            if runs_qmv(family, m, k, n):
+            if runs_qmv(family, m, k, n, self.profile.mlx_version):
                 return moved_s, 0.0, 2 * m * k * n / (self._qmv_gflops * 1e9)
             if m > 1:  # qmm: its tiles' padded rows, off the Neural Accelerators at shader rate
                 nax = on_neural_accelerators(family, m, k, n)

@@ -107,8 +107,11 @@ def model_spec(model: str) -> ModelSpec:
 
 def row_cost(row: Any, catalog: macs.Catalog, model: MacModel) -> StepCost:
     mac = row_mac(catalog, row.chip, row.gpu_cores)
-    return StepCost(model_spec(row.model), mac_profile(mac, model.fit, row.quantize_bits),
-                    row.dtype, row.quantize_bits, engine=model.engine_of(row))
+    profile = mac_profile(mac, model.fit, row.quantize_bits)
+    if row.mlx_version:  # the MLX the source ran chose its kernels
+        profile = dataclasses.replace(profile, mlx_version=row.mlx_version)
+    return StepCost(model_spec(row.model), profile, row.dtype, row.quantize_bits,
+                    engine=model.engine_of(row))
 
 
 def measured_s(row: Any) -> float:

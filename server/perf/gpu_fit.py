@@ -64,7 +64,12 @@ class GpuFit:
     # (published M1 Ultra MoE decode rates; its dense ones fit without it).
     ultra_moe_layer_us: float = 0.0
     # MLX's quantized matrix-vector kernel over several rows (server.perf.qmv): its arithmetic as a
-    # fraction of the chip's FP16 peak (0: those rows priced as a GEMM).
+    # fraction of the chip's FP16 peak (0: those rows priced as a GEMM). Fitted in [1/30, 1]
+    # (published.fit MAX_SLOWDOWN). It sat at its bound 1 in the fits of 81290df and 58445e6: qmv
+    # at the full FP16 rate while dequantizing every weight again per row, implausible, a sign that
+    # other terms mispriced the few-row steps. It left the bound (0.83) when host work began to
+    # scale by CPU generation (804992b: the M1-M5 rows' host time no longer one constant), and
+    # fits 0.79 since the rows are priced with their own MLX's kernels (00c4dc1).
     quantized_gemv_row_efficiency: float = 0.0
     # ... and on a two-die Ultra, added to its 1 / efficiency: qmv's row threadgroups spread over
     # both dies, so each row's re-reads of a weight tile are less often the other rows' cache hits

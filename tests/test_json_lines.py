@@ -8,7 +8,12 @@ import math
 import random
 
 import numpy as np
-from batchsim.server.results.json_lines import StepLines, TokenTimesText, request_line
+from batchsim.server.results.json_lines import (
+    StepLines,
+    TokenTimesText,
+    request_known,
+    request_line,
+)
 from batchsim.server.results.jsonio import dumps
 from batchsim.server.results.metrics import RequestRecord, StepRecord
 
@@ -79,3 +84,48 @@ def test_request_lines_match_dumps():
         record = _request(ends, [[0, 3]])
         text = TokenTimesText(ends)([[0, 3]])
         assert request_line(record, text) == dumps(record.to_json()) + "\n"
+
+
+def test_end_texts_only_for_equal_nonzero_floats():
+    ends = [0.5, -0.0, 2.0, 3, math.nan, 1 / 3]
+    texts = TokenTimesText(ends)
+    assert texts.text_of(0.5, 0) == "0.5" and texts.text_of(1 / 3, 5) == repr(1 / 3)
+    assert texts.text_of(0.0, 1) is None  # equals -0.0, whose text differs
+    assert texts.text_of(2.5, 2) is None and texts.text_of(3.0, 3) is None  # unequal; an int end
+    assert texts.text_of(math.nan, 4) is None and texts.text_of(np.float64(0.5), 0) is None
+    assert texts.text_of(0.5, -1) is None and texts.text_of(0.5, 6) is None  # no such end
+    assert texts.text_of(None, 0) is None
+
+
+def test_step_lines_with_end_texts_match_dumps():
+    """start_s and end_s written from the step ends' texts where they equal them, else their own
+    way: the line is unchanged either way."""
+    rng = random.Random(2)
+    ends = [-0.0, 0.0, *sorted(rng.choice(ODD_FLOATS) + rng.random() for _ in range(400)), 7e308,
+            math.inf]
+    line = StepLines(TokenTimesText(ends))
+    steps = []
+    for i in range(1, len(ends)):
+        n = rng.randrange(1, 3)
+        end = ends[min(i + n - 1, len(ends) - 1)] if rng.random() < 0.9 else ends[i - 1] * 1.5
+        steps.append(_step(rng, step_index=i, num_steps=n, start_s=ends[i - 1], end_s=end))
+    steps += [_step(rng, step_index=0), _step(rng, step_index=3, num_steps=9),
+              _step(rng, step_index=3, compute_s=None, kv_bytes_measured=None)]
+    for step in steps:
+        assert line(step) == dumps(step.to_json()) + "\n"
+
+
+def test_request_lines_with_known_texts_match_dumps():
+    ends = [0.25, 0.5, 0.75, 1.0, 1.25]
+    texts = TokenTimesText(ends)
+    runs = [[2, 4]]  # first scheduled at the end of step 1, finished at step 3's
+    record = _request(ends, runs, first_scheduled_s=0.5, finished_s=1.0)
+    known = request_known(record, runs, texts)
+    assert known is not None and sorted(known.values()) == ["0.5", "1.0"]
+    assert request_line(record, texts(runs), known) == dumps(record.to_json()) + "\n"
+    for changes in ({"first_scheduled_s": 0.4}, {"finished_s": None}, {"finished_s": 1.5},
+                    {"first_scheduled_s": None, "finish_reason": "a\\b"}):
+        odd = _request(ends, runs, **changes)
+        line = request_line(odd, texts(runs), request_known(odd, runs, texts))
+        assert line == dumps(odd.to_json()) + "\n"
+    assert request_known(record, [], texts) is None

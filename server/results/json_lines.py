@@ -21,11 +21,16 @@ _NUMBERS_OR_NONE = _NUMBERS | {type(None)}
 
 
 class StepLines:
-    def __init__(self) -> None:
+    """steps.jsonl's lines. With `end_texts` (the run's step end times as TokenTimesText writes
+    them), a line's start_s and end_s, which are step end times, take their text from there."""
+
+    def __init__(self, end_texts: TokenTimesText | None = None) -> None:
         names = tuple(f.name for f in dataclasses.fields(StepRecord))
         assert not any("inf" in n or "nan" in n for n in names)  # lines are checked for these
+        assert names[1:3] == ("start_s", "end_s")  # the values end_texts may write
         self._values = operator.attrgetter(*names)
         self._template = "{" + ",".join(f'"{n}":%s' for n in names) + "}\n"
+        self.end_texts = end_texts
 
     def __call__(self, step: StepRecord) -> str:
         values = self._values(step)
@@ -34,6 +39,11 @@ class StepLines:
             if not types <= _NUMBERS_OR_NONE:
                 return dumps(step.to_json()) + "\n"
             values = tuple(["null" if v is None else v for v in values])
+        texts = self.end_texts
+        if texts is not None:  # the step before's end and this record's last step's end
+            i, start, end = step.step_index, step.start_s, step.end_s
+            values = (values[0], texts.text_of(start, i - 1) or values[1],
+                      texts.text_of(end, i + step.num_steps - 1) or values[2], *values[3:])
         line = self._template % values
         if "inf" in line or "nan" in line:  # str() of a non-finite float
             return dumps(step.to_json()) + "\n"
@@ -63,6 +73,16 @@ class TokenTimesText:
         except TypeError:
             return None
 
+    def text_of(self, value: object, i: int) -> str | None:
+        """json's text of `value` when it is a float equal to step end time i (then the text is
+        that end's, written once); else None. 0.0 is not looked up: -0.0 equals it."""
+        ends = self._ends
+        if type(value) is not float or not 0 <= i < len(ends) or ends[i] != value or not value:
+            return None
+        if len(self._texts) <= i:
+            self([])  # texts up to the last end
+        return self._texts[i]
+
 
 _NO_TIMES = '"token_times_s":[]'
 _REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
@@ -74,18 +94,47 @@ _REQUEST_TEMPLATE = "{" + ",".join(
 _AS_IS = re.compile(r'[ !#-\[\]-~]*')  # printable ASCII but " and \: json writes it unescaped
 
 
-def request_line(record: RequestRecord, token_times_text: str | None) -> str:
-    """`record`'s line; `token_times_text`: its token times as TokenTimesText wrote them."""
+def request_line(record: RequestRecord, token_times_text: str | None,
+                 known: dict[int, str] | None = None) -> str:
+    """`record`'s line; `token_times_text`: its token times as TokenTimesText wrote them; `known`:
+    texts of its values already written, by their place in _REQUEST_VALUES (request_known)."""
     if token_times_text is None or "n" in token_times_text:  # nan, inf: the ordinary way
         return dumps(record.to_json()) + "\n"
-    texts = list(map(_json_text, (*_REQUEST_VALUES(record), *record.derived_ms())))
+    values = _REQUEST_VALUES(record)
+    if known:  # not written again (None's text stands in until they are put in)
+        values = tuple([None if i in known else v for i, v in enumerate(values)])
+    texts = list(map(_json_text, (*values, *record.derived_ms())))
     if None not in texts:  # every value an int, a finite float, None or a plain string
+        if known:
+            for i, text in known.items():
+                texts[i] = text
         texts.insert(_TIMES_AT, token_times_text)
         return _REQUEST_TEMPLATE % tuple(texts)
     row = record.to_json()
     row["token_times_s"] = []
     line = dumps(row)  # keys and strings come escaped: the empty list's text is found only once
     return line.replace(_NO_TIMES, f'"token_times_s":[{token_times_text}]', 1) + "\n"
+
+
+_FIRST_SCHEDULED_AT = _REQUEST_FIELDS.index("first_scheduled_s")  # both before token_times_s
+_FINISHED_AT = _REQUEST_FIELDS.index("finished_s") - 1
+
+
+def request_known(record: RequestRecord, runs: Sequence[Sequence[int]],
+                  end_texts: TokenTimesText) -> dict[int, str] | None:
+    """request_line's `known` for a record whose token runs (step index ranges) are `runs`: the
+    texts of its first step's start and its finish where those are step end times (the step
+    before its first token's, its last token's)."""
+    if not runs:
+        return None
+    known = {}
+    text = end_texts.text_of(record.first_scheduled_s, runs[0][0] - 1)
+    if text is not None:
+        known[_FIRST_SCHEDULED_AT] = text
+    text = end_texts.text_of(record.finished_s, runs[-1][1] - 1)
+    if text is not None:
+        known[_FINISHED_AT] = text
+    return known
 
 
 def _json_text(value: object) -> str | None:

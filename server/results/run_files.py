@@ -55,11 +55,11 @@ class RecordStream:
         self.error: WriteFailed | None = None
         self._on_error = on_error
         self._steps: list[StepRecord] = []
-        self._requests: list[tuple[RequestRecord, str | None]] = []  # with their token times' text
+        self._requests: list[tuple[RequestRecord, str | None, dict[int, str] | None]] = []
         self._spans: dict[int, tuple[int, int]] = {}  # request id -> (offset, length) in the file
         self._request_bytes = 0
         self._last_flush_s = time.monotonic()
-        self._step_line = StepLines()
+        self.step_lines = StepLines()  # the recorder hands it the step end times' texts
         self.writing_s = 0.0  # wall time spent encoding and writing records (perf_counter)
         # A run abandoned from another thread (a rank's watchdog) closes the stream while the
         # run's loop may flush it: one writer at a time, and nothing written once closed.
@@ -71,10 +71,11 @@ class RecordStream:
         if time.monotonic() - self._last_flush_s >= FLUSH_EVERY_S:
             self.flush()
 
-    def add_request(self, record: RequestRecord, token_times_text: str | None = None) -> None:
+    def add_request(self, record: RequestRecord, token_times_text: str | None = None,
+                    known: dict[int, str] | None = None) -> None:
         """`token_times_text`: the record's token times as json_lines.TokenTimesText writes them
-        (None: encoded with the record)."""
-        self._requests.append((record, token_times_text))
+        (None: encoded with the record); `known`: json_lines.request_known's texts."""
+        self._requests.append((record, token_times_text, known))
 
     def flush(self) -> None:
         with self._lock:  # re-entrant: a flush from a signal handler would write lines twice
@@ -89,13 +90,13 @@ class RecordStream:
     def _flush(self) -> None:
         t0 = time.perf_counter()
         if self._steps:
-            self._write(STEPS, list(map(self._step_line, self._steps)))
+            self._write(STEPS, list(map(self.step_lines, self._steps)))
             self._steps.clear()
         if self._requests:
-            lines = [request_line(r, text) for r, text in self._requests]
+            lines = [request_line(r, text, known) for r, text, known in self._requests]
             if self._write(REQUESTS, lines):
                 # JSON is ASCII: characters are bytes
-                for (r, _), line in zip(self._requests, lines):
+                for (r, _, _), line in zip(self._requests, lines):
                     self._spans[r.request_id] = (self._request_bytes, len(line))
                     self._request_bytes += len(line)
             self._requests.clear()

@@ -211,5 +211,6 @@ def _meta(args: argparse.Namespace, spec: ModelSpec, catalog: macs.Catalog,
         "profile_terms": fit.summary(), "profile_errors": fit.errors,
         "max_batch_is": "padded layout (mlx-lm BatchKVCache, batchsim's executor), default limit",
         "decode_tok_s_context": "the simulator's pure-decode step, each row reading the mean "
-                                "context; batch = max_batch",
+                                "context; batch = max_batch (best_batch: the batch up to it with "
+                                "the most tok/s)",
     }

@@ -55,13 +55,15 @@ def _stops(row: dict) -> int | str | None:
 def _columns(rows: list[dict]) -> tuple[list[str], list[list]]:
     return (
         ["chip", "GPU", "mem GB", "usable GiB dflt/raised", "weights GiB", "KV/seq MiB",
-         "max batch padded/paged", "raised padded/paged", "tok/s b1", "tok/s @max", "fits"],
+         "max batch padded/paged", "raised padded/paged", "tok/s b1", "tok/s @max", "best batch",
+         "tok/s @best", "fits"],
         [[r["chip"], r["gpu_cores"], r["memory_gb"],
           f"{fmt(gib(r['usable_bytes']))} / {fmt(gib(r['usable_bytes_raised']))}",
           gib(r["weight_bytes"]), r["kv_bytes_per_seq"] / (1 << 20),
           f"{r['max_batch_padded']} / {r['max_batch_paged']}",
           f"{r['max_batch_padded_raised']} / {r['max_batch_paged_raised']}",
-          _tok(r, "decode_tok_s_b1"), _tok(r, "decode_tok_s_max_batch"),
+          _tok(r, "decode_tok_s_b1"), _tok(r, "decode_tok_s_max_batch"), fmt(r["best_batch"]),
+          _tok(r, "decode_tok_s_best"),
           "yes" if r["fits"] else ("raised" if r["fits_raised"] else "no")] for r in rows],
     )
 
@@ -79,6 +81,7 @@ def _notes(rows: list[dict], meta: dict, what: str, spec: ModelSpec) -> list[str
         f"{meta['profile_terms']}, fitted on {meta['bandwidth_efficiency_source']}"
         + _held_out(meta["profile_errors"]) + ".",
     ]
+    notes += _best_note(rows)
     if meta["shared_prefix_tokens"]:
         notes.append(f"Shared: paged, every sequence's first {meta['shared_prefix_tokens']} tokens "
                      f"the same prompt, its whole {PAGE_TOKENS}-token blocks stored once (a prefix "
@@ -120,6 +123,24 @@ def _notes(rows: list[dict], meta: dict, what: str, spec: ModelSpec) -> list[str
                      + (f"; with iogpu.wired_limit_mb raised: {', '.join(raised)}." if raised
                         else ", nor with iogpu.wired_limit_mb raised."))
     return notes
+
+
+def _best_note(rows: list[dict]) -> list[str]:
+    """Why the max batch can be slower than a smaller one, where a row shows it."""
+    slower = [r for r in rows if r["best_batch"] and r["best_batch"] < r["max_batch"]]
+    if not slower:
+        return []
+    r = max(slower, key=lambda r: r["decode_tok_s_best"] / r["decode_tok_s_max_batch"])
+    return [f"Best batch: the batch up to the max with the most predicted tok/s; below the max "
+            f"on {len(slower)} of {len(rows)} rows (e.g. {r['label']} {r['memory_gb']:g}GB: "
+            f"{fmt(r['decode_tok_s_best'])} tok/s at {r['best_batch']}, "
+            f"{fmt(r['decode_tok_s_max_batch'])} at {r['max_batch']}). " + _WHY_BEST]
+
+
+_WHY_BEST = ("More memory seats more rows, but on a compute-bound step each row adds matmul work "
+             "(MLX's quantized matmuls run in 32-row tiles) and its own K/V reads, so the step can "
+             "grow faster than its tokens: cap the batch (--max-num-seqs) at the best for "
+             "throughput.")
 
 
 PARTS = tuple(f.name for f in dataclasses.fields(StepTime)) + ("total_s",)
@@ -175,19 +196,21 @@ def _tok(row: dict, key: str) -> str:
 
 
 def plot(rows: list[dict], meta: dict, path: Path) -> Path:
-    """Max batch (padded vs paged) and predicted tok/s (batch 1 vs max batch) per Mac config."""
+    """Max batch (padded vs paged) and predicted tok/s (batch 1, max batch, best batch) per Mac
+    config."""
     plt, y = pyplot(), np.arange(len(rows))
-    fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(12, 1.5 + 0.18 * len(rows)), sharey=True)
+    fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(12, 1.5 + 0.24 * len(rows)), sharey=True)
     bars = [
-        (ax_b, "max_batch_padded", f"padded ({KV_STEP}-token steps)", -0.2),
-        (ax_b, "max_batch_paged", f"paged ({PAGE_TOKENS}-token blocks)", 0.2),
-        (ax_t, "decode_tok_s_b1", "batch 1", -0.2),
-        (ax_t, "decode_tok_s_max_batch", "max batch (padded)", 0.2),
+        (ax_b, "max_batch_padded", f"padded ({KV_STEP}-token steps)", -0.2, 0.4),
+        (ax_b, "max_batch_paged", f"paged ({PAGE_TOKENS}-token blocks)", 0.2, 0.4),
+        (ax_t, "decode_tok_s_b1", "batch 1", -0.27, 0.27),
+        (ax_t, "decode_tok_s_max_batch", "max batch (padded)", 0, 0.27),
+        (ax_t, "decode_tok_s_best", "best batch (<= max)", 0.27, 0.27),
     ]
     # Max batch on a log axis (1 on an 8 GB M1 to 1,513), unless it fits nowhere (all zero).
     log = any(r["max_batch_padded"] or r["max_batch_paged"] for r in rows)
-    for ax, key, label, dy in bars:
-        ax.barh(y + dy, [r[key] or 0 for r in rows], 0.4, label=label, log=log and ax is ax_b)
+    for ax, key, label, dy, height in bars:
+        ax.barh(y + dy, [r[key] or 0 for r in rows], height, label=label, log=log and ax is ax_b)
     # The x axes run past the bars: room for the legends.
     ax_b.set_xlim(0.8 if log else 0, (10 if log else 1.6) * ax_b.get_xlim()[1])
     ax_t.set_xlim(0, 1.6 * ax_t.get_xlim()[1])

@@ -19,11 +19,13 @@ from batchsim.server.perf.cluster import Cluster
 from batchsim.server.perf.engines import DEFAULT_ENGINE, EngineProfile
 from batchsim.server.perf.gpu_fit import GpuFit, mac_profile
 from batchsim.server.perf.profile import DeviceProfile, compute_dtype
+from batchsim.server.perf.qmv import QMM_TILE_ROWS
 from batchsim.server.perf.spec_acceptance import Acceptance
 from batchsim.server.perf.stepcost import StepCost, StepTime
 from batchsim.workloads.lengths import parse_length
 
 MAX_BATCH_CAP = 4096  # no Mac in the catalog decodes more rows usefully; keeps the search bounded
+BEST_EVERY_BATCH_TO = 256  # best_batch tries every batch to here, then each qmm tile's last row
 FIT_TRIALS = 256  # seeded batches drawn per batch size for a length distribution
 
 
@@ -187,6 +189,21 @@ def tok_s(step: StepTime | None, batch: int) -> float | None:
     return batch / step.total_s if step is not None else None
 
 
+def best_batch(cost: StepCost, max_batch: int, width: int) -> tuple[int | None, float | None]:
+    """The batch up to `max_batch` whose decode step makes the most tokens per second, and that
+    rate (the smallest such batch on a tie; None, None for max_batch 0). Tried: every batch to
+    BEST_EVERY_BATCH_TO, then each multiple of the 32-row qmm tile, and max_batch (past the
+    small batches a step's time jumps at a tile's first row, so the rate peaks at a tile's last;
+    tests/test_size_best.py checks the answer against trying every batch)."""
+    if max_batch < 1:
+        return None, None
+    tried = [*range(1, min(max_batch, BEST_EVERY_BATCH_TO) + 1),
+             *range(round_up(BEST_EVERY_BATCH_TO + 1, QMM_TILE_ROWS), max_batch, QMM_TILE_ROWS),
+             max_batch]
+    rate, batch = max((tok_s(decode_step(cost, b, width), b), -b) for b in tried)
+    return -batch, rate
+
+
 def bound(step: StepTime | None) -> str | None:
     """Which side of the roofline sets the linear layers' time: their FLOPs or their bytes."""
     if step is None:
@@ -243,7 +260,8 @@ def _speed(spec: ModelSpec, mac: macs.Mac, s: Settings, cluster: Cluster | None,
     engine; a Mac without FLOP/s figures gets no prediction and says why."""
     if not mac.compute_known:
         refused = f"{mac.label}: no FLOP/s figure in configs/macs.yaml, tok/s not predicted"
-        none = {"decode_tok_s_b1": None, "decode_tok_s_max_batch": None, "bound_at_max_batch": None}
+        none = {"decode_tok_s_b1": None, "decode_tok_s_max_batch": None, "bound_at_max_batch": None,
+                "best_batch": None, "decode_tok_s_best": None}
         return {"profile": None, "profile_fitted_on": None, "engine": s.engine.name if s.engine
                 else DEFAULT_ENGINE, **none, "refused": refused,
                 **({"parts": None, "parts_b1": None} if explain else {})}
@@ -252,6 +270,7 @@ def _speed(spec: ModelSpec, mac: macs.Mac, s: Settings, cluster: Cluster | None,
     out = {"profile": profile.name, "profile_fitted_on": profile.fitted_on or profile.source,
            "engine": cost.engine.name, "decode_tok_s_b1": tok_s(steps[0], b1),
            "decode_tok_s_max_batch": tok_s(steps[1], b_max), "bound_at_max_batch": bound(steps[1])}
+    out["best_batch"], out["decode_tok_s_best"] = best_batch(cost, b_max, width)
     if explain:  # StepTime's parts in seconds by name, at the max batch and at batch 1 (None: none)
         out["parts"], out["parts_b1"] = (t.as_dict() if t else None for t in reversed(steps))
     if s.spec_tokens and s.acceptance is not None:

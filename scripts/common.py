@@ -268,6 +268,11 @@ def gib(nbytes: float | None) -> float | None:
     return None if nbytes is None else nbytes / (1 << 30)
 
 
+def gib_text(nbytes: float) -> str:
+    """Bytes as `run` and `serve` print a budget: in GiB, as the summary table's cells (fmt)."""
+    return f"{fmt(gib(nbytes))} GiB"
+
+
 def median(values: Sequence[float]) -> float:
     s = sorted(values)
     n = len(s)

@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from batchsim.scripts.common import err, out
+from batchsim.scripts.common import err, gib_text, out
 
 if TYPE_CHECKING:
     from batchsim.server.engine.run_config import RunConfig
@@ -31,7 +31,7 @@ class ConsoleView:
         err.print(f"batchsim run: {what}, workload {spec.name}: {spec.num_prompts} requests, "
                   f"{arrival_label(dataclasses.asdict(spec))}, max_num_seqs "
                   f"{cfg.scheduler.max_num_seqs}, KV budget "
-                  f"{session.kv_budget_bytes / 2**30:.2f} GiB ({session.budget_source})")
+                  f"{gib_text(session.kv_budget_bytes)} ({session.budget_source})")
 
     @contextlib.contextmanager
     def progress(self, total: int, label: str) -> Iterator[StepHook]:

@@ -13,10 +13,16 @@ from batchsim.scripts.common import (
     add_rank_arguments,
     bounded,
     err,
+    gib_text,
     non_negative_float,
     port_int,
 )
-from batchsim.scripts.run_args import add_model_args, add_scheduler_args, scheduler_overrides
+from batchsim.scripts.run_args import (
+    add_kv_bits_arg,
+    add_model_args,
+    add_scheduler_args,
+    scheduler_overrides,
+)
 from batchsim.scripts.spec_args import add_spec_args
 from batchsim.server.http.options import ServeOptions
 
@@ -24,7 +30,7 @@ LISTENING = "batchsim serve: listening on "  # tests and scripts parse this stde
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    add_model_args(p, simulated=False)
+    add_kv_bits_arg(add_model_args(p, simulated=False))
     add_scheduler_args(p)
     add_spec_args(p, simulated=False)
     g = p.add_argument_group("server")
@@ -58,7 +64,8 @@ def _config(args: argparse.Namespace):
     try:  # the scheduler limits are checked as run checks them (SchedulerSettings)
         return with_run_overrides(
             RunConfig(), {}, model=args.model, dtype=args.dtype, quantize=args.quantize,
-            kv_layout=args.kv_layout, memory_gb=args.memory_gb, **scheduler_overrides(args),
+            kv_bits=args.kv_bits, kv_layout=args.kv_layout, memory_gb=args.memory_gb,
+            **scheduler_overrides(args),
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -106,6 +113,16 @@ def _serve_ranks(args: argparse.Namespace, cfg) -> dict | None:
     return None  # rank 0 printed the summary
 
 
+def opened_line(session, served_name: str, ranks: int) -> str:
+    """What serve prints once the model is loaded (the KV budget as `run`'s header gives it)."""
+    cfg = session.config
+    kv = f", KV {cfg.kv_bits}-bit" if cfg.kv_bits else ""
+    return (f"batchsim serve: {session.ref.name} ({session.dtype}{kv}) as {served_name!r}, "
+            f"max_num_seqs {cfg.scheduler.max_num_seqs}, KV budget "
+            f"{gib_text(session.kv_budget_bytes)}{' per rank' if ranks > 1 else ''} "
+            f"({session.budget_source})")
+
+
 def _serve(args: argparse.Namespace, cfg, session) -> dict:
     import asyncio
 
@@ -119,10 +136,7 @@ def _serve(args: argparse.Namespace, cfg, session) -> dict:
         max_model_len=session.spec.max_context, vocab_size=session.spec.vocab_size,
         kv_budget_bytes=session.kv_budget_bytes, memory_budget_bytes=session.memory_budget_bytes,
     )
-    err.print(f"batchsim serve: {session.ref.name} ({session.dtype}) as "
-              f"{options.served_model_name!r}, max_num_seqs {cfg.scheduler.max_num_seqs}, "
-              f"KV budget {session.kv_budget_bytes / 2**30:.3f} GiB"
-              f"{' per rank' if args.ranks > 1 else ''} ({session.budget_source})")
+    err.print(opened_line(session, options.served_model_name, args.ranks))
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         err.print(f"[yellow]batchsim serve: bound to {args.host} without --api-key: anyone "

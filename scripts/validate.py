@@ -42,6 +42,15 @@ PARTS = "step_parts_share"
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
+    # Measured 2026-12-05, this 2-core VM at load 2-5, `--device-profile linux-x86_64-openblas-
+    # 2core --cases b1-poisson,b32-burst --repeats 1`: real runs 116 and 76 s, 245 s in all.
+    p.description = (f"{p.description}. " if p.description else "") + (
+        "The default runs each case of configs/validation/matrix.yaml for real --repeats times "
+        "(3) on the validation model (qwen2.5-0.5b), and simulated: 1-2 minutes a real run on a "
+        "2-core CPU, about an hour in all. Short: --cases NAME,... --repeats 1 (two cases: about "
+        "4 minutes), or --measured-from an earlier validate.jsonl (seconds, nothing run for "
+        "real). --device-profile's default, 'local', is what `batchsim calibrate` writes (23 "
+        "minutes on this VM; --quick: a few).")
     p.add_argument("--model", default=None,
                    help="validation model (not a calibration one; default: "
                    f"the matrix's `model`, else {DEFAULT_MODEL})")

@@ -30,3 +30,12 @@ def test_flags_left_unset_say_what_unset_means(command):
 def test_quantize_says_its_default_plainly():
     """It read 'default: as the model is: --dtype's for a zoo model' (two colons, unclear)."""
     assert "default: unquantized, in --dtype" in _helps("run")["--quantize"]
+
+
+def test_validate_help_says_how_long_and_what_is_short():
+    """`validate --help` did not say its default takes about an hour on a 2-core CPU."""
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    text = " ".join(sub.choices["validate"].format_help().split())
+    assert "about an hour" in text and "matrix.yaml" in text
+    assert "--cases NAME,... --repeats 1" in text and "--measured-from" in text

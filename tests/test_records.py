@@ -238,11 +238,14 @@ def test_a_stream_closed_by_an_abandoned_run_ignores_a_late_flush(tmp_path):
     assert [json.loads(x)["step_index"] for x in lines] == [0]
 
 
-def test_a_flush_from_a_signal_handler_inside_a_flush_writes_no_line_twice(tmp_path):
-    """A rank's SIGTERM handler keeps the records (its flush) in the main thread, maybe between
-    the loop's write of its steps and their clear(): the lock is re-entrant, so those steps were
-    written twice; now the inner flush does nothing (the rank exits right after)."""
-    from tests.test_timeline import _step
+def test_a_signal_during_a_flush_waits_for_it_and_keeps_every_record_once(tmp_path):
+    """A rank's SIGTERM handler keeps the records (a flush, then the files closed) and exits:
+    arriving between the loop's write of its steps and their clear(), it wrote those steps twice,
+    and skipping its flush instead lost the buffered requests. The signal now waits for the
+    flush: every step and request is written once."""
+    import signal
+
+    from tests.test_timeline import _request, _step
 
     stream = run_files.RecordStream(tmp_path)
     write = stream._write
@@ -250,15 +253,25 @@ def test_a_flush_from_a_signal_handler_inside_a_flush_writes_no_line_twice(tmp_p
     class Exited(Exception):
         """os._exit in the handler: the interrupted flush never resumes."""
 
+    def handler(*_):
+        stream.close_unfinished()
+        raise Exited
+
     def write_then_signal(name, lines):
         stream._write = write  # one signal
-        write(name, lines)
-        stream.close_unfinished()  # the handler, between _write and _steps.clear()
-        raise Exited
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered mid-flush, between _write and clear()
+        return write(name, lines)
 
     stream._write = write_then_signal
     stream.add_step(_step(0, 0.0, running=1, waiting=0))
-    with pytest.raises(Exited):
-        stream.flush()
+    stream.add_request(_request(7, 0.0, 0.5))
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        with pytest.raises(Exited):
+            stream.flush()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     lines = (tmp_path / "steps.jsonl").read_text().splitlines()
     assert [json.loads(x)["step_index"] for x in lines] == [0]
+    requests = (tmp_path / "requests.jsonl").read_text().splitlines()
+    assert [json.loads(x)["request_id"] for x in requests] == [7]

@@ -401,11 +401,17 @@ def test_fixed_costs_grow_with_depth_and_pin_the_per_layer_term(model):
     # per-forward term stays fitted.
     from batchsim.server.measure import fixed_cost
 
+    def grows(costs) -> bool:
+        return all(c.step_us_by_depth[16] > 1.5 * c.step_us_by_depth[4] for c in costs)
+
+    # Wall-clock timings on a shared 2-core VM: one noisy window (load from other processes) can
+    # flatten a ratio, so a failed measurement is taken once more, with more reps.
     costs = fixed_cost.measure(batches=(1, 4), steps=8, reps=3, model=model)
+    if not grows(costs):
+        costs = fixed_cost.measure(batches=(1, 4), steps=8, reps=5, model=model)
     assert [c.batch for c in costs] == [1, 4]
-    for c in costs:
-        us = c.step_us_by_depth
-        assert us[16] > 1.5 * us[4] and c.layer_us > 0 and c.forward_us >= 0
+    assert grows(costs)
+    assert all(c.layer_us > 0 and c.forward_us >= 0 for c in costs)
     mean = pytest.approx((costs[0].layer_us + costs[1].layer_us) / 2)
     pinned = fixed_cost.pinned_terms({"dense": costs, "gpt_oss": costs})
     assert pinned == {"layer_overhead_us": mean, "layer_overhead_us_by_arch": {"gpt_oss": mean}}

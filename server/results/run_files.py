@@ -8,6 +8,7 @@ import contextlib
 import json
 import mmap
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -23,6 +24,24 @@ STEPS = "steps.jsonl"
 CONFIG = "config.yaml"
 SUMMARY = "summary.json"
 FLUSH_EVERY_S = 0.5  # wall time between writes: what a killed run can lose at most
+# Signals whose handlers keep a run's records (a rank's SIGTERM, the run's Ctrl-C): held while a
+# flush writes, so a handler never runs between a write and the buffer's clear().
+HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """HELD_SIGNALS wait while the main thread writes records (their handlers run right after,
+    with every buffered record written once); other threads never run signal handlers."""
+    if threading.current_thread() is not threading.main_thread() or \
+            not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class WriteFailed(OSError):
@@ -64,7 +83,6 @@ class RecordStream:
         # A run abandoned from another thread (a rank's watchdog) closes the stream while the
         # run's loop may flush it: one writer at a time, and nothing written once closed.
         self._lock = threading.RLock()
-        self._flushing = False  # a SIGTERM handler's flush inside this thread's flush: skipped
 
     def add_step(self, step: StepRecord) -> None:
         self._steps.append(step)
@@ -78,14 +96,9 @@ class RecordStream:
         self._requests.append((record, token_times_text, known))
 
     def flush(self) -> None:
-        with self._lock:  # re-entrant: a flush from a signal handler would write lines twice
-            if self._files[STEPS].closed or self._flushing:
-                return
-            self._flushing = True
-            try:
+        with self._lock, _signals_held():
+            if not self._files[STEPS].closed:
                 self._flush()
-            finally:
-                self._flushing = False
 
     def _flush(self) -> None:
         t0 = time.perf_counter()

@@ -89,12 +89,13 @@ def test_request_lines_match_dumps():
 def test_end_texts_only_for_equal_nonzero_floats():
     ends = [0.5, -0.0, 2.0, 3, math.nan, 1 / 3]
     texts = TokenTimesText(ends)
-    assert texts.text_of(0.5, 0) == "0.5" and texts.text_of(1 / 3, 5) == repr(1 / 3)
-    assert texts.text_of(0.0, 1) is None  # equals -0.0, whose text differs
-    assert texts.text_of(2.5, 2) is None and texts.text_of(3.0, 3) is None  # unequal; an int end
-    assert texts.text_of(math.nan, 4) is None and texts.text_of(np.float64(0.5), 0) is None
-    assert texts.text_of(0.5, -1) is None and texts.text_of(0.5, 6) is None  # no such end
-    assert texts.text_of(None, 0) is None
+    assert texts.texts_of(0.5, 0, 1 / 3, 5) == ("0.5", repr(1 / 3))
+    assert texts.texts_of(0.0, 1, 2.5, 2) == (0.0, 2.5)  # 0.0 equals -0.0 (other text); unequal
+    assert texts.texts_of(3.0, 3, math.inf, 4) == (3.0, math.inf)  # an int end; not the end
+    nan, half = math.nan, np.float64(0.5)
+    assert texts.texts_of(nan, 4, half, 0) == (nan, half)  # nan equals nothing; not a float
+    assert texts.texts_of(0.5, -1, 0.5, 6) == (0.5, 0.5)  # no such end
+    assert texts.texts_of(None, 0, "null", 0) == (None, "null")
 
 
 def test_step_lines_with_end_texts_match_dumps():
@@ -121,7 +122,7 @@ def test_request_lines_with_known_texts_match_dumps():
     runs = [[2, 4]]  # first scheduled at the end of step 1, finished at step 3's
     record = _request(ends, runs, first_scheduled_s=0.5, finished_s=1.0)
     known = request_known(record, runs, texts)
-    assert known is not None and sorted(known.values()) == ["0.5", "1.0"]
+    assert known == ("0.5", "1.0")
     assert request_line(record, texts(runs), known) == dumps(record.to_json()) + "\n"
     for changes in ({"first_scheduled_s": 0.4}, {"finished_s": None}, {"finished_s": 1.5},
                     {"first_scheduled_s": None, "finish_reason": "a\\b"}):

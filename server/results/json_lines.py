@@ -41,9 +41,9 @@ class StepLines:
             values = tuple(["null" if v is None else v for v in values])
         texts = self.end_texts
         if texts is not None:  # the step before's end and this record's last step's end
-            i, start, end = step.step_index, step.start_s, step.end_s
-            values = (values[0], texts.text_of(start, i - 1) or values[1],
-                      texts.text_of(end, i + step.num_steps - 1) or values[2], *values[3:])
+            i = values[0]
+            values = (i, *texts.texts_of(values[1], i - 1, values[2], i + values[3] - 1),
+                      *values[3:])
         line = self._template % values
         if "inf" in line or "nan" in line:  # str() of a non-finite float
             return dumps(step.to_json()) + "\n"
@@ -73,15 +73,19 @@ class TokenTimesText:
         except TypeError:
             return None
 
-    def text_of(self, value: object, i: int) -> str | None:
-        """json's text of `value` when it is a float equal to step end time i (then the text is
-        that end's, written once); else None. 0.0 is not looked up: -0.0 equals it."""
-        ends = self._ends
-        if type(value) is not float or not 0 <= i < len(ends) or ends[i] != value or not value:
-            return None
-        if len(self._texts) <= i:
+    def texts_of(self, a: object, i: int, b: object, j: int) -> tuple[object, object]:
+        """json's texts of `a` and `b` where each is a float equal to step end time i (j), as
+        that end's text (written once); else the value itself. 0.0 is not looked up: -0.0 equals
+        it. Two at once: a line has two (one call, not two, per line)."""
+        ends, texts = self._ends, self._texts
+        if len(texts) < len(ends):
             self([])  # texts up to the last end
-        return self._texts[i]
+        n = len(texts)
+        if type(a) is float and a and 0 <= i < n and ends[i] == a:
+            a = texts[i] or a
+        if type(b) is float and b and 0 <= j < n and ends[j] == b:
+            b = texts[j] or b
+        return a, b
 
 
 _NO_TIMES = '"token_times_s":[]'
@@ -95,19 +99,24 @@ _AS_IS = re.compile(r'[ !#-\[\]-~]*')  # printable ASCII but " and \: json write
 
 
 def request_line(record: RequestRecord, token_times_text: str | None,
-                 known: dict[int, str] | None = None) -> str:
+                 known: tuple[object, object] | None = None) -> str:
     """`record`'s line; `token_times_text`: its token times as TokenTimesText wrote them; `known`:
-    texts of its values already written, by their place in _REQUEST_VALUES (request_known)."""
+    request_known's texts of first_scheduled_s and finished_s (a str: its text, already written)."""
     if token_times_text is None or "n" in token_times_text:  # nan, inf: the ordinary way
         return dumps(record.to_json()) + "\n"
     values = _REQUEST_VALUES(record)
-    if known:  # not written again (None's text stands in until they are put in)
-        values = tuple([None if i in known else v for i, v in enumerate(values)])
+    first = last = None
+    if known is not None:  # not written again (None's text stands in until they are put in)
+        first, last = known
+        first, last = first if type(first) is str else None, last if type(last) is str else None
+        values = (*values[:_FIRST_SCHEDULED_AT], None if first else values[_FIRST_SCHEDULED_AT],
+                  None if last else values[_FINISHED_AT], *values[_FINISHED_AT + 1:])
     texts = list(map(_json_text, (*values, *record.derived_ms())))
     if None not in texts:  # every value an int, a finite float, None or a plain string
-        if known:
-            for i, text in known.items():
-                texts[i] = text
+        if first:
+            texts[_FIRST_SCHEDULED_AT] = first
+        if last:
+            texts[_FINISHED_AT] = last
         texts.insert(_TIMES_AT, token_times_text)
         return _REQUEST_TEMPLATE % tuple(texts)
     row = record.to_json()
@@ -116,25 +125,20 @@ def request_line(record: RequestRecord, token_times_text: str | None,
     return line.replace(_NO_TIMES, f'"token_times_s":[{token_times_text}]', 1) + "\n"
 
 
-_FIRST_SCHEDULED_AT = _REQUEST_FIELDS.index("first_scheduled_s")  # both before token_times_s
-_FINISHED_AT = _REQUEST_FIELDS.index("finished_s") - 1
+_FIRST_SCHEDULED_AT = _REQUEST_FIELDS.index("first_scheduled_s")  # in _REQUEST_VALUES: next
+_FINISHED_AT = _REQUEST_FIELDS.index("finished_s") - 1  # to each other (token_times_s left out)
+assert _FIRST_SCHEDULED_AT + 1 == _FINISHED_AT
 
 
 def request_known(record: RequestRecord, runs: Sequence[Sequence[int]],
-                  end_texts: TokenTimesText) -> dict[int, str] | None:
+                  end_texts: TokenTimesText) -> tuple[object, object] | None:
     """request_line's `known` for a record whose token runs (step index ranges) are `runs`: the
     texts of its first step's start and its finish where those are step end times (the step
-    before its first token's, its last token's)."""
+    before its first token's, its last token's), else their values."""
     if not runs:
         return None
-    known = {}
-    text = end_texts.text_of(record.first_scheduled_s, runs[0][0] - 1)
-    if text is not None:
-        known[_FIRST_SCHEDULED_AT] = text
-    text = end_texts.text_of(record.finished_s, runs[-1][1] - 1)
-    if text is not None:
-        known[_FINISHED_AT] = text
-    return known
+    return end_texts.texts_of(record.first_scheduled_s, runs[0][0] - 1, record.finished_s,
+                              runs[-1][1] - 1)
 
 
 def _json_text(value: object) -> str | None:

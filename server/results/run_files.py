@@ -74,7 +74,7 @@ class RecordStream:
         self.error: WriteFailed | None = None
         self._on_error = on_error
         self._steps: list[StepRecord] = []
-        self._requests: list[tuple[RequestRecord, str | None, dict[int, str] | None]] = []
+        self._requests: list[tuple[RequestRecord, str | None, tuple[object, object] | None]] = []
         self._spans: dict[int, tuple[int, int]] = {}  # request id -> (offset, length) in the file
         self._request_bytes = 0
         self._last_flush_s = time.monotonic()
@@ -90,7 +90,7 @@ class RecordStream:
             self.flush()
 
     def add_request(self, record: RequestRecord, token_times_text: str | None = None,
-                    known: dict[int, str] | None = None) -> None:
+                    known: tuple[object, object] | None = None) -> None:
         """`token_times_text`: the record's token times as json_lines.TokenTimesText writes them
         (None: encoded with the record); `known`: json_lines.request_known's texts."""
         self._requests.append((record, token_times_text, known))

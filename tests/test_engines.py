@@ -436,3 +436,7 @@ def test_host_work_scales_with_the_macs_cpu_generation():
     on_m1 = StepCost(zoo_spec("qwen3-0.6b"), p1, "float16", 4, engine=engine)
     assert on_m1.engine.host_token_us == pytest.approx(slow * engine.host_token_us)
     assert on_m1.step_overhead_s == pytest.approx(slow * engine.host_step_s)
+    # A draft model priced beside the target runs on the same CPU: scaled once, not twice.
+    from batchsim.server.perf.spec_price import model_drafter
+    draft = model_drafter(on_m1, zoo_spec("qwen3-0.6b"), "float16").cost
+    assert draft.engine.host_token_us == pytest.approx(on_m1.engine.host_token_us)

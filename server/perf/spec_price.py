@@ -80,7 +80,7 @@ def model_drafter(cost: StepCost, draft: ModelSpec, dtype: str) -> Drafter:
     real executor loads it in the target's dtype); its K/V padded, whatever the target's layout:
     the draft model keeps mlx-lm caches of its own, never the paged pool."""
     return Drafter(StepCost(draft, cost.profile, dtype, cost.quantize_bits, cost.kv_bits,
-                            engine=cost.engine), draft.name)
+                            engine=cost.base_engine), draft.name)
 
 
 def draft_s(drafter: Drafter, batch: int, spec_tokens: int, width: int) -> float:

@@ -79,7 +79,8 @@ class StepCost:
         self.paged = paged  # the paged KV layout (layer_cost.PAGED_READ_RATIO)
         self.profile = profile
         self.cal: Calibration | None = profile.calibration
-        self.engine = engine or load_engine()
+        self.base_engine = engine or load_engine()  # as given: another StepCost scales it again
+        self.engine = self.base_engine
         if profile.host_scale != 1.0:  # the engine's host work on this Mac's CPU
             self.engine = dataclasses.replace(
                 self.engine, host_step_us=self.engine.host_step_us * profile.host_scale,

@@ -100,13 +100,15 @@ def test_qmm_multiplies_whole_tiles_of_rows():
 
 
 def test_a_two_die_ultra_pays_its_own_qmv_slowdown():
-    """GpuFit.ultra_gemv_row_slowdown is added to qmv's 1 / efficiency on Ultra chips only."""
+    """GpuFit.ultra_gemv_row_slowdown is added to qmv's 1 / efficiency on M1/M2 Ultra chips,
+    ultra_m3_gemv_row_slowdown on M3-on Ultras, neither on one die."""
     fit = gpu_fit.load_fit()
     catalog = macs.load_catalog()
-    (ultra,) = [m for m in catalog.chips if m.label == "M1 Ultra 64c"]
-    (mx,) = [m for m in catalog.chips if m.label == "M1 Max 32c"]
-    slow = dataclasses.replace(fit, quantized_gemv_row_efficiency=0.5, ultra_gemv_row_slowdown=2.0)
-    for mac, slowdown in ((ultra, 4.0), (mx, 2.0)):
+    ultra, m2u, m3u, mx = (next(m for m in catalog.chips if m.chip == chip)
+                           for chip in ("M1 Ultra", "M2 Ultra", "M3 Ultra", "M1 Max"))
+    slow = dataclasses.replace(fit, quantized_gemv_row_efficiency=0.5, ultra_gemv_row_slowdown=2.0,
+                               ultra_m3_gemv_row_slowdown=0.5)
+    for mac, slowdown in ((ultra, 4.0), (m2u, 4.0), (m3u, 2.5), (mx, 2.0)):
         profile = gpu_fit.mac_profile(mac, slow, 4)
         assert profile.quantized_gemv_row_gflops == pytest.approx(
             profile.tflops("float16") * 1e3 / slowdown)

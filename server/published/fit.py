@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from batchsim.server.perf import macs
 from batchsim.server.perf.engines import EngineProfile, load_engine
-from batchsim.server.perf.gpu_fit import FORMATS, fit_format
+from batchsim.server.perf.gpu_fit import FORMATS, ULTRA_QMV_TERMS, fit_format, ultra_qmv_term
 from batchsim.server.perf.mac_fit import EXPERT_GRID, HUBER_DELTA, IRLS_ROUNDS
 from batchsim.server.perf.reference import row_mac
 from batchsim.server.published.sim import (
@@ -42,9 +42,9 @@ from batchsim.server.published.sim import (
 )
 
 DEVICE = (*FORMATS, "kv", "c_float", "c_q8", "c_q4", "layer_s", "forward_s", "sampling_row_s",
-          "ultra_layer_s", "ultra_bytes", "ultra_moe_layer_s", "c_qmv", "ultra_qmv")
-# Seconds per count (kept >= 0) and the GpuFit field (us) each is written to (attention_row_s is
-# no column: written as 0).
+          "ultra_layer_s", "ultra_bytes", "ultra_moe_layer_s", "c_qmv", *ULTRA_QMV_TERMS)
+# (The Ultra qmv slowdowns' columns are their GpuFit fields.) Seconds per count (kept >= 0) and the
+# GpuFit field (us) each is written to (attention_row_s is no column: written as 0).
 TIMES = {"layer_s": "layer_overhead_us", "forward_s": "forward_overhead_us",
          "attention_row_s": "attention_row_us", "sampling_row_s": "sampling_row_us",
          "ultra_layer_s": "ultra_layer_us", "ultra_moe_layer_s": "ultra_moe_layer_us"}
@@ -87,8 +87,8 @@ def _unit(model: MacModel, rows: Sequence[Any]) -> MacModel:
                               attention_row_us=0.0, token_layer_us=0.0,
                               sampling_row_us=UNIT_US, ultra_layer_us=0.0,
                               ultra_bandwidth_slowdown=0.0, ultra_moe_layer_us=0.0,
-                              quantized_gemv_row_efficiency=1.0, ultra_gemv_row_slowdown=0.0,
-                              cpu_exponent=0.0)
+                              quantized_gemv_row_efficiency=1.0, cpu_exponent=0.0,
+                              **dict.fromkeys(ULTRA_QMV_TERMS, 0.0))
     engines = {e: dataclasses.replace(model.engine(e), host_step_us=UNIT_US, host_token_us=UNIT_US,
                                       row_dispatch_forwards=0.0)
                for e in {engine_name(r) for r in rows}}
@@ -134,7 +134,7 @@ def basis(row: Any, catalog: macs.Catalog, unit: MacModel, layers: int,
         plain["c_float"] += ce * (d.matmul_s + f.matmul_s + f.experts_s)
     if row.chip.endswith("Ultra"):  # two dies: their own extra terms
         plain["ultra_layer_s"], plain["ultra_bytes"] = plain["layer_s"], plain[fmt]
-        plain["ultra_qmv"] = plain["c_qmv"]
+        plain[ultra_qmv_term(row.chip)] = plain["c_qmv"]
         moe = row_cost(row, catalog, unit).layers.moe_layers / layers
         if moe:  # its routed-expert layers' share of the per-layer counts
             plain["ultra_moe_layer_s"] = moe * plain["layer_s"]
@@ -180,7 +180,7 @@ def _bounds(col: str) -> tuple[float, float]:
         return 0.0, MAX_SLOWDOWN["ultra"]
     if col == "c_qmv":
         return 1.0, MAX_SLOWDOWN["qmv"]
-    if col == "ultra_qmv":  # added to qmv's slowdown
+    if col in ULTRA_QMV_TERMS:  # added to qmv's slowdown
         return 0.0, MAX_SLOWDOWN["qmv"]
     return 1.0, MAX_SLOWDOWN["kv" if col == "kv" else "compute" if col[:2] == "c_" else "bytes"]
 
@@ -331,7 +331,7 @@ def _to_model(theta: dict[str, float], g: float, start: MacModel, fitted_on: str
         quantized_gemm_efficiency={**s.quantized_gemm_efficiency, **quant},
         expert_bandwidth_efficiency=g, fitted_on=fitted_on,
         quantized_gemv_row_efficiency=rate("c_qmv", s.quantized_gemv_row_efficiency),
-        ultra_gemv_row_slowdown=theta.get("ultra_qmv", 0.0),
+        **{term: theta.get(term, 0.0) for term in ULTRA_QMV_TERMS},
         ultra_bandwidth_slowdown=theta.get("ultra_bytes", 0.0),
         **{name: 1e6 * theta.get(col, 0.0) for col, name in TIMES.items()})
     engines = {e: dataclasses.replace(start.engine(e), host_step_us=1e6 * theta.get(f"step:{e}", 0),

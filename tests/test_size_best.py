@@ -53,7 +53,7 @@ def test_rows_table_and_note_show_the_best_batch(tmp_path, capsys, monkeypatch):
     rows = {(r["label"], r["memory_gb"]): r for r in result["rows"]}
     r32, r16 = rows[("M4 10c", 32)], rows[("M4 10c", 16)]
     # More memory, more rows, fewer tok/s at the max: the best batch says where the peak is.
-    assert r32["max_batch"] > r16["max_batch"] >= r32["best_batch"]
+    assert r32["max_batch"] > r16["max_batch"] and r32["max_batch"] > r32["best_batch"]
     assert r32["decode_tok_s_best"] > r32["decode_tok_s_max_batch"]
     assert r32["engine"] == "batchsim"  # the contract: rows carry their engine
     for r in result["rows"]:  # at the max, the best is the max's own figure

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from batchsim.configs import ConfigError
+from batchsim.server.distributed import ring_log
 from batchsim.server.results.metrics import output_tokens_sha256
 
 ARGS = ["run", "--model", "tiny", "--request-rate", "inf", "--num-prompts", "6", "--input-len",
@@ -60,7 +61,14 @@ def test_a_dead_rank_ends_the_run_with_a_clear_error_and_valid_records(tiny, tmp
     assert error.startswith("rank 1 died")
     # Rank 0 kept what ran (it left no summary.json and an empty requests.jsonl before).
     (run_dir,) = tmp_path.iterdir()
-    assert error.endswith(f"records kept in {run_dir}")
+    # The ring backend's "[ring] Socket 3 was closed by the peer" lines (about 20 of them) went
+    # to a file in the run directory, counted in the error, not to the terminal.
+    assert "[ring]" not in proc.stderr, proc.stderr[-2000:]
+    ring = run_dir / ring_log.LOG_NAME
+    count = len(ring.read_text().splitlines())
+    assert error.endswith(f"records kept in {run_dir} (and {count} MLX ring messages, in {ring})")
+    assert count > 1 and all(line.startswith("rank ") and "[ring] " in line
+                             for line in ring.read_text().splitlines())
     summary = json.loads((run_dir / "summary.json").read_text())
     reason = summary["interrupt_reason"]  # mlx.launch's SIGTERM or the lost peer, whichever first
     assert summary["interrupted"] is True and ("mlx.launch" in reason or "peer rank" in reason)
@@ -242,3 +250,29 @@ def test_a_rank_whose_records_cannot_be_kept_still_exits(tmp_path, monkeypatch):
     assert exited == [3]
     assert json.loads(status.path.read_text())["error"] == (
         "rank 0: step 7 took over 1 s (records not kept: still writing after 0.05 s)")
+
+
+def test_ring_lines_go_to_a_file_the_rest_through_as_it_comes(tmp_path):
+    """mlx.launch hands over a rank's stderr in chunks that split lines anywhere."""
+    log = tmp_path / ring_log.LOG_NAME
+    rank = ring_log.RankStderr(1, log)
+    shown = [rank.feed(chunk) for chunk in (
+        "step 1\n[ri", "ng] Socket 3 was closed by the peer\n[", "ring] Sending to socket 4 fa",
+        "iled with errno 32\nrank 1: a real error\n", "progress 10%\r", "progress 20%\r",
+        "[rin")]
+    assert shown == ["step 1\n", "", "", "rank 1: a real error\n", "progress 10%\r",
+                     "progress 20%\r", ""]
+    assert rank.flush() == "[rin"  # what a rank left unfinished is shown as its stream ends
+    assert log.read_text() == ("rank 1: [ring] Socket 3 was closed by the peer\n"
+                               "rank 1: [ring] Sending to socket 4 failed with errno 32\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    note = ring_log.keep(tmp_path, str(run_dir))
+    assert note == f" (and 2 MLX ring messages, in {run_dir / ring_log.LOG_NAME})"
+    assert not log.exists() and (run_dir / ring_log.LOG_NAME).exists()
+    assert ring_log.keep(tmp_path, str(run_dir)) == ""  # none: nothing to say
+    ring_log.RankStderr(0, log).feed("[ring] x\n")
+    elsewhere = ring_log.keep(tmp_path, None)  # no run directory (serve): a file of its own
+    path = elsewhere.split(", in ")[1].rstrip(")")
+    assert elsewhere.startswith(" (and 1 MLX ring message, in ") and Path(path).exists()
+    Path(path).unlink()

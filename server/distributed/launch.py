@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from batchsim.configs import ConfigError
+from batchsim.server.distributed import ring_log
 from batchsim.server.distributed.owner import OwnedLaunch
 from batchsim.server.distributed.rank import STATUS_DIR_ENV, TIMEOUT_ENV, rank_timeout_s
 
@@ -83,14 +84,15 @@ def launch(argv: list[str], ranks: int, hostfile: str | None, server: bool = Fal
         finally:
             owned.kill()
         error = ranks_error(Path(status_dir), ranks, owned.killed, owned.stopped)
+        ring = ring_log.keep(Path(status_dir), rank0_run_dir(Path(status_dir)))
     if owned.signals and server:
         return  # the user stopped it: the ranks' "stopped" lines are no failure
     if owned.signals:
         raise KeyboardInterrupt  # rank 0 printed its summary, marked interrupted
     if error:
-        raise RuntimeError(error)
+        raise RuntimeError(error + ring)
     if returncode:
-        raise RuntimeError(f"mlx.launch exited with status {returncode}")
+        raise RuntimeError(f"mlx.launch exited with status {returncode}{ring}")
 
 
 def ranks_error(status_dir: Path, ranks: int, killed: Sequence[int] = (),
@@ -142,6 +144,12 @@ def _once(errors: list[str]) -> list[str]:
             by_text.setdefault(text, []).append(rank)
     return [f"rank{'s' if len(r) > 1 else ''} {', '.join(r)}: {text}" if r else text
             for text, r in by_text.items()]
+
+
+def rank0_run_dir(status_dir: Path) -> str | None:
+    """Where rank 0 keeps the run's records (None: it reported none)."""
+    path = status_dir / "rank0.json"
+    return json.loads(path.read_text()).get("run_dir") if path.exists() else None
 
 
 def free_port(ranks: int) -> int:

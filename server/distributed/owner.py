@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from batchsim.server.distributed import ring_log
+
 GRACE_S = 5.0  # after a rank failed: time for mlx.launch to end the others before the launcher does
 POLL_S = 0.1
 STOP_CHECK_S = 1.0  # how often the launcher looks for stopped ranks (/proc or ps each)
@@ -212,6 +214,7 @@ def _main() -> None:
     fd, status_dir = int(sys.argv.pop(1)), sys.argv.pop(1)
     threading.Thread(target=_die_with_launcher, args=(fd, status_dir), daemon=True).start()
     mlx_launch.select = lambda r, w, x, t: select.select(r, [], x, t)  # type: ignore[attr-defined]
+    ring_log.install(mlx_launch, status_dir)  # the ring backend's lines to a file, not the terminal
     # Its "rank N exited with code C" lines: the launcher says what failed, in one line.
     mlx_launch.log_warning = lambda *args, **kwargs: None  # type: ignore[attr-defined]
     mlx_launch.main()

@@ -179,7 +179,8 @@ def test_sweep_runs_the_users_workload_at_each_batch(capsys, tmp_path):
     from batchsim.workloads.spec import builtin_workload, with_overrides
 
     res = sweep_json(capsys, tmp_path, "--model", "tiny", "--workload", "shared-prompt",
-                     "--num-prompts", "12", "--output-len", "16", "--batches", "2,4")
+                     "--num-prompts", "12", "--request-rate", "8", "--output-len", "16",
+                     "--batches", "2,4")  # 8 req/s: 1.5 s of real traffic a batch, not 6
     assert res["workload"] == "shared-prompt" and res["num_prompts"] == 12
     assert all(r["completed"] == 12 for r in res["rows"])
     # its requests arrive over time: fewer than B decode together, yet none waited for memory

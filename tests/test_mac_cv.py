@@ -327,12 +327,10 @@ def test_per_row_sampling_is_shrunk_where_only_an_engines_token_cost_matches_it(
     assert shrunk < 0.8 * free
 
 
-def test_the_fit_picks_a_cpu_exponent_from_m1_to_m5_rows(rows, catalog, monkeypatch):
+def test_the_fit_picks_a_cpu_exponent_from_m1_to_m5_rows(rows, catalog):
     """Batch-1 rows of small models on M1 Ultra, M4 Max and M5 Max (the same engine): their fixed
     costs differ by more than the Ultra's own terms explain; the fit scales them by the CPU
-    generation (GpuFit.cpu_exponent > 0), which a fit held at 0 cannot."""
+    generation (GpuFit.cpu_exponent > 0)."""
     few = _few(rows, {"mlxcel_m1ultra_tests", "mlxcel_m5max_tests", "mlx_lm_benchmarks"})
     start = MacModel(gpu_fit.load_fit())
     assert published_fit.fit_published(few, catalog, start).fit.cpu_exponent > 0
-    monkeypatch.setattr(published_fit, "CPU_GRID", (0.0,))
-    assert published_fit.fit_published(few, catalog, start).fit.cpu_exponent == 0

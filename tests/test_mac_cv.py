@@ -334,3 +334,14 @@ def test_the_fit_picks_a_cpu_exponent_from_m1_to_m5_rows(rows, catalog):
     few = _few(rows, {"mlxcel_m1ultra_tests", "mlxcel_m5max_tests", "mlx_lm_benchmarks"})
     start = MacModel(gpu_fit.load_fit())
     assert published_fit.fit_published(few, catalog, start).fit.cpu_exponent > 0
+
+
+def test_a_fold_starts_from_its_own_rows_not_from_the_fit_on_every_row(rows, catalog):
+    """published_fitter: a fold's fit must not depend on terms fitted on every reference row
+    (held-out sources included): two starts that differ in every decode term give one fold fit."""
+    few = _few(rows, {"mlxcel_m1ultra_tests", "mlxcel_m5max_tests", "mlx_lm_benchmarks"})
+    shipped = gpu_fit.load_fit()
+    other = dataclasses.replace(shipped, cpu_exponent=3.0, expert_bandwidth_efficiency=0.3,
+                                layer_overhead_us=5 * shipped.layer_overhead_us)
+    fits = [mac_cv.published_fitter(catalog, MacModel(f))(few).fit for f in (shipped, other)]
+    assert fits[0] == fits[1]

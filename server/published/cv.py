@@ -124,7 +124,11 @@ def legacy_fitter(catalog: macs.Catalog, compute_efficiency: float) -> Fitter:
 
 
 def published_fitter(catalog: macs.Catalog, start: MacModel) -> Fitter:
-    return lambda rows: fit_published(rows, catalog, start)
+    """Each fold starts from the batch-1 fit of its own rows (legacy_fitter, at `start`'s prefill
+    compute efficiency), not from `start`: that was fitted on every reference row, held-out
+    sources included, and its terms seed the first round (the CPU exponent's pick among them)."""
+    seed = legacy_fitter(catalog, start.fit.compute_efficiency)
+    return lambda rows: fit_published(rows, catalog, seed(rows))
 
 
 def describe(rows: Sequence[Any], path: str) -> str:

@@ -241,8 +241,8 @@ def test_a_stream_closed_by_an_abandoned_run_ignores_a_late_flush(tmp_path):
 def test_a_signal_during_a_flush_waits_for_it_and_keeps_every_record_once(tmp_path):
     """A rank's SIGTERM handler keeps the records (a flush, then the files closed) and exits:
     arriving between the loop's write of its steps and their clear(), it wrote those steps twice,
-    and skipping its flush instead lost the buffered requests. The signal now waits for the
-    flush: every step and request is written once."""
+    and skipping its flush instead lost the buffered requests. It now waits for the flush under
+    way (run_files.when_not_flushing): every step and request is written once."""
     import signal
 
     from tests.test_timeline import _request, _step
@@ -253,9 +253,12 @@ def test_a_signal_during_a_flush_waits_for_it_and_keeps_every_record_once(tmp_pa
     class Exited(Exception):
         """os._exit in the handler: the interrupted flush never resumes."""
 
-    def handler(*_):
+    def keep() -> None:  # what a rank's SIGTERM handler does: keep the records, exit
         stream.close_unfinished()
         raise Exited
+
+    def handler(*_):  # as rank.py installs it
+        run_files.when_not_flushing(keep) or keep()
 
     def write_then_signal(name, lines):
         stream._write = write  # one signal

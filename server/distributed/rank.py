@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchsim.configs import ConfigError
+from batchsim.server.results import run_files
 
 if TYPE_CHECKING:
     from batchsim.server.distributed.executor import LeaderExecutor
@@ -118,7 +119,8 @@ def joined(cfg: RunConfig) -> Iterator[Lead | None]:
     rank = int(os.environ["MLX_RANK"])
     status = _Status(rank)
     _exit_with_parent()
-    signal.signal(signal.SIGTERM, lambda *_: _terminated(status))
+    signal.signal(signal.SIGTERM, lambda *_: run_files.when_not_flushing(
+        lambda: _terminated(status)) or _terminated(status))
     interrupts.hold()  # the launcher's SIGINT (run): noted now, answered once the run starts
     status.write_pid()
     try:

@@ -8,7 +8,6 @@ import contextlib
 import json
 import mmap
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -24,24 +23,19 @@ STEPS = "steps.jsonl"
 CONFIG = "config.yaml"
 SUMMARY = "summary.json"
 FLUSH_EVERY_S = 0.5  # wall time between writes: what a killed run can lose at most
-# Signals whose handlers keep a run's records (a rank's SIGTERM, the run's Ctrl-C): held while a
-# flush writes, so a handler never runs between a write and the buffer's clear().
-HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+_in_flush: list[RecordStream] = []  # the main thread's streams mid-flush, innermost last
 
 
-@contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """HELD_SIGNALS wait while the main thread writes records (their handlers run right after,
-    with every buffered record written once); other threads never run signal handlers."""
-    if threading.current_thread() is not threading.main_thread() or \
-            not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+def when_not_flushing(answer: Callable[[], None]) -> bool:
+    """For a signal handler that keeps records (a rank's SIGTERM): if the main thread is in the
+    middle of a flush, `answer` runs as that flush ends, and True is returned (the handler returns
+    and the flush resumes: every buffered line written once); else False (answer it now). A
+    handler runs between two lines of the main thread whichever thread the signal reached, so
+    blocking signals in one thread cannot hold it."""
+    if threading.current_thread() is threading.main_thread() and _in_flush:
+        _in_flush[-1].deferred.append(answer)
+        return True
+    return False
 
 
 class WriteFailed(OSError):
@@ -83,6 +77,7 @@ class RecordStream:
         # A run abandoned from another thread (a rank's watchdog) closes the stream while the
         # run's loop may flush it: one writer at a time, and nothing written once closed.
         self._lock = threading.RLock()
+        self.deferred: list[Callable[[], None]] = []  # when_not_flushing: after this flush
 
     def add_step(self, step: StepRecord) -> None:
         self._steps.append(step)
@@ -96,9 +91,20 @@ class RecordStream:
         self._requests.append((record, token_times_text, known))
 
     def flush(self) -> None:
-        with self._lock, _signals_held():
-            if not self._files[STEPS].closed:
+        main = threading.current_thread() is threading.main_thread()
+        with self._lock:
+            if self._files[STEPS].closed or self in _in_flush:
+                return  # closed, or this thread's own flush, interrupted: it writes them
+            if main:
+                _in_flush.append(self)
+            try:
                 self._flush()
+            finally:
+                if main:
+                    _in_flush.remove(self)
+        answers, self.deferred = self.deferred, []
+        for answer in answers:
+            answer()
 
     def _flush(self) -> None:
         t0 = time.perf_counter()

@@ -262,8 +262,9 @@ def test_a_signal_during_a_flush_waits_for_it_and_keeps_every_record_once(tmp_pa
 
     def write_then_signal(name, lines):
         stream._write = write  # one signal
-        os.kill(os.getpid(), signal.SIGTERM)  # delivered mid-flush, between _write and clear()
-        return write(name, lines)
+        written = write(name, lines)
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs here, before the buffer's clear()
+        return written
 
     stream._write = write_then_signal
     stream.add_step(_step(0, 0.0, running=1, waiting=0))

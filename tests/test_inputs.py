@@ -179,6 +179,9 @@ def _corrupt(run_dir: Path, how: str) -> None:
         row = json.loads(lines[3])
         arrival = -1e308 if how == "arrival at -1e308" else row["token_times_s"][0] + 1
         lines[3] = json.dumps({**row, "arrival_s": arrival}).encode() + b"\n"
+    elif how == "finished at 1e308":  # the fuzz test's input 132: np.std's square overflowed
+        row = json.loads(lines[3])
+        lines[3] = json.dumps({**row, "finished_s": 1e308}).encode() + b"\n"
     elif how.startswith("summary"):
         text = "[1, 2]" if how == "summary a list" else (run_dir / "summary.json").read_text()[:50]
         (run_dir / "summary.json").write_text(text)
@@ -206,6 +209,7 @@ def _corrupt(run_dir: Path, how: str) -> None:
     ("invalid config", 12, "config.yaml: not a run's config"),
     ("int past a float", 12, "steps.jsonl: skipped 1 record(s) with missing or impossible"),
     ("arrival at -1e308", 11, "requests.jsonl: skipped 1 record(s) with missing or impossible"),
+    ("finished at 1e308", 11, "requests.jsonl: skipped 1 record(s) with missing or impossible"),
     ("token before arrival", 11, "requests.jsonl: skipped 1 record(s) with missing or imposs"),
 ])
 def test_report_reads_a_corrupted_run_directory_with_warnings(finished_run, tmp_path, capsys,
@@ -239,6 +243,7 @@ def _damage(run_dir: Path, rng) -> None:
     f.write_bytes(data)
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # numpy's overflow: an input not handled
 def test_report_never_raises_on_randomly_damaged_run_directories(finished_run, tmp_path):
     import random
     import shutil

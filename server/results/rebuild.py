@@ -30,6 +30,9 @@ from batchsim.server.results.run_files import (
 from batchsim.server.results.timeline import Limits, run_title, timeline_title, write_timeline
 
 # Facts the records cannot give back: a finished run's own summary keeps them.
+# No run's clock reaches this (32 years): a time past it is damage, and times near a float's range
+# overflow the statistics (a finished_s of 1e308: the square in np.std).
+MAX_CLOCK_S = 1e9
 _FROM_THE_RUN = ("duration", "peak_memory_bytes", "peak_memory", "peak_memory_source",
                  "peak_rss_bytes")
 
@@ -166,13 +169,15 @@ def _records(path: Path, cls: Any, notes: list[str]) -> list[Any]:
     if bad:
         shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
         notes.append(f"{path.name}: skipped {len(bad)} record(s) with missing or impossible "
-                     f"fields (non-finite, negative, a token before its arrival; record {shown})")
+                     f"fields (non-finite, negative, a time past {MAX_CLOCK_S:.0e} s, a token "
+                     f"before its arrival; record {shown})")
     return out
 
 
 def _plausible(record: Any) -> bool:
     """Each numeric field a finite number >= 0 (counts, bytes, times on the run's clock; or None
-    where the record allows it), and no token before its request arrived, as written."""
+    where the record allows it), no time (a field named *_s) past MAX_CLOCK_S, and no token
+    before its request arrived, as written."""
     for f in dataclasses.fields(record):
         value, kind = getattr(record, f.name), str(f.type)
         if value is None and "None" in kind:
@@ -182,6 +187,9 @@ def _plausible(record: Any) -> bool:
                 return False
         elif (kind.split(" ")[0] in ("int", "float") and not _at_least_0(value)
               or kind.split(" ")[0] == "str" and not isinstance(value, str)):
+            return False
+        times_s = value if isinstance(value, tuple) else (value,)
+        if f.name.endswith("_s") and any(t > MAX_CLOCK_S for t in times_s):
             return False
     tokens_s = getattr(record, "token_times_s", ())  # an arrival at -1e308 overflowed numpy
     return not tokens_s or min(tokens_s) >= record.arrival_s

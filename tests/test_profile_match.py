@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from batchsim.configs import ConfigError
 from batchsim.scripts.cli import main
 from batchsim.server.perf.devices import SHIPPED_DIR, load_profile, resolve_profile, save_profile
 from batchsim.server.perf.profile_match import device_id, differs, here, mismatch_warning
@@ -61,3 +62,19 @@ def test_simulating_on_a_foreign_profile_warns_once_naming_both_machines(command
     lines = [x for x in capsys.readouterr().err.splitlines() if "calibrated on" in x]
     assert len(lines) == 1, lines
     assert "Other CPU (family 1 model 1), Other BLAS" in lines[0] and here() in lines[0]
+
+
+def test_a_profile_with_an_unreadable_mlx_version_is_one_line_naming_its_file(tmp_path, capsys):
+    """Checked when the profile loads, not when a quantized layer is first priced mid-run."""
+    shipped = load_profile(SHIPPED_DIR / "linux-x86_64-openblas-2core.yaml")
+    path = save_profile(shipped, tmp_path / "bad.yaml")
+    path.write_text(path.read_text() + "mlx_version: latest\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: mlx_version: MLX version 'latest': "):
+        load_profile(path)
+    argv = ["run", "--executor", "sim", "--device-profile", str(path), "--model", "tiny",
+            "--out", str(tmp_path), "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
+            "--no-progress"]
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"{path}: mlx_version: MLX version 'latest'" in err, err
+    assert load_profile(_profile_from(here(), tmp_path)).mlx_version == ""  # none given: newest

@@ -9,6 +9,8 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping
 
+from batchsim.server.perf.qmv import mlx_release
+
 # Assumed, not measured (no Metal here): mlx-lm's quantized attention dequantizes each K/V element
 # it reads inside quantized_matmul (unpack: shift and mask; scale multiply; bias add).
 KV_DEQUANT_OPS_PER_ELEMENT = 4
@@ -151,6 +153,12 @@ class DeviceProfile:
     # token, a sampler call) takes here than on the reference CPU (gpu_fit: a catalog Mac's CPU
     # generation); 1: as measured or fitted.
     host_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        try:  # read once here (a file's profile: one line naming it), not at each layer priced
+            mlx_release(self.mlx_version)
+        except ValueError as exc:
+            raise ValueError(f"mlx_version: {exc}") from None
 
     def tflops(self, dtype: str) -> float:
         try:

@@ -52,6 +52,7 @@ _LIMITS_SINCE = (
 )
 
 
+@lru_cache(maxsize=16)  # stepcost asks for each quantized layer it prices
 def mlx_release(version: str) -> tuple[int, int, int]:
     """'0.32.0.dev' -> (0, 32, 0): the release a version string names or leads to; '' (not stated)
     -> the newest table's."""

@@ -159,12 +159,21 @@ def open_session(cfg: RunConfig, executor: Executor | None = None,
     if executor is None:
         executor = build_executor(cfg, ref)
     cache = ref.spec.cache_layout(kv_dtype, cfg.kv_bits)
-    session = Session(
-        cfg, ref, ref.dtype, executor, ref.spec.weight_bytes(ref.dtype, ref.quantize_bits), budget,
-        source, cache.full_token_bytes, cache_layout=cache,
-    )
+    weights = ref.spec.weight_bytes(ref.dtype, ref.quantize_bits) + _draft_weight_bytes(cfg, ref)
+    session = Session(cfg, ref, ref.dtype, executor, weights, budget, source,
+                      cache.full_token_bytes, cache_layout=cache)
     _check_fits(session)
     return session
+
+
+def _draft_weight_bytes(cfg: RunConfig, ref: ModelRef) -> int:
+    """The draft model's weights (--spec-method draft), held beside the target's: in the target's
+    dtype and weight format, as the simulator prices it (spec_price.model_drafter); else 0."""
+    if not cfg.draft_model:  # RunConfig: set with --spec-method draft only
+        return 0
+    from batchsim.server.models.loader import spec_for
+
+    return spec_for(cfg.draft_model).weight_bytes(ref.dtype, ref.quantize_bits)
 
 
 def _auto_dtype(cfg: RunConfig) -> str:
@@ -192,14 +201,17 @@ def _open_mlx(cfg: RunConfig, dtype: str, budget: int, source: str,
         check_layers(early.spec, cfg.spec_method)
     _require_moe_dtype(early)
     weight_bytes = early.spec.weight_bytes(early.dtype, early.quantize_bits)
+    weight_bytes += _draft_weight_bytes(cfg, early)
     if prepare_model is None and weight_bytes >= budget:  # a rank's shard is checked once loaded
-        _raise_no_fit(early.name, weight_bytes, budget, source)
+        _raise_no_fit(_weights_of(cfg, early.name), weight_bytes, budget, source)
     ref = resolve(cfg.model, dtype, cfg.quantize)
     model, tokenizer = load(ref)
     if prepare_model is not None:
         model = prepare_model(model)
     executor = build_mlx_executor(cfg, ref, model)
-    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    drafter = getattr(executor.drafter, "model", None)  # a draft model's weights are held too
+    weights = sum(v.nbytes for m in (model, drafter) if m is not None
+                  for _, v in tree_flatten(m.parameters()))
     # Other than dense: the scheduler prices what the executor's pool holds, by layer kind.
     layout = None if executor.cache_layout.is_dense else executor.cache_layout
     session = Session(cfg, ref, str(executor.dtype).split(".")[-1], executor, weights, budget,
@@ -220,8 +232,13 @@ def _require_moe_dtype(ref: ModelRef) -> None:
 
 def _check_fits(session: Session) -> None:
     if session.kv_budget_bytes <= 0:
-        _raise_no_fit(session.ref.name, session.weight_bytes, session.memory_budget_bytes,
-                      session.budget_source)
+        _raise_no_fit(_weights_of(session.config, session.ref.name), session.weight_bytes,
+                      session.memory_budget_bytes, session.budget_source)
+
+
+def _weights_of(cfg: RunConfig, name: str) -> str:
+    """Whose weights the budget holds: the model's, and the draft model's beside it."""
+    return f"{name} with draft model {cfg.draft_model}" if cfg.draft_model else name
 
 
 def _raise_no_fit(name: str, weights: int, budget: int, source: str) -> None:

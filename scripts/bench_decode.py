@@ -11,6 +11,7 @@ from batchsim.scheduler.config import SchedulerSettings
 from batchsim.scripts.common import (
     DTYPE_HELP,
     MAX_BATCH,
+    QUANTIZE_HELP,
     add_field_argument,
     append_jsonl,
     err,
@@ -32,8 +33,8 @@ DEFAULT_MODES = ("bare", "executor", "mlx_lm")
 def add_parser(p: argparse.ArgumentParser) -> None:
     add_field_argument(p, RunConfig, "model", "zoo name, model directory or hub id", unset=False)
     add_field_argument(p, RunConfig, "dtype", DTYPE_HELP, choices=list(DTYPES), unset=False)
-    add_field_argument(p, RunConfig, "quantize", "4- or 8-bit weights (zoo models; default: as "
-                       "the model is)", choices=list(QUANT_BITS), unset=False)
+    add_field_argument(p, RunConfig, "quantize", QUANTIZE_HELP, choices=list(QUANT_BITS),
+                       unset=False)
     p.add_argument("--batch", type=ints_up_to(MAX_BATCH),
                    default=[1, 2, 4, 8, 16, 32, 64], help="batch sizes")
     p.add_argument("--context", type=positive_int, default=128, help="prompt tokens per sequence")
@@ -47,7 +48,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--continuous", type=ints_up_to(MAX_BATCH), default=[], metavar="B,B",
                    help="also compare continuous batching at these batch limits: 4 x B requests "
                    "with 16-64 output tokens, all queued at once, executor vs mlx-lm (joins and "
-                   "leaves are where mlx-lm's BatchGenerator copies its whole cache)")
+                   "leaves are where mlx-lm's BatchGenerator copies its whole cache; default: "
+                   "none)")
     p.add_argument("--out", default="results", help="directory for bench-decode.jsonl")
     add_spec_args(p, simulated=False).description = (
         "the executor's --continuous runs only (greedy; these prompts are random tokens, where "

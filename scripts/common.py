@@ -195,6 +195,8 @@ def add_field_argument(group: Any, source: Any, name: str, help: str, *, flag: s
 
 # --dtype's help wherever a command takes it (RunConfig's `auto`).
 DTYPE_HELP = "auto: float32 on the CPU backend (the only dtype using BLAS), float16 on GPUs"
+QUANTIZE_HELP = ("4- or 8-bit weights (zoo models; default: unquantized, in --dtype; a model "
+                 "directory or hub id: as stored)")
 
 
 def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]],

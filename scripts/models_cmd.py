@@ -21,7 +21,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", *FLOAT_DTYPES],
                    help="weights dtype to build (auto: float32 on CPU, float16 on a GPU)")
     p.add_argument("--quantize", type=int, choices=list(QUANT_BITS), default=None,
-                   help="quantize the built weights to 4 or 8 bits with mlx-lm's quantizer")
+                   help="quantize the built weights to 4 or 8 bits with mlx-lm's quantizer "
+                   "(default: unquantized, in --dtype)")
     p.add_argument("--out", help="import: the model directory to write [default: "
                    "$BATCHSIM_HOME/models/imported/FILE-STEM]")
     p.add_argument("--form", choices=FORMS, default="auto",

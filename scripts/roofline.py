@@ -47,7 +47,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help=f"N of the batch sweep B = 1, 2, 4 ... N (default: {DEFAULT_SWEEP_N}, or "
                         "the largest --n below it); 0 skips the sweep")
     p.add_argument("--max-seconds-per-point", type=positive_float, default=10.0,
-                   help="skip a point whose warm-up and reps are estimated to take longer")
+                   help="seconds: skip a point whose warm-up and reps are estimated to take longer")
     p.add_argument("--bandwidth-mb", type=bounded(int, 1, 8192), default=256,
                    help="MiB per array of the streaming bandwidth kernels")
     p.add_argument("--cache-limit-gb", type=positive_float, default=4.0,

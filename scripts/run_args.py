@@ -9,6 +9,7 @@ from batchsim.scheduler.config import KV_LAYOUTS, SchedulerSettings
 from batchsim.scheduler.pool_geometry import KV_STEP, PAGE_TOKENS
 from batchsim.scripts.common import (
     DTYPE_HELP,
+    QUANTIZE_HELP,
     add_field_argument,
     bounded,
 )
@@ -45,9 +46,7 @@ def add_model_args(p: argparse.ArgumentParser, simulated: bool = True):
     add_field_argument(g, RunConfig, "model", "zoo name (see `batchsim models`), model directory, "
                        "or hub id")
     add_field_argument(g, RunConfig, "dtype", DTYPE_HELP, choices=list(DTYPES))
-    add_field_argument(g, RunConfig, "quantize", "4- or 8-bit weights (zoo models; default: "
-                       "unquantized, in --dtype; a model directory or hub id: as stored)",
-                       choices=list(QUANT_BITS))
+    add_field_argument(g, RunConfig, "quantize", QUANTIZE_HELP, choices=list(QUANT_BITS))
     if simulated:
         add_field_argument(g, RunConfig, "executor", "mlx: real compute; sim: calibrated roofline "
                            "on a virtual clock; fake: zero-cost (measures scheduler overhead)")
@@ -83,9 +82,10 @@ def add_scheduler_args(p: argparse.ArgumentParser, max_num_seqs: bool = True):
     g = p.add_argument_group("scheduler")
     if max_num_seqs:
         add_field_argument(g, SchedulerSettings, "max_num_seqs", "largest batch (running requests)")
-    add_field_argument(g, SchedulerSettings, "max_num_batched_tokens", "tokens per step")
+    add_field_argument(g, SchedulerSettings, "max_num_batched_tokens",
+                       "most tokens one step runs, prefill and decode together")
     add_field_argument(g, SchedulerSettings, "prefill_step_size",
-                       f"prefill chunk, multiple of {KV_STEP}")
+                       f"prefill chunk in tokens, a multiple of {KV_STEP}")
     add_field_argument(g, SchedulerSettings, "policy", "decode-first: every step decodes all "
                        "running requests; prefill-first: a step with prefill work only prefills")
     add_field_argument(g, SchedulerSettings, "prefix_cache", "reuse cached prompt blocks' KV")

@@ -47,16 +47,18 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help=f"zoo model ({', '.join(zoo_names())}), a model directory, or a hub id")
     p.add_argument("--dtype", default="float16", choices=list(FLOAT_DTYPES), help="weights dtype")
     p.add_argument("--quantize", type=int, choices=list(QUANT_BITS), default=None,
-                   help="mlx-lm affine quantization (group 64) to 4 or 8 bits")
+                   help="mlx-lm affine quantization (group 64) to 4 or 8 bits (default: "
+                        "unquantized, in --dtype)")
     add_field_argument(p, Settings, "kv_bits", "K/V held as mlx-lm's QuantizedKVCache at 4 or 8 "
-                       "bits (group 64; scales and biases in the compute dtype)",
+                       "bits (group 64; scales and biases in the compute dtype; default: K/V in "
+                       "--dtype)",
                        choices=list(KV_BITS), unset=False)
     ctx = p.add_mutually_exclusive_group()
     ctx.add_argument("--context", type=positive_int, default=4096,
                      help="fixed tokens per sequence")
     ctx.add_argument("--context-dist", default=None,
                      help="tokens per sequence as a distribution, e.g. lognormal:2000:1500:8192 "
-                          "(any form of workloads.lengths.parse_length)")
+                          "(any form --input-len takes; default: every sequence --context tokens)")
     p.add_argument("--fit-quantile", type=_fraction, default=0.95,
                    help=f"a distribution's max batch: the largest B whose KV bytes, at this "
                         f"quantile of {FIT_TRIALS} seeded batches of B draws, fit the budget "
@@ -72,7 +74,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="only this chip (exact name, substring, or a label like 'M2 Ultra 76c'); "
                         "default: every Mac in the catalog (configs/macs.yaml)")
     p.add_argument("--memory-gb", type=positive_float, default=None,
-                   help="this RAM size (GB as Apple sells it, i.e. GiB) instead of the catalog's")
+                   help="this RAM size (GB as Apple sells it, i.e. GiB) instead of the catalog's "
+                        "(default: every size the catalog lists)")
     p.add_argument("--os-reserve-gb", type=non_negative_float, default=None,
                    help="GB left to macOS after raising iogpu.wired_limit_mb (default: the "
                         "catalog's 8, the low end of the 8-16 GB a public devnote advises)")
@@ -108,7 +111,7 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spec-tokens", type=bounded(int, 1, MAX_SPEC_TOKENS), default=None,
                    metavar="K", help="K drafted tokens a row verifies per step: rows gain "
                    "decode_tok_s_b1_spec and spec_break_even_batch (the batch from which plain "
-                   "decoding is as fast); needs --acceptance or --acceptance-from")
+                   "decoding is as fast); needs --acceptance or --acceptance-from (default: off)")
     g.add_argument("--draft-model", default=None, metavar="M",
                    help="the drafter is model M (zoo name), priced as K decode forwards of M at "
                    "the step's rows on the same Mac and engine (default: the n-gram drafter, "

@@ -36,7 +36,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                      "and --shared-prefix-tokens (N of --prompt-len) of these.")
     p._option_string_actions["--workload"].help = (
         "run this workload at each batch, max_num_seqs = B (a built-in: configs/workloads, or a "
-        "workload YAML)")
+        "workload YAML; default: none, B requests at once, below)")
 
 
 def sweep_config(args: argparse.Namespace) -> RunConfig:

@@ -33,13 +33,15 @@ def add_sharing_args(g: argparse._ArgumentGroup) -> None:
     """Unset: the workload's `sharing` (none in most built-ins); a trace shares by its hash_ids."""
     g.add_argument("--shared-prefix-tokens", type=non_negative_int, metavar="N",
                    help="every prompt starts with the same N-token system prompt, then "
-                        "--input-len tokens of its own (0: none)")
+                        "--input-len tokens of its own (0: none; default: the workload's, none in "
+                        "most built-ins)")
     g.add_argument("--turns", type=positive_int, metavar="N",
                    help="chat sessions of N turns: turn k resends turns 1..k-1 and their replies "
-                        "(--input-len: a turn's new user tokens, --output-len: its reply)")
+                        "(--input-len: a turn's new user tokens, --output-len: its reply; default: "
+                        "the workload's, none in most built-ins)")
     g.add_argument("--sessions", type=positive_int, metavar="N",
                    help="chat sessions interleaved: turn k of N sessions, then turn k+1 (the "
-                        "built-in 'chat-sessions' workload: 8)")
+                        "built-in 'chat-sessions' workload: 8; default: the workload's)")
 
 
 def sharing_from_args(args: argparse.Namespace, cfg: RunConfig,
@@ -100,8 +102,10 @@ def add_workload_args(p: argparse.ArgumentParser,
                        type=positive_float)
     add_field_argument(g, w, "arrival", "arrival process")
     add_field_argument(g, w, "ramp_end_rate", "'ramp': the rate (requests/s) reached by the last "
-                       "request, rising linearly from --request-rate (sets --arrival ramp)")
-    add_field_argument(g, w, "concurrency", "closed loop: keep this many requests in flight")
+                       "request, rising linearly from --request-rate (sets --arrival ramp; "
+                       "default: none, a constant rate)")
+    add_field_argument(g, w, "concurrency", "closed loop: keep this many requests in flight (sets "
+                       "--arrival closed; default: none, an open loop)")
     add_field_argument(g, w, "max_concurrency", "open loop: cap on requests in flight (default: "
                        "none)")
     add_field_argument(g, w, "input_len", "prompt lengths in tokens: N, uniform:MIN:MAX, "

@@ -39,3 +39,28 @@ def test_validate_help_says_how_long_and_what_is_short():
     text = " ".join(sub.choices["validate"].format_help().split())
     assert "about an hour" in text and "matrix.yaml" in text
     assert "--cases NAME,... --repeats 1" in text and "--measured-from" in text
+
+
+@pytest.mark.parametrize("command, flag", [
+    ("size", "--quantize"), ("size", "--kv-bits"), ("size", "--context-dist"),
+    ("size", "--memory-gb"), ("size", "--spec-tokens"), ("models", "--quantize"),
+    ("run", "--concurrency"), ("run", "--ramp-end-rate"), ("run", "--shared-prefix-tokens"),
+    ("run", "--turns"), ("run", "--sessions"), ("sweep", "--workload"),
+    ("bench-decode", "--continuous"),
+])
+def test_optional_flags_say_what_unset_means(command, flag):
+    """A new user's pass found these saying what they do but not what leaving them out does."""
+    assert "default" in _helps(command)[flag], (command, flag)
+
+
+def test_quantize_help_is_one_text():
+    """bench-decode said 'default: as the model is' where run says what that is."""
+    assert _helps("bench-decode")["--quantize"] == _helps("run")["--quantize"]
+
+
+@pytest.mark.parametrize("command, flag, unit", [
+    ("run", "--prefill-step-size", "tokens"), ("run", "--max-num-batched-tokens", "tokens"),
+    ("roofline", "--max-seconds-per-point", "seconds"),
+])
+def test_numeric_flags_name_their_unit(command, flag, unit):
+    assert unit in _helps(command)[flag], (command, flag)

@@ -199,14 +199,15 @@ def _distribution(
     name: str, values_s: Sequence[float] | np.ndarray, percentiles: Sequence[float]
 ) -> dict[str, float]:
     """mean/median/std (population) and linear-interpolated percentiles, in ms, as vLLM."""
-    x: Any = values_s if len(values_s) else 0  # vLLM: np.mean(x or 0)
+    # One array and one pass over it for all the percentiles (a simulated hour has a million ITLs).
+    x: Any = np.asarray(values_s, dtype=np.float64) if len(values_s) else 0  # vLLM: np.mean(x or 0)
     out = {
         f"mean_{name}_ms": float(np.mean(x)) * _MS,
         f"median_{name}_ms": float(np.median(x)) * _MS,
         f"std_{name}_ms": float(np.std(x)) * _MS,
     }
-    for p in percentiles:
-        out[f"p{percentile_label(p)}_{name}_ms"] = float(np.percentile(x, p)) * _MS
+    for p, v in zip(percentiles, np.percentile(x, list(percentiles)) if percentiles else ()):
+        out[f"p{percentile_label(p)}_{name}_ms"] = float(v) * _MS
     return out
 
 
@@ -379,8 +380,9 @@ def summarize(
     for name, values in latencies_s.items():
         out.update(_distribution(name, values, percentiles))  # type: ignore[arg-type]
     out.update(_output_lengths(done, percentiles))
-    queue_p99 = _distribution("queue", latencies_s["queue"], [99])["p99_queue_ms"]
-    out.setdefault("p99_queue_ms", queue_p99)  # always reported, whatever the percentiles
+    if "p99_queue_ms" not in out:  # always reported, whatever the percentiles
+        queue = latencies_s["queue"]
+        out["p99_queue_ms"] = float(np.percentile(queue if queue else 0, 99)) * _MS
     out.update(_batch_view(requests, all_times, steps, kv_budget_bytes, weight_bytes,
                            peak_memory_bytes))
     out["peak_rss_bytes"] = peak_rss_bytes  # the process's peak resident memory (real compute)

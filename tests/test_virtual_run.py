@@ -204,3 +204,25 @@ def test_a_full_disk_stops_the_plain_loop_with_the_records_so_far(tmp_path, monk
     lines = (outcome.run_dir / "steps.jsonl").read_text().splitlines()
     assert lines and all(json.loads(x)["step_index"] >= 0 for x in lines)  # whole records
     assert len(outcome.steps) <= len(lines) + 1 < 127  # it stopped at once (a full run: 127)
+
+
+def test_the_plain_loop_runs_without_the_collector_and_turns_it_back_on(tmp_path):
+    """The loop keeps what it allocates to the end of the run: the collector is off while it runs
+    (its passes found nothing), on again after it, whether it ends or fails."""
+    import gc
+
+    seen = []
+    session = open_session(_config(MIXED))
+    run_workload(session, MIXED, out_dir=tmp_path, label="gc", timeline=False,
+                 on_step=lambda *_: seen.append(gc.isenabled()))
+    assert seen and not any(seen)
+    assert gc.isenabled()
+
+    def fails(*_):
+        raise RuntimeError("boom")
+
+    session = open_session(_config(MIXED))
+    with pytest.raises(RuntimeError, match="boom"):
+        run_workload(session, MIXED, out_dir=tmp_path, label="gc2", timeline=False,
+                     on_step=fails)
+    assert gc.isenabled()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -54,16 +55,26 @@ def overrun_index(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]
     # next_room[i]: the first step >= i with room (len(steps): none)
     idx = np.where(room, np.arange(len(steps)), len(steps))
     next_room = np.minimum.accumulate(idx[::-1])[::-1]
-    for r in requests:  # the steps planned while r waited: after it arrived, before it ran
-        ran_s = r.first_scheduled_s if r.first_scheduled_s is not None else r.finished_s
-        # +1: the first step after an arrival may have been planned before it (a real engine
-        # plans the next step while one runs), so only a later step passing it over is memory
-        lo = int(np.searchsorted(starts, r.arrival_s, side="right")) + 1
-        hi = int(np.searchsorted(starts, ran_s, side="left")) if ran_s is not None else len(steps)
-        passed = next_room[lo] if lo < len(steps) else len(steps)
-        if passed < hi and (first is None or passed < first):
-            first = int(passed)
+    # The steps planned while each request waited: after it arrived, before it ran (all requests
+    # at once: an hour has 18,000). +1: the first step after an arrival may have been planned
+    # before it (a real engine plans the next step while one runs), so only a later step passing
+    # it over is memory.
+    n = len(steps)
+    arrived = np.fromiter((r.arrival_s for r in requests), np.float64, len(requests))
+    ran_s = np.fromiter((_ran_s(r) for r in requests), np.float64, len(requests))
+    lo = np.minimum(np.searchsorted(starts, arrived, side="right") + 1, n)
+    hi = np.where(np.isnan(ran_s), n, np.searchsorted(starts, ran_s, side="left"))
+    passed = np.append(next_room, n)[lo]  # n: none
+    passed = passed[passed < hi]
+    if passed.size and (first is None or passed.min() < first):
+        first = int(passed.min())
     return first
+
+
+def _ran_s(r: RequestRecord) -> float:
+    """When a request first ran (else left): NaN if neither."""
+    t = r.first_scheduled_s if r.first_scheduled_s is not None else r.finished_s
+    return math.nan if t is None else t
 
 
 class _Series:

@@ -117,17 +117,34 @@ def as_decode_row(row: Any) -> DecodeRow:
                      row.prompt_tokens, row.generated_tokens, row.engine, row.src)
 
 
-def legacy_fitter(catalog: macs.Catalog, compute_efficiency: float) -> Fitter:
-    """The fit as it shipped before (mac_fit): batch-1 rows only, no per-row or engine terms."""
-    return lambda rows: MacModel(mac_fit.fit_rows(
-        [as_decode_row(r) for r in rows if r.batch == 1], catalog, compute_efficiency))
+def own_prefill(rows: Sequence[Any], prefill: Sequence[DecodeRow]) -> list[DecodeRow]:
+    """The prefill rows (mlx-decode.yaml's prompt rates) of `rows`' own runs: same source, chip,
+    model and weights as one of them. A fold's rows never bring a held-out source's or chip's."""
+    runs = {(r.src, r.chip, r.model, r.weights) for r in rows}
+    return [p for p in prefill if (p.src, p.chip, p.model, p.weights) in runs]
 
 
-def published_fitter(catalog: macs.Catalog, start: MacModel) -> Fitter:
-    """Each fold starts from the batch-1 fit of its own rows (legacy_fitter, at `start`'s prefill
-    compute efficiency), not from `start`: that was fitted on every reference row, held-out
-    sources included, and its terms seed the first round (the CPU exponent's pick among them)."""
-    seed = legacy_fitter(catalog, start.fit.compute_efficiency)
+def legacy_fitter(catalog: macs.Catalog, prefill: Sequence[DecodeRow]) -> Fitter:
+    """The fit as it shipped before (mac_fit; mac_report.fit_reference's steps on the given rows):
+    batch-1 rows only, no per-row or engine terms, its decode terms at the catalog's llama.cpp
+    compute efficiency (a prior no MLX row touched), then the prefill compute efficiency fitted on
+    the rows' own prefill rows (none: that prior stays)."""
+    prior, _ = macs.compute_efficiency(catalog)
+
+    def fit(rows: Sequence[Any]) -> MacModel:
+        b1 = mac_fit.fit_rows([as_decode_row(r) for r in rows if r.batch == 1], catalog, prior)
+        ce = mac_fit.fit_compute(own_prefill(rows, prefill), catalog, b1)
+        return MacModel(dataclasses.replace(b1, compute_efficiency=ce))
+
+    return fit
+
+
+def published_fitter(catalog: macs.Catalog, prefill: Sequence[DecodeRow]) -> Fitter:
+    """Each fold starts from the batch-1 fit of its own rows (legacy_fitter: its compute
+    efficiency from its own prefill rows), never from a fit on every reference row: those terms
+    seed the first round (the roofline's binding side, the CPU exponent's pick) and stay where the
+    fold's rows do not identify them (a compute rate its rows lack)."""
+    seed = legacy_fitter(catalog, prefill)
     return lambda rows: fit_published(rows, catalog, seed(rows))
 
 
@@ -148,15 +165,16 @@ def _errors(cv: dict[str, Any]) -> dict[str, float]:
 
 
 def validate(rows: Sequence[Any], catalog: macs.Catalog, before: GpuFit,
-             fitted_on: str) -> tuple[MacModel, dict[str, Any]]:
+             prefill: Sequence[DecodeRow], fitted_on: str) -> tuple[MacModel, dict[str, Any]]:
     """(the fit on every row with its held-out errors, `cv`): each fold's report for this fit and
-    (under `before`) for the batch-1-only fit that shipped before, and every row's predictions."""
+    (under `before`) for the batch-1-only fit that shipped before, and every row's predictions.
+    `prefill`: the reference set's prefill rows (mlx_fit.prefill_rows); each fold fits on its
+    own."""
     start = MacModel(before)
     after = fit_published(rows, catalog, start, fitted_on)
     keep = [explained(r, start) for r in rows]
-    cv, held, used = cross_validate(rows, catalog, published_fitter(catalog, start), keep)
-    old_cv, _, _ = cross_validate(rows, catalog, legacy_fitter(catalog, before.compute_efficiency),
-                               keep)
+    cv, held, used = cross_validate(rows, catalog, published_fitter(catalog, prefill), keep)
+    old_cv, _, _ = cross_validate(rows, catalog, legacy_fitter(catalog, prefill), keep)
     table = []
     for i, r in enumerate(rows):
         entry = {"id": r.id, "src": r.src, "engine": r.engine, "chip": r.chip, "model": r.model,

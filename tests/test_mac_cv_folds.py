@@ -1,0 +1,103 @@
+"""`batchsim fit-macs`'s cross-validation leaks nothing from a held-out group into its fold, and its
+check of the shipped fit covers the held-out errors it ships (server.published.cv,
+scripts/fit_macs.py)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+from batchsim.scripts import fit_macs
+from batchsim.server.perf import gpu_fit, mac_fit, macs
+from batchsim.server.perf.reference import load_published, load_reference
+from batchsim.server.published import cv as mac_cv
+from batchsim.server.published import sim as ps
+from batchsim.server.published.sim import MacModel
+
+LONG_PROMPT_TOKENS = 4096  # the held-out rows' prompts: their prefill's compute rate matters
+
+
+@pytest.fixture(scope="module")
+def catalog():
+    return macs.load_catalog()
+
+
+def _run(monkeypatch, rows, ref=None, shipped=None) -> dict:
+    """fit-macs (no --write) on `rows`, with `ref` as the reference set and `shipped(model)` as
+    the shipped fit where given."""
+    published = dataclasses.replace(load_published(), rows=tuple(rows))
+    monkeypatch.setattr(fit_macs, "load_published", lambda: published)
+    if ref is not None:
+        monkeypatch.setattr(fit_macs, "load_reference", lambda: ref)
+    if shipped is not None:
+        monkeypatch.setattr(fit_macs, "shipped_model", shipped)
+    parser = argparse.ArgumentParser()
+    fit_macs.add_parser(parser)
+    return fit_macs.run(parser.parse_args([]))
+
+
+def test_a_held_out_chips_prefill_rates_never_reach_its_fold(monkeypatch, catalog):
+    """The prefill compute efficiency was fitted once on every reference prefill row and seeded
+    every fold: held out, the M4 Max's rows were predicted at a compute rate fitted on the M4 Max's
+    own prompt rates (the M3 Max rows left in the fold do not identify it). Scaling the M4 Max's
+    published prompt rates must not move any held-out M4 Max prediction."""
+    pub = load_published()
+    m4 = [dataclasses.replace(r, prompt_tokens=LONG_PROMPT_TOKENS) for r in pub.rows
+          if r.src == "vllm_mlx_llm" and r.chip == "M4 Max" and not r.decode_only]
+    m4 += [r for r in pub.by_src("mlx_lm_benchmarks") if r.model == "qwen3-30b-a3b"]
+    m3 = [r for r in pub.by_src("mlx_examples_1029") if r.chip == "M3 Max"][:4]
+    rows = m4 + m3
+    ref = load_reference()
+    held = [p for p in ref.rows if p.chip == "M4 Max" and p.prefill_tok_s]
+    assert held and any(p.chip == "M3 Max" and p.prefill_tok_s for p in ref.rows)
+    slower = dataclasses.replace(ref, rows=tuple(
+        dataclasses.replace(p, prefill_tok_s=p.prefill_tok_s / 3) if p in held else p
+        for p in ref.rows))
+    # The held-out rows' predictions depend on the compute rate (not a vacuous check)...
+    fit = gpu_fit.load_fit()
+    rates = [ps.predict_tok_s(m4[0], catalog,
+                              MacModel(dataclasses.replace(fit, compute_efficiency=c)))
+             for c in (0.3, 0.9)]
+    assert rates[1] > 1.05 * rates[0]
+    # ...but not on the held-out chip's own prompt rates.
+    out = [_run(monkeypatch, rows, r)["cv"]["rows"] for r in (ref, slower)]
+    for a, b in zip(*out):
+        if a["chip"] == "M4 Max":
+            assert a["leave_one_chip_out_tok_s"] == b["leave_one_chip_out_tok_s"], a["id"]
+        if a["src"] == "mlx_lm_benchmarks":
+            assert a["leave_one_source_out_tok_s"] == b["leave_one_source_out_tok_s"], a["id"]
+
+
+def test_a_fold_starts_from_its_own_rows_and_priors_no_row_touched(catalog):
+    """A fold's seed: the batch-1 fit of its rows at the llama.cpp compute rate (macs.yaml), then
+    the compute rate fitted on the prompt rates of its own runs, if it has any."""
+    rows, prefill = load_published().rows, mac_fit.prefill_rows(load_reference())
+    prior, _ = macs.compute_efficiency(catalog)
+    fitter = mac_cv.legacy_fitter(catalog, prefill)
+    none = [r for r in rows if r.src == "mlxcel_m5max_tests"]
+    assert not mac_cv.own_prefill(none, prefill)
+    assert fitter(none).fit.compute_efficiency == prior
+    own = [r for r in rows if r.src == "mlx_lm_benchmarks"]
+    assert {p.src for p in mac_cv.own_prefill(own, prefill)} == {"mlx_lm_benchmarks"}
+    fit = fitter(own).fit
+    at_prior = dataclasses.replace(fit, compute_efficiency=prior)
+    assert fit.compute_efficiency != prior
+    assert fit.compute_efficiency == mac_fit.fit_compute(mac_cv.own_prefill(own, prefill), catalog,
+                                                         at_prior)
+
+
+def test_the_shipped_fit_check_compares_its_held_out_errors(monkeypatch):
+    """shipped_fit_matches: a shipped fit whose terms agree but whose errors block (what `size`
+    prints) is stale is not the fit."""
+    rows = [r for r in load_published().rows if r.src in {"llmfit_1031", "rapid_mlx_636"}]
+
+    def stale(model: MacModel) -> MacModel:
+        errors = {k: v + 0.01 for k, v in model.fit.errors.items()}
+        return dataclasses.replace(model, fit=dataclasses.replace(model.fit, errors=errors))
+
+    assert _run(monkeypatch, rows, shipped=lambda m: m)["shipped_fit_matches"]
+    assert not _run(monkeypatch, rows, shipped=stale)["shipped_fit_matches"]
+    fit = gpu_fit.load_fit()
+    assert fit_macs.same_errors(fit, fit) and fit.errors
+    assert not fit_macs.same_errors(fit, dataclasses.replace(fit, errors={}))

@@ -36,8 +36,11 @@ def _one_rank_summary(out: Path) -> dict:
 @pytest.mark.slow  # mlx.launch and two ranks starting: 10-15 s at load 6-10
 def test_two_ranks_decode_the_same_tokens_as_one(tiny, tmp_path):
     one = _one_rank_summary(tmp_path / "one")
-    proc = _cli([*ARGS, "--ranks", "2"], tmp_path / "two")
+    (tmp_path / "tmp").mkdir()  # mlx.launch's mktemp files (a pid, the hostfile per rank) went here
+    proc = _cli([*ARGS, "--ranks", "2"], tmp_path / "two", TMPDIR=str(tmp_path / "tmp"))
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # Nothing of the run outlives it but MLX's compiled-kernel cache ($TMPDIR/mlx), kept on purpose
+    assert [p.name for p in (tmp_path / "tmp").iterdir() if p.name != "mlx"] == []
     two = json.loads(proc.stdout.strip().splitlines()[-1])
     assert two["ranks"] == 2 and two["completed"] == 6
     assert two["total_output_tokens"] == one["total_output_tokens"]
@@ -276,3 +279,38 @@ def test_ring_lines_go_to_a_file_the_rest_through_as_it_comes(tmp_path):
     path = elsewhere.split(", in ")[1].rstrip(")")
     assert elsewhere.startswith(" (and 1 MLX ring message, in ") and Path(path).exists()
     Path(path).unlink()
+
+
+@pytest.mark.parametrize("server, signals", [(True, 0), (True, 1), (False, 1)])
+def test_ring_lines_without_an_error_to_name_them_go_with_the_run(tmp_path, monkeypatch, server,
+                                                                   signals):
+    """A peer's "[ring] ... closed by the peer" as a run ends, or as Ctrl-C stops it, was moved to
+    a /tmp/batchsim-*-mlx_ring.log that no message named."""
+    import tempfile
+
+    from batchsim.server.distributed import launch
+
+    class Ended:  # mlx.launch as it ends: both ranks fine, one ring line logged
+        def __init__(self, _cmd, status_dir: Path, _mode, _timeout_s):
+            self.status_dir, self.signals = status_dir, signals
+            self.killed: list[int] = []
+            self.stopped: list[int] = []
+
+        def wait(self) -> int:
+            for r in range(2):
+                (self.status_dir / f"rank{r}.json").write_text('{"ok": true, "error": null}')
+            ring_log.RankStderr(1, self.status_dir / ring_log.LOG_NAME).feed("[ring] Socket 3 "
+                                                                             "was closed\n")
+            return 0
+
+        def kill(self) -> None:
+            pass
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(launch, "OwnedLaunch", Ended)
+    if server or not signals:
+        launch.launch(["serve"], 2, None, server=server)
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            launch.launch(["run"], 2, None, server=server)
+    assert not list(tmp_path.iterdir())

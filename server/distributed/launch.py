@@ -84,7 +84,9 @@ def launch(argv: list[str], ranks: int, hostfile: str | None, server: bool = Fal
         finally:
             owned.kill()
         error = ranks_error(Path(status_dir), ranks, owned.killed, owned.stopped)
-        ring = ring_log.keep(Path(status_dir), rank0_run_dir(Path(status_dir)))
+        # Kept only where an error names them; else they go with the status directory.
+        reported = not owned.signals and (error or returncode)
+        ring = ring_log.keep(Path(status_dir), rank0_run_dir(Path(status_dir))) if reported else ""
     if owned.signals and server:
         return  # the user stopped it: the ranks' "stopped" lines are no failure
     if owned.signals:

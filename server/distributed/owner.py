@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -203,6 +204,24 @@ def _die_with_launcher(fd: int, status_dir: str) -> None:
     os.killpg(0, signal.SIGKILL)  # mlx.launch and every rank
 
 
+def _temp_files_in(mlx_launch: Any, status_dir: str) -> None:
+    """A local rank's launch script makes two files with mktemp (its pid; the ring's hostfile)
+    that mlx.launch never removes (its kill script removes the first, after a kill only): made in
+    the status directory instead, they go with it. (A remote rank's stay on its host.)"""
+    base = mlx_launch.RemoteProcess.make_launch_script
+    ours = f"$(TMPDIR={shlex.quote(status_dir)} mktemp)"
+
+    def script(rank: int, python: Any, cwd: Any, files: dict, env: list, command: list,
+               is_local: bool) -> str:
+        text = base(rank, python, cwd, files, env, command, is_local)
+        if is_local and "$(mktemp)" not in text:
+            raise RuntimeError("mlx.launch's launch script no longer makes its files with "
+                               "$(mktemp): batchsim cannot keep them out of /tmp")
+        return text.replace("$(mktemp)", ours) if is_local else text
+
+    mlx_launch.RemoteProcess.make_launch_script = staticmethod(script)
+
+
 def _main() -> None:
     """mlx.launch under the launcher: argv is the lifeline's fd, the status directory, then
     mlx.launch's arguments. Its select() is told never to wait for the ranks' stdin to be
@@ -215,6 +234,7 @@ def _main() -> None:
     threading.Thread(target=_die_with_launcher, args=(fd, status_dir), daemon=True).start()
     mlx_launch.select = lambda r, w, x, t: select.select(r, [], x, t)  # type: ignore[attr-defined]
     ring_log.install(mlx_launch, status_dir)  # the ring backend's lines to a file, not the terminal
+    _temp_files_in(mlx_launch, status_dir)
     # Its "rank N exited with code C" lines: the launcher says what failed, in one line.
     mlx_launch.log_warning = lambda *args, **kwargs: None  # type: ignore[attr-defined]
     mlx_launch.main()

@@ -314,3 +314,34 @@ def test_ring_lines_without_an_error_to_name_them_go_with_the_run(tmp_path, monk
         with pytest.raises(KeyboardInterrupt):
             launch.launch(["run"], 2, None, server=server)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_remote_ranks_ring_lines_on_its_ssh_stdout_go_to_the_file_too(tmp_path, capsys):
+    """mlx.launch runs a remote rank under `ssh -tt`: its stderr comes on its stdout, CR LF."""
+    import types
+
+    class Process:  # mlx.launch's RemoteProcess, as far as ring_log.install uses it
+        def __init__(self, _rank: int, host: str, *_args):
+            self._is_local = host == "127.0.0.1"
+
+        def preprocess_output(self, data: str, is_stdout: bool = False) -> str:
+            return data
+
+        @property
+        def exit_status(self) -> tuple:
+            return 0, False
+
+    launch = types.SimpleNamespace(RemoteProcess=Process)
+    ring_log.install(launch, str(tmp_path))
+    remote, local = (launch.RemoteProcess(r, host) for r, host in ((1, "mac2"), (0, "127.0.0.1")))
+    assert remote.preprocess_output("step 1\r\n[ring] Socket 3 was closed by the peer\r\n[ri",
+                                    True) == "step 1\r\n"
+    assert remote.preprocess_output("ng] Sending to socket 4 failed\r\n{", True) == "{"
+    assert remote.preprocess_output("[ring] x\n", False) == ""  # its own stderr, if any
+    assert local.preprocess_output("[ring] y\n", True) == "[ring] y\n"  # a local stdout: as is
+    remote.preprocess_output("[ri", True)
+    assert remote.exit_status == (0, False) and capsys.readouterr().out == "[ri"
+    assert (tmp_path / ring_log.LOG_NAME).read_text() == (
+        "rank 1: [ring] Socket 3 was closed by the peer\n"
+        "rank 1: [ring] Sending to socket 4 failed\n"
+        "rank 1: [ring] x\n")

@@ -19,7 +19,8 @@ LOG_NAME = "mlx_ring.log"
 
 class RankStderr:
     """One rank's stderr as mlx.launch reads it (chunks, not lines): the ring lines to `log`, the
-    rest passed on at once; only a line that may yet turn out a ring line waits for its end."""
+    rest passed on at once; only a line that may yet turn out a ring line waits for its end. A
+    remote rank's stdout too: over `ssh -tt` one pty carries both, its lines ending in CR LF."""
 
     _lock = threading.Lock()  # one file, a thread per rank
 
@@ -32,7 +33,7 @@ class RankStderr:
         kept = "".join(f"{line}\n" for line in lines if not line.startswith(RING_PREFIX))
         if ring:
             with self._lock, self.log.open("a") as f:
-                f.writelines(f"rank {self.rank}: {line}\n" for line in ring)
+                f.writelines(f"rank {self.rank}: {line.rstrip(chr(13))}\n" for line in ring)
         if not (self.tail.startswith(RING_PREFIX) or RING_PREFIX.startswith(self.tail)):
             kept, self.tail = kept + self.tail, ""  # a progress bar's line: shown as it comes
         return kept
@@ -51,16 +52,20 @@ def install(mlx_launch: Any, status_dir: str) -> None:
         def __init__(self, rank: int, *args: Any, **kwargs: Any):
             super().__init__(rank, *args, **kwargs)
             self._stderr = RankStderr(rank, log)
+            # Over ssh (mlx.launch's `ssh -tt`) the rank's stderr arrives on its stdout.
+            self._stdout = None if getattr(self, "_is_local", True) else RankStderr(rank, log)
 
         def preprocess_output(self, data: str, is_stdout: bool = False) -> str:
             data = super().preprocess_output(data, is_stdout)
-            return data if is_stdout else self._stderr.feed(data)
+            stream = self._stdout if is_stdout else self._stderr
+            return stream.feed(data) if stream else data
 
         @property
         def exit_status(self) -> tuple:  # read once the rank's streams ended
-            if tail := self._stderr.flush():
-                sys.stderr.write(tail)
-                sys.stderr.flush()
+            for stream, out in ((self._stderr, sys.stderr), (self._stdout, sys.stdout)):
+                if stream and (tail := stream.flush()):
+                    out.write(tail)
+                    out.flush()
             return super().exit_status
 
     mlx_launch.RemoteProcess = Filtered

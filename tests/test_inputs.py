@@ -275,6 +275,20 @@ def test_report_on_a_finished_run_gives_its_summary_back_exactly(finished_run, t
     assert json.loads((run_dir / "summary.json").read_text()) == summary
 
 
+
+@pytest.mark.parametrize("damaged", ["x", [1], {"a": 1}, 10**20, float("nan"), -5])
+def test_report_prints_a_summary_whose_peak_memory_bytes_is_damaged(finished_run, tmp_path,
+                                                                    capsys, damaged):
+    # 'x', a list, a dict and 10**20 were TypeError/OverflowError tracebacks in report's table;
+    # NaN and -5 were carried into the rebuilt summary beside the run's peak_memory (GB).
+    run_dir = _copy(finished_run, tmp_path)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").write_text(json.dumps({**summary, "peak_memory_bytes": damaged}))
+    rc, out, err = _main(["report", str(run_dir), "--json"], capsys)
+    assert rc == 0 and "Traceback" not in err, err
+    rebuilt = json.loads(out.splitlines()[-1])
+    assert rebuilt["peak_memory_bytes"] == summary["peak_memory_bytes"]  # from its GB
+
 # -- serve and run: one set of flags and checks ----------------------------------------------
 def test_serve_offers_only_what_it_accepts_and_checks_what_run_checks(capsys, tmp_path):
     from batchsim.scripts.cli import build_parser

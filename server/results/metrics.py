@@ -26,11 +26,14 @@ _GB = 1e9  # mlx-lm prints peak memory in GB of 1e9 bytes
 
 
 def peak_memory_bytes(summary: Mapping[str, Any]) -> int | None:
-    """A summary's peak memory in bytes; one written before peak_memory_bytes has the GB only."""
-    if "peak_memory_bytes" in summary:
-        return summary["peak_memory_bytes"]
-    gb = summary.get("peak_memory")
-    return None if gb is None else round(gb * _GB)
+    """A summary's peak memory in bytes; one written before peak_memory_bytes has the GB only.
+    None: not measured, or damaged (anything but a byte count below 2^63, or finite GB)."""
+    value, gb = summary.get("peak_memory_bytes"), summary.get("peak_memory")
+    if type(value) is int and 0 <= value < 1 << 63:
+        return value
+    if type(gb) in (int, float) and 0 <= gb < (1 << 63) / _GB:  # NaN fails both
+        return round(gb * _GB)
+    return None
 
 
 DERIVED_MS_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms", "queue_ms")  # a request line's, after fields

@@ -217,7 +217,6 @@ def _meta(args: argparse.Namespace, base, budget: int, source: str) -> dict:
         "executor": base.config.executor, "device_profile": base.config.device_profile,
         "env": base.environment(),  # where a real sweep ran, for its titles
         "engine": base.config.engine,
-        "prompt_len": args.prompt_len, "output_len": args.output_len,
         "seq_kv_tokens": sweep_math.seq_kv_tokens(args.prompt_len, args.output_len),
         "memory_budget_bytes": budget, "budget_source": source, "weight_bytes": base.weight_bytes,
         "kv_budget_bytes": budget - base.weight_bytes, "kv_bytes_per_token": kvt,
@@ -254,8 +253,8 @@ def _what(meta: dict) -> str:
 def _announce(meta: dict, batches: list[int]) -> None:
     lengths = (f"{meta['prompt_len']} + {meta['output_len']} tokens per request"
                if meta["workload"] is None else f"workload {meta['workload']} "
-               f"({meta['num_prompts']} requests, the longest {meta['prompt_len']} + "
-               f"{meta['output_len']} tokens)")
+               f"({meta['num_prompts']} requests, the longest {meta['longest_prompt_len']} + "
+               f"{meta['longest_output_len']} tokens)")
     out.print(f"batchsim sweep: {_what(meta)}, {lengths}, budget "
               f"{_size(meta['memory_budget_bytes'])} ({meta['budget_source']}): weights "
               f"{meta['weight_bytes'] / MIB:.1f} MiB + KV {meta['kv_bytes_per_seq'] / MIB:.2f} MiB "
@@ -270,8 +269,8 @@ def _status(row: dict) -> str:
 def _print(rows: list[dict], meta: dict, verdict: dict) -> None:
     ks = [e["spec_tokens"] for e in rows[0].get("spec", [])]
     out.print(table(
-        f"Sweep: {_what(meta)}, context "
-        f"{meta['prompt_len']}+{meta['output_len']}, budget {_size(meta['memory_budget_bytes'])}",
+        f"Sweep: {_what(meta)}, context {sweep_workload.context(meta)}, budget "
+        f"{_size(meta['memory_budget_bytes'])}",
         ["batch", "fits", "decoded", "decode tok/s", "step ms", "TPOT ms", "out tok/s",
          "KV MiB sched / exec", "KV MiB analytic", "active / peak MiB", "waits", "status",
          *[f"K={k} x plain" for k in ks]],
@@ -357,7 +356,6 @@ def _plot(rows: list[dict], meta: dict, verdict: dict, path: Path) -> Path:
         ax.set_xticks(batches, [str(b) for b in batches], fontsize=7, rotation=90)
         ax.set_xlabel("batch (requests at once, max_num_seqs)")
         ax.legend(fontsize=8)
-    fig.suptitle(f"{_what(meta)}: context "
-                 f"{meta['prompt_len']}+{meta['output_len']}, budget "
+    fig.suptitle(f"{_what(meta)}: context {sweep_workload.context(meta)}, budget "
                  f"{_size(meta['memory_budget_bytes'])} ({meta['budget_source']})")
     return save_figure(fig, path)

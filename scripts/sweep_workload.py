@@ -33,7 +33,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.description = ("With --workload or --trace, as in `run` (defaults shown: run's). Without, "
                      "each batch B runs the built-in workload: B requests of --prompt-len + "
                      "--output-len tokens at once, which takes only --output-len (N), --seed "
-                     "and --shared-prefix-tokens (N of --prompt-len) of these.")
+                     "and --shared-prefix-tokens (N of --prompt-len) of these. A workload's "
+                     "sweep.jsonl rows (and --json) carry prompt_len and output_len null (no one "
+                     "length) and its requests' longest_* (the request with the most tokens, "
+                     "which sizes the analytic limit), mean_* and max_* prompt_len / output_len.")
     p._option_string_actions["--workload"].help = (
         "run this workload at each batch, max_num_seqs = B (a built-in: configs/workloads, or a "
         "workload YAML; default: none, B requests at once, below)")
@@ -65,8 +68,15 @@ def _longest_request(args: argparse.Namespace, workload: WorkloadSpec) -> None:
                           "--trace give --input-len")
     from batchsim.workloads.requests import build_requests
 
-    r = max(build_requests(workload), key=lambda r: r.prompt_len + r.output_len)
+    requests = build_requests(workload)
+    r = max(requests, key=lambda r: r.prompt_len + r.output_len)
     args.prompt_len, args.output_len = r.prompt_len, r.output_len
+    args.lengths = {"prompt_len": None, "output_len": None,
+                    "longest_prompt_len": r.prompt_len, "longest_output_len": r.output_len}
+    for key in ("prompt_len", "output_len"):
+        values = [getattr(q, key) for q in requests]
+        args.lengths[f"mean_{key}"] = sum(values) / len(values)
+        args.lengths[f"max_{key}"] = max(values)
 
 
 def _built_in_lengths(args: argparse.Namespace) -> None:
@@ -82,6 +92,7 @@ def _built_in_lengths(args: argparse.Namespace) -> None:
                           f"not {out.dist}:...; give --workload for lengths that vary")
     args.prompt_len = args.prompt_len or PROMPT_LEN
     args.output_len = out.value
+    args.lengths = {"prompt_len": args.prompt_len, "output_len": args.output_len}
     args.seed = BUILT_IN.seed if args.seed is None else args.seed
     args.shared_prefix_tokens = args.shared_prefix_tokens or 0
     if args.shared_prefix_tokens >= args.prompt_len:
@@ -100,11 +111,18 @@ def built_in(args: argparse.Namespace, batch: int) -> WorkloadSpec:
 
 
 def workload_meta(args: argparse.Namespace) -> dict:
-    """The workload the points ran: the built-in one's flags, or the user's workload (prompt_len
-    and output_len are then its longest request's)."""
+    """The workload the points ran and its lengths (args.lengths: every request's prompt_len and
+    output_len under the built-in one; a workload's longest_*, mean_* and max_*)."""
     w = args.workload_spec
     if w is None:
         return {"workload": None, "seed": args.seed,
-                "shared_prefix_tokens": args.shared_prefix_tokens}
+                "shared_prefix_tokens": args.shared_prefix_tokens, **args.lengths}
     return {"workload": w.name, "seed": w.seed, "num_prompts": w.num_prompts,
-            "shared_prefix_tokens": None}
+            "shared_prefix_tokens": None, **args.lengths}
+
+
+def context(meta: dict) -> str:
+    """'192+64' (every request's), or a workload's 'longest 300+16' (what sizes the limit)."""
+    if meta["workload"] is None:
+        return f"{meta['prompt_len']}+{meta['output_len']}"
+    return f"longest {meta['longest_prompt_len']}+{meta['longest_output_len']}"

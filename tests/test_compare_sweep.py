@@ -150,6 +150,7 @@ def test_sweep_limit_batch_sets_the_budget(capsys, tmp_path):
                      "--prompt-len", "32", "--output-len", "8")
     per_seq = 256 * TINY_KV_F32
     assert res["kv_bytes_per_seq"] == per_seq
+    assert (res["prompt_len"], res["output_len"]) == (32, 8) and "mean_prompt_len" not in res
     assert 3 * per_seq <= res["kv_budget_bytes"] < 4 * per_seq
     assert res["analytic_overrun_batch"] == 3
     assert [r["batch"] for r in res["rows"]] == [1, 2, 3, 4, 5, 8]
@@ -187,13 +188,22 @@ def test_sweep_runs_the_users_workload_at_each_batch(capsys, tmp_path):
     assert not any(r["overrun"] for r in res["rows"]) and res["rows"][1]["decoded_batch"] < 4
     want = with_overrides(builtin_workload("shared-prompt"), num_prompts=12,
                           output_len=LengthSpec("fixed", value=16))
-    longest = max(p.prompt_len + p.output_len for p in build_requests(want))
-    assert res["prompt_len"] + res["output_len"] == longest and res["output_len"] == 16
+    requests = build_requests(want)
+    longest = max(p.prompt_len + p.output_len for p in requests)
+    assert res["longest_prompt_len"] + res["longest_output_len"] == longest
+    prompts = [p.prompt_len for p in requests]
+    # no one length: the workload's mean and max, not the longest request's, under their names
+    assert res["mean_prompt_len"] == sum(prompts) / 12 and res["max_prompt_len"] == max(prompts)
+    assert res["max_output_len"] == res["mean_output_len"] == res["longest_output_len"] == 16
+    assert res["prompt_len"] is None and res["output_len"] is None
+    assert min(prompts) < max(prompts)  # else the mean could pass for the longest
+    rows = [json.loads(line) for line in (tmp_path / "sweep.jsonl").read_text().splitlines()]
+    assert rows[-1]["mean_prompt_len"] == res["mean_prompt_len"] and rows[-1]["prompt_len"] is None
     trace = sweep_json(capsys, tmp_path, "--model", "tiny", "--trace",
                        "mooncake_conversation_slice.jsonl", "--num-prompts", "6",
                        "--max-input-len", "300", "--max-output-len", "8", "--batches", "2")
     assert trace["workload"] == "mooncake_conversation_slice"
-    assert trace["rows"][0]["completed"] == 6 and trace["prompt_len"] <= 300
+    assert trace["rows"][0]["completed"] == 6 and trace["max_prompt_len"] <= 300
 
 
 @pytest.mark.parametrize("argv, says", [

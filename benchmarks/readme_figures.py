@@ -179,16 +179,18 @@ def prefix(tmp: Path) -> list[str]:
 
 
 def moe(tmp: Path) -> list[str]:
-    """fit-macs' after_tok_s for the MoE rows the README quotes."""
+    """fit-macs' after_tok_s for the MoE rows the README quotes, and every batched MoE row."""
     rows = batchsim(["fit-macs"], tmp)["cv"]["rows"]
-    wanted = [("qwen3-30b-a3b", "M4 Max", 1), ("gpt-oss-20b", "M2 Pro", 1),
-              ("qwen3-30b-a3b", "M1 Ultra", 4)]
-    lines = []
-    for model, chip, batch in wanted:
-        for r in rows:
-            if r.get("model") == model and chip in str(r.get("chip", "")) and r["batch"] == batch:
-                lines.append(f"{r['id']} ({r['engine']}, B={batch}): predicted "
-                             f"{r['after_tok_s']:.1f} vs {r['measured_tok_s']:.1f} measured")
+    quoted = ("mlxlm-m4max-qwen3-30b-a3b-q4-b1-2k", "llmfit-m2pro-gpt-oss-20b-q4-b1")
+    batched = [r for r in rows if r["batch"] > 1 and any(
+        m in r["model"] for m in ("-a3b", "-a22b", "gpt-oss", "deepseek", "mixtral"))]
+    lines = [(f"`batchsim fit-macs --json`: {len(batched)} batched MoE rows, "
+             f"{sum(not r['explained'] for r in batched)} marked unexplained")]
+    for r in [r for r in rows if r["id"] in quoted] + batched:
+        lines.append(f"{r['id']} ({r['engine']}, B={r['batch']}"
+                     f"{'' if r['explained'] else ', unexplained'}): predicted "
+                     f"{r['after_tok_s']:.1f} vs {r['measured_tok_s']:.1f} measured "
+                     f"({100 * (r['after_tok_s'] / r['measured_tok_s'] - 1):+.0f}%)")
     return lines
 
 

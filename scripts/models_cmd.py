@@ -53,9 +53,17 @@ PRIORITY = ["model", "params", "q4 GiB", "fp16 GiB", "KV/token fp16 KiB", "famil
             "active", "q8 GiB", "fp32 GiB", "layers", "kv_heads", "head_dim"]
 
 
+def _count(params: int) -> str:
+    """8.03B, 135M, 52K: a small model's count read '0.13B' and the test models' '0.00B'."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if params >= scale:
+            return f"{params / scale:.2f}{unit}" if unit == "B" else f"{params / scale:.0f}{unit}"
+    return str(params)
+
+
 def _print_zoo(rows: list[dict]) -> None:
-    cells = [[r["name"], r["weights"], "+".join(r["family"]), f"{r['params'] / 1e9:.2f}B",
-              f"{r['active_params'] / 1e9:.2f}B", gib(r["weight_bytes"]["float32"]),
+    cells = [[r["name"], r["weights"], "+".join(r["family"]), _count(r["params"]),
+              _count(r["active_params"]), gib(r["weight_bytes"]["float32"]),
               gib(r["weight_bytes"]["float16"]), gib(r["weight_bytes"]["q8"]),
               gib(r["weight_bytes"]["q4"]), r["kv_bytes_per_token"]["float16"] / 1024,
               r["layers"], r["kv_heads"], r["head_dim"]] for r in rows]

@@ -59,3 +59,11 @@ def test_batchsim_help_wraps_to_the_terminal(monkeypatch, columns, widest):
     text = cli.build_parser().format_help()
     assert max(map(len, text.splitlines())) <= widest, text
     assert "size          per Mac in the catalog" in text and "exit codes: 0 done" in text
+
+
+def test_models_table_counts_small_models_in_millions():
+    """`batchsim models` printed SmolLM2-135M as 0.13B and the test models as 0.00B."""
+    from batchsim.scripts.models_cmd import _count
+
+    assert [_count(n) for n in (8_030_261_248, 134_515_008, 9_194_240, 106_816)] == [
+        "8.03B", "135M", "9M", "107K"]

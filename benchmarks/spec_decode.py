@@ -292,6 +292,14 @@ class SerialDraftModelDrafter:
     def forget(self, request_id: int) -> None:
         self._held.pop(request_id, None)
 
+    # Its mlx-lm caches stay outside the memory account, as they were before the draft pool
+    # joined it: the scheduler prices no draft rows beside this drafter, the executor counts none.
+    cache = None
+    nbytes = 0
+
+    def resize(self, geometry) -> None:
+        pass
+
 
 if __name__ == "__main__":
     main()

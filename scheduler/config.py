@@ -116,7 +116,7 @@ class SchedulerConfig:
              "max_num_batched_tokens must be >= prefill_step_size and >= max_num_seqs"),
             (self.max_lookahead_steps >= 1, "max_lookahead_steps must be >= 1"),
             (self.kv_layout in KV_LAYOUTS, f"kv_layout must be one of {', '.join(KV_LAYOUTS)}"),
-            (not self.reuse_prefixes or (self.prefix_cache == "on" and self.layout.is_dense),
+            (not self.reuse_prefixes or (self.prefix_cache == "on" and self.layout.all_full),
              "reuse_prefixes needs prefix_cache on and every layer full attention or MLA"),
         ]
         if self.cache_layout is not None:

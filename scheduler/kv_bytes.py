@@ -7,6 +7,10 @@ executors' account and their copy prices all ask this one object):
   trimming what it held to W - 1 (server/models/arch_cache._rotating_rows);
 - linear-attention layers hold a fixed state per sequence, whatever its length.
 A dense model's layout is one number, bytes per token, and gives exactly the scalar arithmetic.
+Speculative decoding by a draft model (`draft`): the draft model's own cache is one padded row
+per pool row at the pool's capacity (draft_model.py mirrors the target's geometry), so a pool row
+costs the target's bytes plus the draft's; private prefill caches and prefix blocks are the
+target's alone (the drafter prefills a row's context when it first drafts, and keeps no blocks).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ class CacheLayout:
     sliding: tuple[tuple[int, int], ...] = ()
     # Bytes per sequence of the linear-attention layers' fixed state (conv + recurrent).
     state_bytes: int = 0
+    # The draft model's cache beside each pool row (speculative decoding; None: no draft model).
+    draft: CacheLayout | None = None
 
     def __post_init__(self) -> None:
         if min(self.full_token_bytes, self.state_bytes) < 0 or any(
@@ -50,20 +56,35 @@ class CacheLayout:
             raise ValueError(f"cache layout has a negative size or an empty window: {self}")
         if not (self.full_token_bytes or self.sliding or self.state_bytes):
             raise ValueError("cache layout holds no bytes")
+        if self.draft is not None and self.draft.draft is not None:
+            raise ValueError("a draft model's cache layout has no draft of its own")
 
     @classmethod
     def dense(cls, kv_bytes_per_token: int) -> CacheLayout:
         return cls(kv_bytes_per_token)
 
+    def with_draft(self, draft: CacheLayout | None) -> CacheLayout:
+        """This layout with a draft model's cache beside each pool row (None: as it is)."""
+        return self if draft is None else dataclasses.replace(self, draft=draft)
+
     @property
     def is_dense(self) -> bool:
+        """One number prices it all: every layer full attention or MLA, and no draft model."""
+        return self.all_full and self.draft is None
+
+    @property
+    def all_full(self) -> bool:
+        """Every layer of the target is full attention or MLA (a draft model's aside)."""
         return not self.sliding and not self.state_bytes
 
     def seq_bytes(self, tokens: int) -> int:
-        """One pool row of `tokens` capacity, or one sequence's `tokens` copied into a row."""
+        """One pool row of `tokens` capacity, or one sequence's `tokens` copied into a row (with
+        a draft model, its row of the same capacity too)."""
         b = tokens * self.full_token_bytes + self.state_bytes
         for window, token_bytes in self.sliding:
             b += (min(window, tokens)) * token_bytes
+        if self.draft is not None:
+            b += self.draft.seq_bytes(tokens)
         return b
 
     def pool_bytes(self, pool: PoolGeometry) -> int:

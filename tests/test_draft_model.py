@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from batchsim.scheduler.pool_geometry import PoolGeometry
 from batchsim.scheduler.request import Request, SamplingParams
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.executors.draft_model import DraftModelDrafter
@@ -44,9 +45,11 @@ def _arrivals(vocab: int) -> list[tuple[int, Request]]:
 
 
 def _outputs(model, kvt: int, drafter=None):
-    sched = Scheduler(config(kv_bytes_per_token=kvt, max_num_seqs=6,
-                             spec_tokens=3 if drafter else 0, spec_policy="fixed"))
-    trace = drive(sched, MLXExecutor(model, drafter=drafter), _arrivals(512))
+    executor = MLXExecutor(model, drafter=drafter)  # its layout: the draft model's rows too
+    sched = Scheduler(config(kv_bytes_per_token=kvt, max_num_seqs=6, cache_layout=(
+        executor.cache_layout if drafter else None), spec_tokens=3 if drafter else 0,
+        spec_policy="fixed"))
+    trace = drive(sched, executor, _arrivals(512))
     return {rid: r.output_token_ids for rid, r in trace.requests.items()}, trace
 
 
@@ -78,13 +81,20 @@ def test_a_row_cut_back_after_rejections_drafts_what_a_fresh_row_drafts(tiny, ti
     rng = random.Random(4)
     seqs = [_Seq([rng.randrange(512) for _ in range(rng.randint(3, 30))]) for _ in range(5)]
     warm = DraftModelDrafter(draft)
+    warm.resize(PoolGeometry(8, 256))  # the target pool's geometry (the executor hands it)
     first = warm.propose(list(range(5)), seqs, [3, 3, 0, 2, 3])
     assert [len(d.tokens) for d in first] == [3, 3, 0, 2, 3]
     for s, d in zip(seqs, first):  # the target kept one draft (or none) and sampled a token
         s.token_ids += d.tokens[:1] + [rng.randrange(512)]
     again = warm.propose(list(range(5)), seqs, [3] * 5)
-    fresh = DraftModelDrafter(draft).propose(list(range(5)), seqs, [3] * 5)
-    assert [d.tokens for d in again] == [d.tokens for d in fresh]
+    assert [d.tokens for d in again] == [d.tokens for d in _fresh(draft, seqs, [3] * 5)]
+
+
+def _fresh(model, seqs, ks):
+    """What a drafter seeing these rows for the first time drafts (a roomy pool)."""
+    fresh = DraftModelDrafter(model)
+    fresh.resize(PoolGeometry(8, 4096))
+    return fresh.propose(list(range(len(seqs))), seqs, ks)
 
 
 class _Seq:
@@ -94,15 +104,43 @@ class _Seq:
         self.num_prompt_tokens = len(token_ids)
 
 
-def test_the_draft_pool_shrinks_only_to_what_its_rows_hold(tiny):
-    # A long row leaves; the one left holds drafts of a larger K than this step asks for, past
-    # the smaller pool the new K alone would need: the pool keeps room for them.
+def test_the_draft_pool_takes_the_target_geometry_and_counts_its_bytes(tiny):
+    # The draft pool is the target pool's rows x capacity (padded), whatever rows it holds: the
+    # bytes the scheduler prices as CacheLayout.draft. A row holding drafts past a smaller
+    # capacity is cut to it, and then drafts what a fresh row drafts.
     _, model, _ = tiny
     long_row, short_row = _Seq([7] * 1000), _Seq([5] * 250)
     drafter = DraftModelDrafter(model)
+    drafter.resize(PoolGeometry(2, 1024 + 256, 40))  # a paged target's: blocks are not rows
     drafter.propose([0, 1], [long_row, short_row], [8, 8])
     assert drafter.pool.lengths[1] == 250 + 7  # its context and 7 of its 8 drafts
+    assert drafter.nbytes == 2 * drafter.cache.seq_bytes(1024 + 256) > 0
     drafter.forget(0)
     short_row.token_ids.append(3)  # no draft kept
-    assert len(drafter.propose([1], [short_row], [1])[0].tokens) == 1
-    assert drafter.pool.geometry.capacity_tokens == 256 * 2 and drafter.pool.lengths == [251]
+    drafter.resize(PoolGeometry(1, 256))  # the target's row: 251 tokens + 1 draft
+    assert drafter.pool.lengths == [256] and drafter.nbytes == drafter.cache.seq_bytes(256)
+    got = drafter.propose([1], [short_row], [1])
+    assert [d.tokens for d in got] == [d.tokens for d in _fresh(model, [short_row], [1])]
+    drafter.forget(1)
+    drafter.resize(PoolGeometry(0, 0))
+    assert drafter.nbytes == 0
+
+
+def test_a_lagging_row_is_fed_in_pieces_that_fit_the_capacity(tiny):
+    # A row that missed drafting steps (K = 0 at a large batch) has many tokens to catch up on,
+    # beside a row near the capacity: fed in forwards the capacity leaves room for, the drafts
+    # are those of a fresh drafter.
+    _, model, _ = tiny
+    rng = random.Random(5)
+    near, lagging = _Seq([rng.randrange(512) for _ in range(250)]), _Seq([9] * 10)
+    drafter = _Counted(model)
+    d = DraftModelDrafter(drafter)
+    d.resize(PoolGeometry(2, 256))
+    d.propose([0, 1], [near, lagging], [2, 2])
+    near.token_ids.append(rng.randrange(512))
+    lagging.token_ids += [rng.randrange(512) for _ in range(30)]
+    drafter.calls = 0
+    got = d.propose([0, 1], [near, lagging], [2, 2])
+    assert drafter.calls > 2  # more than one feeding forward, then one more for draft 2
+    assert max(d.pool.lengths) <= 256
+    assert [x.tokens for x in got] == [x.tokens for x in _fresh(model, [near, lagging], [2, 2])]

@@ -109,10 +109,12 @@ def _runs(model, kvt: int, samplings: list[SamplingParams], prompts, drafter=Non
 
     arrivals = [(0, Request(i, len(ids), s, 0.0, prompt_token_ids=list(ids)))
                 for i, (ids, s) in enumerate(zip(prompts, samplings))]
+    ex = MLXExecutor(model, drafter=drafter)  # its layout: a draft model's rows too
     sched = Scheduler(config(kv_bytes_per_token=kvt, max_num_seqs=len(prompts),
+                             cache_layout=ex.cache_layout if drafter else None,
                              spec_tokens=4 if drafter else 0, spec_policy="fixed"))
     # drive checks the KV account and the executor's bytes after every step
-    trace = drive(sched, MLXExecutor(model, drafter=drafter), arrivals)
+    trace = drive(sched, ex, arrivals)
     return {rid: r.output_token_ids for rid, r in trace.requests.items()}, trace
 
 

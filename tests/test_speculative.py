@@ -185,9 +185,10 @@ def test_draft_model_speculation_matches_plain_greedy_tiny(tiny):
     prompts = [[rng.randrange(ref.spec.vocab_size) for _ in range(rng.randint(3, 30))]
                for _ in range(4)]
     plain, _ = _run(model, kvt, _requests(prompts, 16), max_num_seqs=4)
-    sched = Scheduler(config(kv_bytes_per_token=kvt, spec_tokens=3, max_num_seqs=4))
-    trace = drive(sched, MLXExecutor(model, drafter=DraftModelDrafter(model)),
-                  _requests(prompts, 16))
+    ex = MLXExecutor(model, drafter=DraftModelDrafter(model))
+    sched = Scheduler(config(kv_bytes_per_token=kvt, spec_tokens=3, max_num_seqs=4,
+                             cache_layout=ex.cache_layout))  # the draft model's rows too
+    trace = drive(sched, ex, _requests(prompts, 16))
     assert {rid: r.output_token_ids for rid, r in trace.requests.items()} == plain
     assert len(trace.plans) <= sum(map(len, plain.values())) // 3
 

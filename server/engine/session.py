@@ -17,6 +17,7 @@ from batchsim.server.executors.base import Executor
 from batchsim.server.executors.factory import build_executor, build_mlx_executor
 from batchsim.server.models.loader import ModelRef, resolve
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
+from batchsim.server.perf.spec_price import draft_cache, draft_spec, draft_weight_bytes
 from batchsim.server.platform import env
 
 CPU_BUDGET_FRACTION = 0.75  # of RAM, when no GPU working-set limit exists (CPU backend)
@@ -76,7 +77,7 @@ class Session:
         """Cached blocks are reused for full-attention and MLA layers at full precision only
         (README: prefix caching)."""
         layout = self.cache_layout
-        return (layout is None or layout.is_dense) and self.config.kv_bits is None
+        return (layout is None or layout.all_full) and self.config.kv_bits is None
 
     def _prefill_step_size(self) -> int:
         """The configured chunk; on real compute, short enough for its activations to fit
@@ -158,8 +159,10 @@ def open_session(cfg: RunConfig, executor: Executor | None = None,
     kv_dtype = "float16" if ref.quantize_bits else ref.dtype
     if executor is None:
         executor = build_executor(cfg, ref)
-    cache = ref.spec.cache_layout(kv_dtype, cfg.kv_bits)
-    weights = ref.spec.weight_bytes(ref.dtype, ref.quantize_bits) + _draft_weight_bytes(cfg, ref)
+    draft = draft_spec(cfg, ref.spec)
+    cache = ref.spec.cache_layout(kv_dtype, cfg.kv_bits).with_draft(draft_cache(draft, kv_dtype))
+    weights = (ref.spec.weight_bytes(ref.dtype, ref.quantize_bits)
+               + draft_weight_bytes(draft, ref.dtype, ref.quantize_bits))
     session = Session(cfg, ref, ref.dtype, executor, weights, budget, source,
                       cache.full_token_bytes, cache_layout=cache)
     _check_fits(session)
@@ -167,13 +170,9 @@ def open_session(cfg: RunConfig, executor: Executor | None = None,
 
 
 def _draft_weight_bytes(cfg: RunConfig, ref: ModelRef) -> int:
-    """The draft model's weights (--spec-method draft), held beside the target's: in the target's
-    dtype and weight format, as the simulator prices it (spec_price.model_drafter); else 0."""
-    if not cfg.draft_model:  # RunConfig: set with --spec-method draft only
-        return 0
-    from batchsim.server.models.loader import spec_for
-
-    return spec_for(cfg.draft_model).weight_bytes(ref.dtype, ref.quantize_bits)
+    """The draft model's weights (--spec-method draft), held beside the target's
+    (spec_price.draft_weight_bytes); else 0."""
+    return draft_weight_bytes(draft_spec(cfg, ref.spec), ref.dtype, ref.quantize_bits)
 
 
 def _auto_dtype(cfg: RunConfig) -> str:

@@ -2,29 +2,27 @@
 tokens (greedily, or drawn at the row's temperature: q of the rejection rule, acceptance.py).
 
 Every row drafts in the same forward passes, as the target decodes: the draft model has its own
-decode pool (decode_pool.DecodePool, each row's cache at its own position). A row new to it
-prefills its context but the last token on a private cache and joins the pool (what the simulator
-prices as the drafter's catch-up: spec_price.catch_up_s). Each step, every row is first cut back
-to what the target kept of its drafts (the rest is never read again, as after a verify step:
-DecodePool.keep); then one forward feeds each row the tokens it has not seen (padded to the
-longest, as a verify step is), and K - 1 more forwards one token each. All rows draft the step's
-largest K; a row is handed the K it asked for. Tokens stay on the device until the last draft."""
+decode pool (decode_pool.DecodePool, each row's cache at its own position), padded whatever the
+target's layout, and of the target pool's geometry (rows x capacity: `resize`, each step), so the
+scheduler's budget holds it (kv_bytes.CacheLayout.draft: one draft row per pool row) and the
+executor's KV account counts it (`nbytes`). A row new to it prefills its context but the last
+token on a private cache and joins the pool (what the simulator prices as the drafter's catch-up:
+spec_price.catch_up_s). Each step, every row is first cut back to what the target kept of its
+drafts (the rest is never read again, as after a verify step: DecodePool.keep); then forwards feed
+each row the tokens it has not seen (padded to the longest, as a verify step is; in pieces that
+fit the capacity when a row lags, e.g. after steps without drafts), and K - 1 more forwards one
+token each. All rows draft the step's largest K; a row is handed the K it asked for. Tokens stay
+on the device until the last draft."""
 
 from __future__ import annotations
 
 import mlx.core as mx
-from batchsim.scheduler.config import SchedulerSettings
-from batchsim.scheduler.pool_geometry import EMPTY_POOL, next_geometry
+from batchsim.scheduler.kv_bytes import CacheLayout
+from batchsim.scheduler.pool_geometry import EMPTY_POOL, PoolGeometry
 from batchsim.server.executors import prefill_cache, sampler
 from batchsim.server.executors.acceptance import KEY_DRAFT, position_key
 from batchsim.server.executors.decode_pool import DecodePool
 from batchsim.server.executors.speculative import Draft
-
-_ROW_STEP = SchedulerSettings.row_step  # the draft pool's rows grow as the target's do
-# No caps of the draft pool's own: it holds the rows the target's scheduler admitted, whatever
-# their number and bytes (next_geometry's max_rows and max_bytes, set past any real pool).
-_UNCAPPED_ROWS = 1 << 30
-_UNCAPPED_BYTES = 1 << 62
 
 
 class DraftModelDrafter:
@@ -40,7 +38,7 @@ class DraftModelDrafter:
         if k <= 0:
             return [Draft([]) for _ in rids]
         by_id = dict(zip(rids, seqs))
-        self._admit(by_id, dict(zip(rids, ks)), k)
+        self._admit(by_id, dict(zip(rids, ks)))
         rows = self.pool.row_ids
         row_seqs = [by_id[rid] for rid in rows]
         tokens, probs = self._draft(rows, row_seqs, k)
@@ -52,35 +50,41 @@ class DraftModelDrafter:
                 for rid, ask in zip(rids, ks)]
 
     def forget(self, request_id: int) -> None:
-        if self._held.pop(request_id, None) is None:
-            return
-        self.pool.remove({request_id})
-        if not len(self.pool):
-            self.pool.resize(EMPTY_POOL)
+        if self._held.pop(request_id, None) is not None:
+            self.pool.remove({request_id})
+
+    def resize(self, geometry: PoolGeometry) -> None:
+        """The target pool's rows and capacity (padded here, whatever the target's layout); rows
+        holding drafts past the capacity are cut to it (drafts the target never kept)."""
+        pool, cap = self.pool, geometry.capacity_tokens
+        if any(n > cap for n in pool.lengths):
+            pool.lengths = [min(n, cap) for n in pool.lengths]
+            for rid in pool.row_ids:
+                del self._held[rid][cap:]
+        pool.resize(PoolGeometry(geometry.rows, cap) if geometry.rows else EMPTY_POOL)
+
+    @property
+    def cache(self) -> CacheLayout:
+        """What one draft row of a given capacity holds (CacheLayout.draft)."""
+        return self.pool.layout.cache
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.nbytes
 
     # -- pieces --------------------------------------------------------------------------------
-    def _admit(self, by_id: dict[int, sampler.History], asked: dict[int, int], k: int) -> None:
+    def _admit(self, by_id: dict[int, sampler.History], asked: dict[int, int]) -> None:
         """Rows gone from the call leave; rows asking for drafts that the pool lacks join it
-        (their context prefilled); the pool grows to hold this step's drafts."""
+        (their context prefilled) in the rows the target's geometry gives (`resize`)."""
         for rid in [r for r in self.pool.row_ids if r not in by_id]:
             self.forget(rid)
         new = [rid for rid, n in asked.items() if n and rid not in self._held]
-        longest = max(len(by_id[rid].token_ids) for rid in [*self.pool.row_ids, *new])
         pool = self.pool
-        self._fit(len(pool) + len(new), longest + k)  # a row then holds its context + k - 1
         for rid in new:
             context = by_id[rid].token_ids[:-1]
             cache = self._prefill(context)
             pool.add(rid, cache, len(context))
             self._held[rid] = list(context)
-
-    def _fit(self, rows: int, tokens: int) -> None:
-        """Room for `rows` rows of `tokens`, and for what rows hold now (drafts of a larger K
-        than this step's included); the geometry grows and shrinks as the target's does."""
-        pool = self.pool
-        tokens = max(tokens, *pool.lengths) if pool.lengths else tokens
-        pool.resize(next_geometry(pool.geometry, rows, tokens, _ROW_STEP, _UNCAPPED_ROWS,
-                                  _UNCAPPED_BYTES, pool.layout.cache))
 
     def _prefill(self, context: list[int]) -> list | None:
         """A private cache holding `context` (no logits: the pool's first step feeds the last
@@ -95,26 +99,42 @@ class DraftModelDrafter:
     def _draft(self, rows: list[int], seqs: list[sampler.History], k: int):
         """k tokens for every pool row: per draft position a (B,) array, and the (B_drawn, V)
         distributions of the rows that draw (None if none do)."""
-        pool = self.pool
-        same = [_common_prefix(self._held[rid], s.token_ids, len(s.token_ids) - 1)
-                for rid, s in zip(rows, seqs)]
-        feeds = [s.token_ids[n:] for s, n in zip(seqs, same)]
-        n = max(map(len, feeds))
-        self._fit(len(rows), max(max(same) + n, max(len(s.token_ids) for s in seqs) + k))
-        inputs = mx.array([f + [0] * (n - len(f)) for f in feeds])
-        pool.keep(same, [0] * len(same))  # cut back to what the target kept
-        logits = self.model(inputs, cache=pool.layer_views(n))
-        pool.keep(same, [len(f) for f in feeds])  # the padding is never read
-        logits = logits[mx.arange(len(rows)), mx.array([len(f) - 1 for f in feeds])]
+        logits = self._feed(rows, seqs)
         drawn = [i for i, s in enumerate(seqs) if s.sampling.temperature > 0]
         tokens, probs = [], []
         for i in range(k):
             if i:
-                logits = self.model(tokens[-1][:, None], cache=pool.layer_views())[:, -1]
+                logits = self.model(tokens[-1][:, None], cache=self.pool.layer_views())[:, -1]
             token, p = _choose(logits, rows, seqs, drawn, i)
             tokens.append(token)
             probs.append(p)
         return tokens, (probs, drawn)
+
+    def _feed(self, rows: list[int], seqs: list[sampler.History]) -> mx.array:
+        """Each row cut back to what the target kept, then fed the tokens it has not seen (at
+        least its last), padded to the longest, in forwards as wide as the capacity leaves;
+        (B, V): the logits after each row's last token."""
+        pool = self.pool
+        same = [_common_prefix(self._held[rid], s.token_ids, len(s.token_ids) - 1)
+                for rid, s in zip(rows, seqs)]
+        feeds = [s.token_ids[n:] for s, n in zip(seqs, same)]
+        pool.keep(same, [0] * len(same))  # cut back to what the target kept
+        last, done, at = None, 0, mx.arange(len(rows))
+        while left := [f[done:] for f in feeds if len(f) > done]:
+            room = pool.geometry.capacity_tokens - max(pool.lengths)
+            if room < 1:
+                raise RuntimeError(f"draft pool {pool.geometry} has no room to feed its rows")
+            n = min(max(map(len, left)), room)
+            pieces = [f[done : done + n] for f in feeds]
+            lengths = list(pool.lengths)
+            logits = self.model(mx.array([p + [0] * (n - len(p)) for p in pieces]),
+                                cache=pool.layer_views(n))
+            pool.keep(lengths, [len(p) for p in pieces])  # the padding is never read
+            logits = logits[at, mx.array([max(len(p) - 1, 0) for p in pieces])]
+            ends = mx.array([0 < len(f) - done <= n for f in feeds])[:, None]
+            last = logits if last is None else mx.where(ends, logits, last)
+            done += n
+        return last
 
 
 def _choose(logits: mx.array, rows: list[int], seqs: list[sampler.History], drawn: list[int],

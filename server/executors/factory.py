@@ -63,10 +63,13 @@ def build_executor(cfg: ExecutorConfig, ref: ModelRef, model: Any = None) -> Exe
         return FakeExecutor(vocab_size=ref.spec.vocab_size)
     if cfg.executor == "sim":
         from batchsim.server.executors.sim_executor import SimExecutor
+        from batchsim.server.perf.spec_price import draft_cache, draft_spec
 
-        cost = step_cost(cfg, ref)
-        return SimExecutor(cost, cache=ref.spec.cache_layout(cost.act_dtype, cfg.kv_bits),
-                           paged=cfg.kv_layout == "paged", spec=_sim_spec(cfg, ref, cost))
+        cost, draft = step_cost(cfg, ref), draft_spec(cfg, ref.spec)
+        cache = ref.spec.cache_layout(cost.act_dtype, cfg.kv_bits).with_draft(
+            draft_cache(draft, cost.act_dtype))  # the draft model's rows beside the target's
+        return SimExecutor(cost, cache=cache, paged=cfg.kv_layout == "paged",
+                           spec=_sim_spec(cfg, ref, cost, draft))
     raise ValueError(f"unknown executor {cfg.executor!r} (mlx, sim or fake)")
 
 
@@ -82,9 +85,9 @@ def step_cost(cfg: ExecutorConfig, ref: ModelRef) -> StepCost:
                     engine=load_engine(cfg.engine), paged=cfg.kv_layout == "paged")
 
 
-def _sim_spec(cfg: ExecutorConfig, ref: ModelRef, cost: Any):
+def _sim_spec(cfg: ExecutorConfig, ref: ModelRef, cost: Any, draft: Any):
     """The simulated executor's SpecDraws (None: no speculation), with the drafter it prices:
-    the draft model's shapes on the target's step cost, or the n-gram drafter."""
+    the draft model's shapes (`draft`) on the target's step cost, or the n-gram drafter."""
     if getattr(cfg, "spec_method", "none") == "none":
         return None
     from batchsim.server.executors.sim_spec import SpecDraws
@@ -92,11 +95,7 @@ def _sim_spec(cfg: ExecutorConfig, ref: ModelRef, cost: Any):
     from batchsim.server.perf.spec_acceptance import Acceptance
 
     drafter = spec_price.NGRAM
-    if cfg.spec_method == "draft":
-        from batchsim.server.models.loader import spec_for
-
-        draft = spec_for(cfg.draft_model)
-        spec_price.check_draft_model(draft, ref.spec)  # refused as a real run refuses it
+    if draft is not None:
         drafter = spec_price.model_drafter(cost, draft, ref.dtype)
     return SpecDraws(Acceptance(cfg.spec_acceptance, cfg.spec_acceptance_curve,
                                 cfg.spec_draft_share), cfg.workload.seed, drafter)

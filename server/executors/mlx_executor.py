@@ -90,6 +90,8 @@ class MLXExecutor:
             self._register(new)
         self.prefix_blocks.evict(plan.cache_ops)
         self.pool.resize(plan.pool)
+        if self.drafter is not None:
+            self.drafter.resize(plan.pool)
         self._join(plan)
 
         sampled_ids: list[int] = []  # aligned with the concatenated samples
@@ -190,6 +192,8 @@ class MLXExecutor:
         for rid in self.seqs if self.drafter is not None else ():
             self.drafter.forget(rid)
         self.pool = self._new_pool()
+        if self.drafter is not None:
+            self.drafter.resize(self.pool.geometry)  # emptied with the target's
         self.seqs.clear()
 
     def end_run(self) -> None:
@@ -206,8 +210,10 @@ class MLXExecutor:
 
     @property
     def cache_layout(self):
-        """What the pool and the private caches hold, by layer kind (the scheduler's pricing)."""
-        return self.pool.layout.cache
+        """What the pool and the private caches hold, by layer kind (the scheduler's pricing);
+        a draft model's rows beside the pool's (speculative.Drafter.cache)."""
+        cache = self.pool.layout.cache
+        return cache.with_draft(self.drafter.cache) if self.drafter is not None else cache
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -216,7 +222,8 @@ class MLXExecutor:
 
     def kv_bytes(self) -> int:
         private = sum(c.nbytes for s in self.seqs.values() if s.cache for c in s.cache)
-        return self.pool.nbytes + private + self.prefix_blocks.nbytes
+        drafter = self.drafter.nbytes if self.drafter is not None else 0
+        return self.pool.nbytes + private + self.prefix_blocks.nbytes + drafter
 
     # -- pieces --------------------------------------------------------------------------------
     def _free(self, request_ids: tuple[int, ...]) -> None:

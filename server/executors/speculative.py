@@ -11,6 +11,8 @@ from typing import NamedTuple, Protocol
 
 import mlx.core as mx
 import numpy as np
+from batchsim.scheduler.kv_bytes import CacheLayout
+from batchsim.scheduler.pool_geometry import PoolGeometry
 from batchsim.server.executors.sampler import History
 
 # vLLM's prompt_lookup_min / prompt_lookup_max: the n-gram lengths the n-gram drafter matches.
@@ -35,6 +37,20 @@ class Drafter(Protocol):
 
     def forget(self, request_id: int) -> None:
         """The request left: drop what is held for it."""
+        ...
+
+    def resize(self, geometry: PoolGeometry) -> None:
+        """The target's pool takes `geometry` this step (a draft model's pool follows it)."""
+        ...
+
+    @property
+    def cache(self) -> CacheLayout | None:
+        """What the drafter holds per pool row (CacheLayout.draft); None: nothing."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the drafter's cache holds now (the executor's KV account)."""
         ...
 
 
@@ -69,6 +85,12 @@ class NgramDrafter:
 
     def forget(self, request_id: int) -> None:
         pass
+
+    def resize(self, geometry: PoolGeometry) -> None:
+        pass
+
+    cache = None  # no cache of its own
+    nbytes = 0
 
 
 def num_accepted(drafts: list[int], greedy: list[int]) -> int:

@@ -11,6 +11,7 @@ from collections import Counter
 
 import numpy as np
 from batchsim.configs import ConfigError
+from batchsim.scheduler.kv_bytes import CacheLayout
 from batchsim.scheduler.pool_geometry import KV_STEP, PAGE_TOKENS, round_down, round_up
 from batchsim.server.models.arch_cache import cache_bytes, generate_calls
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
@@ -141,6 +142,15 @@ def layered_curves(spec: ModelSpec, ctx: ContextFit, dtype: str, kv_bytes_per_to
             ctx.paged_shared_tokens * kv_bytes_per_token + per_seq)
 
 
+def draft_curve(ctx: ContextFit, draft: CacheLayout) -> np.ndarray:
+    """A draft model's cache beside B sequences, B = 0..cap: B rows at the padded capacity of the
+    longest (CacheLayout.seq_bytes, the scheduler's and the simulator's price of a draft row;
+    padded whatever the target's layout, as draft_model.py holds it)."""
+    caps = round_up(ctx.longest_tokens, KV_STEP)
+    row = {int(c): draft.seq_bytes(int(c)) for c in np.unique(caps)}
+    return np.arange(len(caps)) * np.array([row[int(c)] for c in caps], dtype=np.int64)
+
+
 def _scaled(c: KvComposition, share: float) -> KvComposition:
     if share == 1.0:
         return c
@@ -233,6 +243,10 @@ def mac_row(spec: ModelSpec, mac: macs.Mac, memory_gb: float, ctx: ContextFit, s
         curves = layered_curves(spec, ctx, act_dtype, kv_per_token, s.kv_bits)
         curves, unit = tuple((c * share).astype(np.int64) for c in curves), 1
         per_seq = _scaled(kv_composition(spec, width, act_dtype, s.kv_bits), share)
+    draft = spec_price.draft_cache(s.draft, act_dtype)
+    if draft is not None:  # a draft model's weights, and its padded row beside every sequence
+        weights += spec_price.draft_weight_bytes(s.draft, s.dtype, s.quantize_bits)
+        curves, unit = tuple(c * unit + draft_curve(ctx, draft) for c in curves), 1
     (padded, paged, shared), (padded_r, paged_r, shared_r) = (
         [max_batch(curve, limit - weights, unit) for curve in curves] for limit in (usable, raised)
     )
@@ -242,6 +256,8 @@ def mac_row(spec: ModelSpec, mac: macs.Mac, memory_gb: float, ctx: ContextFit, s
         "compute_known": mac.compute_known,
         "usable_bytes": usable, "usable_bytes_raised": raised, "weight_bytes": weights,
         "kv_bytes_per_token": kv_tok, "kv_bytes_per_seq": per_seq.total_bytes,
+        # The draft model's K/V per token (its rows padded to the longest; in max_batch*).
+        "draft_kv_bytes_per_token": draft.full_token_bytes if draft is not None else None,
         "kv_per_seq": dataclasses.asdict(per_seq),  # at the mean context, by what bounds it
         "max_batch": padded, "max_batch_padded": padded, "max_batch_paged": paged,
         "max_batch_padded_raised": padded_r, "max_batch_paged_raised": paged_r,

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from batchsim.configs import ConfigError
+from batchsim.scheduler.kv_bytes import CacheLayout
 from batchsim.server.models.spec import ModelSpec
 from batchsim.server.perf.spec_acceptance import Acceptance
 from batchsim.server.perf.step_time import StepTime
@@ -81,6 +82,31 @@ def model_drafter(cost: StepCost, draft: ModelSpec, dtype: str) -> Drafter:
     the draft model keeps mlx-lm caches of its own, never the paged pool."""
     return Drafter(StepCost(draft, cost.profile, dtype, cost.quantize_bits, cost.kv_bits,
                             engine=cost.base_engine), draft.name)
+
+
+def draft_spec(cfg, target: ModelSpec) -> ModelSpec | None:
+    """A run config's draft model (--spec-method draft --draft-model M), checked against the
+    target as a real run checks it; None: no draft model."""
+    if getattr(cfg, "spec_method", "none") != "draft":
+        return None
+    from batchsim.server.models.loader import spec_for
+
+    draft = spec_for(cfg.draft_model)
+    check_draft_model(draft, target)
+    return draft
+
+
+def draft_cache(draft: ModelSpec | None, dtype: str) -> CacheLayout | None:
+    """The draft model's cache per pool row (CacheLayout.draft): its layers in the target's
+    activation dtype, never quantized (the real drafter's DecodePool has no kv_bits); None: no
+    draft model. Scheduler, simulator and `size` add it through CacheLayout.seq_bytes."""
+    return None if draft is None else draft.cache_layout(dtype, None)
+
+
+def draft_weight_bytes(draft: ModelSpec | None, dtype: str, quantize_bits: int | None) -> int:
+    """The draft model's weights in the target's dtype and weight format, as model_drafter
+    prices its forwards (session and `size` alike); 0: no draft model."""
+    return 0 if draft is None else draft.weight_bytes(dtype, quantize_bits)
 
 
 def draft_s(drafter: Drafter, batch: int, spec_tokens: int, width: int) -> float:

@@ -453,3 +453,17 @@ def test_a_narrow_table_folds_its_names_instead_of_cutting_them():
     Console(file=buf, width=24).print(table("t", ["batch", "executor/mlx_lm_paired"], [[1, 1.5]]))
     text = buf.getvalue()
     assert "…" not in text and "executor/mlx" in text and "_lm_paired" in text  # folded
+
+
+def test_validate_without_a_profile_picks_as_run_does(monkeypatch):
+    """`batchsim validate` on a fresh checkout said "device profile 'local' not found" where
+    `run --executor sim` picks the shipped profile calibrated on a machine like this one."""
+    from batchsim.scripts import cli, validate
+
+    seen = []
+    monkeypatch.setattr(validate, "profile_for_this_machine", lambda: "shipped-like-this")
+    monkeypatch.setattr(validate, "_open", lambda args, _: seen.append(args.device_profile)
+                        or "stop here")
+    for given in ([], ["--device-profile", "M2 Max"]):
+        validate.run(cli.build_parser().parse_args(["validate", "--cases", "b1-poisson", *given]))
+    assert seen == ["shipped-like-this", "M2 Max"]

@@ -154,10 +154,10 @@ def _print(model: MacModel, cv: dict) -> None:
         for label, rep in (("before", cv["before"][fold]), ("after", cv[fold])):
             body.append([fold, label, *(_stat(rep[k]) for k in mac_cv.KINDS)])
     out.print(table("Held-out |error|: median / worst", ["fold", "fit", *mac_cv.KINDS], body))
-    engines = cv["leave_one_source_out"]["by_engine"]
-    out.print(table("Leave one source out, by engine (after): median / worst",
-                    ["engine", *mac_cv.KINDS],
-                    [[e, *(_stat(rep[k]) for k in mac_cv.KINDS)] for e, rep in engines.items()]))
+    out.print(table("Held out by engine (after; the profile that priced the rows): median / "
+                    "worst", ["engine", "fold", *mac_cv.KINDS],
+                    [[e, fold, *(_stat(cv[fold]["by_engine"][e][k]) for k in mac_cv.KINDS)]
+                     for e in cv["leave_one_source_out"]["by_engine"] for fold in mac_cv.FOLDS]))
     out.print(f"Fit: {model.fit.summary()}. {model.fit.fitted_on}. Engines' host us per step / "
               "token: " + ", ".join(f"{e} {p.host_step_us:.0f} / {p.host_token_us:.0f}"
                                     for e, p in sorted(model.engines.items())) + ". Priors of an "

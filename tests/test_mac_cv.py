@@ -149,7 +149,7 @@ def test_fit_macs_reports_cv_by_source_and_chip(monkeypatch, rows):
             assert set(cv[fold][k]) == {"n", "median_abs", "worst_abs"}
             assert set(cv["before"][fold][k]) == {"n", "median_abs", "worst_abs"}
         assert cv[fold]["batched"]["n"] == sum(r.batch > 1 for r in few)
-        assert set(cv[fold]["by_engine"]) == {r.engine for r in few}
+        assert set(cv[fold]["by_engine"]) == {ps.engine_name(r) for r in few}
     assert [r["id"] for r in cv["rows"]] == [r.id for r in few]
     assert all(r["before_tok_s"] > 0 and r["after_tok_s"] > 0
                and r["leave_one_source_out_tok_s"] > 0 for r in cv["rows"])

@@ -101,3 +101,23 @@ def test_the_shipped_fit_check_compares_its_held_out_errors(monkeypatch):
     fit = gpu_fit.load_fit()
     assert fit_macs.same_errors(fit, fit) and fit.errors
     assert not fit_macs.same_errors(fit, dataclasses.replace(fit, errors={}))
+
+
+def test_cv_by_engine_is_by_the_profile_that_priced_each_row():
+    """Per engine: the engine profile each row was priced by (its host costs are that profile's):
+    mlx_lm.benchmark -b B is mlx-lm-batch, vllm-mlx streamed is vllm-mlx-server; each engine's
+    n, median and worst are its own rows' (a gain: its batched row's engine)."""
+    rows = [r for r in load_published().rows if r.src in {"vllmcpp_m4_mlx", "vllm_mlx_llm"}]
+    factor = {"mlx-lm": 1.1, "mlx-lm-batch": 0.5, "vllm-mlx": 1.3, "vllm-mlx-server": 0.8}
+    predicted = [r.tok_s * factor[ps.engine_name(r)] for r in rows]
+    rep = mac_cv.report(rows, predicted)["by_engine"]
+    assert set(rep) == set(factor)
+    for eng, f in factor.items():
+        n = {k: sum(ps.engine_name(r) == eng and mac_cv.kind(r) == k for r in rows)
+             for k in ("b1", "batched")}
+        assert rep[eng]["b1"]["n"] == n["b1"] and rep[eng]["batched"]["n"] == n["batched"]
+        for k in ("b1", "batched"):
+            if n[k]:
+                assert rep[eng][k]["median_abs"] == rep[eng][k]["worst_abs"] == round(abs(f - 1), 4)
+    assert rep["mlx-lm-batch"]["batched"]["n"] == 4 and rep["mlx-lm-batch"]["gain"]["n"] == 4
+    assert rep["mlx-lm-batch"]["gain"]["median_abs"] == round(1 - 0.5 / 1.1, 4)

@@ -71,7 +71,8 @@ def summary(errs: Iterable[float]) -> dict[str, float | int | None]:
 
 def report(rows: Sequence[Any], predicted: Sequence[float],
            keep: Sequence[bool] | None = None) -> dict[str, Any]:
-    """{b1, batched, gain: summary} overall, the same per engine under `by_engine`, and (given
+    """{b1, batched, gain: summary} overall, the same per engine profile that priced the rows
+    (sim.engine_name: mlx-lm at batch > 1 is mlx-lm-batch) under `by_engine`, and (given
     `keep`) over the kept rows only under `explained_only` (a gain: both its rows kept)."""
     errs = errors(rows, predicted)
     out: dict[str, Any] = {k: summary(e for _, e in errs[k]) for k in KINDS}
@@ -79,10 +80,10 @@ def report(rows: Sequence[Any], predicted: Sequence[float],
         partner = dict(gain_pairs(rows))
         out["explained_only"] = {k: summary(e for i, e in errs[k] if keep[i] and (
             k != "gain" or keep[partner[i]])) for k in KINDS}
-    engines = sorted({r.engine for r in rows})
+    priced = [engine_name(r) for r in rows]  # a gain: its batched row's
     out["by_engine"] = {
-        eng: {k: summary(e for i, e in errs[k] if rows[i].engine == eng) for k in KINDS}
-        for eng in engines}
+        eng: {k: summary(e for i, e in errs[k] if priced[i] == eng) for k in KINDS}
+        for eng in sorted(set(priced))}
     return out
 
 
@@ -171,9 +172,10 @@ def validate(rows: Sequence[Any], catalog: macs.Catalog, before: GpuFit,
     `prefill`: the reference set's prefill rows (mlx_fit.prefill_rows); each fold fits on its
     own."""
     start = MacModel(before)
-    after = fit_published(rows, catalog, start, fitted_on)
+    fitter = published_fitter(catalog, prefill)
+    after = fitter(rows)  # what every fold runs, on every row: the held-out errors are its own
     keep = [explained(r, start) for r in rows]
-    cv, held, used = cross_validate(rows, catalog, published_fitter(catalog, prefill), keep)
+    cv, held, used = cross_validate(rows, catalog, fitter, keep)
     old_cv, _, _ = cross_validate(rows, catalog, legacy_fitter(catalog, prefill), keep)
     table = []
     for i, r in enumerate(rows):
@@ -186,5 +188,6 @@ def validate(rows: Sequence[Any], catalog: macs.Catalog, before: GpuFit,
         entry |= {f"{fold}_tok_s": held[fold][i] for fold in FOLDS}
         entry |= {f"{fold}_engine_prior": used[fold][i] for fold in FOLDS}
         table.append(entry)
-    fit = dataclasses.replace(after.fit, errors=_errors(cv), compute_fitted_on=fitted_on)
+    fit = dataclasses.replace(after.fit, errors=_errors(cv), fitted_on=fitted_on,
+                              compute_fitted_on=fitted_on)
     return dataclasses.replace(after, fit=fit), {**cv, "before": old_cv, "rows": table}

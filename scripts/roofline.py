@@ -256,16 +256,9 @@ def _plot(path: Path, summary: dict) -> Path:
         ax.plot(grid, np.minimum(peak, grid * bw), color=color, lw=2, alpha=0.7,
                 label=f"{d} roof: {peak:.1f} GFLOP/s peak, ridge \u25c6 {ridge:.2g} FLOP/B")
         ax.plot([ridge], [peak], "D", color=color, ms=9, mec="black")
-    near: dict[tuple, int] = {}  # labels at about one spot, stacked instead of overprinted
     for r in points:
         ax.scatter(r["intensity"], r["gflops"], marker=_MARKERS[r["shape"]], s=45, zorder=3,
                    color=_COLORS.get(r["dtype"], "black"), edgecolors="black", linewidths=0.5)
-        sweep = r["shape"] == "batch"  # sweep labels above, GEMV/GEMM below: they share x values
-        label = f"B={r['batch']}" if sweep else f"{r['shape'].upper()} {r['n']}"
-        spot = (sweep, round(4 * np.log10(r["intensity"])), round(np.log10(r["gflops"]), 1))
-        near[spot] = k = near.get(spot, -1) + 1
-        ax.annotate(label, (r["intensity"], r["gflops"]), textcoords="offset points",
-                    xytext=(5, (4 + 8 * k) if sweep else (-10 - 8 * k)), fontsize=7)
     for shape, marker in _MARKERS.items():  # legend entries for the marker shapes
         sweep = f", N={summary['sweep']['n']}" if shape == "batch" else ""
         ax.scatter([], [], marker=marker, color="white", edgecolors="black",
@@ -278,4 +271,28 @@ def _plot(path: Path, summary: dict) -> Path:
     ax.set_ylim(top=top * 4)  # the memory roof runs on far above the compute roofs
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
+    _label_points(ax, points)
     return save_figure(fig, path, dpi=100)
+
+
+def _label_points(ax, points) -> None:
+    """B=N above a sweep point, GEMV/GEMM N below the others, each moved on (further from its
+    point) until it overlaps no label placed before: on a loaded machine a dtype's GEMVs land
+    close together and their labels overprinted (offsets in points, 7-pt text)."""
+    ax.get_xlim(), ax.get_ylim()  # the limits final before mapping points to the page
+    to_pt = 72 / ax.figure.dpi
+    placed: list[tuple[float, float, float, float]] = []
+    for r in sorted(points, key=lambda r: -r["gflops"]):
+        sweep = r["shape"] == "batch"  # sweep labels above, GEMV/GEMM below: they share x values
+        label = f"B={r['batch']}" if sweep else f"{r['shape'].upper()} {r['n']}"
+        x, y = (v * to_pt for v in ax.transData.transform((r["intensity"], r["gflops"])))
+        width = 4.2 * len(label)
+        for k in range(8):
+            dy = (4 + 8 * k) if sweep else (-10 - 8 * k)
+            box = (x + 5, y + dy, x + 5 + width, y + dy + 7)
+            if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3]
+                       for b in placed):
+                break
+        placed.append(box)
+        ax.annotate(label, (r["intensity"], r["gflops"]), textcoords="offset points",
+                    xytext=(5, dy), fontsize=7)

@@ -225,3 +225,31 @@ def test_unknown_format_is_a_one_line_error(tmp_path):
                            text=True, timeout=120)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "q4" in proc.stderr and "q3" in proc.stderr
+
+
+def test_plot_labels_do_not_overprint(tmp_path, monkeypatch):
+    """A loaded machine's GEMVs land close together (0.40-0.46 GFLOP/s at one intensity, beside a
+    sweep point): their labels overprinted each other in the README's roofline.png."""
+    from batchsim.scripts import roofline
+
+    figures = []
+    monkeypatch.setattr(roofline, "save_figure", lambda fig, path, **_: figures.append(fig))
+    gemv = [{"dtype": "float32", "batch": 1, "n": n, "intensity": 0.5, "gflops": g,
+             "shape": "gemv"} for n, g in ((1024, 0.40), (2048, 0.42), (4096, 0.44),
+                                           (8192, 0.46))]
+    sweep = [{"dtype": "q4", "batch": 2, "n": 4096, "intensity": 0.55, "gflops": 0.43,
+              "shape": "batch"}]
+    summary = {"bandwidth_gbs": 4.7, "peak_gflops": {"float32": 42.8, "q4": 1.3},
+               "ridge_flop_per_byte": {"float32": 9.1, "q4": 0.28}, "rows": gemv,
+               "sweep": {"rows": sweep, "n": 4096}, "peak_rows": [],
+               "env": {"device_name": None, "cpu": "CPU", "backend": "cpu", "blas": "openblas",
+                       "mlx": "0"}}
+    roofline._plot(tmp_path / "r.png", summary)
+    fig = figures[0]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in fig.axes[0].texts]
+    assert len(boxes) == 5
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            assert not a.overlaps(b), (a, b)

@@ -1,7 +1,10 @@
 """A draft model's weights are held beside the target's: the memory budget counts them (a run
-whose two models do not fit is refused in one line), real and simulated."""
+whose two models do not fit is refused in one line), real and simulated; and a draft model
+whose tokenizer gives tokens other ids than the target's is refused, whatever its size."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from batchsim.configs import ConfigError
@@ -34,7 +37,7 @@ def test_a_simulated_draft_models_weights_leave_less_for_the_kv_cache():
     assert drafted.kv_budget_bytes == plain.kv_budget_bytes - draft
 
 
-def test_a_real_draft_models_loaded_weights_count_against_the_budget():
+def test_a_real_draft_models_loaded_weights_count_against_the_budget(batchsim_home):
     both = zoo_spec("tiny").weight_bytes("float32") + zoo_spec("tiny-moe").weight_bytes("float32")
     session = open_session(_draft_config("tiny", "tiny-moe", dtype="float32", memory_gb=1))
     params = [session.model, session.executor.drafter.model]
@@ -42,6 +45,24 @@ def test_a_real_draft_models_loaded_weights_count_against_the_budget():
     too_small = (both - 1024) / GIB  # the target alone fits; with its draft model it does not
     with pytest.raises(ConfigError, match="with draft model tiny-moe"):
         open_session(_draft_config("tiny", "tiny-moe", dtype="float32", memory_gb=too_small))
+
+
+def test_a_draft_model_with_another_tokenizer_of_the_same_size_is_refused(tiny, tmp_path):
+    import json
+    import shutil
+
+    target, draft = (Path(shutil.copytree(tiny[0].path, tmp_path / n)) for n in ("t", "d"))
+    data = json.loads((draft / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens swap ids: the same 512 tokens
+    (draft / "tokenizer.json").write_text(json.dumps(data))
+    kw = {"dtype": "float32", "memory_gb": 1}
+    assert open_session(_draft_config(str(target), str(target), **kw)).executor.drafter
+    with pytest.raises(ConfigError) as info:
+        open_session(_draft_config(str(target), str(draft), **kw))
+    message = str(info.value)
+    assert "\n" not in message and "gives 2 of" in message and "share the tokenizer" in message
 
 
 def _leaves(model):

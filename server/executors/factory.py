@@ -122,8 +122,10 @@ def _drafter(cfg: ExecutorConfig, ref: ModelRef):
         return speculative.NgramDrafter()
     from batchsim.server.executors.draft_model import DraftModelDrafter
     from batchsim.server.models.loader import load, resolve
+    from batchsim.server.models.tokenizer import check_shared_tokenizer
     from batchsim.server.perf.spec_price import check_draft_model
 
     draft = resolve(cfg.draft_model, ref.dtype)
     check_draft_model(draft.spec, ref.spec)  # its own caches are cut back too
+    check_shared_tokenizer(draft.path, ref.path, draft.name, ref.name)
     return DraftModelDrafter(load(draft)[0])

@@ -71,3 +71,31 @@ def build_tokenizer(out_dir: Path, vocab_size: int, bos_id: int, eos_id: int, ma
         "clean_up_tokenization_spaces": False,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
+def tokenizer_vocab(model_dir: Path) -> dict[str, int] | None:
+    """token -> id of a model directory's tokenizer.json, its added tokens included (None: none
+    there, or one this cannot read: a sentencepiece-only model)."""
+    try:
+        data = json.loads((model_dir / "tokenizer.json").read_text())
+        vocab = data["model"]["vocab"]
+        ids = ({tok: i for i, (tok, _) in enumerate(vocab)} if isinstance(vocab, list)  # unigram
+               else dict(vocab))
+        ids.update({t["content"]: t["id"] for t in data.get("added_tokens", [])})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return ids
+
+
+def check_shared_tokenizer(draft_dir: Path, target_dir: Path, draft: str, target: str) -> None:
+    """A one-line error when both models' tokenizer.json map tokens to different ids (the
+    vocabulary's size alone is checked before: spec_price.check_draft_model)."""
+    from batchsim.configs import ConfigError
+
+    theirs, ours = tokenizer_vocab(draft_dir), tokenizer_vocab(target_dir)
+    if theirs is None or ours is None or theirs == ours:
+        return
+    moved = sum(theirs.get(tok) != i for tok, i in ours.items())
+    raise ConfigError(f"--draft-model {draft}: its tokenizer gives {moved} of {target}'s "
+                      f"{len(ours)} tokens other ids (or none); a draft model must share the "
+                      "tokenizer")

@@ -132,8 +132,9 @@ def test_moe_batching_gain_is_well_below_dense():
     # More rows route to more distinct experts: MoE gains well under dense (0.72x of it since a
     # tiled matmul pays its FLOPs beside its bytes: the dense gain shrank; 0.56x with the fit of
     # per-row terms, under 0.5x before them; 0.76x once an engine sampling the batch at once pays
-    # no per-row sampling).
-    assert 1 < moe_gain < 0.8 * dense_gain
+    # no per-row sampling; 0.93x once a layer's fixed cost is by its kernels, server.perf.kernels:
+    # a qwen3_moe layer launches 27 to qwen3's 19, fixed time that batching shares out).
+    assert 1 < moe_gain < 0.95 * dense_gain
     assert all(moe[a] < moe[b] for a, b in zip(sorted(moe), sorted(moe)[1:]))
 
 

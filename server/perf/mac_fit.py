@@ -21,6 +21,7 @@ import numpy as np
 from batchsim.server.models.spec import ModelSpec, zoo_spec
 from batchsim.server.perf import macs
 from batchsim.server.perf.gpu_fit import FORMATS, GpuFit, fit_format, mac_profile
+from batchsim.server.perf.kernels import kernel_layers
 from batchsim.server.perf.reference import DecodeRow, ReferenceSet, row_mac
 from batchsim.server.perf.stepcost import StepCost
 
@@ -64,7 +65,7 @@ def row_cost(row: DecodeRow, catalog: macs.Catalog, fit: GpuFit | None,
 def basis(row: DecodeRow, catalog: macs.Catalog) -> Basis:
     step = row_cost(row, catalog, None).decode_time(1, row.width_tokens)
     return Basis(row, fit_format(row.quantize_bits), step.total_s - step.experts_s,
-                 step.experts_s, _spec(row.model).num_layers, 1.0 / row.decode_tok_s)
+                 step.experts_s, kernel_layers(_spec(row.model)), 1.0 / row.decode_tok_s)
 
 
 def predict_tok_s(row: DecodeRow, catalog: macs.Catalog, fit: GpuFit) -> float:

@@ -24,6 +24,7 @@ from batchsim.server.models.arch import QUANT_GROUP_SIZE, quantized_matrix_bytes
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.perf.cluster import Cluster
 from batchsim.server.perf.engines import EngineProfile, load_engine
+from batchsim.server.perf.kernels import kernel_layers
 from batchsim.server.perf.layer_cost import LayerCost, roofline_split
 from batchsim.server.perf.profile import (
     Calibration,
@@ -218,7 +219,7 @@ class StepCost:
         if self.cal is not None:
             return (self._layers_overhead_us + self.cal.forward_overhead_us) * 1e-6, 0.0
         p = self.profile
-        return (self.spec.num_layers * p.layer_overhead_s + p.forward_overhead_s,
+        return (kernel_layers(self.spec) * p.layer_overhead_s + p.forward_overhead_s,
                 self.layers.moe_layers * p.moe_layer_overhead_s)
 
     @cached_property

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-from batchsim.server.perf import macs
+from batchsim.server.perf import kernels, macs
 from batchsim.server.perf.engines import EngineProfile, load_engine
 from batchsim.server.perf.gpu_fit import FORMATS, ULTRA_QMV_TERMS, fit_format, ultra_qmv_term
 from batchsim.server.perf.mac_fit import EXPERT_GRID, HUBER_DELTA, IRLS_ROUNDS
@@ -105,7 +105,7 @@ class Basis:
     measured_s: float
 
 
-def basis(row: Any, catalog: macs.Catalog, unit: MacModel, layers: int,
+def basis(row: Any, catalog: macs.Catalog, unit: MacModel, layers: float,
           current: MacModel) -> Basis:
     """`current`: the last fit, whose fixed cost per forward prices the engine's per-row
     dispatches (a product of two unknowns: linear in the engine's with the device's held)."""
@@ -156,7 +156,7 @@ def _rows_past_first(row: Any, catalog: macs.Catalog, model: MacModel) -> int:
 def _forward_fixed_s(row: Any, catalog: macs.Catalog, model: MacModel) -> float:
     """One forward pass's fixed seconds on the row's Mac under `model` (layers and forward)."""
     p = row_cost(row, catalog, model).profile
-    return model_spec(row.model).num_layers * p.layer_overhead_s + p.forward_overhead_s
+    return kernels.kernel_layers(model_spec(row.model)) * p.layer_overhead_s + p.forward_overhead_s
 
 
 def _design(bases: Sequence[Basis], cols: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -384,7 +384,7 @@ def fit_published(rows: Sequence[Any], catalog: macs.Catalog, start: MacModel,
     they keep)."""
     rows = [r for r in rows if explained(r, start)]
     model, cols = start, columns(rows)
-    layers = [model_spec(r.model).num_layers for r in rows]
+    layers = [kernels.kernel_layers(model_spec(r.model)) for r in rows]
     speeds = [row_mac(catalog, r.chip, r.gpu_cores).cpu_speed for r in rows]
     grid = CPU_GRID  # the first round picks the CPU exponent, the others keep it
     for _ in range(ROUNDS):

@@ -294,5 +294,6 @@ def _label_points(ax, points) -> None:
                        for b in placed):
                 break
         placed.append(box)
+        moved = {"arrowprops": {"arrowstyle": "-", "lw": 0.4, "color": "gray"}} if k else {}
         ax.annotate(label, (r["intensity"], r["gflops"]), textcoords="offset points",
-                    xytext=(5, dy), fontsize=7)
+                    xytext=(5, dy), fontsize=7, **moved)  # a label moved on: a line to its point

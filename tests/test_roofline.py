@@ -248,7 +248,9 @@ def test_plot_labels_do_not_overprint(tmp_path, monkeypatch):
     fig = figures[0]
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
-    boxes = [t.get_window_extent(renderer) for t in fig.axes[0].texts]
+    from matplotlib.text import Text  # the text's box alone, not its line to the point
+
+    boxes = [Text.get_window_extent(t, renderer) for t in fig.axes[0].texts]
     assert len(boxes) == 5
     for i, a in enumerate(boxes):
         for b in boxes[i + 1:]:

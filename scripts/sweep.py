@@ -121,7 +121,9 @@ def run(args: argparse.Namespace) -> dict:
     stamp, env = timestamp(), base.environment()
     jsonl = append_jsonl(args.out / "sweep.jsonl", [
         {"kind": "sweep", "time": stamp, **meta, **verdict, **row, "env": env} for row in rows])
-    name = f"sweep-{meta['model'].replace('/', '_')}-{meta['dtype']}-{stamp}.png"
+    q, kv = meta["quantize_bits"], meta["kv_bits"]  # named as size's PNG: a 4-bit run read float16
+    weights = (f"q{q}" if q else meta["dtype"]) + (f"-kv{kv}" if kv else "")
+    name = f"sweep-{meta['model'].replace('/', '_')}-{weights}-{stamp}.png"
     png = _plot(rows, meta, verdict, args.out / name)
     out.print(f"rows appended to {jsonl}; plot {png}")
     return {"rows": rows, **verdict, **meta, "jsonl": str(jsonl), "png": str(png), "env": env}

@@ -254,3 +254,15 @@ def test_compare_default_workload(capsys, tmp_path):
     assert res["batched"]["workload"] == "burst" and res["batch"] == 32
     assert res["batch1"]["completed"] == 20 and res["batch1"]["total_output_tokens"] == 20 * 32
     assert res["batched"]["max_batch_size"] == 20  # all at once: every request decodes together
+
+
+def test_sweep_png_names_its_weights_as_size_does(tmp_path, capsys):
+    """A 4-bit sweep's PNG was named sweep-MODEL-float16-...: the dtype, not the weights."""
+    from batchsim.scripts import cli
+
+    assert cli.main(["sweep", "--executor", "sim", "--device-profile", "M2 Max", "--model",
+                     "llama-3.2-1b", "--quantize", "4", "--batches", "1,2", "--out",
+                     str(tmp_path), "--runs-dir", str(tmp_path / "runs"), "--no-timeline",
+                     "--no-progress", "--json"]) == 0
+    png = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["png"]
+    assert Path(png).name.startswith("sweep-llama-3.2-1b-q4-")

@@ -6,13 +6,29 @@ from __future__ import annotations
 import argparse
 import atexit
 import importlib
+import os
 import shutil
+import signal
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import NoReturn
 
-from batchsim.scripts.common import (  # no mlx: blas.preload() still comes first
+
+def _interrupted_while_starting(signum: int, frame: object) -> None:
+    """Ctrl-C while the commands' modules load (about a second): one line, not an import's
+    KeyboardInterrupt traceback; nothing has been written yet."""
+    sys.stderr.write("batchsim: interrupted while starting\n")
+    os._exit(130)  # EXIT_INTERRUPTED, before common (which defines it) is loaded
+
+
+# The program itself only (the console script, or -m): a test importing this keeps its Ctrl-C.
+_PROGRAM = Path(sys.argv[0]).name in ("batchsim", "cli.py")
+_BEFORE_START = (signal.signal(signal.SIGINT, _interrupted_while_starting)
+                 if _PROGRAM and threading.current_thread() is threading.main_thread() else None)
+
+from batchsim.scripts.common import (  # after the handler; no mlx: blas.preload() comes first
     EXIT_CODES_HELP,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -137,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
 
     blas.preload()
     parser = build_parser()
+    if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
+        signal.signal(signal.SIGINT, _BEFORE_START)  # the commands handle Ctrl-C from here
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()

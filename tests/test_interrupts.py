@@ -48,6 +48,18 @@ def signalled(self, records):
     return close(self, records)
 RecordStream.close = signalled
 """
+# Ctrl-C while a command's module loads (build_parser imports each): an import's traceback once.
+_WHILE_STARTING = """
+import importlib, os, signal, sys
+sys.argv[0] = "batchsim"  # as the console script starts it
+from batchsim.scripts import cli
+load = importlib.import_module
+def signalled(name, *args):
+    os.kill(os.getpid(), signal.SIGINT)
+    return load(name, *args)
+importlib.import_module = signalled
+sys.exit(cli.main(sys.argv[1:]))
+"""
 FAKE = ("--executor", "fake", "--model", "tiny", "--input-len", "16", "--output-len", "8")
 SIM = ("--executor", "sim", "--device-profile", "M2 Max", "--model", "llama-3.2-1b",
        "--quantize", "4", "--num-prompts", "300", "--request-rate", "20")
@@ -155,3 +167,15 @@ def test_after_sigkill_the_lines_are_valid_and_report_rebuilds_the_summary(batch
     assert summary["interrupted"] is True and summary["model"] == "tiny"
     assert summary["completed"] == sum(r.status == "finished" for r in reqs)
     assert summary["num_plans"] == len(steps) and summary["executor"] == "fake"
+
+
+def test_ctrl_c_while_the_commands_load_is_one_line_and_130(batchsim_home, tmp_path):
+    from batchsim.scripts.common import EXIT_INTERRUPTED
+
+    proc = subprocess.run([sys.executable, "-c", _WHILE_STARTING, "run", *FAKE, "--out",
+                           str(tmp_path)], check=False, capture_output=True, text=True,
+                          timeout=120,
+                          env={**os.environ, "BATCHSIM_HOME": str(batchsim_home)})
+    assert proc.returncode == EXIT_INTERRUPTED, proc.stderr[-2000:]
+    assert proc.stderr == "batchsim: interrupted while starting\n"
+    assert not list(tmp_path.iterdir())  # nothing was written

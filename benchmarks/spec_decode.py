@@ -140,6 +140,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--propose-only", action="store_true",
                    help="with --draft-model: time one drafting step alone, batched against serial "
                    "(interleaved, --reps each), rows of different lengths")
+    p.add_argument("--asking", type=int, default=0, metavar="N",
+                   help="with --propose-only: also time steps where N of the rows ask for "
+                   "drafts (the real drafter drafts all it holds) against a drafter holding N")
     p.add_argument("--sim-profile", default=None, metavar="P",
                    help="also simulate each run on device profile P; report sim / real tok/s")
     args = p.parse_args()
@@ -186,12 +189,17 @@ def _print(rows: list[dict], env: dict, args: argparse.Namespace) -> None:
 
 
 def propose_only(args: argparse.Namespace) -> None:
-    """Per batch: rows of input_len/2 .. 3 input_len/2 tokens caught up by each drafter, then
-    --reps drafting steps of K timed (each row took one token since, no draft kept), batched and
-    serial alternating; medians in ms, and the drafts compared."""
+    """Per batch B: rows of input_len/2 .. 3 input_len/2 tokens caught up by each drafter, then
+    --reps drafting steps of K timed (each row took one token since, no draft kept), the cases
+    interleaved; medians in ms. Cases: `batched` (every row asks K), `serial` (the drafter before
+    9556f86), and with --asking N: `asking` (B rows held, the first N ask K, the rest 0: what
+    the real drafter drafts then) against `only` (a drafter holding just those N rows: what
+    drafting only the asking rows would cost); --sim-profile: the simulator's draft_s of B and
+    of N rows beside them."""
     import random
     import time
 
+    from batchsim.scheduler.pool_geometry import KV_STEP, PoolGeometry, round_up
     from batchsim.server.executors.draft_model import DraftModelDrafter
     from batchsim.server.models.loader import load, resolve
 
@@ -201,30 +209,53 @@ def propose_only(args: argparse.Namespace) -> None:
     for b in (int(x) for x in args.batch.split(",")):
         seqs = [_Row([rng.randrange(vocab) for _ in range(rng.randint(
             args.input_len // 2, 3 * args.input_len // 2))]) for _ in range(b)]
-        drafters = {"batched": DraftModelDrafter(model), "serial": SerialDraftModelDrafter(model)}
-        ids, ks = list(range(b)), [k] * b
-        for d in drafters.values():
-            d.propose(ids, seqs, ks)  # catch-up
-        times: dict[str, list[float]] = {name: [] for name in drafters}
-        same = True
+        n = min(args.asking or b, b)
+        cases = {"batched": (DraftModelDrafter(model), b, [k] * b),
+                 "serial": (SerialDraftModelDrafter(model), b, [k] * b),
+                 "asking": (DraftModelDrafter(model), b, [k] * n + [0] * (b - n)),
+                 "only": (DraftModelDrafter(model), n, [k] * n)}
+        cases = {c: v for c, v in cases.items()
+                 if c in args.drafters.split(",") or (args.asking and c in ("asking", "only"))}
+        geometry = PoolGeometry(b, round_up(3 * args.input_len // 2 + args.reps + k, KV_STEP))
+        for d, m, _ in cases.values():
+            d.resize(geometry)  # the target pool's, as the executor hands it
+            d.propose(list(range(m)), seqs[:m], [k] * m)  # catch-up
+        times: dict[str, list[float]] = {name: [] for name in cases}
+        drafts: dict[str, list] = {}
         for _ in range(args.reps):
             for s in seqs:
                 s.token_ids.append(rng.randrange(vocab))
-            drafts = {}
-            for name, d in drafters.items():
+            for name, (d, m, ks) in cases.items():
                 t0 = time.perf_counter()
-                drafts[name] = [x.tokens for x in d.propose(ids, seqs, ks)]
+                drafts[name] = [x.tokens for x in d.propose(list(range(m)), seqs[:m], ks)]
                 times[name].append(1e3 * (time.perf_counter() - t0))
-            same = same and drafts["batched"] == drafts["serial"]
-        row = {"batch": b, "spec_tokens": k, **{f"{n}_ms": statistics.median(t)
-                                                for n, t in times.items()},
-               "same_drafts": same, "loadavg_1m": os.getloadavg()[0]}
-        row["serial_over_batched"] = row["serial_ms"] / row["batched_ms"]
-        print(f"batch {b:3d} K {k}: batched {row['batched_ms']:.1f} ms, serial "
-              f"{row['serial_ms']:.1f} ms ({row['serial_over_batched']:.2f}x), same drafts "
-              f"{same}, load {row['loadavg_1m']:.1f}", file=sys.stderr)
+        row = {"batch": b, "spec_tokens": k, "asking": n,
+               **{f"{c}_ms": statistics.median(t) for c, t in times.items()},
+               "loadavg_1m": os.getloadavg()[0]}
+        if "asking" in cases:
+            row["same_drafts"] = drafts["asking"][:n] == drafts["only"]
+            row["sim_draft_ms"] = {r: _sim_draft_ms(args, r, k) for r in (b, n)}
+        print(f"batch {b:3d} K {k}: " + ", ".join(
+            f"{c} {row[f'{c}_ms']:.1f} ms" for c in cases) + f"; {row.get('sim_draft_ms', '')}"
+            f" load {row['loadavg_1m']:.1f}", file=sys.stderr)
         rows.append(row)
     print(json.dumps({"rows": rows, "model": args.draft_model, "dtype": "float32"}))
+
+
+def _sim_draft_ms(args: argparse.Namespace, rows: int, k: int) -> float | None:
+    """The simulator's price of drafting K tokens for `rows` rows after input_len tokens
+    (spec_price.draft_s on --sim-profile; None without one)."""
+    if not args.sim_profile:
+        return None
+    from batchsim.server.models.loader import spec_for
+    from batchsim.server.perf import spec_price
+    from batchsim.server.perf.devices import resolve_profile
+    from batchsim.server.perf.stepcost import StepCost
+
+    draft = spec_for(args.draft_model)
+    cost = StepCost(draft, resolve_profile(args.sim_profile), "float32", None)
+    return 1e3 * spec_price.draft_s(spec_price.Drafter(cost, draft.name), rows, k,
+                                    args.input_len)
 
 
 class _Row:

@@ -48,7 +48,7 @@ class SimExecutor:
         self._prefill_s: dict[tuple[int, int, bool, int], float] = {}  # (n, start, sample, rows)
         self._decode_s: dict[tuple[int, int], float] = {}  # (rows, width): per-step models
         self.spec = spec  # speculative decoding's accepted drafts (None: off)
-        # (rows, K drafted, start, K asked, rows asking): K more tokens a row and the drafter
+        # (rows, K drafted, start, K asked, rows drafting): K more tokens a row and the drafter
         self._verify_s: dict[tuple[int, int, int, int, int], float] = {}
         self._decode_parts: dict[int, tuple[float, float]] = {}  # rows -> cost.decode_parts
         self._joined: tuple[int, ...] = ()  # the last plan's decode_ids (execute)
@@ -102,16 +102,16 @@ class SimExecutor:
         forward pass (padded to the largest K drafted, as the MLX executor runs it)."""
         if self.spec is None:
             raise ValueError("a plan with drafts, and this simulated executor has no acceptance")
-        asked = plan.decode_spec_tokens  # every row asking pays the drafter, drafts or not
+        asked = plan.decode_spec_tokens  # every row drafting pays the drafter, kept or not
         accepted, drafted = self.spec.draw(asked, len(sampled))
         rows, start, k = len(plan.decode_ids), max(plan.decode_positions), max(drafted)
-        key = (rows, k, start, max(asked), len(asked) - asked.count(0))
+        t += self.spec.catch_up_s(plan.decode_ids, asked, plan.decode_positions)
+        key = (rows, k, start, max(asked), self.spec.drafting_rows(asked))
         extra = self._verify_s.get(key)
         if extra is None:
             extra = _remember(self._verify_s, key, verify_extra_s(self.cost, rows, k, start)
                               + draft_s(self.spec.drafter, key[4], key[3], start + 1))
-        t += self._decode_forward_s(rows, start + 1) + extra + self.spec.catch_up_s(
-            plan.decode_ids, asked, plan.decode_positions)
+        t += self._decode_forward_s(rows, start + 1) + extra
         return StepResult(plan.step_index, sampled, None, (t,), self.kv_bytes(), accepted,
                           drafted)
 

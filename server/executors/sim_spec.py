@@ -4,9 +4,10 @@ and how many of them it keeps is drawn from the per-position acceptance rates at
 u, so position i is accepted with exactly its rate and only after the ones before it; with a draft
 share D < 1 a row first drafts at all with chance D (else it verifies nothing this step). Draws
 are deterministic per seed. Accepted tokens are placeholders (simulated tokens are not tokens): only
-their count is read. `drafter` is what drafting costs (spec_price.draft_s), and a draft model's
-catch-up on each row the first time it asks for drafts (spec_price.catch_up_s: the rows it holds,
-as the real drafter's pool does, until they leave)."""
+their count is read. `drafter` is what drafting costs (spec_price.draft_s: a draft model over
+every row it holds, as the real drafter's pool drafts them, the n-gram drafter over the rows
+asking), and a draft model's catch-up on each row the first time it asks for drafts
+(spec_price.catch_up_s: the rows it holds, as the real drafter's pool does, until they leave)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,14 @@ class SpecDraws:
         new = [(rid, n) for rid, k, n in zip(ids, asked, positions) if k and rid not in held]
         held.update(rid for rid, _ in new)
         return catch_up_s(self.drafter, (n for _, n in new))
+
+    def drafting_rows(self, asked: tuple[int, ...]) -> int:
+        """Rows the drafter drafts for in a step where the decode rows ask `asked` (after
+        catch_up_s): a draft model every row it holds, at the step's largest K (draft_model.py
+        drafts its whole pool, asking or not); the n-gram drafter only the rows asking."""
+        if self.drafter.cost is None:
+            return len(asked) - asked.count(0)
+        return len(self._held)
 
     def forget(self, ids) -> None:
         """These requests left: a draft model drops their rows."""

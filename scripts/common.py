@@ -261,7 +261,7 @@ def fmt(value: Any) -> str:
         if abs(value) >= 1:
             return f"{value:.2f}"
         return f"{value:.3g}"
-    if isinstance(value, int) and abs(value) >= 10_000:
+    if isinstance(value, int) and abs(value) >= 1_000:  # as floats: 2,626 beside 4,658
         return f"{value:,}"
     return str(value)
 

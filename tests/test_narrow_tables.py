@@ -67,3 +67,10 @@ def test_models_table_counts_small_models_in_millions():
 
     assert [_count(n) for n in (8_030_261_248, 134_515_008, 9_194_240, 106_816)] == [
         "8.03B", "135M", "9M", "107K"]
+
+
+def test_integers_and_floats_share_thousands_separators():
+    """The serving summary printed 'Total input tokens 2626' beside 'duration (s) 4,658'."""
+    from batchsim.scripts.common import fmt
+
+    assert (fmt(2626), fmt(4658.2), fmt(999), fmt(36_209)) == ("2,626", "4,658", "999", "36,209")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import gc
 import importlib
 import os
 import shutil
@@ -164,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     from batchsim.server.platform import env
 
     atexit.register(env.release_mlx_streams)  # the main thread's, before MLX's own teardown
+    # At exit, no collection over what the command kept: 1.2 s of the simulated hour's command.
+    atexit.register(gc.freeze)
     warning = blas.warning()
     if warning:
         err_line(warning)

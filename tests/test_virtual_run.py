@@ -212,11 +212,12 @@ def test_the_plain_loop_runs_without_the_collector_and_turns_it_back_on(tmp_path
     import gc
 
     seen = []
+    frozen = gc.get_freeze_count()
     session = open_session(_config(MIXED))
     run_workload(session, MIXED, out_dir=tmp_path, label="gc", timeline=False,
                  on_step=lambda *_: seen.append(gc.isenabled()))
     assert seen and not any(seen)
-    assert gc.isenabled()
+    assert gc.isenabled() and gc.get_freeze_count() == frozen  # what it froze is unfrozen
 
     def fails(*_):
         raise RuntimeError("boom")
@@ -225,4 +226,4 @@ def test_the_plain_loop_runs_without_the_collector_and_turns_it_back_on(tmp_path
     with pytest.raises(RuntimeError, match="boom"):
         run_workload(session, MIXED, out_dir=tmp_path, label="gc2", timeline=False,
                      on_step=fails)
-    assert gc.isenabled()
+    assert gc.isenabled() and gc.get_freeze_count() == frozen

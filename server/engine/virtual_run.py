@@ -10,7 +10,6 @@ float arithmetic, kept). tests/test_virtual_run.py holds the two paths equal."""
 
 from __future__ import annotations
 
-import gc
 import itertools
 from collections.abc import Callable, Sequence
 
@@ -60,15 +59,9 @@ class VirtualRun:
         engine = self.engine
         scheduler = engine.scheduler
         engine.start_clock(self.time)
-        collecting = gc.isenabled()
-        # The loop makes no reference cycles, and what it keeps (requests, step records) lives to
-        # the end of the run: the collector's passes would find nothing (0.1 s of the hour's 1 s).
-        gc.disable()
         try:
             self._loop(engine, scheduler)
         finally:  # running requests' counters as the records read them (as Engine.run)
-            if collecting:
-                gc.enable()
             scheduler.settle()
         return self.now_s
 

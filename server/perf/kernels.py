@@ -26,8 +26,13 @@ and the conv state's copy, conv1d, silu, normalize_qk (2 rms_norm, 2 multiplies)
 compute_g (astype, exp, negate, add, softplus, multiply, exp), the gated-delta kernel, the gated
 RMSNorm (rms_norm, precise_swiglu), out_proj (23); the sparse block is qwen3_moe's plus the shared
 expert (gate, up, swiglu, down), its gate, sigmoid, multiply and add (20): 47 and 37.
-Not counted (priced as a reference layer, as before): deepseek_v3's MLA layers (no reference row
-runs one)."""
+deepseek_v3.py (no reference row runs one): the MLA mixer at decode, q_a_proj, q_a_layernorm,
+q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, rope on q_pe and k_pe, the latent and k_pe cache
+writes, the RoPE scores (scale, matmul), embed_q, attention, unembed_out, o_proj (16); the MoE
+block: the router's matmul and group_expert_select (mx.compile: its elementwise ops fuse; topk,
+sum, argpartition, put_along_axis, negate, argpartition, take_along_axis, sum, the scaling: 10 with
+the matmul), SwitchGLU's 4, weigh, sum, the shared experts' MLP (4) and their add (21): 41; its
+first dense layers 24."""
 
 from __future__ import annotations
 
@@ -49,6 +54,7 @@ class Family:
     moe_kernels: int = 0  # a routed-expert block's kernels (router to weighted sum)
     attention_gate: int = 0  # kernels gating the attention output (sigmoid, multiply)
     linear_kernels: int = 0  # a linear-attention (gated delta) mixer's kernels
+    mla_kernels: int = 0  # an MLA mixer's kernels (its own latent norms included)
 
 
 ATTENTION_KERNELS = 9  # q, k, v, rope on q and k, K and V cache writes, attention, o_proj
@@ -62,6 +68,7 @@ FAMILIES = {
     "gemma3_text": Family(layer_norms=4, norm_kernels=2, qk_norm=True, activation_kernels=2),
     "gpt_oss": Family(proj_biases=4, moe_kernels=17),
     "qwen3_next": Family(qk_norm=True, moe_kernels=20, attention_gate=2, linear_kernels=23),
+    "deepseek_v3": Family(moe_kernels=21, mla_kernels=16),
 }
 
 
@@ -69,11 +76,11 @@ def layer_kernels(model_type: str, layer: Layer) -> int:
     """Kernels one decode token's pass through `layer` launches (the reference count where its
     family or attention kind is not counted)."""
     f, kind = FAMILIES.get(model_type), layer.attention.kind
-    if f is None or kind == "mla" or (kind == "linear" and not f.linear_kernels) or (
-            layer.ffn.kind == "moe" and not f.moe_kernels):
+    mixers = {"linear": f.linear_kernels, "mla": f.mla_kernels} if f else {}
+    if f is None or mixers.get(kind) == 0 or (layer.ffn.kind == "moe" and not f.moe_kernels):
         return REFERENCE_LAYER_KERNELS
-    if kind == "linear":  # its q/k normalisation is in the mixer's count
-        mixer = f.norm_kernels * f.layer_norms + f.linear_kernels
+    if kind in mixers:  # their q/k normalisation is in the mixer's count
+        mixer = f.norm_kernels * f.layer_norms + mixers[kind]
     else:
         mixer = (f.norm_kernels * (f.layer_norms + (2 if f.qk_norm else 0)) + ATTENTION_KERNELS
                  + f.proj_biases + f.attention_gate)

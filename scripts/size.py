@@ -92,6 +92,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "step's seconds by name) and parts_b1 (batch 1's)")
     add_engine_argument(p)
     _add_spec_args(p)
+    _add_cluster_args(p)
+    p.add_argument("--out", type=Path, default=Path("results"),
+                   help="directory for size.jsonl and the PNG")
+
+
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("cluster (tensor- or pipeline-parallel across Macs)")
     c.add_argument("--macs", type=positive_int, default=1,
                    help="N Macs of each row's kind and memory: weights split across them, KV "
@@ -102,8 +108,6 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     c.add_argument("--parallel", choices=["tensor", "pipeline"], default="tensor",
                    help="tensor: mlx-lm's shard(), every layer split, 2 all-reduces per layer; "
                         "pipeline: layers split, one batch passes the Macs in turn")
-    p.add_argument("--out", type=Path, default=Path("results"),
-                   help="directory for size.jsonl and the PNG")
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:

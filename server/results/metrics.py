@@ -26,8 +26,7 @@ _GB = 1e9  # mlx-lm prints peak memory in GB of 1e9 bytes
 
 
 def peak_memory_bytes(summary: Mapping[str, Any]) -> int | None:
-    """A summary's peak memory in bytes; one written before peak_memory_bytes has the GB only.
-    None: not measured, or damaged (anything but a byte count below 2^63, or finite GB)."""
+    """Peak memory in bytes (older summaries: GB only); None if unmeasured or damaged."""
     value, gb = summary.get("peak_memory_bytes"), summary.get("peak_memory")
     if type(value) is int and 0 <= value < 1 << 63:
         return value

@@ -65,6 +65,19 @@ def test_records_stream_during_the_run_and_end_as_a_finished_run_always_had_them
     assert summary["interrupted"] is False
 
 
+@pytest.mark.parametrize("chunk_bytes", [1, 5_000])
+def test_requests_put_in_arrival_order_in_chunks_of_any_size(tmp_path, monkeypatch, chunk_bytes):
+    """requests.jsonl, streamed in finish order, is rewritten in arrival order a chunk at a time
+    (a line per chunk, or several lines and a chunk cut between two)."""
+    monkeypatch.setattr(run_files, "WRITE_CHUNK_BYTES", chunk_bytes)
+    session = open_session(sim_config())
+    outcome = run_workload(session, session.config.workload, out_dir=tmp_path, label="c",
+                           timeline=False)
+    text = (outcome.run_dir / "requests.jsonl").read_text()
+    assert text == "".join(dumps(r.to_json()) + "\n" for r in outcome.requests)
+    assert len(text) > 3 * 5_000  # several chunks
+
+
 def test_report_after_a_kill_skips_a_torn_line_and_marks_the_run_interrupted(tmp_path):
     session = open_session(sim_config(n=20))
     run_dir = run_workload(session, session.config.workload, out_dir=tmp_path, label="t").run_dir

@@ -208,6 +208,11 @@ def cluster(tmp: Path) -> list[str]:
             tok_s.append(row["decode_tok_s_b1"])
         lines.append(f"| {model} | {tok_s[0]:.1f} | {tok_s[1]:.1f} ({tok_s[1] / tok_s[0]:.2f}x) "
                      f"| {tok_s[2]:.1f} ({tok_s[2] / tok_s[0]:.2f}x) |")
+    for macs in (2, 4):  # over TCP instead of RDMA
+        args = ["size", "--model", "deepseek-v3", "--quantize", "4", "--mac", "M3 Ultra 80c",
+                "--macs", str(macs), "--link", "tb5"]
+        row = next(r for r in batchsim(args, tmp)["rows"] if r["memory_gb"] == 512)
+        lines.append(f"`{shown(args)}`: {row['decode_tok_s_b1']:.1f} tok/s at batch 1")
     return lines
 
 

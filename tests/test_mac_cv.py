@@ -124,10 +124,10 @@ def test_fit_recovers_known_terms_from_rows_it_predicted(rows, catalog):
     # the source took its format's only rows with it (bfloat16); batched and prefill rows need
     # compute rates that only a few sources pin down. Five sources (four chips, both formats, an
     # Ultra, a single-source engine) are held out in turn: every fold is a full fit (seconds each).
-    fitter = mac_cv.published_fitter(catalog, ())  # no prompt rates: the prior compute rate
+    fitter = mac_cv.published_fitter(())  # no prompt rates: the prior compute rate
     errs = []
     for src in HELD_SOURCES:
-        fit = fitter([r for r in made if r.src != src])
+        fit = fitter([r for r in made if r.src != src], catalog)
         errs += [ps.predict_tok_s(r, catalog, fit) / r.tok_s - 1 for r in made
                  if r.src == src and r.weights != "bfloat16" and r.decode_only and r.batch == 1]
     assert len(errs) >= 40 and max(map(abs, errs)) < 0.03
@@ -257,7 +257,7 @@ def test_an_engine_without_rows_is_priced_at_its_kinds_pooled_prior(rows, catalo
     # Held out, the source's engines (seen nowhere else) are priced at their kinds' priors.
     used: list = [None] * len(few)
     mac_cv.held_out(few, catalog, mac_cv.FOLDS["leave_one_source_out"],
-                    mac_cv.published_fitter(catalog, ()), used)
+                    mac_cv.published_fitter(()), used)
     assert {u for u, r in zip(used, few) if r.src == "mlx_inference_server"} == {
         "library", "server"}
 

@@ -74,13 +74,13 @@ def test_a_fold_starts_from_its_own_rows_and_priors_no_row_touched(catalog):
     the compute rate fitted on the prompt rates of its own runs, if it has any."""
     rows, prefill = load_published().rows, mac_fit.prefill_rows(load_reference())
     prior, _ = macs.compute_efficiency(catalog)
-    fitter = mac_cv.legacy_fitter(catalog, prefill)
+    fitter = mac_cv.legacy_fitter(prefill)
     none = [r for r in rows if r.src == "mlxcel_m5max_tests"]
     assert not mac_cv.own_prefill(none, prefill)
-    assert fitter(none).fit.compute_efficiency == prior
+    assert fitter(none, catalog).fit.compute_efficiency == prior
     own = [r for r in rows if r.src == "mlx_lm_benchmarks"]
     assert {p.src for p in mac_cv.own_prefill(own, prefill)} == {"mlx_lm_benchmarks"}
-    fit = fitter(own).fit
+    fit = fitter(own, catalog).fit
     at_prior = dataclasses.replace(fit, compute_efficiency=prior)
     assert fit.compute_efficiency != prior
     assert fit.compute_efficiency == mac_fit.fit_compute(mac_cv.own_prefill(own, prefill), catalog,
@@ -121,3 +121,27 @@ def test_cv_by_engine_is_by_the_profile_that_priced_each_row():
                 assert rep[eng][k]["median_abs"] == rep[eng][k]["worst_abs"] == round(abs(f - 1), 4)
     assert rep["mlx-lm-batch"]["batched"]["n"] == 4 and rep["mlx-lm-batch"]["gain"]["n"] == 4
     assert rep["mlx-lm-batch"]["gain"]["median_abs"] == round(1 - 0.5 / 1.1, 4)
+
+
+def test_a_peak_estimated_from_a_held_out_source_never_reaches_its_fold(monkeypatch, catalog):
+    """configs/macs.yaml's M5 FP16 peaks are estimated from mlxcel_m5max_batch's TTFT: held out
+    (its source, or the M5 Max), its rows must not be priced at a peak fitted on themselves. Another
+    estimate in the catalog moves no held-out prediction of theirs."""
+    pub = load_published()
+    m5 = [r for r in pub.by_src("mlxcel_m5max_batch") if r.model == "llama-3.1-8b"]
+    rows = m5 + pub.by_src("mlxcel_m1ultra_moe_batch")[:5]
+    assert all(r.chip == "M5 Max" for r in m5) and any(not r.decode_only for r in m5)
+    assert [m for m in catalog.chips if "mlxcel_m5max_batch" in m.src]
+    other = dataclasses.replace(catalog, chips=tuple(
+        dataclasses.replace(m, fp16_tflops=1.5 * m.fp16_tflops)
+        if "mlxcel_m5max_batch" in m.src else m for m in catalog.chips))
+    fit = MacModel(gpu_fit.load_fit())  # the estimate prices these rows (not a vacuous check)
+    assert ps.predict_tok_s(m5[0], other, fit) > 1.05 * ps.predict_tok_s(m5[0], catalog, fit)
+    out = []
+    for cat in (catalog, other):
+        monkeypatch.setattr(fit_macs.macs, "load_catalog", lambda cat=cat: cat)
+        out.append(_run(monkeypatch, rows)["cv"]["rows"])
+    for a, b in zip(*out):
+        if a["chip"] == "M5 Max":
+            for fold in ("leave_one_source_out_tok_s", "leave_one_chip_out_tok_s"):
+                assert a[fold] == b[fold], (a["id"], fold)

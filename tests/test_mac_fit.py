@@ -61,7 +61,7 @@ def test_shipped_fit_is_the_fit_of_the_published_set(ref, catalog):
     before = mac_report.fit_reference(ref, catalog)  # the batch-1-only fit that shipped before
     rows = list(load_published().rows)
     # What fit-macs runs in every fold, on every row (seeded by the rows' own batch-1 fit).
-    refit = mac_cv.published_fitter(catalog, mac_fit.prefill_rows(ref))(rows)
+    refit = mac_cv.published_fitter(mac_fit.prefill_rows(ref))(rows, catalog)
     shipped = fit_macs.shipped_model(refit)  # engines without rows: at their kind's prior
     assert fit_macs.same_model(refit, shipped)
     assert shipped.fit.fitted_on.startswith("configs/reference/published.yaml: ")

@@ -21,7 +21,7 @@ FOLDS: dict[str, Callable[[Any], str]] = {
     "leave_one_source_out": lambda r: r.src,
     "leave_one_chip_out": lambda r: r.chip,
 }
-Fitter = Callable[[Sequence[Any]], MacModel]  # training rows -> fit
+Fitter = Callable[[Sequence[Any], macs.Catalog], MacModel]  # (training rows, catalog) -> fit
 
 
 def kind(row: Any) -> str:
@@ -87,16 +87,31 @@ def report(rows: Sequence[Any], predicted: Sequence[float],
     return out
 
 
+def fold_catalog(catalog: macs.Catalog, train: Sequence[Any], sources: set[str]) -> macs.Catalog:
+    """The catalog as a fold may use it. A chip figure estimated from published rows (a chip citing
+    one of `sources`, the published set's: the M5 FP16 peaks, from mlxcel_m5max_batch's TTFT) is
+    withheld from a fold without that source's rows: FP16 runs at the chip's FP32 peak there (the
+    M1-M4 rule), which no published row set."""
+    have = {r.src for r in train}
+    chips = tuple(dataclasses.replace(m, fp16_tflops=m.fp32_tflops)
+                  if (set(m.src) & sources) - have else m for m in catalog.chips)
+    return dataclasses.replace(catalog, chips=chips)
+
+
 def held_out(rows: Sequence[Any], catalog: macs.Catalog, key: Callable[[Any], str],
              fitter: Fitter, priors_used: list[str | None] | None = None) -> list[float]:
-    """Each row's tok/s predicted by a fit on the rows of every other group (same key); into
-    `priors_used`, the engine kind whose prior priced each row (None: its engine was fitted)."""
+    """Each row's tok/s predicted by a fit on the rows of every other group (same key), both on
+    the fold's catalog; into `priors_used`, the engine kind whose prior priced each row (None: its
+    engine was fitted)."""
     predicted = [0.0] * len(rows)
+    sources = {r.src for r in rows}
     for group in sorted({key(r) for r in rows}):
-        fit = fitter([r for r in rows if key(r) != group])
+        train = [r for r in rows if key(r) != group]
+        cat = fold_catalog(catalog, train, sources)
+        fit = fitter(train, cat)
         for i, r in enumerate(rows):
             if key(r) == group:
-                predicted[i] = predict_tok_s(r, catalog, fit)
+                predicted[i] = predict_tok_s(r, cat, fit)
                 if priors_used is not None:
                     priors_used[i] = fit.prior_of(engine_name(r))
     return predicted
@@ -125,14 +140,13 @@ def own_prefill(rows: Sequence[Any], prefill: Sequence[DecodeRow]) -> list[Decod
     return [p for p in prefill if (p.src, p.chip, p.model, p.weights) in runs]
 
 
-def legacy_fitter(catalog: macs.Catalog, prefill: Sequence[DecodeRow]) -> Fitter:
+def legacy_fitter(prefill: Sequence[DecodeRow]) -> Fitter:
     """The fit as it shipped before (mac_fit; mac_report.fit_reference's steps on the given rows):
     batch-1 rows only, no per-row or engine terms, its decode terms at the catalog's llama.cpp
     compute efficiency (a prior no MLX row touched), then the prefill compute efficiency fitted on
     the rows' own prefill rows (none: that prior stays)."""
-    prior, _ = macs.compute_efficiency(catalog)
-
-    def fit(rows: Sequence[Any]) -> MacModel:
+    def fit(rows: Sequence[Any], catalog: macs.Catalog) -> MacModel:
+        prior, _ = macs.compute_efficiency(catalog)
         b1 = mac_fit.fit_rows([as_decode_row(r) for r in rows if r.batch == 1], catalog, prior)
         ce = mac_fit.fit_compute(own_prefill(rows, prefill), catalog, b1)
         return MacModel(dataclasses.replace(b1, compute_efficiency=ce))
@@ -140,13 +154,13 @@ def legacy_fitter(catalog: macs.Catalog, prefill: Sequence[DecodeRow]) -> Fitter
     return fit
 
 
-def published_fitter(catalog: macs.Catalog, prefill: Sequence[DecodeRow]) -> Fitter:
+def published_fitter(prefill: Sequence[DecodeRow]) -> Fitter:
     """Each fold starts from the batch-1 fit of its own rows (legacy_fitter: its compute
     efficiency from its own prefill rows), never from a fit on every reference row: those terms
     seed the first round (the roofline's binding side, the CPU exponent's pick) and stay where the
     fold's rows do not identify them (a compute rate its rows lack)."""
-    seed = legacy_fitter(catalog, prefill)
-    return lambda rows: fit_published(rows, catalog, seed(rows))
+    seed = legacy_fitter(prefill)
+    return lambda rows, catalog: fit_published(rows, catalog, seed(rows, catalog))
 
 
 def describe(rows: Sequence[Any], path: str) -> str:
@@ -172,11 +186,11 @@ def validate(rows: Sequence[Any], catalog: macs.Catalog, before: GpuFit,
     `prefill`: the reference set's prefill rows (mlx_fit.prefill_rows); each fold fits on its
     own."""
     start = MacModel(before)
-    fitter = published_fitter(catalog, prefill)
-    after = fitter(rows)  # what every fold runs, on every row: the held-out errors are its own
+    fitter = published_fitter(prefill)
+    after = fitter(rows, catalog)  # what every fold runs, on every row: its errors are its own
     keep = [explained(r, start) for r in rows]
     cv, held, used = cross_validate(rows, catalog, fitter, keep)
-    old_cv, _, _ = cross_validate(rows, catalog, legacy_fitter(catalog, prefill), keep)
+    old_cv, _, _ = cross_validate(rows, catalog, legacy_fitter(prefill), keep)
     table = []
     for i, r in enumerate(rows):
         entry = {"id": r.id, "src": r.src, "engine": r.engine, "chip": r.chip, "model": r.model,

@@ -69,3 +69,16 @@ def _leaves(model):
     from mlx.utils import tree_flatten
 
     return [v for _, v in tree_flatten(model.parameters())]
+
+
+def test_with_quantize_the_real_draft_model_is_loaded_as_the_account_prices_it(batchsim_home):
+    # --quantize 4: the draft model is quantized like the target (mlx-lm, group 64), so its
+    # loaded bytes are what the simulator, the session's pre-load check and `size` count.
+    from batchsim.server.perf.spec_price import draft_weight_bytes
+
+    session = open_session(_draft_config("tiny", "tiny", dtype="float16", quantize=4,
+                                         memory_gb=1))
+    target, draft = (sum(p.nbytes for p in _leaves(m))
+                     for m in (session.model, session.executor.drafter.model))
+    assert draft == target == draft_weight_bytes(zoo_spec("tiny"), "float16", 4)
+    assert session.weight_bytes == 2 * target

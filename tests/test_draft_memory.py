@@ -102,6 +102,10 @@ def test_size_fits_the_draft_models_weights_and_rows():
     # The draft's row is the scheduler's price of it (CacheLayout.seq_bytes).
     layout = spec_price.draft_cache(draft, "float16")
     assert size_limits.draft_curve(ctx, layout)[3] == 3 * layout.seq_bytes(4096)
+    # --kv-bits 8: the draft's K/V quantized as the target's (the real drafter's pool is).
+    kv8 = size_limits.mac_row(spec, mac, 64, ctx, dataclasses.replace(plain, draft=draft,
+                              kv_bits=8), catalog.metal_working_set)
+    assert kv8["draft_kv_bytes_per_token"] == draft.kv_bytes_per_token("float16", 8) < 114688
 
 
 @pytest.mark.parametrize("layout", ["padded", "paged"])

@@ -144,3 +144,18 @@ def test_a_lagging_row_is_fed_in_pieces_that_fit_the_capacity(tiny):
     assert drafter.calls > 2  # more than one feeding forward, then one more for draft 2
     assert max(d.pool.lengths) <= 256
     assert [x.tokens for x in got] == [x.tokens for x in _fresh(model, [near, lagging], [2, 2])]
+
+
+def test_with_kv_bits_the_draft_pool_holds_what_the_account_prices(smollm2):
+    # --kv-bits 8: the draft model's K/V are quantized as the target's (QuantizedKVCache's
+    # words, scales and biases), and its measured bytes are spec_price.draft_cache's, the price
+    # the simulator, the session and `size` add per pool row.
+    from batchsim.server.perf.spec_price import draft_cache
+
+    ref, model, _ = smollm2  # head_dim 64: mlx-lm's KV group
+    drafter = DraftModelDrafter(model, kv_bits=8)
+    drafter.resize(PoolGeometry(2, 512))
+    got = drafter.propose([0, 1], [_Seq([7] * 60), _Seq([5] * 20)], [3, 3])
+    assert all(len(d.tokens) == 3 for d in got)
+    assert drafter.cache == draft_cache(ref.spec, "float32", 8) != draft_cache(ref.spec, "float32")
+    assert drafter.nbytes == 2 * draft_cache(ref.spec, "float32", 8).seq_bytes(512)

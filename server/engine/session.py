@@ -160,7 +160,8 @@ def open_session(cfg: RunConfig, executor: Executor | None = None,
     if executor is None:
         executor = build_executor(cfg, ref)
     draft = draft_spec(cfg, ref.spec)
-    cache = ref.spec.cache_layout(kv_dtype, cfg.kv_bits).with_draft(draft_cache(draft, kv_dtype))
+    cache = ref.spec.cache_layout(kv_dtype, cfg.kv_bits).with_draft(
+        draft_cache(draft, kv_dtype, cfg.kv_bits))
     weights = (ref.spec.weight_bytes(ref.dtype, ref.quantize_bits)
                + draft_weight_bytes(draft, ref.dtype, ref.quantize_bits))
     session = Session(cfg, ref, ref.dtype, executor, weights, budget, source,

@@ -26,10 +26,10 @@ from batchsim.server.executors.speculative import Draft
 
 
 class DraftModelDrafter:
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, kv_bits: int | None = None):
+        self.model, self.kv_bits = model, kv_bits  # K/V quantized as the target's (--kv-bits)
         dtype = prefill_cache.activation_dtype(model)
-        self.pool = DecodePool(prefill_cache.layers_of(model, dtype), dtype)
+        self.pool = DecodePool(prefill_cache.layers_of(model, dtype, kv_bits), dtype, kv_bits)
         self._held: dict[int, list[int]] = {}  # request id -> the tokens its pool row holds
 
     def propose(self, rids: list[int], seqs: list[sampler.History],
@@ -91,7 +91,7 @@ class DraftModelDrafter:
         token)."""
         if not context:
             return None
-        cache = prefill_cache.new_private_cache(self.pool.layers)
+        cache = prefill_cache.new_private_cache(self.pool.layers, self.kv_bits)
         self.model.model(mx.array([context]), cache=cache)
         mx.eval([c.state for c in cache])
         return cache

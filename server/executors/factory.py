@@ -66,8 +66,8 @@ def build_executor(cfg: ExecutorConfig, ref: ModelRef, model: Any = None) -> Exe
         from batchsim.server.perf.spec_price import draft_cache, draft_spec
 
         cost, draft = step_cost(cfg, ref), draft_spec(cfg, ref.spec)
-        cache = ref.spec.cache_layout(cost.act_dtype, cfg.kv_bits).with_draft(
-            draft_cache(draft, cost.act_dtype))  # the draft model's rows beside the target's
+        cache = ref.spec.cache_layout(cost.act_dtype, cfg.kv_bits).with_draft(  # the draft
+            draft_cache(draft, cost.act_dtype, cfg.kv_bits))  # model's rows beside the target's
         return SimExecutor(cost, cache=cache, paged=cfg.kv_layout == "paged",
                            spec=_sim_spec(cfg, ref, cost, draft))
     raise ValueError(f"unknown executor {cfg.executor!r} (mlx, sim or fake)")
@@ -111,8 +111,10 @@ def build_mlx_executor(cfg: ExecutorConfig, ref: ModelRef, model: Any) -> MLXExe
 
 
 def _drafter(cfg: ExecutorConfig, ref: ModelRef):
-    """speculative.Drafter for cfg.spec_method (None: off); the draft model is loaded here. (The
-    session has refused models whose layers cannot roll back: spec_price.check_layers.)"""
+    """speculative.Drafter for cfg.spec_method (None: off); the draft model is loaded here as
+    the account prices it (spec_price.draft_weight_bytes, draft_cache): in the target's dtype and
+    weight format (quantized like it, mlx-lm's group of 64), its K/V at --kv-bits. (The session
+    has refused models whose layers cannot roll back: spec_price.check_layers.)"""
     from batchsim.server.executors import speculative
 
     method = getattr(cfg, "spec_method", "none")
@@ -125,7 +127,8 @@ def _drafter(cfg: ExecutorConfig, ref: ModelRef):
     from batchsim.server.models.tokenizer import check_shared_tokenizer
     from batchsim.server.perf.spec_price import check_draft_model
 
-    draft = resolve(cfg.draft_model, ref.dtype)
+    draft = resolve(cfg.draft_model, ref.dtype, ref.quantize_bits)
     check_draft_model(draft.spec, ref.spec)  # its own caches are cut back too
+    draft.spec.check_kv_bits(cfg.kv_bits)
     check_shared_tokenizer(draft.path, ref.path, draft.name, ref.name)
-    return DraftModelDrafter(load(draft)[0])
+    return DraftModelDrafter(load(draft)[0], cfg.kv_bits)

@@ -243,7 +243,7 @@ def mac_row(spec: ModelSpec, mac: macs.Mac, memory_gb: float, ctx: ContextFit, s
         curves = layered_curves(spec, ctx, act_dtype, kv_per_token, s.kv_bits)
         curves, unit = tuple((c * share).astype(np.int64) for c in curves), 1
         per_seq = _scaled(kv_composition(spec, width, act_dtype, s.kv_bits), share)
-    draft = spec_price.draft_cache(s.draft, act_dtype)
+    draft = spec_price.draft_cache(s.draft, act_dtype, s.kv_bits)
     if draft is not None:  # a draft model's weights, and its padded row beside every sequence
         weights += spec_price.draft_weight_bytes(s.draft, s.dtype, s.quantize_bits)
         curves, unit = tuple(c * unit + draft_curve(ctx, draft) for c in curves), 1

@@ -77,9 +77,9 @@ def check_draft_model(draft: ModelSpec, target: ModelSpec) -> None:
 
 
 def model_drafter(cost: StepCost, draft: ModelSpec, dtype: str) -> Drafter:
-    """The draft model priced by the target's step cost's device, engine and weight format (the
-    real executor loads it in the target's dtype); its K/V padded, whatever the target's layout:
-    the draft model keeps mlx-lm caches of its own, never the paged pool."""
+    """The draft model priced by the target's step cost's device, engine, weight format and KV
+    bits (the real executor loads it so: factory._drafter); its K/V padded, whatever the
+    target's layout: the draft model keeps mlx-lm caches of its own, never the paged pool."""
     return Drafter(StepCost(draft, cost.profile, dtype, cost.quantize_bits, cost.kv_bits,
                             engine=cost.base_engine), draft.name)
 
@@ -96,16 +96,19 @@ def draft_spec(cfg, target: ModelSpec) -> ModelSpec | None:
     return draft
 
 
-def draft_cache(draft: ModelSpec | None, dtype: str) -> CacheLayout | None:
+def draft_cache(draft: ModelSpec | None, dtype: str,
+                kv_bits: int | None = None) -> CacheLayout | None:
     """The draft model's cache per pool row (CacheLayout.draft): its layers in the target's
-    activation dtype, never quantized (the real drafter's DecodePool has no kv_bits); None: no
-    draft model. Scheduler, simulator and `size` add it through CacheLayout.seq_bytes."""
-    return None if draft is None else draft.cache_layout(dtype, None)
+    activation dtype, at the target's --kv-bits (the real drafter's DecodePool quantizes its K/V
+    as the target's pool does); None: no draft model. Scheduler, simulator and `size` add it
+    through CacheLayout.seq_bytes."""
+    return None if draft is None else draft.cache_layout(dtype, kv_bits)
 
 
 def draft_weight_bytes(draft: ModelSpec | None, dtype: str, quantize_bits: int | None) -> int:
-    """The draft model's weights in the target's dtype and weight format, as model_drafter
-    prices its forwards (session and `size` alike); 0: no draft model."""
+    """The draft model's weights in the target's dtype and weight format, as the real executor
+    loads it (factory._drafter: quantized like the target, mlx-lm's group of 64) and
+    model_drafter prices its forwards (session and `size` alike); 0: no draft model."""
     return 0 if draft is None else draft.weight_bytes(dtype, quantize_bits)
 
 

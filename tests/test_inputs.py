@@ -289,6 +289,19 @@ def test_report_prints_a_summary_whose_peak_memory_bytes_is_damaged(finished_run
     rebuilt = json.loads(out.splitlines()[-1])
     assert rebuilt["peak_memory_bytes"] == summary["peak_memory_bytes"]  # from its GB
 
+
+@pytest.mark.parametrize("content", [b"{garbage", b"[1, 2]", b"\xff\xfe",
+                                     b"[" * 5000 + b"]" * 5000])
+def test_a_model_directory_with_a_broken_config_is_one_line(tmp_path, capsys, content):
+    # Were JSONDecodeError, AttributeError, UnicodeDecodeError and RecursionError tracebacks
+    # (as --model and as --draft-model: both read config.json the same way).
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_bytes(content)
+    rc, _, err = _main(["run", "--executor", "sim", "--device-profile", "M2", "--model",
+                        str(model), "--out", str(tmp_path / "runs")], capsys)
+    assert rc == 2 and "not a model config" in _one_line(err), err
+
 # -- serve and run: one set of flags and checks ----------------------------------------------
 def test_serve_offers_only_what_it_accepts_and_checks_what_run_checks(capsys, tmp_path):
     from batchsim.scripts.cli import build_parser

@@ -90,10 +90,22 @@ def _from_dir(name: str, path: Path) -> ModelRef:
     config_file = path / "config.json"
     if not config_file.exists():
         raise ModelNotFoundError(f"model directory {path} has no config.json")
-    config = json.loads(config_file.read_text())
+    config = _read_config(config_file)
     quant = config.get("quantization") or {}
     spec = spec_from_hf_config(name, config)
     return ModelRef(name, path, spec, _dtype_of(config), quant.get("bits"), _weights_of(path))
+
+
+def _read_config(config_file: Path) -> dict[str, Any]:
+    """A model's config.json as a JSON object, else a one-line error naming the file."""
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError, RecursionError) as exc:  # unreadable, not UTF-8, not JSON, deep
+        raise ConfigError(f"{config_file}: not a model config ({type(exc).__name__}: "
+                          f"{str(exc)[:120]})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{config_file}: not a model config (a JSON object of its fields)")
+    return config
 
 
 def _weights_of(path: Path) -> str:
@@ -135,7 +147,7 @@ def spec_for(ref: str) -> ModelSpec:
             f"model {ref!r}: not a zoo model or a model directory, and its config.json could not "
             f"be fetched from the hub ({reason}); zoo models: {', '.join(zoo_names())}"
         ) from None
-    return spec_from_hf_config(ref, json.loads(config_path.read_text()))
+    return spec_from_hf_config(ref, _read_config(config_path))
 
 
 def load(ref: ModelRef) -> tuple[Any, Any]:

@@ -279,5 +279,8 @@ class StepBudget:
             prefix.evict(need + free - keep)
             self.blocks = need + prefix.num_unreferenced
             geom = self.geometry()
+            if geom is None and self.spec_k:  # the rows' drafted blocks no longer fit: no drafts
+                self.spec_k = 0
+                geom = self.geometry()
         self.blocks = need
         self.geom = geom

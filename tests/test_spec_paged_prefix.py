@@ -1,0 +1,21 @@
+"""Speculative decoding in the paged layout with prefix caching, at the KV budget: a step whose
+rows' drafted blocks no longer fit once the prefix cache has its blocks drafts nothing that step
+(as StepBudget.fit_pool does), never plans a pool of no geometry (was a TypeError in the
+scheduler's KV account: 'cannot unpack non-iterable NoneType object')."""
+
+from __future__ import annotations
+
+import json
+
+from batchsim.scripts.cli import main
+
+
+def test_drafts_at_the_budget_with_paged_prefix_blocks_finish_every_request(tmp_path, capsys):
+    rc = main(["run", "--executor", "sim", "--device-profile", "M2", "--model", "llama-3.2-1b",
+               "--kv-layout", "paged", "--prefix-cache", "on", "--workload", "shared-prompt",
+               "--num-prompts", "40", "--request-rate", "inf", "--memory-gb", "2.6",
+               "--spec-method", "ngram", "--spec-tokens", "3", "--acceptance", "0.5",
+               "--no-progress", "--no-timeline", "--json", "--out", str(tmp_path)])
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert rc == 0 and summary["completed"] == 40 and summary["kv_account_mismatches"] == 0
+    assert summary["spec_decode_num_drafts"] > 0

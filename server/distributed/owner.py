@@ -231,6 +231,11 @@ def _main() -> None:
     import mlx._distributed_utils.launch as mlx_launch
 
     fd, status_dir = int(sys.argv.pop(1)), sys.argv.pop(1)
+    # The launcher's second signal to a run is SIGTERM to the whole group: the ranks end on it
+    # (rank 0 keeping its records), mlx.launch once they did. Ended first, it took the launcher's
+    # wait with it, whose SIGKILL then cut rank 0's records short. (A handler, not SIG_IGN: the
+    # ranks must not inherit it.)
+    signal.signal(signal.SIGTERM, lambda *_: None)
     threading.Thread(target=_die_with_launcher, args=(fd, status_dir), daemon=True).start()
     mlx_launch.select = lambda r, w, x, t: select.select(r, [], x, t)  # type: ignore[attr-defined]
     ring_log.install(mlx_launch, status_dir)  # the ring backend's lines to a file, not the terminal

@@ -110,6 +110,9 @@ def run(args: argparse.Namespace) -> dict:
         spec_verdict = sweep_spec.spec_points(
             rows, spec_cfgs, args.spec_policy,
             lambda batch, cfg, tag: _run_point(base, budget, source, batch, args, cfg, tag))
+    if any(c.spec_method == "draft" for c in spec_cfgs.values()):
+        spec_verdict["spec_analytic_max_batch"] = _draft_limit(base, budget, source, spec_cfgs,
+                                                               args)
     profile = _profile_fields(base)
     for row in rows:
         row["kv_bytes_analytic"] = sweep_math.batch_kv_bytes(
@@ -143,6 +146,16 @@ def _base_session(args: argparse.Namespace, cfg: RunConfig):
     # Through memory_gb so that simulated sessions opened per point get the same bytes.
     budget, _ = memory_budget(budget_bytes / GIB)
     return base, budget, f"--limit-batch {args.limit_batch}"
+
+
+def _draft_limit(base, budget: int, source: str, cfgs: dict[int, RunConfig],
+                 args: argparse.Namespace) -> int:
+    """The analytic limit with the draft model's weights and its padded row beside each
+    sequence, as the speculative points' sessions count them (Session.renewed)."""
+    spec = base.renewed(next(iter(cfgs.values())), budget, source)
+    return sweep_math.analytic_max_batch(budget, spec.weight_bytes, args.prompt_len,
+                                         args.output_len, base.kv_bytes_per_token,
+                                         spec.cache_layout.draft)
 
 
 def _run_point(base, budget: int, source: str, batch: int, args: argparse.Namespace,
@@ -290,6 +303,9 @@ def _print(rows: list[dict], meta: dict, verdict: dict) -> None:
                   "batching at the same batch, in decode tok/s (rows x acceptance length / "
                   "median verify step); stops paying at batch "
                   + ", ".join(f"{fmt(stops[str(k)])} (K={k}: {said[str(k)]})" for k in ks) + ".")
+    if "spec_analytic_max_batch" in verdict:
+        out.print(f"With the draft model's weights and its row beside each sequence, the "
+                  f"analytic limit is batch {verdict['spec_analytic_max_batch']}.")
     agree = "agree" if verdict["agree_within_one_step"] else "DISAGREE"
     out.print(
         f"Analytic limit: batch {verdict['analytic_overrun_batch']} (weights + B x "

@@ -102,9 +102,14 @@ class Session:
         """The same loaded model under `cfg` with a new executor (request ids start again; the
         real executor shares the model)."""
         executor = build_executor(cfg, self.ref, self.model)
-        return dataclasses.replace(self, config=cfg, executor=executor,
-                                   memory_budget_bytes=memory_budget_bytes,
-                                   budget_source=budget_source)
+        weights, layout = self.weight_bytes, self.cache_layout
+        if cfg.spec_method == "draft" != self.config.spec_method:  # as open_session counts it
+            weights, layout = weights + _draft_weights(cfg, self.ref, executor), _layout(executor)
+        new = dataclasses.replace(self, config=cfg, executor=executor, weight_bytes=weights,
+                                  cache_layout=layout, memory_budget_bytes=memory_budget_bytes,
+                                  budget_source=budget_source)
+        _check_fits(new)
+        return new
 
     def with_config(self, cfg: RunConfig) -> Session:
         """The same loaded model under other scheduler limits, budget or workload."""
@@ -170,6 +175,26 @@ def open_session(cfg: RunConfig, executor: Executor | None = None,
     return session
 
 
+def _param_bytes(model: Any) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def _draft_weights(cfg: RunConfig, ref: ModelRef, executor: Executor) -> int:
+    """The draft model's weights an executor holds: the real drafter's loaded parameters, or
+    what the simulator prices (_draft_weight_bytes); 0: none."""
+    drafter = getattr(getattr(executor, "drafter", None), "model", None)
+    return _draft_weight_bytes(cfg, ref) if drafter is None else _param_bytes(drafter)
+
+
+def _layout(executor: Executor) -> CacheLayout | None:
+    """What the scheduler prices: the executor's pool by layer kind (the simulator's `cache`),
+    None where one number per token is all of it (dense, no draft model)."""
+    layout = getattr(executor, "cache", None) or executor.cache_layout
+    return None if layout.is_dense else layout
+
+
 def _draft_weight_bytes(cfg: RunConfig, ref: ModelRef) -> int:
     """The draft model's weights (--spec-method draft), held beside the target's
     (spec_price.draft_weight_bytes); else 0."""
@@ -189,7 +214,6 @@ def _auto_dtype(cfg: RunConfig) -> str:
 def _open_mlx(cfg: RunConfig, dtype: str, budget: int, source: str,
               prepare_model: Callable[[Any], Any] | None = None) -> Session:
     from batchsim.server.models.loader import load
-    from mlx.utils import tree_flatten
 
     # Refuse before building or loading: a cache mlx-lm cannot quantize this way, or gigabytes
     # that cannot fit.
@@ -209,11 +233,8 @@ def _open_mlx(cfg: RunConfig, dtype: str, budget: int, source: str,
     if prepare_model is not None:
         model = prepare_model(model)
     executor = build_mlx_executor(cfg, ref, model)
-    drafter = getattr(executor.drafter, "model", None)  # a draft model's weights are held too
-    weights = sum(v.nbytes for m in (model, drafter) if m is not None
-                  for _, v in tree_flatten(m.parameters()))
-    # Other than dense: the scheduler prices what the executor's pool holds, by layer kind.
-    layout = None if executor.cache_layout.is_dense else executor.cache_layout
+    weights = _param_bytes(model) + _draft_weights(cfg, ref, executor)
+    layout = _layout(executor)
     session = Session(cfg, ref, str(executor.dtype).split(".")[-1], executor, weights, budget,
                       source, executor.kv_bytes_per_token, model, tokenizer, cache_layout=layout)
     _check_fits(session)

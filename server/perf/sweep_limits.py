@@ -9,6 +9,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from batchsim.scheduler.kv_bytes import CacheLayout
 from batchsim.scheduler.pool_geometry import KV_STEP, padded_batch_bytes, round_up
 from batchsim.server.results.metrics import StepRecord
 
@@ -28,9 +29,13 @@ def batch_kv_bytes(batch: int, prompt_len: int, output_len: int, kv_bytes_per_to
 
 
 def analytic_max_batch(memory_budget_bytes: int, weight_bytes: int, prompt_len: int,
-                       output_len: int, kv_bytes_per_token: int) -> int:
-    """The largest batch whose weights + KV at full length fit the budget (0: not even one)."""
+                       output_len: int, kv_bytes_per_token: int,
+                       draft: CacheLayout | None = None) -> int:
+    """The largest batch whose weights + KV at full length fit the budget (0: not even one);
+    `draft`: a draft model's cache, one padded row beside each sequence (CacheLayout.draft)."""
     per_seq = batch_kv_bytes(1, prompt_len, output_len, kv_bytes_per_token)
+    if draft is not None:
+        per_seq += draft.seq_bytes(seq_kv_tokens(prompt_len, output_len))
     return max(0, (memory_budget_bytes - weight_bytes) // per_seq)
 
 

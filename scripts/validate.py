@@ -49,12 +49,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         "(3) on the validation model (qwen2.5-0.5b), and simulated: 1-2 minutes a real run on a "
         "2-core CPU, about an hour in all. Short: --cases NAME,... --repeats 1 (two cases: about "
         "4 minutes), or --measured-from an earlier validate.jsonl (seconds, nothing run for "
-        "real). --device-profile's default is 'local', what `batchsim calibrate` writes (23 "
-        "minutes on this VM; --quick: a few), else a shipped profile calibrated on a machine like "
-        "this one, as `run --executor sim` picks.")
-    p.add_argument("--model", default=None,
-                   help="validation model (not a calibration one; default: "
-                   f"the matrix's `model`, else {DEFAULT_MODEL})")
+        "real). `batchsim calibrate` profiles this machine (23 minutes; --quick: a few).")
+    p.add_argument("--model", default=None, help="validation model (not a calibration one; "
+                   f"default: the matrix's `model`, else {DEFAULT_MODEL})")
     add_field_argument(p, RunConfig, "dtype", DTYPE_HELP, choices=list(DTYPES), unset=False)
     p.add_argument("--device-profile", default=None,
                    help=f"calibrated profile to validate (default: {LOCAL_NAME!r}, what `batchsim "
@@ -92,8 +89,7 @@ class _Validation:
 def run(args: argparse.Namespace) -> dict:
     args.matrix = str(matrix_path(args.matrix))
     args.model = args.model or load_yaml(Path(args.matrix)).get("model") or DEFAULT_MODEL
-    # A fresh checkout has no 'local' profile: fall back as `run --executor sim` does.
-    args.device_profile = args.device_profile or profile_for_this_machine()
+    args.device_profile = args.device_profile or profile_for_this_machine()  # as run picks
     earlier = None
     if args.measured_from:
         earlier = _earlier_validation(Path(args.measured_from), args.model,

@@ -21,7 +21,7 @@ from mlx import nn
 COUNTS = {
     "llama-3.2-1b": {17: 16}, "qwen2.5-0.5b": {20: 24}, "qwen3-0.6b": {19: 28},
     "gemma-3-1b": {28: 26}, "qwen3-30b-a3b": {27: 48}, "gpt-oss-20b": {34: 24},
-    "qwen3-next-80b-a3b": {47: 36, 37: 12}, "deepseek-v3": {24: 3, 41: 58},
+    "qwen3-next-80b-a3b": {41: 36, 37: 12}, "deepseek-v3": {24: 3, 41: 58},
 }
 
 
@@ -34,7 +34,7 @@ def test_layer_kernels_by_family(model):
 
 def test_reference_layer_is_llamas_and_uncounted_families_keep_it():
     llama = zoo_spec("llama-3.1-8b")
-    assert kernel_layers(llama) == llama.num_layers
+    assert kernel_layers(llama, 4) == kernel_layers(llama, None) == llama.num_layers
     assert layer_kernels("llama", llama.arch.layers[0]) == REFERENCE_LAYER_KERNELS
     assert layer_kernels("mistral", llama.arch.layers[0]) == REFERENCE_LAYER_KERNELS
 
@@ -45,6 +45,23 @@ def _mlx_lm_layer(model: str, index: int):
     module = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
     args = module.ModelArgs.from_dict(dict(spec.config, num_hidden_layers=4))
     return module.Model(args).layers[index]
+
+
+def test_a_float_linears_bias_is_no_kernel_of_its_own():
+    """mlx's float Linear adds its bias inside addmm; a quantized one adds it after its qmm."""
+    layer = zoo_spec("qwen2.5-0.5b").arch.layers[0]
+    assert layer_kernels("qwen2", layer, quantized=False) == REFERENCE_LAYER_KERNELS
+    assert layer_kernels("qwen2", layer, quantized=True) == REFERENCE_LAYER_KERNELS + 3
+    assert "addmm" in inspect.getsource(nn.Linear.__call__)
+    assert "quantized_matmul" in inspect.getsource(nn.QuantizedLinear.__call__)
+
+
+def test_gated_deltas_compute_g_is_one_compiled_kernel():
+    """qwen3_next's gated-delta mixer counts compute_g once: mlx-lm compiles it."""
+    pytest.importorskip("mlx_lm")
+    source = inspect.getsource(importlib.import_module("mlx_lm.models.gated_delta"))
+    head = source[:source.index("def compute_g")].rstrip().splitlines()[-1]
+    assert "mx.compile" in head
 
 
 @pytest.mark.parametrize("model", sorted(set(COUNTS) - {"deepseek-v3"}))  # MLA: its own norms

@@ -7,9 +7,9 @@ Counted by hand from mlx-lm's model files (mlx_lm/models/<model_type>.py, mlx-lm
 decode token on Metal, as one kernel each: a fast op (rms_norm, rope, scaled_dot_product_attention),
 a (quantized, gathered) matmul, an mx.compile'd function (swiglu, gelu_approx, clip_residual), an
 elementwise op or reduction, an argpartition or gather, a KV cache slice update. Reshapes,
-transposes and slices are views (no kernel). A quantized Linear's bias is its own add (a float
-Linear's fuses into addmm: counted as in the quantized models most rows run; counted apart, float
-layers without them, fit-macs held out LOSO explained batched 10.5 -> 13.0% median: not kept).
+transposes and slices are views (no kernel). A quantized Linear's bias is its own add; a float
+Linear's fuses into addmm (mlx.nn.Linear), so only quantized layers count them. The counts follow
+the source alone: none was chosen by its held-out score.
 Llama (llama.py): input norm, q/k/v, rope on q and k, K and V cache writes, attention, o_proj,
 residual; post-attention norm, gate and up, swiglu, down, residual: 17.
 qwen2.py: + q/k/v biases (20). qwen3.py: + q_norm, k_norm (19).
@@ -23,9 +23,12 @@ gather_qmm each with its bias (a gather and an add), SwigluOAI, weigh and sum (1
 qwen3_next.py (and gated_delta.py): a full-attention layer is qwen3's plus its output gate
 (sigmoid, multiply); a gated-delta layer's mixer: in_proj_qkvz and in_proj_ba, two concatenates
 and the conv state's copy, conv1d, silu, normalize_qk (2 rms_norm, 2 multiplies), sigmoid(b),
-compute_g (astype, exp, negate, add, softplus, multiply, exp), the gated-delta kernel, the gated
-RMSNorm (rms_norm, precise_swiglu), out_proj (23); the sparse block is qwen3_moe's plus the shared
-expert (gate, up, swiglu, down), its gate, sigmoid, multiply and add (20): 47 and 37.
+compute_g (mx.compile(shapeless=True) in gated_delta.py: 1), the gated-delta kernel, the gated
+RMSNorm (rms_norm, precise_swiglu), out_proj (17); the sparse block is qwen3_moe's plus the shared
+expert (gate, up, swiglu, down), its gate, sigmoid, multiply and add (20): 41 and 37.
+Not counted: SwitchGLU sorts its tokens by expert when batch x top-k >= 64 (switch_layers.py: two
+argsorts, gathers and an unsort, ~6 kernels a MoE layer from that batch on); the count is the
+batch-1 layer's, so a large MoE batch is priced a few kernels short.
 deepseek_v3.py (no reference row runs one): the MLA mixer at decode, q_a_proj, q_a_layernorm,
 q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, rope on q_pe and k_pe, the latent and k_pe cache
 writes, the RoPE scores (scale, matmul), embed_q, attention, unembed_out, o_proj (16); the MoE
@@ -49,7 +52,7 @@ class Family:
     layer_norms: int = 2  # RMSNorms on the residual stream per layer
     norm_kernels: int = 1  # kernels per norm (gemma's 1 + weight: 2)
     qk_norm: bool = False  # RMSNorm on queries and keys
-    proj_biases: int = 0  # attention projections with a bias (a quantized Linear's extra add)
+    proj_biases: int = 0  # attention projections with a bias (an add when quantized)
     activation_kernels: int = 1  # the dense MLP's activation (swiglu compiled: 1)
     moe_kernels: int = 0  # a routed-expert block's kernels (router to weighted sum)
     attention_gate: int = 0  # kernels gating the attention output (sigmoid, multiply)
@@ -67,14 +70,14 @@ FAMILIES = {
     "qwen3_moe": Family(qk_norm=True, moe_kernels=12),
     "gemma3_text": Family(layer_norms=4, norm_kernels=2, qk_norm=True, activation_kernels=2),
     "gpt_oss": Family(proj_biases=4, moe_kernels=17),
-    "qwen3_next": Family(qk_norm=True, moe_kernels=20, attention_gate=2, linear_kernels=23),
+    "qwen3_next": Family(qk_norm=True, moe_kernels=20, attention_gate=2, linear_kernels=17),
     "deepseek_v3": Family(moe_kernels=21, mla_kernels=16),
 }
 
 
-def layer_kernels(model_type: str, layer: Layer) -> int:
+def layer_kernels(model_type: str, layer: Layer, quantized: bool = True) -> int:
     """Kernels one decode token's pass through `layer` launches (the reference count where its
-    family or attention kind is not counted)."""
+    family or attention kind is not counted); `quantized`: its Linears' biases are separate adds."""
     f, kind = FAMILIES.get(model_type), layer.attention.kind
     mixers = {"linear": f.linear_kernels, "mla": f.mla_kernels} if f else {}
     if f is None or mixers.get(kind) == 0 or (layer.ffn.kind == "moe" and not f.moe_kernels):
@@ -83,7 +86,7 @@ def layer_kernels(model_type: str, layer: Layer) -> int:
         mixer = f.norm_kernels * f.layer_norms + mixers[kind]
     else:
         mixer = (f.norm_kernels * (f.layer_norms + (2 if f.qk_norm else 0)) + ATTENTION_KERNELS
-                 + f.proj_biases + f.attention_gate)
+                 + (f.proj_biases if quantized else 0) + f.attention_gate)
     ffn = f.moe_kernels if layer.ffn.kind == "moe" else DENSE_MATMULS + f.activation_kernels
     return mixer + ffn + RESIDUAL_ADDS
 
@@ -91,7 +94,8 @@ def layer_kernels(model_type: str, layer: Layer) -> int:
 REFERENCE_LAYER_KERNELS = 17  # llama's; layer_kernels("llama", layer) computes the same
 
 
-def kernel_layers(spec: ModelSpec) -> float:
+def kernel_layers(spec: ModelSpec, quantize_bits: int | None) -> float:
     """The model's layers in reference layers: its layers' kernels / REFERENCE_LAYER_KERNELS."""
-    total = sum(layer_kernels(spec.model_type, layer) for layer in spec.arch.layers)
+    quantized = bool(quantize_bits)
+    total = sum(layer_kernels(spec.model_type, layer, quantized) for layer in spec.arch.layers)
     return total / REFERENCE_LAYER_KERNELS

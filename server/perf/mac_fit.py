@@ -65,7 +65,8 @@ def row_cost(row: DecodeRow, catalog: macs.Catalog, fit: GpuFit | None,
 def basis(row: DecodeRow, catalog: macs.Catalog) -> Basis:
     step = row_cost(row, catalog, None).decode_time(1, row.width_tokens)
     return Basis(row, fit_format(row.quantize_bits), step.total_s - step.experts_s,
-                 step.experts_s, kernel_layers(_spec(row.model)), 1.0 / row.decode_tok_s)
+                 step.experts_s, kernel_layers(_spec(row.model), row.quantize_bits),
+                 1.0 / row.decode_tok_s)
 
 
 def predict_tok_s(row: DecodeRow, catalog: macs.Catalog, fit: GpuFit) -> float:

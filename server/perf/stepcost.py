@@ -218,8 +218,8 @@ class StepCost:
         calibrated device's measured overheads (no MoE term), else the catalog profile's."""
         if self.cal is not None:
             return (self._layers_overhead_us + self.cal.forward_overhead_us) * 1e-6, 0.0
-        p = self.profile
-        return (kernel_layers(self.spec) * p.layer_overhead_s + p.forward_overhead_s,
+        p, layers = self.profile, kernel_layers(self.spec, self.quantize_bits)
+        return (layers * p.layer_overhead_s + p.forward_overhead_s,
                 self.layers.moe_layers * p.moe_layer_overhead_s)
 
     @cached_property

@@ -10,12 +10,12 @@ engine calls its sampler per row carry it: EngineProfile.sampler, a row's `sampl
 engine's host time per step and per generated token (and an attention loop's per-row dispatches).
 No per-row attention kernel cost on a catalog Mac: MLX's decode attention is one kernel over every
 row (attention_row_us stays 0; the one source that wanted it, mlx_lm_1540, calls its sampler once
-per row). For each g
-on a grid that is a least-squares problem on relative error (robust: Huber weights; every time term
-kept >= 0; an engine's own terms shrunk towards zero, so what all engines share goes to the device
-terms, and towards the mean of its kind's, servers' or libraries', by PRIOR_ROWS over its rows: that
-mean is the prior of an engine the rows lack, and a one-row engine's costs lie halfway to it). The
-parts are recomputed under the new fit and the fit repeated (a roofline's binding side may move)."""
+per row). For each g on a grid that is a least-squares problem on relative error (robust: Huber
+weights; every time term kept >= 0; an engine's own terms shrunk towards zero, so what all engines
+share goes to the device terms, and towards the mean of its kind's, servers' or libraries', by
+PRIOR_ROWS over its rows: that mean is the prior of an engine the rows lack, and a one-row engine's
+costs lie halfway to it). The parts are recomputed under the new fit and the fit repeated (a
+roofline's binding side may move)."""
 
 from __future__ import annotations
 
@@ -111,8 +111,7 @@ def basis(row: Any, catalog: macs.Catalog, unit: MacModel, layers: float,
     dispatches (a product of two unknowns: linear in the engine's with the device's held)."""
     d, f = priced(row, catalog, unit)
     fit, fmt = unit.fit, fit_format(row.quantize_bits)
-    eff = fit.bandwidth_efficiency[fmt]
-    ce = fit.compute_efficiency
+    eff, ce = fit.bandwidth_efficiency[fmt], fit.compute_efficiency
     cq = fit.quantized_gemm_efficiency.get(row.quantize_bits, ce) if row.quantize_bits else ce
     eng = engine_name(row)
     plain = {
@@ -155,8 +154,9 @@ def _rows_past_first(row: Any, catalog: macs.Catalog, model: MacModel) -> int:
 
 def _forward_fixed_s(row: Any, catalog: macs.Catalog, model: MacModel) -> float:
     """One forward pass's fixed seconds on the row's Mac under `model` (layers and forward)."""
-    p = row_cost(row, catalog, model).profile
-    return kernels.kernel_layers(model_spec(row.model)) * p.layer_overhead_s + p.forward_overhead_s
+    p, spec = row_cost(row, catalog, model).profile, model_spec(row.model)
+    n = kernels.kernel_layers(spec, row.quantize_bits)
+    return n * p.layer_overhead_s + p.forward_overhead_s
 
 
 def _design(bases: Sequence[Basis], cols: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -384,7 +384,7 @@ def fit_published(rows: Sequence[Any], catalog: macs.Catalog, start: MacModel,
     they keep)."""
     rows = [r for r in rows if explained(r, start)]
     model, cols = start, columns(rows)
-    layers = [kernels.kernel_layers(model_spec(r.model)) for r in rows]
+    layers = [kernels.kernel_layers(model_spec(r.model), r.quantize_bits) for r in rows]
     speeds = [row_mac(catalog, r.chip, r.gpu_cores).cpu_speed for r in rows]
     grid = CPU_GRID  # the first round picks the CPU exponent, the others keep it
     for _ in range(ROUNDS):

@@ -59,7 +59,7 @@ class KVManager:
 
     @property
     def kv_bytes(self) -> int:
-        held = self.pool_bytes + self.private_bytes
+        held = self.pool_bytes + self._private_bytes
         if self.prefix is not None and self.shared is None:
             return held + self.prefix.nbytes  # padded: copies beside the pool
         return held

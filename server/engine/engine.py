@@ -217,7 +217,9 @@ class Engine:
 
     def _record(self, plan: StepPlan, result: StepResult, start: float) -> None:
         if self._thread is None:
-            ends = _cumsum(start, result.step_durations_s)
+            durations = result.step_durations_s
+            # most plans have one step: its end without a call
+            ends = [start + durations[0]] if len(durations) == 1 else _cumsum(start, durations)
         else:
             # what a client sees: the loop's time when the step's tokens are out
             ends = [self.now()]
@@ -266,8 +268,6 @@ class Engine:
 
 
 def _cumsum(start: float, durations: Sequence[float]) -> list[float]:
-    if len(durations) == 1:  # most plans: accumulate's one sum, without its list
-        return [start + durations[0]]
     ends = list(itertools.accumulate(durations, initial=start))
     del ends[0]
     return ends

@@ -45,7 +45,8 @@ EXIT_FAILED, EXIT_USAGE, EXIT_SERVED_NOTHING, EXIT_INTERRUPTED = 1, 2, 3, 130
 EXIT_CODES_HELP = (f"exit codes: 0 done; {EXIT_FAILED} failed (every request failed, a launch "
                    f"failed); {EXIT_USAGE} bad input (flags, config, model); {EXIT_SERVED_NOTHING} "
                    f"a run that served no request (all rejected: see requests.jsonl); "
-                   f"{EXIT_INTERRUPTED} interrupted (Ctrl-C, SIGTERM; records so far are kept)")
+                   f"{EXIT_INTERRUPTED} interrupted (Ctrl-C, SIGTERM, SIGHUP; records so far are "
+                   "kept)")
 
 
 class CommandFailed(Exception):

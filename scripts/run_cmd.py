@@ -4,7 +4,6 @@ weights (or the simulator) and report vLLM-compatible serving metrics."""
 from __future__ import annotations
 
 import argparse
-import signal
 from pathlib import Path
 
 from batchsim.configs import ConfigError
@@ -73,11 +72,12 @@ def run(args: argparse.Namespace) -> dict:
             raise CommandFailed(_all_failed(summary), summary)
         return summary
     from batchsim.server.engine.run_path import RecordsLost, run_config
+    from batchsim.server.platform.signals import STOP_SIGNALS
 
     warn_profile_mismatch(cfg)
-    try:  # SIGTERM as Ctrl-C: either stops the run and leaves its records and summary
+    try:  # SIGTERM, SIGHUP as Ctrl-C: each stops the run and leaves its records and summary
         summary = run_config(cfg, Path(args.out), ConsoleView(progress=not args.no_progress),
-                             signals=(signal.SIGINT, signal.SIGTERM),
+                             signals=STOP_SIGNALS,
                              timeline=not args.no_timeline)
     except RecordsLost as exc:
         raise CommandFailed(str(exc), exc.summary) from None

@@ -50,8 +50,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                        "response) is closed", unset=False)
     add_field_argument(g, ServeOptions, "body_timeout_s", "a request body not received this long "
                        "after its head gets 408", unset=False)
-    add_field_argument(g, ServeOptions, "drain_timeout_s", "on SIGINT/SIGTERM, how long in-flight "
-                       "requests may finish before abort", unset=False,
+    add_field_argument(g, ServeOptions, "drain_timeout_s", "on SIGINT/SIGTERM/SIGHUP, how long "
+                       "in-flight requests may finish before abort", unset=False,
                        type=non_negative_float)
     add_rank_arguments(p, "serve", "rank 0 answers HTTP and schedules, the others run its "
                        "plans; the KV budget is per rank")

@@ -497,6 +497,18 @@ def test_queue_full_then_sigterm_drains(batchsim_home):
             small.proc.kill()
 
 
+def test_sighup_drains_as_sigterm_does(batchsim_home):
+    """The terminal closed: the server drains and prints its totals, exit 0 (not killed)."""
+    server = ServerProcess(batchsim_home, "--drain-timeout-s", "2")
+    try:
+        server.proc.send_signal(signal.SIGHUP)
+        assert server.proc.wait(30) == 0, "".join(server.stderr)
+        assert '"aborted_at_shutdown":0' in server.proc.stdout.read()
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+
 def _check_queue_and_drain(small: ServerProcess) -> None:
     long_body = {"prompt": "x", "max_tokens": 3000, "ignore_eos": True, "stream": True}
     results: dict[str, list] = {}

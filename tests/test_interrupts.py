@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from batchsim.server.results.metrics import RequestRecord, StepRecord
 
 # A process that runs the CLI after `patch` (Python) wrapped one of its functions.
@@ -122,11 +123,14 @@ def test_a_signal_while_the_model_loads_leaves_an_interrupted_run(batchsim_home,
     assert summary["completed"] == 0 and reqs == []
 
 
-def test_sigterm_mid_run_stops_the_sending_and_keeps_the_records(batchsim_home, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_stop_signal_mid_run_stops_the_sending_and_keeps_the_records(batchsim_home, tmp_path,
+                                                                        sig):
     proc = start(batchsim_home, tmp_path, *FAKE, "--num-prompts", "1000", "--request-rate", "50")
     wait_for_lines(proc, tmp_path, "steps.jsonl")
-    proc.send_signal(signal.SIGTERM)
-    _summary, reqs = finished_interrupted(proc)
+    proc.send_signal(sig)
+    summary, reqs = finished_interrupted(proc)
+    assert summary["interrupt_reason"] == sig.name
     assert 0 < len(reqs) < 1000 and {r.status for r in reqs} <= {"finished", "unfinished"}
 
 

@@ -98,8 +98,9 @@ def wait_for_steps(ranks: Ranks, out: Path) -> Path:
 
 
 @pytest.mark.parametrize("sig, group", [(signal.SIGINT, False), (signal.SIGINT, True),
-                                        (signal.SIGTERM, False)],
-                         ids=["sigint-launcher", "ctrl-c-group", "sigterm-launcher"])
+                                        (signal.SIGTERM, False), (signal.SIGHUP, False)],
+                         ids=["sigint-launcher", "ctrl-c-group", "sigterm-launcher",
+                              "sighup-launcher"])
 def test_a_signalled_launcher_ends_the_run_interrupted_and_leaves_no_process(tiny, tmp_path, sig,
                                                                               group):
     ranks = Ranks([*RUN, "--out", str(tmp_path)])
@@ -180,8 +181,43 @@ def _mlx_launch(ranks: Ranks) -> int:
     return pid
 
 
+SERVE = ["serve", "--model", "tiny", "--port", "0", "--max-num-seqs", "4"]
+
+
+def test_ctrl_c_while_a_servers_ranks_start_says_interrupted(tiny):
+    """Stopped before it served, `serve --ranks 2` is an interrupted run (one line, 130), not a
+    silent 0."""
+    ranks = Ranks(SERVE)
+    try:
+        deadline = time.monotonic() + START_GUARD_S
+        while not ranks.processes(rank=0) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(ranks.proc.pid, signal.SIGINT)
+        rc, _out, err = ranks.finish()
+        assert not ranks.listening.is_set(), "served before the signal: the test did not test"
+        assert rc == EXIT_INTERRUPTED, err[-3000:]
+        assert err.strip().splitlines()[-1] == "batchsim serve: interrupted", err[-3000:]
+        ranks.assert_none_left()
+    finally:
+        ranks.cleanup()
+
+
+def test_sighup_to_a_serving_launcher_drains_and_stops_every_rank(tiny):
+    """The terminal closed: as SIGTERM, the server drains, prints its totals and exits 0."""
+    ranks = Ranks(SERVE)
+    try:
+        assert ranks.listening.wait(START_GUARD_S), "".join(ranks.stderr)[-2000:]
+        os.kill(ranks.proc.pid, signal.SIGHUP)
+        rc, out, err = ranks.finish()
+        assert rc == 0, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1])["ranks"] == 2
+        ranks.assert_none_left()
+    finally:
+        ranks.cleanup()
+
+
 def test_a_killed_serve_launcher_leaves_no_rank_on_the_port(tiny):
-    ranks = Ranks(["serve", "--model", "tiny", "--port", "0", "--max-num-seqs", "4"])
+    ranks = Ranks(SERVE)
     try:
         assert ranks.listening.wait(START_GUARD_S), "".join(ranks.stderr)[-2000:]
         assert httpx.get(f"{ranks.url}/health", timeout=30).status_code == 200

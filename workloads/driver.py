@@ -7,12 +7,12 @@ loop or on one whose clock is virtual (the simulator's): nothing here reads wall
 from __future__ import annotations
 
 import asyncio
-import signal
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from asyncio_throttle import Throttler
+from batchsim.server.platform.signals import STOP_SIGNALS
 from batchsim.workloads.requests import RequestSpec
 from batchsim.workloads.spec import WorkloadSpec
 
@@ -215,7 +215,7 @@ async def _drive_closed(
 
 async def drive_interruptibly(spec: WorkloadSpec, requests: Sequence[RequestSpec],
                               submit: Submit) -> bool:
-    """`drive`, where Ctrl-C (or SIGTERM) stops the sending but not the caller, which still
+    """`drive`, where Ctrl-C (or SIGTERM, SIGHUP) stops the sending but not the caller, which still
     reports what was measured so far. True if it was interrupted."""
     loop = asyncio.get_running_loop()
     driver = asyncio.create_task(drive(spec, requests, submit))
@@ -226,7 +226,7 @@ async def drive_interruptibly(spec: WorkloadSpec, requests: Sequence[RequestSpec
         interrupted = True
         driver.cancel()
 
-    signals = (signal.SIGINT, signal.SIGTERM)
+    signals = STOP_SIGNALS
     try:
         for sig in signals:
             loop.add_signal_handler(sig, interrupt)

@@ -71,7 +71,8 @@ def launch(argv: list[str], ranks: int, hostfile: str | None, server: bool = Fal
     """Run the ranks; rank 0 prints the tables and the summary. Raises RuntimeError naming the
     rank that failed first (a dead rank over the others it took down). SIGINT/SIGTERM here stop
     the ranks through rank 0 (owner.STOP_PLANS); a run stopped so raises KeyboardInterrupt once
-    they ended, as a 1-rank run's Ctrl-C does (a server stopped so just returns). Nothing of the
+    they ended, as a 1-rank run's Ctrl-C does (a server stopped so just returns, unless it was
+    stopped before it served). Nothing of the
     run outlives this call."""
     if hostfile:
         check_hostfile(hostfile, ranks)
@@ -87,14 +88,21 @@ def launch(argv: list[str], ranks: int, hostfile: str | None, server: bool = Fal
         # Kept only where an error names them; else they go with the status directory.
         reported = not owned.signals and (error or returncode)
         ring = ring_log.keep(Path(status_dir), rank0_run_dir(Path(status_dir))) if reported else ""
-    if owned.signals and server:
-        return  # the user stopped it: the ranks' "stopped" lines are no failure
-    if owned.signals:
-        raise KeyboardInterrupt  # rank 0 printed its summary, marked interrupted
+        served = server and _rank_ok(Path(status_dir), 0)
+    if owned.signals and served:
+        return  # the user stopped a server that ran: the ranks' "stopped" lines are no failure
+    if owned.signals:  # a run (rank 0 printed its summary, marked interrupted) or a server that
+        raise KeyboardInterrupt  # was stopped while its ranks started: interrupted either way
     if error:
         raise RuntimeError(error + ring)
     if returncode:
         raise RuntimeError(f"mlx.launch exited with status {returncode}{ring}")
+
+
+def _rank_ok(status_dir: Path, rank: int) -> bool:
+    """Whether `rank` ended well (a server: it served, then drained)."""
+    path = status_dir / f"rank{rank}.json"
+    return path.exists() and json.loads(path.read_text())["ok"]
 
 
 def ranks_error(status_dir: Path, ranks: int, killed: Sequence[int] = (),

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from batchsim.server.distributed import ring_log
+from batchsim.server.platform.signals import STOP_SIGNALS
 
 GRACE_S = 5.0  # after a rank failed: time for mlx.launch to end the others before the launcher does
 POLL_S = 0.1
@@ -69,7 +70,7 @@ class OwnedLaunch:
     def wait(self) -> int:
         """Until mlx.launch ends (forwarding signals, ending stuck ranks); its exit status."""
         main = threading.current_thread() is threading.main_thread()
-        handled = (signal.SIGINT, signal.SIGTERM) if main else ()
+        handled = STOP_SIGNALS if main else ()
         previous = {s: signal.signal(s, self._note) for s in handled}
         try:
             while True:

@@ -1,4 +1,4 @@
-"""SIGINT/SIGTERM on rank 0 of `serve --ranks N`. mlx.launch sends SIGTERM to rank 0 when another
+"""Stop signals on rank 0 of `serve --ranks N`. mlx.launch sends SIGTERM to rank 0 when another
 rank died, and a step that waits on a dead peer never returns, so a drain would wait forever:
 rank 0 exits at once when a local peer is gone, else drains as a 1-rank server does, with a
 deadline after which it exits anyway."""
@@ -19,6 +19,7 @@ from batchsim.server.distributed.rank import (
     _terminated,
     peers_lost,
 )
+from batchsim.server.platform.signals import STOP_SIGNALS
 
 GRACE_S = 10.0  # beyond the drain timeout: stopping the listener, telling the followers to stop
 
@@ -41,6 +42,6 @@ def install(server: Any, drain_timeout_s: float) -> asyncio.Event:
         timer.daemon = True
         timer.start()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
     return stop

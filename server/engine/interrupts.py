@@ -1,4 +1,4 @@
-"""SIGINT and SIGTERM during a run: a request to stop, answered where the run can keep its records
+"""SIGINT, SIGTERM, SIGHUP in a run: a request to stop, answered where the run can keep its records
 (stop issuing requests; or, while the records are written, just note it), not an exception
 raised in whatever line happened to run."""
 

@@ -13,7 +13,6 @@ import dataclasses
 import hmac
 import itertools
 import json
-import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from batchsim.server.http.options import ServeOptions
 from batchsim.server.http.prometheus import CONTENT_TYPE, ServerRecorder, mlx_memory_gauges, render
 from batchsim.server.http.protocol import Runner
 from batchsim.server.http.text_stream import Generation
+from batchsim.server.platform.signals import STOP_SIGNALS
 
 _ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error",
                 429: "rate_limit_error", 503: "server_error"}
@@ -304,7 +304,7 @@ class Server:
         return len(aborted)
 
     def on_signal(self, stop: asyncio.Event) -> None:
-        """The first SIGINT/SIGTERM drains; another one cuts the drain short."""
+        """The first SIGINT/SIGTERM/SIGHUP drains; another one cuts the drain short."""
         if stop.is_set():
             self._hurry = True
         stop.set()
@@ -324,10 +324,10 @@ def _error_response(exc: APIError) -> web.Response:
 
 async def serve(server: Server, host: str, port: int, announce: Callable[[str], None],
                 stop: asyncio.Event | None = None) -> dict:
-    """Run until SIGINT/SIGTERM (or the engine fails), then drain and stop. Returns totals.
+    """Run until SIGINT/SIGTERM/SIGHUP (or the engine fails), then drain and stop. Returns totals.
     `stop`: an event that stops it instead of signals (a server in a test's event loop)."""
     loop = asyncio.get_running_loop()
-    signals = (signal.SIGINT, signal.SIGTERM) if stop is None else ()
+    signals = STOP_SIGNALS if stop is None else ()
     stop = stop or asyncio.Event()
     engine = server.engine
     engine.start_clock()

@@ -21,7 +21,7 @@ class ServeOptions:
     # after its last response, else it is closed: slow or stalled clients, idle keep-alive.
     header_timeout_s: float = 60.0
     body_timeout_s: float = 60.0  # once the head is in, the body must follow this fast, else 408
-    drain_timeout_s: float = 30.0  # on SIGINT/SIGTERM, in-flight requests get this long to finish
+    drain_timeout_s: float = 30.0  # on a stop signal, in-flight requests get this long to finish
     # What the model and budget allow (from the session).
     max_model_len: int = 4096
     vocab_size: int = 32000

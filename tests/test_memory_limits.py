@@ -91,3 +91,13 @@ def test_prefill_token_bytes_grow_with_context_only_with_scores(n):
             == memory.prefill_token_bytes(spec, 4, 1, scores=False))
     assert (memory.prefill_token_bytes(spec, 4, n, scores=True)
             >= memory.prefill_token_bytes(spec, 4, 1, scores=True))
+
+
+def test_a_tiny_budget_that_does_not_fit_says_its_bytes():
+    """The no-fit line shows a budget under 0.01 GiB in a unit that shows it, not "0.00 GiB"."""
+    from batchsim.configs import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        open_session(RunConfig(model="llama-3.2-1b", executor="sim", device_profile="M2 Max",
+                               memory_gb=2 / 1024))
+    assert "0.00 GiB" not in str(err.value) and "(2.00 MiB, " in str(err.value), err.value

@@ -22,6 +22,16 @@ from batchsim.server.platform import env
 
 CPU_BUDGET_FRACTION = 0.75  # of RAM, when no GPU working-set limit exists (CPU backend)
 GIB = 1 << 30
+_UNITS = (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10))
+
+
+def bytes_text(nbytes: float) -> str:
+    """Bytes with two decimals in the largest unit that shows them (at least 0.01 of it): a tiny
+    budget reads "1.50 MiB", not "0.00 GiB"."""
+    for unit, size in _UNITS:
+        if abs(nbytes) >= size / 100:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes:g} bytes"
 
 
 @dataclasses.dataclass
@@ -264,7 +274,7 @@ def _weights_of(cfg: RunConfig, name: str) -> str:
 
 def _raise_no_fit(name: str, weights: int, budget: int, source: str) -> None:
     raise ConfigError(
-        f"model {name}: weights ({weights / GIB:.2f} GiB) do not fit the memory budget "
-        f"({budget / GIB:.2f} GiB, {source}); raise --memory-gb or pick a smaller "
+        f"model {name}: weights ({bytes_text(weights)}) do not fit the memory budget "
+        f"({bytes_text(budget)}, {source}); raise --memory-gb or pick a smaller "
         "dtype/quantization"
     )

@@ -117,6 +117,15 @@ def test_chat_context_error_names_messages(srv):
         "messages", "context_length_exceeded")
 
 
+def test_an_over_context_text_prompt_is_a_400_with_nothing_on_stderr(srv):
+    """batchsim's own check answers it; transformers' "Token indices sequence length is longer
+    than the specified maximum" warning is not repeated on the server's stderr."""
+    r = srv.client.post("/v1/completions", json={"prompt": "a b " * 3000})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    time.sleep(0.3)  # the stderr reader thread: any line written before the response is read
+    assert not [line for line in srv.stderr if "Token indices" in line], "".join(srv.stderr)
+
+
 def test_null_max_completion_tokens_keeps_max_tokens(srv):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
             "max_completion_tokens": None, "ignore_eos": True}

@@ -155,4 +155,7 @@ def load(ref: ModelRef) -> tuple[Any, Any]:
     import mlx_lm
 
     model, tokenizer = mlx_lm.load(str(ref.path))
+    # A prompt is checked against the model's context by batchsim itself (serve: a 400): no
+    # transformers warning ("Token indices sequence length is longer than ...") on stderr too.
+    tokenizer.model_max_length = sys.maxsize
     return model, tokenizer

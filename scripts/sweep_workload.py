@@ -13,7 +13,9 @@ from batchsim.scripts.workload_args import add_workload_args, workload_overrides
 from batchsim.server.engine.run_config import RunConfig, with_run_overrides
 from batchsim.workloads.lengths import LengthSpec
 from batchsim.workloads.prefixes import SharingSpec
+from batchsim.workloads.requests import RequestSpec
 from batchsim.workloads.spec import WorkloadSpec
+from batchsim.workloads.traces import read_trace
 
 PROMPT_LEN = 192
 # The built-in workload's defaults (a point sends B requests at once: num_prompts = B).
@@ -70,6 +72,10 @@ def _longest_request(args: argparse.Namespace, workload: WorkloadSpec) -> None:
 
     requests = build_requests(workload)
     r = max(requests, key=lambda r: r.prompt_len + r.output_len)
+    if r.output_len < 2:  # one output token is sampled by the prefill: nothing would decode
+        raise ConfigError(f"{_whose(workload, r)}: the workload's longest request "
+                          f"({r.prompt_len}+{r.output_len} tokens), which sizes sweep's batches, "
+                          "decodes nothing after its prefill; it needs >= 2 output tokens")
     args.prompt_len, args.output_len = r.prompt_len, r.output_len
     args.lengths = {"prompt_len": None, "output_len": None,
                     "longest_prompt_len": r.prompt_len, "longest_output_len": r.output_len}
@@ -77,6 +83,17 @@ def _longest_request(args: argparse.Namespace, workload: WorkloadSpec) -> None:
         values = [getattr(q, key) for q in requests]
         args.lengths[f"mean_{key}"] = sum(values) / len(values)
         args.lengths[f"max_{key}"] = max(values)
+
+
+def _whose(workload: WorkloadSpec, r: RequestSpec) -> str:
+    """Where request `r` comes from: its trace file, row (from 0, as trace.start counts) and
+    field, or the workload."""
+    trace = workload.trace
+    if workload.arrival != "trace" or trace is None or workload.sharing is not None:
+        return f"workload {workload.name}"
+    rows = read_trace(trace.path, trace.format, trace.start, workload.num_prompts)
+    j = sorted(range(len(rows)), key=lambda k: rows[k].t_s)[r.index]  # requests: by arrival
+    return f"trace {trace.path}: row {trace.start + j}, output_length {rows[j].output_len}"
 
 
 def _built_in_lengths(args: argparse.Namespace) -> None:

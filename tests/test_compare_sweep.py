@@ -266,3 +266,14 @@ def test_sweep_png_names_its_weights_as_size_does(tmp_path, capsys):
                      "--no-progress", "--json"]) == 0
     png = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["png"]
     assert Path(png).name.startswith("sweep-llama-3.2-1b-q4-")
+
+
+def test_a_trace_whose_longest_request_decodes_nothing_names_its_row(tmp_path, capsys):
+    """Said "--output-len >= 2", a flag the user did not pass: now the trace, row and field."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 50, "input_length": 10, "output_length": 5}\n\n'
+                     '{"timestamp": 10, "input_length": 900, "output_length": 0}\n')
+    assert main(["sweep", "--executor", "sim", "--device-profile", "M2 Max", "--model",
+                 "llama-3.2-1b", "--trace", str(trace), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"trace {trace}: row 1, output_length 0" in err and "--output-len" not in err, err

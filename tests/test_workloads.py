@@ -334,6 +334,9 @@ def test_trace_errors_name_the_file(tmp_path):
         read_trace(bad)
     with pytest.raises(ConfigError, match="no such file.*shipped"):
         read_trace("missing.csv")
+    for there, kind in (("/dev/null", "a character device"), (str(tmp_path), "a directory")):
+        with pytest.raises(ConfigError, match=f"is {kind}, not a regular file"):
+            read_trace(there)  # it exists: "no such file" said the wrong thing
 
 
 @pytest.mark.parametrize("row, says", [

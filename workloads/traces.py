@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import re
+import stat
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from itertools import islice
@@ -149,9 +150,20 @@ def resolve_trace_path(path: str | Path) -> Path:
     for candidate in candidates:
         if candidate.is_file():
             return candidate
+        if candidate.exists():  # /dev/null, a directory: there, but nothing a trace is read from
+            raise ConfigError(f"trace {str(path)!r}: {candidate} is {_file_kind(candidate)}, not a "
+                              "regular file (a .csv or .jsonl trace)")
     looked = ", ".join(str(c) for c in candidates)
     shipped = ", ".join(shipped_traces())
     raise ConfigError(f"trace {str(path)!r}: no such file (looked in {looked}); shipped: {shipped}")
+
+
+def _file_kind(path: Path) -> str:
+    mode = path.stat().st_mode
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a pipe"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a file")
 
 
 def read_trace(

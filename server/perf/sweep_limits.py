@@ -4,6 +4,7 @@ workload under a memory budget, the batch sizes to measure, and how to read the 
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -109,9 +110,14 @@ def steady_decode(steps: list[StepRecord], batch: int) -> tuple[float | None, fl
 
 def memory_wait_steps(steps: list[StepRecord], batch: int, max_num_batched_tokens: int,
                       next_chunk: int) -> int:
-    """Steps after which requests still waited although a seat and the token budget for another
-    prefill chunk were free: the KV budget held them back (not the per-step token budget)."""
-    return sum(1 for s in steps if s.num_waiting > 0 and s.num_running < batch
+    """Plans that left a request waiting although a seat and the token budget for another prefill
+    chunk were free: the KV budget held it back (not the per-step token budget). A request that
+    waits after a step may have arrived during it (a real run's arrivals come while a step runs):
+    only the next plan shows whether it was held. That plan saw the previous step's waiting
+    requests and admitted at most its prefill count of them (an admitted request prefills)."""
+    return sum(1 for before, s in itertools.pairwise(steps)
+               if s.num_prefill_requests < before.num_waiting
+               and before.num_running + s.num_prefill_requests < batch
                and s.batch_size + s.num_prefill_tokens + next_chunk <= max_num_batched_tokens)
 
 

@@ -273,7 +273,7 @@ class StepBudget:
             # the whole pool by a few blocks; the cache keeps the pool's blocks instead, or
             # when those no longer fit, what fits less cache_headroom.
             room = self.budget_bytes - self.private_bytes - self.cache.pool_bytes(self.geom)
-            fit = self.geom.blocks + room // prefix.block_bytes
+            fit = self.geom.blocks - self._draft_blocks() + room // prefix.block_bytes
             held = self.kv.pool.blocks or 0
             keep = held if need <= held <= fit else max(need, fit - cache_headroom(fit))
             prefix.evict(need + free - keep)

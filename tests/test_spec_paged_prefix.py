@@ -7,10 +7,21 @@ from __future__ import annotations
 
 import json
 
+from batchsim.scheduler import step_budget
 from batchsim.scripts.cli import main
 
 
-def test_drafts_at_the_budget_with_paged_prefix_blocks_finish_every_request(tmp_path, capsys):
+def test_drafts_at_the_budget_with_paged_prefix_blocks_finish_every_request(tmp_path, capsys,
+                                                                            monkeypatch):
+    dropped = []  # steps whose drafts the cache's kept blocks left no room for
+    fit_shared = step_budget.StepBudget._fit_shared_cache
+
+    def watched(self, *args, **kwargs):
+        k = self.spec_k
+        fit_shared(self, *args, **kwargs)
+        dropped.extend([k] if k and not self.spec_k else [])
+
+    monkeypatch.setattr(step_budget.StepBudget, "_fit_shared_cache", watched)
     rc = main(["run", "--executor", "sim", "--device-profile", "M2", "--model", "llama-3.2-1b",
                "--kv-layout", "paged", "--prefix-cache", "on", "--workload", "shared-prompt",
                "--num-prompts", "40", "--request-rate", "inf", "--memory-gb", "2.6",
@@ -19,3 +30,6 @@ def test_drafts_at_the_budget_with_paged_prefix_blocks_finish_every_request(tmp_
     summary = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert rc == 0 and summary["completed"] == 40 and summary["kv_account_mismatches"] == 0
     assert summary["spec_decode_num_drafts"] > 0
+    # the cache keeps what fits beside the pool without its drafted blocks counted twice (they
+    # are in the pool's geometry already): its rows never lose their drafts to it
+    assert dropped == []

@@ -302,6 +302,19 @@ def test_a_model_directory_with_a_broken_config_is_one_line(tmp_path, capsys, co
                         str(model), "--out", str(tmp_path / "runs")], capsys)
     assert rc == 2 and "not a model config" in _one_line(err), err
 
+
+@pytest.mark.parametrize("quantization", [4, [4], "x", {"bits": "x"}])
+def test_a_model_config_with_a_broken_quantization_is_one_line(tmp_path, capsys, quantization):
+    # Each was an AttributeError/TypeError traceback from the loader (rc 1).
+    from batchsim.server.models.spec import zoo_spec
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {**zoo_spec("tiny").config, "quantization": quantization}
+    (model / "config.json").write_text(json.dumps(config))
+    rc, _, err = _main(["run", "--executor", "sim", "--device-profile", "M2", "--model",
+                        str(model), "--out", str(tmp_path / "runs")], capsys)
+    assert rc == 2 and "'quantization' is not an object" in _one_line(err), err
+
 # -- serve and run: one set of flags and checks ----------------------------------------------
 def test_serve_offers_only_what_it_accepts_and_checks_what_run_checks(capsys, tmp_path):
     from batchsim.scripts.cli import build_parser

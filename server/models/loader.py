@@ -92,6 +92,8 @@ def _from_dir(name: str, path: Path) -> ModelRef:
         raise ModelNotFoundError(f"model directory {path} has no config.json")
     config = _read_config(config_file)
     quant = config.get("quantization") or {}
+    if not isinstance(quant, dict) or type(quant.get("bits", 0)) not in (int, type(None)):
+        raise ConfigError(f"{config_file}: 'quantization' is not an object with integer bits")
     spec = spec_from_hf_config(name, config)
     return ModelRef(name, path, spec, _dtype_of(config), quant.get("bits"), _weights_of(path))
 

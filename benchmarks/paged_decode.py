@@ -16,6 +16,10 @@ import json
 import statistics
 import time
 
+from batchsim.server.platform import blas
+
+blas.preload()  # before the first `import mlx`, as the CLI does
+
 import numpy as np
 from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.request import Request, SamplingParams

@@ -15,6 +15,10 @@ import json
 import statistics
 import time
 
+from batchsim.server.platform import blas
+
+blas.preload()  # before the first `import mlx`, as the CLI does
+
 import mlx.core as mx
 from batchsim.scheduler.pool_geometry import KV_STEP, PAGE_TOKENS, round_up
 

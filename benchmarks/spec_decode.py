@@ -33,6 +33,10 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
+from batchsim.server.platform import blas
+
+blas.preload()  # before anything imports mlx (the serial drafter's draft_model), as the CLI does
+
 KEYS = ("output_throughput", "mean_tpot_ms", "spec_decode_acceptance_rate",
         "spec_decode_acceptance_length", "num_steps", "output_tokens_sha256")
 
@@ -78,6 +82,7 @@ def run_once(workload: list[str], out: Path, batch: int, mode: Mode,
     with _serial_drafter(drafter == "serial"):
         s = _cli(argv)
     t1 = os.times()
+    check_env(s["env"])
     s["cpu_s"] = t1.user + t1.system - t0.user - t0.system  # this process's CPU, all threads
     s["loadavg_1m"] = os.getloadavg()[0]
     if args.sim_profile:  # the same run simulated, at the acceptance the real run measured
@@ -86,6 +91,17 @@ def run_once(workload: list[str], out: Path, batch: int, mode: Mode,
         s["sim_tok_s"] = _cli([*sim, "--out", str(out), "--executor", "sim", "--device-profile",
                                args.sim_profile, *accept])["output_throughput"]
     return s
+
+
+def check_env(env: dict) -> None:
+    """Refuses runs whose BLAS is unknown (mlx imported before blas.preload) while an optimized
+    one is installed: their multi-token forwards (prefill, verify, draft feeding) ran on MLX's
+    slow matmul path, and every ratio to plain decoding with them."""
+    found = blas.optimized_paths()
+    if env.get("blas") == "unknown" and found:
+        raise SystemExit(f"spec_decode: not reported: the runs' BLAS is unknown "
+                         f"({env.get('blas_note')}) while {found[0]} is installed; "
+                         "call blas.preload() before anything imports mlx")
 
 
 def main() -> None:
@@ -286,7 +302,7 @@ class SerialDraftModelDrafter:
     one-row forwards on its own mlx-lm caches (trimmed back to what the target kept), each draft
     read back to the host."""
 
-    def __init__(self, model):
+    def __init__(self, model, kv_bits=None):  # kv_bits: the factory's; the benchmark sets none
         self.model = model
         self._held: dict[int, tuple[list, list[int]]] = {}  # rid -> (caches, tokens they hold)
 

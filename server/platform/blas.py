@@ -82,6 +82,11 @@ def _openblas_paths() -> list[str]:
     return paths + ([found] if found else [])
 
 
+def optimized_paths() -> list[str]:
+    """The optimized BLAS libraries `auto` would try here (MKL, then a system OpenBLAS)."""
+    return _mkl_paths() + _openblas_paths()
+
+
 def _version(lib: ctypes.CDLL, name: str) -> str | None:
     try:
         if name == "openblas":

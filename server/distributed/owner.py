@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from batchsim.server.distributed import ring_log
+from batchsim.server.distributed.rank import KEEP_RECORDS_S
 from batchsim.server.platform.signals import STOP_SIGNALS
 
 GRACE_S = 5.0  # after a rank failed: time for mlx.launch to end the others before the launcher does
@@ -58,6 +59,7 @@ class OwnedLaunch:
         self.signals = 0  # signals the launcher received
         self._sent = 0  # of those, acted on
         self._failed_at: float | None = None
+        self._terminated_at: float | None = None  # when the group was sent SIGTERM
         self.killed: list[int] = []  # ranks still running GRACE_S after another failed
         # A local rank stopped (SIGSTOP) between steps is never noticed by its peers (a follower
         # waits for rank 0's next plan without a deadline): past the rank timeout and GRACE_S it
@@ -77,6 +79,7 @@ class OwnedLaunch:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     return self.proc.wait(timeout=POLL_S)
                 self._forward()
+                self._end_unanswered_term()
                 self._end_stuck_ranks()
                 self._end_stopped_ranks()
         finally:
@@ -110,7 +113,19 @@ class OwnedLaunch:
                         os.kill(rank0, sig)
             else:
                 self._signal_group(sig)
+                if sig == signal.SIGTERM:
+                    self._terminated_at = time.monotonic()
             self._sent += 1
+
+    def _end_unanswered_term(self) -> None:
+        """The group's SIGTERM runs each rank's handler, which a rank blocked in a native call
+        (a collective) never reaches: past the time rank 0 may take to keep its records and
+        GRACE_S, the group is killed (mlx.launch ignores SIGTERM, so nothing else would end it)."""
+        t0 = self._terminated_at
+        if t0 is not None and time.monotonic() - t0 > KEEP_RECORDS_S + GRACE_S:
+            self.killed = running_ranks(self.status_dir)
+            self._signal_group(signal.SIGKILL)
+            self._terminated_at = None
 
     def _end_stuck_ranks(self) -> None:
         if self._failed_at is None:

@@ -2,7 +2,7 @@
 and prints them as the README quotes them, each with its command, so a refit is followed by one
 command instead of a hunt through the README:
 
-    .venv/bin/python benchmarks/readme_figures.py [--only NAME,...] [--list]
+    .venv/bin/python benchmarks/readme_figures.py [--only NAME,...]  (--help lists the names)
 
 Every figure is a prediction (`size`, `compare`/`run --executor sim`, `fit-macs`), not a
 measurement, so the load of the machine changes none of them; the header gives the date, the

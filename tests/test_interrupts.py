@@ -134,6 +134,36 @@ def test_a_stop_signal_mid_run_stops_the_sending_and_keeps_the_records(batchsim_
     assert 0 < len(reqs) < 1000 and {r.status for r in reqs} <= {"finished", "unfinished"}
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="a pseudo-terminal")
+def test_closing_the_terminal_keeps_the_records_and_exits_130(batchsim_home, tmp_path):
+    """The terminal itself closes (not `kill -HUP`): SIGHUP comes, and every later write to the
+    terminal fails (EIO), which made the interrupted run exit 1. Its streams now go to
+    /dev/null: exit 130, summary kept."""
+    import pty
+    import select
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a session leader on the pseudo-terminal, as a shell's command
+        try:
+            os.environ.update(BATCHSIM_HOME=str(batchsim_home), HF_HUB_OFFLINE="1")
+            os.execv(sys.executable, [sys.executable, "-m", "batchsim.scripts.cli", "run", *FAKE,
+                                      "--num-prompts", "1000", "--request-rate", "50", "--out",
+                                      str(tmp_path)])
+        finally:
+            os._exit(127)  # never back into pytest
+    deadline = time.monotonic() + 120
+    while not any(p.stat().st_size for p in tmp_path.glob("*/steps.jsonl")):
+        assert time.monotonic() < deadline, "no step recorded"
+        if select.select([fd], [], [], 0.05)[0]:
+            os.read(fd, 65536)  # the terminal's output, drained so the run never blocks on it
+    os.close(fd)  # the terminal closes
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 130
+    (run_dir,) = tmp_path.iterdir()
+    saved = json.loads((run_dir / "summary.json").read_text())
+    assert saved["interrupted"] is True and saved["interrupt_reason"] == "SIGHUP"
+
+
 def test_ctrl_c_mid_run_on_the_real_model(batchsim_home, tmp_path):
     proc = start(batchsim_home, tmp_path, "--model", "tiny", "--num-prompts", "400",
                  "--request-rate", "20")

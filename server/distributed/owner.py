@@ -24,7 +24,7 @@ from typing import Any
 
 from batchsim.server.distributed import ring_log
 from batchsim.server.distributed.rank import KEEP_RECORDS_S
-from batchsim.server.platform.signals import STOP_SIGNALS
+from batchsim.server.platform.signals import STOP_SIGNALS, leave_closed_terminal
 
 GRACE_S = 5.0  # after a rank failed: time for mlx.launch to end the others before the launcher does
 POLL_S = 0.1
@@ -96,7 +96,8 @@ class OwnedLaunch:
         with contextlib.suppress(OSError):
             os.close(self._lifeline)
 
-    def _note(self, _signum: int, _frame: Any) -> None:
+    def _note(self, signum: int, _frame: Any) -> None:
+        leave_closed_terminal(signum)
         self.signals += 1
 
     def _forward(self) -> None:

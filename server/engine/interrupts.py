@@ -9,6 +9,8 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 
+from batchsim.server.platform.signals import leave_closed_terminal
+
 _held: list[str] = []  # signals hold() noted before any Interrupts was entered
 
 
@@ -57,6 +59,7 @@ class Interrupts:
 
     def _handle(self, signum: int, frame: object) -> None:
         self.received = self.received or signal.Signals(signum).name
+        leave_closed_terminal(signum)
         if self._answer is None:
             raise KeyboardInterrupt
         self._answer()

@@ -33,7 +33,7 @@ from batchsim.server.http.options import ServeOptions
 from batchsim.server.http.prometheus import CONTENT_TYPE, ServerRecorder, mlx_memory_gauges, render
 from batchsim.server.http.protocol import Runner
 from batchsim.server.http.text_stream import Generation
-from batchsim.server.platform.signals import STOP_SIGNALS
+from batchsim.server.platform.signals import STOP_SIGNALS, leave_closed_terminal
 
 _ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error",
                 429: "rate_limit_error", 503: "server_error"}
@@ -303,8 +303,9 @@ class Server:
             await asyncio.sleep(0.01)
         return len(aborted)
 
-    def on_signal(self, stop: asyncio.Event) -> None:
+    def on_signal(self, stop: asyncio.Event, signum: int = 0) -> None:
         """The first SIGINT/SIGTERM/SIGHUP drains; another one cuts the drain short."""
+        leave_closed_terminal(signum)
         if stop.is_set():
             self._hurry = True
         stop.set()
@@ -347,7 +348,7 @@ async def serve(server: Server, host: str, port: int, announce: Callable[[str], 
         bound_host, bound_port = runner.addresses[0][:2]
         announce(f"http://{_url_host(bound_host)}:{bound_port}")
         for sig in signals:
-            loop.add_signal_handler(sig, server.on_signal, stop)
+            loop.add_signal_handler(sig, server.on_signal, stop, sig)
         stop_task = asyncio.create_task(stop.wait())
         await asyncio.wait({stop_task, engine_task}, return_when=asyncio.FIRST_COMPLETED)
         stop_task.cancel()

@@ -3,6 +3,25 @@ and SIGHUP (the terminal closed) too. Each command answers them where it can kee
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import stat
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def leave_closed_terminal(signum: int) -> None:
+    """On SIGHUP, the terminal is gone: a write to it fails (EIO) and would turn an interrupted
+    run's exit into a failure. Its standard streams go to /dev/null instead (files and pipes
+    are kept: a SIGHUP sent with `kill` still gets the summary line)."""
+    if signum != signal.SIGHUP:
+        return
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        with contextlib.suppress(OSError):  # a closed fd: nothing to redirect
+            mode = os.fstat(fd)
+            # A hung-up terminal is no longer isatty(): a character device other than /dev/null.
+            if stat.S_ISCHR(mode.st_mode) and mode.st_rdev != os.fstat(null).st_rdev:
+                os.dup2(null, fd)
+    os.close(null)

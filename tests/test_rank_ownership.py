@@ -98,7 +98,9 @@ def wait_for_steps(ranks: Ranks, out: Path) -> Path:
 
 
 @pytest.mark.parametrize("sig, group", [(signal.SIGINT, False), (signal.SIGINT, True),
-                                        (signal.SIGTERM, False), (signal.SIGHUP, False)],
+                                        (signal.SIGTERM, False),
+                                        pytest.param(signal.SIGHUP, False,
+                                                     marks=pytest.mark.slow)],  # 14 s at load 3
                          ids=["sigint-launcher", "ctrl-c-group", "sigterm-launcher",
                               "sighup-launcher"])
 def test_a_signalled_launcher_ends_the_run_interrupted_and_leaves_no_process(tiny, tmp_path, sig,
@@ -202,6 +204,7 @@ def test_ctrl_c_while_a_servers_ranks_start_says_interrupted(tiny):
         ranks.cleanup()
 
 
+@pytest.mark.slow  # two ranks serving: 15 s at load 3
 def test_sighup_to_a_serving_launcher_drains_and_stops_every_rank(tiny):
     """The terminal closed: as SIGTERM, the server drains, prints its totals and exits 0."""
     ranks = Ranks(SERVE)

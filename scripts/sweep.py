@@ -111,8 +111,7 @@ def run(args: argparse.Namespace) -> dict:
             rows, spec_cfgs, args.spec_policy,
             lambda batch, cfg, tag: _run_point(base, budget, source, batch, args, cfg, tag))
     if any(c.spec_method == "draft" for c in spec_cfgs.values()):
-        spec_verdict["spec_analytic_max_batch"] = _draft_limit(base, budget, source, spec_cfgs,
-                                                               args)
+        spec_verdict["spec_analytic_max_batch"] = _draft_limit(base, budget, spec_cfgs, args)
     profile = _profile_fields(base)
     for row in rows:
         row["kv_bytes_analytic"] = sweep_math.batch_kv_bytes(
@@ -148,14 +147,17 @@ def _base_session(args: argparse.Namespace, cfg: RunConfig):
     return base, budget, f"--limit-batch {args.limit_batch}"
 
 
-def _draft_limit(base, budget: int, source: str, cfgs: dict[int, RunConfig],
+def _draft_limit(base, budget: int, cfgs: dict[int, RunConfig],
                  args: argparse.Namespace) -> int:
     """The analytic limit with the draft model's weights and its padded row beside each
-    sequence, as the speculative points' sessions count them (Session.renewed)."""
-    spec = base.renewed(next(iter(cfgs.values())), budget, source)
-    return sweep_math.analytic_max_batch(budget, spec.weight_bytes, args.prompt_len,
-                                         args.output_len, base.kv_bytes_per_token,
-                                         spec.cache_layout.draft)
+    sequence, as the speculative points' sessions count them (spec_price.draft_account; the
+    base session runs no draft model)."""
+    from batchsim.server.perf.spec_price import draft_account
+
+    draft_weights, draft_row = draft_account(next(iter(cfgs.values())), base.ref)
+    return sweep_math.analytic_max_batch(budget, base.weight_bytes + draft_weights,
+                                         args.prompt_len, args.output_len,
+                                         base.kv_bytes_per_token, draft_row)
 
 
 def _run_point(base, budget: int, source: str, batch: int, args: argparse.Namespace,
@@ -294,7 +296,8 @@ def _print(rows: list[dict], meta: dict, verdict: dict) -> None:
           f"{fmt(r['kv_bytes'] / MIB)} / {fmt(_mib(r['kv_bytes_measured']))}",
           r["kv_bytes_analytic"] / MIB,
           f"{fmt(_mib(r['active_memory_bytes']))} / {fmt(_mib(r['peak_memory_bytes']))}",
-          r["memory_wait_steps"], _status(r), *[e["gain"] for e in r.get("spec", [])]]
+          r["memory_wait_steps"], _status(r),
+          *[sweep_spec.gain_cell(e) for e in r.get("spec", [])]]
          for r in rows],
     ))
     if ks:
@@ -303,6 +306,8 @@ def _print(rows: list[dict], meta: dict, verdict: dict) -> None:
                   "batching at the same batch, in decode tok/s (rows x acceptance length / "
                   "median verify step); stops paying at batch "
                   + ", ".join(f"{fmt(stops[str(k)])} (K={k}: {said[str(k)]})" for k in ks) + ".")
+        if any(e["overrun"] for r in rows for e in r["spec"]):
+            out.print(sweep_spec.OVERRUN_NOTE)
     if "spec_analytic_max_batch" in verdict:
         out.print(f"With the draft model's weights and its row beside each sequence, the "
                   f"analytic limit is batch {verdict['spec_analytic_max_batch']}.")

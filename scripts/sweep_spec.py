@@ -9,13 +9,24 @@ from collections.abc import Callable
 
 from batchsim.configs import ConfigError
 from batchsim.scheduler.config import MAX_SPEC_TOKENS
-from batchsim.scripts.common import ints_up_to
+from batchsim.scripts.common import fmt, ints_up_to
 from batchsim.scripts.spec_args import acceptance_of, add_acceptance_args
 from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.perf.spec_price import break_even_verdict
 
 SPEC_KEYS = ("spec_decode_acceptance_rate", "spec_decode_acceptance_length",
              "spec_decode_num_drafts")
+POINT_KEYS = ("decoded_batch", "queued", "overrun")  # did the speculative point run its batch
+OVERRUN_NOTE = ("*: the speculative run overran (never decoded its batch together, or preempted "
+                "or rejected; decoded: its largest batch): not counted for where it stops paying")
+
+
+def gain_cell(entry: dict) -> float | str | None:
+    """A speculative point's gain in the sweep table: starred, with its decoded batch, where it
+    overran (OVERRUN_NOTE)."""
+    if not entry["overrun"]:
+        return entry["gain"]
+    return f"{fmt(entry['gain'])}* (decoded {entry['decoded_batch']})"
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -53,26 +64,30 @@ def spec_configs(cfg: RunConfig, args: argparse.Namespace) -> dict[int, RunConfi
 def spec_points(rows: list[dict], cfgs: dict[int, RunConfig], policy: str,
                 run_point: Callable[[int, RunConfig, str], dict]) -> dict:
     """Each batch again at each K: the row's `spec` entries (gain: decode tok/s over plain
-    batching's; output_gain: output tok/s, prefills included) and, per K, the first swept batch
+    batching's; output_gain: output tok/s, prefills included; the speculative run's own
+    decoded_batch, queued and overrun, as the plain row's) and, per K, the first swept batch
     where speculation no longer beats it and what that answer is (spec_price.break_even_verdict:
-    never_pays only where batch 1 was swept)."""
+    never_pays only where batch 1 was swept). A speculative point that overran (its draft
+    model's rows can cap the batch below B) is not batch B: it never sets the break-even."""
     first_loss: dict[str, int | None] = {}
     priced: dict[str, bool] = {}
     for k, cfg in cfgs.items():
         for row in rows:
             s = run_point(row["batch"], cfg, f"-k{k}")
             gain = (s["decode_tok_s"] or 0.0) / row["decode_tok_s"] if row["decode_tok_s"] else None
-            priced[str(k)] = priced.get(str(k), False) or gain is not None
             row.setdefault("spec", []).append({
                 "spec_tokens": k, "spec_policy": policy, "gain": gain,
                 "output_gain": s["output_throughput"] / row["output_throughput"],
                 **{key: s[key] for key in ("decode_tok_s", "decode_tok_s_source", "step_ms",
                                            "output_throughput", "median_tpot_ms", *SPEC_KEYS,
-                                           "run_dir")}})
+                                           *POINT_KEYS, "run_dir")}})
+            if s["overrun"]:
+                continue
+            priced[str(k)] = priced.get(str(k), False) or gain is not None
             if gain is not None and gain <= 1.0 and str(k) not in first_loss:
                 first_loss[str(k)] = row["batch"]
         first_loss.setdefault(str(k), None)
-    verdict = {k: break_even_verdict(b, priced[k]) for k, b in first_loss.items()}
+    verdict = {k: break_even_verdict(b, priced.get(k, False)) for k, b in first_loss.items()}
     for row in rows:
         for entry in row["spec"]:
             entry["spec_break_even_batch"] = first_loss[str(entry["spec_tokens"])]

@@ -17,7 +17,8 @@ from batchsim.server.executors.base import Executor
 from batchsim.server.executors.factory import build_executor, build_mlx_executor
 from batchsim.server.models.loader import ModelRef, resolve
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
-from batchsim.server.perf.spec_price import draft_cache, draft_spec, draft_weight_bytes
+from batchsim.server.perf.profile import compute_dtype
+from batchsim.server.perf.spec_price import draft_account
 from batchsim.server.platform import env
 
 CPU_BUDGET_FRACTION = 0.75  # of RAM, when no GPU working-set limit exists (CPU backend)
@@ -112,9 +113,12 @@ class Session:
         """The same loaded model under `cfg` with a new executor (request ids start again; the
         real executor shares the model)."""
         executor = build_executor(cfg, self.ref, self.model)
-        weights, layout = self.weight_bytes, self.cache_layout
-        if cfg.spec_method == "draft" != self.config.spec_method:  # as open_session counts it
-            weights, layout = weights + _draft_weights(cfg, self.ref, executor), _layout(executor)
+        if executor.caps.real_compute:  # the loaded target's, and cfg's draft model as loaded
+            target = self.weight_bytes - _draft_weights(self.config, self.ref, self.executor)
+            weights = target + _draft_weights(cfg, self.ref, executor)
+            layout = _layout(executor)
+        else:  # as open_session prices them
+            weights, layout = _priced(cfg, self.ref)
         new = dataclasses.replace(self, config=cfg, executor=executor, weight_bytes=weights,
                                   cache_layout=layout, memory_budget_bytes=memory_budget_bytes,
                                   budget_source=budget_source)
@@ -171,18 +175,22 @@ def open_session(cfg: RunConfig, executor: Executor | None = None,
     if cfg.executor == "mlx" and executor is None:
         return _open_mlx(cfg, dtype, budget, source, prepare_model)
     ref = resolve(cfg.model, dtype, cfg.quantize, build=False)
-    kv_dtype = "float16" if ref.quantize_bits else ref.dtype
     if executor is None:
         executor = build_executor(cfg, ref)
-    draft = draft_spec(cfg, ref.spec)
-    cache = ref.spec.cache_layout(kv_dtype, cfg.kv_bits).with_draft(
-        draft_cache(draft, kv_dtype, cfg.kv_bits))
-    weights = (ref.spec.weight_bytes(ref.dtype, ref.quantize_bits)
-               + draft_weight_bytes(draft, ref.dtype, ref.quantize_bits))
+    weights, cache = _priced(cfg, ref)
     session = Session(cfg, ref, ref.dtype, executor, weights, budget, source,
                       cache.full_token_bytes, cache_layout=cache)
     _check_fits(session)
     return session
+
+
+def _priced(cfg: RunConfig, ref: ModelRef) -> tuple[int, CacheLayout]:
+    """Weights and cache layout of the target and cfg's draft model as priced, not loaded
+    (spec_price.draft_account): what a simulated session holds."""
+    draft_weights, draft_layout = draft_account(cfg, ref)
+    kv_dtype = compute_dtype(ref.dtype, ref.quantize_bits)
+    cache = ref.spec.cache_layout(kv_dtype, cfg.kv_bits).with_draft(draft_layout)
+    return ref.spec.weight_bytes(ref.dtype, ref.quantize_bits) + draft_weights, cache
 
 
 def _param_bytes(model: Any) -> int:
@@ -207,8 +215,8 @@ def _layout(executor: Executor) -> CacheLayout | None:
 
 def _draft_weight_bytes(cfg: RunConfig, ref: ModelRef) -> int:
     """The draft model's weights (--spec-method draft), held beside the target's
-    (spec_price.draft_weight_bytes); else 0."""
-    return draft_weight_bytes(draft_spec(cfg, ref.spec), ref.dtype, ref.quantize_bits)
+    (spec_price.draft_account); else 0."""
+    return draft_account(cfg, ref)[0]
 
 
 def _auto_dtype(cfg: RunConfig) -> str:

@@ -65,7 +65,7 @@ def build_executor(cfg: ExecutorConfig, ref: ModelRef, model: Any = None) -> Exe
         from batchsim.server.executors.sim_executor import SimExecutor
         from batchsim.server.perf.spec_price import draft_cache, draft_spec
 
-        cost, draft = step_cost(cfg, ref), draft_spec(cfg, ref.spec)
+        cost, draft = step_cost(cfg, ref), draft_spec(cfg, ref)
         cache = ref.spec.cache_layout(cost.act_dtype, cfg.kv_bits).with_draft(  # the draft
             draft_cache(draft, cost.act_dtype, cfg.kv_bits))  # model's rows beside the target's
         return SimExecutor(cost, cache=cache, paged=cfg.kv_layout == "paged",
@@ -112,8 +112,9 @@ def build_mlx_executor(cfg: ExecutorConfig, ref: ModelRef, model: Any) -> MLXExe
 
 def _drafter(cfg: ExecutorConfig, ref: ModelRef):
     """speculative.Drafter for cfg.spec_method (None: off); the draft model is loaded here as
-    the account prices it (spec_price.draft_weight_bytes, draft_cache): in the target's dtype and
-    weight format (quantized like it, mlx-lm's group of 64), its K/V at --kv-bits. (The session
+    the account prices it (spec_price.draft_account): in the target's dtype and weight format
+    (a zoo draft quantized like it, mlx-lm's group of 64; any other refused unless stored so:
+    check_draft_ref), its K/V at --kv-bits. (The session
     has refused models whose layers cannot roll back: spec_price.check_layers.)"""
     from batchsim.server.executors import speculative
 
@@ -125,10 +126,9 @@ def _drafter(cfg: ExecutorConfig, ref: ModelRef):
     from batchsim.server.executors.draft_model import DraftModelDrafter
     from batchsim.server.models.loader import load, resolve
     from batchsim.server.models.tokenizer import check_shared_tokenizer
-    from batchsim.server.perf.spec_price import check_draft_model
+    from batchsim.server.perf.spec_price import check_draft_ref
 
     draft = resolve(cfg.draft_model, ref.dtype, ref.quantize_bits)
-    check_draft_model(draft.spec, ref.spec)  # its own caches are cut back too
-    draft.spec.check_kv_bits(cfg.kv_bits)
+    check_draft_ref(draft, ref, cfg.kv_bits)  # its caches cut back, its weights as priced
     check_shared_tokenizer(draft.path, ref.path, draft.name, ref.name)
     return DraftModelDrafter(load(draft)[0], cfg.kv_bits)

@@ -90,12 +90,18 @@ def _from_dir(name: str, path: Path) -> ModelRef:
     config_file = path / "config.json"
     if not config_file.exists():
         raise ModelNotFoundError(f"model directory {path} has no config.json")
-    config = _read_config(config_file)
+    return _ref_of(name, path, _read_config(config_file), _weights_of(path), config_file)
+
+
+def _ref_of(name: str, path: Path, config: dict[str, Any], weights: str,
+            config_file: Path | str) -> ModelRef:
+    """A stored model: its shapes, dtype and quantization as its config.json (`config_file`,
+    named in errors) says."""
     quant = config.get("quantization") or {}
     if not isinstance(quant, dict) or type(quant.get("bits", 0)) not in (int, type(None)):
         raise ConfigError(f"{config_file}: 'quantization' is not an object with integer bits")
     spec = spec_from_hf_config(name, config)
-    return ModelRef(name, path, spec, _dtype_of(config), quant.get("bits"), _weights_of(path))
+    return ModelRef(name, path, spec, _dtype_of(config), quant.get("bits"), weights)
 
 
 def _read_config(config_file: Path) -> dict[str, Any]:
@@ -138,6 +144,20 @@ def spec_for(ref: str) -> ModelSpec:
     path = Path(ref).expanduser()
     if path.is_dir():
         return _from_dir(ref, path).spec
+    return spec_from_hf_config(ref, _hub_config(ref))
+
+
+def stored_ref(ref: str, dtype: str, quantize_bits: int | None = None) -> ModelRef:
+    """`ref` in the form `resolve` loads it (a zoo model in `dtype` and `quantize_bits`, a
+    directory or hub id as stored), read without building or downloading its weights (a hub id:
+    its config.json alone; path empty)."""
+    if ref in zoo_names() or Path(ref).expanduser().is_dir():
+        return resolve(ref, dtype, quantize_bits, build=False)
+    return _ref_of(ref, Path(), _hub_config(ref), "real", f"{ref}'s config.json")
+
+
+def _hub_config(ref: str) -> dict[str, Any]:
+    """A hub model's config.json, else the one-line error."""
     hub_id = _hub_id(ref)
     try:
         from huggingface_hub import hf_hub_download
@@ -149,7 +169,7 @@ def spec_for(ref: str) -> ModelSpec:
             f"model {ref!r}: not a zoo model or a model directory, and its config.json could not "
             f"be fetched from the hub ({reason}); zoo models: {', '.join(zoo_names())}"
         ) from None
-    return spec_from_hf_config(ref, _read_config(config_path))
+    return _read_config(config_path)
 
 
 def load(ref: ModelRef) -> tuple[Any, Any]:

@@ -12,14 +12,18 @@ catch_up_s (the real drafter's, draft_model.py)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from batchsim.configs import ConfigError
 from batchsim.scheduler.kv_bytes import CacheLayout
 from batchsim.server.models.spec import ModelSpec
+from batchsim.server.perf.profile import compute_dtype
 from batchsim.server.perf.spec_acceptance import Acceptance
 from batchsim.server.perf.step_time import StepTime
 from batchsim.server.perf.stepcost import StepCost
+
+if TYPE_CHECKING:
+    from batchsim.server.models.loader import ModelRef
 
 # The n-gram drafter's host time per row and step (vLLM's prompt lookup, speculative.py): process
 # CPU time of ngram_proposal finding no match (its usual case, and its dearest: every n from 5 to
@@ -84,16 +88,47 @@ def model_drafter(cost: StepCost, draft: ModelSpec, dtype: str) -> Drafter:
                             engine=cost.base_engine), draft.name)
 
 
-def draft_spec(cfg, target: ModelSpec) -> ModelSpec | None:
+def draft_spec(cfg, target: ModelRef) -> ModelSpec | None:
     """A run config's draft model (--spec-method draft --draft-model M), checked against the
-    target as a real run checks it; None: no draft model."""
+    target as a real run checks it (check_draft_ref) before anything loads; None: no draft
+    model."""
     if getattr(cfg, "spec_method", "none") != "draft":
         return None
-    from batchsim.server.models.loader import spec_for
+    from batchsim.server.models.loader import stored_ref
 
-    draft = spec_for(cfg.draft_model)
-    check_draft_model(draft, target)
-    return draft
+    draft = stored_ref(cfg.draft_model, target.dtype, target.quantize_bits)
+    check_draft_ref(draft, target, cfg.kv_bits)
+    return draft.spec
+
+
+def check_draft_ref(draft: ModelRef, target: ModelRef, kv_bits: int | None) -> None:
+    """check_draft_model, its K/V quantizable at --kv-bits, and its weights in the form every
+    account prices them (the target's dtype and weight format: draft_weight_bytes, model_drafter,
+    draft_cache): a zoo draft is built so; a directory or hub draft is loaded as stored, so one
+    stored otherwise is refused in one line."""
+    check_draft_model(draft.spec, target.spec)
+    draft.spec.check_kv_bits(kv_bits)
+    have, want = _weight_format(draft), _weight_format(target)
+    if have != want:
+        raise ConfigError(f"--draft-model {draft.name}: stored as {have} weights, {target.name} "
+                          f"runs in {want}; a draft model directory or hub id is loaded as "
+                          "stored, so give one in the target's format (or a zoo model)")
+
+
+def _weight_format(ref: ModelRef) -> str:
+    bits = ref.quantize_bits
+    return f"{bits}-bit ({ref.dtype} scales)" if bits else ref.dtype
+
+
+def draft_account(cfg, target: ModelRef) -> tuple[int, CacheLayout | None]:
+    """The draft model's weights and its cache per pool row (draft_weight_bytes, draft_cache at
+    the target's activation dtype and --kv-bits) under run config `cfg`; (0, None): no draft
+    model. The one source a session's weights and layout (open, renewed) and sweep's analytic
+    limit count it by."""
+    draft = draft_spec(cfg, target)
+    act = compute_dtype(target.dtype, target.quantize_bits)
+    return (draft_weight_bytes(draft, target.dtype, target.quantize_bits),
+            draft_cache(draft, act, cfg.kv_bits))
 
 
 def draft_cache(draft: ModelSpec | None, dtype: str,

@@ -31,7 +31,8 @@ def add_spec_args(p: argparse.ArgumentParser, simulated: bool = True) -> argpars
                        "(a step near 64 tokens); fixed: K at every batch the token budget allows",
                        choices=["shrink", "fixed"])
     add_field_argument(g, RunConfig, "draft_model", "the draft model for --spec-method draft: "
-                       "zoo name or model directory")
+                       "zoo name (built in the target's dtype and --quantize), or a model "
+                       "directory or hub id stored in the target's format")
     if simulated:
         add_acceptance_args(g, "--executor sim: ")
     return g

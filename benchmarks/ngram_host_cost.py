@@ -17,6 +17,10 @@ import platform
 import random
 import time
 
+from batchsim.server.platform import blas
+
+blas.preload()  # before the first `import mlx` (speculative imports it), as the CLI does
+
 import numpy as np
 from batchsim.server.executors.speculative import ngram_proposal
 

@@ -17,7 +17,8 @@ then again) so drift hits every mode alike.
 
 Each run is `batchsim run` in-process (the same engine, records and summary); the table reports
 acceptance (vLLM's keys), output tok/s and mean TPOT, each mode's median over --reps, and the
-ratio to `none` at the same batch limit, with the 1-minute load average after each run. Not part
+ratio to `none` at the same batch limit, with the 1-minute load average after each run (and with
+--sim-profile the simulated mean TPOT, to compare with the real mean). Not part
 of the test suite; the last stdout line is one JSON document."""
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ def run_once(workload: list[str], out: Path, batch: int, mode: Mode,
     if args.sim_profile:  # the same run simulated, at the acceptance the real run measured
         sim = argv[:argv.index("--out")] + argv[argv.index("--out") + 2:]
         accept = ["--acceptance-from", s["run_dir"]] if k else []
-        s["sim_tok_s"] = _cli([*sim, "--out", str(out), "--executor", "sim", "--device-profile",
-                               args.sim_profile, *accept])["output_throughput"]
+        priced = _cli([*sim, "--out", str(out), "--executor", "sim", "--device-profile",
+                       args.sim_profile, *accept])
+        s["sim_tok_s"], s["sim_tpot_ms"] = priced["output_throughput"], priced["mean_tpot_ms"]
     return s
 
 
@@ -174,7 +176,7 @@ def _rows(b: int, runs: dict[Mode, list[dict]], args: argparse.Namespace) -> lis
         row = {"batch_limit": b, "spec_tokens": mode.k, "drafter": mode.drafter,
                "policy": args.policy if mode.k else "none",
                "num_requests": summaries[0]["completed"], "reps": len(summaries)}
-        for key in (*KEYS[:-1], "cpu_s", "loadavg_1m", "sim_tok_s"):
+        for key in (*KEYS[:-1], "cpu_s", "loadavg_1m", "sim_tok_s", "sim_tpot_ms"):
             vals = [s.get(key, 0.0) for s in summaries]
             row[key] = statistics.median(vals)
         row["same_tokens_as_none"] = all(s["output_tokens_sha256"] ==
@@ -194,13 +196,14 @@ def _print(rows: list[dict], env: dict, args: argparse.Namespace) -> None:
     print(f"{what} speculation, {mode}, {args.model} {env.get('dtype')} ({env.get('backend')}, "
           f"{env.get('cpu')}, {env.get('cores')} cores, shared machine)")
     print("batch  K  drafter  reqs  accept%  accept_len  steps  tok/s   x none  TPOT ms  "
-          "CPU s  sim/real  load  same tokens")
+          "sim TPOT  CPU s  sim/real  load  same tokens")
     for r in rows:
         print(f"{r['batch_limit']:5d} {r['spec_tokens']:2d} {r['drafter']:>8s} "
               f"{r['num_requests']:5d} {r['spec_decode_acceptance_rate']:7.1f} "
               f"{r['spec_decode_acceptance_length']:10.2f} {r['num_steps']:6.0f} "
               f"{r['output_throughput']:6.1f} {r['tok_s_vs_none']:7.2f} {r['mean_tpot_ms']:8.1f} "
-              f"{r['cpu_s']:6.1f} {r['sim_over_real']:9.2f} {r['loadavg_1m']:5.1f}  "
+              f"{r['sim_tpot_ms']:9.1f} {r['cpu_s']:6.1f} {r['sim_over_real']:9.2f} "
+              f"{r['loadavg_1m']:5.1f}  "
               f"{r['same_tokens_as_none']}")
 
 

@@ -47,6 +47,12 @@ class Ranks(WatchesServeStderr):
                                           daemon=True)]
         self._readers[1].start()
 
+    def wait_for_rank0(self) -> None:
+        """Until rank 0's process exists (START_GUARD_S at most)."""
+        deadline = time.monotonic() + START_GUARD_S
+        while not self.processes(rank=0) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
     def processes(self, rank: int | None = None) -> list[int]:
         """Live processes of this run (launcher, mlx.launch, ranks); a zombie has no environ."""
         want = f"{MARK}={self.mark}".encode()
@@ -126,9 +132,7 @@ def test_a_signal_while_the_ranks_join_still_ends_the_run_interrupted(tiny, tmp_
     is while the ranks connect (an interrupted accept() there failed the whole run)."""
     ranks = Ranks([*RUN, "--out", str(tmp_path)])
     try:
-        deadline = time.monotonic() + START_GUARD_S
-        while not ranks.processes(rank=0) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        ranks.wait_for_rank0()
         os.kill(ranks.proc.pid, signal.SIGINT)
         rc, out, err = ranks.finish()
         assert rc == EXIT_INTERRUPTED and "ring backend" not in err, err[-3000:]
@@ -191,9 +195,7 @@ def test_ctrl_c_while_a_servers_ranks_start_says_interrupted(tiny):
     silent 0."""
     ranks = Ranks(SERVE)
     try:
-        deadline = time.monotonic() + START_GUARD_S
-        while not ranks.processes(rank=0) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        ranks.wait_for_rank0()
         os.kill(ranks.proc.pid, signal.SIGINT)
         rc, _out, err = ranks.finish()
         assert not ranks.listening.is_set(), "served before the signal: the test did not test"

@@ -116,3 +116,12 @@ def test_an_overrun_speculative_point_is_marked_and_sets_no_break_even():
     assert (entry["decoded_batch"], entry["queued"], entry["overrun"]) == (7, True, True)
     assert sweep_spec.gain_cell(entry) == "0.75* (decoded 7)"
     assert sweep_spec.gain_cell(rows[0]["spec"][0]) == 1.5
+
+
+def test_a_stored_draft_of_other_scales_of_the_same_bytes_is_accepted(tiny_q4):
+    # r3: a float16-scaled 4-bit draft for a bfloat16 4-bit target holds the same bytes as the
+    # account prices (most hub drafts store bfloat16): it was refused as another format.
+    kw = {"dtype": "bfloat16", "quantize": 4, "memory_gb": 1, **SIM}
+    stored = open_session(_draft("tiny", str(tiny_q4[0].path), **kw))
+    zoo = open_session(_draft("tiny", "tiny", **kw))
+    assert stored.weight_bytes == zoo.weight_bytes

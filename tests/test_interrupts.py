@@ -213,3 +213,17 @@ def test_ctrl_c_while_the_commands_load_is_one_line_and_130(batchsim_home, tmp_p
     assert proc.returncode == EXIT_INTERRUPTED, proc.stderr[-2000:]
     assert proc.stderr == "batchsim: interrupted while starting\n"
     assert not list(tmp_path.iterdir())  # nothing was written
+
+
+def test_kill_hup_to_a_live_terminal_keeps_its_streams():
+    """r3: a `kill -HUP` while the terminal is open: its streams are a live tty and stay (the
+    summary line still reaches it); only a hung-up one goes to /dev/null."""
+    code = ("import os, pty, signal, sys\n"
+            "from batchsim.server.platform.signals import leave_closed_terminal\n"
+            "master, slave = pty.openpty()\n"
+            "os.dup2(slave, 1)\n"
+            "leave_closed_terminal(signal.SIGHUP)\n"
+            "sys.stderr.write(str(os.fstat(1).st_rdev == os.fstat(slave).st_rdev))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert out.stderr.strip().endswith("True"), out.stderr

@@ -101,3 +101,11 @@ def test_a_tiny_budget_that_does_not_fit_says_its_bytes():
         open_session(RunConfig(model="llama-3.2-1b", executor="sim", device_profile="M2 Max",
                                memory_gb=2 / 1024))
     assert "0.00 GiB" not in str(err.value) and "(2.00 MiB, " in str(err.value), err.value
+
+
+def test_bytes_read_in_the_largest_unit_of_which_they_are_at_least_one():
+    from batchsim.server.engine.session import bytes_text
+
+    # r3: 11 MB read "0.01 GiB", so two budgets 0.2 MB apart printed alike
+    assert [bytes_text(b) for b in (11.0e6, 10.8e6, 3 << 30, 1536, 12)] == [
+        "10.49 MiB", "10.30 MiB", "3.00 GiB", "1.50 KiB", "12 bytes"]

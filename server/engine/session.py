@@ -27,10 +27,10 @@ _UNITS = (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
 
 def bytes_text(nbytes: float) -> str:
-    """Bytes with two decimals in the largest unit that shows them (at least 0.01 of it): a tiny
-    budget reads "1.50 MiB", not "0.00 GiB"."""
+    """Bytes with two decimals in the largest unit of which they are at least one: a tiny
+    budget reads "1.50 MiB", not "0.00 GiB", and 11 MB "10.49 MiB", not "0.01 GiB"."""
     for unit, size in _UNITS:
-        if abs(nbytes) >= size / 100:
+        if abs(nbytes) >= size:
             return f"{nbytes / size:.2f} {unit}"
     return f"{nbytes:g} bytes"
 

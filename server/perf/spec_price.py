@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from batchsim.configs import ConfigError
 from batchsim.scheduler.kv_bytes import CacheLayout
-from batchsim.server.models.spec import ModelSpec
+from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.perf.profile import compute_dtype
 from batchsim.server.perf.spec_acceptance import Acceptance
 from batchsim.server.perf.step_time import StepTime
@@ -108,11 +108,17 @@ def check_draft_ref(draft: ModelRef, target: ModelRef, kv_bits: int | None) -> N
     stored otherwise is refused in one line."""
     check_draft_model(draft.spec, target.spec)
     draft.spec.check_kv_bits(kv_bits)
-    have, want = _weight_format(draft), _weight_format(target)
-    if have != want:
-        raise ConfigError(f"--draft-model {draft.name}: stored as {have} weights, {target.name} "
-                          f"runs in {want}; a draft model directory or hub id is loaded as "
-                          "stored, so give one in the target's format (or a zoo model)")
+    if _priced_as(draft) != _priced_as(target):
+        raise ConfigError(f"--draft-model {draft.name}: stored as {_weight_format(draft)} "
+                          f"weights, {target.name} runs in {_weight_format(target)}; a draft "
+                          "model directory or hub id is loaded as stored, so give one in the "
+                          "target's format (or a zoo model)")
+
+
+def _priced_as(ref: ModelRef) -> tuple[int | None, int]:
+    """What the account prices a model's weights by: its bits and its (scales') dtype's bytes (a
+    bfloat16 and a float16 draft hold the same bytes)."""
+    return ref.quantize_bits, dtype_bytes(ref.dtype)
 
 
 def _weight_format(ref: ModelRef) -> str:

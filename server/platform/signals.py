@@ -21,7 +21,9 @@ def leave_closed_terminal(signum: int) -> None:
     for fd in (0, 1, 2):
         with contextlib.suppress(OSError):  # a closed fd: nothing to redirect
             mode = os.fstat(fd)
-            # A hung-up terminal is no longer isatty(): a character device other than /dev/null.
-            if stat.S_ISCHR(mode.st_mode) and mode.st_rdev != os.fstat(null).st_rdev:
+            # A hung-up terminal is no longer isatty(): a character device other than /dev/null
+            # that is not a terminal now (a live one, sent `kill -HUP`, keeps its lines).
+            if (stat.S_ISCHR(mode.st_mode) and mode.st_rdev != os.fstat(null).st_rdev
+                    and not os.isatty(fd)):
                 os.dup2(null, fd)
     os.close(null)

@@ -68,8 +68,11 @@ def spec_points(rows: list[dict], cfgs: dict[int, RunConfig], policy: str,
     decoded_batch, queued and overrun, as the plain row's) and, per K, the first swept batch
     where speculation no longer beats it and what that answer is (spec_price.break_even_verdict:
     never_pays only where batch 1 was swept). A speculative point that overran (its draft
-    model's rows can cap the batch below B) is not batch B: it never sets the break-even."""
+    model's rows can cap the batch below B) is not batch B: it never sets the break-even, and
+    where plain batching ran that batch but speculation overran it, speculation winning below
+    it reads capped_by_draft_memory_at_B, not pays_at_every_batch."""
     first_loss: dict[str, int | None] = {}
+    capped: dict[str, int] = {}  # the first batch only speculation overran (its draft's memory)
     priced: dict[str, bool] = {}
     for k, cfg in cfgs.items():
         for row in rows:
@@ -82,12 +85,17 @@ def spec_points(rows: list[dict], cfgs: dict[int, RunConfig], policy: str,
                                            "output_throughput", "median_tpot_ms", *SPEC_KEYS,
                                            *POINT_KEYS, "run_dir")}})
             if s["overrun"]:
+                if not row["overrun"]:
+                    capped.setdefault(str(k), row["batch"])
                 continue
             priced[str(k)] = priced.get(str(k), False) or gain is not None
             if gain is not None and gain <= 1.0 and str(k) not in first_loss:
                 first_loss[str(k)] = row["batch"]
         first_loss.setdefault(str(k), None)
     verdict = {k: break_even_verdict(b, priced.get(k, False)) for k, b in first_loss.items()}
+    for k, batch in capped.items():  # it won where it ran, but could not run the larger batches
+        if verdict[k] == "pays_at_every_batch":
+            verdict[k] = f"capped_by_draft_memory_at_{batch}"
     for row in rows:
         for entry in row["spec"]:
             entry["spec_break_even_batch"] = first_loss[str(entry["spec_tokens"])]

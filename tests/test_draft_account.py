@@ -111,7 +111,8 @@ def test_an_overrun_speculative_point_is_marked_and_sets_no_break_even():
     cfg = _draft("tiny", None)
     res = sweep_spec.spec_points(rows, {3: cfg}, "fixed", lambda b, c, tag: spec[b])
     assert res["spec_break_even_batch"]["3"] is None
-    assert res["spec_break_even"]["3"] == "pays_at_every_batch"
+    # r3: it won where it ran, but plain batch 8 ran and speculation could not
+    assert res["spec_break_even"]["3"] == "capped_by_draft_memory_at_8"
     entry = rows[1]["spec"][0]
     assert (entry["decoded_batch"], entry["queued"], entry["overrun"]) == (7, True, True)
     assert sweep_spec.gain_cell(entry) == "0.75* (decoded 7)"

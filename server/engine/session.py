@@ -17,8 +17,12 @@ from batchsim.server.executors.base import Executor
 from batchsim.server.executors.factory import build_executor, build_mlx_executor
 from batchsim.server.models.loader import ModelRef, resolve
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
-from batchsim.server.perf.profile import compute_dtype
-from batchsim.server.perf.spec_price import draft_account
+from batchsim.server.perf.spec_price import (
+    draft_account,
+    draft_spec,
+    draft_weight_bytes,
+    priced_cache,
+)
 from batchsim.server.platform import env
 
 CPU_BUDGET_FRACTION = 0.75  # of RAM, when no GPU working-set limit exists (CPU backend)
@@ -186,11 +190,11 @@ def open_session(cfg: RunConfig, executor: Executor | None = None,
 
 def _priced(cfg: RunConfig, ref: ModelRef) -> tuple[int, CacheLayout]:
     """Weights and cache layout of the target and cfg's draft model as priced, not loaded
-    (spec_price.draft_account): what a simulated session holds."""
-    draft_weights, draft_layout = draft_account(cfg, ref)
-    kv_dtype = compute_dtype(ref.dtype, ref.quantize_bits)
-    cache = ref.spec.cache_layout(kv_dtype, cfg.kv_bits).with_draft(draft_layout)
-    return ref.spec.weight_bytes(ref.dtype, ref.quantize_bits) + draft_weights, cache
+    (spec_price: draft_weight_bytes, priced_cache): what a simulated session holds."""
+    draft = draft_spec(cfg, ref)
+    weights = ref.spec.weight_bytes(ref.dtype, ref.quantize_bits)
+    return (weights + draft_weight_bytes(draft, ref.dtype, ref.quantize_bits),
+            priced_cache(cfg, ref, draft))
 
 
 def _param_bytes(model: Any) -> int:

@@ -63,13 +63,11 @@ def build_executor(cfg: ExecutorConfig, ref: ModelRef, model: Any = None) -> Exe
         return FakeExecutor(vocab_size=ref.spec.vocab_size)
     if cfg.executor == "sim":
         from batchsim.server.executors.sim_executor import SimExecutor
-        from batchsim.server.perf.spec_price import draft_cache, draft_spec
+        from batchsim.server.perf.spec_price import draft_spec, priced_cache
 
         cost, draft = step_cost(cfg, ref), draft_spec(cfg, ref)
-        cache = ref.spec.cache_layout(cost.act_dtype, cfg.kv_bits).with_draft(  # the draft
-            draft_cache(draft, cost.act_dtype, cfg.kv_bits))  # model's rows beside the target's
-        return SimExecutor(cost, cache=cache, paged=cfg.kv_layout == "paged",
-                           spec=_sim_spec(cfg, ref, cost, draft))
+        return SimExecutor(cost, cache=priced_cache(cfg, ref, draft),
+                           paged=cfg.kv_layout == "paged", spec=_sim_spec(cfg, ref, cost, draft))
     raise ValueError(f"unknown executor {cfg.executor!r} (mlx, sim or fake)")
 
 

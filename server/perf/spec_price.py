@@ -137,6 +137,14 @@ def draft_account(cfg, target: ModelRef) -> tuple[int, CacheLayout | None]:
             draft_cache(draft, act, cfg.kv_bits))
 
 
+def priced_cache(cfg, target: ModelRef, draft: ModelSpec | None) -> CacheLayout:
+    """The target's cache per sequence at its activation dtype and --kv-bits, with `draft`'s rows
+    beside it (draft_cache): the one layout the simulator and a simulated session price."""
+    act = compute_dtype(target.dtype, target.quantize_bits)
+    return target.spec.cache_layout(act, cfg.kv_bits).with_draft(
+        draft_cache(draft, act, cfg.kv_bits))
+
+
 def draft_cache(draft: ModelSpec | None, dtype: str,
                 kv_bits: int | None = None) -> CacheLayout | None:
     """The draft model's cache per pool row (CacheLayout.draft): its layers in the target's

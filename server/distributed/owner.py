@@ -124,8 +124,7 @@ class OwnedLaunch:
         GRACE_S, the group is killed (mlx.launch ignores SIGTERM, so nothing else would end it)."""
         t0 = self._terminated_at
         if t0 is not None and time.monotonic() - t0 > KEEP_RECORDS_S + GRACE_S:
-            self.killed = running_ranks(self.status_dir)
-            self._signal_group(signal.SIGKILL)
+            self._kill_running()
             self._terminated_at = None
 
     def _end_stuck_ranks(self) -> None:
@@ -133,8 +132,7 @@ class OwnedLaunch:
             if any_rank_failed(self.status_dir):
                 self._failed_at = time.monotonic()
         elif time.monotonic() - self._failed_at > GRACE_S:
-            self.killed = running_ranks(self.status_dir)
-            self._signal_group(signal.SIGKILL)
+            self._kill_running()
             self._failed_at = float("inf")  # done: mlx.launch ends with them
 
     def _end_stopped_ranks(self) -> None:
@@ -149,8 +147,12 @@ class OwnedLaunch:
         late = sorted(r for r, t0 in self._stopped_since.items() if now - t0 > deadline_s)
         if late and not self.stopped and self._failed_at is None:
             self.stopped = late
-            self.killed = running_ranks(self.status_dir)
-            self._signal_group(signal.SIGKILL)
+            self._kill_running()
+
+    def _kill_running(self) -> None:
+        """The group killed, the ranks still running named in `killed`."""
+        self.killed = running_ranks(self.status_dir)
+        self._signal_group(signal.SIGKILL)
 
     def _signal_group(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):

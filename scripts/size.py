@@ -25,7 +25,7 @@ from batchsim.scripts.common import (
 )
 from batchsim.scripts.size_view import plot, print_parts, print_table
 from batchsim.scripts.spec_args import acceptance_of, add_acceptance_args
-from batchsim.server.models.loader import spec_for
+from batchsim.server.models.loader import ModelRef, spec_for
 from batchsim.server.models.spec import FLOAT_DTYPES, KV_BITS, QUANT_BITS, ModelSpec, zoo_names
 from batchsim.server.perf import macs
 from batchsim.server.perf.cluster import Cluster, resolve_link
@@ -39,7 +39,7 @@ from batchsim.server.perf.size_limits import (
     context_fit,
     mac_row,
 )
-from batchsim.server.perf.spec_price import check_speculation
+from batchsim.server.perf.spec_price import check_speculation, draft_spec
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -173,11 +173,16 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _draft_spec(args: argparse.Namespace, spec: ModelSpec) -> ModelSpec | None:
-    """--draft-model's shapes, checked as a run checks them (None: n-gram)."""
+    """--draft-model's shapes, checked as a run checks them (spec_price.draft_spec: a stored
+    draft's format too) against the target in the format this table prices (None: n-gram)."""
     if args.draft_model is not None and args.spec_tokens is None:
         raise ConfigError("--draft-model needs --spec-tokens K")
-    draft = spec_for(args.draft_model) if args.draft_model else None
-    return check_speculation(spec, draft) if args.spec_tokens is not None else draft
+    if args.spec_tokens is None:
+        return None
+    cfg = argparse.Namespace(spec_method="draft" if args.draft_model else "none",
+                             draft_model=args.draft_model, kv_bits=args.kv_bits)
+    target = ModelRef(spec.name, Path(), spec, args.dtype, args.quantize)
+    return check_speculation(spec, draft_spec(cfg, target))
 
 
 def _cluster(args: argparse.Namespace) -> Cluster | None:

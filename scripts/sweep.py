@@ -37,10 +37,9 @@ from batchsim.scripts.run_args import add_engine_arg, add_kv_bits_arg, add_model
 from batchsim.scripts.run_view import warn_profile_mismatch
 from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.perf import sweep_limits as sweep_math
+from batchsim.server.platform.units import GIB, MIB, bytes_text
 from batchsim.server.results.timeline import run_title
 
-GIB = 1 << 30
-MIB = 1 << 20
 _batch = bounded(int, 1, MAX_BATCH)
 
 
@@ -273,7 +272,7 @@ def _announce(meta: dict, batches: list[int]) -> None:
                f"({meta['num_prompts']} requests, the longest {meta['longest_prompt_len']} + "
                f"{meta['longest_output_len']} tokens)")
     out.print(f"batchsim sweep: {_what(meta)}, {lengths}, budget "
-              f"{_size(meta['memory_budget_bytes'])} ({meta['budget_source']}): weights "
+              f"{bytes_text(meta['memory_budget_bytes'])} ({meta['budget_source']}): weights "
               f"{meta['weight_bytes'] / MIB:.1f} MiB + KV {meta['kv_bytes_per_seq'] / MIB:.2f} MiB "
               f"per sequence; batches {', '.join(map(str, batches))}")
 
@@ -287,7 +286,7 @@ def _print(rows: list[dict], meta: dict, verdict: dict) -> None:
     ks = [e["spec_tokens"] for e in rows[0].get("spec", [])]
     out.print(table(
         f"Sweep: {_what(meta)}, context {sweep_workload.context(meta)}, budget "
-        f"{_size(meta['memory_budget_bytes'])}",
+        f"{bytes_text(meta['memory_budget_bytes'])}",
         ["batch", "fits", "decoded", "decode tok/s", "step ms", "TPOT ms", "out tok/s",
          "KV MiB sched / exec", "KV MiB analytic", "active / peak MiB", "waits", "status",
          *[f"K={k} x plain" for k in ks]],
@@ -320,7 +319,8 @@ def _print(rows: list[dict], meta: dict, verdict: dict) -> None:
         f"within one step. Throughput stopped scaling at {fmt(verdict['scaling_stopped_batch'])}.")
     if meta["budget_source"].startswith("--limit-batch"):
         out.print(f"The budget is emulated ({meta['budget_source']}: the sweep ends in minutes); "
-                  f"the device's own, {_size(meta['device_budget_bytes'])} for weights + KV, holds "
+                  f"the device's own, {bytes_text(meta['device_budget_bytes'])} for weights + KV, "
+                  "holds "
                   f"{meta['device_analytic_max_batch']} sequences of these lengths by the same "
                   "arithmetic (--device-budget sweeps it).")
     out.print("decoded: largest batch decoded in one step; decode tok/s and step ms: median over "
@@ -344,10 +344,6 @@ def _overrun_means(meta: dict) -> str:
 
 def _mib(nbytes: int | None) -> float | None:
     return None if nbytes is None else nbytes / MIB
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.1f} MiB"
 
 
 def _plot(rows: list[dict], meta: dict, verdict: dict, path: Path) -> Path:
@@ -380,5 +376,5 @@ def _plot(rows: list[dict], meta: dict, verdict: dict, path: Path) -> Path:
         ax.set_xlabel("batch (requests at once, max_num_seqs)")
         ax.legend(fontsize=8)
     fig.suptitle(f"{_what(meta)}: context {sweep_workload.context(meta)}, budget "
-                 f"{_size(meta['memory_budget_bytes'])} ({meta['budget_source']})")
+                 f"{bytes_text(meta['memory_budget_bytes'])} ({meta['budget_source']})")
     return save_figure(fig, path)

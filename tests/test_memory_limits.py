@@ -104,8 +104,29 @@ def test_a_tiny_budget_that_does_not_fit_says_its_bytes():
 
 
 def test_bytes_read_in_the_largest_unit_of_which_they_are_at_least_one():
-    from batchsim.server.engine.session import bytes_text
+    from batchsim.server.platform.units import bytes_text
 
     # r3: 11 MB read "0.01 GiB", so two budgets 0.2 MB apart printed alike
     assert [bytes_text(b) for b in (11.0e6, 10.8e6, 3 << 30, 1536, 12)] == [
         "10.49 MiB", "10.30 MiB", "3.00 GiB", "1.50 KiB", "12 bytes"]
+
+
+def test_sweep_reads_its_budget_as_bytes_text_does(capsys):
+    """sweep kept a twin formatter of its own (a 300 KiB budget read "0.3 MiB", 11 MB
+    "10.5 MiB"): it prints bytes_text's reading now, from its light home."""
+    import subprocess
+    import sys
+
+    from batchsim.scripts import sweep
+
+    meta = {"prompt_len": 16, "output_len": 8, "workload": None, "model": "tiny",
+            "dtype": "float32", "executor": "fake", "budget_source": "--memory-gb",
+            "weight_bytes": 1 << 20, "kv_bytes_per_seq": 1 << 10}
+    for budget, text in ((300 << 10, "300.00 KiB"), (11_000_000, "10.49 MiB")):
+        sweep._announce({**meta, "memory_budget_bytes": budget}, [1])
+        assert f"budget {text} (--memory-gb)" in capsys.readouterr().out
+    code = ("import sys; import batchsim.server.platform.units; "
+            "print('batchsim.server.engine.session' in sys.modules)")
+    light = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True).stdout
+    assert light.strip() == "False"

@@ -170,3 +170,15 @@ def test_size_refuses_a_draft_model_a_run_refuses(tmp_path):
         _size(tmp_path, "--model", "tiny-sliding", "--mac", "M4 Max 40c", "--spec-tokens", "2",
               "--acceptance", "0.5")
     _size(tmp_path, "--model", "tiny-sliding", "--mac", "M4 Max 40c")  # without it: fine
+
+
+def test_size_refuses_a_stored_draft_in_another_format_as_run_does(tiny, tmp_path):
+    """`size --draft-model DIR` priced a float32 directory as a 4-bit draft (run refuses it:
+    mlx-lm loads it as stored); the one check (spec_price.draft_spec) serves both now."""
+    from batchsim.configs import ConfigError
+
+    args = ("--model", "tiny", "--mac", "M4 Max 40c", "--spec-tokens", "2", "--acceptance",
+            "0.5", "--dtype", "float32", "--draft-model", str(tiny[0].path))
+    with pytest.raises(ConfigError, match="stored as float32 weights"):
+        _size(tmp_path, *args, "--quantize", "4")
+    _size(tmp_path, *args)  # in the target's format: priced

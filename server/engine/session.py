@@ -24,19 +24,9 @@ from batchsim.server.perf.spec_price import (
     priced_cache,
 )
 from batchsim.server.platform import env
+from batchsim.server.platform.units import GIB, bytes_text
 
 CPU_BUDGET_FRACTION = 0.75  # of RAM, when no GPU working-set limit exists (CPU backend)
-GIB = 1 << 30
-_UNITS = (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10))
-
-
-def bytes_text(nbytes: float) -> str:
-    """Bytes with two decimals in the largest unit of which they are at least one: a tiny
-    budget reads "1.50 MiB", not "0.00 GiB", and 11 MB "10.49 MiB", not "0.01 GiB"."""
-    for unit, size in _UNITS:
-        if abs(nbytes) >= size:
-            return f"{nbytes / size:.2f} {unit}"
-    return f"{nbytes:g} bytes"
 
 
 @dataclasses.dataclass

@@ -73,12 +73,13 @@ def run(args: argparse.Namespace) -> dict:
         return summary
     from batchsim.server.engine.run_path import RecordsLost, run_config
     from batchsim.server.platform.signals import STOP_SIGNALS
+    from batchsim.server.results.timeline_draw import APART
 
     warn_profile_mismatch(cfg)
     try:  # SIGTERM, SIGHUP as Ctrl-C: each stops the run and leaves its records and summary
         summary = run_config(cfg, Path(args.out), ConsoleView(progress=not args.no_progress),
                              signals=STOP_SIGNALS,
-                             timeline=not args.no_timeline)
+                             timeline=False if args.no_timeline else APART)
     except RecordsLost as exc:
         raise CommandFailed(str(exc), exc.summary) from None
     if summary["completed"] == 0 and not summary.get("interrupted"):

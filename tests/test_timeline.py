@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
-from batchsim.server.results import rebuild, timeline
+from batchsim.server.results import rebuild, timeline, timeline_draw
 from batchsim.server.results.metrics import RequestRecord, StepRecord
 from batchsim.server.results.timeline import Limits, overrun_index
 
@@ -52,7 +52,7 @@ def test_a_drawing_failure_costs_the_run_nothing(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no fonts")
 
-    monkeypatch.setattr(timeline, "draw_timeline", broken)
+    monkeypatch.setattr(timeline_draw, "draw_timeline", broken)
     session = open_session(sim_config(n=5))
     outcome = run_workload(session, session.config.workload, out_dir=tmp_path, label="t")
     assert outcome.summary["timeline_png"] is None and outcome.summary["completed"] == 5
@@ -131,13 +131,13 @@ def test_the_picture_says_what_ran_where_and_the_seats_a_queue_can_wait_for(tmp_
     from batchsim.server.results.plots import figure
 
     drawn = []
-    draw = timeline.draw_timeline
+    draw = timeline_draw.draw_timeline
 
     def spy(path, requests, steps, limits, title):
         drawn.append(title)
         return draw(path, requests, steps, limits, title)
 
-    monkeypatch.setattr(timeline, "draw_timeline", spy)
+    monkeypatch.setattr(timeline_draw, "draw_timeline", spy)
     session = open_session(dataclasses.replace(sim_config(n=5), engine="mlx-lm-server"))
     outcome = run_workload(session, session.config.workload, out_dir=tmp_path, label="t")
     rebuild.rebuild_summary(outcome.run_dir)
@@ -148,7 +148,7 @@ def test_the_picture_says_what_ran_where_and_the_seats_a_queue_can_wait_for(tmp_
 
     ax = figure().subplots()
     steps = [_step(i, float(i), running=8, waiting=3 * i) for i in range(5)]
-    timeline._requests_panel(ax, timeline._Series(steps), 8)
+    timeline_draw._requests_panel(ax, timeline._Series(steps), 8)
     seats = [ln for ln in ax.get_lines() if ln.get_label() == "seats (max_num_seqs 8)"]
     assert len(seats) == 1 and set(seats[0].get_ydata()) == {8}
     assert ax.get_legend().get_bbox_to_anchor().y0 >= ax.bbox.y1 - 1  # above the panel

@@ -14,7 +14,14 @@ from batchsim.server.results import run_files
 from batchsim.server.results.jsonio import jsonable
 from batchsim.server.results.metrics import RequestRecord, StepRecord, summarize
 from batchsim.server.results.run_files import RecordStream
-from batchsim.server.results.timeline import Limits, run_title, timeline_title, write_timeline
+from batchsim.server.results.timeline import (
+    Limits,
+    Panels,
+    run_title,
+    timeline_panels,
+    timeline_title,
+)
+from batchsim.server.results.timeline_draw import write_timeline
 from batchsim.workloads.spec import WorkloadSpec
 
 if TYPE_CHECKING:
@@ -60,13 +67,29 @@ def write_summary_noting_failures(run_dir: Path | None, summary: dict[str, Any],
 def draw_run_timeline(run_dir: Path, records: list[RequestRecord], steps: list[StepRecord],
                       session: Session, spec: WorkloadSpec) -> str | None:
     """timeline.png from the run's records; its path (None: not drawn, a warning says why)."""
+    limits, title = _timeline_limits_title(records, session, spec)
+    return noted(write_timeline(run_dir, records, steps, limits, title))
+
+
+def run_timeline_panels(records: list[RequestRecord], steps: list[StepRecord],
+                        session: Session, spec: WorkloadSpec) -> Panels:
+    """What the run's timeline.png shows (for a drawing process)."""
+    return timeline_panels(records, steps, *_timeline_limits_title(records, session, spec))
+
+
+def _timeline_limits_title(records: list[RequestRecord], session: Session,
+                           spec: WorkloadSpec) -> tuple[Limits, str]:
     sched = session.scheduler_config()
     limits = Limits(session.kv_budget_bytes, sched.max_num_seqs, sched.max_num_batched_tokens)
     cfg = session.config
     what = run_title(session.ref.name, session.dtype, cfg.quantize, cfg.executor,
                      cfg.device_profile, cfg.engine, session.environment())
-    title = timeline_title(what, dataclasses.asdict(spec), len(records))
-    path, why = write_timeline(run_dir, records, steps, limits, title)
+    return limits, timeline_title(what, dataclasses.asdict(spec), len(records))
+
+
+def noted(drawn: tuple[str | None, str | None]) -> str | None:
+    """A drawing's path; why it failed, as a warning."""
+    path, why = drawn
     if why is not None:
         logging.getLogger("batchsim").warning(why)
     return path

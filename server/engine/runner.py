@@ -23,6 +23,8 @@ from batchsim.server.engine.interrupts import Interrupts
 from batchsim.server.engine.memory import peak_resident_bytes
 from batchsim.server.engine.run_dir import (
     draw_run_timeline,
+    noted,
+    run_timeline_panels,
     write_config,
     write_summary_noting_failures,
 )
@@ -38,6 +40,8 @@ from batchsim.server.results.metrics import (
 )
 from batchsim.server.results.recorder import RunRecorder
 from batchsim.server.results.run_files import RecordStream
+from batchsim.server.results.timeline import TIMELINE
+from batchsim.server.results.timeline_draw import APART, DrawingProcess
 from batchsim.workloads.driver import drive
 from batchsim.workloads.requests import (
     RequestSpec,
@@ -192,24 +196,29 @@ async def _flush_every(stream: RecordStream, period_s: float) -> None:
 def run_workload(
     session: Session, spec: WorkloadSpec, *, out_dir: Path | None, label: str,
     on_step: Callable | None = None, run_dir: Path | None = None,
-    interrupts: Interrupts | None = None, timeline: bool = True,
+    interrupts: Interrupts | None = None, timeline: bool | str = True,
 ) -> RunOutcome:
     """Run `spec` and record it in `run_dir` (else a new directory under `out_dir`, else
     nowhere): config.yaml first, steps and requests as they complete, summary.json last. A signal
     `interrupts` handles stops the sending; what was sent is finished or cut off, and recorded.
     Without `interrupts`, Ctrl-C does that (SIGTERM stays the caller's). `timeline`: draw
-    timeline.png in the run directory from its records (the summary's timeline_png)."""
+    timeline.png in the run directory from its records (the summary's timeline_png); APART: in a
+    child process, which imports matplotlib while the run runs and draws while it is summarized
+    (for a command that draws once: in-process callers draw on the matplotlib they have loaded)."""
     if run_dir is None and out_dir is not None:
         run_dir = new_run_dir(out_dir, label)
     with contextlib.ExitStack() as stack:
         if interrupts is None:
             interrupts = stack.enter_context(Interrupts((signal.SIGINT,)))
         stack.enter_context(interrupts.answered_by())  # outside the sending: noted, not raised
-        return _run_recorded(session, spec, on_step, run_dir, interrupts, timeline)
+        drawing = (stack.enter_context(DrawingProcess())
+                   if timeline == APART and run_dir is not None else None)
+        return _run_recorded(session, spec, on_step, run_dir, interrupts, timeline, drawing)
 
 
 def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None,
-                  run_dir: Path | None, interrupts: Interrupts, timeline: bool) -> RunOutcome:
+                  run_dir: Path | None, interrupts: Interrupts, timeline: bool | str,
+                  drawing: DrawingProcess | None) -> RunOutcome:
     stream = None
     if run_dir is not None:
         write_config(run_dir, session.config, spec, session)
@@ -225,17 +234,21 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
         finally:
             interrupts.abandon = None
         gc.freeze()  # what the run kept: the summary and timeline.png do not go over it again
-        return _finish(run, run_dir, duration, wall, timeline)
+        return _finish(run, run_dir, duration, wall, timeline, drawing)
 
 
 def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
-            timeline: bool) -> RunOutcome:
-    """Summarize `run` (`duration` on its clock, `wall` s), close its records, write summary."""
+            timeline: bool | str, drawing: DrawingProcess | None = None) -> RunOutcome:
+    """Summarize `run` (`duration` on its clock, `wall` s), close its records, write summary
+    (timeline.png: drawn by `drawing` meanwhile, else here after the records are closed)."""
     session, spec, stream, interrupts = run.session, run.spec, run.stream, run.interrupts
     # The engine's time, as before records streamed: writing them is not the run's work.
     wall -= stream.writing_s if stream else 0.0
     rec = run.recorder
     records, steps = rec.request_records(), rec.steps
+    draw = run_dir is not None and bool(timeline) and not (stream and stream.error)
+    if draw and run_dir is not None and drawing is not None:  # drawn while this goes on
+        drawing.send(run_dir / TIMELINE, run_timeline_panels(records, steps, session, spec))
     cfg = session.config
     summary = summarize(
         records, steps, duration_s=duration, percentiles=cfg.percentiles,
@@ -269,8 +282,9 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
         summary["sim_speedup"] = duration / wall if wall > 0 else float("inf")
     if stream is not None:
         stream.close(records)  # requests.jsonl in arrival order, as a finished run has it
-    if run_dir is not None and timeline and not (stream and stream.error):  # no room for it
-        summary["timeline_png"] = draw_run_timeline(run_dir, records, steps, session, spec)
+    if draw and run_dir is not None and not (stream and stream.error):  # no room for it
+        summary["timeline_png"] = (noted(drawing.result()) if drawing is not None else
+                                   draw_run_timeline(run_dir, records, steps, session, spec))
     summary["interrupted"] = run.interrupted  # a signal may have come while records were written
     if run.interrupted:
         summary["interrupt_reason"] = interrupts.received

@@ -27,7 +27,8 @@ from batchsim.server.results.run_files import (
     read_rows,
     write_summary,
 )
-from batchsim.server.results.timeline import Limits, run_title, timeline_title, write_timeline
+from batchsim.server.results.timeline import Limits, run_title, timeline_title
+from batchsim.server.results.timeline_draw import write_timeline
 
 # Facts the records cannot give back: a finished run's own summary keeps them.
 # No run's clock reaches this (32 years): a time past it is damage, and times near a float's range

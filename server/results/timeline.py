@@ -10,19 +10,14 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from batchsim.scheduler.pool_geometry import KV_STEP
 from batchsim.server.results.metrics import RequestRecord, StepRecord
-from batchsim.server.results.plots import figure, save_figure
 
 TIMELINE = "timeline.png"
 MAX_POINTS = 600  # bins across the run when it has more steps than this
-DPI = 100
-_GIB = float(1 << 30)
-HEADROOM = 1.08  # y-axes reach a little past the tallest line (a line on the frame is hidden)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,100 +127,27 @@ def bin_width_s(at_least_s: float) -> float:
     return float(next(m * power for m in (1, 2, 5, 10) if m * power >= at_least_s * (1 - 1e-9)))
 
 
-def draw_timeline(path: Path, requests: Sequence[RequestRecord], steps: Sequence[StepRecord],
-                  limits: Limits, title: str) -> Path:
-    """Write the run's timeline PNG at `path` (four panels sharing the time axis)."""
-    fig = figure(figsize=(11, 10))
-    axes = fig.subplots(4, 1, sharex=True)
-    fig.subplots_adjust(left=0.07, right=0.92, top=0.895, bottom=0.06, hspace=0.28)
+@dataclasses.dataclass(frozen=True)
+class Panels:
+    """What timeline.png shows, from a run's records: the steps' series, the overrun and the
+    output rate (a drawing process is sent this, not the records)."""
+
+    title: str
+    limits: Limits
+    series: _Series | None = None  # None: no steps recorded
+    overrun_s: float | None = None  # when the first step that waited for memory started
+    rate: tuple[np.ndarray, np.ndarray, float] | None = None  # output_rate's
+
+
+def timeline_panels(requests: Sequence[RequestRecord], steps: Sequence[StepRecord],
+                    limits: Limits, title: str) -> Panels:
+    """The run's timeline, ready to draw."""
     if not steps:
-        axes[0].text(0.5, 0.5, "no steps recorded", ha="center", transform=axes[0].transAxes)
-        fig.suptitle(title)
-        return save_figure(fig, path, dpi=DPI, tight=False)
-    series = _Series(steps)
-    _requests_panel(axes[0], series, limits.max_num_seqs)
-    _batch_panel(axes[1], series)
-    _kv_panel(axes[2], series, overrun_index(requests, steps, limits), steps, limits)
+        return Panels(title, limits)
+    first = overrun_index(requests, steps, limits)
     step_s = float(np.median([s.duration_s / s.num_steps for s in steps]))
-    x, rate, width = output_rate(requests, float(steps[-1].end_s), step_s)
-    axes[3].plot(x, rate, color="tab:green", lw=1)
-    axes[3].set_ylabel("output tok/s")
-    axes[3].set_title(f"output tokens per second ({width:g}-s bins)", fontsize=9, loc="left")
-    axes[3].set_xlabel("time since the run started (s)")
-    how = (f"{len(steps)} step records in {MAX_POINTS} time bins: mean, band from min to max"
-           if series.binned else f"{len(steps)} step records")
-    fig.suptitle(f"{title}\n{how}", fontsize=10)
-    for ax in fig.axes:  # twins included
-        ax.grid(alpha=0.3)
-        ax.set_ylim(0, max(ax.get_ylim()[1], 1e-9) * (1.0 if ax is axes[3] else HEADROOM))
-    return save_figure(fig, path, dpi=DPI, tight=False, fast=True)
-
-
-def _line(ax, series: _Series, name: str, label: str, color: str) -> None:
-    ax.plot(series.x, series.get(name), color=color, lw=1, label=label,
-            drawstyle="default" if series.binned else "steps-pre")
-    if series.binned:
-        ax.fill_between(series.x, series.get(name, "min"), series.get(name, "max"), color=color,
-                        alpha=0.2, lw=0)
-
-
-def _legend(ax, handles: list) -> None:
-    """The panel's legend in one row above it, where it hides no line."""
-    ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.0), ncol=len(handles),
-              fontsize=8, frameon=False, borderaxespad=0.2, handlelength=1.5)
-
-
-def _requests_panel(ax, series: _Series, max_num_seqs: int | None) -> None:
-    _line(ax, series, "running", "running", "tab:blue")
-    if max_num_seqs:  # a queue that grows under this line waits for a seat, not for memory
-        ax.axhline(max_num_seqs, color="tab:blue", ls="--", lw=0.8,
-                   label=f"seats (max_num_seqs {max_num_seqs})")
-    ax.set_ylabel("running requests", color="tab:blue")
-    right = ax.twinx()  # a queue can be 100 times the batch
-    right.plot(series.x, series.get("waiting", "max"), color="tab:orange", lw=1,
-               label="waiting (max per bin)" if series.binned else "waiting",
-               drawstyle="default" if series.binned else "steps-pre")
-    right.set_ylabel("waiting requests", color="tab:orange")
-    right.set_ylim(bottom=0)
-    _legend(ax, ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0])
-
-
-def _batch_panel(ax, series: _Series) -> None:
-    _line(ax, series, "batch", "decode batch (rows)", "tab:purple")
-    ax.set_ylabel("decode batch")
-    right = ax.twinx()
-    right.plot(series.x, series.get("tokens"), color="tab:gray", lw=0.8, alpha=0.8,
-               label="tokens per step", drawstyle="default" if series.binned else "steps-pre")
-    right.set_ylabel("tokens per step")
-    right.set_ylim(bottom=0)
-    _legend(ax, ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0])
-
-
-def _kv_panel(ax, series: _Series, first: int | None, steps: Sequence[StepRecord],
-              limits: Limits) -> None:
-    kv_gib = series.get("kv", "max") / _GIB
-    peak = f"peak {kv_gib.max():.3g} GiB"  # a line at 1% of the budget is too thin to read
-    ax.plot(series.x, kv_gib, color="tab:red", lw=1,
-            label=f"KV held (max per bin, {peak})" if series.binned else f"KV held ({peak})",
-            drawstyle="default" if series.binned else "steps-pre")
-    if limits.kv_budget_bytes:
-        ax.axhline(limits.kv_budget_bytes / _GIB, color="black", ls="--", lw=1,
-                   label=f"KV budget {limits.kv_budget_bytes / _GIB:.3g} GiB")
-    if first is not None:
-        t = steps[first].start_s
-        ax.axvline(t, color="tab:orange", ls=":", lw=1.5,
-                   label=f"overrun: first wait for memory at {t:.4g} s")
-    else:
-        ax.plot([], [], " ", label="no request waited for memory")
-    preempted = series.get("preempted", "sum")
-    hit = preempted > 0
-    if hit.any():  # a mark along the bottom per step (or bin) that preempted
-        ax.plot(series.x[hit], np.zeros(int(hit.sum())), "|", color="black", ms=10,
-                label=f"preemptions ({int(preempted.sum())})")
-    else:
-        ax.plot([], [], " ", label="no preemptions")
-    _legend(ax, ax.get_legend_handles_labels()[0])
-    ax.set_ylabel("KV (GiB)")
+    return Panels(title, limits, _Series(steps), None if first is None else steps[first].start_s,
+                  output_rate(requests, float(steps[-1].end_s), step_s))
 
 
 def weights_label(dtype: str | None, quantize: int | None) -> str:
@@ -279,13 +201,3 @@ def timeline_title(what: str, workload: Mapping[str, Any], num_requests: int) ->
     """The timeline's title: what ran where (run_title), then the traffic."""
     return (f"{what}\nworkload {workload.get('name', '?')}: {num_requests} requests, "
             f"{arrival_label(workload)}")
-
-
-def write_timeline(run_dir: Path, requests: Sequence[RequestRecord], steps: Sequence[StepRecord],
-                   limits: Limits, title: str) -> tuple[str | None, str | None]:
-    """run_dir/timeline.png: (its path, None), or (None, why it could not be drawn): a picture
-    never costs a run its records or summary."""
-    try:
-        return str(draw_timeline(run_dir / TIMELINE, requests, steps, limits, title)), None
-    except Exception as exc:  # noqa: BLE001 -- matplotlib's failures are many; say which, go on
-        return None, f"{TIMELINE}: not drawn ({type(exc).__name__}: {exc})"

@@ -1,0 +1,238 @@
+"""timeline.png drawn (timeline.py computes what it shows), here or by a drawing process: a
+child started before a run imports matplotlib (and loads its fonts) on another core while the run
+runs, then draws the run's panels while the run is summarized."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+from batchsim.server.results.metrics import RequestRecord, StepRecord
+from batchsim.server.results.plots import figure, save_figure
+from batchsim.server.results.timeline import (
+    MAX_POINTS,
+    TIMELINE,
+    Limits,
+    Panels,
+    _Series,
+    timeline_panels,
+)
+
+APART = "apart"  # run_workload's timeline=APART: drawn by a DrawingProcess
+DPI = 100
+_GIB = float(1 << 30)
+HEADROOM = 1.08  # y-axes reach a little past the tallest line (a line on the frame is hidden)
+
+
+def draw_panels(path: Path, panels: Panels) -> Path:
+    """Write the run's timeline PNG at `path` (four panels sharing the time axis)."""
+    fig = figure(figsize=(11, 10))
+    axes = fig.subplots(4, 1, sharex=True)
+    fig.subplots_adjust(left=0.07, right=0.92, top=0.895, bottom=0.06, hspace=0.28)
+    series, limits, title = panels.series, panels.limits, panels.title
+    if series is None or panels.rate is None:
+        axes[0].text(0.5, 0.5, "no steps recorded", ha="center", transform=axes[0].transAxes)
+        fig.suptitle(title)
+        return save_figure(fig, path, dpi=DPI, tight=False)
+    _requests_panel(axes[0], series, limits.max_num_seqs)
+    _batch_panel(axes[1], series)
+    _kv_panel(axes[2], series, panels.overrun_s, limits)
+    x, rate, width = panels.rate
+    axes[3].plot(x, rate, color="tab:green", lw=1)
+    axes[3].set_ylabel("output tok/s")
+    axes[3].set_title(f"output tokens per second ({width:g}-s bins)", fontsize=9, loc="left")
+    axes[3].set_xlabel("time since the run started (s)")
+    num_steps = len(series.t)
+    how = (f"{num_steps} step records in {MAX_POINTS} time bins: mean, band from min to max"
+           if series.binned else f"{num_steps} step records")
+    fig.suptitle(f"{title}\n{how}", fontsize=10)
+    for ax in fig.axes:  # twins included
+        ax.grid(alpha=0.3)
+        ax.set_ylim(0, max(ax.get_ylim()[1], 1e-9) * (1.0 if ax is axes[3] else HEADROOM))
+    return save_figure(fig, path, dpi=DPI, tight=False, fast=True)
+
+
+def draw_timeline(path: Path, requests: Sequence[RequestRecord], steps: Sequence[StepRecord],
+                  limits: Limits, title: str) -> Path:
+    """Write the run's timeline PNG at `path` (four panels sharing the time axis)."""
+    return draw_panels(path, timeline_panels(requests, steps, limits, title))
+
+
+def write_timeline(run_dir: Path, requests: Sequence[RequestRecord], steps: Sequence[StepRecord],
+                   limits: Limits, title: str) -> tuple[str | None, str | None]:
+    """run_dir/timeline.png: (its path, None), or (None, why it could not be drawn): a picture
+    never costs a run its records or summary."""
+    return drawn(lambda: draw_timeline(run_dir / TIMELINE, requests, steps, limits, title))
+
+
+def drawn(draw: Callable[[], Path]) -> tuple[str | None, str | None]:
+    """(the path `draw` wrote, None), or (None, why it failed)."""
+    try:
+        return str(draw()), None
+    except Exception as exc:  # noqa: BLE001 -- matplotlib's failures are many; say which, go on
+        return None, f"{TIMELINE}: not drawn ({type(exc).__name__}: {exc})"
+
+
+def _line(ax, series: _Series, name: str, label: str, color: str) -> None:
+    ax.plot(series.x, series.get(name), color=color, lw=1, label=label,
+            drawstyle="default" if series.binned else "steps-pre")
+    if series.binned:
+        ax.fill_between(series.x, series.get(name, "min"), series.get(name, "max"), color=color,
+                        alpha=0.2, lw=0)
+
+
+def _legend(ax, handles: list) -> None:
+    """The panel's legend in one row above it, where it hides no line."""
+    ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.0), ncol=len(handles),
+              fontsize=8, frameon=False, borderaxespad=0.2, handlelength=1.5)
+
+
+def _requests_panel(ax, series: _Series, max_num_seqs: int | None) -> None:
+    _line(ax, series, "running", "running", "tab:blue")
+    if max_num_seqs:  # a queue that grows under this line waits for a seat, not for memory
+        ax.axhline(max_num_seqs, color="tab:blue", ls="--", lw=0.8,
+                   label=f"seats (max_num_seqs {max_num_seqs})")
+    ax.set_ylabel("running requests", color="tab:blue")
+    right = ax.twinx()  # a queue can be 100 times the batch
+    right.plot(series.x, series.get("waiting", "max"), color="tab:orange", lw=1,
+               label="waiting (max per bin)" if series.binned else "waiting",
+               drawstyle="default" if series.binned else "steps-pre")
+    right.set_ylabel("waiting requests", color="tab:orange")
+    right.set_ylim(bottom=0)
+    _legend(ax, ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0])
+
+
+def _batch_panel(ax, series: _Series) -> None:
+    _line(ax, series, "batch", "decode batch (rows)", "tab:purple")
+    ax.set_ylabel("decode batch")
+    right = ax.twinx()
+    right.plot(series.x, series.get("tokens"), color="tab:gray", lw=0.8, alpha=0.8,
+               label="tokens per step", drawstyle="default" if series.binned else "steps-pre")
+    right.set_ylabel("tokens per step")
+    right.set_ylim(bottom=0)
+    _legend(ax, ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0])
+
+
+def _kv_panel(ax, series: _Series, overrun_s: float | None, limits: Limits) -> None:
+    kv_gib = series.get("kv", "max") / _GIB
+    peak = f"peak {kv_gib.max():.3g} GiB"  # a line at 1% of the budget is too thin to read
+    ax.plot(series.x, kv_gib, color="tab:red", lw=1,
+            label=f"KV held (max per bin, {peak})" if series.binned else f"KV held ({peak})",
+            drawstyle="default" if series.binned else "steps-pre")
+    if limits.kv_budget_bytes:
+        ax.axhline(limits.kv_budget_bytes / _GIB, color="black", ls="--", lw=1,
+                   label=f"KV budget {limits.kv_budget_bytes / _GIB:.3g} GiB")
+    if overrun_s is not None:
+        t = overrun_s
+        ax.axvline(t, color="tab:orange", ls=":", lw=1.5,
+                   label=f"overrun: first wait for memory at {t:.4g} s")
+    else:
+        ax.plot([], [], " ", label="no request waited for memory")
+    preempted = series.get("preempted", "sum")
+    hit = preempted > 0
+    if hit.any():  # a mark along the bottom per step (or bin) that preempted
+        ax.plot(series.x[hit], np.zeros(int(hit.sum())), "|", color="black", ms=10,
+                label=f"preemptions ({int(preempted.sum())})")
+    else:
+        ax.plot([], [], " ", label="no preemptions")
+    _legend(ax, ax.get_legend_handles_labels()[0])
+    ax.set_ylabel("KV (GiB)")
+
+
+class DrawingProcess:
+    """A child process that draws timeline.png: started before a run, it imports matplotlib on
+    another core meanwhile; `send` gives it the panels when the run ends, `result` waits for the
+    picture (after the summary is made). No child (it could not start): drawn here."""
+
+    def __init__(self) -> None:
+        self._reply: tuple[str | None, str | None] | None = None
+        self._talk: threading.Thread | None = None
+        try:  # its own session: Ctrl-C at the terminal stops the run, which then draws
+            self._child: subprocess.Popen | None = subprocess.Popen(
+                [sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        except OSError:
+            self._child = None
+
+    def send(self, path: Path, panels: Panels) -> None:
+        """Draw `panels` at `path` (in the child, while this process goes on)."""
+        if self._child is None:
+            self._reply = drawn(lambda: draw_panels(path, panels))
+            return
+        blob = pickle.dumps((path, panels), protocol=pickle.HIGHEST_PROTOCOL)
+        # A thread writes: the pipe holds less than the panels while the child still imports.
+        self._talk = threading.Thread(target=self._exchange, args=(self._child, blob), daemon=True)
+        self._talk.start()
+
+    def _exchange(self, child: subprocess.Popen, blob: bytes) -> None:
+        try:
+            out, err = child.communicate(blob)
+        except OSError as exc:  # the child is gone
+            out, err = b"", str(exc).encode()
+        self._reply = _reply(out, err, child.returncode)
+
+    def result(self) -> tuple[str | None, str | None]:
+        """(the picture's path, None), or (None, why it was not drawn)."""
+        if self._talk is not None:
+            self._talk.join()
+        return self._reply or (None, f"{TIMELINE}: not drawn (nothing was sent to draw)")
+
+    def close(self) -> None:
+        """A child not sent anything (the run failed) ends now; a child drawing is waited for."""
+        child = self._child
+        if child is None:
+            return
+        if self._talk is None:
+            child.kill()
+        elif self._talk.is_alive():
+            self._talk.join()
+        child.wait()
+        for stream in (child.stdin, child.stdout, child.stderr):
+            if stream is not None and not stream.closed:
+                stream.close()
+
+    def __enter__(self) -> DrawingProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _reply(out: bytes, err: bytes, returncode: int | None) -> tuple[str | None, str | None]:
+    """The child's answer, or why it gave none (its last line on stderr)."""
+    try:
+        path, why = json.loads(out)
+        return path, why
+    except ValueError:
+        last = (err.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
+        return None, f"{TIMELINE}: not drawn (the drawing process exited {returncode}: {last})"
+
+
+def _warm() -> None:
+    """matplotlib's modules, Agg and a font loaded, as a first picture would load them."""
+    fig = figure(figsize=(1, 1))
+    fig.text(0.5, 0.5, "0")
+    fig.savefig(io.BytesIO(), format="png")
+
+
+def _serve() -> int:
+    """The child: warm up, then draw the (path, panels) read from stdin; stdout: [path, why].
+    Nothing sent (the run failed or was not drawn): exit."""
+    _warm()
+    blob = sys.stdin.buffer.read()
+    if not blob:
+        return 0
+    path, panels = pickle.loads(blob)  # from the parent process that started this one
+    json.dump(list(drawn(lambda: draw_panels(path, panels))), sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_serve())

@@ -1,0 +1,59 @@
+"""timeline.png drawn by a child process (`batchsim run`'s way): the same picture as drawn in
+process, its failures one warning that costs the run nothing, and no child left behind."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from batchsim.server.engine.runner import run_workload
+from batchsim.server.engine.session import open_session
+from batchsim.server.results import timeline_draw
+from batchsim.server.results.timeline_draw import APART, DrawingProcess
+
+from tests.test_records import sim_config
+
+
+def _run(tmp_path, label: str, timeline):
+    session = open_session(sim_config(n=30))
+    return run_workload(session, session.config.workload, out_dir=tmp_path, label=label,
+                        timeline=timeline)
+
+
+def test_the_child_draws_the_same_picture_while_this_process_draws_nothing(tmp_path,
+                                                                           monkeypatch):
+    here = _run(tmp_path, "here", True)
+
+    def not_here(*args, **kwargs):
+        raise AssertionError("drawn in the run's own process")
+
+    monkeypatch.setattr(timeline_draw, "draw_panels", not_here)
+    apart = _run(tmp_path, "apart", APART)
+    png = apart.run_dir / "timeline.png"
+    assert apart.summary["timeline_png"] == str(png)
+    assert png.read_bytes() == (here.run_dir / "timeline.png").read_bytes()
+
+
+def test_a_failed_child_is_one_warning_and_the_run_keeps_its_summary(tmp_path, monkeypatch,
+                                                                    caplog):
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # starts, answers nothing, exits 1
+    with caplog.at_level(logging.WARNING, logger="batchsim"):
+        outcome = _run(tmp_path, "t", APART)
+    assert outcome.summary["timeline_png"] is None and outcome.summary["completed"] == 30
+    assert (outcome.run_dir / "summary.json").exists()
+    assert [r.getMessage() for r in caplog.records] == [
+        "timeline.png: not drawn (the drawing process exited 1: no message)"]
+
+
+def test_no_child_to_start_draws_here(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
+    outcome = _run(tmp_path, "t", APART)
+    assert outcome.summary["timeline_png"] == str(outcome.run_dir / "timeline.png")
+
+
+def test_a_child_sent_nothing_ends_with_the_run():
+    drawing = DrawingProcess()
+    child = drawing._child
+    assert child is not None and child.poll() is None  # importing matplotlib meanwhile
+    drawing.close()
+    assert child.poll() is not None

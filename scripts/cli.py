@@ -76,6 +76,7 @@ GROUPS = [
     ]),
 ]
 COMMANDS = [command for _, commands in GROUPS for command in commands]
+_NAMES = frozenset(name for name, _, _ in COMMANDS)
 
 
 def help_width() -> int:
@@ -127,7 +128,9 @@ class _Parser(argparse.ArgumentParser):
                   + "\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole CLI; `only`: with that command's flags alone (the others' modules are not
+    imported: `batchsim run` starts without size's, sweep's, ...)."""
     width = help_width()
     description = "\n\n".join([*(textwrap.fill(p, width) for p in DESCRIPTION),
                                 commands_help(width)])
@@ -137,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND",
                                 help="one of the commands above")
     for name, module, help_text in COMMANDS:
+        if only is not None and name != only:
+            continue
         mod = importlib.import_module(module)
         p = sub.add_parser(name, description=help_text, epilog=EXIT_CODES_HELP,
                            formatter_class=_DefaultsFormatter)
@@ -153,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     from batchsim.server.platform import blas
 
     blas.preload()
-    parser = build_parser()
+    given = sys.argv[1:] if argv is None else argv
+    parser = build_parser(given[0] if given and given[0] in _NAMES else None)
     if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
         signal.signal(signal.SIGINT, _BEFORE_START)  # the commands handle Ctrl-C from here
     args = parser.parse_args(argv)

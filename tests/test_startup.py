@@ -1,0 +1,30 @@
+"""What `batchsim run --executor sim` loads around its loop: its own command's modules only, and
+no matplotlib (timeline.png is drawn by a child process while the run runs)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+PROBE = """
+import json, sys
+from batchsim.scripts import cli
+rc = cli.main(["run", "--executor", "sim", "--device-profile", "M2 Max", "--model", "llama-3.2-1b",
+               "--num-prompts", "3", "--out", sys.argv[1], "--no-progress", "--json"])
+print(json.dumps([rc, sorted(m for m in sys.modules if m.startswith("batchsim.scripts.")),
+                  "matplotlib" in sys.modules]))
+"""
+
+
+def test_a_simulated_run_imports_its_command_alone_and_no_matplotlib(tmp_path):
+    done = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, check=True)
+    rc, commands, matplotlib = json.loads(done.stdout.splitlines()[-1])
+    summary = json.loads(done.stdout.splitlines()[-2])
+    assert rc == 0 and summary["completed"] == 3
+    assert summary["timeline_png"].endswith("timeline.png")  # drawn, by the child
+    others = [f"batchsim.scripts.{m}" for m in ("size", "sweep", "compare", "serve_cmd",
+                                                "validate", "calibrate", "report_cmd")]
+    assert "batchsim.scripts.run_cmd" in commands and not set(others) & set(commands)
+    assert not matplotlib

@@ -6,7 +6,7 @@ errors (the shipped hyperparameters: what `batchsim fit-macs --json` reports und
 nested ones, {n, median_abs, worst_abs} for b1 / batched / gain, and what each fold chose.
 Progress goes to stderr. A full run fits about 55 x 26 times (about 20 CPU-minutes):
 
-    nice .venv/bin/python benchmarks/nested_cv.py > nested.json
+    nice .venv/bin/python benchmarks/nested_cv.py --jobs 3 > nested.json
     nice .venv/bin/python benchmarks/nested_cv.py --folds leave_one_chip_out --limit 1  # timing
 """
 
@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
+import resource
 import sys
 import time
 
@@ -29,38 +31,62 @@ def _summaries(rows: list, predicted: list[float]) -> dict:
     return {k: cv.summary(e for _, e in errs[k]) for k in cv.KINDS}
 
 
+_WORK: dict = {}  # what every worker holds out from (set before the pool forks)
+
+
+def _hold_out(task: tuple[str, str]) -> tuple[str, str, nested.Nested]:
+    fold, group = task
+    return fold, group, nested.nested_held_out(_WORK["rows"], cv.FOLDS[fold], nested.GRID,
+                                               _WORK["predict_at"], _WORK["inner"], [group])
+
+
+def _cpu_s() -> float:
+    """This process's CPU seconds and its reaped workers'."""
+    own, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _fold_report(rows: list, fold: str, groups: list[str], done: dict) -> dict:
+    key, index = cv.FOLDS[fold], {id(r): i for i, r in enumerate(rows)}
+    sub = [r for r in rows if key(r) in set(groups)]
+    plain, nest = ([getattr(done[key(r)], part)[index[id(r)]] for r in sub]
+                   for part in ("plain", "nested"))
+    return {"groups": len(groups), "plain": _summaries(sub, plain),
+            "nested": _summaries(sub, nest),
+            "chosen": {g: {"chose": done[g].chosen[g]["chose"].label(),
+                           "inner_scores": done[g].chosen[g]["inner_scores"]}
+                       for g in groups}}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--folds", nargs="+", choices=list(cv.FOLDS), default=list(cv.FOLDS))
     p.add_argument("--limit", type=int, default=0,
                    help="hold out only the first N groups (sorted) of each fold kind: a timing")
     p.add_argument("--inner", type=int, default=nested.INNER_FOLDS, help="inner folds")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes (outer folds in each)")
     args = p.parse_args(argv)
-    if args.limit < 0 or args.inner < 2:
-        p.error("--limit must be >= 0 and --inner >= 2")
-    start_cpu, start_wall = time.process_time(), time.monotonic()
+    if args.limit < 0 or args.inner < 2 or args.jobs < 1:
+        p.error("--limit must be >= 0, --inner >= 2 and --jobs >= 1")
+    start_wall = time.monotonic()
     catalog, rows = macs.load_catalog(), list(load_published().rows)
-    predict_at = nested.published_predictor(catalog, mac_fit.prefill_rows(load_reference()),
-                                            {r.src for r in rows})
+    _WORK.update(rows=rows, inner=args.inner, predict_at=nested.published_predictor(
+        catalog, mac_fit.prefill_rows(load_reference()), {r.src for r in rows}))
+    groups = {f: sorted({cv.FOLDS[f](r) for r in rows})[:args.limit or None] for f in args.folds}
+    tasks = [(f, g) for f in args.folds for g in groups[f]]
+    done: dict[str, dict] = {f: {} for f in args.folds}
+    with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
+        for fold, group, res in pool.imap_unordered(_hold_out, tasks):
+            done[fold][group] = res
+            print(f"{fold} {group} ({sum(map(len, done.values()))}/{len(tasks)}): "
+                  f"{time.monotonic() - start_wall:.0f} s", file=sys.stderr, flush=True)
+        pool.close()
+        pool.join()
     out: dict = {"grid": [h.label() for h in nested.GRID], "inner_folds": args.inner,
                  "rows": len(rows)}
-    for fold in args.folds:
-        key = cv.FOLDS[fold]
-        groups = sorted({key(r) for r in rows})[:args.limit or None]
-        res = nested.nested_held_out(
-            rows, key, nested.GRID, predict_at, args.inner, groups,
-            progress=lambda g, fold=fold: print(
-                f"{fold} {g}: {time.process_time() - start_cpu:.0f} CPU s", file=sys.stderr,
-                flush=True))
-        held = [i for i, r in enumerate(rows) if key(r) in set(groups)]
-        sub = [rows[i] for i in held]
-        out[fold] = {"groups": len(groups),
-                     "plain": _summaries(sub, [res.plain[i] for i in held]),
-                     "nested": _summaries(sub, [res.nested[i] for i in held]),
-                     "chosen": {g: {"chose": c["chose"].label(), "inner_scores": c["inner_scores"]}
-                                for g, c in res.chosen.items()}}
-    out |= {"cpu_s": round(time.process_time() - start_cpu, 1),
-            "wall_s": round(time.monotonic() - start_wall, 1),
+    out |= {f: _fold_report(rows, f, groups[f], done[f]) for f in args.folds}
+    out |= {"cpu_s": round(_cpu_s(), 1), "wall_s": round(time.monotonic() - start_wall, 1),
+            "jobs": args.jobs,
             "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}",
             "loadavg_end": os.getloadavg()[0]}
     print(json.dumps(out))

@@ -29,6 +29,30 @@ _Loader.add_implicit_resolver(
 )
 
 
+MAX_YAML_VALUES = 1_000_000  # values, lists and mappings, counted once per alias to them
+
+
+def _expanded_values(data: Any) -> int:
+    """How many values, lists and mappings `data` holds once each alias is expanded into a copy
+    (a 12-line YAML of aliases of aliases holds 10**12); a cycle counts once."""
+    sizes: dict[int, int] = {}
+    stack: list[tuple[Any, bool]] = [(data, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if not isinstance(node, (dict, list)):
+            continue
+        items = list(node.values() if isinstance(node, dict) else node)
+        children = [c for c in items if isinstance(c, (dict, list))]
+        if children_done:
+            total = 1 + len(items) - len(children) + sum(sizes[id(c)] for c in children)
+            sizes[id(node)] = min(total, MAX_YAML_VALUES + 1)
+        elif id(node) not in sizes:
+            sizes[id(node)] = 1  # until its children are counted: a cycle back to it counts 1
+            stack.append((node, True))
+            stack.extend((c, False) for c in children)
+    return sizes.get(id(data), 0)
+
+
 class ConfigError(ValueError):
     """A config file or value that cannot be used; the message names the file and the key."""
 
@@ -45,6 +69,11 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     except (OSError, UnicodeDecodeError) as exc:  # unreadable, or not text
         raise ConfigError(f"{path}: cannot be read as YAML: {exc}") from None
+    except RecursionError:  # `[[[...]]]` 100,000 deep was a RecursionError traceback
+        raise ConfigError(f"{path}: not valid YAML: nested too deeply to read") from None
+    if _expanded_values(data) > MAX_YAML_VALUES:  # each check and message walked them all: a hang
+        raise ConfigError(f"{path}: its aliases expand to more than {MAX_YAML_VALUES:,} values "
+                          "(aliases of aliases); write the values out")
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -34,6 +34,7 @@ from batchsim.scripts.common import (  # after the handler; no mlx: blas.preload
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
+    err_line,
     show_default,
 )
 
@@ -157,7 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     # Choose MLX's BLAS before anything imports mlx (see server/blas.py).
     from batchsim.server.platform import blas
 
-    blas.preload()
+    try:
+        blas.preload()
+    except RuntimeError as exc:  # BATCHSIM_BLAS names no loadable library: the user's setting
+        err_line(f"batchsim: {exc}")
+        return EXIT_USAGE
     given = sys.argv[1:] if argv is None else argv
     parser = build_parser(given[0] if given and given[0] in _NAMES else None)
     if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
@@ -167,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     from batchsim.configs import ConfigError
-    from batchsim.scripts.common import CommandFailed, emit_json, err_line, out
+    from batchsim.scripts.common import CommandFailed, emit_json, out
     from batchsim.server.platform import env
 
     atexit.register(env.release_mlx_streams)  # the main thread's, before MLX's own teardown

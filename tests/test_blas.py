@@ -73,3 +73,15 @@ def test_openblas_workers_sleep_right_after_a_call_unless_the_user_says_otherwis
                          env={**env, "BATCHSIM_BLAS": "openblas"},
                          cwd=os.path.dirname(os.path.dirname(__file__)))
     assert int(out.stdout.split()[-1]) == want
+
+
+def test_a_blas_the_user_names_that_does_not_load_is_one_line_not_a_traceback():
+    """BATCHSIM_BLAS=garbage was a RuntimeError traceback from every command, --help included."""
+    proc = subprocess.run([sys.executable, "-m", "batchsim.scripts.cli", "models", "--json"],
+                          check=False, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "BATCHSIM_BLAS": "/no/such/libblas.so"},
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    line = proc.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line
+    assert line.startswith("batchsim: BATCHSIM_BLAS=/no/such/libblas.so: could not load"), line

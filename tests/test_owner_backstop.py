@@ -1,13 +1,15 @@
 """The launcher's backstop after the group SIGTERM of a run's second Ctrl-C: mlx.launch ignores
 SIGTERM (it must outlive the ranks so rank 0 keeps its records), so a rank blocked in a native
-call, whose handler never runs, would hold the run until a third signal or the rank timeout;
-past KEEP_RECORDS_S + GRACE_S the launcher kills the group."""
+call, whose handler never runs, would hold the run until a third signal or the rank timeout:
+GRACE_S after it the followers still running are killed (rank 0 blocked in a collective with
+them is let go), and KEEP_RECORDS_S + GRACE_S after rank 0 began keeping its records (or after
+the SIGTERM, if it never began) the group. Rank 0 records the signal the launcher got."""
 
 from __future__ import annotations
 
 import signal
 
-from batchsim.server.distributed import owner
+from batchsim.server.distributed import owner, rank
 from batchsim.server.distributed.rank import KEEP_RECORDS_S
 
 
@@ -15,7 +17,8 @@ def _launch(tmp_path, sent: list[int]) -> owner.OwnedLaunch:
     launch = object.__new__(owner.OwnedLaunch)  # its state only: no mlx.launch started
     launch.status_dir, launch.plan = tmp_path, owner.STOP_PLANS["run"]
     launch.signals, launch._sent, launch.killed = 0, 0, []
-    launch._terminated_at = None
+    launch._names = ["SIGINT", "SIGINT"]
+    launch._terminated_at, launch._keeping_at, launch._followers_ended = None, None, False
     launch._signal_group = sent.append
     return launch
 
@@ -39,3 +42,79 @@ def test_the_group_is_killed_when_its_sigterm_goes_unanswered(tmp_path, monkeypa
     assert sent == [signal.SIGTERM, signal.SIGKILL]
     launch._end_unanswered_term()  # once
     assert sent == [signal.SIGTERM, signal.SIGKILL]
+
+
+def _terminated(tmp_path, monkeypatch, now: list[float]) -> tuple[owner.OwnedLaunch, list, list]:
+    """A launch whose group was sent SIGTERM at now[0]: rank 0 (4242) and rank 1 (5151) running;
+    (launch, signals to the group, (pid, signal) sent to a process)."""
+    monkeypatch.setattr(owner.time, "monotonic", lambda: now[0])
+    sent: list[int] = []
+    to_pid: list[tuple[int, int]] = []
+    monkeypatch.setattr(owner.os, "kill", lambda pid, sig: to_pid.append((pid, sig)))
+    launch = _launch(tmp_path, sent)
+    (tmp_path / "rank0.pid").write_text("4242")
+    (tmp_path / "rank1.pid").write_text("5151")
+    launch.signals, launch._sent = 2, 1  # the first went to rank 0 already
+    launch._forward()
+    assert sent == [signal.SIGTERM]
+    return launch, sent, to_pid
+
+
+def test_rank_0_keeping_its_records_late_moves_the_backstop(tmp_path, monkeypatch):
+    """Rank 0 began keeping its records 20 s after the SIGTERM (a long flush held its handler):
+    the backstop counted from the SIGTERM and killed it 15 s into its own KEEP_RECORDS_S."""
+    now = [100.0]
+    launch, sent, _ = _terminated(tmp_path, monkeypatch, now)
+    now[0] += 20
+    launch._end_unanswered_term()
+    (tmp_path / f"rank0{rank.KEEPING_SUFFIX}").touch()
+    now[0] += 0.1
+    launch._end_unanswered_term()  # seen now, at 120.1
+    now[0] = 100 + KEEP_RECORDS_S + owner.GRACE_S + 1  # past the SIGTERM's deadline
+    launch._end_unanswered_term()
+    assert signal.SIGKILL not in sent
+    now[0] = 120.1 + KEEP_RECORDS_S + owner.GRACE_S + 0.1
+    launch._end_unanswered_term()
+    assert sent == [signal.SIGTERM, signal.SIGKILL]
+
+
+def test_followers_still_running_after_the_sigterm_are_killed_first(tmp_path, monkeypatch):
+    now = [100.0]
+    launch, sent, to_pid = _terminated(tmp_path, monkeypatch, now)
+    now[0] += owner.GRACE_S - 0.1
+    launch._end_unanswered_term()
+    assert (5151, signal.SIGKILL) not in to_pid
+    now[0] += 0.2
+    launch._end_unanswered_term()
+    launch._end_unanswered_term()  # once
+    assert to_pid.count((5151, signal.SIGKILL)) == 1 and (4242, signal.SIGKILL) not in to_pid
+    assert sent == [signal.SIGTERM]  # rank 0 still keeps its records
+
+
+def test_rank_0_records_the_signal_the_launcher_got(tmp_path, monkeypatch):
+    """SIGHUP to a run's launcher reached rank 0 as SIGINT, and the summary said SIGINT."""
+    sent: list[int] = []
+    to_pid: list[tuple[int, int]] = []
+    monkeypatch.setattr(owner.os, "kill", lambda pid, sig: to_pid.append((pid, sig)))
+    launch = _launch(tmp_path, sent)
+    (tmp_path / "rank0.pid").write_text("4242")
+    launch._names, launch.signals = ["SIGHUP"], 1
+    launch._forward()
+    assert to_pid == [(4242, signal.SIGINT)]
+    monkeypatch.setenv(rank.STATUS_DIR_ENV, str(tmp_path))
+    assert rank.forwarded_signal("SIGINT") == "SIGHUP"
+
+
+def test_rank_0s_sigterm_during_a_flush_starts_keeping_at_once(tmp_path, monkeypatch):
+    """A flush under way holds the SIGTERM's answer back; the deadline and rank0.keeping (the
+    launcher's backstop) start with the handler, not when the flush ends."""
+    monkeypatch.setenv(rank.STATUS_DIR_ENV, str(tmp_path))
+    status = rank._Status(0)
+    status.run = object()  # a run under way
+    deferred: list = []
+    monkeypatch.setattr(rank.run_files, "when_not_flushing", lambda answer: deferred.append(answer)
+                        or True)
+    rank._on_term(status)
+    assert len(deferred) == 1 and (tmp_path / f"rank0{rank.KEEPING_SUFFIX}").exists()
+    assert status.keep_until is not None
+    assert 0 < rank._start_keeping(status) <= KEEP_RECORDS_S  # the same deadline, once

@@ -122,6 +122,8 @@ def test_a_signalled_launcher_ends_the_run_interrupted_and_leaves_no_process(tin
         assert last["interrupted"] is True and last["ranks"] == 2 and last["completed"] < 400
         saved = json.loads(Path(last["run_dir"], "summary.json").read_text())
         assert saved["interrupted"] is True and saved["completed"] == last["completed"]
+        # the signal that stopped the run, not the SIGINT the launcher forwards to rank 0
+        assert saved["interrupt_reason"] == sig.name
         ranks.assert_none_left()
     finally:
         ranks.cleanup()

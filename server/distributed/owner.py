@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from batchsim.server.distributed import ring_log
-from batchsim.server.distributed.rank import KEEP_RECORDS_S
+from batchsim.server.distributed.rank import KEEP_RECORDS_S, KEEPING_SUFFIX, STOP_SIGNAL_FILE
 from batchsim.server.platform.signals import STOP_SIGNALS, leave_closed_terminal
 
 GRACE_S = 5.0  # after a rank failed: time for mlx.launch to end the others before the launcher does
@@ -57,9 +57,12 @@ class OwnedLaunch:
         self.status_dir = status_dir
         self.plan = STOP_PLANS[mode]
         self.signals = 0  # signals the launcher received
+        self._names: list[str] = []  # their names, in order
         self._sent = 0  # of those, acted on
         self._failed_at: float | None = None
         self._terminated_at: float | None = None  # when the group was sent SIGTERM
+        self._keeping_at: float | None = None  # when rank 0 was seen keeping its records after it
+        self._followers_ended = False  # the followers still running GRACE_S after it: killed
         self.killed: list[int] = []  # ranks still running GRACE_S after another failed
         # A local rank stopped (SIGSTOP) between steps is never noticed by its peers (a follower
         # waits for rank 0's next plan without a deadline): past the rank timeout and GRACE_S it
@@ -98,6 +101,7 @@ class OwnedLaunch:
 
     def _note(self, signum: int, _frame: Any) -> None:
         leave_closed_terminal(signum)
+        self._names.append(signal.Signals(signum).name)
         self.signals += 1
 
     def _forward(self) -> None:
@@ -109,7 +113,9 @@ class OwnedLaunch:
                     return  # not started: it gets the signal once it can keep a record of it
                 if rank0 is None:
                     self._signal_group(sig)
-                else:
+                else:  # rank 0 records the signal the launcher got, not the one it is sent
+                    with contextlib.suppress(OSError):
+                        (self.status_dir / STOP_SIGNAL_FILE).write_text(self._names[self._sent])
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(rank0, sig)
             else:
@@ -120,10 +126,24 @@ class OwnedLaunch:
 
     def _end_unanswered_term(self) -> None:
         """The group's SIGTERM runs each rank's handler, which a rank blocked in a native call
-        (a collective) never reaches: past the time rank 0 may take to keep its records and
-        GRACE_S, the group is killed (mlx.launch ignores SIGTERM, so nothing else would end it)."""
+        (a collective) never reaches. GRACE_S after it, the followers still running are killed
+        (rank 0 waiting on them in a collective is let go); the group is killed KEEP_RECORDS_S +
+        GRACE_S after rank 0 began keeping its records (rank0.keeping: it may start late, after
+        a flush under way), or after the SIGTERM if it never began (mlx.launch ignores SIGTERM,
+        so nothing else would end it)."""
         t0 = self._terminated_at
-        if t0 is not None and time.monotonic() - t0 > KEEP_RECORDS_S + GRACE_S:
+        if t0 is None:
+            return
+        now = time.monotonic()
+        if self._keeping_at is None and (self.status_dir / f"rank0{KEEPING_SUFFIX}").exists():
+            self._keeping_at = now
+        if now - t0 > GRACE_S and not self._followers_ended:
+            self._followers_ended = True
+            for rank, pid in _silent_ranks(self.status_dir).items():
+                if rank != 0:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+        if now - max(t0, self._keeping_at or t0) > KEEP_RECORDS_S + GRACE_S:
             self._kill_running()
             self._terminated_at = None
 

@@ -32,6 +32,11 @@ TIMEOUT_ENV = "BATCHSIM_RANK_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0  # per step: a long prefill on a loaded CPU must not trip it
 PARENT_POLL_S = 0.25  # how often a rank checks that mlx.launch is still there
 KEEP_RECORDS_S = 30.0  # a failing rank 0 keeping its records exits anyway after this long
+# In the status directory: the signal the launcher got (SIGHUP, SIGTERM), which it forwards to
+# rank 0 as SIGINT; and rank0.keeping, made when rank 0 begins keeping its records (the
+# launcher's backstop counts KEEP_RECORDS_S from it).
+STOP_SIGNAL_FILE = "stop_signal"
+KEEPING_SUFFIX = ".keeping"
 
 
 def rank_timeout_s() -> float:
@@ -56,6 +61,7 @@ class _Status:
         self.rank = rank
         self.doing: Callable[[], str | None] = lambda: None  # the step under way (the watchdog's)
         self.run: Interrupts | None = None  # rank 0's run under way: a failure ends it, kept
+        self.keep_until: float | None = None  # monotonic: when rank 0 gives up keeping records
 
     def write(self, ok: bool, error: str | None = None, **extra: Any) -> None:
         """Best effort: without its directory (a remote host, the launcher gone) no one reads it."""
@@ -83,7 +89,7 @@ def run_rank(cfg: RunConfig, out_dir: Path, view: RunView) -> dict | None:
     with joined(cfg) as lead:
         if lead is None:
             return None
-        lead.status.run = Interrupts((signal.SIGINT,))
+        lead.status.run = Interrupts((signal.SIGINT,), name=forwarded_signal)
         return lead.finish(run_session(lead.session, out_dir, view, lead.status.run))
 
 
@@ -119,8 +125,7 @@ def joined(cfg: RunConfig) -> Iterator[Lead | None]:
     rank = int(os.environ["MLX_RANK"])
     status = _Status(rank)
     _exit_with_parent()
-    signal.signal(signal.SIGTERM, lambda *_: run_files.when_not_flushing(
-        lambda: _terminated(status)) or _terminated(status))
+    signal.signal(signal.SIGTERM, lambda *_: _on_term(status))
     interrupts.hold()  # the launcher's SIGINT (run): noted now, answered once the run starts
     status.write_pid()
     try:
@@ -196,6 +201,33 @@ def _auto() -> str:
     return env.default_dtype()
 
 
+def forwarded_signal(name: str) -> str:
+    """The name rank 0 records for the launcher's SIGINT: the signal the launcher itself got
+    (a SIGHUP or SIGTERM to it stops the run as Ctrl-C does); `name` when it left none."""
+    try:
+        return (Path(os.environ[STATUS_DIR_ENV]) / STOP_SIGNAL_FILE).read_text() or name
+    except (OSError, KeyError):
+        return name
+
+
+def _on_term(status: _Status) -> None:
+    """SIGTERM: rank 0 of a run begins keeping its records now, even while a flush under way
+    holds the answer back (its deadline and the launcher's count from here)."""
+    if status.run is not None:
+        _start_keeping(status)
+    run_files.when_not_flushing(lambda: _terminated(status)) or _terminated(status)
+
+
+def _start_keeping(status: _Status) -> float:
+    """Rank 0 begins keeping its records (once): its deadline is set and rank0.keeping made for
+    the launcher; the seconds left until the deadline."""
+    if status.keep_until is None:
+        status.keep_until = time.monotonic() + KEEP_RECORDS_S
+        with contextlib.suppress(OSError):
+            status.path.with_suffix(KEEPING_SUFFIX).touch()
+    return max(0.0, status.keep_until - time.monotonic())
+
+
 def _terminated(status: _Status) -> None:
     """SIGTERM: mlx.launch's after another rank failed (a local peer is gone), or one sent to this
     rank's process by someone else; keep an error this rank already reported, else say which, and
@@ -241,7 +273,8 @@ def _keep_records(status: _Status, reason: str, exit_code: int) -> str | None:
     if run is None:
         return None
     if run.abandon is not None:
-        timer = threading.Timer(KEEP_RECORDS_S, _exit_unkept, (status, reason, exit_code))
+        timer = threading.Timer(_start_keeping(status), _exit_unkept,
+                                (status, reason, exit_code))
         timer.daemon = True
         timer.start()
         try:

@@ -32,8 +32,10 @@ class Interrupts:
     """Installs handlers for `signals` while entered (main thread only; elsewhere a no-op). With
     no answer set, a signal raises KeyboardInterrupt, as Ctrl-C does by default."""
 
-    def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)):
+    def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM),
+                 name: Callable[[str], str] = str):
         self.signals = signals
+        self._name = name  # a signal's name -> what `received` records (rank 0: the launcher's)
         # Why the run was stopped: the first signal's name ("SIGINT"), or stop()'s reason.
         self.received: str | None = None
         # Set by the run under way: ends it where it stands (records and summary kept, `reason`
@@ -45,7 +47,7 @@ class Interrupts:
 
     def __enter__(self) -> Interrupts:
         if _held:
-            self.received = self.received or _held[0]
+            self.received = self.received or self._name(_held[0])
             _held.clear()
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
@@ -58,7 +60,7 @@ class Interrupts:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: object) -> None:
-        self.received = self.received or signal.Signals(signum).name
+        self.received = self.received or self._name(signal.Signals(signum).name)
         leave_closed_terminal(signum)
         if self._answer is None:
             raise KeyboardInterrupt

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from batchsim.scripts.common import EXIT_INTERRUPTED
+from batchsim.server.distributed.rank import STATUS_DIR_ENV, STOP_SIGNAL_FILE
 
 from tests.drivers import WatchesServeStderr
 
@@ -273,8 +274,12 @@ def test_a_second_signal_ends_the_ranks_with_rank_0s_records_kept(tiny, tmp_path
     """Ctrl-C twice: the second is SIGTERM to the whole group. mlx.launch died of it at once, the
     launcher's wait returned and its SIGKILL could cut rank 0's records short (no summary.json,
     finished requests unwritten: seen with 40 requests in flight). mlx.launch now outlives the
-    SIGTERM until its ranks end; shown alone first, as that race is not reliably lost."""
-    ranks = Ranks(["run", "--model", "tiny", "--num-prompts", "40", "--request-rate", "inf",
+    SIGTERM until its ranks end; shown alone first, as that race is not reliably lost.
+    It flaked at load 2: 40 requests were done in a few seconds, before the signals (a finished
+    run is no interrupted one), so the run is 10 times longer; and two signals sent back to back
+    can reach the launcher as one (a pending signal is not queued twice), so the second is sent
+    once the launcher has forwarded the first (its stop_signal file)."""
+    ranks = Ranks(["run", "--model", "tiny", "--num-prompts", "400", "--request-rate", "inf",
                    "--input-len", "16", "--output-len", "200", "--max-num-seqs", "4",
                    "--no-progress", "--out", str(tmp_path)])
     try:
@@ -283,7 +288,12 @@ def test_a_second_signal_ends_the_ranks_with_rank_0s_records_kept(tiny, tmp_path
         os.kill(launch, signal.SIGTERM)
         time.sleep(1.0)  # the ranks watch their parent every 0.25 s
         assert launch in ranks.processes() and ranks.processes(0), "".join(ranks.stderr)[-2000:]
+        forwarded = _status_dir(ranks) / STOP_SIGNAL_FILE
+        assert not (run_dir / "summary.json").exists(), "the run ended before the signals"
         os.kill(ranks.proc.pid, signal.SIGINT)
+        deadline = time.monotonic() + START_GUARD_S
+        while not forwarded.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
         os.kill(ranks.proc.pid, signal.SIGINT)
         rc, _out, err = ranks.finish()
         assert rc == EXIT_INTERRUPTED and "Traceback" not in err, err[-3000:]
@@ -294,3 +304,11 @@ def test_a_second_signal_ends_the_ranks_with_rank_0s_records_kept(tiny, tmp_path
         ranks.assert_none_left()
     finally:
         ranks.cleanup()
+
+
+def _status_dir(ranks: Ranks) -> Path:
+    """The launcher's status directory, as its rank 0 was given it."""
+    (rank0,) = ranks.processes(rank=0)
+    env = Path(f"/proc/{rank0}/environ").read_bytes().split(b"\0")
+    (var,) = [v for v in env if v.startswith(f"{STATUS_DIR_ENV}=".encode())]
+    return Path(var.decode().partition("=")[2])

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchsim.configs import ConfigError
+from batchsim.server.engine.interrupts import Interrupts
 from batchsim.server.results import run_files
 
 if TYPE_CHECKING:
     from batchsim.server.distributed.executor import LeaderExecutor
-    from batchsim.server.engine.interrupts import Interrupts
     from batchsim.server.engine.run_config import RunConfig
     from batchsim.server.engine.run_path import RunView
     from batchsim.server.engine.session import Session
@@ -62,6 +62,7 @@ class _Status:
         self.doing: Callable[[], str | None] = lambda: None  # the step under way (the watchdog's)
         self.run: Interrupts | None = None  # rank 0's run under way: a failure ends it, kept
         self.keep_until: float | None = None  # monotonic: when rank 0 gives up keeping records
+        self.term_pending = False  # a SIGTERM came while rank 0's run wrote its records: after them
 
     def write(self, ok: bool, error: str | None = None, **extra: Any) -> None:
         """Best effort: without its directory (a remote host, the launcher gone) no one reads it."""
@@ -83,14 +84,39 @@ class _Status:
 def run_rank(cfg: RunConfig, out_dir: Path, view: RunView) -> dict | None:
     """This rank's part of `run --ranks`: rank 0 runs the workload into a run directory under
     `out_dir`, shown by `view`, and returns its summary; the others follow and return None."""
-    from batchsim.server.engine.interrupts import Interrupts
     from batchsim.server.engine.run_path import run_session
 
     with joined(cfg) as lead:
         if lead is None:
             return None
-        lead.status.run = Interrupts((signal.SIGINT,), name=forwarded_signal)
-        return lead.finish(run_session(lead.session, out_dir, view, lead.status.run))
+        status = lead.status
+        run = status.run = _RunInterrupts((signal.SIGINT,), name=forwarded_signal)
+        summary = run_session(lead.session, out_dir, view, run)
+        run.abandoned_in, run.done = summary.get("run_dir"), True  # kept: a SIGTERM now names it
+        if status.term_pending:
+            _terminated(status)
+        return lead.finish(summary)
+
+
+class _RunInterrupts(Interrupts):
+    """Rank 0's: knows whether its run has begun (the runner set `abandon`) and ended, so that a
+    SIGTERM while the run writes its records and summary (`abandon` unset again) waits for them:
+    the second Ctrl-C right after the first stopped the sending exited there, no summary.json."""
+
+    started = done = False
+
+    @property  # type: ignore[override]
+    def abandon(self) -> Callable[[str], None] | None:
+        return self._abandon
+
+    @abandon.setter
+    def abandon(self, answer: Callable[[str], None] | None) -> None:
+        self._abandon = answer
+        self.started = self.started or answer is not None
+
+    def finishing(self) -> bool:
+        """The run is writing its records and summary (no longer abandonable, not yet done)."""
+        return self.started and self._abandon is None and not self.done
 
 
 @dataclasses.dataclass
@@ -241,6 +267,13 @@ def _terminated(status: _Status) -> None:
         message = (f"rank {status.rank}: SIGTERM reached its process (pid {os.getpid()}), not "
                    "through the launcher, and stopped the run"
                    + (f" during {doing}" if doing else ""))
+    run = status.run
+    if isinstance(run, _RunInterrupts) and run.finishing():  # run_rank ends the rank after them
+        status.term_pending = True
+        timer = threading.Timer(_start_keeping(status), _exit_unkept, (status, message, 143))
+        timer.daemon = True
+        timer.start()
+        return
     run_dir = _keep_records(status, message, 143)
     if not _reported_error(status.path):
         status.write(False, message, terminated=by_launch, during=doing, run_dir=run_dir)

@@ -62,7 +62,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--limit-batch", type=_batch, default=12,
                    help="without --memory-gb: a budget of weights + this many sequences' KV at "
                    f"full length (padded to {KV_STEP} tokens) + half a sequence, so the analytic "
-                   "limit is exactly this batch and the default sweep finishes in minutes")
+                   "limit is exactly this batch and the default sweep finishes in minutes (with "
+                   "--draft-model: the speculative points' limit, its weights and rows counted)")
     g.add_argument("--device-budget", action="store_true",
                    help="use the device's own budget (MLX working set, or 75%% of RAM on the CPU "
                    "backend) instead of --limit-batch")
@@ -91,7 +92,8 @@ def run(args: argparse.Namespace) -> dict:
         # One output token is sampled by the prefill: nothing would decode.
         raise ConfigError("--prompt-len, --limit-batch and --max-batch must be >= 1, "
                           "--output-len >= 2")
-    base, budget, source = _base_session(args, cfg)
+    spec_cfgs = sweep_spec.spec_configs(cfg, args)
+    base, budget, source = _base_session(args, cfg, spec_cfgs)
     kvt, weights = base.kv_bytes_per_token, base.weight_bytes
     if args.prompt_len + args.output_len > base.spec.max_context:
         longest = " (the workload's longest request)" if args.workload_spec else ""
@@ -102,7 +104,6 @@ def run(args: argparse.Namespace) -> dict:
         limit, args.max_batch)
     meta = _meta(args, base, budget, source)
     _announce(meta, batches)
-    spec_cfgs = sweep_spec.spec_configs(base.config, args)
     rows = [_run_point(base, budget, source, b, args) for b in batches]
     spec_verdict = {}
     if spec_cfgs:
@@ -130,20 +131,33 @@ def run(args: argparse.Namespace) -> dict:
     return {"rows": rows, **verdict, **meta, "jsonl": str(jsonl), "png": str(png), "env": env}
 
 
-def _base_session(args: argparse.Namespace, cfg: RunConfig):
-    """One session (the model loaded once) and the budget every point runs under."""
+def _base_session(args: argparse.Namespace, cfg: RunConfig, spec_cfgs: dict[int, RunConfig]):
+    """One session (the model loaded once) and the budget every point runs under. --limit-batch
+    with a draft model: the budget holds its weights too, and the limit is the speculative
+    points' (a row of the draft's cache beside each sequence); plain batching fits more."""
     from batchsim.server.engine.session import memory_budget, open_session
 
     warn_profile_mismatch(cfg)
     base = open_session(cfg)
     if args.memory_gb is not None or args.device_budget:
         return base, base.memory_budget_bytes, base.budget_source
-    budget_bytes = sweep_math.budget_for_limit(args.limit_batch, base.weight_bytes,
+    draft_weights, draft_row = _draft_account(base, spec_cfgs)
+    budget_bytes = sweep_math.budget_for_limit(args.limit_batch, base.weight_bytes + draft_weights,
                                                args.prompt_len, args.output_len,
-                                               base.kv_bytes_per_token)
+                                               base.kv_bytes_per_token, draft_row)
     # Through memory_gb so that simulated sessions opened per point get the same bytes.
     budget, _ = memory_budget(budget_bytes / GIB)
-    return base, budget, f"--limit-batch {args.limit_batch}"
+    with_draft = " (speculative points, with the draft model)" if draft_weights else ""
+    return base, budget, f"--limit-batch {args.limit_batch}{with_draft}"
+
+
+def _draft_account(base, cfgs: dict[int, RunConfig]):
+    """The draft model's weights and its cache's row per sequence (spec_price.draft_account) of
+    the speculative points; (0, None): no draft model."""
+    from batchsim.server.perf.spec_price import draft_account
+
+    drafted = [c for c in cfgs.values() if c.spec_method == "draft"]
+    return draft_account(drafted[0], base.ref) if drafted else (0, None)
 
 
 def _draft_limit(base, budget: int, cfgs: dict[int, RunConfig],
@@ -151,9 +165,7 @@ def _draft_limit(base, budget: int, cfgs: dict[int, RunConfig],
     """The analytic limit with the draft model's weights and its padded row beside each
     sequence, as the speculative points' sessions count them (spec_price.draft_account; the
     base session runs no draft model)."""
-    from batchsim.server.perf.spec_price import draft_account
-
-    draft_weights, draft_row = draft_account(next(iter(cfgs.values())), base.ref)
+    draft_weights, draft_row = _draft_account(base, cfgs)
     return sweep_math.analytic_max_batch(budget, base.weight_bytes + draft_weights,
                                          args.prompt_len, args.output_len,
                                          base.kv_bytes_per_token, draft_row)
@@ -181,7 +193,7 @@ def _run_point(base, budget: int, source: str, batch: int, args: argparse.Namesp
         outcome = run_workload(session, spec, out_dir=args.runs_dir, label=label, on_step=on_step,
                                timeline=not getattr(args, "no_timeline", False))
     next_chunk = min(args.prompt_len, sched.prefill_step_size)
-    row = sweep_math.point_row(batch, outcome.summary, outcome.steps,
+    row = sweep_math.point_row(batch, outcome.summary, outcome.steps, outcome.requests,
                                sched.max_num_batched_tokens, next_chunk, active.max_active_bytes)
     if args.workload_spec is not None:  # its own arrivals: B requests need not be there at once,
         # so never decoding B together is an overrun only where requests waited with a seat free

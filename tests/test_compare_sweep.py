@@ -95,8 +95,9 @@ def test_memory_waits_exclude_the_token_budget():
         step(2, 12, 0, 12, 2),
         step(3, 12, 384, 14, 0),  # a request finished: both are admitted
     ]
-    assert sweep_math.memory_wait_steps(steps, 14, 2048, 192) == 2
-    assert sweep_math.memory_wait_steps(steps, 12, 2048, 192) == 0  # no seat free
+    admitted = [10, 2, 0, 2]
+    assert sweep_math.memory_wait_steps(steps, admitted, 14, 2048, 192) == 2
+    assert sweep_math.memory_wait_steps(steps, admitted, 12, 2048, 192) == 0  # no seat free
 
 
 def test_a_request_that_arrived_during_a_step_is_no_memory_wait():
@@ -104,9 +105,22 @@ def test_a_request_that_arrived_during_a_step_is_no_memory_wait():
     admits it: counted as held back for memory, it failed the end-to-end sweep test at load 8-10
     (longer steps: more such arrivals)."""
     steps = [step(0, 2, 0, 2, 1), step(1, 2, 192, 3, 0), step(2, 3, 0, 3, 0)]
-    assert sweep_math.memory_wait_steps(steps, 4, 2048, 192) == 0
+    assert sweep_math.memory_wait_steps(steps, [0, 1, 0], 4, 2048, 192) == 0
     held = [step(0, 2, 0, 2, 1), step(1, 2, 0, 2, 1), step(2, 2, 0, 2, 1)]  # never admitted
-    assert sweep_math.memory_wait_steps(held, 4, 2048, 192) == 2
+    assert sweep_math.memory_wait_steps(held, [0, 0, 0], 4, 2048, 192) == 2
+
+
+def test_later_prefill_chunks_are_no_admissions():
+    """Chunked prefill: step 1 prefills the second chunks of the two requests step 0 admitted;
+    counted as two admissions of the two waiting, the waits memory caused went unseen."""
+    from batchsim.server.results.metrics import RequestRecord
+
+    steps = [step(0, 0, 384, 2, 2), step(1, 0, 384, 2, 2), step(2, 2, 0, 2, 2)]
+    requests = [RequestRecord(i, "unfinished", 0.0, 0.0 if i < 2 else None, (), None, 1000, 0)
+                for i in range(4)]
+    admitted = sweep_math.admitted_per_step(steps, requests)
+    assert admitted == [2, 0, 0]
+    assert sweep_math.memory_wait_steps(steps, admitted, 4, 2048, 192) == 2
 
 
 # -- sweep, end to end -------------------------------------------------------------------------

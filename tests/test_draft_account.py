@@ -126,3 +126,19 @@ def test_a_stored_draft_of_other_scales_of_the_same_bytes_is_accepted(tiny_q4):
     stored = open_session(_draft("tiny", str(tiny_q4[0].path), **kw))
     zoo = open_session(_draft("tiny", "tiny", **kw))
     assert stored.weight_bytes == zoo.weight_bytes
+
+
+def test_renewed_sessions_load_a_draft_model_once(tiny, monkeypatch):
+    """A real sweep renews its session per speculative point: each loaded the draft model
+    again (a 1B draft: seconds and its weights' allocation per point); the loaded one is
+    shared now."""
+    base = open_session(RunConfig(model="tiny", dtype="float32", executor="mlx", memory_gb=1))
+    loaded: list[str] = []
+    real_load = loader.load
+    monkeypatch.setattr(loader, "load", lambda ref: loaded.append(ref.name) or real_load(ref))
+    cfg = _draft("tiny", "tiny", dtype="float32", executor="mlx", memory_gb=1)
+    first = base.renewed(cfg, base.memory_budget_bytes, base.budget_source)
+    second = base.renewed(cfg, base.memory_budget_bytes, base.budget_source)
+    assert loaded == ["tiny"]
+    assert first.executor.drafter.model is second.executor.drafter.model
+    assert first.weight_bytes == second.weight_bytes > base.weight_bytes

@@ -43,6 +43,9 @@ class Session:
     tokenizer: Any = None
     # What the KV cache holds by layer kind; None: dense, kv_bytes_per_token per token.
     cache_layout: CacheLayout | None = None
+    # Draft models loaded for the real executor, shared by renewed sessions (a sweep's
+    # speculative points load theirs once): factory.build_mlx_executor.
+    drafts: dict = dataclasses.field(default_factory=dict)
 
     @property
     def spec(self) -> ModelSpec:
@@ -106,7 +109,7 @@ class Session:
     def renewed(self, cfg: RunConfig, memory_budget_bytes: int, budget_source: str) -> Session:
         """The same loaded model under `cfg` with a new executor (request ids start again; the
         real executor shares the model)."""
-        executor = build_executor(cfg, self.ref, self.model)
+        executor = build_executor(cfg, self.ref, self.model, self.drafts)
         if executor.caps.real_compute:  # the loaded target's, and cfg's draft model as loaded
             target = self.weight_bytes - _draft_weights(self.config, self.ref, self.executor)
             weights = target + _draft_weights(cfg, self.ref, executor)
@@ -244,11 +247,13 @@ def _open_mlx(cfg: RunConfig, dtype: str, budget: int, source: str,
     model, tokenizer = load(ref)
     if prepare_model is not None:
         model = prepare_model(model)
-    executor = build_mlx_executor(cfg, ref, model)
+    drafts: dict = {}
+    executor = build_mlx_executor(cfg, ref, model, drafts)
     weights = _param_bytes(model) + _draft_weights(cfg, ref, executor)
     layout = _layout(executor)
     session = Session(cfg, ref, str(executor.dtype).split(".")[-1], executor, weights, budget,
-                      source, executor.kv_bytes_per_token, model, tokenizer, cache_layout=layout)
+                      source, executor.kv_bytes_per_token, model, tokenizer, cache_layout=layout,
+                      drafts=drafts)
     _check_fits(session)
     session.limit_mlx_cache()  # replaces the executor's fixed default
     return session

@@ -50,13 +50,14 @@ class ExecutorConfig(Protocol):
     def workload(self) -> Any: ...  # sim: its seed seeds the accepted-draft draws
 
 
-def build_executor(cfg: ExecutorConfig, ref: ModelRef, model: Any = None) -> Executor:
+def build_executor(cfg: ExecutorConfig, ref: ModelRef, model: Any = None,
+                   drafts: dict | None = None) -> Executor:
     """The executor `cfg.executor` names, for the model `ref`; `model`: the loaded mlx-lm
-    model, which only the real executor needs."""
+    model, which only the real executor needs (`drafts`: build_mlx_executor's)."""
     if cfg.executor == "mlx":
         if model is None:
             raise ValueError("the MLX executor needs a loaded model")
-        return build_mlx_executor(cfg, ref, model)
+        return build_mlx_executor(cfg, ref, model, drafts)
     if cfg.executor == "fake":
         from batchsim.server.executors.fake_executor import FakeExecutor
 
@@ -99,16 +100,18 @@ def _sim_spec(cfg: ExecutorConfig, ref: ModelRef, cost: Any, draft: Any):
                                 cfg.spec_draft_share), cfg.workload.seed, drafter)
 
 
-def build_mlx_executor(cfg: ExecutorConfig, ref: ModelRef, model: Any) -> MLXExecutor:
+def build_mlx_executor(cfg: ExecutorConfig, ref: ModelRef, model: Any,
+                       drafts: dict | None = None) -> MLXExecutor:
     """The real executor on a loaded mlx-lm model (what a session then reads of it: its dtype,
-    cache layout and KV bytes per token)."""
+    cache layout and KV bytes per token); `drafts`: draft models loaded already, by what was
+    loaded (filled here: a sweep's speculative points share one load)."""
     from batchsim.server.executors.mlx_executor import MLXExecutor
 
     return MLXExecutor(model, kv_bits=cfg.kv_bits, kv_layout=cfg.kv_layout,
-                       drafter=_drafter(cfg, ref))
+                       drafter=_drafter(cfg, ref, {} if drafts is None else drafts))
 
 
-def _drafter(cfg: ExecutorConfig, ref: ModelRef):
+def _drafter(cfg: ExecutorConfig, ref: ModelRef, drafts: dict):
     """speculative.Drafter for cfg.spec_method (None: off); the draft model is loaded here as
     the account prices it (spec_price.draft_account): in the target's dtype and weight format
     (a zoo draft quantized like it, mlx-lm's group of 64; any other refused unless stored so:
@@ -129,4 +132,7 @@ def _drafter(cfg: ExecutorConfig, ref: ModelRef):
     draft = resolve(cfg.draft_model, ref.dtype, ref.quantize_bits)
     check_draft_ref(draft, ref, cfg.kv_bits)  # its caches cut back, its weights as priced
     check_shared_tokenizer(draft.path, ref.path, draft.name, ref.name)
-    return DraftModelDrafter(load(draft)[0], cfg.kv_bits)
+    key = (str(draft.path), draft.dtype, draft.quantize_bits)
+    if key not in drafts:
+        drafts[key] = load(draft)[0]
+    return DraftModelDrafter(drafts[key], cfg.kv_bits)

@@ -4,15 +4,15 @@ workload under a memory budget, the batch sizes to measure, and how to read the 
 
 from __future__ import annotations
 
-import itertools
+import bisect
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from batchsim.scheduler.kv_bytes import CacheLayout
 from batchsim.scheduler.pool_geometry import KV_STEP, padded_batch_bytes, round_up
-from batchsim.server.results.metrics import StepRecord
+from batchsim.server.results.metrics import RequestRecord, StepRecord
 
 
 def seq_kv_tokens(prompt_len: int, output_len: int) -> int:
@@ -34,18 +34,26 @@ def analytic_max_batch(memory_budget_bytes: int, weight_bytes: int, prompt_len: 
                        draft: CacheLayout | None = None) -> int:
     """The largest batch whose weights + KV at full length fit the budget (0: not even one);
     `draft`: a draft model's cache, one padded row beside each sequence (CacheLayout.draft)."""
-    per_seq = batch_kv_bytes(1, prompt_len, output_len, kv_bytes_per_token)
-    if draft is not None:
-        per_seq += draft.seq_bytes(seq_kv_tokens(prompt_len, output_len))
+    per_seq = _seq_bytes(prompt_len, output_len, kv_bytes_per_token, draft)
     return max(0, (memory_budget_bytes - weight_bytes) // per_seq)
 
 
 def budget_for_limit(limit_batch: int, weight_bytes: int, prompt_len: int, output_len: int,
-                     kv_bytes_per_token: int) -> int:
-    """A memory budget whose analytic limit is exactly `limit_batch`: weights + limit_batch
-    sequences + half a sequence, so byte rounding cannot move the limit."""
-    per_seq = batch_kv_bytes(1, prompt_len, output_len, kv_bytes_per_token)
+                     kv_bytes_per_token: int, draft: CacheLayout | None = None) -> int:
+    """A memory budget whose analytic limit (analytic_max_batch, `draft` as there) is exactly
+    `limit_batch`: weights + limit_batch sequences + half a sequence, so byte rounding cannot
+    move the limit."""
+    per_seq = _seq_bytes(prompt_len, output_len, kv_bytes_per_token, draft)
     return weight_bytes + limit_batch * per_seq + per_seq // 2
+
+
+def _seq_bytes(prompt_len: int, output_len: int, kv_bytes_per_token: int,
+               draft: CacheLayout | None) -> int:
+    """One sequence's KV at full length, with its draft model's padded row if any."""
+    per_seq = batch_kv_bytes(1, prompt_len, output_len, kv_bytes_per_token)
+    if draft is not None:
+        per_seq += draft.seq_bytes(seq_kv_tokens(prompt_len, output_len))
+    return per_seq
 
 
 def default_batches(limit_batch: int, max_batch: int) -> list[int]:
@@ -108,21 +116,36 @@ def steady_decode(steps: list[StepRecord], batch: int) -> tuple[float | None, fl
     return batch / mid, mid * 1e3
 
 
-def memory_wait_steps(steps: list[StepRecord], batch: int, max_num_batched_tokens: int,
-                      next_chunk: int) -> int:
+def admitted_per_step(steps: Sequence[StepRecord], requests: Iterable[RequestRecord]) -> list[int]:
+    """Requests each step admitted: those it first ran (first_scheduled_s is its start). The
+    prefill count is no measure of it under chunked prefill: a prompt's later chunks prefill
+    requests admitted steps before. (A preempted request's return is not counted.)"""
+    starts = [s.start_s for s in steps]
+    admitted = [0] * len(steps)
+    for r in requests:
+        if r.first_scheduled_s is None:
+            continue
+        i = bisect.bisect_left(starts, r.first_scheduled_s)
+        if i < len(steps) and starts[i] == r.first_scheduled_s:
+            admitted[i] += 1
+    return admitted
+
+
+def memory_wait_steps(steps: Sequence[StepRecord], admitted: Sequence[int], batch: int,
+                      max_num_batched_tokens: int, next_chunk: int) -> int:
     """Plans that left a request waiting although a seat and the token budget for another prefill
     chunk were free: the KV budget held it back (not the per-step token budget). A request that
     waits after a step may have arrived during it (a real run's arrivals come while a step runs):
     only the next plan shows whether it was held. That plan saw the previous step's waiting
-    requests and admitted at most its prefill count of them (an admitted request prefills)."""
-    return sum(1 for before, s in itertools.pairwise(steps)
-               if s.num_prefill_requests < before.num_waiting
-               and before.num_running + s.num_prefill_requests < batch
+    requests and admitted `admitted` of them (admitted_per_step)."""
+    return sum(1 for before, s, n in zip(steps, steps[1:], admitted[1:])
+               if n < before.num_waiting and before.num_running + n < batch
                and s.batch_size + s.num_prefill_tokens + next_chunk <= max_num_batched_tokens)
 
 
 def point_row(batch: int, summary: dict[str, Any], steps: list[StepRecord],
-              max_num_batched_tokens: int, next_chunk: int, active_bytes: int | None) -> dict:
+              requests: list[RequestRecord], max_num_batched_tokens: int, next_chunk: int,
+              active_bytes: int | None) -> dict:
     """One sweep point from its run's summary and step records. Overrun: the batch was never
     decoded together (queued), or a request was preempted or rejected."""
     decoded = summary["max_batch_size"]
@@ -145,7 +168,8 @@ def point_row(batch: int, summary: dict[str, Any], steps: list[StepRecord],
         "queued": queued, "preempted": preempted, "rejected": rejected,
         "overrun": queued or preempted or rejected,
         "num_preemptions": summary["num_preemptions"],
-        "memory_wait_steps": memory_wait_steps(steps, batch, max_num_batched_tokens, next_chunk),
+        "memory_wait_steps": memory_wait_steps(steps, admitted_per_step(steps, requests), batch,
+                                               max_num_batched_tokens, next_chunk),
         "p99_queue_ms": summary["p99_queue_ms"], "completed": summary["completed"],
         "duration_s": summary["duration"], "run_dir": summary["run_dir"],
     }

@@ -4,7 +4,9 @@ weights (or the simulator) and report vLLM-compatible serving metrics."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from batchsim.configs import ConfigError
 from batchsim.scripts.common import (
@@ -26,6 +28,9 @@ from batchsim.scripts.run_view import ConsoleView, print_summary, warn_profile_m
 from batchsim.scripts.spec_args import add_spec_args
 from batchsim.scripts.workload_args import add_workload_args
 from batchsim.server.engine.run_config import RunConfig
+
+if TYPE_CHECKING:
+    from batchsim.server.results.timeline_draw import DrawingProcess
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -71,21 +76,27 @@ def run(args: argparse.Namespace) -> dict:
         if summary["completed"] == 0 and summary["failed"] > 0 and not summary["interrupted"]:
             raise CommandFailed(_all_failed(summary), summary)
         return summary
-    from batchsim.server.engine.run_path import RecordsLost, run_config
-    from batchsim.server.platform.signals import STOP_SIGNALS
-    from batchsim.server.results.timeline_draw import APART
+    from batchsim.server.results.timeline_draw import DrawingProcess
 
-    warn_profile_mismatch(cfg)
-    try:  # SIGTERM, SIGHUP as Ctrl-C: each stops the run and leaves its records and summary
-        summary = run_config(cfg, Path(args.out), ConsoleView(progress=not args.no_progress),
-                             signals=STOP_SIGNALS,
-                             timeline=False if args.no_timeline else APART)
-    except RecordsLost as exc:
-        raise CommandFailed(str(exc), exc.summary) from None
+    # timeline.png by a child process: it imports matplotlib while the run opens and runs
+    with contextlib.nullcontext(False) if args.no_timeline else DrawingProcess() as drawing:
+        summary = _run_here(cfg, args, drawing)
     if summary["completed"] == 0 and not summary.get("interrupted"):
         raise CommandFailed(_served_nothing(summary, cfg.workload.num_prompts), summary,
                             EXIT_SERVED_NOTHING)
     return summary
+
+
+def _run_here(cfg: RunConfig, args: argparse.Namespace, drawing: bool | DrawingProcess) -> dict:
+    from batchsim.server.engine.run_path import RecordsLost, run_config
+    from batchsim.server.platform.signals import STOP_SIGNALS
+
+    warn_profile_mismatch(cfg)
+    try:  # SIGTERM, SIGHUP as Ctrl-C: each stops the run and leaves its records and summary
+        return run_config(cfg, Path(args.out), ConsoleView(progress=not args.no_progress),
+                          signals=STOP_SIGNALS, timeline=drawing)
+    except RecordsLost as exc:
+        raise CommandFailed(str(exc), exc.summary) from None
 
 
 def _all_failed(summary: dict) -> str:

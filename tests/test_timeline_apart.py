@@ -9,15 +9,18 @@ import sys
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 from batchsim.server.results import timeline_draw
-from batchsim.server.results.timeline_draw import APART, DrawingProcess
+from batchsim.server.results.timeline_draw import DrawingProcess
 
 from tests.test_records import sim_config
 
 
 def _run(tmp_path, label: str, timeline):
     session = open_session(sim_config(n=30))
-    return run_workload(session, session.config.workload, out_dir=tmp_path, label=label,
-                        timeline=timeline)
+    if timeline is not True:
+        with DrawingProcess() as drawing:
+            return run_workload(session, session.config.workload, out_dir=tmp_path, label=label,
+                                timeline=drawing)
+    return run_workload(session, session.config.workload, out_dir=tmp_path, label=label)
 
 
 def test_the_child_draws_the_same_picture_while_this_process_draws_nothing(tmp_path,
@@ -28,7 +31,7 @@ def test_the_child_draws_the_same_picture_while_this_process_draws_nothing(tmp_p
         raise AssertionError("drawn in the run's own process")
 
     monkeypatch.setattr(timeline_draw, "draw_panels", not_here)
-    apart = _run(tmp_path, "apart", APART)
+    apart = _run(tmp_path, "apart", "apart")
     png = apart.run_dir / "timeline.png"
     assert apart.summary["timeline_png"] == str(png)
     assert png.read_bytes() == (here.run_dir / "timeline.png").read_bytes()
@@ -38,7 +41,7 @@ def test_a_failed_child_is_one_warning_and_the_run_keeps_its_summary(tmp_path, m
                                                                     caplog):
     monkeypatch.setattr(sys, "executable", "/bin/false")  # starts, answers nothing, exits 1
     with caplog.at_level(logging.WARNING, logger="batchsim"):
-        outcome = _run(tmp_path, "t", APART)
+        outcome = _run(tmp_path, "t", "apart")
     assert outcome.summary["timeline_png"] is None and outcome.summary["completed"] == 30
     assert (outcome.run_dir / "summary.json").exists()
     assert [r.getMessage() for r in caplog.records] == [
@@ -47,7 +50,7 @@ def test_a_failed_child_is_one_warning_and_the_run_keeps_its_summary(tmp_path, m
 
 def test_no_child_to_start_draws_here(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
-    outcome = _run(tmp_path, "t", APART)
+    outcome = _run(tmp_path, "t", "apart")
     assert outcome.summary["timeline_png"] == str(outcome.run_dir / "timeline.png")
 
 

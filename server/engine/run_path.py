@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from batchsim.server.engine.engine import Engine
     from batchsim.server.engine.run_config import RunConfig
     from batchsim.server.engine.session import Session
+    from batchsim.server.results.timeline_draw import DrawingProcess
 
 StepHook = Callable[["Engine", "StepPlan", "StepResult"], None]  # after every engine step
 
@@ -64,7 +65,7 @@ class RecordsLost(Exception):
 
 def run_config(cfg: RunConfig, out_dir: Path, view: RunView = QUIET, *, label: str | None = None,
                signals: tuple[signal.Signals, ...] = (signal.SIGINT,),
-               timeline: bool | str = True) -> dict[str, Any]:
+               timeline: bool | DrawingProcess = True) -> dict[str, Any]:
     """Open `cfg`'s session and run its workload into a new directory under `out_dir`; the
     summary. A signal in `signals` stops the run at any point, records kept."""
     from batchsim.server.results.jsonio import new_run_dir
@@ -88,7 +89,7 @@ def run_session(session: Session, out_dir: Path, view: RunView = QUIET,
 
 
 def _open_and_run(cfg: RunConfig, run_dir: Path, label: str, stop: Interrupts, view: RunView,
-                  timeline: bool | str) -> dict[str, Any]:
+                  timeline: bool | DrawingProcess) -> dict[str, Any]:
     from batchsim.server.engine.run_dir import record_stopped_before_start
     from batchsim.server.engine.session import open_session
 
@@ -106,7 +107,7 @@ def _open_and_run(cfg: RunConfig, run_dir: Path, label: str, stop: Interrupts, v
 
 
 def _run_opened(session: Session, run_dir: Path, label: str, stop: Interrupts, view: RunView,
-                timeline: bool | str) -> dict[str, Any]:
+                timeline: bool | DrawingProcess) -> dict[str, Any]:
     from batchsim.server.engine.runner import run_workload
 
     spec = session.config.workload

@@ -41,7 +41,7 @@ from batchsim.server.results.metrics import (
 from batchsim.server.results.recorder import RunRecorder
 from batchsim.server.results.run_files import RecordStream
 from batchsim.server.results.timeline import TIMELINE
-from batchsim.server.results.timeline_draw import APART, DrawingProcess
+from batchsim.server.results.timeline_draw import DrawingProcess
 from batchsim.workloads.driver import drive
 from batchsim.workloads.requests import (
     RequestSpec,
@@ -196,28 +196,26 @@ async def _flush_every(stream: RecordStream, period_s: float) -> None:
 def run_workload(
     session: Session, spec: WorkloadSpec, *, out_dir: Path | None, label: str,
     on_step: Callable | None = None, run_dir: Path | None = None,
-    interrupts: Interrupts | None = None, timeline: bool | str = True,
+    interrupts: Interrupts | None = None, timeline: bool | DrawingProcess = True,
 ) -> RunOutcome:
     """Run `spec` and record it in `run_dir` (else a new directory under `out_dir`, else
     nowhere): config.yaml first, steps and requests as they complete, summary.json last. A signal
     `interrupts` handles stops the sending; what was sent is finished or cut off, and recorded.
     Without `interrupts`, Ctrl-C does that (SIGTERM stays the caller's). `timeline`: draw
-    timeline.png in the run directory from its records (the summary's timeline_png); APART: in a
-    child process, which imports matplotlib while the run runs and draws while it is summarized
-    (for a command that draws once: in-process callers draw on the matplotlib they have loaded)."""
+    timeline.png in the run directory from its records (the summary's timeline_png); a
+    DrawingProcess (the caller's to close) draws it while the run is summarized."""
     if run_dir is None and out_dir is not None:
         run_dir = new_run_dir(out_dir, label)
     with contextlib.ExitStack() as stack:
         if interrupts is None:
             interrupts = stack.enter_context(Interrupts((signal.SIGINT,)))
         stack.enter_context(interrupts.answered_by())  # outside the sending: noted, not raised
-        drawing = (stack.enter_context(DrawingProcess())
-                   if timeline == APART and run_dir is not None else None)
+        drawing = timeline if isinstance(timeline, DrawingProcess) and run_dir else None
         return _run_recorded(session, spec, on_step, run_dir, interrupts, timeline, drawing)
 
 
 def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None,
-                  run_dir: Path | None, interrupts: Interrupts, timeline: bool | str,
+                  run_dir: Path | None, interrupts: Interrupts, timeline: bool | DrawingProcess,
                   drawing: DrawingProcess | None) -> RunOutcome:
     stream = None
     if run_dir is not None:
@@ -238,7 +236,8 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
 
 
 def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
-            timeline: bool | str, drawing: DrawingProcess | None = None) -> RunOutcome:
+            timeline: bool | DrawingProcess, drawing: DrawingProcess | None = None
+            ) -> RunOutcome:
     """Summarize `run` (`duration` on its clock, `wall` s), close its records, write summary
     (timeline.png: drawn by `drawing` meanwhile, else here after the records are closed)."""
     session, spec, stream, interrupts = run.session, run.spec, run.stream, run.interrupts

@@ -25,7 +25,6 @@ from batchsim.server.results.timeline import (
     timeline_panels,
 )
 
-APART = "apart"  # run_workload's timeline=APART: drawn by a DrawingProcess
 DPI = 100
 _GIB = float(1 << 30)
 HEADROOM = 1.08  # y-axes reach a little past the tallest line (a line on the frame is hidden)
@@ -33,6 +32,10 @@ HEADROOM = 1.08  # y-axes reach a little past the tallest line (a line on the fr
 
 def draw_panels(path: Path, panels: Panels) -> Path:
     """Write the run's timeline PNG at `path` (four panels sharing the time axis)."""
+    return save_figure(_figure(panels), path, dpi=DPI, tight=False, fast=panels.series is not None)
+
+
+def _figure(panels: Panels):
     fig = figure(figsize=(11, 10))
     axes = fig.subplots(4, 1, sharex=True)
     fig.subplots_adjust(left=0.07, right=0.92, top=0.895, bottom=0.06, hspace=0.28)
@@ -40,7 +43,7 @@ def draw_panels(path: Path, panels: Panels) -> Path:
     if series is None or panels.rate is None:
         axes[0].text(0.5, 0.5, "no steps recorded", ha="center", transform=axes[0].transAxes)
         fig.suptitle(title)
-        return save_figure(fig, path, dpi=DPI, tight=False)
+        return fig
     _requests_panel(axes[0], series, limits.max_num_seqs)
     _batch_panel(axes[1], series)
     _kv_panel(axes[2], series, panels.overrun_s, limits)
@@ -56,7 +59,7 @@ def draw_panels(path: Path, panels: Panels) -> Path:
     for ax in fig.axes:  # twins included
         ax.grid(alpha=0.3)
         ax.set_ylim(0, max(ax.get_ylim()[1], 1e-9) * (1.0 if ax is axes[3] else HEADROOM))
-    return save_figure(fig, path, dpi=DPI, tight=False, fast=True)
+    return fig
 
 
 def draw_timeline(path: Path, requests: Sequence[RequestRecord], steps: Sequence[StepRecord],
@@ -216,10 +219,12 @@ def _reply(out: bytes, err: bytes, returncode: int | None) -> tuple[str | None, 
 
 
 def _warm() -> None:
-    """matplotlib's modules, Agg and a font loaded, as a first picture would load them."""
-    fig = figure(figsize=(1, 1))
-    fig.text(0.5, 0.5, "0")
-    fig.savefig(io.BytesIO(), format="png")
+    """matplotlib's modules, Agg, fonts and caches loaded: a small timeline drawn to memory."""
+    steps = [StepRecord(i, float(i), i + 1.0, 1, 1, 1, 1, 1, 1, 1, None, 1, 1, i % 2)
+             for i in range(4)]
+    requests = [RequestRecord(0, "finished", 0.0, 0.0, (1.0, 2.0), 2.0, 1, 2)]
+    panels = timeline_panels(requests, steps, Limits(2, 1, 1), "warm")
+    _figure(panels).savefig(io.BytesIO(), format="png", dpi=DPI)
 
 
 def _serve() -> int:

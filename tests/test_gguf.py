@@ -202,7 +202,19 @@ def _bad_gguf(kind: str, path: Path) -> Path:
             "merges_int": {"tokenizer.ggml.merges": u32(4)},
             "tokens_int": {"tokenizer.ggml.tokens": u32(5)},
             "template_int": {"tokenizer.chat_template": u32(3)},
-            "template_syntax": {"tokenizer.chat_template": "{% for %}"}}.get(kind, {})
+            "template_syntax": {"tokenizer.chat_template": "{% for %}"},
+            "types_scalar": {"tokenizer.ggml.token_type": mx.array(3, dtype=mx.int32)},
+            "types_short": {"tokenizer.ggml.token_type": mx.array([3, 3], dtype=mx.int32)},
+            "dup_token": {"tokenizer.ggml.tokens": _llama_meta(mx)["tokenizer.ggml.tokens"][:-4]
+                          + ["<|im_end|>", "Ġt", "he", "Ġthe"]},
+            "vocab_short": {"llama.vocab_size": u32(100)},
+            "rope_partial": {"llama.rope.dimension_count": u32(HEAD_DIM // 2),
+                             "llama.attention.key_length": u32(HEAD_DIM)},
+            "rope_scaled": {"llama.rope.scaling.type": "linear",
+                            "llama.rope.scaling.factor": mx.array(4.0)},
+            "value_length": {"llama.attention.value_length": u32(HEAD_DIM // 2)},
+            "experts": {"llama.expert_count": u32(8), "llama.expert_used_count": u32(2)},
+            "bos_flag": {"tokenizer.ggml.add_bos_token": "false"}}.get(kind, {})
     return _write_gguf(path, hf, **meta)
 
 
@@ -221,6 +233,16 @@ def _bad_gguf(kind: str, path: Path) -> Path:
     ("tokens_int", "tokenizer.ggml.tokens must be an array of strings, got 5"),
     ("template_int", "tokenizer.chat_template must be a string, got 3"),
     ("template_syntax", "tokenizer.chat_template is not a Jinja template (line 1: Expected an"),
+    # h8: a TypeError traceback, then contradictions that imported and ran wrongly
+    ("types_scalar", "tokenizer.ggml.token_type must be an array of 262 integers"),
+    ("types_short", "tokenizer.ggml.token_type must be an array of 262 integers"),
+    ("dup_token", "tokenizer.ggml.tokens holds '<|im_end|>' twice (ids [2, 258])"),
+    ("vocab_short", "llama.vocab_size 100 is less than the 262 tokens"),
+    ("rope_partial", "llama.rope.dimension_count 8 differs from the head dimension 16"),
+    ("rope_scaled", "llama.rope.scaling.type 'linear' is not supported"),
+    ("value_length", "llama.attention.value_length 8 differs from the head dimension 16"),
+    ("experts", "llama.expert_count 8: mixture-of-experts GGUFs are not supported"),
+    ("bos_flag", "tokenizer.ggml.add_bos_token must be a boolean, got false"),
 ])
 def test_malformed_ggufs_are_refused_in_one_line_before_anything_is_written(
         tmp_path, capsys, kind, says):

@@ -42,6 +42,27 @@ def _token_id(g: Gguf, key: str, vocab: int) -> int | None:
     return value
 
 
+def _check_unmapped(g: Gguf, arch: str, head_dim: int, vocab: int, tokens: int) -> None:
+    """Metadata the llama config cannot carry, or that contradicts what it holds: imported, the
+    model ran and answered wrongly (experts, scaled or partial RoPE, ids past the embedding)."""
+    experts = g.value(f"{arch}.expert_count") or 0
+    if experts != 0:
+        raise GgufError(f"{g.path}: {arch}.expert_count {experts!r}: mixture-of-experts GGUFs "
+                        "are not supported (dense llama only)")
+    scaling = g.value(f"{arch}.rope.scaling.type") or "none"
+    if scaling != "none":
+        raise GgufError(f"{g.path}: {arch}.rope.scaling.type {scaling!r} is not supported (the "
+                        "import would run it unscaled)")
+    if vocab < tokens:
+        raise GgufError(f"{g.path}: {arch}.vocab_size {vocab} is less than the {tokens} tokens "
+                        "of tokenizer.ggml.tokens (ids past the embedding)")
+    for key in (f"{arch}.rope.dimension_count", f"{arch}.attention.value_length"):
+        value = g.value(key)
+        if value is not None and value != head_dim:
+            raise GgufError(f"{g.path}: {key} {value!r} differs from the head dimension "
+                            f"{head_dim} (mlx-lm's llama rotates and projects whole heads)")
+
+
 def hf_config(g: Gguf) -> dict[str, Any]:
     """config.json for mlx-lm's llama model (tied embeddings when the file has no output matrix)."""
     arch = architecture(g)
@@ -71,6 +92,7 @@ def hf_config(g: Gguf) -> dict[str, Any]:
         "bos_token_id": _token_id(g, "tokenizer.ggml.bos_token_id", len(tokens)),
         "eos_token_id": _token_id(g, "tokenizer.ggml.eos_token_id", len(tokens)),
     }
+    _check_unmapped(g, arch, config["head_dim"], vocab, len(tokens))
     for role in ("unknown", "padding"):  # tokenizer_config.json names these by their text
         _token_id(g, f"tokenizer.ggml.{role}_token_id", len(tokens))
     return {k: v for k, v in config.items() if v is not None}

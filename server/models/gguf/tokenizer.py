@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from typing import Any
 
 from batchsim.server.models.gguf.reader import Gguf, GgufError
@@ -53,7 +54,7 @@ def build_tokenizer(g: Gguf) -> Any:
                         "(byte-level BPE)")
     tokens = g.strings("tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in g.strings("tokenizer.ggml.merges")]
-    types = g.value("tokenizer.ggml.token_type") or [1] * len(tokens)
+    types = _token_types(g, tokens)
     try:
         tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     except Exception as exc:  # noqa: BLE001 - `tokenizers` raises a bare Exception
@@ -70,6 +71,30 @@ def build_tokenizer(g: Gguf) -> Any:
     return tok
 
 
+def _token_types(g: Gguf, tokens: list[str]) -> list[int]:
+    """One llama.cpp type per token, and tokens that name one id each: a scalar type was a
+    TypeError traceback, a short list left tokens unmarked, and a repeated token lost its first
+    id (an end-of-sequence id that decoded to nothing)."""
+    types = g.value("tokenizer.ggml.token_type", [1] * len(tokens))
+    if not isinstance(types, list) or len(types) != len(tokens) or not all(
+            isinstance(t, int) for t in types):
+        raise GgufError(f"{g.path}: tokenizer.ggml.token_type must be an array of "
+                        f"{len(tokens)} integers (one per token), got {str(types)[:40]}")
+    if len(set(tokens)) != len(tokens):
+        twice = next(t for t, n in Counter(tokens).items() if n > 1)
+        raise GgufError(f"{g.path}: tokenizer.ggml.tokens holds {twice!r} twice (ids "
+                        f"{[i for i, t in enumerate(tokens) if t == twice]}): one id per token")
+    return types
+
+
+def _flag(g: Gguf, key: str) -> bool:
+    """A boolean: the string "false" read as bool() was true (a BOS added to every prompt)."""
+    value = g.value(key, False)
+    if not isinstance(value, bool):
+        raise GgufError(f"{g.path}: {key} must be a boolean, got {str(value)[:40]}")
+    return value
+
+
 def tokenizer_config(g: Gguf) -> dict[str, Any]:
     """tokenizer_config.json: special tokens by name, the chat template, no added BOS unless
     asked."""
@@ -77,7 +102,7 @@ def tokenizer_config(g: Gguf) -> dict[str, Any]:
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": int(g.value("llama.context_length") or 4096),
-        "add_bos_token": bool(g.value("tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": _flag(g, "tokenizer.ggml.add_bos_token"),
         "add_prefix_space": False,
         "clean_up_tokenization_spaces": False,
     }

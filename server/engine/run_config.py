@@ -140,11 +140,26 @@ def _check_spec_executor(cfg: RunConfig) -> None:
                           "--executor sim (a real run measures acceptance)")
 
 
+RUN_DIR_SECTIONS = {"config", "workload", "resolved", "env"}  # run_dir.write_config's
+
+
+def _run_dir_config(data: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """A run directory's config.yaml (`resolved` and `env` only once its model loaded): its
+    `config:` section, whose workload the top-level `workload:` copies. An edit to that copy was
+    silently ignored (the run replayed the old workload)."""
+    config, copy = data["config"], data.get("workload")
+    if copy is not None and copy != config.get("workload"):
+        raise ConfigError(f"{path}: `workload:` differs from `config: workload:`; a run "
+                          "directory's config runs its `config:` section: edit the workload "
+                          "there (or delete the top-level copy)")
+    return config
+
+
 def load_run_config(path: str | Path) -> RunConfig:
     """A run config YAML (`model:`, `scheduler:`, `workload:` ...), or a bare workload YAML."""
     data = load_yaml(path)
-    if isinstance(data.get("config"), dict) and "resolved" in data:  # a run directory's own
-        data = data["config"]
+    if isinstance(data.get("config"), dict) and set(data) <= RUN_DIR_SECTIONS:  # a run dir's own
+        data = _run_dir_config(data, path)
     workload_keys = {f.name for f in dataclasses.fields(WorkloadSpec)}
     run_keys = {f.name for f in dataclasses.fields(RunConfig)}
     # A bare workload YAML: workload keys and no run keys (so its unknown keys are named as such).

@@ -74,3 +74,22 @@ def test_the_config_of_a_run_stopped_before_its_model_loaded_runs_again(capsys, 
                           "--out", str(tmp_path / "b"), "--json"], capsys)
     assert rc == 0, err
     assert json.loads(out.splitlines()[-1])["completed"] == 3
+
+
+@pytest.mark.parametrize("name, text", [
+    ("excel.csv", ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n"
+                  "2023-11-16 18:15:50.99,396,109\n")),
+    ("notepad.jsonl", ('{"timestamp": 0, "input_length": 64, "output_length": 8}\n'
+                      '{"timestamp": 500, "input_length": 32, "output_length": 8}\n')),
+])
+def test_a_trace_saved_with_a_byte_order_mark_replays(capsys, tmp_path, name, text):
+    """Excel and Notepad save UTF-8 with a BOM: the CSV was refused for a missing TIMESTAMP column
+    ("found: \\ufeffTIMESTAMP"), the JSONL for an "Unexpected UTF-8 BOM" on line 1."""
+    import json
+
+    trace = tmp_path / name
+    trace.write_text(text, encoding="utf-8-sig")
+    rc, out, err = _main(["run", *SIM, "--trace", str(trace), "--no-timeline", "--out",
+                          str(tmp_path), "--json"], capsys)
+    assert rc == 0, err
+    assert json.loads(out.splitlines()[-1])["completed"] == 2

@@ -46,7 +46,7 @@ def detect_format(path: Path) -> Literal["azure", "mooncake"]:
         return "azure"
     if path.suffix in (".jsonl", ".json"):
         return "mooncake"
-    with path.open() as f:
+    with path.open(encoding="utf-8-sig") as f:
         return "mooncake" if f.readline().lstrip().startswith("{") else "azure"
 
 
@@ -66,7 +66,7 @@ RawRow = tuple[float, int, int, tuple[int, ...]]
 
 
 def _read_azure(path: Path) -> Iterator[RawRow]:
-    with path.open(newline="") as f:
+    with path.open(newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
         missing = [c for c in _AZURE_COLUMNS if c not in (reader.fieldnames or ())]
         if missing:
@@ -116,7 +116,7 @@ def _hash_ids(value: object) -> tuple[int, ...]:
 
 
 def _read_mooncake(path: Path) -> Iterator[RawRow]:
-    with path.open() as f:
+    with path.open(encoding="utf-8-sig") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -82,6 +82,26 @@ def test_a_real_draft_model_shares_the_budget(tmp_path, capsys, batchsim_home):
     assert draft["kv_account_mismatches"] == ngram["kv_account_mismatches"] == 0
 
 
+def test_a_draft_models_rows_stay_held_and_priced_in_steps_that_draft_nothing(tmp_path, capsys,
+                                                                                 batchsim_home):
+    # --spec-policy shrink verifies no drafts above 32 rows (K = 0), yet the real drafter's pool
+    # mirrors the target's geometry every step (DraftModelDrafter.resize): it holds a row per
+    # sequence, so the account prices them there too (README: why they are not released).
+    argv = ["run", "--model", "tiny", "--dtype", "float32", "--num-prompts", "40",
+            "--request-rate", "inf", "--input-len", "16", "--output-len", "6", "--max-num-seqs",
+            "40", "--seed", "3", "--no-progress", "--no-timeline", "--spec-tokens", "2",
+            "--spec-policy", "shrink", "--spec-method", "draft", "--draft-model", "tiny",
+            "--out", str(tmp_path)]
+    summary = _summary(capsys, argv)
+    (steps,) = tmp_path.glob("*/steps.jsonl")
+    wide = [r for r in map(json.loads, steps.read_text().splitlines())
+            if r["batch_size"] > 32 and not r["num_prefill_tokens"]]
+    assert wide and summary["kv_account_mismatches"] == 0
+    per_token = 2 * 512  # tiny float32: 512 B of K/V a token, the target's and the draft's
+    assert all(r["kv_bytes"] == r["kv_bytes_measured"] >= r["pool_rows"] * r[
+        "pool_capacity_tokens"] * per_token for r in wide)  # the target's rows alone: half
+
+
 def test_size_fits_the_draft_models_weights_and_rows():
     catalog = macs.load_catalog()
     (mac,) = [m for m in catalog.chips if m.label == "M2 Ultra 76c"]

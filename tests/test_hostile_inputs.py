@@ -93,3 +93,24 @@ def test_a_trace_saved_with_a_byte_order_mark_replays(capsys, tmp_path, name, te
                           str(tmp_path), "--json"], capsys)
     assert rc == 0, err
     assert json.loads(out.splitlines()[-1])["completed"] == 2
+
+
+@pytest.mark.parametrize("text, says", [
+    ("[" * 100_000 + "]" * 100_000, "cannot read"),  # a RecursionError traceback
+    ('{"spec_decode_per_position_acceptance_rates": [0.5], "total_output_tokens": "x"}',
+     "total_output_tokens must be a count, got x"),  # "unsupported operand type(s) for -"
+    ('{"spec_decode_per_position_acceptance_rates": "abc"}',
+     "spec_decode_per_position_acceptance_rates must be a list of numbers"),  # "... float: 'a'"
+    ('{"spec_decode_per_position_acceptance_rates": [true]}',
+     "must be a list of numbers, got [True]"),  # read as a rate of 1
+    (('{"spec_decode_per_position_acceptance_rates": [0.5], "total_output_tokens": NaN, '
+     '"spec_decode_num_drafts": 1}'), "total_output_tokens must be a count, got nan"),  # share 1
+])
+def test_acceptance_from_a_damaged_summary_is_one_line_naming_the_key(tmp_path, text, says):
+    from batchsim.configs import ConfigError
+    from batchsim.server.perf.spec_acceptance import from_run
+
+    (tmp_path / "summary.json").write_text(text)
+    with pytest.raises(ConfigError, match=r"^--acceptance-from .*") as err:
+        from_run(tmp_path)
+    assert says in str(err.value) and "\n" not in str(err.value)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from pathlib import Path
 from typing import NamedTuple
 
@@ -100,18 +101,31 @@ def from_run(run_dir: str | Path) -> tuple[tuple[float, ...], float]:
     draft share: drafts over decode steps of its rows (output tokens less the prefills' first
     tokens and the accepted drafts)."""
     path = Path(run_dir) / "summary.json"
+    what = f"--acceptance-from {run_dir}"
     try:
         summary = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"--acceptance-from {run_dir}: cannot read {path}: {exc}") from None
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: a traceback
+        raise ConfigError(f"{what}: cannot read {path}: {exc}") from None
     rates = summary.get("spec_decode_per_position_acceptance_rates") if isinstance(
         summary, dict) else None
     if not rates:
-        raise ConfigError(f"--acceptance-from {run_dir}: {path} has no per-position acceptance "
+        raise ConfigError(f"{what}: {path} has no per-position acceptance "
                           "rates (a run with --spec-method ngram|draft writes them)")
-    what = f"--acceptance-from {run_dir}"
-    steps = (summary.get("total_output_tokens", 0) - summary.get("completed", 0)
-             - summary.get("spec_decode_accepted_tokens", 0))
-    drafts = summary.get("spec_decode_num_drafts", 0)
+    if not isinstance(rates, list) or not all(_is_number(r) for r in rates):
+        raise ConfigError(f"{what}: {path}: spec_decode_per_position_acceptance_rates must be a "
+                          f"list of numbers, got {str(rates)[:40]}")
+    counts = {k: summary.get(k, 0) for k in ("total_output_tokens", "completed",
+                                             "spec_decode_accepted_tokens",
+                                             "spec_decode_num_drafts")}
+    for key, value in counts.items():  # a string was "unsupported operand type(s) for -"
+        if not (_is_number(value) and 0 <= value < math.inf):
+            raise ConfigError(f"{what}: {path}: {key} must be a count, got {str(value)[:40]}")
+    steps = (counts["total_output_tokens"] - counts["completed"]
+             - counts["spec_decode_accepted_tokens"])
+    drafts = counts["spec_decode_num_drafts"]
     share = min(1.0, drafts / steps) if steps > 0 and drafts > 0 else 1.0
     return checked(tuple(float(r) for r in rates), what), share
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

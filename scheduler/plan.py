@@ -8,6 +8,10 @@ from typing import NamedTuple
 from batchsim.scheduler.pool_geometry import PoolGeometry
 from batchsim.scheduler.request import SamplingParams
 
+# made(cls, values) is cls(*values) for a named tuple below given every field in order, without
+# the Python-level __new__ that namedtuple generates (a frame per message, several a plan).
+made = tuple.__new__
+
 
 class NewRequest(NamedTuple):
     """A request the executor has not seen (or must rebuild after preemption)."""

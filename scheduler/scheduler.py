@@ -17,7 +17,7 @@ from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.kv_manager import KVAccountError, KVManager
 from batchsim.scheduler.lazy_rows import LazyRows
 from batchsim.scheduler.lookahead import lookahead_steps
-from batchsim.scheduler.plan import NewRequest, StepPlan, StepResult
+from batchsim.scheduler.plan import NewRequest, StepPlan, StepResult, made
 from batchsim.scheduler.pool_geometry import PAGE_TOKENS
 from batchsim.scheduler.request import (
     ABORTED,
@@ -124,7 +124,10 @@ class Scheduler:
     def _plan(self, free_ids: list[int], decode_step: bool) -> StepPlan | None:
         """One step's plan. decode_step=False plans prefill only; None if there is none."""
         pool, prefilling, width, longest = self._split_running(decode_step)
-        budget = StepBudget(self.kv, self.config, pool, width, decode_step, self._pool_ids(pool))
+        n, ids = len(self.lazy.rows), self.lazy.id_set.copy()  # the pool's ids: the lazy rows'
+        if len(pool) > n:  # and the rest's (most plans: every row is lazy)
+            ids.update([r.request_id for r in pool[n:]])
+        budget = StepBudget(self.kv, self.config, pool, width, decode_step, ids)
         preemptions_before = self.num_preemptions
         while not budget.fit_pool():  # decoding rows must grow: preempt from the newest end
             if not self.running:
@@ -166,13 +169,6 @@ class Scheduler:
                     width = c + decode_step
         return pool, prefilling, width, longest
 
-    def _pool_ids(self, pool: list[Request]) -> set[int]:
-        """The ids of a step's pool rows, whose first len(lazy.rows) are the lazy rows."""
-        n, ids = len(self.lazy.rows), self.lazy.id_set.copy()
-        if len(pool) > n:  # most plans: every row is lazy
-            ids.update([r.request_id for r in pool[n:]])
-        return ids
-
     def _continue_prefills(self, budget: StepBudget, prefilling: list[Request],
                            free_ids: list[int]) -> bool:
         """A chunk for each request part-way through its prompt, oldest first. True: one got none
@@ -204,11 +200,12 @@ class Scheduler:
         blocks_later = kv.blocks_after(running) if kv.paged else 0
         while waiting and len(running) < cfg.max_num_seqs and budget.tokens_left > 0:
             r = waiting[0]
-            n_later = max(len_later, r.num_tokens + 1)
+            tokens = r.num_prompt_tokens + r.num_output_tokens  # num_tokens, without a frame
+            n_later = tokens + 1 if tokens >= len_later else len_later  # max() without a call
             blocks = blocks_later + kv.admit_blocks(r) if kv.paged else 0
             if kv.geometry_for(rows_later + 1, n_later, cfg.kv_budget_bytes, blocks) is None:
                 break
-            if r.num_tokens == 1:  # a one-token prompt is decode-ready: it joins the pool
+            if tokens == 1:  # a one-token prompt is decode-ready: it joins the pool
                 if not budget.add_row(r):
                     break
             else:
@@ -222,17 +219,14 @@ class Scheduler:
             rows_later, len_later, blocks_later = rows_later + 1, n_later, blocks
             ids = r.all_token_ids()
             cached = (r.block_hashes or ())[:r.num_computed_tokens // PAGE_TOKENS]
-            new_requests.append(NewRequest(r.request_id, tuple(ids) if ids else None, r.sampling,
-                                           r.num_prompt_tokens, cached))
-            self._count_hits(r)
+            new_requests.append(made(NewRequest, (r.request_id, tuple(ids) if ids else None,
+                                                  r.sampling, r.num_prompt_tokens, cached)))
+            # Prefix-cache counters (its computed tokens: the cached ones)
+            self.num_query_tokens += tokens
+            self.num_hit_tokens += r.num_computed_tokens
+            if not r.num_preemptions:
+                r.num_cached_tokens = r.num_computed_tokens
         return new_requests
-
-    def _count_hits(self, r: Request) -> None:
-        """Prefix-cache counters of an admitted request (its computed tokens: the cached ones)."""
-        self.num_query_tokens += r.num_tokens
-        self.num_hit_tokens += r.num_computed_tokens
-        if not r.num_preemptions:
-            r.num_cached_tokens = r.num_computed_tokens
 
     def _step_plan(self, budget: StepBudget, free_ids: list[int],
                    new_requests: list[NewRequest]) -> StepPlan:
@@ -252,10 +246,10 @@ class Scheduler:
         ids, positions = self.lazy.columns(decodes)
         steps = lookahead_steps(decodes, budget.geom, budget.width, self.config.max_lookahead_steps,
                                 self.kv, self.lazy) if pure_decode else 1
-        self._planned = plan = StepPlan(  # positional, in field order: this runs every step
+        self._planned = plan = made(StepPlan, (  # every field, in order: this runs every step
             self.num_steps, tuple(sorted(free_ids)) if free_ids else (), tuple(new_requests),
             tuple(prefills), ids, positions, budget.geom, kv_bytes, steps,
-            spec if spec and any(spec) else (), cache_ops, budget.width if decodes else 0)
+            spec if spec and any(spec) else (), cache_ops, budget.width if decodes else 0))
         return plan
 
     def _preempt_newest(self, budget: StepBudget, free_ids: list[int]) -> None:

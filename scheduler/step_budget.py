@@ -8,7 +8,7 @@ from __future__ import annotations
 from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.kv_bytes import PrivateCache
 from batchsim.scheduler.kv_manager import KVManager
-from batchsim.scheduler.plan import PrefillChunk
+from batchsim.scheduler.plan import PrefillChunk, made
 from batchsim.scheduler.pool_geometry import (
     KV_STEP,
     PAGE_TOKENS,
@@ -61,7 +61,7 @@ class StepBudget:
         # The prefill caches that stay private after this step.
         self.private: dict[int, PrivateCache] = {}
         self.private_bytes = 0  # what they hold (kept as they change)
-        if kv.private:
+        if kv.private and not pool_ids.issuperset(kv.private):  # most plans: the one joins
             in_pool = self.in_pool
             self.private = {rid: p for rid, p in kv.private.items() if rid not in in_pool}
             self.private_bytes = sum([p.kv_bytes for p in self.private.values()])
@@ -145,8 +145,8 @@ class StepBudget:
         of it do not fit together; 0: it does not fit."""
         prefix = self.kv.prefix
         hashes = prompt_block_hashes(r) if prefix is not None else ()
-        if not hashes:
-            return self.chunk(r, r.num_tokens)
+        if not hashes:  # nothing to reuse (prompt + output: num_tokens without a frame)
+            return self.chunk(r, r.num_prompt_tokens + r.num_output_tokens)
         reused = hashes[:prefix.match(hashes, r.num_tokens)]
         if prefix.shared:
             return self._first_shared_chunk(r, reused)
@@ -199,7 +199,7 @@ class StepBudget:
         c = request.num_computed_tokens
         rid = request.request_id
         sample = c + n == request.num_tokens  # the chunk reaches the last known token
-        self.prefills.append(PrefillChunk(rid, c, n, sample))
+        self.prefills.append(made(PrefillChunk, (rid, c, n, sample)))
         old = self.private.get(rid)
         new = self.private[rid] = self.cache.private(c, c + n)
         self.private_bytes += new.kv_bytes - old.kv_bytes if old is not None else new.kv_bytes

@@ -83,7 +83,7 @@ class VirtualRun:
                 late = False
                 while self._due():
                     self._fire()
-            advance_to(start + max(result.elapsed_s, 0.0))
+            advance_to(start + max(sum(result.step_durations_s), 0.0))  # its elapsed_s
             finished = finish_step(plan, result, start)
             if finished:
                 engine.stamp_finished(finished)

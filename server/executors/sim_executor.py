@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from batchsim.scheduler import prefill_groups
 from batchsim.scheduler.kv_bytes import CacheLayout
-from batchsim.scheduler.plan import CacheOps, StepPlan, StepResult
+from batchsim.scheduler.plan import CacheOps, StepPlan, StepResult, made
 from batchsim.scheduler.pool_geometry import PAGE_TOKENS, PoolGeometry
 from batchsim.server.executors.base import ExecutorCaps
 from batchsim.server.executors.pool_rows import NO_MOVES, PoolLayout
@@ -60,8 +60,9 @@ class SimExecutor:
         t = self.overhead_s
         if free_ids:
             t += self._free(free_ids)
-        for new in new_requests:
-            self._set_private(new.request_id, 0, 0)
+        for new in new_requests:  # an empty prefill cache (_set_private(id, 0, 0): 0 bytes)
+            self._private_bytes -= self.private.get(new.request_id, 0)
+            self.private[new.request_id] = 0
             if new.cached_hashes:  # cached blocks copied into its prefill cache
                 t += self.cost.copy_s(len(new.cached_hashes) * self.block_bytes)
                 if layout.paged:
@@ -95,7 +96,8 @@ class SimExecutor:
         durations = [t]
         if decode_ids:
             self._decode(plan, durations, max_elapsed_s)
-        return StepResult(step_index, sampled, None, tuple(durations), self.kv_bytes())
+        return made(StepResult, (step_index, sampled, None, tuple(durations), self.kv_bytes(),
+                                 None, None))
 
     def _verify(self, plan: StepPlan, t: float, sampled: tuple[int, ...]) -> StepResult:
         """One verify step: accepted drafts drawn, then every row's last token and drafts in one

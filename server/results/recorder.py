@@ -46,6 +46,9 @@ class RunRecorder:
             self.kv_account_mismatches += 1
         if result.num_drafted is not None:
             self.spec.add(result)
+        prefills = plan.prefills  # most plans have none or one chunk: their tokens without a list
+        prefill_tokens = (prefills[0].num_tokens if len(prefills) == 1
+                          else sum([c.num_tokens for c in prefills]) if prefills else 0)
         preempted = scheduler.num_preemptions - self._preemptions_seen
         self._preemptions_seen = scheduler.num_preemptions
         step = StepRecord(  # positional, in field order: one is built per plan
@@ -54,8 +57,8 @@ class RunRecorder:
             ends_s[-1],
             len(ends_s),
             len(plan.decode_ids),
-            sum([c.num_tokens for c in plan.prefills]) if plan.prefills else 0,
-            len(plan.prefills),
+            prefill_tokens,
+            len(prefills),
             len(scheduler.running),
             len(scheduler.waiting),
             plan.kv_bytes,
@@ -63,7 +66,7 @@ class RunRecorder:
             plan.pool.rows,
             plan.pool.capacity_tokens,
             preempted,
-            result.elapsed_s,
+            sum(result.step_durations_s),  # result.elapsed_s, without the property's frame
         )
         self.steps.append(step)
         if self._stream is not None:
@@ -105,3 +108,4 @@ class RunRecorder:
             num_preemptions=r.num_preemptions,
             finish_reason=r.finish_reason,
         )
+

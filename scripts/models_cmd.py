@@ -31,7 +31,29 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print only the JSON document")
 
 
+# What each action reads; a flag it does not read was silently ignored (`models build NAME --out
+# DIR` built into the cache and said so, with rc 0).
+USES = {"list": (), "build": ("NAME", "--dtype", "--quantize"),
+        "import": ("NAME", "--dtype", "--out", "--form")}
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    from batchsim.configs import ConfigError
+
+    given = {"NAME": getattr(args, "name", None) is not None,
+             "--dtype": getattr(args, "dtype", "auto") != "auto",
+             "--quantize": getattr(args, "quantize", None) is not None,
+             "--out": getattr(args, "out", None) is not None,
+             "--form": getattr(args, "form", "auto") != "auto"}
+    unused = [flag for flag, on in given.items() if on and flag not in USES[args.action]]
+    if unused:
+        users = [a for a, flags in USES.items() if unused[0] in flags]
+        raise ConfigError(f"models {args.action} does not use {unused[0]} (it is for "
+                          f"{' and '.join(f'models {a}' for a in users)})")
+
+
 def run(args: argparse.Namespace) -> dict:
+    _check_flags(args)
     if args.action == "build":
         return _build(args)
     if args.action == "import":

@@ -114,3 +114,17 @@ def test_acceptance_from_a_damaged_summary_is_one_line_naming_the_key(tmp_path, 
     with pytest.raises(ConfigError, match=r"^--acceptance-from .*") as err:
         from_run(tmp_path)
     assert says in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["build", "smollm2-135m-instruct", "--out", "DIR"],
+     "models build does not use --out (it is for models import)"),  # built into the cache, rc 0
+    (["build", "smollm2-135m-instruct", "--form", "quantized"], "does not use --form"),
+    (["import", "x.gguf", "--quantize", "4"], "models import does not use --quantize"),
+    (["list", "llama-3.1-8b"], "models list does not use NAME"),
+])
+def test_models_refuses_a_flag_its_action_would_ignore(capsys, tmp_path, argv, says):
+    argv = [str(tmp_path / "m") if a == "DIR" else a for a in argv]
+    rc, _, err = _main(["models", *argv], capsys)
+    assert rc == 2 and says in _one_line(err), err
+    assert not (tmp_path / "m").exists()

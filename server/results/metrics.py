@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 from batchsim.configs import ConfigError
+from batchsim.server.results import request_arrays
 
 REQUEST_STATUSES = ("finished", "rejected", "aborted", "unfinished")
 SLO_KEYS = ("ttft", "tpot", "e2el")  # goodput SLOs, in milliseconds, as vLLM's --goodput
@@ -236,20 +237,6 @@ def _num_good(done: Sequence[RequestRecord], slo_ms: Mapping[str, float]) -> int
     return good
 
 
-def _token_times(requests: Sequence[RequestRecord]) -> tuple[np.ndarray, np.ndarray]:
-    """Every request's token times end to end, and which request each belongs to (by position):
-    a long simulation has millions, so the summary works on arrays."""
-    counts = np.fromiter(map(len, (r.token_times_s for r in requests)), np.int64, len(requests))
-    times = np.fromiter(itertools.chain.from_iterable(r.token_times_s for r in requests),
-                        np.float64, int(counts.sum()))
-    return times, np.repeat(np.arange(len(requests)), counts)
-
-
-def _itls(times: np.ndarray, owner: np.ndarray) -> np.ndarray:
-    """Gaps between consecutive tokens of the same request (RequestRecord.itls_s, pooled)."""
-    return np.diff(times)[owner[1:] == owner[:-1]]
-
-
 def _peaks(done: Sequence[RequestRecord], times: np.ndarray) -> dict[str, float | int]:
     """vLLM's peaks over 1 s buckets counted from the first completed request's arrival: the most
     output tokens emitted in a bucket, and the most requests active (arrived, not yet ended) at some
@@ -264,7 +251,10 @@ def _peaks(done: Sequence[RequestRecord], times: np.ndarray) -> dict[str, float 
     # Whole seconds as floats: a time past int64's range (a row 1e20 s out) is no invalid cast.
     buckets = np.trunc(times - t0)
     buckets = buckets[(buckets >= 0) & (buckets <= n - 1)]  # n - 1: a float (1e20 + 1 is not)
-    tokens_max = np.unique(buckets, return_counts=True)[1].max() if buckets.size else 0
+    if buckets.size and n <= 4 * buckets.size:  # a count per second of the run: as cheap
+        tokens_max = np.bincount(buckets.astype(np.int64)).max()
+    else:
+        tokens_max = np.unique(buckets, return_counts=True)[1].max() if buckets.size else 0
     # Requests active in bucket b: arrived in a bucket <= b and ended in a bucket >= b; the count
     # changes only at the buckets where one arrives (+1) or the bucket after one ends (-1).
     starts = [int(r.arrival_s - t0) for r in done]
@@ -352,7 +342,7 @@ def summarize(
     SLOs are given, as in vLLM's JSON."""
     slo = parse_goodput([f"{k}:{v}" for k, v in goodput_slo_ms.items()]) if goodput_slo_ms else None
     done = [r for r in requests if r.status == "finished"]
-    all_times, all_owner = _token_times(requests)
+    all_times, all_owner = request_arrays.token_times(requests)
     finished = np.array([r.status == "finished" for r in requests], dtype=bool)
     mine = finished[all_owner]
     times, owner = all_times[mine], all_owner[mine]  # the completed requests' tokens
@@ -372,19 +362,16 @@ def summarize(
         "total_token_throughput": _rate(total_in + total_out, duration_s),
         **_peaks(done, times),
     }
-    latencies_s = {
-        "ttft": [r.ttft_s for r in done],
-        "tpot": [r.tpot_s for r in done if r.tpot_s is not None],
-        "itl": _itls(times, owner),  # pooled over requests, as vLLM
-        "e2el": [r.e2el_s for r in done],
-        "queue": [r.queue_s for r in done if r.queue_s is not None],  # arrival to first scheduled
-    }
+    lat = request_arrays.latencies_s(done)  # queue: arrival to first scheduled
+    latencies_s = {"ttft": lat["ttft"], "tpot": lat["tpot"],
+                   "itl": request_arrays.itls(times, owner),  # pooled over requests, as vLLM
+                   "e2el": lat["e2el"], "queue": lat["queue"]}
     for name, values in latencies_s.items():
         out.update(_distribution(name, values, percentiles))  # type: ignore[arg-type]
     out.update(_output_lengths(done, percentiles))
     if "p99_queue_ms" not in out:  # always reported, whatever the percentiles
         queue = latencies_s["queue"]
-        out["p99_queue_ms"] = float(np.percentile(queue if queue else 0, 99)) * _MS
+        out["p99_queue_ms"] = float(np.percentile(queue if len(queue) else 0, 99)) * _MS
     out.update(_batch_view(requests, all_times, steps, kv_budget_bytes, weight_bytes,
                            peak_memory_bytes))
     out["peak_rss_bytes"] = peak_rss_bytes  # the process's peak resident memory (real compute)

@@ -1,0 +1,47 @@
+"""A run's request records (metrics.RequestRecord) as arrays, for its summary: a simulated hour
+has 18,000 requests and a million token times, too many to go over one property at a time."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from operator import attrgetter, itemgetter
+from typing import Any
+
+import numpy as np
+
+
+def token_times(requests: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Every request's token times end to end, and which request each belongs to (by position)."""
+    counts = np.fromiter(map(len, (r.token_times_s for r in requests)), np.int64, len(requests))
+    times = np.fromiter(itertools.chain.from_iterable(r.token_times_s for r in requests),
+                        np.float64, int(counts.sum()))
+    return times, np.repeat(np.arange(len(requests)), counts)
+
+
+def itls(times: np.ndarray, owner: np.ndarray) -> np.ndarray:
+    """Gaps between consecutive tokens of the same request (RequestRecord.itls_s, pooled)."""
+    return np.diff(times)[owner[1:] == owner[:-1]]
+
+
+def latencies_s(done: Sequence[Any]) -> dict[str, np.ndarray]:
+    """Completed requests' ttft_s, tpot_s, e2el_s and queue_s (each where it is not None), in
+    request order: the floats RequestRecord's properties give, by the same operations."""
+    n = len(done)
+    arrival = np.fromiter(map(attrgetter("arrival_s"), done), np.float64, n)
+    times = list(map(attrgetter("token_times_s"), done))  # a completed request has a token
+    ended, finished = _where_given(list(map(attrgetter("finished_s"), done)))
+    scheduled, first_scheduled = _where_given(list(map(attrgetter("first_scheduled_s"), done)))
+    tokens = np.fromiter(map(attrgetter("num_output_tokens"), done), np.int64, n)
+    ttft = np.fromiter(map(itemgetter(0), times), np.float64, n) - arrival
+    e2el = np.where(ended, finished, np.fromiter(map(itemgetter(-1), times), np.float64, n))
+    e2el = e2el - arrival
+    many = tokens >= 2  # tpot: None below 2 tokens
+    return {"ttft": ttft, "tpot": (e2el[many] - ttft[many]) / (tokens[many] - 1), "e2el": e2el,
+            "queue": (first_scheduled - arrival)[scheduled]}
+
+
+def _where_given(values: list[float | None]) -> tuple[np.ndarray, np.ndarray]:
+    """Which values are not None, and the values (None: NaN)."""
+    given = np.fromiter((v is not None for v in values), bool, len(values))
+    return given, np.array(values, dtype=np.float64)

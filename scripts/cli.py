@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import errno
 import gc
 import importlib
 import os
@@ -154,6 +155,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _too_long(exc: OSError) -> str:
+    """A model, workload, trace, profile or output name longer than a file name may be (every
+    lookup builds a path from it): exit 2 with its start, not exit 1 with 5,000 characters."""
+    name = str(exc.filename or "")
+    return f"name or path too long for this file system ({len(name)} characters: {name[:60]}...)"
+
+
 def main(argv: list[str] | None = None) -> int:
     # Choose MLX's BLAS before anything imports mlx (see server/blas.py).
     from batchsim.server.platform import blas
@@ -197,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         err_line(f"batchsim {args.command}: {exc}")
         return exc.exit_code
     except OSError as exc:  # the machine's, not the input's: a full disk, a refused connection
+        if exc.errno == errno.ENAMETOOLONG:  # but a name typed too long is the input's
+            err_line(f"batchsim {args.command}: {_too_long(exc)}")
+            return EXIT_USAGE
         err_line(f"batchsim {args.command}: {exc}")
         return EXIT_FAILED
     except KeyboardInterrupt:

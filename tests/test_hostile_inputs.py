@@ -128,3 +128,19 @@ def test_models_refuses_a_flag_its_action_would_ignore(capsys, tmp_path, argv, s
     rc, _, err = _main(["models", *argv], capsys)
     assert rc == 2 and says in _one_line(err), err
     assert not (tmp_path / "m").exists()
+
+
+LONG = "a" * 5000
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", *SIM, "--workload", LONG], ["run", *SIM, "--engine", LONG],
+    ["run", "--executor", "sim", "--device-profile", LONG], ["run", *SIM, "--trace", LONG],
+    ["size", "--model", LONG], ["models", "import", LONG + ".gguf"], ["report", LONG],
+])
+def test_a_name_too_long_for_a_file_name_is_bad_input(capsys, tmp_path, argv):
+    """Every lookup builds a path from the name: ENAMETOOLONG was exit 1 (a failure of the
+    machine) with the 5,000 characters echoed."""
+    rc, _, err = _main([*argv, "--out", str(tmp_path)] if argv[0] == "run" else argv, capsys)
+    line = _one_line(err)
+    assert rc == 2 and "too long" in line and len(line) < 300, err

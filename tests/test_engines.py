@@ -92,6 +92,33 @@ def test_per_row_terms_grow_with_the_rows_and_the_simulator_charges_them():
     assert ex.overhead_s == pytest.approx(500e-6)
 
 
+def test_a_request_cost_is_paid_once_where_the_request_samples_its_first_token():
+    """An engine's host work per request (an HTTP server's parsing, templating, tokenizing) is
+    priced on the prefill chunk that samples a request's first token: once per prompt, never on
+    decode steps or a long prompt's earlier chunks; the simulated run's latency grows by it."""
+    from batchsim.server.perf.reference import load_published
+    from batchsim.server.published import sim as ps
+
+    spec = zoo_spec("llama-3.2-1b")
+    cost = StepCost(spec, _mac(), "float16", 4, engine=_engine(host_request_us=150_000))
+    plain = StepCost(spec, _mac(), "float16", 4)
+    for rows in (1, 4):
+        chunk = cost.prefill_time(64, 0, True, rows)
+        assert chunk.host_request_s == pytest.approx(rows * 0.15)
+        assert chunk.total_s == pytest.approx(plain.prefill_time(64, 0, True, rows).total_s
+                                              + rows * 0.15, rel=1e-12)
+        assert cost.prefill_forward_s(64, 0, True, rows) == pytest.approx(chunk.total_s)
+    assert cost.prefill_time(512, 0, False).host_request_s == 0.0  # not the prompt's end
+    assert cost.prefill_forward_s(512, 0, False) == plain.prefill_forward_s(512, 0, False)
+    assert cost.decode_time(8, 128).host_request_s == 0.0
+    assert cost.decode_forward_s(8, 128) == plain.decode_forward_s(8, 128)
+    row = next(r for r in load_published().rows if r.batch == 1 and not r.decode_only)
+    row = dataclasses.replace(row, model="llama-3.2-1b", weights="q4", prompt_cached=False)
+    slow, fast = (ps._run(row, c).requests for c in (cost, plain))
+    assert len(slow) == 1 and (slow[0].finished_s - slow[0].arrival_s) == pytest.approx(
+        fast[0].finished_s - fast[0].arrival_s + 0.15, rel=1e-9)
+
+
 def test_kv_read_at_its_own_efficiency():
     spec, base = zoo_spec("llama-3.2-1b"), _mac()
     slow_kv = dataclasses.replace(base, kv_bandwidth_efficiency=base.bandwidth_efficiency / 2)

@@ -91,7 +91,7 @@ def test_parts_as_dict_carry_the_total():
     assert set(d) == {"weights_s", "matmul_s", "attention_s", "elementwise_s", "fixed_s",
                       "step_overhead_s", "copy_s", "experts_s", "comm_s", "attention_rows_s",
                       "token_ops_s", "sampling_s", "host_step_s", "host_token_s", "gemv_rows_s",
-                      "draft_s", "total_s"}
+                      "draft_s", "host_request_s", "total_s"}
 
 
 @pytest.mark.parametrize("model", ["smollm2-135m", "tiny-moe", "tiny-sliding"])

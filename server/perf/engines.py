@@ -1,8 +1,8 @@
 """Serving-engine profiles (configs/engines/NAME.yaml): what an engine costs on the host beyond
 the device's forward passes (per step, per generated token: scheduling, sampling, detokenizing,
-streaming) and what it batches. The step cost (server.perf.stepcost) prices every step with
-one; `batchsim` (this project's own engine) is the default. Pure Python, data only: the numbers
-live in the YAML files, where a fit may overwrite them."""
+streaming; per request) and what it batches. The step cost (server.perf.stepcost) prices every
+step with one; `batchsim` (this project's own engine) is the default. Pure Python, data only: the
+numbers live in the YAML files, where a fit may overwrite them."""
 
 from __future__ import annotations
 
@@ -26,6 +26,14 @@ class EngineProfile:
     name: str  # the file's stem: what --engine takes
     host_step_us: float  # host work per engine step (scheduling, graph building, hand-off)
     host_token_us: float  # host work per generated token (sampling, detokenizing, streaming)
+    # Host work per request, once before its first token (an HTTP server's request parsing,
+    # chat templating, tokenizing, hand-off): priced on the prefill chunk that samples a request's
+    # first token (in its TTFT; a decode step never pays it), serially, as a step's other host
+    # work. No shipped profile sets it: fitted per engine on the published rows that count TTFT
+    # (mlx-inference-server's runs imply about 0.15 s), it left held-out medians worse (h5,
+    # 2026-12-05), so `fit-macs` keeps to per-step and per-token costs; a profile of your own
+    # server may set a measured one.
+    host_request_us: float = 0.0
     # False: every request runs alone, one row at a time (a B-row step costs B one-row passes).
     batches: bool = True
     # Architectures (mlx-lm model_type) it runs one row at a time even when it batches others.
@@ -54,7 +62,7 @@ class EngineProfile:
     note: str = ""
 
     def __post_init__(self) -> None:
-        for key in ("host_step_us", "host_token_us", "row_dispatch_forwards"):
+        for key in ("host_step_us", "host_token_us", "host_request_us", "row_dispatch_forwards"):
             value = getattr(self, key)
             if not 0 <= value < math.inf:
                 raise ValueError(f"{key} must be >= 0 and finite, got {value}")
@@ -99,6 +107,10 @@ class EngineProfile:
     @property
     def host_token_s(self) -> float:
         return self.host_token_us * 1e-6
+
+    @property
+    def host_request_s(self) -> float:
+        return self.host_request_us * 1e-6
 
 
 def _release(version: str) -> tuple[int, ...]:

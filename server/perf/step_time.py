@@ -32,6 +32,8 @@ class StepTime:
     # Speculative decoding's drafter (spec_price.draft_s): a draft model's K forwards, or the
     # n-gram drafter's lookups on the host.
     draft_s: float = 0.0
+    # The serving engine's host work per request started (its first token's prefill chunk).
+    host_request_s: float = 0.0
 
     @property
     def total_s(self) -> float:

@@ -85,7 +85,8 @@ class StepCost:
         if profile.host_scale != 1.0:  # the engine's host work on this Mac's CPU
             self.engine = dataclasses.replace(
                 self.engine, host_step_us=self.engine.host_step_us * profile.host_scale,
-                host_token_us=self.engine.host_token_us * profile.host_scale)
+                host_token_us=self.engine.host_token_us * profile.host_scale,
+                host_request_us=self.engine.host_request_us * profile.host_scale)
         # An engine that runs this model one row at a time: a B-row step is B one-row passes;
         # unless it evaluates their graphs together (weights read once, B fixed costs).
         self.serial_prefill = self.engine.serial_for(spec.model_type)
@@ -236,10 +237,11 @@ class StepCost:
                    for layer in layers)
 
     # -- work per row and per token, whatever its bytes ----------------------------------------
-    def _per_row_s(self) -> tuple[float, float, float, float]:
+    def _per_row_s(self) -> tuple[float, float, float, float, float]:
         """Seconds per decode row past the first of attention's fixed kernel cost, per token of
         elementwise kernels' (every layer), per sampled row of sampling (a catalog Mac: an engine
-        calling its sampler per row only) and of the engine's host work."""
+        calling its sampler per row only) and of the engine's host work, and the engine's host
+        work per request started."""
         layers, cal, p = self.spec.num_layers, self.cal, self.profile
         host = self.engine.host_token_s
         if cal is not None:
@@ -249,16 +251,18 @@ class StepCost:
         else:
             attention, token = p.attention_row_s, p.token_layer_s
             sample = p.sampling_row_s if self.engine.sampler == "per_row" else 0.0
-        return layers * attention, layers * token, sample, host
+        return layers * attention, layers * token, sample, host, self.engine.host_request_s
 
-    def _row_parts(self, decode_rows: int, tokens: int, sampled: int) -> dict[str, float]:
+    def _row_parts(self, decode_rows: int, tokens: int, sampled: int,
+                   started: int = 0) -> dict[str, float]:
         """StepTime's per-row parts of a forward over `tokens` tokens, `decode_rows` of them
-        decoding, `sampled` rows sampling a token."""
-        attention, token, sample, host = self.row_s
+        decoding, `sampled` rows sampling a token, `started` of them a request's first."""
+        attention, token, sample, host, request = self.row_s
         attention_s = max(decode_rows - 1, 0) * (self._row_attention_s(attention)
                                                  + self._row_loop_s)
         return {"attention_rows_s": attention_s, "token_ops_s": tokens * token,
-                "sampling_s": sampled * sample, "host_token_s": sampled * host}
+                "sampling_s": sampled * sample, "host_token_s": sampled * host,
+                "host_request_s": started * request}
 
     def _row_attention_s(self, attention_s: float) -> float:
         """Attention's fixed kernel cost of a decode row past the first (a one-row forward's is in
@@ -310,7 +314,7 @@ class StepCost:
         if sample:  # one row's lm head and logits (summed as before, for byte-identical runs)
             t += (self.lm_head_s(1) + self._elementwise_s(1, logits=True)
                   - self._elementwise_s(1, False))
-        return t + sum(self._row_parts(0, n, int(sample)).values())
+        return t + sum(self._row_parts(0, n, int(sample), int(sample)).values())
 
     def prefill_forward_s(self, n: int, start: int, sample: bool, rows: int = 1) -> float:
         if rows > 1:
@@ -357,7 +361,7 @@ class StepCost:
                                 + (self._sampled_logits_s() if sample else 0.0))
         return StepTime(weights_s, matmul_s, attention_s, elementwise_s, self._fixed_s(), 0.0,
                         experts_s=experts_s, gemv_rows_s=gemv_s,
-                        **self._row_parts(0, rows * n, rows if sample else 0))
+                        **self._row_parts(0, rows * n, *(rows if sample else 0,) * 2))
 
     def step_time(self, decode_rows: int = 0, width: int = 0, prefills: Iterable[Chunk] = (),
                   copy_bytes: float = 0.0) -> StepTime:

@@ -72,8 +72,8 @@ class MacModel:
         basis = (f"no rows in the fit: the {base.kind} prior, {prior.describe()}"
                  if prior.engines else "no rows in the fit, no prior: none")
         return dataclasses.replace(base, host_step_us=prior.host_step_us,
-                                   host_token_us=prior.host_token_us, row_dispatch_forwards=0.0,
-                                   host_basis=basis)
+                                   host_token_us=prior.host_token_us, host_request_us=0.0,
+                                   row_dispatch_forwards=0.0, host_basis=basis)
 
     def prior_of(self, name: str) -> str | None:
         """The engine kind whose prior prices `name` (None: fitted here, or no prior)."""

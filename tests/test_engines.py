@@ -369,6 +369,38 @@ def test_run_config_takes_an_engine_and_a_simulated_run_names_it(tmp_path, capsy
     assert rates["mlx-lm-generate"] < rates["batchsim"] / 2  # 8 rows at once, priced one by one
 
 
+def test_a_simulated_run_puts_an_engines_request_cost_in_ttft(tmp_path, capsys, monkeypatch):
+    """`run --executor sim --engine NAME` with a profile of one's own server carrying a cost per
+    request: each request's TTFT grows by it, and nothing else does."""
+    import json
+
+    import yaml
+    from batchsim.scripts.cli import main
+    from batchsim.server.perf import engines
+
+    mine = tmp_path / "engines"
+    mine.mkdir()
+    base = yaml.safe_load((ENGINES_DIR / "batchsim.yaml").read_text())
+    (mine / "batchsim.yaml").write_text(yaml.safe_dump(base))
+    (mine / "my-server.yaml").write_text(yaml.safe_dump({**base, "host_request_us": 200_000}))
+    monkeypatch.setattr(engines, "ENGINES_DIR", mine)
+    load_engine.cache_clear()
+    got = {}
+    for engine in ("batchsim", "my-server"):
+        out = tmp_path / engine
+        assert main(["run", "--executor", "sim", "--device-profile", "M4 Max", "--model",
+                     "llama-3.2-1b", "--dtype", "float16", "--engine", engine, "--num-prompts",
+                     "1", "--input-len", "64", "--output-len", "16", "--no-progress", "--out",
+                     str(out)]) == 0
+        capsys.readouterr()
+        runs = list(out.rglob("requests.jsonl"))
+        got[engine] = json.loads(runs[0].read_text().splitlines()[0])
+    load_engine.cache_clear()
+    slow, fast = got["my-server"], got["batchsim"]
+    assert slow["ttft_ms"] == pytest.approx(fast["ttft_ms"] + 200.0, rel=1e-6)
+    assert slow["e2el_ms"] - slow["ttft_ms"] == pytest.approx(fast["e2el_ms"] - fast["ttft_ms"])
+
+
 def test_compare_names_the_engine_it_simulated(tmp_path, capsys):
     import json
 

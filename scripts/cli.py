@@ -162,6 +162,15 @@ def _too_long(exc: OSError) -> str:
     return f"name or path too long for this file system ({len(name)} characters: {name[:60]}...)"
 
 
+def _os_error_exit(command: str, exc: OSError) -> int:
+    """The machine's error (a full disk, a refused connection), or a name too long (input's)."""
+    if exc.errno == errno.ENAMETOOLONG:
+        err_line(f"batchsim {command}: {_too_long(exc)}")
+        return EXIT_USAGE
+    err_line(f"batchsim {command}: {exc}")
+    return EXIT_FAILED
+
+
 def main(argv: list[str] | None = None) -> int:
     # Choose MLX's BLAS before anything imports mlx (see server/blas.py).
     from batchsim.server.platform import blas
@@ -204,12 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         emit_json(exc.summary)
         err_line(f"batchsim {args.command}: {exc}")
         return exc.exit_code
-    except OSError as exc:  # the machine's, not the input's: a full disk, a refused connection
-        if exc.errno == errno.ENAMETOOLONG:  # but a name typed too long is the input's
-            err_line(f"batchsim {args.command}: {_too_long(exc)}")
-            return EXIT_USAGE
-        err_line(f"batchsim {args.command}: {exc}")
-        return EXIT_FAILED
+    except OSError as exc:
+        return _os_error_exit(args.command, exc)
     except KeyboardInterrupt:
         err_line(f"batchsim {args.command}: interrupted")
         return EXIT_INTERRUPTED

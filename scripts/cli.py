@@ -30,6 +30,24 @@ _PROGRAM = Path(sys.argv[0]).name in ("batchsim", "cli.py")
 _BEFORE_START = (signal.signal(signal.SIGINT, _interrupted_while_starting)
                  if _PROGRAM and threading.current_thread() is threading.main_thread() else None)
 
+def _open_closed_standard_streams() -> None:
+    """A standard stream closed by the caller (`batchsim run >&-`, a daemon): Python leaves
+    sys.stdout None (an AttributeError traceback while loading) and the run's first file would
+    take its descriptor (a library's stray print written into the records). /dev/null takes it."""
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: this one
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            if getattr(sys, name) is None:
+                setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))  # noqa: SIM115
+
+
+_open_closed_standard_streams()
+
 from batchsim.scripts.common import (  # after the handler; no mlx: blas.preload() comes first
     EXIT_CODES_HELP,
     EXIT_FAILED,

@@ -32,7 +32,9 @@ _WIDE = 160  # tables stay readable when piped to a file (COLUMNS, when set, say
 
 def _width(stream) -> int | None:
     columns = os.environ.get("COLUMNS", "")
-    return None if stream.isatty() else int(columns) if columns.isdigit() else _WIDE
+    if stream is not None and stream.isatty():
+        return None
+    return int(columns) if columns.isdigit() else _WIDE
 
 
 # emoji=False: `:-1:` in a user's name or value stays text (rich would print 👎).
@@ -64,9 +66,15 @@ def err_line(text: str) -> None:
 
 
 def emit_json(obj: Any) -> None:
-    """The last stdout line of every command: one JSON document."""
-    sys.stdout.flush()
-    print(dumps(obj), flush=True)
+    """The last stdout line of every command: one JSON document. A reader that closed the pipe
+    (`batchsim run --json | head -c 1`) ends the command as rich does for the tables: stdout to
+    /dev/null, exit 1 (it was a BrokenPipeError traceback, then another at exit)."""
+    try:
+        sys.stdout.flush()
+        print(dumps(obj), flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(EXIT_FAILED) from None
 
 
 def int_list(text: str, hi: int | None = None) -> list[int]:

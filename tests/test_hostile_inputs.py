@@ -4,6 +4,9 @@ that silently ignores what the user wrote."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -144,3 +147,25 @@ def test_a_name_too_long_for_a_file_name_is_bad_input(capsys, tmp_path, argv):
     rc, _, err = _main([*argv, "--out", str(tmp_path)] if argv[0] == "run" else argv, capsys)
     line = _one_line(err)
     assert rc == 2 and "too long" in line and len(line) < 300, err
+
+
+def _batchsim(*args: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "batchsim.scripts.cli", *args],
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
+def test_json_to_a_reader_that_closed_the_pipe_is_exit_1_without_a_traceback():
+    """`batchsim models --json | head -c 1`: a BrokenPipeError traceback from emit_json, then
+    another from Python's flush at exit."""
+    proc = _batchsim("models", "--json", stdout=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the document is written
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1 and "Traceback" not in err and "Exception" not in err, err
+
+
+def test_a_closed_stdout_is_not_a_traceback():
+    """`batchsim models --json >&-`: sys.stdout is None, and reading its width was an
+    AttributeError traceback while the commands loaded."""
+    proc = _batchsim("models", "--json", preexec_fn=lambda: os.close(1))
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0 and "Traceback" not in err, err

@@ -30,15 +30,23 @@ _GIB = float(1 << 30)
 HEADROOM = 1.08  # y-axes reach a little past the tallest line (a line on the frame is hidden)
 
 
-def draw_panels(path: Path, panels: Panels) -> Path:
-    """Write the run's timeline PNG at `path` (four panels sharing the time axis)."""
-    return save_figure(_figure(panels), path, dpi=DPI, tight=False, fast=panels.series is not None)
+def draw_panels(path: Path, panels: Panels, canvas: tuple | None = None) -> Path:
+    """Write the run's timeline PNG at `path` (four panels sharing the time axis), on `canvas`
+    if one was made for it."""
+    return save_figure(_figure(panels, canvas), path, dpi=DPI, tight=False,
+                       fast=panels.series is not None)
 
 
-def _figure(panels: Panels):
+def _canvas() -> tuple:
+    """The timeline's figure and its four empty panels."""
     fig = figure(figsize=(11, 10))
     axes = fig.subplots(4, 1, sharex=True)
     fig.subplots_adjust(left=0.07, right=0.92, top=0.895, bottom=0.06, hspace=0.28)
+    return fig, axes
+
+
+def _figure(panels: Panels, canvas: tuple | None = None):
+    fig, axes = canvas or _canvas()
     series, limits, title = panels.series, panels.limits, panels.title
     if series is None or panels.rate is None:
         axes[0].text(0.5, 0.5, "no steps recorded", ha="center", transform=axes[0].transAxes)
@@ -231,11 +239,12 @@ def _serve() -> int:
     """The child: warm up, then draw the (path, panels) read from stdin; stdout: [path, why].
     Nothing sent (the run failed or was not drawn): exit."""
     _warm()
+    canvas = _canvas()  # made while the run runs
     blob = sys.stdin.buffer.read()
     if not blob:
         return 0
     path, panels = pickle.loads(blob)  # from the parent process that started this one
-    json.dump(list(drawn(lambda: draw_panels(path, panels))), sys.stdout)
+    json.dump(list(drawn(lambda: draw_panels(path, panels, canvas))), sys.stdout)
     return 0
 
 

@@ -118,8 +118,8 @@ class CacheLayout:
         return b
 
     def private(self, chunk_start: int, computed_tokens: int) -> PrivateCache:
-        return PrivateCache(chunk_start, computed_tokens,
-                            self.private_bytes(chunk_start, computed_tokens))
+        return tuple.__new__(PrivateCache, (  # every field: without namedtuple's __new__ frame
+            chunk_start, computed_tokens, self.private_bytes(chunk_start, computed_tokens)))
 
     def alone_bytes(self, total_tokens: int) -> int:
         """The most one request of `total_tokens` may need with nothing else running: its pool row

@@ -38,20 +38,11 @@ class KVManager:
         self.pool_members: set[int] = set()
         self.private: dict[int, PrivateCache] = {}  # request id -> its private prefill cache
         self._private_bytes = 0  # what they hold (check() adds them up again)
-        self._priced = (self.pool, 0)  # the last pool geometry priced, and its bytes
+        self.pool_bytes = 0  # what the pool's geometry holds (priced in commit as it changes)
         # Cached prompt blocks (paged: in the pool, shared by reference); None: caching off.
         self.prefix = (PrefixCache(PAGE_TOKENS * cache.full_token_bytes, shared=paged)
                        if prefix_cache else None)
         self.shared = self.prefix if paged and prefix_cache else None
-
-    @property
-    def pool_bytes(self) -> int:
-        pool, nbytes = self._priced  # the geometry rarely changes: priced once per change
-        if pool is not self.pool:
-            pool = self.pool
-            nbytes = self.cache.pool_bytes(pool)
-            self._priced = (pool, nbytes)
-        return nbytes
 
     @property
     def private_bytes(self) -> int:
@@ -138,12 +129,14 @@ class KVManager:
     ) -> int:
         """Apply a plan's KV (`private_bytes`: what `private` holds), evicting cached prefix
         blocks it needs the bytes of; returns the bytes now held."""
-        self.pool = pool
+        if pool is not self.pool:  # the geometry rarely changes: priced once per change
+            self.pool = pool
+            self.pool_bytes = self.cache.pool_bytes(pool)
         self.pool_members = pool_members
         self.private = private
         self._private_bytes = private_bytes
         if self.shared is None and self.prefix is not None and self.prefix.blocks:
-            self.prefix.fit(self.budget_bytes - self.pool_bytes - self.private_bytes)
+            self.prefix.fit(self.budget_bytes - self.pool_bytes - private_bytes)
         held = self.kv_bytes
         if held > self.budget_bytes:
             raise KVAccountError(f"plan holds {held} KV bytes > budget {self.budget_bytes}")

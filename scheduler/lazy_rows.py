@@ -66,13 +66,11 @@ class LazyRows:
                 return
             self.add(r)
 
-    def widest(self) -> int:
-        """The largest num_computed_tokens among the rows (they are not empty)."""
-        return self.max_computed0 + self.steps
-
-    def longest(self) -> int:
-        """The largest num_tokens among the rows (they are not empty)."""
-        return self.max_tokens0 + self.steps
+    def widest_longest(self) -> tuple[int, int]:
+        """The largest num_computed_tokens and the largest num_tokens among the rows (they are
+        not empty): one call a plan."""
+        s = self.steps
+        return self.max_computed0 + s, self.max_tokens0 + s
 
     def steps_left(self) -> int:
         """Decode steps until the first row reaches its max_tokens (they are not empty)."""
@@ -90,7 +88,8 @@ class LazyRows:
         if not n:
             return (tuple([r.request_id for r in decodes]),
                     tuple([r.num_computed_tokens for r in decodes]))
-        positions = self.positions()
+        s = self.steps  # positions(), without its frame (every plan)
+        positions = [c + s for c in self.computed0]
         if len(decodes) == n:
             ids = self.id_tuple
             if ids is None:

@@ -79,7 +79,7 @@ class Scheduler:
 
     def rejection_reason(self, request: Request) -> str | None:
         cfg = self.config
-        total = request.max_total_tokens
+        total = request.num_prompt_tokens + request.sampling.max_tokens  # max_total_tokens
         if total > cfg.max_model_len:
             return (f"prompt ({request.num_prompt_tokens}) + max_tokens "
                     f"({request.sampling.max_tokens})"
@@ -152,7 +152,8 @@ class Scheduler:
         n = len(lazy.rows)
         if n:  # decoding rows, all in the pool
             pool, rest = running[:n], running[n:]
-            width, longest = lazy.widest() + decode_step, lazy.longest()
+            width, longest = lazy.widest_longest()
+            width += decode_step
         else:
             pool, rest, width, longest = [], running, 0, 0
         # One pass, with comparisons rather than max(): this runs every step over every request.

@@ -64,7 +64,7 @@ class Engine:
         self._time: Callable[[], float] = time.monotonic  # the clock now() reads (start_clock)
         self._wake = asyncio.Event()
         self._done: dict[int, asyncio.Future] = {}
-        self._stopping = False
+        self.stopping = False  # set by stop() (an attribute: the simulated loop reads it a plan)
         self._thread = (None if self.virtual_time
                         else concurrent.futures.ThreadPoolExecutor(1, "executor"))
         self._streams: dict[int, asyncio.Queue] = {}
@@ -126,12 +126,8 @@ class Engine:
             self._wake.set()
 
     def stop(self) -> None:
-        self._stopping = True
+        self.stopping = True
         self._wake.set()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stopping
 
     # -- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -153,7 +149,7 @@ class Engine:
         # runs a finished request's callbacks without a turn when they wake no task.
         advance = getattr(self._loop, "advance", None)
         run_ready = getattr(self._loop, "run_ready", None)
-        while not self._stopping:
+        while not self.stopping:
             if not self.scheduler.has_work():
                 self._wake.clear()
                 await self._wake.wait()

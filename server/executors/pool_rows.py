@@ -74,7 +74,8 @@ class PoolLayout:
             for h, m in zip(holes, movers):
                 rows[h] = rows[m]
             del rows[keep:]
-        return RowMoves(holes, movers, len(movers) * self._row_bytes)
+        # every field: without namedtuple's __new__ frame (a leave most plans)
+        return tuple.__new__(RowMoves, (holes, movers, len(movers) * self._row_bytes))
 
     def join(self, request_id: int, num_tokens: int) -> int:
         """Give a prefilled request of `num_tokens` the next row; returns the row. The copy is

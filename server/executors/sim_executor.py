@@ -196,8 +196,9 @@ class SimExecutor:
         if self.spec is not None:
             self.spec.forget(free_ids)
         if self.private:
-            for rid in free_ids:
-                self._drop_private(rid)
+            private = self.private
+            for rid in free_ids:  # _drop_private, without a frame per id
+                self._private_bytes -= private.pop(rid, 0)
         if self._shared:
             for rid in free_ids:
                 self._shared.pop(rid, None)

@@ -169,3 +169,27 @@ def test_a_closed_stdout_is_not_a_traceback():
     proc = _batchsim("models", "--json", preexec_fn=lambda: os.close(1))
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 0 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--spec-method", "draft", "--spec-tokens", "3", "--draft-model", "smollm2-135m-instruct"],
+     "decides --spec-method, --draft-model, --spec-tokens itself"),
+    (["--kv-bits", "4"], "decides --kv-bits itself"),
+    (["--max-num-seqs", "1", "--memory-gb", "1"], "decides --memory-gb, --max-num-seqs itself"),
+    (["--executor", "sim", "--device-profile", "M2 Ultra"], "decides --executor, --device-profile"),
+])
+def test_run_against_a_target_refuses_what_only_the_in_process_engine_reads(capsys, tmp_path,
+                                                                           extra, says):
+    """Each ran against the server as it was and recorded a run that looked like what was asked."""
+    rc, _, err = _main(["run", "--target", "http://127.0.0.1:9/v1", *extra, "--out",
+                        str(tmp_path)], capsys)
+    assert rc == 2 and says in _one_line(err), err
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_api_key_with_a_line_break_is_one_line_before_the_run(capsys, tmp_path, monkeypatch):
+    """aiohttp refused the header with a 'header injection' ValueError traceback."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-abc\r")
+    rc, _, err = _main(["run", "--target", "http://127.0.0.1:9/v1", "--out", str(tmp_path)],
+                       capsys)
+    assert rc == 2 and "OPENAI_API_KEY holds a control character" in _one_line(err), err

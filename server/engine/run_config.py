@@ -4,6 +4,7 @@ YAML strictly (unknown keys are errors naming the file), overridden by CLI flags
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -78,6 +79,7 @@ class RunConfig:
                               f"{list(self.percentiles)}")
         _check_spec(self)
         _check_target(self.target)
+        _check_nothing_local_with_a_target(self)
         from batchsim.server.perf.engines import DEFAULT_ENGINE, load_engine
 
         load_engine(self.engine)  # an unknown engine: a one-line error listing the known ones
@@ -85,6 +87,26 @@ class RunConfig:
             raise ConfigError(f"engine {self.engine!r} is priced by the simulator: add --executor "
                               "sim (a real run measures batchsim's own engine; --target URL "
                               "measures another server)")
+
+
+# What only the in-process engine reads: with --target the server under load decides them, and
+# `run --target URL --spec-method draft --kv-bits 4` measured the server as it was, saying nothing.
+IN_PROCESS_ONLY = ("executor", "device_profile", "kv_bits", "kv_layout", "memory_gb",
+                   "spec_method", "draft_model", "spec_acceptance", "spec_acceptance_curve",
+                   "spec_draft_share")
+
+
+def _check_nothing_local_with_a_target(cfg: RunConfig) -> None:
+    if cfg.target is None:
+        return
+    changed = [f.name for f in dataclasses.fields(RunConfig)
+               if f.name in IN_PROCESS_ONLY and getattr(cfg, f.name) != f.default]
+    changed += [f.name for f in dataclasses.fields(SchedulerSettings)
+                if getattr(cfg.scheduler, f.name) != f.default]
+    if changed:
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in changed)
+        raise ConfigError(f"--target loads a server, which decides {flags} itself: drop them "
+                          "from the run (a `batchsim serve` takes its engine's on its own line)")
 
 
 def _check_target(target: str | None) -> None:
@@ -99,6 +121,10 @@ def _check_target(target: str | None) -> None:
     if parts.scheme not in ("http", "https") or not host:
         raise ConfigError(f"target {target!r}: expected an http:// or https:// URL with a host, "
                           "e.g. http://127.0.0.1:8000/v1")
+    key = os.environ.get("OPENAI_API_KEY", "")  # the client's bearer token (workloads/client/load)
+    if any(ord(c) < 32 or ord(c) == 127 for c in key):  # aiohttp: a header-injection traceback
+        raise ConfigError("OPENAI_API_KEY holds a control character (a line break copied with "
+                          "it?): it cannot be sent as a bearer token")
 
 
 def _check_spec(cfg: RunConfig) -> None:

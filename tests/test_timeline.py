@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
-from batchsim.server.results import rebuild, timeline, timeline_draw
+from batchsim.server.results import rebuild, request_arrays, timeline, timeline_draw
 from batchsim.server.results.metrics import RequestRecord, StepRecord
 from batchsim.server.results.timeline import Limits, overrun_index
 
@@ -118,7 +118,7 @@ def test_long_runs_are_binned_and_the_output_rate_counts_every_token():
     assert not timeline._Series(steps[:100]).binned
 
     requests = [_request(i, float(i), float(i)) for i in range(2999)]
-    _x, rate, width = timeline.output_rate(requests, 3000.0)
+    _x, rate, width = timeline.output_rate(request_arrays.token_times(requests)[0], 3000.0)
     assert width == 5.0 and round(float((rate * width).sum())) == 2999
     assert timeline.bin_width_s(0.3) == 0.5 and timeline.bin_width_s(7) == 10
 

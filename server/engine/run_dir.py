@@ -25,6 +25,7 @@ from batchsim.server.results.timeline_draw import write_timeline
 from batchsim.workloads.spec import WorkloadSpec
 
 if TYPE_CHECKING:
+    import numpy as np
     from batchsim.server.engine.run_config import RunConfig
     from batchsim.server.engine.session import Session
 
@@ -72,9 +73,10 @@ def draw_run_timeline(run_dir: Path, records: list[RequestRecord], steps: list[S
 
 
 def run_timeline_panels(records: list[RequestRecord], steps: list[StepRecord],
-                        session: Session, spec: WorkloadSpec) -> Panels:
+                        session: Session, spec: WorkloadSpec, token_times_s: np.ndarray) -> Panels:
     """What the run's timeline.png shows (for a drawing process)."""
-    return timeline_panels(records, steps, *_timeline_limits_title(records, session, spec))
+    return timeline_panels(records, steps, *_timeline_limits_title(records, session, spec),
+                           token_times_s)
 
 
 def _timeline_limits_title(records: list[RequestRecord], session: Session,

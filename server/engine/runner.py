@@ -30,7 +30,7 @@ from batchsim.server.engine.run_dir import (
 )
 from batchsim.server.engine.session import Session
 from batchsim.server.engine.virtual_run import VirtualRun, replays_exactly
-from batchsim.server.results import run_files
+from batchsim.server.results import request_arrays, run_files
 from batchsim.server.results.jsonio import new_run_dir
 from batchsim.server.results.metrics import (
     RequestRecord,
@@ -245,15 +245,18 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
     wall -= stream.writing_s if stream else 0.0
     rec = run.recorder
     records, steps = rec.request_records(), rec.steps
+    times = request_arrays.token_times(records)  # once: for the summary and the picture
     draw = run_dir is not None and bool(timeline) and not (stream and stream.error)
     if draw and run_dir is not None and drawing is not None:  # drawn while this goes on
-        drawing.send(run_dir / TIMELINE, run_timeline_panels(records, steps, session, spec))
+        drawing.send(run_dir / TIMELINE,
+                     run_timeline_panels(records, steps, session, spec, times[0]))
     cfg = session.config
     summary = summarize(
         records, steps, duration_s=duration, percentiles=cfg.percentiles,
         goodput_slo_ms=cfg.goodput, kv_budget_bytes=session.kv_budget_bytes,
         weight_bytes=session.weight_bytes, peak_memory_bytes=_peak_memory(session),
         peak_rss_bytes=peak_resident_bytes() if session.executor.caps.real_compute else None,
+        token_times=times,
     )
     plans = len(steps)
     summary.update({

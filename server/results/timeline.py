@@ -7,13 +7,13 @@ like ten seconds of 40."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from batchsim.scheduler.pool_geometry import KV_STEP
+from batchsim.server.results import request_arrays
 from batchsim.server.results.metrics import RequestRecord, StepRecord
 
 TIMELINE = "timeline.png"
@@ -105,17 +105,15 @@ class _Series:
         return out[self._filled]
 
 
-def output_rate(requests: Sequence[RequestRecord], end_s: float, step_s: float = 0.0
+def output_rate(times_s: np.ndarray, end_s: float, step_s: float = 0.0
                 ) -> tuple[np.ndarray, np.ndarray, float]:
-    """Output tokens per second in bins of 1 s (a wider 1-2-5 width on long runs or for steps
-    over half a second (`step_s`: their median), narrower on runs under 20 s): bin centers, rates
-    and the bin width."""
-    times = np.fromiter(itertools.chain.from_iterable(r.token_times_s for r in requests),
-                        np.float64)
+    """Output tokens per second (`times_s`: every token's time) in bins of 1 s (a wider 1-2-5
+    width on long runs or for steps over half a second (`step_s`: their median), narrower on runs
+    under 20 s): bin centers, rates and the bin width."""
     width = bin_width_s(max(end_s / MAX_POINTS if end_s > MAX_POINTS else min(1.0, end_s / 20),
                             2 * step_s))  # steps longer than a bin would alias
     edges = np.arange(0.0, end_s + width, width)
-    counts, _ = np.histogram(times, edges)
+    counts, _ = np.histogram(times_s, edges)
     return (edges[:-1] + edges[1:]) / 2, counts / width, width
 
 
@@ -140,14 +138,17 @@ class Panels:
 
 
 def timeline_panels(requests: Sequence[RequestRecord], steps: Sequence[StepRecord],
-                    limits: Limits, title: str) -> Panels:
-    """The run's timeline, ready to draw."""
+                    limits: Limits, title: str, token_times_s: np.ndarray | None = None) -> Panels:
+    """The run's timeline, ready to draw (`token_times_s`: request_arrays.token_times's, if the
+    caller has them)."""
     if not steps:
         return Panels(title, limits)
     first = overrun_index(requests, steps, limits)
     step_s = float(np.median([s.duration_s / s.num_steps for s in steps]))
+    if token_times_s is None:
+        token_times_s = request_arrays.token_times(requests)[0]
     return Panels(title, limits, _Series(steps), None if first is None else steps[first].start_s,
-                  output_rate(requests, float(steps[-1].end_s), step_s))
+                  output_rate(token_times_s, float(steps[-1].end_s), step_s))
 
 
 def weights_label(dtype: str | None, quantize: int | None) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import select
 import subprocess
 import sys
 import threading
@@ -236,10 +237,12 @@ def _warm() -> None:
 
 
 def _serve() -> int:
-    """The child: warm up, then draw the (path, panels) read from stdin; stdout: [path, why].
-    Nothing sent (the run failed or was not drawn): exit."""
-    _warm()
-    canvas = _canvas()  # made while the run runs
+    """The child: warm up while the run runs (a short run sends first: no time to), then draw
+    the (path, panels) read from stdin; stdout: [path, why]. Nothing sent (the run failed or was
+    not drawn): exit."""
+    canvas = _canvas()  # matplotlib imported, the figure made while the run runs
+    if not select.select([sys.stdin], [], [], 0)[0]:  # the panels not sent yet: time to warm up
+        _warm()
     blob = sys.stdin.buffer.read()
     if not blob:
         return 0

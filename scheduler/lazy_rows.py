@@ -12,8 +12,13 @@ is the reference (tests/test_advance.py holds the two equal)."""
 from __future__ import annotations
 
 import heapq
+import operator
 
 from batchsim.scheduler.request import RUNNING, Request
+
+# A request's id and its computed tokens, read in C (map over a few rows: no comprehension frame)
+REQUEST_ID = operator.attrgetter("request_id")
+COMPUTED = operator.attrgetter("num_computed_tokens")
 
 
 class LazyRows:
@@ -95,9 +100,9 @@ class LazyRows:
             if ids is None:
                 ids = self.id_tuple = tuple(self.ids)
             return ids, tuple(positions)
-        tail = decodes[n:]
-        positions += [r.num_computed_tokens for r in tail]
-        return (*self.ids, *[r.request_id for r in tail]), tuple(positions)
+        tail = decodes[n:]  # rows joining (most plans: none or one)
+        positions.extend(map(COMPUTED, tail))
+        return (*self.ids, *map(REQUEST_ID, tail)), tuple(positions)
 
     def computed(self) -> dict[int, int]:
         """request id -> num_computed_tokens, without writing them back."""

@@ -15,7 +15,7 @@ from collections import deque
 from batchsim.scheduler.advance import advance_decoded
 from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.kv_manager import KVAccountError, KVManager
-from batchsim.scheduler.lazy_rows import LazyRows
+from batchsim.scheduler.lazy_rows import REQUEST_ID, LazyRows
 from batchsim.scheduler.lookahead import lookahead_steps
 from batchsim.scheduler.plan import NewRequest, StepPlan, StepResult, made
 from batchsim.scheduler.pool_geometry import PAGE_TOKENS
@@ -126,7 +126,7 @@ class Scheduler:
         pool, prefilling, width, longest = self._split_running(decode_step)
         n, ids = len(self.lazy.rows), self.lazy.id_set.copy()  # the pool's ids: the lazy rows'
         if len(pool) > n:  # and the rest's (most plans: every row is lazy)
-            ids.update([r.request_id for r in pool[n:]])
+            ids.update(map(REQUEST_ID, pool[n:]))
         budget = StepBudget(self.kv, self.config, pool, width, decode_step, ids)
         preemptions_before = self.num_preemptions
         while not budget.fit_pool():  # decoding rows must grow: preempt from the newest end
@@ -218,7 +218,7 @@ class Scheduler:
             r.status = RUNNING
             running.append(r)
             rows_later, len_later, blocks_later = rows_later + 1, n_later, blocks
-            ids = r.all_token_ids()
+            ids = r.all_token_ids() if r.prompt_token_ids is not None else None  # (simulated)
             cached = (r.block_hashes or ())[:r.num_computed_tokens // PAGE_TOKENS]
             new_requests.append(made(NewRequest, (r.request_id, tuple(ids) if ids else None,
                                                   r.sampling, r.num_prompt_tokens, cached)))

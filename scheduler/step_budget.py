@@ -198,7 +198,8 @@ class StepBudget:
     def add_chunk(self, request: Request, n: int) -> None:
         c = request.num_computed_tokens
         rid = request.request_id
-        sample = c + n == request.num_tokens  # the chunk reaches the last known token
+        # the chunk reaches the last known token (num_tokens, without the property's frame)
+        sample = c + n == request.num_prompt_tokens + request.num_output_tokens
         self.prefills.append(made(PrefillChunk, (rid, c, n, sample)))
         old = self.private.get(rid)
         new = self.private[rid] = self.cache.private(c, c + n)

@@ -186,8 +186,35 @@ class Engine:
         finished = self.scheduler.update_from_output(plan, result)
         if self.scheduler.cut_drafts:  # records and metrics count the drafts it kept
             result = cut_drafts(result, self.scheduler.cut_drafts)
-        self._record(plan, result, start)
+        # The step's record (here, not in a method of its own: a frame fewer a plan).
+        if self._thread is None:
+            durations = result.step_durations_s
+            # most plans have one step: its end without a call
+            ends = [start + durations[0]] if len(durations) == 1 else _cumsum(start, durations)
+        else:
+            # what a client sees: the loop's time when the step's tokens are out
+            ends = [self.now()]
+        for new in plan.new_requests:
+            r = self.scheduler.requests.get(new.request_id)
+            if r is not None and r.first_scheduled_s is None:
+                r.first_scheduled_s = start
+        self.recorder.on_step(plan, result, start, ends, self.scheduler)
+        if self._streams and result.token_ids is not None:
+            self._send_tokens(result)
+        if self._on_step is not None:
+            self._on_step(self, plan, result)
         return finished
+
+    def _send_tokens(self, result: StepResult) -> None:
+        """The streamed requests' new tokens, those the scheduler kept (a verify step's are cut)."""
+        for rid in result.sampled_ids:
+            queue = self._streams.get(rid)
+            if queue is not None:
+                out = self._stream_requests[rid].output_token_ids
+                sent = self._streamed.get(rid, 0)
+                if len(out) > sent:
+                    self._streamed[rid] = len(out)
+                    queue.put_nowait(out[sent:])
 
     def _recover(self) -> None:
         """After a failed step nothing the executor holds can be trusted: fail every running
@@ -210,31 +237,6 @@ class Engine:
             i += 1  # passes a few arrivals a plan, cheaper stepped over than bisected
         self._arrivals_past = i
         return arrivals[i] if i < n else float("inf")
-
-    def _record(self, plan: StepPlan, result: StepResult, start: float) -> None:
-        if self._thread is None:
-            durations = result.step_durations_s
-            # most plans have one step: its end without a call
-            ends = [start + durations[0]] if len(durations) == 1 else _cumsum(start, durations)
-        else:
-            # what a client sees: the loop's time when the step's tokens are out
-            ends = [self.now()]
-        for new in plan.new_requests:
-            r = self.scheduler.requests.get(new.request_id)
-            if r is not None and r.first_scheduled_s is None:
-                r.first_scheduled_s = start
-        self.recorder.on_step(plan, result, start, ends, self.scheduler)
-        if self._streams and result.token_ids is not None:
-            for rid in result.sampled_ids:
-                queue = self._streams.get(rid)
-                if queue is not None:  # the tokens the scheduler kept (a verify step's are cut)
-                    out = self._stream_requests[rid].output_token_ids
-                    sent = self._streamed.get(rid, 0)
-                    if len(out) > sent:
-                        self._streamed[rid] = len(out)
-                        queue.put_nowait(out[sent:])
-        if self._on_step is not None:
-            self._on_step(self, plan, result)
 
     def _resolve(self, finished: list[Request]) -> None:
         if not finished:

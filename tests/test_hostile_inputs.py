@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -41,25 +40,6 @@ def test_yaml_aliases_within_reason_still_load(tmp_path):
     path.write_text("base: &b {dist: uniform, min: 8, max: 16}\ninput_len: *b\noutput_len: *b\n")
     data = load_yaml(path)
     assert data["input_len"] == data["output_len"] == {"dist": "uniform", "min": 8, "max": 16}
-
-
-def test_a_run_directory_config_with_its_workload_copy_edited_is_refused(capsys, tmp_path):
-    """config.yaml holds the workload twice (under `config:` and as the top-level record): an edit
-    to the top-level one replayed the old workload without a word."""
-    import json
-
-    import yaml
-
-    rc, out, err = _main(["run", *SIM, "--num-prompts", "3", "--no-timeline", "--out",
-                          str(tmp_path / "a"), "--json"], capsys)
-    assert rc == 0, err
-    data = yaml.safe_load((Path(json.loads(out.splitlines()[-1])["run_dir"]) / "config.yaml")
-                          .read_text())
-    data["workload"]["num_prompts"] = 7
-    edited = tmp_path / "edited.yaml"
-    edited.write_text(yaml.safe_dump(data, sort_keys=False))
-    rc, _, err = _main(["run", str(edited), "--out", str(tmp_path / "b")], capsys)
-    assert rc == 2 and "`workload:` differs from `config: workload:`" in _one_line(err), err
 
 
 def test_the_config_of_a_run_stopped_before_its_model_loaded_runs_again(capsys, tmp_path):

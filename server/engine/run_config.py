@@ -166,18 +166,21 @@ def _check_spec_executor(cfg: RunConfig) -> None:
                           "--executor sim (a real run measures acceptance)")
 
 
-RUN_DIR_SECTIONS = {"config", "workload", "resolved", "env"}  # run_dir.write_config's
+RUN_DIR_SECTIONS = {"config", "workload", "resolved", "env"}  # run_dir.write_config's, old too
 
 
 def _run_dir_config(data: dict[str, Any], path: str | Path) -> dict[str, Any]:
     """A run directory's config.yaml (`resolved` and `env` only once its model loaded): its
-    `config:` section, whose workload the top-level `workload:` copies. An edit to that copy was
-    silently ignored (the run replayed the old workload)."""
+    `config:` section. Directories written before 2026-12 also hold the workload that ran as a
+    top-level `workload:` (`config: workload:` was the session's, a sweep's base): run it only
+    if both say the same, else one line naming the copy to keep (an edit of either was ignored
+    silently, or refused pointing at the other)."""
     config, copy = data["config"], data.get("workload")
     if copy is not None and copy != config.get("workload"):
-        raise ConfigError(f"{path}: `workload:` differs from `config: workload:`; a run "
-                          "directory's config runs its `config:` section: edit the workload "
-                          "there (or delete the top-level copy)")
+        raise ConfigError(f"{path}: an older run directory's config holding two workloads that "
+                          "differ, the top-level `workload:` (what that run replayed) and "
+                          "`config: workload:`: put the one to run under `config: workload:` "
+                          "and delete the top-level `workload:`")
     return config
 
 

@@ -32,9 +32,11 @@ if TYPE_CHECKING:
 
 def write_config(run_dir: Path, cfg: RunConfig, spec: WorkloadSpec,
                  session: Session | None) -> None:
-    """config.yaml: the run's config and, once the model is open, what it resolved to."""
-    resolved: dict[str, Any] = {"config": dataclasses.asdict(cfg),
-                                "workload": dataclasses.asdict(spec)}
+    """config.yaml: the run's config with the workload that ran (`spec`, a sweep's point's own)
+    under `config: workload:`, the one copy a rerun reads and an edit changes, and, once the
+    model is open, what it resolved to."""
+    resolved: dict[str, Any] = {"config": {**dataclasses.asdict(cfg),
+                                           "workload": dataclasses.asdict(spec)}}
     if session is not None:
         resolved["resolved"] = {
             "model_path": str(session.ref.path), "dtype": session.dtype,

@@ -10,8 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-from batchsim.configs import ConfigError
+from batchsim.configs import ConfigError, load_yaml
 from batchsim.server.results.jsonio import jsonable
 from batchsim.server.results.metrics import (
     RequestRecord,
@@ -68,7 +67,7 @@ def rebuild_summary(run_dir: Path, timeline: bool = True) -> tuple[dict[str, Any
             summary["peak_memory_bytes"] = peak_memory_bytes(old)
     else:
         summary.update(_from_config(config, steps, run_dir))
-        expected = _section(config, "workload").get("num_prompts")
+        expected = _workload(config).get("num_prompts")
         why = (f"{SUMMARY}: not a JSON object" if (run_dir / SUMMARY).is_file()  # said "no"
                else f"no {SUMMARY}: the run never finished")
         notes.append(f"{why}; marked interrupted ("
@@ -94,7 +93,7 @@ def _timeline(run_dir: Path, requests: list[RequestRecord], steps: list[StepReco
     what = run_title(str(cfg.get("model", "run")), old.get("dtype"), cfg.get("quantize"),
                      cfg.get("executor"), cfg.get("device_profile"), cfg.get("engine"),
                      _section(old, "env"))
-    title = timeline_title(what, _section(config, "workload"), len(requests))
+    title = timeline_title(what, _workload(config), len(requests))
     title += " (redrawn by batchsim report)"
     path, why = write_timeline(run_dir, requests, steps, limits, title)
     if why is not None:
@@ -106,15 +105,21 @@ def _read_config(path: Path, notes: list[str]) -> dict[str, Any]:
     if not path.is_file():
         notes.append(f"{CONFIG}: missing; model and budget fields left out")
         return {}
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, ValueError, RecursionError) as exc:  # bytes, bad YAML, deep nesting
-        data = f"unreadable ({type(exc).__name__})"
-    if not isinstance(data, dict):
-        notes.append(f"{CONFIG}: not a run's config ({str(data)[:60]}); model and budget fields "
-                     "left out")
-        return {}
+    try:  # the project's one loader: an alias bomb or deep nesting is refused, not a hang
+        data = load_yaml(path)
+    except ConfigError as exc:
+        data, why = {}, str(exc).removeprefix(f"{path}: ")[:80]
+    else:
+        why = "empty" if not data else ""
+    if why:
+        notes.append(f"{CONFIG}: not a run's config ({why}); model and budget fields left out")
     return data
+
+
+def _workload(config: dict[str, Any]) -> dict[str, Any]:
+    """The workload that ran: `config: workload:` (run_dir.write_config), or the top-level copy
+    a run directory written before 2026-12 kept it in."""
+    return _section(config, "workload") or _section(_section(config, "config"), "workload")
 
 
 def _section(data: dict[str, Any], key: str) -> dict[str, Any]:
@@ -228,7 +233,7 @@ def _from_config(config: dict[str, Any], steps: Sequence[StepRecord],
     return {
         "model": cfg.get("model"), "dtype": resolved.get("dtype"),
         "quantize_bits": cfg.get("quantize"), "executor": cfg.get("executor"),
-        "workload": _section(config, "workload").get("name"),
+        "workload": _workload(config).get("name"),
         "max_num_seqs": _section(resolved, "scheduler").get("max_num_seqs"),
         "memory_budget_bytes": resolved.get("memory_budget_bytes"),
         "budget_source": resolved.get("budget_source"),

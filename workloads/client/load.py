@@ -221,7 +221,7 @@ def _write_run_dir(out_dir: Path, cfg: RunConfig, outcomes: list[Outcome],
                    records: list[RequestRecord], summary: dict, model_sent: str | None) -> Path:
     host = endpoint(cfg.target or "").base.split("//", 1)[-1].split("/", 1)[0].replace(":", "-")
     run_dir = new_run_dir(out_dir, f"http-{host}-{cfg.workload.name}")
-    resolved = {"config": dataclasses.asdict(cfg), "workload": dataclasses.asdict(cfg.workload),
+    resolved = {"config": dataclasses.asdict(cfg),  # its workload: run_dir.write_config's one
                 "resolved": {"target": cfg.target, "endpoint": summary["endpoint"],
                              "model_sent": model_sent, "prompt_source": summary["prompt_source"]}}
     (run_dir / "config.yaml").write_text(yaml.safe_dump(jsonable(resolved), sort_keys=False))

@@ -1,0 +1,67 @@
+"""Fixes of reviewer r1's findings on the robustness commits of h7 and h8 (issue 37 item 4): each
+test fails without its fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.test_inputs import SIM, _copy, _main, _one_line, finished_run  # noqa: F401
+
+
+def _run_dir_config(capsys, out: Path) -> tuple[Path, dict]:
+    rc, stdout, err = _main(["run", *SIM, "--num-prompts", "3", "--no-timeline", "--out",
+                             str(out), "--json"], capsys)
+    assert rc == 0, err
+    path = Path(json.loads(stdout.splitlines()[-1])["run_dir"]) / "config.yaml"
+    return path, yaml.safe_load(path.read_text())
+
+
+def test_an_edit_of_a_run_directorys_config_workload_runs(capsys, tmp_path):
+    """`config: workload:` is what a rerun runs: its edit was refused for differing from a
+    second, top-level copy, and the refusal said to edit it where it had been edited."""
+    _, data = _run_dir_config(capsys, tmp_path / "a")
+    assert "workload" not in data  # one copy
+    data["config"]["workload"]["num_prompts"] = 7
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(yaml.safe_dump(data, sort_keys=False))
+    rc, out, err = _main(["run", str(edited), "--no-timeline", "--out", str(tmp_path / "b"),
+                          "--json"], capsys)
+    assert rc == 0, err
+    assert json.loads(out.splitlines()[-1])["completed"] == 7
+
+
+def test_an_older_run_directory_with_two_differing_workloads_is_one_line(capsys, tmp_path):
+    """Older directories also kept the workload that ran at the top level: equal copies run, and
+    differing ones (either edited, or a sweep's point) name the copy to keep."""
+    _, data = _run_dir_config(capsys, tmp_path / "a")
+    old = {"config": data["config"], "workload": dict(data["config"]["workload"]), **data}
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(old, sort_keys=False))
+    rc, out, err = _main(["run", str(path), "--no-timeline", "--out", str(tmp_path / "b"),
+                          "--json"], capsys)
+    assert rc == 0 and json.loads(out.splitlines()[-1])["completed"] == 3, err
+    old["workload"]["num_prompts"] = 7
+    path.write_text(yaml.safe_dump(old, sort_keys=False))
+    rc, _, err = _main(["run", str(path), "--out", str(tmp_path / "c")], capsys)
+    line = _one_line(err)
+    assert rc == 2 and "put the one to run under `config: workload:`" in line, err
+
+
+@pytest.mark.timeout(120)
+def test_report_reads_config_yaml_through_the_one_loader(finished_run, tmp_path,  # noqa: F811
+                                                          capsys):
+    """An alias bomb in config.yaml: yaml.safe_load took it, and the summary's env (or the
+    note's str(data)) expanded it all; the project's loader refuses it in one note."""
+    run_dir = _copy(finished_run, tmp_path)
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 7)]
+    (run_dir / "config.yaml").write_text("\n".join(lines) + "\nenv: *a6\n")
+    (run_dir / "summary.json").unlink()  # the summary's fields come from config.yaml
+    rc, out, err = _main(["report", str(run_dir), "--json"], capsys)
+    assert rc == 0 and "Traceback" not in err, err
+    assert "config.yaml: not a run's config (its aliases expand to more than" in err, err
+    assert json.loads(out.splitlines()[-1])["env"] is None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from batchsim.scheduler.kv_bytes import CacheLayout
@@ -90,16 +91,28 @@ def test_a_draft_models_rows_stay_held_and_priced_in_steps_that_draft_nothing(tm
     argv = ["run", "--model", "tiny", "--dtype", "float32", "--num-prompts", "40",
             "--request-rate", "inf", "--input-len", "16", "--output-len", "6", "--max-num-seqs",
             "40", "--seed", "3", "--no-progress", "--no-timeline", "--spec-tokens", "2",
-            "--spec-policy", "shrink", "--spec-method", "draft", "--draft-model", "tiny",
-            "--out", str(tmp_path)]
-    summary = _summary(capsys, argv)
-    (steps,) = tmp_path.glob("*/steps.jsonl")
-    wide = [r for r in map(json.loads, steps.read_text().splitlines())
-            if r["batch_size"] > 32 and not r["num_prefill_tokens"]]
+            "--spec-policy", "shrink", "--out"]
+    summary = _summary(capsys, [*argv, str(tmp_path / "draft"), "--spec-method", "draft",
+                                "--draft-model", "tiny"])
+    _summary(capsys, [*argv, str(tmp_path / "ngram"), "--spec-method", "ngram"])
+    wide = [r for r in _steps(tmp_path / "draft") if r["batch_size"] > 32
+            and not r["num_prefill_tokens"]]
+    target = {_geometry(r): r["kv_bytes"] for r in _steps(tmp_path / "ngram")}  # no draft rows
     assert wide and summary["kv_account_mismatches"] == 0
-    per_token = 2 * 512  # tiny float32: 512 B of K/V a token, the target's and the draft's
-    assert all(r["kv_bytes"] == r["kv_bytes_measured"] >= r["pool_rows"] * r[
-        "pool_capacity_tokens"] * per_token for r in wide)  # the target's rows alone: half
+    assert {_geometry(r) for r in wide} <= set(target)
+    # Beside all the target holds (ngram's account at the same pool geometry), the draft (tiny,
+    # as the target: 512 B of K/V a token in float32) holds a full row per pool row.
+    assert all(r["kv_bytes"] == r["kv_bytes_measured"] == target[_geometry(r)]
+               + r["pool_rows"] * r["pool_capacity_tokens"] * 512 for r in wide)
+
+
+def _steps(out: Path) -> list[dict]:
+    (steps,) = out.glob("*/steps.jsonl")
+    return list(map(json.loads, steps.read_text().splitlines()))
+
+
+def _geometry(record: dict) -> tuple[int, int]:
+    return record["pool_rows"], record["pool_capacity_tokens"]
 
 
 def test_size_fits_the_draft_models_weights_and_rows():

@@ -8,6 +8,7 @@ the SIGTERM, if it never began) the group. Rank 0 records the signal the launche
 from __future__ import annotations
 
 import signal
+import types
 
 from batchsim.server.distributed import owner, rank
 from batchsim.server.distributed.rank import KEEP_RECORDS_S
@@ -44,14 +45,22 @@ def test_the_group_is_killed_when_its_sigterm_goes_unanswered(tmp_path, monkeypa
     assert sent == [signal.SIGTERM, signal.SIGKILL]
 
 
-def _terminated(tmp_path, monkeypatch, now: list[float]) -> tuple[owner.OwnedLaunch, list, list]:
-    """A launch whose group was sent SIGTERM at now[0]: rank 0 (4242) and rank 1 (5151) running;
-    (launch, signals to the group, (pid, signal) sent to a process)."""
+GROUP = 4000
+
+
+def _terminated(tmp_path, monkeypatch, now: list[float],
+                groups: dict[int, int] | None = None) -> tuple[owner.OwnedLaunch, list, list]:
+    """A launch whose group was sent SIGTERM at now[0]: rank 0 (4242) and rank 1 (5151) running,
+    in GROUP unless `groups` says (pid -> its group); (launch, signals to the group, (pid, signal)
+    sent to a process)."""
+    groups = groups or {}
     monkeypatch.setattr(owner.time, "monotonic", lambda: now[0])
     sent: list[int] = []
     to_pid: list[tuple[int, int]] = []
     monkeypatch.setattr(owner.os, "kill", lambda pid, sig: to_pid.append((pid, sig)))
     launch = _launch(tmp_path, sent)
+    launch.proc = types.SimpleNamespace(pid=GROUP)  # mlx.launch, its group's leader
+    monkeypatch.setattr(owner.os, "getpgid", lambda pid: groups.get(pid, GROUP))
     (tmp_path / "rank0.pid").write_text("4242")
     (tmp_path / "rank1.pid").write_text("5151")
     launch.signals, launch._sent = 2, 1  # the first went to rank 0 already
@@ -89,6 +98,16 @@ def test_followers_still_running_after_the_sigterm_are_killed_first(tmp_path, mo
     launch._end_unanswered_term()  # once
     assert to_pid.count((5151, signal.SIGKILL)) == 1 and (4242, signal.SIGKILL) not in to_pid
     assert sent == [signal.SIGTERM]  # rank 0 still keeps its records
+
+
+def test_a_followers_pid_gone_to_another_group_is_not_killed(tmp_path, monkeypatch):
+    """Rank 1 ended without a status and its pid went to another process (not in the launch's
+    group): the backstop's SIGKILL went to that process."""
+    now = [100.0]
+    launch, _, to_pid = _terminated(tmp_path, monkeypatch, now, groups={5151: 1})
+    now[0] += owner.GRACE_S + 0.1
+    launch._end_unanswered_term()
+    assert (5151, signal.SIGKILL) not in to_pid
 
 
 def test_rank_0_records_the_signal_the_launcher_got(tmp_path, monkeypatch):

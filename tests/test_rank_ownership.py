@@ -294,7 +294,8 @@ def test_a_second_signal_ends_the_ranks_with_rank_0s_records_kept(tiny, tmp_path
         deadline = time.monotonic() + START_GUARD_S
         while not forwarded.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
-        os.kill(ranks.proc.pid, signal.SIGINT)
+        assert forwarded.exists(), "the launcher never forwarded the first SIGINT"  # else one
+        os.kill(ranks.proc.pid, signal.SIGINT)  # signal: the second would go untested
         rc, _out, err = ranks.finish()
         assert rc == EXIT_INTERRUPTED and "Traceback" not in err, err[-3000:]
         saved = json.loads((run_dir / "summary.json").read_text())

@@ -139,13 +139,19 @@ class OwnedLaunch:
             self._keeping_at = now
         if now - t0 > GRACE_S and not self._followers_ended:
             self._followers_ended = True
-            for rank, pid in _silent_ranks(self.status_dir).items():
-                if rank != 0:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.kill(pid, signal.SIGKILL)
+            self._kill_followers()
         if now - max(t0, self._keeping_at or t0) > KEEP_RECORDS_S + GRACE_S:
             self._kill_running()
             self._terminated_at = None
+
+    def _kill_followers(self) -> None:
+        """SIGKILL to the ranks other than 0 still without a status, each only while its pid is
+        in the launch's group (a rank that ended may have left its pid to another process)."""
+        for rank, pid in _silent_ranks(self.status_dir).items():
+            if rank != 0:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    if os.getpgid(pid) == self.proc.pid:  # mlx.launch leads the ranks' group
+                        os.kill(pid, signal.SIGKILL)
 
     def _end_stuck_ranks(self) -> None:
         if self._failed_at is None:

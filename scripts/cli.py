@@ -177,7 +177,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def _too_long(exc: OSError) -> str:
     """A model, workload, trace, profile or output name longer than a file name may be (every
     lookup builds a path from it): exit 2 with its start, not exit 1 with 5,000 characters."""
-    name = str(exc.filename or "")
+    if exc.filename is None:  # the OS named no file: nothing to measure or quote
+        return "a name or path too long for this file system"
+    name = str(exc.filename)
     return f"name or path too long for this file system ({len(name)} characters: {name[:60]}...)"
 
 

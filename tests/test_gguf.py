@@ -172,6 +172,24 @@ def test_models_import_command_writes_a_loadable_directory(tmp_path, capsys):
     assert err.endswith("nope.gguf: no such file") and "\n" not in err
 
 
+def test_a_repeated_token_string_that_shadows_no_special_id_imports(tmp_path, capsys):
+    """Real vocabularies repeat some strings: any repeat was refused (08cc81b); the string reads
+    as its last id, as llama.cpp's token_to_id does."""
+    import mlx.core as mx
+    from batchsim.scripts.cli import main
+    from tokenizers import Tokenizer
+
+    tokens = _llama_meta(mx)["tokenizer.ggml.tokens"]
+    tokens = tokens[:-4] + ["Ġthe", *tokens[-3:]]  # "Ġthe" at ids 258 and 261
+    src = _write_gguf(tmp_path / "t.gguf", _hf_weights(mx, vocab=262),
+                      **{"tokenizer.ggml.tokens": tokens})
+    out = tmp_path / "imported"
+    assert main(["models", "import", str(src), "--out", str(out), "--form", "dense"]) == 0, (
+        capsys.readouterr().err)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert tok.encode(" the").ids == [261] and tok.id_to_token(2) == "<|im_end|>"
+
+
 def _nested_arrays(path: Path, depth: int = 2000) -> Path:
     """A 24 KB GGUF whose one metadata value is an array nested `depth` deep."""
     key = b"general.nested"
@@ -236,7 +254,7 @@ def _bad_gguf(kind: str, path: Path) -> Path:
     # h8: a TypeError traceback, then contradictions that imported and ran wrongly
     ("types_scalar", "tokenizer.ggml.token_type must be an array of 262 integers"),
     ("types_short", "tokenizer.ggml.token_type must be an array of 262 integers"),
-    ("dup_token", "tokenizer.ggml.tokens holds '<|im_end|>' twice (ids [2, 258])"),
+    ("dup_token", "tokenizer.ggml.eos_token_id 2 is '<|im_end|>', listed again as id 258"),
     ("vocab_short", "llama.vocab_size 100 is less than the 262 tokens"),
     ("rope_partial", "llama.rope.dimension_count 8 differs from the head dimension 16"),
     ("rope_scaled", "llama.rope.scaling.type 'linear' is not supported"),

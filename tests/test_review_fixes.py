@@ -65,3 +65,31 @@ def test_report_reads_config_yaml_through_the_one_loader(finished_run, tmp_path,
     assert rc == 0 and "Traceback" not in err, err
     assert "config.yaml: not a run's config (its aliases expand to more than" in err, err
     assert json.loads(out.splitlines()[-1])["env"] is None
+
+
+def test_a_name_too_long_without_a_file_name_says_no_length():
+    """ENAMETOOLONG with no filename said "(0 characters: ...)"."""
+    import errno
+
+    from batchsim.scripts.cli import _too_long
+
+    said = _too_long(OSError(errno.ENAMETOOLONG, "File name too long"))
+    assert "0 characters" not in said and "too long" in said
+    said = _too_long(OSError(errno.ENAMETOOLONG, "File name too long", "x" * 300))
+    assert "(300 characters: " in said
+
+
+@pytest.mark.parametrize("head, at", [(b"\xef\xbb\xbf", 3 + 51), (b"", 51), (b"", 20_051)])
+def test_a_trace_thats_not_utf8_names_the_bad_bytes_file_offset(tmp_path, head, at):
+    """The offset was the reader's: counted after a byte order mark (3 short) and from the start
+    of its 8 KiB chunk."""
+    from batchsim.configs import ConfigError
+    from batchsim.workloads.traces import read_trace
+
+    rows = "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "2023-11-16 18:15:46.68,374,44\n" * 700
+    data = bytearray(head + rows.encode())
+    data[at] = 0xFF
+    path = tmp_path / "t.csv"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match=rf"not UTF-8 text \(byte {at}: invalid start byte\)"):
+        read_trace(path)

@@ -7,6 +7,7 @@ clusters, so a replay on one machine usually needs TraceSpec.time_scale and leng
 
 from __future__ import annotations
 
+import codecs
 import csv
 import dataclasses
 import json
@@ -180,9 +181,25 @@ def read_trace(
         reader = _read_azure if kind == "azure" else _read_mooncake
         raw = list(islice(reader(resolved), start, None if limit is None else start + limit))
     except UnicodeDecodeError as exc:  # said no file: "'utf-8' codec can't decode byte 0xff ..."
-        raise ConfigError(f"{resolved}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+        raise ConfigError(f"{resolved}: not UTF-8 text (byte {_bad_utf8_at(resolved)}: "
+                          f"{exc.reason})") from None
     t0 = raw[0][0] if raw else 0.0
     return [TraceRow(t - t0, n_in, n_out, hashes) for t, n_in, n_out, hashes in raw]
+
+
+def _bad_utf8_at(path: Path) -> int:
+    """The file offset of the first byte that is not UTF-8 (the reader's error counted from its
+    8 KiB chunk, and from after a byte order mark)."""
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            pending = len(decoder.getstate()[0])  # bytes of a character the last chunk began
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as exc:
+                return offset - pending + exc.start
+            offset += len(chunk)
+    return offset  # cut short in a character
 
 
 def scale_length(n: int, scale: float, cap: int | None) -> int:

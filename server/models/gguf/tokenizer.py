@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 from typing import Any
 
 from batchsim.server.models.gguf.reader import Gguf, GgufError
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types written as added tokens
+SPECIAL_ROLES = ("bos", "eos", "unknown", "padding")  # tokenizer.ggml.{role}_token_id
 # tokenizer.ggml.pre -> split digits one by one before the byte-level regex (SmolLM's tokenizer)
 PRE_TOKENIZERS = {"smollm": True, "default": False, "gpt-2": False, "gpt2": False}
 
@@ -72,19 +72,28 @@ def build_tokenizer(g: Gguf) -> Any:
 
 
 def _token_types(g: Gguf, tokens: list[str]) -> list[int]:
-    """One llama.cpp type per token, and tokens that name one id each: a scalar type was a
-    TypeError traceback, a short list left tokens unmarked, and a repeated token lost its first
-    id (an end-of-sequence id that decoded to nothing)."""
+    """One llama.cpp type per token: a scalar type was a TypeError traceback, a short list left
+    tokens unmarked."""
     types = g.value("tokenizer.ggml.token_type", [1] * len(tokens))
     if not isinstance(types, list) or len(types) != len(tokens) or not all(
             isinstance(t, int) for t in types):
         raise GgufError(f"{g.path}: tokenizer.ggml.token_type must be an array of "
                         f"{len(tokens)} integers (one per token), got {str(types)[:40]}")
-    if len(set(tokens)) != len(tokens):
-        twice = next(t for t, n in Counter(tokens).items() if n > 1)
-        raise GgufError(f"{g.path}: tokenizer.ggml.tokens holds {twice!r} twice (ids "
-                        f"{[i for i, t in enumerate(tokens) if t == twice]}): one id per token")
+    _check_specials_kept(g, tokens)
     return types
+
+
+def _check_specials_kept(g: Gguf, tokens: list[str]) -> None:
+    """A string listed twice reads as its last id, as llama.cpp's token_to_id (an earlier id has
+    no string of its own in a BPE vocabulary; real vocabularies repeat some): refused only where
+    that earlier id is a special one, an end-of-sequence that would decode to nothing."""
+    last = {t: i for i, t in enumerate(tokens)}
+    for role in SPECIAL_ROLES:
+        idx = g.value(f"tokenizer.ggml.{role}_token_id")
+        if isinstance(idx, int) and 0 <= idx < len(tokens) and last[tokens[idx]] != idx:
+            raise GgufError(f"{g.path}: tokenizer.ggml.{role}_token_id {idx} is "
+                            f"{tokens[idx]!r}, listed again as id {last[tokens[idx]]}: the "
+                            "string would read as that id, not the special one")
 
 
 def _flag(g: Gguf, key: str) -> bool:
@@ -106,7 +115,7 @@ def tokenizer_config(g: Gguf) -> dict[str, Any]:
         "add_prefix_space": False,
         "clean_up_tokenization_spaces": False,
     }
-    for role in ("bos", "eos", "unknown", "padding"):
+    for role in SPECIAL_ROLES:
         idx = g.value(f"tokenizer.ggml.{role}_token_id")
         if idx is not None:
             key = {"unknown": "unk", "padding": "pad"}.get(role, role)

@@ -63,13 +63,16 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="without --memory-gb: a budget of weights + this many sequences' KV at "
                    f"full length (padded to {KV_STEP} tokens) + half a sequence, so the analytic "
                    "limit is exactly this batch and the default sweep finishes in minutes (with "
-                   "--draft-model: the speculative points' limit, its weights and rows counted)")
+                   "--draft-model: the speculative points' limit, spec_analytic_max_batch, with "
+                   "the draft's weights and rows; plain batching's analytic_overrun_batch is more)")
     g.add_argument("--device-budget", action="store_true",
                    help="use the device's own budget (MLX working set, or 75%% of RAM on the CPU "
                    "backend) instead of --limit-batch")
     g.add_argument("--batches", type=ints_up_to(MAX_BATCH),
                    help="batch sizes to run; default: 1, 2, 4, ... to the first power of two past "
-                   "the analytic limit + 2, plus limit-1 .. limit+2, capped by --max-batch")
+                   "the analytic limit + 2, plus limit-1 .. limit+2 of plain batching's limit "
+                   "and, with --draft-model, of the speculative points' (--limit-batch's), "
+                   "capped by --max-batch")
     g.add_argument("--max-batch", type=_batch, default=64, help="largest default batch")
     g.add_argument("--min-gain", type=positive_float, default=0.05,
                    help="throughput stops scaling at the first point gaining less decode tok/s "
@@ -100,9 +103,11 @@ def run(args: argparse.Namespace) -> dict:
         raise ConfigError(f"context {args.prompt_len + args.output_len}{longest} exceeds the "
                           f"model's {base.spec.max_context} tokens")
     limit = sweep_math.analytic_max_batch(budget, weights, args.prompt_len, args.output_len, kvt)
+    drafted = any(c.spec_method == "draft" for c in spec_cfgs.values())
+    spec_limit = [_draft_limit(base, budget, spec_cfgs, args)] if drafted else []
     batches = sorted(set(args.batches)) if args.batches else sweep_math.default_batches(
-        limit, args.max_batch)
-    meta = _meta(args, base, budget, source)
+        limit, args.max_batch, *spec_limit)
+    meta = _meta(args, base, budget, source, drafted)
     _announce(meta, batches)
     rows = [_run_point(base, budget, source, b, args) for b in batches]
     spec_verdict = {}
@@ -110,8 +115,8 @@ def run(args: argparse.Namespace) -> dict:
         spec_verdict = sweep_spec.spec_points(
             rows, spec_cfgs, args.spec_policy,
             lambda batch, cfg, tag: _run_point(base, budget, source, batch, args, cfg, tag))
-    if any(c.spec_method == "draft" for c in spec_cfgs.values()):
-        spec_verdict["spec_analytic_max_batch"] = _draft_limit(base, budget, spec_cfgs, args)
+    if drafted:
+        spec_verdict["spec_analytic_max_batch"] = spec_limit[0]
     profile = _profile_fields(base)
     for row in rows:
         row["kv_bytes_analytic"] = sweep_math.batch_kv_bytes(
@@ -237,9 +242,12 @@ def _verdict(batches: list[int], rows: list[dict], limit: int, min_gain: float) 
     }
 
 
-def _meta(args: argparse.Namespace, base, budget: int, source: str) -> dict:
+def _meta(args: argparse.Namespace, base, budget: int, source: str, drafted: bool) -> dict:
     kvt = base.kv_bytes_per_token
+    emulated = args.memory_gb is None and not args.device_budget
     return {
+        "limit_batch": args.limit_batch if emulated else None,  # limit of limit_batch_points
+        "limit_batch_points": ("speculative" if drafted else "plain") if emulated else None,
         "model": base.ref.name, "dtype": base.dtype, "quantize_bits": base.ref.quantize_bits,
         "kv_bits": base.config.kv_bits, "kv_layout": base.config.kv_layout,
         "executor": base.config.executor, "device_profile": base.config.device_profile,

@@ -93,3 +93,29 @@ def test_a_trace_thats_not_utf8_names_the_bad_bytes_file_offset(tmp_path, head, 
     path.write_bytes(bytes(data))
     with pytest.raises(ConfigError, match=rf"not UTF-8 text \(byte {at}: invalid start byte\)"):
         read_trace(path)
+
+
+def test_default_batches_cover_each_limit():
+    from batchsim.server.perf import sweep_limits
+
+    assert sweep_limits.default_batches(28, 64, 6) == [1, 2, 4, 5, 6, 7, 8, 16, 27, 28, 29, 30,
+                                                        32]
+    assert sweep_limits.default_batches(6, 64, 28) == sweep_limits.default_batches(28, 64, 6)
+
+
+def test_a_draft_sweeps_default_batches_reach_its_speculative_limit(tmp_path, capsys):
+    """--limit-batch L with --draft-model is the speculative points' limit, but the default
+    batches came from plain batching's (1, 2, 4, 8, 16, 27-32 for L = 6): every speculative
+    point from 8 overran, none ran at 5-7. sweep.jsonl names whose limit L is."""
+    from tests.test_draft_memory import _summary
+
+    argv = ["sweep", "--executor", "sim", "--model", "llama-3.1-8b", "--quantize", "4",
+            "--device-profile", "M2 Ultra", "--prompt-len", "700", "--output-len", "16",
+            "--limit-batch", "6", "--max-batch", "8", "--spec-tokens", "2", "--acceptance",
+            "0.6", "--draft-model", "llama-3.2-1b", "--no-progress", "--no-timeline",
+            "--out", str(tmp_path), "--runs-dir", str(tmp_path / "runs")]
+    res = _summary(capsys, argv)
+    assert [r["batch"] for r in res["rows"]] == [1, 2, 4, 5, 6, 7, 8]
+    (row, *_) = map(json.loads, (tmp_path / "sweep.jsonl").read_text().splitlines())
+    assert row["limit_batch"] == row["spec_analytic_max_batch"] == 6
+    assert row["limit_batch_points"] == "speculative" and row["analytic_overrun_batch"] > 8

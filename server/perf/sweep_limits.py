@@ -56,14 +56,16 @@ def _seq_bytes(prompt_len: int, output_len: int, kv_bytes_per_token: int,
     return per_seq
 
 
-def default_batches(limit_batch: int, max_batch: int) -> list[int]:
-    """1, 2, 4, ... up to the first power of two past limit + 2, plus limit - 1 .. limit + 2;
-    everything capped at max_batch."""
-    points = {limit_batch + d for d in (-1, 0, 1, 2)}
+def default_batches(limit_batch: int, max_batch: int, *more_limits: int) -> list[int]:
+    """1, 2, 4, ... up to the first power of two past the largest limit + 2, plus limit - 1 ..
+    limit + 2 of each limit (a sweep with a draft model: plain batching's and the speculative
+    points'); everything capped at max_batch."""
+    limits = (limit_batch, *more_limits)
+    points = {lim + d for lim in limits for d in (-1, 0, 1, 2)}
     b = 1
     while True:
         points.add(b)
-        if b > limit_batch + 2:
+        if b > max(limits) + 2:
             break
         b *= 2
     return sorted(p for p in points if 1 <= p <= max_batch)

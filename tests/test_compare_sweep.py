@@ -119,7 +119,7 @@ def test_later_prefill_chunks_are_no_admissions():
     requests = [RequestRecord(i, "unfinished", 0.0, 0.0 if i < 2 else None, (), None, 1000, 0)
                 for i in range(4)]
     admitted = sweep_math.admitted_per_step(steps, requests)
-    assert admitted == [2, 0, 0]
+    assert list(admitted) == [2, 0, 0]
     assert sweep_math.memory_wait_steps(steps, admitted, 4, 2048, 192) == 2
 
 

@@ -119,3 +119,20 @@ def test_a_draft_sweeps_default_batches_reach_its_speculative_limit(tmp_path, ca
     (row, *_) = map(json.loads, (tmp_path / "sweep.jsonl").read_text().splitlines())
     assert row["limit_batch"] == row["spec_analytic_max_batch"] == 6
     assert row["limit_batch_points"] == "speculative" and row["analytic_overrun_batch"] > 8
+
+
+def test_the_sweep_and_the_timeline_count_admissions_alike():
+    """The sweep's memory waits and the timeline's overrun counted a step's admissions each
+    their own way: a first_scheduled_s that is no step's start was admitted by the next step in
+    the timeline, by none in the sweep. One count now, of exact step starts."""
+    from batchsim.server.perf import sweep_limits
+    from batchsim.server.results import timeline
+    from batchsim.server.results.metrics import RequestRecord
+
+    from tests.test_compare_sweep import step
+
+    steps = [step(0, 0, 384, 2, 2), step(1, 0, 384, 2, 2), step(2, 2, 0, 2, 2)]
+    requests = [RequestRecord(i, "unfinished", 0.0, t, (), None, 1000, 0)
+                for i, t in enumerate([0.0, 0.0, 0.05, None])]
+    assert sweep_limits.admitted_per_step is timeline.admitted_per_step
+    assert list(timeline.admitted_per_step(steps, requests)) == [2, 0, 0]

@@ -4,15 +4,15 @@ workload under a memory budget, the batch sizes to measure, and how to read the 
 
 from __future__ import annotations
 
-import bisect
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from batchsim.scheduler.kv_bytes import CacheLayout
 from batchsim.scheduler.pool_geometry import KV_STEP, padded_batch_bytes, round_up
 from batchsim.server.results.metrics import RequestRecord, StepRecord
+from batchsim.server.results.timeline import admitted_per_step
 
 
 def seq_kv_tokens(prompt_len: int, output_len: int) -> int:
@@ -116,21 +116,6 @@ def steady_decode(steps: list[StepRecord], batch: int) -> tuple[float | None, fl
         return None, None
     mid = statistics.median(step_s)
     return batch / mid, mid * 1e3
-
-
-def admitted_per_step(steps: Sequence[StepRecord], requests: Iterable[RequestRecord]) -> list[int]:
-    """Requests each step admitted: those it first ran (first_scheduled_s is its start). The
-    prefill count is no measure of it under chunked prefill: a prompt's later chunks prefill
-    requests admitted steps before. (A preempted request's return is not counted.)"""
-    starts = [s.start_s for s in steps]
-    admitted = [0] * len(steps)
-    for r in requests:
-        if r.first_scheduled_s is None:
-            continue
-        i = bisect.bisect_left(starts, r.first_scheduled_s)
-        if i < len(steps) and starts[i] == r.first_scheduled_s:
-            admitted[i] += 1
-    return admitted
 
 
 def memory_wait_steps(steps: Sequence[StepRecord], admitted: Sequence[int], batch: int,

@@ -43,8 +43,7 @@ def overrun_index(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]
         return first
     starts = np.array([s.start_s for s in steps])
     running_before = np.array([0] + [s.num_running for s in steps[:-1]])
-    firsts = [r.first_scheduled_s for r in requests if r.first_scheduled_s is not None]
-    admitted = np.bincount(np.searchsorted(starts, firsts), minlength=len(steps) + 1)[:-1]
+    admitted = admitted_per_step(steps, requests, starts)
     used = np.array([s.batch_size + s.num_prefill_tokens for s in steps])
     room = (running_before + admitted < seqs) & (used + KV_STEP <= tokens)
     # next_room[i]: the first step >= i with room (len(steps): none)
@@ -64,6 +63,22 @@ def overrun_index(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]
     if passed.size and (first is None or passed.min() < first):
         first = int(passed.min())
     return first
+
+
+def admitted_per_step(steps: Sequence[StepRecord], requests: Sequence[RequestRecord],
+                      starts: np.ndarray | None = None) -> np.ndarray:
+    """Requests each step admitted: those it first ran (first_scheduled_s is its start), the one
+    count of the timeline's overrun and the sweep's memory waits. The prefill count is no
+    measure of it under chunked prefill: a prompt's later chunks prefill requests admitted steps
+    before. (A preempted request's return is not counted: the records do not say when.)"""
+    if starts is None:
+        starts = np.array([s.start_s for s in steps])
+    firsts = np.fromiter((r.first_scheduled_s for r in requests
+                          if r.first_scheduled_s is not None), np.float64)
+    at = np.searchsorted(starts, firsts)
+    ok = at < len(steps)
+    ok[ok] = starts[at[ok]] == firsts[ok]
+    return np.bincount(at[ok], minlength=len(steps))
 
 
 def _ran_s(r: RequestRecord) -> float:

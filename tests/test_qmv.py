@@ -14,6 +14,7 @@ from batchsim.server.perf.qmv import (
     qmm_rows,
     qmv_row_limit,
     runs_qmv,
+    runs_qmv_wide,
     split_k,
 )
 from batchsim.server.perf.reference import load_published
@@ -69,21 +70,65 @@ def test_a_published_row_is_priced_with_the_kernels_of_its_mlx():
 
 def test_qmv_rows_cost_their_arithmetic_at_its_own_rate():
     """Llama-3.1-8B 4-bit on an M1 Ultra: every matrix runs qmv below 12 rows. With the fitted
-    qmv rate each row past the first adds its FLOPs at that rate (gemv_rows_s), so the step grows
-    with the rows, more than priced as a GEMM (the rate unset: 32-row qmm tiles at the GEMM rate).
+    qmv rate each row past the first adds its FLOPs at that rate (gemv_rows_s: plain qmv on an M1,
+    whose first row's pass hides under the weight stream), so the step grows with the rows, more
+    than priced as a GEMM (the rate unset: 32-row qmm tiles at the GEMM rate).
     """
     cost = catalog_cost("llama-3.1-8b", "M1 Ultra 64c")
     assert cost.profile.gpu_family == "g13d" and cost.profile.quantized_gemv_row_gflops > 0
     one, eight = cost.decode_time(1, 512), cost.decode_time(8, 512)
     assert one.gemv_rows_s == 0 and eight.matmul_s == 0 and eight.gemv_rows_s > 0
     flops = 2 * 8 * cost.spec.num_params  # about: every weight multiplied once per row
-    assert eight.gemv_rows_s == pytest.approx(flops / (cost._qmv_gflops * 1e9), rel=0.1)
+    assert eight.gemv_rows_s == pytest.approx(7 / 8 * flops / (cost._qmv_gflops * 1e9), rel=0.1)
     assert cost.decode_time(16, 512).gemv_rows_s < eight.gemv_rows_s  # 16 rows: qmm again
     as_gemm = StepCost(cost.spec, dataclasses.replace(cost.profile, quantized_gemv_row_gflops=0),
                        "float16", 4, engine=cost.engine)
     plain = as_gemm.decode_time(8, 512)
     assert plain.gemv_rows_s == 0 and eight.total_s > plain.total_s
     assert sum(cost.linear_split(8, 4096, 4096)) == sum(cost.linear_parts(8, 4096, 4096))
+
+
+def test_qmv_rows_overlap_the_weight_stream_in_one_kernel():
+    """qmv (and qmv_wide) over m rows is one kernel whose weight stream and rows' arithmetic
+    overlap: the larger binds, as for one row. A few rows whose arithmetic is under the stream cost
+    what one row does (M3 Max, 5120 -> 17408 4-bit, ml-explore/mlx #3863: 0.129 ms at M=1 and 2);
+    past it, each row adds its arithmetic (0.165 / 0.323 ms at M=4 / 8)."""
+    cost = catalog_cost("llama-3.1-8b", "M3 Max 40c")
+    k, n = 4096, 14336
+    assert runs_qmv(cost.profile.gpu_family, 8, k, n)
+    moved_s = cost.linear_parts(1, k, n)[0]
+    row_s = 2 * k * n / (cost._qmv_gflops * 1e9)
+    fits = max(m for m in range(2, 9) if m * row_s <= moved_s)
+    assert cost.linear_parts(fits, k, n) == pytest.approx((moved_s, 0.0, 0.0), rel=1e-2)
+    over = fits + 1
+    assert cost.linear_parts(over, k, n) == pytest.approx((0.0, 0.0, over * row_s))
+    assert sum(cost.linear_parts(over, k, n)) < moved_s + over * row_s  # not the two added
+
+
+@pytest.mark.parametrize("family,mlx,wide", [
+    ("g15c", "", True), ("g15d", "0.32.0", True), ("g17g", "0.32.1", True),
+    ("g16s", "0.31.2", False), ("g14c", "", False), ("g13d", "0.32.1", False), ("", "", False)])
+def test_qmv_wide_from_mlx_0_32_0_on_m3_and_later(family, mlx, wide):
+    """ml-explore/mlx 548dd80 (#3764, first in v0.32.0): use_qmv_wide for affine weights is
+    get_architecture_gen() >= 15."""
+    assert runs_qmv_wide(family, mlx) == wide
+
+
+def test_plain_qmv_adds_every_row_past_the_first():
+    """Before MLX 0.32.0 (or on an M1/M2) qmv re-reads and dequantizes the matrix for every row:
+    the first row's pass is a one-row GEMV's, hidden under the weight stream; each further row adds
+    its arithmetic. So a step is continuous from one row to two (the second row's arithmetic)."""
+    cost = catalog_cost("llama-3.1-8b", "M3 Max 40c")
+    old = StepCost(cost.spec, dataclasses.replace(cost.profile, mlx_version="0.31.2"), "float16",
+                   4, engine=cost.engine)
+    k, n = 4096, 14336
+    row_s = 2 * k * n / (cost._qmv_gflops * 1e9)
+    assert old.linear_parts(1, k, n)[2] == 0
+    for m in (2, 4, 8):
+        moved_s, _, rows_s = old.linear_parts(m, k, n)
+        assert moved_s == pytest.approx(old.linear_parts(1, k, n)[0], rel=1e-2)
+        assert rows_s == pytest.approx((m - 1) * row_s)
+        assert sum(old.linear_parts(m, k, n)) >= sum(cost.linear_parts(m, k, n))
 
 
 def test_qmm_multiplies_whole_tiles_of_rows():

@@ -139,7 +139,8 @@ class DeviceProfile:
     # Apple GPU family ('g13d': server.perf.qmv) and the arithmetic rate of MLX's quantized
     # matrix-vector kernel over several rows (each row dequantizes and multiplies every weight):
     # a quantized layer over fewer rows than qmv.qmv_row_limit pays its FLOPs at this rate
-    # (StepTime.gemv_rows_s), over more its qmm tiles' 32 rows. 0 or no family: a plain GEMM.
+    # (StepTime.gemv_rows_s: qmv's rows past the first, or qmv_wide's rows where they outlast the
+    # weight stream), over more its qmm tiles' 32 rows. 0 or no family: a plain GEMM.
     gpu_family: str = ""
     quantized_gemv_row_gflops: float = 0.0
     # The MLX version whose qmv/qmm choice prices those layers (qmv.qmv_row_limit: its limits

@@ -4,8 +4,13 @@ MLX's `QuantizedMatmul::eval_gpu` (mlx/backend/metal/quantized.cpp, ml-explore/m
 runs qmv, the matrix-vector kernel, for M < get_qmv_batch_limit(K, N, device) rows and qmm (or
 split-K qmm) from there. qmv's grid is (M, N / bn, 1): one threadgroup per row and output block,
 so every row dequantizes and multiplies the whole matrix again (its re-reads come from cache, its
-arithmetic does not): M rows cost M times one row's arithmetic, at qmv's own rate. A decode step
-of B rows calls each linear layer with M = B (x is B x 1 x K, row contiguous).
+arithmetic does not): the first row's pass hides under the weight stream from memory, as one row's
+GEMV does, and each further row adds one pass's arithmetic at qmv's own rate. From MLX 0.32.0 on a
+generation-15-or-later GPU (M3 on) an affine layer over 2 <= M rows runs qmv_wide instead (below):
+each weight group dequantized once into up to 5 rows, one kernel whose weight stream and rows'
+arithmetic overlap, so the larger binds (an M3 Max, 5120 -> 17408 4-bit, ml-explore/mlx #3863:
+0.129 ms at M = 1 and 2, 0.165 / 0.323 ms at M = 4 / 8). A decode step of B rows calls each linear
+layer with M = B (x is B x 1 x K, row contiguous).
 
 qmm tiles M by bm = 32 rows: a layer over fewer rows than a tile multiplies the whole tile, so its
 arithmetic is that of M rounded up to 32. Since MLX 0.31.2 (ml-explore/mlx #3120) a 2-D weight over
@@ -95,6 +100,22 @@ def runs_qmv(family: str, m: int, k: int, n: int, mlx: str = "") -> bool:
     """Whether MLX `mlx` ('': the newest) runs an (m x k) @ quantized (k -> n) as qmv over several
     rows (m > 1)."""
     return 1 < m < qmv_row_limit(family, k, n, mlx)
+
+
+# ml-explore/mlx 548dd80 (#3764, 2026-06-26, first in v0.32.0): for 2 <= M < the qmv limit,
+# dispatch_qmv runs qmv_wide where `use_qmv_wide` holds (affine weights: architecture generation 15
+# on). It dequantizes each weight group once and multiplies it into up to 5 rows, so its weight
+# stream and its rows' arithmetic overlap as one row's do; plain qmv re-reads and dequantizes the
+# whole matrix for every row.
+QMV_WIDE_GENERATION = 15
+QMV_WIDE_SINCE = (0, 32, 0)
+
+
+def runs_qmv_wide(family: str, mlx: str = "") -> bool:
+    """Whether MLX `mlx` ('': the newest) runs an affine quantized layer over a few rows (qmv's
+    range) as qmv_wide on `family`."""
+    m = re.fullmatch(r"g(\d+)[gscdp]", family)
+    return bool(m) and int(m.group(1)) >= QMV_WIDE_GENERATION and mlx_release(mlx) >= QMV_WIDE_SINCE
 
 
 QMM_TILE_ROWS = 32  # qmm's (and split-K qmm's) bm: the rows each threadgroup's tile multiplies

@@ -26,8 +26,9 @@ class StepTime:
     # The serving engine's host work (server.perf.engines): per step and per generated token.
     host_step_s: float = 0.0
     host_token_s: float = 0.0
-    # Quantized linear layers MLX runs as qmv over several rows (server.perf.qmv): every row's
-    # dequantize-and-multiply at the kernel's own rate (their weights' bytes are in weights_s).
+    # Quantized linear layers MLX runs as qmv over several rows (server.perf.qmv): the rows'
+    # dequantize-and-multiply at the kernel's own rate past what hides under their weights' bytes
+    # (weights_s): plain qmv's rows past the first; qmv_wide's rows where they outlast the bytes.
     gemv_rows_s: float = 0.0
     # Speculative decoding's drafter (spec_price.draft_s): a draft model's K forwards, or the
     # n-gram drafter's lookups on the host.

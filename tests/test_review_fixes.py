@@ -3,6 +3,7 @@ test fails without its fix."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -136,3 +137,23 @@ def test_the_sweep_and_the_timeline_count_admissions_alike():
                 for i, t in enumerate([0.0, 0.0, 0.05, None])]
     assert sweep_limits.admitted_per_step is timeline.admitted_per_step
     assert list(timeline.admitted_per_step(steps, requests)) == [2, 0, 0]
+
+
+def test_steps_record_admissions_a_preempted_requests_return_included():
+    """Admissions were counted from first_scheduled_s, which a preemption does not reset: the
+    step that took a preempted request back admitted nobody, and read as a memory wait."""
+    from batchsim.server.engine.runner import run_workload
+    from batchsim.server.engine.session import open_session
+    from batchsim.server.results import timeline
+
+    from tests.test_records import sim_config
+
+    session = open_session(dataclasses.replace(sim_config(n=40), memory_gb=0.75))
+    outcome = run_workload(session, session.config.workload, out_dir=None, label="t")
+    steps, summary = outcome.steps, outcome.summary
+    assert summary["num_preemptions"] > 0 and summary["completed"] == 40
+    assert sum(s.num_admitted for s in steps) == 40 + summary["num_preemptions"]
+    admitted = timeline.admitted_per_step(steps, outcome.requests)
+    assert list(admitted) == [s.num_admitted for s in steps]
+    old = [dataclasses.replace(s, num_admitted=None) for s in steps]  # records before the field
+    assert sum(timeline.admitted_per_step(old, outcome.requests)) == 40

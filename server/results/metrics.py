@@ -132,6 +132,9 @@ class StepRecord:
     # Seconds the executor itself spent (its own clock); the rest of end_s - start_s is the engine
     # handing the step to the executor thread and back. Predicted, not measured, in simulation.
     compute_s: float | None = None
+    # Requests the record's plan admitted from the queue, new or back from a preemption (None:
+    # records written before the field; timeline.admitted_per_step counts them from requests).
+    num_admitted: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:

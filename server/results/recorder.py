@@ -67,6 +67,7 @@ class RunRecorder:
             plan.pool.capacity_tokens,
             preempted,
             sum(result.step_durations_s),  # result.elapsed_s, without the property's frame
+            len(plan.new_requests),
         )
         self.steps.append(step)
         if self._stream is not None:

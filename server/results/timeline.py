@@ -67,10 +67,13 @@ def overrun_index(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]
 
 def admitted_per_step(steps: Sequence[StepRecord], requests: Sequence[RequestRecord],
                       starts: np.ndarray | None = None) -> np.ndarray:
-    """Requests each step admitted: those it first ran (first_scheduled_s is its start), the one
-    count of the timeline's overrun and the sweep's memory waits. The prefill count is no
-    measure of it under chunked prefill: a prompt's later chunks prefill requests admitted steps
-    before. (A preempted request's return is not counted: the records do not say when.)"""
+    """Requests each step admitted, the one count of the timeline's overrun and the sweep's
+    memory waits: the scheduler's (num_admitted: new requests and preempted ones back); in
+    records written before it, those the step first ran (first_scheduled_s is its start; a
+    preempted request's return is missed). The prefill count is no measure of it under chunked
+    prefill: a prompt's later chunks prefill requests admitted steps before."""
+    if steps and all(s.num_admitted is not None for s in steps):
+        return np.array([s.num_admitted for s in steps], dtype=np.int64)
     if starts is None:
         starts = np.array([s.start_s for s in steps])
     firsts = np.fromiter((r.first_scheduled_s for r in requests

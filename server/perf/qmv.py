@@ -118,6 +118,16 @@ def runs_qmv_wide(family: str, mlx: str = "") -> bool:
     return bool(m) and int(m.group(1)) >= QMV_WIDE_GENERATION and mlx_release(mlx) >= QMV_WIDE_SINCE
 
 
+def qmv_parts(family: str, mlx: str, moved_s: float, rows_s: float,
+              m: int) -> tuple[float, float, float]:
+    """(weights_s, matmul_s, gemv_rows_s) of a layer MLX runs over m rows as qmv (each row past
+    the first adds its share of rows_s, the first hides under the weight stream moved_s) or
+    qmv_wide (stream and rows overlap: the larger binds)."""
+    if not runs_qmv_wide(family, mlx):
+        return moved_s, 0.0, rows_s * (m - 1) / m
+    return (moved_s, 0.0, 0.0) if moved_s >= rows_s else (0.0, 0.0, rows_s)
+
+
 QMM_TILE_ROWS = 32  # qmm's (and split-K qmm's) bm: the rows each threadgroup's tile multiplies
 NAX_TILE_ROWS = 64  # qmm_nax's bm past one 32-row block
 NAX_GENERATION = 17  # is_nax_available: architecture generation 17 on (18 for 'p' parts)

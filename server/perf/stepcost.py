@@ -31,7 +31,7 @@ from batchsim.server.perf.profile import (
     DeviceProfile,
     compute_dtype,
 )
-from batchsim.server.perf.qmv import on_neural_accelerators, qmm_rows, runs_qmv, runs_qmv_wide
+from batchsim.server.perf.qmv import on_neural_accelerators, qmm_rows, qmv_parts, runs_qmv
 from batchsim.server.perf.step_time import StepTime
 
 
@@ -153,7 +153,7 @@ class StepCost:
     def linear_parts(self, m: int, k: int, n: int) -> tuple[float, float, float]:
         """(weights_s, matmul_s, gemv_rows_s) of one linear layer: the GEMM fit's two terms, or
         the roofline's (roofline_split: one row binding, several adding up), a quantized layer
-        MLX runs as qmv over several rows paying its FLOPs at qmv's rate (_qmv_parts), as qmm
+        MLX runs as qmv over several rows paying its FLOPs at qmv's rate (qmv.qmv_parts), as qmm
         those of its tiles' padded rows (server.perf.qmv)."""
         if self.gemm is not None:
             weights_ns, flops_ns = self.gemm.terms_ns(m, k, n)
@@ -162,19 +162,13 @@ class StepCost:
         if self._qmv_gflops:
             family = self.profile.gpu_family
             if runs_qmv(family, m, k, n, self.profile.mlx_version):
-                return self._qmv_parts(moved_s, 2 * m * k * n / (self._qmv_gflops * 1e9), m)
+                rows_s = 2 * m * k * n / (self._qmv_gflops * 1e9)
+                return qmv_parts(family, self.profile.mlx_version, moved_s, rows_s, m)
             if m > 1:  # qmm: its tiles' padded rows, off the Neural Accelerators at shader rate
                 nax = on_neural_accelerators(family, m, k, n)
                 flops_s *= qmm_rows(family, m, nax) / m
                 flops_s /= 1.0 if nax else self.profile.shader_flops_share
         return (*roofline_split(moved_s, flops_s, overlapped=m <= 1), 0.0)
-
-    def _qmv_parts(self, moved_s: float, rows_s: float, m: int) -> tuple[float, float, float]:
-        """A layer MLX runs over m rows as qmv (each row past the first adds its share of rows_s)
-        or qmv_wide (stream and rows overlap: the larger binds), as server.perf.qmv says."""
-        if not runs_qmv_wide(self.profile.gpu_family, self.profile.mlx_version):
-            return moved_s, 0.0, rows_s * (m - 1) / m
-        return (moved_s, 0.0, 0.0) if moved_s >= rows_s else (0.0, 0.0, rows_s)
 
     @cached_property
     def _qmv_gflops(self) -> float:

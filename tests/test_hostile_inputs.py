@@ -173,3 +173,25 @@ def test_an_api_key_with_a_line_break_is_one_line_before_the_run(capsys, tmp_pat
     rc, _, err = _main(["run", "--target", "http://127.0.0.1:9/v1", "--out", str(tmp_path)],
                        capsys)
     assert rc == 2 and "OPENAI_API_KEY holds a control character" in _one_line(err), err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("change, says", [
+    ({"bandwidth_gbs": float("nan")}, "bandwidth_gbs must be finite and > 0, got nan"),  # hung
+    ({"peak_tflops": {"float32": -5.0}}, "peak_tflops must be finite and > 0, got -5"),  # traceback
+    ({"forward_overhead_s": -1.0}, "forward_overhead_s must be finite and >= 0, got -1"),
+    ({"bandwidth_efficiency": 0.0}, "bandwidth_efficiency must be finite and > 0, got 0"),
+])
+def test_a_device_profile_with_a_rate_that_cannot_price_a_step_is_one_line(capsys, tmp_path,
+                                                                          change, says):
+    """A hand-edited profile YAML: NaN bandwidth hung the simulated run (SIGTERM could not stop
+    it), a negative peak was "step 0: ends at -0.006 before it starts" as a traceback, and a
+    negative overhead ran and reported faster steps than the roofline allows."""
+    import yaml
+
+    profile = tmp_path / "mine.yaml"
+    profile.write_text(yaml.safe_dump({"name": "mine", "bandwidth_gbs": 100.0,
+                                       "peak_tflops": {"float32": 1.0}, **change}))
+    rc, _, err = _main(["run", "--executor", "sim", "--device-profile", str(profile),
+                        "--num-prompts", "2", "--out", str(tmp_path / "runs")], capsys)
+    assert rc == 2 and says in _one_line(err), err

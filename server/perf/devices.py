@@ -4,6 +4,7 @@ Mac from the catalog (roofline with the catalog's achievable-efficiency fraction
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 
@@ -28,8 +29,26 @@ def save_profile(profile: DeviceProfile, path: Path) -> Path:
     return path
 
 
+# A profile's rates, each a divisor of some cost: zero, negative or NaN priced steps that ended
+# before they began (a ValueError traceback) or never ended (the run hung).
+POSITIVE = ("bandwidth_gbs", "peak_tflops", "bandwidth_efficiency", "compute_efficiency",
+            "expert_bandwidth_efficiency", "quantized_gemv_gbs", "quantized_gemm_gflops")
+
+
 def load_profile(path: str | Path) -> DeviceProfile:
-    return load_dataclass(DeviceProfile, path)
+    """A profile YAML, its top-level numbers checked: rates positive and finite, costs and other
+    terms finite and >= 0 (the calibration tables check their own)."""
+    profile = load_dataclass(DeviceProfile, path)
+    for field in dataclasses.fields(DeviceProfile):
+        value = getattr(profile, field.name)
+        values = value.values() if isinstance(value, dict) else [value]
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        low_ok = (lambda v: v > 0) if field.name in POSITIVE else (lambda v: v >= 0)
+        bad = [v for v in numbers if not (math.isfinite(v) and low_ok(v))]
+        if bad:
+            rule = "> 0" if field.name in POSITIVE else ">= 0"
+            raise ConfigError(f"{path}: {field.name} must be finite and {rule}, got {bad[0]}")
+    return profile
 
 
 def _candidates(name: str) -> list[Path]:

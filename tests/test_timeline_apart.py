@@ -3,9 +3,13 @@ process, its failures one warning that costs the run nothing, and no child left 
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import signal
 import sys
 
+import pytest
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 from batchsim.server.results import timeline_draw
@@ -42,10 +46,36 @@ def test_a_failed_child_is_one_warning_and_the_run_keeps_its_summary(tmp_path, m
     monkeypatch.setattr(sys, "executable", "/bin/false")  # starts, answers nothing, exits 1
     with caplog.at_level(logging.WARNING, logger="batchsim"):
         outcome = _run(tmp_path, "t", "apart")
-    assert outcome.summary["timeline_png"] is None and outcome.summary["completed"] == 30
-    assert (outcome.run_dir / "summary.json").exists()
+    png = outcome.run_dir / "timeline.png"
+    assert outcome.summary["timeline_png"] == str(png) and png.exists()  # drawn here instead
+    assert outcome.summary["completed"] == 30 and (outcome.run_dir / "summary.json").exists()
     assert [r.getMessage() for r in caplog.records] == [
-        "timeline.png: not drawn (the drawing process exited 1: no message)"]
+        "timeline.png: drawn here (the drawing process exited 1: no message)"]
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_child_is_killed_after_its_wait_and_the_summary_is_kept(tmp_path, monkeypatch,
+                                                                        caplog):
+    monkeypatch.setattr(timeline_draw, "DRAW_WAIT_S", 0.5)
+    monkeypatch.setattr(timeline_draw, "DRAW_WAIT_PER_STEP_S", 0.0)
+    session = open_session(sim_config(n=30))
+    with caplog.at_level(logging.WARNING, logger="batchsim"), DrawingProcess() as drawing:
+        child = drawing._child
+        assert child is not None
+        os.kill(child.pid, signal.SIGSTOP)  # never answers
+        outcome = run_workload(session, session.config.workload, out_dir=tmp_path, label="t",
+                               timeline=drawing)
+    assert child.poll() is not None  # killed, not left behind
+    assert outcome.summary["timeline_png"] is None and outcome.summary["completed"] == 30
+    assert json.loads((outcome.run_dir / "summary.json").read_text())["completed"] == 30
+    assert [r.getMessage() for r in caplog.records] == [
+        "timeline.png: not drawn (the drawing process did not answer in 0.5 s; stopped)"]
+
+
+def test_no_python_to_name_draws_here(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "executable", None)  # as sys.executable may be when embedded
+    outcome = _run(tmp_path, "t", "apart")
+    assert outcome.summary["timeline_png"] == str(outcome.run_dir / "timeline.png")
 
 
 def test_no_child_to_start_draws_here(tmp_path, monkeypatch):

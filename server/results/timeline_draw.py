@@ -28,6 +28,8 @@ from batchsim.server.results.timeline import (
 
 DPI = 100
 _GIB = float(1 << 30)
+DRAW_WAIT_S = 20.0  # the drawing child's time to answer once sent (matplotlib's import under load)
+DRAW_WAIT_PER_STEP_S = 1e-4  # and per step of the run (its panels pickled, read, drawn)
 HEADROOM = 1.08  # y-axes reach a little past the tallest line (a line on the frame is hidden)
 
 
@@ -161,23 +163,29 @@ def _kv_panel(ax, series: _Series, overrun_s: float | None, limits: Limits) -> N
 class DrawingProcess:
     """A child process that draws timeline.png: started before a run, it imports matplotlib on
     another core meanwhile; `send` gives it the panels when the run ends, `result` waits for the
-    picture (after the summary is made). No child (it could not start): drawn here."""
+    picture (after the summary is made) at most `wait_s`. No child (it could not start), or a
+    child that failed: drawn here. A child that does not answer in time is killed."""
 
     def __init__(self) -> None:
         self._reply: tuple[str | None, str | None] | None = None
+        self._job: tuple[Path, Panels] | None = None
         self._talk: threading.Thread | None = None
+        self.wait_s = DRAW_WAIT_S
         try:  # its own session: Ctrl-C at the terminal stops the run, which then draws
             self._child: subprocess.Popen | None = subprocess.Popen(
-                [sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+                [sys.executable or "", "-m", __name__], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-        except OSError:
+        except OSError:  # no such program: sys.executable None ("") or gone
             self._child = None
 
-    def send(self, path: Path, panels: Panels) -> None:
-        """Draw `panels` at `path` (in the child, while this process goes on)."""
+    def send(self, path: Path, panels: Panels, num_steps: int = 0) -> None:
+        """Draw `panels` at `path` (in the child, while this process goes on); a run of
+        `num_steps` steps allows the child DRAW_WAIT_PER_STEP_S more each."""
+        self._job = (path, panels)
         if self._child is None:
             self._reply = drawn(lambda: draw_panels(path, panels))
             return
+        self.wait_s = DRAW_WAIT_S + DRAW_WAIT_PER_STEP_S * num_steps
         blob = pickle.dumps((path, panels), protocol=pickle.HIGHEST_PROTOCOL)
         # A thread writes: the pipe holds less than the panels while the child still imports.
         self._talk = threading.Thread(target=self._exchange, args=(self._child, blob), daemon=True)
@@ -186,25 +194,43 @@ class DrawingProcess:
     def _exchange(self, child: subprocess.Popen, blob: bytes) -> None:
         try:
             out, err = child.communicate(blob)
-        except OSError as exc:  # the child is gone
+        except (OSError, ValueError) as exc:  # the child is gone, or its pipes closed by close()
             out, err = b"", str(exc).encode()
         self._reply = _reply(out, err, child.returncode)
 
     def result(self) -> tuple[str | None, str | None]:
         """(the picture's path, None), or (None, why it was not drawn)."""
         if self._talk is not None:
-            self._talk.join()
-        return self._reply or (None, f"{TIMELINE}: not drawn (nothing was sent to draw)")
+            self._talk.join(self.wait_s)
+            if self._talk.is_alive():  # stopped or hung: the run's summary does not wait on it
+                self._end_child()
+                return None, (f"{TIMELINE}: not drawn (the drawing process did not answer in "
+                              f"{self.wait_s:.1f} s; stopped)")
+        reply = self._reply or (None, f"{TIMELINE}: not drawn (nothing was sent to draw)")
+        if reply[0] is None and self._job is not None and reply[1] and _CHILD_FAILED in reply[1]:
+            path, panels = self._job  # the child failed before drawing: drawn here instead
+            here = drawn(lambda: draw_panels(path, panels))
+            return here[0], reply[1].replace("not drawn", "drawn here", 1) if here[0] else here[1]
+        return reply
+
+    def _end_child(self) -> None:
+        child = self._child
+        if child is not None and child.poll() is None:
+            child.kill()  # SIGKILL ends a stopped (SIGSTOP) child too
+        if self._talk is not None:
+            self._talk.join(DRAW_WAIT_S)
 
     def close(self) -> None:
-        """A child not sent anything (the run failed) ends now; a child drawing is waited for."""
+        """A child not sent anything (the run failed) ends now; a child drawing is waited for
+        (at most its `wait_s`)."""
         child = self._child
         if child is None:
             return
         if self._talk is None:
             child.kill()
-        elif self._talk.is_alive():
-            self._talk.join()
+        else:
+            self._talk.join(self.wait_s)
+            self._end_child()
         child.wait()
         for stream in (child.stdin, child.stdout, child.stderr):
             if stream is not None and not stream.closed:
@@ -217,14 +243,17 @@ class DrawingProcess:
         self.close()
 
 
+_CHILD_FAILED = "the drawing process exited"
+
+
 def _reply(out: bytes, err: bytes, returncode: int | None) -> tuple[str | None, str | None]:
     """The child's answer, or why it gave none (its last line on stderr)."""
     try:
         path, why = json.loads(out)
         return path, why
-    except ValueError:
+    except (ValueError, TypeError):
         last = (err.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
-        return None, f"{TIMELINE}: not drawn (the drawing process exited {returncode}: {last})"
+        return None, f"{TIMELINE}: not drawn ({_CHILD_FAILED} {returncode}: {last})"
 
 
 def _warm() -> None:

@@ -195,3 +195,12 @@ def test_a_device_profile_with_a_rate_that_cannot_price_a_step_is_one_line(capsy
     rc, _, err = _main(["run", "--executor", "sim", "--device-profile", str(profile),
                         "--num-prompts", "2", "--out", str(tmp_path / "runs")], capsys)
     assert rc == 2 and says in _one_line(err), err
+
+
+def test_a_lognormal_length_with_a_huge_std_is_one_line(capsys, tmp_path):
+    """`input_len: {dist: lognormal, mean: 100, std: 1e300}` in a workload YAML was an
+    OverflowError traceback while sampling."""
+    workload = tmp_path / "wide.yaml"
+    workload.write_text("num_prompts: 4\ninput_len: {dist: lognormal, mean: 100, std: 1e300}\n")
+    rc, _, err = _main(["run", *SIM, str(workload), "--out", str(tmp_path)], capsys)
+    assert rc == 2 and "length 'std' must be <= 2147483647, got 1e+300" in _one_line(err), err

@@ -45,7 +45,9 @@ class LengthSpec:
             if not ok:
                 raise ConfigError(
                     f"length dist {self.dist!r} needs a positive {key!r}, got {value!r}")
-        big = [k for k in ("value", "min", "max", "mean") if (getattr(self, k) or 0) > MAX_TOKENS]
+        # std too: lognormal's (std / mean) ** 2 overflowed (an OverflowError traceback at 1e300)
+        big = [k for k in ("value", "min", "max", "mean", "std")
+               if (getattr(self, k) or 0) > MAX_TOKENS]
         if big:
             value = getattr(self, big[0])
             raise ConfigError(f"length {big[0]!r} must be <= {MAX_TOKENS}, got {value!r}")

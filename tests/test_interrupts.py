@@ -33,6 +33,19 @@ def open_session(cfg, executor=None):
     time.sleep(60)  # the model 'loads' until the signal arrives
 session.open_session = open_session
 """
+# The signal while session.py itself is imported (the lazy parser imports it after the run
+# directory is made): a finder on the import path signals, then the import goes on slowly.
+_WHILE_IMPORTING_SESSION = """
+import importlib.abc
+class Signalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "batchsim.server.engine.session":
+            os.kill(os.getpid(), signal.{sig})
+            time.sleep(60)  # the import 'takes' until the signal arrives
+        return None
+assert "batchsim.server.engine.session" not in sys.modules
+sys.meta_path.insert(0, Signalled())
+"""
 _WHILE_SUMMARIZING = """
 import batchsim.server.engine.runner as runner
 summarize = runner.summarize
@@ -119,6 +132,14 @@ def finished_interrupted(proc: subprocess.Popen) -> tuple[dict, list[RequestReco
 def test_a_signal_while_the_model_loads_leaves_an_interrupted_run(batchsim_home, tmp_path):
     proc = start(batchsim_home, tmp_path, *FAKE, "--num-prompts", "5",
                  patch=_DURING_LOAD.format(sig="SIGTERM"))
+    summary, reqs = finished_interrupted(proc)
+    assert summary["completed"] == 0 and reqs == []
+
+
+def test_a_signal_while_the_session_module_imports_leaves_an_interrupted_run(batchsim_home,
+                                                                              tmp_path):
+    proc = start(batchsim_home, tmp_path, *FAKE, "--num-prompts", "5",
+                 patch=_WHILE_IMPORTING_SESSION.format(sig="SIGTERM"))
     summary, reqs = finished_interrupted(proc)
     assert summary["completed"] == 0 and reqs == []
 

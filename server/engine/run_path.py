@@ -90,13 +90,14 @@ def run_session(session: Session, out_dir: Path, view: RunView = QUIET,
 
 def _open_and_run(cfg: RunConfig, run_dir: Path, label: str, stop: Interrupts, view: RunView,
                   timeline: bool | DrawingProcess) -> dict[str, Any]:
-    from batchsim.server.engine.run_dir import record_stopped_before_start
-    from batchsim.server.engine.session import open_session
+    try:  # the import too: session.py and the scheduler load while a signal stops the run
+        from batchsim.server.engine.session import open_session
 
-    try:
         session = open_session(cfg)
     except KeyboardInterrupt:  # a signal while the model loads: nothing ran, and it says so
-        with stop.answered_by():
+        with stop.answered_by():  # signals noted from here, not raised
+            from batchsim.server.engine.run_dir import record_stopped_before_start
+
             summary = record_stopped_before_start(cfg, run_dir, timeline)
             view.finished(summary)
             return summary

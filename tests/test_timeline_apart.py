@@ -10,6 +10,7 @@ import signal
 import sys
 
 import pytest
+from batchsim.server.engine import runner
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 from batchsim.server.results import timeline_draw
@@ -90,3 +91,19 @@ def test_a_child_sent_nothing_ends_with_the_run():
     assert child is not None and child.poll() is None  # importing matplotlib meanwhile
     drawing.close()
     assert child.poll() is not None
+
+
+def test_panels_that_fail_are_one_warning_and_the_records_and_summary_are_kept(tmp_path,
+                                                                            monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no panels")
+
+    monkeypatch.setattr(runner, "run_timeline_panels", broken)
+    with caplog.at_level(logging.WARNING, logger="batchsim"):
+        outcome = _run(tmp_path, "t", "apart")
+    saved = json.loads((outcome.run_dir / "summary.json").read_text())
+    assert saved["timeline_png"] is None and saved["completed"] == 30
+    lines = (outcome.run_dir / "requests.jsonl").read_text().splitlines()
+    assert len(lines) == 30 and (outcome.run_dir / "steps.jsonl").read_text().count("\n") > 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "timeline.png: not drawn (RuntimeError: no panels)"]

@@ -248,8 +248,8 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
     times = request_arrays.token_times(records)  # once: for the summary and the picture
     draw = run_dir is not None and bool(timeline) and not (stream and stream.error)
     if draw and run_dir is not None and drawing is not None:  # drawn while this goes on
-        drawing.send(run_dir / TIMELINE,
-                     run_timeline_panels(records, steps, session, spec, times[0]), len(steps))
+        drawing.send(run_dir / TIMELINE, lambda: run_timeline_panels(records, steps, session,
+                                                                     spec, times[0]), len(steps))
     cfg = session.config
     summary = summarize(
         records, steps, duration_s=duration, percentiles=cfg.percentiles,

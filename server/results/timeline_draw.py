@@ -91,7 +91,11 @@ def drawn(draw: Callable[[], Path]) -> tuple[str | None, str | None]:
     try:
         return str(draw()), None
     except Exception as exc:  # noqa: BLE001 -- matplotlib's failures are many; say which, go on
-        return None, f"{TIMELINE}: not drawn ({type(exc).__name__}: {exc})"
+        return _failed(exc)
+
+
+def _failed(exc: Exception) -> tuple[None, str]:
+    return None, f"{TIMELINE}: not drawn ({type(exc).__name__}: {exc})"
 
 
 def _line(ax, series: _Series, name: str, label: str, color: str) -> None:
@@ -178,15 +182,22 @@ class DrawingProcess:
         except OSError:  # no such program: sys.executable None ("") or gone
             self._child = None
 
-    def send(self, path: Path, panels: Panels, num_steps: int = 0) -> None:
-        """Draw `panels` at `path` (in the child, while this process goes on); a run of
-        `num_steps` steps allows the child DRAW_WAIT_PER_STEP_S more each."""
+    def send(self, path: Path, make_panels: Callable[[], Panels], num_steps: int = 0) -> None:
+        """Draw the panels `make_panels` gives at `path` (in the child, while this process goes
+        on; their failure is this picture's, not the run's); a run of `num_steps` steps allows
+        the child DRAW_WAIT_PER_STEP_S more each."""
+        try:
+            panels = make_panels()
+            blob = (b"" if self._child is None else
+                    pickle.dumps((path, panels), protocol=pickle.HIGHEST_PROTOCOL))
+        except Exception as exc:  # noqa: BLE001 -- as drawn(): say which, the run goes on
+            self._reply = _failed(exc)
+            return
         self._job = (path, panels)
         if self._child is None:
             self._reply = drawn(lambda: draw_panels(path, panels))
             return
         self.wait_s = DRAW_WAIT_S + DRAW_WAIT_PER_STEP_S * num_steps
-        blob = pickle.dumps((path, panels), protocol=pickle.HIGHEST_PROTOCOL)
         # A thread writes: the pipe holds less than the panels while the child still imports.
         self._talk = threading.Thread(target=self._exchange, args=(self._child, blob), daemon=True)
         self._talk.start()

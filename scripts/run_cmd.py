@@ -78,8 +78,10 @@ def run(args: argparse.Namespace) -> dict:
         return summary
     from batchsim.server.results.timeline_draw import DrawingProcess
 
-    # timeline.png by a child process: it imports matplotlib while the run opens and runs
-    with contextlib.nullcontext(False) if args.no_timeline else DrawingProcess() as drawing:
+    # A simulated run's timeline.png by a child process: it imports matplotlib while the run
+    # opens and runs. A measured run's is drawn after it: nothing else runs while it decodes.
+    apart = not args.no_timeline and cfg.executor == "sim"
+    with DrawingProcess() if apart else contextlib.nullcontext(not args.no_timeline) as drawing:
         summary = _run_here(cfg, args, drawing)
     if summary["completed"] == 0 and not summary.get("interrupted"):
         raise CommandFailed(_served_nothing(summary, cfg.workload.num_prompts), summary,

@@ -107,3 +107,25 @@ def test_panels_that_fail_are_one_warning_and_the_records_and_summary_are_kept(t
     assert len(lines) == 30 and (outcome.run_dir / "steps.jsonl").read_text().count("\n") > 0
     assert [r.getMessage() for r in caplog.records] == [
         "timeline.png: not drawn (RuntimeError: no panels)"]
+
+
+@pytest.mark.parametrize("executor", ["sim", "fake"])
+def test_only_a_simulated_run_starts_a_drawing_child(executor, batchsim_home, tmp_path,
+                                                     monkeypatch, capsys):
+    from batchsim.scripts.cli import main
+
+    started = []
+
+    class Counted(DrawingProcess):
+        def __init__(self) -> None:
+            started.append(self)
+            super().__init__()
+
+    monkeypatch.setattr(timeline_draw, "DrawingProcess", Counted)
+    model = (["--device-profile", "M2 Max", "--model", "llama-3.2-1b", "--quantize", "4"]
+             if executor == "sim" else ["--model", "tiny"])
+    assert main(["run", "--executor", executor, *model, "--num-prompts", "4", "--input-len", "16",
+                 "--output-len", "8", "--no-progress", "--out", str(tmp_path)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(started) == (executor == "sim")  # a measured run decodes with no child beside it
+    assert summary["timeline_png"] and os.path.exists(summary["timeline_png"])

@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if not is_rank_process():  # a rank's 130 would read as a failure to its launcher
             code = EXIT_INTERRUPTED  # the records so far are kept; the code says they are partial
-    if _PROGRAM and argv is None and isinstance(summary, dict) and summary.get("executor") == "sim":
+    if (_PROGRAM and argv is None and args.command == "run" and isinstance(summary, dict)
+            and summary.get("executor") == "sim"):
         _exit_without_teardown(code)  # a simulated run: no device, no ranks to close
     return code
 

@@ -4,6 +4,7 @@ for as usual."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -40,3 +41,18 @@ def test_the_program_ends_after_atexit_without_freeing_its_objects():
 def test_a_running_thread_leaves_the_exit_to_the_interpreter():
     done = _probe("thread")
     assert done.returncode == 0 and "returned" in done.stdout and "freed" in done.stdout
+
+
+def test_only_a_simulated_run_exits_without_teardown(tmp_path, monkeypatch, capsys):
+    from batchsim.scripts import cli
+
+    quick = []
+    monkeypatch.setattr(cli, "_PROGRAM", True)  # as the batchsim program, argv from sys.argv
+    monkeypatch.setattr(cli, "_exit_without_teardown", quick.append)
+    sim = ["--executor", "sim", "--device-profile", "M2 Max", "--model", "llama-3.2-1b",
+           "--quantize", "4", "--num-prompts", "4", "--no-progress", "--no-timeline"]
+    monkeypatch.setattr(sys, "argv", ["batchsim", "run", *sim, "--out", str(tmp_path)])
+    assert cli.main() == 0 and quick == [0]
+    run_dir = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["run_dir"]
+    monkeypatch.setattr(sys, "argv", ["batchsim", "report", run_dir])
+    assert cli.main() == 0 and quick == [0]  # a report of that run (executor sim) exits as usual

@@ -256,7 +256,7 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
         goodput_slo_ms=cfg.goodput, kv_budget_bytes=session.kv_budget_bytes,
         weight_bytes=session.weight_bytes, peak_memory_bytes=_peak_memory(session),
         peak_rss_bytes=peak_resident_bytes() if session.executor.caps.real_compute else None,
-        token_times=times,
+        token_times_s=times,
     )
     plans = len(steps)
     summary.update({

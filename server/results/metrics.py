@@ -339,15 +339,15 @@ def summarize(
     weight_bytes: int | None = None,
     peak_memory_bytes: int | None = None,
     peak_rss_bytes: int | None = None,
-    token_times: tuple[np.ndarray, np.ndarray] | None = None,
+    token_times_s: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """One run's summary. `duration_s` is the benchmark duration (vLLM: start until the last request
     ends); every throughput divides by it, and is 0 when it is 0. `request_goodput` is None unless
-    SLOs are given, as in vLLM's JSON. `token_times`: request_arrays.token_times(requests), if the
-    caller has them."""
+    SLOs are given, as in vLLM's JSON. `token_times_s`: request_arrays.token_times(requests) (times
+    in s, their requests' indices), if the caller has them."""
     slo = parse_goodput([f"{k}:{v}" for k, v in goodput_slo_ms.items()]) if goodput_slo_ms else None
     done = [r for r in requests if r.status == "finished"]
-    all_times, all_owner = token_times or request_arrays.token_times(requests)
+    all_times, all_owner = token_times_s or request_arrays.token_times(requests)
     finished = np.array([r.status == "finished" for r in requests], dtype=bool)
     mine = finished[all_owner]
     times, owner = all_times[mine], all_owner[mine]  # the completed requests' tokens

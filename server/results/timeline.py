@@ -128,11 +128,11 @@ def output_rate(times_s: np.ndarray, end_s: float, step_s: float = 0.0
     """Output tokens per second (`times_s`: every token's time) in bins of 1 s (a wider 1-2-5
     width on long runs or for steps over half a second (`step_s`: their median), narrower on runs
     under 20 s): bin centers, rates and the bin width."""
-    width = bin_width_s(max(end_s / MAX_POINTS if end_s > MAX_POINTS else min(1.0, end_s / 20),
-                            2 * step_s))  # steps longer than a bin would alias
-    edges = np.arange(0.0, end_s + width, width)
+    width_s = bin_width_s(max(end_s / MAX_POINTS if end_s > MAX_POINTS else min(1.0, end_s / 20),
+                              2 * step_s))  # steps longer than a bin would alias
+    edges = np.arange(0.0, end_s + width_s, width_s)
     counts, _ = np.histogram(times_s, edges)
-    return (edges[:-1] + edges[1:]) / 2, counts / width, width
+    return (edges[:-1] + edges[1:]) / 2, counts / width_s, width_s
 
 
 def bin_width_s(at_least_s: float) -> float:
@@ -152,7 +152,7 @@ class Panels:
     limits: Limits
     series: _Series | None = None  # None: no steps recorded
     overrun_s: float | None = None  # when the first step that waited for memory started
-    rate: tuple[np.ndarray, np.ndarray, float] | None = None  # output_rate's
+    rate: tuple[np.ndarray, np.ndarray, float] | None = None  # output_rate's (x_s, /s, width_s)
 
 
 def timeline_panels(requests: Sequence[RequestRecord], steps: Sequence[StepRecord],

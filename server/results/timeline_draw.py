@@ -58,10 +58,10 @@ def _figure(panels: Panels, canvas: tuple | None = None):
     _requests_panel(axes[0], series, limits.max_num_seqs)
     _batch_panel(axes[1], series)
     _kv_panel(axes[2], series, panels.overrun_s, limits)
-    x, rate, width = panels.rate
-    axes[3].plot(x, rate, color="tab:green", lw=1)
+    x_s, rate, width_s = panels.rate
+    axes[3].plot(x_s, rate, color="tab:green", lw=1)
     axes[3].set_ylabel("output tok/s")
-    axes[3].set_title(f"output tokens per second ({width:g}-s bins)", fontsize=9, loc="left")
+    axes[3].set_title(f"output tokens per second ({width_s:g}-s bins)", fontsize=9, loc="left")
     axes[3].set_xlabel("time since the run started (s)")
     num_steps = len(series.t)
     how = (f"{num_steps} step records in {MAX_POINTS} time bins: mean, band from min to max"

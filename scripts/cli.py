@@ -249,10 +249,15 @@ def main(argv: list[str] | None = None) -> int:
 
         if not is_rank_process():  # a rank's 130 would read as a failure to its launcher
             code = EXIT_INTERRUPTED  # the records so far are kept; the code says they are partial
-    if (_PROGRAM and argv is None and args.command == "run" and isinstance(summary, dict)
-            and summary.get("executor") == "sim"):
-        _exit_without_teardown(code)  # a simulated run: no device, no ranks to close
+    if _quick_exit(args, argv, summary):
+        _exit_without_teardown(code)
     return code
+
+
+def _quick_exit(args: argparse.Namespace, argv: list[str] | None, summary: object) -> bool:
+    """The batchsim program's simulated `run`: no device, no ranks to close."""
+    return (_PROGRAM and argv is None and args.command == "run" and isinstance(summary, dict)
+            and summary.get("executor") == "sim")
 
 
 def _exit_without_teardown(code: int) -> None:

@@ -55,10 +55,15 @@ class Blocks(Protocol):
 # Assumed: a gathered expert matmul (mlx's gather_qmm) reaches half the dense GEMM rate per FLOP
 # (small per-expert tiles, index gathers). Only compute-bound (large-batch) steps feel it.
 GATHER_MATMUL_EFFICIENCY = 0.5
-# mlx-lm's SwitchGLU sorts tokens by expert once B*k >= 64 (grouped matmul); below, each
-# (token, expert) pair is its own gathered mat-vec. Either way we charge distinct experts' bytes
-# (repeat reads of one expert assumed to hit the cache).
-SORT_MIN_PAIRS = 64
+# How MLX runs routed experts (mlx-lm switch_layers.py SwitchGLU; ml-explore/mlx
+# mlx/backend/metal/quantized.cpp GatherQMM::eval_gpu): SwitchGLU gives every (token, expert)
+# pair its own one-row matrix (M = 1) and sorts the pairs by expert once B*k >= 64. A pair count P
+# over E experts runs gather_qmm_rhs (one grouped matmul per expert) only where
+# P >= 16, the pairs are sorted and P / E >= 4 (8 in some MLX copies; qwen3-30b-a3b's
+# 128 experts top-8 from B = 64 tokens, gpt-oss-20b's 32 top-4 from B = 32); below, gather_qmv
+# runs one mat-vec per pair, its grid (M, N/8, P) streaming the pair's expert. Decode steps are
+# priced as that: each pair's mat-vec, distinct experts' bytes once (a repeat read of an expert
+# assumed to hit the cache: sorted pairs run back to back, unsorted ones at small P together).
 # Assumed: the gated-delta update touches each recurrent-state element ~6 times per token.
 LINEAR_FLOPS_PER_STATE_ELEMENT = 6
 # Measured on the CPU only: one full-attention layer's decode read in the paged layout (mx.take

@@ -63,6 +63,16 @@ def header() -> str:
             f"load average {os.getloadavg()[0]:.1f}; fit: {' '.join(fit['fitted_on'].split())}")
 
 
+_FIT_MACS: dict[str, dict] = {}
+
+
+def fit_macs(tmp: Path) -> dict:
+    """`batchsim fit-macs --json`, run once for the figures that read it (moe, trust)."""
+    if "doc" not in _FIT_MACS:
+        _FIT_MACS["doc"] = batchsim(["fit-macs"], tmp)
+    return _FIT_MACS["doc"]
+
+
 def fit_terms(_: Path) -> list[str]:
     """The terms the README's 'Per-Mac GPU step' paragraph quotes."""
     f = yaml.safe_load(FIT.read_text())
@@ -162,6 +172,46 @@ def spec(tmp: Path) -> list[str]:
                       f"{r['decode_tok_s_b1_spec'] / r['decode_tok_s_b1']:.2f}",
                       f"> {r['max_batch_padded']}" if even is None else str(even)]
         lines.append("| " + " | ".join(cells) + " |")
+    for model in ("llama-3.1-8b", "qwen3-30b-a3b"):  # the same rates, a draft every step
+        args = ["size", "--model", model, "--quantize", "4", "--spec-tokens", "4",
+                "--acceptance", "0.55,0.37,0.28,0.23", "--draft-share", "1"]
+        gains = sorted((r["decode_tok_s_b1_spec"] / r["decode_tok_s_b1"], r["label"])
+                       for r in batchsim(args, tmp)["rows"] if r["max_batch_padded"])
+        lines.append(f"`{shown(args)}`: K=4 x b1 {gains[0][0]:.2f}x ({gains[0][1]}) to "
+                     f"{gains[-1][0]:.2f}x ({gains[-1][1]})")
+    return lines
+
+
+def draft(tmp: Path) -> list[str]:
+    """A 1B draft model vs n-gram lookup at acceptance 0.8 (README: 'A draft model instead')."""
+    lines = []
+    for mac in ("M2 Ultra 76c", "M4 Max 40c", "M5 Max 40c"):
+        for drafter in ([], ["--draft-model", "llama-3.2-1b"]):
+            args = ["size", *Q4_8B, "--spec-tokens", "4", "--acceptance", "0.8", "--mac", mac,
+                    *drafter]
+            r = max(batchsim(args, tmp)["rows"], key=lambda r: r["memory_gb"])
+            lines.append(f"`{shown(args)}`: {r['decode_tok_s_b1_spec'] / r['decode_tok_s_b1']:.2f}x"
+                         f" at batch 1, {r['spec_break_even']} at batch "
+                         f"{r['spec_break_even_batch']}, max batch {r['max_batch_padded']}")
+    return lines
+
+
+def spec_run(tmp: Path) -> list[str]:
+    """The simulated n-gram run at 0.1 and 20 req/s (README: 'Example: run --executor sim')."""
+    ngram = ["--spec-method", "ngram", "--spec-tokens", "4", "--acceptance",
+             "0.55,0.37,0.28,0.23"]
+    cases = [("0.1", "100", []), ("0.1", "100", [*ngram, "--draft-share", "0.085"]),
+             ("0.1", "100", [*ngram, "--draft-share", "1"]), ("20", "500", []),
+             *[("20", "500", [*ngram, "--draft-share", "0.085", "--spec-policy", policy])
+               for policy in ("fixed", "shrink")]]
+    lines = []
+    for rate, prompts, extra in cases:
+        args = ["run", "--executor", "sim", *Q4_8B, "--device-profile", "M2 Ultra", "--seed",
+                "3", "--num-prompts", prompts, "--request-rate", rate, *extra, "--no-timeline",
+                "--no-progress", "--out", str(tmp / "runs")]
+        s = batchsim(args, tmp)
+        lines.append(f"`{shown(args)}`: mean batch {s['mean_batch_size']:.2f}, median TPOT "
+                     f"{s['median_tpot_ms']:.2f} ms, output {s['output_throughput']:.0f} tok/s")
     return lines
 
 
@@ -173,7 +223,8 @@ def prefix(tmp: Path) -> list[str]:
                 "--device-profile", "M2 Max", *Q4_8B]
         d = batchsim(args, tmp)
         off, on = d["cache_off"], d["cache_on"]
-        lines.append(f"`{shown(args)}`: TTFT p50 {off['median_ttft_ms'] / 1e3:.2f} s -> "
+        lines.append(f"`{shown(args)}`: hit rate {on['prefix_cache_hit_rate']:.2f}, "
+                     f"TTFT p50 {off['median_ttft_ms'] / 1e3:.2f} s -> "
                      f"{on['median_ttft_ms'] / 1e3:.2f} s, p99 {off['p99_ttft_ms'] / 1e3:.1f} -> "
                      f"{on['p99_ttft_ms'] / 1e3:.1f} s, output {off['output_throughput']:.1f} -> "
                      f"{on['output_throughput']:.1f} tok/s")
@@ -182,7 +233,7 @@ def prefix(tmp: Path) -> list[str]:
 
 def moe(tmp: Path) -> list[str]:
     """fit-macs' after_tok_s for the MoE rows the README quotes, and every batched MoE row."""
-    rows = batchsim(["fit-macs"], tmp)["cv"]["rows"]
+    rows = fit_macs(tmp)["cv"]["rows"]
     quoted = ("mlxlm-m4max-qwen3-30b-a3b-q4-b1-2k", "llmfit-m2pro-gpt-oss-20b-q4-b1")
     batched = [r for r in rows if r["batch"] > 1 and any(
         m in r["model"] for m in ("-a3b", "-a22b", "gpt-oss", "deepseek", "mixtral"))]
@@ -193,6 +244,21 @@ def moe(tmp: Path) -> list[str]:
                      f"{'' if r['explained'] else ', unexplained'}): predicted "
                      f"{r['after_tok_s']:.1f} vs {r['measured_tok_s']:.1f} measured "
                      f"({100 * (r['after_tok_s'] / r['measured_tok_s'] - 1):+.0f}%)")
+    return lines
+
+
+def trust(tmp: Path) -> list[str]:
+    """The held-out errors of the README's trust table ('How far to trust it'), now and before."""
+    cv = fit_macs(tmp)["cv"]
+    lines = []
+    for label, folds in (("now", cv), ("before (batch-1-only fit)", cv["before"])):
+        for fold in ("leave_one_source_out", "leave_one_chip_out"):
+            for rows, part in (("all rows", folds[fold]), ("explained rows only",
+                                                             folds[fold]["explained_only"])):
+                cells = [f"{100 * part[k]['median_abs']:.1f}% / {100 * part[k]['worst_abs']:.0f}%"
+                         f" (n {part[k]['n']})" for k in ("b1", "batched", "gain")]
+                lines.append(f"| {fold.replace('_', ' ')}, {label}, {rows} | "
+                             + " | ".join(cells) + " |")
     return lines
 
 
@@ -229,13 +295,29 @@ def hour(tmp: Path) -> list[str]:
                      f"{s['output_throughput']:.0f} output tok/s, mean TTFT "
                      f"{s['mean_ttft_ms'] / 1e3:.0f} s (p99 {s['p99_ttft_ms'] / 1e3:,.0f} s), "
                      f"mean TPOT {s['mean_tpot_ms']:.0f} ms, max concurrent "
-                     f"{s['max_concurrent_requests']:,}")
+                     f"{s['max_concurrent_requests']:,}, peak KV {s['peak_kv_bytes'] / 2**30:.1f} "
+                     f"of {s['kv_budget_bytes'] / 2**30:.0f} GiB, {s['num_plans']:,} plans over "
+                     f"{s['duration']:,.0f} simulated s")
+    return lines
+
+
+def cliff(_: Path) -> list[str]:
+    """The decode step each side of the qmv batch limit (README: 'Known wrong shape')."""
+    from batchsim.server.perf.batch_gain import catalog_cost  # pricing only: no matmul runs
+
+    lines = []
+    for chip, batches in (("M2 Max 30c", (4, 5, 6)), ("M3 Max 40c", (12, 13))):
+        cost = catalog_cost("llama-3.1-8b", chip)
+        steps = ", ".join(f"{1e3 * cost.decode_time(b, 512).total_s:.1f} ms at {b}"
+                          for b in batches)
+        lines.append(f"{chip}, llama-3.1-8b 4-bit, 512 tokens of context: decode step {steps}")
     return lines
 
 
 FIGURES: dict[str, Callable[[Path], list[str]]] = {
     "fit_terms": fit_terms, "per_mac": per_mac, "engines": engines, "m5": m5, "spec": spec,
-    "prefix": prefix, "moe": moe, "cluster": cluster, "hour": hour,
+    "draft": draft, "spec_run": spec_run, "prefix": prefix, "moe": moe, "trust": trust,
+    "cluster": cluster, "hour": hour, "cliff": cliff,
 }
 
 

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 from typing import NamedTuple
 
+from batchsim.scheduler.plan import made
 from batchsim.scheduler.pool_geometry import KV_STEP, PAGE_TOKENS, PoolGeometry
 
 
@@ -118,7 +119,7 @@ class CacheLayout:
         return b
 
     def private(self, chunk_start: int, computed_tokens: int) -> PrivateCache:
-        return tuple.__new__(PrivateCache, (  # every field: without namedtuple's __new__ frame
+        return made(PrivateCache, (  # every field, in order (plan.made)
             chunk_start, computed_tokens, self.private_bytes(chunk_start, computed_tokens)))
 
     def alone_bytes(self, total_tokens: int) -> int:

@@ -8,8 +8,10 @@ from typing import NamedTuple
 from batchsim.scheduler.pool_geometry import PoolGeometry
 from batchsim.scheduler.request import SamplingParams
 
-# made(cls, values) is cls(*values) for a named tuple below given every field in order, without
-# the Python-level __new__ that namedtuple generates (a frame per message, several a plan).
+# made(cls, values) is cls(*values) for a named tuple given every field in order, without the
+# Python-level __new__ that namedtuple generates (a frame per message, several a plan). It checks
+# no count: a value left out gives a short tuple, not a default (tests/test_review_r4.py checks a
+# run's). The one spelling of it (here, kv_bytes.PrivateCache, pool_rows.RowMoves).
 made = tuple.__new__
 
 

@@ -13,6 +13,7 @@ from collections.abc import Collection
 from typing import NamedTuple
 
 from batchsim.scheduler.kv_bytes import CacheLayout
+from batchsim.scheduler.plan import made
 from batchsim.scheduler.pool_geometry import EMPTY_PAGED_POOL, EMPTY_POOL, PoolGeometry
 
 
@@ -74,8 +75,8 @@ class PoolLayout:
             for h, m in zip(holes, movers):
                 rows[h] = rows[m]
             del rows[keep:]
-        # every field: without namedtuple's __new__ frame (a leave most plans)
-        return tuple.__new__(RowMoves, (holes, movers, len(movers) * self._row_bytes))
+        # every field, in order (plan.made: a leave most plans)
+        return made(RowMoves, (holes, movers, len(movers) * self._row_bytes))
 
     def join(self, request_id: int, num_tokens: int) -> int:
         """Give a prefilled request of `num_tokens` the next row; returns the row. The copy is

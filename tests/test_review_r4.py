@@ -49,3 +49,23 @@ def test_tuple_new_has_one_spelling():
     spelled = [str(p.relative_to(ROOT)) for top in ("scheduler", "server", "scripts", "workloads")
                for p in (ROOT / top).rglob("*.py") if "tuple.__new__(" in p.read_text()]
     assert spelled == []
+
+
+def test_a_preempted_requests_return_with_a_seat_free_is_no_memory_wait():
+    """e39bb2c's own test checked the bookkeeping: here the bug. Request 1 is preempted at step 1
+    and returns at step 2 with seats free; its first_scheduled_s stays 0.0, so counted from the
+    requests step 2 admitted nobody while one waited: a memory wait. num_admitted says 1."""
+    from batchsim.server.perf.sweep_limits import memory_wait_steps
+    from batchsim.server.results.metrics import RequestRecord
+    from batchsim.server.results.timeline import admitted_per_step
+
+    from tests.test_compare_sweep import step
+
+    steps = [dataclasses.replace(step(0, 0, 384, 2, 0), num_admitted=2),
+             dataclasses.replace(step(1, 1, 0, 1, 1), num_preemptions=1, num_admitted=0),
+             dataclasses.replace(step(2, 1, 192, 2, 0), num_admitted=1)]  # request 1 is back
+    requests = [RequestRecord(i, "unfinished", 0.0, 0.0, (), None, 192, 0) for i in (0, 1)]
+    old = [dataclasses.replace(s, num_admitted=None) for s in steps]
+    waits = [memory_wait_steps(s, admitted_per_step(s, requests), 4, 2048, 192)
+             for s in (old, steps)]
+    assert waits == [1, 0]

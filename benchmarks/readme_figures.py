@@ -7,8 +7,8 @@ command instead of a hunt through the README:
 Every figure is a prediction (`size`, `compare`/`run --executor sim`, `fit-macs`), not a
 measurement, so the load of the machine changes none of them; the header gives the date, the
 commit (with `+dirty` if the tree differs from it), the machine and the fit they were taken at.
-Runs go to a temporary directory (nothing is appended to results/). About 1-2 minutes on 2 cores,
-most of it `fit-macs` (the MoE rows) and the simulated hour.
+Runs go to a temporary directory (nothing is appended to results/). About 3 minutes on 2 cores at
+load 2, two thirds of it one `fit-macs` run (shared by the trust table and the MoE rows).
 """
 
 from __future__ import annotations

@@ -225,6 +225,12 @@ def _bad_gguf(kind: str, path: Path) -> Path:
             "types_short": {"tokenizer.ggml.token_type": mx.array([3, 3], dtype=mx.int32)},
             "dup_token": {"tokenizer.ggml.tokens": _llama_meta(mx)["tokenizer.ggml.tokens"][:-4]
                           + ["<|im_end|>", "Ġt", "he", "Ġthe"]},
+            "dup_control": {"tokenizer.ggml.tokens": _llama_meta(mx)["tokenizer.ggml.tokens"][:-4]
+                            + ["<|endoftext|>", "Ġt", "he", "Ġthe"]},
+            "dup_user": {"tokenizer.ggml.token_type": mx.array([3, 3, 3, 4] + [1] * 258,
+                                                               dtype=mx.int32),
+                         "tokenizer.ggml.tokens": _llama_meta(mx)["tokenizer.ggml.tokens"][:-4]
+                         + ["!", "Ġt", "he", "Ġthe"]},
             "vocab_short": {"llama.vocab_size": u32(100)},
             "rope_partial": {"llama.rope.dimension_count": u32(HEAD_DIM // 2),
                              "llama.attention.key_length": u32(HEAD_DIM)},
@@ -255,6 +261,9 @@ def _bad_gguf(kind: str, path: Path) -> Path:
     ("types_scalar", "tokenizer.ggml.token_type must be an array of 262 integers"),
     ("types_short", "tokenizer.ggml.token_type must be an array of 262 integers"),
     ("dup_token", "tokenizer.ggml.eos_token_id 2 is '<|im_end|>', listed again as id 258"),
+    # r4: any other special token repeated imported, its string mapped to the later id
+    ("dup_control", "token 0 '<|endoftext|>' (control) is listed again as id 258"),
+    ("dup_user", "token 3 '!' (user-defined) is listed again as id 258"),
     ("vocab_short", "llama.vocab_size 100 is less than the 262 tokens"),
     ("rope_partial", "llama.rope.dimension_count 8 differs from the head dimension 16"),
     ("rope_scaled", "llama.rope.scaling.type 'linear' is not supported"),

@@ -79,14 +79,16 @@ def _token_types(g: Gguf, tokens: list[str]) -> list[int]:
             isinstance(t, int) for t in types):
         raise GgufError(f"{g.path}: tokenizer.ggml.token_type must be an array of "
                         f"{len(tokens)} integers (one per token), got {str(types)[:40]}")
-    _check_specials_kept(g, tokens)
+    _check_specials_kept(g, tokens, types)
     return types
 
 
-def _check_specials_kept(g: Gguf, tokens: list[str]) -> None:
+def _check_specials_kept(g: Gguf, tokens: list[str], types: list[int]) -> None:
     """A string listed twice reads as its last id, as llama.cpp's token_to_id (an earlier id has
     no string of its own in a BPE vocabulary; real vocabularies repeat some): refused only where
-    that earlier id is a special one, an end-of-sequence that would decode to nothing."""
+    that earlier id is a special one (a role's, or a CONTROL or USER_DEFINED token, which
+    add_special_tokens and add_tokens would map to the later id): an end-of-sequence, or a
+    turn's end such as <|eot_id|>, would decode to nothing."""
     last = {t: i for i, t in enumerate(tokens)}
     for role in SPECIAL_ROLES:
         idx = g.value(f"tokenizer.ggml.{role}_token_id")
@@ -94,6 +96,11 @@ def _check_specials_kept(g: Gguf, tokens: list[str]) -> None:
             raise GgufError(f"{g.path}: tokenizer.ggml.{role}_token_id {idx} is "
                             f"{tokens[idx]!r}, listed again as id {last[tokens[idx]]}: the "
                             "string would read as that id, not the special one")
+    for idx, (t, ty) in enumerate(zip(tokens, types)):
+        if ty in (CONTROL, USER_DEFINED) and last[t] != idx:
+            kind = "control" if ty == CONTROL else "user-defined"
+            raise GgufError(f"{g.path}: token {idx} {t!r} ({kind}) is listed again as id "
+                            f"{last[t]}: the string would read as that id, not the special one")
 
 
 def _flag(g: Gguf, key: str) -> bool:

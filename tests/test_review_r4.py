@@ -7,6 +7,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+import pytest
 from batchsim.scheduler import plan as plan_mod
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
@@ -69,3 +70,17 @@ def test_a_preempted_requests_return_with_a_seat_free_is_no_memory_wait():
     waits = [memory_wait_steps(s, admitted_per_step(s, requests), 4, 2048, 192)
              for s in (old, steps)]
     assert waits == [1, 0]
+
+
+def test_a_trace_cut_mid_character_names_the_characters_first_byte(tmp_path):
+    """A file ending in the first two bytes of a three-byte character (€ is e2 82 ac) was said to
+    go wrong at its end (byte 132), not where the character starts (byte 130)."""
+    from batchsim.configs import ConfigError
+    from batchsim.workloads.traces import read_trace
+
+    rows = "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "2023-11-16 18:15:46.68,374,44\n" * 3
+    path = tmp_path / "t.csv"
+    path.write_bytes(rows.encode() + b"\xe2\x82")
+    assert path.stat().st_size == 132
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 130: "):
+        read_trace(path)

@@ -199,7 +199,7 @@ def _bad_utf8_at(path: Path) -> int:
             except UnicodeDecodeError as exc:
                 return offset - pending + exc.start
             offset += len(chunk)
-    return offset  # cut short in a character
+    return offset - len(decoder.getstate()[0])  # cut short: where that character began
 
 
 def scale_length(n: int, scale: float, cap: int | None) -> int:

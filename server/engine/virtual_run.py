@@ -48,9 +48,6 @@ class VirtualRun:
         self._next = 0  # the next request to issue
         self._stopping = False
 
-    def time(self) -> float:
-        return self.now_s
-
     def stop(self) -> None:
         """Stop issuing and stepping after the current step (safe from a signal handler)."""
         self._stopping = True
@@ -59,7 +56,7 @@ class VirtualRun:
         """Until every request has left the engine (or a stop); the simulated duration."""
         engine = self.engine
         scheduler = engine.scheduler
-        # self.time as a C callable (engine.now() runs at every arrival and finish): no frame
+        # now_s read by a C callable (engine.now() runs at every arrival and finish): no frame
         engine.start_clock(functools.partial(getattr, self, "now_s"))
         try:
             self._loop(engine, scheduler)

@@ -84,3 +84,30 @@ def test_a_trace_cut_mid_character_names_the_characters_first_byte(tmp_path):
     assert path.stat().st_size == 132
     with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 130: "):
         read_trace(path)
+
+
+def _zoo_layouts():
+    from batchsim.server.models.spec import zoo_names, zoo_spec
+
+    for name in zoo_names():
+        spec = zoo_spec(name)
+        for kv_bits in (None, 4, 8):
+            try:
+                layout = spec.cache_layout("float16", kv_bits)
+            except ValueError:  # a KV quantization the model's layers refuse
+                continue
+            yield f"{name} kv{kv_bits}", layout
+
+
+def test_an_empty_private_cache_holds_no_bytes_in_every_layout():
+    """sim_executor.execute gives a new request's prefill cache 0 bytes without asking the
+    layout: CacheLayout.private_bytes(0, 0) must be 0 for every layout, fixed states and draft
+    rows included (they are held by pool rows, not by a cache with no tokens)."""
+    from batchsim.scheduler.kv_bytes import CacheLayout
+
+    layouts = dict(_zoo_layouts())
+    draft = CacheLayout(64, ((128, 32),), 1000)
+    layouts |= {f"{k} + draft": v.with_draft(draft) for k, v in list(layouts.items())}
+    layouts |= {"state only": CacheLayout(0, (), 40_000), "window only": CacheLayout(0, ((8, 64),))}
+    assert len(layouts) > 20
+    assert {k: v.private_bytes(0, 0) for k, v in layouts.items() if v.private_bytes(0, 0)} == {}

@@ -392,4 +392,3 @@ class Scheduler:
         self.kv.check(computed, releasing=set(self._pending_free))
         if len(self.running) > self.config.max_num_seqs:
             raise KVAccountError(f"{len(self.running)} running > max_num_seqs")
-

@@ -63,8 +63,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="without --memory-gb: a budget of weights + this many sequences' KV at "
                    f"full length (padded to {KV_STEP} tokens) + half a sequence, so the analytic "
                    "limit is exactly this batch and the default sweep finishes in minutes (with "
-                   "--draft-model: the speculative points' limit, spec_analytic_max_batch, with "
-                   "the draft's weights and rows; plain batching's analytic_overrun_batch is more)")
+                   "--draft-model: the speculative points' limit, the draft's weights and rows "
+                   "counted; plain batching's limit is higher)")
     g.add_argument("--device-budget", action="store_true",
                    help="use the device's own budget (MLX working set, or 75%% of RAM on the CPU "
                    "backend) instead of --limit-batch")

@@ -50,6 +50,7 @@ def test_an_older_run_directory_with_two_differing_workloads_is_one_line(capsys,
     rc, _, err = _main(["run", str(path), "--out", str(tmp_path / "c")], capsys)
     line = _one_line(err)
     assert rc == 2 and "put the one to run under `config: workload:`" in line, err
+    assert ": holds two different workloads (an older layout): the top-level" in line, err
 
 
 @pytest.mark.timeout(120)

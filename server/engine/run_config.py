@@ -177,10 +177,9 @@ def _run_dir_config(data: dict[str, Any], path: str | Path) -> dict[str, Any]:
     silently, or refused pointing at the other)."""
     config, copy = data["config"], data.get("workload")
     if copy is not None and copy != config.get("workload"):
-        raise ConfigError(f"{path}: an older run directory's config holding two workloads that "
-                          "differ, the top-level `workload:` (what that run replayed) and "
-                          "`config: workload:`: put the one to run under `config: workload:` "
-                          "and delete the top-level `workload:`")
+        raise ConfigError(f"{path}: holds two different workloads (an older layout): the "
+                          "top-level `workload:` is what that run replayed; put the one to run "
+                          "under `config: workload:` and delete the top-level one")
     return config
 
 

@@ -109,4 +109,3 @@ class RunRecorder:
             num_preemptions=r.num_preemptions,
             finish_reason=r.finish_reason,
         )
-

@@ -32,6 +32,9 @@ class PrefillChunk(NamedTuple):
     start: int  # position of the chunk's first token (= tokens already in the request's cache)
     num_tokens: int  # tokens computed by this chunk
     sample: bool  # the chunk reaches the request's last known token: sample the next one
+    # No token sampled for the request yet (False: a preempted request recomputing): a sampling
+    # chunk of a fresh request samples its first token (where host_request_us is paid).
+    fresh: bool = True
 
 
 class CacheOps(NamedTuple):

@@ -200,7 +200,8 @@ class StepBudget:
         rid = request.request_id
         # the chunk reaches the last known token (num_tokens, without the property's frame)
         sample = c + n == request.num_prompt_tokens + request.num_output_tokens
-        self.prefills.append(made(PrefillChunk, (rid, c, n, sample)))
+        fresh = not request.num_output_tokens
+        self.prefills.append(made(PrefillChunk, (rid, c, n, sample, fresh)))
         old = self.private.get(rid)
         new = self.private[rid] = self.cache.private(c, c + n)
         self.private_bytes += new.kv_bytes - old.kv_bytes if old is not None else new.kv_bytes

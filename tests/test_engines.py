@@ -386,16 +386,18 @@ def test_a_simulated_run_puts_an_engines_request_cost_in_ttft(tmp_path, capsys, 
     monkeypatch.setattr(engines, "ENGINES_DIR", mine)
     load_engine.cache_clear()
     got = {}
-    for engine in ("batchsim", "my-server"):
-        out = tmp_path / engine
-        assert main(["run", "--executor", "sim", "--device-profile", "M4 Max", "--model",
-                     "llama-3.2-1b", "--dtype", "float16", "--engine", engine, "--num-prompts",
-                     "1", "--input-len", "64", "--output-len", "16", "--no-progress", "--out",
-                     str(out)]) == 0
-        capsys.readouterr()
-        runs = list(out.rglob("requests.jsonl"))
-        got[engine] = json.loads(runs[0].read_text().splitlines()[0])
-    load_engine.cache_clear()
+    try:
+        for engine in ("batchsim", "my-server"):
+            out = tmp_path / engine
+            assert main(["run", "--executor", "sim", "--device-profile", "M4 Max", "--model",
+                         "llama-3.2-1b", "--dtype", "float16", "--engine", engine, "--num-prompts",
+                         "1", "--input-len", "64", "--output-len", "16", "--no-progress", "--out",
+                         str(out)]) == 0
+            capsys.readouterr()
+            runs = list(out.rglob("requests.jsonl"))
+            got[engine] = json.loads(runs[0].read_text().splitlines()[0])
+    finally:  # no profile read from tmp_path stays cached, whatever failed
+        load_engine.cache_clear()
     slow, fast = got["my-server"], got["batchsim"]
     assert slow["ttft_ms"] == pytest.approx(fast["ttft_ms"] + 200.0, rel=1e-6)
     assert slow["e2el_ms"] - slow["ttft_ms"] == pytest.approx(fast["e2el_ms"] - fast["ttft_ms"])
@@ -499,3 +501,33 @@ def test_host_work_scales_with_the_macs_cpu_generation():
     from batchsim.server.perf.spec_price import model_drafter
     draft = model_drafter(on_m1, zoo_spec("qwen3-0.6b"), "float16").cost
     assert draft.engine.host_token_us == pytest.approx(on_m1.engine.host_token_us)
+
+
+def test_a_preempted_request_pays_its_request_cost_once():
+    """host_request_us is paid where a request samples its first token, not again when it was
+    preempted and its recompute's last chunk samples (the scheduler marks that chunk not fresh),
+    in step_time and the simulator's fast path alike."""
+    from batchsim.scheduler.pool_geometry import KV_STEP
+    from batchsim.scheduler.scheduler import Scheduler
+    from batchsim.server.executors.fake_executor import FakeExecutor
+
+    from tests.drivers import config, drive, make_request
+
+    s = Scheduler(config(kv_budget_bytes=512 * 3 * KV_STEP, max_num_seqs=2, row_step=1))
+    old, new = make_request(1, 200, 100), make_request(2, 200, 100)
+    trace = drive(s, FakeExecutor(), [(0, old), (0, new)])
+    assert new.num_preemptions >= 1
+    sampling = [c for p in trace.plans for c in p.prefills if c.sample]
+    fresh = [c.fresh for c in sampling if c.request_id == 2]
+    assert fresh[0] and len(fresh) >= 2 and not any(fresh[1:])  # first, then recomputes
+    spec = zoo_spec("llama-3.2-1b")
+    cost = StepCost(spec, _mac(), "float16", 4, engine=_engine(host_request_us=150_000))
+    plain = StepCost(spec, _mac(), "float16", 4)
+    paid = sum(cost.step_time(len(p.decode_ids), 256, p.prefills).host_request_s
+               for p in trace.plans)
+    assert paid == pytest.approx(2 * 0.15)  # two requests, one recompute not charged
+    assert cost.prefill_forward_s(64, 0, True, 1, 0) == pytest.approx(
+        plain.prefill_forward_s(64, 0, True), rel=1e-12)
+    assert cost.prefill_time(64, 0, True, 3, 1).host_request_s == pytest.approx(0.15)
+    assert cost.prefill_forward_s(64, 0, True, 3, 1) == pytest.approx(
+        plain.prefill_forward_s(64, 0, True, 3) + 0.15, rel=1e-12)

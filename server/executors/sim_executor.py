@@ -45,7 +45,8 @@ class SimExecutor:
         # Paged, cached blocks are pool blocks: request id -> those its row will reference.
         self._shared: dict[int, int] = {}
         # Prices that repeat, remembered (StepCost is a pure function of its arguments):
-        self._prefill_s: dict[tuple[int, int, bool, int], float] = {}  # (n, start, sample, rows)
+        # (n, start, sample, rows, rows sampling their first token) -> seconds
+        self._prefill_s: dict[tuple[int, int, bool, int, int], float] = {}
         self._decode_s: dict[tuple[int, int], float] = {}  # (rows, width): per-step models
         self.spec = spec  # speculative decoding's accepted drafts (None: off)
         # (rows, K drafted, start, K asked, rows drafting): K more tokens a row and the drafter
@@ -84,12 +85,14 @@ class SimExecutor:
             sampling: list[int] = []
             for group in ((prefills,) if len(prefills) == 1  # alone: its own group
                           else prefill_groups.groups(prefills)):  # as the MLX executor runs them
-                _, start, n, sample = group[0]  # PrefillChunk, unpacked: fields cost a call
-                t += self._prefill_forward_s(n, start, sample, len(group))
-                for rid, start, n, sample in group:
+                started = 0  # rows sampling their request's first token
+                for rid, start, n, sample, fresh in group:  # PrefillChunk: fields cost a call
                     self._set_private(rid, start, start + n)
                     if sample:
                         sampling.append(rid)
+                        started += fresh
+                _, start, n, sample, _ = group[0]
+                t += self._prefill_forward_s(n, start, sample, len(group), started)
             sampled = (*sampled, *sampling)
         if spec:
             return self._verify(plan, t, sampled)
@@ -154,11 +157,13 @@ class SimExecutor:
             durations.append(d)
             elapsed += d
 
-    def _prefill_forward_s(self, n: int, start: int, sample: bool, rows: int) -> float:
-        key = (n, start, sample, rows)
+    def _prefill_forward_s(self, n: int, start: int, sample: bool, rows: int,
+                           started: int) -> float:
+        key = (n, start, sample, rows, started)
         s = self._prefill_s.get(key)
         if s is None:
-            s = _remember(self._prefill_s, key, self.cost.prefill_forward_s(n, start, sample, rows))
+            s = _remember(self._prefill_s, key,
+                          self.cost.prefill_forward_s(n, start, sample, rows, started))
         return s
 
     def _decode_forward_s(self, rows: int, width: int) -> float:

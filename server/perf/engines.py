@@ -30,9 +30,10 @@ class EngineProfile:
     # chat templating, tokenizing, hand-off): priced on the prefill chunk that samples a request's
     # first token (in its TTFT; a decode step never pays it), serially, as a step's other host
     # work. No shipped profile sets it: fitted per engine on the published rows that count TTFT
-    # (mlx-inference-server's runs imply about 0.15 s), it left held-out medians worse (h5,
-    # 2026-12-05), so `fit-macs` keeps to per-step and per-token costs; a profile of your own
-    # server may set a measured one.
+    # (commit a69c817's variant B: mlx-inference-server 94 ms a request), it left held-out medians
+    # worse (h5, 2026-12-05), so `fit-macs` keeps to per-step and per-token costs; a profile of
+    # your own server may set a measured one. A preempted request's recompute does not pay it
+    # again (PrefillChunk.fresh).
     host_request_us: float = 0.0
     # False: every request runs alone, one row at a time (a B-row step costs B one-row passes).
     batches: bool = True

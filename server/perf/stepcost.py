@@ -5,9 +5,9 @@ With a calibrated profile each term is measured on the device: the linear layers
 GEMM model, attention per K/V byte (decode) or FLOP (prefill), elementwise ops per byte, and
 fixed costs per layer and per forward pass. Without one (a Mac from the catalog) each linear layer
 is its bytes at the achievable bandwidth and its FLOPs at the achievable matmul rate (one row: the
-larger; several rows: both, layer_cost.roofline_split), the other terms
-move their bytes at the achievable bandwidth, and the profile's fixed time per
-layer and per forward pass (fitted on published MLX measurements: server.perf.mac_fit) is `fixed_s`.
+larger; several rows: both, layer_cost.roofline_split), the other terms move their bytes at the
+achievable bandwidth, and the profile's fixed time per layer and per forward pass (fitted on
+published MLX measurements: server.perf.mac_fit) is `fixed_s`.
 
 `step_time` returns the named parts (`StepTime`); the simulator's fast path (`decode_parts`,
 `prefill_forward_s`) adds up the same building blocks without building them."""
@@ -26,11 +26,7 @@ from batchsim.server.perf.cluster import Cluster
 from batchsim.server.perf.engines import EngineProfile, load_engine
 from batchsim.server.perf.kernels import kernel_layers
 from batchsim.server.perf.layer_cost import LayerCost, roofline_split
-from batchsim.server.perf.profile import (
-    Calibration,
-    DeviceProfile,
-    compute_dtype,
-)
+from batchsim.server.perf.profile import Calibration, DeviceProfile, compute_dtype
 from batchsim.server.perf.qmv import on_neural_accelerators, qmm_rows, qmv_parts, runs_qmv
 from batchsim.server.perf.step_time import StepTime
 
@@ -41,6 +37,7 @@ class Chunk(Protocol):
     num_tokens: int
     start: int
     sample: bool
+    fresh: bool  # its request has no token yet (False: a recompute): host_request_us is paid
 
 
 def weight_format(dtype: str, quantize_bits: int | None) -> str:
@@ -68,7 +65,6 @@ def quantized_ceilings(profile: DeviceProfile,
     gemv = profile.quantized_gemv_gbs.get(quantize_bits) if quantize_bits else None
     gemm = profile.quantized_gemm_gflops.get(quantize_bits) if quantize_bits else None
     return (gemv * 1e9 if gemv else None), (gemm * 1e9 if gemm else None)
-
 
 
 class StepCost:
@@ -176,8 +172,7 @@ class StepCost:
         return self.profile.quantized_gemv_row_gflops if self.quantize_bits else 0.0
 
     def linear_layers_s(self, m: int) -> float:
-        """Every linear layer of one forward pass over m rows, routed experts included (lm head
-        excluded)."""
+        """Every linear layer of a forward over m rows, routed experts included, not the lm head."""
         return self.layers.linear_s(m)
 
     def lm_head_s(self, m: int) -> float:
@@ -207,8 +202,7 @@ class StepCost:
 
     def _fixed_s(self) -> float:
         """A forward pass's fixed cost: its dispatches, and (a catalog Ultra) its MoE layers'."""
-        dispatch_s, moe_s = self._fixed_parts_s
-        return dispatch_s + moe_s
+        return sum(self._fixed_parts_s)
 
     def _dispatch_s(self) -> float:
         """A forward pass's kernel dispatch and graph building: per layer and per forward."""
@@ -317,10 +311,12 @@ class StepCost:
                   - self._elementwise_s(1, False))
         return t + sum(self._row_parts(0, n, int(sample), int(sample)).values())
 
-    def prefill_forward_s(self, n: int, start: int, sample: bool, rows: int = 1) -> float:
+    def prefill_forward_s(self, n: int, start: int, sample: bool, rows: int = 1,
+                          started: int | None = None) -> float:
         if rows > 1:
-            return self.prefill_time(n, start, sample, rows).total_s
-        return self._prefill_base_s(n, sample) + self.layers.prefill_attention_s(n, start)
+            return self.prefill_time(n, start, sample, rows, started).total_s
+        return (self._prefill_base_s(n, sample) + self.layers.prefill_attention_s(n, start)
+                - (sample and started == 0) * self.engine.host_request_s)  # a recompute: none
 
     def copy_s(self, nbytes: float) -> float:
         p = self.profile
@@ -350,10 +346,15 @@ class StepCost:
                         self._graphs_fixed_s(batch), 0.0, experts_s=experts_s,
                         gemv_rows_s=gemv_s, **self._row_parts(batch, batch, batch))
 
-    def prefill_time(self, n: int, start: int, sample: bool, rows: int = 1) -> StepTime:
+    def prefill_time(self, n: int, start: int, sample: bool, rows: int = 1,
+                     started: int | None = None) -> StepTime:
         """One prefill forward of `n` tokens after `start` cached ones, for `rows` prompts at once
         (prefill_groups.py: their linear layers one GEMM over rows x n tokens, one fixed cost;
-        no step overhead; an engine running this model one row at a time: one prompt a pass)."""
+        no step overhead; an engine running this model one row at a time: one prompt a pass).
+        `started`: the sampling rows that pay host_request_us (None: all; not a recompute's)."""
+        if sample and started not in (None, rows):
+            return dataclasses.replace(self.prefill_time(n, start, sample, rows),
+                                       host_request_s=started * self.engine.host_request_s)
         if self.serial_prefill and rows > 1:
             return self.prefill_time(n, start, sample).times(rows)
         weights_s, matmul_s, experts_s, attention_s, gemv_s = self.layers.prefill(n, start,
@@ -373,7 +374,8 @@ class StepCost:
         rows = head_rows = 0
         for group in prefill_groups.groups(list(prefills)):
             c, g = group[0], len(group)
-            total += self.prefill_time(c.num_tokens, c.start, c.sample, g)
+            total += self.prefill_time(c.num_tokens, c.start, c.sample, g,
+                                       sum(x.fresh for x in group))
             rows, head_rows = rows + g * c.num_tokens, head_rows + (g if c.sample else 0)
         if decode_rows:
             total += self.decode_time(decode_rows, width)

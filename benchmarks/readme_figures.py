@@ -248,7 +248,7 @@ def moe(tmp: Path) -> list[str]:
 
 
 def trust(tmp: Path) -> list[str]:
-    """The held-out errors of the README's trust table ('How far to trust it'), now and before."""
+    """The trust table's held-out errors ('How far to trust it'), now and before; worst rows."""
     cv = fit_macs(tmp)["cv"]
     lines = []
     for label, folds in (("now", cv), ("before (batch-1-only fit)", cv["before"])):
@@ -259,6 +259,11 @@ def trust(tmp: Path) -> list[str]:
                          f" (n {part[k]['n']})" for k in ("b1", "batched", "gain")]
                 lines.append(f"| {fold.replace('_', ' ')}, {label}, {rows} | "
                              + " | ".join(cells) + " |")
+    held = "leave_one_source_out_tok_s"  # the paragraph's worst rows: held out by source
+    worst = sorted(cv["rows"], key=lambda r: -abs(r[held] / r["measured_tok_s"] - 1))[:12]
+    lines += [f"worst held out (source): {r['id']} ({r['engine']}, B={r['batch']}"
+              f"{'' if r['explained'] else ', unexplained'}) "
+              f"{100 * (r[held] / r['measured_tok_s'] - 1):+.0f}%" for r in worst]
     return lines
 
 

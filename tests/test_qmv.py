@@ -9,9 +9,11 @@ import pytest
 from batchsim.server.perf import gpu_fit, macs
 from batchsim.server.perf.batch_gain import catalog_cost
 from batchsim.server.perf.qmv import (
+    QMV_WIDE_TILE_ROWS,
     gpu_family,
     has_neural_accelerators,
     qmm_rows,
+    qmv_parts,
     qmv_row_limit,
     runs_qmv,
     runs_qmv_wide,
@@ -64,8 +66,12 @@ def test_a_published_row_is_priced_with_the_kernels_of_its_mlx():
     ran = row_cost(row, macs.load_catalog(), model)
     newest = row_cost(dataclasses.replace(row, mlx_version=None), macs.load_catalog(), model)
     assert ran.profile.mlx_version == "0.32.0.dev" and newest.profile.mlx_version == ""
-    assert ran.decode_time(32, 192).gemv_rows_s == 0
-    assert newest.decode_time(32, 192).gemv_rows_s > 0
+    family = ran.profile.gpu_family
+    assert not runs_qmv(family, 32, 1024, 2048, "0.32.0.dev") and runs_qmv(family, 32, 1024, 2048)
+    ran_step, newest_step = ran.decode_time(32, 192), newest.decode_time(32, 192)
+    assert ran_step.gemv_rows_s == 0
+    # qmv_wide's 7 five-row tiles each stream the projections' weights
+    assert newest_step.weights_s > ran_step.weights_s
 
 
 def test_qmv_rows_cost_their_arithmetic_at_its_own_rate():
@@ -89,28 +95,42 @@ def test_qmv_rows_cost_their_arithmetic_at_its_own_rate():
 
 
 def test_qmv_rows_overlap_the_weight_stream_in_one_kernel():
-    """qmv (and qmv_wide) over m rows is one kernel whose weight stream and rows' arithmetic
-    overlap: the larger binds, as for one row. A few rows whose arithmetic is under the stream cost
-    what one row does (M3 Max, 5120 -> 17408 4-bit, ml-explore/mlx #3863: 0.129 ms at M=1 and 2);
-    past it, each row adds its arithmetic (0.165 / 0.323 ms at M=4 / 8)."""
+    """qmv_wide (MLX 0.32.0 on, M3 on) over m <= 5 rows is one tile whose weight stream and rows'
+    arithmetic overlap: the larger binds, as for one row. A few rows whose arithmetic is under the
+    stream cost what one row does (M3 Max, 5120 -> 17408 4-bit, ml-explore/mlx #3863: 0.129 ms at
+    M=1 and 2); past it, each row adds its arithmetic (0.165 / 0.323 ms at M=4 / 8). Plain qmv
+    (before 0.32.0) adds every row past the first instead (the test below)."""
     cost = catalog_cost("llama-3.1-8b", "M3 Max 40c")
     k, n = 4096, 14336
-    assert runs_qmv(cost.profile.gpu_family, 8, k, n)
+    assert runs_qmv_wide(cost.profile.gpu_family, cost.profile.mlx_version)
+    assert runs_qmv(cost.profile.gpu_family, 5, k, n)
     moved_s = cost.linear_parts(1, k, n)[0]
     row_s = 2 * k * n / (cost._qmv_gflops * 1e9)
-    fits = max(m for m in range(2, 9) if m * row_s <= moved_s)
-    assert cost.linear_parts(fits, k, n) == pytest.approx((moved_s, 0.0, 0.0), rel=1e-2)
-    over = fits + 1
-    assert cost.linear_parts(over, k, n) == pytest.approx((0.0, 0.0, over * row_s))
-    assert sum(cost.linear_parts(over, k, n)) < moved_s + over * row_s  # not the two added
+    fit = [m for m in range(2, QMV_WIDE_TILE_ROWS + 1) if m * row_s <= moved_s]
+    over = [m for m in range(2, QMV_WIDE_TILE_ROWS + 1) if m * row_s > moved_s]
+    assert fit and over  # both sides within one tile for this layer on this chip
+    assert cost.linear_parts(max(fit), k, n) == pytest.approx((moved_s, 0.0, 0.0), rel=1e-2)
+    m = min(over)
+    assert cost.linear_parts(m, k, n) == pytest.approx((0.0, 0.0, m * row_s))
+    assert sum(cost.linear_parts(m, k, n)) < moved_s + m * row_s  # not the two added
+
+
+def test_qmv_wide_streams_the_weights_once_per_five_row_tile():
+    """ml-explore/mlx 548dd80, quantized.cpp qmv_wide: n_tiles = ceil(M / 5), each tile re-reads
+    the weights; within a tile stream and rows overlap (the larger binds)."""
+    assert [qmv_parts("g15c", "", 1.0, 0.1, m)[0] for m in (2, 5, 6, 10, 11)] == [1, 1, 2, 2, 3]
+    assert qmv_parts("g15c", "", 1.0, 2.5, 6) == (0.0, 0.0, 2.5)  # rows bind over 2 streams
+    assert qmv_parts("g15c", "", 1.0, 1.5, 6) == (2.0, 0.0, 0.0)  # 2 streams bind over rows
+    assert qmv_parts("g14c", "", 1.0, 1.5, 6) == (1.0, 0.0, 1.25)  # plain qmv: no tiles
 
 
 @pytest.mark.parametrize("family,mlx,wide", [
     ("g15c", "", True), ("g15d", "0.32.0", True), ("g17g", "0.32.1", True),
-    ("g16s", "0.31.2", False), ("g14c", "", False), ("g13d", "0.32.1", False), ("", "", False)])
+    ("g16s", "0.31.2", False), ("g14c", "", False), ("g13d", "0.32.1", False), ("", "", False),
+    ("g17c", "0.32.0.dev", False), ("g17c", "0.32.1.dev", True), ("g15c", "0.32.0rc1", False)])
 def test_qmv_wide_from_mlx_0_32_0_on_m3_and_later(family, mlx, wide):
     """ml-explore/mlx 548dd80 (#3764, first in v0.32.0): use_qmv_wide for affine weights is
-    get_architecture_gen() >= 15."""
+    get_architecture_gen() >= 15; a 0.32.0.dev build is before the release (mlx_lm_1540's rows)."""
     assert runs_qmv_wide(family, mlx) == wide
 
 

@@ -7,10 +7,10 @@ so every row dequantizes and multiplies the whole matrix again (its re-reads com
 arithmetic does not): the first row's pass hides under the weight stream from memory, as one row's
 GEMV does, and each further row adds one pass's arithmetic at qmv's own rate. From MLX 0.32.0 on a
 generation-15-or-later GPU (M3 on) an affine layer over 2 <= M rows runs qmv_wide instead (below):
-each weight group dequantized once into up to 5 rows, one kernel whose weight stream and rows'
-arithmetic overlap, so the larger binds (an M3 Max, 5120 -> 17408 4-bit, ml-explore/mlx #3863:
-0.129 ms at M = 1 and 2, 0.165 / 0.323 ms at M = 4 / 8). A decode step of B rows calls each linear
-layer with M = B (x is B x 1 x K, row contiguous).
+each weight group dequantized once into a tile of up to 5 rows, one kernel whose weight stream
+(once per tile) and rows' arithmetic overlap, so the larger binds (an M3 Max, 5120 -> 17408
+4-bit, ml-explore/mlx #3863: 0.129 ms at M = 1 and 2, 0.165 / 0.323 ms at M = 4 / 8). A decode
+step of B rows calls each linear layer with M = B (x is B x 1 x K, row contiguous).
 
 qmm tiles M by bm = 32 rows: a layer over fewer rows than a tile multiplies the whole tile, so its
 arithmetic is that of M rounded up to 32. Since MLX 0.31.2 (ml-explore/mlx #3120) a 2-D weight over
@@ -39,16 +39,16 @@ SIZE_OF_TIER = {"": "g", "Pro": "s", "Max": "c", "Ultra": "d"}
 # line applies. ml-explore/mlx e7838d5 (#3791, 2026-08-08, first in v0.32.1) raised M5's and set
 # M3/M4's; before it (9ba81e3, #2031, 2025-04-02: v0.24.2 to v0.32.0) M3-M5 shared the (18, 12, 10)
 # line. Older MLX (#1503's first table, v0.19.1) is priced with v0.24.2's. A version '0.32.1.dev'
-# is priced as its release (the commit may postdate the build: say the release where known).
+# is a build before its release, so without what came new in it (say the release where known).
 _LIMITS_SINCE = (
-    ((0, 32, 1), (
+    ((0, 32, 1, 0), (
         (17, False, (33, 25, 13)),
         (15, False, (13, 15, 13)),
         (13, False, (14, 10, 6)),
         (0, True, (32, 18, 12)),
         (0, False, (18, 12, 10)),
     )),
-    ((0, 0, 0), (
+    ((0, 0, 0, 0), (
         (15, False, (18, 12, 10)),
         (13, False, (14, 10, 6)),
         (0, True, (32, 18, 12)),
@@ -58,15 +58,25 @@ _LIMITS_SINCE = (
 
 
 @lru_cache(maxsize=16)  # stepcost asks for each quantized layer it prices
-def mlx_release(version: str) -> tuple[int, int, int]:
-    """'0.32.0.dev' -> (0, 32, 0): the release a version string names or leads to; '' (not stated)
-    -> the newest table's."""
-    m = re.match(r"(\d+)\.(\d+)\.(\d+)", version.strip())
+def mlx_release(version: str) -> tuple[int, int, int, int]:
+    """'0.32.0' -> (0, 32, 0, 0), '0.32.0.dev' -> (0, 32, 0, -1): a build before 0.32.0, without
+    what came new in it (qmv_wide); '' (not stated) -> the newest table's."""
+    m = re.match(r"(\d+)\.(\d+)\.(\d+)(.*)", version.strip())
     if not version.strip():
         return _LIMITS_SINCE[0][0]
     if not m:
         raise ValueError(f"MLX version {version!r}: expected like 0.32.0 or 0.32.0.dev")
-    return int(m.group(1)), int(m.group(2)), int(m.group(3))
+    pre = re.match(r"[.-]?(dev|rc)", m.group(4))  # a build before its release
+    return int(m.group(1)), int(m.group(2)), int(m.group(3)), -1 if pre else 0
+
+
+_FAMILY = re.compile(r"g(\d+)([gscdp])")  # get_architecture()'s suffix: generation, size
+
+
+def _generation_size(family: str) -> tuple[int, str] | None:
+    """'g13d' -> (13, 'd'); None for an unknown family."""
+    m = _FAMILY.fullmatch(family)
+    return (int(m.group(1)), m.group(2)) if m else None
 
 
 def gpu_family(chip: str) -> str:
@@ -81,10 +91,10 @@ def qmv_row_limit(family: str, k: int, n: int, mlx: str = "") -> int:
     """Rows from which MLX `mlx` ('': the newest) switches from qmv to qmm for a (k -> n) quantized
     matrix on `family` (get_qmv_batch_limit(D=k, O=n)); 0 for an unknown family (no qmv beyond
     one row)."""
-    m = re.fullmatch(r"g(\d+)([gscd])", family)
-    if not m:
+    parsed = _generation_size(family)
+    if not parsed:
         return 0
-    gen, ultra = int(m.group(1)), m.group(2) == "d"
+    gen, ultra = parsed[0], parsed[1] == "d"
     release = mlx_release(mlx)
     table = next(lines for since, lines in _LIMITS_SINCE if release >= since)
     for since, is_ultra, limits in table:
@@ -102,30 +112,37 @@ def runs_qmv(family: str, m: int, k: int, n: int, mlx: str = "") -> bool:
     return 1 < m < qmv_row_limit(family, k, n, mlx)
 
 
-# ml-explore/mlx 548dd80 (#3764, 2026-06-26, first in v0.32.0): for 2 <= M < the qmv limit,
-# dispatch_qmv runs qmv_wide where `use_qmv_wide` holds (affine weights: architecture generation 15
-# on). It dequantizes each weight group once and multiplies it into up to 5 rows, so its weight
-# stream and its rows' arithmetic overlap as one row's do; plain qmv re-reads and dequantizes the
-# whole matrix for every row.
+# ml-explore/mlx 548dd80 (#3764, 2026-06-26, first in v0.32.0; quantized.cpp 298-322): for
+# 2 <= M < the qmv limit, dispatch_qmv runs qmv_wide where `use_qmv_wide` holds: mode != "affine"
+# or architecture generation >= 15. It tiles the rows by at most 5 (n_tiles = ceil(M / 5)); each
+# tile dequantizes each weight group once and multiplies it into its rows, so a tile's weight
+# stream and its rows' arithmetic overlap as one row's do, and every tile re-reads the weights.
+# Plain qmv re-reads and dequantizes the whole matrix for every row. batchsim prices every
+# quantized layer as affine (a model description names no quantization mode; MXFP4 / NVFP4
+# checkpoints are priced as 4-bit affine), so the non-affine modes' qmv_wide on every generation
+# is not priced.
 QMV_WIDE_GENERATION = 15
-QMV_WIDE_SINCE = (0, 32, 0)
+QMV_WIDE_SINCE = (0, 32, 0, 0)
+QMV_WIDE_TILE_ROWS = 5  # qmv_wide's largest row tile (vecs_per_tg)
 
 
 def runs_qmv_wide(family: str, mlx: str = "") -> bool:
     """Whether MLX `mlx` ('': the newest) runs an affine quantized layer over a few rows (qmv's
     range) as qmv_wide on `family`."""
-    m = re.fullmatch(r"g(\d+)[gscdp]", family)
-    return bool(m) and int(m.group(1)) >= QMV_WIDE_GENERATION and mlx_release(mlx) >= QMV_WIDE_SINCE
+    parsed = _generation_size(family)
+    return bool(parsed) and parsed[0] >= QMV_WIDE_GENERATION and mlx_release(mlx) >= QMV_WIDE_SINCE
 
 
 def qmv_parts(family: str, mlx: str, moved_s: float, rows_s: float,
               m: int) -> tuple[float, float, float]:
     """(weights_s, matmul_s, gemv_rows_s) of a layer MLX runs over m rows as qmv (each row past
     the first adds its share of rows_s, the first hides under the weight stream moved_s) or
-    qmv_wide (stream and rows overlap: the larger binds)."""
+    qmv_wide (ceil(m / 5) tiles, each streaming the weights; stream and rows overlap: the larger
+    binds)."""
     if not runs_qmv_wide(family, mlx):
         return moved_s, 0.0, rows_s * (m - 1) / m
-    return (moved_s, 0.0, 0.0) if moved_s >= rows_s else (0.0, 0.0, rows_s)
+    stream_s = moved_s * -(-m // QMV_WIDE_TILE_ROWS)
+    return (stream_s, 0.0, 0.0) if stream_s >= rows_s else (0.0, 0.0, rows_s)
 
 
 QMM_TILE_ROWS = 32  # qmm's (and split-K qmm's) bm: the rows each threadgroup's tile multiplies
@@ -137,8 +154,8 @@ SPLITK_TARGET_GROUPS = 512  # qmm_splitk's target threadgroups
 @lru_cache(maxsize=64)
 def has_neural_accelerators(family: str) -> bool:
     """Whether MLX runs plain qmm on the GPU's Neural Accelerators (qmm_nax) on `family`."""
-    m = re.fullmatch(r"g(\d+)([gscdp])", family)
-    return bool(m) and int(m.group(1)) >= NAX_GENERATION + (m.group(2) == "p")
+    parsed = _generation_size(family)
+    return bool(parsed) and parsed[0] >= NAX_GENERATION + (parsed[1] == "p")
 
 
 def split_k(m: int, k: int, n: int) -> int:

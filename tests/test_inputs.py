@@ -564,3 +564,20 @@ def test_size_refuses_a_name_no_hub_repo_can_have_without_asking_the_hub(monkeyp
     for name in ("nope", "./nope", "a/b/c"):
         with pytest.raises(loader.ModelNotFoundError, match="a hub id \\(owner/name\\)"):
             loader.spec_for(name)
+
+
+def test_report_redraws_a_timeline_whose_names_were_damaged(finished_run, tmp_path):
+    """A summary's dtype or a config's names that are not strings (a bad edit, a flipped byte)
+    give a timeline with those names left out, not a TypeError (seed 37's case 190)."""
+    import yaml
+    from batchsim.server.results.rebuild import rebuild_summary
+
+    run_dir = _copy(finished_run, tmp_path)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["dtype"] = -1
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config["config"].update(quantize=[[[]]], executor=1, device_profile=2**70, model=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    rebuilt, _ = rebuild_summary(run_dir, timeline=True)
+    assert rebuilt["timeline_png"] and (run_dir / "timeline.png").stat().st_size > 0

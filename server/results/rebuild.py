@@ -90,8 +90,9 @@ def _timeline(run_dir: Path, requests: list[RequestRecord], steps: list[StepReco
                     _count(scheduler.get("max_num_seqs")),
                     _count(scheduler.get("max_num_batched_tokens")))
     cfg = _section(config, "config")
-    what = run_title(str(cfg.get("model", "run")), old.get("dtype"), cfg.get("quantize"),
-                     cfg.get("executor"), cfg.get("device_profile"), cfg.get("engine"),
+    what = run_title(_text(cfg.get("model")) or "run", _text(old.get("dtype")),
+                     _count(cfg.get("quantize")), _text(cfg.get("executor")),
+                     _text(cfg.get("device_profile")), _text(cfg.get("engine")),
                      _section(old, "env"))
     title = timeline_title(what, _workload(config), len(requests))
     title += " (redrawn by batchsim report)"
@@ -134,6 +135,11 @@ def _finite(value: Any) -> bool:
         return math.isfinite(value)
     except OverflowError:  # an int past a float's range (10**400)
         return False
+
+
+def _text(value: Any) -> str | None:
+    """A name read back from a file the user may have damaged: a string, or nothing."""
+    return value if isinstance(value, str) else None
 
 
 def _count(value: Any) -> int | None:

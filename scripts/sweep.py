@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> dict:
         raise ConfigError("--prompt-len, --limit-batch and --max-batch must be >= 1, "
                           "--output-len >= 2")
     spec_cfgs = sweep_spec.spec_configs(cfg, args)
-    base, budget, source = _base_session(args, cfg, spec_cfgs)
+    base, budget, source, draft = _base_session(args, cfg, spec_cfgs)
     kvt, weights = base.kv_bytes_per_token, base.weight_bytes
     if args.prompt_len + args.output_len > base.spec.max_context:
         longest = " (the workload's longest request)" if args.workload_spec else ""
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> dict:
                           f"model's {base.spec.max_context} tokens")
     limit = sweep_math.analytic_max_batch(budget, weights, args.prompt_len, args.output_len, kvt)
     drafted = any(c.spec_method == "draft" for c in spec_cfgs.values())
-    spec_limit = [_draft_limit(base, budget, spec_cfgs, args)] if drafted else []
+    spec_limit = [_draft_limit(base, budget, draft, args)] if drafted else []
     batches = sorted(set(args.batches)) if args.batches else sweep_math.default_batches(
         limit, args.max_batch, *spec_limit)
     meta = _meta(args, base, budget, source, drafted)
@@ -137,23 +137,24 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _base_session(args: argparse.Namespace, cfg: RunConfig, spec_cfgs: dict[int, RunConfig]):
-    """One session (the model loaded once) and the budget every point runs under. --limit-batch
-    with a draft model: the budget holds its weights too, and the limit is the speculative
-    points' (a row of the draft's cache beside each sequence); plain batching fits more."""
+    """One session (the model loaded once), the budget every point runs under and the draft
+    model's account (_draft_account). --limit-batch with a draft model: the budget holds its
+    weights too, and the limit is the speculative points' (a row of the draft's cache beside
+    each sequence); plain batching fits more."""
     from batchsim.server.engine.session import memory_budget, open_session
 
     warn_profile_mismatch(cfg)
     base = open_session(cfg)
+    draft = draft_weights, draft_row = _draft_account(base, spec_cfgs)
     if args.memory_gb is not None or args.device_budget:
-        return base, base.memory_budget_bytes, base.budget_source
-    draft_weights, draft_row = _draft_account(base, spec_cfgs)
+        return base, base.memory_budget_bytes, base.budget_source, draft
     budget_bytes = sweep_math.budget_for_limit(args.limit_batch, base.weight_bytes + draft_weights,
                                                args.prompt_len, args.output_len,
                                                base.kv_bytes_per_token, draft_row)
     # Through memory_gb so that simulated sessions opened per point get the same bytes.
     budget, _ = memory_budget(budget_bytes / GIB)
     with_draft = " (speculative points, with the draft model)" if draft_weights else ""
-    return base, budget, f"--limit-batch {args.limit_batch}{with_draft}"
+    return base, budget, f"--limit-batch {args.limit_batch}{with_draft}", draft
 
 
 def _draft_account(base, cfgs: dict[int, RunConfig]):
@@ -165,12 +166,11 @@ def _draft_account(base, cfgs: dict[int, RunConfig]):
     return draft_account(drafted[0], base.ref) if drafted else (0, None)
 
 
-def _draft_limit(base, budget: int, cfgs: dict[int, RunConfig],
-                 args: argparse.Namespace) -> int:
+def _draft_limit(base, budget: int, draft: tuple, args: argparse.Namespace) -> int:
     """The analytic limit with the draft model's weights and its padded row beside each
-    sequence, as the speculative points' sessions count them (spec_price.draft_account; the
+    sequence (`draft`: _draft_account's), as the speculative points' sessions count them (the
     base session runs no draft model)."""
-    draft_weights, draft_row = _draft_account(base, cfgs)
+    draft_weights, draft_row = draft
     return sweep_math.analytic_max_batch(budget, base.weight_bytes + draft_weights,
                                          args.prompt_len, args.output_len,
                                          base.kv_bytes_per_token, draft_row)

@@ -91,7 +91,8 @@ def test_sweeps_draft_limit_builds_no_executor(monkeypatch):
     monkeypatch.setattr(session_mod, "build_executor", _no_load)
     args = argparse.Namespace(prompt_len=512, output_len=128)
     budget = base.memory_budget_bytes
-    assert sweep._draft_limit(base, budget, {2: cfg}, args) == sweep_limits.analytic_max_batch(
+    draft = sweep._draft_account(base, {2: cfg})
+    assert sweep._draft_limit(base, budget, draft, args) == sweep_limits.analytic_max_batch(
         budget, drafted.weight_bytes, 512, 128, base.kv_bytes_per_token,
         drafted.cache_layout.draft)
 

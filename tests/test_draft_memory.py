@@ -163,6 +163,16 @@ def test_the_sim_executor_holds_what_the_scheduler_prices(tmp_path, capsys, layo
             131072 + 32768) for r in pool)
 
 
+def draft_sweep_argv(tmp_path, *flags: str) -> list[str]:
+    """A simulated sweep of Llama-3.1-8B 4-bit on an M2 Ultra with Llama-3.2-1B drafting,
+    --limit-batch 6 and 700-token prompts, plus `flags`."""
+    return ["sweep", "--executor", "sim", "--model", "llama-3.1-8b", "--quantize", "4",
+            "--device-profile", "M2 Ultra", "--prompt-len", "700", "--limit-batch", "6",
+            "--acceptance", "0.6", "--draft-model", "llama-3.2-1b", "--no-progress",
+            "--no-timeline", "--out", str(tmp_path), "--runs-dir", str(tmp_path / "runs"),
+            *flags]
+
+
 def test_a_sweeps_draft_points_hold_the_draft_model_and_its_analytic_limit(tmp_path, capsys):
     # sweep --draft-model: each speculative point's session counts the draft model's weights and
     # rows (Session.renewed), and the analytic limit with them is the batch those points reach.
@@ -170,11 +180,8 @@ def test_a_sweeps_draft_points_hold_the_draft_model_and_its_analytic_limit(tmp_p
     # a row beside it. --limit-batch 6 sized the budget from the target's weights alone (6 x 96
     # MiB of room: the draft model did not fit, and the sweep failed without --memory-gb); it
     # holds both models now, and 6 is the speculative points' limit (plain batching fits more).
-    argv = ["sweep", "--executor", "sim", "--model", "llama-3.1-8b", "--quantize", "4",
-            "--device-profile", "M2 Ultra", "--prompt-len", "700", "--output-len", "64",
-            "--limit-batch", "6", "--batches", "4,8", "--spec-tokens", "3", "--acceptance",
-            "0.6", "--draft-model", "llama-3.2-1b", "--no-progress", "--no-timeline",
-            "--out", str(tmp_path), "--runs-dir", str(tmp_path / "runs")]
+    argv = draft_sweep_argv(tmp_path, "--output-len", "64", "--batches", "4,8", "--spec-tokens",
+                            "3")
     res = _summary(capsys, argv)
     assert res["spec_analytic_max_batch"] == 6 and res["analytic_overrun_batch"] > 6
     draft = spec_price.draft_weight_bytes(zoo_spec("llama-3.2-1b"), "float16", 4)

@@ -109,13 +109,10 @@ def test_a_draft_sweeps_default_batches_reach_its_speculative_limit(tmp_path, ca
     """--limit-batch L with --draft-model is the speculative points' limit, but the default
     batches came from plain batching's (1, 2, 4, 8, 16, 27-32 for L = 6): every speculative
     point from 8 overran, none ran at 5-7. sweep.jsonl names whose limit L is."""
-    from tests.test_draft_memory import _summary
+    from tests.test_draft_memory import _summary, draft_sweep_argv
 
-    argv = ["sweep", "--executor", "sim", "--model", "llama-3.1-8b", "--quantize", "4",
-            "--device-profile", "M2 Ultra", "--prompt-len", "700", "--output-len", "16",
-            "--limit-batch", "6", "--max-batch", "8", "--spec-tokens", "2", "--acceptance",
-            "0.6", "--draft-model", "llama-3.2-1b", "--no-progress", "--no-timeline",
-            "--out", str(tmp_path), "--runs-dir", str(tmp_path / "runs")]
+    argv = draft_sweep_argv(tmp_path, "--output-len", "16", "--max-batch", "8", "--spec-tokens",
+                            "2")
     res = _summary(capsys, argv)
     assert [r["batch"] for r in res["rows"]] == [1, 2, 4, 5, 6, 7, 8]
     (row, *_) = map(json.loads, (tmp_path / "sweep.jsonl").read_text().splitlines())

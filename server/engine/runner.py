@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import gc
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -285,7 +286,8 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
     if stream is not None:
         stream.close(records)  # requests.jsonl in arrival order, as a finished run has it
     if draw and run_dir is not None and not (stream and stream.error):  # no room for it
-        summary["timeline_png"] = (noted(drawing.result()) if drawing is not None else
+        summary["timeline_png"] = (_drawn_unless_stopped(drawing, interrupts)
+                                   if drawing is not None else
                                    draw_run_timeline(run_dir, records, steps, session, spec))
     summary["interrupted"] = run.interrupted  # a signal may have come while records were written
     if run.interrupted:
@@ -294,6 +296,14 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
     summary["env"] = session.environment()
     error = write_summary_noting_failures(run_dir, summary, stream.error if stream else None)
     return RunOutcome(summary, records, steps, run_dir, run.interrupted, error)
+
+
+def _drawn_unless_stopped(drawing: DrawingProcess, interrupts: Interrupts) -> str | None:
+    """The drawing child's picture; a signal while it is awaited ends the wait (noted in the
+    summary as interrupted), not only the run's next step."""
+    stopped = threading.Event()
+    with interrupts.answered_by(stopped.set):
+        return noted(drawing.result(stopped.is_set))
 
 
 def prefix_cache_summary(scheduler: Scheduler) -> dict[str, Any]:

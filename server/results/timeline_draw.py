@@ -11,6 +11,7 @@ import select
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -30,6 +31,7 @@ DPI = 100
 _GIB = float(1 << 30)
 DRAW_WAIT_S = 20.0  # the drawing child's time to answer once sent (matplotlib's import under load)
 DRAW_WAIT_PER_STEP_S = 1e-4  # and per step of the run (its panels pickled, read, drawn)
+POLL_S = 0.05  # how often that wait looks for a signal's answer (a signal alone cannot end it)
 HEADROOM = 1.08  # y-axes reach a little past the tallest line (a line on the frame is hidden)
 
 
@@ -209,20 +211,31 @@ class DrawingProcess:
             out, err = b"", str(exc).encode()
         self._reply = _reply(out, err, child.returncode)
 
-    def result(self) -> tuple[str | None, str | None]:
-        """(the picture's path, None), or (None, why it was not drawn)."""
+    def result(self, stop: Callable[[], bool] = bool) -> tuple[str | None, str | None]:
+        """(the picture's path, None), or (None, why it was not drawn): the wait ends early
+        (the child killed) once `stop()` is true, a signal's answer (checked every POLL_S)."""
         if self._talk is not None:
-            self._talk.join(self.wait_s)
+            waited = self._wait(self._talk, stop)
             if self._talk.is_alive():  # stopped or hung: the run's summary does not wait on it
                 self._end_child()
-                return None, (f"{TIMELINE}: not drawn (the drawing process did not answer in "
-                              f"{self.wait_s:.1f} s; stopped)")
+                why = (f"interrupted after {waited:.1f} s" if stop() else
+                       f"the drawing process did not answer in {self.wait_s:.1f} s")
+                return None, f"{TIMELINE}: not drawn ({why}; stopped)"
         reply = self._reply or (None, f"{TIMELINE}: not drawn (nothing was sent to draw)")
         if reply[0] is None and self._job is not None and reply[1] and _CHILD_FAILED in reply[1]:
             path, panels = self._job  # the child failed before drawing: drawn here instead
             here = drawn(lambda: draw_panels(path, panels))
             return here[0], reply[1].replace("not drawn", "drawn here", 1) if here[0] else here[1]
         return reply
+
+    def _wait(self, talk: threading.Thread, stop: Callable[[], bool]) -> float:
+        """Wait for `talk` at most `wait_s`, or until `stop()`: the seconds waited."""
+        start = time.monotonic()
+        left = self.wait_s
+        while left > 0 and talk.is_alive() and not stop():
+            talk.join(min(left, POLL_S))
+            left = self.wait_s - (time.monotonic() - start)
+        return time.monotonic() - start
 
     def _end_child(self) -> None:
         child = self._child

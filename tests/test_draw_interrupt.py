@@ -1,0 +1,53 @@
+"""A signal while `batchsim run` waits for its drawing child ends the wait at once: the child is
+killed, the records and summary are kept, and the summary says the run was interrupted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+from batchsim.server.engine.runner import run_workload
+from batchsim.server.engine.session import open_session
+from batchsim.server.results import timeline_draw
+from batchsim.server.results.timeline_draw import DrawingProcess
+
+from tests.test_records import sim_config
+
+
+@pytest.mark.timeout(60)
+def test_a_signal_while_the_drawing_is_awaited_ends_the_wait(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(timeline_draw, "DRAW_WAIT_S", 40.0)  # far longer than the test allows
+    session = open_session(sim_config(n=30))
+    awaited = threading.Event()
+
+    class Watched(DrawingProcess):
+        def result(self, *args, **kwargs):
+            awaited.set()
+            return super().result(*args, **kwargs)
+
+    def interrupt() -> None:
+        awaited.wait(30)
+        time.sleep(0.3)  # inside the wait
+        os.kill(os.getpid(), signal.SIGINT)
+
+    with Watched() as drawing:
+        child = drawing._child
+        assert child is not None
+        os.kill(child.pid, signal.SIGSTOP)  # never answers
+        threading.Thread(target=interrupt, daemon=True).start()
+        start = time.monotonic()
+        outcome = run_workload(session, session.config.workload, out_dir=tmp_path, label="t",
+                               timeline=drawing)
+        waited_s = time.monotonic() - start
+    assert waited_s < 20.0  # not the 40 s wait
+    assert child.poll() is not None  # killed, not left behind
+    saved = json.loads((outcome.run_dir / "summary.json").read_text())
+    assert saved["completed"] == 30 and saved["timeline_png"] is None
+    assert saved["interrupted"] is True and saved["interrupt_reason"] == "SIGINT"
+    assert (outcome.run_dir / "requests.jsonl").read_text().count("\n") == 30
+    [message] = [r.getMessage() for r in caplog.records if r.name == "batchsim"]
+    assert message.startswith("timeline.png: not drawn (interrupted after ")

@@ -345,3 +345,50 @@ def test_a_remote_ranks_ring_lines_on_its_ssh_stdout_go_to_the_file_too(tmp_path
         "rank 1: [ring] Socket 3 was closed by the peer\n"
         "rank 1: [ring] Sending to socket 4 failed\n"
         "rank 1: [ring] x\n")
+
+
+def test_the_watchdog_firing_while_rank_0_writes_its_summary_waits_for_it(tmp_path,
+                                                                          monkeypatch):
+    """The deadline passes as the last step ends and rank 0 goes on to write its summary: the
+    watchdog's exit waits for that write (bounded by KEEP_RECORDS_S) and names the run directory,
+    instead of exiting halfway with the summary missing."""
+    import threading
+    import time
+
+    from batchsim.server.distributed import rank
+
+    monkeypatch.setenv(rank.STATUS_DIR_ENV, str(tmp_path))
+    exited: list[tuple[int, bool]] = []
+    run = rank._RunInterrupts(())
+    monkeypatch.setattr(rank.os, "_exit", lambda code: exited.append((code, run.done)))
+    status = rank._Status(0)
+    status.run = run
+    run.abandon = lambda reason: None  # the run began ...
+    run.abandon = None  # ... and now writes its records and summary
+    assert run.finishing()
+    dog = threading.Thread(target=rank._expire, args=(status, "rank 0: step 7 took over 1 s"))
+    dog.start()
+    time.sleep(0.3)  # the summary being written meanwhile
+    assert exited == []
+    run.abandoned_in, run.done = "DIR", True  # as run_rank marks it
+    dog.join(10)
+    assert exited == [(3, True)]
+    saved = json.loads(status.path.read_text())
+    assert saved["error"] == "rank 0: step 7 took over 1 s" and saved["run_dir"] == "DIR"
+
+
+def test_the_watchdog_waits_for_the_summary_no_longer_than_keep_records_s(tmp_path, monkeypatch):
+    from batchsim.server.distributed import rank
+
+    monkeypatch.setenv(rank.STATUS_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(rank, "KEEP_RECORDS_S", 0.05)
+    exited: list[int] = []
+    monkeypatch.setattr(rank.os, "_exit", exited.append)
+    status = rank._Status(0)
+    status.run = run = rank._RunInterrupts(())
+    run.abandon = lambda reason: None
+    run.abandon = None  # writing its summary, which never ends
+    rank._expire(status, "rank 0: step 7 took over 1 s")
+    assert exited == [3]
+    assert json.loads(status.path.read_text())["error"] == (
+        "rank 0: step 7 took over 1 s (records not kept: still writing after 0.05 s)")

@@ -334,5 +334,17 @@ def _exit_unkept(status: _Status, reason: str, exit_code: int) -> None:
 
 def _expire(status: _Status, message: str) -> None:
     print(message, file=sys.stderr, flush=True)  # before keeping records, which may not end
+    run = status.run
+    if isinstance(run, _RunInterrupts) and run.finishing():  # the summary is being written
+        _await_done(run, _start_keeping(status))
+        if not run.done:
+            return _exit_unkept(status, message, 3)
     status.write(False, message, run_dir=_keep_records(status, message, 3))
     os._exit(3)
+
+
+def _await_done(run: _RunInterrupts, wait_s: float) -> None:
+    """Wait (at most `wait_s`) for rank 0's run to finish writing its records and summary."""
+    deadline = time.monotonic() + wait_s
+    while not run.done and time.monotonic() < deadline:
+        time.sleep(min(PARENT_POLL_S, max(0.0, deadline - time.monotonic())))

@@ -26,6 +26,18 @@ def _interrupted_while_starting(signum: int, frame: object) -> None:
     os._exit(130)  # EXIT_INTERRUPTED, before common (which defines it) is loaded
 
 
+def _after_start(before: object) -> object:
+    """SIGINT's handler once the commands load: Python's KeyboardInterrupt, noted for a run that
+    starts later (interrupts.ctrl_c, not printed where Python swallowed it); an ignored SIGINT (a
+    background job's) stays ignored."""
+    if before is not signal.default_int_handler:
+        return before
+    from batchsim.server.engine import interrupts
+
+    sys.unraisablehook = interrupts.unraisable
+    return interrupts.ctrl_c
+
+
 # The program itself only (the console script, or -m): a test importing this keeps its Ctrl-C.
 _PROGRAM = Path(sys.argv[0]).name in ("batchsim", "cli.py")
 _BEFORE_START = (signal.signal(signal.SIGINT, _interrupted_while_starting)
@@ -204,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else argv
     parser = build_parser(given[0] if given and given[0] in _NAMES else None)
     if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
-        signal.signal(signal.SIGINT, _BEFORE_START)  # the commands handle Ctrl-C from here
+        signal.signal(signal.SIGINT, _after_start(_BEFORE_START))  # the commands' from here
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from batchsim.server.platform.signals import leave_closed_terminal
 
@@ -22,6 +24,22 @@ def hold(signals: tuple[signal.Signals, ...] = (signal.SIGINT,)) -> None:
 
     for sig in signals:
         signal.signal(sig, note)
+
+
+def ctrl_c(signum: int, _frame: object) -> None:
+    """Ctrl-C before a run's handlers are in: KeyboardInterrupt, as Python's own, and noted as
+    hold() notes it, so the first Interrupts entered still counts it where Python swallowed the
+    exception (raised in a weakref callback or a __del__, such as the import system's module-lock
+    callback, it is only printed as "Exception ignored" and the command went on)."""
+    _held.append(signal.Signals(signum).name)
+    raise KeyboardInterrupt
+
+
+def unraisable(seen: Any) -> None:
+    """sys.unraisablehook beside ctrl_c: a KeyboardInterrupt Python could not raise (noted) is
+    not printed as a traceback; anything else is, as Python prints it."""
+    if not issubclass(seen.exc_type, KeyboardInterrupt):
+        sys.__unraisablehook__(seen)
 
 
 def _note() -> None:

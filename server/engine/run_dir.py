@@ -99,16 +99,16 @@ def noted(drawn: tuple[str | None, str | None]) -> str | None:
     return path
 
 
-def record_stopped_before_start(cfg: RunConfig, run_dir: Path,
-                                timeline: bool = True) -> dict[str, Any]:
-    """A run stopped by a signal before its model was loaded: empty records and a summary that
-    says so, in the run directory already made for it."""
+def record_stopped_before_start(cfg: RunConfig, run_dir: Path, timeline: bool = True,
+                                reason: str | None = None) -> dict[str, Any]:
+    """A run stopped by a signal (`reason`, its name) before its model was loaded: empty records
+    and a summary that says so, in the run directory already made for it."""
     write_config(run_dir, cfg, cfg.workload, None)
     RecordStream(run_dir).close([])
     summary = summarize([], [], duration_s=0.0, percentiles=cfg.percentiles,
                         goodput_slo_ms=cfg.goodput)
     summary.update({"model": cfg.model, "executor": cfg.executor, "workload": cfg.workload.name,
-                    "interrupted": True, "run_dir": str(run_dir)})
+                    "interrupted": True, "interrupt_reason": reason, "run_dir": str(run_dir)})
     if timeline:
         summary["timeline_png"] = write_timeline(run_dir, [], [], Limits(),
                                                  f"{cfg.model}: stopped before it started")[0]

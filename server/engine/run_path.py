@@ -98,7 +98,7 @@ def _open_and_run(cfg: RunConfig, run_dir: Path, label: str, stop: Interrupts, v
         with stop.answered_by():  # signals noted from here, not raised
             from batchsim.server.engine.run_dir import record_stopped_before_start
 
-            summary = record_stopped_before_start(cfg, run_dir, timeline)
+            summary = record_stopped_before_start(cfg, run_dir, timeline, stop.received)
             view.finished(summary)
             return summary
     except BaseException:

@@ -3,10 +3,13 @@ records' properties give, None left out as the properties leave it."""
 
 from __future__ import annotations
 
+import collections
+import math
 import random
 
+import numpy as np
 from batchsim.server.results import request_arrays
-from batchsim.server.results.metrics import RequestRecord, summarize
+from batchsim.server.results.metrics import RequestRecord, StepRecord, summarize
 
 
 def _records(seed: int, n: int) -> list[RequestRecord]:
@@ -42,3 +45,54 @@ def test_the_busiest_second_is_counted_alike_over_a_short_and_a_long_span():
     far = RequestRecord(99, "finished", 1e9, 1e9, (1e9 + 0.5,), 1e9 + 0.5, 8, 1)
     long = summarize([*done, far], [], duration_s=1e9)
     assert short["max_output_tokens_per_s"] == long["max_output_tokens_per_s"] == 20
+
+
+def test_sorted_counts_and_step_columns():
+    values, counts = request_arrays.sorted_counts(np.array([0.5, 0.5, 1.0, 2.0, 2.0, 2.0]))
+    assert values.tolist() == [0.5, 1.0, 2.0] and counts.tolist() == [2, 1, 3]
+    assert [len(a) for a in request_arrays.sorted_counts(np.zeros(0))] == [0, 0]
+    steps = [StepRecord(i, i * 0.5, i * 0.5 + 0.25, 1 + i % 2, i, 3 * i, 1, 2, 0, 100 * i, None,
+                        4, 64, i % 3) for i in range(5)]
+    col = request_arrays.step_columns(steps)
+    assert col["num_steps"].tolist() == [s.num_steps for s in steps]
+    assert col["kv_bytes"].tolist() == [s.kv_bytes for s in steps]
+    assert col["end_s"].tolist() == [s.end_s for s in steps]
+
+
+def _reference_peaks(done: list[RequestRecord]) -> tuple[float, int]:
+    """The busiest second's tokens and requests, one record and one token at a time."""
+    t0 = min(r.arrival_s for r in done)
+    ends = [r.arrival_s + r.e2el_s for r in done]
+    n = math.ceil(max(ends) - t0) + 1
+    tokens = collections.Counter(int(t - t0) for r in done for t in r.token_times_s)
+    active = [sum(int(r.arrival_s - t0) <= b <= int(e - t0) for r, e in zip(done, ends))
+              for b in range(n)]
+    return float(max(tokens.values())), max(active)
+
+
+def test_peaks_and_batch_view_match_the_records_one_at_a_time():
+    """Token times shared by many requests (a step's), unfinished requests left out of the peaks
+    and counted in the generation tokens: the vectorized summary gives the per-record values."""
+    for seed in range(10):
+        rng = random.Random(seed)
+        ends = sorted(rng.random() * 30 for _ in range(40))  # the steps' end times
+        records = []
+        for i in range(60):
+            first = rng.randrange(len(ends) - 1)
+            times = tuple(ends[first:first + rng.randint(1, 6)])
+            status = rng.choice(["finished", "finished", "unfinished"])
+            arrival = max(0.0, times[0] - rng.random())
+            records.append(RequestRecord(i, status, arrival, arrival, times,
+                                         times[-1] if status == "finished" else None, 8,
+                                         len(times)))
+        steps = [StepRecord(i, start, end, 1, rng.randint(0, 3), rng.choice([0, 16]), 1, 2, 0,
+                            rng.randint(0, 10**6), None, 4, 64, 0)
+                 for i, (start, end) in enumerate(zip([0.0, *ends], ends))]
+        s = summarize(records, steps, duration_s=30.0)
+        done = [r for r in records if r.status == "finished"]
+        assert (s["max_output_tokens_per_s"], s["max_concurrent_requests"]) == \
+            _reference_peaks(done)
+        assert s["generation_tokens"] == sum(r.num_output_tokens for r in records)
+        assert s["prompt_tps"] == 16 * sum(x.num_prefill_tokens > 0 for x in steps) / sum(
+            x.duration_s for x in steps if x.num_prefill_tokens > 0)
+        assert s["peak_kv_bytes"] == max(x.kv_bytes for x in steps)

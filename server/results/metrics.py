@@ -8,6 +8,7 @@ Empty distributions report 0, as vLLM's `np.mean(x or 0)` does."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -226,8 +227,8 @@ def _output_lengths(done: Sequence[RequestRecord], percentiles: Sequence[float])
     for p in percentiles:
         out[f"p{percentile_label(p)}_output_tokens"] = float(np.percentile(x, p))
     out["max_output_tokens"] = int(np.max(x))
-    reasons = sorted({str(r.finish_reason) for r in done})
-    out["finish_reasons"] = {k: sum(str(r.finish_reason) == k for r in done) for k in reasons}
+    reasons = collections.Counter(str(r.finish_reason) for r in done)
+    out["finish_reasons"] = {k: reasons[k] for k in sorted(reasons)}
     return out
 
 
@@ -240,60 +241,59 @@ def _num_good(done: Sequence[RequestRecord], slo_ms: Mapping[str, float]) -> int
     return good
 
 
-def _peaks(done: Sequence[RequestRecord], times: np.ndarray) -> dict[str, float | int]:
+def _peaks(arrival_s: np.ndarray, e2el_s: np.ndarray, sorted_times_s: np.ndarray
+           ) -> dict[str, float | int]:
     """vLLM's peaks over 1 s buckets counted from the first completed request's arrival: the most
     output tokens emitted in a bucket, and the most requests active (arrived, not yet ended) at some
     moment of a bucket, which can exceed the true peak concurrency. Either maximum may come from a
-    different bucket. Completed requests only (`times`: their token times)."""
-    if not done:
+    different bucket. Completed requests only (their arrivals, E2ELs and sorted token times)."""
+    if not len(arrival_s):
         return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
-    t0 = min(r.arrival_s for r in done)
-    ends = [r.arrival_s + (r.e2el_s or 0.0) for r in done]  # vLLM: start_time + latency
-    n = int(np.ceil(max(ends) - t0)) + 1
+    t0 = arrival_s.min()
+    ends = arrival_s + e2el_s  # vLLM: start_time + latency
+    n = int(np.ceil(ends.max() - t0)) + 1
     # Only the occupied buckets are counted: a run may span 1e9 simulated seconds.
     # Whole seconds as floats: a time past int64's range (a row 1e20 s out) is no invalid cast.
-    buckets = np.trunc(times - t0)
-    buckets = buckets[(buckets >= 0) & (buckets <= n - 1)]  # n - 1: a float (1e20 + 1 is not)
-    if buckets.size and n <= 4 * buckets.size:  # a count per second of the run: as cheap
-        tokens_max = np.bincount(buckets.astype(np.int64)).max()
+    # Per distinct token time (a step's tokens share one), weighted by its tokens.
+    values, counts = request_arrays.sorted_counts(sorted_times_s)
+    buckets = np.trunc(values - t0)
+    kept = (buckets >= 0) & (buckets <= n - 1)  # n - 1: a float (1e20 + 1 is not)
+    buckets, counts = buckets[kept], counts[kept]
+    if buckets.size and n <= 4 * counts.sum():  # a count per second of the run: as cheap
+        tokens_max = np.bincount(buckets.astype(np.int64), weights=counts).max()
     else:
-        tokens_max = np.unique(buckets, return_counts=True)[1].max() if buckets.size else 0
+        slot = np.unique(buckets, return_inverse=True)[1]
+        tokens_max = np.bincount(slot, weights=counts).max() if buckets.size else 0
     # Requests active in bucket b: arrived in a bucket <= b and ended in a bucket >= b; the count
     # changes only at the buckets where one arrives (+1) or the bucket after one ends (-1).
-    starts = [int(r.arrival_s - t0) for r in done]
-    stops = [int(end - t0) + 1 for end in ends]
-    where, slot = np.unique(np.array(starts + stops), return_inverse=True)
-    delta = np.bincount(slot, weights=[1] * len(starts) + [-1] * len(stops))
+    if ends.max() - t0 < 2.0**52:  # whole seconds exact as int64
+        points = np.concatenate([np.trunc(arrival_s - t0).astype(np.int64),
+                                 np.trunc(ends - t0).astype(np.int64) + 1])
+    else:  # Python's integers, past int64
+        points = np.array([int(x) for x in arrival_s - t0] + [int(x) + 1 for x in ends - t0])
+    where, slot = np.unique(points, return_inverse=True)
+    delta = np.bincount(slot, weights=np.repeat([1.0, -1.0], len(arrival_s)))
     active = np.cumsum(delta.astype(np.int64))
     return {"max_output_tokens_per_s": float(tokens_max),
             "max_concurrent_requests": int(active[where < n].max())}
 
 
-def _emits_tokens(sorted_times_s: np.ndarray, steps: Sequence[StepRecord]) -> np.ndarray:
-    """Per step: a token time falls in (start_s, end_s] (tokens are stamped with their step's
-    end)."""
-    if not len(sorted_times_s):
-        return np.zeros(len(steps), dtype=bool)
-    starts = np.fromiter((s.start_s for s in steps), np.float64, len(steps))
-    ends = np.fromiter((s.end_s for s in steps), np.float64, len(steps))
-    i = np.searchsorted(sorted_times_s, starts, side="right")
-    nxt = sorted_times_s[np.minimum(i, len(sorted_times_s) - 1)]
-    return (i < len(sorted_times_s)) & (nxt <= ends)
-
-
 def _batch_view(
-    requests: Sequence[RequestRecord], token_times_s: np.ndarray, steps: Sequence[StepRecord],
+    requests: Sequence[RequestRecord], token_times: np.ndarray, steps: Sequence[StepRecord],
     kv_budget_bytes: int | None, weight_bytes: int | None, peak_memory_bytes: int | None,
 ) -> dict[str, Any]:
-    """`token_times_s`: every request's token times, finished or not."""
-    decode_steps = sum(s.num_steps for s in steps if s.batch_size > 0)
-    token_times = np.sort(token_times_s)
-    prompt_time_s = sum(s.duration_s for s in steps if s.num_prefill_tokens > 0)
+    """`token_times`: every request's token times, finished or not, sorted."""
+    col = request_arrays.step_columns(steps)
+    decoding, num_steps = col["batch_size"] > 0, col["num_steps"]
+    decode_steps = int(num_steps[decoding].sum())
+    durations_s = col["end_s"] - col["start_s"]
+    # Python's sum, step by step, as over the records (the same float)
+    prompt_time_s = sum(durations_s[col["num_prefill_tokens"] > 0].tolist())
     # A step with both prefill and decode counts in both times (they share the forward pass).
-    emits = _emits_tokens(token_times, steps).tolist()
-    gen_time_s = sum(s.duration_s for s, e in zip(steps, emits) if s.batch_size > 0 or e)
-    prompt_tokens = sum(s.num_prefill_tokens * s.num_steps for s in steps)
-    peak_kv = max((s.kv_bytes for s in steps), default=0)
+    emits = request_arrays.emits_tokens(token_times, col["start_s"], col["end_s"])
+    gen_time_s = sum(durations_s[decoding | emits].tolist())
+    prompt_tokens = int((col["num_prefill_tokens"] * num_steps).sum())
+    peak_kv = int(col["kv_bytes"].max()) if steps else 0
     measured = [s.kv_bytes_measured for s in steps if s.kv_bytes_measured is not None]
     if peak_memory_bytes is not None:
         peak, source = peak_memory_bytes, "measured"
@@ -304,12 +304,12 @@ def _batch_view(
     return {
         # Mean requests per decode forward pass, over the steps that decoded (a record with
         # num_steps > 1 counts that many times).
-        "mean_batch_size": _rate(sum(s.batch_size * s.num_steps for s in steps), decode_steps),
-        "max_batch_size": max((s.batch_size for s in steps), default=0),
-        "num_engine_steps": sum(s.num_steps for s in steps),
+        "mean_batch_size": _rate(int((col["batch_size"] * num_steps).sum()), decode_steps),
+        "max_batch_size": int(col["batch_size"].max()) if steps else 0,
+        "num_engine_steps": int(num_steps.sum()),
         # Preemptions the scheduler decided, from the steps; the same total as the requests'
         # num_preemptions. Without step records (client-side runs) the requests' sum is used.
-        "num_preemptions": sum(s.num_preemptions for s in steps) if steps
+        "num_preemptions": int(col["num_preemptions"].sum()) if steps
         else sum(r.num_preemptions for r in requests),
         "peak_kv_bytes": peak_kv,
         "peak_kv_bytes_measured": max(measured) if measured else None,
@@ -351,13 +351,16 @@ def summarize(
     finished = np.array([r.status == "finished" for r in requests], dtype=bool)
     mine = finished[all_owner]
     times, owner = all_times[mine], all_owner[mine]  # the completed requests' tokens
+    all_sorted = np.sort(all_times)
+    lat = request_arrays.latencies_s(done)  # queue: arrival to first scheduled
+    statuses = collections.Counter(r.status for r in requests)
     total_in = sum(r.num_prompt_tokens for r in done)
     total_out = sum(r.num_output_tokens for r in done)
     out: dict[str, Any] = {
         "duration": duration_s,
         "completed": len(done),
         "failed": len(requests) - len(done),
-        **{f"num_{s}": sum(r.status == s for r in requests) for s in REQUEST_STATUSES[1:]},
+        **{f"num_{s}": statuses[s] for s in REQUEST_STATUSES[1:]},
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
         "request_throughput": _rate(len(done), duration_s),
@@ -365,9 +368,8 @@ def summarize(
         "goodput_slo_ms": slo,
         "output_throughput": _rate(total_out, duration_s),
         "total_token_throughput": _rate(total_in + total_out, duration_s),
-        **_peaks(done, times),
+        **_peaks(lat["arrival"], lat["e2el"], all_sorted if mine.all() else np.sort(times)),
     }
-    lat = request_arrays.latencies_s(done)  # queue: arrival to first scheduled
     latencies_s = {"ttft": lat["ttft"], "tpot": lat["tpot"],
                    "itl": request_arrays.itls(times, owner),  # pooled over requests, as vLLM
                    "e2el": lat["e2el"], "queue": lat["queue"]}
@@ -377,7 +379,7 @@ def summarize(
     if "p99_queue_ms" not in out:  # always reported, whatever the percentiles
         queue = latencies_s["queue"]
         out["p99_queue_ms"] = float(np.percentile(queue if len(queue) else 0, 99)) * _MS
-    out.update(_batch_view(requests, all_times, steps, kv_budget_bytes, weight_bytes,
+    out.update(_batch_view(requests, all_sorted, steps, kv_budget_bytes, weight_bytes,
                            peak_memory_bytes))
     out["peak_rss_bytes"] = peak_rss_bytes  # the process's peak resident memory (real compute)
     return out

@@ -1,5 +1,6 @@
-"""A run's request records (metrics.RequestRecord) as arrays, for its summary: a simulated hour
-has 18,000 requests and a million token times, too many to go over one property at a time."""
+"""A run's records (metrics.RequestRecord, StepRecord) as arrays, for its summary: a simulated hour
+has 18,000 requests, 26,000 step records and a million token times, too many to go over one
+property at a time."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ def itls(times: np.ndarray, owner: np.ndarray) -> np.ndarray:
 
 
 def latencies_s(done: Sequence[Any]) -> dict[str, np.ndarray]:
-    """Completed requests' ttft_s, tpot_s, e2el_s and queue_s (each where it is not None), in
-    request order: the floats RequestRecord's properties give, by the same operations."""
+    """Completed requests' ttft_s, tpot_s, e2el_s and queue_s (each where it is not None), and
+    arrival_s, in request order: the floats RequestRecord's properties give, by the same
+    operations."""
     n = len(done)
     arrival = np.fromiter(map(attrgetter("arrival_s"), done), np.float64, n)
     times = list(map(attrgetter("token_times_s"), done))  # a completed request has a token
@@ -38,10 +40,42 @@ def latencies_s(done: Sequence[Any]) -> dict[str, np.ndarray]:
     e2el = e2el - arrival
     many = tokens >= 2  # tpot: None below 2 tokens
     return {"ttft": ttft, "tpot": (e2el[many] - ttft[many]) / (tokens[many] - 1), "e2el": e2el,
-            "queue": (first_scheduled - arrival)[scheduled]}
+            "queue": (first_scheduled - arrival)[scheduled], "arrival": arrival}
 
 
 def _where_given(values: list[float | None]) -> tuple[np.ndarray, np.ndarray]:
     """Which values are not None, and the values (None: NaN)."""
     given = np.fromiter((v is not None for v in values), bool, len(values))
     return given, np.array(values, dtype=np.float64)
+
+
+STEP_INTS = ("num_steps", "batch_size", "num_prefill_tokens", "kv_bytes", "num_preemptions")
+
+
+def step_columns(steps: Sequence[Any]) -> dict[str, np.ndarray]:
+    """The steps' STEP_INTS (int64) and start_s, end_s (float64), one array each."""
+    n = len(steps)
+    cols = {name: np.fromiter(map(attrgetter(name), steps), np.int64, n) for name in STEP_INTS}
+    for name in ("start_s", "end_s"):
+        cols[name] = np.fromiter(map(attrgetter(name), steps), np.float64, n)
+    return cols
+
+
+def sorted_counts(sorted_times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct values of a sorted array and how often each occurs (a step's tokens share its
+    end time: an hour's million token times are 36,000 values)."""
+    if not len(sorted_times):
+        return sorted_times, np.zeros(0, np.int64)
+    first = np.flatnonzero(np.concatenate(([True], sorted_times[1:] != sorted_times[:-1])))
+    return sorted_times[first], np.diff(np.append(first, len(sorted_times)))
+
+
+def emits_tokens(sorted_times_s: np.ndarray, starts: np.ndarray, ends: np.ndarray
+                  ) -> np.ndarray:
+    """Per step (`starts`, `ends`: its start_s, end_s): a token time falls in (start_s, end_s]
+    (tokens are stamped with their step's end)."""
+    if not len(sorted_times_s):
+        return np.zeros(len(starts), dtype=bool)
+    i = np.searchsorted(sorted_times_s, starts, side="right")
+    nxt = sorted_times_s[np.minimum(i, len(sorted_times_s) - 1)]
+    return (i < len(sorted_times_s)) & (nxt <= ends)

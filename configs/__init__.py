@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import stat
 import types
 import typing
 from pathlib import Path
@@ -60,12 +61,21 @@ class ConfigError(ValueError):
     """A config file or value that cannot be used; the message names the file and the key."""
 
 
+def file_kind(path: Path) -> str:
+    """What a path that is there but no regular file is: 'a directory', 'a pipe', ..."""
+    mode = path.stat().st_mode
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a pipe"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a file")
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: no such file")
-    if path.is_dir():
-        raise ConfigError(f"{path}: is a directory, not a YAML file")
+    if not path.is_file() and file_kind(path) != "a pipe":  # <(...) is one; /dev/zero filled
+        raise ConfigError(f"{path}: is {file_kind(path)}, not a YAML file")  # the memory
     try:
         data = yaml.load(path.read_text(), Loader=_Loader)  # a SafeLoader subclass
     except yaml.YAMLError as exc:

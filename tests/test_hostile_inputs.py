@@ -229,3 +229,47 @@ def test_a_lognormal_length_with_a_huge_std_is_one_line(capsys, tmp_path):
     workload.write_text("num_prompts: 4\ninput_len: {dist: lognormal, mean: 100, std: 1e300}\n")
     rc, _, err = _main(["run", *SIM, str(workload), "--out", str(tmp_path)], capsys)
     assert rc == 2 and "length 'std' must be <= 2147483647, got 1e+300" in _one_line(err), err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv", [["run", "/dev/null", *SIM],
+                                  ["run", *SIM, "--workload", "/dev/null"]])
+def test_a_device_given_as_a_yaml_file_is_one_line(capsys, tmp_path, argv):
+    """/dev/zero as the run's config or workload filled the memory (a MemoryError traceback
+    under a memory limit); /dev/null was read as an empty file (the default workload ran)."""
+    rc, _, err = _main([*argv, "--num-prompts", "3", "--out", str(tmp_path)], capsys)
+    assert rc == 2 and _one_line(err).endswith(
+        "/dev/null: is a character device, not a YAML file"), err
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_yaml_file_from_a_pipe_still_loads(tmp_path):
+    """`batchsim run <(make-config)`: process substitution hands a pipe, which is read."""
+    import threading
+
+    from batchsim.configs import load_yaml
+
+    fifo = tmp_path / "config"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("workload:\n  num_prompts: 3\n"))
+    writer.start()
+    assert load_yaml(fifo) == {"workload": {"num_prompts": 3}}
+    writer.join()
+
+
+@pytest.mark.timeout(60)
+def test_a_pipe_in_place_of_a_run_file_is_refused_not_waited_on(capsys, tmp_path):
+    """A pipe where a run directory keeps a file (nothing writes to it) hung `report` and
+    --acceptance-from for ever; /dev/zero linked in filled the memory."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "steps.jsonl").write_text("")
+    os.mkfifo(run_dir / "requests.jsonl")
+    os.mkfifo(run_dir / "summary.json")
+    rc, _, err = _main(["report", str(run_dir)], capsys)
+    assert rc == 0 and "requests.jsonl: a pipe, not a file, read as empty" in err, err
+    (run_dir / "summary.json").unlink()  # report wrote one; a pipe again
+    os.mkfifo(run_dir / "summary.json")
+    rc, _, err = _main(["run", *SIM, "--spec-method", "ngram", "--spec-tokens", "4",
+                        "--acceptance-from", str(run_dir), "--out", str(tmp_path)], capsys)
+    assert rc == 2 and _one_line(err).endswith("summary.json is a pipe, not a file"), err

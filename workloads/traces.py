@@ -13,14 +13,13 @@ import dataclasses
 import json
 import math
 import re
-import stat
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from itertools import islice
 from pathlib import Path
 from typing import Literal
 
-from batchsim.configs import CONFIG_DIR, ConfigError
+from batchsim.configs import CONFIG_DIR, ConfigError, file_kind
 
 TRACE_DIR = CONFIG_DIR / "traces"
 TraceFormat = Literal["auto", "azure", "mooncake"]
@@ -152,19 +151,11 @@ def resolve_trace_path(path: str | Path) -> Path:
         if candidate.is_file():
             return candidate
         if candidate.exists():  # /dev/null, a directory: there, but nothing a trace is read from
-            raise ConfigError(f"trace {str(path)!r}: {candidate} is {_file_kind(candidate)}, not a "
+            raise ConfigError(f"trace {str(path)!r}: {candidate} is {file_kind(candidate)}, not a "
                               "regular file (a .csv or .jsonl trace)")
     looked = ", ".join(str(c) for c in candidates)
     shipped = ", ".join(shipped_traces())
     raise ConfigError(f"trace {str(path)!r}: no such file (looked in {looked}); shipped: {shipped}")
-
-
-def _file_kind(path: Path) -> str:
-    mode = path.stat().st_mode
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-             (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a pipe"),
-             (stat.S_ISSOCK, "a socket"))
-    return next((name for test, name in kinds if test(mode)), "not a file")
 
 
 def read_trace(

@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import NamedTuple
 
-from batchsim.configs import ConfigError
+from batchsim.configs import ConfigError, file_kind
 from batchsim.server.perf.profile import log_interp
 
 # name -> ((batch, tokens per verify step per stream), ...) as the source measured, and where.
@@ -102,6 +102,8 @@ def from_run(run_dir: str | Path) -> tuple[tuple[float, ...], float]:
     tokens and the accepted drafts)."""
     path = Path(run_dir) / "summary.json"
     what = f"--acceptance-from {run_dir}"
+    if path.exists() and not path.is_file():  # a pipe hung the read
+        raise ConfigError(f"{what}: {path} is {file_kind(path)}, not a file")
     try:
         summary = json.loads(path.read_text())
     except (OSError, ValueError, RecursionError) as exc:  # RecursionError: a traceback

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from batchsim.configs import file_kind
 from batchsim.server.results.json_lines import StepLines, request_line
 from batchsim.server.results.jsonio import dumps
 from batchsim.server.results.metrics import RequestRecord, StepRecord
@@ -207,8 +208,9 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
 def read_rows(path: Path, notes: list[str]) -> Iterator[dict[str, Any]]:
     """A JSONL file's rows. A line that is not a JSON object (a torn last line from a killed writer,
     NaN, nesting too deep, bytes) is skipped, and the notes say which."""
-    if not path.exists():
-        notes.append(f"{path.name}: missing, read as empty")
+    if not path.is_file():  # a pipe hung the read, /dev/zero filled the memory
+        kind = file_kind(path) + ", not a file" if path.exists() else "missing"
+        notes.append(f"{path.name}: {kind}, read as empty")
         return
     lines = path.read_bytes().split(b"\n")
     last = len(lines) - 1  # the part after the final newline: b"" unless the write was torn

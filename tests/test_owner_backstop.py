@@ -7,6 +7,7 @@ the SIGTERM, if it never began) the group. Rank 0 records the signal the launche
 
 from __future__ import annotations
 
+import json
 import signal
 import types
 
@@ -137,3 +138,30 @@ def test_rank_0s_sigterm_during_a_flush_starts_keeping_at_once(tmp_path, monkeyp
     assert len(deferred) == 1 and (tmp_path / f"rank0{rank.KEEPING_SUFFIX}").exists()
     assert status.keep_until is not None
     assert 0 < rank._start_keeping(status) <= KEEP_RECORDS_S  # the same deadline, once
+
+
+def test_a_rank_the_launchers_group_sigterm_ends_says_so_and_is_no_failure(tmp_path,
+                                                                           monkeypatch):
+    """The launcher's own SIGTERM to the group (a run's second Ctrl-C) reached a follower while
+    rank 0 was alive: it said 'SIGTERM reached its process ..., not through the launcher', a
+    failure (the launcher's any_rank_failed then killed rank 0 GRACE_S later, mid-keep)."""
+    sent: list[int] = []
+    launch = _launch(tmp_path, sent)
+    launch._sent, launch.signals = 1, 2  # the first went to rank 0 already
+    seen: list[bool] = []
+    launch._signal_group = lambda sig: (sent.append(sig),
+                                        seen.append((tmp_path / rank.GROUP_STOP_FILE).exists()))
+    launch._forward()
+    assert sent == [signal.SIGTERM] and seen == [True]  # marked before it is sent
+    monkeypatch.setenv(rank.STATUS_DIR_ENV, str(tmp_path))
+    exited: list[int] = []
+    monkeypatch.setattr(rank.os, "_exit", exited.append)
+    (tmp_path / "rank0.pid").write_text(str(owner.os.getpid()))  # rank 0: alive
+    (tmp_path / "rank1.pid").write_text("5151")
+    follower = rank._Status(1)
+    follower.doing = lambda: "step 7"
+    rank._terminated(follower)
+    assert exited == [143]
+    status = json.loads(follower.path.read_text())
+    assert status["error"] == "rank 1: stopped by the launcher, which got SIGINT, during step 7"
+    assert status["terminated"] is True and not owner.any_rank_failed(tmp_path)

@@ -23,7 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from batchsim.server.distributed import ring_log
-from batchsim.server.distributed.rank import KEEP_RECORDS_S, KEEPING_SUFFIX, STOP_SIGNAL_FILE
+from batchsim.server.distributed.rank import (
+    GROUP_STOP_FILE,
+    KEEP_RECORDS_S,
+    KEEPING_SUFFIX,
+    STOP_SIGNAL_FILE,
+)
 from batchsim.server.platform.signals import STOP_SIGNALS, leave_closed_terminal
 
 GRACE_S = 5.0  # after a rank failed: time for mlx.launch to end the others before the launcher does
@@ -112,17 +117,24 @@ class OwnedLaunch:
                 if rank0 is None and sig == signal.SIGINT:
                     return  # not started: it gets the signal once it can keep a record of it
                 if rank0 is None:
-                    self._signal_group(sig)
+                    self._stop_group(sig)
                 else:  # rank 0 records the signal the launcher got, not the one it is sent
                     with contextlib.suppress(OSError):
                         (self.status_dir / STOP_SIGNAL_FILE).write_text(self._names[self._sent])
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(rank0, sig)
             else:
-                self._signal_group(sig)
+                self._stop_group(sig)
                 if sig == signal.SIGTERM:
                     self._terminated_at = time.monotonic()
             self._sent += 1
+
+    def _stop_group(self, sig: int) -> None:
+        """The launcher's own signal to every rank, marked first (GROUP_STOP_FILE: the signal it
+        got): the ranks it ends say so, not that it came from elsewhere or a peer failed."""
+        with contextlib.suppress(OSError):
+            (self.status_dir / GROUP_STOP_FILE).write_text(self._names[self._sent])
+        self._signal_group(sig)
 
     def _end_unanswered_term(self) -> None:
         """The group's SIGTERM runs each rank's handler, which a rank blocked in a native call

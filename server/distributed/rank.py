@@ -36,6 +36,9 @@ KEEP_RECORDS_S = 30.0  # a failing rank 0 keeping its records exits anyway after
 # rank 0 as SIGINT; and rank0.keeping, made when rank 0 begins keeping its records (the
 # launcher's backstop counts KEEP_RECORDS_S from it).
 STOP_SIGNAL_FILE = "stop_signal"
+# Made by the launcher before its own SIGTERM to the whole group (its text: the signal it got):
+# a rank that SIGTERM ends says the launcher stopped it, not that someone else did or it failed.
+GROUP_STOP_FILE = "group_stop"
 KEEPING_SUFFIX = ".keeping"
 
 
@@ -230,10 +233,16 @@ def _auto() -> str:
 def forwarded_signal(name: str) -> str:
     """The name rank 0 records for the launcher's SIGINT: the signal the launcher itself got
     (a SIGHUP or SIGTERM to it stops the run as Ctrl-C does); `name` when it left none."""
+    status_dir = os.environ.get(STATUS_DIR_ENV)
+    return (status_dir and _read_text(Path(status_dir) / STOP_SIGNAL_FILE)) or name
+
+
+def _read_text(path: Path) -> str | None:
+    """A file the launcher left in the status directory; None if it left none."""
     try:
-        return (Path(os.environ[STATUS_DIR_ENV]) / STOP_SIGNAL_FILE).read_text() or name
-    except (OSError, KeyError):
-        return name
+        return path.read_text()
+    except OSError:
+        return None
 
 
 def _on_term(status: _Status) -> None:
@@ -259,8 +268,12 @@ def _terminated(status: _Status) -> None:
     rank's process by someone else; keep an error this rank already reported, else say which, and
     the step it was in. Rank 0's run keeps its records and an interrupted summary."""
     doing = status.doing()
-    by_launch = peers_lost(status.path.parent, status.rank)
-    if by_launch:
+    launcher = _read_text(status.path.parent / GROUP_STOP_FILE)
+    by_launch = launcher is not None or peers_lost(status.path.parent, status.rank)
+    if launcher is not None:
+        message = (f"rank {status.rank}: stopped by the launcher, which got {launcher}"
+                   + (f", during {doing}" if doing else ""))
+    elif by_launch:
         message = (f"rank {status.rank}: stopped by mlx.launch (another rank failed)"
                    + (f" during {doing}, waiting on its peers" if doing else ""))
     else:

@@ -80,6 +80,15 @@ class StepPlan(NamedTuple):
         return (len(self.decode_ids) + sum(self.decode_spec_tokens)
                 + sum(c.num_tokens for c in self.prefills))
 
+    @property
+    def num_joined_directly(self) -> int:
+        """New requests that join the decode pool with no prefill chunk (one-token prompts, never
+        a recompute): their decode row samples their first token, where host_request_us is paid."""
+        if not self.new_requests or not self.decode_ids:
+            return 0
+        chunked = {c.request_id for c in self.prefills}
+        return sum(n.request_id not in chunked for n in self.new_requests)
+
 
 class StepResult(NamedTuple):
     step_index: int

@@ -369,9 +369,12 @@ def test_run_config_takes_an_engine_and_a_simulated_run_names_it(tmp_path, capsy
     assert rates["mlx-lm-generate"] < rates["batchsim"] / 2  # 8 rows at once, priced one by one
 
 
-def test_a_simulated_run_puts_an_engines_request_cost_in_ttft(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("input_len", ["64", "1"])  # 1: joins the decode pool, no prefill
+def test_a_simulated_run_puts_an_engines_request_cost_in_ttft(tmp_path, capsys, monkeypatch,
+                                                              input_len):
     """`run --executor sim --engine NAME` with a profile of one's own server carrying a cost per
-    request: each request's TTFT grows by it, and nothing else does."""
+    request: each request's TTFT grows by it, and nothing else does (a one-token prompt, whose
+    first token its decode row samples, paid none)."""
     import json
 
     import yaml
@@ -391,8 +394,8 @@ def test_a_simulated_run_puts_an_engines_request_cost_in_ttft(tmp_path, capsys, 
             out = tmp_path / engine
             assert main(["run", "--executor", "sim", "--device-profile", "M4 Max", "--model",
                          "llama-3.2-1b", "--dtype", "float16", "--engine", engine, "--num-prompts",
-                         "1", "--input-len", "64", "--output-len", "16", "--no-progress", "--out",
-                         str(out)]) == 0
+                         "1", "--input-len", input_len, "--output-len", "16", "--no-progress",
+                         "--out", str(out)]) == 0
             capsys.readouterr()
             runs = list(out.rglob("requests.jsonl"))
             got[engine] = json.loads(runs[0].read_text().splitlines()[0])
@@ -529,5 +532,37 @@ def test_a_preempted_request_pays_its_request_cost_once():
     assert cost.prefill_forward_s(64, 0, True, 1, 0) == pytest.approx(
         plain.prefill_forward_s(64, 0, True), rel=1e-12)
     assert cost.prefill_time(64, 0, True, 3, 1).host_request_s == pytest.approx(0.15)
+    from batchsim.server.perf.step_time import StepTime
+    from batchsim.server.published.sim import _add_prefills, _steps_of
+
+    zero = StepTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    fit = sum((_add_prefills(zero, cost, _steps_of(p, 1)) for p in trace.plans), zero)
+    assert fit.host_request_s == pytest.approx(2 * 0.15)  # the fit's closed loops: as the run
     assert cost.prefill_forward_s(64, 0, True, 3, 1) == pytest.approx(
         plain.prefill_forward_s(64, 0, True, 3) + 0.15, rel=1e-12)
+
+
+def test_a_one_token_prompt_pays_its_request_cost_once():
+    """A one-token prompt joins the decode pool with no prefill chunk: its decode row samples its
+    first token and pays host_request_us there, once, in the simulator and the fit alike."""
+    from batchsim.scheduler.scheduler import Scheduler
+    from batchsim.server.executors.fake_executor import FakeExecutor
+    from batchsim.server.executors.sim_executor import SimExecutor
+    from batchsim.server.perf.step_time import StepTime
+    from batchsim.server.published.sim import _add_prefills, _steps_of
+
+    from tests.drivers import config, drive, make_request
+
+    trace = drive(Scheduler(config()), FakeExecutor(),
+                  [(0, make_request(1, 64, 8)), (1, make_request(2, 1, 8))])
+    assert not any(c.request_id == 2 for p in trace.plans for c in p.prefills)
+    assert sum(p.num_joined_directly for p in trace.plans) == 1
+    spec = zoo_spec("llama-3.2-1b")
+    cost = StepCost(spec, _mac(), "float16", 4, engine=_engine(host_request_us=150_000))
+    plain = StepCost(spec, _mac(), "float16", 4)
+    slow, fast = SimExecutor(cost), SimExecutor(plain)
+    extra_s = sum(slow.execute(p).elapsed_s - fast.execute(p).elapsed_s for p in trace.plans)
+    assert extra_s == pytest.approx(2 * 0.15)  # two requests, each once
+    zero = StepTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    fit = sum((_add_prefills(zero, cost, _steps_of(p, 1)) for p in trace.plans), zero)
+    assert fit.host_request_s == pytest.approx(2 * 0.15)

@@ -30,6 +30,7 @@ class SimExecutor:
         self.cost = cost
         self.kvt = cost.kv_bytes_per_token
         self.overhead_s = cost.step_overhead_s
+        self._request_s = cost.engine.host_request_s  # once per request (PrefillChunk.fresh)
         # Windows and fixed states do not grow linearly with the width: priced step by step.
         self.per_step_decode = not cost.layers.linear_in_width
         # What the model's cache holds by layer kind (None: dense, the cost model's bytes per
@@ -68,6 +69,8 @@ class SimExecutor:
                 t += self.cost.copy_s(len(new.cached_hashes) * self.block_bytes)
                 if layout.paged:
                     self._shared[new.request_id] = len(new.cached_hashes)
+        if new_requests and self._request_s:  # a one-token prompt's first token: in its row
+            t += self._request_s * plan.num_joined_directly
         if ops is not None and not layout.paged:  # paged: the pool's blocks, adopted in place
             self._cached_bytes += (len(ops.store) - len(ops.evict)) * self.block_bytes
             t += self.cost.copy_s(len(ops.store) * self.block_bytes)  # stored after the prefills

@@ -184,19 +184,22 @@ def _run(row: Any, cost: StepCost, on_step=None):
 class Step(NamedTuple):
     """One plan of a simulated run, as the cost model prices it."""
 
-    prefills: tuple[tuple[int, int, bool, int], ...]  # (tokens, start, sample, rows) per group
+    # (tokens, start, sample, rows, rows sampling their request's first token) per group
+    prefills: tuple[tuple[int, int, bool, int, int], ...]
     decode_rows: int
     first_width: int  # context of the first decode step; each further one reads one more
     num_steps: int  # decode steps the plan covers
+    joined: int = 0  # new requests whose decode row samples their first token (one-token prompts)
 
 
 def _steps_of(plan: Any, num_steps: int) -> Step:
     from batchsim.scheduler import prefill_groups
 
-    groups = tuple((g[0].num_tokens, g[0].start, g[0].sample, len(g))
+    groups = tuple((g[0].num_tokens, g[0].start, g[0].sample, len(g), sum(c.fresh for c in g))
                    for g in prefill_groups.groups(list(plan.prefills)))
     width = max(plan.decode_positions) + 1 if plan.decode_ids else 0
-    return Step(groups, len(plan.decode_ids), width, num_steps if plan.decode_ids else 0)
+    return Step(groups, len(plan.decode_ids), width, num_steps if plan.decode_ids else 0,
+                plan.num_joined_directly)
 
 
 _RUN_STEPS: dict[Any, tuple[Step, ...]] = {}
@@ -238,8 +241,7 @@ def priced(row: Any, catalog: macs.Catalog, model: MacModel) -> Priced:
         return Priced(cost.step_time(row.batch, context_tokens(row)), zero)
     decode, prefill, steps = zero, zero, 0
     for s in run_steps(row, catalog, model):
-        for n, start, sample, rows in s.prefills:
-            prefill += cost.prefill_time(n, start, sample, rows)
+        prefill = _add_prefills(prefill, cost, s)
         if s.num_steps:
             one = cost.decode_time(s.decode_rows, s.first_width + (s.num_steps - 1) // 2)
             decode += one.times(s.num_steps)
@@ -247,3 +249,15 @@ def priced(row: Any, catalog: macs.Catalog, model: MacModel) -> Priced:
     host = StepTime(0.0, 0.0, 0.0, 0.0, 0.0, steps * cost.device_overhead_s,
                     host_step_s=steps * cost.engine.host_step_s)
     return Priced(decode + host, prefill)
+
+
+def _add_prefills(total: StepTime, cost: StepCost, step: Step) -> StepTime:
+    """`total` and the step's prefill chunks (added one by one, as before), with the engine's cost
+    of each request it starts paid once (a recompute's sampling chunk does not pay it; a
+    one-token prompt's decode row does)."""
+    for n, start, sample, rows, started in step.prefills:
+        total += cost.prefill_time(n, start, sample, rows, started)
+    if step.joined:
+        total += StepTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+                          host_request_s=step.joined * cost.engine.host_request_s)
+    return total

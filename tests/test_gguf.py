@@ -231,6 +231,11 @@ def _bad_gguf(kind: str, path: Path) -> Path:
                                                                dtype=mx.int32),
                          "tokenizer.ggml.tokens": _llama_meta(mx)["tokenizer.ggml.tokens"][:-4]
                          + ["!", "Ġt", "he", "Ġthe"]},
+            "dup_later_control": {  # '!' a normal token first, a control token at 258
+                "tokenizer.ggml.token_type": mx.array([3, 3, 3] + [1] * 255 + [3] + [1] * 3,
+                                                      dtype=mx.int32),
+                "tokenizer.ggml.tokens": _llama_meta(mx)["tokenizer.ggml.tokens"][:-4]
+                + ["!", "Ġt", "he", "Ġthe"]},
             "vocab_short": {"llama.vocab_size": u32(100)},
             "rope_partial": {"llama.rope.dimension_count": u32(HEAD_DIM // 2),
                              "llama.attention.key_length": u32(HEAD_DIM)},
@@ -264,6 +269,9 @@ def _bad_gguf(kind: str, path: Path) -> Path:
     # r4: any other special token repeated imported, its string mapped to the later id
     ("dup_control", "token 0 '<|endoftext|>' (control) is listed again as id 258"),
     ("dup_user", "token 3 '!' (user-defined) is listed again as id 258"),
+    # a normal token repeated later as a control token imported, its text read as the control
+    ("dup_later_control", ("token 258 '!' (control) is listed again as id 3: the string "
+                           "would read as the special one")),
     ("vocab_short", "llama.vocab_size 100 is less than the 262 tokens"),
     ("rope_partial", "llama.rope.dimension_count 8 differs from the head dimension 16"),
     ("rope_scaled", "llama.rope.scaling.type 'linear' is not supported"),

@@ -86,9 +86,10 @@ def _token_types(g: Gguf, tokens: list[str]) -> list[int]:
 def _check_specials_kept(g: Gguf, tokens: list[str], types: list[int]) -> None:
     """A string listed twice reads as its last id, as llama.cpp's token_to_id (an earlier id has
     no string of its own in a BPE vocabulary; real vocabularies repeat some): refused only where
-    that earlier id is a special one (a role's, or a CONTROL or USER_DEFINED token, which
+    either id is a special one (a role's, or a CONTROL or USER_DEFINED token, which
     add_special_tokens and add_tokens would map to the later id): an end-of-sequence, or a
-    turn's end such as <|eot_id|>, would decode to nothing."""
+    turn's end such as <|eot_id|>, would decode to nothing; a normal token's text repeated
+    later as a control token would read as that control token in a prompt."""
     last = {t: i for i, t in enumerate(tokens)}
     for role in SPECIAL_ROLES:
         idx = g.value(f"tokenizer.ggml.{role}_token_id")
@@ -96,11 +97,17 @@ def _check_specials_kept(g: Gguf, tokens: list[str], types: list[int]) -> None:
             raise GgufError(f"{g.path}: tokenizer.ggml.{role}_token_id {idx} is "
                             f"{tokens[idx]!r}, listed again as id {last[tokens[idx]]}: the "
                             "string would read as that id, not the special one")
+    first: dict[str, int] = {}
+    for idx, t in enumerate(tokens):
+        first.setdefault(t, idx)
     for idx, (t, ty) in enumerate(zip(tokens, types)):
-        if ty in (CONTROL, USER_DEFINED) and last[t] != idx:
+        if ty in (CONTROL, USER_DEFINED) and first[t] != last[t]:  # listed more than once
+            other = last[t] if last[t] != idx else first[t]  # a later id, else an earlier one
             kind = "control" if ty == CONTROL else "user-defined"
+            reads = ("that id, not the special one" if other > idx else
+                     "the special one, not that id")  # a normal token's text would be special
             raise GgufError(f"{g.path}: token {idx} {t!r} ({kind}) is listed again as id "
-                            f"{last[t]}: the string would read as that id, not the special one")
+                            f"{other}: the string would read as {reads}")
 
 
 def _flag(g: Gguf, key: str) -> bool:

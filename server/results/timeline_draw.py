@@ -32,6 +32,7 @@ _GIB = float(1 << 30)
 DRAW_WAIT_S = 20.0  # the drawing child's time to answer once sent (matplotlib's import under load)
 DRAW_WAIT_PER_STEP_S = 1e-4  # and per step of the run (its panels pickled, read, drawn)
 POLL_S = 0.05  # how often that wait looks for a signal's answer (a signal alone cannot end it)
+PRE_TICKS = 12  # tick objects a drawing process makes ahead per axis (a draw makes more if needed)
 HEADROOM = 1.08  # y-axes reach a little past the tallest line (a line on the frame is hidden)
 
 
@@ -42,23 +43,33 @@ def draw_panels(path: Path, panels: Panels, canvas: tuple | None = None) -> Path
                        fast=panels.series is not None)
 
 
-def _canvas() -> tuple:
-    """The timeline's figure and its four empty panels."""
+def _canvas(ahead: bool = False) -> tuple:
+    """The timeline's figure and its four empty panels; `ahead`: with the first two panels'
+    right-hand axes and PRE_TICKS tick objects on every axis made now (a fifth of a draw's work,
+    the same picture: a drawing process makes them while the run runs)."""
     fig = figure(figsize=(11, 10))
     axes = fig.subplots(4, 1, sharex=True)
     fig.subplots_adjust(left=0.07, right=0.92, top=0.895, bottom=0.06, hspace=0.28)
-    return fig, axes
+    if not ahead:
+        return fig, axes, None
+    twins = (axes[0].twinx(), axes[1].twinx())
+    for ax in (*axes, *twins):
+        ax.xaxis.get_major_ticks(PRE_TICKS)
+        ax.yaxis.get_major_ticks(PRE_TICKS)
+    return fig, axes, twins
 
 
 def _figure(panels: Panels, canvas: tuple | None = None):
-    fig, axes = canvas or _canvas()
     series, limits, title = panels.series, panels.limits, panels.title
     if series is None or panels.rate is None:
+        fig, axes, _ = _canvas()  # no right-hand axes
         axes[0].text(0.5, 0.5, "no steps recorded", ha="center", transform=axes[0].transAxes)
         fig.suptitle(title)
         return fig
-    _requests_panel(axes[0], series, limits.max_num_seqs)
-    _batch_panel(axes[1], series)
+    fig, axes, twins = canvas or _canvas()
+    twins = twins or (axes[0].twinx(), axes[1].twinx())  # right-hand axes sharing x
+    _requests_panel(axes[0], series, limits.max_num_seqs, twins[0])
+    _batch_panel(axes[1], series, twins[1])
     _kv_panel(axes[2], series, panels.overrun_s, limits)
     x_s, rate, width_s = panels.rate
     axes[3].plot(x_s, rate, color="tab:green", lw=1)
@@ -114,13 +125,13 @@ def _legend(ax, handles: list) -> None:
               fontsize=8, frameon=False, borderaxespad=0.2, handlelength=1.5)
 
 
-def _requests_panel(ax, series: _Series, max_num_seqs: int | None) -> None:
+def _requests_panel(ax, series: _Series, max_num_seqs: int | None, right) -> None:
     _line(ax, series, "running", "running", "tab:blue")
     if max_num_seqs:  # a queue that grows under this line waits for a seat, not for memory
         ax.axhline(max_num_seqs, color="tab:blue", ls="--", lw=0.8,
                    label=f"seats (max_num_seqs {max_num_seqs})")
     ax.set_ylabel("running requests", color="tab:blue")
-    right = ax.twinx()  # a queue can be 100 times the batch
+    # right: a queue can be 100 times the batch
     right.plot(series.x, series.get("waiting", "max"), color="tab:orange", lw=1,
                label="waiting (max per bin)" if series.binned else "waiting",
                drawstyle="default" if series.binned else "steps-pre")
@@ -129,10 +140,9 @@ def _requests_panel(ax, series: _Series, max_num_seqs: int | None) -> None:
     _legend(ax, ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0])
 
 
-def _batch_panel(ax, series: _Series) -> None:
+def _batch_panel(ax, series: _Series, right) -> None:
     _line(ax, series, "batch", "decode batch (rows)", "tab:purple")
     ax.set_ylabel("decode batch")
-    right = ax.twinx()
     right.plot(series.x, series.get("tokens"), color="tab:gray", lw=0.8, alpha=0.8,
                label="tokens per step", drawstyle="default" if series.binned else "steps-pre")
     right.set_ylabel("tokens per step")
@@ -293,7 +303,7 @@ def _serve() -> int:
     """The child: warm up while the run runs (a short run sends first: no time to), then draw
     the (path, panels) read from stdin; stdout: [path, why]. Nothing sent (the run failed or was
     not drawn): exit."""
-    canvas = _canvas()  # matplotlib imported, the figure made while the run runs
+    canvas = _canvas(ahead=True)  # matplotlib imported, the figure made while the run runs
     if not select.select([sys.stdin], [], [], 0)[0]:  # the panels not sent yet: time to warm up
         _warm()
     blob = sys.stdin.buffer.read()

@@ -204,3 +204,26 @@ def test_a_canvas_made_ahead_draws_the_same_picture(tmp_path):
         ahead = timeline_draw.draw_panels(tmp_path / f"ahead{n}.png", panels,
                                           timeline_draw._canvas(ahead=True))
         assert np.array_equal(np.asarray(Image.open(plain)), np.asarray(Image.open(ahead))), n
+
+
+def test_a_picture_the_disk_cut_short_is_not_left_torn(tmp_path):
+    """h8: a full disk (here a 4 KiB file size limit) while timeline.png was written left a torn
+    PNG (0 bytes on a full tmpfs, 4096 here) beside a run that said it was not drawn; a picture
+    is now written whole or not at all, and an older one stays."""
+    import subprocess
+    import sys
+
+    png = tmp_path / "timeline.png"
+    png.write_bytes(b"the picture before")
+    code = ("import resource, sys\n"
+            "from pathlib import Path\n"
+            "from batchsim.server.results.timeline import Limits\n"
+            "from batchsim.server.results.timeline_draw import write_timeline\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+            "path, why = write_timeline(Path(sys.argv[1]), [], [], Limits(), 'cut short')\n"
+            "print(path, why)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    assert out.startswith("None timeline.png: not drawn"), out
+    assert png.read_bytes() == b"the picture before"
+    assert [p.name for p in tmp_path.iterdir()] == ["timeline.png"]  # no temporary file left

@@ -3,8 +3,11 @@ the file-only Agg backend, imported on first use."""
 
 from __future__ import annotations
 
+import io
 import sys
 from pathlib import Path
+
+from batchsim.server.results.run_files import replace_atomically
 
 
 def pyplot():
@@ -31,7 +34,10 @@ def save_figure(fig, path: Path, dpi: int = 110, tight: bool = True, fast: bool 
     if tight:
         fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi, **({"pil_kwargs": {"compress_level": 1}} if fast else {}))
+    image = io.BytesIO()  # whole or not at all: a full disk or a kill left a torn PNG
+    fig.savefig(image, format=path.suffix[1:] or None, dpi=dpi,
+                **({"pil_kwargs": {"compress_level": 1}} if fast else {}))
+    replace_atomically(path, image.getvalue())
     if "matplotlib.pyplot" in sys.modules:  # pyplot keeps its figures until closed
         sys.modules["matplotlib.pyplot"].close(fig)
     return path

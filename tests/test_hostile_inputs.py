@@ -273,3 +273,16 @@ def test_a_pipe_in_place_of_a_run_file_is_refused_not_waited_on(capsys, tmp_path
     rc, _, err = _main(["run", *SIM, "--spec-method", "ngram", "--spec-tokens", "4",
                         "--acceptance-from", str(run_dir), "--out", str(tmp_path)], capsys)
     assert rc == 2 and _one_line(err).endswith("summary.json is a pipe, not a file"), err
+
+
+def test_runs_started_together_into_one_out_each_get_their_directory(tmp_path, monkeypatch):
+    """Two runs into one --out in the same second: the name was looked for, then made, so the
+    run that lost the race between the look and mkdir failed ('cannot write a run directory
+    there (File exists)'). The name is now taken by making it."""
+    from batchsim.server.results import jsonio
+
+    monkeypatch.setattr(jsonio, "timestamp", lambda: "20261205-080000")
+    (tmp_path / "20261205-080000-m").mkdir()  # the other run's, made after this one looked
+    monkeypatch.setattr(jsonio.Path, "exists", lambda self: False)
+    assert jsonio.new_run_dir(tmp_path, "m").name == "20261205-080000-m-2"
+    assert jsonio.new_run_dir(tmp_path, "m").name == "20261205-080000-m-3"

@@ -79,19 +79,27 @@ def new_run_dir(out_dir: Path, label: str) -> Path:
     """A fresh `TIMESTAMP-label` directory under out_dir (`-2`, `-3`, ... if it exists). Made
     before a run starts, so an output directory that cannot be written fails before any compute."""
     label = _NOT_IN_A_NAME.sub("_", label).encode()[:MAX_LABEL_BYTES].decode(errors="ignore")
-    run_dir = out_dir / f"{timestamp()}-{label}"
     n = 1
-    while run_dir.exists():
-        n += 1
-        run_dir = out_dir / f"{timestamp()}-{label}-{n}"
+    while True:  # made, not looked for: two runs started in one second each get their own
+        run_dir = out_dir / (f"{timestamp()}-{label}" + (f"-{n}" if n > 1 else ""))
+        try:
+            run_dir.mkdir(parents=True)
+            break
+        except FileExistsError:
+            n += 1
+        except OSError as exc:
+            raise _unwritable(out_dir, exc) from None
     try:
-        run_dir.mkdir(parents=True)
         (run_dir / ".writable").touch()
         (run_dir / ".writable").unlink()
     except OSError as exc:
-        raise ConfigError(f"output directory {out_dir}: cannot write a run directory there "
-                          f"({exc.strerror or exc})") from None
+        raise _unwritable(out_dir, exc) from None
     return run_dir
+
+
+def _unwritable(out_dir: Path, exc: OSError) -> ConfigError:
+    return ConfigError(f"output directory {out_dir}: cannot write a run directory there "
+                       f"({exc.strerror or exc})")
 
 
 def check_writable(out_dir: Path) -> None:

@@ -5,8 +5,10 @@ for as usual."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 PROBE = """
 import atexit, sys, threading, time
@@ -56,3 +58,21 @@ def test_only_a_simulated_run_exits_without_teardown(tmp_path, monkeypatch, caps
     run_dir = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["run_dir"]
     monkeypatch.setattr(sys, "argv", ["batchsim", "report", run_dir])
     assert cli.main() == 0 and quick == [0]  # a report of that run (executor sim) exits as usual
+
+
+def test_a_pipe_reader_gets_the_whole_json_line_and_the_picture_is_there(tmp_path):
+    """The simulated run's program, as a pipeline runs it: stdout a pipe read only after the
+    program ended (os._exit), so what was not flushed before it is lost. The last line is the
+    whole summary, and the timeline.png it names is on disk when the program has returned.
+    Block-buffered stdout, as for a user (PYTHONUNBUFFERED would flush every write)."""
+    cmd = [sys.executable, "-m", "batchsim.scripts.cli", "run", "--executor", "sim",
+           "--device-profile", "M2 Max", "--model", "llama-3.2-1b", "--quantize", "4",
+           "--num-prompts", "300", "--request-rate", "50", "--json", "--out", str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env) as proc:
+        assert proc.wait(timeout=120) == 0  # ended before a byte was read
+        out = proc.stdout.read().decode()
+    summary = json.loads(out.splitlines()[-1])
+    assert out.endswith("}\n") and summary["completed"] == 300
+    png = summary["timeline_png"]
+    assert png and Path(png).read_bytes().startswith(b"\x89PNG")

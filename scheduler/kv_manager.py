@@ -9,6 +9,7 @@ Allocator verbs in the nano-vllm style: `can_*` asks, `commit` applies a plan, `
 from __future__ import annotations
 
 from batchsim.scheduler.kv_bytes import CacheLayout, PrivateCache
+from batchsim.scheduler.plan import CacheOps, PrefillChunk
 from batchsim.scheduler.pool_geometry import (
     EMPTY_PAGED_POOL,
     EMPTY_POOL,
@@ -141,6 +142,16 @@ class KVManager:
         if held > self.budget_bytes:
             raise KVAccountError(f"plan holds {held} KV bytes > budget {self.budget_bytes}")
         return held
+
+    def cache_ops(self, kv_bytes: int, prefills: list[PrefillChunk], requests: dict[int, Request]
+                  ) -> tuple[CacheOps | None, int]:
+        """The prefix cache keeps the blocks a plan's chunks complete in what the plan's committed
+        `kv_bytes` leave: its ops for the plan, and the plan's KV bytes after them."""
+        prefix = self.prefix
+        copies = self.shared is None  # padded: the cache's blocks are held beside the pool
+        held = kv_bytes - prefix.nbytes if copies else kv_bytes  # pool and private caches
+        prefix.store_chunks(prefills, requests, self.budget_bytes - held)
+        return prefix.take_ops(), held + prefix.nbytes if copies else held
 
     def check(self, computed_tokens: dict[int, int], releasing: set[int] = frozenset()) -> None:
         """Integrity: geometry covers the members, private caches match their tokens, budget holds.

@@ -14,6 +14,7 @@ from collections import deque
 
 from batchsim.scheduler.advance import advance_decoded
 from batchsim.scheduler.config import SchedulerConfig
+from batchsim.scheduler.decode_plan import decode_plan
 from batchsim.scheduler.kv_manager import KVAccountError, KVManager
 from batchsim.scheduler.lazy_rows import REQUEST_ID, LazyRows
 from batchsim.scheduler.lookahead import lookahead_steps
@@ -113,6 +114,11 @@ class Scheduler:
         self._pending_free = []
         for rid in free_ids:
             self.kv.release(rid)
+        planned = decode_plan(self.lazy, self.running, self.waiting, self.kv, self.config,
+                              self.requests, self.num_steps, free_ids)  # most decode-only plans
+        if planned is not None:
+            self._planned, self._planned_rows = planned
+            return planned[0]
         if self.config.policy == "prefill-first":
             plan = self._plan(free_ids, decode_step=False)
             if plan is not None:
@@ -232,13 +238,9 @@ class Scheduler:
     def _step_plan(self, budget: StepBudget, free_ids: list[int],
                    new_requests: list[NewRequest]) -> StepPlan:
         kv_bytes = budget.commit(self.requests)
-        cache_ops = None
-        kv, prefix = self.kv, self.kv.prefix
+        cache_ops, prefix = None, self.kv.prefix
         if prefix is not None and (budget.prefills or prefix.pending):
-            copies = kv.shared is None  # padded: the cache's blocks are held beside the pool
-            held = kv_bytes - prefix.nbytes if copies else kv_bytes  # pool and private caches
-            prefix.store_chunks(budget.prefills, self.requests, kv.budget_bytes - held)
-            cache_ops, kv_bytes = prefix.take_ops(), held + prefix.nbytes if copies else held
+            cache_ops, kv_bytes = self.kv.cache_ops(kv_bytes, budget.prefills, self.requests)
         decodes = budget.pool if budget.decode_step else []
         prefills = budget.prefills
         spec = budget.spec_k and tuple([row_spec_tokens(r, budget.spec_k) for r in decodes])

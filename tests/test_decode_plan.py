@@ -1,0 +1,71 @@
+"""Decode-only plans made without a StepBudget (scheduler/decode_plan.py) are the plans the
+general path makes: the same records byte for byte with the fast path on and off, over an
+overloaded queue (rows at max_num_seqs, the simulated hour's case), a queue that drains (no one
+waiting), a budget tight enough to preempt (the fast path hands the plan back) and a prefix cache
+that evicts; and the fast path does make a good share of the plans."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from batchsim.scheduler import decode_plan, scheduler
+from batchsim.server.engine.run_config import RunConfig
+from batchsim.server.engine.runner import run_workload
+from batchsim.server.engine.session import open_session
+from batchsim.workloads.lengths import LengthSpec
+from batchsim.workloads.spec import WorkloadSpec
+
+
+def _records(cfg: RunConfig, out: Path) -> tuple[bytes, bytes, int]:
+    session = open_session(cfg)
+    outcome = run_workload(session, cfg.workload, out_dir=out, label="d", timeline=False)
+    run_dir = outcome.run_dir
+    return ((run_dir / "steps.jsonl").read_bytes(), (run_dir / "requests.jsonl").read_bytes(),
+            outcome.summary["num_preemptions"])
+
+
+def _config(rate: float, prompts: int, **sched) -> RunConfig:
+    """The simulated hour's workload (issue 37), shorter."""
+    base = RunConfig(model="llama-3.1-8b", executor="sim", device_profile="M2 Ultra", quantize=4)
+    workload = dataclasses.replace(base.workload, num_prompts=prompts, request_rate=rate, seed=3)
+    return dataclasses.replace(base, workload=workload,
+                               scheduler=dataclasses.replace(base.scheduler, **sched))
+
+
+# tests/test_virtual_run.py's all-at-once-tight: a KV budget a few requests fill
+TIGHT = WorkloadSpec(name="mixed", num_prompts=80, request_rate=float("inf"), seed=1,
+                     input_len=LengthSpec("uniform", min=16, max=900),
+                     output_len=LengthSpec("uniform", min=1, max=160))
+CASES = {
+    # (run, whether it preempts, the least share of plans the fast path makes)
+    "overloaded": (_config(5.0, 300), False, 0.3),
+    "draining": (_config(1.0, 60), False, 0.3),
+    "preempting": (RunConfig(model="llama-3.2-1b", executor="sim", device_profile="M2 Max",
+                             quantize=4, workload=TIGHT, memory_gb=1.1), True, 0.05),
+    "small-pool": (_config(8.0, 120, max_num_seqs=8), False, 0.3),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_decode_plans_are_the_general_paths_plans(name, tmp_path, monkeypatch):
+    cfg, preempts, share = CASES[name]
+    made = [0]
+    real = decode_plan.decode_plan
+
+    def counted(*args):
+        planned = real(*args)
+        made[0] += planned is not None
+        return planned
+
+    with monkeypatch.context() as m:
+        m.setattr(scheduler, "decode_plan", counted)
+        fast = _records(cfg, tmp_path / "fast")
+    with monkeypatch.context() as m:
+        m.setattr(scheduler, "decode_plan", lambda *_args: None)
+        general = _records(cfg, tmp_path / "general")
+    assert fast == general
+    assert (fast[2] > 0) == preempts  # the case reached what it is named for
+    steps = fast[0].count(b"\n")
+    assert made[0] >= share * steps, f"the fast path made {made[0]} of {steps} plans"

@@ -227,3 +227,20 @@ def test_a_picture_the_disk_cut_short_is_not_left_torn(tmp_path):
     assert out.startswith("None timeline.png: not drawn"), out
     assert png.read_bytes() == b"the picture before"
     assert [p.name for p in tmp_path.iterdir()] == ["timeline.png"]  # no temporary file left
+
+
+def test_the_panels_read_the_steps_as_columns_once():
+    """timeline_panels reads the steps' columns once (request_arrays.step_columns) for the overrun
+    and the series: the same values as each step's fields, the same overrun either way."""
+    steps = [_step(i, float(i), i % 7, 3 * (i % 5), batch=i % 4, prefill=16 * (i % 3 == 0),
+                   preempted=int(i == 40)) for i in range(60)]
+    requests = [_request(i, float(i), float(i) + 2.0 if i % 9 else None) for i in range(50)]
+    col = request_arrays.step_columns(steps, timeline.PANEL_INTS)
+    series = timeline._Series(steps, col)
+    assert series.get("waiting").tolist() == [float(s.num_waiting) for s in steps]
+    assert series.get("tokens").tolist() == [float(s.batch_size + s.num_prefill_tokens)
+                                             for s in steps]
+    for limits in (Limits(1 << 30, 8, 64), Limits()):
+        assert overrun_index(requests, steps, limits, col) == overrun_index(requests, steps,
+                                                                            limits)
+    assert overrun_index(requests, steps, Limits()) == 40  # the first preemption

@@ -52,10 +52,10 @@ def _where_given(values: list[float | None]) -> tuple[np.ndarray, np.ndarray]:
 STEP_INTS = ("num_steps", "batch_size", "num_prefill_tokens", "kv_bytes", "num_preemptions")
 
 
-def step_columns(steps: Sequence[Any]) -> dict[str, np.ndarray]:
-    """The steps' STEP_INTS (int64) and start_s, end_s (float64), one array each."""
+def step_columns(steps: Sequence[Any], ints: Sequence[str] = STEP_INTS) -> dict[str, np.ndarray]:
+    """The steps' `ints` (int64) and start_s, end_s (float64), one array each."""
     n = len(steps)
-    cols = {name: np.fromiter(map(attrgetter(name), steps), np.int64, n) for name in STEP_INTS}
+    cols = {name: np.fromiter(map(attrgetter(name), steps), np.int64, n) for name in ints}
     for name in ("start_s", "end_s"):
         cols[name] = np.fromiter(map(attrgetter(name), steps), np.float64, n)
     return cols

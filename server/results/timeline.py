@@ -7,7 +7,6 @@ like ten seconds of 40."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,22 +28,27 @@ class Limits:
     max_num_batched_tokens: int | None = None
 
 
+PANEL_INTS = (*request_arrays.STEP_INTS, "num_running", "num_waiting")  # what the panels read
+
+
 def overrun_index(requests: Sequence[RequestRecord], steps: Sequence[StepRecord],
-                  limits: Limits) -> int | None:
+                  limits: Limits, col: dict[str, np.ndarray] | None = None) -> int | None:
     """The first step where a request waited for memory: one was preempted, or a queued request
     was passed over by a step with room for another sequence (after those it admitted) and a
     KV_STEP of tokens, so only memory held it back (not counting the first step after its
     arrival, which may have been planned before it). Without the scheduler's limits: the first
-    preemption."""
-    preempted = [i for i, s in enumerate(steps) if s.num_preemptions]
-    first = preempted[0] if preempted else None
+    preemption. `col`: the steps' PANEL_INTS columns (request_arrays.step_columns), if the caller
+    has them."""
+    col = col or request_arrays.step_columns(steps, PANEL_INTS)
+    preempted = np.flatnonzero(col["num_preemptions"])
+    first = int(preempted[0]) if preempted.size else None
     seqs, tokens = limits.max_num_seqs, limits.max_num_batched_tokens
     if not steps or seqs is None or tokens is None:
         return first
-    starts = np.array([s.start_s for s in steps])
-    running_before = np.array([0] + [s.num_running for s in steps[:-1]])
+    starts = col["start_s"]
+    running_before = np.concatenate(([0], col["num_running"][:-1]))
     admitted = admitted_per_step(steps, requests, starts)
-    used = np.array([s.batch_size + s.num_prefill_tokens for s in steps])
+    used = col["batch_size"] + col["num_prefill_tokens"]
     room = (running_before + admitted < seqs) & (used + KV_STEP <= tokens)
     # next_room[i]: the first step >= i with room (len(steps): none)
     idx = np.where(room, np.arange(len(steps)), len(steps))
@@ -55,7 +59,7 @@ def overrun_index(requests: Sequence[RequestRecord], steps: Sequence[StepRecord]
     # it over is memory.
     n = len(steps)
     arrived = np.fromiter((r.arrival_s for r in requests), np.float64, len(requests))
-    ran_s = np.fromiter((_ran_s(r) for r in requests), np.float64, len(requests))
+    ran_s = _ran_s(requests)
     lo = np.minimum(np.searchsorted(starts, arrived, side="right") + 1, n)
     hi = np.where(np.isnan(ran_s), n, np.searchsorted(starts, ran_s, side="left"))
     passed = np.append(next_room, n)[lo]  # n: none
@@ -84,25 +88,28 @@ def admitted_per_step(steps: Sequence[StepRecord], requests: Sequence[RequestRec
     return np.bincount(at[ok], minlength=len(steps))
 
 
-def _ran_s(r: RequestRecord) -> float:
-    """When a request first ran (else left): NaN if neither."""
-    t = r.first_scheduled_s if r.first_scheduled_s is not None else r.finished_s
-    return math.nan if t is None else t
+def _ran_s(requests: Sequence[RequestRecord]) -> np.ndarray:
+    """When each request first ran (else left): NaN if neither."""
+    first = np.array([r.first_scheduled_s for r in requests], dtype=np.float64)  # None: NaN
+    left = np.array([r.finished_s for r in requests], dtype=np.float64)
+    return np.where(np.isnan(first), left, first)
 
 
 class _Series:
     """The steps' columns, per step or per time bin (mean, low, high)."""
 
-    def __init__(self, steps: Sequence[StepRecord]) -> None:
-        cols = np.array([(s.start_s, s.end_s, s.num_running, s.num_waiting, s.batch_size,
-                          s.batch_size + s.num_prefill_tokens, s.kv_bytes, s.num_preemptions)
-                         for s in steps], dtype=np.float64).reshape(-1, 8)
-        self.t = cols[:, 1]
-        self._cols = dict(zip(("running", "waiting", "batch", "tokens", "kv", "preempted"),
-                              cols[:, 2:].T))
+    def __init__(self, steps: Sequence[StepRecord], col: dict[str, np.ndarray] | None = None
+                 ) -> None:
+        col = col or request_arrays.step_columns(steps, PANEL_INTS)
+        self.t = col["end_s"]
+        batch = col["batch_size"]
+        self._cols = {name: values.astype(np.float64) for name, values in (
+            ("running", col["num_running"]), ("waiting", col["num_waiting"]), ("batch", batch),
+            ("tokens", batch + col["num_prefill_tokens"]), ("kv", col["kv_bytes"]),
+            ("preempted", col["num_preemptions"]))}
         self.binned = len(steps) > MAX_POINTS
         if self.binned:
-            edges = np.linspace(cols[0, 0], cols[-1, 1], MAX_POINTS + 1)
+            edges = np.linspace(col["start_s"][0], col["end_s"][-1], MAX_POINTS + 1)
             self._bin = np.clip(np.searchsorted(edges, self.t, side="right") - 1, 0, MAX_POINTS - 1)
             self._filled = np.bincount(self._bin, minlength=MAX_POINTS) > 0
             self.x = ((edges[:-1] + edges[1:]) / 2)[self._filled]
@@ -161,11 +168,13 @@ def timeline_panels(requests: Sequence[RequestRecord], steps: Sequence[StepRecor
     caller has them)."""
     if not steps:
         return Panels(title, limits)
-    first = overrun_index(requests, steps, limits)
-    step_s = float(np.median([s.duration_s / s.num_steps for s in steps]))
+    col = request_arrays.step_columns(steps, PANEL_INTS)
+    first = overrun_index(requests, steps, limits, col)
+    step_s = float(np.median((col["end_s"] - col["start_s"]) / col["num_steps"]))
     if token_times_s is None:
         token_times_s = request_arrays.token_times(requests)[0]
-    return Panels(title, limits, _Series(steps), None if first is None else steps[first].start_s,
+    overrun_s = None if first is None else steps[first].start_s
+    return Panels(title, limits, _Series(steps, col), overrun_s,
                   output_rate(token_times_s, float(steps[-1].end_s), step_s))
 
 

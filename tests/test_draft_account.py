@@ -143,3 +143,22 @@ def test_renewed_sessions_load_a_draft_model_once(tiny, monkeypatch):
     assert loaded == ["tiny"]
     assert first.executor.drafter.model is second.executor.drafter.model
     assert first.weight_bytes == second.weight_bytes > base.weight_bytes
+
+
+def test_the_draft_weights_before_loading_build_no_cache_layout(monkeypatch):
+    """_draft_weight_bytes (the weights checked against the budget before the target loads) took
+    draft_account()[0], building the draft's cache layout it threw away: now the weights alone,
+    the same bytes draft_account counts."""
+    from batchsim.server.models.loader import resolve
+    from batchsim.server.perf import spec_price
+
+    cfg = _draft("qwen3-8b", "qwen3-0.6b", quantize=4, **SIM)
+    ref = resolve(cfg.model, "float16", cfg.quantize, build=False)
+    weights = spec_price.draft_account(cfg, ref)[0]
+    assert weights > 0
+
+    def no_layout(*args, **kwargs):
+        raise AssertionError("the draft's cache layout built, and not used")
+
+    monkeypatch.setattr(spec_price, "draft_cache", no_layout)
+    assert session_mod._draft_weight_bytes(cfg, ref) == weights

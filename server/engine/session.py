@@ -18,7 +18,6 @@ from batchsim.server.executors.factory import build_executor, build_mlx_executor
 from batchsim.server.models.loader import ModelRef, resolve
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.perf.spec_price import (
-    draft_account,
     draft_spec,
     draft_weight_bytes,
     priced_cache,
@@ -212,8 +211,8 @@ def _layout(executor: Executor) -> CacheLayout | None:
 
 def _draft_weight_bytes(cfg: RunConfig, ref: ModelRef) -> int:
     """The draft model's weights (--spec-method draft), held beside the target's
-    (spec_price.draft_account); else 0."""
-    return draft_account(cfg, ref)[0]
+    (spec_price.draft_weight_bytes, as draft_account counts them); else 0."""
+    return draft_weight_bytes(draft_spec(cfg, ref), ref.dtype, ref.quantize_bits)
 
 
 def _auto_dtype(cfg: RunConfig) -> str:

@@ -51,6 +51,24 @@ def test_unknown_engine_is_one_line_listing_the_known_ones():
         load_engine("")  # and recorded engine "" in the summary
 
 
+@pytest.mark.parametrize("line", ["host_request_us: 2e15", "host_step_us: 1e300",
+                                  "row_dispatch_forwards: 1e308"])
+def test_a_profile_file_with_a_host_cost_past_any_engine_is_one_line(tmp_path, monkeypatch,
+                                                                     line):
+    """h8: a request's 2e15 us (63 years) ran, and `report` then read every record as damage
+    (completed 5 -> 0); 1e300 and 1e308 ran with numpy's overflow warnings and t=1.7e296 s."""
+    from batchsim.server.perf import engines
+
+    (tmp_path / "mine.yaml").write_text(f"host_step_us: 1\nhost_token_us: 1\n{line}\n")
+    monkeypatch.setattr(engines, "ENGINES_DIR", tmp_path)
+    load_engine.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match=f"mine.yaml: {line.split(':')[0]} must be at most"):
+            load_engine("mine")
+    finally:
+        load_engine.cache_clear()
+
+
 @pytest.mark.parametrize("profile,dtype,quant", [(PROFILE, "float32", None),
                                                  (_mac(), "float16", 4)])
 def test_new_terms_default_to_nothing(profile, dtype, quant):

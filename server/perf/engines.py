@@ -130,6 +130,13 @@ def engine_help() -> str:
             f"(configs/engines: {', '.join(engine_names())}); a real run records it")
 
 
+# A profile file's limits, past any engine (shipped host costs are under 1.1 ms, the fitted
+# row_dispatch_forwards 0.33): a typo such as a request's 2e15 us (63 years) ran a run whose
+# clock `report` then read as damage (records past rebuild.MAX_CLOCK_S), 1e300 overflowed.
+MAX_FILE_VALUES = {"host_step_us": 1e7, "host_token_us": 1e7, "host_request_us": 1e7,
+                   "row_dispatch_forwards": 1e3}
+
+
 @lru_cache(maxsize=32)
 def load_engine(name: str | None = None) -> EngineProfile:
     """The engine profile `name` names (None: the default); an unknown name is a one-line error
@@ -138,4 +145,9 @@ def load_engine(name: str | None = None) -> EngineProfile:
     path = ENGINES_DIR / f"{name}.yaml"
     if "/" in name or not path.is_file():
         raise ConfigError(f"unknown engine {name!r}; known: {', '.join(engine_names())}")
-    return from_dict(EngineProfile, {**load_yaml(path), "name": name}, str(path))
+    profile = from_dict(EngineProfile, {**load_yaml(path), "name": name}, str(path))
+    for key, most in MAX_FILE_VALUES.items():
+        if getattr(profile, key) > most:
+            raise ConfigError(f"{path}: {key} must be at most {most:g}, got "
+                              f"{getattr(profile, key):g}")
+    return profile

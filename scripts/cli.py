@@ -61,6 +61,11 @@ def _open_closed_standard_streams() -> None:
 
 _open_closed_standard_streams()
 
+if _PROGRAM:  # OpenBLAS's kernel question (blas.preload's) asked while the modules below load
+    from batchsim.server.platform import blas as _blas
+
+    _blas.start_probe()
+
 from batchsim.scripts.common import (  # after the handler; no mlx: blas.preload() comes first
     EXIT_CODES_HELP,
     EXIT_FAILED,

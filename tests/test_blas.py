@@ -85,3 +85,37 @@ def test_a_blas_the_user_names_that_does_not_load_is_one_line_not_a_traceback():
     line = proc.stderr.strip()
     assert "\n" not in line and "Traceback" not in line
     assert line.startswith("batchsim: BATCHSIM_BLAS=/no/such/libblas.so: could not load"), line
+
+
+@needs_openblas
+def test_the_kernel_question_asked_at_start_is_the_one_preload_reads(monkeypatch):
+    """The batchsim program asks a fresh process which core its OpenBLAS picks while its modules
+    load (start_probe); preload's check then reads that answer instead of asking again."""
+    if not blas.coretype_for(blas._cpu_flags()) or blas._mkl_paths():
+        pytest.skip("preload would not ask here")
+    for name in ("OPENBLAS_CORETYPE", blas.ENV_VAR):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(blas, "_choice", None)
+    monkeypatch.setattr(blas, "_asked", None)
+    asked = []
+    ask = blas._ask_corename
+    monkeypatch.setattr(blas, "_ask_corename", lambda path: asked.append(path) or ask(path))
+    blas.start_probe()
+    path = blas._listed_openblas_paths()[0]
+    assert asked == [path]  # started, not waited for
+    early = blas._openblas_corename(path)
+    assert asked == [path] and blas._asked is None  # read, not asked twice
+    assert early and early == blas._openblas_corename(path) and asked == [path, path]
+
+
+def test_the_program_asks_at_start_and_a_test_importing_cli_does_not():
+    code = ("import sys; sys.argv[0] = {!r}; from batchsim.server.platform import blas; "
+            "import batchsim.scripts.cli; print(blas._asked is not None)")
+    asks = (sys.platform == "linux" and bool(blas._listed_openblas_paths())
+            and blas.coretype_for(blas._cpu_flags()) is not None and not blas._mkl_paths()
+            and not os.environ.get("OPENBLAS_CORETYPE")
+            and os.environ.get(blas.ENV_VAR, "auto") in ("auto", "openblas"))
+    for argv0, wanted in (("batchsim", asks), ("pytest", False)):
+        out = subprocess.run([sys.executable, "-c", code.format(argv0)], capture_output=True,
+                             text=True, check=True, timeout=60)
+        assert out.stdout.strip() == str(wanted), argv0

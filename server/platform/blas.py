@@ -76,10 +76,13 @@ def _mkl_paths() -> list[str]:
     return [str(p) for p in sorted(lib.glob("libmkl_rt.so*"), reverse=True)]
 
 
+def _listed_openblas_paths() -> list[str]:
+    return [p for p in _OPENBLAS_PATHS if Path(p).exists()]
+
+
 def _openblas_paths() -> list[str]:
-    found = ctypes.util.find_library("openblas")
-    paths = [p for p in _OPENBLAS_PATHS if Path(p).exists()]
-    return paths + ([found] if found else [])
+    found = ctypes.util.find_library("openblas")  # runs ldconfig: ~10 ms
+    return _listed_openblas_paths() + ([found] if found else [])
 
 
 def optimized_paths() -> list[str]:
@@ -126,20 +129,58 @@ def coretype_for(flags: set[str]) -> str | None:
     return None
 
 
+_CORENAME = ("import ctypes,sys; f=ctypes.CDLL(sys.argv[1]).openblas_get_corename; "
+             "f.restype=ctypes.c_char_p; print(f().decode())")
+_asked: tuple[str, subprocess.Popen] | None = None  # start_probe's (path, process)
+
+
+def _ask_corename(path: str) -> subprocess.Popen | None:
+    """A fresh Python (-I -S: no site, half the start) that prints the core its OpenBLAS picks."""
+    try:
+        return subprocess.Popen([sys.executable or "python3", "-I", "-S", "-c", _CORENAME, path],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+    except OSError:
+        return None
+
+
+def start_probe() -> None:
+    """Ask now, in another process, what preload will ask (a system OpenBLAS's core on an x86-64
+    Linux whose CPU flags name a better one): the program's imports run meanwhile (the answer
+    took 30-100 ms of every `batchsim` start). No-op where preload will not ask."""
+    global _asked
+    request = (os.environ.get(ENV_VAR) or "auto").strip()
+    if (_asked is not None or _choice is not None or platform.system() != "Linux"
+            or request not in ("auto", "openblas") or (request == "auto" and _mkl_paths())
+            or os.environ.get("OPENBLAS_CORETYPE")
+            or platform.machine() not in ("x86_64", "AMD64") or not coretype_for(_cpu_flags())):
+        return
+    listed = _listed_openblas_paths()
+    child = _ask_corename(listed[0]) if listed else None
+    if child is not None:
+        _asked = (listed[0], child)
+
+
 def _openblas_corename(path: str) -> str | None:
     """The core a fresh process's OpenBLAS picks (its choice is fixed once loaded, so ask another
-    process rather than this one)."""
-    code = ("import ctypes,sys; f=ctypes.CDLL(sys.argv[1]).openblas_get_corename; "
-            "f.restype=ctypes.c_char_p; print(f().decode())")
+    process rather than this one); start_probe's answer if it asked about `path`."""
+    global _asked
+    asked, _asked = _asked, None
+    child = asked[1] if asked is not None and asked[0] == path else _ask_corename(path)
+    if asked is not None and child is not asked[1]:
+        asked[1].kill()
+        asked[1].wait()
+    if child is None:
+        return None
     try:
-        out = subprocess.run([sys.executable, "-c", code, path], capture_output=True,
-                             check=False, text=True,
-                             timeout=30, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
-    except (OSError, subprocess.SubprocessError):
+        out = child.communicate(timeout=30)[0]
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
         return None
-    if out.returncode != 0:
+    if child.returncode != 0:
         return None
-    return out.stdout.strip() or None
+    return out.strip() or None
 
 
 def _fix_openblas_coretype(paths: list[str]) -> str:
@@ -169,10 +210,12 @@ def _quiet_openblas_workers() -> str:
 
 
 def _load_openblas(note: str) -> BlasChoice | None:
-    """The system OpenBLAS, its kernels and worker threads set up before it loads."""
-    paths = _openblas_paths()
-    return _load("openblas", paths,
-                 note + _fix_openblas_coretype(paths) + _quiet_openblas_workers())
+    """The system OpenBLAS, its kernels and worker threads set up before it loads (the listed
+    paths first: the linker's search, which runs ldconfig, only when none of them loads)."""
+    listed = _listed_openblas_paths()
+    note += _fix_openblas_coretype(listed or _openblas_paths()) + _quiet_openblas_workers()
+    choice = _load("openblas", listed, note)
+    return choice or _load("openblas", _openblas_paths()[len(listed):], note)
 
 
 def _load(name: str, paths: list[str], note: str) -> BlasChoice | None:

@@ -178,7 +178,7 @@ class Engine:
 
     def simulate(self, plan: StepPlan, now: float) -> StepResult:
         """Time a plan without running it, up to the next open-loop arrival."""
-        return self.executor.execute(plan, max_elapsed_s=self._next_arrival(now) - now)
+        return self.executor.execute(plan, max_elapsed_s=self.next_arrival(now) - now)
 
     def finish_step(self, plan: StepPlan, result: StepResult, start: float) -> list[Request]:
         """The step is done: the scheduler takes its result, the recorder its record; the
@@ -230,7 +230,9 @@ class Engine:
         if self.scheduler.kv.prefix is not None:
             self.scheduler.kv.prefix.clear()
 
-    def _next_arrival(self, now: float) -> float:
+    def next_arrival(self, now: float) -> float:
+        """The first open-loop arrival after `now` (inf: none), which a simulated plan's time
+        stops at."""
         arrivals, i = self._arrivals, self._arrivals_past
         n = len(arrivals)
         while i < n and arrivals[i] <= now:  # bisect_right from where the last one was: the clock

@@ -68,7 +68,9 @@ class VirtualRun:
         late = False  # arrivals asyncio fires after the next plan is priced (_wait)
         # Bound once: each is called every plan (25,000 plans in a simulated hour).
         has_work, schedule = scheduler.has_work, scheduler.schedule
-        simulate, finish_step, advance_to = engine.simulate, engine.finish_step, self._advance_to
+        finish_step, advance_to = engine.finish_step, self._advance_to
+        # engine.simulate, without its frame
+        execute, next_arrival = engine.executor.execute, engine.next_arrival
         while not (self._stopping or engine.stopping):
             if not has_work():
                 if self._next >= len(self._arrivals_s):
@@ -77,7 +79,7 @@ class VirtualRun:
                 continue
             plan = schedule()
             start = self.now_s
-            result = simulate(plan, start)
+            result = execute(plan, next_arrival(start) - start)
             if late:
                 late = False
                 while self._due():

@@ -59,6 +59,17 @@ def test_catalog_loads_with_sources(catalog):
     assert macs.CATALOG_PATH.parent.name == "configs"  # never ../shared at run time
 
 
+def test_the_24_core_m1_max_comes_with_32_or_64_gb(catalog):
+    """Apple sold the 24-core M1 Max MacBook Pro with 32 GB, configurable to 64 GB (tech specs
+    SP854, SP858, cited in macs.yaml): the catalog listed 32 GB only, so `size` never sized the
+    64 GB one and the chip's default budget was 32 GB's."""
+    from batchsim.server.perf.devices import mac_budget
+
+    mac, _ = catalog.variant("M1 Max 24c")
+    assert mac.gpu_cores == 24 and mac.mem_gb == (32, 64)
+    assert mac_budget("M1 Max 24c")[1] == "M1 Max 24c 64 GB: default Metal working set"
+
+
 def test_catalog_is_strict(tmp_path):
     data = yaml.safe_load(macs.CATALOG_PATH.read_text())
     data["chips"][0]["gpu_core"] = 7  # a typo

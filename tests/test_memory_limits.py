@@ -117,13 +117,13 @@ def test_sweep_reads_its_budget_as_bytes_text_does(capsys):
     import subprocess
     import sys
 
-    from batchsim.scripts import sweep
+    from batchsim.scripts import sweep_view
 
     meta = {"prompt_len": 16, "output_len": 8, "workload": None, "model": "tiny",
             "dtype": "float32", "executor": "fake", "budget_source": "--memory-gb",
             "weight_bytes": 1 << 20, "kv_bytes_per_seq": 1 << 10}
     for budget, text in ((300 << 10, "300.00 KiB"), (11_000_000, "10.49 MiB")):
-        sweep._announce({**meta, "memory_budget_bytes": budget}, [1])
+        sweep_view.announce({**meta, "memory_budget_bytes": budget}, [1])
         assert f"budget {text} (--memory-gb)" in capsys.readouterr().out
     code = ("import sys; import batchsim.server.platform.units; "
             "print('batchsim.server.engine.session' in sys.modules)")

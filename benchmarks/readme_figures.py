@@ -89,9 +89,9 @@ def fit_terms(_: Path) -> list[str]:
          f"attention_row_us {f['attention_row_us']:.0f}; 4-bit GEMM "
          f"{f['quantized_gemm_efficiency'][4]:.2f} of FP16 peak; compute "
          f"{f['compute_efficiency']:.2f}"),
-        (f"qmv rows {f['quantized_gemv_row_efficiency']:.2f} of FP16 peak; Ultra qmv slowdown "
-         f"{f['ultra_gemv_row_slowdown']:.2f} (M1/M2), {f['ultra_m3_gemv_row_slowdown']:.2f} "
-         f"(M3 on); host costs x (1 / CPU speed)^{f['cpu_exponent']:g}"),
+        (f"qmv rows {f['quantized_gemv_row_efficiency']:.2f} of FP16 peak; M1/M2 Ultra qmv "
+         f"slowdown {f['ultra_gemv_row_slowdown']:.2f}; host costs x (1 / CPU speed)^"
+         f"{f['cpu_exponent']:g}"),
         (f"held-out batch-1 |error|: source out {err['leave_one_source_out_median_abs']:.0f}% "
          f"median ({err['leave_one_source_out_worst_abs']:.0f}% worst), chip out "
          f"{err['leave_one_chip_out_median_abs']:.0f}% "

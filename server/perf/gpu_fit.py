@@ -72,17 +72,18 @@ class GpuFit:
     # fitted 0.79 once rows were priced with their own MLX's kernels (00c4dc1), 0.49 since the
     # Ultra term below is fitted per generation (the M3 Ultra rows had pulled it up).
     quantized_gemv_row_efficiency: float = 0.0
-    # ... and on a two-die Ultra, added to its 1 / efficiency: qmv's row threadgroups spread over
-    # both dies, so each row's re-reads of a weight tile are less often the other rows' cache hits
-    # (published: mlx-lm's few-row verify forwards scale worse on an M2 Ultra than on an M3 Max,
-    # ml-explore/mlx-examples issue 1281). Fitted per GPU generation: on an M1/M2 Ultra here, on
-    # an M3-or-later Ultra (Apple GPU family 9 on: Dynamic Caching, one on-chip memory for
-    # registers, threadgroup memory and cache; MLX's qmv limits split there too) in the next.
-    # Fitted as one term, the M3 Ultra rows alone gave 0.2 and the M1 Ultra rows alone 3.0;
-    # apart, 2.7 and 0.7. Only M1 Ultra rows are batched among M1/M2 Ultras: with the M1 Ultra
-    # held out (leave one chip out) its term has no rows, and those rows are over-predicted.
+    # ... and on an M1/M2 Ultra, added to its 1 / efficiency: published M1 Ultra batched rows
+    # scale worse than any other chip's (also mlx-lm's few-row verify forwards on an M2 Ultra
+    # against an M3 Max, ml-explore/mlx-examples issue 1281); whether by its two dies or by its
+    # generation (no published one-die M1/M2 batched row says) is not known. An M3-or-later Ultra
+    # (Apple GPU family 9 on: Dynamic Caching) has no such term: qmv's grid, M x N/8 threadgroups
+    # (mlx/backend/metal/quantized.cpp qmv, v0.31.1), fills both dies as it fills one die's cores,
+    # and the M3 Ultra rows fit the one-die chips' rate (their own term, fitted until 575be2e,
+    # was 0.0 on all rows; with mlx-swift's M3 Ultra rows held out, the 4 rapid-mlx M3 Ultra rows
+    # alone, whose qmv rows are 8% of their step, set it to 1.6: those rows then -19..-24%).
+    # Only M1 Ultra rows are batched among M1/M2 Ultras: with the M1 Ultra held out (leave one
+    # chip out) its term has no rows, and those rows are over-predicted.
     ultra_gemv_row_slowdown: float = 0.0
-    ultra_m3_gemv_row_slowdown: float = 0.0
     # The fixed costs per layer and per forward pass are MLX encoding each kernel's dispatch on the
     # CPU while the GPU runs the last ones: they scale as (1 / Mac.cpu_speed) ** cpu_exponent, its
     # CPU generation's single-core score relative to the reference one (configs/macs.yaml
@@ -102,8 +103,7 @@ class GpuFit:
                              "efficiencies must be in [0, 1]")
         if min(self.attention_row_us, self.token_layer_us, self.sampling_row_us,
                self.ultra_layer_us, self.ultra_bandwidth_slowdown, self.ultra_moe_layer_us,
-               self.ultra_gemv_row_slowdown, self.ultra_m3_gemv_row_slowdown,
-               self.cpu_exponent) < 0:
+               self.ultra_gemv_row_slowdown, self.cpu_exponent) < 0:
             raise ValueError("attention_row_us, token_layer_us, sampling_row_us, the Ultra terms "
                              "and cpu_exponent must be >= 0")
 
@@ -126,9 +126,8 @@ class GpuFit:
         shown += [f"q{b} GEMM {e:.2f} of FP16" for b, e in self.quantized_gemm_efficiency.items()]
         if self.quantized_gemv_row_efficiency:
             shown.append(f"qmv rows {self.quantized_gemv_row_efficiency:.3f} of FP16")
-        if self.ultra_gemv_row_slowdown or self.ultra_m3_gemv_row_slowdown:
-            shown.append(f"Ultra qmv rows +{self.ultra_gemv_row_slowdown:.2f} slowdown (M1/M2), "
-                         f"+{self.ultra_m3_gemv_row_slowdown:.2f} (M3 on)")
+        if self.ultra_gemv_row_slowdown:
+            shown.append(f"M1/M2 Ultra qmv rows +{self.ultra_gemv_row_slowdown:.2f} slowdown")
         if self.cpu_exponent:
             shown.append(f"fixed costs x (1 / CPU speed)^{self.cpu_exponent:.1f}")
         return f"; {', '.join(shown)}" if shown else ""
@@ -191,19 +190,21 @@ def mac_profile(mac: Mac, fit: GpuFit, quantize_bits: int | None,
         quantized_gemv_row_gflops=_gemv_row_gflops(fit, fp16_tflops, mac.chip))
 
 
-ULTRA_M3_GENERATION = 15  # ultra_m3_gemv_row_slowdown's Ultras: GPU generation 15 (M3) on
-ULTRA_QMV_TERMS = ("ultra_gemv_row_slowdown", "ultra_m3_gemv_row_slowdown")
+ULTRA_M3_GENERATION = 15  # Ultras of GPU generation 15 (M3) on: no Ultra qmv slowdown
+ULTRA_QMV_TERMS = ("ultra_gemv_row_slowdown",)
 
 
 def ultra_qmv_term(chip: str) -> str:
-    """The GpuFit field of a chip's Ultra qmv slowdown ('' for a one-die chip)."""
+    """The GpuFit field of a chip's Ultra qmv slowdown ('' for a one-die chip or an M3-on
+    Ultra)."""
     if not chip.endswith("Ultra"):
         return ""
-    return ULTRA_QMV_TERMS[GENERATION_OF_CHIP.get(chip.split()[0], 0) >= ULTRA_M3_GENERATION]
+    return "" if GENERATION_OF_CHIP.get(chip.split()[0], 0) >= ULTRA_M3_GENERATION else \
+        ULTRA_QMV_TERMS[0]
 
 
 def _gemv_row_gflops(fit: GpuFit, fp16_tflops: float, chip: str) -> float:
-    """qmv's arithmetic rate over several rows (0: not fitted), a two-die Ultra's slowdown added."""
+    """qmv's arithmetic rate over several rows (0: not fitted), an M1/M2 Ultra's slowdown added."""
     if not fit.quantized_gemv_row_efficiency:
         return 0.0
     term = ultra_qmv_term(chip)

@@ -13,6 +13,7 @@ import typing
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from batchsim.configs import type_hints
 from batchsim.server.results.jsonio import (  # noqa: F401 (re-exported for the commands)
     append_jsonl,
     dumps,
@@ -193,7 +194,7 @@ def add_field_argument(group: Any, source: Any, name: str, help: str, *, flag: s
     (it overrides a config file); otherwise argparse defaults to the field's value."""
     cls = source if isinstance(source, type) else type(source)
     if "type" not in kwargs and "action" not in kwargs:
-        kwargs = {**_type_kwargs(typing.get_type_hints(cls)[name]), **kwargs}
+        kwargs = {**_type_kwargs(type_hints(cls)[name]), **kwargs}
         kwargs["type"] = seed_int if name == "seed" else kwargs.get("type")
     default = field_default(source, name)
     shown = "" if default is None else f"[default: {show_default(default)}]".replace("%", "%%")

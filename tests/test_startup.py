@@ -28,3 +28,25 @@ def test_a_simulated_run_imports_its_command_alone_and_no_matplotlib(tmp_path):
                                                 "validate", "calibrate", "report_cmd")]
     assert "batchsim.scripts.run_cmd" in commands and not set(others) & set(commands)
     assert not matplotlib
+
+
+def test_a_run_evaluates_each_config_class_annotations_once(tmp_path, monkeypatch):
+    """The CLI's flags and every config file read (the Mac catalog: 51 dataclasses) take their
+    types from configs.type_hints: typing.get_type_hints once per class, not once per use."""
+    import collections
+    import typing
+
+    from batchsim.scripts import cli
+
+    calls: collections.Counter = collections.Counter()
+    real = typing.get_type_hints
+
+    def counted(obj, *args, **kwargs):
+        calls[obj] += 1
+        return real(obj, *args, **kwargs)
+
+    monkeypatch.setattr(typing, "get_type_hints", counted)
+    rc = cli.main(["run", "--executor", "sim", "--device-profile", "M2 Max", "--model",
+                   "llama-3.2-1b", "--num-prompts", "3", "--out", str(tmp_path), "--no-progress",
+                   "--no-timeline", "--json"])
+    assert rc == 0 and max(calls.values(), default=0) <= 1, calls.most_common(3)

@@ -61,6 +61,15 @@ class CommandFailed(Exception):
         self.summary, self.exit_code = summary, exit_code
 
 
+def stop_if_interrupted(summary: dict[str, Any]) -> dict[str, Any]:
+    """A run of a command that runs several (sweep's points, compare's two): a signal that stopped
+    it stops the command (KeyboardInterrupt: exit 130, run directories kept), not only that run's
+    sending (the next run started, and the table used the cut-short one, exit 0)."""
+    if str(summary.get("interrupt_reason")).startswith("SIG"):  # not a full disk's stop
+        raise KeyboardInterrupt
+    return summary
+
+
 def err_line(text: str) -> None:
     """One plain line on stderr: never wrapped, no rich markup (`:-1:` stays text)."""
     print(" ".join(str(text).split()), file=sys.stderr, flush=True)

@@ -19,6 +19,7 @@ from batchsim.scripts.common import (
     out,
     pyplot,
     save_figure,
+    stop_if_interrupted,
     table,
     timestamp,
 )
@@ -161,7 +162,7 @@ def _run_quietly(cfg: RunConfig, runs_dir: Path, label: str, timeline: bool) -> 
     from batchsim.server.engine.run_path import RecordsLost, run_config
 
     try:
-        return run_config(cfg, runs_dir, label=label, timeline=timeline)
+        return stop_if_interrupted(run_config(cfg, runs_dir, label=label, timeline=timeline))
     except RecordsLost as exc:
         raise CommandFailed(str(exc), exc.summary) from None
 

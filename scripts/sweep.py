@@ -26,6 +26,7 @@ from batchsim.scripts.common import (
     out,
     positive_float,
     positive_int,
+    stop_if_interrupted,
     timestamp,
 )
 from batchsim.scripts.run_args import add_engine_arg, add_kv_bits_arg, add_model_args
@@ -192,8 +193,9 @@ def _run_point(base, budget: int, source: str, batch: int, args: argparse.Namesp
         outcome = run_workload(session, spec, out_dir=args.runs_dir, label=label, on_step=on_step,
                                timeline=not getattr(args, "no_timeline", False))
     next_chunk = min(args.prompt_len, sched.prefill_step_size)
-    row = sweep_math.point_row(batch, outcome.summary, outcome.steps, outcome.requests,
-                               sched.max_num_batched_tokens, next_chunk, active.max_active_bytes)
+    row = sweep_math.point_row(batch, stop_if_interrupted(outcome.summary), outcome.steps,
+                               outcome.requests, sched.max_num_batched_tokens, next_chunk,
+                               active.max_active_bytes)
     if args.workload_spec is not None:  # its own arrivals: B requests need not be there at once,
         # so never decoding B together is an overrun only where requests waited with a seat free
         row["queued"] = row["queued"] and row["memory_wait_steps"] > 0

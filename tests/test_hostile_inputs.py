@@ -286,3 +286,38 @@ def test_runs_started_together_into_one_out_each_get_their_directory(tmp_path, m
     monkeypatch.setattr(jsonio.Path, "exists", lambda self: False)
     assert jsonio.new_run_dir(tmp_path, "m").name == "20261205-080000-m-2"
     assert jsonio.new_run_dir(tmp_path, "m").name == "20261205-080000-m-3"
+
+
+_SWEEP = ["sweep", "--executor", "sim", "--device-profile", "M2 Max", "--model", "llama-3.2-1b",
+          "--quantize", "4", "--no-progress", "--no-timeline", "--output-len", "8",
+          "--prompt-len", "64", "--batches", "1,2,4"]
+_COMPARE = ["compare", "--executor", "sim", "--device-profile", "M2 Max", "--model",
+            "llama-3.2-1b", "--quantize", "4", "--batch", "4", "--num-prompts", "4",
+            "--input-len", "64", "--output-len", "8", "--no-timeline"]
+
+
+@pytest.mark.parametrize("argv", [_SWEEP, _COMPARE], ids=["sweep", "compare"])
+def test_ctrl_c_in_one_run_of_sweep_or_compare_stops_the_command(capsys, tmp_path, monkeypatch,
+                                                                 argv):
+    """Ctrl-C during a sweep's first point (or compare's first run) stopped only that run's
+    sending: the next runs went on, the table and sweep.jsonl / compare.jsonl used the cut-short
+    run, exit 0 (4 s into a 7-point sweep: all 7 rows). Now exit 130, that run kept."""
+    import signal
+
+    from batchsim.server.engine import runner
+
+    drive, runs = runner._Run.drive, []
+
+    def pressed(run):
+        runs.append(run)
+        if len(runs) == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # as the first run starts
+        return drive(run)
+
+    monkeypatch.setattr(runner._Run, "drive", pressed)
+    rc, _, err = _main([*argv, "--out", str(tmp_path), "--runs-dir", str(tmp_path / "runs")],
+                       capsys)
+    assert rc == 130 and _one_line(err).endswith("interrupted"), err
+    assert len(runs) == 1 and not list(tmp_path.glob("*.jsonl"))
+    (kept,) = (tmp_path / "runs").iterdir()
+    assert (kept / "summary.json").is_file()

@@ -19,6 +19,7 @@ from batchsim.scripts.common import (
     err,
     out,
     positive_int,
+    stop_if_interrupted,
     str_list,
     table,
 )
@@ -372,7 +373,9 @@ def _busy_gaps(session, spec: WorkloadSpec) -> list[tuple[int, float]]:
     executor time) for each busy pair of steps of a real run of `spec`."""
     from batchsim.server.engine.runner import run_workload
 
-    steps = run_workload(session, spec, out_dir=None, label="calibrate").steps
+    outcome = run_workload(session, spec, out_dir=None, label="calibrate")
+    stop_if_interrupted(outcome.summary)  # Ctrl-C: no step overhead fitted on part of a run
+    steps = outcome.steps
     return [(b.batch_size, b.end_s - a.end_s - b.compute_s) for a, b in itertools.pairwise(steps)
             if b.start_s - a.end_s < 0.005 and b.compute_s is not None]
 

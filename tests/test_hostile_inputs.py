@@ -321,3 +321,31 @@ def test_ctrl_c_in_one_run_of_sweep_or_compare_stops_the_command(capsys, tmp_pat
     assert len(runs) == 1 and not list(tmp_path.glob("*.jsonl"))
     (kept,) = (tmp_path / "runs").iterdir()
     assert (kept / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("command", ["calibrate", "validate"])
+def test_ctrl_c_in_a_run_of_calibrate_or_validate_stops_it(monkeypatch, command):
+    """calibrate fitted the step overhead it saves in a device profile on the steps of a run a
+    Ctrl-C had cut short, and validate scored one, and each went on."""
+    import importlib
+    import signal
+
+    from batchsim.server.engine import runner
+    from batchsim.server.engine.session import open_session
+
+    from tests.test_records import sim_config
+
+    drive = runner._Run.drive
+
+    def pressed(run):
+        os.kill(os.getpid(), signal.SIGINT)
+        return drive(run)
+
+    monkeypatch.setattr(runner._Run, "drive", pressed)
+    session = open_session(sim_config(8))
+    module = importlib.import_module(f"batchsim.scripts.{command}")
+    with pytest.raises(KeyboardInterrupt):
+        if command == "calibrate":
+            module._busy_gaps(session, session.config.workload)
+        else:
+            module._run(session, None, "validate")

@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from batchsim.server.engine.interrupts import Interrupts
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 from batchsim.server.results import timeline_draw
@@ -51,3 +52,34 @@ def test_a_signal_while_the_drawing_is_awaited_ends_the_wait(tmp_path, monkeypat
     assert (outcome.run_dir / "requests.jsonl").read_text().count("\n") == 30
     [message] = [r.getMessage() for r in caplog.records if r.name == "batchsim"]
     assert message.startswith("timeline.png: not drawn (interrupted after ")
+
+
+@pytest.mark.timeout(60)
+def test_a_signal_while_the_run_is_summarized_does_not_wait_for_the_drawing(tmp_path,
+                                                                           monkeypatch, caplog):
+    """The signal came after the run ended, before the wait began (while it was summarized):
+    only noted there, it let the wait run its full length."""
+    from batchsim.server.engine import runner
+
+    monkeypatch.setattr(timeline_draw, "DRAW_WAIT_S", 40.0)
+    summarize = runner.summarize
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # answered at once: noted, as during summarize
+        return summarize(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "summarize", signalled)
+    session = open_session(sim_config(n=30))
+    interrupts = Interrupts((signal.SIGTERM,))
+    with interrupts, DrawingProcess() as drawing:
+        child = drawing._child
+        assert child is not None
+        os.kill(child.pid, signal.SIGSTOP)  # never answers
+        start = time.monotonic()
+        outcome = run_workload(session, session.config.workload, out_dir=tmp_path, label="t",
+                               timeline=drawing, interrupts=interrupts)
+        waited_s = time.monotonic() - start
+    assert waited_s < 20.0 and child.poll() is not None
+    saved = json.loads((outcome.run_dir / "summary.json").read_text())
+    assert saved["completed"] == 30 and saved["timeline_png"] is None
+    assert saved["interrupted"] is True and saved["interrupt_reason"] == "SIGTERM"

@@ -28,9 +28,10 @@ class EngineProfile:
     host_token_us: float  # host work per generated token (sampling, detokenizing, streaming)
     # Host work per request, once before its first token (an HTTP server's request parsing,
     # chat templating, tokenizing, hand-off): priced on the prefill chunk that samples a request's
-    # first token (in its TTFT; a decode step never pays it), serially, as a step's other host
-    # work. No shipped profile sets it: fitted per engine on the published rows that count TTFT
-    # (commit a69c817's variant B: mlx-inference-server 94 ms a request), it left held-out medians
+    # first token, or a one-token prompt's first decode step (StepPlan.num_joined_directly), in
+    # its TTFT, serially, as a step's other host work. No shipped profile sets it: fitted per
+    # engine on the published rows that count TTFT (commit a69c817's variant B:
+    # mlx-inference-server 94 ms a request), it left held-out medians
     # worse (h5, 2026-12-05), so `fit-macs` keeps to per-step and per-token costs; a profile of
     # your own server may set a measured one. A preempted request's recompute does not pay it
     # again (PrefillChunk.fresh).

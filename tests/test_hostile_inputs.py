@@ -349,3 +349,34 @@ def test_ctrl_c_in_a_run_of_calibrate_or_validate_stops_it(monkeypatch, command)
             module._busy_gaps(session, session.config.workload)
         else:
             module._run(session, None, "validate")
+
+
+_TERM_AS_THE_FIRST_RUN_STARTS = """
+import os, signal, sys
+from batchsim.server.platform import blas
+blas.preload()
+from batchsim.server.engine import runner
+drive = runner._Run.drive
+def pressed(run):
+    if not getattr(runner, "_pressed", False):
+        runner._pressed = True
+        os.kill(os.getpid(), signal.SIGTERM)
+    return drive(run)
+runner._Run.drive = pressed
+from batchsim.scripts.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("argv", [_SWEEP, _COMPARE], ids=["sweep", "compare"])
+def test_sigterm_to_sweep_or_compare_keeps_the_runs_summary(tmp_path, argv):
+    """`run` answers SIGTERM and SIGHUP as Ctrl-C; sweep and compare died of them (exit -15),
+    the run under way left without its summary.json."""
+    import json
+
+    proc = subprocess.run([sys.executable, "-c", _TERM_AS_THE_FIRST_RUN_STARTS, *argv, "--out",
+                           str(tmp_path), "--runs-dir", str(tmp_path / "runs")],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    (kept,) = (tmp_path / "runs").iterdir()
+    assert json.loads((kept / "summary.json").read_text())["interrupt_reason"] == "SIGTERM"

@@ -2,7 +2,8 @@
 general path makes: the same records byte for byte with the fast path on and off, over an
 overloaded queue (rows at max_num_seqs, the simulated hour's case), a queue that drains (no one
 waiting), a budget tight enough to preempt (the fast path hands the plan back) and a prefix cache
-that evicts; and the fast path does make a good share of the plans."""
+that evicts; and the fast path does make a good share of the plans. Likewise a plan's prefix-cache
+ops skipped when they would do nothing (PrefixCache.stores_nothing)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from batchsim.scheduler import decode_plan, scheduler
+from batchsim.scheduler import decode_plan, prefix_cache, scheduler
 from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 from batchsim.workloads.lengths import LengthSpec
-from batchsim.workloads.spec import WorkloadSpec
+from batchsim.workloads.spec import WorkloadSpec, builtin_workload
 
 
 def _records(cfg: RunConfig, out: Path) -> tuple[bytes, bytes, int]:
@@ -69,3 +70,26 @@ def test_decode_plans_are_the_general_paths_plans(name, tmp_path, monkeypatch):
     assert (fast[2] > 0) == preempts  # the case reached what it is named for
     steps = fast[0].count(b"\n")
     assert made[0] >= share * steps, f"the fast path made {made[0]} of {steps} plans"
+
+
+@pytest.mark.parametrize("workload", ["default", "shared-prompt", "chat-sessions"])
+def test_prefix_cache_ops_are_skipped_only_when_they_do_nothing(workload, tmp_path, monkeypatch):
+    """The hour's workload has no shared segments: no plan takes the cache's ops (each admission
+    used to); workloads that share blocks take them. Records equal with the skip on and off."""
+    spec = dataclasses.replace(builtin_workload(workload), num_prompts=120, seed=3)
+    cfg = dataclasses.replace(_config(5.0, 120), workload=spec)
+    taken = [0]
+    real = prefix_cache.PrefixCache.take_ops
+
+    def counted(self):
+        taken[0] += 1
+        return real(self)
+
+    with monkeypatch.context() as m:
+        m.setattr(prefix_cache.PrefixCache, "take_ops", counted)
+        skipping = _records(cfg, tmp_path / "skip")
+    with monkeypatch.context() as m:
+        m.setattr(prefix_cache.PrefixCache, "stores_nothing", lambda *_args: False)
+        general = _records(cfg, tmp_path / "general")
+    assert skipping == general
+    assert (taken[0] == 0) == (workload == "default")

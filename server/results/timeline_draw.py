@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
 import select
 import subprocess
@@ -187,10 +188,14 @@ class DrawingProcess:
         self._job: tuple[Path, Panels] | None = None
         self._talk: threading.Thread | None = None
         self.wait_s = DRAW_WAIT_S
+        # PYTHONSAFEPATH (3.11+): `-m` puts no working directory first on the child's path, where
+        # a numpy.py or matplotlib/ of the user's ran in it (the console script's parent never
+        # imports from there).
         try:  # its own session: Ctrl-C at the terminal stops the run, which then draws
             self._child: subprocess.Popen | None = subprocess.Popen(
                 [sys.executable or "", "-m", __name__], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                env={**os.environ, "PYTHONSAFEPATH": "1"})
         except OSError:  # no such program: sys.executable None ("") or gone
             self._child = None
 

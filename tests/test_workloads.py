@@ -572,3 +572,18 @@ def test_a_binary_trace_names_its_file(tmp_path, name):
     path.write_bytes(b"\xff\xfe\x00garbage\n")
     with pytest.raises(ConfigError, match=f"{name}: not UTF-8 text"):
         read_trace(path)
+
+
+@pytest.mark.parametrize("encoding, says", [
+    ("utf-16", "not UTF-8 text (byte 0: invalid start byte; it is UTF-16: save it as UTF-8)"),
+    ("utf-16-le", r"(found: 'T\x00I\x00M"),  # said "found: TIMESTAMP" (the NULs unseen)
+])
+def test_a_utf16_trace_is_named_for_what_it_is(tmp_path, encoding, says):
+    """h8: Excel's 'Unicode Text' and PowerShell write UTF-16; the trace without a byte order
+    mark was refused as 'missing column TIMESTAMP (found: TIMESTAMP, ...)'."""
+    path = tmp_path / "t.csv"
+    path.write_bytes("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,30,3\n"
+                     .encode(encoding))
+    with pytest.raises(ConfigError) as exc:
+        read_trace(path)
+    assert says in str(exc.value)

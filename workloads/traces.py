@@ -73,7 +73,7 @@ def _read_azure(path: Path) -> Iterator[RawRow]:
             raise ConfigError(
                 f"{path}: missing column {missing[0]!r}; an Azure trace has "
                 f"{', '.join(_AZURE_COLUMNS)} "
-                f"(found: {', '.join(reader.fieldnames or ())})"
+                f"(found: {', '.join(map(_shown, reader.fieldnames or ()))})"
             )
         for row in reader:
             try:
@@ -172,10 +172,19 @@ def read_trace(
         reader = _read_azure if kind == "azure" else _read_mooncake
         raw = list(islice(reader(resolved), start, None if limit is None else start + limit))
     except UnicodeDecodeError as exc:  # said no file: "'utf-8' codec can't decode byte 0xff ..."
+        with resolved.open("rb") as f:
+            utf16 = f.read(2) in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
         raise ConfigError(f"{resolved}: not UTF-8 text (byte {_bad_utf8_at(resolved)}: "
-                          f"{exc.reason})") from None
+                          f"{exc.reason}" + ("; it is UTF-16: save it as UTF-8" if utf16 else "")
+                          + ")") from None
     t0 = raw[0][0] if raw else 0.0
     return [TraceRow(t - t0, n_in, n_out, hashes) for t, n_in, n_out, hashes in raw]
+
+
+def _shown(name: str) -> str:
+    """A header cell as read, escaped where a line would hide what it holds (the NULs of UTF-16
+    text without a byte order mark, a second mark): 'found: TIMESTAMP' said nothing."""
+    return name if name.isprintable() else ascii(name)
 
 
 def _bad_utf8_at(path: Path) -> int:

@@ -14,8 +14,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from batchsim.scripts.common import CommandFailed
     from batchsim.scripts.report import summary_table
-    from batchsim.server.results.rebuild import rebuild_summary
+    from batchsim.server.results.rebuild import NOT_WRITTEN, rebuild_summary
 
     summary, notes = rebuild_summary(Path(args.run_dir))
     for note in notes:
@@ -23,5 +24,10 @@ def run(args: argparse.Namespace) -> dict:
     out.print(summary_table(summary))
     if summary.get("interrupted"):
         out.print("[yellow]interrupted: the summary covers the records the run left[/yellow]")
-    out.print(f"summary rebuilt: {Path(args.run_dir) / 'summary.json'}")
+    path = Path(args.run_dir) / "summary.json"
+    unwritten = [n for n in notes if n.startswith(f"{path.name}: {NOT_WRITTEN}")]
+    if unwritten:  # shown, not kept: exit 1
+        raise CommandFailed(f"summary rebuilt but {path}: {unwritten[0].split(': ', 1)[1]}",
+                            summary)
+    out.print(f"summary rebuilt: {path}")
     return summary

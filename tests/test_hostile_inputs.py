@@ -380,3 +380,25 @@ def test_sigterm_to_sweep_or_compare_keeps_the_runs_summary(tmp_path, argv):
     assert proc.returncode == 130, proc.stderr[-2000:]
     (kept,) = (tmp_path / "runs").iterdir()
     assert json.loads((kept / "summary.json").read_text())["interrupt_reason"] == "SIGTERM"
+
+
+def test_report_on_a_read_only_run_directory_still_shows_the_summary(capsys, tmp_path,
+                                                                     monkeypatch):
+    """An archived (read-only) run directory: report rebuilt the summary, failed to write it and
+    showed nothing ('[Errno 30] Read-only file system', exit 1). Now the table and the JSON line,
+    then one line saying summary.json was not written (exit 1)."""
+    import errno
+
+    from batchsim.server.results import rebuild
+
+    assert _main(["run", *SIM, "--num-prompts", "3", "--no-timeline", "--out", str(tmp_path)],
+                 capsys)[0] == 0
+    (run_dir,) = tmp_path.iterdir()
+
+    def read_only(*args):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(rebuild, "write_summary", read_only)
+    rc, out, err = _main(["report", str(run_dir)], capsys)
+    assert rc == 1 and "Serving Benchmark Result" in out and '"completed":3' in out
+    assert _one_line(err).endswith("summary.json: not written (Read-only file system)"), err

@@ -29,6 +29,7 @@ from batchsim.server.results.run_files import (
 from batchsim.server.results.timeline import Limits, run_title, timeline_title
 from batchsim.server.results.timeline_draw import write_timeline
 
+NOT_WRITTEN = "not written"  # the note's words when summary.json cannot be written there
 # Facts the records cannot give back: a finished run's own summary keeps them.
 # No run's clock reaches this (32 years): a time past it is damage, and times near a float's range
 # overflow the statistics (a finished_s of 1e308: the square in np.std).
@@ -77,7 +78,10 @@ def rebuild_summary(run_dir: Path, timeline: bool = True) -> tuple[dict[str, Any
         summary["timeline_png"] = _timeline(run_dir, requests, steps, config, old, notes)
     else:
         summary.setdefault("timeline_png", None)
-    write_summary(run_dir, jsonable(summary))
+    try:
+        write_summary(run_dir, jsonable(summary))
+    except OSError as exc:  # a read-only run directory (an archive): the summary is still given
+        notes.append(f"{SUMMARY}: {NOT_WRITTEN} ({exc.strerror or exc})")
     return summary, notes
 
 

@@ -212,7 +212,9 @@ def _plausible(record: Any) -> bool:
 
 
 def _at_least_0(value: Any) -> bool:
-    return _finite(value) and value >= 0
+    """A count, size or time as a run writes them: the summary reads them as int64 / float64
+    columns (request_arrays.step_columns), so a count past 2**63 - 1 is damage (OverflowError)."""
+    return _finite(value) and 0 <= value < 2**63
 
 
 def _once_each(requests: list[RequestRecord], notes: list[str]) -> list[RequestRecord]:

@@ -402,3 +402,10 @@ def test_report_on_a_read_only_run_directory_still_shows_the_summary(capsys, tmp
     rc, out, err = _main(["report", str(run_dir)], capsys)
     assert rc == 1 and "Serving Benchmark Result" in out and '"completed":3' in out
     assert _one_line(err).endswith("summary.json: not written (Read-only file system)"), err
+
+
+def test_models_import_of_a_device_says_what_it_is(capsys, tmp_path):
+    """/dev/zero, a pipe or a directory given to `models import` was 'no such file'."""
+    for given, kind in (("/dev/zero", "a character device"), (str(tmp_path), "a directory")):
+        rc, _, err = _main(["models", "import", given], capsys)
+        assert rc == 2 and _one_line(err).endswith(f"{given}: is {kind}, not a GGUF file"), err

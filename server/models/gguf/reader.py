@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from batchsim.configs import ConfigError
+from batchsim.configs import ConfigError, file_kind
 from batchsim.server.models.gguf.header import SUPPORTED, tensor_types, type_name
 
 MAGIC = b"GGUF"
@@ -49,8 +49,9 @@ class Gguf:
 
 
 def check_magic(path: Path) -> None:
-    if not path.is_file():
-        raise GgufError(f"{path}: no such file")
+    if not path.is_file():  # /dev/zero or a pipe is there: 'no such file' said the wrong thing
+        raise GgufError(f"{path}: is {file_kind(path)}, not a GGUF file" if path.exists()
+                        else f"{path}: no such file")
     with path.open("rb") as f:
         head = f.read(4)
     if head != MAGIC:

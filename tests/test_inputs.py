@@ -164,6 +164,10 @@ def _copy(run_dir: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(run_dir, tmp_path / "run"))
 
 
+_STEP_FIELD = {"int past a float": ("kv_bytes", "9" * 400), "int past int64": ("kv_bytes", 10**20),
+               "count a float": ("batch_size", 96.7)}  # 96.7 was cut to 96, unnoted
+
+
 def _corrupt(run_dir: Path, how: str) -> None:
     requests = run_dir / "requests.jsonl"
     lines = requests.read_bytes().splitlines(keepends=True)
@@ -191,9 +195,10 @@ def _corrupt(run_dir: Path, how: str) -> None:
         (run_dir / "config.yaml").write_bytes(bytes(range(256)) * 4)
     elif how == "invalid config":
         (run_dir / "config.yaml").write_text("config: [unclosed\n  resolved: {")
-    elif how == "int past a float":  # was an OverflowError in the finite-number check
+    elif how in _STEP_FIELD:  # past a float: was an OverflowError in the finite-number check
+        key, value = _STEP_FIELD[how]  # past int64: the summary's arrays overflowed (traceback)
         steps = (run_dir / "steps.jsonl").read_text().splitlines(keepends=True)
-        steps[0] = steps[0].replace('"kv_bytes":', '"kv_bytes":' + "9" * 400 + ",\"was\":")
+        steps[0] = steps[0].replace(f'"{key}":', f'"{key}":{value},"was":')
         (run_dir / "steps.jsonl").write_text("".join(steps))
     requests.write_bytes(b"".join(lines))
 
@@ -208,6 +213,8 @@ def _corrupt(run_dir: Path, how: str) -> None:
     ("binary config", 12, "config.yaml: not a run's config"),
     ("invalid config", 12, "config.yaml: not a run's config"),
     ("int past a float", 12, "steps.jsonl: skipped 1 record(s) with missing or impossible"),
+    ("int past int64", 12, "steps.jsonl: skipped 1 record(s) with missing or impossible"),
+    ("count a float", 12, "steps.jsonl: skipped 1 record(s) with missing or impossible"),
     ("arrival at -1e308", 11, "requests.jsonl: skipped 1 record(s) with missing or impossible"),
     ("finished at 1e308", 11, "requests.jsonl: skipped 1 record(s) with missing or impossible"),
     ("token before arrival", 11, "requests.jsonl: skipped 1 record(s) with missing or imposs"),

@@ -34,6 +34,7 @@ NOT_WRITTEN = "not written"  # the note's words when summary.json cannot be writ
 # No run's clock reaches this (32 years): a time past it is damage, and times near a float's range
 # overflow the statistics (a finished_s of 1e308: the square in np.std).
 MAX_CLOCK_S = 1e9
+INT64_MAX = 2**63 - 1  # an int field's largest value: the summary reads them as np.int64
 _FROM_THE_RUN = ("duration", "peak_memory_bytes", "peak_memory", "peak_memory_source",
                  "peak_rss_bytes")
 
@@ -192,17 +193,19 @@ def _records(path: Path, cls: Any, notes: list[str]) -> list[Any]:
 
 def _plausible(record: Any) -> bool:
     """Each numeric field a finite number >= 0 (counts, bytes, times on the run's clock; or None
-    where the record allows it), no time (a field named *_s) past MAX_CLOCK_S, and no token
-    before its request arrived, as written."""
+    where the record allows it), an int field an int that fits int64 (the summary's arrays: a
+    kv_bytes of 1e20 overflowed them, a count of 96.7 was cut to 96), no time (a field named *_s)
+    past MAX_CLOCK_S, and no token before its request arrived, as written."""
     for f in dataclasses.fields(record):
-        value, kind = getattr(record, f.name), str(f.type)
-        if value is None and "None" in kind:
+        value, kind = getattr(record, f.name), str(f.type).split(" ")[0]
+        if value is None and "None" in str(f.type):
             continue
-        if "tuple[float" in kind:
+        if kind.startswith("tuple[float"):
             if not isinstance(value, tuple) or not all(map(_at_least_0, value)):
                 return False
-        elif (kind.split(" ")[0] in ("int", "float") and not _at_least_0(value)
-              or kind.split(" ")[0] == "str" and not isinstance(value, str)):
+        elif (kind == "int" and not _int64_count(value)
+              or kind == "float" and not _at_least_0(value)
+              or kind == "str" and not isinstance(value, str)):
             return False
         times_s = value if isinstance(value, tuple) else (value,)
         if f.name.endswith("_s") and any(t > MAX_CLOCK_S for t in times_s):
@@ -215,6 +218,10 @@ def _at_least_0(value: Any) -> bool:
     """A count, size or time as a run writes them: the summary reads them as int64 / float64
     columns (request_arrays.step_columns), so a count past 2**63 - 1 is damage (OverflowError)."""
     return _finite(value) and 0 <= value < 2**63
+
+
+def _int64_count(value: Any) -> bool:
+    return _count(value) is not None and value <= INT64_MAX
 
 
 def _once_each(requests: list[RequestRecord], notes: list[str]) -> list[RequestRecord]:

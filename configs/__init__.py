@@ -19,28 +19,69 @@ CONFIG_DIR = Path(__file__).resolve().parent
 T = TypeVar("T")
 
 
-class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
-    """safe_load, except that `1e-3` is a float as in YAML 1.2 and JSON (YAML 1.1 reads it as a
-    string, and `request_rate: 1e-3` was refused as "expected a number, got '1e-3'"). libyaml's
-    parser where PyYAML has it (the same values, 8x faster: macs.yaml 66 -> 8 ms, read on every
-    `batchsim run`)."""
+def _yaml12_floats(base: type) -> type:
+    """`base`, except that `1e-3` is a float as in YAML 1.2 and JSON (YAML 1.1 reads it as a
+    string, and `request_rate: 1e-3` was refused as "expected a number, got '1e-3'")."""
+    loader = type(f"Batchsim{base.__name__}", (base,), {})
+    loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+        list("-+0123456789"),
+    )
+    return loader
 
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
+# PyYAML's pure-Python parser decides (its values, its errors: the line and a caret); libyaml's
+# (8x faster: macs.yaml 66 -> 8 ms, read on every `batchsim run`) reads the files where the two
+# agree: no tab in the text (libyaml takes `key:<TAB>5`, PyYAML refuses it) and no error.
+_PureLoader = _yaml12_floats(yaml.SafeLoader)
+_Loader = _yaml12_floats(yaml.CSafeLoader) if yaml.__with_libyaml__ else _PureLoader
 
 _TOO_DEEP = "exceeded maximum nesting depth"  # libyaml's words for [[[...]]] past 1,000 levels
 MAX_YAML_VALUES = 1_000_000  # values, lists and mappings, counted once per alias to them
+# Lists and mappings within each other (shipped files: 5). PyYAML's parser recursed past Python's
+# stack at 330-600 levels, libyaml's stops at 1,000 (none before 0.2.5): each build refuses past
+# this, before a check prints the whole value in one line.
+MAX_YAML_DEPTH = 100
+_NESTED = f"not valid YAML: nested too deeply to read (more than {MAX_YAML_DEPTH} levels)"
 
 
-def _expanded_values(data: Any) -> int:
+def _parse_yaml(text: str) -> Any:
+    if _Loader is _PureLoader or "\t" in text:
+        return _pure_yaml(text)
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as exc:
+        if _TOO_DEEP in str(exc):
+            raise
+        _pure_yaml(text)  # its message: the line and a caret (libyaml's names neither)
+        raise  # a "\ud800" escape: PyYAML reads it (half a character), libyaml refuses
+
+
+def _pure_yaml(text: str) -> Any:
+    data = yaml.load(text, Loader=_PureLoader)
+    if ("\\u" in text or "\\U" in text) and _has_lone_surrogate(data):  # a traceback later, as
+        raise yaml.YAMLError("a \\ud800-\\udfff escape is half a character")  # text is written
+    return data
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    stack, seen = [data], set()
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str) and any("\ud800" <= c <= "\udfff" for c in node):
+            return True
+        if isinstance(node, (dict, list)) and id(node) not in seen:
+            seen.add(id(node))
+            stack.extend([*node.keys(), *node.values()] if isinstance(node, dict) else node)
+    return False
+
+
+def _expanded_values(data: Any) -> tuple[int, int]:
     """How many values, lists and mappings `data` holds once each alias is expanded into a copy
-    (a 12-line YAML of aliases of aliases holds 10**12); a cycle counts once."""
-    sizes: dict[int, int] = {}
+    (a 12-line YAML of aliases of aliases holds 10**12), and how deep lists and mappings nest;
+    a cycle counts once."""
+    sizes: dict[int, tuple[int, int]] = {}
     stack: list[tuple[Any, bool]] = [(data, False)]
     while stack:
         node, children_done = stack.pop()
@@ -49,13 +90,14 @@ def _expanded_values(data: Any) -> int:
         items = list(node.values() if isinstance(node, dict) else node)
         children = [c for c in items if isinstance(c, (dict, list))]
         if children_done:
-            total = 1 + len(items) - len(children) + sum(sizes[id(c)] for c in children)
-            sizes[id(node)] = min(total, MAX_YAML_VALUES + 1)
+            total = 1 + len(items) - len(children) + sum(sizes[id(c)][0] for c in children)
+            depth = 1 + max((sizes[id(c)][1] for c in children), default=0)
+            sizes[id(node)] = (min(total, MAX_YAML_VALUES + 1), depth)
         elif id(node) not in sizes:
-            sizes[id(node)] = 1  # until its children are counted: a cycle back to it counts 1
+            sizes[id(node)] = (1, 1)  # until its children are counted: a cycle back to it counts 1
             stack.append((node, True))
             stack.extend((c, False) for c in children)
-    return sizes.get(id(data), 0)
+    return sizes.get(id(data), (0, 0))
 
 
 class ConfigError(ValueError):
@@ -78,18 +120,21 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file() and file_kind(path) != "a pipe":  # <(...) is one; /dev/zero filled
         raise ConfigError(f"{path}: is {file_kind(path)}, not a YAML file")  # the memory
     try:
-        data = yaml.load(path.read_text(), Loader=_Loader)  # a SafeLoader subclass
+        data = _parse_yaml(path.read_text())
     except yaml.YAMLError as exc:
         if _TOO_DEEP in str(exc):  # libyaml's limit, before Python's RecursionError below
-            raise ConfigError(f"{path}: not valid YAML: nested too deeply to read") from None
+            raise ConfigError(f"{path}: {_NESTED}") from None
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     except (OSError, UnicodeDecodeError) as exc:  # unreadable, or not text
         raise ConfigError(f"{path}: cannot be read as YAML: {exc}") from None
     except RecursionError:  # `[[[...]]]` 100,000 deep was a RecursionError traceback
-        raise ConfigError(f"{path}: not valid YAML: nested too deeply to read") from None
-    if _expanded_values(data) > MAX_YAML_VALUES:  # each check and message walked them all: a hang
+        raise ConfigError(f"{path}: {_NESTED}") from None
+    values, depth = _expanded_values(data)
+    if values > MAX_YAML_VALUES:  # each check and message walked them all: a hang
         raise ConfigError(f"{path}: its aliases expand to more than {MAX_YAML_VALUES:,} values "
                           "(aliases of aliases); write the values out")
+    if depth > MAX_YAML_DEPTH:
+        raise ConfigError(f"{path}: {_NESTED}")
     if data is None:
         return {}
     if not isinstance(data, dict):

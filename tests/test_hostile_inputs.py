@@ -25,12 +25,48 @@ def _alias_bomb(levels: int = 12) -> str:
     (_alias_bomb(), "its aliases expand to more than 1,000,000 values"),  # hung in the checks
     ("num_prompts: " + "[" * 100_000 + "]" * 100_000 + "\n",
      "not valid YAML: nested too deeply to read"),  # a RecursionError traceback
+    *[("num_prompts: " + "[" * n + "]" * n + "\n", "nested too deeply to read (more than 100")
+      for n in (101, 600, 990)],  # libyaml read them: a 2-10 KB line, the whole value's repr
 ])
 def test_yaml_alias_bombs_and_deep_nesting_are_one_line(capsys, tmp_path, text, says):
     path = tmp_path / "hostile.yaml"
     path.write_text(text)
     rc, _, err = _main(["run", *SIM, str(path), "--out", str(tmp_path)], capsys)
-    assert rc == 2 and says in _one_line(err), err
+    assert rc == 2 and says in _one_line(err) and len(err) < 300, err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("build", ["libyaml", "pure"])
+@pytest.mark.parametrize("text, says", [
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply to read (more than 100 levels)"),
+    ("[" * 600 + "]" * 600, "nested too deeply to read (more than 100 levels)"),
+    ("[" * 101 + "]" * 101, "nested too deeply to read (more than 100 levels)"),
+    ("num_prompts:\t5\n", "found character '\\t' that cannot start any token"),  # libyaml read 5
+    ("a: 1\nb: *x\n", "found undefined alias 'x'"),  # libyaml: no name, no line shown
+    ('name: "\\ud800"\n', "escape"),  # pure read it: a UnicodeEncodeError when written
+])
+def test_every_yaml_build_refuses_the_same_files_in_pyyaml_words(monkeypatch, tmp_path, build,
+                                                                  text, says):
+    import yaml
+    from batchsim import configs
+
+    if build == "pure":
+        monkeypatch.setattr(configs, "_Loader", configs._PureLoader)
+    elif not yaml.__with_libyaml__:
+        pytest.skip("PyYAML built without libyaml")
+    path = tmp_path / "hostile.yaml"
+    path.write_text(text)
+    with pytest.raises(configs.ConfigError) as err:
+        configs.load_yaml(path)
+    assert says in str(err.value) and len(str(err.value)) < 300, str(err.value)
+
+
+def test_a_yaml_file_nested_100_deep_still_loads(tmp_path):
+    from batchsim.configs import load_yaml
+
+    path = tmp_path / "deep.yaml"
+    path.write_text("a: " + "[" * 99 + "]" * 99 + "\n")
+    assert load_yaml(path)["a"] == eval("[" * 99 + "]" * 99)
 
 
 def test_yaml_aliases_within_reason_still_load(tmp_path):
@@ -46,25 +82,18 @@ def test_shipped_yaml_reads_with_libyaml_to_the_pure_python_values():
     """load_yaml parses with libyaml (8x faster: every `batchsim run` reads macs.yaml), to the
     values PyYAML's pure-Python SafeLoader with the same 1e-3 rule gives, for every shipped file
     and for a deep nesting (libyaml's own limit: the same one line)."""
-    import re
-
     import yaml
-    from batchsim.configs import CONFIG_DIR, _Loader, load_yaml
+    from batchsim.configs import CONFIG_DIR, _Loader, _PureLoader, load_yaml
 
     if not yaml.__with_libyaml__:
         pytest.skip("PyYAML built without libyaml")
-    assert issubclass(_Loader, yaml.CSafeLoader)
-
-    class Pure(yaml.SafeLoader):
-        pass
-
-    Pure.add_implicit_resolver("tag:yaml.org,2002:float",
-                               re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-                               list("-+0123456789"))
+    assert issubclass(_Loader, yaml.CSafeLoader) and not issubclass(_PureLoader, yaml.CSafeLoader)
+    assert yaml.load("r: 1e-3", Loader=_PureLoader) == {"r": 0.001}
     files = sorted(CONFIG_DIR.rglob("*.yaml"))
     assert len(files) > 20
     for path in files:
-        assert repr(load_yaml(path)) == repr(yaml.load(path.read_text(), Loader=Pure) or {}), path
+        pure = yaml.load(path.read_text(), Loader=_PureLoader)
+        assert repr(load_yaml(path)) == repr(pure or {}), path
 
 
 def test_the_config_of_a_run_stopped_before_its_model_loaded_runs_again(capsys, tmp_path):

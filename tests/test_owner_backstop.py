@@ -21,6 +21,7 @@ def _launch(tmp_path, sent: list[int]) -> owner.OwnedLaunch:
     launch.signals, launch._sent, launch.killed = 0, 0, []
     launch._names = ["SIGINT", "SIGINT"]
     launch._terminated_at, launch._keeping_at, launch._followers_ended = None, None, False
+    launch._ended_followers, launch._failed_at = set(), None
     launch._signal_group = sent.append
     return launch
 
@@ -99,6 +100,24 @@ def test_followers_still_running_after_the_sigterm_are_killed_first(tmp_path, mo
     launch._end_unanswered_term()  # once
     assert to_pid.count((5151, signal.SIGKILL)) == 1 and (4242, signal.SIGKILL) not in to_pid
     assert sent == [signal.SIGTERM]  # rank 0 still keeps its records
+
+
+def test_a_follower_the_backstop_killed_is_no_failure_that_ends_rank_0(tmp_path, monkeypatch):
+    """Rank 1 stuck in a collective never ran its SIGTERM handler; killed GRACE_S after the
+    SIGTERM, it was a dead rank without a status, so _end_stuck_ranks killed the group (rank 0
+    mid-keep) 2 x GRACE_S after the SIGTERM instead of KEEP_RECORDS_S + GRACE_S."""
+    now = [100.0]
+    launch, sent, to_pid = _terminated(tmp_path, monkeypatch, now)
+    monkeypatch.setattr(owner, "_alive", lambda pid: (pid, signal.SIGKILL) not in to_pid)
+    while now[0] < 100 + KEEP_RECORDS_S + owner.GRACE_S - 0.5:  # the launcher's loop, in short
+        now[0] += owner.POLL_S
+        launch._end_unanswered_term()
+        launch._end_stuck_ranks()
+    assert (5151, signal.SIGKILL) in to_pid and sent == [signal.SIGTERM]
+    (tmp_path / "rank2.pid").write_text("7272")  # a follower that died by itself still counts
+    to_pid.append((7272, signal.SIGKILL))  # (dead, as _alive is mocked)
+    launch._end_stuck_ranks()
+    assert launch._failed_at is not None
 
 
 def test_a_followers_pid_gone_to_another_group_is_not_killed(tmp_path, monkeypatch):

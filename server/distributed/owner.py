@@ -68,6 +68,7 @@ class OwnedLaunch:
         self._terminated_at: float | None = None  # when the group was sent SIGTERM
         self._keeping_at: float | None = None  # when rank 0 was seen keeping its records after it
         self._followers_ended = False  # the followers still running GRACE_S after it: killed
+        self._ended_followers: set[int] = set()  # those ranks: ended by us, not failed
         self.killed: list[int] = []  # ranks still running GRACE_S after another failed
         # A local rank stopped (SIGSTOP) between steps is never noticed by its peers (a follower
         # waits for rank 0's next plan without a deadline): past the rank timeout and GRACE_S it
@@ -158,16 +159,19 @@ class OwnedLaunch:
 
     def _kill_followers(self) -> None:
         """SIGKILL to the ranks other than 0 still without a status, each only while its pid is
-        in the launch's group (a rank that ended may have left its pid to another process)."""
+        in the launch's group (a rank that ended may have left its pid to another process). They
+        are noted: dead without a status they are no failure that ends rank 0 GRACE_S later
+        (_end_stuck_ranks), which keeps its records until the SIGTERM's own deadline."""
         for rank, pid in _silent_ranks(self.status_dir).items():
             if rank != 0:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     if os.getpgid(pid) == self.proc.pid:  # mlx.launch leads the ranks' group
                         os.kill(pid, signal.SIGKILL)
+                        self._ended_followers.add(rank)
 
     def _end_stuck_ranks(self) -> None:
         if self._failed_at is None:
-            if any_rank_failed(self.status_dir):
+            if any_rank_failed(self.status_dir, ignored=self._ended_followers):
                 self._failed_at = time.monotonic()
         elif time.monotonic() - self._failed_at > GRACE_S:
             self._kill_running()
@@ -204,14 +208,15 @@ def read_pid(path: Path) -> int | None:
         return None
 
 
-def any_rank_failed(status_dir: Path) -> bool:
-    """A rank reported its own failure, or a local rank ended without reporting (killed)."""
+def any_rank_failed(status_dir: Path, ignored: set[int] | frozenset[int] = frozenset()) -> bool:
+    """A rank reported its own failure, or a local rank ended without reporting (killed), other
+    than the `ignored` ranks (those the launcher killed itself)."""
     for path in status_dir.glob("rank*.json"):
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             status = json.loads(path.read_text())
             if not status["ok"] and not status.get("terminated"):
                 return True
-    return any(not _alive(pid) for pid in _silent_ranks(status_dir).values())
+    return any(not _alive(pid) for r, pid in _silent_ranks(status_dir).items() if r not in ignored)
 
 
 def running_ranks(status_dir: Path) -> list[int]:

@@ -55,14 +55,23 @@ def test_a_signal_while_the_drawing_is_awaited_ends_the_wait(tmp_path, monkeypat
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("first", [None, "SIGINT"])
 def test_a_signal_while_the_run_is_summarized_does_not_wait_for_the_drawing(tmp_path,
-                                                                           monkeypatch, caplog):
+                                                                           monkeypatch, first):
     """The signal came after the run ended, before the wait began (while it was summarized):
-    only noted there, it let the wait run its full length."""
+    only noted there, it let the wait run its full length; also when it is a second one, after
+    a first stopped the run (`received` kept the first: the same as when the run ended)."""
     from batchsim.server.engine import runner
 
     monkeypatch.setattr(timeline_draw, "DRAW_WAIT_S", 40.0)
-    summarize = runner.summarize
+    summarize, finish = runner.summarize, runner._finish
+
+    def stopped_first(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # as the run ends: noted, the run interrupted
+        return finish(*args, **kwargs)
+
+    if first:
+        monkeypatch.setattr(runner, "_finish", stopped_first)
 
     def signalled(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)  # answered at once: noted, as during summarize
@@ -70,7 +79,7 @@ def test_a_signal_while_the_run_is_summarized_does_not_wait_for_the_drawing(tmp_
 
     monkeypatch.setattr(runner, "summarize", signalled)
     session = open_session(sim_config(n=30))
-    interrupts = Interrupts((signal.SIGTERM,))
+    interrupts = Interrupts((signal.SIGINT, signal.SIGTERM))
     with interrupts, DrawingProcess() as drawing:
         child = drawing._child
         assert child is not None
@@ -82,4 +91,4 @@ def test_a_signal_while_the_run_is_summarized_does_not_wait_for_the_drawing(tmp_
     assert waited_s < 20.0 and child.poll() is not None
     saved = json.loads((outcome.run_dir / "summary.json").read_text())
     assert saved["completed"] == 30 and saved["timeline_png"] is None
-    assert saved["interrupted"] is True and saved["interrupt_reason"] == "SIGTERM"
+    assert saved["interrupted"] is True and saved["interrupt_reason"] == (first or "SIGTERM")

@@ -56,6 +56,7 @@ class Interrupts:
         self._name = name  # a signal's name -> what `received` records (rank 0: the launcher's)
         # Why the run was stopped: the first signal's name ("SIGINT"), or stop()'s reason.
         self.received: str | None = None
+        self.count = 0  # signals and stop()s so far, each one (`received` keeps only the first)
         # Set by the run under way: ends it where it stands (records and summary kept, `reason`
         # its interrupt_reason); the caller then exits (a peer rank died). Any thread.
         self.abandon: Callable[[str], None] | None = None
@@ -79,6 +80,7 @@ class Interrupts:
 
     def _handle(self, signum: int, frame: object) -> None:
         self.received = self.received or self._name(signal.Signals(signum).name)
+        self.count += 1
         leave_closed_terminal(signum)
         if self._answer is None:
             raise KeyboardInterrupt
@@ -88,6 +90,7 @@ class Interrupts:
         """A stop the run asks of itself (its records cannot be written), answered as a signal
         is; `received` becomes `reason` unless a signal came first."""
         self.received = self.received or reason
+        self.count += 1
         if self._answer is not None:
             self._answer()
 

@@ -242,7 +242,7 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
     """Summarize `run` (`duration` on its clock, `wall` s), close its records, write summary
     (timeline.png: drawn by `drawing` meanwhile, else here after the records are closed)."""
     session, spec, stream, interrupts = run.session, run.spec, run.stream, run.interrupts
-    ran_to = interrupts.received  # a signal from here on ends the wait for the drawing child
+    count_at_end = interrupts.count  # a signal from here on ends the wait for the drawing child
     # The engine's time, as before records streamed: writing them is not the run's work.
     wall -= stream.writing_s if stream else 0.0
     rec = run.recorder
@@ -287,7 +287,7 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
     if stream is not None:
         stream.close(records)  # requests.jsonl in arrival order, as a finished run has it
     if draw and run_dir is not None and not (stream and stream.error):  # no room for it
-        summary["timeline_png"] = (_drawn_unless_stopped(drawing, interrupts, ran_to)
+        summary["timeline_png"] = (_drawn_unless_stopped(drawing, interrupts, count_at_end)
                                    if drawing is not None else
                                    draw_run_timeline(run_dir, records, steps, session, spec))
     summary["interrupted"] = run.interrupted  # a signal may have come while records were written
@@ -300,13 +300,14 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
 
 
 def _drawn_unless_stopped(drawing: DrawingProcess, interrupts: Interrupts,
-                          ran_to: str | None) -> str | None:
+                          count_at_end: int) -> str | None:
     """The drawing child's picture; a signal while it is awaited, or since the run ended
-    (`received` no longer `ran_to`), ends the wait (the summary says interrupted)."""
+    (interrupts.count past `count_at_end`: a second Ctrl-C too), ends the wait (the summary says
+    interrupted)."""
     stopped = threading.Event()
-    if interrupts.received != ran_to:  # it came while the run was summarized
-        stopped.set()
     with interrupts.answered_by(stopped.set):
+        if interrupts.count != count_at_end:  # it came while the run was summarized
+            stopped.set()
         return noted(drawing.result(stopped.is_set))
 
 

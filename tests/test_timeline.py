@@ -240,7 +240,28 @@ def test_the_panels_read_the_steps_as_columns_once():
     assert series.get("waiting").tolist() == [float(s.num_waiting) for s in steps]
     assert series.get("tokens").tolist() == [float(s.batch_size + s.num_prefill_tokens)
                                              for s in steps]
-    for limits in (Limits(1 << 30, 8, 64), Limits()):
-        assert overrun_index(requests, steps, limits, col) == overrun_index(requests, steps,
-                                                                            limits)
-    assert overrun_index(requests, steps, Limits()) == 40  # the first preemption
+    found = {}
+    for limits in (Limits(1 << 30, 8, 512), Limits(1 << 30, 1, 300), Limits(1 << 30, 8, 64),
+                   Limits()):
+        found[limits] = _overrun_step_by_step(requests, steps, limits)
+        assert overrun_index(requests, steps, limits, col) == found[limits], limits
+        assert overrun_index(requests, steps, limits) == found[limits], limits
+    assert list(found.values()) == [2, 29, 40, 40]  # passed over, or the first preemption
+
+
+def _overrun_step_by_step(requests: list[RequestRecord], steps: list[StepRecord],
+                          limits: Limits) -> int | None:
+    """overrun_index's rule one step and one request at a time (steps in start order)."""
+    found = [i for i, s in enumerate(steps) if s.num_preemptions]
+    if limits.max_num_seqs is not None and limits.max_num_batched_tokens is not None:
+        for i, s in enumerate(steps):
+            admitted = sum(r.first_scheduled_s == s.start_s for r in requests)
+            before = steps[i - 1].num_running if i else 0
+            room = (before + admitted < limits.max_num_seqs and s.batch_size
+                    + s.num_prefill_tokens + timeline.KV_STEP <= limits.max_num_batched_tokens)
+            for r in requests:
+                ran = r.first_scheduled_s if r.first_scheduled_s is not None else r.finished_s
+                after = [j for j, t in enumerate(steps) if t.start_s > r.arrival_s][1:]
+                if room and i in after and (ran is None or s.start_s < ran):
+                    found.append(i)
+    return min(found, default=None)

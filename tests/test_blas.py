@@ -91,10 +91,10 @@ def test_a_blas_the_user_names_that_does_not_load_is_one_line_not_a_traceback():
 def test_the_kernel_question_asked_at_start_is_the_one_preload_reads(monkeypatch):
     """The batchsim program asks a fresh process which core its OpenBLAS picks while its modules
     load (start_probe); preload's check then reads that answer instead of asking again."""
-    if not blas.coretype_for(blas._cpu_flags()) or blas._mkl_paths():
-        pytest.skip("preload would not ask here")
     for name in ("OPENBLAS_CORETYPE", blas.ENV_VAR):
         monkeypatch.delenv(name, raising=False)
+    if not blas._will_ask_corename("auto"):
+        pytest.skip("preload would not ask here")
     monkeypatch.setattr(blas, "_choice", None)
     monkeypatch.setattr(blas, "_asked", None)
     asked = []
@@ -111,11 +111,26 @@ def test_the_kernel_question_asked_at_start_is_the_one_preload_reads(monkeypatch
 def test_the_program_asks_at_start_and_a_test_importing_cli_does_not():
     code = ("import sys; sys.argv[0] = {!r}; from batchsim.server.platform import blas; "
             "import batchsim.scripts.cli; print(blas._asked is not None)")
-    asks = (sys.platform == "linux" and bool(blas._listed_openblas_paths())
-            and blas.coretype_for(blas._cpu_flags()) is not None and not blas._mkl_paths()
-            and not os.environ.get("OPENBLAS_CORETYPE")
-            and os.environ.get(blas.ENV_VAR, "auto") in ("auto", "openblas"))
+    asks = (bool(blas._listed_openblas_paths())
+            and blas._will_ask_corename((os.environ.get(blas.ENV_VAR) or "auto").strip()))
     for argv0, wanted in (("batchsim", asks), ("pytest", False)):
         out = subprocess.run([sys.executable, "-c", code.format(argv0)], capture_output=True,
                              text=True, check=True, timeout=60)
         assert out.stdout.strip() == str(wanted), argv0
+
+
+@pytest.mark.parametrize("asks", [True, False])
+def test_start_probe_and_preload_ask_by_one_rule(monkeypatch, asks):
+    """start_probe asks ahead exactly where preload's OpenBLAS check will ask (_will_ask_corename,
+    the rule both read; start_probe restated preload's conditions)."""
+    monkeypatch.setattr(blas, "_will_ask_corename", lambda request: asks)
+    monkeypatch.setattr(blas, "_listed_openblas_paths", lambda: ["/no/libopenblas.so.0"])
+    monkeypatch.setattr(blas, "_choice", None)
+    monkeypatch.setattr(blas, "_asked", None)
+    asked: list[str] = []
+    monkeypatch.setattr(blas, "_ask_corename", lambda path: asked.append(path))  # None: no child
+    blas.start_probe()
+    assert asked == (["/no/libopenblas.so.0"] if asks else [])
+    asked.clear()
+    assert blas._fix_openblas_coretype(["/no/libopenblas.so.0"]) == ""
+    assert asked == (["/no/libopenblas.so.0"] if asks else [])

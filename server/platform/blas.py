@@ -81,7 +81,7 @@ def _listed_openblas_paths() -> list[str]:
 
 
 def _openblas_paths() -> list[str]:
-    found = ctypes.util.find_library("openblas")  # runs ldconfig: ~10 ms
+    found = ctypes.util.find_library("openblas")  # runs ldconfig: 2-20 ms (here, load 9)
     return _listed_openblas_paths() + ([found] if found else [])
 
 
@@ -144,16 +144,24 @@ def _ask_corename(path: str) -> subprocess.Popen | None:
         return None
 
 
+def _will_ask_corename(request: str) -> bool:
+    """Whether preload(`request`) asks a fresh process which core OpenBLAS picks: OpenBLAS is to
+    load (asked for, or `auto` with no MKL here; not on macOS), on an x86-64 whose CPU flags name
+    a better core than OpenBLAS's fallbacks, with no OPENBLAS_CORETYPE set."""
+    return (platform.system() != "Darwin" and request in ("auto", "openblas")
+            and not (request == "auto" and _mkl_paths())
+            and not os.environ.get("OPENBLAS_CORETYPE")
+            and platform.machine() in ("x86_64", "AMD64")
+            and coretype_for(_cpu_flags()) is not None)
+
+
 def start_probe() -> None:
-    """Ask now, in another process, what preload will ask (a system OpenBLAS's core on an x86-64
-    Linux whose CPU flags name a better one): the program's imports run meanwhile (the answer
-    took 30-100 ms of every `batchsim` start). No-op where preload will not ask."""
+    """Ask now, in another process, what preload will ask: the program's imports run meanwhile
+    (the answer takes 60-120 ms; starting the process, 15-27 ms of the program's start, measured
+    on this 2-core Linux under load 9). No-op where preload will not ask."""
     global _asked
     request = (os.environ.get(ENV_VAR) or "auto").strip()
-    if (_asked is not None or _choice is not None or platform.system() != "Linux"
-            or request not in ("auto", "openblas") or (request == "auto" and _mkl_paths())
-            or os.environ.get("OPENBLAS_CORETYPE")
-            or platform.machine() not in ("x86_64", "AMD64") or not coretype_for(_cpu_flags())):
+    if _asked is not None or _choice is not None or not _will_ask_corename(request):
         return
     listed = _listed_openblas_paths()
     child = _ask_corename(listed[0]) if listed else None
@@ -185,11 +193,10 @@ def _openblas_corename(path: str) -> str | None:
 
 def _fix_openblas_coretype(paths: list[str]) -> str:
     """Sets OPENBLAS_CORETYPE when OpenBLAS would fall back to generic kernels; returns a note."""
-    if os.environ.get("OPENBLAS_CORETYPE") or platform.machine() not in ("x86_64",
-                                                                         "AMD64") or not paths:
+    if not paths or not _will_ask_corename("openblas"):  # OpenBLAS loads next: MKL did not
         return ""
     want = coretype_for(_cpu_flags())
-    detected = _openblas_corename(paths[0]) if want else None
+    detected = _openblas_corename(paths[0])
     if not want or not detected or detected.lower() not in _FALLBACK_CORES:
         return ""
     os.environ["OPENBLAS_CORETYPE"] = want

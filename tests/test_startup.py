@@ -31,8 +31,9 @@ def test_a_simulated_run_imports_its_command_alone_and_no_matplotlib(tmp_path):
 
 
 def test_a_run_evaluates_each_config_class_annotations_once(tmp_path, monkeypatch):
-    """The CLI's flags and every config file read (the Mac catalog: 51 dataclasses) take their
-    types from configs.type_hints: typing.get_type_hints once per class, not once per use."""
+    """The CLI's flags and every config file read (the Mac catalog: a Mac per row) take their
+    types from configs.type_hints: typing.get_type_hints once per class (16 classes here), not
+    once per use (91 calls; Mac's 34)."""
     import collections
     import typing
 

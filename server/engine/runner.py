@@ -287,9 +287,7 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
     if stream is not None:
         stream.close(records)  # requests.jsonl in arrival order, as a finished run has it
     if draw and run_dir is not None and not (stream and stream.error):  # no room for it
-        summary["timeline_png"] = (_drawn_unless_stopped(drawing, interrupts, count_at_end)
-                                   if drawing is not None else
-                                   draw_run_timeline(run_dir, records, steps, session, spec))
+        summary["timeline_png"] = _timeline_png(run, run_dir, drawing, count_at_end, records)
     summary["interrupted"] = run.interrupted  # a signal may have come while records were written
     if run.interrupted:
         summary["interrupt_reason"] = interrupts.received
@@ -297,6 +295,14 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
     summary["env"] = session.environment()
     error = write_summary_noting_failures(run_dir, summary, stream.error if stream else None)
     return RunOutcome(summary, records, steps, run_dir, run.interrupted, error)
+
+
+def _timeline_png(run: _Run, run_dir: Path, drawing: DrawingProcess | None, count_at_end: int,
+                  records: list[RequestRecord]) -> str | None:
+    """timeline.png: the drawing child's (awaited unless stopped), else drawn here."""
+    if drawing is not None:
+        return _drawn_unless_stopped(drawing, run.interrupts, count_at_end)
+    return draw_run_timeline(run_dir, records, run.recorder.steps, run.session, run.spec)
 
 
 def _drawn_unless_stopped(drawing: DrawingProcess, interrupts: Interrupts,

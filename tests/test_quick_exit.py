@@ -70,8 +70,11 @@ def test_a_pipe_reader_gets_the_whole_json_line_and_the_picture_is_there(tmp_pat
            "--num-prompts", "300", "--request-rate", "50", "--json", "--out", str(tmp_path)]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env) as proc:
+        # Read after it ended: all it writes must fit the pipe's buffer (64 KiB on Linux), or it
+        # blocks writing and the wait times out; the table and the JSON line are a few KB.
         assert proc.wait(timeout=120) == 0  # ended before a byte was read
         out = proc.stdout.read().decode()
+    assert len(out) < 32_768, "near the pipe's 64 KiB: read it while the program runs"
     summary = json.loads(out.splitlines()[-1])
     assert out.endswith("}\n") and summary["completed"] == 300
     png = summary["timeline_png"]

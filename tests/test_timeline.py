@@ -265,3 +265,21 @@ def _overrun_step_by_step(requests: list[RequestRecord], steps: list[StepRecord]
                 if room and i in after and (ran is None or s.start_s < ran):
                     found.append(i)
     return min(found, default=None)
+
+
+def test_a_finished_run_reads_its_steps_as_columns_once(tmp_path, monkeypatch):
+    """The summary and the picture sent to the drawing child share one step_columns (r1: the
+    parent built them twice after the loop, metrics and timeline)."""
+    calls = []
+    real = request_arrays.step_columns
+
+    def counted(steps, *args, **kwargs):
+        calls.append(len(steps))
+        return real(steps, *args, **kwargs)
+
+    monkeypatch.setattr(request_arrays, "step_columns", counted)
+    session = open_session(sim_config(n=30))
+    with timeline_draw.DrawingProcess() as drawing:
+        outcome = run_workload(session, session.config.workload, out_dir=tmp_path, label="t",
+                               timeline=drawing)
+    assert outcome.summary["timeline_png"] and len(calls) == 1, calls

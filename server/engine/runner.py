@@ -41,7 +41,7 @@ from batchsim.server.results.metrics import (
 )
 from batchsim.server.results.recorder import RunRecorder
 from batchsim.server.results.run_files import RecordStream
-from batchsim.server.results.timeline import TIMELINE
+from batchsim.server.results.timeline import PANEL_INTS, TIMELINE
 from batchsim.server.results.timeline_draw import DrawingProcess
 from batchsim.workloads.driver import drive
 from batchsim.workloads.requests import (
@@ -248,17 +248,18 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
     rec = run.recorder
     records, steps = rec.request_records(), rec.steps
     times = request_arrays.token_times(records)  # once: for the summary and the picture
+    col = request_arrays.step_columns(steps, PANEL_INTS)  # once too
     draw = run_dir is not None and bool(timeline) and not (stream and stream.error)
     if draw and run_dir is not None and drawing is not None:  # drawn while this goes on
-        drawing.send(run_dir / TIMELINE, lambda: run_timeline_panels(records, steps, session,
-                                                                     spec, times[0]), len(steps))
+        drawing.send(run_dir / TIMELINE, lambda: run_timeline_panels(
+            records, steps, session, spec, times[0], col), len(steps))
     cfg = session.config
     summary = summarize(
         records, steps, duration_s=duration, percentiles=cfg.percentiles,
         goodput_slo_ms=cfg.goodput, kv_budget_bytes=session.kv_budget_bytes,
         weight_bytes=session.weight_bytes, peak_memory_bytes=_peak_memory(session),
         peak_rss_bytes=peak_resident_bytes() if session.executor.caps.real_compute else None,
-        token_times_s=times,
+        token_times_s=times, step_columns=col,
     )
     plans = len(steps)
     summary.update({

@@ -281,9 +281,10 @@ def _peaks(arrival_s: np.ndarray, e2el_s: np.ndarray, sorted_times_s: np.ndarray
 def _batch_view(
     requests: Sequence[RequestRecord], token_times: np.ndarray, steps: Sequence[StepRecord],
     kv_budget_bytes: int | None, weight_bytes: int | None, peak_memory_bytes: int | None,
+    col: dict[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """`token_times`: every request's token times, finished or not, sorted."""
-    col = request_arrays.step_columns(steps)
+    col = col or request_arrays.step_columns(steps)
     decoding, num_steps = col["batch_size"] > 0, col["num_steps"]
     decode_steps = int(num_steps[decoding].sum())
     durations_s = col["end_s"] - col["start_s"]
@@ -340,11 +341,13 @@ def summarize(
     peak_memory_bytes: int | None = None,
     peak_rss_bytes: int | None = None,
     token_times_s: tuple[np.ndarray, np.ndarray] | None = None,
+    step_columns: dict[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """One run's summary. `duration_s` is the benchmark duration (vLLM: start until the last request
     ends); every throughput divides by it, and is 0 when it is 0. `request_goodput` is None unless
     SLOs are given, as in vLLM's JSON. `token_times_s`: request_arrays.token_times(requests) (times
-    in s, their requests' indices), if the caller has them."""
+    in s, their requests' indices), `step_columns`: request_arrays.step_columns(steps, ...) with
+    its STEP_INTS at least, if the caller has them."""
     slo = parse_goodput([f"{k}:{v}" for k, v in goodput_slo_ms.items()]) if goodput_slo_ms else None
     done = [r for r in requests if r.status == "finished"]
     all_times, all_owner = token_times_s or request_arrays.token_times(requests)
@@ -380,7 +383,7 @@ def summarize(
         queue = latencies_s["queue"]
         out["p99_queue_ms"] = float(np.percentile(queue if len(queue) else 0, 99)) * _MS
     out.update(_batch_view(requests, all_sorted, steps, kv_budget_bytes, weight_bytes,
-                           peak_memory_bytes))
+                           peak_memory_bytes, step_columns))
     out["peak_rss_bytes"] = peak_rss_bytes  # the process's peak resident memory (real compute)
     return out
 

@@ -163,12 +163,13 @@ class Panels:
 
 
 def timeline_panels(requests: Sequence[RequestRecord], steps: Sequence[StepRecord],
-                    limits: Limits, title: str, token_times_s: np.ndarray | None = None) -> Panels:
-    """The run's timeline, ready to draw (`token_times_s`: request_arrays.token_times's, if the
-    caller has them)."""
+                    limits: Limits, title: str, token_times_s: np.ndarray | None = None,
+                    col: dict[str, np.ndarray] | None = None) -> Panels:
+    """The run's timeline, ready to draw (`token_times_s`: request_arrays.token_times's, `col`:
+    the steps' PANEL_INTS columns, if the caller has them)."""
     if not steps:
         return Panels(title, limits)
-    col = request_arrays.step_columns(steps, PANEL_INTS)
+    col = col or request_arrays.step_columns(steps, PANEL_INTS)
     first = overrun_index(requests, steps, limits, col)
     step_s = float(np.median((col["end_s"] - col["start_s"]) / col["num_steps"]))
     if token_times_s is None:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from batchsim.configs import ConfigError
@@ -347,14 +348,9 @@ def test_a_remote_ranks_ring_lines_on_its_ssh_stdout_go_to_the_file_too(tmp_path
         "rank 1: [ring] x\n")
 
 
-def test_the_watchdog_firing_while_rank_0_writes_its_summary_waits_for_it(tmp_path,
-                                                                          monkeypatch):
-    """The deadline passes as the last step ends and rank 0 goes on to write its summary: the
-    watchdog's exit waits for that write (bounded by KEEP_RECORDS_S) and names the run directory,
-    instead of exiting halfway with the summary missing."""
-    import threading
-    import time
-
+def _finishing_rank_0(tmp_path, monkeypatch) -> tuple[Any, Any, list[tuple[int, bool]]]:
+    """Rank 0's status and run, the run writing its records and summary; os._exit recorded as
+    (code, whether the run was done)."""
     from batchsim.server.distributed import rank
 
     monkeypatch.setenv(rank.STATUS_DIR_ENV, str(tmp_path))
@@ -366,29 +362,54 @@ def test_the_watchdog_firing_while_rank_0_writes_its_summary_waits_for_it(tmp_pa
     run.abandon = lambda reason: None  # the run began ...
     run.abandon = None  # ... and now writes its records and summary
     assert run.finishing()
+    return status, run, exited
+
+
+def test_the_watchdog_firing_while_rank_0_writes_its_summary_ends_it_after(tmp_path,
+                                                                           monkeypatch):
+    """The deadline passes as the last step ends and rank 0 goes on to write its summary: the
+    rank exits 3 once the summary is written, its status naming the run directory. Before, the
+    watchdog's thread polled for `done` while the main thread went on (lead.finish, ok=true,
+    printing, exit 0), so the outcome was whichever came first; now the watchdog returns and
+    run_rank acts on its note, as for a SIGTERM then."""
+    import threading
+
+    from batchsim.server.distributed import rank
+
+    status, run, exited = _finishing_rank_0(tmp_path, monkeypatch)
     dog = threading.Thread(target=rank._expire, args=(status, "rank 0: step 7 took over 1 s"))
     dog.start()
-    time.sleep(0.3)  # the summary being written meanwhile
-    assert exited == []
-    run.abandoned_in, run.done = "DIR", True  # as run_rank marks it
-    dog.join(10)
+    dog.join(5)
+    assert not dog.is_alive() and exited == [] and not status.path.exists()
+    rank._run_ended(status, run, "DIR")  # the summary written: as run_rank marks it
     assert exited == [(3, True)]
     saved = json.loads(status.path.read_text())
     assert saved["error"] == "rank 0: step 7 took over 1 s" and saved["run_dir"] == "DIR"
 
 
-def test_the_watchdog_waits_for_the_summary_no_longer_than_keep_records_s(tmp_path, monkeypatch):
+def test_the_watchdog_after_rank_0s_run_ended_exits_at_once(tmp_path, monkeypatch):
+    """The run marked done just before the watchdog looked: it exits 3 itself (run_rank, which
+    may also have seen its note, would exit the same way)."""
     from batchsim.server.distributed import rank
 
-    monkeypatch.setenv(rank.STATUS_DIR_ENV, str(tmp_path))
+    status, run, exited = _finishing_rank_0(tmp_path, monkeypatch)
+    rank._run_ended(status, run, "DIR")
+    assert exited == []
+    rank._expire(status, "rank 0: the message that ends the run took over 1 s")
+    assert exited == [(3, True)] and json.loads(status.path.read_text())["run_dir"] == "DIR"
+
+
+def test_the_watchdog_waits_for_the_summary_no_longer_than_keep_records_s(tmp_path, monkeypatch):
+    import time
+
+    from batchsim.server.distributed import rank
+
     monkeypatch.setattr(rank, "KEEP_RECORDS_S", 0.05)
-    exited: list[int] = []
-    monkeypatch.setattr(rank.os, "_exit", exited.append)
-    status = rank._Status(0)
-    status.run = run = rank._RunInterrupts(())
-    run.abandon = lambda reason: None
-    run.abandon = None  # writing its summary, which never ends
-    rank._expire(status, "rank 0: step 7 took over 1 s")
-    assert exited == [3]
+    status, _, exited = _finishing_rank_0(tmp_path, monkeypatch)
+    rank._expire(status, "rank 0: step 7 took over 1 s")  # the summary's write never ends
+    deadline = time.monotonic() + 5
+    while not exited and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert exited == [(3, False)]
     assert json.loads(status.path.read_text())["error"] == (
         "rank 0: step 7 took over 1 s (records not kept: still writing after 0.05 s)")

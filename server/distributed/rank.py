@@ -66,6 +66,7 @@ class _Status:
         self.run: Interrupts | None = None  # rank 0's run under way: a failure ends it, kept
         self.keep_until: float | None = None  # monotonic: when rank 0 gives up keeping records
         self.term_pending = False  # a SIGTERM came while rank 0's run wrote its records: after them
+        self.expire_pending: str | None = None  # the watchdog's message, likewise
 
     def write(self, ok: bool, error: str | None = None, **extra: Any) -> None:
         """Best effort: without its directory (a remote host, the launcher gone) no one reads it."""
@@ -95,10 +96,18 @@ def run_rank(cfg: RunConfig, out_dir: Path, view: RunView) -> dict | None:
         status = lead.status
         run = status.run = _RunInterrupts((signal.SIGINT,), name=forwarded_signal)
         summary = run_session(lead.session, out_dir, view, run)
-        run.abandoned_in, run.done = summary.get("run_dir"), True  # kept: a SIGTERM now names it
-        if status.term_pending:
-            _terminated(status)
+        _run_ended(status, run, summary.get("run_dir"))
         return lead.finish(summary)
+
+
+def _run_ended(status: _Status, run: _RunInterrupts, run_dir: str | None) -> None:
+    """Rank 0's run kept its records in `run_dir`: a SIGTERM or the watchdog's expiry that came
+    while it wrote them ends the rank now (as either does at once at any other time)."""
+    run.abandoned_in, run.done = run_dir, True  # kept: a SIGTERM now names it
+    if status.term_pending:
+        _terminated(status)
+    if status.expire_pending is not None:  # set before the watchdog looked at `done`
+        _expired(status, status.expire_pending)
 
 
 class _RunInterrupts(Interrupts):
@@ -283,9 +292,7 @@ def _terminated(status: _Status) -> None:
     run = status.run
     if isinstance(run, _RunInterrupts) and run.finishing():  # run_rank ends the rank after them
         status.term_pending = True
-        timer = threading.Timer(_start_keeping(status), _exit_unkept, (status, message, 143))
-        timer.daemon = True
-        timer.start()
+        _exit_unkept_later(status, message, 143)
         return
     run_dir = _keep_records(status, message, 143)
     if not _reported_error(status.path):
@@ -319,10 +326,7 @@ def _keep_records(status: _Status, reason: str, exit_code: int) -> str | None:
     if run is None:
         return None
     if run.abandon is not None:
-        timer = threading.Timer(_start_keeping(status), _exit_unkept,
-                                (status, reason, exit_code))
-        timer.daemon = True
-        timer.start()
+        timer = _exit_unkept_later(status, reason, exit_code)
         try:
             with contextlib.suppress(Exception):  # the rank's own error line matters more
                 run.abandon(reason)
@@ -338,6 +342,15 @@ def _reported_error(path: Path) -> bool:
         return False
 
 
+def _exit_unkept_later(status: _Status, reason: str, exit_code: int) -> threading.Timer:
+    """_exit_unkept once rank 0's time to keep its records (KEEP_RECORDS_S from when it began)
+    is up; the timer, started."""
+    timer = threading.Timer(_start_keeping(status), _exit_unkept, (status, reason, exit_code))
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def _exit_unkept(status: _Status, reason: str, exit_code: int) -> None:
     if not _reported_error(status.path):
         status.write(False, f"{reason} (records not kept: still writing after "
@@ -346,18 +359,18 @@ def _exit_unkept(status: _Status, reason: str, exit_code: int) -> None:
 
 
 def _expire(status: _Status, message: str) -> None:
+    """The watchdog's (its thread): rank 0's run is ended where it stands and the rank exits 3;
+    while the run writes its records and summary (the deadline passed as the last step ended),
+    run_rank does so once they are written, or _exit_unkept after KEEP_RECORDS_S."""
     print(message, file=sys.stderr, flush=True)  # before keeping records, which may not end
+    status.expire_pending = message  # before `done` is looked at: run_rank sees one or the other
     run = status.run
-    if isinstance(run, _RunInterrupts) and run.finishing():  # the summary is being written
-        _await_done(run, _start_keeping(status))
-        if not run.done:
-            return _exit_unkept(status, message, 3)
+    if isinstance(run, _RunInterrupts) and run.finishing():
+        _exit_unkept_later(status, message, 3)
+        return
+    _expired(status, message)
+
+
+def _expired(status: _Status, message: str) -> None:
     status.write(False, message, run_dir=_keep_records(status, message, 3))
     os._exit(3)
-
-
-def _await_done(run: _RunInterrupts, wait_s: float) -> None:
-    """Wait (at most `wait_s`) for rank 0's run to finish writing its records and summary."""
-    deadline = time.monotonic() + wait_s
-    while not run.done and time.monotonic() < deadline:
-        time.sleep(min(PARENT_POLL_S, max(0.0, deadline - time.monotonic())))

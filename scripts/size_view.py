@@ -90,7 +90,8 @@ def _notes(rows: list[dict], meta: dict, what: str, spec: ModelSpec) -> list[str
     notes.append(f"Engine {engine.name} (configs/engines/{engine.name}.yaml): host "
                  f"{engine.host_step_us:g} us per step + {engine.host_token_us:g} us per token"
                  + (f" + {engine.host_request_s:.3g} s per request (before its first token: in "
-                    f"TTFT, not in a decode step)" if engine.host_request_us else "")
+                    f"TTFT, on its prefill chunk; a one-token prompt, which has none, pays it in "
+                    f"its first decode step)" if engine.host_request_us else "")
                  + engine.batching_note()
                  + (f" ({engine.host_basis})" if engine.host_basis else "") + ".")
     if not spec.is_dense:

@@ -391,8 +391,8 @@ def test_run_config_takes_an_engine_and_a_simulated_run_names_it(tmp_path, capsy
 def test_a_simulated_run_puts_an_engines_request_cost_in_ttft(tmp_path, capsys, monkeypatch,
                                                               input_len):
     """`run --executor sim --engine NAME` with a profile of one's own server carrying a cost per
-    request: each request's TTFT grows by it, and nothing else does (a one-token prompt, whose
-    first token its decode row samples, paid none)."""
+    request: each request's TTFT grows by it, and nothing else does (before 11e4777 a one-token
+    prompt, whose first token its decode row samples, paid none)."""
     import json
 
     import yaml

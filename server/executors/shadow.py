@@ -41,7 +41,7 @@ class ShadowTimer:
         t = cost.step_time(rows, width, plan.prefills)
         for i in range(1, num_steps):
             t += cost.step_time(rows, width + i)
-        joined_s = plan.num_joined_directly * cost.engine.host_request_s  # one-token prompts
+        joined_s = cost.engine.joined_s(plan.num_joined_directly)  # one-token prompts
         t = dataclasses.replace(t, step_overhead_s=0.0, host_request_s=t.host_request_s + joined_s)
         return dataclasses.replace(t, copy_s=max(predicted_s - t.total_s, 0.0))
 

@@ -70,7 +70,7 @@ class SimExecutor:
                 if layout.paged:
                     self._shared[new.request_id] = len(new.cached_hashes)
         if new_requests and self._request_s:  # a one-token prompt's first token: in its row
-            t += self._request_s * plan.num_joined_directly
+            t += self.cost.engine.joined_s(plan.num_joined_directly)
         if ops is not None and not layout.paged:  # paged: the pool's blocks, adopted in place
             self._cached_bytes += (len(ops.store) - len(ops.evict)) * self.block_bytes
             t += self.cost.copy_s(len(ops.store) * self.block_bytes)  # stored after the prefills

@@ -114,6 +114,11 @@ class EngineProfile:
     def host_request_s(self) -> float:
         return self.host_request_us * 1e-6
 
+    def joined_s(self, joined: int) -> float:
+        """host_request_s of `joined` new one-token prompts, which join the decode pool with no
+        prefill chunk: their decode row samples their first token, so that step pays it."""
+        return joined * self.host_request_s
+
 
 def _release(version: str) -> tuple[int, ...]:
     """'0.7.0-beta.1' -> (0, 7, 0, 1): every number, in order (a final release after its betas is

@@ -181,11 +181,20 @@ def _run(row: Any, cost: StepCost, on_step=None):
 
 
 # -- the run as priced steps, for the fit ----------------------------------------------------------
+class PrefillGroup(NamedTuple):
+    """A plan's prefill chunks priced as one forward (prefill_groups.py)."""
+
+    tokens: int  # each chunk's
+    start: int  # cached tokens before each chunk
+    sample: bool  # the chunks sample a token
+    rows: int  # chunks
+    started: int  # rows sampling their request's first token (they pay host_request_us)
+
+
 class Step(NamedTuple):
     """One plan of a simulated run, as the cost model prices it."""
 
-    # (tokens, start, sample, rows, rows sampling their request's first token) per group
-    prefills: tuple[tuple[int, int, bool, int, int], ...]
+    prefills: tuple[PrefillGroup, ...]
     decode_rows: int
     first_width: int  # context of the first decode step; each further one reads one more
     num_steps: int  # decode steps the plan covers
@@ -195,7 +204,8 @@ class Step(NamedTuple):
 def _steps_of(plan: Any, num_steps: int) -> Step:
     from batchsim.scheduler import prefill_groups
 
-    groups = tuple((g[0].num_tokens, g[0].start, g[0].sample, len(g), sum(c.fresh for c in g))
+    groups = tuple(PrefillGroup(g[0].num_tokens, g[0].start, g[0].sample, len(g),
+                                sum(c.fresh for c in g))
                    for g in prefill_groups.groups(list(plan.prefills)))
     width = max(plan.decode_positions) + 1 if plan.decode_ids else 0
     return Step(groups, len(plan.decode_ids), width, num_steps if plan.decode_ids else 0,
@@ -259,5 +269,5 @@ def _add_prefills(total: StepTime, cost: StepCost, step: Step) -> StepTime:
         total += cost.prefill_time(n, start, sample, rows, started)
     if step.joined:
         total += StepTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
-                          host_request_s=step.joined * cost.engine.host_request_s)
+                          host_request_s=cost.engine.joined_s(step.joined))
     return total

@@ -184,3 +184,23 @@ def test_a_rank_the_launchers_group_sigterm_ends_says_so_and_is_no_failure(tmp_p
     status = json.loads(follower.path.read_text())
     assert status["error"] == "rank 1: stopped by the launcher, which got SIGINT, during step 7"
     assert status["terminated"] is True and not owner.any_rank_failed(tmp_path)
+
+
+def test_a_group_stop_file_being_written_is_not_read_as_a_signal_name(tmp_path, monkeypatch):
+    """The launcher wrote GROUP_STOP_FILE in place and a rank read it mid-write (empty): 'stopped
+    by the launcher, which got , during step 7'. It is now written whole (a rename) and an empty
+    one names no signal."""
+    monkeypatch.setenv(rank.STATUS_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(rank.os, "_exit", lambda code: None)
+    (tmp_path / "rank0.pid").write_text(str(owner.os.getpid()))  # rank 0: alive
+    (tmp_path / "rank1.pid").write_text("5151")
+    (tmp_path / rank.GROUP_STOP_FILE).write_text("")
+    follower = rank._Status(1)
+    follower.doing = lambda: "step 7"
+    rank._terminated(follower)
+    assert "which got ," not in json.loads(follower.path.read_text())["error"]
+    launch = _launch(tmp_path, [])
+    launch._sent, launch.signals = 1, 2
+    launch._forward()
+    assert (tmp_path / rank.GROUP_STOP_FILE).read_text() == "SIGINT"
+    assert sorted(p.name for p in tmp_path.iterdir() if "tmp" in p.name) == []

@@ -30,6 +30,7 @@ from batchsim.server.distributed.rank import (
     STOP_SIGNAL_FILE,
 )
 from batchsim.server.platform.signals import STOP_SIGNALS, leave_closed_terminal
+from batchsim.server.results import run_files
 
 GRACE_S = 5.0  # after a rank failed: time for mlx.launch to end the others before the launcher does
 POLL_S = 0.1
@@ -120,8 +121,7 @@ class OwnedLaunch:
                 if rank0 is None:
                     self._stop_group(sig)
                 else:  # rank 0 records the signal the launcher got, not the one it is sent
-                    with contextlib.suppress(OSError):
-                        (self.status_dir / STOP_SIGNAL_FILE).write_text(self._names[self._sent])
+                    self._mark(STOP_SIGNAL_FILE)
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(rank0, sig)
             else:
@@ -133,9 +133,14 @@ class OwnedLaunch:
     def _stop_group(self, sig: int) -> None:
         """The launcher's own signal to every rank, marked first (GROUP_STOP_FILE: the signal it
         got): the ranks it ends say so, not that it came from elsewhere or a peer failed."""
-        with contextlib.suppress(OSError):
-            (self.status_dir / GROUP_STOP_FILE).write_text(self._names[self._sent])
+        self._mark(GROUP_STOP_FILE)
         self._signal_group(sig)
+
+    def _mark(self, name: str) -> None:
+        """The name of the signal being acted on, in the status directory's file `name` for the
+        ranks to read: whole or not at all (a rank reads it from its SIGTERM handler)."""
+        with contextlib.suppress(OSError):
+            run_files.replace_atomically(self.status_dir / name, self._names[self._sent].encode())
 
     def _end_unanswered_term(self) -> None:
         """The group's SIGTERM runs each rank's handler, which a rank blocked in a native call

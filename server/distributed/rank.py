@@ -70,12 +70,9 @@ class _Status:
 
     def write(self, ok: bool, error: str | None = None, **extra: Any) -> None:
         """Best effort: without its directory (a remote host, the launcher gone) no one reads it."""
-        tmp = self.path.with_suffix(".tmp")
-        try:
-            tmp.write_text(json.dumps({"rank": self.rank, "ok": ok, "error": error, **extra}))
-            tmp.replace(self.path)
-        except OSError:
-            pass
+        status = {"rank": self.rank, "ok": ok, "error": error, **extra}
+        with contextlib.suppress(OSError):
+            run_files.replace_atomically(self.path, json.dumps(status).encode())
 
     def write_pid(self) -> None:
         """The launcher's: to signal rank 0, and to see which local ranks are still running."""
@@ -273,13 +270,14 @@ def _start_keeping(status: _Status) -> float:
 
 
 def _terminated(status: _Status) -> None:
-    """SIGTERM: mlx.launch's after another rank failed (a local peer is gone), or one sent to this
-    rank's process by someone else; keep an error this rank already reported, else say which, and
-    the step it was in. Rank 0's run keeps its records and an interrupted summary."""
+    """SIGTERM: the launcher's to the group (GROUP_STOP_FILE names the signal it got: a run's
+    second Ctrl-C), mlx.launch's after another rank failed (a local peer is gone), or one sent to
+    this rank's process by someone else; keep an error this rank already reported, else say which,
+    and the step it was in. Rank 0's run keeps its records and an interrupted summary."""
     doing = status.doing()
     launcher = _read_text(status.path.parent / GROUP_STOP_FILE)
-    by_launch = launcher is not None or peers_lost(status.path.parent, status.rank)
-    if launcher is not None:
+    by_launch = bool(launcher) or peers_lost(status.path.parent, status.rank)
+    if launcher:
         message = (f"rank {status.rank}: stopped by the launcher, which got {launcher}"
                    + (f", during {doing}" if doing else ""))
     elif by_launch:

@@ -146,7 +146,7 @@ def test_renewed_sessions_load_a_draft_model_once(tiny, monkeypatch):
 
 
 def test_the_draft_weights_before_loading_build_no_cache_layout(monkeypatch):
-    """_draft_weight_bytes (the weights checked against the budget before the target loads) took
+    """draft_weights (the weights checked against the budget before the target loads) took
     draft_account()[0], building the draft's cache layout it threw away: now the weights alone,
     the same bytes draft_account counts."""
     from batchsim.server.models.loader import resolve
@@ -161,4 +161,4 @@ def test_the_draft_weights_before_loading_build_no_cache_layout(monkeypatch):
         raise AssertionError("the draft's cache layout built, and not used")
 
     monkeypatch.setattr(spec_price, "draft_cache", no_layout)
-    assert session_mod._draft_weight_bytes(cfg, ref) == weights
+    assert spec_price.draft_weights(cfg, ref) == weights

@@ -19,8 +19,9 @@ from batchsim.server.models.loader import ModelRef, resolve
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.perf.spec_price import (
     draft_spec,
-    draft_weight_bytes,
+    draft_weights,
     priced_cache,
+    weights_beside,
 )
 from batchsim.server.platform import env
 from batchsim.server.platform.units import GIB, bytes_text
@@ -182,11 +183,10 @@ def open_session(cfg: RunConfig, executor: Executor | None = None,
 
 def _priced(cfg: RunConfig, ref: ModelRef) -> tuple[int, CacheLayout]:
     """Weights and cache layout of the target and cfg's draft model as priced, not loaded
-    (spec_price: draft_weight_bytes, priced_cache): what a simulated session holds."""
+    (spec_price: weights_beside, priced_cache): what a simulated session holds."""
     draft = draft_spec(cfg, ref)
     weights = ref.spec.weight_bytes(ref.dtype, ref.quantize_bits)
-    return (weights + draft_weight_bytes(draft, ref.dtype, ref.quantize_bits),
-            priced_cache(cfg, ref, draft))
+    return weights + weights_beside(draft, ref), priced_cache(cfg, ref, draft)
 
 
 def _param_bytes(model: Any) -> int:
@@ -197,9 +197,9 @@ def _param_bytes(model: Any) -> int:
 
 def _draft_weights(cfg: RunConfig, ref: ModelRef, executor: Executor) -> int:
     """The draft model's weights an executor holds: the real drafter's loaded parameters, or
-    what the simulator prices (_draft_weight_bytes); 0: none."""
+    what the simulator prices (spec_price.draft_weights); 0: none."""
     drafter = getattr(getattr(executor, "drafter", None), "model", None)
-    return _draft_weight_bytes(cfg, ref) if drafter is None else _param_bytes(drafter)
+    return draft_weights(cfg, ref) if drafter is None else _param_bytes(drafter)
 
 
 def _layout(executor: Executor) -> CacheLayout | None:
@@ -207,12 +207,6 @@ def _layout(executor: Executor) -> CacheLayout | None:
     None where one number per token is all of it (dense, no draft model)."""
     layout = getattr(executor, "cache", None) or executor.cache_layout
     return None if layout.is_dense else layout
-
-
-def _draft_weight_bytes(cfg: RunConfig, ref: ModelRef) -> int:
-    """The draft model's weights (--spec-method draft), held beside the target's
-    (spec_price.draft_weight_bytes, as draft_account counts them); else 0."""
-    return draft_weight_bytes(draft_spec(cfg, ref), ref.dtype, ref.quantize_bits)
 
 
 def _auto_dtype(cfg: RunConfig) -> str:
@@ -239,7 +233,7 @@ def _open_mlx(cfg: RunConfig, dtype: str, budget: int, source: str,
         check_layers(early.spec, cfg.spec_method)
     _require_moe_dtype(early)
     weight_bytes = early.spec.weight_bytes(early.dtype, early.quantize_bits)
-    weight_bytes += _draft_weight_bytes(cfg, early)
+    weight_bytes += draft_weights(cfg, early)
     if prepare_model is None and weight_bytes >= budget:  # a rank's shard is checked once loaded
         _raise_no_fit(_weights_of(cfg, early.name), weight_bytes, budget, source)
     ref = resolve(cfg.model, dtype, cfg.quantize)

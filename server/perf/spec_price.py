@@ -126,15 +126,25 @@ def _weight_format(ref: ModelRef) -> str:
     return f"{bits}-bit ({ref.dtype} scales)" if bits else ref.dtype
 
 
+def draft_weights(cfg, target: ModelRef) -> int:
+    """The draft model's weights under run config `cfg`, held beside the target's in its format
+    (weights_beside, as draft_account and a simulated session count them); 0: no draft model.
+    What a session checks before the target loads and counts where no drafter is loaded."""
+    return weights_beside(draft_spec(cfg, target), target)
+
+
+def weights_beside(draft: ModelSpec | None, target: ModelRef) -> int:
+    """`draft`'s weights held beside `target`'s, in its dtype and weight format; 0: None."""
+    return draft_weight_bytes(draft, target.dtype, target.quantize_bits)
+
+
 def draft_account(cfg, target: ModelRef) -> tuple[int, CacheLayout | None]:
-    """The draft model's weights and its cache per pool row (draft_weight_bytes, draft_cache at
-    the target's activation dtype and --kv-bits) under run config `cfg`; (0, None): no draft
-    model. The one source a session's weights and layout (open, renewed) and sweep's analytic
-    limit count it by."""
+    """The draft model's weights (draft_weights') and its cache per pool row (draft_cache at the
+    target's activation dtype and --kv-bits) under run config `cfg`, its spec resolved once;
+    (0, None): no draft model. Sweep's analytic limit counts it by."""
     draft = draft_spec(cfg, target)
     act = compute_dtype(target.dtype, target.quantize_bits)
-    return (draft_weight_bytes(draft, target.dtype, target.quantize_bits),
-            draft_cache(draft, act, cfg.kv_bits))
+    return weights_beside(draft, target), draft_cache(draft, act, cfg.kv_bits)
 
 
 def priced_cache(cfg, target: ModelRef, draft: ModelSpec | None) -> CacheLayout:

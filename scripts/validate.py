@@ -21,12 +21,12 @@ from batchsim.scripts.common import (
     stop_if_interrupted,
     timestamp,
 )
-from batchsim.scripts.validate_view import PARTS
 from batchsim.server.engine.run_config import DTYPES, RunConfig
 from batchsim.server.measure.validation_cases import MATRIX, case_config, load_cases, matrix_path
 from batchsim.server.perf.devices import LOCAL_NAME, profile_for_this_machine
 from batchsim.server.perf.validation_errors import (
     METRICS,
+    PARTS,
     STEP,
     compare,
     median_run,

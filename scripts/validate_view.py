@@ -6,11 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from batchsim.scripts.common import err, out, pyplot, save_figure, table
-from batchsim.server.perf.validation_errors import METRICS, STEP
-
-# What those predicted steps were made of: each part's share of their time (weights, attention,
-# ...).
-PARTS = "step_parts_share"
+from batchsim.server.perf.validation_errors import METRICS, PARTS, STEP
 
 
 def print_validation(rows: list[dict], summary: dict) -> None:

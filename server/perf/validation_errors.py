@@ -9,6 +9,9 @@ METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "p99_ttft_ms", "
 EXTRA = ("max_batch_size",)
 # The cost model's error on the real runs' own steps (each real plan timed by the simulator too).
 STEP = "step_time_err"
+# What those predicted steps were made of: each part's share of their time (weights, attention,
+# ...).
+PARTS = "step_parts_share"
 
 
 def median_run(runs: list[dict]) -> dict:

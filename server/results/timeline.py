@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 from batchsim.scheduler.pool_geometry import KV_STEP
 from batchsim.server.results import request_arrays
+from batchsim.server.results.jsonio import from_jsonable_float
 from batchsim.server.results.metrics import RequestRecord, StepRecord
 
 TIMELINE = "timeline.png"
@@ -187,7 +188,7 @@ def weights_label(dtype: str | None, quantize: int | None) -> str:
 def arrival_label(workload: Mapping[str, Any]) -> str:
     """How the requests came, from a workload's fields (a WorkloadSpec's or config.yaml's):
     `poisson at 5 req/s`, `all at once`, `closed loop of 8`."""
-    arrival, rate = workload.get("arrival"), _rate(workload.get("request_rate"))
+    arrival, rate = workload.get("arrival"), from_jsonable_float(workload.get("request_rate"))
     came = f"{arrival} at {rate:g} req/s" if isinstance(rate, (int, float)) else str(arrival or "?")
     if arrival == "closed":
         came = f"closed loop of {workload.get('concurrency')}"
@@ -199,12 +200,6 @@ def arrival_label(workload: Mapping[str, Any]) -> str:
     elif arrival == "ramp":
         came = f"ramp from {rate:g} to {workload.get('ramp_end_rate') or rate:g} req/s"
     return came
-
-
-def _rate(value: Any) -> Any:
-    """A request rate as the run had it: config.yaml writes an infinite one as 'inf' (jsonable),
-    which `report` read as no rate ('poisson' where the run said 'all at once')."""
-    return float(value) if value in ("inf", "-inf") else value
 
 
 def executor_label(executor: str | None, engine: str | None,

@@ -41,7 +41,9 @@ def _after_start(before: object) -> object:
 # The program itself only (the console script, or -m): a test importing this keeps its Ctrl-C.
 _PROGRAM = Path(sys.argv[0]).name in ("batchsim", "cli.py")
 _BEFORE_START = (signal.signal(signal.SIGINT, _interrupted_while_starting)
-                 if _PROGRAM and threading.current_thread() is threading.main_thread() else None)
+                 if _PROGRAM and threading.current_thread() is threading.main_thread()
+                 and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # nohup, `cmd &`
+                 else None)
 
 def _open_closed_standard_streams() -> None:
     """A standard stream closed by the caller (`batchsim run >&-`, a daemon): Python leaves
@@ -239,10 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "json", False):
             out.file = sys.stderr  # people's tables aside: stdout is the one JSON line
-        if args.command != "models" and getattr(args, "out", None):  # models: a model directory
+        out_dirs = [getattr(args, "out", None) if args.command != "models" else None,  # models:
+                    getattr(args, "runs_dir", None)]  # a model directory; sweep's, compare's runs
+        if any(out_dirs):
             from batchsim.server.results.jsonio import check_writable
 
-            check_writable(Path(args.out))  # before the work: size, sweep, compare failed after it
+            for out_dir in filter(None, out_dirs):  # before the work: size, sweep, compare
+                check_writable(Path(out_dir))  # failed after it
         summary = args._run(args)
     except ConfigError as exc:
         err_line(f"batchsim {args.command}: {exc}")

@@ -69,8 +69,9 @@ class Interrupts:
             self.received = self.received or self._name(_held[0])
             _held.clear()
         if threading.current_thread() is threading.main_thread():
-            for sig in self.signals:
-                self._previous[sig] = signal.signal(sig, self._handle)
+            for sig in self.signals:  # one the shell said to ignore (nohup, `cmd &`) stays so;
+                if signal.getsignal(sig) is not signal.SIG_IGN:  # a rank's hold() is its opt-out
+                    self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -16,7 +16,6 @@ from batchsim.server.perf.spec_acceptance import checked, checked_share, curve_p
 from batchsim.workloads.spec import (
     WorkloadSpec,
     builtin_workload,
-    load_workload,
     resolve_workload,
     with_overrides,
     workload_from_dict,
@@ -192,7 +191,8 @@ def load_run_config(path: str | Path) -> RunConfig:
     run_keys = {f.name for f in dataclasses.fields(RunConfig)}
     # A bare workload YAML: workload keys and no run keys (so its unknown keys are named as such).
     if set(data) & workload_keys and not set(data) & run_keys:
-        return RunConfig(workload=load_workload(path))
+        # from the data already read: a second read of a pipe (`<(...)`) would be empty
+        return RunConfig(workload=workload_from_dict({"name": Path(path).stem, **data}, str(path)))
     data = dict(data)
     wl = data.get("workload")
     if isinstance(wl, str):

@@ -17,6 +17,7 @@ from batchsim.configs import ConfigError
 # directories under /m; control characters and over-long names fail in mkdir.
 _NOT_IN_A_NAME = re.compile(r"[\x00-\x1f/\\]")
 MAX_LABEL_BYTES = 160  # a file name holds 255 bytes; room for the timestamp and `-N`
+MAX_SAME_NAME = 10_000  # run directories of one label started in one second
 
 
 def jsonable(obj: Any) -> Any:
@@ -85,16 +86,19 @@ def new_run_dir(out_dir: Path, label: str) -> Path:
     """A fresh `TIMESTAMP-label` directory under out_dir (`-2`, `-3`, ... if it exists). Made
     before a run starts, so an output directory that cannot be written fails before any compute."""
     label = _NOT_IN_A_NAME.sub("_", label).encode()[:MAX_LABEL_BYTES].decode(errors="ignore")
-    n = 1
-    while True:  # made, not looked for: two runs started in one second each get their own
+    for n in range(1, MAX_SAME_NAME + 1):  # made, not looked for: two runs in one second
         run_dir = out_dir / (f"{timestamp()}-{label}" + (f"-{n}" if n > 1 else ""))
         try:
             run_dir.mkdir(parents=True)
             break
-        except FileExistsError:
-            n += 1
+        except FileExistsError as exc:
+            if not out_dir.is_dir():  # out_dir itself a file or a dangling link: no name helps
+                raise _unwritable(out_dir, exc) from None
         except OSError as exc:
             raise _unwritable(out_dir, exc) from None
+    else:
+        raise ConfigError(f"output directory {out_dir}: {MAX_SAME_NAME:,} run directories "
+                          f"named {timestamp()}-{label} already")
     try:
         (run_dir / ".writable").touch()
         (run_dir / ".writable").unlink()

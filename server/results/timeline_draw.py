@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import pickle
 import select
 import subprocess
@@ -177,6 +176,14 @@ def _kv_panel(ax, series: _Series, overrun_s: float | None, limits: Limits) -> N
     ax.set_ylabel("KV (GiB)")
 
 
+# `-m` put the working directory first on the child's path, where a numpy.py or matplotlib/ of
+# the user's ran in it (the console script's parent never imports from there); -c puts '' there,
+# taken out (PYTHONSAFEPATH would do it from 3.11 only). The working directory stays: run
+# directories may be relative paths.
+_START_CHILD = ("import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; import runpy; "
+                f"runpy.run_module({__name__!r}, run_name='__main__')")
+
+
 class DrawingProcess:
     """A child process that draws timeline.png: started before a run, it imports matplotlib on
     another core meanwhile; `send` gives it the panels when the run ends, `result` waits for the
@@ -188,14 +195,10 @@ class DrawingProcess:
         self._job: tuple[Path, Panels] | None = None
         self._talk: threading.Thread | None = None
         self.wait_s = DRAW_WAIT_S
-        # PYTHONSAFEPATH (3.11+): `-m` puts no working directory first on the child's path, where
-        # a numpy.py or matplotlib/ of the user's ran in it (the console script's parent never
-        # imports from there).
         try:  # its own session: Ctrl-C at the terminal stops the run, which then draws
             self._child: subprocess.Popen | None = subprocess.Popen(
-                [sys.executable or "", "-m", __name__], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                env={**os.environ, "PYTHONSAFEPATH": "1"})
+                [sys.executable or "", "-c", _START_CHILD], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         except OSError:  # no such program: sys.executable None ("") or gone
             self._child = None
 

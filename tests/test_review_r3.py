@@ -1,0 +1,97 @@
+"""Fixes of reviewer r3's findings on h8's adversarial-pass commits (575be2e..ad28c2e)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+
+from tests.test_inputs import SIM, _main
+
+
+@pytest.mark.timeout(120)
+def test_a_bare_workload_from_a_pipe_runs_what_the_pipe_holds(capsys, tmp_path):
+    """`batchsim run <(printf 'num_prompts: 3\\n...')`: the file was read twice, the second read
+    of the pipe empty, so the default workload ran (64 requests, exit 0)."""
+    fifo = tmp_path / "workload"
+    os.mkfifo(fifo)
+    text = "num_prompts: 3\ninput_len: 16\noutput_len: 4\n"
+    writer = threading.Thread(target=lambda: fifo.write_text(text), daemon=True)
+    writer.start()
+    out = tmp_path / "out"
+    rc, _, err = _main(["run", *SIM, str(fifo), "--no-timeline", "--out", str(out)], capsys)
+    assert rc == 0, err
+    (run_dir,) = out.iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["completed"] == 3, summary
+
+
+@pytest.mark.timeout(60)
+def test_a_dangling_link_as_the_output_directory_is_refused_not_looped_on(capsys, tmp_path):
+    """mkdir(parents=True) raised FileExistsError for the link itself and the next name was tried
+    for ever; `compare --runs-dir <dangling link>` hung (--runs-dir was never checked)."""
+    from batchsim.configs import ConfigError
+    from batchsim.server.results import jsonio
+
+    link = tmp_path / "gone"
+    link.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match="cannot write a run directory there"):
+        jsonio.new_run_dir(link, "m")
+    argv = ["compare", "--executor", "sim", "--device-profile", "M2 Max", "--model",
+            "llama-3.2-1b", "--quantize", "4", "--batch", "2", "--num-prompts", "2",
+            "--no-timeline", "--out", str(tmp_path / "out"), "--runs-dir", str(link)]
+    rc, _, err = _main(argv, capsys)
+    assert rc == 2 and f"output directory {link}: not writable" in err, err
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_run_directories_of_one_name_are_capped(tmp_path, monkeypatch):
+    from batchsim.configs import ConfigError
+    from batchsim.server.results import jsonio
+
+    monkeypatch.setattr(jsonio, "timestamp", lambda: "20261205-080000")
+    monkeypatch.setattr(jsonio, "MAX_SAME_NAME", 3)
+    for name in ("20261205-080000-m", "20261205-080000-m-2", "20261205-080000-m-3"):
+        (tmp_path / name).mkdir()
+    with pytest.raises(ConfigError, match="3 run directories named 20261205-080000-m already"):
+        jsonio.new_run_dir(tmp_path, "m")
+
+
+_IGNORED_THEN_SENT = """
+import os, signal, sys
+sig = getattr(signal, sys.argv.pop(1))
+signal.signal(sig, signal.SIG_IGN)  # as nohup (SIGHUP) or `cmd &` in a script (SIGINT) leave it
+sys.argv[0] = "batchsim"  # the program itself: cli.py's start-up handler is installed
+from batchsim.server.platform import blas
+blas.preload()
+from batchsim.server.engine import runner
+drive = runner._Run.drive
+def sent(run):
+    os.kill(os.getpid(), sig)
+    return drive(run)
+runner._Run.drive = sent
+from batchsim.scripts.cli import main
+print("start-up handler:", signal.getsignal(sig) is signal.SIG_IGN, file=sys.stderr)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", ["SIGHUP", "SIGINT"])
+def test_a_signal_the_shell_said_to_ignore_stays_ignored(tmp_path, sig):
+    """Under nohup a SIGHUP stopped the run (exit 130, 0 completed): Interrupts installed its
+    handler over the inherited SIG_IGN; cli.py replaced an ignored SIGINT when imported."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _IGNORED_THEN_SENT, sig, "run", *SIM,
+                           "--num-prompts", "3", "--input-len", "16", "--output-len", "4",
+                           "--no-timeline", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=280, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "start-up handler: True" in proc.stderr
+    (run_dir,) = tmp_path.iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["completed"] == 3 and not summary.get("interrupt_reason"), summary

@@ -270,8 +270,8 @@ def _bad_gguf(kind: str, path: Path) -> Path:
     ("dup_control", "token 0 '<|endoftext|>' (control) is listed again as id 258"),
     ("dup_user", "token 3 '!' (user-defined) is listed again as id 258"),
     # a normal token repeated later as a control token imported, its text read as the control
-    ("dup_later_control", ("token 258 '!' (control) is listed again as id 3: the string "
-                           "would read as the special one")),
+    ("dup_later_control", ("token 258 '!' (control) is also listed as id 3 (a normal token): "
+                           "the string would read as the special one")),
     ("vocab_short", "llama.vocab_size 100 is less than the 262 tokens"),
     ("rope_partial", "llama.rope.dimension_count 8 differs from the head dimension 16"),
     ("rope_scaled", "llama.rope.scaling.type 'linear' is not supported"),

@@ -103,11 +103,13 @@ def _check_specials_kept(g: Gguf, tokens: list[str], types: list[int]) -> None:
     for idx, (t, ty) in enumerate(zip(tokens, types)):
         if ty in (CONTROL, USER_DEFINED) and first[t] != last[t]:  # listed more than once
             other = last[t] if last[t] != idx else first[t]  # a later id, else an earlier one
-            kind = "control" if ty == CONTROL else "user-defined"
+            kinds = {CONTROL: "control", USER_DEFINED: "user-defined"}
+            listed = "is listed again" if other > idx else "is also listed"  # earlier: id `other`
             reads = ("that id, not the special one" if other > idx else
                      "the special one, not that id")  # a normal token's text would be special
-            raise GgufError(f"{g.path}: token {idx} {t!r} ({kind}) is listed again as id "
-                            f"{other}: the string would read as {reads}")
+            raise GgufError(f"{g.path}: token {idx} {t!r} ({kinds[ty]}) {listed} as id {other} "
+                            f"({kinds.get(types[other], 'a normal token')}): the string would "
+                            f"read as {reads}")
 
 
 def _flag(g: Gguf, key: str) -> bool:

@@ -95,3 +95,46 @@ def test_a_signal_the_shell_said_to_ignore_stays_ignored(tmp_path, sig):
     (run_dir,) = tmp_path.iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["completed"] == 3 and not summary.get("interrupt_reason"), summary
+
+
+def test_two_writers_of_one_file_each_replace_it_whole(tmp_path):
+    """One fixed temp name (`.summary.json.tmp`) for every writer: two threads writing one file
+    failed 15 rounds of 15 ("No such file or directory"), one's rename taking the other's temp."""
+    from batchsim.server.results.run_files import replace_atomically
+
+    path, failed = tmp_path / "summary.json", []
+
+    def write(data: bytes) -> None:
+        try:
+            for _ in range(300):
+                replace_atomically(path, data)
+        except OSError as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=write, args=(bytes([65 + i]) * 50_000,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failed, failed[0]
+    assert path.read_bytes() in (b"A" * 50_000, b"B" * 50_000)
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_an_interrupted_write_leaves_no_temp_and_a_file_keeps_its_mode(tmp_path, monkeypatch):
+    from batchsim.server.results import run_files
+
+    path = tmp_path / "summary.json"
+    run_files.replace_atomically(path, b"{}")
+    assert path.stat().st_mode & 0o777 == 0o666 & ~run_files._UMASK
+    path.chmod(0o600)
+    run_files.replace_atomically(path, b"[]")
+    assert path.stat().st_mode & 0o777 == 0o600 and path.read_bytes() == b"[]"
+
+    def pressed(*_args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_files.os, "replace", pressed)
+    with pytest.raises(KeyboardInterrupt):
+        run_files.replace_atomically(path, b"1")
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]

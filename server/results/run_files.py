@@ -8,6 +8,8 @@ import contextlib
 import json
 import mmap
 import os
+import stat
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -189,14 +191,35 @@ class RecordStream:
 
 
 def replace_atomically(path: Path, data: bytes) -> None:
-    """Readers see the old file or the new one, never a part (a rename within the directory)."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    """Readers see the old file or the new one, never a part (a rename within the directory).
+    Each writer has its own temp file (two reports on one run dir), removed whatever stops the
+    write; the file keeps its mode (a new one: 0o666 less the umask, as open() makes it)."""
     try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise WriteFailed(path, exc) from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), _mode_of(path))
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise WriteFailed(path, exc) from None
+        raise
+
+
+def _mode_of(path: Path) -> int:
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        return 0o666 & ~_UMASK
+
+
+_UMASK = os.umask(0o022)  # no getter: read once, set back at once
+os.umask(_UMASK)
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:

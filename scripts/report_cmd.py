@@ -16,18 +16,17 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     from batchsim.scripts.common import CommandFailed
     from batchsim.scripts.report import summary_table
-    from batchsim.server.results.rebuild import NOT_WRITTEN, rebuild_summary
+    from batchsim.server.results.rebuild import NOT_KEPT, rebuild_summary
 
     summary, notes = rebuild_summary(Path(args.run_dir))
+    unwritten = [n for n in notes if n.startswith(NOT_KEPT)]
     for note in notes:
-        err.print(f"[yellow]batchsim report: {note}[/yellow]")
+        if note not in unwritten:  # that one is the failure's line, last
+            err.print(f"[yellow]batchsim report: {note}[/yellow]")
     out.print(summary_table(summary))
     if summary.get("interrupted"):
         out.print("[yellow]interrupted: the summary covers the records the run left[/yellow]")
-    path = Path(args.run_dir) / "summary.json"
-    unwritten = [n for n in notes if n.startswith(f"{path.name}: {NOT_WRITTEN}")]
     if unwritten:  # shown, not kept: exit 1
-        raise CommandFailed(f"summary rebuilt but {path}: {unwritten[0].split(': ', 1)[1]}",
-                            summary)
-    out.print(f"summary rebuilt: {path}")
+        raise CommandFailed(unwritten[0], summary)
+    out.print(f"summary rebuilt: {Path(args.run_dir) / 'summary.json'}")
     return summary

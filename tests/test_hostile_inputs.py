@@ -415,22 +415,33 @@ def test_report_on_a_read_only_run_directory_still_shows_the_summary(capsys, tmp
                                                                      monkeypatch):
     """An archived (read-only) run directory: report rebuilt the summary, failed to write it and
     showed nothing ('[Errno 30] Read-only file system', exit 1). Now the table and the JSON line,
-    then one line saying summary.json was not written (exit 1)."""
+    then one line saying summary.json was not kept (exit 1): the path and the reason once (r3:
+    they were twice, as a note and as the failure line), no class name in the redraw's note."""
     import errno
 
-    from batchsim.server.results import rebuild
+    from batchsim.server.results import run_files
 
     assert _main(["run", *SIM, "--num-prompts", "3", "--no-timeline", "--out", str(tmp_path)],
                  capsys)[0] == 0
     (run_dir,) = tmp_path.iterdir()
+    if os.geteuid() != 0:  # root writes there anyway: the rename fails as it would
+        run_dir.chmod(0o555)
+    else:
+        def read_only(*_args):
+            raise OSError(errno.EROFS, "Read-only file system")
 
-    def read_only(*args):
-        raise OSError(errno.EROFS, "Read-only file system")
-
-    monkeypatch.setattr(rebuild, "write_summary", read_only)
-    rc, out, err = _main(["report", str(run_dir)], capsys)
+        monkeypatch.setattr(run_files.os, "replace", read_only)
+    try:
+        rc, out, err = _main(["report", str(run_dir)], capsys)
+    finally:
+        run_dir.chmod(0o755)
+    reason = "Read-only file system" if os.geteuid() == 0 else "Permission denied"
     assert rc == 1 and "Serving Benchmark Result" in out and '"completed":3' in out
-    assert _one_line(err).endswith("summary.json: not written (Read-only file system)"), err
+    assert _one_line(err) == (f"batchsim report: summary rebuilt but not kept: cannot write "
+                              f"{run_dir / 'summary.json'}: {reason}"), err
+    assert err.count("summary.json") == 1 and "Error" not in err, err
+    drawn = f"timeline.png: not drawn (cannot write {run_dir / 'timeline.png'}: {reason})"
+    assert drawn in err.replace("\n", ""), err  # the notes wrap at the terminal's width
 
 
 def test_models_import_of_a_device_says_what_it_is(capsys, tmp_path):

@@ -29,7 +29,7 @@ from batchsim.server.results.run_files import (
 from batchsim.server.results.timeline import Limits, run_title, timeline_title
 from batchsim.server.results.timeline_draw import write_timeline
 
-NOT_WRITTEN = "not written"  # the note's words when summary.json cannot be written there
+NOT_KEPT = "summary rebuilt but not kept"  # the note's words: summary.json cannot be written
 # Facts the records cannot give back: a finished run's own summary keeps them.
 # No run's clock reaches this (32 years): a time past it is damage, and times near a float's range
 # overflow the statistics (a finished_s of 1e308: the square in np.std).
@@ -82,7 +82,7 @@ def rebuild_summary(run_dir: Path, timeline: bool = True) -> tuple[dict[str, Any
     try:
         write_summary(run_dir, jsonable(summary))
     except OSError as exc:  # a read-only run directory (an archive): the summary is still given
-        notes.append(f"{SUMMARY}: {NOT_WRITTEN} ({exc.strerror or exc})")
+        notes.append(f"{NOT_KEPT}: {exc}")  # WriteFailed's own line: path and reason, once
     return summary, notes
 
 

@@ -108,7 +108,7 @@ def drawn(draw: Callable[[], Path]) -> tuple[str | None, str | None]:
 
 
 def _failed(exc: Exception) -> tuple[None, str]:
-    return None, f"{TIMELINE}: not drawn ({type(exc).__name__}: {exc})"
+    return None, f"{TIMELINE}: not drawn ({str(exc) or type(exc).__name__})"  # no class name
 
 
 def _line(ax, series: _Series, name: str, label: str, color: str) -> None:

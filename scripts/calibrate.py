@@ -19,6 +19,7 @@ from batchsim.scripts.common import (
     err,
     out,
     positive_int,
+    run_stoppable,
     stop_if_interrupted,
     str_list,
     table,
@@ -371,9 +372,7 @@ def _engine_host_one_us(session) -> tuple[float, float]:
 def _busy_gaps(session, spec: WorkloadSpec) -> list[tuple[int, float]]:
     """(batch size, seconds between the ends of two back-to-back steps less the later one's
     executor time) for each busy pair of steps of a real run of `spec`."""
-    from batchsim.server.engine.runner import run_workload
-
-    outcome = run_workload(session, spec, out_dir=None, label="calibrate")
+    outcome = run_stoppable(session, spec, out_dir=None, label="calibrate")
     stop_if_interrupted(outcome.summary)  # Ctrl-C: no step overhead fitted on part of a run
     steps = outcome.steps
     return [(b.batch_size, b.end_s - a.end_s - b.compute_s) for a, b in itertools.pairwise(steps)

@@ -211,6 +211,18 @@ def _os_error_exit(command: str, exc: OSError) -> int:
     return EXIT_FAILED
 
 
+def _check_out_dirs(args: argparse.Namespace) -> None:
+    """--out (models: a model directory, not this) and sweep's, compare's --runs-dir take files,
+    checked before the work: size, sweep, compare failed after it."""
+    out_dirs = [getattr(args, "out", None) if args.command != "models" else None,
+                getattr(args, "runs_dir", None)]
+    if any(out_dirs):
+        from batchsim.server.results.jsonio import check_writable
+
+        for out_dir in filter(None, out_dirs):
+            check_writable(Path(out_dir))
+
+
 def main(argv: list[str] | None = None) -> int:
     # Choose MLX's BLAS before anything imports mlx (see server/blas.py).
     from batchsim.server.platform import blas
@@ -241,13 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "json", False):
             out.file = sys.stderr  # people's tables aside: stdout is the one JSON line
-        out_dirs = [getattr(args, "out", None) if args.command != "models" else None,  # models:
-                    getattr(args, "runs_dir", None)]  # a model directory; sweep's, compare's runs
-        if any(out_dirs):
-            from batchsim.server.results.jsonio import check_writable
-
-            for out_dir in filter(None, out_dirs):  # before the work: size, sweep, compare
-                check_writable(Path(out_dir))  # failed after it
+        _check_out_dirs(args)
         summary = args._run(args)
     except ConfigError as exc:
         err_line(f"batchsim {args.command}: {exc}")

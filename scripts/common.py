@@ -70,6 +70,17 @@ def stop_if_interrupted(summary: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
+def run_stoppable(session: Any, spec: Any, **kwargs: Any) -> Any:
+    """run_workload with SIGTERM and SIGHUP answered as Ctrl-C (as `run`): the run stops, its
+    records and summary.json kept (they killed calibrate and validate, the run dir unsummarized)."""
+    from batchsim.server.engine.interrupts import Interrupts
+    from batchsim.server.engine.runner import run_workload
+    from batchsim.server.platform.signals import STOP_SIGNALS
+
+    with Interrupts(STOP_SIGNALS) as stop:
+        return run_workload(session, spec, interrupts=stop, **kwargs)
+
+
 def err_line(text: str) -> None:
     """One plain line on stderr: never wrapped, no rich markup (`:-1:` stays text)."""
     print(" ".join(str(text).split()), file=sys.stderr, flush=True)

@@ -26,6 +26,7 @@ from batchsim.scripts.common import (
     out,
     positive_float,
     positive_int,
+    run_stoppable,
     stop_if_interrupted,
     timestamp,
 )
@@ -176,9 +177,6 @@ def _run_point(base, budget: int, source: str, batch: int, args: argparse.Namesp
     """B requests at once, max_num_seqs = B, same budget; the row of this batch size (with
     `run_cfg`: that config's run instead of the base's; its summary's spec keys kept)."""
     from batchsim.scripts.progress import RunProgress
-    from batchsim.server.engine.interrupts import Interrupts
-    from batchsim.server.engine.runner import run_workload
-    from batchsim.server.platform.signals import STOP_SIGNALS
 
     spec = args.workload_spec or sweep_workload.built_in(args, batch)
     run_cfg = run_cfg or base.config
@@ -192,10 +190,8 @@ def _run_point(base, budget: int, source: str, batch: int, args: argparse.Namesp
             bar.on_step(engine, plan, result)
             active.sample()
 
-        with Interrupts(STOP_SIGNALS) as stop:  # SIGTERM, SIGHUP as Ctrl-C (as `run`)
-            outcome = run_workload(session, spec, out_dir=args.runs_dir, label=label,
-                                   on_step=on_step, interrupts=stop,
-                                   timeline=not getattr(args, "no_timeline", False))
+        outcome = run_stoppable(session, spec, out_dir=args.runs_dir, label=label,
+                                on_step=on_step, timeline=not getattr(args, "no_timeline", False))
     next_chunk = min(args.prompt_len, sched.prefill_step_size)
     row = sweep_math.point_row(batch, stop_if_interrupted(outcome.summary), outcome.steps,
                                outcome.requests, sched.max_num_batched_tokens, next_chunk,

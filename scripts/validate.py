@@ -18,6 +18,7 @@ from batchsim.scripts.common import (
     append_jsonl,
     err,
     positive_int,
+    run_stoppable,
     stop_if_interrupted,
     timestamp,
 )
@@ -308,7 +309,5 @@ def _not_runnable(session) -> str | None:
 
 
 def _run(session, out_dir: Path | None, label: str, on_step: Callable | None = None) -> dict:
-    from batchsim.server.engine.runner import run_workload
-
-    return stop_if_interrupted(run_workload(session, session.config.workload, out_dir=out_dir,
-                                            label=label, on_step=on_step).summary)
+    return stop_if_interrupted(run_stoppable(session, session.config.workload, out_dir=out_dir,
+                                             label=label, on_step=on_step).summary)

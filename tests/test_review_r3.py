@@ -138,3 +138,22 @@ def test_an_interrupted_write_leaves_no_temp_and_a_file_keeps_its_mode(tmp_path,
     with pytest.raises(KeyboardInterrupt):
         run_files.replace_atomically(path, b"1")
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+@pytest.mark.timeout(120)
+def test_a_count_past_int64_is_skipped_with_a_note_that_names_it(capsys, tmp_path):
+    """Two fixes of one overflow (`< 2**63` on every number, `<= INT64_MAX` on int fields): now
+    int fields only, INT64_MAX the one bound, and the skip note names the reason."""
+    from batchsim.server.results import rebuild
+
+    assert _main(["run", *SIM, "--num-prompts", "3", "--no-timeline", "--out", str(tmp_path)],
+                 capsys)[0] == 0
+    (run_dir,) = tmp_path.iterdir()
+    steps = run_dir / "steps.jsonl"
+    rows = [json.loads(line) for line in steps.read_text().splitlines()]
+    rows[0]["batch_size"] = rebuild.INT64_MAX + 1
+    rows[1]["batch_size"] = rebuild.INT64_MAX  # fits: kept
+    steps.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, notes = rebuild.rebuild_summary(run_dir, timeline=False)
+    (note,) = [n for n in notes if n.startswith("steps.jsonl: skipped")]
+    assert "skipped 1 record(s)" in note and "a count not an int within int64" in note, note

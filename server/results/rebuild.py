@@ -186,8 +186,8 @@ def _records(path: Path, cls: Any, notes: list[str]) -> list[Any]:
     if bad:
         shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
         notes.append(f"{path.name}: skipped {len(bad)} record(s) with missing or impossible "
-                     f"fields (non-finite, negative, a time past {MAX_CLOCK_S:.0e} s, a token "
-                     f"before its arrival; record {shown})")
+                     f"fields (non-finite, negative, a count not an int within int64, a time "
+                     f"past {MAX_CLOCK_S:.0e} s, a token before its arrival; record {shown})")
     return out
 
 
@@ -215,12 +215,13 @@ def _plausible(record: Any) -> bool:
 
 
 def _at_least_0(value: Any) -> bool:
-    """A count, size or time as a run writes them: the summary reads them as int64 / float64
-    columns (request_arrays.step_columns), so a count past 2**63 - 1 is damage (OverflowError)."""
-    return _finite(value) and 0 <= value < 2**63
+    """A float field (a time) as a run writes it: finite and >= 0 (float64 columns)."""
+    return _finite(value) and value >= 0
 
 
 def _int64_count(value: Any) -> bool:
+    """An int field: the summary reads it as an int64 column (request_arrays.step_columns), so a
+    count past INT64_MAX is damage (OverflowError), and 96.7 is not a count."""
     return _count(value) is not None and value <= INT64_MAX
 
 

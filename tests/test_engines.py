@@ -4,6 +4,7 @@ prices what it names, defaults to nothing, and the simulator charges what `step_
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 from batchsim.configs import ConfigError
@@ -52,18 +53,22 @@ def test_unknown_engine_is_one_line_listing_the_known_ones():
 
 
 @pytest.mark.parametrize("line", ["host_request_us: 2e15", "host_step_us: 1e300",
-                                  "row_dispatch_forwards: 1e308"])
+                                  "row_dispatch_forwards: 1e308", "host_token_us: -1",
+                                  "host_step_us: .inf"])
 def test_a_profile_file_with_a_host_cost_past_any_engine_is_one_line(tmp_path, monkeypatch,
                                                                      line):
     """h8: a request's 2e15 us (63 years) ran, and `report` then read every record as damage
-    (completed 5 -> 0); 1e300 and 1e308 ran with numpy's overflow warnings and t=1.7e296 s."""
+    (completed 5 -> 0); 1e300 and 1e308 ran with numpy's overflow warnings and t=1.7e296 s.
+    r3: one table of limits, one message whichever side of the range (was two formats)."""
     from batchsim.server.perf import engines
 
     (tmp_path / "mine.yaml").write_text(f"host_step_us: 1\nhost_token_us: 1\n{line}\n")
     monkeypatch.setattr(engines, "ENGINES_DIR", tmp_path)
     load_engine.cache_clear()
     try:
-        with pytest.raises(ConfigError, match=f"mine.yaml: {line.split(':')[0]} must be at most"):
+        key = line.split(":")[0]
+        says = f"mine.yaml: {key} must be >= 0 and at most {engines.ENGINE_LIMITS[key]:g}, got "
+        with pytest.raises(ConfigError, match=re.escape(says)):
             load_engine("mine")
     finally:
         load_engine.cache_clear()
@@ -584,3 +589,14 @@ def test_a_one_token_prompt_pays_its_request_cost_once():
     zero = StepTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     fit = sum((_add_prefills(zero, cost, _steps_of(p, 1)) for p in trace.plans), zero)
     assert fit.host_request_s == pytest.approx(2 * 0.15)
+
+
+@pytest.mark.parametrize("scale", ["1e300", "-1", ".nan"])
+def test_a_device_profile_host_scale_past_any_cpu_is_one_line(tmp_path, scale):
+    """r3: StepCost multiplied the engine's capped host costs by an unbounded host_scale."""
+    from batchsim.server.perf.devices import load_profile, save_profile
+
+    path = save_profile(dataclasses.replace(PROFILE, name="mine"), tmp_path / "mine.yaml")
+    path.write_text(path.read_text().replace("host_scale: 1.0", f"host_scale: {scale}"))
+    with pytest.raises(ConfigError, match="mine.yaml: host_scale must be >= 0 and at most 100"):
+        load_profile(path)

@@ -64,10 +64,10 @@ class EngineProfile:
     note: str = ""
 
     def __post_init__(self) -> None:
-        for key in ("host_step_us", "host_token_us", "host_request_us", "row_dispatch_forwards"):
+        for key in ENGINE_LIMITS:  # finite here: StepCost's copy is scaled by a host_scale
             value = getattr(self, key)
             if not 0 <= value < math.inf:
-                raise ValueError(f"{key} must be >= 0 and finite, got {value}")
+                raise ValueError(_past_limit(key, value))
         if self.kind not in ENGINE_KINDS:
             raise ValueError(f"kind must be one of {', '.join(ENGINE_KINDS)} or empty, "
                              f"got {self.kind!r}")
@@ -136,11 +136,17 @@ def engine_help() -> str:
             f"(configs/engines: {', '.join(engine_names())}); a real run records it")
 
 
-# A profile file's limits, past any engine (shipped host costs are under 1.1 ms, the fitted
-# row_dispatch_forwards 0.33): a typo such as a request's 2e15 us (63 years) ran a run whose
-# clock `report` then read as damage (records past rebuild.MAX_CLOCK_S), 1e300 overflowed.
-MAX_FILE_VALUES = {"host_step_us": 1e7, "host_token_us": 1e7, "host_request_us": 1e7,
-                   "row_dispatch_forwards": 1e3}
+# Each number's limits in a profile (>= 0, at most this), past any engine (shipped host costs
+# are under 1.1 ms, the fitted row_dispatch_forwards 0.33): a typo such as a request's 2e15 us
+# (63 years) ran a run whose clock `report` then read as damage (records past
+# rebuild.MAX_CLOCK_S), 1e300 overflowed. The maximum is a file's (load_engine): a StepCost's
+# copy, scaled by the device's host_scale (at most profile.MAX_HOST_SCALE), may pass it.
+ENGINE_LIMITS = {"host_step_us": 1e7, "host_token_us": 1e7, "host_request_us": 1e7,
+                 "row_dispatch_forwards": 1e3}
+
+
+def _past_limit(key: str, value: float) -> str:
+    return f"{key} must be >= 0 and at most {ENGINE_LIMITS[key]:g}, got {value:g}"
 
 
 @lru_cache(maxsize=32)
@@ -152,8 +158,7 @@ def load_engine(name: str | None = None) -> EngineProfile:
     if "/" in name or not path.is_file():
         raise ConfigError(f"unknown engine {name!r}; known: {', '.join(engine_names())}")
     profile = from_dict(EngineProfile, {**load_yaml(path), "name": name}, str(path))
-    for key, most in MAX_FILE_VALUES.items():
+    for key, most in ENGINE_LIMITS.items():
         if getattr(profile, key) > most:
-            raise ConfigError(f"{path}: {key} must be at most {most:g}, got "
-                              f"{getattr(profile, key):g}")
+            raise ConfigError(f"{path}: {_past_limit(key, getattr(profile, key))}")
     return profile

@@ -98,6 +98,10 @@ class Calibration:
     host_token_us: float = 0.0
 
 
+# host_scale's limit: a CPU 100x slower than the reference (the catalog's Macs: 0.79-2.56).
+MAX_HOST_SCALE = 100.0
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceProfile:
     name: str
@@ -156,6 +160,9 @@ class DeviceProfile:
     host_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.host_scale <= MAX_HOST_SCALE:  # it multiplies the engine's capped costs
+            raise ValueError(f"host_scale must be >= 0 and at most {MAX_HOST_SCALE:g}, got "
+                             f"{self.host_scale:g}")
         try:  # read once here (a file's profile: one line naming it), not at each layer priced
             mlx_release(self.mlx_version)
         except ValueError as exc:

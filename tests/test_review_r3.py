@@ -157,3 +157,13 @@ def test_a_count_past_int64_is_skipped_with_a_note_that_names_it(capsys, tmp_pat
     _, notes = rebuild.rebuild_summary(run_dir, timeline=False)
     (note,) = [n for n in notes if n.startswith("steps.jsonl: skipped")]
     assert "skipped 1 record(s)" in note and "a count not an int within int64" in note, note
+
+
+def test_a_config_yaml_that_is_a_pipe_is_said_so_not_missing(tmp_path):
+    from batchsim.server.results import rebuild
+
+    (tmp_path / "steps.jsonl").write_text("")
+    (tmp_path / "requests.jsonl").write_text("")
+    os.mkfifo(tmp_path / "config.yaml")
+    _, notes = rebuild.rebuild_summary(tmp_path, timeline=False)
+    assert "config.yaml: a pipe, not a file; model and budget fields left out" in notes, notes

@@ -577,6 +577,7 @@ def test_a_binary_trace_names_its_file(tmp_path, name):
 @pytest.mark.parametrize("encoding, says", [
     ("utf-16", "not UTF-8 text (byte 0: invalid start byte; it is UTF-16: save it as UTF-8)"),
     ("utf-16-le", r"(found: 'T\x00I\x00M"),  # said "found: TIMESTAMP" (the NULs unseen)
+    ("utf-32", "; it is UTF-32: save it as UTF-8)"),  # r3: FF FE 00 00 was named UTF-16
 ])
 def test_a_utf16_trace_is_named_for_what_it_is(tmp_path, encoding, says):
     """h8: Excel's 'Unicode Text' and PowerShell write UTF-16; the trace without a byte order

@@ -158,6 +158,10 @@ def resolve_trace_path(path: str | Path) -> Path:
     raise ConfigError(f"trace {str(path)!r}: no such file (looked in {looked}); shipped: {shipped}")
 
 
+_MARKS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
+          (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))  # byte order marks
+
+
 def read_trace(
     path: str | Path, format: TraceFormat = "auto", start: int = 0, limit: int | None = None
 ) -> list[TraceRow]:
@@ -173,10 +177,11 @@ def read_trace(
         raw = list(islice(reader(resolved), start, None if limit is None else start + limit))
     except UnicodeDecodeError as exc:  # said no file: "'utf-8' codec can't decode byte 0xff ..."
         with resolved.open("rb") as f:
-            utf16 = f.read(2) in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+            head = f.read(4)  # UTF-32-LE's mark starts with UTF-16-LE's: looked for first
+        named = next((f"; it is {name}: save it as UTF-8" for bom, name in _MARKS
+                      if head.startswith(bom)), "")
         raise ConfigError(f"{resolved}: not UTF-8 text (byte {_bad_utf8_at(resolved)}: "
-                          f"{exc.reason}" + ("; it is UTF-16: save it as UTF-8" if utf16 else "")
-                          + ")") from None
+                          f"{exc.reason}{named})") from None
     t0 = raw[0][0] if raw else 0.0
     return [TraceRow(t - t0, n_in, n_out, hashes) for t, n_in, n_out, hashes in raw]
 

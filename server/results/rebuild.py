@@ -23,6 +23,7 @@ from batchsim.server.results.run_files import (
     REQUESTS,
     STEPS,
     SUMMARY,
+    not_a_file,
     read_rows,
     write_summary,
 )
@@ -108,8 +109,8 @@ def _timeline(run_dir: Path, requests: list[RequestRecord], steps: list[StepReco
 
 
 def _read_config(path: Path, notes: list[str]) -> dict[str, Any]:
-    if not path.is_file():
-        notes.append(f"{CONFIG}: missing; model and budget fields left out")
+    if not path.is_file():  # a pipe or a device: said, not read (load_yaml would wait on one)
+        notes.append(f"{CONFIG}: {not_a_file(path)}; model and budget fields left out")
         return {}
     try:  # the project's one loader: an alias bomb or deep nesting is refused, not a hang
         data = load_yaml(path)

@@ -228,12 +228,16 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
     return path
 
 
+def not_a_file(path: Path) -> str:
+    """Why a run's file that is no regular file is not read: 'missing', 'a pipe, not a file'."""
+    return file_kind(path) + ", not a file" if path.exists() else "missing"
+
+
 def read_rows(path: Path, notes: list[str]) -> Iterator[dict[str, Any]]:
     """A JSONL file's rows. A line that is not a JSON object (a torn last line from a killed writer,
     NaN, nesting too deep, bytes) is skipped, and the notes say which."""
     if not path.is_file():  # a pipe hung the read, /dev/zero filled the memory
-        kind = file_kind(path) + ", not a file" if path.exists() else "missing"
-        notes.append(f"{path.name}: {kind}, read as empty")
+        notes.append(f"{path.name}: {not_a_file(path)}, read as empty")
         return
     lines = path.read_bytes().split(b"\n")
     last = len(lines) - 1  # the part after the final newline: b"" unless the write was torn

@@ -2,8 +2,10 @@
 general path makes: the same records byte for byte with the fast path on and off, over an
 overloaded queue (rows at max_num_seqs, the simulated hour's case), a queue that drains (no one
 waiting), a budget tight enough to preempt (the fast path hands the plan back) and a prefix cache
-that evicts; and the fast path does make a good share of the plans. Likewise a plan's prefix-cache
-ops skipped when they would do nothing (PrefixCache.stores_nothing)."""
+that evicts (chat sessions in a tight budget: the plans themselves, with their cache ops); and the
+fast path does make a good share of the plans, never for a real executor's, speculative or paged
+run (it needs lazy simulated rows). Likewise a plan's prefix-cache ops skipped when they would do
+nothing (PrefixCache.stores_nothing)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from batchsim.scheduler import decode_plan, prefix_cache, scheduler
+from batchsim.scheduler.config import SchedulerSettings
 from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
@@ -93,3 +96,62 @@ def test_prefix_cache_ops_are_skipped_only_when_they_do_nothing(workload, tmp_pa
         general = _records(cfg, tmp_path / "general")
     assert skipping == general
     assert (taken[0] == 0) == (workload == "default")
+
+
+def _plans(cfg: RunConfig, out: Path, monkeypatch, fast: bool) -> tuple[list, list]:
+    """Every plan Scheduler.schedule returned in the run, and those the fast path made."""
+    plans, made = [], []
+    real_schedule, real_fast = scheduler.Scheduler.schedule, decode_plan.decode_plan
+
+    def schedule(self):
+        plans.append(real_schedule(self))
+        return plans[-1]
+
+    def fast_plan(*args):
+        planned = real_fast(*args) if fast else None
+        if planned is not None:
+            made.append(planned[0])
+        return planned
+
+    with monkeypatch.context() as m:
+        m.setattr(scheduler.Scheduler, "schedule", schedule)
+        m.setattr(scheduler, "decode_plan", fast_plan)
+        _records(cfg, out)
+    return plans, made
+
+
+def test_fast_plans_that_evict_cached_blocks_are_the_general_paths_plans(tmp_path, monkeypatch):
+    """Chat sessions in 1.2 GiB: committing a fast plan's geometry evicts prefix-cache blocks, so
+    the plan carries cache ops (decode_plan's kv.prefix.pending branch)."""
+    spec = dataclasses.replace(builtin_workload("chat-sessions"), num_prompts=150, seed=3)
+    cfg = RunConfig(model="llama-3.2-1b", executor="sim", device_profile="M2 Max", quantize=4,
+                    workload=spec, memory_gb=1.2)
+    fast, made = _plans(cfg, tmp_path / "fast", monkeypatch, fast=True)
+    general, _ = _plans(cfg, tmp_path / "general", monkeypatch, fast=False)
+    assert fast == general
+    assert any(plan.cache_ops is not None for plan in made), f"{len(made)} fast plans, no ops"
+
+
+def _gated_runs() -> dict[str, RunConfig]:
+    spec = WorkloadSpec(name="gate", num_prompts=12, request_rate=20.0, seed=3,
+                        input_len=LengthSpec("fixed", value=24),
+                        output_len=LengthSpec("uniform", min=2, max=30))
+    sim = {"model": "llama-3.2-1b", "executor": "sim", "device_profile": "M2 Max",
+           "workload": spec}
+    return {
+        "mlx": RunConfig(model="tiny", dtype="float32", workload=spec),
+        "speculative": RunConfig(**sim, spec_method="ngram", spec_acceptance=(0.7,),
+                                 scheduler=SchedulerSettings(spec_tokens=2)),
+        "paged": RunConfig(**sim, kv_layout="paged"),
+        "plain": RunConfig(**sim),  # the control: the same workload does take the fast path
+    }
+
+
+@pytest.mark.parametrize("name", ["mlx", "speculative", "paged", "plain"])
+def test_the_fast_path_needs_lazy_simulated_rows(name, tiny, tmp_path, monkeypatch):
+    """The gating is implicit (real rows have token ids and prompts, drafted rows accepted ids,
+    paged rows read every counter: none joins the lazy rows): the outcome, pinned."""
+    del tiny  # built for the mlx run
+    plans, made = _plans(_gated_runs()[name], tmp_path, monkeypatch, fast=True)
+    assert len(plans) > 1
+    assert bool(made) == (name == "plain"), f"{len(made)} of {len(plans)} plans made fast"

@@ -167,3 +167,44 @@ def test_a_config_yaml_that_is_a_pipe_is_said_so_not_missing(tmp_path):
     os.mkfifo(tmp_path / "config.yaml")
     _, notes = rebuild.rebuild_summary(tmp_path, timeline=False)
     assert "config.yaml: a pipe, not a file; model and budget fields left out" in notes, notes
+
+
+_CTRL_C_IN_A_FINALIZER = """
+import gc, os, signal, sys
+sys.argv[0] = "batchsim"  # the program itself: its Ctrl-C handler and unraisable hook
+from batchsim.server.platform import blas
+blas.preload()
+from batchsim.server.results import rebuild
+rebuilt = rebuild.rebuild_summary
+
+class Pressed:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        sum(range(1000))  # the handler runs here: Python swallows its KeyboardInterrupt
+
+def pressed_in_a_finalizer(*args, **kwargs):
+    Pressed()
+    gc.collect()
+    sum(range(100000))
+    return rebuilt(*args, **kwargs)
+
+rebuild.rebuild_summary = pressed_in_a_finalizer
+from batchsim.scripts.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_ctrl_c_python_swallowed_still_stops_a_command_without_a_run(capsys, tmp_path):
+    """e3b4e8b's unraisable hook hid a Ctrl-C raised in a finalizer (only noted, for a run that
+    starts later): `report`, `size`, `fit-macs` never start one, so it was lost (exit 0)."""
+    import subprocess
+    import sys
+
+    assert _main(["run", *SIM, "--num-prompts", "3", "--no-timeline", "--out", str(tmp_path)],
+                 capsys)[0] == 0
+    (run_dir,) = tmp_path.iterdir()
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_IN_A_FINALIZER, "report", str(run_dir)],
+                          capture_output=True, text=True, timeout=180, check=False)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == "batchsim report: interrupted", proc.stderr

@@ -74,7 +74,7 @@ def test_inner_folds_deal_every_group_once():
 def test_the_first_candidate_is_the_shipped_fit_and_applied_restores_it():
     assert nested.GRID[0] == nested.SHIPPED and len(set(nested.GRID)) == len(nested.GRID)
     shared = nested.SHIPPED._replace(engine_ridge=0.3, prior_rows=0.0, huber_delta=0.2,
-                                     shrink_sampling=False, ultra_split=False)
+                                     shrink_sampling=False, m3_ultra_untaxed=False)
     before = (published_fit.ENGINE_RIDGE, published_fit.PRIOR_ROWS, published_fit.HUBER_DELTA,
               published_fit.SHRUNK_DEVICE, gpu_fit.ultra_qmv_term("M3 Ultra"))
     with nested.applied(shared):

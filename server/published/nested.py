@@ -6,8 +6,9 @@ values, and its rows are scored. Nothing of the outer group reaches its choice.
 
 The grid (GRID) is the shipped values and, one at a time, the alternatives the history tried or
 the constants' bracket: PRIOR_ROWS 0 (no pull towards the kind's prior: the fit before 9a0ed9a),
-per-row sampling unshrunk (SHRUNK_DEVICE empty: before 58445e6), one Ultra qmv slowdown for every
-generation (before 4afac0d), ENGINE_RIDGE 0.03 and 0.3 (shipped 0.1), the published fit's
+per-row sampling unshrunk (SHRUNK_DEVICE empty: before 58445e6), the M1/M2 Ultras' qmv slowdown
+on M3-on Ultras too (m3_ultra_untaxed False: one term for every Ultra, as before 4afac0d; shipped
+since 0d9b162: M1/M2 Ultras only), ENGINE_RIDGE 0.03 and 0.3 (shipped 0.1), the published fit's
 HUBER_DELTA 0.05 and 0.2 (shipped 0.10; no other value of these two is in the history: the bracket
 is declared here). The slowdown caps (MAX_SLOWDOWN) are not in the grid: a ninth candidate
 would take the full run past its 20 CPU-minutes. The shipped fit and model are not changed:
@@ -27,7 +28,7 @@ from batchsim.server.published import fit as published_fit
 from batchsim.server.published.sim import predict_tok_s
 
 INNER_FOLDS = 3  # inner grouped folds: the training groups dealt round-robin in sorted order
-NO_GENERATION = 10**9  # an Ultra generation no chip reaches: every Ultra shares one qmv slowdown
+NO_GENERATION = 10**9  # an Ultra generation no chip reaches: every Ultra takes the M1/M2 term
 SAMPLING, M3_GENERATION = published_fit.SHRUNK_DEVICE, gpu_fit.ULTRA_M3_GENERATION  # as shipped
 
 
@@ -38,7 +39,7 @@ class Hyper(NamedTuple):
     prior_rows: float
     huber_delta: float
     shrink_sampling: bool
-    ultra_split: bool
+    m3_ultra_untaxed: bool  # False: M3-on Ultras take the M1/M2 Ultras' qmv slowdown too
 
     def label(self) -> str:
         changed = [f"{k}={v}" for k, v in self._asdict().items() if getattr(SHIPPED, k) != v]
@@ -48,7 +49,7 @@ class Hyper(NamedTuple):
 SHIPPED = Hyper(published_fit.ENGINE_RIDGE, published_fit.PRIOR_ROWS, published_fit.HUBER_DELTA,
                 bool(published_fit.SHRUNK_DEVICE), True)
 GRID = (SHIPPED, *(SHIPPED._replace(**{k: v}) for k, v in (
-    ("prior_rows", 0.0), ("shrink_sampling", False), ("ultra_split", False),
+    ("prior_rows", 0.0), ("shrink_sampling", False), ("m3_ultra_untaxed", False),
     ("engine_ridge", 0.03), ("engine_ridge", 0.3), ("huber_delta", 0.05), ("huber_delta", 0.2))))
 
 Predict = Callable[[Sequence[Any], Sequence[Any]], list[float]]  # (train, test) -> test's tok/s
@@ -61,7 +62,8 @@ def applied(h: Hyper) -> Iterator[None]:
               (published_fit, "PRIOR_ROWS"): h.prior_rows,
               (published_fit, "HUBER_DELTA"): h.huber_delta,
               (published_fit, "SHRUNK_DEVICE"): SAMPLING if h.shrink_sampling else (),
-              (gpu_fit, "ULTRA_M3_GENERATION"): M3_GENERATION if h.ultra_split else NO_GENERATION}
+              (gpu_fit, "ULTRA_M3_GENERATION"):
+                  M3_GENERATION if h.m3_ultra_untaxed else NO_GENERATION}
     saved = {key: getattr(*key) for key in values}
     try:
         for (module, name), v in values.items():
@@ -76,7 +78,7 @@ def published_predictor(catalog: macs.Catalog, prefill: Sequence[Any],
                         sources: set[str]) -> Callable[[Hyper], Predict]:
     """predict_at(h): a fit on `train` at `h` pricing `test`, as cv.held_out's published_fitter
     (the fold's catalog, its batch-1 seed on its own prefill rows). The seed reads none of `h`'s
-    fit constants: one per training set and Ultra split, shared by the candidates. `sources`:
+    fit constants: one per training set and m3_ultra_untaxed, shared by the candidates. `sources`:
     every published source (cv.fold_catalog's)."""
     seed, seeds = cv.legacy_fitter(prefill), {}
 
@@ -84,7 +86,7 @@ def published_predictor(catalog: macs.Catalog, prefill: Sequence[Any],
         def predict(train: Sequence[Any], test: Sequence[Any]) -> list[float]:
             cat = cv.fold_catalog(catalog, train, sources)
             with applied(h):
-                key = (tuple(r.id for r in train), h.ultra_split)
+                key = (tuple(r.id for r in train), h.m3_ultra_untaxed)
                 if key not in seeds:
                     seeds[key] = seed(train, cat)
                 model = published_fit.fit_published(train, cat, seeds[key])

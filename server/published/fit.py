@@ -133,9 +133,9 @@ def basis(row: Any, catalog: macs.Catalog, unit: MacModel, layers: float,
         plain["c_float"] += ce * (d.matmul_s + f.matmul_s + f.experts_s)
     if row.chip.endswith("Ultra"):  # two dies: their own extra terms
         plain["ultra_layer_s"], plain["ultra_bytes"] = plain["layer_s"], plain[fmt]
-        plain[ultra_qmv_term(row.chip) or "c_qmv"] = plain["c_qmv"]  # M3-on Ultras: no term
-        moe = row_cost(row, catalog, unit).layers.moe_layers / layers
-        if moe:  # its routed-expert layers' share of the per-layer counts
+        if term := ultra_qmv_term(row.chip):  # M1/M2 Ultras (M3-on: none)
+            plain[term] = plain["c_qmv"]
+        if moe := row_cost(row, catalog, unit).layers.moe_layers / layers:  # MoE layers' share
             plain["ultra_moe_layer_s"] = moe * plain["layer_s"]
     experts = d.experts_s * eff * fit.expert_bandwidth_efficiency
     return Basis(plain, experts, fmt, measured_s(row))

@@ -589,14 +589,3 @@ def test_a_one_token_prompt_pays_its_request_cost_once():
     zero = StepTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     fit = sum((_add_prefills(zero, cost, _steps_of(p, 1)) for p in trace.plans), zero)
     assert fit.host_request_s == pytest.approx(2 * 0.15)
-
-
-@pytest.mark.parametrize("scale", ["1e300", "-1", ".nan"])
-def test_a_device_profile_host_scale_past_any_cpu_is_one_line(tmp_path, scale):
-    """r3: StepCost multiplied the engine's capped host costs by an unbounded host_scale."""
-    from batchsim.server.perf.devices import load_profile, save_profile
-
-    path = save_profile(dataclasses.replace(PROFILE, name="mine"), tmp_path / "mine.yaml")
-    path.write_text(path.read_text().replace("host_scale: 1.0", f"host_scale: {scale}"))
-    with pytest.raises(ConfigError, match="mine.yaml: host_scale must be >= 0 and at most 100"):
-        load_profile(path)

@@ -208,3 +208,19 @@ def test_a_ctrl_c_python_swallowed_still_stops_a_command_without_a_run(capsys, t
                           capture_output=True, text=True, timeout=180, check=False)
     assert proc.returncode == 130, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == "batchsim report: interrupted", proc.stderr
+
+
+@pytest.mark.parametrize("scale", ["1e300", "-1", ".nan"])
+def test_a_device_profile_host_scale_past_any_cpu_is_one_line(tmp_path, scale):
+    """r3: StepCost multiplied the engine's capped host costs by an unbounded host_scale."""
+    import dataclasses
+
+    from batchsim.configs import ConfigError
+    from batchsim.server.perf.devices import load_profile, save_profile
+
+    from tests.test_engines import PROFILE
+
+    path = save_profile(dataclasses.replace(PROFILE, name="mine"), tmp_path / "mine.yaml")
+    path.write_text(path.read_text().replace("host_scale: 1.0", f"host_scale: {scale}"))
+    with pytest.raises(ConfigError, match="mine.yaml: host_scale must be >= 0 and at most 100"):
+        load_profile(path)

@@ -47,8 +47,9 @@ class EngineProfile:
     # The engine version from which it batches an architecture of serial_model_types.
     batched_since: dict[str, str] = dataclasses.field(default_factory=dict)
     # True: its batched forward runs attention one sequence at a time (a loop over the rows),
-    # each decode row past the first costing row_dispatch_forwards x the device's fixed cost of
-    # one forward pass (its layers' dispatches); fitted.
+    # each decode row past the first costing row_dispatch_forwards x one forward's dispatch with
+    # every layer at the reference layer's (StepCost.loop_dispatch_s: the loop repeats each
+    # layer's attention, not its FFN or MoE block, which run batched); fitted.
     attention_loop: bool = False
     row_dispatch_forwards: float = 0.0
     # server (HTTP requests, streaming) or library (an in-process loop): an engine the Mac fit has
@@ -99,7 +100,7 @@ class EngineProfile:
             notes.append("a sampler call per row")
         if self.attention_loop:
             notes.append(f"attention one sequence at a time ({self.row_dispatch_forwards:.2f} "
-                         f"forwards' fixed cost per decode row past the first)")
+                         f"forwards' layer dispatch per decode row past the first)")
         return "".join(f"; {n}" for n in notes)
 
     @property

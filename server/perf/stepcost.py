@@ -204,14 +204,16 @@ class StepCost:
         """A forward pass's fixed cost: its dispatches, and (a catalog Ultra) its MoE layers'."""
         return sum(self._fixed_parts_s)
 
-    def _dispatch_s(self) -> float:
-        """A forward pass's kernel dispatch and graph building: per layer and per forward."""
-        return self._fixed_parts_s[0]
+    def loop_dispatch_s(self) -> float:
+        """The dispatch a per-row attention loop repeats: each layer's at the reference layer's
+        (its attention; the FFN, MoE or dense, runs batched) and the forward's."""
+        cal, p, n = self.cal, self.profile, self.spec.num_layers
+        return ((n * cal.layer_overhead_us + cal.forward_overhead_us) * 1e-6 if cal is not None
+                else n * p.layer_overhead_s + p.forward_overhead_s)
 
     @cached_property
     def _fixed_parts_s(self) -> tuple[float, float]:
-        """(dispatch, MoE layers') of a forward pass, the one place the calibration is asked: a
-        calibrated device's measured overheads (no MoE term), else the catalog profile's."""
+        """(dispatch, MoE layers') of a forward: a calibrated device's (no MoE term) or catalog's"""
         if self.cal is not None:
             return (self._layers_overhead_us + self.cal.forward_overhead_us) * 1e-6, 0.0
         p, layers = self.profile, kernel_layers(self.spec, self.quantize_bits)
@@ -266,11 +268,9 @@ class StepCost:
 
     @cached_property
     def _row_loop_s(self) -> float:
-        """An engine's own kernels for each decode row past the first of a batched forward (a
-        per-sequence attention loop; one row runs the plain forward), in forwards' fixed cost."""
-        if self.row_graphs or not self.engine.attention_loop:
-            return 0.0
-        return self.engine.row_dispatch_forwards * self._dispatch_s()
+        """An engine's per-sequence attention loop: its cost per decode row past the first."""
+        return 0.0 if self.row_graphs or not self.engine.attention_loop else (
+            self.engine.row_dispatch_forwards * self.loop_dispatch_s())
 
     # -- the simulator's fast path: the same blocks, summed ------------------------------------
     def _decode_parts(self, batch: int) -> tuple[float, float]:

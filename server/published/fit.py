@@ -126,8 +126,8 @@ def basis(row: Any, catalog: macs.Catalog, unit: MacModel, layers: float,
         "c_qmv": d.gemv_rows_s + f.gemv_rows_s,  # at the FP16 peak (the unit fit's rate)
         f"step:{eng}": d.host_step_s + f.host_step_s,
         f"token:{eng}": d.host_token_s + f.host_token_s,
-        f"row:{eng}": _rows_past_first(row, catalog, unit) * _forward_fixed_s(row, catalog,
-                                                                               current),
+        f"row:{eng}": (_rows_past_first(row, catalog, unit)
+                       * row_cost(row, catalog, current).loop_dispatch_s()),
     }
     if fmt == "float":
         plain["c_float"] += ce * (d.matmul_s + f.matmul_s + f.experts_s)
@@ -152,11 +152,6 @@ def _rows_past_first(row: Any, catalog: macs.Catalog, model: MacModel) -> int:
     return sum(max(s.decode_rows - 1, 0) * s.num_steps for s in run_steps(row, catalog, model))
 
 
-def _forward_fixed_s(row: Any, catalog: macs.Catalog, model: MacModel) -> float:
-    """One forward pass's fixed seconds on the row's Mac under `model` (layers and forward)."""
-    p, spec = row_cost(row, catalog, model).profile, model_spec(row.model)
-    n = kernels.kernel_layers(spec, row.quantize_bits)
-    return n * p.layer_overhead_s + p.forward_overhead_s
 
 
 def _design(bases: Sequence[Basis], cols: list[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -223,6 +223,14 @@ def _check_out_dirs(args: argparse.Namespace) -> None:
             check_writable(Path(out_dir))
 
 
+def _answer_a_swallowed_ctrl_c() -> None:
+    """A Ctrl-C Python swallowed in a finalizer is noted for the run that starts next; a command
+    that started none lost it silently (exit 0): it is the command's interruption now."""
+    interrupts = sys.modules.get("batchsim.server.engine.interrupts")  # loaded if it could be
+    if interrupts is not None and interrupts.swallowed():
+        raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     # Choose MLX's BLAS before anything imports mlx (see server/blas.py).
     from batchsim.server.platform import blas
@@ -255,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             out.file = sys.stderr  # people's tables aside: stdout is the one JSON line
         _check_out_dirs(args)
         summary = args._run(args)
+        _answer_a_swallowed_ctrl_c()
     except ConfigError as exc:
         err_line(f"batchsim {args.command}: {exc}")
         return EXIT_USAGE

@@ -197,7 +197,8 @@ sys.exit(main(sys.argv[1:]))
 @pytest.mark.timeout(200)
 def test_a_ctrl_c_python_swallowed_still_stops_a_command_without_a_run(capsys, tmp_path):
     """e3b4e8b's unraisable hook hid a Ctrl-C raised in a finalizer (only noted, for a run that
-    starts later): `report`, `size`, `fit-macs` never start one, so it was lost (exit 0)."""
+    starts later): `report`, `size`, `fit-macs` never start one, so it was lost (exit 0). Now the
+    command ends interrupted (exit 130) once it is done."""
     import subprocess
     import sys
 

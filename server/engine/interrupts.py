@@ -4,12 +4,10 @@ raised in whatever line happened to run."""
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -39,20 +37,16 @@ def ctrl_c(signum: int, _frame: object) -> None:
 
 def unraisable(seen: Any) -> None:
     """sys.unraisablehook beside ctrl_c: a KeyboardInterrupt Python could not raise (noted) is
-    not printed as a traceback but sent again, raised where the command's own code runs next
-    (report, size, fit-macs never enter an Interrupts to count the note: it was lost silently);
-    anything else is printed as Python prints it."""
+    not printed as a traceback (the next Interrupts counts it; no run: swallowed()); anything
+    else is, as Python prints it."""
     if not issubclass(seen.exc_type, KeyboardInterrupt):
         sys.__unraisablehook__(seen)
-    elif signal.getsignal(signal.SIGINT) is ctrl_c:  # no Interrupts in: its own answer counts it
-        threading.Thread(target=_press_again, daemon=True).start()
 
 
-def _press_again() -> None:
-    """SIGINT for the main thread once the hook has returned (from here, not the hook: a signal
-    made there is answered in the hook, swallowed again); in another finalizer then, again."""
-    time.sleep(0.02)
-    _thread.interrupt_main(signal.SIGINT)
+def swallowed() -> bool:
+    """A Ctrl-C Python swallowed (ctrl_c noted it, in a finalizer) that no Interrupts counted:
+    the command (report, size, fit-macs) started no run, so it is answered as the command ends."""
+    return bool(_held) and signal.getsignal(signal.SIGINT) is ctrl_c
 
 
 def _note() -> None:

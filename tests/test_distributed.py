@@ -383,6 +383,9 @@ def test_the_watchdog_firing_while_rank_0_writes_its_summary_ends_it_after(tmp_p
     assert not dog.is_alive() and exited == [] and not status.path.exists()
     rank._run_ended(status, run, "DIR")  # the summary written: as run_rank marks it
     assert exited == [(3, True)]
+    # and the timer that would exit unkept after KEEP_RECORDS_S is off: left running, it exited
+    # 3 later from whatever ran then (the pytest process itself, once os._exit was real again)
+    assert status.unkept is not None and status.unkept.finished.is_set()
     saved = json.loads(status.path.read_text())
     assert saved["error"] == "rank 0: step 7 took over 1 s" and saved["run_dir"] == "DIR"
 

@@ -67,6 +67,7 @@ class _Status:
         self.keep_until: float | None = None  # monotonic: when rank 0 gives up keeping records
         self.term_pending = False  # a SIGTERM came while rank 0's run wrote its records: after them
         self.expire_pending: str | None = None  # the watchdog's message, likewise
+        self.unkept: threading.Timer | None = None  # _exit_unkept_later's, until the records are
 
     def write(self, ok: bool, error: str | None = None, **extra: Any) -> None:
         """Best effort: without its directory (a remote host, the launcher gone) no one reads it."""
@@ -101,6 +102,8 @@ def _run_ended(status: _Status, run: _RunInterrupts, run_dir: str | None) -> Non
     """Rank 0's run kept its records in `run_dir`: a SIGTERM or the watchdog's expiry that came
     while it wrote them ends the rank now (as either does at once at any other time)."""
     run.abandoned_in, run.done = run_dir, True  # kept: a SIGTERM now names it
+    if status.unkept is not None:  # kept in time: the exit below is the pending one's
+        status.unkept.cancel()
     if status.term_pending:
         _terminated(status)
     if status.expire_pending is not None:  # set before the watchdog looked at `done`
@@ -346,6 +349,7 @@ def _exit_unkept_later(status: _Status, reason: str, exit_code: int) -> threadin
     timer = threading.Timer(_start_keeping(status), _exit_unkept, (status, reason, exit_code))
     timer.daemon = True
     timer.start()
+    status.unkept = timer
     return timer
 
 

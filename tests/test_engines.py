@@ -11,7 +11,13 @@ from batchsim.configs import ConfigError
 from batchsim.scheduler.plan import PrefillChunk
 from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf import macs
-from batchsim.server.perf.engines import ENGINES_DIR, EngineProfile, engine_names, load_engine
+from batchsim.server.perf.engines import (
+    ENGINES_DIR,
+    EngineProfile,
+    engine_names,
+    load_engine,
+    top_p_bytes_per_logit,
+)
 from batchsim.server.perf.gpu_fit import load_fit, mac_profile
 from batchsim.server.perf.stepcost import StepCost, matrix_weight_bytes
 
@@ -249,6 +255,43 @@ def test_a_row_sampled_per_row_is_priced_with_its_harness_sampler():
     assert model.engine_of(pristine).sampler == "per_row"
     assert model.engine_of(grouped).sampler == "batched"
     assert load_engine("mlx-lm-batch").sampler == "batched"
+
+
+def test_a_top_p_sampler_sorts_every_sampled_rows_vocabulary_batched_or_not():
+    """mlx-lm's apply_top_p argsorts each row's vocabulary, one call over the batch or one per
+    row: every sampled row pays its traffic (MLX's merge sort: 2048-value blocks, ceil(log2(
+    blocks)) passes), so a per-row sampler differs from a batched one by its calls alone."""
+    spec = zoo_spec("qwen3-0.6b")
+    assert spec.vocab_size == 151936  # 75 blocks: 7 merge passes of (value, index) pairs
+    assert top_p_bytes_per_logit(spec.vocab_size) == (4 + 8) + 7 * 2 * 8 + 2 * 4 + 14 * 4 + 11 * 4
+    assert top_p_bytes_per_logit(4096) - top_p_bytes_per_logit(2048) == 16  # one merge pass
+    mac = dataclasses.replace(_mac("M5 Max 40c"), sampling_row_s=50e-6)
+    cost = {(s, p): StepCost(spec, mac, "float16", 4, engine=_engine(sampler=s, top_p=p))
+            for s in ("batched", "per_row") for p in (None, 0.95, 1.0)}
+    row_s = spec.vocab_size * top_p_bytes_per_logit(spec.vocab_size) / mac.bytes_per_s
+    for rows in (1, 8, 32):
+        t = {k: c.decode_time(rows, 256) for k, c in cost.items()}
+        for s in ("batched", "per_row"):
+            assert t[s, 1.0] == t[s, None]  # top_p 1: no filter, no sort
+            assert t[s, 0.95].total_s == pytest.approx(t[s, None].total_s + rows * row_s)
+        assert t["per_row", 0.95].total_s == pytest.approx(t["batched", 0.95].total_s
+                                                           + rows * 50e-6)
+    sampled = cost["batched", 0.95].prefill_time(128, 0, True).total_s
+    assert sampled == pytest.approx(cost["batched", None].prefill_time(128, 0, True).total_s
+                                    + row_s)  # a prefill chunk samples one row
+    with pytest.raises(ValueError, match="top_p must be in"):
+        _engine(top_p=0.0)
+
+
+def test_a_row_sampled_with_top_p_is_priced_with_its_harness_top_p():
+    from batchsim.server.perf.reference import load_published
+    from batchsim.server.published.sim import MacModel
+
+    rows = [r for r in load_published().rows if r.src == "mlx_lm_1540"]
+    assert len(rows) == 4 and all("top_p 0.95" in r.note for r in rows)  # the source's setting
+    model = MacModel(load_fit())
+    assert all(model.engine_of(r).top_p == 0.95 for r in rows)
+    assert load_engine("mlx-lm-batch").top_p is None
 
 
 def test_each_engine_read_at_its_source_says_how_it_samples():

@@ -59,6 +59,10 @@ class EngineProfile:
     # batched: the step's rows sampled by one call (no per-row sampling cost); per_row: a sampler
     # call per sampled row, each paying the device's fitted sampling_row_us.
     sampler: str = "batched"
+    # The sampler's nucleus (top-p): under 1, mlx-lm's sample_utils.apply_top_p argsorts every
+    # sampled row's whole vocabulary each step, one call over the batch or one per row alike
+    # (top_p_bytes_per_logit prices its traffic); None: no top-p filter (greedy or unstated).
+    top_p: float | None = None
     host_basis: str = ""  # how the fit set the host costs: its rows, and the prior it used
     version: str = ""  # the engine version the numbers describe
     source: str = ""  # the published measurements the numbers come from, or why they are zero
@@ -74,6 +78,8 @@ class EngineProfile:
                              f"got {self.kind!r}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
     def serial_for(self, model_type: str) -> bool:
         """Whether this engine runs a model of `model_type` one row at a time."""
@@ -103,6 +109,10 @@ class EngineProfile:
                          f"forwards' layer dispatch per decode row past the first)")
         return "".join(f"; {n}" for n in notes)
 
+    def sampler_bytes_per_logit(self, vocab: int) -> float:
+        """Memory traffic the sampler adds per logit of every sampled row (0: none priced)."""
+        return top_p_bytes_per_logit(vocab) if self.top_p is not None and self.top_p < 1 else 0.0
+
     @property
     def host_step_s(self) -> float:
         return self.host_step_us * 1e-6
@@ -119,6 +129,32 @@ class EngineProfile:
         """host_request_s of `joined` new one-token prompts, which join the decode pool with no
         prefill chunk: their decode row samples their first token, so that step pays it."""
         return joined * self.host_request_s
+
+
+# MLX's Metal sort (mlx/backend/metal/sort.cpp, 0.31-0.32): a row longer than one threadgroup's
+# bn * tn = 512 * 4 values is sorted in blocks of SORT_BLOCK (each value read, value and uint32
+# index written), then merged in ceil(log2(blocks)) passes, each reading and writing both; an
+# argsort copies its indices out.
+SORT_BLOCK = 2048
+INDEX_BYTES = 4  # uint32 sort indices
+# mlx-lm sample_utils (0.28-0.31) apply_top_p's other passes over the vocabulary, as (values,
+# indices) read or written: exp (2, 0), take_along_axis (2, 1), cumsum (2, 0), zeros_like and arange
+# (0, 2), put_along_axis (0, 5: the zeros copied, indices and updates read, scattered), the inverse
+# take_along_axis (2, 1), where (3, 0); then categorical_sampling: uniform bits (0, 1), Gumbel noise
+# added to the tempered logits (2, 1), argmax (1, 0). None fuses: a gather, scan, scatter or sort
+# ends an mx.compile graph's fused elementwise run.
+TOP_P_PASSES = (14, 11)
+
+
+def top_p_bytes_per_logit(vocab: int, value_bytes: int = 4) -> float:
+    """Bytes a top-p sampler moves per logit of a sampled row (float32 logits, as layer_cost
+    writes them): MLX's argsort of the row and the sampler's other passes. Bandwidth-priced: a
+    lower bound (a merge pass's threadgroups also wait on each other, not only on memory)."""
+    passes = math.ceil(math.log2(max(math.ceil(vocab / SORT_BLOCK), 1)))
+    pair = value_bytes + INDEX_BYTES
+    sort = (value_bytes + pair) + passes * 2 * pair + 2 * INDEX_BYTES
+    values, indices = TOP_P_PASSES
+    return sort + values * value_bytes + indices * INDEX_BYTES
 
 
 def _release(version: str) -> tuple[int, ...]:

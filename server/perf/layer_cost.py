@@ -258,7 +258,8 @@ class LayerCost:
     # -- elementwise ---------------------------------------------------------------------------
     def elementwise_bytes(self, m: int, logits: bool) -> float:
         """Norms, RoPE, activations and residuals of every layer (the FFN width being the active
-        one: top_k experts plus shared; plus the router's scores) and the logits."""
+        one: top_k experts plus shared; plus the router's scores) and the logits (float32, and
+        the engine's sampler's passes over them)."""
         s = self.spec
         attn = 2 * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         per_row = 0
@@ -267,7 +268,8 @@ class LayerCost:
             width = (f.intermediate if f.kind == "dense"
                      else f.top_k * f.expert_intermediate + f.shared_intermediate)
             per_row += count * (6 * s.hidden_size + 3 * width + attn + f.experts)
-        return m * per_row * self.cost.act_bytes + (m * s.vocab_size * 4 if logits else 0)
+        logit_bytes = 4 + self.cost.engine.sampler_bytes_per_logit(s.vocab_size)
+        return m * per_row * self.cost.act_bytes + (m * s.vocab_size * logit_bytes if logits else 0)
 
     # -- whole passes: (weights_s, matmul_s, experts_s, attention_s, gemv_rows_s) --------------
     def decode(self, batch: int, width: int) -> tuple[float, float, float, float, float]:

@@ -169,6 +169,9 @@ class PublishedRow(WeightFormat):
     # How the source's harness sampled (configs/engines SAMPLERS: batched, per_row), where it
     # differs from its engine profile's (None: the profile's).
     sampler: str | None = None
+    # The harness's top-p (EngineProfile.top_p: under 1 the sampler argsorts each row's
+    # vocabulary), where stated; None: the profile's.
+    top_p: float | None = None
     # The MLX version the source ran, where stated ('0.32.0.dev'): its kernel choice prices the
     # row (server/perf/qmv.py); None: the newest MLX's.
     mlx_version: str | None = None
@@ -177,6 +180,8 @@ class PublishedRow(WeightFormat):
         check_weights(self.weights)
         if self.sampler not in (None, *SAMPLERS):
             raise ValueError(f"sampler {self.sampler!r}; allowed: {', '.join(SAMPLERS)}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p {self.top_p}: in (0, 1]")
         mlx_release(self.mlx_version or "")  # a version it cannot read fails here
         if self.measures not in MEASURES:
             raise ValueError(f"measures {self.measures!r}; allowed: {', '.join(MEASURES)}")

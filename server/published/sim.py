@@ -82,9 +82,10 @@ class MacModel:
 
     def engine_of(self, row: Any) -> EngineProfile:
         """The engine as the row's source ran it (its version's batching, its harness's
-        sampler)."""
+        sampler and top-p)."""
         engine = self.engine(engine_name(row)).at_version(row.engine_version)
-        return dataclasses.replace(engine, sampler=row.sampler) if row.sampler else engine
+        harness = {k: v for k in ("sampler", "top_p") if (v := getattr(row, k)) is not None}
+        return dataclasses.replace(engine, **harness) if harness else engine
 
 
 def tokens(row: Any) -> tuple[int, int]:

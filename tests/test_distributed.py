@@ -348,11 +348,30 @@ def test_a_remote_ranks_ring_lines_on_its_ssh_stdout_go_to_the_file_too(tmp_path
         "rank 1: [ring] x\n")
 
 
-def _finishing_rank_0(tmp_path, monkeypatch) -> tuple[Any, Any, list[tuple[int, bool]]]:
-    """Rank 0's status and run, the run writing its records and summary; os._exit recorded as
-    (code, whether the run was done)."""
+@pytest.fixture(autouse=True)
+def _no_exit_timer_outlives_its_test(monkeypatch):
+    """Every _exit_unkept timer a test starts is cancelled when it ends, whatever failed first:
+    left running, it called the real os._exit(3) inside pytest once the test's stand-in was
+    undone (a failed assert before the code under test cancelled it ended the whole session)."""
     from batchsim.server.distributed import rank
 
+    timers: list = []
+    start = rank._exit_unkept_later
+    monkeypatch.setattr(rank, "_exit_unkept_later",
+                        lambda *args: timers.append(start(*args)) or timers[-1])
+    yield
+    for timer in timers:
+        timer.cancel()
+
+
+def _finishing_rank_0(tmp_path, monkeypatch, keep_records_s: float = 3600.0
+                      ) -> tuple[Any, Any, list[tuple[int, bool]]]:
+    """Rank 0's status and run, the run writing its records and summary; os._exit recorded as
+    (code, whether the run was done). Its records may take `keep_records_s` (long by default: no
+    _exit_unkept timer fires while the test runs)."""
+    from batchsim.server.distributed import rank
+
+    monkeypatch.setattr(rank, "KEEP_RECORDS_S", keep_records_s)
     monkeypatch.setenv(rank.STATUS_DIR_ENV, str(tmp_path))
     exited: list[tuple[int, bool]] = []
     run = rank._RunInterrupts(())
@@ -407,8 +426,7 @@ def test_the_watchdog_waits_for_the_summary_no_longer_than_keep_records_s(tmp_pa
 
     from batchsim.server.distributed import rank
 
-    monkeypatch.setattr(rank, "KEEP_RECORDS_S", 0.05)
-    status, _, exited = _finishing_rank_0(tmp_path, monkeypatch)
+    status, _, exited = _finishing_rank_0(tmp_path, monkeypatch, keep_records_s=0.05)
     rank._expire(status, "rank 0: step 7 took over 1 s")  # the summary's write never ends
     deadline = time.monotonic() + 5
     while not exited and time.monotonic() < deadline:

@@ -22,6 +22,8 @@ from batchsim.server.http.prometheus import parse as parse_metrics
 from batchsim.server.http.text_stream import TextStream
 from batchsim.workloads.client.sse import SSEParser
 
+from tests import dispositions
+
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-batchsim-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -42,13 +44,13 @@ def read_until_closed(sock: socket.socket) -> bytes:
 
 
 class ServerProcess:
-    def __init__(self, home: Path, *args: str):
+    def __init__(self, home: Path, *args: str, ignored: tuple[signal.Signals, ...] = ()):
         cmd = [sys.executable, "-m", "batchsim.scripts.cli", "serve", "--model",
                "tiny", "--port", "0",
                *args]
         env = {**os.environ, "BATCHSIM_HOME": str(home)}
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(dispositions.command(cmd, *ignored), cwd=ROOT, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.stderr: list[str] = []
         found = threading.Event()
         self.url = ""
@@ -504,6 +506,20 @@ def test_sighup_drains_as_sigterm_does(batchsim_home):
         server.proc.send_signal(signal.SIGHUP)
         assert server.proc.wait(30) == 0, "".join(server.stderr)
         assert '"aborted_at_shutdown":0' in server.proc.stdout.read()
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+
+def test_a_sighup_nohup_said_to_ignore_stays_ignored(batchsim_home):
+    """Under nohup the server stopped on hangup: serve() added its loop handler over the
+    inherited SIG_IGN. The SIGHUP now leaves it serving; SIGTERM still drains it."""
+    server = ServerProcess(batchsim_home, "--drain-timeout-s", "2", ignored=(signal.SIGHUP,))
+    try:
+        server.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)  # a handled one would have begun the drain by now
+        assert server.client.get("/health").json() == {"status": "ok"}
+        assert server.stop() == 0, "".join(server.stderr)
     finally:
         if server.proc.poll() is None:
             server.proc.kill()

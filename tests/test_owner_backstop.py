@@ -13,6 +13,7 @@ import types
 
 from batchsim.server.distributed import owner, rank
 from batchsim.server.distributed.rank import KEEP_RECORDS_S
+from batchsim.server.platform.signals import STOP_SIGNALS
 
 
 def _launch(tmp_path, sent: list[int]) -> owner.OwnedLaunch:
@@ -204,3 +205,28 @@ def test_a_group_stop_file_being_written_is_not_read_as_a_signal_name(tmp_path, 
     launch._forward()
     assert (tmp_path / rank.GROUP_STOP_FILE).read_text() == "SIGINT"
     assert sorted(p.name for p in tmp_path.iterdir() if "tmp" in p.name) == []
+
+
+def test_the_launcher_leaves_a_signal_nohup_said_to_ignore_ignored(tmp_path):
+    """`nohup batchsim run --ranks 2` stopped on hangup: OwnedLaunch.wait put its handler over
+    the inherited SIG_IGN. It now answers SIGINT and SIGTERM only, and gives them back after."""
+    launch = _launch(tmp_path, [])
+    seen: dict[signal.Signals, object] = {}
+
+    def wait(timeout: float) -> int:  # mlx.launch ends at once: the handlers as they were then
+        seen.update({sig: signal.getsignal(sig) for sig in STOP_SIGNALS})
+        return 0
+
+    launch.proc = types.SimpleNamespace(wait=wait)
+    wanted = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL,
+              signal.SIGHUP: signal.SIG_IGN}  # nohup's
+    before = {sig: signal.signal(sig, handler) for sig, handler in wanted.items()}
+    try:
+        assert launch.wait() == 0
+        after = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    assert seen == {signal.SIGINT: launch._note, signal.SIGTERM: launch._note,
+                    signal.SIGHUP: signal.SIG_IGN}
+    assert after == wanted

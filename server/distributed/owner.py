@@ -29,7 +29,7 @@ from batchsim.server.distributed.rank import (
     KEEPING_SUFFIX,
     STOP_SIGNAL_FILE,
 )
-from batchsim.server.platform.signals import STOP_SIGNALS, leave_closed_terminal
+from batchsim.server.platform.signals import leave_closed_terminal, not_ignored
 from batchsim.server.results import run_files
 
 GRACE_S = 5.0  # after a rank failed: time for mlx.launch to end the others before the launcher does
@@ -82,7 +82,7 @@ class OwnedLaunch:
     def wait(self) -> int:
         """Until mlx.launch ends (forwarding signals, ending stuck ranks); its exit status."""
         main = threading.current_thread() is threading.main_thread()
-        handled = STOP_SIGNALS if main else ()
+        handled = not_ignored() if main else ()  # nohup's SIGHUP stays ignored
         previous = {s: signal.signal(s, self._note) for s in handled}
         try:
             while True:

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from batchsim.server.platform.signals import leave_closed_terminal
+from batchsim.server.platform.signals import leave_closed_terminal, not_ignored
 
 _held: list[str] = []  # signals hold() noted before any Interrupts was entered
 
@@ -76,9 +76,8 @@ class Interrupts:
             self.received = self.received or self._name(_held[0])
             _held.clear()
         if threading.current_thread() is threading.main_thread():
-            for sig in self.signals:  # one the shell said to ignore (nohup, `cmd &`) stays so;
-                if signal.getsignal(sig) is not signal.SIG_IGN:  # a rank's hold() is its opt-out
-                    self._previous[sig] = signal.signal(sig, self._handle)
+            for sig in not_ignored(self.signals):  # nohup's SIGHUP stays ignored
+                self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:

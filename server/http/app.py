@@ -33,7 +33,7 @@ from batchsim.server.http.options import ServeOptions
 from batchsim.server.http.prometheus import CONTENT_TYPE, ServerRecorder, mlx_memory_gauges, render
 from batchsim.server.http.protocol import Runner
 from batchsim.server.http.text_stream import Generation
-from batchsim.server.platform.signals import STOP_SIGNALS, leave_closed_terminal
+from batchsim.server.platform.signals import leave_closed_terminal, not_ignored
 
 _ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error",
                 429: "rate_limit_error", 503: "server_error"}
@@ -328,7 +328,7 @@ async def serve(server: Server, host: str, port: int, announce: Callable[[str], 
     """Run until SIGINT/SIGTERM/SIGHUP (or the engine fails), then drain and stop. Returns totals.
     `stop`: an event that stops it instead of signals (a server in a test's event loop)."""
     loop = asyncio.get_running_loop()
-    signals = STOP_SIGNALS if stop is None else ()
+    signals = not_ignored() if stop is None else ()  # nohup's SIGHUP stays ignored
     stop = stop or asyncio.Event()
     engine = server.engine
     engine.start_clock()

@@ -11,6 +11,13 @@ import stat
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+def not_ignored(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> tuple[signal.Signals, ...]:
+    """Of `signals`, those a command may answer: one set to be ignored as it stands now (nohup's
+    SIGHUP, a script's `cmd &` SIGINT, inherited) stays ignored. As it stands now: a rank's
+    interrupts.hold() put its note over an ignored SIGINT on purpose (the launcher's SIGINT)."""
+    return tuple(sig for sig in signals if signal.getsignal(sig) is not signal.SIG_IGN)
+
+
 def leave_closed_terminal(signum: int) -> None:
     """On SIGHUP, the terminal is gone: a write to it fails (EIO) and would turn an interrupted
     run's exit into a failure. Its standard streams go to /dev/null instead (files and pipes

@@ -12,6 +12,11 @@ from batchsim.server.platform import blas
 blas.preload()  # before anything imports mlx, as the CLI does
 
 from tests.backend import dtype_for
+from tests.dispositions import answer_inherited_stop_signals
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    answer_inherited_stop_signals()
 
 
 @pytest.fixture(scope="session")

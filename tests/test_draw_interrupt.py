@@ -23,27 +23,40 @@ from tests.test_records import sim_config
 def test_a_signal_while_the_drawing_is_awaited_ends_the_wait(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(timeline_draw, "DRAW_WAIT_S", 40.0)  # far longer than the test allows
     session = open_session(sim_config(n=30))
-    awaited = threading.Event()
+    awaited, waited, lock = threading.Event(), threading.Event(), threading.Lock()
 
     class Watched(DrawingProcess):
         def result(self, *args, **kwargs):
             awaited.set()
-            return super().result(*args, **kwargs)
+            try:
+                return super().result(*args, **kwargs)
+            finally:
+                with lock:  # not before a SIGINT being sent has reached its handler
+                    waited.set()
 
     def interrupt() -> None:
         if awaited.wait(30):  # else never awaited: no SIGINT into whatever test runs then
-            time.sleep(0.3)  # inside the wait
-            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.3)  # inside the wait ...
+            with lock:  # ... unless it ended early: then a SIGINT would land in pytest's handler
+                if not waited.is_set():
+                    os.kill(os.getpid(), signal.SIGINT)
 
+    sender = threading.Thread(target=interrupt, daemon=True)
     with Watched() as drawing:
         child = drawing._child
         assert child is not None
         os.kill(child.pid, signal.SIGSTOP)  # never answers
-        threading.Thread(target=interrupt, daemon=True).start()
+        sender.start()
         start = time.monotonic()
-        outcome = run_workload(session, session.config.workload, out_dir=tmp_path, label="t",
-                               timeline=drawing)
+        try:
+            outcome = run_workload(session, session.config.workload, out_dir=tmp_path,
+                                   label="t", timeline=drawing)
+        finally:
+            with lock:  # never awaited, or it raised: no SIGINT after this
+                waited.set()
+            awaited.set()
         waited_s = time.monotonic() - start
+    sender.join(35)
     assert waited_s < 20.0  # not the 40 s wait
     assert child.poll() is not None  # killed, not left behind
     saved = json.loads((outcome.run_dir / "summary.json").read_text())

@@ -8,8 +8,8 @@ import contextlib
 import json
 import mmap
 import os
+import secrets
 import stat
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -193,14 +193,16 @@ class RecordStream:
 def replace_atomically(path: Path, data: bytes) -> None:
     """Readers see the old file or the new one, never a part (a rename within the directory).
     Each writer has its own temp file (two reports on one run dir), removed whatever stops the
-    write; the file keeps its mode (a new one: 0o666 less the umask, as open() makes it)."""
+    write; a new file is made as open() makes one (0o666 less the umask), an existing one's mode
+    kept where the filesystem has modes."""
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        fd, tmp = _own_temp(path)
     except OSError as exc:
         raise WriteFailed(path, exc) from None
     try:
         with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), _mode_of(path))
+            with contextlib.suppress(OSError):  # none to keep, or no modes there (vfat)
+                os.fchmod(f.fileno(), stat.S_IMODE(path.stat().st_mode))
             f.write(data)
         os.replace(tmp, path)
     except BaseException as exc:
@@ -211,15 +213,16 @@ def replace_atomically(path: Path, data: bytes) -> None:
         raise
 
 
-def _mode_of(path: Path) -> int:
-    try:
-        return stat.S_IMODE(path.stat().st_mode)
-    except OSError:
-        return 0o666 & ~_UMASK
-
-
-_UMASK = os.umask(0o022)  # no getter: read once, set back at once
-os.umask(_UMASK)
+def _own_temp(path: Path) -> tuple[int, str]:
+    """A new file beside `path`, opened for writing, and its name: `.NAME.` and a random part,
+    created with mode 0o666 (the umask applies, as for open(); no process-wide state read)."""
+    for _ in range(100):
+        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(4)}")
+        try:
+            return os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temp name beside {path}")
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:

@@ -71,8 +71,9 @@ def stop_if_interrupted(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_stoppable(session: Any, spec: Any, **kwargs: Any) -> Any:
-    """run_workload with SIGTERM and SIGHUP answered as Ctrl-C (as `run`): the run stops, its
-    records and summary.json kept (they killed calibrate and validate, the run dir unsummarized)."""
+    """run_workload with SIGTERM and SIGHUP answered as Ctrl-C (as run_path.run_config answers
+    them for `run` and `compare`): the run stops, its records and summary.json kept (they killed
+    calibrate and validate, the run dir unsummarized)."""
     from batchsim.server.engine.interrupts import Interrupts
     from batchsim.server.engine.runner import run_workload
     from batchsim.server.platform.signals import STOP_SIGNALS

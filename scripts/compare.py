@@ -160,11 +160,9 @@ def ratios(base: dict[str, Any], other: dict[str, Any]) -> dict[str, float | Non
 
 def _run_quietly(cfg: RunConfig, runs_dir: Path, label: str, timeline: bool) -> dict:
     from batchsim.server.engine.run_path import RecordsLost, run_config
-    from batchsim.server.platform.signals import STOP_SIGNALS
 
     try:  # SIGTERM, SIGHUP as Ctrl-C (as `run`): the run's records and summary kept
-        return stop_if_interrupted(run_config(cfg, runs_dir, label=label, timeline=timeline,
-                                              signals=STOP_SIGNALS))
+        return stop_if_interrupted(run_config(cfg, runs_dir, label=label, timeline=timeline))
     except RecordsLost as exc:
         raise CommandFailed(str(exc), exc.summary) from None
 

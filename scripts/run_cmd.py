@@ -91,12 +91,11 @@ def run(args: argparse.Namespace) -> dict:
 
 def _run_here(cfg: RunConfig, args: argparse.Namespace, drawing: bool | DrawingProcess) -> dict:
     from batchsim.server.engine.run_path import RecordsLost, run_config
-    from batchsim.server.platform.signals import STOP_SIGNALS
 
     warn_profile_mismatch(cfg)
     try:  # SIGTERM, SIGHUP as Ctrl-C: each stops the run and leaves its records and summary
         return run_config(cfg, Path(args.out), ConsoleView(progress=not args.no_progress),
-                          signals=STOP_SIGNALS, timeline=drawing)
+                          timeline=drawing)
     except RecordsLost as exc:
         raise CommandFailed(str(exc), exc.summary) from None
 

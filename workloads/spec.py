@@ -173,13 +173,14 @@ def workload_from_dict(data: dict[str, Any], source: str) -> WorkloadSpec:
     return spec
 
 
-def load_workload(path: str | Path) -> WorkloadSpec:
-    """Load one workload YAML; the name defaults to the file's stem. Unknown keys, wrong types and
-    impossible values are ConfigErrors naming the file and the key."""
+def load_workload(path: str | Path, data: dict[str, Any] | None = None,
+                  where: str | None = None) -> WorkloadSpec:
+    """Load one workload YAML (or `data`, read from it already: a pipe reads once); the name
+    defaults to the file's stem. Unknown keys, wrong types and impossible values are ConfigErrors
+    naming `where` (default: the file) and the key."""
     path = Path(path)
-    data = load_yaml(path)
-    data.setdefault("name", path.stem)
-    return workload_from_dict(data, str(path))
+    data = load_yaml(path) if data is None else data
+    return workload_from_dict({"name": path.stem, **data}, where or str(path))
 
 
 def builtin_workload_names() -> list[str]:

@@ -16,9 +16,9 @@ from batchsim.server.perf.spec_acceptance import checked, checked_share, curve_p
 from batchsim.workloads.spec import (
     WorkloadSpec,
     builtin_workload,
+    load_workload,
     resolve_workload,
     with_overrides,
-    workload_from_dict,
 )
 
 ExecutorName = Literal["mlx", "sim", "fake"]
@@ -192,13 +192,13 @@ def load_run_config(path: str | Path) -> RunConfig:
     # A bare workload YAML: workload keys and no run keys (so its unknown keys are named as such).
     if set(data) & workload_keys and not set(data) & run_keys:
         # from the data already read: a second read of a pipe (`<(...)`) would be empty
-        return RunConfig(workload=workload_from_dict({"name": Path(path).stem, **data}, str(path)))
+        return RunConfig(workload=load_workload(path, data))
     data = dict(data)
     wl = data.get("workload")
     if isinstance(wl, str):
         data["workload"] = resolve_workload(wl)
     elif isinstance(wl, dict):
-        data["workload"] = workload_from_dict({"name": Path(path).stem, **wl}, f"{path}: workload")
+        data["workload"] = load_workload(path, wl, f"{path}: workload")
     return from_dict(RunConfig, data, str(path))
 
 

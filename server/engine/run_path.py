@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from batchsim.server.engine.interrupts import Interrupts
+from batchsim.server.platform.signals import STOP_SIGNALS
 
 if TYPE_CHECKING:
     from batchsim.scheduler.plan import StepPlan, StepResult
@@ -64,10 +65,11 @@ class RecordsLost(Exception):
 
 
 def run_config(cfg: RunConfig, out_dir: Path, view: RunView = QUIET, *, label: str | None = None,
-               signals: tuple[signal.Signals, ...] = (signal.SIGINT,),
+               signals: tuple[signal.Signals, ...] = STOP_SIGNALS,
                timeline: bool | DrawingProcess = True) -> dict[str, Any]:
     """Open `cfg`'s session and run its workload into a new directory under `out_dir`; the
-    summary. A signal in `signals` stops the run at any point, records kept."""
+    summary. A signal in `signals` (default: SIGTERM and SIGHUP as Ctrl-C, as for every command's
+    run) stops the run at any point, records kept."""
     from batchsim.server.results.jsonio import new_run_dir
 
     label = label or f"{cfg.model}-{cfg.workload.name}-{cfg.executor}"

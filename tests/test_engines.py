@@ -263,12 +263,14 @@ def test_a_top_p_sampler_sorts_every_sampled_rows_vocabulary_batched_or_not():
     blocks)) passes), so a per-row sampler differs from a batched one by its calls alone."""
     spec = zoo_spec("qwen3-0.6b")
     assert spec.vocab_size == 151936  # 75 blocks: 7 merge passes of (value, index) pairs
-    assert top_p_bytes_per_logit(spec.vocab_size) == (4 + 8) + 7 * 2 * 8 + 2 * 4 + 14 * 4 + 11 * 4
-    assert top_p_bytes_per_logit(4096) - top_p_bytes_per_logit(2048) == 16  # one merge pass
+    assert top_p_bytes_per_logit(spec.vocab_size, 4) == 232  # float32 logits
+    assert top_p_bytes_per_logit(spec.vocab_size, 2) == 172  # the model's float16/bfloat16 ones
+    assert top_p_bytes_per_logit(4096, 2) - top_p_bytes_per_logit(2048, 2) == 12  # a merge pass
     mac = dataclasses.replace(_mac("M5 Max 40c"), sampling_row_s=50e-6)
     cost = {(s, p): StepCost(spec, mac, "float16", 4, engine=_engine(sampler=s, top_p=p))
             for s in ("batched", "per_row") for p in (None, 0.95, 1.0)}
-    row_s = spec.vocab_size * top_p_bytes_per_logit(spec.vocab_size) / mac.bytes_per_s
+    assert cost["batched", None].act_bytes == 2  # mlx-lm samples the model's dtype, uncast
+    row_s = spec.vocab_size * 172 / mac.bytes_per_s  # 26.1 MB a row
     for rows in (1, 8, 32):
         t = {k: c.decode_time(rows, 256) for k, c in cost.items()}
         for s in ("batched", "per_row"):
@@ -292,6 +294,12 @@ def test_a_row_sampled_with_top_p_is_priced_with_its_harness_top_p():
     model = MacModel(load_fit())
     assert all(model.engine_of(r).top_p == 0.95 for r in rows)
     assert load_engine("mlx-lm-batch").top_p is None
+    # temperature 0.7, top_p 0.95 in the source; rapid-mlx sampled with mlx-lm's make_sampler
+    # until its fused sampler (0.6.83, Rapid-MLX PR #542), whose passes are not priced
+    readme = {(r.engine, r.engine_version): model.engine_of(r).top_p
+              for r in load_published().rows if r.src == "rapid_mlx_readme_refresh"}
+    assert readme == {("rapid-mlx", "0.6.80"): 0.95, ("mlx-lm-server", "0.31.3"): 0.95,
+                      ("rapid-mlx", "0.6.83"): None}
 
 
 def test_each_engine_read_at_its_source_says_how_it_samples():

@@ -59,8 +59,9 @@ class EngineProfile:
     # batched: the step's rows sampled by one call (no per-row sampling cost); per_row: a sampler
     # call per sampled row, each paying the device's fitted sampling_row_us.
     sampler: str = "batched"
-    # The sampler's nucleus (top-p): under 1, mlx-lm's sample_utils.apply_top_p argsorts every
-    # sampled row's whole vocabulary each step, one call over the batch or one per row alike
+    # The sampler's nucleus (top-p), with temperature > 0 (mlx-lm's make_sampler ignores top_p at
+    # temperature 0): under 1, mlx-lm's sample_utils.apply_top_p argsorts every sampled row's
+    # whole vocabulary each step, one call over the batch or one per row alike
     # (top_p_bytes_per_logit prices its traffic); None: no top-p filter (greedy or unstated).
     top_p: float | None = None
     host_basis: str = ""  # how the fit set the host costs: its rows, and the prior it used
@@ -109,9 +110,12 @@ class EngineProfile:
                          f"forwards' layer dispatch per decode row past the first)")
         return "".join(f"; {n}" for n in notes)
 
-    def sampler_bytes_per_logit(self, vocab: int) -> float:
-        """Memory traffic the sampler adds per logit of every sampled row (0: none priced)."""
-        return top_p_bytes_per_logit(vocab) if self.top_p is not None and self.top_p < 1 else 0.0
+    def sampler_bytes_per_logit(self, vocab: int, value_bytes: int) -> float:
+        """Memory traffic the sampler adds per logit of every sampled row whose logits are
+        `value_bytes` wide (0: none priced)."""
+        if self.top_p is None or self.top_p >= 1:
+            return 0.0
+        return top_p_bytes_per_logit(vocab, value_bytes)
 
     @property
     def host_step_s(self) -> float:
@@ -146,9 +150,11 @@ INDEX_BYTES = 4  # uint32 sort indices
 TOP_P_PASSES = (14, 11)
 
 
-def top_p_bytes_per_logit(vocab: int, value_bytes: int = 4) -> float:
-    """Bytes a top-p sampler moves per logit of a sampled row (float32 logits, as layer_cost
-    writes them): MLX's argsort of the row and the sampler's other passes. Bandwidth-priced: a
+def top_p_bytes_per_logit(vocab: int, value_bytes: int) -> float:
+    """Bytes a top-p sampler moves per logit of a sampled row whose logits are `value_bytes` wide
+    (mlx-lm samples the model's dtype: generate.py at a790972, line 540, `logprobs = logits -
+    logsumexp(logits)` with no cast, and its heads return the activation dtype): MLX's argsort of
+    the row and the sampler's other passes. Bandwidth-priced: a
     lower bound (a merge pass's threadgroups also wait on each other, not only on memory)."""
     passes = math.ceil(math.log2(max(math.ceil(vocab / SORT_BLOCK), 1)))
     pair = value_bytes + INDEX_BYTES
@@ -173,9 +179,9 @@ def engine_help() -> str:
             f"(configs/engines: {', '.join(engine_names())}); a real run records it")
 
 
-# Each number's limits in a profile (>= 0, at most this), past any engine (shipped host costs
-# are under 1.1 ms, the fitted row_dispatch_forwards 0.33): a typo such as a request's 2e15 us
-# (63 years) ran a run whose clock `report` then read as damage (records past
+# Each number's limits in a profile (>= 0, at most this), past any engine (shipped host costs are
+# under 1.1 ms; row_dispatch_forwards is fitted, configs/reference/mlx-fit.yaml): a typo such as a
+# request's 2e15 us (63 years) ran a run whose clock `report` then read as damage (records past
 # rebuild.MAX_CLOCK_S), 1e300 overflowed. The maximum is a file's (load_engine): a StepCost's
 # copy, scaled by the device's host_scale (at most profile.MAX_HOST_SCALE), may pass it.
 ENGINE_LIMITS = {"host_step_us": 1e7, "host_token_us": 1e7, "host_request_us": 1e7,

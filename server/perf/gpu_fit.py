@@ -69,8 +69,9 @@ class GpuFit:
     # at the full FP16 rate while dequantizing every weight again per row, implausible, a sign that
     # other terms mispriced the few-row steps. It left the bound (0.83) when host work began to
     # scale by CPU generation (804992b: the M1-M5 rows' host time no longer one constant), and
-    # fitted 0.79 once rows were priced with their own MLX's kernels (00c4dc1), 0.49 since the
-    # Ultra term below is fitted per generation (the M3 Ultra rows had pulled it up).
+    # fitted 0.79 once rows were priced with their own MLX's kernels (00c4dc1); 0.49 while the
+    # Ultra term below was fitted per generation, and the shipped fit's value since 0d9b162 (one
+    # M1/M2 Ultra term, no per-generation one) is in configs/reference/mlx-fit.yaml.
     quantized_gemv_row_efficiency: float = 0.0
     # ... and on an M1/M2 Ultra, added to its 1 / efficiency: published M1 Ultra batched rows
     # scale worse than any other chip's (also mlx-lm's few-row verify forwards on an M2 Ultra
@@ -80,7 +81,8 @@ class GpuFit:
     # (mlx/backend/metal/quantized.cpp qmv, v0.31.1), fills both dies as it fills one die's cores,
     # and the M3 Ultra rows fit the one-die chips' rate (their own term, fitted until 575be2e,
     # was 0.0 on all rows; with mlx-swift's M3 Ultra rows held out, the 4 rapid-mlx M3 Ultra rows
-    # alone, whose qmv rows are 8% of their step, set it to 1.6: those rows then -19..-24%).
+    # alone, whose qmv rows are 8% of their step, set it to 1.6: macprovider's llama and qwen3
+    # M3 Ultra rows then -19..-24%).
     # Only M1 Ultra rows are batched among M1/M2 Ultras: with the M1 Ultra held out (leave one
     # chip out) its term has no rows, and those rows are over-predicted.
     ultra_gemv_row_slowdown: float = 0.0

@@ -169,8 +169,8 @@ class PublishedRow(WeightFormat):
     # How the source's harness sampled (configs/engines SAMPLERS: batched, per_row), where it
     # differs from its engine profile's (None: the profile's).
     sampler: str | None = None
-    # The harness's top-p (EngineProfile.top_p: under 1 the sampler argsorts each row's
-    # vocabulary), where stated; None: the profile's.
+    # The harness's top-p with temperature > 0 (EngineProfile.top_p: under 1 the sampler
+    # argsorts each row's vocabulary), where stated; None: the profile's.
     top_p: float | None = None
     # The MLX version the source ran, where stated ('0.32.0.dev'): its kernel choice prices the
     # row (server/perf/qmv.py); None: the newest MLX's.

@@ -152,8 +152,6 @@ def _rows_past_first(row: Any, catalog: macs.Catalog, model: MacModel) -> int:
     return sum(max(s.decode_rows - 1, 0) * s.num_steps for s in run_steps(row, catalog, model))
 
 
-
-
 def _design(bases: Sequence[Basis], cols: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """(plain parts, routed experts' parts at g = 1), each row divided by its measured seconds."""
     a, e = np.zeros((len(bases), len(cols))), np.zeros((len(bases), len(cols)))

@@ -219,8 +219,11 @@ def _check_out_dirs(args: argparse.Namespace) -> None:
     if any(out_dirs):
         from batchsim.server.results.jsonio import check_writable
 
-        for out_dir in filter(None, out_dirs):
-            check_writable(Path(out_dir))
+        out, runs = out_dirs
+        if out:
+            check_writable(Path(out))
+        if runs:  # made by the first run, once the command's own checks have passed
+            check_writable(Path(runs), keep=False)
 
 
 def _answer_a_swallowed_ctrl_c() -> None:

@@ -15,6 +15,7 @@ from batchsim.server.executors.decode_pool import DecodePool
 from batchsim.server.executors.pool_rows import PoolLayout
 from batchsim.server.executors.sim_executor import SimExecutor
 from batchsim.server.models.arch_cache import Attention
+from batchsim.server.perf.engines import EngineProfile
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 4
 KVT = 2 * LAYERS * HEADS * HEAD_DIM * 4  # float32
@@ -26,6 +27,7 @@ class BytesCost:
     kv_bytes_per_token = KVT
     step_overhead_s = 0.0
     layers = types.SimpleNamespace(linear_in_width=True)  # dense: one decode price per width
+    engine = EngineProfile("bytes-only", 0.0, 0.0)  # no host costs: only copies cost anything
 
     def copy_s(self, nbytes: float) -> float:
         return float(nbytes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -112,10 +113,13 @@ def _unwritable(out_dir: Path, exc: OSError) -> ConfigError:
                        f"({exc.strerror or exc})")
 
 
-def check_writable(out_dir: Path) -> None:
-    """out_dir exists (made if need be) and takes new files; else a one-line ConfigError."""
+def check_writable(out_dir: Path, keep: bool = True) -> None:
+    """out_dir exists (made if need be) and takes new files; else a one-line ConfigError. With
+    keep=False the directories it had to make are removed again (a directory the command makes
+    only once its work begins: nothing is left behind if the command is refused before that)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"output directory {out_dir}: not a directory")
+    made = [d for d in (out_dir, *out_dir.parents) if not d.exists() and not d.is_symlink()]
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out_dir):
@@ -123,3 +127,7 @@ def check_writable(out_dir: Path) -> None:
     except OSError as exc:
         reason = exc.strerror or exc
         raise ConfigError(f"output directory {out_dir}: not writable ({reason})") from None
+    finally:
+        for directory in made if not keep else ():  # innermost first, each empty
+            with contextlib.suppress(OSError):
+                directory.rmdir()

@@ -73,11 +73,22 @@ def test_a_profile_file_with_a_host_cost_past_any_engine_is_one_line(tmp_path, m
     load_engine.cache_clear()
     try:
         key = line.split(":")[0]
-        says = f"mine.yaml: {key} must be >= 0 and at most {engines.ENGINE_LIMITS[key]:g}, got "
+        says = f"mine.yaml: {key} must be >= 0 and at most {engines.ENGINE_LIMITS[key]:g} ("
         with pytest.raises(ConfigError, match=re.escape(says)):
             load_engine("mine")
     finally:
         load_engine.cache_clear()
+
+
+def test_a_profiles_own_check_says_the_bound_it_enforces():
+    """r5: EngineProfile rejects only a negative or infinite cost (its copy scaled by a host_scale
+    may pass the file's bound), but its message gave only the file's bound."""
+    from batchsim.server.perf.engines import EngineProfile
+
+    assert EngineProfile("e", 2e7, 1.0).host_step_us == 2e7  # past a file's 1e7: scaled
+    with pytest.raises(ValueError, match=r"at most 1e\+07 \(finite once scaled by a device's "
+                       r"host_scale\), got inf"):
+        EngineProfile("e", float("inf"), 1.0)
 
 
 @pytest.mark.parametrize("profile,dtype,quant", [(PROFILE, "float32", None),

@@ -189,7 +189,10 @@ ENGINE_LIMITS = {"host_step_us": 1e7, "host_token_us": 1e7, "host_request_us": 1
 
 
 def _past_limit(key: str, value: float) -> str:
-    return f"{key} must be >= 0 and at most {ENGINE_LIMITS[key]:g}, got {value:g}"
+    """One message for both checks: an engine file's (the bound) and EngineProfile's (finite,
+    its copy scaled by a device's host_scale may pass the bound)."""
+    return (f"{key} must be >= 0 and at most {ENGINE_LIMITS[key]:g} (finite once scaled by a "
+            f"device's host_scale), got {value:g}")
 
 
 @lru_cache(maxsize=32)

@@ -51,11 +51,14 @@ def test_run_directories_of_one_name_are_capped(tmp_path, monkeypatch):
     from batchsim.configs import ConfigError
     from batchsim.server.results import jsonio
 
-    monkeypatch.setattr(jsonio, "timestamp", lambda: "20261205-080000")
+    # a second passes as the tries end: the message names the name tried, not the next second's
+    stamps = iter(["20261205-080000"] * 3 + ["20261205-080001"])
+    monkeypatch.setattr(jsonio, "timestamp", lambda: next(stamps))
     monkeypatch.setattr(jsonio, "MAX_SAME_NAME", 3)
     for name in ("20261205-080000-m", "20261205-080000-m-2", "20261205-080000-m-3"):
         (tmp_path / name).mkdir()
-    with pytest.raises(ConfigError, match="3 run directories named 20261205-080000-m already"):
+    with pytest.raises(ConfigError,
+                       match="3 run directories named 20261205-080000-m exist already"):
         jsonio.new_run_dir(tmp_path, "m")
 
 

@@ -67,7 +67,7 @@ class _Status:
         self.keep_until: float | None = None  # monotonic: when rank 0 gives up keeping records
         self.term_pending = False  # a SIGTERM came while rank 0's run wrote its records: after them
         self.expire_pending: str | None = None  # the watchdog's message, likewise
-        self.unkept: threading.Timer | None = None  # _exit_unkept_later's, until the records are
+        self.unkept: threading.Timer | None = None  # _exit_unkept_later's: cancelled once kept
 
     def write(self, ok: bool, error: str | None = None, **extra: Any) -> None:
         """Best effort: without its directory (a remote host, the launcher gone) no one reads it."""

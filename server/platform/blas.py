@@ -157,8 +157,8 @@ def _will_ask_corename(request: str) -> bool:
 
 def start_probe() -> None:
     """Ask now, in another process, what preload will ask: the program's imports run meanwhile
-    (the answer takes 60-120 ms; starting the process, 15-27 ms of the program's start, measured
-    on this 2-core Linux under load 9). No-op where preload will not ask."""
+    (the answer takes 60-120 ms; starting the process, 15-27 ms of the program's start). No-op
+    where preload will not ask."""
     global _asked
     request = (os.environ.get(ENV_VAR) or "auto").strip()
     if _asked is not None or _choice is not None or not _will_ask_corename(request):

@@ -88,7 +88,8 @@ def new_run_dir(out_dir: Path, label: str) -> Path:
     before a run starts, so an output directory that cannot be written fails before any compute."""
     label = _NOT_IN_A_NAME.sub("_", label).encode()[:MAX_LABEL_BYTES].decode(errors="ignore")
     for n in range(1, MAX_SAME_NAME + 1):  # made, not looked for: two runs in one second
-        run_dir = out_dir / (f"{timestamp()}-{label}" + (f"-{n}" if n > 1 else ""))
+        name = f"{timestamp()}-{label}"  # the second may change between tries: the last one's
+        run_dir = out_dir / (name + (f"-{n}" if n > 1 else ""))
         try:
             run_dir.mkdir(parents=True)
             break
@@ -99,7 +100,7 @@ def new_run_dir(out_dir: Path, label: str) -> Path:
             raise _unwritable(out_dir, exc) from None
     else:
         raise ConfigError(f"output directory {out_dir}: {MAX_SAME_NAME:,} run directories "
-                          f"named {timestamp()}-{label} already")
+                          f"named {name} exist already")
     try:
         (run_dir / ".writable").touch()
         (run_dir / ".writable").unlink()

@@ -111,9 +111,14 @@ def _failed(exc: Exception) -> tuple[None, str]:
     return None, f"{TIMELINE}: not drawn ({str(exc) or type(exc).__name__})"  # no class name
 
 
+def _drawstyle(series: _Series) -> str:
+    """Per-step lines hold each step's value until the next; binned ones join bin centres."""
+    return "default" if series.binned else "steps-pre"
+
+
 def _line(ax, series: _Series, name: str, label: str, color: str) -> None:
     ax.plot(series.x, series.get(name), color=color, lw=1, label=label,
-            drawstyle="default" if series.binned else "steps-pre")
+            drawstyle=_drawstyle(series))
     if series.binned:
         ax.fill_between(series.x, series.get(name, "min"), series.get(name, "max"), color=color,
                         alpha=0.2, lw=0)
@@ -134,7 +139,7 @@ def _requests_panel(ax, series: _Series, max_num_seqs: int | None, right) -> Non
     # right: a queue can be 100 times the batch
     right.plot(series.x, series.get("waiting", "max"), color="tab:orange", lw=1,
                label="waiting (max per bin)" if series.binned else "waiting",
-               drawstyle="default" if series.binned else "steps-pre")
+               drawstyle=_drawstyle(series))
     right.set_ylabel("waiting requests", color="tab:orange")
     right.set_ylim(bottom=0)
     _legend(ax, ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0])
@@ -144,7 +149,7 @@ def _batch_panel(ax, series: _Series, right) -> None:
     _line(ax, series, "batch", "decode batch (rows)", "tab:purple")
     ax.set_ylabel("decode batch")
     right.plot(series.x, series.get("tokens"), color="tab:gray", lw=0.8, alpha=0.8,
-               label="tokens per step", drawstyle="default" if series.binned else "steps-pre")
+               label="tokens per step", drawstyle=_drawstyle(series))
     right.set_ylabel("tokens per step")
     right.set_ylim(bottom=0)
     _legend(ax, ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0])
@@ -155,7 +160,7 @@ def _kv_panel(ax, series: _Series, overrun_s: float | None, limits: Limits) -> N
     peak = f"peak {kv_gib.max():.3g} GiB"  # a line at 1% of the budget is too thin to read
     ax.plot(series.x, kv_gib, color="tab:red", lw=1,
             label=f"KV held (max per bin, {peak})" if series.binned else f"KV held ({peak})",
-            drawstyle="default" if series.binned else "steps-pre")
+            drawstyle=_drawstyle(series))
     if limits.kv_budget_bytes:
         ax.axhline(limits.kv_budget_bytes / _GIB, color="black", ls="--", lw=1,
                    label=f"KV budget {limits.kv_budget_bytes / _GIB:.3g} GiB")

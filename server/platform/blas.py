@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
+import functools
 import os
 import platform
 import subprocess
@@ -110,17 +111,18 @@ _FALLBACK_CORES = {"prescott", "core2", "penryn", "dunnington", "nehalem", "katm
                    "northwood", "banias", "atom", "unknown"}
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache  # start_probe and preload both ask (preload twice): /proc/cpuinfo read once
+def _cpu_flags() -> frozenset[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
-def coretype_for(flags: set[str]) -> str | None:
+def coretype_for(flags: frozenset[str] | set[str]) -> str | None:
     """The best OpenBLAS x86-64 kernel set these CPU flags can run, or None."""
     if {"avx512f", "avx512vl", "avx512bw", "avx512dq"} <= flags:
         return "Cooperlake" if "avx512_bf16" in flags else "SkylakeX"

@@ -292,3 +292,31 @@ def test_a_signal_during_a_flush_waits_for_it_and_keeps_every_record_once(tmp_pa
     assert [json.loads(x)["step_index"] for x in lines] == [0]
     requests = (tmp_path / "requests.jsonl").read_text().splitlines()
     assert [json.loads(x)["request_id"] for x in requests] == [7]
+
+
+def test_two_streams_closing_one_run_dir_each_write_their_own_whole_file(tmp_path, monkeypatch):
+    """close() put requests.jsonl in arrival order through a fixed `.requests.jsonl.tmp`: a second
+    writer closing the same run dir mid-write truncated and renamed the first's temp file, so the
+    first's later lines landed inside the second's finished file and its rename failed. Each
+    writer now has its own temp (run_files.write_atomically): the last rename wins, whole."""
+    from tests.test_timeline import _request
+
+    monkeypatch.setattr(run_files, "WRITE_CHUNK_BYTES", 1)  # a write per line: room to interleave
+    first, second = run_files.RecordStream(tmp_path), run_files.RecordStream(tmp_path)
+    first_rows = [_request(i, 0.0, 0.5) for i in range(6)]
+    second_rows = [_request(100 + i, 0.0, 0.25) for i in range(3)]
+    encode = run_files.dumps
+    calls = []
+
+    def dumps_then_second_closes(row):  # the second writer runs while the first is mid-file
+        calls.append(row)
+        if len(calls) == 3:
+            second.close(second_rows)
+        return encode(row)
+
+    monkeypatch.setattr(run_files, "dumps", dumps_then_second_closes)
+    first.close(first_rows)
+    assert first.error is None and second.error is None
+    text = (tmp_path / "requests.jsonl").read_text()
+    assert text == "".join(encode(r.to_json()) + "\n" for r in first_rows)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["requests.jsonl", "steps.jsonl"]

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from batchsim.configs import file_kind
 from batchsim.server.results.json_lines import StepLines, request_line
@@ -162,15 +162,13 @@ class RecordStream:
         if self.error is not None or [r.request_id for r in records] == list(self._spans):
             return  # streamed complete and in order, or no room to write them again
         path = self.run_dir / REQUESTS
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            self._write_in_order(path, tmp, records)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)  # the streamed file stays, in completion order
-            self._failed(WriteFailed(path, exc))
+        try:  # the streamed file stays, in completion order, if this fails
+            write_atomically(path, lambda out: self._write_in_order(path, out, records))
+        except WriteFailed as exc:
+            self._failed(exc)
 
-    def _write_in_order(self, path: Path, tmp: Path, records: Sequence[RequestRecord]) -> None:
-        with path.open("rb") as f, tmp.open("wb") as out:
+    def _write_in_order(self, path: Path, out: BinaryIO, records: Sequence[RequestRecord]) -> None:
+        with path.open("rb") as f:
             written = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self._spans else None
             lines: list[bytes] = []
             size = 0
@@ -187,14 +185,19 @@ class RecordStream:
             out.write(b"".join(lines))
             if written is not None:
                 written.close()
-        os.replace(tmp, path)  # readers see the streamed file or this one, never a part
 
 
 def replace_atomically(path: Path, data: bytes) -> None:
-    """Readers see the old file or the new one, never a part (a rename within the directory).
-    Each writer has its own temp file (two reports on one run dir), removed whatever stops the
-    write; a new file is made as open() makes one (0o666 less the umask), an existing one's mode
-    kept where the filesystem has modes."""
+    """`path` holds `data`, as write_atomically puts it there."""
+    write_atomically(path, lambda f: f.write(data))
+
+
+def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """`path` holds what `write` writes to the file it is given. Readers see the old file or the
+    new one, never a part (a rename within the directory). Each writer has its own temp file (two
+    reports on one run dir, two streams closing one), removed whatever stops the write; a new file
+    is made as open() makes one (0o666 less the umask), an existing one's mode kept where the
+    filesystem has modes. An OSError is raised as WriteFailed."""
     try:
         fd, tmp = _own_temp(path)
     except OSError as exc:
@@ -203,7 +206,7 @@ def replace_atomically(path: Path, data: bytes) -> None:
         with os.fdopen(fd, "wb") as f:
             with contextlib.suppress(OSError):  # none to keep, or no modes there (vfat)
                 os.fchmod(f.fileno(), stat.S_IMODE(path.stat().st_mode))
-            f.write(data)
+            write(f)
         os.replace(tmp, path)
     except BaseException as exc:
         with contextlib.suppress(OSError):

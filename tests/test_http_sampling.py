@@ -127,6 +127,28 @@ def test_tool_fields_and_look_alike_types_are_refused(srv, path, field, value):
         assert srv.client.post(path, json={**plain, **harmless}).status_code == 200
 
 
+@pytest.mark.parametrize("path,field,value,harmless", [
+    ("/v1/chat/completions", "modalities", ["text", "audio"], ["text"]),
+    ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}, None),
+    ("/v1/chat/completions", "reasoning_effort", "high", None),
+    ("/v1/chat/completions", "web_search_options", {}, None),
+    ("/v1/completions", "use_beam_search", True, False),
+    ("/v1/completions", "allowed_token_ids", [5, 6], None),
+    ("/v1/completions", "bad_words", ["the"], []),
+    ("/v1/completions", "include_stop_str_in_output", True, False),
+    ("/v1/completions", "guided_regex", "a+", None),
+    ("/v1/chat/completions", "continue_final_message", True, False),
+    ("/v1/chat/completions", "chat_template_kwargs", {"enable_thinking": False}, {}),
+])
+def test_fields_that_would_change_the_reply_are_refused(srv, path, field, value, harmless):
+    """Each was a 200 that ignored the field (h8): a reply to some other request."""
+    plain = {**BODY, "messages": [{"role": "user", "content": "hi"}]}
+    r = srv.client.post(path, json={**plain, field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field, r.text
+    assert srv.client.post(path, json={**plain, field: harmless}).status_code == 200
+
+
 def test_context_overflow_names_the_field_sent(srv):
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     for field in ("max_tokens", "max_completion_tokens"):

@@ -107,6 +107,21 @@ def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
     return flags[0], flags[0] and flags[1]
 
 
+# Fields OpenAI or vLLM accept that would change the reply, refused unless they ask for what
+# serve does anyway: a 200 that ignored one would answer a different request.
+_CHANGES_OUTPUT: dict[str, tuple[Any, ...]] = {
+    "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,),
+    "reasoning_effort": (None,), "verbosity": (None,),  # OpenAI: reasoning models only
+    "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "truncate_prompt_tokens": (None,),
+    "include_stop_str_in_output": (None, False), "prompt_logprobs": (None,),
+    "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+    "chat_template": (None,), "chat_template_kwargs": (None, {}), "documents": (None,),
+}
+
+
 def _check_unsupported(body: dict[str, Any], kind: Kind) -> None:
     n = body.get("n", 1)
     check(body, "n", n is None or (is_int(n) and n == 1), "1 (one choice per request)")
@@ -114,7 +129,8 @@ def _check_unsupported(body: dict[str, Any], kind: Kind) -> None:
                "logprobs": (None, False) if kind == "chat" else (None,),
                "top_logprobs": (None, 0), "min_tokens": (None, 0), "tools": (None, []),
                "functions": (None, []), "tool_choice": (None, "none", "auto"),
-               "function_call": (None, "none", "auto")}  # without tools these two are no-ops
+               "function_call": (None, "none", "auto"),  # without tools these two are no-ops
+               **_CHANGES_OUTPUT}
     for key, allowed in refused.items():
         if key in body and not _one_of(body[key], allowed):
             raise APIError(400, f"{key}: not supported by batchsim serve", param=key)

@@ -19,10 +19,28 @@ CONFIG_DIR = Path(__file__).resolve().parent
 T = TypeVar("T")
 
 
+def _flatten_unique(self: Any, node: yaml.MappingNode) -> None:
+    """A mapping's keys checked before its merges (`<<: *base`, which may repeat a key on purpose)
+    are flattened into it: a key written twice was read as its last value, silently."""
+    checked = self.__dict__.setdefault("_unique_checked", set())
+    if id(node) not in checked:  # a node merged again was flattened already
+        checked.add(id(node))
+        first: dict[tuple[str, str], yaml.Mark] = {}
+        for key, _ in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                mark = first.setdefault((key.tag, key.value), key.start_mark)
+                if mark is not key.start_mark:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key.value[:60]!r} is given twice (first on line "
+                        f"{mark.line + 1}); keep one", key.start_mark)
+    yaml.constructor.SafeConstructor.flatten_mapping(self, node)
+
+
 def _yaml12_floats(base: type) -> type:
     """`base`, except that `1e-3` is a float as in YAML 1.2 and JSON (YAML 1.1 reads it as a
-    string, and `request_rate: 1e-3` was refused as "expected a number, got '1e-3'")."""
-    loader = type(f"Batchsim{base.__name__}", (base,), {})
+    string, and `request_rate: 1e-3` was refused as "expected a number, got '1e-3'"), and a key
+    given twice in one mapping is an error (_flatten_unique)."""
+    loader = type(f"Batchsim{base.__name__}", (base,), {"flatten_mapping": _flatten_unique})
     loader.add_implicit_resolver(
         "tag:yaml.org,2002:float",
         re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),

@@ -44,6 +44,9 @@ def test_yaml_alias_bombs_and_deep_nesting_are_one_line(capsys, tmp_path, text, 
     ("num_prompts:\t5\n", "found character '\\t' that cannot start any token"),  # libyaml read 5
     ("a: 1\nb: *x\n", "found undefined alias 'x'"),  # libyaml: no name, no line shown
     ('name: "\\ud800"\n', "escape"),  # pure read it: a UnicodeEncodeError when written
+    ("num_prompts: 5\nseed: 1\nnum_prompts: 50\n",  # both builds read 50, silently
+     "key 'num_prompts' is given twice (first on line 1)"),
+    ("input_len: {dist: uniform, min: 8, min: 9}\n", "key 'min' is given twice"),
 ])
 def test_every_yaml_build_refuses_the_same_files_in_pyyaml_words(monkeypatch, tmp_path, build,
                                                                   text, says):
@@ -76,6 +79,10 @@ def test_yaml_aliases_within_reason_still_load(tmp_path):
     path.write_text("base: &b {dist: uniform, min: 8, max: 16}\ninput_len: *b\noutput_len: *b\n")
     data = load_yaml(path)
     assert data["input_len"] == data["output_len"] == {"dist": "uniform", "min": 8, "max": 16}
+    # a merge's keys may be given again on purpose (a key twice is refused: the test above)
+    path.write_text("a: &a {min: 1, max: 2}\nb: &b {<<: *a, min: 3}\nc: {<<: *b, max: 4}\n")
+    assert load_yaml(path) == {"a": {"min": 1, "max": 2}, "b": {"min": 3, "max": 2},
+                               "c": {"min": 3, "max": 4}}
 
 
 def test_shipped_yaml_reads_with_libyaml_to_the_pure_python_values():

@@ -71,6 +71,10 @@ def _write(tmp_path, **change):
     ({"streamed": "yes"}, "streamed: expected true or false"),
     ({"colour": "red"}, "unknown key 'colour'"),
     ({"mlx_version": "latest"}, "MLX version 'latest'"),
+    ({"chip": "M4 Pro", "gpu_cores": 20, "memory_gb": 128}, "128 GB was not sold with M4 Pro 20"),
+    ({"chip": "M4 Max", "gpu_cores": 32, "memory_gb": 128}, "(configs/macs.yaml: 36 GB)"),
+    ({"prompt_tokens": 0}, "prompt_tokens 0 and generated_tokens"),
+    ({"generated_tokens": -128}, "positive where published"),
 ])
 def test_a_bad_row_is_refused_in_one_line_naming_it(tmp_path, change, says):
     path = _write(tmp_path, id="bad-row", **change)

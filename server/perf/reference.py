@@ -187,6 +187,9 @@ class PublishedRow(WeightFormat):
             raise ValueError(f"measures {self.measures!r}; allowed: {', '.join(MEASURES)}")
         if self.batch < 1 or self.tok_s <= 0:
             raise ValueError(f"batch {self.batch} and tok_s {self.tok_s} must be positive")
+        if any(n is not None and n < 1 for n in (self.prompt_tokens, self.generated_tokens)):
+            raise ValueError(f"prompt_tokens {self.prompt_tokens} and generated_tokens "
+                             f"{self.generated_tokens}: positive where published")
         if self.batch == 1 and self.measures == "aggregate":
             raise ValueError("a batch-1 row measures per_request")
         if not self.quote.strip():
@@ -221,6 +224,17 @@ def _check_row(row: PublishedRow, sources: dict[str, str], zoo: set[str], catalo
         row_mac(catalog, row.chip, row.gpu_cores)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
+    sizes_gb = _memory_sizes_gb(catalog, row.chip, row.gpu_cores)
+    if row.memory_gb is not None and row.memory_gb not in sizes_gb:
+        raise ConfigError(f"{where}: {row.memory_gb:g} GB was not sold with {row.chip} "
+                          f"{row.gpu_cores or ''} (configs/macs.yaml: "
+                          f"{', '.join(str(gb) for gb in sorted(sizes_gb))} GB)")
+
+
+def _memory_sizes_gb(catalog: Catalog, chip: str, gpu_cores: int | None) -> set[int]:
+    """The memory sizes the catalog lists for a chip (its GPU-core variant where published)."""
+    return {gb for m in catalog.chips if m.chip == chip and gpu_cores in (None, m.gpu_cores)
+            for gb in m.mem_gb}
 
 
 @lru_cache(maxsize=4)

@@ -5,6 +5,7 @@ rank."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,7 +15,10 @@ import time
 from pathlib import Path
 
 import httpx
+from batchsim.server.distributed import launch, stop_signals
+from batchsim.server.distributed.rank import LAUNCHER_IGNORED_ENV
 
+from tests import dispositions
 from tests.drivers import WatchesServeStderr
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,11 +27,12 @@ START_GUARD_S = 120  # a server that never listens fails the test instead of han
 
 
 class Serve(WatchesServeStderr):
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, ignored: tuple[signal.Signals, ...] = ()):
         cmd = [sys.executable, "-m", "batchsim.scripts.cli", "serve", "--model", "tiny", "--port",
                "0", "--max-num-seqs", "4", *args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        self.proc = subprocess.Popen(dispositions.command(cmd, *ignored), cwd=ROOT,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     stdin=subprocess.DEVNULL, text=True)
         self.watch_stderr()
 
     def wait_listening(self) -> None:
@@ -113,4 +118,48 @@ def test_two_rank_server_answers_as_one_and_stops_every_rank(tiny):
             except ProcessLookupError:
                 pass
         one.proc.wait()
+        two.proc.wait()
+
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The pid of `rank` among the launcher's descendants (MLX_RANK in its environment)."""
+    for pid in _descendants(launcher):
+        with contextlib.suppress(OSError):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if f"MLX_RANK={rank}".encode() in environ:
+                return pid
+    raise AssertionError(f"no rank {rank} under {launcher}")
+
+
+def test_rank0_answers_the_stop_signals_the_launcher_answers():
+    """Rank 0 of `serve --ranks` put a handler on SIGHUP even under nohup: the launcher's own
+    disposition is passed down (a remote rank 0 starts with sshd's); SIGTERM always stays
+    answered (mlx.launch's when a peer died)."""
+    names = [s.name for s in stop_signals.answered({LAUNCHER_IGNORED_ENV: "SIGHUP,SIGTERM"})]
+    assert names == ["SIGINT", "SIGTERM"]
+    assert len(stop_signals.answered({LAUNCHER_IGNORED_ENV: ""})) == 3  # own SIGHUP ignored or not
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # nohup's, in the launcher
+    try:
+        cmd = launch.launch_command(["serve"], 2, None, 20000, "/tmp/status")
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert f"{LAUNCHER_IGNORED_ENV}=SIGHUP" in cmd
+
+
+def test_rank0_keeps_serving_through_a_sighup_a_nohup_launcher_ignored(tiny):
+    """nohup batchsim serve --ranks 2: a SIGHUP to rank 0 (`kill -HUP`) drained and stopped it.
+    Now it serves on; the launcher's SIGTERM still stops every rank, exit 0."""
+    two = Serve("--ranks", "2", ignored=(signal.SIGHUP,))
+    try:
+        two.wait_listening()
+        os.kill(_rank_pid(two.proc.pid, 0), signal.SIGHUP)
+        time.sleep(1.0)  # a handled one would have begun the drain by now
+        assert two.complete(PROMPTS[0])["usage"]["completion_tokens"] == 6
+        rc, out = two.stop()
+        assert rc == 0, "".join(two.stderr)[-2000:]
+        assert json.loads(out.strip().splitlines()[-1])["requests"] == {"finished": 1}
+    finally:  # on a failure: kill what is left (mlx.launch runs in a session of its own)
+        for pid in (_descendants(two.proc.pid) if two.proc.poll() is None else []) + [two.proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         two.proc.wait()

@@ -16,7 +16,13 @@ from pathlib import Path
 from batchsim.configs import ConfigError
 from batchsim.server.distributed import ring_log
 from batchsim.server.distributed.owner import OwnedLaunch
-from batchsim.server.distributed.rank import STATUS_DIR_ENV, TIMEOUT_ENV, rank_timeout_s
+from batchsim.server.distributed.rank import (
+    LAUNCHER_IGNORED_ENV,
+    STATUS_DIR_ENV,
+    TIMEOUT_ENV,
+    rank_timeout_s,
+)
+from batchsim.server.platform.signals import STOP_SIGNALS, not_ignored
 
 PASS_ENV = ("BATCHSIM_HOME", "BATCHSIM_BLAS", "BATCHSIM_FAULT_DIE_AT_STEP", TIMEOUT_ENV)
 
@@ -60,7 +66,9 @@ def launch_command(argv: list[str], ranks: int, hostfile: str | None, port: int,
     """mlx.launch's arguments for running this same `batchsim` command line on every rank."""
     cmd = ["--starting-port", str(port)]
     cmd += ["--hostfile", hostfile] if hostfile else ["--backend", "ring", "-n", str(ranks)]
-    envs = [f"{STATUS_DIR_ENV}={status_dir}"]
+    answered = not_ignored()  # as the launcher stands now: nohup's SIGHUP ignored, passed down
+    ignored = ",".join(s.name for s in STOP_SIGNALS if s not in answered)
+    envs = [f"{STATUS_DIR_ENV}={status_dir}", f"{LAUNCHER_IGNORED_ENV}={ignored}"]
     envs += [f"{k}={os.environ[k]}" for k in PASS_ENV if k in os.environ]
     for e in envs:
         cmd += ["--env", e]

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from batchsim.server.engine.session import Session
 
 STATUS_DIR_ENV = "BATCHSIM_RANKS_DIR"  # set by the launcher: where ranks leave their status
+LAUNCHER_IGNORED_ENV = "BATCHSIM_LAUNCHER_IGNORED"  # its stop signals ignored: "SIGHUP,..."
 DIE_AT_STEP_ENV = "BATCHSIM_FAULT_DIE_AT_STEP"  # tests: rank 1 kills itself at this step
 TIMEOUT_ENV = "BATCHSIM_RANK_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0  # per step: a long prefill on a loaded CPU must not trip it

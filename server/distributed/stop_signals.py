@@ -1,7 +1,9 @@
 """Stop signals on rank 0 of `serve --ranks N`. mlx.launch sends SIGTERM to rank 0 when another
 rank died, and a step that waits on a dead peer never returns, so a drain would wait forever:
 rank 0 exits at once when a local peer is gone, else drains as a 1-rank server does, with a
-deadline after which it exits anyway."""
+deadline after which it exits anyway. It answers the stop signals the launcher answers: the
+ranks run in a session of their own (a remote rank 0 under sshd), so what nohup left ignored is
+passed down (LAUNCHER_IGNORED_ENV), not inherited."""
 
 from __future__ import annotations
 
@@ -9,19 +11,31 @@ import asyncio
 import os
 import signal
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from batchsim.server.distributed.rank import (
+    LAUNCHER_IGNORED_ENV,
     STATUS_DIR_ENV,
     _expire,
     _Status,
     _terminated,
     peers_lost,
 )
-from batchsim.server.platform.signals import STOP_SIGNALS
+from batchsim.server.platform.signals import STOP_SIGNALS, not_ignored
 
 GRACE_S = 10.0  # beyond the drain timeout: stopping the listener, telling the followers to stop
+
+
+def answered(environ: Mapping[str, str] = os.environ) -> tuple[signal.Signals, ...]:
+    """Rank 0's stop signals: SIGTERM always (mlx.launch's when a peer died, the launcher's stop),
+    the others unless the launcher ignored them (without its word: unless this process does)."""
+    passed = environ.get(LAUNCHER_IGNORED_ENV)
+    own = not_ignored()
+    ignored = passed.split(",") if passed is not None else [s.name for s in STOP_SIGNALS
+                                                            if s not in own]
+    return tuple(s for s in STOP_SIGNALS if s == signal.SIGTERM or s.name not in ignored)
 
 
 def install(server: Any, drain_timeout_s: float) -> asyncio.Event:
@@ -42,6 +56,6 @@ def install(server: Any, drain_timeout_s: float) -> asyncio.Event:
         timer.daemon = True
         timer.start()
 
-    for sig in STOP_SIGNALS:
+    for sig in answered():
         loop.add_signal_handler(sig, on_signal, sig)
     return stop

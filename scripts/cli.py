@@ -271,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         err_line(f"batchsim {args.command}: {exc}")
         return EXIT_USAGE
     except CommandFailed as exc:
+        err_line(f"batchsim {args.command}: {exc}")  # first: a stdout that fails ends it
         emit_json(exc.summary)
-        err_line(f"batchsim {args.command}: {exc}")
         return exc.exit_code
     except OSError as exc:
         return _os_error_exit(args.command, exc)

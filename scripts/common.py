@@ -90,12 +90,16 @@ def err_line(text: str) -> None:
 def emit_json(obj: Any) -> None:
     """The last stdout line of every command: one JSON document. A reader that closed the pipe
     (`batchsim run --json | head -c 1`) ends the command as rich does for the tables: stdout to
-    /dev/null, exit 1 (it was a BrokenPipeError traceback, then another at exit)."""
+    /dev/null, exit 1 (it was a BrokenPipeError traceback, then another at exit). A stdout that
+    cannot take it (`> file` on a full disk, /dev/full) says so in one line, exit 1 (it was an
+    OSError traceback)."""
     try:
         sys.stdout.flush()
         print(dumps(obj), flush=True)
-    except BrokenPipeError:
+    except OSError as exc:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if not isinstance(exc, BrokenPipeError):
+            err_line(f"batchsim: cannot write the JSON document to stdout: {exc.strerror}")
         raise SystemExit(EXIT_FAILED) from None
 
 

@@ -204,6 +204,35 @@ def test_json_to_a_reader_that_closed_the_pipe_is_exit_1_without_a_traceback():
     assert proc.wait(timeout=120) == 1 and "Traceback" not in err and "Exception" not in err, err
 
 
+def test_json_to_a_full_disk_is_one_line_and_exit_1():
+    """`batchsim models --json > /dev/full` (or a file on a full disk): an OSError traceback from
+    emit_json."""
+    with open("/dev/full", "w") as full:
+        proc = _batchsim("models", "--json", stdout=full)
+        err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1, err
+    assert _one_line(err) == ("batchsim: cannot write the JSON document to stdout: "
+                              "No space left on device"), err
+
+
+def test_a_run_that_lost_records_says_so_before_stdout_fails(tmp_path):
+    """Its records past an 8 KiB file size limit, its JSON to /dev/full: the line naming the lost
+    records came after the JSON, so the stdout failure ended the command before it was said."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8192, resource.RLIM_INFINITY))
+
+    with open("/dev/full", "w") as full:
+        proc = _batchsim("run", *SIM, "--num-prompts", "300", "--json", "--out", str(tmp_path),
+                         stdout=full, preexec_fn=limit)
+        err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1, err
+    lines = err.strip().splitlines()
+    assert "steps.jsonl: File too large (the run stopped" in lines[-2], err
+    assert lines[-1].endswith("stdout: No space left on device"), err
+
+
 def test_a_closed_stdout_is_not_a_traceback():
     """`batchsim models --json >&-`: sys.stdout is None, and reading its width was an
     AttributeError traceback while the commands loaded."""

@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> dict:
                         ["batch", "requests", "executor tok/s", "mlx_lm tok/s", "executor/mlx_lm"],
                         [[r["batch"], r["requests"], r["executor_tok_s"], r["mlx_lm_tok_s"],
                           r["executor_tok_s"] / r["mlx_lm_tok_s"]] for r in continuous]))
-    out.print(f"appended {len(rows) + len(continuous)} rows to {path}")
+    out.print(f"appended {len(rows) + len(continuous)} rows to {path}", markup=False)
     return {"rows": rows, "continuous": continuous, "env": env}
 
 

@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> dict:
         summary.update(quick=True, held_out=held_out, elapsed_s=time.perf_counter() - t0)
     append_jsonl(Path(args.out) / "calibrate.jsonl", [summary])
     out.print(f"profile written to {', '.join(str(p) for p in paths)}; use it with "
-              f"`batchsim run --executor sim --device-profile {args.name}`")
+              f"`batchsim run --executor sim --device-profile {args.name}`", markup=False)
     return summary
 
 

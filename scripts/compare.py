@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> dict:
     where = executor_label(cfg_a.executor, cfg_b.engine, cfg_a.device_profile)
     err.print(f"batchsim compare: {cfg_a.model} on {where}, "
               f"workload {spec.name}: "
-              f"{spec.num_prompts} requests, {name_a} then {name_b}")
+              f"{spec.num_prompts} requests, {name_a} then {name_b}", markup=False)
     warn_profile_mismatch(cfg_a)
     summaries = []
     for cfg, tag in ((cfg_a, key_a), (cfg_b, key_b)):
@@ -202,8 +202,8 @@ def run(args: argparse.Namespace) -> dict:
     name = (f"compare-{other['model'].replace('/', '_')}-{spec.name}-"
             f"{'b' + str(args.batch) if kind == 'batch' else 'prefix-cache'}-{stamp}.png")
     png = _plot(base, other, names, speedup, args.out / name, what)
-    out.print(f"run directories: {base['run_dir']} and {other['run_dir']}")
-    out.print(f"row appended to {jsonl}; plot {png}")
+    out.print(f"run directories: {base['run_dir']} and {other['run_dir']}", markup=False)
+    out.print(f"row appended to {jsonl}; plot {png}", markup=False)
     return {"versus": kind, key_a: base, key_b: other, "speedup": speedup, "ratios": rat,
             "batch": args.batch, "jsonl": str(jsonl), "png": str(png)}
 

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> dict:
     same = terms and same_errors(fit, shipped.fit)
     if args.write:
         written = [save_engine(e, fit.fitted_on).name for e in engine_profiles(model)]
-        out.print(f"fit written to {gpu_fit.save_fit(fit)} and {', '.join(written)}")
+        out.print(f"fit written to {gpu_fit.save_fit(fit)} and {', '.join(written)}", markup=False)
     elif not same:
         what = " in its held-out errors" if terms else ""
         out.print(f"[yellow]the shipped fit differs from this one{what}: run `batchsim fit-macs "

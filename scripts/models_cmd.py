@@ -108,7 +108,7 @@ def _build(args: argparse.Namespace) -> dict:
     size = _disk_bytes(ref.path)
     if not args.json:
         out.print(f"{ref.name} ({dtype}{', q' + str(args.quantize) if args.quantize else ''}) "
-                  f"is ready at {ref.path} ({fmt(gib(size))} GiB on disk)")
+                  f"is ready at {ref.path} ({fmt(gib(size))} GiB on disk)", markup=False)
     return {"name": ref.name, "dtype": dtype, "quantize_bits": args.quantize, "path": str(ref.path),
             "disk_bytes": size}
 
@@ -136,7 +136,7 @@ def _import(args: argparse.Namespace) -> dict:
     if not args.json:
         out.print(f"{source.name} imported ({'quantized' if keep else 'dense'}, {dtype}) in "
                   f"{elapsed_s:.1f} s: {out_dir} ({fmt(gib(size))} GiB on disk); run it with "
-                  f"--model {out_dir}")
+                  f"--model {out_dir}", markup=False)
     return {"source": str(source), "path": str(out_dir), "form": "quantized" if keep else "dense",
             "dtype": dtype, "disk_bytes": size, "elapsed_s": elapsed_s}
 

@@ -22,11 +22,11 @@ def run(args: argparse.Namespace) -> dict:
     unwritten = [n for n in notes if n.startswith(NOT_KEPT)]
     for note in notes:
         if note not in unwritten:  # that one is the failure's line, last
-            err.print(f"[yellow]batchsim report: {note}[/yellow]")
+            err.print(f"batchsim report: {note}", style="yellow", markup=False)
     out.print(summary_table(summary))
     if summary.get("interrupted"):
         out.print("[yellow]interrupted: the summary covers the records the run left[/yellow]")
     if unwritten:  # shown, not kept: exit 1
         raise CommandFailed(unwritten[0], summary)
-    out.print(f"summary rebuilt: {Path(args.run_dir) / 'summary.json'}")
+    out.print(f"summary rebuilt: {Path(args.run_dir) / 'summary.json'}", markup=False)
     return summary

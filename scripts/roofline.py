@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> dict:
     stamp = timestamp()
     summary["jsonl"] = append_jsonl(args.out / "roofline.jsonl", _records(stamp, summary, settings))
     summary["png"] = _plot(args.out / f"roofline-{stamp}.png", summary)
-    out.print(f"wrote {summary['png']} and appended to {summary['jsonl']}")
+    out.print(f"wrote {summary['png']} and appended to {summary['jsonl']}", markup=False)
     return summary
 
 

@@ -160,7 +160,7 @@ def run_over_http(cfg: RunConfig, out_dir: Path, progress: bool = True) -> dict:
     prompts = open_prompt_maker(cfg)
     spec = cfg.workload
     err.print(f"batchsim run: {spec.num_prompts} requests of workload {spec.name} to "
-              f"{endpoint(cfg.target or '').url} (prompts from {prompts.describe()})")
+              f"{endpoint(cfg.target or '').url} (prompts from {prompts.describe()})", markup=False)
     with RunProgress(spec.num_prompts, f"http {spec.name}", enabled=progress) as bar:
         summary = run_http(cfg, out_dir, prompts, on_answer=bar.advance)
     print_summary(summary)

@@ -31,7 +31,7 @@ class ConsoleView:
         err.print(f"batchsim run: {what}, workload {spec.name}: {spec.num_prompts} requests, "
                   f"{arrival_label(dataclasses.asdict(spec))}, max_num_seqs "
                   f"{cfg.scheduler.max_num_seqs}, KV budget "
-                  f"{gib_text(session.kv_budget_bytes)} ({session.budget_source})")
+                  f"{gib_text(session.kv_budget_bytes)} ({session.budget_source})", markup=False)
 
     @contextlib.contextmanager
     def progress(self, total: int, label: str) -> Iterator[StepHook]:
@@ -50,7 +50,7 @@ def print_summary(summary: dict[str, Any]) -> None:
     out.print(summary_table(summary))
     if summary.get("interrupted"):
         out.print("[yellow]interrupted: records so far are in the run directory[/yellow]")
-    out.print(f"run directory: {summary['run_dir']}")
+    out.print(f"run directory: {summary['run_dir']}", markup=False)  # a path's [/x] is text
 
 
 def warn_profile_mismatch(cfg: RunConfig) -> None:
@@ -59,4 +59,4 @@ def warn_profile_mismatch(cfg: RunConfig) -> None:
 
     warning = config_warning(cfg)
     if warning:
-        err.print(f"[yellow]{warning}[/yellow]", soft_wrap=True)
+        err.print(warning, style="yellow", soft_wrap=True, markup=False)

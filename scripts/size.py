@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> dict:
     jsonl = append_jsonl(args.out / "size.jsonl",
                          [{"kind": "size", "time": stamp, **meta, **r} for r in rows])
     png = plot(rows, meta, args.out / f"size-{tag}-{stamp}.png")
-    out.print(f"rows appended to {jsonl}; plot {png}")
+    out.print(f"rows appended to {jsonl}; plot {png}", markup=False)
     return {"rows": rows, **meta, "fits_any": any(r["fits"] for r in rows),
             "fits_any_raised": any(r["fits_raised"] for r in rows),
             "jsonl": str(jsonl), "png": str(png)}

@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> dict:
     weights = (f"q{q}" if q else meta["dtype"]) + (f"-kv{kv}" if kv else "")
     name = f"sweep-{meta['model'].replace('/', '_')}-{weights}-{stamp}.png"
     png = sweep_view.plot(rows, meta, verdict, args.out / name)
-    out.print(f"rows appended to {jsonl}; plot {png}")
+    out.print(f"rows appended to {jsonl}; plot {png}", markup=False)
     return {"rows": rows, **verdict, **meta, "jsonl": str(jsonl), "png": str(png), "env": env}
 
 

@@ -115,7 +115,7 @@ def _read_config(path: Path, notes: list[str]) -> dict[str, Any]:
     try:  # the project's one loader: an alias bomb or deep nesting is refused, not a hang
         data = load_yaml(path)
     except ConfigError as exc:
-        data, why = {}, str(exc).removeprefix(f"{path}: ")[:80]
+        data, why = {}, " ".join(str(exc).removeprefix(f"{path}: ").split())[:80]  # one line
     else:
         why = "empty" if not data else ""
     if why:

@@ -27,13 +27,27 @@ def test_a_run_directory_with_brackets_is_printed_as_it_is(capsys, tmp_path, nam
     assert Path(run_dir).parent == tmp_path / name and (Path(run_dir) / "summary.json").is_file()
 
 
+def _a_run(capsys, tmp_path) -> Path:
+    rc, out, err = _main(["run", *SIM, "--num-prompts", "2", "--out", str(tmp_path / "a")], capsys)
+    assert rc == 0, err
+    return Path(json.loads(out.splitlines()[-1])["run_dir"])
+
+
 def test_report_notes_and_paths_with_brackets_are_printed_as_they_are(capsys, tmp_path):
-    rc, out, _ = _main(["run", *SIM, "--num-prompts", "2", "--out", str(tmp_path / "a")], capsys)
-    run_dir = tmp_path / "b[/x]" / "run[old]"
-    shutil.copytree(json.loads(out.splitlines()[-1])["run_dir"], run_dir)
+    run_dir = Path(shutil.copytree(_a_run(capsys, tmp_path), tmp_path / "b[/x]" / "run[old]"))
     (run_dir / "config.yaml").write_text("'[/red]': 1\n'[/red]': 2\n")  # its note names the key
     rc, out, err = _main(["report", str(run_dir)], capsys)
     assert rc == 0 and "Traceback" not in err, err
-    note = next(line for line in err.splitlines() if "config.yaml" in line)  # one line, whole
-    assert "key '[/red]' is given twice" in note and note.endswith("fields left out"), err
+    assert "key '[/red]' is given twice" in err, err
     assert f"summaryrebuilt:{run_dir / 'summary.json'}" in _unwrapped(out), out
+
+
+def test_a_config_note_is_one_line(capsys, tmp_path):
+    """The loader's message was cut at 80 characters with its line breaks in it."""
+    from batchsim.server.results.rebuild import rebuild_summary
+
+    run_dir = _a_run(capsys, tmp_path)
+    (run_dir / "config.yaml").write_text("a: 1\na: 2\n")
+    _, notes = rebuild_summary(run_dir)
+    note = next(n for n in notes if n.startswith("config.yaml"))
+    assert "is given twice" in note and "\n" not in note and "  " not in note, note

@@ -28,14 +28,14 @@ def _interrupted_while_starting(signum: int, frame: object) -> None:
 
 def _after_start(before: object) -> object:
     """SIGINT's handler once the commands load: Python's KeyboardInterrupt, noted for a run that
-    starts later (interrupts.ctrl_c, not printed where Python swallowed it); an ignored SIGINT (a
+    starts later (signals.ctrl_c, not printed where Python swallowed it); an ignored SIGINT (a
     background job's) stays ignored."""
     if before is not signal.default_int_handler:
         return before
-    from batchsim.server.engine import interrupts
+    from batchsim.server.platform import signals
 
-    sys.unraisablehook = interrupts.unraisable
-    return interrupts.ctrl_c
+    sys.unraisablehook = signals.unraisable
+    return signals.ctrl_c
 
 
 # The program itself only (the console script, or -m): a test importing this keeps its Ctrl-C.
@@ -229,9 +229,9 @@ def _check_out_dirs(args: argparse.Namespace) -> None:
 def _answer_a_swallowed_ctrl_c() -> None:
     """A Ctrl-C Python swallowed in a finalizer is noted for the run that starts next; a command
     that started none lost it silently (exit 0): it is the command's interruption now."""
-    interrupts = sys.modules.get("batchsim.server.engine.interrupts")  # loaded if it could be
-    if interrupts is not None and interrupts.swallowed():
-        raise KeyboardInterrupt
+    signals = sys.modules.get("batchsim.server.platform.signals")  # loaded if it could be
+    if signals is not None:
+        signals.stop_if_swallowed()
 
 
 def main(argv: list[str] | None = None) -> int:

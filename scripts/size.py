@@ -40,6 +40,7 @@ from batchsim.server.perf.size_limits import (
     mac_row,
 )
 from batchsim.server.perf.spec_price import check_speculation, draft_spec
+from batchsim.server.platform.signals import stop_if_swallowed
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -156,6 +157,7 @@ def run(args: argparse.Namespace) -> dict:
     meta.update(_cluster_meta(cluster))
     rows = [mac_row(spec, m, gb, ctx, s, ws, explain=args.explain, cluster=cluster)
             for m in chosen for gb in ([args.memory_gb] if args.memory_gb else m.mem_gb)]
+    stop_if_swallowed()  # a Ctrl-C Python swallowed so far: nothing printed or written
     print_table(rows, meta, spec)
     if args.explain:
         print_parts(rows, meta)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -183,12 +186,13 @@ def test_a_config_yaml_that_is_a_pipe_is_said_so_not_missing(tmp_path):
 
 
 _CTRL_C_IN_A_FINALIZER = """
-import gc, os, signal, sys
+import gc, importlib, os, signal, sys
 sys.argv[0] = "batchsim"  # the program itself: its Ctrl-C handler and unraisable hook
 from batchsim.server.platform import blas
 blas.preload()
-from batchsim.server.results import rebuild
-rebuilt = rebuild.rebuild_summary
+module, name = sys.argv.pop(1).rsplit(".", 1)  # the call that Ctrl-C lands in, at its start
+module = importlib.import_module(module)
+called = getattr(module, name)
 
 class Pressed:
     def __del__(self):
@@ -199,31 +203,79 @@ def pressed_in_a_finalizer(*args, **kwargs):
     Pressed()
     gc.collect()
     sum(range(100000))
-    return rebuilt(*args, **kwargs)
+    return called(*args, **kwargs)
 
-rebuild.rebuild_summary = pressed_in_a_finalizer
+setattr(module, name, pressed_in_a_finalizer)
 from batchsim.scripts.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
 
+def _swallowed_ctrl_c(where: str, *argv: str) -> subprocess.CompletedProcess:
+    """`batchsim ARGV` with a real SIGINT as `where` starts, raised where Python swallows it."""
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_IN_A_FINALIZER, where, *argv],
+                          capture_output=True, text=True, timeout=180, check=False)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    command = argv[0]
+    assert proc.stderr.strip().splitlines()[-1] == f"batchsim {command}: interrupted", proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
+    return proc
+
+
 @pytest.mark.timeout(200)
 def test_a_ctrl_c_python_swallowed_still_stops_a_command_without_a_run(capsys, tmp_path):
     """e3b4e8b's unraisable hook hid a Ctrl-C raised in a finalizer (only noted, for a run that
-    starts later): `report`, `size`, `fit-macs` never start one, so it was lost (exit 0). Now the
-    command ends interrupted (exit 130) once it is done."""
-    import subprocess
-    import sys
-
+    starts later): `report`, `size`, `fit-macs` never start one, so it was lost (exit 0); then
+    (b66f3d2) they did all their work and exited 130. Now they stop where they next can
+    (signals.stop_if_swallowed), as a run stops at its next step: report draws and writes
+    nothing and prints no table."""
     assert _main(["run", *SIM, "--num-prompts", "3", "--no-timeline", "--out", str(tmp_path)],
                  capsys)[0] == 0
     (run_dir,) = tmp_path.iterdir()
-    proc = subprocess.run([sys.executable, "-c", _CTRL_C_IN_A_FINALIZER, "report", str(run_dir)],
-                          capture_output=True, text=True, timeout=180, check=False)
-    assert proc.returncode == 130, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == "batchsim report: interrupted", proc.stderr
-    # the swallowed path: report ran to its end (a Ctrl-C raised as usual stops it with no table)
-    assert "Serving Benchmark Result" in proc.stdout and "Successful requests" in proc.stdout
+    summary = (run_dir / "summary.json").stat()
+    proc = _swallowed_ctrl_c("batchsim.server.results.rebuild.rebuild_summary", "report",
+                             str(run_dir))
+    assert "Serving Benchmark Result" not in proc.stdout and "Successful" not in proc.stdout
+    assert (run_dir / "summary.json").stat().st_ino == summary.st_ino  # not written again
+    assert not (run_dir / "timeline.png").exists()  # not drawn
+
+
+@pytest.mark.timeout(200)
+def test_size_and_fit_macs_stop_promptly_on_a_ctrl_c_python_swallowed(tmp_path):
+    """size printed its table, appended size.jsonl and drew its PNG before its 130; fit-macs
+    ran its whole fit (minutes) first. Now size stops before its output and fit-macs within its
+    first fold: fast, nothing printed or written."""
+    where = "batchsim.server.perf.macs.load_catalog"  # the first thing both commands do
+    proc = _swallowed_ctrl_c(where, "size", "--model", "llama-3.2-1b", "--out", str(tmp_path))
+    assert proc.stdout == "" and list(tmp_path.iterdir()) == []
+    t0 = time.monotonic()
+    proc = _swallowed_ctrl_c(where, "fit-macs")
+    assert proc.stdout == "" and time.monotonic() - t0 < 60, proc.stderr[-2000:]
+
+
+def test_a_ctrl_c_while_fit_macs_simulates_a_row_stops_the_fit():
+    """A Ctrl-C (or one Python swallowed before, noted) while a published row's run is simulated,
+    fit-macs's first seconds, was that run's: its Interrupts counted it and stopped the sending,
+    the row's figure came from the cut-short run (kept for every later fit) and the fit went on
+    to exit 0. The row's simulation now raises it as KeyboardInterrupt."""
+    import signal
+
+    from batchsim.server.perf import gpu_fit, macs
+    from batchsim.server.perf.reference import load_published
+    from batchsim.server.published import sim as ps
+
+    row = next(r for r in load_published().rows if r.batch > 2 and r.cached_share is None)
+    cost = ps.row_cost(row, macs.load_catalog(), ps.MacModel(gpu_fit.load_fit()))
+    steps = []
+
+    def press(engine, plan, result) -> None:  # a Ctrl-C at the run's first step
+        steps.append(plan)
+        if len(steps) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        ps._run(row, cost, on_step=press)
+    assert steps
 
 
 @pytest.mark.parametrize("scale", ["1e300", "-1", ".nan"])

@@ -6,47 +6,20 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 
-from batchsim.server.platform.signals import leave_closed_terminal, not_ignored
-
-_held: list[str] = []  # signals hold() noted before any Interrupts was entered
+from batchsim.server.platform.signals import held, leave_closed_terminal, not_ignored
 
 
 def hold(signals: tuple[signal.Signals, ...] = (signal.SIGINT,)) -> None:
     """Until an Interrupts is entered, `signals` are only noted (a rank of `run --ranks` asked to
     stop while it loads); the first Interrupts entered counts them as received. Main thread."""
     def note(signum: int, _frame: object) -> None:
-        _held.append(signal.Signals(signum).name)
+        held.append(signal.Signals(signum).name)
 
     for sig in signals:
         signal.signal(sig, note)
-
-
-def ctrl_c(signum: int, _frame: object) -> None:
-    """Ctrl-C before a run's handlers are in: KeyboardInterrupt, as Python's own, and noted as
-    hold() notes it, so the first Interrupts entered still counts it where Python swallowed the
-    exception (raised in a weakref callback or a __del__, such as the import system's module-lock
-    callback, it is only printed as "Exception ignored" and the command went on)."""
-    _held.append(signal.Signals(signum).name)
-    raise KeyboardInterrupt
-
-
-def unraisable(seen: Any) -> None:
-    """sys.unraisablehook beside ctrl_c: a KeyboardInterrupt Python could not raise (noted) is
-    not printed as a traceback (the next Interrupts counts it; no run: swallowed()); anything
-    else is, as Python prints it."""
-    if not issubclass(seen.exc_type, KeyboardInterrupt):
-        sys.__unraisablehook__(seen)
-
-
-def swallowed() -> bool:
-    """A Ctrl-C Python swallowed (ctrl_c noted it, in a finalizer) that no Interrupts counted:
-    the command (report, size, fit-macs) started no run, so it is answered as the command ends."""
-    return bool(_held) and signal.getsignal(signal.SIGINT) is ctrl_c
 
 
 def _note() -> None:
@@ -72,9 +45,9 @@ class Interrupts:
         self._previous: dict[signal.Signals, object] = {}
 
     def __enter__(self) -> Interrupts:
-        if _held:
-            self.received = self.received or self._name(_held[0])
-            _held.clear()
+        if held:
+            self.received = self.received or self._name(held[0])
+            held.clear()
         if threading.current_thread() is threading.main_thread():
             for sig in not_ignored(self.signals):  # nohup's SIGHUP stays ignored
                 self._previous[sig] = signal.signal(sig, self._handle)

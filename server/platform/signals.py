@@ -7,8 +7,13 @@ import contextlib
 import os
 import signal
 import stat
+import sys
+from typing import Any
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Stop signals noted before a run's Interrupts was entered (interrupts.hold, ctrl_c): the first
+# one entered counts them.
+held: list[str] = []
 
 
 def not_ignored(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> tuple[signal.Signals, ...]:
@@ -34,3 +39,37 @@ def leave_closed_terminal(signum: int) -> None:
                     and not os.isatty(fd)):
                 os.dup2(null, fd)
     os.close(null)
+
+
+def ctrl_c(signum: int, _frame: object) -> None:
+    """Ctrl-C before a run's handlers are in: KeyboardInterrupt, as Python's own, and noted as
+    interrupts.hold() notes it, so the first Interrupts entered still counts it where Python
+    swallowed the exception (raised in a weakref callback or a __del__, such as the import
+    system's module-lock callback, it is only printed as "Exception ignored" and the command went
+    on)."""
+    held.append(signal.Signals(signum).name)
+    raise KeyboardInterrupt
+
+
+def unraisable(seen: Any) -> None:
+    """sys.unraisablehook beside ctrl_c: a KeyboardInterrupt Python could not raise (noted) is
+    not printed as a traceback (the next Interrupts counts it; no run: swallowed()); anything
+    else is, as Python prints it."""
+    if not issubclass(seen.exc_type, KeyboardInterrupt):
+        sys.__unraisablehook__(seen)
+
+
+def swallowed() -> bool:
+    """A Ctrl-C Python swallowed (ctrl_c noted it, in a finalizer) that no Interrupts counted:
+    the command (report, size, fit-macs) starts no run: it stops where it next can
+    (stop_if_swallowed), at the latest as it ends (cli)."""
+    return bool(held) and signal.getsignal(signal.SIGINT) is ctrl_c
+
+
+def stop_if_swallowed() -> None:
+    """Where a command that starts no run (report, size, fit-macs) can stop between two parts of
+    its work: a swallowed() Ctrl-C is raised here as its KeyboardInterrupt (counted), as a run's
+    loop stops at its next step on one its Interrupts counted, not after the rest of the work."""
+    if swallowed():
+        held.clear()
+        raise KeyboardInterrupt

@@ -178,7 +178,10 @@ def _run(row: Any, cost: StepCost, on_step=None):
                     memory_gb=row.memory_gb or UNSTATED_MEMORY_GB, workload=wl)
     cache = cost.spec.cache_layout(cost.act_dtype, None)
     session = open_session(cfg, executor=SimExecutor(cost, cache=cache))
-    return run_workload(session, wl, out_dir=None, label="published", on_step=on_step)
+    outcome = run_workload(session, wl, out_dir=None, label="published", on_step=on_step)
+    if outcome.interrupted:  # a Ctrl-C (or one Python swallowed before) the run counted and
+        raise KeyboardInterrupt  # stopped on: fit-macs's, not a row's figure cut short
+    return outcome
 
 
 # -- the run as priced steps, for the fit ----------------------------------------------------------

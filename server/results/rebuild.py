@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from batchsim.configs import ConfigError, load_yaml
+from batchsim.server.platform.signals import stop_if_swallowed
 from batchsim.server.results.jsonio import jsonable
 from batchsim.server.results.metrics import (
     RequestRecord,
@@ -76,10 +77,12 @@ def rebuild_summary(run_dir: Path, timeline: bool = True) -> tuple[dict[str, Any
         notes.append(f"{why}; marked interrupted ("
                      f"{len(requests)} requests recorded" + (f" of {expected}" if expected else "")
                      + "; requests still in flight left no record)")
+    stop_if_swallowed()  # a Ctrl-C Python swallowed while reading: nothing drawn or written
     if timeline:
         summary["timeline_png"] = _timeline(run_dir, requests, steps, config, old, notes)
     else:
         summary.setdefault("timeline_png", None)
+    stop_if_swallowed()  # ... while drawing: the summary as it was
     try:
         write_summary(run_dir, jsonable(summary))
     except OSError as exc:  # a read-only run directory (an archive): the summary is still given

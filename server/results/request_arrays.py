@@ -61,6 +61,17 @@ def step_columns(steps: Sequence[Any], ints: Sequence[str] = STEP_INTS) -> dict[
     return cols
 
 
+def order_stats(values: Any, percentiles: Sequence[float]) -> tuple[float, list[float]]:
+    """np.median(values) and np.percentile(values, p) for each p: the same floats (order
+    statistics), from one sorted copy partitioned in place (an hour's million ITLs: 27 ms, not 80:
+    numpy partitions a fresh copy per call, the sorted one goes fast). Empty `values`: 0 (vLLM's
+    np.mean(x or 0))."""
+    ranked = np.sort(np.asarray(values)) if len(values) else np.zeros(1)
+    median = np.median(ranked, overwrite_input=True)
+    ranks = np.percentile(ranked, list(percentiles), overwrite_input=True) if percentiles else ()
+    return float(median), [float(v) for v in ranks]
+
+
 def sorted_counts(sorted_times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The distinct values of a sorted array and how often each occurs (a step's tokens share its
     end time: an hour's million token times are 36,000 values)."""

@@ -172,7 +172,7 @@ def timeline_panels(requests: Sequence[RequestRecord], steps: Sequence[StepRecor
         return Panels(title, limits)
     col = col or request_arrays.step_columns(steps, PANEL_INTS)
     first = overrun_index(requests, steps, limits, col)
-    step_s = float(np.median((col["end_s"] - col["start_s"]) / col["num_steps"]))
+    step_s = request_arrays.order_stats((col["end_s"] - col["start_s"]) / col["num_steps"], ())[0]
     if token_times_s is None:
         token_times_s = request_arrays.token_times(requests)[0]
     overrun_s = None if first is None else steps[first].start_s

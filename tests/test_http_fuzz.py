@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_http_server import ServerProcess, read_until_closed
+from tests.serve_process import ServerProcess, read_until_closed
 
 KEY = "sk-fuzz"
 # Examples per test; each sends BATCH requests (hypothesis spends less per request that way).

@@ -11,7 +11,7 @@ import time
 import pytest
 from batchsim.scheduler.pool_geometry import PAGE_TOKENS
 
-from tests.test_http_server import ServerProcess, read_until_closed, stream_events, stream_text
+from tests.serve_process import ServerProcess, read_until_closed, stream_events, stream_text
 
 PROMPT_LIMIT = 20_000
 DISCONNECTS = "batchsim_http_client_disconnects_total"

@@ -10,7 +10,7 @@ import re
 import httpx
 import pytest
 
-from tests.test_http_server import ServerProcess, stream_events
+from tests.serve_process import ServerProcess, stream_events
 
 PROMPT = [5, 6, 7, 8, 9]  # token ids: the tiny model's greedy continuation of them repeats
 BODY = {"prompt": PROMPT, "max_tokens": 24, "ignore_eos": True}

@@ -1,105 +1,27 @@
 """`batchsim serve` end to end: the real server in a subprocess on loopback (tiny model), driven by
-raw HTTP and by the official openai client. Stop strings are also checked in isolation."""
+raw HTTP and by the official openai client. Stop strings in isolation: test_text_stream.py; the
+queue limit and shutdown: test_http_shutdown.py; the server process: serve_process.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from batchsim.scheduler.pool_geometry import PAGE_TOKENS
-from batchsim.scripts.serve_cmd import LISTENING
 from batchsim.server.http.prometheus import parse as parse_metrics
-from batchsim.server.http.text_stream import TextStream
-from batchsim.workloads.client.sse import SSEParser
 
-from tests import dispositions
-
-ROOT = Path(__file__).resolve().parents[1]
-KEY = "sk-batchsim-test"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-# 2 MiB of memory leaves the tiny model (~0.4 MB of weights) ~1.7 MB of KV (~3,300 tokens at 512
-# bytes each): a 3,400-token prompt fits the 4,096-token context but not the KV budget.
-MEMORY_GB = "0.002"
-
-
-def read_until_closed(sock: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection (a reset ends it too)."""
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    return data
-
-
-class ServerProcess:
-    def __init__(self, home: Path, *args: str, ignored: tuple[signal.Signals, ...] = ()):
-        cmd = [sys.executable, "-m", "batchsim.scripts.cli", "serve", "--model",
-               "tiny", "--port", "0",
-               *args]
-        env = {**os.environ, "BATCHSIM_HOME": str(home)}
-        self.proc = subprocess.Popen(dispositions.command(cmd, *ignored), cwd=ROOT, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.stderr: list[str] = []
-        found = threading.Event()
-        self.url = ""
-
-        def read() -> None:  # keep draining stderr so the pipe never fills
-            for line in self.proc.stderr:
-                self.stderr.append(line)
-                if LISTENING in line and not found.is_set():
-                    self.url = line.split(LISTENING, 1)[1].strip()
-                    found.set()
-
-        self._reader = threading.Thread(target=read, daemon=True)
-        self._reader.start()
-        if not found.wait(90):
-            self.proc.kill()
-            raise RuntimeError("server did not start:\n" + "".join(self.stderr))
-        self.client = httpx.Client(base_url=self.url, timeout=60)
-        assert self.client.get("/health").json() == {"status": "ok"}
-
-    def metrics(self) -> dict[str, float]:
-        return parse_metrics(self.client.get("/metrics").text)
-
-    def wait_idle(self, timeout_s: float = 20) -> dict[str, float]:
-        """Metrics once nothing runs or waits and both KV counts are back to the cached prompt
-        blocks."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            m = self.metrics()
-            idle = (m["batchsim_requests_running"] == m["batchsim_requests_waiting"] == 0
-                    and m["batchsim_kv_bytes"] == m["batchsim_kv_bytes_measured"]
-                    == m["batchsim_prefix_cache_bytes"])
-            if idle or time.monotonic() > deadline:
-                return m
-            time.sleep(0.05)
-
-    def connect(self) -> socket.socket:
-        """A raw TCP connection to the server (a hang fails on the timeout, not on a bound)."""
-        host, port = self.url.removeprefix("http://").rsplit(":", 1)
-        return socket.create_connection((host, int(port)), timeout=30)
-
-    def stop(self, timeout_s: float = 30) -> int:
-        self.client.close()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout_s)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self._reader.join(timeout_s)  # stderr read to its end
+from tests.serve_process import (
+    AUTH,
+    KEY,
+    MEMORY_GB,
+    ServerProcess,
+    post,
+    stream_events,
+    stream_text,
+)
 
 
 @pytest.fixture(scope="module")
@@ -117,103 +39,6 @@ def tokenizer(srv, batchsim_home):
 
     return load(resolve("tiny", default_dtype()).path)  # the build the server made
 
-
-def post(srv: ServerProcess, path: str, body: dict, **kw) -> httpx.Response:
-    return srv.client.post(path, json=body, headers=AUTH, **kw)
-
-
-def stream_events(srv: ServerProcess, path: str, body: dict) -> list:
-    parser, events = SSEParser(), []
-    with srv.client.stream("POST", path, json={**body, "stream": True}, headers=AUTH) as r:
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        for data in r.iter_bytes():
-            events += parser.feed(data)
-    return events + parser.close()
-
-
-def stream_text(events: list, chat: bool) -> str:
-    key = (lambda c: c["delta"].get("content", "")) if chat else (lambda c: c["text"])
-    return "".join(key(e.json()["choices"][0]) for e in events
-                   if not e.is_done and e.json()["choices"])
-
-
-# -- stop strings in isolation -------------------------------------------------------------------
-class CharDetokenizer:
-    """Token id = a character code, released one character at a time."""
-
-    def __init__(self) -> None:
-        self.text, self.offset = "", 0
-
-    def add_token(self, token: int) -> None:
-        self.text += chr(token)
-
-    def finalize(self) -> None:
-        pass
-
-    @property
-    def last_segment(self) -> str:
-        segment, self.offset = self.text[self.offset:], len(self.text)
-        return segment
-
-
-@pytest.mark.parametrize("text,stop,expected", [
-    ("hello world", ("wor",), "hello "),
-    ("hello world", ("xyz",), "hello world"),
-    ("aaab", ("aab",), "a"),  # overlapping prefixes
-    ("abcabd", ("abd", "ca"), "ab"),  # the earliest match wins
-    ("hello", ("lo!",), "hello"),  # a held-back prefix is released at the end
-])
-def test_text_stream_stop_strings(text, stop, expected):
-    ts = TextStream(CharDetokenizer(), stop)
-    released = ""
-    for ch in text:
-        stopped = ts.feed([ord(ch)])  # as the scheduler does, one step at a time
-        released += ts.take()
-        assert not any(s in released for s in stop)
-        if stopped:
-            break
-    released += ts.finish()
-    assert released == expected
-    assert ts.stopped == (expected != text)
-
-
-def test_text_stream_skips_eos():
-    ts = TextStream(CharDetokenizer(), (), skip_ids=frozenset({0}))
-    assert not ts.feed([ord("a"), 0])
-    assert ts.finish() == "a"
-
-
-def test_generation_reads_every_queued_token_of_a_finished_request():
-    """A slow reader finds its request already finished with several steps' tokens queued."""
-    from batchsim.scheduler.request import Request, RequestStatus, SamplingParams
-    from batchsim.server.http.openai_api import GenerationParams
-    from batchsim.server.http.text_stream import Generation
-
-    request = Request(1, 1, SamplingParams(max_tokens=3), 0.0, [5])
-    request.status, request.finish_reason, request.num_output_tokens = (
-        RequestStatus.FINISHED, "length", 3)
-
-    class Engine:
-        def stream(self, r: Request) -> asyncio.Queue:
-            q: asyncio.Queue = asyncio.Queue()
-            for item in ([ord("a")], [ord("b")], [ord("c")], r):
-                q.put_nowait(item)
-            return q
-
-    class Tokenizer:
-        detokenizer = CharDetokenizer()
-
-    params = GenerationParams("completion", (5,), 3, request.sampling, (), False, False)
-
-    async def read() -> tuple[list[str], str | None]:
-        gen = Generation(Engine(), request, params, Tokenizer())
-        parts = []
-        while not gen.done:
-            parts.append(await gen.next())
-        return parts, gen.finish_reason
-
-    assert asyncio.run(read()) == (["a", "b", "c"], "length")
 
 
 # -- the server ----------------------------------------------------------------------------------
@@ -486,83 +311,6 @@ def test_openai_client(srv):
     assert parts[-1].usage.completion_tokens == 4
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="Hello", max_tokens=2)
-
-
-# -- queue limit and shutdown on a second, small server ------------------------------------------
-def test_queue_full_then_sigterm_drains(batchsim_home):
-    small = ServerProcess(batchsim_home, "--max-num-seqs", "1", "--max-queue", "1",
-                          "--drain-timeout-s", "2")
-    try:
-        _check_queue_and_drain(small)
-    finally:
-        if small.proc.poll() is None:
-            small.proc.kill()
-
-
-def test_sighup_drains_as_sigterm_does(batchsim_home):
-    """The terminal closed: the server drains and prints its totals, exit 0 (not killed)."""
-    server = ServerProcess(batchsim_home, "--drain-timeout-s", "2")
-    try:
-        server.proc.send_signal(signal.SIGHUP)
-        assert server.proc.wait(30) == 0, "".join(server.stderr)
-        assert '"aborted_at_shutdown":0' in server.proc.stdout.read()
-    finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-
-
-def test_a_sighup_nohup_said_to_ignore_stays_ignored(batchsim_home):
-    """Under nohup the server stopped on hangup: serve() added its loop handler over the
-    inherited SIG_IGN. The SIGHUP now leaves it serving; SIGTERM still drains it."""
-    server = ServerProcess(batchsim_home, "--drain-timeout-s", "2", ignored=(signal.SIGHUP,))
-    try:
-        server.proc.send_signal(signal.SIGHUP)
-        time.sleep(0.5)  # a handled one would have begun the drain by now
-        assert server.client.get("/health").json() == {"status": "ok"}
-        assert server.stop() == 0, "".join(server.stderr)
-    finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-
-
-def _check_queue_and_drain(small: ServerProcess) -> None:
-    long_body = {"prompt": "x", "max_tokens": 3000, "ignore_eos": True, "stream": True}
-    results: dict[str, list] = {}
-
-    def consume(name: str, body: dict) -> None:
-        results[name] = stream_events(small, "/v1/completions", body)
-
-    running = threading.Thread(target=consume, args=("running", long_body))
-    running.start()
-    _wait_for(small, "batchsim_requests_running", 1)
-    waiting = threading.Thread(target=consume, args=("waiting", {**long_body, "max_tokens": 5}))
-    waiting.start()
-    _wait_for(small, "batchsim_requests_waiting", 1)
-    r = small.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
-    assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
-    assert r.json()["error"]["code"] == "queue_full"
-    assert small.client.get("/health").status_code == 200
-
-    small.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 1.5  # draining: new requests are refused
-    while small.client.get("/health").status_code != 503:
-        assert time.monotonic() < deadline
-    assert small.client.post("/v1/completions", json={"prompt": "x"}).status_code == 503
-    running.join(30)
-    waiting.join(30)
-    assert small.proc.wait(30) == 0, "".join(small.stderr)
-    finals = {k: [e.json() for e in v if not e.is_done][-1]["choices"][0]["finish_reason"]
-              for k, v in results.items()}
-    assert finals == {"running": "abort", "waiting": "abort"}  # past the 2 s drain timeout
-    assert all(v[-1].is_done for v in results.values())
-    assert '"aborted_at_shutdown":2' in small.proc.stdout.read()
-
-
-def _wait_for(s: ServerProcess, name: str, value: float, timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while s.metrics()[name] != value:
-        assert time.monotonic() < deadline, f"{name} never reached {value}"
-        time.sleep(0.02)
 
 
 # -- the load generator against the server -------------------------------------------------------

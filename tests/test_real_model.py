@@ -116,7 +116,7 @@ def test_kept_quantized_form_dequantizes_to_the_dense_import(real):
 
 
 def test_serve_answers_a_chat_completion(real, batchsim_home):
-    from tests.test_http_server import ServerProcess
+    from tests.serve_process import ServerProcess
 
     srv = ServerProcess(batchsim_home, "--model", MODEL, "--max-num-seqs", "2")
     try:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tests.test_http_server import ServerProcess, post
+from tests.serve_process import ServerProcess, post
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,88 @@
+"""Stop strings in isolation: the server's TextStream and Generation on a character
+detokenizer (moved from test_http_server.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from batchsim.server.http.text_stream import TextStream
+
+
+# -- stop strings in isolation -------------------------------------------------------------------
+class CharDetokenizer:
+    """Token id = a character code, released one character at a time."""
+
+    def __init__(self) -> None:
+        self.text, self.offset = "", 0
+
+    def add_token(self, token: int) -> None:
+        self.text += chr(token)
+
+    def finalize(self) -> None:
+        pass
+
+    @property
+    def last_segment(self) -> str:
+        segment, self.offset = self.text[self.offset:], len(self.text)
+        return segment
+
+
+@pytest.mark.parametrize("text,stop,expected", [
+    ("hello world", ("wor",), "hello "),
+    ("hello world", ("xyz",), "hello world"),
+    ("aaab", ("aab",), "a"),  # overlapping prefixes
+    ("abcabd", ("abd", "ca"), "ab"),  # the earliest match wins
+    ("hello", ("lo!",), "hello"),  # a held-back prefix is released at the end
+])
+def test_text_stream_stop_strings(text, stop, expected):
+    ts = TextStream(CharDetokenizer(), stop)
+    released = ""
+    for ch in text:
+        stopped = ts.feed([ord(ch)])  # as the scheduler does, one step at a time
+        released += ts.take()
+        assert not any(s in released for s in stop)
+        if stopped:
+            break
+    released += ts.finish()
+    assert released == expected
+    assert ts.stopped == (expected != text)
+
+
+def test_text_stream_skips_eos():
+    ts = TextStream(CharDetokenizer(), (), skip_ids=frozenset({0}))
+    assert not ts.feed([ord("a"), 0])
+    assert ts.finish() == "a"
+
+
+def test_generation_reads_every_queued_token_of_a_finished_request():
+    """A slow reader finds its request already finished with several steps' tokens queued."""
+    from batchsim.scheduler.request import Request, RequestStatus, SamplingParams
+    from batchsim.server.http.openai_api import GenerationParams
+    from batchsim.server.http.text_stream import Generation
+
+    request = Request(1, 1, SamplingParams(max_tokens=3), 0.0, [5])
+    request.status, request.finish_reason, request.num_output_tokens = (
+        RequestStatus.FINISHED, "length", 3)
+
+    class Engine:
+        def stream(self, r: Request) -> asyncio.Queue:
+            q: asyncio.Queue = asyncio.Queue()
+            for item in ([ord("a")], [ord("b")], [ord("c")], r):
+                q.put_nowait(item)
+            return q
+
+    class Tokenizer:
+        detokenizer = CharDetokenizer()
+
+    params = GenerationParams("completion", (5,), 3, request.sampling, (), False, False)
+
+    async def read() -> tuple[list[str], str | None]:
+        gen = Generation(Engine(), request, params, Tokenizer())
+        parts = []
+        while not gen.done:
+            parts.append(await gen.next())
+        return parts, gen.finish_reason
+
+    assert asyncio.run(read()) == (["a", "b", "c"], "length")
+

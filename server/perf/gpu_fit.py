@@ -172,8 +172,11 @@ def mac_profile(mac: Mac, fit: GpuFit, quantize_bits: int | None,
     fp16_tflops = profile.tflops("float16")
     family = gpu_family(mac.chip)
     # An M5's FP16 peak is its Neural Accelerators': split-K qmm multiplies at the shader FP32 rate.
-    # (qmv's fitted rate stays a share of the FP16 peak: priced off the shader rate, the M5 rows
-    # pinned its efficiency at 1 and LOSO gain went 16% -> 20%.)
+    # qmv's fitted rate stays a share of the FP16 peak, though qmv runs on the shader ALUs (float
+    # accumulators): priced off fp32_tflops (branch h7/qmv-shader-m5-peak, 271 rows) the share is
+    # 0.39, 0.25 without the M5 batched rows, which want ~0.7 of an M5's FP32 peak (mlx_swift_lm_42:
+    # M5 B=2 costs nothing over B=1), and LOCO batched / gain went 17.0 / 15.0 -> 22.7 / 21.8%. No
+    # cited mechanism prices that: the FP16 peak fitted on mlxcel's TTFT (macs.yaml) stands in.
     shader = min(1.0, mac.fp32_tflops / fp16_tflops) if has_neural_accelerators(family) else 1.0
     host = mac.cpu_speed ** -fit.cpu_exponent  # CPU-side dispatch: by the CPU's generation
     layer_us = fit.layer_overhead_us * host + (fit.ultra_layer_us if ultra else 0.0)

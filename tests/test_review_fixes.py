@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_inputs import SIM, _copy, _main, _one_line, finished_run  # noqa: F401
+from tests.test_inputs import SIM, _main, _one_line
+from tests.test_report_damage import _copy, finished_run  # noqa: F401
 
 
 def _run_dir_config(capsys, out: Path) -> tuple[Path, dict]:

@@ -115,10 +115,11 @@ class Scheduler:
         for rid in free_ids:
             self.kv.release(rid)
         planned = decode_plan(self.lazy, self.running, self.waiting, self.kv, self.config,
-                              self.requests, self.num_steps, free_ids)  # most decode-only plans
+                              self.requests, self.num_steps, free_ids)  # most simulated plans
         if planned is not None:
-            self._planned, self._planned_rows = planned
-            return planned[0]
+            self._planned, self._planned_rows, tokens = planned
+            self.num_query_tokens += tokens  # admitted ones' (none cached: num_hit_tokens stays)
+            return self._planned
         if self.config.policy == "prefill-first":
             plan = self._plan(free_ids, decode_step=False)
             if plan is not None:

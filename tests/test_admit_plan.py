@@ -1,0 +1,87 @@
+"""Admission plans made without a StepBudget (scheduler/decode_plan.py with admit_plan.py) are
+the plans the general path makes: every plan of a run equal with the fast path on and off, over an
+overloaded queue (the simulated hour's case), a queue that drains, a pool capped at 8 rows, a
+budget tight enough to preempt and to shrink first chunks, and heads the fast path hands back
+(one-token prompts, prompts with cached blocks to reuse); and the fast path does make a good share
+of the plans where it can."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from batchsim.scheduler import decode_plan, scheduler
+from batchsim.server.engine.run_config import RunConfig
+from batchsim.server.engine.runner import run_workload
+from batchsim.server.engine.session import open_session
+from batchsim.workloads.lengths import LengthSpec
+from batchsim.workloads.spec import WorkloadSpec, builtin_workload
+
+
+def _hour(rate: float, prompts: int, **sched) -> RunConfig:
+    """The simulated hour's workload (issue 37), shorter."""
+    base = RunConfig(model="llama-3.1-8b", executor="sim", device_profile="M2 Ultra", quantize=4)
+    workload = dataclasses.replace(base.workload, num_prompts=prompts, request_rate=rate, seed=3)
+    return dataclasses.replace(base, workload=workload,
+                               scheduler=dataclasses.replace(base.scheduler, **sched))
+
+
+def _small(spec: WorkloadSpec, **kw) -> RunConfig:
+    return RunConfig(model="llama-3.2-1b", executor="sim", device_profile="M2 Max", quantize=4,
+                     workload=spec, **kw)
+
+
+TIGHT = WorkloadSpec(name="mixed", num_prompts=80, request_rate=float("inf"), seed=1,
+                     input_len=LengthSpec("uniform", min=16, max=900),
+                     output_len=LengthSpec("uniform", min=1, max=160))
+ONE_TOKEN = WorkloadSpec(name="one", num_prompts=40, request_rate=50.0, seed=2,
+                         input_len=LengthSpec("uniform", min=1, max=3),
+                         output_len=LengthSpec("uniform", min=2, max=40))
+CASES = {
+    # (run, the least share of plans the fast path makes)
+    "overloaded": (_hour(5.0, 300), 0.3),
+    "draining": (_hour(1.0, 60), 0.1),
+    "small-pool": (_hour(8.0, 120, max_num_seqs=8), 0.3),
+    "tight": (_small(TIGHT, memory_gb=1.1), 0.05),
+    "one-token-prompts": (_small(ONE_TOKEN), 0.05),
+    "shared-prompt": (dataclasses.replace(_hour(5.0, 120), workload=dataclasses.replace(
+        builtin_workload("shared-prompt"), num_prompts=120, seed=3)), 0.0),
+}
+
+
+def _plans(cfg: RunConfig, out: Path, monkeypatch, fast: bool) -> tuple[list, int, bytes]:
+    """Every plan Scheduler.schedule returned, how many admitting ones the fast path made, and
+    steps.jsonl (fast=False: every plan that could admit is the general path's)."""
+    plans, made = [], [0]
+    real_schedule, real_fast = scheduler.Scheduler.schedule, decode_plan.admissions
+
+    def schedule(self):
+        plans.append(real_schedule(self))
+        return plans[-1]
+
+    def fast_admissions(*args):
+        admitted = real_fast(*args) if fast else None
+        made[0] += bool(admitted and admitted[1])
+        return admitted
+
+    with monkeypatch.context() as m:
+        m.setattr(scheduler.Scheduler, "schedule", schedule)
+        m.setattr(decode_plan, "admissions", fast_admissions)
+        session = open_session(cfg)
+        run_dir = run_workload(session, cfg.workload, out_dir=out, label="a",
+                               timeline=False).run_dir
+    return plans, made[0], (run_dir / "steps.jsonl").read_bytes()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_admission_plans_are_the_general_paths_plans(name, tmp_path, monkeypatch):
+    cfg, share = CASES[name]
+    fast, made, fast_steps = _plans(cfg, tmp_path / "fast", monkeypatch, fast=True)
+    general, _, general_steps = _plans(cfg, tmp_path / "general", monkeypatch, fast=False)
+    assert fast == general
+    assert fast_steps == general_steps
+    assert made >= share * len(fast), f"the fast path made {made} of {len(fast)} plans"
+    if name == "overloaded":  # the hour's case: most plans that admit
+        admitting = sum(bool(p.new_requests) for p in fast)
+        assert made >= 0.9 * admitting, f"{made} fast of {admitting} admitting plans"

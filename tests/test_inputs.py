@@ -126,17 +126,23 @@ def _batchsim(*args: str, home: Path | None = None, env: dict | None = None, tim
                           capture_output=True, check=False, text=True, env=environ, timeout=timeout)
 
 
-def test_far_future_arrivals_finish_and_an_overflowing_rate_is_refused(tmp_path):
+def test_far_future_arrivals_and_an_overflowing_rate_are_refused(tmp_path):
+    """Arrivals past MAX_CLOCK_S (1e9 s) ran, and `report` then read their records as damage
+    (completed 3 -> 1 for --request-rate 1e-12); before that they never finished."""
     trace = tmp_path / "far.jsonl"  # Mooncake rows, timestamps in ms: the second at 1e30 s
     trace.write_text('{"timestamp": 0, "input_length": 100, "output_length": 8}\n'
                      '{"timestamp": 1e33, "input_length": 100, "output_length": 8}\n')
     workload = tmp_path / "slow.yaml"
     workload.write_text("num_prompts: 3\nrequest_rate: 1.0e-300\n")
-    for extra in (["--request-rate", "1e-12", "--num-prompts", "3"], ["--trace", str(trace)],
-                  [str(workload)]):
+    for extra, says in ((["--request-rate", "1e-12", "--num-prompts", "3"], "request_rate 1e-12"),
+                        (["--trace", str(trace)], "trace.time_scale 1"),
+                        ([str(workload)], "request_rate 1e-300")):
         proc = _batchsim("run", *SIM, *extra, "--out", str(tmp_path), "--json")
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert json.loads(proc.stdout.splitlines()[-1])["completed"] >= 2
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert f"{says}: the last request arrives at" in proc.stderr.splitlines()[-1]
+    workload.write_text("num_prompts: 3\nrequest_rate: 2.5e-9\n")  # the last at 8e8 s: runs
+    proc = _batchsim("run", *SIM, str(workload), "--out", str(tmp_path), "--json")
+    assert json.loads(proc.stdout.splitlines()[-1])["completed"] == 3, proc.stderr[-2000:]
     proc = _batchsim("run", *SIM, "--request-rate", "1e-308", "--out", str(tmp_path))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "Warning" not in proc.stderr
     assert "request_rate 1e-308: the last arrivals fall beyond" in proc.stderr.splitlines()[-1]

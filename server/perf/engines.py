@@ -182,7 +182,7 @@ def engine_help() -> str:
 # Each number's limits in a profile (>= 0, at most this), past any engine (shipped host costs are
 # under 1.1 ms; row_dispatch_forwards is fitted, configs/reference/mlx-fit.yaml): a typo such as a
 # request's 2e15 us (63 years) ran a run whose clock `report` then read as damage (records past
-# rebuild.MAX_CLOCK_S), 1e300 overflowed. The maximum is a file's (load_engine): a StepCost's
+# jsonio.MAX_CLOCK_S), 1e300 overflowed. The maximum is a file's (load_engine): a StepCost's
 # copy, scaled by the device's host_scale (at most profile.MAX_HOST_SCALE), may pass it.
 ENGINE_LIMITS = {"host_step_us": 1e7, "host_token_us": 1e7, "host_request_us": 1e7,
                  "row_dispatch_forwards": 1e3}

@@ -20,6 +20,10 @@ _NOT_IN_A_NAME = re.compile(r"[\x00-\x1f/\\]")
 MAX_LABEL_BYTES = 160  # a file name holds 255 bytes; room for the timestamp and `-N`
 MAX_SAME_NAME = 10_000  # run directories of one label started in one second
 
+# No run's clock reaches this (32 years): report reads a record time past it as damage, and a
+# workload whose arrivals go past it is refused (workloads/requests.py).
+MAX_CLOCK_S = 1e9
+
 
 def jsonable(obj: Any) -> Any:
     if isinstance(obj, float) and not math.isfinite(obj):

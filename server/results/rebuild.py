@@ -12,7 +12,7 @@ from typing import Any
 
 from batchsim.configs import ConfigError, load_yaml
 from batchsim.server.platform.signals import stop_if_swallowed
-from batchsim.server.results.jsonio import jsonable
+from batchsim.server.results.jsonio import MAX_CLOCK_S, jsonable
 from batchsim.server.results.metrics import (
     RequestRecord,
     StepRecord,
@@ -33,9 +33,8 @@ from batchsim.server.results.timeline_draw import write_timeline
 
 NOT_KEPT = "summary rebuilt but not kept"  # the note's words: summary.json cannot be written
 # Facts the records cannot give back: a finished run's own summary keeps them.
-# No run's clock reaches this (32 years): a time past it is damage, and times near a float's range
-# overflow the statistics (a finished_s of 1e308: the square in np.std).
-MAX_CLOCK_S = 1e9
+# MAX_CLOCK_S (jsonio): a time past it is damage; times near a float's range overflow the
+# statistics (a finished_s of 1e308: the square in np.std).
 INT64_MAX = 2**63 - 1  # an int field's largest value: the summary reads them as np.int64
 _FROM_THE_RUN = ("duration", "peak_memory_bytes", "peak_memory", "peak_memory_source",
                  "peak_rss_bytes")

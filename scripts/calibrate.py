@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from batchsim.configs import ConfigError
+from batchsim.scripts.calibrate_view import held_out, print_fit, residuals
 from batchsim.scripts.common import (
     DTYPE_HELP,
     add_field_argument,
@@ -22,7 +23,6 @@ from batchsim.scripts.common import (
     run_stoppable,
     stop_if_interrupted,
     str_list,
-    table,
 )
 from batchsim.server.engine.run_config import DTYPES, RunConfig
 from batchsim.server.perf.devices import LOCAL_NAME
@@ -129,9 +129,9 @@ def run(args: argparse.Namespace) -> dict:
     profile, terms, transfer = _fit(args, dtype, when, env_info, ceilings, sessions, samples,
                                     overhead_us, probe_ms, pinned, token_us)
     paths = _save(profile, args)
-    rows = _residuals(samples, sessions, profile, dtype)
-    _print(rows, terms, ceilings.gemm, overhead_us, transfer)
-    held_out = _held_out(args, dtype, profile) if args.quick else None
+    rows = residuals(samples, sessions, profile, dtype)
+    print_fit(rows, terms, ceilings.gemm, overhead_us, transfer)
+    held = held_out(QUICK_HELD_OUT, args.name, dtype, profile) if args.quick else None
     errors = sorted(abs(r["error"]) for r in rows)
     q = ceilings.quantized
     summary = {"profile": str(paths[0]), "profile_paths": [str(p) for p in paths],
@@ -146,8 +146,8 @@ def run(args: argparse.Namespace) -> dict:
                "speed_probe_ms": probe_ms, "speed_drift": drift, "measured_alone": alone,
                "median_abs_err": errors[len(errors) // 2], "max_abs_err": errors[-1],
                "transfer_err": transfer, "samples": rows, "env": env_info}
-    if held_out is not None:
-        summary.update(quick=True, held_out=held_out, elapsed_s=time.perf_counter() - t0)
+    if held is not None:
+        summary.update(quick=True, held_out=held, elapsed_s=time.perf_counter() - t0)
     append_jsonl(Path(args.out) / "calibrate.jsonl", [summary])
     out.print(f"profile written to {', '.join(str(p) for p in paths)}; use it with "
               f"`batchsim run --executor sim --device-profile {args.name}`", markup=False)
@@ -281,51 +281,10 @@ def _save(profile, args: argparse.Namespace) -> list[Path]:
     return paths
 
 
-def _residuals(samples: list, sessions: dict, profile, dtype: str) -> list[dict]:
-    """Every sample, measured vs predicted by the fitted profile."""
-    from batchsim.server.measure import calibration as cal
-    from batchsim.server.perf.stepcost import StepCost
-
-    costs = {n: StepCost(s.spec, profile, dtype, None) for n, s in sessions.items()}
-    rows = [{"model": s.model, "kind": s.kind, "rows": s.rows, "context": s.context,
-             "measured_s": s.seconds,
-                 "predicted_s": cal.predict(s, costs[s.model])} for s in samples]
-    for r in rows:
-        r["error"] = r["predicted_s"] / r["measured_s"] - 1
-    return rows
-
-
 def _probe(session, name: str) -> dict[str, float]:
     from batchsim.server.measure import calibration as cal
 
     return cal.speed_probe_ms(name, session.model, session.spec, cal.session_layout(session))
-
-
-def _held_out(args: argparse.Namespace, dtype: str, profile) -> dict:
-    """The fitted profile on a model calibration did not see (a smaller grid, one round), beside
-    every shipped profile on the same steps: what to expect of it on a new model."""
-    from batchsim.server.engine.session import open_session
-    from batchsim.server.measure import calibration as cal
-    from batchsim.server.perf.devices import SHIPPED_DIR, load_profile
-    from batchsim.server.perf.stepcost import StepCost
-
-    name = QUICK_HELD_OUT
-    s = open_session(RunConfig(model=name, dtype=dtype))
-    err.print(f"held-out check: {name} decode steps and prefill chunks")
-    samples = cal.grid_samples({name: (s.model, s.spec, cal.session_layout(s))},
-                               [1, 4, 16], [128, 512], [64, 256], [0], rounds=1, log=err.print)
-    shipped = {f"shipped {p.stem}": load_profile(p) for p in sorted(SHIPPED_DIR.glob("*.yaml"))}
-    # A shipped profile calibrated in another dtype (the CPU one: float32) cannot price this one's.
-    profiles = {args.name: profile} | {k: p for k, p in shipped.items()
-                                       if p.calibration is None or dtype in p.calibration.gemm}
-    result = {label: cal.sample_errors(samples, {name: StepCost(s.spec, p, dtype, None)})
-              for label, p in profiles.items()}
-    out.print(table(f"Held-out check: step time on {name} (not used to calibrate), "
-                    "predicted vs measured",
-                    ["profile", "median |error| %", "median error %", "max |error| %"],
-                    [[k, 100 * e["median_abs_err"], 100 * e["median_err"], 100 * e["max_abs_err"]]
-                     for k, e in result.items()]))
-    return {"model": name, "profiles": result}
 
 
 def _with(profile, calibration, source: str | None = None):
@@ -377,22 +336,3 @@ def _busy_gaps(session, spec: WorkloadSpec) -> list[tuple[int, float]]:
     steps = outcome.steps
     return [(b.batch_size, b.end_s - a.end_s - b.compute_s) for a, b in itertools.pairwise(steps)
             if b.start_s - a.end_s < 0.005 and b.compute_s is not None]
-
-
-def _print(rows: list[dict], terms: dict, gemm, overhead_us: float, transfer: dict) -> None:
-    out.print(table("Calibration fit: executor step time, measured vs predicted",
-                    ["model", "kind", "rows", "context", "measured ms", "predicted ms", "error %"],
-                    [[r["model"], r["kind"], r["rows"], r["context"], r["measured_s"] * 1e3,
-                      r["predicted_s"] * 1e3, 100 * r["error"]] for r in rows]))
-    out.print(table("Fitted terms", ["metric", "value"],
-                    [[k, v] for k, v in terms.items()]
-                    + [[f"gemm ns/weight at {kn:,} weights",
-                        ns] for kn, ns in sorted(gemm.weight_ns.items())]
-                    + [[f"gemm ns/FLOP at m={m}", ns] for m, ns in sorted(gemm.flop_ns.items())]
-                    + [["engine step_overhead_us", overhead_us]]))
-    if transfer:
-        out.print(table("Leave one model out: fit on the other models, error on this one (what to "
-                        "expect on a model calibration has not seen)",
-                        ["model left out", "median |error| %", "median error %"],
-                        [[m, 100 * e["median_abs_err"],
-                          100 * e["median_err"]] for m, e in transfer.items()]))

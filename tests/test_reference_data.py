@@ -10,7 +10,7 @@ from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf.reference import PUBLISHED_PATH, load_published
 
 # The coverage the set must keep (issue 34): raise these as rows are added, never lower them.
-MIN_ROWS, MIN_ENGINES, MIN_CHIPS, MIN_MAX_BATCH, MIN_MAX_PROMPT = 271, 5, 15, 128, 30000
+MIN_ROWS, MIN_ENGINES, MIN_CHIPS, MIN_MAX_BATCH, MIN_MAX_PROMPT = 274, 5, 15, 128, 30000
 
 
 @pytest.fixture(scope="module")

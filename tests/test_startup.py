@@ -1,5 +1,5 @@
-"""What `batchsim run --executor sim` loads around its loop: its own command's modules only, and
-no matplotlib (timeline.png is drawn by a child process while the run runs)."""
+"""What `batchsim run --executor sim` loads around its loop: its own command's modules only, no
+matplotlib (timeline.png is drawn by a child process while the run runs), and none of UNUSED."""
 
 from __future__ import annotations
 
@@ -7,20 +7,23 @@ import json
 import subprocess
 import sys
 
+# Modules a simulated run does without (each costs its import on every run's start).
+UNUSED = ("importlib.metadata", "email")  # the summary's versions from dist-info names
+
 PROBE = """
 import json, sys
 from batchsim.scripts import cli
 rc = cli.main(["run", "--executor", "sim", "--device-profile", "M2 Max", "--model", "llama-3.2-1b",
                "--num-prompts", "3", "--out", sys.argv[1], "--no-progress", "--json"])
 print(json.dumps([rc, sorted(m for m in sys.modules if m.startswith("batchsim.scripts.")),
-                  "matplotlib" in sys.modules]))
+                  "matplotlib" in sys.modules, sorted(set(sys.argv[2:]) & set(sys.modules))]))
 """
 
 
 def test_a_simulated_run_imports_its_command_alone_and_no_matplotlib(tmp_path):
-    done = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path)], capture_output=True,
-                          text=True, timeout=120, check=True)
-    rc, commands, matplotlib = json.loads(done.stdout.splitlines()[-1])
+    done = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path), *UNUSED],
+                          capture_output=True, text=True, timeout=120, check=True)
+    rc, commands, matplotlib, unused = json.loads(done.stdout.splitlines()[-1])
     summary = json.loads(done.stdout.splitlines()[-2])
     assert rc == 0 and summary["completed"] == 3
     assert summary["timeline_png"].endswith("timeline.png")  # drawn, by the child
@@ -28,6 +31,8 @@ def test_a_simulated_run_imports_its_command_alone_and_no_matplotlib(tmp_path):
                                                 "validate", "calibrate", "report_cmd")]
     assert "batchsim.scripts.run_cmd" in commands and not set(others) & set(commands)
     assert not matplotlib
+    assert unused == []
+    assert summary["env"]["mlx"] and summary["env"]["mlx_lm"]  # found without them
 
 
 def test_a_run_evaluates_each_config_class_annotations_once(tmp_path, monkeypatch):
@@ -76,3 +81,17 @@ def test_the_program_asks_no_huge_pages_for_numpys_arrays_unless_the_user_does()
     assert asked(env) == "False"
     if sys.platform == "linux":  # numpy's madvise: Linux only
         assert asked({**env, "NUMPY_MADVISE_HUGEPAGE": "1"}) == "True"
+
+
+def test_installed_versions_are_importlib_metadatas():
+    from importlib import metadata
+
+    from batchsim.server.platform import env
+
+    for pkg in ("mlx", "mlx-lm", "mlx_lm", "numpy", "PyYAML", "pyyaml", "batchsim", "pip",
+                "not-installed-anywhere"):
+        try:
+            expected = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            expected = None
+        assert env._version(pkg) == expected, pkg

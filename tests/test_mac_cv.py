@@ -15,6 +15,7 @@ from batchsim.server.perf.reference import load_published
 from batchsim.server.published import cv as mac_cv
 from batchsim.server.published import fit as published_fit
 from batchsim.server.published import sim as ps
+from batchsim.server.published import solve
 from batchsim.server.published.sim import MacModel
 
 
@@ -274,7 +275,7 @@ def test_a_one_row_engine_is_shrunk_towards_its_kinds_prior(rows, catalog, monke
                    - prior.host_step_us - prior.host_token_us)
 
     pulled = gap()
-    monkeypatch.setattr(published_fit, "PRIOR_ROWS", 0.0)
+    monkeypatch.setattr(solve, "PRIOR_ROWS", 0.0)
     assert pulled < 0.8 * gap()
 
 
@@ -322,7 +323,7 @@ def test_per_row_sampling_is_shrunk_where_only_an_engines_token_cost_matches_it(
                       "mlx_lm_benchmarks"})
     start = MacModel(gpu_fit.load_fit())
     shrunk = published_fit.fit_published(few, catalog, start).fit.sampling_row_us
-    monkeypatch.setattr(published_fit, "SHRUNK_DEVICE", ())
+    monkeypatch.setattr(solve, "SHRUNK_DEVICE", ())
     free = published_fit.fit_published(few, catalog, start).fit.sampling_row_us
     assert shrunk < 0.8 * free
 

@@ -9,8 +9,7 @@ import dataclasses
 import pytest
 from batchsim.server.perf import gpu_fit, mac_fit, macs
 from batchsim.server.perf.reference import load_published, load_reference
-from batchsim.server.published import cv, nested
-from batchsim.server.published import fit as published_fit
+from batchsim.server.published import cv, nested, solve
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,14 +74,14 @@ def test_the_first_candidate_is_the_shipped_fit_and_applied_restores_it():
     assert nested.GRID[0] == nested.SHIPPED and len(set(nested.GRID)) == len(nested.GRID)
     shared = nested.SHIPPED._replace(engine_ridge=0.3, prior_rows=0.0, huber_delta=0.2,
                                      shrink_sampling=False, m3_ultra_untaxed=False)
-    before = (published_fit.ENGINE_RIDGE, published_fit.PRIOR_ROWS, published_fit.HUBER_DELTA,
-              published_fit.SHRUNK_DEVICE, gpu_fit.ultra_qmv_term("M3 Ultra"))
+    before = (solve.ENGINE_RIDGE, solve.PRIOR_ROWS, solve.HUBER_DELTA,
+              solve.SHRUNK_DEVICE, gpu_fit.ultra_qmv_term("M3 Ultra"))
     with nested.applied(shared):
-        assert (published_fit.ENGINE_RIDGE, published_fit.PRIOR_ROWS, published_fit.HUBER_DELTA,
-                published_fit.SHRUNK_DEVICE) == (0.3, 0.0, 0.2, ())
+        assert (solve.ENGINE_RIDGE, solve.PRIOR_ROWS, solve.HUBER_DELTA,
+                solve.SHRUNK_DEVICE) == (0.3, 0.0, 0.2, ())
         assert gpu_fit.ultra_qmv_term("M3 Ultra") == gpu_fit.ultra_qmv_term("M1 Ultra")
-    assert (published_fit.ENGINE_RIDGE, published_fit.PRIOR_ROWS, published_fit.HUBER_DELTA,
-            published_fit.SHRUNK_DEVICE, gpu_fit.ultra_qmv_term("M3 Ultra")) == before
+    assert (solve.ENGINE_RIDGE, solve.PRIOR_ROWS, solve.HUBER_DELTA,
+            solve.SHRUNK_DEVICE, gpu_fit.ultra_qmv_term("M3 Ultra")) == before
     assert before[-1] != gpu_fit.ultra_qmv_term("M1 Ultra")
 
 

@@ -65,7 +65,7 @@ class GpuFit:
     ultra_moe_layer_us: float = 0.0
     # MLX's quantized matrix-vector kernel over several rows (server.perf.qmv): its arithmetic as a
     # fraction of the chip's FP16 peak (0: those rows priced as a GEMM). Fitted in [1/30, 1]
-    # (published.fit MAX_SLOWDOWN). It sat at its bound 1 in the fits of 81290df and 58445e6: qmv
+    # (published.solve MAX_SLOWDOWN). It sat at its bound 1 in the fits of 81290df and 58445e6: qmv
     # at the full FP16 rate while dequantizing every weight again per row, implausible, a sign that
     # other terms mispriced the few-row steps. It left the bound (0.83) when host work began to
     # scale by CPU generation (804992b: the M1-M5 rows' host time no longer one constant), and

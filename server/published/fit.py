@@ -13,22 +13,22 @@ row (attention_row_us stays 0; the one source that wanted it, mlx_lm_1540, calls
 per row). For each g on a grid that is a least-squares problem on relative error (robust: Huber
 weights; every time term kept >= 0; an engine's own terms shrunk towards zero, so what all engines
 share goes to the device terms, and towards the mean of its kind's, servers' or libraries', by
-PRIOR_ROWS over its rows: that mean is the prior of an engine the rows lack, and a one-row engine's
-costs lie halfway to it). The parts are recomputed under the new fit and the fit repeated (a
-roofline's binding side may move)."""
+PRIOR_ROWS over its rows: that mean is the prior of an engine the rows lack, and a one-row
+engine's costs lie halfway to it; server.published.solve). The parts are recomputed under the new
+fit and the fit repeated (a roofline's binding side may move)."""
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from batchsim.server.perf import kernels, macs
 from batchsim.server.perf.engines import EngineProfile, load_engine
 from batchsim.server.perf.gpu_fit import FORMATS, ULTRA_QMV_TERMS, fit_format, ultra_qmv_term
-from batchsim.server.perf.mac_fit import EXPERT_GRID, HUBER_DELTA, IRLS_ROUNDS
+from batchsim.server.perf.mac_fit import EXPERT_GRID
 from batchsim.server.perf.reference import row_mac
 from batchsim.server.published.sim import (
     HostPrior,
@@ -40,37 +40,15 @@ from batchsim.server.published.sim import (
     row_cost,
     run_steps,
 )
+from batchsim.server.published.solve import TIMES, fit_at
 
 DEVICE = (*FORMATS, "kv", "c_float", "c_q8", "c_q4", "layer_s", "forward_s", "sampling_row_s",
           "ultra_layer_s", "ultra_bytes", "ultra_moe_layer_s", "c_qmv", *ULTRA_QMV_TERMS)
-# (The Ultra qmv slowdowns' columns are their GpuFit fields.) Seconds per count (kept >= 0) and the
-# GpuFit field (us) each is written to (attention_row_s is no column: written as 0).
-TIMES = {"layer_s": "layer_overhead_us", "forward_s": "forward_overhead_us",
-         "attention_row_s": "attention_row_us", "sampling_row_s": "sampling_row_us",
-         "ultra_layer_s": "ultra_layer_us", "ultra_moe_layer_s": "ultra_moe_layer_us"}
 ROUNDS = 3  # refits with the parts recomputed under the last fit
 # GpuFit.cpu_exponent's candidates (the least loss wins) and the columns it scales per row.
 CPU_GRID = (0.0, 1.0, 2.0, 3.0)
 CPU_COLUMNS = ("layer_s", "forward_s", "sampling_row_s", "step", "token")  # step:NAME, token:NAME
-ENGINE_RIDGE = 0.1  # shrinkage of each engine's own terms (columns scaled to unit norm)
-PRIOR_ROWS = 1.0  # the weight of an engine's kind prior, in rows of the engine's own
-HOST_PARTS = ("step", "token")  # an engine's host-cost columns: step:NAME, token:NAME
-# Device columns shrunk like an engine's own: per-row sampling is, on every row of an engine calling
-# its sampler per row, the same column as that engine's per-token host cost (each sampled row is a
-# generated token), so only a source running one engine both ways (mlx_lm_1540) tells them apart;
-# unshrunk it took every per-row server's per-token cost and priced it on every such engine (held
-# out, mlx_lm_1540's per-row rows -43% / -49% at B=8 / 32; shrunk -15% / -19%).
-SHRUNK_DEVICE = ("sampling_row_s",)
-JITTER = 1e-9  # on the others: collinear columns share rather than fail
 UNIT_US = 1e6  # count-type terms priced at 1 s each: their parts are then counts
-# The largest slowdown (1 / efficiency) a rate may take: streaming weights at under a third of the
-# peak bandwidth, or matmuls at under a fifth of the peak FLOP/s, is not a Mac GPU's behaviour
-# but a term the model lacks, which a free fit would hide there.
-# qmv over several rows (server.perf.qmv) multiplies on the SIMD lanes and dequantizes each weight
-# again per row: down to 1/30 of the FP16 peak.
-MAX_SLOWDOWN = {"bytes": 3.0, "kv": 5.0, "compute": 5.0, "ultra": 2.0, "qmv": 30.0}
-
-
 def columns(rows: Sequence[Any]) -> list[str]:
     """The unknowns: the device's, each engine's host time per step and per token, and (an engine
     looping attention over rows, with batched rows) its own per-row dispatches."""
@@ -164,123 +142,13 @@ def _design(bases: Sequence[Basis], cols: list[str]) -> tuple[np.ndarray, np.nda
     return a, e
 
 
-def _bounds(col: str) -> tuple[float, float]:
-    """What a column's unknown may be: a time >= 0, a slowdown (1 / efficiency) from 1 to its
-    cap."""
-    if col in TIMES or ":" in col:
-        return 0.0, np.inf
-    if col == "ultra_bytes":  # added to the format's slowdown
-        return 0.0, MAX_SLOWDOWN["ultra"]
-    if col == "c_qmv":
-        return 1.0, MAX_SLOWDOWN["qmv"]
-    if col in ULTRA_QMV_TERMS:  # added to qmv's slowdown
-        return 0.0, MAX_SLOWDOWN["qmv"]
-    return 1.0, MAX_SLOWDOWN["kv" if col == "kv" else "compute" if col[:2] == "c_" else "bytes"]
-
-
-class Shrink(NamedTuple):
-    """Penalties: every engine's host terms towards zero (`zero`, by unit-norm column), and each
-    kinded engine's host cost per one-row step (its step + token terms) towards the mean of its
-    kind's (`pairs`: step column, token column, weight per second squared, kind)."""
-
-    zero: np.ndarray
-    pairs: list[tuple[int, int, float, str]]
-
-
-def _kind(col: str) -> str:
-    """The engine kind of a host-cost column ('' for any other column or a kindless engine)."""
-    part, _, name = col.partition(":")
-    return load_engine(name).kind if part in HOST_PARTS else ""
-
-
-def _shrink(a: np.ndarray, cols: list[str], free: list[int]) -> Shrink:
-    zero, pairs = np.full(len(cols), JITTER), []
-    index = {c: j for j, c in enumerate(cols)}
-    for j in free:
-        part, _, name = cols[j].partition(":")
-        if part in HOST_PARTS or cols[j] in SHRUNK_DEVICE:
-            zero[j] = ENGINE_RIDGE
-        if part == "step" and (kind := _kind(cols[j])):
-            k = index[f"token:{name}"]
-            # a row's relative error per second of the pair's cost, at batch 1 (step = token)
-            per_s = np.linalg.norm((a[:, j] + a[:, k]) / 2)
-            pairs.append((j, k, PRIOR_ROWS * per_s**2 / np.count_nonzero(a[:, j]), kind))
-    return Shrink(zero, pairs)
-
-
-def _pull(scale: np.ndarray, keep: list[int], shrink: Shrink
-          ) -> tuple[np.ndarray, np.ndarray, Callable[[np.ndarray], np.ndarray]]:
-    """(penalty matrix, v, the kind means by pair under a theta) of the pairs on the kept columns:
-    each engine's one-row host cost (seconds: step + token, v @ coefficients) towards its kind's
-    mean, weighed as one of its rows' relative error squared over PRIOR_ROWS / its rows. The
-    penalty's right-hand side is v.T @ (weight * means(theta))."""
-    at = {j: i for i, j in enumerate(keep)}
-    v = np.zeros((len(shrink.pairs), len(keep)))
-    for p, (j, k, _, _) in enumerate(shrink.pairs):
-        for c in (j, k):
-            if c in at:
-                v[p, at[c]] = 1.0 / scale[c]  # the seconds of a unit-norm coefficient
-    weight = np.array([w for _, _, w, _ in shrink.pairs])
-    steps, tokens = ([pair[i] for pair in shrink.pairs] for i in (0, 1))
-    kinds = [kind for *_, kind in shrink.pairs]
-    same = np.array([[a == b for b in kinds] for a in kinds], dtype=float)
-    same /= np.maximum(same.sum(axis=1, keepdims=True), 1.0)
-
-    def means(theta: np.ndarray) -> np.ndarray:
-        return weight * (same @ (theta[steps] + theta[tokens]))
-
-    return (v.T * weight) @ v, v, means
-
-
-def _lsq(a: np.ndarray, rhs: np.ndarray, keep: list[int], shrink: Shrink) -> np.ndarray:
-    """Huber-weighted least squares of a @ theta = rhs over the kept columns (others zero),
-    penalised by `shrink` (each kind's mean taken from the round before)."""
-    scale = np.linalg.norm(a, axis=0)
-    scale[scale == 0] = 1.0
-    an = a[:, keep] / scale[keep]
-    pull, v, means = _pull(scale, keep, shrink)
-    ridge = np.diag(shrink.zero[keep]) + pull
-    theta, w = np.zeros(a.shape[1]), np.ones(a.shape[0])
-    for _ in range(IRLS_ROUNDS):
-        lhs = an * w[:, None]  # the normal equations: a small square system
-        sol = np.linalg.solve(lhs.T @ lhs + ridge, lhs.T @ (rhs * w) + v.T @ means(theta))
-        theta[:] = 0.0
-        theta[keep] = sol / scale[keep]
-        r = np.abs(a @ theta - rhs)
-        w = np.sqrt(np.where(r > HUBER_DELTA, HUBER_DELTA / np.maximum(r, 1e-12), 1.0))
-    return theta
-
-
-def _fit_at(a: np.ndarray, cols: list[str]) -> tuple[float, np.ndarray]:
-    """(Huber loss, theta) of a @ theta = 1 within each column's bounds: the worst violator is held
-    at its bound and the rest refitted, until none is out."""
-    free = [j for j in range(len(cols)) if np.any(a[:, j] > 0)]
-    shrink = _shrink(a, cols, free)  # row: (a device product) not shrunk
-    held: dict[int, float] = {}
-    while True:
-        rhs = 1.0 - sum((a[:, j] * v for j, v in held.items()), np.zeros(a.shape[0]))
-        theta = _lsq(a, rhs, free, shrink)
-        out = {j: min(max(theta[j], lo), hi) for j in free
-               for lo, hi in [_bounds(cols[j])] if not lo <= theta[j] <= hi}
-        if not out:
-            break
-        j = max(out, key=lambda j: abs(theta[j] - out[j]) / max(abs(out[j]), 1e-9))
-        held[j] = out[j]
-        free.remove(j)
-    for j, v in held.items():
-        theta[j] = v
-    r = np.abs(a @ theta - 1.0)
-    loss = np.where(r > HUBER_DELTA, HUBER_DELTA * (2 * r - HUBER_DELTA), r * r)
-    return float(loss.sum()), theta
-
-
 def _solve(bases: Sequence[Basis], cols: list[str]) -> tuple[float, dict[str, float], float]:
     """(loss, theta by column name for the columns the rows determine, g) at the g of least loss:
     a coarse pass over the grid, then the fine grid around its best."""
     plain, experts = _design(bases, cols)
 
     def loss(g: float) -> float:
-        return _fit_at(plain + experts / g, cols)[0]
+        return fit_at(plain + experts / g, cols)[0]
 
     g = 1.0
     if experts.any():
@@ -288,7 +156,7 @@ def _solve(bases: Sequence[Basis], cols: list[str]) -> tuple[float, dict[str, fl
         step = EXPERT_GRID[1] - EXPERT_GRID[0]
         g = float(min((x for x in EXPERT_GRID if abs(x - coarse) < 5 * step), key=loss))
     a = plain + experts / g
-    least, theta = _fit_at(a, cols)
+    least, theta = fit_at(a, cols)
     return least, {c: float(theta[j]) for j, c in enumerate(cols) if np.any(a[:, j] > 0)}, g
 
 
@@ -384,7 +252,7 @@ def fit_published(rows: Sequence[Any], catalog: macs.Catalog, start: MacModel,
         unit = _unit(model, rows)
         bases = [basis(r, catalog, unit, n, model) for r, n in zip(rows, layers)]
         g0 = model.fit.expert_bandwidth_efficiency  # the exponent's loss at the last round's g
-        cpu = grid[0] if len(grid) == 1 else min(grid, key=lambda x: _fit_at(
+        cpu = grid[0] if len(grid) == 1 else min(grid, key=lambda x: fit_at(
             _at_g(_at_cpu(bases, speeds, x), cols, g0), cols)[0])
         _, theta, g = _solve(_at_cpu(bases, speeds, cpu), cols)
         grid = (cpu,)

@@ -23,13 +23,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 from batchsim.server.perf import gpu_fit, macs
-from batchsim.server.published import cv
+from batchsim.server.published import cv, solve
 from batchsim.server.published import fit as published_fit
 from batchsim.server.published.sim import predict_tok_s
 
 INNER_FOLDS = 3  # inner grouped folds: the training groups dealt round-robin in sorted order
 NO_GENERATION = 10**9  # an Ultra generation no chip reaches: every Ultra takes the M1/M2 term
-SAMPLING, M3_GENERATION = published_fit.SHRUNK_DEVICE, gpu_fit.ULTRA_M3_GENERATION  # as shipped
+SAMPLING, M3_GENERATION = solve.SHRUNK_DEVICE, gpu_fit.ULTRA_M3_GENERATION  # as shipped
 
 
 class Hyper(NamedTuple):
@@ -46,8 +46,8 @@ class Hyper(NamedTuple):
         return ", ".join(changed) or "shipped"
 
 
-SHIPPED = Hyper(published_fit.ENGINE_RIDGE, published_fit.PRIOR_ROWS, published_fit.HUBER_DELTA,
-                bool(published_fit.SHRUNK_DEVICE), True)
+SHIPPED = Hyper(solve.ENGINE_RIDGE, solve.PRIOR_ROWS, solve.HUBER_DELTA,
+                bool(solve.SHRUNK_DEVICE), True)
 GRID = (SHIPPED, *(SHIPPED._replace(**{k: v}) for k, v in (
     ("prior_rows", 0.0), ("shrink_sampling", False), ("m3_ultra_untaxed", False),
     ("engine_ridge", 0.03), ("engine_ridge", 0.3), ("huber_delta", 0.05), ("huber_delta", 0.2))))
@@ -58,10 +58,10 @@ Predict = Callable[[Sequence[Any], Sequence[Any]], list[float]]  # (train, test)
 @contextlib.contextmanager
 def applied(h: Hyper) -> Iterator[None]:
     """The module constants the fit and its pricing read, at `h`'s values while inside."""
-    values = {(published_fit, "ENGINE_RIDGE"): h.engine_ridge,
-              (published_fit, "PRIOR_ROWS"): h.prior_rows,
-              (published_fit, "HUBER_DELTA"): h.huber_delta,
-              (published_fit, "SHRUNK_DEVICE"): SAMPLING if h.shrink_sampling else (),
+    values = {(solve, "ENGINE_RIDGE"): h.engine_ridge,
+              (solve, "PRIOR_ROWS"): h.prior_rows,
+              (solve, "HUBER_DELTA"): h.huber_delta,
+              (solve, "SHRUNK_DEVICE"): SAMPLING if h.shrink_sampling else (),
               (gpu_fit, "ULTRA_M3_GENERATION"):
                   M3_GENERATION if h.m3_ultra_untaxed else NO_GENERATION}
     saved = {key: getattr(*key) for key in values}

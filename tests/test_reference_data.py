@@ -75,6 +75,8 @@ def _write(tmp_path, **change):
     ({"chip": "M4 Max", "gpu_cores": 32, "memory_gb": 128}, "(configs/macs.yaml: 36 GB)"),
     ({"prompt_tokens": 0}, "prompt_tokens 0 and generated_tokens"),
     ({"generated_tokens": -128}, "positive where published"),
+    ({"tok_s": 402.4}, "tok_s 402.4 is not a number of its quote"),
+    ({"tok_s": 58.0}, "tok_s 58.0 is not a number of its quote"),
 ])
 def test_a_bad_row_is_refused_in_one_line_naming_it(tmp_path, change, says):
     path = _write(tmp_path, id="bad-row", **change)

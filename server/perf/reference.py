@@ -4,6 +4,7 @@ row tied to a zoo model and a catalog Mac. Pure Python: the fit is in server.per
 from __future__ import annotations
 
 import dataclasses
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -204,6 +205,15 @@ class PublishedRow(WeightFormat):
 
 
 
+def _quotes(quote: str, figure: float) -> bool:
+    """Whether `quote` prints `figure`: a number in it ('1,111.8', '**27.57**') that rounds to the
+    figure's decimal places (124.84 from '124.84086550462617', 1746.0 from '1746')."""
+    text = repr(float(figure))
+    places = len(text.split(".")[1]) if "." in text else 0
+    numbers = (float(n.replace(",", "")) for n in re.findall(r"\d[\d,]*(?:\.\d+)?", quote))
+    return any(round(n, places) == figure for n in numbers)
+
+
 @dataclasses.dataclass(frozen=True)
 class PublishedSet:
     sources: dict[str, str]  # key -> 'URL (machine, versions, command)'
@@ -224,6 +234,9 @@ def _check_row(row: PublishedRow, sources: dict[str, str], zoo: set[str], catalo
         row_mac(catalog, row.chip, row.gpu_cores)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
+    if not _quotes(row.quote, row.tok_s):  # the data file's rows (a test's made rows need not)
+        raise ConfigError(f"{where}: tok_s {row.tok_s!r} is not a number of its quote (rounded "
+                          "to the places it gives)")
     sizes_gb = _memory_sizes_gb(catalog, row.chip, row.gpu_cores)
     if row.memory_gb is not None and row.memory_gb not in sizes_gb:
         raise ConfigError(f"{where}: {row.memory_gb:g} GB was not sold with {row.chip} "

@@ -29,16 +29,17 @@ def _records(seed: int, n: int) -> list[RequestRecord]:
 
 def test_order_stats_are_numpys_median_and_percentiles_exactly():
     rng = np.random.default_rng(5)
-    percentiles = [0, 1, 50, 90, 95, 99, 99.9, 100]
+    percentiles = [0, 1, 33.3, 50, 66.7, 90, 95, 99, 99.9, 99.99, 100]
     for trial in range(600):
-        n = int(rng.integers(1, 40))
+        n = int(rng.integers(1, 40)) if trial % 50 else 10_001
         values = [rng.integers(0, 50, n), rng.random(n) * 10.0 ** rng.integers(-6, 7),
                   np.round(rng.random(n), 2)][trial % 3]  # ints, spans, ties
         median, ranks = request_arrays.order_stats(values, percentiles)
         assert median == float(np.median(values))
         assert ranks == [float(np.percentile(values, p)) for p in percentiles]
     assert request_arrays.order_stats((), [50, 99]) == (0.0, [0.0, 0.0])  # vLLM's np.mean(x or 0)
-    assert math.isnan(request_arrays.order_stats([math.nan, 1.0], [])[0])  # as np.median's
+    median, ranks = request_arrays.order_stats([math.nan, 1.0], [50])  # NaN: as numpy's
+    assert math.isnan(median) and math.isnan(ranks[0])
 
 
 def test_latencies_are_the_properties_floats_exactly():

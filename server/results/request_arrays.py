@@ -5,6 +5,7 @@ property at a time."""
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from operator import attrgetter, itemgetter
 from typing import Any
@@ -62,14 +63,28 @@ def step_columns(steps: Sequence[Any], ints: Sequence[str] = STEP_INTS) -> dict[
 
 
 def order_stats(values: Any, percentiles: Sequence[float]) -> tuple[float, list[float]]:
-    """np.median(values) and np.percentile(values, p) for each p: the same floats (order
-    statistics), from one sorted copy partitioned in place (an hour's million ITLs: 27 ms, not 80:
-    numpy partitions a fresh copy per call, the sorted one goes fast). Empty `values`: 0 (vLLM's
+    """np.median(values) and np.percentile(values, p) for each p (its default, linear method):
+    the same floats, by numpy's own operations, from one sorted copy (an hour's million ITLs:
+    numpy partitioned a fresh copy per call, and its percentile's np.unique imported numpy.ma,
+    10-20 ms). tests/test_request_arrays.py holds them to numpy's. Empty `values`: 0 (vLLM's
     np.mean(x or 0))."""
     ranked = np.sort(np.asarray(values)) if len(values) else np.zeros(1)
-    median = np.median(ranked, overwrite_input=True)
-    ranks = np.percentile(ranked, list(percentiles), overwrite_input=True) if percentiles else ()
-    return float(median), [float(v) for v in ranks]
+    n = len(ranked)
+    if np.isnan(ranked[-1]):  # a NaN sorts last: numpy's answers are NaN
+        return math.nan, [math.nan] * len(percentiles)
+    median = np.mean(ranked[(n - 1) // 2:n // 2 + 1])  # the middle one, or two averaged
+    virtual = (n - 1) * np.true_divide(np.asanyarray(list(percentiles)), 100)
+    below = np.floor(virtual)
+    above = below + 1
+    below[virtual >= n - 1], above[virtual >= n - 1] = -1, -1
+    below[virtual < 0], above[virtual < 0] = 0, 0
+    below, above = below.astype(np.intp), above.astype(np.intp)
+    gamma = virtual - below
+    a, b = ranked[below], ranked[above]
+    diff = b - a
+    ranks = np.add(a, diff * gamma)  # numpy's _lerp: from the nearer end
+    np.subtract(b, diff * (1 - gamma), out=ranks, where=gamma >= 0.5, casting="unsafe")
+    return float(median), ranks.tolist()
 
 
 def sorted_counts(sorted_times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -122,13 +122,19 @@ def test_two_rank_server_answers_as_one_and_stops_every_rank(tiny):
 
 
 def _rank_pid(launcher: int, rank: int) -> int:
-    """The pid of `rank` among the launcher's descendants (MLX_RANK in its environment)."""
+    """The pid `rank` left in the launcher's status directory (named on the command line of
+    mlx.launch's process, the owner module; `ps`, not /proc: macOS has none)."""
+    from batchsim.server.distributed import owner
+
     for pid in _descendants(launcher):
-        with contextlib.suppress(OSError):
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            if f"MLX_RANK={rank}".encode() in environ:
-                return pid
-    raise AssertionError(f"no rank {rank} under {launcher}")
+        args = subprocess.run(["ps", "-ww", "-o", "args=", "-p", str(pid)], capture_output=True,
+                              text=True, check=False).stdout.split()
+        if owner.__name__ in args:  # python -m OWNER FD STATUS_DIR ...
+            pid_path = Path(args[args.index(owner.__name__) + 2]) / f"rank{rank}.pid"
+            found = owner.read_pid(pid_path)
+            assert found is not None, f"no {pid_path}"
+            return found
+    raise AssertionError(f"no mlx.launch under {launcher}")
 
 
 def test_rank0_answers_the_stop_signals_the_launcher_answers():

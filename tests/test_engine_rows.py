@@ -10,6 +10,7 @@ from batchsim.scheduler.plan import PrefillChunk
 from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf.engines import (
     ENGINES_DIR,
+    TOP_P_CODES,
     load_engine,
     top_p_bytes_per_logit,
 )
@@ -224,11 +225,13 @@ def test_a_row_sampled_with_top_p_is_priced_with_its_harness_top_p():
     assert all(model.engine_of(r).top_p == 0.95 for r in rows)
     assert load_engine("mlx-lm-batch").top_p is None
     # temperature 0.7, top_p 0.95 in the source; rapid-mlx sampled with mlx-lm's make_sampler
-    # until its fused sampler (0.6.83, Rapid-MLX PR #542), whose passes are not priced
-    readme = {(r.engine, r.engine_version): model.engine_of(r).top_p
+    # until its fused sampler (0.6.83, Rapid-MLX PR #542), priced by its own passes
+    readme = {(r.engine, r.engine_version): (model.engine_of(r).top_p,
+                                             model.engine_of(r).top_p_code)
               for r in load_published().rows if r.src == "rapid_mlx_readme_refresh"}
-    assert readme == {("rapid-mlx", "0.6.80"): 0.95, ("mlx-lm-server", "0.31.3"): 0.95,
-                      ("rapid-mlx", "0.6.83"): None}
+    assert readme == {("rapid-mlx", "0.6.80"): (0.95, "mlx-lm"),
+                      ("mlx-lm-server", "0.31.3"): (0.95, "mlx-lm"),
+                      ("rapid-mlx", "0.6.83"): (0.95, "rapid-mlx-fused")}
 
 
 def test_each_engine_read_at_its_source_says_how_it_samples():
@@ -254,3 +257,33 @@ def test_an_engine_batches_an_architecture_from_the_version_that_did():
     assert "qwen3_moe" not in mlxcel.at_version("0.7.0-beta.1").serial_model_types
     assert "qwen2" in mlxcel.at_version("0.7.0-beta.1").serial_model_types
     assert mlxcel.at_version(None) is mlxcel
+
+
+def test_each_top_p_sampler_is_priced_by_its_own_code_at_the_version_run():
+    """mlx-swift-lm's TopPSampler (ekryski's fork) and Rapid-MLX's fused sampler (0.6.83, PR
+    #542) sort float32 and run uncompiled: more passes than mlx-lm's compiled chain, each counted
+    from its source. A qwen3 row (151,936 logits: 7 merge passes) of bfloat16 logits:"""
+    vocab = zoo_spec("qwen3-0.6b").vocab_size
+    sort32 = (4 + 8) + 7 * 2 * 8 + 2 * 4  # float32 values and uint32 indices: 132 bytes
+    cast = 2 + 4  # the bfloat16 logits read, float32 written
+    categorical = 19 * 4 + 2 * 4  # MLX's categorical uncompiled: 84 bytes
+    assert top_p_bytes_per_logit(vocab, 2) == 172  # mlx-lm's, as before
+    assert top_p_bytes_per_logit(vocab, 2, TOP_P_CODES["mlx-swift-lm"]) == (
+        cast + sort32 + 18 * 4 + 2 * 4 + 2 + categorical)  # 304
+    assert top_p_bytes_per_logit(vocab, 2, TOP_P_CODES["rapid-mlx-fused"]) == (
+        cast + sort32 + 13 * 4 + 4 * 4 + 6 + categorical)  # 296
+    assert top_p_bytes_per_logit(vocab, 4, TOP_P_CODES["rapid-mlx-fused"]) == 296 - cast
+
+    fork = load_engine("mlx-swift-lm-fork")  # its harness: temperature 0.8, top-p 0.8
+    assert (fork.top_p, fork.top_p_code) == (0.8, "mlx-swift-lm")
+    assert fork.sampler_bytes_per_logit(vocab, 2) == 304
+    rapid = load_engine("rapid-mlx")
+    assert rapid.at_version("0.6.80").top_p_code == "mlx-lm"  # mlx-lm's chain until 0.6.82
+    for version in ("0.6.83", "0.7.26", "0.10.5", None):
+        assert rapid.at_version(version).top_p_code == "rapid-mlx-fused"
+    assert dataclasses.replace(rapid.at_version("0.6.83"), top_p=0.95).sampler_bytes_per_logit(
+        vocab, 2) == 296
+    assert rapid.sampler_bytes_per_logit(vocab, 2) == 0  # no top-p stated: no filter priced
+    with pytest.raises(ValueError, match="top_p_code must be one of"):
+        _engine(top_p_code="vllm")
+

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import re
 from functools import lru_cache
+from typing import NamedTuple
 
 from batchsim.configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
 
@@ -64,6 +65,10 @@ class EngineProfile:
     # whole vocabulary each step, one call over the batch or one per row alike
     # (top_p_bytes_per_logit prices its traffic); None: no top-p filter (greedy or unstated).
     top_p: float | None = None
+    # Whose top-p code it runs (TOP_P_CODES: its passes over each sampled row's vocabulary), and
+    # the engine version it came in (before it: mlx-lm's apply_top_p; "": always).
+    top_p_code: str = "mlx-lm"
+    top_p_code_since: str = ""
     host_basis: str = ""  # how the fit set the host costs: its rows, and the prior it used
     version: str = ""  # the engine version the numbers describe
     source: str = ""  # the published measurements the numbers come from, or why they are zero
@@ -81,6 +86,9 @@ class EngineProfile:
             raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_p_code not in TOP_P_CODES:
+            raise ValueError(f"top_p_code must be one of {', '.join(TOP_P_CODES)}, "
+                             f"got {self.top_p_code!r}")
 
     def serial_for(self, model_type: str) -> bool:
         """Whether this engine runs a model of `model_type` one row at a time."""
@@ -89,12 +97,16 @@ class EngineProfile:
     def at_version(self, version: str | None) -> EngineProfile:
         """This profile as the engine ran at `version` (None: as written): the architectures it
         batched by then leave serial_model_types."""
-        if version is None or not self.batched_since:
+        if version is None:
             return self
         ran = _release(version)
         serial = tuple(t for t in self.serial_model_types
                        if t not in self.batched_since or ran < _release(self.batched_since[t]))
-        return dataclasses.replace(self, serial_model_types=serial)
+        code = ("mlx-lm" if self.top_p_code_since and ran < _release(self.top_p_code_since)
+                else self.top_p_code)
+        if serial == self.serial_model_types and code == self.top_p_code:
+            return self
+        return dataclasses.replace(self, serial_model_types=serial, top_p_code=code)
 
     def batching_note(self) -> str:
         """What it batches, in words (size --explain): '' for an engine batching everything."""
@@ -115,7 +127,7 @@ class EngineProfile:
         `value_bytes` wide (0: none priced)."""
         if self.top_p is None or self.top_p >= 1:
             return 0.0
-        return top_p_bytes_per_logit(vocab, value_bytes)
+        return top_p_bytes_per_logit(vocab, value_bytes, TOP_P_CODES[self.top_p_code])
 
     @property
     def host_step_s(self) -> float:
@@ -141,26 +153,64 @@ class EngineProfile:
 # argsort copies its indices out.
 SORT_BLOCK = 2048
 INDEX_BYTES = 4  # uint32 sort indices
-# mlx-lm sample_utils (0.28-0.31) apply_top_p's other passes over the vocabulary, as (values,
-# indices) read or written: exp (2, 0), take_along_axis (2, 1), cumsum (2, 0), zeros_like and arange
-# (0, 2), put_along_axis (0, 5: the zeros copied, indices and updates read, scattered), the inverse
-# take_along_axis (2, 1), where (3, 0); then categorical_sampling: uniform bits (0, 1), Gumbel noise
-# added to the tempered logits (2, 1), argmax (1, 0). None fuses: a gather, scan, scatter or sort
-# ends an mx.compile graph's fused elementwise run.
-TOP_P_PASSES = (14, 11)
+class TopPCode(NamedTuple):
+    """A top-p sampler's passes over a sampled row's vocabulary besides its sort: reads and writes
+    per logit, value-wide, uint32-wide and bool-wide; and the width it sorts and works in (None:
+    the logits' own; 4: it casts narrower logits to float32 first, one read and a 4-byte write)."""
+
+    work_bytes: int | None
+    values: int
+    indices: int
+    masks: int = 0
 
 
-def top_p_bytes_per_logit(vocab: int, value_bytes: int) -> float:
-    """Bytes a top-p sampler moves per logit of a sampled row whose logits are `value_bytes` wide
-    (mlx-lm samples the model's dtype: generate.py at a790972, line 540, `logprobs = logits -
-    logsumexp(logits)` with no cast, and its heads return the activation dtype): MLX's argsort of
-    the row and the sampler's other passes. Bandwidth-priced: a
-    lower bound (a merge pass's threadgroups also wait on each other, not only on memory)."""
+# MLX's random.categorical uncompiled (mlx/random.cpp, 0.31-0.32: bits, then uniform's divide,
+# minimum, multiply and add, gumbel's log, negative, log, negative, the add to the logits, argmax),
+# as (values, indices): (19, 2).
+CATEGORICAL_PASSES = (19, 2)
+TOP_P_CODES = {
+    # mlx-lm sample_utils (0.28-0.31) apply_top_p, as (values, indices) read or written: exp
+    # (2, 0), take_along_axis (2, 1), cumsum (2, 0), zeros_like and arange (0, 2), put_along_axis
+    # (0, 5: the zeros copied, indices and updates read, scattered), the inverse take_along_axis
+    # (2, 1), where (3, 0); then categorical_sampling, mx.compile'd: uniform bits (0, 1), Gumbel
+    # noise added to the tempered logits (2, 1), argmax (1, 0). None fuses: a gather, scan,
+    # scatter or sort ends an mx.compile graph's fused elementwise run. In the model's dtype.
+    "mlx-lm": TopPCode(None, 14, 11),
+    # mlx-swift-lm's TopPSampler (ekryski/mlx-swift-lm 137bd31, Libraries/MLXLMCommon/
+    # Evaluate.swift:305, no MLX.compile): bfloat16 logits cast to float32 (gpt-oss, its rows'
+    # model, computes in bfloat16), logSoftmax (3 values: logsumexp read, subtract), applyTopP:
+    # argSort, takeAlong (2, 1), exp (2), cumsum (2), the compare (1 value, 1 mask), where (2,
+    # 1 mask), putAlong of the filtered values back into a copy of logprobs (4, 1); the scale by
+    # 1 / temp (2) and MLX's categorical uncompiled.
+    "mlx-swift-lm": TopPCode(4, 3 + 2 + 2 + 2 + 1 + 2 + 4 + 2 + CATEGORICAL_PASSES[0],
+                             1 + 1 + CATEGORICAL_PASSES[1], 1 + 1),
+    # Rapid-MLX's fused sampler (raullenchai/Rapid-MLX PR #542, commit 06635d0, v0.6.83 through
+    # 0.10.5, vllm_mlx/_sampler_fast_path.py; one Python function, uncompiled): the cast to
+    # float32, exp (2), argsort, two take_along_axis in sorted space (4, 2), cumsum (2), arange ==
+    # vocab - 1 (0, 2 indices: written, read; 1 mask), cumulative > 1 - top_p (1, 1 mask), the
+    # `|` (3 masks), the scale by 1 / temp (2), where (2, 1 mask), MLX's categorical uncompiled.
+    # More bytes than mlx-lm's chain (uncompiled, float32): what the PR measured it saves, the
+    # closures' Python dispatch and the inverse-permutation scatter's GPU time (its docstring:
+    # ~0.9 ms and ~3.3 ms a token on an M3 Ultra), is no memory traffic this prices.
+    "rapid-mlx-fused": TopPCode(4, 2 + 4 + 2 + 1 + 2 + 2 + CATEGORICAL_PASSES[0],
+                                2 + 2 + CATEGORICAL_PASSES[1], 1 + 1 + 3 + 1),
+}
+TOP_P_PASSES = TOP_P_CODES["mlx-lm"][1:3]  # mlx-lm's (values, indices)
+
+
+def top_p_bytes_per_logit(vocab: int, value_bytes: int,
+                          code: TopPCode = TOP_P_CODES["mlx-lm"]) -> float:
+    """Bytes a top-p sampler (`code`: mlx-lm's unless named) moves per logit of a sampled row
+    whose logits are `value_bytes` wide (mlx-lm samples the model's dtype: generate.py at a790972,
+    line 540, `logprobs = logits - logsumexp(logits)` with no cast, and its heads return the
+    activation dtype): MLX's argsort of the row and the sampler's other passes. Bandwidth-priced:
+    a lower bound (a merge pass's threadgroups also wait on each other, not only on memory)."""
+    work = code.work_bytes or value_bytes
+    cast = value_bytes + work if work != value_bytes else 0
     passes = math.ceil(math.log2(max(math.ceil(vocab / SORT_BLOCK), 1)))
-    pair = value_bytes + INDEX_BYTES
-    sort = (value_bytes + pair) + passes * 2 * pair + 2 * INDEX_BYTES
-    values, indices = TOP_P_PASSES
-    return sort + values * value_bytes + indices * INDEX_BYTES
+    pair = work + INDEX_BYTES
+    sort = (work + pair) + passes * 2 * pair + 2 * INDEX_BYTES
+    return cast + sort + code.values * work + code.indices * INDEX_BYTES + code.masks
 
 
 def _release(version: str) -> tuple[int, ...]:

@@ -68,11 +68,12 @@ def test_a_profile_file_with_a_host_cost_past_any_engine_is_one_line(tmp_path, m
     r3: one table of limits, one message whichever side of the range (was two formats)."""
     from batchsim.server.perf import engines
 
-    (tmp_path / "mine.yaml").write_text(f"host_step_us: 1\nhost_token_us: 1\n{line}\n")
+    key = line.split(":")[0]
+    base = "".join(f"{k}: 1\n" for k in ("host_step_us", "host_token_us") if k != key)
+    (tmp_path / "mine.yaml").write_text(f"{base}{line}\n")  # each key once (fbf1ed4)
     monkeypatch.setattr(engines, "ENGINES_DIR", tmp_path)
     load_engine.cache_clear()
     try:
-        key = line.split(":")[0]
         says = f"mine.yaml: {key} must be >= 0 and at most {engines.ENGINE_LIMITS[key]:g} ("
         with pytest.raises(ConfigError, match=re.escape(says)):
             load_engine("mine")

@@ -268,7 +268,7 @@ def test_an_api_key_with_a_line_break_is_one_line_before_the_run(capsys, tmp_pat
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("change, says", [
     ({"bandwidth_gbs": float("nan")}, "bandwidth_gbs must be finite and > 0, got nan"),  # hung
-    ({"peak_tflops": {"float32": -5.0}}, "peak_tflops must be finite and > 0, got -5"),  # traceback
+    ({"peak_tflops": {"float32": -5.0}}, "peak_tflops.float32 must be finite and > 0, got -5"),
     ({"forward_overhead_s": -1.0}, "forward_overhead_s must be finite and >= 0, got -1"),
     ({"bandwidth_efficiency": 0.0}, "bandwidth_efficiency must be finite and > 0, got 0"),
 ])

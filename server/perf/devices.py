@@ -36,19 +36,29 @@ POSITIVE = ("bandwidth_gbs", "peak_tflops", "bandwidth_efficiency", "compute_eff
 
 
 def load_profile(path: str | Path) -> DeviceProfile:
-    """A profile YAML, its top-level numbers checked: rates positive and finite, costs and other
-    terms finite and >= 0 (the calibration tables check their own)."""
+    """A profile YAML, its numbers checked: rates positive and finite, costs and other terms
+    finite and >= 0, the calibration's too (a GEMM table's negative ns priced a step that ended
+    before it began, a ValueError traceback; a NaN one never ended: the run hung)."""
     profile = load_dataclass(DeviceProfile, path)
-    for field in dataclasses.fields(DeviceProfile):
-        value = getattr(profile, field.name)
-        values = value.values() if isinstance(value, dict) else [value]
-        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        low_ok = (lambda v: v > 0) if field.name in POSITIVE else (lambda v: v >= 0)
-        bad = [v for v in numbers if not (math.isfinite(v) and low_ok(v))]
-        if bad:
-            rule = "> 0" if field.name in POSITIVE else ">= 0"
-            raise ConfigError(f"{path}: {field.name} must be finite and {rule}, got {bad[0]}")
+    numbers = _numbers(dataclasses.asdict(profile), "")
+    for key, value in numbers:
+        positive = key in POSITIVE or key.split(".")[0] in POSITIVE or key == "calibration.copy_gbs"
+        if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+            raise ConfigError(f"{path}: {key} must be finite and {'> 0' if positive else '>= 0'}, "
+                              f"got {value}")
     return profile
+
+
+def _numbers(data: dict, prefix: str) -> list[tuple[str, float]]:
+    """Every number in a profile's (nested) mappings, with its dotted key."""
+    found = []
+    for key, value in data.items():
+        where = f"{prefix}{key}"
+        if isinstance(value, dict):
+            found += _numbers(value, f"{where}.")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            found.append((where, value))
+    return found
 
 
 def _candidates(name: str) -> list[Path]:

@@ -136,11 +136,11 @@ def _serve(args: argparse.Namespace, cfg, session) -> dict:
         max_model_len=session.spec.max_context, vocab_size=session.spec.vocab_size,
         kv_budget_bytes=session.kv_budget_bytes, memory_budget_bytes=session.memory_budget_bytes,
     )
-    err.print(opened_line(session, options.served_model_name, args.ranks))
+    err.print(opened_line(session, options.served_model_name, args.ranks), markup=False)
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        err.print(f"[yellow]batchsim serve: bound to {args.host} without --api-key: anyone "
-                  "who can reach this port can use it[/yellow]")
+        err.print(f"batchsim serve: bound to {args.host} without --api-key: anyone who can reach "
+                  "this port can use it", style="yellow", markup=False)
 
     def announce(url: str) -> None:
         print(f"{LISTENING}{url}", file=sys.stderr, flush=True)

@@ -51,3 +51,13 @@ def test_a_config_note_is_one_line(capsys, tmp_path):
     _, notes = rebuild_summary(run_dir)
     note = next(n for n in notes if n.startswith("config.yaml"))
     assert "is given twice" in note and "\n" not in note and "  " not in note, note
+
+
+def test_serve_prints_a_served_model_name_with_brackets_as_it_is(batchsim_home):
+    """`serve --served-model-name '[/x] m'` was a MarkupError traceback before it listened."""
+    from tests.serve_process import ServerProcess
+
+    srv = ServerProcess(batchsim_home, "--served-model-name", "[/x] m")
+    assert srv.client.get("/v1/models").json()["data"][0]["id"] == "[/x] m"
+    assert srv.stop() == 0
+    assert "as '[/x] m'" in "".join(srv.stderr), srv.stderr

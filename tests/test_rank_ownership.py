@@ -18,7 +18,12 @@ from pathlib import Path
 import httpx
 import pytest
 from batchsim.scripts.common import EXIT_INTERRUPTED
-from batchsim.server.distributed.rank import STATUS_DIR_ENV, STOP_SIGNAL_FILE
+from batchsim.server.distributed.rank import (
+    LAUNCHER_IGNORED_ENV,
+    STATUS_DIR_ENV,
+    STOP_SIGNAL_FILE,
+    launcher_answers_hup,
+)
 
 from tests.drivers import WatchesServeStderr
 
@@ -169,6 +174,39 @@ def test_sigterm_to_rank_0_names_the_signal_and_process_it_reached_and_keeps_the
         ranks.assert_none_left()
     finally:
         ranks.cleanup()
+
+
+@pytest.mark.slow  # mlx.launch and two ranks starting: 10-15 s at load 6-10
+def test_sighup_to_rank_0_stops_the_run_as_the_launchers_does_records_kept(tiny, tmp_path):
+    """SIGHUP sent straight to rank 0 of `run --ranks` (a launcher that answers it) hit no
+    handler: rank 0 died ("rank 0 died", no summary.json). Now it stops the run as the
+    launcher's SIGHUP does: interrupted, records kept, exit 130."""
+    ranks = Ranks([*RUN, "--out", str(tmp_path)])
+    try:
+        run_dir = wait_for_steps(ranks, tmp_path)
+        (rank0,) = ranks.processes(rank=0)
+        os.kill(rank0, signal.SIGHUP)
+        rc, _out, err = ranks.finish()
+        assert rc == EXIT_INTERRUPTED and "Traceback" not in err, err[-3000:]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["interrupted"] is True and summary["interrupt_reason"] == "SIGHUP"
+        lines = (run_dir / "requests.jsonl").read_text().splitlines()
+        assert summary["completed"] == [json.loads(x)["status"] for x in lines].count("finished")
+        ranks.assert_none_left()
+    finally:
+        ranks.cleanup()
+
+
+def test_every_rank_ignores_the_sighup_its_nohup_launcher_ignored():
+    """A remote rank starts from sshd's dispositions (SIGHUP: default, fatal): the launcher's
+    word (LAUNCHER_IGNORED_ENV) decides, as for `serve --ranks` (stop_signals.answered)."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        assert launcher_answers_hup({LAUNCHER_IGNORED_ENV: "SIGHUP"}) == ()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert launcher_answers_hup({LAUNCHER_IGNORED_ENV: ""}) == (signal.SIGHUP,)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 @pytest.mark.parametrize("victim", ["launcher", "mlx.launch"])

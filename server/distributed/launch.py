@@ -97,6 +97,7 @@ def launch(argv: list[str], ranks: int, hostfile: str | None, server: bool = Fal
         reported = not owned.signals and (error or returncode)
         ring = ring_log.keep(Path(status_dir), rank0_run_dir(Path(status_dir))) if reported else ""
         served = server and _rank_ok(Path(status_dir), 0)
+        stopped = _rank_ok(Path(status_dir), 0, "interrupted")  # a signal sent to rank 0 itself
     if owned.signals and served:
         return  # the user stopped a server that ran: the ranks' "stopped" lines are no failure
     if owned.signals:  # a run (rank 0 printed its summary, marked interrupted) or a server that
@@ -105,12 +106,14 @@ def launch(argv: list[str], ranks: int, hostfile: str | None, server: bool = Fal
         raise RuntimeError(error + ring)
     if returncode:
         raise RuntimeError(f"mlx.launch exited with status {returncode}{ring}")
+    if stopped:  # its summary says interrupted: the exit status says so too, as for a 1-rank run
+        raise KeyboardInterrupt
 
 
-def _rank_ok(status_dir: Path, rank: int) -> bool:
-    """Whether `rank` ended well (a server: it served, then drained)."""
+def _rank_ok(status_dir: Path, rank: int, field: str = "ok") -> bool:
+    """Whether `rank` ended well (a server: it served, then drained); or its status's `field`."""
     path = status_dir / f"rank{rank}.json"
-    return path.exists() and json.loads(path.read_text())["ok"]
+    return path.exists() and bool(json.loads(path.read_text()).get(field))
 
 
 def ranks_error(status_dir: Path, ranks: int, killed: Sequence[int] = (),

@@ -12,12 +12,13 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchsim.configs import ConfigError
 from batchsim.server.engine.interrupts import Interrupts
+from batchsim.server.platform.signals import launcher_answers
 from batchsim.server.results import run_files
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ class _Status:
         self.term_pending = False  # a SIGTERM came while rank 0's run wrote its records: after them
         self.expire_pending: str | None = None  # the watchdog's message, likewise
         self.unkept: threading.Timer | None = None  # _exit_unkept_later's: cancelled once kept
+        self.interrupted = False  # rank 0's run ended so (a signal sent to it): the launcher's 130
 
     def write(self, ok: bool, error: str | None = None, **extra: Any) -> None:
         """Best effort: without its directory (a remote host, the launcher gone) no one reads it."""
@@ -89,12 +91,14 @@ def run_rank(cfg: RunConfig, out_dir: Path, view: RunView) -> dict | None:
     `out_dir`, shown by `view`, and returns its summary; the others follow and return None."""
     from batchsim.server.engine.run_path import run_session
 
-    with joined(cfg) as lead:
+    stops = (signal.SIGINT, *launcher_answers_hup())  # as Ctrl-C: stop sending, records kept
+    with joined(cfg, stops) as lead:
         if lead is None:
             return None
         status = lead.status
-        run = status.run = _RunInterrupts((signal.SIGINT,), name=forwarded_signal)
+        run = status.run = _RunInterrupts(stops, name=forwarded_signal)
         summary = run_session(lead.session, out_dir, view, run)
+        status.interrupted = bool(summary.get("interrupted"))
         _run_ended(status, run, summary.get("run_dir"))
         return lead.finish(summary)
 
@@ -153,11 +157,22 @@ class Lead:
         return summary
 
 
+def launcher_answers_hup(environ: Mapping[str, str] = os.environ) -> tuple[signal.Signals, ...]:
+    """(SIGHUP,) if the launcher answers it, else () with SIGHUP set ignored here: a remote rank
+    starts from sshd's dispositions, not from its nohup launcher's."""
+    if signal.SIGHUP in launcher_answers(environ.get(LAUNCHER_IGNORED_ENV)):
+        return (signal.SIGHUP,)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    return ()
+
+
 @contextlib.contextmanager
-def joined(cfg: RunConfig) -> Iterator[Lead | None]:
+def joined(cfg: RunConfig, held: tuple[signal.Signals, ...] = (signal.SIGINT,)
+           ) -> Iterator[Lead | None]:
     """Join the group, refuse different model files, load this rank's shard. Rank 0 gets its
     Lead to run or serve with in the block; the others follow rank 0's plans to the end and get
-    None. A failure, here or in the block, ends this rank in one line (and its status file)."""
+    None. A failure, here or in the block, ends this rank in one line (and its status file).
+    `held`: rank 0's stop signals, noted while it loads and answered once the run starts."""
     import mlx.core as mx
     from batchsim.server.engine import interrupts
 
@@ -165,7 +180,8 @@ def joined(cfg: RunConfig) -> Iterator[Lead | None]:
     status = _Status(rank)
     _exit_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: _on_term(status))
-    interrupts.hold()  # the launcher's SIGINT (run): noted now, answered once the run starts
+    launcher_answers_hup()  # a nohup launcher's SIGHUP ignored on every rank
+    interrupts.hold(held if rank == 0 else (signal.SIGINT,))
     status.write_pid()
     try:
         yield _join(cfg, _init_group(mx), status)
@@ -180,7 +196,7 @@ def joined(cfg: RunConfig) -> Iterator[Lead | None]:
         if rank == 0 or not isinstance(exc, ModelMismatch):  # every rank sees that one: say it once
             print(message, file=sys.stderr, flush=True)
         raise SystemExit(1) from None
-    status.write(True)
+    status.write(True, interrupted=status.interrupted)
 
 
 def _join(cfg: RunConfig, group: Any, status: _Status) -> Lead | None:

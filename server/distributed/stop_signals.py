@@ -23,7 +23,7 @@ from batchsim.server.distributed.rank import (
     _terminated,
     peers_lost,
 )
-from batchsim.server.platform.signals import STOP_SIGNALS, not_ignored
+from batchsim.server.platform.signals import launcher_answers
 
 GRACE_S = 10.0  # beyond the drain timeout: stopping the listener, telling the followers to stop
 
@@ -31,11 +31,7 @@ GRACE_S = 10.0  # beyond the drain timeout: stopping the listener, telling the f
 def answered(environ: Mapping[str, str] = os.environ) -> tuple[signal.Signals, ...]:
     """Rank 0's stop signals: SIGTERM always (mlx.launch's when a peer died, the launcher's stop),
     the others unless the launcher ignored them (without its word: unless this process does)."""
-    passed = environ.get(LAUNCHER_IGNORED_ENV)
-    own = not_ignored()
-    ignored = passed.split(",") if passed is not None else [s.name for s in STOP_SIGNALS
-                                                            if s not in own]
-    return tuple(s for s in STOP_SIGNALS if s == signal.SIGTERM or s.name not in ignored)
+    return launcher_answers(environ.get(LAUNCHER_IGNORED_ENV))
 
 
 def install(server: Any, drain_timeout_s: float) -> asyncio.Event:

@@ -23,6 +23,15 @@ def not_ignored(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> tuple[sig
     return tuple(sig for sig in signals if signal.getsignal(sig) is not signal.SIG_IGN)
 
 
+def launcher_answers(ignored: str | None) -> tuple[signal.Signals, ...]:
+    """A rank's stop signals: SIGTERM always, the others unless its launcher ignored them
+    (`ignored`: their names, "SIGHUP,..."; None, without the launcher's word: unless this
+    process does). A remote rank starts from sshd's dispositions, not its nohup launcher's."""
+    names = ignored.split(",") if ignored is not None else [
+        s.name for s in STOP_SIGNALS if s not in not_ignored()]
+    return tuple(s for s in STOP_SIGNALS if s == signal.SIGTERM or s.name not in names)
+
+
 def leave_closed_terminal(signum: int) -> None:
     """On SIGHUP, the terminal is gone: a write to it fails (EIO) and would turn an interrupted
     run's exit into a failure. Its standard streams go to /dev/null instead (files and pipes

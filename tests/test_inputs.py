@@ -148,6 +148,28 @@ def test_far_future_arrivals_and_an_overflowing_rate_are_refused(tmp_path):
     assert "request_rate 1e-308: the last arrivals fall beyond" in proc.stderr.splitlines()[-1]
 
 
+def test_a_run_whose_last_arrival_is_at_the_limit_reports_unchanged(tmp_path):
+    """The last arrival exactly at MAX_ARRIVAL_S (1e9 s) is accepted, and its service ends past
+    it: `report` read that record as damage (completed 2 -> 1) and overwrote the run's correct
+    summary.json. A Mooncake trace at 0 / 1e12 ms is the same case."""
+    trace = tmp_path / "edge.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 100, "output_length": 8}\n'
+                     '{"timestamp": 1e12, "input_length": 100, "output_length": 8}\n')
+    for n, extra in enumerate((["--request-rate", "1e-9", "--num-prompts", "2"],
+                               ["--trace", str(trace)])):
+        out = tmp_path / f"runs{n}"
+        proc = _batchsim("run", *SIM, *extra, "--out", str(out), "--json")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        ran = json.loads(proc.stdout.splitlines()[-1])
+        assert ran["completed"] == 2 and ran["duration"] > 1e9
+        (run_dir,) = out.iterdir()
+        written = (run_dir / "summary.json").read_text()
+        proc = _batchsim("report", str(run_dir), "--json")
+        assert proc.returncode == 0 and "skipped" not in proc.stderr, proc.stderr[-2000:]
+        assert json.loads(proc.stdout.splitlines()[-1])["completed"] == 2
+        assert (run_dir / "summary.json").read_text() == written
+
+
 @pytest.mark.parametrize("content", [b"{garbage", b"[1, 2]", b"\xff\xfe",
                                      b"[" * 5000 + b"]" * 5000])
 def test_a_model_directory_with_a_broken_config_is_one_line(tmp_path, capsys, content):

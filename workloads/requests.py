@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 from batchsim.configs import ConfigError
-from batchsim.server.results.jsonio import MAX_CLOCK_S
+from batchsim.server.results.jsonio import MAX_ARRIVAL_S
 from batchsim.workloads.chat import ChatSpec, chat_token_ids, prompt_text
 from batchsim.workloads.prefixes import (
     Segment,
@@ -129,7 +129,7 @@ def shared_requests(sharing: SharingSpec, seed: int,
 
 
 def _check_finite(arrivals_s, key: str, value: float) -> None:
-    """Arrivals past a float's range would never come, and past MAX_CLOCK_S (32 years) the run's
+    """Arrivals past a float's range would never come, and past MAX_ARRIVAL_S (32 years) the run's
     records are damage to `report` (it rebuilt such a run with fewer requests): one line naming
     the setting."""
     if not np.all(np.isfinite(arrivals_s)):
@@ -137,10 +137,10 @@ def _check_finite(arrivals_s, key: str, value: float) -> None:
                           f"{sys.float_info.max:.3g} s (a float's range); use a larger rate or a "
                           "smaller time scale")
     last_s = float(np.max(arrivals_s, initial=0.0))
-    if last_s > MAX_CLOCK_S:
+    if last_s > MAX_ARRIVAL_S:
         raise ConfigError(f"{key} {value:g}: the last request arrives at {last_s:.3g} s, past the "
-                          f"{MAX_CLOCK_S:.0e} s (32 years) a run's records may span; use a larger "
-                          "rate or a smaller time scale")
+                          f"{MAX_ARRIVAL_S:.0e} s (32 years) a workload's arrivals may span; use a "
+                          "larger rate or a smaller time scale")
 
 
 def build_requests(spec: WorkloadSpec) -> list[RequestSpec]:

@@ -20,9 +20,12 @@ _NOT_IN_A_NAME = re.compile(r"[\x00-\x1f/\\]")
 MAX_LABEL_BYTES = 160  # a file name holds 255 bytes; room for the timestamp and `-N`
 MAX_SAME_NAME = 10_000  # run directories of one label started in one second
 
-# No run's clock reaches this (32 years): report reads a record time past it as damage, and a
-# workload whose arrivals go past it is refused (workloads/requests.py).
-MAX_CLOCK_S = 1e9
+# A workload whose last arrival is past MAX_ARRIVAL_S (32 years) is refused (workloads/
+# requests.py); report reads a record time past MAX_CLOCK_S as damage. The margin between them is
+# room for the service after the last arrival: a run whose last request arrives at the limit
+# finishes a second later, and report kept only the records before it (2 completed -> 1).
+MAX_ARRIVAL_S = 1e9
+MAX_CLOCK_S = 2 * MAX_ARRIVAL_S
 
 
 def jsonable(obj: Any) -> Any:

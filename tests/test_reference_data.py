@@ -71,12 +71,21 @@ def _write(tmp_path, **change):
     ({"streamed": "yes"}, "streamed: expected true or false"),
     ({"colour": "red"}, "unknown key 'colour'"),
     ({"mlx_version": "latest"}, "MLX version 'latest'"),
-    ({"chip": "M4 Pro", "gpu_cores": 20, "memory_gb": 128}, "128 GB was not sold with M4 Pro 20"),
-    ({"chip": "M4 Max", "gpu_cores": 32, "memory_gb": 128}, "(configs/macs.yaml: 36 GB)"),
+    ({"chip": "M4 Pro", "gpu_cores": 20, "memory_gb": 128},
+     "not sold with M4 Pro 20-core GPU (configs/macs.yaml: 24, 48, 64 GB; or add the size"),
+    ({"chip": "M3 Ultra", "gpu_cores": None, "memory_gb": 48}, "sold with M3 Ultra (configs/"),
+    ({"chip": "M4 Max", "gpu_cores": 32, "memory_gb": 128}, "(configs/macs.yaml: 36 GB;"),
     ({"prompt_tokens": 0}, "prompt_tokens 0 and generated_tokens"),
     ({"generated_tokens": -128}, "positive where published"),
-    ({"tok_s": 402.4}, "tok_s 402.4 is not a number of its quote"),
-    ({"tok_s": 58.0}, "tok_s 58.0 is not a number of its quote"),
+    ({"tok_s": 402.4}, ("tok_s 402.4 is not a number its quote prints, rounded to the places "
+                       "given (quote has 3, 0.6, 8, 402.3, 58.6;")),
+    ({"tok_s": 58.0}, "tok_s 58.0 is not a number its quote prints"),
+    ({"tok_s": 1746.0, "quote": "1746.4 tok/s"}, "quote has 1746.4;"),  # 1746.0: one place
+    ({"tok_s": 124.85, "quote": "124.844"}, "tok_s 124.85 is not a number its quote prints"),
+    ({"tok_s": 343.0, "derived": "402.3 - 58.6"}, "'402.3 - 58.6' gives 343.7, not tok_s 343.0"),
+    ({"tok_s": 343.9, "derived": "402.5 - 58.6"}, "402.5 not in the quote (it has 3, 0.6,"),
+    ({"tok_s": 1.0, "derived": "len('ab')"}, "only numbers, + - * / and parentheses"),
+    ({"tok_s": 1.0, "derived": "402.3 / (58.6 - 58.6)"}, "not arithmetic over numbers"),
 ])
 def test_a_bad_row_is_refused_in_one_line_naming_it(tmp_path, change, says):
     path = _write(tmp_path, id="bad-row", **change)
@@ -84,6 +93,18 @@ def test_a_bad_row_is_refused_in_one_line_naming_it(tmp_path, change, says):
         load_published(path)
     msg = str(exc.value)
     assert "row 'bad-row'" in msg and says in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("change", [
+    {"tok_s": 1746, "quote": "1746.4 tok/s"},  # an integer figure: rounded half-up to 0 places
+    {"tok_s": 124.85, "quote": "124.845"},  # binary round() gave 124.84
+    {"tok_s": 1234, "quote": "| 1 234 tok/s |"},
+    {"tok_s": 1200, "quote": "about 1.2k tok/s"},
+    {"tok_s": 1111.8, "quote": "**1,111.8**"},
+    {"tok_s": 343.7, "derived": "402.3 - 58.6"},  # arithmetic over the quote's own numbers
+])
+def test_a_figure_its_quote_prints_or_derives_is_accepted(tmp_path, change):
+    assert load_published(_write(tmp_path, id="good-row", **change)).rows[0].id == "good-row"
 
 
 def test_a_repeated_id_and_a_source_without_url_are_refused(tmp_path):

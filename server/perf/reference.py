@@ -3,8 +3,11 @@ row tied to a zoo model and a catalog Mac. Pure Python: the fit is in server.per
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import operator
 import re
+from decimal import ROUND_HALF_UP, Decimal
 from functools import lru_cache
 from pathlib import Path
 
@@ -176,6 +179,9 @@ class PublishedRow(WeightFormat):
     # The MLX version the source ran, where stated ('0.32.0.dev'): its kernel choice prices the
     # row (server/perf/qmv.py); None: the newest MLX's.
     mlx_version: str | None = None
+    # Where the source prints no figure equal to tok_s: the arithmetic that gives it from numbers
+    # its quote prints ('4 * 256 / 5.432'), checked on load; None: the quote prints tok_s.
+    derived: str | None = None
 
     def __post_init__(self) -> None:
         check_weights(self.weights)
@@ -204,14 +210,78 @@ class PublishedRow(WeightFormat):
                              "prompt_cached")
 
 
+_PLAIN = re.compile(r"(\d+(?:\.\d+)?)(\s?[kK]\b)?")  # '124.845', '1.2k'
+_GROUPED = re.compile(r"\d{1,3}(?:[,\u00a0\u202f ]\d{3})+(?:\.\d+)?")  # '1,111.8', '1 234'
 
-def _quotes(quote: str, figure: float) -> bool:
-    """Whether `quote` prints `figure`: a number in it ('1,111.8', '**27.57**') that rounds to the
-    figure's decimal places (124.84 from '124.84086550462617', 1746.0 from '1746')."""
-    text = repr(float(figure))
-    places = len(text.split(".")[1]) if "." in text else 0
-    numbers = (float(n.replace(",", "")) for n in re.findall(r"\d[\d,]*(?:\.\d+)?", quote))
-    return any(round(n, places) == figure for n in numbers)
+
+def quoted_numbers(quote: str) -> list[Decimal]:
+    """Every number `quote` prints, as written: plain ('**27.57**' -> 27.57, '1.2k' -> 1.2E+3) and
+    with thousands separators ('1,111.8', '1 234'; their digits read apart too)."""
+    found = [Decimal(n) * (1000 if k else 1) for n, k in _PLAIN.findall(quote)]
+    return found + [Decimal(re.sub(r"[^\d.]", "", g)) for g in _GROUPED.findall(quote)]
+
+
+def _as_written(figure: float) -> Decimal:
+    """The YAML's figure at the places it is written: an integer at 0, a float at its shortest
+    repr's (1746 -> 1746, 124.84 -> 124.84; YAML drops trailing zeros: 9.10 reads as 9.1)."""
+    return Decimal(figure) if isinstance(figure, int) else Decimal(repr(float(figure)))
+
+
+def rounds_to(number: Decimal, figure: Decimal) -> bool:
+    """Whether `number` rounded half-up to `figure`'s decimal places is `figure`."""
+    try:
+        return number.quantize(Decimal(1).scaleb(figure.as_tuple().exponent),
+                               ROUND_HALF_UP) == figure
+    except ArithmeticError:  # a 30-digit number at 2 places exceeds Decimal's precision
+        return False
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+        ast.Div: operator.truediv}
+
+
+def arithmetic(text: str) -> tuple[Decimal, list[Decimal]]:
+    """The value of `text` (numbers, + - * / and parentheses, in Decimal) and its numbers; any other
+    expression is a ValueError."""
+    numbers: list[Decimal] = []
+    text = text.strip()
+
+    def value(node: ast.AST) -> Decimal:
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            numbers.append(Decimal(ast.get_source_segment(text, node) or repr(node.value)))
+            return numbers[-1]
+        raise ValueError(f"derived {text!r}: only numbers, + - * / and parentheses")
+
+    try:
+        return value(ast.parse(text, mode="eval").body), numbers
+    except (SyntaxError, ArithmeticError):
+        raise ValueError(f"derived {text!r}: not arithmetic over numbers") from None
+
+
+def check_quoted(quote: str, figure: float, derived: str | None) -> None:
+    """A typo check (ValueError, one line): the figure is a number its quote prints, rounded
+    half-up to the places the YAML writes (124.84 from '124.84086550462617', 1746 from '1746.4',
+    124.85 from '124.845'); or, for a derived figure, `derived`'s arithmetic over numbers the
+    quote prints gives it. It does not check which of the quote's numbers it is."""
+    shown = quoted_numbers(quote)
+    listed = ", ".join(dict.fromkeys(f"{n:f}" for n in shown)) or "no number"
+    want = _as_written(figure)
+    if not want.is_finite():
+        raise ValueError(f"tok_s {figure!r}: a finite number")
+    if derived is None:
+        if not any(rounds_to(n, want) for n in shown):
+            raise ValueError(f"tok_s {figure!r} is not a number its quote prints, rounded to the "
+                             f"places given (quote has {listed}; a computed figure: derived)")
+        return
+    got, used = arithmetic(derived)
+    missing = [f"{n:f}" for n in used if n not in shown]
+    if missing:
+        raise ValueError(f"derived {derived!r}: {', '.join(missing)} not in the quote (it has "
+                         f"{listed})")
+    if not rounds_to(got, want):
+        raise ValueError(f"derived {derived!r} gives {got:.6g}, not tok_s {figure!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,8 +293,8 @@ class PublishedSet:
         return [r for r in self.rows if r.src == src]
 
 
-def _check_row(row: PublishedRow, sources: dict[str, str], zoo: set[str], catalog: Catalog,
-               where: str) -> None:
+def _check_row(row: PublishedRow, tok_s: float, sources: dict[str, str], zoo: set[str],
+               catalog: Catalog, where: str) -> None:
     """Raise ConfigError (one line naming `where`) if the row cannot be priced or cited."""
     if row.src not in sources:
         raise ConfigError(f"{where}: src {row.src!r} is not listed under sources")
@@ -234,14 +304,16 @@ def _check_row(row: PublishedRow, sources: dict[str, str], zoo: set[str], catalo
         row_mac(catalog, row.chip, row.gpu_cores)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    if not _quotes(row.quote, row.tok_s):  # the data file's rows (a test's made rows need not)
-        raise ConfigError(f"{where}: tok_s {row.tok_s!r} is not a number of its quote (rounded "
-                          "to the places it gives)")
+    try:  # the data file's rows (a test's made rows need not)
+        check_quoted(row.quote, tok_s, row.derived)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
     sizes_gb = _memory_sizes_gb(catalog, row.chip, row.gpu_cores)
     if row.memory_gb is not None and row.memory_gb not in sizes_gb:
-        raise ConfigError(f"{where}: {row.memory_gb:g} GB was not sold with {row.chip} "
-                          f"{row.gpu_cores or ''} (configs/macs.yaml: "
-                          f"{', '.join(str(gb) for gb in sorted(sizes_gb))} GB)")
+        gpu = f" {row.gpu_cores}-core GPU" if row.gpu_cores else ""
+        raise ConfigError(f"{where}: {row.memory_gb:g} GB was not sold with {row.chip}{gpu} "
+                          f"(configs/macs.yaml: {', '.join(str(gb) for gb in sorted(sizes_gb))} "
+                          "GB; or add the size there with its source)")
 
 
 def _memory_sizes_gb(catalog: Catalog, chip: str, gpu_cores: int | None) -> set[int]:
@@ -272,7 +344,7 @@ def load_published(path: str | Path = PUBLISHED_PATH) -> PublishedSet:
         if rid in seen:
             raise ConfigError(f"{where}: id used twice")
         row = from_dict(PublishedRow, raw, where)
-        _check_row(row, sources, zoo, catalog, where)
+        _check_row(row, raw["tok_s"], sources, zoo, catalog, where)
         rows.append(row)
         seen.add(rid)
     return PublishedSet(sources, tuple(rows))

@@ -100,6 +100,30 @@ def test_report_after_a_kill_skips_a_torn_line_and_marks_the_run_interrupted(tmp
         rebuild.rebuild_summary(tmp_path)
 
 
+def test_a_temp_file_a_killed_writer_left_is_named_by_report_and_never_read(tmp_path):
+    """A writer killed while it put requests.jsonl in arrival order (4374725's per-writer temp)
+    leaves `.requests.jsonl.XXXXXXXX`: report reads only requests.jsonl, and names the leftover
+    (it was silent about a hidden file that holds a partial copy of the records)."""
+    session = open_session(sim_config(n=20))
+    run_dir = run_workload(session, session.config.workload, out_dir=tmp_path, label="t").run_dir
+    (run_dir / "summary.json").unlink()  # as a killed run leaves it
+    before = (run_dir / "requests.jsonl").read_bytes()
+    kill = ("import os, signal, sys\nfrom pathlib import Path\n"
+            "from batchsim.server.results import run_files\n"
+            "def half(f):\n    f.write(Path(sys.argv[1]).read_bytes()[:300]); f.flush()\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n"
+            "run_files.write_atomically(Path(sys.argv[1]), half)\n")
+    proc = subprocess.run([sys.executable, "-c", kill, str(run_dir / "requests.jsonl")],
+                          check=False)
+    assert proc.returncode == -9 and (run_dir / "requests.jsonl").read_bytes() == before
+    (left,) = run_files.leftover_temps(run_dir)
+    assert left.startswith(".requests.jsonl.") and len(left) == len(".requests.jsonl.") + 8
+    summary, notes = rebuild.rebuild_summary(run_dir)
+    assert summary["completed"] == 20 and not any("torn" in n or "skipped" in n for n in notes)
+    assert any(n.startswith(f"{left}: ") and "not records" in n for n in notes)
+    assert run_files.leftover_temps(run_dir) == [left]  # not deleted: it may be a live writer's
+
+
 def test_an_unwritable_out_fails_in_one_line_before_any_compute(tmp_path, monkeypatch, capsys):
     from batchsim.scripts.cli import main
 

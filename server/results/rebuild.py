@@ -24,6 +24,7 @@ from batchsim.server.results.run_files import (
     REQUESTS,
     STEPS,
     SUMMARY,
+    leftover_temps,
     not_a_file,
     read_rows,
     write_summary,
@@ -48,6 +49,9 @@ def rebuild_summary(run_dir: Path, timeline: bool = True) -> tuple[dict[str, Any
     if not (run_dir / REQUESTS).is_file() and not (run_dir / STEPS).is_file():
         raise ConfigError(f"{run_dir}: not a run directory (no {REQUESTS} or {STEPS})")
     notes: list[str] = []
+    if left := leftover_temps(run_dir):
+        notes.append(f"{', '.join(left)}: temp file(s) a killed write left (or one under way): "
+                     "not records, not read; safe to delete once nothing writes here")
     config = _read_config(run_dir / CONFIG, notes)
     old = _read_old_summary(run_dir / SUMMARY, notes)
     requests = _once_each(_records(run_dir / REQUESTS, RequestRecord, notes), notes)

@@ -291,11 +291,9 @@ class Scheduler:
         end = step + k
         token_ids, accepted = result.token_ids, result.accepted_ids
         self.cut_drafts = {}
-        sampled, first = result.sampled_ids, 0
-        rows = self._simulated_rows(plan, result)
-        if rows:  # simulated decode rows: counters only (advance.py, lazy_rows.py)
-            self._advance_simulated(rows, step, k, finished)
-            first = len(rows)
+        sampled = result.sampled_ids
+        first = self._advance_simulated(plan, result, step, k, finished)
+        if first:  # simulated decode rows: counters only (advance.py, lazy_rows.py)
             sampled = sampled[first:]
         else:  # the general path reads and writes every row's counters
             self.lazy.settle()
@@ -334,10 +332,18 @@ class Scheduler:
         self.num_steps += k
         return finished
 
-    def _advance_simulated(self, rows: list[Request], step: int, k: int,
-                           finished: list[Request]) -> None:
-        """A simulated plan's decode rows decoded k steps from `step`: the lazy ones by one count,
-        the rest row by row (then joining the lazy ones where they can)."""
+    def _advance_simulated(self, plan: StepPlan, result: StepResult, step: int, k: int,
+                           finished: list[Request]) -> int:
+        """A simulated plan's decode rows, when its result has no token ids and sampled them first
+        as planned, decoded k steps from `step`: the lazy ones by one count, the rest row by row
+        (then joining the lazy ones where they can). How many rows (0: none, or the general
+        path's to advance)."""
+        if (plan is not self._planned or result.token_ids is not None
+                or result.accepted_ids is not None):
+            return 0
+        ids, sampled, rows = plan.decode_ids, result.sampled_ids, self._planned_rows
+        if not rows or (sampled is not ids and sampled[:len(ids)] != ids):
+            return 0
         n = len(self.lazy.rows)
         reached = self.lazy.advance(k)
         if len(rows) > n:
@@ -347,6 +353,7 @@ class Scheduler:
             finished.append(r)
         if len(rows) > n and self._lazy_ok:  # after the finishes: running is the lazy prefix
             self.lazy.absorb(rows, n, self.running)
+        return len(rows)
 
     def settle(self) -> None:
         """Write the lazily advanced rows' counters back to their requests (for whoever reads a
@@ -365,17 +372,6 @@ class Scheduler:
         if len(new) <= len(drafts):
             self.cut_drafts[r.request_id] = len(new)
         return new, reason
-
-    def _simulated_rows(self, plan: StepPlan, result: StepResult) -> list[Request] | None:
-        """The plan's decode rows, when its result has no token ids (simulated) and sampled them
-        first as planned; None: the general path."""
-        if (plan is not self._planned or result.token_ids is not None
-                or result.accepted_ids is not None):
-            return None
-        ids, sampled = plan.decode_ids, result.sampled_ids
-        if sampled is not ids and sampled[:len(ids)] != ids:
-            return None
-        return self._planned_rows
 
     def _finish(self, r: Request, reason: str) -> None:
         r.status = ABORTED if reason == "error" else FINISHED

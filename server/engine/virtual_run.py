@@ -71,6 +71,7 @@ class VirtualRun:
         finish_step, advance_to = engine.finish_step, self._advance_to
         # engine.simulate, without its frame
         execute, next_arrival = engine.executor.execute, engine.next_arrival
+        arrivals, num_arrivals = self._arrivals_s, len(self._arrivals_s)
         while not (self._stopping or engine.stopping):
             if not has_work():
                 if self._next >= len(self._arrivals_s):
@@ -84,7 +85,10 @@ class VirtualRun:
                 late = False
                 while self._due():
                     self._fire()
-            advance_to(start + max(sum(result.step_durations_s), 0.0))  # its elapsed_s
+            end_s = start + max(sum(result.step_durations_s), 0.0)  # its elapsed_s
+            if self._next < num_arrivals and arrivals[self._next] <= end_s:
+                advance_to(end_s)  # (a plan without an arrival in it: no frame)
+            self.now_s = end_s
             finished = finish_step(plan, result, start)
             if finished:
                 engine.stamp_finished(finished)

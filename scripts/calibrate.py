@@ -196,9 +196,10 @@ def _step_grid(args: argparse.Namespace, sessions: dict) -> tuple[list, dict, di
         if x.model == first and cal.is_probe_point(x)}
     drift = cal.probe_speed(probe_after, probe_before)
     if abs((cal.device_speed(drift) or 1.0) - 1) > 0.1:
-        err.print("[yellow]warning: the device's speed changed during calibration ("
+        err.print("warning: the device's speed changed during calibration ("
                   + cal.format_speed(drift)
-                  + "); another process or a busy host. Calibrate on a quiet machine.[/yellow]")
+                  + "); another process or a busy host. Calibrate on a quiet machine.",
+                  style="yellow")
     return samples, probe_ms, drift
 
 

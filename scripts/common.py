@@ -38,9 +38,11 @@ def _width(stream) -> int | None:
     return int(columns) if columns.isdigit() else _WIDE
 
 
-# emoji=False: `:-1:` in a user's name or value stays text (rich would print 👎).
-out = Console(width=_width(sys.stdout), emoji=False)
-err = Console(stderr=True, width=_width(sys.stderr), emoji=False)
+# Text prints as it is: a user's name, path or value (a workload `w[/x]`, `:-1:`) is never rich
+# markup (a MarkupError traceback, a path printed without its `[old]`) nor an emoji. Styles go in
+# style= (or a rich Text), never in the text (tests/test_console_text.py checks the sources).
+out = Console(width=_width(sys.stdout), emoji=False, markup=False)
+err = Console(stderr=True, width=_width(sys.stderr), emoji=False, markup=False)
 
 
 # Exit codes (the README's commands section and `batchsim --help` list them).

@@ -58,8 +58,8 @@ def run(args: argparse.Namespace) -> dict:
         out.print(f"fit written to {gpu_fit.save_fit(fit)} and {', '.join(written)}", markup=False)
     elif not same:
         what = " in its held-out errors" if terms else ""
-        out.print(f"[yellow]the shipped fit differs from this one{what}: run `batchsim fit-macs "
-                  "--write`[/yellow]")
+        out.print(f"the shipped fit differs from this one{what}: run `batchsim fit-macs "
+                  "--write`", style="yellow")
     return {"fit": dataclasses.asdict(fit), "before_fit": dataclasses.asdict(before),
             "engines": {p.name: {"host_step_us": p.host_step_us, "host_token_us": p.host_token_us,
                                  "row_dispatch_forwards": p.row_dispatch_forwards,

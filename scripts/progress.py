@@ -21,11 +21,12 @@ class RunProgress:
         self._last = 0.0
         self._engine = self._plan = None  # the latest step seen, for the last update
         self._wide = err.width >= NARROW_COLUMNS
-        label_bar = [TextColumn("[bold]{task.description}"), BarColumn()] if self._wide else []
+        named = TextColumn("{task.description}", style="bold", markup=False)  # the run's label
+        label_bar = [named, BarColumn()] if self._wide else []
         elapsed = [TimeElapsedColumn()] if self._wide else []
         self._progress = Progress(
-            *label_bar, MofNCompleteColumn(), TextColumn("{task.fields[status]}"), *elapsed,
-            console=err, transient=False,
+            *label_bar, MofNCompleteColumn(), TextColumn("{task.fields[status]}", markup=False),
+            *elapsed, console=err, transient=False,
         )
         self._task = self._progress.add_task(label, total=total, status="starting")
 

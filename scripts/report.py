@@ -9,6 +9,7 @@ from typing import Any
 from batchsim.scripts.common import fmt, table
 from batchsim.server.results.metrics import peak_memory_bytes
 from rich.table import Table
+from rich.text import Text
 
 _GIB = float(1 << 30)  # as the run's header, timeline.png, --memory-gb and `size` give memory
 
@@ -44,7 +45,7 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
         s[key] = None if s.get(key) is None else s[key] / _GIB
     failed = (f"Failed requests ({s.get('num_rejected', 0)} rejected, "
               f"{s.get('num_aborted', 0)} aborted, {s.get('num_unfinished', 0)} unfinished)")
-    rows: list[tuple[str, Any] | None] = [
+    rows: list[tuple[Any, Any] | None] = [
         ("Successful requests", s.get("completed")), (failed, s.get("failed")),
         ("Benchmark duration (s)", s.get("duration")),
         ("Total input tokens", s.get("total_input_tokens")),
@@ -58,13 +59,13 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
     rows += [(label, s.get(key)) for label, key in _THROUGHPUT_ROWS]
     for key, label, header in _SECTIONS:
         suffix = f"_{key}_ms"
-        rows += [None, (f"[bold]{header}[/bold]", ""),
+        rows += [None, (Text(header, "bold"), ""),
                  (f"Mean {label} (ms)", s.get(f"mean{suffix}")),
                  (f"Median {label} (ms)", s.get(f"median{suffix}"))]
         rows += [(f"P{k[1:-len(suffix)]} {label} (ms)", v) for k, v in s.items()
                  if k.startswith("p") and k[1:2].isdigit() and k.endswith(suffix)]
     rows += _output_length_rows(s)
-    rows += [None, ("[bold]Batch and memory[/bold]", "")]
+    rows += [None, (Text("Batch and memory", "bold"), "")]
     rows += [(label, s.get(key)) for label, key in _BATCH_ROWS
              if key in s or not key.startswith(("prefix_", "cached_"))]  # a cache-less summary
     source = s.get("peak_memory_source") or "unknown"
@@ -78,11 +79,11 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
     return t
 
 
-def _output_length_rows(s: Mapping[str, Any]) -> list[tuple[str, Any] | None]:
+def _output_length_rows(s: Mapping[str, Any]) -> list[tuple[Any, Any] | None]:
     """Output tokens per request and why requests ended (natural lengths when EOS is honoured)."""
     if s.get("median_output_tokens") is None:
         return []
-    rows: list[tuple[str, Any] | None] = [None, ("[bold]Output tokens per request[/bold]", ""),
+    rows: list[tuple[Any, Any] | None] = [None, (Text("Output tokens per request", "bold"), ""),
                                           ("Mean", s.get("mean_output_tokens")),
                                           ("Median", s.get("median_output_tokens"))]
     rows += [(f"P{k[1:-len('_output_tokens')]}", v) for k, v in s.items()

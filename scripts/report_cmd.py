@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> dict:
             err.print(f"batchsim report: {note}", style="yellow", markup=False)
     out.print(summary_table(summary))
     if summary.get("interrupted"):
-        out.print("[yellow]interrupted: the summary covers the records the run left[/yellow]")
+        out.print("interrupted: the summary covers the records the run left", style="yellow")
     if unwritten:  # shown, not kept: exit 1
         raise CommandFailed(unwritten[0], summary)
     out.print(f"summary rebuilt: {Path(args.run_dir) / 'summary.json'}", markup=False)

@@ -200,10 +200,10 @@ def _print_report(summary: dict, ns: list[int], dtypes: list[str], cfg: mb.Bench
             out.print(f"{d}: compute-bound from B={b} (intensity past the ridge point)" if b else
                       f"{d}: memory-bound at every B up to {sweep['n']}")
     for r in summary["skipped"]:
-        out.print(f"[dim]skipped {r['shape']} n={r['n']} B={r['batch']} {r['dtype']}: "
-                  f"{r['skipped']}[/dim]")
+        out.print(f"skipped {r['shape']} n={r['n']} B={r['batch']} {r['dtype']}: "
+                  f"{r['skipped']}", style="dim")
     for note in summary["notes"]:
-        out.print(f"[yellow]{note}[/yellow]")
+        out.print(note, style="yellow")
 
 
 def _cells(row: dict, batch: int, n: int, dtype: str, act: str) -> list:

@@ -49,7 +49,7 @@ def print_summary(summary: dict[str, Any]) -> None:
 
     out.print(summary_table(summary))
     if summary.get("interrupted"):
-        out.print("[yellow]interrupted: records so far are in the run directory[/yellow]")
+        out.print("interrupted: records so far are in the run directory", style="yellow")
     out.print(f"run directory: {summary['run_dir']}", markup=False)  # a path's [/x] is text
 
 

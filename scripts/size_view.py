@@ -15,6 +15,7 @@ from batchsim.server.perf.engines import load_engine
 from batchsim.server.perf.profile import KV_DEQUANT_OPS_PER_ELEMENT
 from batchsim.server.perf.size_limits import MAX_BATCH_CAP
 from batchsim.server.perf.stepcost import StepTime
+from rich.text import Text
 
 
 def print_table(rows: list[dict], meta: dict, spec: ModelSpec) -> None:
@@ -68,7 +69,7 @@ def _columns(rows: list[dict]) -> tuple[list[str], list[list]]:
     )
 
 
-def _notes(rows: list[dict], meta: dict, what: str, spec: ModelSpec) -> list[str]:
+def _notes(rows: list[dict], meta: dict, what: str, spec: ModelSpec) -> list[str | Text]:
     notes = [
         (f"Usable: Metal's default working set ({meta['working_set_rule']}); raised: "
          f"iogpu.wired_limit_mb = RAM - {meta['os_reserve_gb']:g} GB. Budget = usable - weights."),
@@ -122,7 +123,7 @@ def _notes(rows: list[dict], meta: dict, what: str, spec: ModelSpec) -> list[str
         notes.append(f"Max batch is capped at {MAX_BATCH_CAP}.")
     if not any(r["fits"] for r in rows):
         raised = [f"{r['label']} {r['memory_gb']:g}GB" for r in rows if r["fits_raised"]]
-        notes.append(f"[bold red]{what} fits no Mac here at the default Metal limit[/bold red]"
+        notes.append(Text(f"{what} fits no Mac here at the default Metal limit", "bold red")
                      + (f"; with iogpu.wired_limit_mb raised: {', '.join(raised)}." if raised
                         else ", nor with iogpu.wired_limit_mb raised."))
     return notes

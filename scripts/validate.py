@@ -129,8 +129,8 @@ def _open(args: argparse.Namespace, measured_on: str | None) -> _Validation:
             raise
         reason = str(exc)
     if reason:
-        err.print(f"[yellow]validate: {args.model} is not runnable yet in the real executor "
-                  f"({reason}); its {len(cases)} cases are skipped[/yellow]", soft_wrap=True)
+        err.print(f"validate: {args.model} is not runnable yet in the real executor "
+                  f"({reason}); its {len(cases)} cases are skipped", style="yellow", soft_wrap=True)
         return f"not runnable yet: {reason}"
     sim = open_session(RunConfig(model=args.model, dtype=real.dtype, executor="sim",
                                  device_profile=args.device_profile))
@@ -138,8 +138,8 @@ def _open(args: argparse.Namespace, measured_on: str | None) -> _Validation:
     calibrated_on = profile.calibration.device if profile.calibration else ""
     warning = mismatch_warning(profile, args.device_profile, here)
     if warning:
-        err.print(f"[yellow]{warning} Every error below includes the difference between the two "
-                  "machines.[/yellow]", soft_wrap=True)
+        err.print(f"{warning} Every error below includes the difference between the two "
+                  "machines.", style="yellow", soft_wrap=True)
     return _Validation(args, profile, cases, real, sim, here, calibrated_on,
                        Path(args.out) / f"validate-{timestamp()}")
 
@@ -281,8 +281,8 @@ def _speed_probe(profile, dtype: str) -> Callable[[], dict[str, float]]:
     calibrated = {k: v for k, v in (cal.speed_probe_ms if cal else {}).items()
                   if k.startswith(f"{model}:")}
     if not calibrated:
-        err.print("[yellow]this profile has no model-step speed probe; rerun `batchsim calibrate` "
-                  "to see the device's drift beside each case[/yellow]")
+        err.print("this profile has no model-step speed probe; rerun `batchsim calibrate` "
+                  "to see the device's drift beside each case", style="yellow")
         return dict
     s = open_session(RunConfig(model=model, dtype=dtype))
 

@@ -48,9 +48,9 @@ def print_validation(rows: list[dict], summary: dict) -> None:
                   "probe (real steps of a calibration model) measured around each case's runs.")
     lo_hi = summary.get("device_speed_range")
     if lo_hi and (lo_hi[0] < 0.9 or lo_hi[1] > 1.1):
-        err.print(f"[yellow]the device ran at x{lo_hi[0]:.2f}-x{lo_hi[1]:.2f} of its calibrated "
+        err.print(f"the device ran at x{lo_hi[0]:.2f}-x{lo_hi[1]:.2f} of its calibrated "
                   "speed: errors that large are the machine drifting, not the model. Recalibrate "
-                  "right before validating, on a quiet machine.[/yellow]")
+                  "right before validating, on a quiet machine.", style="yellow")
 
 
 def _largest_parts(shares: dict[str, float] | None, count: int = 2) -> str:

@@ -5,6 +5,7 @@ under `runs[old]` was printed as `runs/...`, a path that is not there."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -61,3 +62,28 @@ def test_serve_prints_a_served_model_name_with_brackets_as_it_is(batchsim_home):
     assert srv.client.get("/v1/models").json()["data"][0]["id"] == "[/x] m"
     assert srv.stop() == 0
     assert "as '[/x] m'" in "".join(srv.stderr), srv.stderr
+
+
+@pytest.mark.parametrize("command", [["compare", *SIM[:-1]],  # compare shows no progress
+                                     ["sweep", "--batches", "1,2", *SIM]])
+def test_compare_and_sweep_print_a_workload_name_with_brackets_as_it_is(capsys, tmp_path,
+                                                                         command):
+    """A workload named `w[/x]` (user text) was a MarkupError traceback (exit 1, no JSON) in
+    compare's 'workload ...' line after both runs, and in sweep's announce line."""
+    workload = tmp_path / "w.yaml"
+    workload.write_text('name: "w[/x]"\nnum_prompts: 2\nrequest_rate: 1000\n'
+                        "input_len: 32\noutput_len: 4\n")
+    rc, out, err = _main([*command, "--workload", str(workload), "--no-timeline",
+                          "--out", str(tmp_path / "runs")], capsys)
+    assert rc == 0 and "Traceback" not in err, err
+    assert "w[/x]" in out + err and json.loads(out.splitlines()[-1])
+
+
+def test_no_command_prints_rich_markup():
+    """Every console prints text as it is (scripts/common.py: markup off), so a style written as
+    markup would print as its tags: styles go in style=, never in the text."""
+    tag = re.compile(r"\[/?(bold|dim|italic|red|yellow|green|blue|cyan|magenta)\b[^\]]*\]")
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    found = [f"{p.name}:{i}" for p in sorted(scripts.glob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if tag.search(line)]
+    assert not found, found

@@ -20,11 +20,11 @@ def _plan(batch: int, kv_gib: float):
     return SimpleNamespace(decode_ids=list(range(batch)), kv_bytes=int(kv_gib * 2**30))
 
 
-def _run(monkeypatch, width: int, steps: list) -> str:
+def _run(monkeypatch, width: int, steps: list, label: str = "llama-3.1-8b-default-sim") -> str:
     buf = io.StringIO()
     monkeypatch.setattr(progress, "err", Console(file=buf, width=width, color_system=None))
     # An hour between updates: the rate limit skips every step (as a fast simulated run's last).
-    with progress.RunProgress(18000, "llama-3.1-8b-default-sim", min_interval_s=3600) as bar:
+    with progress.RunProgress(18000, label, min_interval_s=3600) as bar:
         for engine, plan in steps:
             bar.on_step(engine, plan, None)
     return buf.getvalue().rstrip().splitlines()[-1]
@@ -47,3 +47,10 @@ def test_a_narrow_terminal_keeps_every_count_whole(monkeypatch):
     assert "…" not in line
     wide = _run(monkeypatch, 200, [(_engine(16881, 4229.8, 30, 1087, preempted=3), _plan(32, 1.0))])
     assert "llama-3.1-8b-default-sim" in wide and "preempted 3" in wide
+
+
+def test_a_label_with_brackets_is_printed_as_it_is(monkeypatch):
+    """The run's label carries the model name (a path: `--model /m/w[/x]`): it was formatted into
+    rich markup (a MarkupError traceback when the progress line started)."""
+    line = _run(monkeypatch, 200, [(_engine(5, 1.0, 1, 0), _plan(1, 0.1))], label="w[/x]-sim")
+    assert "w[/x]-sim" in line, line

@@ -5,6 +5,7 @@ rank."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -13,10 +14,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
+import pytest
 from batchsim.server.distributed import launch, stop_signals
-from batchsim.server.distributed.rank import LAUNCHER_IGNORED_ENV
+from batchsim.server.distributed.rank import LAUNCHER_IGNORED_ENV, STATUS_DIR_ENV
 
 from tests import dispositions
 from tests.drivers import WatchesServeStderr
@@ -169,3 +172,28 @@ def test_rank0_keeps_serving_through_a_sighup_a_nohup_launcher_ignored(tiny):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         two.proc.wait()
+
+
+@pytest.mark.parametrize("ignored", ["", "SIGINT,SIGHUP"])
+def test_rank0_of_serve_sets_ignored_what_the_launcher_ignored(monkeypatch, tmp_path, ignored):
+    """A remote rank 0 starts from sshd's dispositions (default: fatal): a signal its launcher
+    ignored got no handler and stayed fatal, so `kill -INT` (or -HUP) killed it undrained."""
+    monkeypatch.setenv(LAUNCHER_IGNORED_ENV, ignored)
+    monkeypatch.setenv(STATUS_DIR_ENV, str(tmp_path))
+    server = SimpleNamespace(engine=SimpleNamespace(executor=SimpleNamespace(
+        watchdog=SimpleNamespace(current=lambda: None))))
+    names = ignored.split(",")
+    previous = {s: signal.signal(s, signal.SIG_DFL) for s in (signal.SIGINT, signal.SIGHUP)}
+
+    async def installed() -> None:
+        stop_signals.install(server, 1.0)
+        for sig in (signal.SIGINT, signal.SIGHUP):
+            ignored_here = signal.getsignal(sig) is signal.SIG_IGN
+            assert ignored_here == (sig.name in names), sig.name
+            asyncio.get_running_loop().remove_signal_handler(sig)
+
+    try:
+        asyncio.run(installed())
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

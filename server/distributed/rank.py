@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchsim.configs import ConfigError
 from batchsim.server.engine.interrupts import Interrupts
-from batchsim.server.platform.signals import launcher_answers
+from batchsim.server.platform.signals import follow_launcher
 from batchsim.server.results import run_files
 
 if TYPE_CHECKING:
@@ -160,10 +160,7 @@ class Lead:
 def launcher_answers_hup(environ: Mapping[str, str] = os.environ) -> tuple[signal.Signals, ...]:
     """(SIGHUP,) if the launcher answers it, else () with SIGHUP set ignored here: a remote rank
     starts from sshd's dispositions, not from its nohup launcher's."""
-    if signal.SIGHUP in launcher_answers(environ.get(LAUNCHER_IGNORED_ENV)):
-        return (signal.SIGHUP,)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    return ()
+    return follow_launcher(environ.get(LAUNCHER_IGNORED_ENV), (signal.SIGHUP,))
 
 
 @contextlib.contextmanager

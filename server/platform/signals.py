@@ -32,6 +32,18 @@ def launcher_answers(ignored: str | None) -> tuple[signal.Signals, ...]:
     return tuple(s for s in STOP_SIGNALS if s == signal.SIGTERM or s.name not in names)
 
 
+def follow_launcher(ignored: str | None, signals: tuple[signal.Signals, ...] = STOP_SIGNALS
+                    ) -> tuple[signal.Signals, ...]:
+    """Of `signals`, those the launcher answers (launcher_answers); each other one is set ignored
+    here, as the launcher has it: a remote rank starts from sshd's dispositions (SIGHUP, SIGINT:
+    default, fatal), so one left alone killed the rank undrained, without its records."""
+    answered = launcher_answers(ignored)
+    for sig in signals:
+        if sig not in answered:
+            signal.signal(sig, signal.SIG_IGN)
+    return tuple(sig for sig in signals if sig in answered)
+
+
 def leave_closed_terminal(signum: int) -> None:
     """On SIGHUP, the terminal is gone: a write to it fails (EIO) and would turn an interrupted
     run's exit into a failure. Its standard streams go to /dev/null instead (files and pipes

@@ -21,14 +21,16 @@ T = TypeVar("T")
 
 def _flatten_unique(self: Any, node: yaml.MappingNode) -> None:
     """A mapping's keys checked before its merges (`<<: *base`, which may repeat a key on purpose)
-    are flattened into it: a key written twice was read as its last value, silently."""
+    are flattened into it: a key written twice was read as its last value, silently. Keys are
+    compared as read (`16` and `0x10`, `true` and `yes`, `~` and `null` are one key), not as
+    written; a quoted "16" stays a string, another key than 16."""
     checked = self.__dict__.setdefault("_unique_checked", set())
     if id(node) not in checked:  # a node merged again was flattened already
         checked.add(id(node))
-        first: dict[tuple[str, str], yaml.Mark] = {}
+        first: dict[Any, yaml.Mark] = {}
         for key, _ in node.value:
             if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
-                mark = first.setdefault((key.tag, key.value), key.start_mark)
+                mark = first.setdefault(self.construct_object(key), key.start_mark)
                 if mark is not key.start_mark:
                     raise yaml.constructor.ConstructorError(
                         None, None, f"key {key.value[:60]!r} is given twice (first on line "

@@ -47,6 +47,11 @@ def test_yaml_alias_bombs_and_deep_nesting_are_one_line(capsys, tmp_path, text, 
     ("num_prompts: 5\nseed: 1\nnum_prompts: 50\n",  # both builds read 50, silently
      "key 'num_prompts' is given twice (first on line 1)"),
     ("input_len: {dist: uniform, min: 8, min: 9}\n", "key 'min' is given twice"),
+    # Keys written differently that read as one: the last value was kept, silently.
+    ("4: 1.0\n0x4: 2.0\n", "key '0x4' is given twice (first on line 1)"),
+    ("a: {true: 1, yes: 2}\n", "key 'yes' is given twice"),
+    ("~: 1\nnull: 2\n", "key 'null' is given twice"),
+    ("1.0: a\n1.00: b\n", "key '1.00' is given twice"),
 ])
 def test_every_yaml_build_refuses_the_same_files_in_pyyaml_words(monkeypatch, tmp_path, build,
                                                                   text, says):

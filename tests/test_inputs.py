@@ -134,12 +134,16 @@ def test_far_future_arrivals_and_an_overflowing_rate_are_refused(tmp_path):
                      '{"timestamp": 1e33, "input_length": 100, "output_length": 8}\n')
     workload = tmp_path / "slow.yaml"
     workload.write_text("num_prompts: 3\nrequest_rate: 1.0e-300\n")
-    for extra, says in ((["--request-rate", "1e-12", "--num-prompts", "3"], "request_rate 1e-12"),
-                        (["--trace", str(trace)], "trace.time_scale 1"),
-                        ([str(workload)], "request_rate 1e-300")):
+    rate, scale = "a larger rate or fewer prompts", "a smaller time scale or fewer prompts"
+    for extra, says, use in (
+            (["--request-rate", "1e-12", "--num-prompts", "3"], "request_rate 1e-12", rate),
+            (["--trace", str(trace)], "trace.time_scale 1", scale),
+            ([str(workload)], "request_rate 1e-300", rate)):
         proc = _batchsim("run", *SIM, *extra, "--out", str(tmp_path), "--json")
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-        assert f"{says}: the last request arrives at" in proc.stderr.splitlines()[-1]
+        line = proc.stderr.splitlines()[-1]  # the advice fits the setting (a rate has no scale)
+        assert f"{says}: the last request arrives at" in line and "(32 years)" in line, line
+        assert f"; use {use} (--num-prompts)" in line, line
     workload.write_text("num_prompts: 3\nrequest_rate: 2.5e-9\n")  # the last at 8e8 s: runs
     proc = _batchsim("run", *SIM, str(workload), "--out", str(tmp_path), "--json")
     assert json.loads(proc.stdout.splitlines()[-1])["completed"] == 3, proc.stderr[-2000:]

@@ -128,19 +128,24 @@ def shared_requests(sharing: SharingSpec, seed: int,
     return out
 
 
+_YEAR_S = 365.25 * 86400
+# What brings the last arrival in, per setting: a trace's rows are capped by num_prompts too.
+_SOONER = {"request_rate": "a larger rate or fewer prompts (--num-prompts)",
+           "trace.time_scale": "a smaller time scale or fewer prompts (--num-prompts)"}
+
+
 def _check_finite(arrivals_s, key: str, value: float) -> None:
-    """Arrivals past a float's range would never come, and past MAX_ARRIVAL_S (32 years) the run's
-    records are damage to `report` (it rebuilt such a run with fewer requests): one line naming
-    the setting."""
+    """Arrivals past a float's range would never come, and past MAX_ARRIVAL_S the run's records
+    are damage to `report` (it rebuilt such a run with fewer requests): one line naming the
+    setting (`key`, a key of _SOONER) and what to change."""
     if not np.all(np.isfinite(arrivals_s)):
         raise ConfigError(f"{key} {value:g}: the last arrivals fall beyond "
-                          f"{sys.float_info.max:.3g} s (a float's range); use a larger rate or a "
-                          "smaller time scale")
+                          f"{sys.float_info.max:.3g} s (a float's range); use {_SOONER[key]}")
     last_s = float(np.max(arrivals_s, initial=0.0))
     if last_s > MAX_ARRIVAL_S:
         raise ConfigError(f"{key} {value:g}: the last request arrives at {last_s:.3g} s, past the "
-                          f"{MAX_ARRIVAL_S:.0e} s (32 years) a workload's arrivals may span; use a "
-                          "larger rate or a smaller time scale")
+                          f"{MAX_ARRIVAL_S:.0e} s ({MAX_ARRIVAL_S / _YEAR_S:.0f} years) a "
+                          f"workload's arrivals may span; use {_SOONER[key]}")
 
 
 def build_requests(spec: WorkloadSpec) -> list[RequestSpec]:

@@ -20,7 +20,7 @@ _NOT_IN_A_NAME = re.compile(r"[\x00-\x1f/\\]")
 MAX_LABEL_BYTES = 160  # a file name holds 255 bytes; room for the timestamp and `-N`
 MAX_SAME_NAME = 10_000  # run directories of one label started in one second
 
-# A workload whose last arrival is past MAX_ARRIVAL_S (32 years) is refused (workloads/
+# A workload whose last arrival is past MAX_ARRIVAL_S is refused (workloads/
 # requests.py); report reads a record time past MAX_CLOCK_S as damage. The margin between them is
 # room for the service after the last arrival: a run whose last request arrives at the limit
 # finishes a second later, and report kept only the records before it (2 completed -> 1).

@@ -4,11 +4,13 @@ executor failure ends a run or, in a server, fails only the requests it touched.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 
 import pytest
 from batchsim.scheduler.request import Request, RequestStatus, SamplingParams
 from batchsim.scheduler.scheduler import Scheduler
+from batchsim.server.distributed.channel import RankLost
 from batchsim.server.engine import clock
 from batchsim.server.engine.engine import Engine
 from batchsim.server.executors.fake_executor import FakeExecutor
@@ -17,14 +19,14 @@ from tests.drivers import config
 
 
 class FailingExecutor(FakeExecutor):
-    def __init__(self, fail_at: int):
+    def __init__(self, fail_at: int, error: Exception | None = None):
         super().__init__(virtual_time=True)
-        self.calls, self.fail_at = 0, fail_at
+        self.calls, self.fail_at, self.error = 0, fail_at, error or RuntimeError("device lost")
 
     def execute(self, plan, max_elapsed_s=float("inf")):
         self.calls += 1
         if self.calls == self.fail_at:
-            raise RuntimeError("device lost")
+            raise self.error
         return super().execute(plan, max_elapsed_s)
 
 
@@ -126,6 +128,22 @@ def test_a_server_fails_only_the_running_requests_and_serves_the_rest():
     assert reasons[2:] == ["length", "length"]  # queued then: served normally afterwards
     assert engine.num_executor_errors == 1
     assert engine.scheduler.kv.kv_bytes == 0 or not engine.scheduler.running
+
+
+def test_a_step_failure_that_says_it_all_is_logged_in_one_line(caplog):
+    """serve --ranks with a peer rank killed: the channel's RankLost was logged with a
+    traceback (14 lines) before rank 0's one-line error; an ExecutorLost is one log line."""
+    with caplog.at_level(logging.ERROR, logger="batchsim"):
+        done, _ = _run_with(FailingExecutor(3, RankLost("lost a peer rank while exchanging "
+                                                        "plans")), "abort")
+    (record,) = caplog.records
+    assert not record.exc_info and record.getMessage().endswith(": lost a peer rank while "
+                                                                    "exchanging plans")
+    assert [r.finish_reason for r in done][:2] == ["error", "error"]
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="batchsim"):
+        _run_with(FailingExecutor(fail_at=3), "abort")  # anything else: its traceback
+    assert caplog.records[0].exc_info is not None
 
 
 def test_step_records_describe_each_plan():

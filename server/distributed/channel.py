@@ -13,6 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from batchsim.server.executors.base import ExecutorLost
 
 STOP = None  # the message that ends a follower's loop
 _SAMPLE_BYTES = 1 << 20  # per sample when fingerprinting large weight files
@@ -20,7 +21,7 @@ _SAMPLES = 16
 _FULL_HASH_BYTES = 256 << 20  # files up to this size are hashed whole
 
 
-class RankLost(RuntimeError):
+class RankLost(ExecutorLost):
     """A collective failed: another rank died or closed its connection."""
 
 

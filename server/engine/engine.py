@@ -16,7 +16,7 @@ from batchsim.scheduler.request import Request
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.scheduler.spec_budget import cut_drafts
 from batchsim.server.engine import clock
-from batchsim.server.executors.base import Executor
+from batchsim.server.executors.base import Executor, ExecutorLost
 from batchsim.server.platform import env
 from batchsim.server.results.recorder import RunRecorder
 
@@ -165,10 +165,10 @@ class Engine:
                 else:
                     loop = asyncio.get_running_loop()
                     result = await loop.run_in_executor(self._thread, self.executor.execute, plan)
-            except Exception:
+            except Exception as exc:
                 if self._on_error == "raise":
                     raise
-                self._recover()
+                self._recover(exc)
                 continue
             finished = self.finish_step(plan, result, start)
             self._resolve(finished)
@@ -216,12 +216,15 @@ class Engine:
                     self._streamed[rid] = len(out)
                     queue.put_nowait(out[sent:])
 
-    def _recover(self) -> None:
+    def _recover(self, exc: Exception) -> None:
         """After a failed step nothing the executor holds can be trusted: fail every running
-        request and start the executor empty; waiting requests are untouched."""
+        request and start the executor empty; waiting requests are untouched. Logged with its
+        traceback unless its message says it all (ExecutorLost: a peer rank lost)."""
         import logging
 
-        logging.getLogger("batchsim").exception("executor failed; aborting the running requests")
+        said = isinstance(exc, ExecutorLost)
+        logging.getLogger("batchsim").error("executor failed; aborting the running requests"
+                                            + (f": {exc}" if said else ""), exc_info=not said)
         self.num_executor_errors += 1
         for r in list(self.scheduler.running):
             self.abort(r.request_id)

@@ -22,6 +22,11 @@ class ExecutorCaps:
     needs_token_ids: bool
 
 
+class ExecutorLost(RuntimeError):
+    """A step failed for a reason its message says in full (a peer rank lost): a server logs it
+    in one line, not as a traceback."""
+
+
 class Executor(Protocol):
     caps: ExecutorCaps
 

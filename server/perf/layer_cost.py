@@ -31,7 +31,6 @@ from batchsim.server.perf.profile import (
     GemmFit,
     log_interp,
 )
-from batchsim.server.perf.qmv import gpu_generation
 
 
 class Blocks(Protocol):
@@ -53,23 +52,6 @@ class Blocks(Protocol):
     def weight_stream_s(self, k: int, n: int) -> float: ...
 
 
-# MLX's decode attention kernels (mlx/backend/metal/kernels/sdpa_vector.h: sdpa_vector and
-# sdpa_vector_2pass_1, every release to v0.32.1) give each query head its own simdgroup, which
-# streams its KV head's keys and values and reduces a score per key (a simd_sum), so a step does
-# work per (query head, cached token), whatever the K/V bytes: with few KV heads the kernel is
-# bound by it, not by DRAM. Measured, bf16, one query token: an M5 Max (40-core), 32 query heads,
-# 32768 keys, D 128: 0.307 ms with 1 KV head (10% of bandwidth), 0.351 with 4, 1.148 with 32
-# (ml-explore/mlx#3837, comment of 2026-08-05): 0.29 ns per score; an M5 Pro, 64 query / 8 KV
-# heads, D 64 (gpt-oss-20b), 32K keys: 119 GB/s of K/V (ml-explore/mlx#4076): 0.27 ns per score.
-# The step pays the larger of its K/V stream and its scores (they overlap), on the GPU generation
-# measured (M5: the two M5s agree per score, not per core); older GPUs have no measurement, and
-# pricing them at the M5's rate scored worse (fit-macs: b1 held-out median 5.7% -> 6.9%, the
-# refit's kv_bandwidth_efficiency at its bound 1.0), so they stay priced by their bytes. Not
-# priced: quantized K/V (mlx-lm's quantized SDPA is matmuls), MLA, paged engines' own kernels;
-# ml-explore/mlx #4077 (2026-08-19, after v0.32.1) reads gqa-8 K/V once per KV head without a
-# mask or sinks.
-SDPA_VECTOR_SCORE_S = 0.29e-9
-SDPA_VECTOR_SCORE_GENERATION = 17  # the M5 GPUs (ml-explore/mlx #3837, #4076)
 # Assumed: a gathered expert matmul (mlx's gather_qmm) reaches half the dense GEMM rate per FLOP
 # (small per-expert tiles, index gathers). Only compute-bound (large-batch) steps feel it.
 GATHER_MATMUL_EFFICIENCY = 0.5
@@ -212,8 +194,7 @@ class LayerCost:
         kv_bits = self.cost.kv_bits
         nbytes = count * batch * att.token_bytes(self.cost.act_bytes, kv_bits)
         scores = count * batch * self.spec.num_heads
-        fused = kv_bits is None and att.kind != "mla" and not self.cost.paged
-        seconds = self._kv_read_s(nbytes, scores, fused)
+        seconds = self._kv_read_s(nbytes, scores)
         if kv_bits is not None:  # dequantize what was read (an assumption, not measured)
             elements = count * batch * att.heads * (att.k_dim + att.v_dim)
             seconds += elements * KV_DEQUANT_OPS_PER_ELEMENT / self._flops_per_s
@@ -263,22 +244,12 @@ class LayerCost:
         flops = count * tokens * att.state_elems * LINEAR_FLOPS_PER_STATE_ELEMENT
         return max(self.cost.bytes_s(nbytes), flops / self._flops_per_s)
 
-    def _kv_read_s(self, nbytes: int, scores: int, fused: bool = False) -> float:
-        """Decode attention's K/V stream, or on an M5 GPU running MLX's vector kernel (`fused`)
-        the larger of it and the kernel's work per score (SDPA_VECTOR_SCORE_S)."""
+    def _kv_read_s(self, nbytes: int, scores: int) -> float:
         cal = self.cost.cal
         if cal is not None:
             return (nbytes * cal.attention_decode_ns_per_byte
                     + scores * cal.attention_decode_ns_per_score) * 1e-9
-        stream_s = nbytes / self.cost.profile.kv_bytes_per_s
-        if not (fused and self._scores_measured):
-            return stream_s
-        return max(stream_s, scores * SDPA_VECTOR_SCORE_S)
-
-    @cached_property
-    def _scores_measured(self) -> bool:
-        """Whether the profile's GPU generation has the vector kernel's per-score cost measured."""
-        return gpu_generation(self.cost.profile.gpu_family) >= SDPA_VECTOR_SCORE_GENERATION
+        return nbytes / self.cost.profile.kv_bytes_per_s
 
     @property
     def _flops_per_s(self) -> float:

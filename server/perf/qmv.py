@@ -79,12 +79,6 @@ def _generation_size(family: str) -> tuple[int, str] | None:
     return (int(m.group(1)), m.group(2)) if m else None
 
 
-def gpu_generation(family: str) -> int:
-    """'g17s' -> 17; 0 for an unknown family."""
-    parsed = _generation_size(family)
-    return parsed[0] if parsed else 0
-
-
 def gpu_family(chip: str) -> str:
     """'M1 Ultra' -> 'g13d'; '' for a chip outside M1-M5 (no qmv pricing)."""
     m = re.fullmatch(r"(M\d)(?: (Pro|Max|Ultra))?", chip.strip())

@@ -11,20 +11,14 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from batchsim.scheduler import decode_plan, scheduler
+from batchsim.scheduler import decode_plan
 from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 from batchsim.workloads.lengths import LengthSpec
 from batchsim.workloads.spec import WorkloadSpec, builtin_workload
 
-
-def _hour(rate: float, prompts: int, **sched) -> RunConfig:
-    """The simulated hour's workload (issue 37), shorter."""
-    base = RunConfig(model="llama-3.1-8b", executor="sim", device_profile="M2 Ultra", quantize=4)
-    workload = dataclasses.replace(base.workload, num_prompts=prompts, request_rate=rate, seed=3)
-    return dataclasses.replace(base, workload=workload,
-                               scheduler=dataclasses.replace(base.scheduler, **sched))
+from tests.plan_paths import hour_config, recorded_plans
 
 
 def _small(spec: WorkloadSpec, **kw) -> RunConfig:
@@ -40,12 +34,12 @@ ONE_TOKEN = WorkloadSpec(name="one", num_prompts=40, request_rate=50.0, seed=2,
                          output_len=LengthSpec("uniform", min=2, max=40))
 CASES = {
     # (run, the least share of plans the fast path makes)
-    "overloaded": (_hour(5.0, 300), 0.3),
-    "draining": (_hour(1.0, 60), 0.1),
-    "small-pool": (_hour(8.0, 120, max_num_seqs=8), 0.3),
+    "overloaded": (hour_config(5.0, 300), 0.3),
+    "draining": (hour_config(1.0, 60), 0.1),
+    "small-pool": (hour_config(8.0, 120, max_num_seqs=8), 0.3),
     "tight": (_small(TIGHT, memory_gb=1.1), 0.05),
     "one-token-prompts": (_small(ONE_TOKEN), 0.05),
-    "shared-prompt": (dataclasses.replace(_hour(5.0, 120), workload=dataclasses.replace(
+    "shared-prompt": (dataclasses.replace(hour_config(5.0, 120), workload=dataclasses.replace(
         builtin_workload("shared-prompt"), num_prompts=120, seed=3)), 0.0),
 }
 
@@ -53,25 +47,12 @@ CASES = {
 def _plans(cfg: RunConfig, out: Path, monkeypatch, fast: bool) -> tuple[list, int, bytes]:
     """Every plan Scheduler.schedule returned, how many admitting ones the fast path made, and
     steps.jsonl (fast=False: every plan that could admit is the general path's)."""
-    plans, made = [], [0]
-    real_schedule, real_fast = scheduler.Scheduler.schedule, decode_plan.admissions
+    def run() -> Path:
+        return run_workload(open_session(cfg), cfg.workload, out_dir=out, label="a",
+                            timeline=False).run_dir
 
-    def schedule(self):
-        plans.append(real_schedule(self))
-        return plans[-1]
-
-    def fast_admissions(*args):
-        admitted = real_fast(*args) if fast else None
-        made[0] += bool(admitted and admitted[1])
-        return admitted
-
-    with monkeypatch.context() as m:
-        m.setattr(scheduler.Scheduler, "schedule", schedule)
-        m.setattr(decode_plan, "admissions", fast_admissions)
-        session = open_session(cfg)
-        run_dir = run_workload(session, cfg.workload, out_dir=out, label="a",
-                               timeline=False).run_dir
-    return plans, made[0], (run_dir / "steps.jsonl").read_bytes()
+    plans, made, run_dir = recorded_plans(monkeypatch, decode_plan, "admissions", fast, run)
+    return plans, sum(bool(a[1]) for a in made), (run_dir / "steps.jsonl").read_bytes()
 
 
 @pytest.mark.parametrize("name", list(CASES))

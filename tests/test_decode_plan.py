@@ -21,6 +21,8 @@ from batchsim.server.engine.session import open_session
 from batchsim.workloads.lengths import LengthSpec
 from batchsim.workloads.spec import WorkloadSpec, builtin_workload
 
+from tests.plan_paths import hour_config, recorded_plans
+
 
 def _records(cfg: RunConfig, out: Path) -> tuple[bytes, bytes, int]:
     session = open_session(cfg)
@@ -30,25 +32,17 @@ def _records(cfg: RunConfig, out: Path) -> tuple[bytes, bytes, int]:
             outcome.summary["num_preemptions"])
 
 
-def _config(rate: float, prompts: int, **sched) -> RunConfig:
-    """The simulated hour's workload (issue 37), shorter."""
-    base = RunConfig(model="llama-3.1-8b", executor="sim", device_profile="M2 Ultra", quantize=4)
-    workload = dataclasses.replace(base.workload, num_prompts=prompts, request_rate=rate, seed=3)
-    return dataclasses.replace(base, workload=workload,
-                               scheduler=dataclasses.replace(base.scheduler, **sched))
-
-
 # tests/test_virtual_run.py's all-at-once-tight: a KV budget a few requests fill
 TIGHT = WorkloadSpec(name="mixed", num_prompts=80, request_rate=float("inf"), seed=1,
                      input_len=LengthSpec("uniform", min=16, max=900),
                      output_len=LengthSpec("uniform", min=1, max=160))
 CASES = {
     # (run, whether it preempts, the least share of plans the fast path makes)
-    "overloaded": (_config(5.0, 300), False, 0.3),
-    "draining": (_config(1.0, 60), False, 0.3),
+    "overloaded": (hour_config(5.0, 300), False, 0.3),
+    "draining": (hour_config(1.0, 60), False, 0.3),
     "preempting": (RunConfig(model="llama-3.2-1b", executor="sim", device_profile="M2 Max",
                              quantize=4, workload=TIGHT, memory_gb=1.1), True, 0.05),
-    "small-pool": (_config(8.0, 120, max_num_seqs=8), False, 0.3),
+    "small-pool": (hour_config(8.0, 120, max_num_seqs=8), False, 0.3),
 }
 
 
@@ -80,7 +74,7 @@ def test_prefix_cache_ops_are_skipped_only_when_they_do_nothing(workload, tmp_pa
     """The hour's workload has no shared segments: no plan takes the cache's ops (each admission
     used to); workloads that share blocks take them. Records equal with the skip on and off."""
     spec = dataclasses.replace(builtin_workload(workload), num_prompts=120, seed=3)
-    cfg = dataclasses.replace(_config(5.0, 120), workload=spec)
+    cfg = dataclasses.replace(hour_config(5.0, 120), workload=spec)
     taken = [0]
     real = prefix_cache.PrefixCache.take_ops
 
@@ -100,24 +94,9 @@ def test_prefix_cache_ops_are_skipped_only_when_they_do_nothing(workload, tmp_pa
 
 def _plans(cfg: RunConfig, out: Path, monkeypatch, fast: bool) -> tuple[list, list]:
     """Every plan Scheduler.schedule returned in the run, and those the fast path made."""
-    plans, made = [], []
-    real_schedule, real_fast = scheduler.Scheduler.schedule, decode_plan.decode_plan
-
-    def schedule(self):
-        plans.append(real_schedule(self))
-        return plans[-1]
-
-    def fast_plan(*args):
-        planned = real_fast(*args) if fast else None
-        if planned is not None:
-            made.append(planned[0])
-        return planned
-
-    with monkeypatch.context() as m:
-        m.setattr(scheduler.Scheduler, "schedule", schedule)
-        m.setattr(scheduler, "decode_plan", fast_plan)
-        _records(cfg, out)
-    return plans, made
+    plans, made, _ = recorded_plans(monkeypatch, scheduler, "decode_plan", fast,
+                                    lambda: _records(cfg, out))
+    return plans, [planned[0] for planned in made]
 
 
 def test_fast_plans_that_evict_cached_blocks_are_the_general_paths_plans(tmp_path, monkeypatch):

@@ -2,8 +2,8 @@
 the plans the general path makes: every plan of a run equal with the fast path on and off, over an
 overloaded queue (the simulated hour's case), a queue that drains, a pool capped at 8 rows, a
 budget tight enough to preempt and to shrink first chunks, and heads the fast path hands back
-(one-token prompts, prompts with cached blocks to reuse); and the fast path does make a good share
-of the plans where it can."""
+(one-token prompts, prompts with cached blocks to reuse), heads admitted one after another into a
+small quantized cache; and the fast path does make a good share of the plans where it can."""
 
 from __future__ import annotations
 
@@ -26,6 +26,18 @@ def _small(spec: WorkloadSpec, **kw) -> RunConfig:
                      workload=spec, **kw)
 
 
+def _fuzz119() -> RunConfig:
+    """r4's fuzz config 119: heads admitted one after another into a small quantized cache, each
+    admission's geometry sized for the longest row so far (admissions' len_later as it grows)."""
+    spec = dataclasses.replace(builtin_workload("shared-prompt"), num_prompts=60, seed=119,
+                               request_rate=50.0)
+    base = RunConfig(model="qwen3-0.6b", executor="sim", device_profile="M2 Max", quantize=4,
+                     workload=spec, memory_gb=0.6, kv_bits=4, ignore_eos=False)
+    return dataclasses.replace(base, scheduler=dataclasses.replace(
+        base.scheduler, max_num_seqs=7, max_num_batched_tokens=1000, prefill_step_size=256,
+        row_step=4, prefix_cache="off"))
+
+
 TIGHT = WorkloadSpec(name="mixed", num_prompts=80, request_rate=float("inf"), seed=1,
                      input_len=LengthSpec("uniform", min=16, max=900),
                      output_len=LengthSpec("uniform", min=1, max=160))
@@ -41,6 +53,9 @@ CASES = {
     "one-token-prompts": (_small(ONE_TOKEN), 0.05),
     "shared-prompt": (dataclasses.replace(hour_config(5.0, 120), workload=dataclasses.replace(
         builtin_workload("shared-prompt"), num_prompts=120, seed=3)), 0.0),
+    # r4's fuzz config 119: heads admitted one after another in a small quantized cache, whose
+    # admission geometry needs the longest row so far (len_later) kept as it grows
+    "growing-rows": (_fuzz119(), 0.0),
 }
 
 

@@ -10,7 +10,7 @@ from batchsim.server.measure import calibration as cal
 from batchsim.server.perf.profile import DeviceProfile, GemmFit
 from batchsim.server.perf.stepcost import StepCost
 
-from tests.test_sim import PROFILE
+from tests.sim_profile import PROFILE
 
 
 def test_gemm_fit_recovers_known_parameters():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_inputs import SIM, _main
+from tests.cli_calls import SIM, _main
 
 
 def _unwrapped(text: str) -> str:

@@ -21,7 +21,7 @@ from batchsim.server.perf.engines import (
 from batchsim.server.perf.gpu_fit import load_fit, mac_profile
 from batchsim.server.perf.stepcost import StepCost
 
-from tests.test_sim import PROFILE
+from tests.sim_profile import PROFILE
 
 
 def _mac(label: str = "M4 Max 40c", quantize_bits: int | None = 4):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.test_inputs import SIM, _main, _one_line
+from tests.cli_calls import SIM, _main, _one_line
 
 
 def _alias_bomb(levels: int = 12) -> str:

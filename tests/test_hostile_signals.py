@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.test_inputs import _main, _one_line
+from tests.cli_calls import _main, _one_line
 
 _SWEEP = ["sweep", "--executor", "sim", "--device-profile", "M2 Max", "--model", "llama-3.2-1b",
           "--quantize", "4", "--no-progress", "--no-timeline", "--output-len", "8",

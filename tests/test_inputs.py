@@ -9,34 +9,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-SIM = ["--executor", "sim", "--model", "llama-3.1-8b", "--quantize", "4", "--device-profile",
-       "M2 Ultra", "--no-progress"]
+from tests.cli_calls import SIM, _batchsim, _main, _one_line
+
 NOT_NUMBERS = {"str", "str_list", "Path", "length"}  # `length` has its own test below
-
-
-def _main(argv: list[str], capsys) -> tuple[int, str, str]:
-    """rc, stdout and stderr of the CLI run in-process (argparse's exit included)."""
-    from batchsim.scripts.cli import main
-
-    try:
-        rc = main(argv)
-    except SystemExit as exc:
-        rc = int(exc.code)
-    captured = capsys.readouterr()
-    return rc, captured.out, captured.err
-
-
-def _one_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) >= 1 and "Traceback" not in err, err
-    return lines[-1]
 
 
 def _numeric_flags() -> list[tuple[str, argparse.Action]]:
@@ -116,14 +95,6 @@ def test_the_virtual_clock_jumps_to_a_timer_a_day_or_more_away():
         assert loop.run_until_complete(far()) == 1e9 and loop._virtual._turns < 10
     finally:
         loop.close()
-
-
-def _batchsim(*args: str, home: Path | None = None, env: dict | None = None, timeout: float = 120):
-    environ = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-    if home is not None:
-        environ["BATCHSIM_HOME"] = str(home)
-    return subprocess.run([sys.executable, "-m", "batchsim.scripts.cli", *args],
-                          capture_output=True, check=False, text=True, env=environ, timeout=timeout)
 
 
 def test_far_future_arrivals_and_an_overflowing_rate_are_refused(tmp_path):

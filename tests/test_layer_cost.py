@@ -14,7 +14,7 @@ from batchsim.server.perf.batch_gain import batching_curve, catalog_cost
 from batchsim.server.perf.layer_cost import expected_experts, paged_read_ratio
 from batchsim.server.perf.stepcost import StepCost, StepTime, weight_bytes_per_element
 
-from tests.test_sim import PROFILE
+from tests.sim_profile import PROFILE
 
 NON_DENSE = ("qwen3-30b-a3b", "gpt-oss-20b", "gpt-oss-120b", "gemma-3-27b", "qwen3-next-80b-a3b",
              "deepseek-v3")

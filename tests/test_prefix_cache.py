@@ -103,7 +103,7 @@ def _simulate(shared_blocks: int) -> tuple[Scheduler, dict[int, float]]:
     from batchsim.server.models.spec import zoo_spec
     from batchsim.server.perf.stepcost import StepCost
 
-    from tests.test_sim import PROFILE
+    from tests.sim_profile import PROFILE
 
     spec = zoo_spec("tiny")
     cost = StepCost(spec, PROFILE, "float32", None)

@@ -36,7 +36,7 @@ def _sim(layout: str):
     from batchsim.server.models.spec import zoo_spec
     from batchsim.server.perf.stepcost import StepCost
 
-    from tests.test_sim import PROFILE
+    from tests.sim_profile import PROFILE
 
     cost = StepCost(zoo_spec("tiny"), PROFILE, "float32", None)
     ex = SimExecutor(cost, max_lookahead_steps=1, paged=layout == "paged")

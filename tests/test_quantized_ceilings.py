@@ -9,8 +9,8 @@ import pytest
 from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf.stepcost import StepCost, matrix_weight_bytes
 
+from tests.sim_profile import PROFILE
 from tests.test_engines import _mac
-from tests.test_sim import PROFILE
 
 
 # -- quantized ceilings (issue 36): a quantized layer's bytes at the quantized GEMV rate, its

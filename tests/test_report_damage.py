@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_inputs import _main
+from tests.cli_calls import _main
 
 
 # -- report on corrupted run directories -----------------------------------------------------

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_inputs import SIM, _main, _one_line
+from tests.cli_calls import SIM, _main, _one_line
 from tests.test_report_damage import _copy, finished_run  # noqa: F401
 
 

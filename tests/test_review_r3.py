@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.test_inputs import SIM, _main
+from tests.cli_calls import SIM, _main
 
 
 @pytest.mark.timeout(120)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.test_inputs import _batchsim, _main, _one_line
+from tests.cli_calls import _batchsim, _main, _one_line
 
 
 @contextlib.contextmanager

@@ -92,7 +92,7 @@ def test_simulated_shared_blocks_fit_more_rows():
     from batchsim.server.models.spec import zoo_spec
     from batchsim.server.perf.stepcost import StepCost
 
-    from tests.test_sim import PROFILE
+    from tests.sim_profile import PROFILE
 
     cost = StepCost(zoo_spec("tiny"), PROFILE, "float32", None)
     kvt = cost.kv_bytes_per_token
@@ -116,7 +116,7 @@ def test_a_hit_too_big_beside_its_prefill_copy_prefills_from_the_start():
     from batchsim.server.models.spec import zoo_spec
     from batchsim.server.perf.stepcost import StepCost
 
-    from tests.test_sim import PROFILE
+    from tests.sim_profile import PROFILE
 
     cost = StepCost(zoo_spec("tiny"), PROFILE, "float32", None)
     kvt = cost.kv_bytes_per_token
@@ -139,7 +139,7 @@ def _pool_block_changes(reuse: bool) -> tuple[int, int]:
     from batchsim.server.models.spec import zoo_spec
     from batchsim.server.perf.stepcost import StepCost
 
-    from tests.test_sim import PROFILE
+    from tests.sim_profile import PROFILE
 
     cost = StepCost(zoo_spec("tiny"), PROFILE, "float32", None)
     kvt = cost.kv_bytes_per_token
@@ -171,7 +171,7 @@ def test_a_paged_resize_that_keeps_the_blocks_does_not_price_copying_them():
     from batchsim.server.models.spec import zoo_spec
     from batchsim.server.perf.stepcost import StepCost
 
-    from tests.test_sim import PROFILE
+    from tests.sim_profile import PROFILE
 
     cost = StepCost(zoo_spec("tiny"), PROFILE, "float32", None)
     ex = SimExecutor(cost, paged=True)

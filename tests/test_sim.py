@@ -14,23 +14,12 @@ from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 from batchsim.server.executors.shadow import ShadowTimer
 from batchsim.server.executors.sim_executor import SimExecutor
-from batchsim.server.perf.profile import Calibration, DeviceProfile, GemmFit, at_speed
+from batchsim.server.perf.profile import DeviceProfile, at_speed
 from batchsim.server.perf.stepcost import StepCost
 from batchsim.workloads.lengths import LengthSpec
 from batchsim.workloads.spec import WorkloadSpec
 
-PROFILE = DeviceProfile(
-    name="test", bandwidth_gbs=20.0, peak_tflops={"float32": 0.1}, bandwidth_efficiency=1.0,
-    compute_efficiency=1.0,
-    calibration=Calibration(
-        gemm={"float32": GemmFit(weight_ns={10_000: 0.6, 10_000_000: 0.2},
-                                 flop_ns={1: 0.05, 64: 0.02})},
-        attention_decode_ns_per_byte=0.3, attention_prefill_ns_per_flop=0.02,
-        attention_prefill_ns_per_score_byte=0.4,
-        elementwise_ns_per_byte=0.5, layer_overhead_us=40.0, forward_overhead_us=300.0,
-        copy_gbs=5.0, step_overhead_us=200.0, attention_decode_ns_per_score=20.0,
-    ),
-)
+from tests.sim_profile import PROFILE
 
 
 def workload(n=12, rate=float("inf"), seed=3, out="uniform:4:24") -> WorkloadSpec:
@@ -220,8 +209,8 @@ def smollm2_spec():
 
 
 @pytest.mark.timeout(60)
-# 2.5e-9: 3 arrivals 4e8 s apart, the last at 8e8 s (1e-9's 2e9 s is refused since b7f416d: past
-# the 1e9 s a run's records may span, jsonio.MAX_CLOCK_S).
+# 2.5e-9: 3 arrivals, at 0, 6.5e8 and 8e8 s (seed 0); 1e-9's last at 2e9 s is refused since
+# b7f416d (past jsonio.MAX_ARRIVAL_S, 1e9 s).
 @pytest.mark.parametrize("rate,time_scale", [(1e-7, 1.0), (2.5e-9, 1.0), (None, 1e7)])
 def test_the_simulator_finishes_at_any_rate_and_trace_gap(rate, time_scale, tmp_path):
     """Arrivals 1e7-1e9 simulated seconds apart: asyncio's 1 ns clock resolution is below a

@@ -12,7 +12,7 @@ from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf import macs
 from batchsim.server.perf.stepcost import StepCost, StepTime
 
-from tests.test_sim import PROFILE
+from tests.sim_profile import PROFILE
 
 
 def _mac_profile():

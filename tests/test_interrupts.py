@@ -33,17 +33,17 @@ def open_session(cfg, executor=None):
     time.sleep(60)  # the model 'loads' until the signal arrives
 session.open_session = open_session
 """
-# The signal while session.py itself is imported (the lazy parser imports it after the run
-# directory is made): a finder on the import path signals, then the import goes on slowly.
-_WHILE_IMPORTING_SESSION = """
+# The signal while session.py or runner.py is imported (lazily, after the run directory is
+# made): a finder on the import path signals, then the import goes on slowly.
+_WHILE_IMPORTING = """
 import importlib.abc
 class Signalled(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name == "batchsim.server.engine.session":
+        if name == "batchsim.server.engine.{module}":
             os.kill(os.getpid(), signal.{sig})
             time.sleep(60)  # the import 'takes' until the signal arrives
         return None
-assert "batchsim.server.engine.session" not in sys.modules
+assert "batchsim.server.engine.{module}" not in sys.modules
 sys.meta_path.insert(0, Signalled())
 """
 _WHILE_SUMMARIZING = """
@@ -137,10 +137,13 @@ def test_a_signal_while_the_model_loads_leaves_an_interrupted_run(batchsim_home,
     assert summary["interrupt_reason"] == "SIGTERM"  # h8: was missing (None)
 
 
-def test_a_signal_while_the_session_module_imports_leaves_an_interrupted_run(batchsim_home,
-                                                                              tmp_path):
+@pytest.mark.parametrize("module", ["session", "runner"])
+def test_a_signal_while_a_run_module_imports_leaves_an_interrupted_run(batchsim_home, tmp_path,
+                                                                       module):
+    """runner: imported after the session opened, outside any answer, the signal's
+    KeyboardInterrupt left an empty run directory (exit 130, no config or summary)."""
     proc = start(batchsim_home, tmp_path, *FAKE, "--num-prompts", "5",
-                 patch=_WHILE_IMPORTING_SESSION.format(sig="SIGTERM"))
+                 patch=_WHILE_IMPORTING.format(sig="SIGTERM", module=module))
     summary, reqs = finished_interrupted(proc)
     assert summary["completed"] == 0 and reqs == []
 

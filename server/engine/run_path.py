@@ -111,10 +111,10 @@ def _open_and_run(cfg: RunConfig, run_dir: Path, label: str, stop: Interrupts, v
 
 def _run_opened(session: Session, run_dir: Path, label: str, stop: Interrupts, view: RunView,
                 timeline: bool | DrawingProcess) -> dict[str, Any]:
-    from batchsim.server.engine.runner import run_workload
-
     spec = session.config.workload
-    with stop.answered_by():
+    with stop.answered_by():  # the import too: a signal meanwhile is noted, the run stops at once
+        from batchsim.server.engine.runner import run_workload
+
         view.opened(session)
         with view.progress(spec.num_prompts, label) as on_step:
             outcome = run_workload(session, spec, out_dir=None, label=label, on_step=on_step,

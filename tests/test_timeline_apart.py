@@ -147,10 +147,28 @@ def test_the_child_imports_nothing_from_the_working_directory(tmp_path, monkeypa
 
 def test_the_child_exits_without_its_teardown_once_it_answered(tmp_path, monkeypatch):
     """The child's interpreter teardown (matplotlib's objects freed: 0.5 s at load 9) held the
-    run's wait for it after the picture was written: it exits at once (no atexit handler runs)."""
+    run's wait for it after the picture was written: it exits at once (a module global's __del__,
+    run by the teardown, never runs)."""
     torn_down = tmp_path / "torn-down"
-    monkeypatch.setattr(timeline_draw, "_START_CHILD", "import atexit; atexit.register(open, "
-                        f"{str(torn_down)!r}, 'w'); {timeline_draw._START_CHILD}")
+    monkeypatch.setattr(timeline_draw, "_START_CHILD", "_probe = type('P', (), {'__del__': "
+                        f"lambda self, o=open: o({str(torn_down)!r}, 'w').close()}})(); "
+                        f"{timeline_draw._START_CHILD}")
     apart = _run(tmp_path, "apart", "apart")
     assert apart.summary["timeline_png"] == str(apart.run_dir / "timeline.png")
     assert not torn_down.exists()
+
+
+def test_the_child_leaves_no_temporary_config_directory(tmp_path, monkeypatch):
+    """r4: where HOME is not writable matplotlib makes a temporary config directory and removes
+    it at exit (atexit): the child's quick exit skipped that, leaving a /tmp/matplotlib-* (40 KB)
+    per run. HOME here is a file, so no config directory can be made in it, even as root."""
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    home.write_text("not a directory\n")
+    tmp.mkdir()
+    for name in ("MPLCONFIGDIR", "XDG_CONFIG_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    apart = _run(tmp_path, "apart", "apart")
+    assert apart.summary["timeline_png"] == str(apart.run_dir / "timeline.png")
+    assert not list(tmp.glob("matplotlib-*"))

@@ -4,6 +4,7 @@ runs, then draws the run's panels while the run is summarized."""
 
 from __future__ import annotations
 
+import atexit
 import io
 import json
 import os
@@ -332,5 +333,9 @@ if __name__ == "__main__":
     code = _serve()
     # Answered: gone at once. The interpreter's teardown (matplotlib's objects and modules freed,
     # 0.5 s at load 9) would hold the parent's wait for this process after the picture is done.
+    # Its exit functions still run (matplotlib's removes the temporary config directory it made
+    # where HOME is not writable), and both streams are flushed.
+    atexit._run_exitfuncs()
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)

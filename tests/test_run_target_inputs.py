@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -61,9 +62,11 @@ def test_run_target_that_fails_every_request_says_why(batchsim_home, tmp_path, s
     assert says in proc.stderr.strip().splitlines()[-1], proc.stderr
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
 def test_ctrl_c_on_a_run_against_a_server_that_never_answers_is_an_interruption(batchsim_home,
-                                                                              tmp_path):
-    """Exit 130 with the summary marked interrupted (was 1: 'all 2 requests ... failed')."""
+                                                                              tmp_path, sig):
+    """Exit 130 with the summary marked interrupted (was 1: 'all 2 requests ... failed'), and
+    naming the signal as an in-process run's does (interrupt_reason was missing)."""
     env = {**os.environ, "BATCHSIM_HOME": str(batchsim_home), "HF_HUB_OFFLINE": "1"}
     with _fake_target(200, hang=threading.Event()) as url:
         proc = subprocess.Popen([sys.executable, "-m", "batchsim.scripts.cli", "run", "--model",
@@ -74,10 +77,13 @@ def test_ctrl_c_on_a_run_against_a_server_that_never_answers_is_an_interruption(
             if "requests of workload" in line:
                 break
         time.sleep(1.0)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
-    assert json.loads(out.strip().splitlines()[-1])["interrupted"] is True
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["interrupted"] is True and last["interrupt_reason"] == sig.name
+    saved = json.loads(Path(last["run_dir"], "summary.json").read_text())
+    assert saved["interrupt_reason"] == sig.name
 
 
 @pytest.mark.parametrize("target, says", [

@@ -7,6 +7,7 @@ loop or on one whose clock is virtual (the simulator's): nothing here reads wall
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
@@ -214,36 +215,34 @@ async def _drive_closed(
 
 
 async def drive_interruptibly(spec: WorkloadSpec, requests: Sequence[RequestSpec],
-                              submit: Submit) -> bool:
+                              submit: Submit) -> str | None:
     """`drive`, where Ctrl-C (or SIGTERM, SIGHUP) stops the sending but not the caller, which still
-    reports what was measured so far. True if it was interrupted."""
+    reports what was measured so far. The first signal's name if it was interrupted, else None."""
     loop = asyncio.get_running_loop()
     driver = asyncio.create_task(drive(spec, requests, submit))
-    interrupted = False
+    received: list[str] = []
 
-    def interrupt() -> None:
-        nonlocal interrupted
-        interrupted = True
+    def interrupt(sig: signal.Signals) -> None:
+        received.append(sig.name)
         driver.cancel()
 
     signals = STOP_SIGNALS
     try:
         for sig in signals:
-            loop.add_signal_handler(sig, interrupt)
+            loop.add_signal_handler(sig, interrupt, sig)
     # no signal handlers here (Windows, not main thread)
     except (NotImplementedError, RuntimeError):
         return await _drive_plain(driver)
     try:
         await driver
     except asyncio.CancelledError:
-        if not interrupted:
+        if not received:
             raise
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
-    return interrupted
+    return received[0] if received else None
 
 
-async def _drive_plain(driver: asyncio.Task) -> bool:
+async def _drive_plain(driver: asyncio.Task) -> None:
     await driver
-    return False

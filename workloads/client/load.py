@@ -80,7 +80,7 @@ class _HttpRun:
         self.model_sent: str | None = cfg.model
         self.metrics_before: dict[str, float] | None = None
         self.metrics_after: dict[str, float] | None = None
-        self.interrupted = False
+        self.interrupted: str | None = None  # the signal that stopped the sending
 
     def payload(self, rs: RequestSpec, o: Outcome) -> dict[str, Any]:
         if self.chat is not None:
@@ -167,7 +167,9 @@ def run_http(cfg: RunConfig, out_dir: Path, prompts: PromptMaker,
                     "model_sent": run.model_sent, "executor": "http", "workload": spec.name,
                     "http_statuses": codes, "prompt_source": prompts.describe(),
                     "mean_arrival_lateness_ms": _MS * float(np.mean(lateness)) if lateness else 0.0,
-                    "interrupted": run.interrupted})
+                    "interrupted": run.interrupted is not None})
+    if run.interrupted:  # as an in-process run's summary names it
+        summary["interrupt_reason"] = run.interrupted
     run_dir = _write_run_dir(out_dir, cfg, outcomes, records, summary, run.model_sent)
     summary["run_dir"] = str(run_dir)
     (run_dir / "summary.json").write_text(json.dumps(jsonable(summary), indent=1))

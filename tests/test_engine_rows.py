@@ -263,6 +263,9 @@ def test_each_top_p_sampler_is_priced_by_its_own_code_at_the_version_run():
     """mlx-swift-lm's TopPSampler (ekryski's fork) and Rapid-MLX's fused sampler (0.6.83, PR
     #542) sort float32 and run uncompiled: more passes than mlx-lm's compiled chain, each counted
     from its source. A qwen3 row (151,936 logits: 7 merge passes) of bfloat16 logits:"""
+    from batchsim.server.perf.reference import load_published
+    from batchsim.server.published.sim import MacModel
+
     vocab = zoo_spec("qwen3-0.6b").vocab_size
     sort32 = (4 + 8) + 7 * 2 * 8 + 2 * 4  # float32 values and uint32 indices: 132 bytes
     cast = 2 + 4  # the bfloat16 logits read, float32 written
@@ -274,9 +277,15 @@ def test_each_top_p_sampler_is_priced_by_its_own_code_at_the_version_run():
         cast + sort32 + 13 * 4 + 4 * 4 + 6 + categorical)  # 296
     assert top_p_bytes_per_logit(vocab, 4, TOP_P_CODES["rapid-mlx-fused"]) == 296 - cast
 
-    fork = load_engine("mlx-swift-lm-fork")  # its harness: temperature 0.8, top-p 0.8
-    assert (fork.top_p, fork.top_p_code) == (0.8, "mlx-swift-lm")
-    assert fork.sampler_bytes_per_logit(vocab, 2) == 304
+    # The fork's defaults (temperature 0.6, topP 1.0) sort nothing; its harness's GPT-OSS family
+    # runs top-p 0.8 (ModelRegistry.swift:259): the rows carry it, priced by the fork's code.
+    fork = load_engine("mlx-swift-lm-fork")
+    assert (fork.top_p, fork.top_p_code) == (None, "mlx-swift-lm")
+    assert fork.sampler_bytes_per_logit(vocab, 2) == 0
+    model = MacModel(load_fit())
+    rows = [r for r in load_published().rows if r.src == "ekryski_batched_sweep"]
+    assert len(rows) == 8 and all(r.top_p == 0.8 for r in rows)
+    assert all(model.engine_of(r).sampler_bytes_per_logit(vocab, 2) == 304 for r in rows)
     rapid = load_engine("rapid-mlx")
     assert rapid.at_version("0.6.80").top_p_code == "mlx-lm"  # mlx-lm's chain until 0.6.82
     for version in ("0.6.83", "0.7.26", "0.10.5", None):

@@ -138,7 +138,8 @@ def test_tool_fields_and_look_alike_types_are_refused(srv, path, field, value):
     ("/v1/completions", "include_stop_str_in_output", True, False),
     ("/v1/completions", "guided_regex", "a+", None),
     ("/v1/chat/completions", "continue_final_message", True, False),
-    ("/v1/chat/completions", "chat_template_kwargs", {"enable_thinking": False}, {}),
+    ("/v1/chat/completions", "chat_template_kwargs", {"tokenize": False},
+     {"enable_thinking": False}),
 ])
 def test_fields_that_would_change_the_reply_are_refused(srv, path, field, value, harmless):
     """Each was a 200 that ignored the field (h8): a reply to some other request."""
@@ -147,6 +148,32 @@ def test_fields_that_would_change_the_reply_are_refused(srv, path, field, value,
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field, r.text
     assert srv.client.post(path, json={**plain, field: harmless}).status_code == 200
+
+
+def test_chat_template_kwargs_reach_the_template_as_its_variables():
+    """{"enable_thinking": false} (Qwen3's) was a 400: the template gets each key as a variable,
+    as vLLM and mlx-lm's server pass it; apply_chat_template's own arguments stay refused."""
+    from batchsim.server.http.fields import APIError
+    from batchsim.server.http.openai_api import parse_generation
+
+    seen = []
+
+    class Template:
+        def apply_chat_template(self, messages, add_generation_prompt, **variables):
+            seen.append(variables)
+            return [1, 2, 3] if variables.get("enable_thinking", True) else [1, 2]
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    off = parse_generation({**chat, "chat_template_kwargs": {"enable_thinking": False}}, "chat",
+                           Template(), 100, 10_000)
+    assert off.prompt_ids == (1, 2) and seen == [{"enable_thinking": False}]
+    assert parse_generation({**chat, "chat_template_kwargs": None}, "chat", Template(), 100,
+                            10_000).prompt_ids == (1, 2, 3)
+    for bad in ({"add_generation_prompt": False}, ["enable_thinking"], "x"):
+        with pytest.raises(APIError) as err:
+            parse_generation({**chat, "chat_template_kwargs": bad}, "chat", Template(), 100,
+                             10_000)
+        assert err.value.param == "chat_template_kwargs", err.value
 
 
 def test_context_overflow_names_the_field_sent(srv):

@@ -118,8 +118,14 @@ _CHANGES_OUTPUT: dict[str, tuple[Any, ...]] = {
     "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,),
     "guided_choice": (None,), "guided_grammar": (None,),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False),
-    "chat_template": (None,), "chat_template_kwargs": (None, {}), "documents": (None,),
+    "chat_template": (None,), "documents": (None,),
 }
+# chat_template_kwargs go to the template as its variables ({"enable_thinking": false}: Qwen3);
+# these names are apply_chat_template's own arguments (or the messages), not variables.
+_NOT_TEMPLATE_VARIABLES = frozenset((
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"))
 
 
 def _check_unsupported(body: dict[str, Any], kind: Kind) -> None:
@@ -186,8 +192,13 @@ def _chat_prompt(body: dict[str, Any], tokenizer: Any, max_bytes: int) -> list[i
            "a non-empty list of messages")
     plain = [_plain_message(m, i) for i, m in enumerate(messages)]
     _check_prompt_bytes(sum(len(m["content"].encode()) for m in plain), max_bytes, "messages")
+    variables = get(body, "chat_template_kwargs", {})
+    check(body, "chat_template_kwargs", isinstance(variables, dict)
+          and not variables.keys() & _NOT_TEMPLATE_VARIABLES,
+          "an object of the chat template's variables (such as {\"enable_thinking\": false}), "
+          f"none of {', '.join(sorted(_NOT_TEMPLATE_VARIABLES))}")
     try:
-        ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, **variables)
     except Exception as exc:  # noqa: BLE001 - a template may refuse a role order
         raise APIError(400, f"messages: the chat template rejected them: {exc}",
                        param="messages") from None

@@ -108,6 +108,9 @@ def _all_failed(summary: dict) -> str:
     if "401" in statuses or "403" in statuses:
         text += ("; the server wants an API key: set OPENAI_API_KEY (sent as "
                  "`Authorization: Bearer KEY`)")
+    if "404" in statuses and "/v1" not in summary["endpoint"]:  # the usual slip: no /v1
+        text += (f"; OpenAI-compatible servers (batchsim serve too) answer under /v1: try "
+                 f"--target {summary['target'].rstrip('/')}/v1")
     return f"{text}; the first: {_first(summary, 'error')}"  # a 200 that sent no [DONE] ...
 
 

@@ -51,10 +51,13 @@ def _fake_target(status: int, body: bytes = b"", hang: threading.Event | None = 
 @pytest.mark.parametrize("status, body, says", [
     (401, b"", "(HTTP 2 x 401); the server wants an API key: set OPENAI_API_KEY"),
     (200, b"<html>oops</html>", "(HTTP 2 x 200); the first: stream ended without [DONE]"),  # said
-])  # only "failed (HTTP statuses: {'200': 2})"
+    # only "failed (HTTP statuses: {'200': 2})"
+    (404, b"", "answer under /v1: try --target http://127.0.0.1:"),  # a target without /v1
+])
 def test_run_target_that_fails_every_request_says_why(batchsim_home, tmp_path, status, body,
                                                       says):
     with _fake_target(status, body) as url:
+        url = url.removesuffix("/v1") if status == 404 else url
         proc = _batchsim("run", "--model", "tiny", "--target", url, "--num-prompts", "2",
                          "--out", str(tmp_path), "--no-progress", home=batchsim_home,
                          env={"OPENAI_API_KEY": ""})

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 # Modules a simulated run does without (each costs its import on every run): the summary's versions
 # come from dist-info names, its percentiles from request_arrays.order_stats (np.percentile's
 # np.unique imports numpy.ma).
@@ -16,14 +18,17 @@ PROBE = """
 import json, sys
 from batchsim.scripts import cli
 rc = cli.main(["run", "--executor", "sim", "--device-profile", "M2 Max", "--model", "llama-3.2-1b",
-               "--num-prompts", "3", "--out", sys.argv[1], "--no-progress", "--json"])
+               "--num-prompts", "3", "--out", sys.argv[1], "--no-progress", "--json",
+               *json.loads(sys.argv[2])])
 print(json.dumps([rc, sorted(m for m in sys.modules if m.startswith("batchsim.scripts.")),
-                  "matplotlib" in sys.modules, sorted(set(sys.argv[2:]) & set(sys.modules))]))
+                  "matplotlib" in sys.modules, sorted(set(sys.argv[3:]) & set(sys.modules))]))
 """
 
 
-def test_a_simulated_run_imports_its_command_alone_and_no_matplotlib(tmp_path):
-    done = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path), *UNUSED],
+# r4: percentiles without 99 took p99_queue_ms from np.percentile, which imported numpy.ma
+@pytest.mark.parametrize("extra", [[], ["--percentiles", "50,90"]])
+def test_a_simulated_run_imports_its_command_alone_and_no_matplotlib(tmp_path, extra):
+    done = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path), json.dumps(extra), *UNUSED],
                           capture_output=True, text=True, timeout=120, check=True)
     rc, commands, matplotlib, unused = json.loads(done.stdout.splitlines()[-1])
     summary = json.loads(done.stdout.splitlines()[-2])

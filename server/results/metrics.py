@@ -202,7 +202,7 @@ def _rate(count: float, duration_s: float) -> float:
     return count / duration_s if duration_s > 0 else 0.0
 
 
-def _distribution(
+def distribution(
     name: str, values_s: Sequence[float] | np.ndarray, percentiles: Sequence[float]
 ) -> dict[str, float]:
     """mean/median/std (population) and linear-interpolated percentiles, in ms, as vLLM."""
@@ -380,11 +380,10 @@ def summarize(
                    "itl": request_arrays.itls(times, owner),  # pooled over requests, as vLLM
                    "e2el": lat["e2el"], "queue": lat["queue"]}
     for name, values in latencies_s.items():
-        out.update(_distribution(name, values, percentiles))  # type: ignore[arg-type]
+        out.update(distribution(name, values, percentiles))  # type: ignore[arg-type]
     out.update(_output_lengths(done, percentiles))
     if "p99_queue_ms" not in out:  # always reported, whatever the percentiles
-        queue = latencies_s["queue"]
-        out["p99_queue_ms"] = float(np.percentile(queue if len(queue) else 0, 99)) * _MS
+        out["p99_queue_ms"] = request_arrays.order_stats(latencies_s["queue"], (99,))[1][0] * _MS
     out.update(_batch_view(requests, all_sorted, steps, kv_budget_bytes, weight_bytes,
                            peak_memory_bytes, step_columns))
     out["peak_rss_bytes"] = peak_rss_bytes  # the process's peak resident memory (real compute)

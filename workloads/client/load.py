@@ -27,7 +27,7 @@ import yaml
 from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.http.prometheus import parse as parse_metrics
 from batchsim.server.results.jsonio import jsonable, new_run_dir, write_jsonl
-from batchsim.server.results.metrics import RequestRecord, percentile_label, summarize
+from batchsim.server.results.metrics import RequestRecord, distribution, summarize
 from batchsim.workloads.chat import prompt_text
 from batchsim.workloads.client.prompts import PromptMaker
 from batchsim.workloads.client.stream import Endpoint, Outcome, endpoint, send
@@ -151,7 +151,9 @@ def run_http(cfg: RunConfig, out_dir: Path, prompts: PromptMaker,
                         goodput_slo_ms=cfg.goodput)
     done = [o for o, r in zip(outcomes, records) if r.status == "finished"]
     gaps = [b - a for o in done for a, b in zip(o.chunk_times_s, o.chunk_times_s[1:])]
-    summary.update(_itl(gaps, cfg.percentiles))
+    # ITL over chunk gaps pooled over requests, as vLLM's (a per-token ITL would add zero gaps for
+    # chunks that carried several tokens); the rest of the summary is per token.
+    summary.update(distribution("itl", gaps, cfg.percentiles))
     summary.update(_server_view(run.metrics_before, run.metrics_after))
     # What a client cannot see of the server (its KV, its prefill/decode time, when a request was
     # first scheduled): unknown, printed "-", not the 0 that summarize gives a run without steps.
@@ -181,17 +183,6 @@ def _status(o: Outcome) -> str:
     if o.http_status is not None:
         return str(o.http_status)
     return "connection refused" if (o.error or "").startswith("ClientConnector") else "no response"
-
-
-def _itl(gaps_s: list[float], percentiles: tuple[float, ...]) -> dict[str, float]:
-    """ITL over chunk gaps pooled over requests, as vLLM's (a per-token ITL would add zero gaps
-    for chunks that carried several tokens); the rest of the summary is per token."""
-    x = gaps_s or [0.0]  # vLLM: np.mean(x or 0)
-    out = {"mean_itl_ms": float(np.mean(x)) * _MS, "median_itl_ms": float(np.median(x)) * _MS,
-           "std_itl_ms": float(np.std(x)) * _MS}
-    for p in percentiles:
-        out[f"p{percentile_label(p)}_itl_ms"] = float(np.percentile(x, p)) * _MS
-    return out
 
 
 def _server_view(before: dict[str, float] | None, after: dict[str, float] | None) -> dict:

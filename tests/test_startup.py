@@ -102,3 +102,30 @@ def test_installed_versions_are_importlib_metadatas():
         except metadata.PackageNotFoundError:
             expected = None
         assert env._version(pkg) == expected, pkg
+
+
+@pytest.mark.parametrize("earlier", ["egg-info", "zip"])
+def test_a_version_found_earlier_on_the_path_is_importlib_metadatas(tmp_path, monkeypatch, earlier):
+    """r4: a NAME.egg-info (setup.py develop) or a zip ahead on sys.path is what importlib reads
+    first; _version returned a later entry's dist-info name (0.1, importlib 9.9)."""
+    import zipfile
+    from importlib import metadata
+
+    from batchsim.server.platform import env
+
+    later = tmp_path / "later"
+    (later / "fakepkg_r4-0.1.dist-info").mkdir(parents=True)
+    (later / "fakepkg_r4-0.1.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: fakepkg-r4\nVersion: 0.1\n")
+    info = "Metadata-Version: 1.0\nName: fakepkg-r4\nVersion: 9.9\n"
+    if earlier == "zip":
+        first = tmp_path / "first.zip"
+        with zipfile.ZipFile(first, "w") as z:
+            z.writestr("fakepkg_r4-9.9.dist-info/METADATA", info)
+    else:
+        first = tmp_path / "first"
+        (first / "fakepkg_r4.egg-info").mkdir(parents=True)
+        (first / "fakepkg_r4.egg-info" / "PKG-INFO").write_text(info)
+    monkeypatch.setattr(sys, "path", [str(first), str(later), *sys.path])
+    assert metadata.version("fakepkg-r4") == "9.9"
+    assert env._version("fakepkg-r4") == "9.9"

@@ -34,17 +34,24 @@ def _version(pkg: str) -> str | None:
     """`pkg`'s installed version (None: not installed): from the name of the directory a wheel
     installs, NAME-VERSION.dist-info (the binary distribution format's), in the first sys.path
     entry that has one; else importlib.metadata, which reads the version from the metadata file
-    (20 ms on every run's start, the email package's import with it)."""
+    (20 ms on every run's start, the email package's import with it). An entry importlib would
+    read first and this cannot (a zip, a NAME.egg-info, two versions side by side, a name without
+    one) leaves it to importlib."""
     name = _normalized(pkg)
     for entry in sys.path:
         try:
-            found = [d[:-len(".dist-info")].split("-", 1) for d in os.listdir(entry or ".")
-                     if d.endswith(".dist-info") and _normalized(d.split("-", 1)[0]) == name]
-        except OSError:  # not a directory (a zip), or gone
+            listed = os.listdir(entry or ".")
+        except NotADirectoryError:  # a zip: importlib reads inside it
+            break
+        except OSError:  # gone, or unreadable: importlib skips it too
             continue
+        found = [d[:-len(".dist-info")].split("-", 1) for d in listed
+                 if d.endswith(".dist-info") and _normalized(d.split("-", 1)[0]) == name]
+        if _egg_info(listed, name):
+            break
         if len(found) == 1 and len(found[0]) == 2:
             return found[0][1]
-        if found:  # two versions side by side, or a name without one: as importlib says
+        if found:
             break
     from importlib import metadata
 
@@ -52,6 +59,13 @@ def _version(pkg: str) -> str | None:
         return metadata.version(pkg)
     except metadata.PackageNotFoundError:
         return None
+
+
+def _egg_info(listed: list[str], name: str) -> bool:
+    """Whether a directory's names hold `name`'s NAME[-VERSION...].egg-info (setup.py develop's,
+    older installs')."""
+    return any(d.endswith(".egg-info") and _normalized(d[:-len(".egg-info")].split("-", 1)[0])
+               == name for d in listed)
 
 
 def _normalized(name: str) -> str:

@@ -1,7 +1,7 @@
 """A simulated plan in which every running row decodes, and the queue's head may be admitted, made
-without a StepBudget (issue 37: in the simulated hour 44% of 25,686 plans only decode and most of
-the rest admit). The running rows are the lazy rows (lazy_rows.py: decoding, simulated, padded, no
-drafts) and perhaps rows whose prefill just ended, joining the pool; no request is prefilling, no
+without a StepBudget (issue 37: in the simulated hour many plans only decode, and most of the rest
+admit). The running rows are the lazy rows (lazy_rows.py: decoding, simulated, padded, no drafts)
+and perhaps rows whose prefill just ended, joining the pool; no request is prefilling, no
 prefill cache stays private, and the rows fit the budget one token wider (nobody is preempted).
 Scheduler._plan would fit the pool's geometry for these rows one token wider in the whole budget,
 admit from the queue while a first chunk fits (admit_plan.py), commit it with these members and

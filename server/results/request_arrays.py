@@ -67,7 +67,10 @@ def order_stats(values: Any, percentiles: Sequence[float]) -> tuple[float, list[
     the same floats, by numpy's own operations, from one sorted copy (an hour's million ITLs:
     numpy partitioned a fresh copy per call, and its percentile's np.unique imported numpy.ma,
     10-20 ms). tests/test_request_arrays.py holds them to numpy's. Empty `values`: 0 (vLLM's
-    np.mean(x or 0))."""
+    np.mean(x or 0)). The same floats for float64 or integer `values` and each p within 0..100
+    (callers validate them: run_config, rebuild); elsewhere it differs from numpy: float32 values
+    (numpy computes in float32: ~1e-8), p outside 0..100 (numpy raises, this clamps), a NaN p
+    (IndexError), and the sign of a 0.0 between -0.0 and 0.0."""
     ranked = np.sort(np.asarray(values)) if len(values) else np.zeros(1)
     n = len(ranked)
     if np.isnan(ranked[-1]):  # a NaN sorts last: numpy's answers are NaN

@@ -176,6 +176,14 @@ def test_chat_template_kwargs_reach_the_template_as_its_variables():
         assert err.value.param == "chat_template_kwargs", err.value
 
 
+def test_skip_special_tokens_is_served_with_the_models_tokenizer(srv):
+    """mlx-lm's tokenizer wrapper gives the special ids (all_special_ids, its tokenizer's)."""
+    both = {"skip_special_tokens": True, "spaces_between_special_tokens": False}
+    assert srv.client.post("/v1/completions", json={**BODY, **both}).status_code == 200
+    r = srv.client.post("/v1/completions", json={**BODY, "spaces_between_special_tokens": True})
+    assert r.status_code == 400 and "skip_special_tokens" in r.json()["error"]["message"]
+
+
 def test_context_overflow_names_the_field_sent(srv):
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     for field in ("max_tokens", "max_completion_tokens"):

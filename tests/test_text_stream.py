@@ -86,3 +86,41 @@ def test_generation_reads_every_queued_token_of_a_finished_request():
 
     assert asyncio.run(read()) == (["a", "b", "c"], "length")
 
+
+
+def test_skip_special_tokens_drops_their_text_and_spaces_between_them_is_refused():
+    """skip_special_tokens was neither honoured nor refused (a 200 with the special tokens'
+    text); spaces_between_special_tokens is refused where it would change the text."""
+    from batchsim.scheduler.request import Request, SamplingParams
+    from batchsim.server.http.fields import APIError
+    from batchsim.server.http.openai_api import parse_generation
+    from batchsim.server.http.text_stream import Generation
+
+    class Engine:
+        def stream(self, r: Request) -> asyncio.Queue:
+            return asyncio.Queue()
+
+    class Tokenizer:
+        def __init__(self) -> None:
+            self.detokenizer = CharDetokenizer()
+            self.all_special_ids = [ord("<"), ord(">")]
+
+        def encode(self, text: str) -> list[int]:
+            return [ord(c) for c in text]
+
+    def text(body: dict) -> str:
+        params = parse_generation(body, "completion", Tokenizer(), 1000, 10_000)
+        request = Request(1, 1, SamplingParams(max_tokens=4), 0.0, [5])
+        gen = Generation(Engine(), request, params, Tokenizer())
+        gen.text.feed([ord(c) for c in "<a>b"])
+        return gen.text.finish()
+
+    body = {"prompt": "hi"}
+    assert text(body) == text({**body, "skip_special_tokens": False}) == "<a>b"
+    assert text({**body, "skip_special_tokens": True}) == "ab"
+    assert text({**body, "skip_special_tokens": True, "spaces_between_special_tokens": False})
+    for bad in ({"skip_special_tokens": 1}, {"spaces_between_special_tokens": True},
+                {"skip_special_tokens": True, "spaces_between_special_tokens": "x"}):
+        with pytest.raises(APIError) as err:
+            text({**body, **bad})
+        assert err.value.param == next(reversed(bad)), err.value

@@ -34,6 +34,7 @@ class GenerationParams:
     include_usage: bool  # stream: a last chunk with `usage` and empty `choices`
     continuous_usage: bool = False  # stream: `usage` so far on every chunk (vLLM's option)
     max_tokens_param: str = "max_tokens"  # the field that set max_tokens (errors name it)
+    skip_special_tokens: bool = False  # vLLM's: no special token's text (EOS never has text)
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -85,7 +86,20 @@ def parse_generation(body: dict[str, Any], kind: Kind, tokenizer: Any, vocab_siz
     if any(not 0 <= t < vocab_size for t in prompt_ids):
         raise APIError(400, f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
     return GenerationParams(kind, tuple(prompt_ids), max_tokens, sampling, _stop_strings(body),
-                            stream, include_usage, continuous_usage, key)
+                            stream, include_usage, continuous_usage, key, _skip_special(body))
+
+
+def _skip_special(body: dict[str, Any]) -> bool:
+    """skip_special_tokens, honoured (default false: the text as mlx-lm's detokenizer writes it,
+    special tokens included). spaces_between_special_tokens only where it changes nothing:
+    shown special tokens are joined as the detokenizer joins them, not as the field asks."""
+    skip = get(body, "skip_special_tokens", False)
+    check(body, "skip_special_tokens", isinstance(skip, bool), "a boolean")
+    spaces = body.get("spaces_between_special_tokens")
+    ok = spaces is None or skip and isinstance(spaces, bool)
+    check(body, "spaces_between_special_tokens", ok, "null unless skip_special_tokens is true "
+          "(batchsim serve joins special tokens' text as its detokenizer does)")
+    return skip
 
 
 def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:

@@ -20,7 +20,7 @@ class TextStream:
                  skip_ids: frozenset[int] = frozenset()):
         self._detok = detokenizer  # a fresh StreamingDetokenizer (tokenizer.detokenizer)
         self._stop = stop
-        self._skip_ids = skip_ids  # tokens that end a request without text (EOS)
+        self._skip_ids = skip_ids  # tokens without text (EOS; skip_special_tokens: all special)
         self._pending = ""  # decoded, not yet released
         self._ready: deque[str] = deque()  # released text per fed step, not yet taken
         self.stopped = False  # a stop string matched: the text is complete
@@ -80,6 +80,8 @@ class Generation:
 
     def __init__(self, engine: Engine, request: Request, params: GenerationParams, tokenizer: Any):
         skip = frozenset() if request.sampling.ignore_eos else request.eos_token_ids
+        if params.skip_special_tokens:
+            skip = skip | frozenset(tokenizer.all_special_ids)
         self.engine = engine
         self.request = request
         self.text = TextStream(tokenizer.detokenizer, params.stop, skip)

@@ -193,9 +193,11 @@ def test_a_top_p_sampler_sorts_every_sampled_rows_vocabulary_batched_or_not():
     blocks)) passes), so a per-row sampler differs from a batched one by its calls alone."""
     spec = zoo_spec("qwen3-0.6b")
     assert spec.vocab_size == 151936  # 75 blocks: 7 merge passes of (value, index) pairs
-    assert top_p_bytes_per_logit(spec.vocab_size, 4) == 232  # float32 logits
-    assert top_p_bytes_per_logit(spec.vocab_size, 2) == 172  # the model's float16/bfloat16 ones
-    assert top_p_bytes_per_logit(4096, 2) - top_p_bytes_per_logit(2048, 2) == 12  # a merge pass
+    assert top_p_bytes_per_logit(spec.vocab_size, "float32") == 232  # float32 logits
+    assert top_p_bytes_per_logit(spec.vocab_size, "float16") == 172  # the model's 2-byte ones
+    assert top_p_bytes_per_logit(spec.vocab_size, "bfloat16") == 172
+    merge = top_p_bytes_per_logit(4096, "float16") - top_p_bytes_per_logit(2048, "float16")
+    assert merge == 12  # a merge pass
     mac = dataclasses.replace(_mac("M5 Max 40c"), sampling_row_s=50e-6)
     cost = {(s, p): StepCost(spec, mac, "float16", 4, engine=_engine(sampler=s, top_p=p))
             for s in ("batched", "per_row") for p in (None, 0.95, 1.0)}
@@ -261,7 +263,8 @@ def test_an_engine_batches_an_architecture_from_the_version_that_did():
 
 def test_each_top_p_sampler_is_priced_by_its_own_code_at_the_version_run():
     """mlx-swift-lm's TopPSampler (ekryski's fork) and Rapid-MLX's fused sampler (0.6.83, PR
-    #542) sort float32 and run uncompiled: more passes than mlx-lm's compiled chain, each counted
+    #542) sort float32 (the fork casts only bfloat16 to it, Rapid-MLX every non-float32 dtype) and
+    run uncompiled: more passes than mlx-lm's compiled chain, each counted
     from its source. A qwen3 row (151,936 logits: 7 merge passes) of bfloat16 logits:"""
     from batchsim.server.perf.reference import load_published
     from batchsim.server.published.sim import MacModel
@@ -270,29 +273,37 @@ def test_each_top_p_sampler_is_priced_by_its_own_code_at_the_version_run():
     sort32 = (4 + 8) + 7 * 2 * 8 + 2 * 4  # float32 values and uint32 indices: 132 bytes
     cast = 2 + 4  # the bfloat16 logits read, float32 written
     categorical = 19 * 4 + 2 * 4  # MLX's categorical uncompiled: 84 bytes
-    assert top_p_bytes_per_logit(vocab, 2) == 172  # mlx-lm's, as before
-    assert top_p_bytes_per_logit(vocab, 2, TOP_P_CODES["mlx-swift-lm"]) == (
+    assert top_p_bytes_per_logit(vocab, "bfloat16") == 172  # mlx-lm's, as before
+    assert top_p_bytes_per_logit(vocab, "bfloat16", TOP_P_CODES["mlx-swift-lm"]) == (
         cast + sort32 + 18 * 4 + 2 * 4 + 2 + categorical)  # 304
-    assert top_p_bytes_per_logit(vocab, 2, TOP_P_CODES["rapid-mlx-fused"]) == (
+    assert top_p_bytes_per_logit(vocab, "bfloat16", TOP_P_CODES["rapid-mlx-fused"]) == (
         cast + sort32 + 13 * 4 + 4 * 4 + 6 + categorical)  # 296
-    assert top_p_bytes_per_logit(vocab, 4, TOP_P_CODES["rapid-mlx-fused"]) == 296 - cast
+    assert top_p_bytes_per_logit(vocab, "float32", TOP_P_CODES["rapid-mlx-fused"]) == 296 - cast
+    # TopPSampler casts only bfloat16 (Evaluate.swift:328): float16 logits are sorted and worked
+    # in float16, no cast; Rapid-MLX casts every non-float32 input.
+    sort16 = (2 + 6) + 7 * 2 * 6 + 2 * 4
+    assert top_p_bytes_per_logit(vocab, "float16", TOP_P_CODES["mlx-swift-lm"]) == (
+        sort16 + 37 * 2 + 4 * 4 + 2)  # 192
+    assert top_p_bytes_per_logit(vocab, "float16", TOP_P_CODES["rapid-mlx-fused"]) == 296
 
     # The fork's defaults (temperature 0.6, topP 1.0) sort nothing; its harness's GPT-OSS family
     # runs top-p 0.8 (ModelRegistry.swift:259): the rows carry it, priced by the fork's code.
     fork = load_engine("mlx-swift-lm-fork")
     assert (fork.top_p, fork.top_p_code) == (None, "mlx-swift-lm")
-    assert fork.sampler_bytes_per_logit(vocab, 2) == 0
+    assert fork.sampler_bytes_per_logit(vocab, "bfloat16") == 0
     model = MacModel(load_fit())
     rows = [r for r in load_published().rows if r.src == "ekryski_batched_sweep"]
     assert len(rows) == 8 and all(r.top_p == 0.8 for r in rows)
-    assert all(model.engine_of(r).sampler_bytes_per_logit(vocab, 2) == 304 for r in rows)
+    assert all(model.engine_of(r).sampler_bytes_per_logit(vocab, "bfloat16") == 304 for r in rows)
+    # their q4 model computes in its scales' float16 here (profile.compute_dtype): no cast
+    assert all(model.engine_of(r).sampler_bytes_per_logit(vocab, "float16") == 192 for r in rows)
     rapid = load_engine("rapid-mlx")
     assert rapid.at_version("0.6.80").top_p_code == "mlx-lm"  # mlx-lm's chain until 0.6.82
     for version in ("0.6.83", "0.7.26", "0.10.5", None):
         assert rapid.at_version(version).top_p_code == "rapid-mlx-fused"
     assert dataclasses.replace(rapid.at_version("0.6.83"), top_p=0.95).sampler_bytes_per_logit(
-        vocab, 2) == 296
-    assert rapid.sampler_bytes_per_logit(vocab, 2) == 0  # no top-p stated: no filter priced
+        vocab, "bfloat16") == 296
+    assert rapid.sampler_bytes_per_logit(vocab, "bfloat16") == 0  # no top-p stated: none priced
     with pytest.raises(ValueError, match="top_p_code must be one of"):
         _engine(top_p_code="vllm")
 

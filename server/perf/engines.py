@@ -13,6 +13,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from batchsim.configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
+from batchsim.server.models.spec import dtype_bytes
 
 ENGINES_DIR = CONFIG_DIR / "engines"
 DEFAULT_ENGINE = "batchsim"
@@ -122,12 +123,12 @@ class EngineProfile:
                          f"forwards' layer dispatch per decode row past the first)")
         return "".join(f"; {n}" for n in notes)
 
-    def sampler_bytes_per_logit(self, vocab: int, value_bytes: int) -> float:
+    def sampler_bytes_per_logit(self, vocab: int, dtype: str) -> float:
         """Memory traffic the sampler adds per logit of every sampled row whose logits are
-        `value_bytes` wide (0: none priced)."""
+        `dtype` (0: none priced)."""
         if self.top_p is None or self.top_p >= 1:
             return 0.0
-        return top_p_bytes_per_logit(vocab, value_bytes, TOP_P_CODES[self.top_p_code])
+        return top_p_bytes_per_logit(vocab, dtype, TOP_P_CODES[self.top_p_code])
 
     @property
     def host_step_s(self) -> float:
@@ -155,10 +156,11 @@ SORT_BLOCK = 2048
 INDEX_BYTES = 4  # uint32 sort indices
 class TopPCode(NamedTuple):
     """A top-p sampler's passes over a sampled row's vocabulary besides its sort: reads and writes
-    per logit, value-wide, uint32-wide and bool-wide; and the width it sorts and works in (None:
-    the logits' own; 4: it casts narrower logits to float32 first, one read and a 4-byte write)."""
+    per logit, value-wide, uint32-wide and bool-wide; and the logit dtypes it casts to float32
+    first (one read and a 4-byte write), then sorting and working in float32; any other dtype it
+    sorts and works in as it came."""
 
-    work_bytes: int | None
+    casts: tuple[str, ...]
     values: int
     indices: int
     masks: int = 0
@@ -175,38 +177,42 @@ TOP_P_CODES = {
     # (2, 1), where (3, 0); then categorical_sampling, mx.compile'd: uniform bits (0, 1), Gumbel
     # noise added to the tempered logits (2, 1), argmax (1, 0). None fuses: a gather, scan,
     # scatter or sort ends an mx.compile graph's fused elementwise run. In the model's dtype.
-    "mlx-lm": TopPCode(None, 14, 11),
+    "mlx-lm": TopPCode((), 14, 11),
     # mlx-swift-lm's TopPSampler (ekryski/mlx-swift-lm 137bd31, Libraries/MLXLMCommon/
-    # Evaluate.swift:305, no MLX.compile): bfloat16 logits cast to float32 (gpt-oss, its rows'
-    # model, computes in bfloat16), logSoftmax (3 values: logsumexp read, subtract), applyTopP:
-    # argSort, takeAlong (2, 1), exp (2), cumsum (2), the compare (1 value, 1 mask), where (2,
-    # 1 mask), putAlong of the filtered values back into a copy of logprobs (4, 1); the scale by
-    # 1 / temp (2) and MLX's categorical uncompiled.
-    "mlx-swift-lm": TopPCode(4, 3 + 2 + 2 + 2 + 1 + 2 + 4 + 2 + CATEGORICAL_PASSES[0],
+    # Evaluate.swift:305, no MLX.compile): bfloat16 logits cast to float32 (:328, `if logits.dtype
+    # == .bfloat16`: float16 logits stay float16), logSoftmax (3 values: logsumexp read, subtract),
+    # applyTopP: argSort, takeAlong (2, 1), exp (2), cumsum (2), the compare (1 value, 1 mask),
+    # where (2, 1 mask), putAlong of the filtered values back into a copy of logprobs (4, 1); the
+    # scale by 1 / temp (2) and MLX's categorical uncompiled.
+    "mlx-swift-lm": TopPCode(("bfloat16",),
+                             3 + 2 + 2 + 2 + 1 + 2 + 4 + 2 + CATEGORICAL_PASSES[0],
                              1 + 1 + CATEGORICAL_PASSES[1], 1 + 1),
     # Rapid-MLX's fused sampler (raullenchai/Rapid-MLX PR #542, commit 06635d0, v0.6.83 through
-    # 0.10.5, vllm_mlx/_sampler_fast_path.py; one Python function, uncompiled): the cast to
-    # float32, exp (2), argsort, two take_along_axis in sorted space (4, 2), cumsum (2), arange ==
-    # vocab - 1 (0, 2 indices: written, read; 1 mask), cumulative > 1 - top_p (1, 1 mask), the
-    # `|` (3 masks), the scale by 1 / temp (2), where (2, 1 mask), MLX's categorical uncompiled.
-    # More bytes than mlx-lm's chain (uncompiled, float32): what the PR measured it saves, the
-    # closures' Python dispatch and the inverse-permutation scatter's GPU time (its docstring:
-    # ~0.9 ms and ~3.3 ms a token on an M3 Ultra), is no memory traffic this prices.
-    "rapid-mlx-fused": TopPCode(4, 2 + 4 + 2 + 1 + 2 + 2 + CATEGORICAL_PASSES[0],
+    # 0.10.5, vllm_mlx/_sampler_fast_path.py; one Python function, uncompiled): the cast of any
+    # non-float32 logits to float32, exp (2), argsort, two take_along_axis in sorted space (4, 2),
+    # cumsum (2), arange == vocab - 1 (0, 2 indices: written, read; 1 mask), cumulative > 1 - top_p
+    # (1, 1 mask), the `|` (3 masks), the scale by 1 / temp (2), where (2, 1 mask), MLX's
+    # categorical uncompiled. More bytes than mlx-lm's chain (uncompiled, float32): what the PR
+    # measured it saves, the closures' Python dispatch and the inverse-permutation scatter's GPU
+    # time (its docstring: ~0.9 ms and ~3.3 ms a token on an M3 Ultra), is no memory traffic this
+    # prices.
+    "rapid-mlx-fused": TopPCode(("float16", "bfloat16"),
+                                2 + 4 + 2 + 1 + 2 + 2 + CATEGORICAL_PASSES[0],
                                 2 + 2 + CATEGORICAL_PASSES[1], 1 + 1 + 3 + 1),
 }
 TOP_P_PASSES = TOP_P_CODES["mlx-lm"][1:3]  # mlx-lm's (values, indices)
 
 
-def top_p_bytes_per_logit(vocab: int, value_bytes: int,
+def top_p_bytes_per_logit(vocab: int, dtype: str,
                           code: TopPCode = TOP_P_CODES["mlx-lm"]) -> float:
     """Bytes a top-p sampler (`code`: mlx-lm's unless named) moves per logit of a sampled row
-    whose logits are `value_bytes` wide (mlx-lm samples the model's dtype: generate.py at a790972,
+    whose logits are `dtype` (mlx-lm samples the model's dtype: generate.py at a790972,
     line 540, `logprobs = logits - logsumexp(logits)` with no cast, and its heads return the
     activation dtype): MLX's argsort of the row and the sampler's other passes. Bandwidth-priced:
     a lower bound (a merge pass's threadgroups also wait on each other, not only on memory)."""
-    work = code.work_bytes or value_bytes
-    cast = value_bytes + work if work != value_bytes else 0
+    value_bytes = dtype_bytes(dtype)
+    work = 4 if dtype in code.casts else value_bytes
+    cast = value_bytes + work if dtype in code.casts else 0
     passes = math.ceil(math.log2(max(math.ceil(vocab / SORT_BLOCK), 1)))
     pair = work + INDEX_BYTES
     sort = (work + pair) + passes * 2 * pair + 2 * INDEX_BYTES

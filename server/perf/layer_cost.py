@@ -269,7 +269,7 @@ class LayerCost:
                      else f.top_k * f.expert_intermediate + f.shared_intermediate)
             per_row += count * (6 * s.hidden_size + 3 * width + attn + f.experts)
         logit_bytes = 4 + self.cost.engine.sampler_bytes_per_logit(s.vocab_size,
-                                                                   self.cost.act_bytes)
+                                                                   self.cost.act_dtype)
         return m * per_row * self.cost.act_bytes + (m * s.vocab_size * logit_bytes if logits else 0)
 
     # -- whole passes: (weights_s, matmul_s, experts_s, attention_s, gemv_rows_s) --------------

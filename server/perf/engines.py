@@ -90,6 +90,9 @@ class EngineProfile:
         if self.top_p_code not in TOP_P_CODES:
             raise ValueError(f"top_p_code must be one of {', '.join(TOP_P_CODES)}, "
                              f"got {self.top_p_code!r}")
+        if self.top_p_code_since and not re.match(r"\d+(\.\d+)*", self.top_p_code_since):
+            raise ValueError(f"top_p_code_since must be a version such as '0.6.83', "
+                             f"got {self.top_p_code_since!r}")
 
     def serial_for(self, model_type: str) -> bool:
         """Whether this engine runs a model of `model_type` one row at a time."""
@@ -154,16 +157,19 @@ class EngineProfile:
 # argsort copies its indices out.
 SORT_BLOCK = 2048
 INDEX_BYTES = 4  # uint32 sort indices
+MASK_BYTES = 1  # MLX's bool
+
+
 class TopPCode(NamedTuple):
     """A top-p sampler's passes over a sampled row's vocabulary besides its sort: reads and writes
-    per logit, value-wide, uint32-wide and bool-wide; and the logit dtypes it casts to float32
-    first (one read and a 4-byte write), then sorting and working in float32; any other dtype it
-    sorts and works in as it came."""
+    per logit, of values (the width it works in), uint32 indices and bool masks; and the logit
+    dtypes it casts to float32 first (one read and a 4-byte write), then sorting and working in
+    float32; any other dtype it sorts and works in as it came."""
 
     casts: tuple[str, ...]
-    values: int
-    indices: int
-    masks: int = 0
+    value_passes: int
+    index_passes: int
+    mask_passes: int = 0
 
 
 # MLX's random.categorical uncompiled (mlx/random.cpp, 0.31-0.32: bits, then uniform's divide,
@@ -195,12 +201,13 @@ TOP_P_CODES = {
     # categorical uncompiled. More bytes than mlx-lm's chain (uncompiled, float32): what the PR
     # measured it saves, the closures' Python dispatch and the inverse-permutation scatter's GPU
     # time (its docstring: ~0.9 ms and ~3.3 ms a token on an M3 Ultra), is no memory traffic this
-    # prices.
+    # prices. Its arange == vocab - 1 mask is built once a call, priced here per row (9 B a
+    # logit too many for each row of a call past the first), and top_k > 0 adds mask passes not
+    # counted; no shipped row hits either (the rows at 0.6.83+ are batch 1, their harness top_k 0).
     "rapid-mlx-fused": TopPCode(("float16", "bfloat16"),
                                 2 + 4 + 2 + 1 + 2 + 2 + CATEGORICAL_PASSES[0],
                                 2 + 2 + CATEGORICAL_PASSES[1], 1 + 1 + 3 + 1),
 }
-TOP_P_PASSES = TOP_P_CODES["mlx-lm"][1:3]  # mlx-lm's (values, indices)
 
 
 def top_p_bytes_per_logit(vocab: int, dtype: str,
@@ -216,7 +223,8 @@ def top_p_bytes_per_logit(vocab: int, dtype: str,
     passes = math.ceil(math.log2(max(math.ceil(vocab / SORT_BLOCK), 1)))
     pair = work + INDEX_BYTES
     sort = (work + pair) + passes * 2 * pair + 2 * INDEX_BYTES
-    return cast + sort + code.values * work + code.indices * INDEX_BYTES + code.masks
+    return (cast + sort + code.value_passes * work + code.index_passes * INDEX_BYTES
+            + code.mask_passes * MASK_BYTES)
 
 
 def _release(version: str) -> tuple[int, ...]:

@@ -154,3 +154,14 @@ def test_simulated_sweep_rows_say_which_profile(tmp_path, monkeypatch):
     rows = summary["rows"]
     assert [r["profile"] for r in rows] == ["M2 Max 30c", "M2 Max 30c"]
     assert all(r["decode_tok_s"] > 0 and "published.yaml" in r["profile_fitted_on"] for r in rows)
+
+
+def test_one_huber_weight_and_loss_for_both_fits():
+    """mac_fit and published.solve each wrote the IRLS weight and the loss (r2): one helper, at
+    each caller's delta (nested CV sets solve.HUBER_DELTA)."""
+    import numpy as np
+
+    r = np.array([0.05, 0.2, 0.1])
+    assert mac_fit.huber_weights(r, 0.1).tolist() == [1.0, np.sqrt(0.5), 1.0]
+    assert mac_fit.huber_loss(r, 0.1) == pytest.approx(0.05**2 + 0.1 * (0.4 - 0.1) + 0.1**2)
+    assert mac_fit.huber_loss(r, 0.2) == pytest.approx(0.05**2 + 0.2**2 + 0.1**2)

@@ -84,6 +84,17 @@ def _design(bases: list[Basis], fmts: list[str], expert_eff: float) -> np.ndarra
     return a
 
 
+def huber_weights(r: np.ndarray, delta: float) -> np.ndarray:
+    """IRLS row weights (applied to the rows, so the square root of Huber's) for the absolute
+    residuals `r`: 1 within `delta`, falling as delta / r beyond it."""
+    return np.sqrt(np.where(r > delta, delta / np.maximum(r, 1e-12), 1.0))
+
+
+def huber_loss(r: np.ndarray, delta: float) -> float:
+    """Huber's loss, times 2 (r^2 within `delta`, then linear), summed over the residuals `r`."""
+    return float(np.where(r > delta, delta * (2 * r - delta), r * r).sum())
+
+
 def _solve(a: np.ndarray, keep: list[int]) -> np.ndarray:
     """Huber-weighted least squares of a @ theta = 1 over the kept columns (others zero)."""
     theta, w = np.zeros(a.shape[1]), np.ones(a.shape[0])
@@ -91,8 +102,7 @@ def _solve(a: np.ndarray, keep: list[int]) -> np.ndarray:
         sol, *_ = np.linalg.lstsq(a[:, keep] * w[:, None], w, rcond=None)
         theta[:] = 0.0
         theta[keep] = sol
-        r = np.abs(a @ theta - 1.0)
-        w = np.sqrt(np.where(r > HUBER_DELTA, HUBER_DELTA / np.maximum(r, 1e-12), 1.0))
+        w = huber_weights(np.abs(a @ theta - 1.0), HUBER_DELTA)
     return theta
 
 
@@ -117,9 +127,7 @@ def fit_design(a: np.ndarray, first_fixed: int) -> tuple[float, np.ndarray]:
     while any(theta[j] < 0 for j in keep[first_fixed:]):
         keep.remove(min(keep[first_fixed:], key=lambda j: theta[j]))
         theta = _solve(a, keep)
-    r = np.abs(a @ theta - 1.0)
-    loss = np.where(r > HUBER_DELTA, HUBER_DELTA * (2 * r - HUBER_DELTA), r * r)
-    return float(loss.sum()), theta
+    return huber_loss(np.abs(a @ theta - 1.0), HUBER_DELTA), theta
 
 
 def fit_decode(bases: list[Basis]) -> DecodeTerms:

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import numpy as np
 from batchsim.server.perf.engines import load_engine
 from batchsim.server.perf.gpu_fit import ULTRA_QMV_TERMS
-from batchsim.server.perf.mac_fit import HUBER_DELTA, IRLS_ROUNDS
+from batchsim.server.perf.mac_fit import HUBER_DELTA, IRLS_ROUNDS, huber_loss, huber_weights
 
 # (The Ultra qmv slowdowns' columns are their GpuFit fields.) Seconds per count (kept >= 0) and the
 # GpuFit field (us) each is written to (attention_row_s is no column: written as 0).
@@ -118,8 +118,7 @@ def _lsq(a: np.ndarray, rhs: np.ndarray, keep: list[int], shrink: Shrink) -> np.
         sol = np.linalg.solve(lhs.T @ lhs + ridge, lhs.T @ (rhs * w) + v.T @ means(theta))
         theta[:] = 0.0
         theta[keep] = sol / scale[keep]
-        r = np.abs(a @ theta - rhs)
-        w = np.sqrt(np.where(r > HUBER_DELTA, HUBER_DELTA / np.maximum(r, 1e-12), 1.0))
+        w = huber_weights(np.abs(a @ theta - rhs), HUBER_DELTA)  # solve's (nested sets it)
     return theta
 
 
@@ -141,6 +140,4 @@ def fit_at(a: np.ndarray, cols: list[str]) -> tuple[float, np.ndarray]:
         free.remove(j)
     for j, v in held.items():
         theta[j] = v
-    r = np.abs(a @ theta - 1.0)
-    loss = np.where(r > HUBER_DELTA, HUBER_DELTA * (2 * r - HUBER_DELTA), r * r)
-    return float(loss.sum()), theta
+    return huber_loss(np.abs(a @ theta - 1.0), HUBER_DELTA), theta

@@ -117,4 +117,3 @@ def stream_text(events: list, chat: bool) -> str:
     key = (lambda c: c["delta"].get("content", "")) if chat else (lambda c: c["text"])
     return "".join(key(e.json()["choices"][0]) for e in events
                    if not e.is_done and e.json()["choices"])
-

@@ -308,4 +308,3 @@ def test_each_top_p_sampler_is_priced_by_its_own_code_at_the_version_run():
         _engine(top_p_code="vllm")
     with pytest.raises(ValueError, match="top_p_code_since must be a version"):
         _engine(top_p_code="rapid-mlx-fused", top_p_code_since="abc")  # () would never gate
-

@@ -85,4 +85,3 @@ def _wait_for(s: ServerProcess, name: str, value: float, timeout_s: float = 20) 
     while s.metrics()[name] != value:
         assert time.monotonic() < deadline, f"{name} never reached {value}"
         time.sleep(0.02)
-

@@ -100,5 +100,3 @@ def test_a_malformed_target_is_bad_input_not_a_run_of_failures(capsys, tmp_path,
     rc, _, err = _main(["run", "--target", target, "--num-prompts", "2", "--out", str(tmp_path)],
                        capsys)
     assert rc == 2 and f"target {target!r}: {says}" in _one_line(err), err
-
-

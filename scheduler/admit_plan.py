@@ -1,19 +1,21 @@
 """Admissions in a plan made without a StepBudget (decode_plan.py: every running row decodes):
 Scheduler._admit_waiting admits the queue's head while its first chunk fits this step
-(StepBudget.first_chunk, chunk, fit, add_chunk); this decides the same, in the same order, first
-with nothing changed, so that a head the general path treats otherwise (a one-token prompt that
-joins the pool, cached blocks to reuse, tokens already computed) hands the plan back untouched,
-then applies them. tests/test_admit_plan.py holds the plans equal."""
+(StepBudget.first_chunk, chunk, add_chunk); this decides the same, by the same functions
+(chunk_fit.py), in the same order, first with nothing changed, so that a head the general path
+treats otherwise (a one-token prompt that joins the pool, cached blocks to reuse, tokens already
+computed) hands the plan back untouched, then applies them. tests/test_admit_plan.py holds the
+plans equal."""
 
 from __future__ import annotations
 
 from collections import deque
 
+from batchsim.scheduler.chunk_fit import chunk_fit
 from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.kv_bytes import PrivateCache
 from batchsim.scheduler.kv_manager import KVManager
 from batchsim.scheduler.plan import NewRequest, PrefillChunk, made
-from batchsim.scheduler.pool_geometry import KV_STEP, PoolGeometry, round_down
+from batchsim.scheduler.pool_geometry import PoolGeometry
 from batchsim.scheduler.prefix_cache import prompt_block_hashes
 from batchsim.scheduler.request import RUNNING, Request
 
@@ -28,6 +30,7 @@ def admissions(kv: KVManager, cfg: SchedulerConfig, waiting: deque[Request], row
     the longest row once everyone running decodes), nothing changed; None: a head this path
     does not take (the general path decides it)."""
     cache, prefix, budget_bytes = kv.cache, kv.prefix, cfg.kv_budget_bytes
+    step = cfg.prefill_step_size
     rows_later, room = rows, cfg.max_num_seqs - rows
     tokens_left = cfg.max_num_batched_tokens - rows
     chunks: list[tuple[Request, int]] = []
@@ -37,24 +40,18 @@ def admissions(kv: KVManager, cfg: SchedulerConfig, waiting: deque[Request], row
         if len(chunks) >= room or tokens_left <= 0:
             break
         tokens = r.num_prompt_tokens + r.num_output_tokens
-        n_later = tokens + 1 if tokens >= len_later else len_later
+        n_later = tokens + 1 if tokens >= len_later else len_later  # as _admit_waiting
         if kv.geometry_for(rows_later + 1, n_later, budget_bytes) is None:
             break
         if tokens == 1 or r.num_computed_tokens or (prefix is not None
                                                     and prompt_block_hashes(r)):
             return None  # joins the pool (add_row), or reuses cached blocks (first_chunk)
-        n = min(cfg.prefill_step_size, tokens, tokens_left)  # StepBudget.chunk, from 0
-        if n != tokens:
-            n = round_down(n, KV_STEP)
-        while n > 0:  # StepBudget.fit: no private cache of its own yet
-            need = cache.private_bytes(0, n)
-            if need <= budget_bytes - cache.pool_bytes(geom) - private_bytes:
-                break
-            tighter = kv.geometry_for(rows, width, budget_bytes - private_bytes - need)
-            if tighter is not None:
-                geom = tighter
-                break
-            n = round_down(n - 1, KV_STEP)
+        left = budget_bytes - private_bytes  # StepBudget.chunk from 0, fit, geometry
+        n, tighter = chunk_fit(kv, r.request_id, 0, tokens, step, tokens_left,
+                               left - cache.pool_bytes(geom),
+                               lambda need, left=left: kv.geometry_for(rows, width, left - need))
+        if tighter is not None:
+            geom = tighter
         if n <= 0:
             break
         private[r.request_id] = p = cache.private(0, n)  # StepBudget.add_chunk

@@ -5,17 +5,16 @@ it fits (vLLM's `allocate_slots -> None`, nano-vllm's `can_allocate`)."""
 
 from __future__ import annotations
 
+from batchsim.scheduler.chunk_fit import chunk_fit
 from batchsim.scheduler.config import SchedulerConfig
 from batchsim.scheduler.kv_bytes import PrivateCache
 from batchsim.scheduler.kv_manager import KVManager
 from batchsim.scheduler.plan import PrefillChunk, made
 from batchsim.scheduler.pool_geometry import (
-    KV_STEP,
     PAGE_TOKENS,
     PoolGeometry,
     block_slack,
     cache_headroom,
-    round_down,
     row_blocks,
 )
 from batchsim.scheduler.prefix_cache import prompt_block_hashes
@@ -132,12 +131,15 @@ class StepBudget:
             self.blocks = self._blocks()
 
     def chunk(self, request: Request, gap: int) -> int:
-        """The largest prefill chunk toward `gap` tokens that fits this step's tokens and memory."""
-        n = min(self.prefill_step_size, gap, self.tokens_left)
-        if n != gap:  # only a request's final chunk may end off a KV_STEP boundary
-            c = request.num_computed_tokens
-            n = round_down(c + n, KV_STEP) - c  # c is unaligned after a prefix-cache hit
-        return self.fit(request, n)
+        """The largest prefill chunk toward `gap` tokens that fits this step's tokens and memory
+        (dropping the pool's spare rows and capacity first, then whole KV steps of the chunk)."""
+        free_bytes = self.budget_bytes - self.cache.pool_bytes(self.geom) - self.private_bytes
+        n, tighter = chunk_fit(self.kv, request.request_id, request.num_computed_tokens, gap,
+                               self.prefill_step_size, self.tokens_left, free_bytes,
+                               self.geometry)
+        if tighter is not None:
+            self.geom = tighter
+        return n
 
     def first_chunk(self, r: Request) -> int:
         """The first chunk of a request being admitted, after the longest cached prefix of whole
@@ -178,22 +180,6 @@ class StepBudget:
             r.num_computed_tokens = 0
             n = self.chunk(r, r.num_tokens)
         return n
-
-    def fit(self, request: Request, n: int) -> int:
-        """The largest chunk up to n whose cache growth fits, dropping the pool's spare rows
-        and capacity first, then whole KV steps of the chunk."""
-        c = request.num_computed_tokens
-        while n > 0:
-            need = self.kv.private_bytes_after(request.request_id, c, c + n)
-            held = self.cache.pool_bytes(self.geom) + self.private_bytes
-            if need <= self.budget_bytes - held:
-                return n
-            tighter = self.geometry(reserve_bytes=need)
-            if tighter is not None:
-                self.geom = tighter
-                return n
-            n = round_down(c + n - 1, KV_STEP) - c
-        return 0
 
     def add_chunk(self, request: Request, n: int) -> None:
         c = request.num_computed_tokens

@@ -110,8 +110,17 @@ def _all_failed(summary: dict) -> str:
                  "`Authorization: Bearer KEY`)")
     if "404" in statuses and "/v1" not in summary["endpoint"]:  # the usual slip: no /v1
         text += (f"; OpenAI-compatible servers (batchsim serve too) answer under /v1: try "
-                 f"--target {summary['target'].rstrip('/')}/v1")
+                 f"--target {_with_v1(summary['target'])}")
     return f"{text}; the first: {_first(summary, 'error')}"  # a 200 that sent no [DONE] ...
+
+
+def _with_v1(target: str) -> str:
+    """`target` with /v1 after its base, before the endpoint it named (if it named one)."""
+    from batchsim.workloads.client.stream import endpoint
+
+    named = endpoint(target)
+    named_suffix = named.url.removeprefix(named.base) if named.url == target.rstrip("/") else ""
+    return f"{named.base}/v1{named_suffix}"
 
 
 def _served_nothing(summary: dict, num_prompts: int) -> str:

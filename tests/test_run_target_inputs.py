@@ -100,3 +100,18 @@ def test_a_malformed_target_is_bad_input_not_a_run_of_failures(capsys, tmp_path,
     rc, _, err = _main(["run", "--target", target, "--num-prompts", "2", "--out", str(tmp_path)],
                        capsys)
     assert rc == 2 and f"target {target!r}: {says}" in _one_line(err), err
+
+
+@pytest.mark.parametrize("target, hint", [
+    ("http://h:8000/chat/completions", "http://h:8000/v1/chat/completions"),  # was .../v1 at end
+    ("http://h:8000/completions/", "http://h:8000/v1/completions"),
+    ("http://h:8000/", "http://h:8000/v1"),
+])
+def test_the_v1_hint_goes_after_the_targets_base(tmp_path, target, hint):
+    from batchsim.scripts.run_cmd import _all_failed
+    from batchsim.workloads.client.stream import endpoint
+
+    (tmp_path / "requests.jsonl").write_text(json.dumps({"error": "HTTP 404"}) + "\n")
+    summary = {"http_statuses": {"404": 2}, "failed": 2, "endpoint": endpoint(target).url,
+               "target": target, "run_dir": str(tmp_path)}
+    assert f"try --target {hint};" in _all_failed(summary)

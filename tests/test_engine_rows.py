@@ -306,5 +306,9 @@ def test_each_top_p_sampler_is_priced_by_its_own_code_at_the_version_run():
     assert rapid.sampler_bytes_per_logit(vocab, "bfloat16") == 0  # no top-p stated: none priced
     with pytest.raises(ValueError, match="top_p_code must be one of"):
         _engine(top_p_code="vllm")
-    with pytest.raises(ValueError, match="top_p_code_since must be a version"):
-        _engine(top_p_code="rapid-mlx-fused", top_p_code_since="abc")  # () would never gate
+    for junk in ("abc", "0.6.83x/../", "1 or later", "v0.6.83"):  # () would never gate; the
+        # next two were accepted (re.match, unanchored); 'v' is not part of a version here
+        with pytest.raises(ValueError, match="top_p_code_since must be a version"):
+            _engine(top_p_code="rapid-mlx-fused", top_p_code_since=junk)
+    for version in ("0.6.83", "0.7.0-beta.1", "1.2+local"):
+        assert _engine(top_p_code="rapid-mlx-fused", top_p_code_since=version)

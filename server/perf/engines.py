@@ -90,7 +90,8 @@ class EngineProfile:
         if self.top_p_code not in TOP_P_CODES:
             raise ValueError(f"top_p_code must be one of {', '.join(TOP_P_CODES)}, "
                              f"got {self.top_p_code!r}")
-        if self.top_p_code_since and not re.match(r"\d+(\.\d+)*", self.top_p_code_since):
+        since = self.top_p_code_since
+        if since and not re.fullmatch(r"\d+(\.\d+)*([-+.]\w+)*", since):
             raise ValueError(f"top_p_code_since must be a version such as '0.6.83', "
                              f"got {self.top_p_code_since!r}")
 

@@ -28,7 +28,7 @@ CONFIG = "config.yaml"
 SUMMARY = "summary.json"
 FLUSH_EVERY_S = 0.5  # wall time between writes: what a killed run can lose at most
 WRITE_CHUNK_BYTES = 4 << 20  # requests.jsonl put in arrival order at the end: written in chunks
-TEMP_HEX = 4  # bytes of a temp file's random part: `.NAME.` and 8 hex digits
+TEMP_RANDOM_BYTES = 4  # a temp file's random part: `.NAME.` then twice as many hex digits
 _in_flush: list[RecordStream] = []  # the main thread's streams mid-flush, innermost last
 
 
@@ -222,7 +222,7 @@ def _own_temp(path: Path) -> tuple[int, str]:
     """A new file beside `path`, opened for writing, and its name: `.NAME.` and a random part,
     created with mode 0o666 (the umask applies, as for open(); no process-wide state read)."""
     for _ in range(100):
-        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(TEMP_HEX)}")
+        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(TEMP_RANDOM_BYTES)}")
         try:
             return os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666), tmp
         except FileExistsError:
@@ -234,7 +234,7 @@ def leftover_temps(directory: Path) -> list[str]:
     """The names of write_atomically's temp files in `directory`: a writer killed mid-write left
     them (or one writes now). Never records: each reader reads its file by its own name."""
     return sorted(p.name for p in directory.glob(".*.*") if p.is_file()
-                  and re.fullmatch(rf"\..+\.[0-9a-f]{{{2 * TEMP_HEX}}}", p.name))
+                  and re.fullmatch(rf"\..+\.[0-9a-f]{{{2 * TEMP_RANDOM_BYTES}}}", p.name))
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:

@@ -22,7 +22,7 @@ from batchsim.server.distributed.rank import (
     LAUNCHER_IGNORED_ENV,
     STATUS_DIR_ENV,
     STOP_SIGNAL_FILE,
-    launcher_answers_hup,
+    follow_launchers_word,
 )
 
 from tests.drivers import WatchesServeStderr
@@ -197,16 +197,21 @@ def test_sighup_to_rank_0_stops_the_run_as_the_launchers_does_records_kept(tiny,
         ranks.cleanup()
 
 
-def test_every_rank_ignores_the_sighup_its_nohup_launcher_ignored():
-    """A remote rank starts from sshd's dispositions (SIGHUP: default, fatal): the launcher's
-    word (LAUNCHER_IGNORED_ENV) decides, as for `serve --ranks` (stop_signals.answered)."""
-    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+def test_every_rank_ignores_every_stop_signal_its_launcher_ignored():
+    """A remote rank starts from sshd's dispositions (SIGHUP, SIGINT: default, fatal): the
+    launcher's word (LAUNCHER_IGNORED_ENV) decides for each, for `run --ranks` as for `serve
+    --ranks` (one helper). run ranks read only SIGHUP from it; SIGTERM is answered apart."""
+    stops = (signal.SIGINT, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, signal.SIG_DFL) for sig in stops}
     try:
-        assert launcher_answers_hup({LAUNCHER_IGNORED_ENV: "SIGHUP"}) == ()
+        assert follow_launchers_word({LAUNCHER_IGNORED_ENV: ""}) == stops
+        assert follow_launchers_word({LAUNCHER_IGNORED_ENV: "SIGHUP"}) == (signal.SIGINT,)
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
-        assert launcher_answers_hup({LAUNCHER_IGNORED_ENV: ""}) == (signal.SIGHUP,)
+        assert follow_launchers_word({LAUNCHER_IGNORED_ENV: "SIGINT,SIGHUP,SIGTERM"}) == ()
+        assert all(signal.getsignal(sig) is signal.SIG_IGN for sig in stops)
     finally:
-        signal.signal(signal.SIGHUP, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @pytest.mark.parametrize("victim", ["launcher", "mlx.launch"])

@@ -91,12 +91,11 @@ def run_rank(cfg: RunConfig, out_dir: Path, view: RunView) -> dict | None:
     `out_dir`, shown by `view`, and returns its summary; the others follow and return None."""
     from batchsim.server.engine.run_path import run_session
 
-    stops = (signal.SIGINT, *launcher_answers_hup())  # as Ctrl-C: stop sending, records kept
-    with joined(cfg, stops) as lead:
+    with joined(cfg, forwarded=(signal.SIGINT,)) as lead:  # owner.STOP_PLANS["run"]
         if lead is None:
             return None
         status = lead.status
-        run = status.run = _RunInterrupts(stops, name=forwarded_signal)
+        run = status.run = _RunInterrupts(lead.stops, name=forwarded_signal)
         summary = run_session(lead.session, out_dir, view, run)
         status.interrupted = bool(summary.get("interrupted"))
         _run_ended(status, run, summary.get("run_dir"))
@@ -143,6 +142,7 @@ class Lead:
     session: Session
     leader: LeaderExecutor
     status: _Status
+    stops: tuple[signal.Signals, ...]  # as Ctrl-C: stop sending (serving), records kept
     t0: float = dataclasses.field(default_factory=time.perf_counter)
 
     def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
@@ -157,19 +157,23 @@ class Lead:
         return summary
 
 
-def launcher_answers_hup(environ: Mapping[str, str] = os.environ) -> tuple[signal.Signals, ...]:
-    """(SIGHUP,) if the launcher answers it, else () with SIGHUP set ignored here: a remote rank
-    starts from sshd's dispositions, not from its nohup launcher's."""
-    return follow_launcher(environ.get(LAUNCHER_IGNORED_ENV), (signal.SIGHUP,))
+def follow_launchers_word(environ: Mapping[str, str] = os.environ) -> tuple[signal.Signals, ...]:
+    """Sets ignored here every stop signal the launcher ignored (its word, LAUNCHER_IGNORED_ENV:
+    a remote rank starts from sshd's dispositions, fatal, not its nohup launcher's); returns the
+    others this rank answers as Ctrl-C, less SIGTERM (the launcher's stop, answered apart)."""
+    answered = follow_launcher(environ.get(LAUNCHER_IGNORED_ENV))
+    return tuple(sig for sig in answered if sig != signal.SIGTERM)
 
 
 @contextlib.contextmanager
-def joined(cfg: RunConfig, held: tuple[signal.Signals, ...] = (signal.SIGINT,)
+def joined(cfg: RunConfig, forwarded: tuple[signal.Signals, ...] = ()
            ) -> Iterator[Lead | None]:
     """Join the group, refuse different model files, load this rank's shard. Rank 0 gets its
     Lead to run or serve with in the block; the others follow rank 0's plans to the end and get
     None. A failure, here or in the block, ends this rank in one line (and its status file).
-    `held`: rank 0's stop signals, noted while it loads and answered once the run starts."""
+    Rank 0's stop signals (Lead.stops) are noted while it loads and answered once the run starts:
+    those the launcher answers, and `forwarded`: the launcher's own stop comes as it (run: SIGINT,
+    answered even where a `cmd &` launcher ignores a Ctrl-C of its own)."""
     import mlx.core as mx
     from batchsim.server.engine import interrupts
 
@@ -177,11 +181,11 @@ def joined(cfg: RunConfig, held: tuple[signal.Signals, ...] = (signal.SIGINT,)
     status = _Status(rank)
     _exit_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: _on_term(status))
-    launcher_answers_hup()  # a nohup launcher's SIGHUP ignored on every rank
-    interrupts.hold(held if rank == 0 else (signal.SIGINT,))
+    stops = tuple(dict.fromkeys((*forwarded, *follow_launchers_word())))  # on every rank, once
+    interrupts.hold(stops if rank == 0 else (signal.SIGINT,))
     status.write_pid()
     try:
-        yield _join(cfg, _init_group(mx), status)
+        yield _join(cfg, _init_group(mx), status, stops)
     except ConfigError as exc:
         status.write(False, f"rank {rank}: {exc}")
         raise
@@ -196,7 +200,8 @@ def joined(cfg: RunConfig, held: tuple[signal.Signals, ...] = (signal.SIGINT,)
     status.write(True, interrupted=status.interrupted)
 
 
-def _join(cfg: RunConfig, group: Any, status: _Status) -> Lead | None:
+def _join(cfg: RunConfig, group: Any, status: _Status, stops: tuple[signal.Signals, ...]
+          ) -> Lead | None:
     from batchsim.server.distributed.channel import PlanChannel, check_same_model, model_fingerprint
     from batchsim.server.distributed.doorbell import Doorbell
     from batchsim.server.distributed.executor import LeaderExecutor, follow, shard_for
@@ -217,7 +222,7 @@ def _join(cfg: RunConfig, group: Any, status: _Status) -> Lead | None:
         follow(session.executor, channel, watchdog, int(die) if die and channel.rank == 1 else None)
         return None
     leader = LeaderExecutor(session.executor, channel, watchdog)
-    return Lead(dataclasses.replace(session, executor=leader), leader, status)
+    return Lead(dataclasses.replace(session, executor=leader), leader, status, stops)
 
 
 def _init_group(mx: Any) -> Any:

@@ -21,9 +21,10 @@ from batchsim.server.distributed.rank import (
     _expire,
     _Status,
     _terminated,
+    follow_launchers_word,
     peers_lost,
 )
-from batchsim.server.platform.signals import follow_launcher, launcher_answers
+from batchsim.server.platform.signals import launcher_answers
 
 GRACE_S = 10.0  # beyond the drain timeout: stopping the listener, telling the followers to stop
 
@@ -52,6 +53,6 @@ def install(server: Any, drain_timeout_s: float) -> asyncio.Event:
         timer.daemon = True
         timer.start()
 
-    for sig in follow_launcher(os.environ.get(LAUNCHER_IGNORED_ENV)):  # the others set ignored
+    for sig in (signal.SIGTERM, *follow_launchers_word()):  # the others set ignored
         loop.add_signal_handler(sig, on_signal, sig)
     return stop

@@ -1,0 +1,84 @@
+"""A client that goes away stops its generation: the real server on loopback (tiny model) and real
+clients (httpx, the openai SDK, a raw socket) that close the connection mid-request. Each test
+reads the server's generated-token counter while the request runs, closes, and bounds what the
+server generated after that read: a few steps, not the rest of max_tokens."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.serve_process import AUTH, KEY, ServerProcess
+
+MAX_TOKENS = 3000  # what a request that is never aborted generates (ignore_eos)
+# Tokens the server may generate between the test's counter read and the abort: the tiny model's
+# steps take about 1 ms, so this leaves ~60 steps for the client's close and the server's turn
+# while other processes hold the CPU (measured at load 4-5: 1 token for httpx/aiohttp, 7 for the
+# openai SDK's close()).
+AFTER_CLOSE_TOKENS = 64
+TOKENS = "batchsim_generation_tokens_total"
+ABORTED = 'batchsim_requests_total{status="aborted"}'
+BODY = {"prompt": "a long one", "max_tokens": MAX_TOKENS, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def srv(batchsim_home):
+    s = ServerProcess(batchsim_home, "--api-key", KEY)
+    yield s
+    assert s.stop() == 0, "".join(s.stderr)
+    assert "Traceback" not in "".join(s.stderr), "".join(s.stderr)
+
+
+def _generated_after(srv: ServerProcess, at_close: float, before: dict[str, float]) -> float:
+    """Tokens generated since `at_close`, once the server is idle; checks the request was
+    aborted (not finished) and its KV freed."""
+    after = srv.wait_idle()
+    assert after[ABORTED] - before[ABORTED] == 1
+    assert after["batchsim_requests_running"] == 0
+    assert after["batchsim_kv_bytes"] == after["batchsim_prefix_cache_bytes"]
+    return after[TOKENS] - at_close
+
+
+def test_httpx_stream_closed(srv):
+    before = srv.wait_idle()
+    with (httpx.Client(base_url=srv.url, timeout=60) as client,
+          client.stream("POST", "/v1/completions", json={**BODY, "stream": True},
+                        headers=AUTH) as r):
+        lines = r.iter_lines()
+        for _ in range(10):
+            next(lines)
+        at_close = srv.metrics()[TOKENS]
+    assert _generated_after(srv, at_close, before) <= AFTER_CLOSE_TOKENS
+
+
+def test_openai_stream_closed(srv):
+    openai = pytest.importorskip("openai")
+    before = srv.wait_idle()
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0)
+    stream = client.completions.create(model="tiny", prompt="a long one", max_tokens=MAX_TOKENS,
+                                       stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    at_close = srv.metrics()[TOKENS]
+    stream.close()  # after `break` alone the connection stays open until the Stream is collected
+    assert _generated_after(srv, at_close, before) <= AFTER_CLOSE_TOKENS
+    client.close()
+
+
+def test_non_streaming_client_closed(srv):
+    """No write tells the server: only the closed connection does."""
+    before = srv.wait_idle()
+    body = json.dumps({**BODY, "stream": False}).encode()
+    with srv.connect() as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                     b"\r\nAuthorization: Bearer " + KEY.encode()
+                     + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        deadline_polls = 0
+        while (at_close := srv.metrics()[TOKENS]) - before[TOKENS] < 20:
+            deadline_polls += 1  # generating: at least 20 tokens so far
+            assert deadline_polls < 2000, "the request never started generating"
+    generated = _generated_after(srv, at_close, before)
+    assert generated <= AFTER_CLOSE_TOKENS, f"{generated} tokens after the client closed"

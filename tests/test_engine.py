@@ -146,6 +146,30 @@ def test_a_step_failure_that_says_it_all_is_logged_in_one_line(caplog):
     assert caplog.records[0].exc_info is not None
 
 
+@pytest.mark.parametrize("error, lost", [
+    ("[ring] connection to a peer was lost", True),
+    ("Send failed with errno=104", True),
+    ("[METAL] Command buffer execution failed: Caused GPU Timeout Error", False),  # was RankLost
+])
+def test_only_a_transport_error_in_a_collective_is_a_lost_rank(monkeypatch, error, lost):
+    """A Metal or MLX error in all_sum was labelled 'lost a peer rank', and lost its traceback."""
+    import types
+
+    import mlx.core as mx
+    from batchsim.server.distributed.channel import PlanChannel
+
+    def all_sum(x, group=None):
+        raise RuntimeError(error)
+
+    monkeypatch.setattr(mx.distributed, "all_sum", all_sum)
+    group = types.SimpleNamespace(rank=lambda: 0, size=lambda: 2)
+    with pytest.raises(RuntimeError) as raised:
+        PlanChannel(group).send("plan")
+    assert isinstance(raised.value, RankLost) == lost
+    if not lost:  # the error itself, with the frames down to all_sum
+        assert str(raised.value) == error and raised.traceback[-1].name == "all_sum"
+
+
 def test_step_records_describe_each_plan():
     """The recorder builds a StepRecord per plan from positional fields (it runs every step):
     each field must land where its name says."""

@@ -16,6 +16,10 @@ import numpy as np
 from batchsim.server.executors.base import ExecutorLost
 
 STOP = None  # the message that ends a follower's loop
+# What MLX's ring backend raises when a peer's connection fails (mlx/distributed/ring/ring.cpp,
+# 0.32: "[ring] connection to a peer was lost", "Send failed with errno=", "Recv failed with
+# errno="); any other RuntimeError from a collective (a Metal or MLX error) is not a lost rank.
+_TRANSPORT_ERRORS = ("[ring]", "Send failed", "Recv failed", "socket", "closed", "reset")
 _SAMPLE_BYTES = 1 << 20  # per sample when fingerprinting large weight files
 _SAMPLES = 16
 _FULL_HASH_BYTES = 256 << 20  # files up to this size are hashed whole
@@ -70,7 +74,7 @@ class PlanChannel:
             out = mx.distributed.all_gather(row, group=self.group)
             mx.eval(out)
         except RuntimeError as exc:
-            raise RankLost(f"a rank was lost while comparing model files ({_plain(exc)})") from None
+            raise _lost(exc, "comparing model files") from None
         flat = np.array(out).tobytes()
         return [flat[i * len(blob): (i + 1) * len(blob)] for i in range(self.size)]
 
@@ -79,8 +83,16 @@ class PlanChannel:
             out = mx.distributed.all_sum(x, group=self.group)
             mx.eval(out)
         except RuntimeError as exc:
-            raise RankLost(f"lost a peer rank while exchanging plans ({_plain(exc)})") from None
+            raise _lost(exc, "exchanging plans") from None
         return out
+
+
+def _lost(exc: RuntimeError, doing: str) -> RuntimeError:
+    """A collective's error: RankLost (one line) where the transport failed, else `exc` itself,
+    which keeps its traceback (`raise ... from None` leaves an exception's own __traceback__)."""
+    if any(word in str(exc) for word in _TRANSPORT_ERRORS):
+        return RankLost(f"lost a peer rank while {doing} ({_plain(exc)})")
+    return exc
 
 
 def _plain(exc: BaseException) -> str:

@@ -216,5 +216,8 @@ def at_speed(profile: DeviceProfile, speed: float) -> DeviceProfile:
 
 
 def compute_dtype(dtype: str, quantize_bits: int | None) -> str:
-    """Quantized weights are multiplied in their scales' dtype (float16 by default)."""
+    """Quantized weights are multiplied in their scales' dtype: float16 here for every model.
+    That dtype is the checkpoint's, not the model's: mlx-lm's converter saved float16 by default
+    until ml-explore/mlx-lm 5c04f07f (2025-04-23, first tagged v0.24.1), then config.json's
+    torch_dtype (bfloat16 for Llama 3.x, Qwen3), which the reference rows do not record."""
     return "float16" if quantize_bits else dtype

@@ -20,6 +20,7 @@ MAX_TOKENS = 3000  # what a request that is never aborted generates (ignore_eos)
 AFTER_CLOSE_TOKENS = 64
 TOKENS = "batchsim_generation_tokens_total"
 ABORTED = 'batchsim_requests_total{status="aborted"}'
+ABORTED_TOKENS = "batchsim_aborted_generation_tokens_total"
 BODY = {"prompt": "a long one", "max_tokens": MAX_TOKENS, "ignore_eos": True}
 
 
@@ -33,9 +34,13 @@ def srv(batchsim_home):
 
 def _generated_after(srv: ServerProcess, at_close: float, before: dict[str, float]) -> float:
     """Tokens generated since `at_close`, once the server is idle; checks the request was
-    aborted (not finished) and its KV freed."""
+    aborted (not finished) with its tokens so far counted, and its KV freed."""
     after = srv.wait_idle()
     assert after[ABORTED] - before[ABORTED] == 1
+    generated = after[TOKENS] - before[TOKENS]  # the only request since `before`
+    kept = after[ABORTED_TOKENS] - before[ABORTED_TOKENS]  # its tokens so far
+    # The step computing when it was aborted sampled one more row, which the scheduler dropped.
+    assert kept > 0 and generated - kept in (0, 1)
     assert after["batchsim_requests_running"] == 0
     assert after["batchsim_kv_bytes"] == after["batchsim_prefix_cache_bytes"]
     return after[TOKENS] - at_close

@@ -216,6 +216,8 @@ class Server:
                 self.engine.abort(rid)
             ok = gen.done and request.status is RequestStatus.FINISHED  # as the scheduler ended it
             self.recorder.request_outcomes["finished" if ok else "aborted"] += 1
+            if not ok:  # its tokens so far: generated, and nobody will read the rest
+                self.recorder.aborted_generation_tokens += request.num_output_tokens
 
     def _admit(self, params: GenerationParams) -> Request:
         """A scheduler Request for these params, or an APIError: 400 if it can never run, 429 if

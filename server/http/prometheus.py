@@ -57,6 +57,7 @@ class ServerRecorder:
         self.num_steps = 0  # executed steps
         self.prompt_tokens = 0  # prefill tokens computed, recompute after preemption included
         self.generation_tokens = 0  # tokens emitted: the responses' completion tokens
+        self.aborted_generation_tokens = 0  # of those, aborted requests' (client gone, shutdown)
         self.last_batch_size = 0  # requests decoded in the last step's forward pass
         self.max_batch_size = 0
         self.kv_bytes_measured = 0  # the executor's own count after the last step
@@ -182,6 +183,9 @@ def _counters(rec: ServerRecorder, scheduler: Scheduler) -> list[tuple[str, str,
         ("batchsim_prompt_tokens_total", "Prefill tokens computed, recompute included.",
          rec.prompt_tokens),
         ("batchsim_generation_tokens_total", "Tokens emitted.", rec.generation_tokens),
+        ("batchsim_aborted_generation_tokens_total",
+         "Of those, requests' aborted before they finished (client gone, shutdown, error).",
+         rec.aborted_generation_tokens),
         ("batchsim_steps_total", "Engine steps executed.", rec.num_steps),
         ("batchsim_kv_account_mismatches_total",
          "Steps where the executor's KV bytes differed from the scheduler's.",

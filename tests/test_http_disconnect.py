@@ -21,6 +21,7 @@ AFTER_CLOSE_TOKENS = 64
 TOKENS = "batchsim_generation_tokens_total"
 ABORTED = 'batchsim_requests_total{status="aborted"}'
 ABORTED_TOKENS = "batchsim_aborted_generation_tokens_total"
+GONE = "batchsim_requests_client_gone_total"
 BODY = {"prompt": "a long one", "max_tokens": MAX_TOKENS, "ignore_eos": True}
 
 
@@ -34,9 +35,10 @@ def srv(batchsim_home):
 
 def _generated_after(srv: ServerProcess, at_close: float, before: dict[str, float]) -> float:
     """Tokens generated since `at_close`, once the server is idle; checks the request was
-    aborted (not finished) with its tokens so far counted, and its KV freed."""
+    aborted as its client gone (not finished) with its tokens so far counted, and its KV
+    freed."""
     after = srv.wait_idle()
-    assert after[ABORTED] - before[ABORTED] == 1
+    assert after[ABORTED] - before[ABORTED] == after[GONE] - before[GONE] == 1
     generated = after[TOKENS] - before[TOKENS]  # the only request since `before`
     kept = after[ABORTED_TOKENS] - before[ABORTED_TOKENS]  # its tokens so far
     # The step computing when it was aborted sampled one more row, which the scheduler dropped.

@@ -210,6 +210,10 @@ class Server:
             if params.stream:
                 return await self._stream(http, gen, params)
             return await self._complete(gen, params)
+        except (asyncio.CancelledError, ConnectionError):
+            if not gen.done:  # its client left mid-request (the finally aborts it)
+                self.recorder.client_gone += 1
+            raise
         finally:
             self.inflight.discard(rid)
             if not gen.done:  # the client went away (or the handler failed): stop computing

@@ -68,6 +68,7 @@ class ServerRecorder:
         self.request_outcomes: collections.Counter[str] = collections.Counter()
         self.http_responses: collections.Counter[int] = collections.Counter()
         self.client_disconnects = 0  # requests whose client left before any answer was sent
+        self.client_gone = 0  # generation requests aborted because their client left
 
     def on_arrival(self, request: Request) -> None:
         self.num_arrivals += 1
@@ -192,6 +193,8 @@ def _counters(rec: ServerRecorder, scheduler: Scheduler) -> list[tuple[str, str,
          rec.kv_account_mismatches),
         ("batchsim_http_client_disconnects_total",
          "Requests whose client left before any answer was sent.", rec.client_disconnects),
+        ("batchsim_requests_client_gone_total",
+         "Generation requests aborted because their client left mid-request.", rec.client_gone),
     ]
 
 

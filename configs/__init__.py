@@ -19,22 +19,36 @@ CONFIG_DIR = Path(__file__).resolve().parent
 T = TypeVar("T")
 
 
+def _written_at(node: yaml.MappingNode, j: int) -> yaml.Mark | None:
+    """Where the mapping's pair `j` is written: its key's mark, or its value's where the key is an
+    alias (`*x : 1`: the same node as its anchor, whose mark is the anchor's); None if both are."""
+    floor = max([node.start_mark.index]
+                + [n.end_mark.index for pair in node.value[:j] for n in pair])
+    for part in node.value[j]:  # an alias starts before the pair: where its anchor is
+        if part.start_mark.index >= floor:
+            return part.start_mark
+    return None
+
+
 def _flatten_unique(self: Any, node: yaml.MappingNode) -> None:
     """A mapping's keys checked before its merges (`<<: *base`, which may repeat a key on purpose)
     are flattened into it: a key written twice was read as its last value, silently. Keys are
     compared as read (`16` and `0x10`, `true` and `yes`, `~` and `null` are one key), not as
-    written; a quoted "16" stays a string, another key than 16."""
+    written; a quoted "16" stays a string, another key than 16. By position, not by node: an
+    alias (`&x k : 1` then `*x : 2`) is the same node as its anchor."""
     checked = self.__dict__.setdefault("_unique_checked", set())
     if id(node) not in checked:  # a node merged again was flattened already
         checked.add(id(node))
-        first: dict[Any, yaml.Mark] = {}
-        for key, _ in node.value:
+        first: dict[Any, int] = {}
+        for j, (key, _) in enumerate(node.value):
             if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
-                mark = first.setdefault(self.construct_object(key), key.start_mark)
-                if mark is not key.start_mark:
+                i = first.setdefault(self.construct_object(key), j)
+                if i != j:
+                    mark = _written_at(node, i)
+                    where = f"on line {mark.line + 1}" if mark else f"as key {i + 1} of its mapping"
                     raise yaml.constructor.ConstructorError(
-                        None, None, f"key {key.value[:60]!r} is given twice (first on line "
-                        f"{mark.line + 1}); keep one", key.start_mark)
+                        None, None, f"key {key.value[:60]!r} is given twice (first "
+                        f"{where}); keep one", _written_at(node, j))
     yaml.constructor.SafeConstructor.flatten_mapping(self, node)
 
 

@@ -52,6 +52,12 @@ def test_yaml_alias_bombs_and_deep_nesting_are_one_line(capsys, tmp_path, text, 
     ("a: {true: 1, yes: 2}\n", "key 'yes' is given twice"),
     ("~: 1\nnull: 2\n", "key 'null' is given twice"),
     ("1.0: a\n1.00: b\n", "key '1.00' is given twice"),
+    # Through an alias (the anchor's node, its mark): last-wins in both builds, and the line named
+    # was the anchor's (a value's).
+    ("&x k : 1\n*x : 2\n", "key 'k' is given twice (first on line 1)"),
+    ("b: &x k\n*x : 1\n*x : 2\n", "key 'k' is given twice (first on line 2)"),
+    ("b: &x k\n*x : 1\nk: 2\n", "key 'k' is given twice (first on line 2)"),
+    ("b: &x k\nc: &y 3\n*x : *y\nk: 2\n", "key 'k' is given twice (first as key 3 of its"),
 ])
 def test_every_yaml_build_refuses_the_same_files_in_pyyaml_words(monkeypatch, tmp_path, build,
                                                                   text, says):

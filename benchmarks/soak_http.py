@@ -188,6 +188,9 @@ def main() -> int:
         "mean_batch_size": m["batchsim_decode_batch_size_steps_sum"]
         / max(1.0, m["batchsim_decode_batch_size_steps_count"]),
         "generation_tokens": m["batchsim_generation_tokens_total"],
+        # the disconnecting clients' requests: how many, and the tokens they had when aborted
+        "client_gone": m["batchsim_requests_client_gone_total"],
+        "aborted_generation_tokens": m["batchsim_aborted_generation_tokens_total"],
         "server_exit_code": exit_code,
         **rss_report(soak.rss, int(args.warmup_frac * args.num_requests)),
         **mlx_report(soak.mlx, m, int(args.warmup_frac * args.num_requests)),

@@ -5,6 +5,7 @@ server generated after that read: a few steps, not the rest of max_tokens."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -89,3 +90,38 @@ def test_non_streaming_client_closed(srv):
             assert deadline_polls < 2000, "the request never started generating"
     generated = _generated_after(srv, at_close, before)
     assert generated <= AFTER_CLOSE_TOKENS, f"{generated} tokens after the client closed"
+
+
+def test_streams_dropped_from_a_batch(srv):
+    """Twelve streams decode together; four drop after a few chunks. The dropped ones stop
+    within the bound (all they generated against what their clients had read; each may have one
+    row sampled at its abort that the scheduler dropped), and the other eight run to their
+    max_tokens."""
+    live_tokens, n, n_drop = 100, 12, 4
+    before = srv.wait_idle()
+
+    async def one(client: httpx.AsyncClient, drop: bool) -> int:
+        body = {**BODY, "max_tokens": MAX_TOKENS if drop else live_tokens, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        seen = 0
+        async with client.stream("POST", "/v1/completions", json=body, headers=AUTH) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    seen = json.loads(line[6:])["usage"]["completion_tokens"]
+                if drop and seen >= 5:
+                    break  # leaving the block closes the connection
+        return seen
+
+    async def all_at_once() -> list[int]:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:
+            return await asyncio.gather(*(one(client, i < n_drop) for i in range(n)))
+
+    seen = asyncio.run(all_at_once())
+    assert seen[n_drop:] == [live_tokens] * (n - n_drop)
+    after = srv.wait_idle()
+    assert after[GONE] - before[GONE] == after[ABORTED] - before[ABORTED] == n_drop
+    generated = after[TOKENS] - before[TOKENS]
+    dropped = generated - live_tokens * (n - n_drop)  # the dropped requests' tokens, all told
+    assert dropped - n_drop <= after[ABORTED_TOKENS] - before[ABORTED_TOKENS] <= dropped
+    assert dropped - sum(seen[:n_drop]) <= n_drop * AFTER_CLOSE_TOKENS
+    assert after["batchsim_decode_batch_size_max"] >= 2

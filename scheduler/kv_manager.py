@@ -40,6 +40,10 @@ class KVManager:
         self.private: dict[int, PrivateCache] = {}  # request id -> its private prefill cache
         self._private_bytes = 0  # what they hold (check() adds them up again)
         self.pool_bytes = 0  # what the pool's geometry holds (priced in commit as it changes)
+        # The most KV the running requests held after a plan: held less what is free on demand
+        # (padded: the cache's copies; paged: pool blocks no row holds, the cache's unreferenced
+        # ones and the pool's slack). Both executors hold the same, whatever the cache keeps.
+        self.peak_running_bytes = 0
         # Cached prompt blocks (paged: in the pool, shared by reference); None: caching off.
         self.prefix = (PrefixCache(PAGE_TOKENS * cache.full_token_bytes, shared=paged)
                        if prefix_cache else None)
@@ -127,12 +131,18 @@ class KVManager:
         pool_members: set[int],
         private: dict[int, PrivateCache],
         private_bytes: int,
+        need_blocks: int = 0,
     ) -> int:
-        """Apply a plan's KV (`private_bytes`: what `private` holds), evicting cached prefix
-        blocks it needs the bytes of; returns the bytes now held."""
+        """Apply a plan's KV (`private_bytes`: what `private` holds; paged: `need_blocks` of the
+        pool's blocks held by its rows), evicting cached prefix blocks it needs the bytes of;
+        returns the bytes now held."""
         if pool is not self.pool:  # the geometry rarely changes: priced once per change
             self.pool = pool
             self.pool_bytes = self.cache.pool_bytes(pool)
+        running = self.pool_bytes + private_bytes
+        if pool.blocks:
+            running -= (pool.blocks - need_blocks) * self.cache.block_bytes
+        self.peak_running_bytes = max(self.peak_running_bytes, running)
         self.pool_members = pool_members
         self.private = private
         self._private_bytes = private_bytes

@@ -218,7 +218,8 @@ class StepBudget:
         returns the bytes it holds."""
         if self.kv.shared is not None:
             self._fit_shared_cache(requests)
-        return self.kv.commit(self.geom, self.in_pool, self.private, self.private_bytes)
+        return self.kv.commit(self.geom, self.in_pool, self.private, self.private_bytes,
+                              self.blocks + self._draft_blocks())
 
     def _hold_prefilled(self, r: Request) -> None:
         """Paged: a request whose prefill ended holds the cached run of its prompt blocks, which

@@ -108,7 +108,7 @@ def test_real_moe_run_completes_with_exact_kv_bytes(batchsim_home, tmp_path):
     summary = last_json(proc.stdout)
     assert summary["completed"] == 16 and summary["failed"] == 0
     assert summary["kv_account_mismatches"] == 0 and summary["mean_batch_size"] > 1
-    assert summary["peak_kv_bytes_measured"] == summary["peak_kv_bytes"] > 0
+    assert summary["peak_kv_bytes_measured"] == summary["peak_kv_held_bytes"] > 0
 
 
 def test_a_config_typo_names_the_file_and_the_key(batchsim_home, tmp_path):

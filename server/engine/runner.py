@@ -322,7 +322,7 @@ def prefix_cache_summary(scheduler: Scheduler) -> dict[str, Any]:
     """Prefix-cache keys of a run summary (tokens counted at each admission, vLLM's way)."""
     queries, hits = scheduler.num_query_tokens, scheduler.num_hit_tokens
     prefix = scheduler.kv.prefix
-    return {"prefix_cache": prefix is not None,
+    return {"prefix_cache": prefix is not None, "peak_kv_bytes": scheduler.kv.peak_running_bytes,
             "prefix_cache_hit_rate": hits / queries if queries else 0.0,
             "cached_prompt_tokens": hits, "prefilled_prompt_tokens": queries - hits,
             "peak_prefix_cache_bytes": prefix.peak_bytes if prefix is not None else 0}

@@ -315,7 +315,8 @@ def _batch_view(
         # num_preemptions. Without step records (client-side runs) the requests' sum is used.
         "num_preemptions": int(col["num_preemptions"].sum()) if steps
         else sum(r.num_preemptions for r in requests),
-        "peak_kv_bytes": peak_kv,
+        "peak_kv_bytes": peak_kv,  # a run's: its running requests' (KVManager.peak_running_bytes)
+        "peak_kv_held_bytes": peak_kv,  # every KV byte held, the prefix cache's included
         "peak_kv_bytes_measured": max(measured) if measured else None,
         "kv_budget_bytes": kv_budget_bytes,
         "weight_bytes": weight_bytes,

@@ -1,0 +1,46 @@
+"""Simulated and real runs report the same peak KV with the prefix cache on (the default): the
+real executor caches every prompt's blocks, the simulator only a workload's shared segments, so
+`peak_kv_bytes` counts the KV the running requests hold (what a new request cannot take), and
+`peak_kv_held_bytes` / `peak_prefix_cache_bytes` every byte held / the cache's own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+LOCAL = str(Path(__file__).resolve().parents[1] / "configs/devices"
+            / "linux-x86_64-openblas-2core.yaml")
+
+
+def _summary(executor: str, *flags: str) -> dict:
+    from batchsim.scripts.cli import build_parser
+    from batchsim.scripts.run_args import config_from_args
+    from batchsim.server.engine.runner import run_workload
+    from batchsim.server.engine.session import open_session
+
+    args = build_parser().parse_args([
+        "run", "--model", "tiny", "--dtype", "float32", "--executor", executor,
+        "--device-profile", LOCAL, "--num-prompts", "12", "--request-rate", "inf",
+        "--input-len", "128", "--output-len", "4", "--max-num-seqs", "4", *flags])
+    cfg = config_from_args(args)
+    return run_workload(open_session(cfg), cfg.workload, out_dir=None, label=executor,
+                        timeline=False).summary
+
+
+def test_sim_and_real_agree_on_peak_kv_with_the_prefix_cache(batchsim_home):
+    real, sim = _summary("mlx"), _summary("sim")
+    assert real["prefix_cache"] and sim["prefix_cache"]
+    # the real run keeps every random prompt's 8 blocks (none is ever hit); the sim none
+    assert real["prefix_cache_hit_rate"] == sim["prefix_cache_hit_rate"] == 0.0
+    assert real["peak_prefix_cache_bytes"] > sim["peak_prefix_cache_bytes"] == 0
+    assert real["peak_kv_held_bytes"] == real["peak_kv_bytes_measured"] > real["peak_kv_bytes"]
+    assert real["peak_kv_bytes"] == sim["peak_kv_bytes"] == sim["peak_kv_held_bytes"] > 0
+
+
+@pytest.mark.parametrize("flags", [("--prefix-cache", "off"), ("--kv-layout", "paged",
+                                                                "--prefix-cache", "off")])
+def test_without_the_cache_running_kv_is_every_byte_held_or_the_rows_blocks(batchsim_home, flags):
+    real, sim = _summary("mlx", *flags), _summary("sim", *flags)
+    assert real["peak_kv_bytes"] == sim["peak_kv_bytes"] > 0
+    assert real["peak_kv_held_bytes"] == sim["peak_kv_held_bytes"] >= sim["peak_kv_bytes"]

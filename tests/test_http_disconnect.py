@@ -32,6 +32,10 @@ def srv(batchsim_home):
     yield s
     assert s.stop() == 0, "".join(s.stderr)
     assert "Traceback" not in "".join(s.stderr), "".join(s.stderr)
+    totals = json.loads(s.proc.stdout.read().strip().splitlines()[-1])
+    # every request these tests aborted was a client's that left, with some tokens generated
+    assert totals["client_gone"] == totals["requests"]["aborted"] >= 1
+    assert totals["aborted_generation_tokens"] >= totals["client_gone"]
 
 
 def _generated_after(srv: ServerProcess, at_close: float, before: dict[str, float]) -> float:

@@ -372,6 +372,8 @@ async def serve(server: Server, host: str, port: int, announce: Callable[[str], 
     return {"requests": dict(rec.request_outcomes), "aborted_at_shutdown": aborted,
             "http_responses": {str(k): v for k, v in sorted(rec.http_responses.items())},
             "generation_tokens": rec.generation_tokens, "steps": rec.num_steps,
+            "client_gone": rec.client_gone,
+            "aborted_generation_tokens": rec.aborted_generation_tokens,
             "max_batch_size": rec.max_batch_size}
 
 

@@ -5,6 +5,7 @@ stream-chunk shapes. No HTTP and no engine here."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import uuid
 from typing import Any, Literal
@@ -134,12 +135,22 @@ _CHANGES_OUTPUT: dict[str, tuple[Any, ...]] = {
     "add_generation_prompt": (None, True), "continue_final_message": (None, False),
     "chat_template": (None,), "documents": (None,),
 }
-# chat_template_kwargs go to the template as its variables ({"enable_thinking": false}: Qwen3);
-# these names are apply_chat_template's own arguments (or the messages), not variables.
-_NOT_TEMPLATE_VARIABLES = frozenset((
-    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"))
+# chat_template_kwargs go to the template as its variables ({"enable_thinking": false}: Qwen3),
+# except apply_chat_template's own arguments (its signature), the conversation, the tokenizer's
+# special tokens (a client's bos_token replaced the model's in the prompt) and the template's
+# helpers (transformers' jinja globals).
+_TEMPLATE_OWN = frozenset(("messages", "raise_exception", "strftime_now"))
+
+
+def _not_template_variables(tokenizer: Any) -> frozenset[str]:
+    special = getattr(tokenizer, "special_tokens_map", None) or {}
+    named = set(_TEMPLATE_OWN) | {*special}
+    # mlx-lm's wrapper passes its **kwargs on to its HF tokenizer's apply_chat_template
+    for tok in (tokenizer, getattr(tokenizer, "__dict__", {}).get("_tokenizer")):
+        if callable(apply := getattr(tok, "apply_chat_template", None)):
+            params = inspect.signature(apply).parameters.values()
+            named |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return frozenset(named)
 
 
 def _check_unsupported(body: dict[str, Any], kind: Kind) -> None:
@@ -207,18 +218,30 @@ def _chat_prompt(body: dict[str, Any], tokenizer: Any, max_bytes: int) -> list[i
     plain = [_plain_message(m, i) for i, m in enumerate(messages)]
     _check_prompt_bytes(sum(len(m["content"].encode()) for m in plain), max_bytes, "messages")
     variables = get(body, "chat_template_kwargs", {})
-    check(body, "chat_template_kwargs", isinstance(variables, dict)
-          and not variables.keys() & _NOT_TEMPLATE_VARIABLES,
-          "an object of the chat template's variables (such as {\"enable_thinking\": false}), "
-          f"none of {', '.join(sorted(_NOT_TEMPLATE_VARIABLES))}")
+    check(body, "chat_template_kwargs", isinstance(variables, dict),
+          "an object of the chat template's variables (such as {\"enable_thinking\": false})")
+    if refused := sorted(variables.keys() & _not_template_variables(tokenizer)):
+        raise APIError(400, f"chat_template_kwargs: {', '.join(refused)[:200]} not a template "
+                       "variable here (apply_chat_template's argument, the messages, a special "
+                       "token or a template helper)", param="chat_template_kwargs")
     try:
         ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, **variables)
     except Exception as exc:  # noqa: BLE001 - a template may refuse a role order
-        raise APIError(400, f"messages: the chat template rejected them: {exc}",
-                       param="messages") from None
+        field = "chat_template_kwargs" if variables and _renders(tokenizer, plain) else "messages"
+        raise APIError(400, f"{field}: the chat template rejected them: {exc}",
+                       param=field) from None
     if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
+
+
+def _renders(tokenizer: Any, plain: list[dict[str, str]]) -> bool:
+    """Whether the template takes these messages without chat_template_kwargs (which to blame)."""
+    try:
+        tokenizer.apply_chat_template(plain, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - the messages' own error
+        return False
+    return True
 
 
 def _plain_message(m: Any, i: int) -> dict[str, str]:

@@ -119,8 +119,23 @@ def test_skip_special_tokens_drops_their_text_and_spaces_between_them_is_refused
     assert text(body) == text({**body, "skip_special_tokens": False}) == "<a>b"
     assert text({**body, "skip_special_tokens": True}) == "ab"
     assert text({**body, "skip_special_tokens": True, "spaces_between_special_tokens": False})
+    # false asks for what serve writes (r7 LOW 3: it was a 400 too)
+    assert text({**body, "spaces_between_special_tokens": False}) == "<a>b"
     for bad in ({"skip_special_tokens": 1}, {"spaces_between_special_tokens": True},
                 {"skip_special_tokens": True, "spaces_between_special_tokens": "x"}):
         with pytest.raises(APIError) as err:
             text({**body, **bad})
         assert err.value.param == next(reversed(bad)), err.value
+
+
+def test_mlx_lm_detokenizer_joins_adjacent_special_tokens_with_no_space(tiny):
+    """What spaces_between_special_tokens=false asks for, which serve therefore accepts."""
+    tokenizer = tiny[2]
+    a, b = tokenizer.all_special_ids[:2]
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    for token in (a, b, a):
+        detokenizer.add_token(token)
+    detokenizer.finalize()
+    names = tokenizer.convert_ids_to_tokens([a, b, a])
+    assert detokenizer.text == "".join(names) and " " not in detokenizer.text, names

@@ -84,15 +84,18 @@ def _write(tmp_path, **change):
     ({"tok_s": 124.85, "quote": "124.844"}, "tok_s 124.85 is not a number its quote prints"),
     ({"tok_s": 343.0, "derived": "402.3 - 58.6"}, "'402.3 - 58.6' gives 343.7, not tok_s 343.0"),
     ({"tok_s": 343.9, "derived": "402.5 - 58.6"}, "402.5 not in the quote (it has 3, 0.6,"),
-    ({"tok_s": 1.0, "derived": "len('ab')"}, "only numbers, + - * / and parentheses"),
+    ({"tok_s": 1.0, "derived": "len('ab')"}, "only numbers, + - * /, minus and parentheses"),
     ({"tok_s": 1.0, "derived": "402.3 / (58.6 - 58.6)"}, "not arithmetic over numbers"),
+    # r7: an uncaught RecursionError (a traceback), and 5,000 characters echoed in the message
+    ({"tok_s": 1.0, "derived": "1+" * 5000 + "1"}, "derived '1+1+1+1+1+1+1+1+1+1+1+"),
+    ({"tok_s": 1.0, "derived": "(" * 5000 + "1" + ")" * 5000}, "not arithmetic over numbers"),
 ])
 def test_a_bad_row_is_refused_in_one_line_naming_it(tmp_path, change, says):
     path = _write(tmp_path, id="bad-row", **change)
     with pytest.raises(ConfigError) as exc:
         load_published(path)
     msg = str(exc.value)
-    assert "row 'bad-row'" in msg and says in msg and "\n" not in msg
+    assert "row 'bad-row'" in msg and says in msg and "\n" not in msg and len(msg) < 400, msg
 
 
 @pytest.mark.parametrize("change", [
@@ -102,6 +105,7 @@ def test_a_bad_row_is_refused_in_one_line_naming_it(tmp_path, change, says):
     {"tok_s": 1200, "quote": "about 1.2k tok/s"},
     {"tok_s": 1111.8, "quote": "**1,111.8**"},
     {"tok_s": 343.7, "derived": "402.3 - 58.6"},  # arithmetic over the quote's own numbers
+    {"tok_s": 343.7, "derived": "-58.6 + 402.3"},  # a leading minus (r7: was refused)
 ])
 def test_a_figure_its_quote_prints_or_derives_is_accepted(tmp_path, change):
     assert load_published(_write(tmp_path, id="good-row", **change)).rows[0].id == "good-row"

@@ -240,24 +240,32 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.Div: operator.truediv}
 
 
+def _derived(text: str) -> str:
+    """`derived 'text'` for a message, cut to 80 characters (a 5,000-character one was echoed)."""
+    return f"derived {text[:80]!r}" + ("..." if len(text) > 80 else "")
+
+
 def arithmetic(text: str) -> tuple[Decimal, list[Decimal]]:
-    """The value of `text` (numbers, + - * / and parentheses, in Decimal) and its numbers; any other
-    expression is a ValueError."""
+    """The value of `text` (numbers, + - * /, a leading minus and parentheses, in Decimal: exact
+    to its 28 significant digits, which YAML-sized figures stay within) and its numbers; any other
+    expression is a ValueError, one line."""
     numbers: list[Decimal] = []
     text = text.strip()
 
     def value(node: ast.AST) -> Decimal:
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
             numbers.append(Decimal(ast.get_source_segment(text, node) or repr(node.value)))
             return numbers[-1]
-        raise ValueError(f"derived {text!r}: only numbers, + - * / and parentheses")
+        raise ValueError(f"{_derived(text)}: only numbers, + - * /, minus and parentheses")
 
     try:
         return value(ast.parse(text, mode="eval").body), numbers
-    except (SyntaxError, ArithmeticError):
-        raise ValueError(f"derived {text!r}: not arithmetic over numbers") from None
+    except (SyntaxError, ArithmeticError, RecursionError, MemoryError):  # '1+' * 5000: too deep
+        raise ValueError(f"{_derived(text)}: not arithmetic over numbers") from None
 
 
 def check_quoted(quote: str, figure: float, derived: str | None) -> None:
@@ -278,10 +286,10 @@ def check_quoted(quote: str, figure: float, derived: str | None) -> None:
     got, used = arithmetic(derived)
     missing = [f"{n:f}" for n in used if n not in shown]
     if missing:
-        raise ValueError(f"derived {derived!r}: {', '.join(missing)} not in the quote (it has "
+        raise ValueError(f"{_derived(derived)}: {', '.join(missing)} not in the quote (it has "
                          f"{listed})")
     if not rounds_to(got, want):
-        raise ValueError(f"derived {derived!r} gives {got:.6g}, not tok_s {figure!r}")
+        raise ValueError(f"{_derived(derived)} gives {got:.6g}, not tok_s {figure!r}")
 
 
 @dataclasses.dataclass(frozen=True)

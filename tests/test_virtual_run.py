@@ -173,6 +173,18 @@ def test_which_arrivals_the_plain_loop_replays():
     assert not virtual_run.replays_exactly([0.0, 1e30])  # where a float's step outgrows 1 ns
 
 
+def test_the_fast_paths_bound_is_its_own_not_the_workloads():
+    """r7: virtual_run's bound was also named MAX_ARRIVAL_S (2**22 s), as jsonio's (1e9 s, the
+    latest arrival a workload may have): arrivals between them run on the asyncio path."""
+    from batchsim.server.results import jsonio
+
+    bound_s = virtual_run.FAST_PATH_MAX_S
+    assert 2 * math.ulp(bound_s) < virtual_run.MIN_GAP_S and bound_s < jsonio.MAX_ARRIVAL_S
+    assert virtual_run.replays_exactly([0.0, bound_s - 1.0])
+    assert not virtual_run.replays_exactly([0.0, bound_s])
+    assert not virtual_run.replays_exactly([0.0, jsonio.MAX_ARRIVAL_S])
+
+
 class _FillsUp:
     """A file that takes `room` bytes, then fails as a full disk does."""
 

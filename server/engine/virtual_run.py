@@ -20,14 +20,14 @@ from batchsim.server.engine import clock
 from batchsim.server.engine.engine import Engine
 
 MIN_GAP_S = 1e-8  # distinct arrivals closer: asyncio may fire the later one early (1 ns)
-MAX_ARRIVAL_S = 2.0**22  # beyond, the clock's resolution (2 ulp) nears MIN_GAP_S
+FAST_PATH_MAX_S = 2.0**22  # this loop only; beyond, the clock's step (2 ulp) nears MIN_GAP_S
 
 
 def replays_exactly(arrivals_s: Sequence[float]) -> bool:
     """Whether this loop fires `arrivals_s` exactly as asyncio's timers would: sorted, finite,
-    below MAX_ARRIVAL_S, distinct ones at least MIN_GAP_S apart (closer ones, asyncio fires the
+    below FAST_PATH_MAX_S, distinct ones at least MIN_GAP_S apart (closer ones, asyncio fires the
     later one within its clock resolution of the earlier: the asyncio path runs them)."""
-    if not arrivals_s or not 0.0 <= arrivals_s[0] <= arrivals_s[-1] < MAX_ARRIVAL_S:
+    if not arrivals_s or not 0.0 <= arrivals_s[0] <= arrivals_s[-1] < FAST_PATH_MAX_S:
         return False
     return all(b == a or b - a >= MIN_GAP_S for a, b in itertools.pairwise(arrivals_s))
 
@@ -102,7 +102,7 @@ class VirtualRun:
         next plan is priced once one was (then True: the caller fires them)."""
         when = self._arrivals_s[self._next]
         now = self.now_s
-        while True:  # asyncio's turns until the timer is due (one, below MAX_ARRIVAL_S)
+        while True:  # asyncio's turns until the timer is due (one, below FAST_PATH_MAX_S)
             timeout = min(max(0, when - now), clock.MAX_WAIT_S)
             now = clock.waited_s(now, timeout, when if timeout >= clock.MAX_WAIT_S else None)
             if when < now + clock.resolution_s(now):

@@ -255,7 +255,7 @@ def _peaks(arrival_s: np.ndarray, e2el_s: np.ndarray, sorted_times_s: np.ndarray
     t0 = arrival_s.min()
     ends = arrival_s + e2el_s  # vLLM: start_time + latency
     n = int(np.ceil(ends.max() - t0)) + 1
-    # Only the occupied buckets are counted: a run may span 1e9 simulated seconds.
+    # Only the occupied buckets are counted: a run may span 2e9 simulated s (jsonio.MAX_CLOCK_S).
     # Whole seconds as floats: a time past int64's range (a row 1e20 s out) is no invalid cast.
     # Per distinct token time (a step's tokens share one), weighted by its tokens.
     values, counts = request_arrays.sorted_counts(sorted_times_s)

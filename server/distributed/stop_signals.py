@@ -11,12 +11,10 @@ import asyncio
 import os
 import signal
 import threading
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from batchsim.server.distributed.rank import (
-    LAUNCHER_IGNORED_ENV,
     STATUS_DIR_ENV,
     _expire,
     _Status,
@@ -24,15 +22,8 @@ from batchsim.server.distributed.rank import (
     follow_launchers_word,
     peers_lost,
 )
-from batchsim.server.platform.signals import launcher_answers
 
 GRACE_S = 10.0  # beyond the drain timeout: stopping the listener, telling the followers to stop
-
-
-def answered(environ: Mapping[str, str] = os.environ) -> tuple[signal.Signals, ...]:
-    """Rank 0's stop signals: SIGTERM always (mlx.launch's when a peer died, the launcher's stop),
-    the others unless the launcher ignored them (without its word: unless this process does)."""
-    return launcher_answers(environ.get(LAUNCHER_IGNORED_ENV))
 
 
 def install(server: Any, drain_timeout_s: float) -> asyncio.Event:

@@ -140,8 +140,8 @@ class KVManager:
             self.pool = pool
             self.pool_bytes = self.cache.pool_bytes(pool)
         running = self.pool_bytes + private_bytes
-        if pool.blocks:
-            running -= (pool.blocks - need_blocks) * self.cache.block_bytes
+        if self.paged:
+            running -= ((pool.blocks or 0) - need_blocks) * self.cache.block_bytes
         self.peak_running_bytes = max(self.peak_running_bytes, running)
         self.pool_members = pool_members
         self.private = private

@@ -216,10 +216,22 @@ class StepBudget:
     def commit(self, requests: dict[int, Request]) -> int:
         """Hand this step's KV to the manager (`requests`: by id, those of this step's chunks);
         returns the bytes it holds."""
+        held = self.blocks + self._draft_blocks()  # the rows' (KVManager.peak_running_bytes)
         if self.kv.shared is not None:
             self._fit_shared_cache(requests)
-        return self.kv.commit(self.geom, self.in_pool, self.private, self.private_bytes,
-                              self.blocks + self._draft_blocks())
+            held = self.blocks + self._draft_blocks() + self._plain_prompt_blocks(requests)
+        return self.kv.commit(self.geom, self.in_pool, self.private, self.private_bytes, held)
+
+    def _plain_prompt_blocks(self, requests: dict[int, Request]) -> int:
+        """Paged, caching: the full prompt blocks a request without block hashes (a simulated
+        plain prompt) would hold beside its prefill cache the step that prefill ends, as a real
+        run's every prompt does (_hold_prefilled): its running KV, not its pool's."""
+        n = 0
+        for c in self.prefills:
+            r = requests[c.request_id]
+            if c.sample and not prompt_block_hashes(r):
+                n += r.num_prompt_tokens // PAGE_TOKENS
+        return n
 
     def _hold_prefilled(self, r: Request) -> None:
         """Paged: a request whose prefill ended holds the cached run of its prompt blocks, which

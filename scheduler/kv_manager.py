@@ -142,7 +142,8 @@ class KVManager:
         running = self.pool_bytes + private_bytes
         if self.paged:
             running -= ((pool.blocks or 0) - need_blocks) * self.cache.block_bytes
-        self.peak_running_bytes = max(self.peak_running_bytes, running)
+        if running > self.peak_running_bytes:  # noqa: PLR1730 (max(): a call, every plan)
+            self.peak_running_bytes = running
         self.pool_members = pool_members
         self.private = private
         self._private_bytes = private_bytes

@@ -216,11 +216,13 @@ class StepBudget:
     def commit(self, requests: dict[int, Request]) -> int:
         """Hand this step's KV to the manager (`requests`: by id, those of this step's chunks);
         returns the bytes it holds."""
-        held = self.blocks + self._draft_blocks()  # the rows' (KVManager.peak_running_bytes)
-        if self.kv.shared is not None:
+        kv = self.kv  # paged: the blocks the rows hold (KVManager.peak_running_bytes)
+        if kv.shared is not None:
             self._fit_shared_cache(requests)
             held = self.blocks + self._draft_blocks() + self._plain_prompt_blocks(requests)
-        return self.kv.commit(self.geom, self.in_pool, self.private, self.private_bytes, held)
+        else:
+            held = self.blocks + self._draft_blocks() if kv.paged else 0
+        return kv.commit(self.geom, self.in_pool, self.private, self.private_bytes, held)
 
     def _plain_prompt_blocks(self, requests: dict[int, Request]) -> int:
         """Paged, caching: the full prompt blocks a request without block hashes (a simulated

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -144,7 +145,10 @@ def test_a_stopped_rank_is_seen_without_proc(monkeypatch):
     proc = subprocess.Popen(["sleep", "30"])
     try:
         assert not owner._stopped(proc.pid)
-        os.kill(proc.pid, signal.SIGSTOP)
+        os.kill(proc.pid, signal.SIGSTOP)  # delivered asynchronously: ps may still say S
+        deadline = time.monotonic() + 10
+        while not owner._stopped(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert owner._stopped(proc.pid)
     finally:
         proc.kill()

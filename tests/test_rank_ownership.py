@@ -157,23 +157,32 @@ def test_sigterm_to_rank_0_names_the_signal_and_process_it_reached_and_keeps_the
         tiny, tmp_path):
     """SIGTERM sent straight to rank 0 (not through the launcher) was reported as 'stopped by
     mlx.launch (another rank failed)', and rank 0 left no summary.json."""
+    rc, err, run_dir, rank0, summary = _signal_rank0(tmp_path, signal.SIGTERM)
+    assert rc == 1 and "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert f"rank 0: SIGTERM reached its process (pid {rank0})" in last, err[-3000:]
+    assert "rank 0: stopped by mlx.launch" not in last and f"kept in {run_dir}" in last
+    assert summary["interrupted"] is True and "SIGTERM" in summary["interrupt_reason"]
+
+
+def _signal_rank0(tmp_path, sig: int) -> tuple[int, str, Path, int, dict]:
+    """`run --ranks 2` with `sig` sent straight to rank 0 once steps are recorded: the launcher's
+    exit code and stderr, the run directory, rank 0's pid and its summary (whose completed count
+    is checked against requests.jsonl), no process left."""
     ranks = Ranks([*RUN, "--out", str(tmp_path)])
     try:
         run_dir = wait_for_steps(ranks, tmp_path)
         (rank0,) = ranks.processes(rank=0)
-        os.kill(rank0, signal.SIGTERM)
+        os.kill(rank0, sig)
         rc, _out, err = ranks.finish()
-        assert rc == 1 and "Traceback" not in err, err[-3000:]
-        last = err.strip().splitlines()[-1]
-        assert f"rank 0: SIGTERM reached its process (pid {rank0})" in last, err[-3000:]
-        assert "rank 0: stopped by mlx.launch" not in last and f"kept in {run_dir}" in last
+        assert (run_dir / "summary.json").exists(), err[-3000:]
         summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["interrupted"] is True and "SIGTERM" in summary["interrupt_reason"]
         lines = (run_dir / "requests.jsonl").read_text().splitlines()
         assert summary["completed"] == [json.loads(x)["status"] for x in lines].count("finished")
         ranks.assert_none_left()
     finally:
         ranks.cleanup()
+    return rc, err, run_dir, rank0, summary
 
 
 @pytest.mark.slow  # mlx.launch and two ranks starting: 10-15 s at load 6-10
@@ -181,20 +190,9 @@ def test_sighup_to_rank_0_stops_the_run_as_the_launchers_does_records_kept(tiny,
     """SIGHUP sent straight to rank 0 of `run --ranks` (a launcher that answers it) hit no
     handler: rank 0 died ("rank 0 died", no summary.json). Now it stops the run as the
     launcher's SIGHUP does: interrupted, records kept, exit 130."""
-    ranks = Ranks([*RUN, "--out", str(tmp_path)])
-    try:
-        run_dir = wait_for_steps(ranks, tmp_path)
-        (rank0,) = ranks.processes(rank=0)
-        os.kill(rank0, signal.SIGHUP)
-        rc, _out, err = ranks.finish()
-        assert rc == EXIT_INTERRUPTED and "Traceback" not in err, err[-3000:]
-        summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["interrupted"] is True and summary["interrupt_reason"] == "SIGHUP"
-        lines = (run_dir / "requests.jsonl").read_text().splitlines()
-        assert summary["completed"] == [json.loads(x)["status"] for x in lines].count("finished")
-        ranks.assert_none_left()
-    finally:
-        ranks.cleanup()
+    rc, err, _run_dir, _rank0, summary = _signal_rank0(tmp_path, signal.SIGHUP)
+    assert rc == EXIT_INTERRUPTED and "Traceback" not in err, err[-3000:]
+    assert summary["interrupted"] is True and summary["interrupt_reason"] == "SIGHUP"
 
 
 def test_every_rank_ignores_every_stop_signal_its_launcher_ignored():

@@ -18,7 +18,7 @@ from pathlib import Path
 from batchsim.server.results.metrics import StepRecord
 from batchsim.server.results.run_files import STEPS, RecordStream
 
-from tests.test_interrupts import records
+from tests.sim_records import records
 
 GUARD_S = 120
 

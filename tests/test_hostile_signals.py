@@ -57,7 +57,7 @@ def test_ctrl_c_in_a_run_of_calibrate_or_validate_stops_it(monkeypatch, command)
     from batchsim.server.engine import runner
     from batchsim.server.engine.session import open_session
 
-    from tests.test_records import sim_config
+    from tests.sim_records import sim_config
 
     drive = runner._Run.drive
 
@@ -113,7 +113,7 @@ from batchsim.server.platform import blas
 blas.preload()
 from batchsim.server.engine import runner
 from batchsim.server.engine.session import open_session
-from tests.test_records import sim_config
+from tests.sim_records import sim_config
 command, sig, out_dir = sys.argv[1], getattr(signal, sys.argv[2]), Path(sys.argv[3])
 drive = runner._Run.drive
 def sent(run):

@@ -15,7 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from batchsim.server.results.metrics import RequestRecord, StepRecord
+from batchsim.server.results.metrics import RequestRecord
+
+from tests.sim_records import file_bytes, records
 
 # A process that runs the CLI after `patch` (Python) wrapped one of its functions.
 _WRAPPER = """
@@ -93,22 +95,10 @@ def wait_for_lines(proc: subprocess.Popen, out: Path, *names: str, timeout_s: fl
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()[1][-2000:]
         dirs = list(out.glob("*/"))
-        if dirs and all(b"\n" in _bytes(dirs[0] / n) for n in names):
+        if dirs and all(b"\n" in file_bytes(dirs[0] / n) for n in names):
             return dirs[0]
         time.sleep(0.02)
     raise AssertionError(f"no lines in {names} after {timeout_s} s")
-
-
-def _bytes(path: Path) -> bytes:
-    return path.read_bytes() if path.exists() else b""
-
-
-def records(run_dir: Path) -> tuple[list[RequestRecord], list[StepRecord]]:
-    """Every line of both files, each a valid record (a torn line fails here)."""
-    rows = {n: [json.loads(x) for x in _bytes(run_dir / n).decode().splitlines()]
-            for n in ("requests.jsonl", "steps.jsonl")}
-    return ([RequestRecord.from_json(r) for r in rows["requests.jsonl"]],
-            [StepRecord.from_json(r) for r in rows["steps.jsonl"]])
 
 
 def finished_interrupted(proc: subprocess.Popen) -> tuple[dict, list[RequestRecord]]:

@@ -21,16 +21,9 @@ from batchsim.server.results.jsonio import dumps
 from batchsim.workloads.lengths import LengthSpec
 from batchsim.workloads.spec import WorkloadSpec
 
+from tests.sim_records import request_record, sim_config, step_record
+
 SHIPPED = Path(__file__).parent.parent / "configs" / "devices" / "linux-x86_64-openblas-2core.yaml"
-
-
-def sim_config(n: int = 60) -> RunConfig:
-    # Mixed output lengths at a high rate: requests finish in another order than they arrive.
-    spec = WorkloadSpec(name="mixed", num_prompts=n, request_rate=50.0, seed=1,
-                        input_len=LengthSpec("uniform", min=16, max=400),
-                        output_len=LengthSpec("uniform", min=1, max=120))
-    return RunConfig(model="llama-3.2-1b", executor="sim", device_profile="M2 Max", quantize=4,
-                     workload=spec)
 
 
 def test_records_stream_during_the_run_and_end_as_a_finished_run_always_had_them(
@@ -265,12 +258,10 @@ def test_a_stream_closed_by_an_abandoned_run_ignores_a_late_flush(tmp_path):
     """A rank's watchdog abandons the run from its own thread (records closed, summary written)
     while the run's loop may still flush: that flush raised ValueError on the closed files (or
     wrote the same steps twice, racing); now it writes nothing, under one lock."""
-    from tests.test_timeline import _step
-
     stream = run_files.RecordStream(tmp_path)
-    stream.add_step(_step(0, 0.0, running=1, waiting=0))
+    stream.add_step(step_record(0, 0.0, running=1, waiting=0))
     stream.close_unfinished()
-    stream.add_step(_step(1, 1.0, running=1, waiting=0))
+    stream.add_step(step_record(1, 1.0, running=1, waiting=0))
     stream.flush()  # the loop's flusher, after the abandon
     lines = (tmp_path / "steps.jsonl").read_text().splitlines()
     assert [json.loads(x)["step_index"] for x in lines] == [0]
@@ -282,8 +273,6 @@ def test_a_signal_during_a_flush_waits_for_it_and_keeps_every_record_once(tmp_pa
     and skipping its flush instead lost the buffered requests. It now waits for the flush under
     way (run_files.when_not_flushing): every step and request is written once."""
     import signal
-
-    from tests.test_timeline import _request, _step
 
     stream = run_files.RecordStream(tmp_path)
     write = stream._write
@@ -305,8 +294,8 @@ def test_a_signal_during_a_flush_waits_for_it_and_keeps_every_record_once(tmp_pa
         return written
 
     stream._write = write_then_signal
-    stream.add_step(_step(0, 0.0, running=1, waiting=0))
-    stream.add_request(_request(7, 0.0, 0.5))
+    stream.add_step(step_record(0, 0.0, running=1, waiting=0))
+    stream.add_request(request_record(7, 0.0, 0.5))
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         with pytest.raises(Exited):
@@ -324,12 +313,10 @@ def test_two_streams_closing_one_run_dir_each_write_their_own_whole_file(tmp_pat
     writer closing the same run dir mid-write truncated and renamed the first's temp file, so the
     first's later lines landed inside the second's finished file and its rename failed. Each
     writer now has its own temp (run_files.write_atomically): the last rename wins, whole."""
-    from tests.test_timeline import _request
-
     monkeypatch.setattr(run_files, "WRITE_CHUNK_BYTES", 1)  # a write per line: room to interleave
     first, second = run_files.RecordStream(tmp_path), run_files.RecordStream(tmp_path)
-    first_rows = [_request(i, 0.0, 0.5) for i in range(6)]
-    second_rows = [_request(100 + i, 0.0, 0.25) for i in range(3)]
+    first_rows = [request_record(i, 0.0, 0.5) for i in range(6)]
+    second_rows = [request_record(100 + i, 0.0, 0.25) for i in range(3)]
     encode = run_files.dumps
     calls = []
 

@@ -17,7 +17,7 @@ def finished_run(tmp_path_factory) -> Path:
     from batchsim.server.engine.runner import run_workload
     from batchsim.server.engine.session import open_session
 
-    from tests.test_records import sim_config
+    from tests.sim_records import sim_config
 
     session = open_session(sim_config(n=12))
     out = tmp_path_factory.mktemp("runs")

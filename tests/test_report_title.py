@@ -9,7 +9,7 @@ from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 from batchsim.server.results import rebuild, timeline_draw
 
-from tests.test_records import sim_config
+from tests.sim_records import sim_config
 
 
 @pytest.mark.parametrize("workload", [{"request_rate": float("inf")},

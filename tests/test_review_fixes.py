@@ -145,7 +145,7 @@ def test_steps_record_admissions_a_preempted_requests_return_included():
     from batchsim.server.engine.session import open_session
     from batchsim.server.results import timeline
 
-    from tests.test_records import sim_config
+    from tests.sim_records import sim_config
 
     session = open_session(dataclasses.replace(sim_config(n=40), memory_gb=0.75))
     outcome = run_workload(session, session.config.workload, out_dir=None, label="t")

@@ -13,7 +13,7 @@ from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 from batchsim.server.executors import sim_executor  # noqa: F401 (its `made`, patched below)
 
-from tests.test_records import sim_config
+from tests.sim_records import sim_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 
-from tests.test_records import sim_config
+from tests.sim_records import sim_config
 
 
 def test_the_recorder_counts_requests_that_left_as_the_progress_line_used_to_count_them():

@@ -13,7 +13,7 @@ from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 from rich.console import Console
 
-from tests.test_records import sim_config
+from tests.sim_records import sim_config
 
 
 def test_header_and_table_name_the_weights_the_traffic_and_one_kv_budget(monkeypatch):

@@ -17,7 +17,7 @@ from batchsim.workloads.lengths import parse_length
 from batchsim.workloads.spec import WorkloadSpec
 from rich.console import Console
 
-from tests.test_records import sim_config
+from tests.sim_records import sim_config
 
 
 def _serve_args(*argv: str) -> argparse.Namespace:

@@ -13,21 +13,9 @@ from batchsim.server.results import rebuild, request_arrays, timeline, timeline_
 from batchsim.server.results.metrics import RequestRecord, StepRecord
 from batchsim.server.results.timeline import Limits, overrun_index
 
-from tests.test_records import sim_config
+from tests.sim_records import request_record, sim_config, step_record
 
 PNG = b"\x89PNG\r\n\x1a\n"
-
-
-def _step(i: int, start: float, running: int, waiting: int, batch: int = 1,
-          prefill: int = 0, preempted: int = 0) -> StepRecord:
-    return StepRecord(i, start, start + 1.0, 1, batch, prefill, 1 if prefill else 0, running,
-                      waiting, 1 << 20, 1 << 20, 4, 256, preempted, 1.0)
-
-
-def _request(rid: int, arrival: float, first: float | None) -> RequestRecord:
-    times = (first + 1.0,) if first is not None else ()
-    return RequestRecord(rid, "finished" if times else "unfinished", arrival, first, times,
-                         first + 1.0 if first is not None else None, 16, len(times))
 
 
 def test_every_run_directory_gets_a_timeline_named_in_the_summary(tmp_path):
@@ -64,26 +52,26 @@ def test_a_drawing_failure_costs_the_run_nothing(tmp_path, monkeypatch):
 def test_the_overrun_is_a_wait_for_memory_not_for_a_seat_or_tokens():
     limits = Limits(1 << 30, max_num_seqs=2, max_num_batched_tokens=2048)
     # Request 1 arrives at 0.5 and waits through steps 1 and 2 (starting at 1 and 2) and runs at 3.
-    requests = [_request(0, 0.0, 0.0), _request(1, 0.5, 3.0)]
-    full = [_step(0, 0.0, 1, 1, prefill=16), _step(1, 1.0, 2, 1), _step(2, 2.0, 2, 1),
-            _step(3, 3.0, 2, 0, prefill=16)]
+    requests = [request_record(0, 0.0, 0.0), request_record(1, 0.5, 3.0)]
+    full = [step_record(0, 0.0, 1, 1, prefill=16), step_record(1, 1.0, 2, 1),
+            step_record(2, 2.0, 2, 1), step_record(3, 3.0, 2, 0, prefill=16)]
     # Step 0 leaves one seat, but steps 1 and 2 admit nobody with the seat free: only memory was
     # short. Step 1 may have been planned before the arrival (a real engine plans ahead), so the
     # overrun is the second step that passed the request over.
-    twice = [full[0], _step(1, 1.0, 1, 1), _step(2, 2.0, 1, 1), full[3]]
+    twice = [full[0], step_record(1, 1.0, 1, 1), step_record(2, 2.0, 1, 1), full[3]]
     assert overrun_index(requests, twice, limits) == 2
     # Passed over only by the first step after it arrived: no overrun (the README's run marked one
     # at 2% of its KV budget before this rule).
     assert overrun_index(requests, full, limits) is None
     # Both seats taken (two running before step 1): waiting for a seat is not an overrun.
-    seats = [_step(0, 0.0, 2, 1, prefill=16), *full[1:]]
+    seats = [step_record(0, 0.0, 2, 1, prefill=16), *full[1:]]
     assert overrun_index(requests, seats, limits) is None
     # The step's tokens used up (2048 prefill tokens): not memory either.
-    tokens = [full[0], _step(1, 1.0, 1, 1, prefill=2048), _step(2, 2.0, 2, 1, prefill=2048),
-              full[3]]
+    tokens = [full[0], step_record(1, 1.0, 1, 1, prefill=2048),
+              step_record(2, 2.0, 2, 1, prefill=2048), full[3]]
     assert overrun_index(requests, tokens, limits) is None
     # A preemption is an overrun wherever it comes; without the limits, only preemptions count.
-    preempting = [*full[:3], _step(3, 3.0, 2, 0, prefill=16, preempted=1)]
+    preempting = [*full[:3], step_record(3, 3.0, 2, 0, prefill=16, preempted=1)]
     assert overrun_index(requests, preempting, Limits()) == 3
 
 
@@ -106,7 +94,7 @@ def test_a_run_that_preempts_marks_its_overrun_and_a_roomy_one_none(tmp_path):
 
 
 def test_long_runs_are_binned_and_the_output_rate_counts_every_token():
-    steps = [_step(i, float(i), i % 7, i % 3, batch=i % 5) for i in range(3000)]
+    steps = [step_record(i, float(i), i % 7, i % 3, batch=i % 5) for i in range(3000)]
     series = timeline._Series(steps)
     assert series.binned and len(series.x) == timeline.MAX_POINTS
     running = np.array([s.num_running for s in steps], dtype=float)
@@ -117,7 +105,7 @@ def test_long_runs_are_binned_and_the_output_rate_counts_every_token():
     assert abs(mean.mean() - running.mean()) < 0.05
     assert not timeline._Series(steps[:100]).binned
 
-    requests = [_request(i, float(i), float(i)) for i in range(2999)]
+    requests = [request_record(i, float(i), float(i)) for i in range(2999)]
     _x, rate, width = timeline.output_rate(request_arrays.token_times(requests)[0], 3000.0)
     assert width == 5.0 and round(float((rate * width).sum())) == 2999
     assert timeline.bin_width_s(0.3) == 0.5 and timeline.bin_width_s(7) == 10
@@ -147,7 +135,7 @@ def test_the_picture_says_what_ran_where_and_the_seats_a_queue_can_wait_for(tmp_
                                 "mlx-lm-server)\nworkload mixed: 5 requests, poisson at 50 req/s")
 
     ax = figure().subplots()
-    steps = [_step(i, float(i), running=8, waiting=3 * i) for i in range(5)]
+    steps = [step_record(i, float(i), running=8, waiting=3 * i) for i in range(5)]
     timeline_draw._requests_panel(ax, timeline._Series(steps), 8, ax.twinx())
     seats = [ln for ln in ax.get_lines() if ln.get_label() == "seats (max_num_seqs 8)"]
     assert len(seats) == 1 and set(seats[0].get_ydata()) == {8}
@@ -196,9 +184,10 @@ def test_a_canvas_made_ahead_draws_the_same_picture(tmp_path):
     from PIL import Image
 
     for n in (3000, 100, 0):
-        steps = [_step(i, float(i), i % 7, 40 * (i % 13), batch=i % 5, prefill=16 * (i % 4 == 0),
-                       preempted=int(i == n // 2)) for i in range(n)]
-        requests = [_request(i, float(i), float(i) + 0.5) for i in range(n)]
+        steps = [step_record(i, float(i), i % 7, 40 * (i % 13), batch=i % 5,
+                             prefill=16 * (i % 4 == 0), preempted=int(i == n // 2))
+                 for i in range(n)]
+        requests = [request_record(i, float(i), float(i) + 0.5) for i in range(n)]
         panels = timeline.timeline_panels(requests, steps, Limits(1 << 22, 8, 64), f"{n} steps")
         plain = timeline_draw.draw_panels(tmp_path / f"plain{n}.png", panels)
         ahead = timeline_draw.draw_panels(tmp_path / f"ahead{n}.png", panels,
@@ -232,9 +221,9 @@ def test_a_picture_the_disk_cut_short_is_not_left_torn(tmp_path):
 def test_the_panels_read_the_steps_as_columns_once():
     """timeline_panels reads the steps' columns once (request_arrays.step_columns) for the overrun
     and the series: the same values as each step's fields, the same overrun either way."""
-    steps = [_step(i, float(i), i % 7, 3 * (i % 5), batch=i % 4, prefill=16 * (i % 3 == 0),
+    steps = [step_record(i, float(i), i % 7, 3 * (i % 5), batch=i % 4, prefill=16 * (i % 3 == 0),
                    preempted=int(i == 40)) for i in range(60)]
-    requests = [_request(i, float(i), float(i) + 2.0 if i % 9 else None) for i in range(50)]
+    requests = [request_record(i, float(i), float(i) + 2.0 if i % 9 else None) for i in range(50)]
     col = request_arrays.step_columns(steps, timeline.PANEL_INTS)
     series = timeline._Series(steps, col)
     assert series.get("waiting").tolist() == [float(s.num_waiting) for s in steps]

@@ -16,7 +16,7 @@ from batchsim.server.engine.session import open_session
 from batchsim.server.results import timeline_draw
 from batchsim.server.results.timeline_draw import DrawingProcess
 
-from tests.test_records import sim_config
+from tests.sim_records import sim_config
 
 
 def _run(tmp_path, label: str, timeline):

@@ -1,0 +1,49 @@
+"""Run records for tests: a small simulated run's config (`sim_config`), a run directory's
+records read back line by line (`records`), and hand-made records (`step_record`,
+`request_record`) for the code that reads them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from batchsim.server.engine.run_config import RunConfig
+from batchsim.server.results.metrics import RequestRecord, StepRecord
+from batchsim.workloads.lengths import LengthSpec
+from batchsim.workloads.spec import WorkloadSpec
+
+
+def sim_config(n: int = 60) -> RunConfig:
+    # Mixed output lengths at a high rate: requests finish in another order than they arrive.
+    spec = WorkloadSpec(name="mixed", num_prompts=n, request_rate=50.0, seed=1,
+                        input_len=LengthSpec("uniform", min=16, max=400),
+                        output_len=LengthSpec("uniform", min=1, max=120))
+    return RunConfig(model="llama-3.2-1b", executor="sim", device_profile="M2 Max", quantize=4,
+                     workload=spec)
+
+
+def file_bytes(path: Path) -> bytes:
+    """The file's bytes, or none while it is not yet there."""
+    return path.read_bytes() if path.exists() else b""
+
+
+def records(run_dir: Path) -> tuple[list[RequestRecord], list[StepRecord]]:
+    """Every line of both files, each a valid record (a torn line fails here)."""
+    rows = {n: [json.loads(x) for x in file_bytes(run_dir / n).decode().splitlines()]
+            for n in ("requests.jsonl", "steps.jsonl")}
+    return ([RequestRecord.from_json(r) for r in rows["requests.jsonl"]],
+            [StepRecord.from_json(r) for r in rows["steps.jsonl"]])
+
+
+def step_record(i: int, start: float, running: int, waiting: int, batch: int = 1,
+                prefill: int = 0, preempted: int = 0) -> StepRecord:
+    """A one-second step that starts at `start` s."""
+    return StepRecord(i, start, start + 1.0, 1, batch, prefill, 1 if prefill else 0, running,
+                      waiting, 1 << 20, 1 << 20, 4, 256, preempted, 1.0)
+
+
+def request_record(rid: int, arrival: float, first: float | None) -> RequestRecord:
+    """One token a second after `first` (finished), or none (unfinished) when first is None."""
+    times = (first + 1.0,) if first is not None else ()
+    return RequestRecord(rid, "finished" if times else "unfinished", arrival, first, times,
+                         first + 1.0 if first is not None else None, 16, len(times))

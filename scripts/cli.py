@@ -20,17 +20,22 @@ from typing import NoReturn
 
 
 def _interrupted_while_starting(signum: int, frame: object) -> None:
-    """Ctrl-C while the commands' modules load (about a second): one line, not an import's
-    KeyboardInterrupt traceback; nothing has been written yet."""
-    sys.stderr.write("batchsim: interrupted while starting\n")
+    """A stop signal while the commands' modules load (about a second; SIGTERM and SIGHUP killed
+    the command there, exit -15/-1, not a word): one line, not an import's KeyboardInterrupt
+    traceback; nothing has been written yet."""
+    name = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
+    with contextlib.suppress(OSError):  # SIGHUP: the terminal may be gone (EIO)
+        sys.stderr.write(f"batchsim: interrupted while starting{name}\n")
+        sys.stderr.flush()
     os._exit(130)  # EXIT_INTERRUPTED, before common (which defines it) is loaded
 
 
 def _after_start(before: object) -> object:
-    """SIGINT's handler once the commands load: Python's KeyboardInterrupt, noted for a run that
-    starts later (signals.ctrl_c, not printed where Python swallowed it); an ignored SIGINT (a
-    background job's) stays ignored."""
-    if before is not signal.default_int_handler:
+    """A stop signal's handler once the commands load: Python's KeyboardInterrupt, as Ctrl-C's
+    (SIGTERM and SIGHUP too, as every command's run answers them), noted for a run that starts
+    later (signals.ctrl_c, not printed where Python swallowed it); an ignored signal (nohup's
+    SIGHUP, a background job's SIGINT) stays ignored."""
+    if before not in (signal.default_int_handler, signal.SIG_DFL):
         return before
     from batchsim.server.platform import signals
 
@@ -38,12 +43,19 @@ def _after_start(before: object) -> object:
     return signals.ctrl_c
 
 
+def _stop_signals_while_starting() -> dict[signal.Signals, object]:
+    """The stop signals answered by _interrupted_while_starting, with the handler each had. Not
+    in a rank of `--ranks` (mlx.launch's MLX_RANK): rank.joined answers its own."""
+    stops = (signal.SIGINT,) if "MLX_RANK" in os.environ else (
+        signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    return {sig: signal.signal(sig, _interrupted_while_starting) for sig in stops
+            if signal.getsignal(sig) is not signal.SIG_IGN}  # nohup, `cmd &`
+
+
 # The program itself only (the console script, or -m): a test importing this keeps its Ctrl-C.
 _PROGRAM = Path(sys.argv[0]).name in ("batchsim", "cli.py")
-_BEFORE_START = (signal.signal(signal.SIGINT, _interrupted_while_starting)
-                 if _PROGRAM and threading.current_thread() is threading.main_thread()
-                 and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # nohup, `cmd &`
-                 else None)
+_BEFORE_START = (_stop_signals_while_starting()
+                 if _PROGRAM and threading.current_thread() is threading.main_thread() else {})
 
 def _open_closed_standard_streams() -> None:
     """A standard stream closed by the caller (`batchsim run >&-`, a daemon): Python leaves
@@ -250,8 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     given = sys.argv[1:] if argv is None else argv
     parser = build_parser(given[0] if given and given[0] in _NAMES else None)
-    if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
-        signal.signal(signal.SIGINT, _after_start(_BEFORE_START))  # the commands' from here
+    for sig, before in _BEFORE_START.items():  # the commands' from here
+        if signal.getsignal(sig) is _interrupted_while_starting:
+            signal.signal(sig, _after_start(before))
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()

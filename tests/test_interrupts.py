@@ -71,7 +71,7 @@ sys.argv[0] = "batchsim"  # as the console script starts it
 from batchsim.scripts import cli
 load = importlib.import_module
 def signalled(name, *args):
-    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), getattr(signal, os.environ.get("SENT_SIGNAL", "SIGINT")))
     return load(name, *args)
 importlib.import_module = signalled
 sys.exit(cli.main(sys.argv[1:]))
@@ -219,15 +219,19 @@ def test_after_sigkill_the_lines_are_valid_and_report_rebuilds_the_summary(batch
     assert summary["num_plans"] == len(steps) and summary["executor"] == "fake"
 
 
-def test_ctrl_c_while_the_commands_load_is_one_line_and_130(batchsim_home, tmp_path):
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_stop_signal_while_the_commands_load_is_one_line_and_130(batchsim_home, tmp_path,
+                                                                    sig):
+    """SIGTERM and SIGHUP there killed the command without a word (exit -15 / -1)."""
     from batchsim.scripts.common import EXIT_INTERRUPTED
 
     proc = subprocess.run([sys.executable, "-c", _WHILE_STARTING, "run", *FAKE, "--out",
                            str(tmp_path)], check=False, capture_output=True, text=True,
-                          timeout=120,
-                          env={**os.environ, "BATCHSIM_HOME": str(batchsim_home)})
+                          timeout=120, env={**os.environ, "BATCHSIM_HOME": str(batchsim_home),
+                                            "SENT_SIGNAL": sig})
     assert proc.returncode == EXIT_INTERRUPTED, proc.stderr[-2000:]
-    assert proc.stderr == "batchsim: interrupted while starting\n"
+    named = "" if sig == "SIGINT" else f" ({sig})"
+    assert proc.stderr == f"batchsim: interrupted while starting{named}\n"
     assert not list(tmp_path.iterdir())  # nothing was written
 
 
@@ -254,7 +258,7 @@ from batchsim.scripts import cli
 class Lock:
     pass
 def pressed(_ref):
-    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), getattr(signal, os.environ.get("SENT_SIGNAL", "SIGINT")))
     for _ in range(100):  # the handler runs here, inside the callback
         pass
 class Swallowed(importlib.abc.MetaPathFinder):
@@ -269,19 +273,22 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_ctrl_c_that_python_swallowed_while_the_run_loaded_still_stops_it(batchsim_home,
-                                                                          tmp_path):
+                                                                          tmp_path, sig):
     """h8: a Ctrl-C between the parser and the run's handlers, raised where Python only prints
     it (1 of 4 presses 1.5-1.9 s into a simulated run at load 7), was lost: the run went on to
     its end, exit 0, interrupted false, after an "Exception ignored" traceback. The first run
-    entered now counts it, and says nothing of the swallowed exception."""
+    entered now counts it, and says nothing of the swallowed exception. A SIGTERM there killed
+    the run (exit -15, no run directory): it is answered as Ctrl-C from the commands' start."""
     proc = subprocess.run([sys.executable, "-c", _SWALLOWED_WHILE_LOADING, "run", *SIM,
                            "--no-timeline", "--no-progress", "--out", str(tmp_path)],
                           check=False, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "BATCHSIM_HOME": str(batchsim_home)})
+                          env={**os.environ, "BATCHSIM_HOME": str(batchsim_home),
+                               "SENT_SIGNAL": sig})
     assert proc.returncode == 130, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
     (run_dir,) = tmp_path.iterdir()
     saved = json.loads((run_dir / "summary.json").read_text())
-    assert saved["interrupted"] is True and saved["interrupt_reason"] == "SIGINT"
+    assert saved["interrupted"] is True and saved["interrupt_reason"] == sig
     assert saved["completed"] < 300

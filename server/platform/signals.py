@@ -69,6 +69,7 @@ def ctrl_c(signum: int, _frame: object) -> None:
     system's module-lock callback, it is only printed as "Exception ignored" and the command went
     on)."""
     held.append(signal.Signals(signum).name)
+    leave_closed_terminal(signum)  # SIGHUP (cli answers it so too): "interrupted" must not fail
     raise KeyboardInterrupt
 
 

@@ -53,6 +53,9 @@ class Scheduler:
         self.num_hit_tokens = 0
         # The last step's rows whose accepted drafts a stop cut: request id -> drafts kept.
         self.cut_drafts: dict[int, int] = {}
+        # The last step's sampled rows (indices into sampled_ids) whose request was gone when its
+        # output came (aborted mid-step): they emitted nothing.
+        self.dropped_rows: tuple[int, ...] = ()
         self._pending_free: list[int] = []
         # The last plan and its decode rows' requests (update_from_output's simulated fast path).
         self._planned: StepPlan | None = None
@@ -291,6 +294,7 @@ class Scheduler:
         end = step + k
         token_ids, accepted = result.token_ids, result.accepted_ids
         self.cut_drafts = {}
+        self.dropped_rows = ()
         sampled = result.sampled_ids
         first = self._advance_simulated(plan, result, step, k, finished)
         if first:  # simulated decode rows: counters only (advance.py, lazy_rows.py)
@@ -300,6 +304,7 @@ class Scheduler:
         for i, rid in enumerate(sampled, first):  # every decode row and sampling prefill
             r = requests.get(rid)
             if r is None or r.status is not running:
+                self.dropped_rows += (i,)
                 continue
             n = k  # tokens this row emitted: one per step, or accepted drafts and one (k is 1)
             new = reason = None

@@ -226,3 +226,40 @@ def test_the_engine_reports_to_the_recorder_it_is_given():
     engine = clock.run(main(), virtual=True)
     assert engine.recorder is recorder and engine.virtual_time
     assert (recorder.num_arrivals, recorder.generation_tokens, recorder.requests) == (3, 24, {})
+
+
+class AbortingExecutor(FakeExecutor):
+    """Aborts request `rid` while its `at`-th step computes, as a client leaving mid-step does."""
+
+    def __init__(self, rid: int, at: int):
+        super().__init__(virtual_time=True)
+        self.rid, self.at, self.calls, self.engine = rid, at, 0, None
+
+    def execute(self, plan, max_elapsed_s=float("inf")):
+        self.calls += 1
+        if self.calls == self.at:
+            self.engine.abort(self.rid)
+        return super().execute(plan, max_elapsed_s)
+
+
+def test_a_request_aborted_mid_step_adds_no_generation_token():
+    """The step computing when a request is aborted still samples its row, which the scheduler
+    drops: serve's token counter counts what the requests got, no more."""
+    from batchsim.server.http.prometheus import ServerRecorder
+
+    recorder, executor = ServerRecorder(), AbortingExecutor(rid=1, at=4)
+
+    async def main():
+        engine = Engine(Scheduler(config()), executor, recorder=recorder)
+        executor.engine = engine
+        engine.start_clock()
+        loop_task = asyncio.create_task(engine.run())
+        done = await asyncio.gather(*[engine.add(req(i, out=8)) for i in range(2)])
+        engine.stop()
+        await loop_task
+        return done
+
+    done = clock.run(main(), virtual=True)
+    assert [r.finish_reason for r in done] == ["length", "abort"]
+    assert 0 < done[1].num_output_tokens < 8
+    assert recorder.generation_tokens == sum(r.num_output_tokens for r in done)

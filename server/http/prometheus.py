@@ -78,10 +78,15 @@ class ServerRecorder:
         k = result.num_steps
         self.num_steps += k
         self.prompt_tokens += sum(c.num_tokens for c in plan.prefills)
-        # Rows the scheduler cut at a stop (scheduler.cut_drafts) emitted their kept drafts only.
-        self.generation_tokens += len(result.sampled_ids) * k - len(scheduler.cut_drafts)
+        # Rows the scheduler cut at a stop (scheduler.cut_drafts) emitted their kept drafts only;
+        # rows of requests aborted mid-step (scheduler.dropped_rows) emitted nothing.
+        dropped = scheduler.dropped_rows
+        kept_rows = len(result.sampled_ids) - len(dropped)
+        self.generation_tokens += kept_rows * k - len(scheduler.cut_drafts)
         if result.accepted_ids is not None:
-            self.generation_tokens += sum(map(len, result.accepted_ids))
+            accepted = result.accepted_ids
+            self.generation_tokens += (sum(map(len, accepted))
+                                       - sum(len(accepted[i]) for i in dropped))
             self.spec.add(result)
         batch = len(plan.decode_ids)
         self.last_batch_size = batch

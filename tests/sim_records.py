@@ -1,6 +1,6 @@
 """Run records for tests: a small simulated run's config (`sim_config`), a run directory's
 records read back line by line (`records`), and hand-made records (`step_record`,
-`request_record`) for the code that reads them."""
+`request_record`, `sweep_step`) for the code that reads them."""
 
 from __future__ import annotations
 
@@ -47,3 +47,9 @@ def request_record(rid: int, arrival: float, first: float | None) -> RequestReco
     times = (first + 1.0,) if first is not None else ()
     return RequestRecord(rid, "finished" if times else "unfinished", arrival, first, times,
                          first + 1.0 if first is not None else None, 16, len(times))
+
+
+def sweep_step(i: int, batch: int, prefill: int, running: int, waiting: int) -> StepRecord:
+    """A 0.1 s step with 192-token prefill chunks and no KV bytes, as the sweep's limits read it."""
+    return StepRecord(i, i * 0.1, i * 0.1 + 0.1, 1, batch, prefill, prefill // 192, running,
+                      waiting, 0, None, 0, 0, 0)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from batchsim.scripts.cli import main
 from batchsim.server.perf import sweep_limits as sweep_math
-from batchsim.server.results.metrics import StepRecord
+
+from tests.sim_records import sweep_step
 
 GIB = 1 << 30
 SMOLLM2_WEIGHTS_F32 = 538_060_032  # zoo spec: 134,515,008 params x 4 bytes
@@ -83,17 +84,13 @@ def test_scaling_stop():
     assert sweep_math.scaling_stop(batches, batches, [10, None, 19, 34, 60], 0.05) is None
 
 
-def step(i: int, batch: int, prefill: int, running: int, waiting: int) -> StepRecord:
-    return StepRecord(i, i * 0.1, i * 0.1 + 0.1, 1, batch, prefill, prefill // 192, running,
-                      waiting, 0, None, 0, 0, 0)
-
-
 def test_memory_waits_exclude_the_token_budget():
     steps = [
-        step(0, 0, 1920, 10, 4),  # 10 prefills fill the 2048-token step: waiting is expected
-        step(1, 10, 384, 12, 2),  # room for another 192-token chunk, yet 2 wait: memory
-        step(2, 12, 0, 12, 2),
-        step(3, 12, 384, 14, 0),  # a request finished: both are admitted
+        # 10 prefills fill the 2048-token step: waiting is expected
+        sweep_step(0, 0, 1920, 10, 4),
+        sweep_step(1, 10, 384, 12, 2),  # room for another 192-token chunk, yet 2 wait: memory
+        sweep_step(2, 12, 0, 12, 2),
+        sweep_step(3, 12, 384, 14, 0),  # a request finished: both are admitted
     ]
     admitted = [10, 2, 0, 2]
     assert sweep_math.memory_wait_steps(steps, admitted, 14, 2048, 192) == 2
@@ -104,9 +101,9 @@ def test_a_request_that_arrived_during_a_step_is_no_memory_wait():
     """A real run's request arrives while a step runs and waits after it, though the next plan
     admits it: counted as held back for memory, it failed the end-to-end sweep test at load 8-10
     (longer steps: more such arrivals)."""
-    steps = [step(0, 2, 0, 2, 1), step(1, 2, 192, 3, 0), step(2, 3, 0, 3, 0)]
+    steps = [sweep_step(0, 2, 0, 2, 1), sweep_step(1, 2, 192, 3, 0), sweep_step(2, 3, 0, 3, 0)]
     assert sweep_math.memory_wait_steps(steps, [0, 1, 0], 4, 2048, 192) == 0
-    held = [step(0, 2, 0, 2, 1), step(1, 2, 0, 2, 1), step(2, 2, 0, 2, 1)]  # never admitted
+    held = [sweep_step(i, 2, 0, 2, 1) for i in range(3)]  # never admitted
     assert sweep_math.memory_wait_steps(held, [0, 0, 0], 4, 2048, 192) == 2
 
 
@@ -115,7 +112,7 @@ def test_later_prefill_chunks_are_no_admissions():
     counted as two admissions of the two waiting, the waits memory caused went unseen."""
     from batchsim.server.results.metrics import RequestRecord
 
-    steps = [step(0, 0, 384, 2, 2), step(1, 0, 384, 2, 2), step(2, 2, 0, 2, 2)]
+    steps = [sweep_step(0, 0, 384, 2, 2), sweep_step(1, 0, 384, 2, 2), sweep_step(2, 2, 0, 2, 2)]
     requests = [RequestRecord(i, "unfinished", 0.0, 0.0 if i < 2 else None, (), None, 1000, 0)
                 for i in range(4)]
     admitted = sweep_math.admitted_per_step(steps, requests)

@@ -129,9 +129,9 @@ def test_the_sweep_and_the_timeline_count_admissions_alike():
     from batchsim.server.results import timeline
     from batchsim.server.results.metrics import RequestRecord
 
-    from tests.test_compare_sweep import step
+    from tests.sim_records import sweep_step
 
-    steps = [step(0, 0, 384, 2, 2), step(1, 0, 384, 2, 2), step(2, 2, 0, 2, 2)]
+    steps = [sweep_step(0, 0, 384, 2, 2), sweep_step(1, 0, 384, 2, 2), sweep_step(2, 2, 0, 2, 2)]
     requests = [RequestRecord(i, "unfinished", 0.0, t, (), None, 1000, 0)
                 for i, t in enumerate([0.0, 0.0, 0.05, None])]
     assert sweep_limits.admitted_per_step is timeline.admitted_per_step

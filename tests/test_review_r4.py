@@ -70,11 +70,11 @@ def test_a_preempted_requests_return_with_a_seat_free_is_no_memory_wait():
     from batchsim.server.results.metrics import RequestRecord
     from batchsim.server.results.timeline import admitted_per_step
 
-    from tests.test_compare_sweep import step
+    from tests.sim_records import sweep_step
 
-    steps = [dataclasses.replace(step(0, 0, 384, 2, 0), num_admitted=2),
-             dataclasses.replace(step(1, 1, 0, 1, 1), num_preemptions=1, num_admitted=0),
-             dataclasses.replace(step(2, 1, 192, 2, 0), num_admitted=1)]  # request 1 is back
+    steps = [dataclasses.replace(sweep_step(0, 0, 384, 2, 0), num_admitted=2),
+             dataclasses.replace(sweep_step(1, 1, 0, 1, 1), num_preemptions=1, num_admitted=0),
+             dataclasses.replace(sweep_step(2, 1, 192, 2, 0), num_admitted=1)]  # request 1 is back
     requests = [RequestRecord(i, "unfinished", 0.0, 0.0, (), None, 192, 0) for i in (0, 1)]
     old = [dataclasses.replace(s, num_admitted=None) for s in steps]
     waits = [memory_wait_steps(s, admitted_per_step(s, requests), 4, 2048, 192)

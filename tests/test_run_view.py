@@ -41,7 +41,7 @@ def test_header_and_table_name_the_weights_the_traffic_and_one_kv_budget(monkeyp
 def test_the_goodput_row_says_its_slos_in_words():
     from batchsim.server.results.metrics import summarize
 
-    from tests.test_metrics import REQUESTS, STEPS
+    from tests.metrics_schedule import REQUESTS, STEPS
 
     s = summarize(REQUESTS, STEPS, duration_s=3.0, goodput_slo_ms={"ttft": 2000.0, "tpot": 200.0})
     console = Console(width=160, record=True)

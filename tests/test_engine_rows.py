@@ -17,17 +17,17 @@ from batchsim.server.perf.engines import (
 from batchsim.server.perf.gpu_fit import load_fit
 from batchsim.server.perf.stepcost import StepCost
 
-from tests.test_engines import _engine, _mac
+from tests.engine_profiles import bare_mac, host_engine
 
 
 def test_per_row_terms_grow_with_the_rows_and_the_simulator_charges_them():
     from batchsim.server.executors.sim_executor import SimExecutor
 
     spec = zoo_spec("llama-3.2-1b")
-    base = _mac()
+    base = bare_mac()
     terms = {"attention_row_s": 2e-6, "token_layer_s": 1e-6, "sampling_row_s": 30e-6}
     cost = StepCost(spec, dataclasses.replace(base, **terms), "float16", 4,
-                    engine=_engine(host_step_us=500, host_token_us=100, sampler="per_row"))
+                    engine=host_engine(host_step_us=500, host_token_us=100, sampler="per_row"))
     plain = StepCost(spec, base, "float16", 4)
     for rows in (1, 8, 32):
         t = cost.step_time(decode_rows=rows, width=128)
@@ -59,8 +59,8 @@ def test_a_request_cost_is_paid_once_where_the_request_samples_its_first_token()
     from batchsim.server.published import sim as ps
 
     spec = zoo_spec("llama-3.2-1b")
-    cost = StepCost(spec, _mac(), "float16", 4, engine=_engine(host_request_us=150_000))
-    plain = StepCost(spec, _mac(), "float16", 4)
+    cost = StepCost(spec, bare_mac(), "float16", 4, engine=host_engine(host_request_us=150_000))
+    plain = StepCost(spec, bare_mac(), "float16", 4)
     for rows in (1, 4):
         chunk = cost.prefill_time(64, 0, True, rows)
         assert chunk.host_request_s == pytest.approx(rows * 0.15)
@@ -79,7 +79,7 @@ def test_a_request_cost_is_paid_once_where_the_request_samples_its_first_token()
 
 
 def test_kv_read_at_its_own_efficiency():
-    spec, base = zoo_spec("llama-3.2-1b"), _mac()
+    spec, base = zoo_spec("llama-3.2-1b"), bare_mac()
     slow_kv = dataclasses.replace(base, kv_bandwidth_efficiency=base.bandwidth_efficiency / 2)
     half = StepCost(spec, slow_kv, "float16", 4)
     same = StepCost(spec, base, "float16", 4)
@@ -91,8 +91,8 @@ def test_kv_read_at_its_own_efficiency():
 @pytest.mark.parametrize("model", ["llama-3.2-1b", "qwen3-next-80b-a3b"])
 def test_an_engine_that_runs_rows_alone_prices_b_one_row_passes(model):
     spec = zoo_spec(model)
-    serial = StepCost(spec, _mac(), "float16", 4, engine=load_engine("mlx-lm-generate"))
-    batched = StepCost(spec, _mac(), "float16", 4)
+    serial = StepCost(spec, bare_mac(), "float16", 4, engine=load_engine("mlx-lm-generate"))
+    batched = StepCost(spec, bare_mac(), "float16", 4)
     one = batched.decode_time(1, 512).total_s
     assert serial.decode_time(8, 512).total_s == pytest.approx(8 * one, rel=1e-12)
     assert serial.decode_forward_s(8, 512) == pytest.approx(8 * one, rel=1e-12)
@@ -103,9 +103,9 @@ def test_an_engine_that_runs_rows_alone_prices_b_one_row_passes(model):
 
 
 def test_an_engine_serial_for_one_architecture_batches_the_others():
-    engine = _engine(serial_model_types=("qwen3_next",))
-    hybrid = StepCost(zoo_spec("qwen3-next-80b-a3b"), _mac(), "float16", 4, engine=engine)
-    dense = StepCost(zoo_spec("llama-3.2-1b"), _mac(), "float16", 4, engine=engine)
+    engine = host_engine(serial_model_types=("qwen3_next",))
+    hybrid = StepCost(zoo_spec("qwen3-next-80b-a3b"), bare_mac(), "float16", 4, engine=engine)
+    dense = StepCost(zoo_spec("llama-3.2-1b"), bare_mac(), "float16", 4, engine=engine)
     assert hybrid.serial and not dense.serial
     one = hybrid.decode_time(1, 256).total_s
     assert hybrid.decode_time(4, 256).total_s == pytest.approx(4 * one)
@@ -116,11 +116,11 @@ def test_one_row_graphs_evaluated_together_share_weights_and_pay_each_fixed_cost
     """mlxcel-server's per-row fallback: B one-row graphs in one eval read each layer's weights
     once (as a batch) and dispatch B forwards' fixed costs."""
     spec = zoo_spec(model)
-    serial = _engine(serial_model_types=(spec.model_type,))
+    serial = host_engine(serial_model_types=(spec.model_type,))
     together = dataclasses.replace(serial, serial_rows_together=True)
-    one_by_one = StepCost(spec, _mac(), "float16", 4, engine=serial)
-    graphs = StepCost(spec, _mac(), "float16", 4, engine=together)
-    batched = StepCost(spec, _mac(), "float16", 4)
+    one_by_one = StepCost(spec, bare_mac(), "float16", 4, engine=serial)
+    graphs = StepCost(spec, bare_mac(), "float16", 4, engine=together)
+    batched = StepCost(spec, bare_mac(), "float16", 4)
     t, b = graphs.decode_time(4, 512), batched.decode_time(4, 512)
     assert t.fixed_s == pytest.approx(4 * b.fixed_s) and t.weights_s == b.weights_s
     # Each row's graph has its attention in its own fixed cost: no per-row attention term.
@@ -133,24 +133,24 @@ def test_one_row_graphs_evaluated_together_share_weights_and_pay_each_fixed_cost
 
 def test_an_attention_loop_costs_each_row_past_the_first_its_dispatches():
     spec = zoo_spec("llama-3.2-1b")
-    loop = StepCost(spec, _mac(), "float16", 4,
-                    engine=_engine(attention_loop=True, row_dispatch_forwards=0.5))
-    batched = StepCost(spec, _mac(), "float16", 4)
+    loop = StepCost(spec, bare_mac(), "float16", 4,
+                    engine=host_engine(attention_loop=True, row_dispatch_forwards=0.5))
+    batched = StepCost(spec, bare_mac(), "float16", 4)
     fixed_s = batched.decode_time(1, 256).fixed_s
     assert loop.decode_time(1, 256) == batched.decode_time(1, 256)  # one row: the plain forward
     extra = loop.decode_time(8, 256).total_s - batched.decode_time(8, 256).total_s
     assert extra == pytest.approx(7 * 0.5 * fixed_s)
     assert loop.decode_forward_s(8, 256) == pytest.approx(loop.decode_time(8, 256).total_s)
-    unset = StepCost(spec, _mac(), "float16", 4, engine=_engine(row_dispatch_forwards=0.5))
+    unset = StepCost(spec, bare_mac(), "float16", 4, engine=host_engine(row_dispatch_forwards=0.5))
     assert unset.decode_time(8, 256) == batched.decode_time(8, 256)  # no loop declared
 
 
 def test_an_attention_loop_repeats_each_layers_attention_not_its_moe_block():
     # lablup/mlxcel moe-batched-decode-m1ultra-2026-09-04.md (e75fa0e), section 4: the batched
     # qwen3_moe forward runs attention per sequence, router and experts once for all rows.
-    spec, mac = zoo_spec("qwen3-30b-a3b"), _mac()
+    spec, mac = zoo_spec("qwen3-30b-a3b"), bare_mac()
     loop = StepCost(spec, mac, "float16", 4,
-                    engine=_engine(attention_loop=True, row_dispatch_forwards=0.5))
+                    engine=host_engine(attention_loop=True, row_dispatch_forwards=0.5))
     batched = StepCost(spec, mac, "float16", 4)
     extra = loop.decode_time(8, 256).total_s - batched.decode_time(8, 256).total_s
     attention_layers_s = spec.num_layers * mac.layer_overhead_s + mac.forward_overhead_s
@@ -160,9 +160,9 @@ def test_an_attention_loop_repeats_each_layers_attention_not_its_moe_block():
 
 def test_only_an_engine_sampling_per_row_pays_the_per_row_sampling_cost():
     spec = zoo_spec("qwen3-0.6b")
-    mac = dataclasses.replace(_mac("M5 Max 40c"), sampling_row_s=200e-6)
-    per_row = StepCost(spec, mac, "float16", 4, engine=_engine(sampler="per_row"))
-    batched = StepCost(spec, mac, "float16", 4, engine=_engine(sampler="batched"))
+    mac = dataclasses.replace(bare_mac("M5 Max 40c"), sampling_row_s=200e-6)
+    per_row = StepCost(spec, mac, "float16", 4, engine=host_engine(sampler="per_row"))
+    batched = StepCost(spec, mac, "float16", 4, engine=host_engine(sampler="batched"))
     for rows in (1, 32):
         assert per_row.decode_time(rows, 256).sampling_s == pytest.approx(rows * 200e-6)
         assert batched.decode_time(rows, 256).sampling_s == 0.0
@@ -171,7 +171,7 @@ def test_only_an_engine_sampling_per_row_pays_the_per_row_sampling_cost():
     assert batched.prefill_time(128, 0, True).sampling_s == 0.0
     assert load_engine("batchsim").sampler == "batched"  # batchsim's own samples the batch at once
     with pytest.raises(ValueError, match="sampler must be one of batched, per_row"):
-        _engine(sampler="per-row")
+        host_engine(sampler="per-row")
 
 
 def test_a_row_sampled_per_row_is_priced_with_its_harness_sampler():
@@ -198,8 +198,8 @@ def test_a_top_p_sampler_sorts_every_sampled_rows_vocabulary_batched_or_not():
     assert top_p_bytes_per_logit(spec.vocab_size, "bfloat16") == 172
     merge = top_p_bytes_per_logit(4096, "float16") - top_p_bytes_per_logit(2048, "float16")
     assert merge == 12  # a merge pass
-    mac = dataclasses.replace(_mac("M5 Max 40c"), sampling_row_s=50e-6)
-    cost = {(s, p): StepCost(spec, mac, "float16", 4, engine=_engine(sampler=s, top_p=p))
+    mac = dataclasses.replace(bare_mac("M5 Max 40c"), sampling_row_s=50e-6)
+    cost = {(s, p): StepCost(spec, mac, "float16", 4, engine=host_engine(sampler=s, top_p=p))
             for s in ("batched", "per_row") for p in (None, 0.95, 1.0)}
     assert cost["batched", None].act_bytes == 2  # mlx-lm samples the model's dtype, uncast
     row_s = spec.vocab_size * 172 / mac.bytes_per_s  # 26.1 MB a row
@@ -214,7 +214,7 @@ def test_a_top_p_sampler_sorts_every_sampled_rows_vocabulary_batched_or_not():
     assert sampled == pytest.approx(cost["batched", None].prefill_time(128, 0, True).total_s
                                     + row_s)  # a prefill chunk samples one row
     with pytest.raises(ValueError, match="top_p must be in"):
-        _engine(top_p=0.0)
+        host_engine(top_p=0.0)
 
 
 def test_a_row_sampled_with_top_p_is_priced_with_its_harness_top_p():
@@ -247,7 +247,7 @@ def test_each_engine_read_at_its_source_says_how_it_samples():
     for name, sampler in read.items():
         assert load_engine(name).sampler == sampler, name
         assert "\nsampler: " in (ENGINES_DIR / f"{name}.yaml").read_text(), name  # stated
-    mac = dataclasses.replace(_mac("M4 Max 40c"), sampling_row_s=100e-6)
+    mac = dataclasses.replace(bare_mac("M4 Max 40c"), sampling_row_s=100e-6)
     server = StepCost(zoo_spec("qwen3-0.6b"), mac, "float16", 4,
                       engine=load_engine("mlx-lm-server"))
     assert server.decode_time(8, 256).sampling_s == pytest.approx(8 * mac.sampling_row_s)
@@ -305,10 +305,10 @@ def test_each_top_p_sampler_is_priced_by_its_own_code_at_the_version_run():
         vocab, "bfloat16") == 296
     assert rapid.sampler_bytes_per_logit(vocab, "bfloat16") == 0  # no top-p stated: none priced
     with pytest.raises(ValueError, match="top_p_code must be one of"):
-        _engine(top_p_code="vllm")
+        host_engine(top_p_code="vllm")
     for junk in ("abc", "0.6.83x/../", "1 or later", "v0.6.83"):  # () would never gate; the
         # next two were accepted (re.match, unanchored); 'v' is not part of a version here
         with pytest.raises(ValueError, match="top_p_code_since must be a version"):
-            _engine(top_p_code="rapid-mlx-fused", top_p_code_since=junk)
+            host_engine(top_p_code="rapid-mlx-fused", top_p_code_since=junk)
     for version in ("0.6.83", "0.7.0-beta.1", "1.2+local"):
-        assert _engine(top_p_code="rapid-mlx-fused", top_p_code_since=version)
+        assert host_engine(top_p_code="rapid-mlx-fused", top_p_code_since=version)

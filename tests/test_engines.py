@@ -21,20 +21,8 @@ from batchsim.server.perf.engines import (
 from batchsim.server.perf.gpu_fit import load_fit, mac_profile
 from batchsim.server.perf.stepcost import StepCost
 
+from tests.engine_profiles import bare_mac, host_engine
 from tests.sim_profile import PROFILE
-
-
-def _mac(label: str = "M4 Max 40c", quantize_bits: int | None = 4):
-    """A catalog Mac's profile under the shipped fit with the per-row terms and quantized
-    ceilings unset (each test sets the one it checks)."""
-    mac, _ = macs.load_catalog().variant(label)
-    fit = dataclasses.replace(load_fit(), attention_row_us=0.0, kv_bandwidth_efficiency=0.0,
-                              token_layer_us=0.0, sampling_row_us=0.0, quantized_gemm_efficiency={})
-    return mac_profile(mac, fit, quantize_bits)
-
-
-def _engine(**kw) -> EngineProfile:
-    return EngineProfile(**{"name": "test", "host_step_us": 0.0, "host_token_us": 0.0, **kw})
 
 
 def test_every_shipped_engine_loads_and_says_where_its_numbers_come_from():
@@ -84,7 +72,6 @@ def test_a_profile_file_with_a_host_cost_past_any_engine_is_one_line(tmp_path, m
 def test_a_profiles_own_check_says_the_bound_it_enforces():
     """r5: EngineProfile rejects only a negative or infinite cost (its copy scaled by a host_scale
     may pass the file's bound), but its message gave only the file's bound."""
-    from batchsim.server.perf.engines import EngineProfile
 
     assert EngineProfile("e", 2e7, 1.0).host_step_us == 2e7  # past a file's 1e7: scaled
     with pytest.raises(ValueError, match=r"at most 1e\+07 \(finite once scaled by a device's "
@@ -93,7 +80,7 @@ def test_a_profiles_own_check_says_the_bound_it_enforces():
 
 
 @pytest.mark.parametrize("profile,dtype,quant", [(PROFILE, "float32", None),
-                                                 (_mac(), "float16", 4)])
+                                                 (bare_mac(), "float16", 4)])
 def test_new_terms_default_to_nothing(profile, dtype, quant):
     """Unset, the new parts are zero: a calibrated profile's prices are what they were."""
     t = StepCost(zoo_spec("smollm2-135m"), profile, dtype, quant).step_time(
@@ -104,7 +91,7 @@ def test_new_terms_default_to_nothing(profile, dtype, quant):
 
 def test_engine_profile_refuses_negative_costs(tmp_path):
     with pytest.raises(ValueError, match="host_token_us"):
-        _engine(host_token_us=-1)
+        host_engine(host_token_us=-1)
 
 
 def test_size_and_sweep_price_the_engine_named_and_say_so(tmp_path, capsys):
@@ -235,7 +222,7 @@ def test_the_mac_fit_carries_the_new_terms_to_every_mac():
     assert profile.quantized_gemm_gflops == {4: pytest.approx(0.25 * mac.fp16_tflops * 1e3)}
     assert profile.kv_bytes_per_s == pytest.approx(0.5 * mac.bw_gbs * 1e9)
     spec = zoo_spec("llama-3.2-1b")
-    t = StepCost(spec, profile, "float16", 4, engine=_engine(sampler="per_row")).step_time(
+    t = StepCost(spec, profile, "float16", 4, engine=host_engine(sampler="per_row")).step_time(
         decode_rows=8, width=128)
     assert t.attention_rows_s == pytest.approx(7 * spec.num_layers * 1.5e-6)
     assert t.token_ops_s == pytest.approx(8 * spec.num_layers * 0.25e-6)
@@ -252,15 +239,15 @@ def test_the_explain_line_says_what_the_engine_batches():
     assert "qwen2, qwen3_moe as one-row graphs evaluated together" in note
     assert "one row at a time" not in note
     assert "attention one sequence at a time" in note
-    assert _engine(serial_model_types=("qwen2",)).batching_note() == \
+    assert host_engine(serial_model_types=("qwen2",)).batching_note() == \
         "; qwen2 one row at a time"
     assert load_engine("mlx-lm-generate").batching_note() == "; runs one request at a time"
 
 
 def test_an_engine_kind_is_server_library_or_none():
-    assert _engine(kind="server").kind == "server" and _engine().kind == ""
+    assert host_engine(kind="server").kind == "server" and host_engine().kind == ""
     with pytest.raises(ValueError, match="kind must be one of"):
-        _engine(kind="daemon")
+        host_engine(kind="daemon")
     kinds = {n: load_engine(n).kind for n in engine_names()}
     assert kinds["mlx-lm-server"] == "server" and kinds["mlx-lm-batch"] == "library"
     assert kinds["batchsim"] == "" and kinds["mlx-lm-generate"] == ""
@@ -323,8 +310,8 @@ def test_a_preempted_request_pays_its_request_cost_once():
     fresh = [c.fresh for c in sampling if c.request_id == 2]
     assert fresh[0] and len(fresh) >= 2 and not any(fresh[1:])  # first, then recomputes
     spec = zoo_spec("llama-3.2-1b")
-    cost = StepCost(spec, _mac(), "float16", 4, engine=_engine(host_request_us=150_000))
-    plain = StepCost(spec, _mac(), "float16", 4)
+    cost = StepCost(spec, bare_mac(), "float16", 4, engine=host_engine(host_request_us=150_000))
+    plain = StepCost(spec, bare_mac(), "float16", 4)
     paid = sum(cost.step_time(len(p.decode_ids), 256, p.prefills).host_request_s
                for p in trace.plans)
     assert paid == pytest.approx(2 * 0.15)  # two requests, one recompute not charged
@@ -357,8 +344,8 @@ def test_a_one_token_prompt_pays_its_request_cost_once():
     assert not any(c.request_id == 2 for p in trace.plans for c in p.prefills)
     assert sum(p.num_joined_directly for p in trace.plans) == 1
     spec = zoo_spec("llama-3.2-1b")
-    cost = StepCost(spec, _mac(), "float16", 4, engine=_engine(host_request_us=150_000))
-    plain = StepCost(spec, _mac(), "float16", 4)
+    cost = StepCost(spec, bare_mac(), "float16", 4, engine=host_engine(host_request_us=150_000))
+    plain = StepCost(spec, bare_mac(), "float16", 4)
     slow, fast = SimExecutor(cost), SimExecutor(plain)
     extra_s = sum(slow.execute(p).elapsed_s - fast.execute(p).elapsed_s for p in trace.plans)
     assert extra_s == pytest.approx(2 * 0.15)  # two requests, each once

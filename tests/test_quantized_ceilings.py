@@ -9,8 +9,8 @@ import pytest
 from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf.stepcost import StepCost, matrix_weight_bytes
 
+from tests.engine_profiles import bare_mac
 from tests.sim_profile import PROFILE
-from tests.test_engines import _mac
 
 
 # -- quantized ceilings (issue 36): a quantized layer's bytes at the quantized GEMV rate, its
@@ -19,7 +19,7 @@ def test_quantized_gemm_ceiling_stops_a_quantized_batch_scaling():
     """The H200 case of issue 36: 4-bit GEMMs topping out near 5 TFLOP/s. With that ceiling,
     decode tok/s saturates near ceiling / (2 x params); without it, the float peak binds."""
     spec = zoo_spec("llama-3.1-8b")
-    base = _mac()
+    base = bare_mac()
     capped = StepCost(spec, dataclasses.replace(base, quantized_gemm_gflops={4: 5000.0}),
                       "float16", 4)
     free = StepCost(spec, base, "float16", 4)
@@ -44,7 +44,7 @@ def test_quantized_gemm_ceiling_stops_a_quantized_batch_scaling():
 
 def test_quantized_ceilings_price_routed_experts():
     spec = zoo_spec("qwen3-30b-a3b")
-    base = _mac()
+    base = bare_mac()
     capped = StepCost(spec, dataclasses.replace(base, quantized_gemm_gflops={4: 2000.0},
                                                 quantized_gemv_gbs={4: 100.0}), "float16", 4)
     free = StepCost(spec, base, "float16", 4)

@@ -286,7 +286,7 @@ def test_a_device_profile_host_scale_past_any_cpu_is_one_line(tmp_path, scale):
     from batchsim.configs import ConfigError
     from batchsim.server.perf.devices import load_profile, save_profile
 
-    from tests.test_engines import PROFILE
+    from tests.sim_profile import PROFILE
 
     path = save_profile(dataclasses.replace(PROFILE, name="mine"), tmp_path / "mine.yaml")
     path.write_text(path.read_text().replace("host_scale: 1.0", f"host_scale: {scale}"))

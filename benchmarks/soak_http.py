@@ -1,6 +1,7 @@
 """Soak `batchsim serve`: thousands of requests with Poisson arrivals, some clients disconnecting
 mid-stream and a few deliberately invalid, then check that the server answered nothing it should
-not have, freed every KV byte, and kept its memory flat.
+not have, freed every KV byte its prefix cache does not keep, counted every token it generated, and
+kept its memory flat.
 
     .venv/bin/python benchmarks/soak_http.py --num-requests 2000 --rate 25
 
@@ -57,6 +58,7 @@ class Soak:
         self.rss: list[tuple[float, int, int]] = []  # (elapsed s, requests sent, RSS bytes)
         self.mlx: list[tuple[int, float, float]] = []  # (requests sent, MLX active, MLX cache)
         self.sent = 0
+        self.completed, self.completed_tokens = 0, 0  # streams read to [DONE], their tokens
 
     async def one(self, http: aiohttp.ClientSession, kind: str, body: dict, cut: int) -> None:
         try:
@@ -82,6 +84,9 @@ class Soak:
                 if not done or tokens != body["max_tokens"] or not 1 <= chunks <= tokens:
                     self.unexpected.append(f"{kind}: {chunks} chunks, {tokens} tokens, "
                                            f"done={done}")
+                    return
+                self.completed += 1
+                self.completed_tokens += tokens
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self.unexpected.append(f"{kind}: {type(exc).__name__} {exc}")
 
@@ -153,6 +158,20 @@ def mlx_report(samples: list[tuple[int, float, float]], end: dict[str, float],
             "mlx_peak_mb": end["batchsim_mlx_peak_bytes"] / 2**20}
 
 
+def token_account(soak: Soak, m: dict[str, float]) -> dict:
+    """The server's generated tokens against what the clients read: the finished requests' tokens
+    (generated less the aborted requests') are exactly those of the streams read to the end,
+    unless a disconnecting client's request finished before its close reached the server (then
+    each such request adds at least one token)."""
+    finished_tokens = m["batchsim_generation_tokens_total"] - m[
+        "batchsim_aborted_generation_tokens_total"]
+    unread = m.get('batchsim_requests_total{status="finished"}', 0) - soak.completed
+    extra = finished_tokens - soak.completed_tokens
+    return {"completed_streams": soak.completed, "completed_tokens": soak.completed_tokens,
+            "finished_unread": unread, "finished_tokens_unread": extra,
+            "token_account_ok": bool(extra == 0 if unread == 0 else extra >= unread > 0)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny")
@@ -179,6 +198,8 @@ def main() -> int:
         "statuses": dict(sorted(soak.statuses.items())), "unexpected": len(soak.unexpected),
         "unexpected_examples": soak.unexpected[:5],
         "kv_bytes_end": m["batchsim_kv_bytes"],
+        # with the prefix cache on, the blocks it keeps stay held once every request is done
+        "prefix_cache_bytes_end": m["batchsim_prefix_cache_bytes"],
         "kv_bytes_measured_end": m["batchsim_kv_bytes_measured"],
         "running_end": m["batchsim_requests_running"],
         "waiting_end": m["batchsim_requests_waiting"],
@@ -191,13 +212,15 @@ def main() -> int:
         # the disconnecting clients' requests: how many, and the tokens they had when aborted
         "client_gone": m["batchsim_requests_client_gone_total"],
         "aborted_generation_tokens": m["batchsim_aborted_generation_tokens_total"],
+        **token_account(soak, m),
         "server_exit_code": exit_code,
         **rss_report(soak.rss, int(args.warmup_frac * args.num_requests)),
         **mlx_report(soak.mlx, m, int(args.warmup_frac * args.num_requests)),
     }
     result["ok"] = bool(
-        result["unexpected"] == 0 and result["kv_bytes_end"] == 0
-        and result["kv_bytes_measured_end"] == 0 and result["running_end"] == 0
+        result["unexpected"] == 0 and result["token_account_ok"]
+        and result["kv_bytes_end"] == result["prefix_cache_bytes_end"]
+        and result["kv_bytes_measured_end"] == result["kv_bytes_end"] and result["running_end"] == 0
         and abs(result["rss_growth_after_warmup"]) <= args.rss_tolerance and exit_code == 0)
     for key, value in result.items():
         print(f"{key:>30}: {value}")

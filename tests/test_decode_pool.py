@@ -10,7 +10,7 @@ from batchsim.scheduler.pool_geometry import PoolGeometry
 from batchsim.server.executors.decode_pool import DecodePool
 from batchsim.server.models.arch_cache import Attention
 
-from tests.test_mlx_executor import _alone, _kvt, _run
+from tests.drivers import kv_per_token, run_alone, run_mlx
 
 
 def _pool(lengths: list[int]) -> DecodePool:
@@ -45,6 +45,6 @@ def test_rows_of_one_length_decode_together_as_they_do_alone(tiny):
     # Every prompt the same length, all arriving at once: every decode step takes the aligned path.
     ref, model, _ = tiny
     specs = [(0, [(7 * i + 3 * j) % ref.spec.vocab_size for j in range(40)], 24) for i in range(5)]
-    batched, _, trace = _run(model, _kvt(ref), specs, max_num_seqs=5)
+    batched, _, trace = run_mlx(model, kv_per_token(ref), specs, max_num_seqs=5)
     assert max(len(p.decode_ids) for p in trace.plans) == 5
-    assert batched == _alone(model, _kvt(ref), specs)
+    assert batched == run_alone(model, kv_per_token(ref), specs)

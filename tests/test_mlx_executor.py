@@ -15,7 +15,7 @@ from batchsim.server.executors.kv_store import KVView
 from batchsim.server.executors.mlx_executor import MLXExecutor
 
 from tests.backend import assert_same_tokens
-from tests.drivers import config, drive
+from tests.drivers import config, kv_per_token, run_alone, run_mlx
 
 
 def _requests(vocab: int, n: int, seed: int, max_prompt: int, max_out: int):
@@ -28,25 +28,6 @@ def _requests(vocab: int, n: int, seed: int, max_prompt: int, max_out: int):
     return specs
 
 
-def _run(model, kvt: int, specs, check_bytes=None, run_ahead=True, **cfg):
-    sched = Scheduler(config(kv_bytes_per_token=kvt, **cfg))
-    ex = _run.executor = MLXExecutor(model, run_ahead=run_ahead)
-    arrivals = [(step, Request(i, len(ids), SamplingParams(max_tokens=out, ignore_eos=True), 0.0,
-                               prompt_token_ids=list(ids)))
-                for i, (step, ids, out) in enumerate(specs)]
-    trace = drive(sched, ex, arrivals)
-    return {rid: r.output_token_ids for rid, r in trace.requests.items()}, sched, trace
-
-
-def _alone(model, kvt, specs):
-    return {i: _run(model, kvt, [(0, ids, out)], max_num_seqs=1)[0][0]
-            for i, (_, ids, out) in enumerate(specs)}
-
-
-def _kvt(ref, dtype="float32"):
-    return ref.spec.kv_bytes_per_token(dtype)
-
-
 def _same(model, specs, got, want):
     assert_same_tokens(model, {i: ids for i, (_, ids, _) in enumerate(specs)}, got, want)
 
@@ -54,11 +35,11 @@ def _same(model, specs, got, want):
 def test_batched_equals_single_tiny(tiny):
     ref, model, _ = tiny
     specs = _requests(ref.spec.vocab_size, 12, seed=1, max_prompt=700, max_out=40)
-    alone = _alone(model, _kvt(ref), specs)
+    alone = run_alone(model, kv_per_token(ref), specs)
     # Small token budget: prompts are chunked, decodes and prefills share steps, rows join and
     # leave.
-    batched, _sched, trace = _run(model, _kvt(ref), specs, max_num_seqs=6, prefill_step_size=256,
-                                 max_num_batched_tokens=300)
+    batched, _sched, trace = run_mlx(model, kv_per_token(ref), specs, max_num_seqs=6,
+                                     prefill_step_size=256, max_num_batched_tokens=300)
     assert max(len(p.decode_ids) for p in trace.plans) >= 4
     assert any(p.decode_ids and p.prefills for p in trace.plans)
     _same(model, specs, batched, alone)
@@ -69,29 +50,29 @@ def test_steps_run_ahead_are_used_or_undone_and_change_no_token(tiny):
     ref, model, _ = tiny
     specs = _requests(ref.spec.vocab_size, 8, seed=4, max_prompt=300, max_out=30)
     cfg = {"max_num_seqs": 4, "prefill_step_size": 256, "policy": "prefill-first"}
-    ahead = _run(model, _kvt(ref), specs, **cfg)[0]
-    steps = _run.executor.ahead_steps
+    ahead = run_mlx(model, kv_per_token(ref), specs, **cfg)[0]
+    steps = run_mlx.executor.ahead_steps
     assert steps["used"] > 0 and steps["undone"] > 0, steps
     # Exact on every backend: the same batches in the same order, only run ahead or not.
-    assert ahead == _run(model, _kvt(ref), specs, run_ahead=False, **cfg)[0]
+    assert ahead == run_mlx(model, kv_per_token(ref), specs, run_ahead=False, **cfg)[0]
 
 
 def test_batched_equals_single_quantized(tiny_q4):
     # 4-bit weights, float16 activations: quantized matmuls for one row and for many.
     ref, model, _ = tiny_q4
-    kvt = _kvt(ref, "float16")
+    kvt = kv_per_token(ref, "float16")
     specs = _requests(ref.spec.vocab_size, 6, seed=3, max_prompt=300, max_out=20)
-    batched, _, trace = _run(model, kvt, specs, max_num_seqs=6)
+    batched, _, trace = run_mlx(model, kvt, specs, max_num_seqs=6)
     assert max(len(p.decode_ids) for p in trace.plans) >= 3
-    _same(model, specs, batched, _alone(model, kvt, specs))
+    _same(model, specs, batched, run_alone(model, kvt, specs))
 
 
 def test_preempted_requests_recompute_the_same_tokens(tiny):
     ref, model, _ = tiny
     specs = [(0, ids, out) for _, ids, out in _requests(ref.spec.vocab_size, 6, 2, 240, 60)]
-    alone = _alone(model, _kvt(ref), specs)
-    batched, sched, _ = _run(model, _kvt(ref), specs, max_num_seqs=6,
-                             kv_budget_bytes=_kvt(ref) * 3 * KV_STEP, row_step=1)
+    alone = run_alone(model, kv_per_token(ref), specs)
+    batched, sched, _ = run_mlx(model, kv_per_token(ref), specs, max_num_seqs=6,
+                                kv_budget_bytes=kv_per_token(ref) * 3 * KV_STEP, row_step=1)
     assert sched.num_preemptions > 0
     _same(model, specs, batched, alone)
 
@@ -100,9 +81,9 @@ def test_a_masking_bug_would_be_caught(tiny, monkeypatch):
     # Negative control: without the padding mask, shorter rows attend to zeros and diverge.
     ref, model, _ = tiny
     specs = [(0, ids, out) for _, ids, out in _requests(ref.spec.vocab_size, 6, 3, 500, 30)]
-    alone = _alone(model, _kvt(ref), specs)
+    alone = run_alone(model, kv_per_token(ref), specs)
     monkeypatch.setattr(KVView, "make_mask", lambda self, *a, **k: None)
-    broken, _, _ = _run(model, _kvt(ref), specs, max_num_seqs=6)
+    broken, _, _ = run_mlx(model, kv_per_token(ref), specs, max_num_seqs=6)
     assert broken != alone
 
 
@@ -110,8 +91,8 @@ def test_a_masking_bug_would_be_caught(tiny, monkeypatch):
 def test_batched_equals_single_smollm2(smollm2):
     ref, model, _ = smollm2
     specs = _requests(ref.spec.vocab_size, 5, seed=4, max_prompt=300, max_out=8)
-    _same(model, specs, _run(model, _kvt(ref), specs, max_num_seqs=5)[0],
-          _alone(model, _kvt(ref), specs))
+    _same(model, specs, run_mlx(model, kv_per_token(ref), specs, max_num_seqs=5)[0],
+          run_alone(model, kv_per_token(ref), specs))
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_moe"])
@@ -119,7 +100,7 @@ def test_kv_bytes_match_arrays_formula_and_active_memory(name, request):
     ref, model, _ = request.getfixturevalue(name)
     spec = ref.spec
     per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
-    assert per_token == _kvt(ref)
+    assert per_token == kv_per_token(ref)
     sched = Scheduler(config(kv_bytes_per_token=per_token, max_num_seqs=8, prefill_step_size=256,
                              max_num_batched_tokens=512))
     mx.eval(model.parameters())
@@ -171,16 +152,16 @@ def test_batched_equals_single_on_other_architectures(model_type, tmp_path):
     model, _ = load(ModelRef(spec.name, path, spec, "float32", None))
     kvt = spec.kv_bytes_per_token("float32")
     specs = _requests(spec.vocab_size, 6, seed=7, max_prompt=400, max_out=20)
-    batched, _, trace = _run(model, kvt, specs, max_num_seqs=6)
+    batched, _, trace = run_mlx(model, kvt, specs, max_num_seqs=6)
     assert max(len(p.decode_ids) for p in trace.plans) >= 3
-    _same(model, specs, batched, _alone(model, kvt, specs))
+    _same(model, specs, batched, run_alone(model, kvt, specs))
 
 
 def test_moe_pool_holds_what_the_spec_prices(tiny_moe):
     # qwen3_moe: full attention in every layer, so the pool's K/V per token is the spec's.
     ref, model, _ = tiny_moe
     assert ref.spec.families == ["moe"]
-    assert MLXExecutor(model).kv_bytes_per_token == _kvt(ref) == 2 * 2 * 2 * 16 * 4
+    assert MLXExecutor(model).kv_bytes_per_token == kv_per_token(ref) == 2 * 2 * 2 * 16 * 4
 
 
 def test_batched_equals_single_moe(tiny_moe):
@@ -188,11 +169,11 @@ def test_batched_equals_single_moe(tiny_moe):
     # The driver checks the executor's KV bytes against the scheduler's after every step.
     ref, model, _ = tiny_moe
     specs = _requests(ref.spec.vocab_size, 10, seed=11, max_prompt=600, max_out=30)
-    batched, _, trace = _run(model, _kvt(ref), specs, max_num_seqs=6, prefill_step_size=256,
-                             max_num_batched_tokens=300)
+    batched, _, trace = run_mlx(model, kv_per_token(ref), specs, max_num_seqs=6,
+                                prefill_step_size=256, max_num_batched_tokens=300)
     assert max(len(p.decode_ids) for p in trace.plans) >= 4
     assert any(p.decode_ids and p.prefills for p in trace.plans)
-    _same(model, specs, batched, _alone(model, _kvt(ref), specs))
+    _same(model, specs, batched, run_alone(model, kv_per_token(ref), specs))
 
 
 def test_batched_equals_single_moe_sorted_experts(tiny_moe):
@@ -201,6 +182,6 @@ def test_batched_equals_single_moe_sorted_experts(tiny_moe):
     rng = random.Random(12)
     specs = [(0, [rng.randrange(ref.spec.vocab_size) for _ in range(rng.randint(1, 40))],
               rng.randint(4, 10)) for _ in range(34)]
-    batched, _, trace = _run(model, _kvt(ref), specs, max_num_seqs=34)
+    batched, _, trace = run_mlx(model, kv_per_token(ref), specs, max_num_seqs=34)
     assert max(len(p.decode_ids) for p in trace.plans) >= 32
-    _same(model, specs, batched, _alone(model, _kvt(ref), specs))
+    _same(model, specs, batched, run_alone(model, kv_per_token(ref), specs))

@@ -1,8 +1,12 @@
 """The CLI as the tests call it: in-process (`_main`, with pytest's capsys) or as a child process
-(`_batchsim`), the simulated run's flags (SIM), and a command's one-line error (`_one_line`)."""
+(`_batchsim`; `batchsim` fails on a non-zero exit), the simulated run's flags (SIM), a command's
+one-line error (`_one_line`), the JSON on its last stdout line (`last_json`), and each flag's help
+text (`flag_helps`)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import subprocess
 import sys
@@ -35,3 +39,27 @@ def _batchsim(*args: str, home: Path | None = None, env: dict | None = None, tim
         environ["BATCHSIM_HOME"] = str(home)
     return subprocess.run([sys.executable, "-m", "batchsim.scripts.cli", *args],
                           capture_output=True, check=False, text=True, env=environ, timeout=timeout)
+
+
+def batchsim(*args: str, home: Path, timeout: float = 300, check: bool = True):
+    """`_batchsim`, raising with the tail of stderr when it exits non-zero (unless not check)."""
+    proc = _batchsim(*args, home=home, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def flag_helps(command: str) -> dict[str, str]:
+    """Each of COMMAND's flags (its last spelling) and its help text as --help prints it, on one
+    line."""
+    from batchsim.scripts import cli
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    formatter = sub.choices[command]._get_formatter()
+    return {a.option_strings[-1]: " ".join(formatter._expand_help(a).split())
+            for a in sub.choices[command]._actions if a.option_strings and a.help}

@@ -5,7 +5,6 @@ test_help_defaults.py)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.cli_calls import batchsim, last_json
 from tests.drivers import cli_exit_code
 
 RUN_KEYS = {
@@ -21,20 +21,6 @@ RUN_KEYS = {
     "mean_e2el_ms", "mean_batch_size", "max_batch_size", "peak_kv_bytes", "kv_budget_bytes",
     "num_preemptions", "num_rejected", "run_dir", "prompt_tps", "generation_tps", "peak_memory",
 }
-
-
-def batchsim(*args: str, home: Path, timeout: float = 300, check: bool = True):
-    env = {**os.environ, "BATCHSIM_HOME": str(home), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "batchsim.scripts.cli", *args],
-                          capture_output=True, check=False,
-                          text=True, env=env, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stderr[-3000:]}")
-    return proc
-
-
-def last_json(stdout: str) -> dict:
-    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def test_help_lists_every_command_under_the_question_it_answers(batchsim_home):

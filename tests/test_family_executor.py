@@ -252,7 +252,7 @@ def test_kv_bits_refusals_are_one_line(batchsim_home):
 
 
 def test_cli_run_on_an_mla_model_keeps_the_output_contract(batchsim_home, tmp_path):
-    from tests.test_cli import batchsim, last_json
+    from tests.cli_calls import batchsim, last_json
 
     proc = batchsim("run", "--model", "tiny-mla", "--num-prompts", "4", "--request-rate", "inf",
                     "--input-len", "uniform:8:200", "--output-len", "uniform:2:8",

@@ -8,18 +8,12 @@ import argparse
 import pytest
 from batchsim.scripts import cli
 
-
-def _helps(command: str) -> dict[str, str]:
-    parser = cli.build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    formatter = sub.choices[command]._get_formatter()
-    return {a.option_strings[-1]: " ".join(formatter._expand_help(a).split())
-            for a in sub.choices[command]._actions if a.option_strings and a.help}
+from tests.cli_calls import flag_helps
 
 
 @pytest.mark.parametrize("command", ["run", "compare", "sweep", "serve"])
 def test_flags_left_unset_say_what_unset_means(command):
-    helps = _helps(command)
+    helps = flag_helps(command)
     for flag in ("--quantize", "--kv-bits", "--max-concurrency", "--max-input-len",
                  "--max-output-len"):
         if flag in helps:
@@ -29,7 +23,7 @@ def test_flags_left_unset_say_what_unset_means(command):
 
 def test_quantize_says_its_default_plainly():
     """It read 'default: as the model is: --dtype's for a zoo model' (two colons, unclear)."""
-    assert "default: unquantized, in --dtype" in _helps("run")["--quantize"]
+    assert "default: unquantized, in --dtype" in flag_helps("run")["--quantize"]
 
 
 def test_validate_help_says_how_long_and_what_is_short():
@@ -50,12 +44,12 @@ def test_validate_help_says_how_long_and_what_is_short():
 ])
 def test_optional_flags_say_what_unset_means(command, flag):
     """A new user's pass found these saying what they do but not what leaving them out does."""
-    assert "default" in _helps(command)[flag], (command, flag)
+    assert "default" in flag_helps(command)[flag], (command, flag)
 
 
 def test_quantize_help_is_one_text():
     """bench-decode said 'default: as the model is' where run says what that is."""
-    assert _helps("bench-decode")["--quantize"] == _helps("run")["--quantize"]
+    assert flag_helps("bench-decode")["--quantize"] == flag_helps("run")["--quantize"]
 
 
 @pytest.mark.parametrize("command, flag, unit", [
@@ -63,4 +57,4 @@ def test_quantize_help_is_one_text():
     ("roofline", "--max-seconds-per-point", "seconds"),
 ])
 def test_numeric_flags_name_their_unit(command, flag, unit):
-    assert unit in _helps(command)[flag], (command, flag)
+    assert unit in flag_helps(command)[flag], (command, flag)

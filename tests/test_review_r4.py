@@ -127,7 +127,7 @@ def test_sweeps_limit_batch_help_names_no_record_fields():
     """It quoted spec_analytic_max_batch and analytic_overrun_batch, record field names."""
     import re
 
-    from tests.test_help_texts import _helps
+    from tests.cli_calls import flag_helps
 
-    said = _helps("sweep")["--limit-batch"]
+    said = flag_helps("sweep")["--limit-batch"]
     assert re.findall(r"\w+_\w+", said) == [], said

@@ -1,10 +1,12 @@
-"""Run records for tests: a small simulated run's config (`sim_config`), a run directory's
+"""Run records for tests: a small simulated run's config (`sim_config`), such a run finished on
+disk (`finished_sim_run`) and copied to edit (`copy_run`), a run directory's
 records read back line by line (`records`), and hand-made records (`step_record`,
 `request_record`, `sweep_step`) for the code that reads them."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from batchsim.server.engine.run_config import RunConfig
@@ -20,6 +22,20 @@ def sim_config(n: int = 60) -> RunConfig:
                         output_len=LengthSpec("uniform", min=1, max=120))
     return RunConfig(model="llama-3.2-1b", executor="sim", device_profile="M2 Max", quantize=4,
                      workload=spec)
+
+
+def finished_sim_run(out: Path) -> Path:
+    """The run directory of sim_config(n=12) run to its end under out."""
+    from batchsim.server.engine.runner import run_workload
+    from batchsim.server.engine.session import open_session
+
+    session = open_session(sim_config(n=12))
+    return run_workload(session, session.config.workload, out_dir=out, label="t").run_dir
+
+
+def copy_run(run_dir: Path, tmp_path: Path) -> Path:
+    """A copy of run_dir at tmp_path/run, to damage."""
+    return Path(shutil.copytree(run_dir, tmp_path / "run"))
 
 
 def file_bytes(path: Path) -> bytes:

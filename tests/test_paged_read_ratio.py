@@ -3,14 +3,20 @@ gathers blocks: the target's full and MLA layers in a paged pool."""
 
 from __future__ import annotations
 
+import pytest
 from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf import spec_price
 from batchsim.server.perf.stepcost import StepCost
 
-from tests.test_spec_price import cost  # noqa: F401 (the fixture)
+from tests.mac_costs import m2_ultra_cost
 
 
-def test_a_draft_model_beside_a_paged_target_pays_no_gather(cost):  # noqa: F811
+@pytest.fixture(scope="module")
+def cost():
+    return m2_ultra_cost()
+
+
+def test_a_draft_model_beside_a_paged_target_pays_no_gather(cost):
     # The draft model keeps mlx-lm caches of its own (draft_model.py), never the paged pool.
     padded, paged = (StepCost(cost.spec, cost.profile, "float16", 4, paged=p) for p in (0, 1))
     draft = zoo_spec("llama-3.2-1b")

@@ -9,25 +9,13 @@ from pathlib import Path
 import pytest
 
 from tests.cli_calls import _main
+from tests.sim_records import copy_run, finished_sim_run
 
 
 # -- report on corrupted run directories -----------------------------------------------------
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
-    from batchsim.server.engine.runner import run_workload
-    from batchsim.server.engine.session import open_session
-
-    from tests.sim_records import sim_config
-
-    session = open_session(sim_config(n=12))
-    out = tmp_path_factory.mktemp("runs")
-    return run_workload(session, session.config.workload, out_dir=out, label="t").run_dir
-
-
-def _copy(run_dir: Path, tmp_path: Path) -> Path:
-    import shutil
-
-    return Path(shutil.copytree(run_dir, tmp_path / "run"))
+    return finished_sim_run(tmp_path_factory.mktemp("runs"))
 
 
 _STEP_FIELD = {"int past a float": ("kv_bytes", "9" * 400), "int past int64": ("kv_bytes", 10**20),
@@ -87,7 +75,7 @@ def _corrupt(run_dir: Path, how: str) -> None:
 ])
 def test_report_reads_a_corrupted_run_directory_with_warnings(finished_run, tmp_path, capsys,
                                                               how, completed, says):
-    run_dir = _copy(finished_run, tmp_path)
+    run_dir = copy_run(finished_run, tmp_path)
     _corrupt(run_dir, how)
     rc, out, err = _main(["report", str(run_dir), "--json"], capsys)
     assert rc == 0 and "Traceback" not in err and "Warning" not in err, err
@@ -139,7 +127,7 @@ def test_report_never_raises_on_randomly_damaged_run_directories(finished_run, t
 
 
 def test_report_on_a_finished_run_gives_its_summary_back_exactly(finished_run, tmp_path, capsys):
-    run_dir = _copy(finished_run, tmp_path)
+    run_dir = copy_run(finished_run, tmp_path)
     summary = json.loads((run_dir / "summary.json").read_text())
     summary["peak_rss_bytes"] = 123_456_789  # as a real run records it (the records cannot)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -154,7 +142,7 @@ def test_report_prints_a_summary_whose_peak_memory_bytes_is_damaged(finished_run
                                                                     capsys, damaged):
     # 'x', a list, a dict and 10**20 were TypeError/OverflowError tracebacks in report's table;
     # NaN and -5 were carried into the rebuilt summary beside the run's peak_memory (GB).
-    run_dir = _copy(finished_run, tmp_path)
+    run_dir = copy_run(finished_run, tmp_path)
     summary = json.loads((run_dir / "summary.json").read_text())
     (run_dir / "summary.json").write_text(json.dumps({**summary, "peak_memory_bytes": damaged}))
     rc, out, err = _main(["report", str(run_dir), "--json"], capsys)
@@ -169,7 +157,7 @@ def test_report_redraws_a_timeline_whose_names_were_damaged(finished_run, tmp_pa
     import yaml
     from batchsim.server.results.rebuild import rebuild_summary
 
-    run_dir = _copy(finished_run, tmp_path)
+    run_dir = copy_run(finished_run, tmp_path)
     summary = json.loads((run_dir / "summary.json").read_text())
     summary["dtype"] = -1
     (run_dir / "summary.json").write_text(json.dumps(summary))

@@ -11,7 +11,12 @@ import pytest
 import yaml
 
 from tests.cli_calls import SIM, _main, _one_line
-from tests.test_report_damage import _copy, finished_run  # noqa: F401
+from tests.sim_records import copy_run, finished_sim_run
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    return finished_sim_run(tmp_path_factory.mktemp("runs"))
 
 
 def _run_dir_config(capsys, out: Path) -> tuple[Path, dict]:
@@ -55,11 +60,11 @@ def test_an_older_run_directory_with_two_differing_workloads_is_one_line(capsys,
 
 
 @pytest.mark.timeout(120)
-def test_report_reads_config_yaml_through_the_one_loader(finished_run, tmp_path,  # noqa: F811
+def test_report_reads_config_yaml_through_the_one_loader(finished_run, tmp_path,
                                                           capsys):
     """An alias bomb in config.yaml: yaml.safe_load took it, and the summary's env (or the
     note's str(data)) expanded it all; the project's loader refuses it in one note."""
-    run_dir = _copy(finished_run, tmp_path)
+    run_dir = copy_run(finished_run, tmp_path)
     lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
     lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 7)]
     (run_dir / "config.yaml").write_text("\n".join(lines) + "\nenv: *a6\n")

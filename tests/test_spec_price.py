@@ -11,10 +11,11 @@ import pytest
 from batchsim.configs import ConfigError
 from batchsim.scripts import size
 from batchsim.server.models.spec import zoo_spec
-from batchsim.server.perf import macs, size_limits, spec_price
-from batchsim.server.perf.gpu_fit import load_fit
+from batchsim.server.perf import spec_price
 from batchsim.server.perf.spec_acceptance import Acceptance
 from batchsim.server.perf.stepcost import StepCost
+
+from tests.mac_costs import m2_ultra_cost
 
 
 def _a(rate: float) -> Acceptance:
@@ -29,12 +30,7 @@ def test_expected_tokens_per_step():
 
 @pytest.fixture(scope="module")
 def cost():
-    catalog = macs.load_catalog()
-    (mac,) = [m for m in catalog.chips if m.label == "M2 Ultra 76c"]
-    # float16: a verify step's rows stream the weights once (4-bit ones over a few rows run MLX's
-    # qmv, each row's arithmetic again: server/perf/qmv.py)
-    s = size_limits.Settings("float16", None, None, None, 8.0, fit=load_fit())
-    return size_limits.mac_cost(zoo_spec("llama-3.1-8b"), mac, s)
+    return m2_ultra_cost()
 
 
 def test_verify_step_is_decode_plus_the_prefill_price_of_k_more_tokens_a_row(cost):

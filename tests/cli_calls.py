@@ -1,7 +1,7 @@
 """The CLI as the tests call it: in-process (`_main`, with pytest's capsys) or as a child process
 (`_batchsim`; `batchsim` fails on a non-zero exit), the simulated run's flags (SIM), a command's
-one-line error (`_one_line`), the JSON on its last stdout line (`last_json`), and each flag's help
-text (`flag_helps`)."""
+one-line error (`_one_line`), the JSON on its last stdout line (`last_json`, `cli_summary`), each
+flag's help text (`flag_helps`), `size` in-process (`run_size`) and a draft-model sweep's argv."""
 
 from __future__ import annotations
 
@@ -63,3 +63,29 @@ def flag_helps(command: str) -> dict[str, str]:
     formatter = sub.choices[command]._get_formatter()
     return {a.option_strings[-1]: " ".join(formatter._expand_help(a).split())
             for a in sub.choices[command]._actions if a.option_strings and a.help}
+
+
+def cli_summary(capsys, argv: list[str]) -> dict:
+    """The JSON summary `batchsim ARGV` prints last, run in-process; it must exit 0."""
+    rc, out, err = _main(argv, capsys)
+    assert rc == 0, err
+    return last_json(out)
+
+
+def run_size(tmp_path, *argv: str) -> dict:
+    """`batchsim size ARGV --out tmp_path` in-process: its summary."""
+    from batchsim.scripts import size
+
+    parser = argparse.ArgumentParser()
+    size.add_parser(parser)
+    return size.run(parser.parse_args([*argv, "--out", str(tmp_path)]))
+
+
+def draft_sweep_argv(tmp_path, *flags: str) -> list[str]:
+    """A simulated sweep of Llama-3.1-8B 4-bit on an M2 Ultra with Llama-3.2-1B drafting,
+    --limit-batch 6 and 700-token prompts, plus `flags`."""
+    return ["sweep", "--executor", "sim", "--model", "llama-3.1-8b", "--quantize", "4",
+            "--device-profile", "M2 Ultra", "--prompt-len", "700", "--limit-batch", "6",
+            "--acceptance", "0.6", "--draft-model", "llama-3.2-1b", "--no-progress",
+            "--no-timeline", "--out", str(tmp_path), "--runs-dir", str(tmp_path / "runs"),
+            *flags]

@@ -12,7 +12,7 @@ from batchsim.server.perf import macs
 from batchsim.server.perf.cluster import Cluster, Link, load_links, replicated_bytes
 from batchsim.server.perf.stepcost import StepCost
 
-from tests.test_size import run_size
+from tests.cli_calls import run_size
 
 RING = Link("r", "test ring", "tcp", "ring", bandwidth_gbs=1.0, latency_us=100.0, source="-")
 FREE = Link("f", "free link", "rdma", "mesh", bandwidth_gbs=1e12, latency_us=0.0, source="-")

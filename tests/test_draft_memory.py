@@ -16,7 +16,7 @@ from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf import macs, size_limits, spec_price
 from batchsim.server.perf.spec_acceptance import Acceptance
 
-from tests.drivers import cli_exit_code
+from tests.cli_calls import cli_summary, draft_sweep_argv
 
 GIB = 1 << 30
 
@@ -37,11 +37,6 @@ def test_a_pool_row_costs_the_targets_bytes_and_the_drafts():
     assert CacheLayout.dense(512).with_draft(draft).all_full
 
 
-def _summary(capsys, argv: list[str]) -> dict:
-    assert cli_exit_code(argv) == 0, capsys.readouterr().err
-    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-
-
 def test_a_simulated_draft_model_shares_the_budget(tmp_path, capsys):
     # Qwen3-0.6B drafting for Qwen3-8B at 20 GiB: its 1.19 GB of weights leave less for K/V,
     # and its rows (0.78 x the target's bytes a token) fit fewer sequences beside them.
@@ -49,9 +44,9 @@ def test_a_simulated_draft_model_shares_the_budget(tmp_path, capsys):
             "--memory-gb", "20", "--num-prompts", "40", "--request-rate", "inf",
             "--input-len", "2048", "--output-len", "64", "--max-num-seqs", "64", "--seed", "3",
             "--no-progress", "--no-timeline", "--spec-tokens", "4", "--acceptance", "0.6"]
-    ngram = _summary(capsys, [*argv, "--out", str(tmp_path / "a"), "--spec-method", "ngram"])
-    draft = _summary(capsys, [*argv, "--out", str(tmp_path / "b"), "--spec-method", "draft",
-                              "--draft-model", "qwen3-0.6b"])
+    ngram = cli_summary(capsys, [*argv, "--out", str(tmp_path / "a"), "--spec-method", "ngram"])
+    draft = cli_summary(capsys, [*argv, "--out", str(tmp_path / "b"), "--spec-method", "draft",
+                                 "--draft-model", "qwen3-0.6b"])
     assert draft["weight_bytes"] == ngram["weight_bytes"] + zoo_spec("qwen3-0.6b").weight_bytes(
         "float16")
     assert draft["kv_budget_bytes"] == ngram["kv_budget_bytes"] - zoo_spec(
@@ -74,9 +69,9 @@ def test_a_real_draft_model_shares_the_budget(tmp_path, capsys, batchsim_home):
             "--num-prompts", "6", "--request-rate", "inf", "--input-len", "48",
             "--output-len", "10", "--max-num-seqs", "6", "--seed", "3", "--no-progress",
             "--no-timeline", "--spec-tokens", "2", "--spec-policy", "fixed"]
-    ngram = _summary(capsys, [*argv, "--out", str(tmp_path / "a"), "--spec-method", "ngram"])
-    draft = _summary(capsys, [*argv, "--out", str(tmp_path / "b"), "--spec-method", "draft",
-                              "--draft-model", "tiny"])
+    ngram = cli_summary(capsys, [*argv, "--out", str(tmp_path / "a"), "--spec-method", "ngram"])
+    draft = cli_summary(capsys, [*argv, "--out", str(tmp_path / "b"), "--spec-method", "draft",
+                                 "--draft-model", "tiny"])
     assert draft["weight_bytes"] == 2 * ngram["weight_bytes"] == 2 * weights
     assert draft["max_batch_size"] == 2 < ngram["max_batch_size"]
     assert draft["spec_decode_num_drafts"] > 0 and draft["completed"] == 6
@@ -92,9 +87,9 @@ def test_a_draft_models_rows_stay_held_and_priced_in_steps_that_draft_nothing(tm
             "--request-rate", "inf", "--input-len", "16", "--output-len", "6", "--max-num-seqs",
             "40", "--seed", "3", "--no-progress", "--no-timeline", "--spec-tokens", "2",
             "--spec-policy", "shrink", "--out"]
-    summary = _summary(capsys, [*argv, str(tmp_path / "draft"), "--spec-method", "draft",
-                                "--draft-model", "tiny"])
-    _summary(capsys, [*argv, str(tmp_path / "ngram"), "--spec-method", "ngram"])
+    summary = cli_summary(capsys, [*argv, str(tmp_path / "draft"), "--spec-method", "draft",
+                                   "--draft-model", "tiny"])
+    cli_summary(capsys, [*argv, str(tmp_path / "ngram"), "--spec-method", "ngram"])
     wide = [r for r in _steps(tmp_path / "draft") if r["batch_size"] > 32
             and not r["num_prefill_tokens"]]
     target = {_geometry(r): r["kv_bytes"] for r in _steps(tmp_path / "ngram")}  # no draft rows
@@ -151,7 +146,7 @@ def test_the_sim_executor_holds_what_the_scheduler_prices(tmp_path, capsys, layo
             "--kv-layout", layout, "--prefix-cache", "off", "--no-progress", "--no-timeline",
             "--spec-method", "draft", "--draft-model", "llama-3.2-1b", "--spec-tokens", "3",
             "--acceptance", "0.5", "--out", str(tmp_path)]
-    s = _summary(capsys, argv)
+    s = cli_summary(capsys, argv)
     assert s["completed"] == 30 and s["kv_account_mismatches"] == 0
     assert s["num_preemptions"] > 0  # decoding rows outgrew the budget: preemption saw them
     if layout == "padded":  # steps holding the pool alone: rows x capacity x both models' bytes
@@ -163,16 +158,6 @@ def test_the_sim_executor_holds_what_the_scheduler_prices(tmp_path, capsys, layo
             131072 + 32768) for r in pool)
 
 
-def draft_sweep_argv(tmp_path, *flags: str) -> list[str]:
-    """A simulated sweep of Llama-3.1-8B 4-bit on an M2 Ultra with Llama-3.2-1B drafting,
-    --limit-batch 6 and 700-token prompts, plus `flags`."""
-    return ["sweep", "--executor", "sim", "--model", "llama-3.1-8b", "--quantize", "4",
-            "--device-profile", "M2 Ultra", "--prompt-len", "700", "--limit-batch", "6",
-            "--acceptance", "0.6", "--draft-model", "llama-3.2-1b", "--no-progress",
-            "--no-timeline", "--out", str(tmp_path), "--runs-dir", str(tmp_path / "runs"),
-            *flags]
-
-
 def test_a_sweeps_draft_points_hold_the_draft_model_and_its_analytic_limit(tmp_path, capsys):
     # sweep --draft-model: each speculative point's session counts the draft model's weights and
     # rows (Session.renewed), and the analytic limit with them is the batch those points reach.
@@ -182,7 +167,7 @@ def test_a_sweeps_draft_points_hold_the_draft_model_and_its_analytic_limit(tmp_p
     # holds both models now, and 6 is the speculative points' limit (plain batching fits more).
     argv = draft_sweep_argv(tmp_path, "--output-len", "64", "--batches", "4,8", "--spec-tokens",
                             "3")
-    res = _summary(capsys, argv)
+    res = cli_summary(capsys, argv)
     assert res["spec_analytic_max_batch"] == 6 and res["analytic_overrun_batch"] > 6
     draft = spec_price.draft_weight_bytes(zoo_spec("llama-3.2-1b"), "float16", 4)
     for entry in (r["spec"][0] for r in res["rows"]):

@@ -115,11 +115,11 @@ def test_a_draft_sweeps_default_batches_reach_its_speculative_limit(tmp_path, ca
     """--limit-batch L with --draft-model is the speculative points' limit, but the default
     batches came from plain batching's (1, 2, 4, 8, 16, 27-32 for L = 6): every speculative
     point from 8 overran, none ran at 5-7. sweep.jsonl names whose limit L is."""
-    from tests.test_draft_memory import _summary, draft_sweep_argv
+    from tests.cli_calls import cli_summary, draft_sweep_argv
 
     argv = draft_sweep_argv(tmp_path, "--output-len", "16", "--max-batch", "8", "--spec-tokens",
                             "2")
-    res = _summary(capsys, argv)
+    res = cli_summary(capsys, argv)
     assert [r["batch"] for r in res["rows"]] == [1, 2, 4, 5, 6, 7, 8]
     (row, *_) = map(json.loads, (tmp_path / "sweep.jsonl").read_text().splitlines())
     assert row["limit_batch"] == row["spec_analytic_max_batch"] == 6

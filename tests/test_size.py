@@ -3,7 +3,6 @@ hand-computed values, padded vs paged under a length distribution, and the outpu
 
 from __future__ import annotations
 
-import argparse
 import json
 import warnings
 from pathlib import Path
@@ -13,13 +12,14 @@ import pytest
 import yaml
 from batchsim.configs import ConfigError
 from batchsim.scheduler.pool_geometry import padded_batch_bytes, paged_bytes
-from batchsim.scripts import size
 from batchsim.scripts.common import dumps
 from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf import macs, size_limits
 
 GIB = 1 << 30
 KV_8B_FP16 = 2 * 32 * 8 * 128 * 2  # llama-3.1-8b: K and V x layers x kv_heads x head_dim x fp16
+
+from tests.cli_calls import run_size
 
 
 @pytest.fixture(scope="module")
@@ -233,12 +233,6 @@ def test_mac_filter(catalog):
     assert len(catalog.select(None)) == len(catalog.chips)
     with pytest.raises(ConfigError, match="M4 Pro"):
         catalog.select("M9 Hyper")
-
-
-def run_size(tmp_path, *argv: str) -> dict:
-    parser = argparse.ArgumentParser()
-    size.add_parser(parser)
-    return size.run(parser.parse_args([*argv, "--out", str(tmp_path)]))
 
 
 def test_command_contract_and_files(tmp_path, capsys):

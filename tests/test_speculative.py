@@ -322,7 +322,7 @@ def test_a_verify_step_stops_at_the_first_stop_token():
 def test_text_stream_takes_a_verify_steps_tokens_up_to_its_stop_string():
     from batchsim.server.http.text_stream import TextStream
 
-    from tests.test_text_stream import CharDetokenizer
+    from tests.char_detokenizer import CharDetokenizer
 
     ts = TextStream(CharDetokenizer(), ("cd",))
     assert ts.feed([ord("a")]) is None

@@ -8,26 +8,10 @@ import asyncio
 import pytest
 from batchsim.server.http.text_stream import TextStream
 
+from tests.char_detokenizer import CharDetokenizer
+
 
 # -- stop strings in isolation -------------------------------------------------------------------
-class CharDetokenizer:
-    """Token id = a character code, released one character at a time."""
-
-    def __init__(self) -> None:
-        self.text, self.offset = "", 0
-
-    def add_token(self, token: int) -> None:
-        self.text += chr(token)
-
-    def finalize(self) -> None:
-        pass
-
-    @property
-    def last_segment(self) -> str:
-        segment, self.offset = self.text[self.offset:], len(self.text)
-        return segment
-
-
 @pytest.mark.parametrize("text,stop,expected", [
     ("hello world", ("wor",), "hello "),
     ("hello world", ("xyz",), "hello world"),

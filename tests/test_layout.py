@@ -113,6 +113,26 @@ def test_no_command_imports_another_command():
     assert {m: c for m, c in found.items() if c} == {}
 
 
+def _test_modules_imported(path: Path) -> list[str]:
+    """The tests.test_* modules a file under tests/ imports (absolute or relative, anywhere)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = f"tests.{node.module or ''}".rstrip(".") if node.level else node.module or ""
+            out += [module] + [f"{module}.{a.name}" for a in node.names]
+    return sorted({m for m in out if m.startswith("tests.test_") and m.count(".") == 1})
+
+
+def test_no_test_module_imports_another():
+    """What tests share lives in tests/'s helper modules (drivers.py, cli_calls.py, sim_records.py,
+    ...), never in a test module: importing one ran its module-level code for a file that wanted
+    one helper, tied the two files' names together, and re-exported fixtures under noqa."""
+    found = {p.name: _test_modules_imported(p) for p in sorted((ROOT / "tests").glob("*.py"))}
+    assert {name: mods for name, mods in found.items() if mods} == {}
+
+
 def test_scheduler_is_pure_python():
     """Policy never imports MLX or the executors: the same scheduler runs real and simulated."""
     for path in (ROOT / "scheduler").glob("*.py"):

@@ -68,14 +68,15 @@ def config(**kw) -> SchedulerConfig:
     return SchedulerConfig(**base)
 
 
-def run_mlx(model, kvt: int, specs, run_ahead=True, **cfg):
+def run_mlx(model, kvt: int, specs, run_ahead=True, kv_bits=None, **cfg):
     """Drive the scheduler (config(**cfg), kvt bytes a token) and an MLXExecutor (kept as
     run_mlx.executor) on (arrival step, prompt ids, max tokens) specs: the tokens of each request
-    id, the scheduler and the trace."""
+    id, the scheduler and the trace. The driver asserts executor bytes == scheduler bytes after
+    every step."""
     from batchsim.server.executors.mlx_executor import MLXExecutor
 
     sched = Scheduler(config(kv_bytes_per_token=kvt, **cfg))
-    ex = run_mlx.executor = MLXExecutor(model, run_ahead=run_ahead)
+    ex = run_mlx.executor = MLXExecutor(model, kv_bits=kv_bits, run_ahead=run_ahead)
     arrivals = [(step, Request(i, len(ids), SamplingParams(max_tokens=out, ignore_eos=True), 0.0,
                                prompt_token_ids=list(ids)))
                 for i, (step, ids, out) in enumerate(specs)]
@@ -83,9 +84,10 @@ def run_mlx(model, kvt: int, specs, run_ahead=True, **cfg):
     return {rid: r.output_token_ids for rid, r in trace.requests.items()}, sched, trace
 
 
-def run_alone(model, kvt: int, specs):
-    """Each spec's tokens when it runs alone (run_mlx at max_num_seqs=1), by its index."""
-    return {i: run_mlx(model, kvt, [(0, ids, out)], max_num_seqs=1)[0][0]
+def run_alone(model, kvt: int, specs, **kw):
+    """Each spec's tokens when it runs alone (run_mlx at max_num_seqs=1, with kw), by its
+    index."""
+    return {i: run_mlx(model, kvt, [(0, ids, out)], max_num_seqs=1, **kw)[0][0]
             for i, (_, ids, out) in enumerate(specs)}
 
 

@@ -10,8 +10,6 @@ import random
 import mlx.core as mx
 import pytest
 from batchsim.configs import ConfigError
-from batchsim.scheduler.request import Request, SamplingParams
-from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
@@ -23,27 +21,21 @@ from batchsim.workloads.spec import WorkloadSpec
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
 from tests.backend import assert_same_tokens
-from tests.drivers import config, drive, float32_model, random_specs
+from tests.drivers import float32_model, random_specs, run_alone, run_mlx
 
 FAMILIES = ["tiny-sliding", "tiny-hybrid", "tiny-mla"]
 
 
 def _run(model, layout, specs, kv_bits=None, run_ahead=True, **cfg):
-    """Drive the scheduler and the executor; the driver asserts executor bytes == scheduler bytes
-    after every step."""
-    sched = Scheduler(config(kv_bytes_per_token=layout.full_token_bytes, cache_layout=layout,
-                             **cfg))
-    ex = _run.executor = MLXExecutor(model, kv_bits=kv_bits, run_ahead=run_ahead)
-    arrivals = [(step, Request(i, len(ids), SamplingParams(max_tokens=out, ignore_eos=True), 0.0,
-                               prompt_token_ids=list(ids)))
-                for i, (step, ids, out) in enumerate(specs)]
-    trace = drive(sched, ex, arrivals)
-    return {rid: r.output_token_ids for rid, r in trace.requests.items()}, trace, sched
+    """run_mlx on a layout's cache: (tokens, trace, scheduler); the executor as _run.executor."""
+    out, sched, trace = run_mlx(model, layout.full_token_bytes, specs, run_ahead, kv_bits,
+                                cache_layout=layout, **cfg)
+    _run.executor = run_mlx.executor
+    return out, trace, sched
 
 
 def _alone(model, layout, specs, kv_bits=None):
-    return {i: _run(model, layout, [(0, ids, out)], kv_bits, max_num_seqs=1)[0][0]
-            for i, (_, ids, out) in enumerate(specs)}
+    return run_alone(model, layout.full_token_bytes, specs, kv_bits=kv_bits, cache_layout=layout)
 
 
 def _same(model, specs, got, want, make_cache=None):

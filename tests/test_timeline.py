@@ -222,7 +222,7 @@ def test_the_panels_read_the_steps_as_columns_once():
     """timeline_panels reads the steps' columns once (request_arrays.step_columns) for the overrun
     and the series: the same values as each step's fields, the same overrun either way."""
     steps = [step_record(i, float(i), i % 7, 3 * (i % 5), batch=i % 4, prefill=16 * (i % 3 == 0),
-                   preempted=int(i == 40)) for i in range(60)]
+                         preempted=int(i == 40)) for i in range(60)]
     requests = [request_record(i, float(i), float(i) + 2.0 if i % 9 else None) for i in range(50)]
     col = request_arrays.step_columns(steps, timeline.PANEL_INTS)
     series = timeline._Series(steps, col)

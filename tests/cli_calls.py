@@ -1,7 +1,8 @@
-"""The CLI as the tests call it: in-process (`_main`, with pytest's capsys) or as a child process
-(`_batchsim`; `batchsim` fails on a non-zero exit), the simulated run's flags (SIM), a command's
-one-line error (`_one_line`), the JSON on its last stdout line (`last_json`, `cli_summary`), each
-flag's help text (`flag_helps`), `size` in-process (`run_size`) and a draft-model sweep's argv."""
+"""The CLI as the tests call it: in-process (`cli_exit_code`; `_main`, with pytest's capsys) or
+as a child process (`_batchsim`; `batchsim` fails on a non-zero exit), the simulated run's flags
+(SIM), a command's one-line error (`_one_line`), the JSON on its last stdout line (`last_json`,
+`cli_summary`), each flag's help text (`flag_helps`), `size` in-process (`run_size`) and a
+draft-model sweep's argv."""
 
 from __future__ import annotations
 
@@ -15,14 +16,20 @@ from pathlib import Path
 SIM = ["--executor", "sim", "--model", "llama-3.1-8b", "--quantize", "4", "--device-profile",
        "M2 Ultra", "--no-progress"]
 
-def _main(argv: list[str], capsys) -> tuple[int, str, str]:
-    """rc, stdout and stderr of the CLI run in-process (argparse's exit included)."""
+
+def cli_exit_code(argv: list[str]) -> int:
+    """`batchsim ARGV` in this process: its exit code (argparse's too)."""
     from batchsim.scripts.cli import main
 
     try:
-        rc = main(argv)
-    except SystemExit as exc:
-        rc = int(exc.code)
+        return main(argv)
+    except SystemExit as exc:  # argparse rejected a flag
+        return int(exc.code)
+
+
+def _main(argv: list[str], capsys) -> tuple[int, str, str]:
+    """rc, stdout and stderr of the CLI run in-process (argparse's exit included)."""
+    rc = cli_exit_code(argv)
     captured = capsys.readouterr()
     return rc, captured.out, captured.err
 

@@ -137,16 +137,6 @@ def random_specs(vocab: int, n: int, seed: int, max_prompt: int, max_out: int):
              rng.randint(2, max_out)) for _ in range(n)]
 
 
-def cli_exit_code(argv: list[str]) -> int:
-    """`batchsim ARGV` in this process: its exit code (argparse's too)."""
-    from batchsim.scripts.cli import main
-
-    try:
-        return main(argv)
-    except SystemExit as exc:  # argparse rejected a flag
-        return int(exc.code)
-
-
 class WatchesServeStderr:
     """For a test's handle on a `batchsim serve` process (`self.proc`, text pipes): its stderr
     drained on a thread so the pipe never fills, kept in `stderr`, and the URL it listens on."""

@@ -12,8 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.cli_calls import batchsim, last_json
-from tests.drivers import cli_exit_code
+from tests.cli_calls import batchsim, cli_exit_code, last_json
 
 RUN_KEYS = {
     "completed", "request_throughput", "output_throughput", "total_token_throughput",

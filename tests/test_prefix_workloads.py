@@ -29,7 +29,7 @@ from batchsim.workloads.requests import (
 from batchsim.workloads.spec import TraceSpec, WorkloadSpec, builtin_workload, workload_from_dict
 from batchsim.workloads.traces import read_trace
 
-from tests.drivers import cli_exit_code
+from tests.cli_calls import cli_exit_code
 
 VOCAB = 1000
 

@@ -16,7 +16,8 @@ from batchsim.server.perf.gpu_fit import load_fit, mac_profile
 from batchsim.server.perf.spec_acceptance import Acceptance, curve_points, parse_rates
 from batchsim.server.perf.stepcost import StepCost
 
-from tests.drivers import cli_exit_code, config, drive, make_request
+from tests.cli_calls import cli_exit_code
+from tests.drivers import config, drive, make_request
 
 
 @pytest.fixture(scope="module")

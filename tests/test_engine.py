@@ -263,3 +263,24 @@ def test_a_request_aborted_mid_step_adds_no_generation_token():
     assert [r.finish_reason for r in done] == ["length", "abort"]
     assert 0 < done[1].num_output_tokens < 8
     assert recorder.generation_tokens == sum(r.num_output_tokens for r in done)
+
+
+def test_an_aborted_rows_accepted_drafts_are_not_generation_tokens():
+    """A verify step whose row's request was aborted meanwhile: neither its sampled token nor
+    its accepted drafts were emitted; the other row's were."""
+    from batchsim.scheduler.plan import StepResult
+    from batchsim.server.http.prometheus import ServerRecorder
+
+    scheduler, recorder = Scheduler(config()), ServerRecorder()
+    for i in range(2):
+        scheduler.add_request(req(i, prompt=4, out=20))
+    while not (plan := scheduler.schedule()).decode_ids:  # the prompts' prefill
+        scheduler.update_from_output(plan, FakeExecutor(virtual_time=True).execute(plan))
+    assert plan.decode_ids == (0, 1)
+    aborted = scheduler.abort(1)
+    before = aborted.num_output_tokens
+    result = StepResult(1, (0, 1), None, (0.01,), plan.kv_bytes, ((7, 7), (7, 7, 7)), (3, 3))
+    scheduler.update_from_output(plan, result)
+    recorder.on_step(plan, result, 0.0, [0.01], scheduler)
+    assert scheduler.requests[0].num_output_tokens == 1 + 3 and aborted.num_output_tokens == before
+    assert recorder.generation_tokens == 3

@@ -148,7 +148,7 @@ def point_row(batch: int, summary: dict[str, Any], steps: list[StepRecord],
         "decode_tok_s_source": source, "step_ms": step_ms,
         "median_tpot_ms": summary["median_tpot_ms"],
         "output_throughput": summary["output_throughput"],
-        "kv_bytes": summary["peak_kv_bytes"],
+        "kv_bytes": summary["peak_kv_held_bytes"],  # every byte held, as kv_bytes_measured counts
         "kv_bytes_measured": summary["peak_kv_bytes_measured"],
         "peak_memory_bytes": summary["peak_memory_bytes"],
         "peak_memory_source": summary["peak_memory_source"], "active_memory_bytes": active_bytes,

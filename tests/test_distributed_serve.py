@@ -169,6 +169,37 @@ def _install_rank0(monkeypatch, tmp_path, ignored: str) -> tuple[list[str], list
             signal.signal(sig, handler)
 
 
+@pytest.mark.parametrize("noted", [["SIGINT"], ["SIGHUP", "SIGINT"]])
+def test_rank0_answers_a_stop_signal_noted_while_the_ranks_loaded(monkeypatch, tmp_path, noted):
+    """interrupts.hold notes rank 0's stop signals while the ranks load; serve never looked at
+    them and ran on. The first drains as serving begins, a second cuts the drain short."""
+    from batchsim.server.platform import signals
+
+    monkeypatch.setenv(STATUS_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(stop_signals, "_expire", lambda *_: None)  # its drain deadline's timer
+    calls: list[int] = []
+    server = SimpleNamespace(engine=SimpleNamespace(executor=SimpleNamespace(
+        watchdog=SimpleNamespace(current=lambda: None))),
+        on_signal=lambda stop: (calls.append(1), stop.set()))
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM)}
+
+    async def installed() -> bool:
+        stop = stop_signals.install(server, 0.0)
+        for sig in previous:
+            asyncio.get_running_loop().remove_signal_handler(sig)
+        return stop.is_set()
+
+    before, signals.held[:] = list(signals.held), noted
+    try:
+        assert asyncio.run(installed()) is True
+        assert signals.held == []
+    finally:
+        signals.held[:] = before
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert len(calls) == len(noted)
+
+
 def test_rank0_answers_the_stop_signals_the_launcher_answers(monkeypatch, tmp_path):
     """Rank 0 of `serve --ranks` put a handler on SIGHUP even under nohup: the launcher's own
     disposition is passed down (a remote rank 0 starts with sshd's); SIGTERM always stays

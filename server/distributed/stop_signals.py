@@ -3,7 +3,8 @@ rank died, and a step that waits on a dead peer never returns, so a drain would 
 rank 0 exits at once when a local peer is gone, else drains as a 1-rank server does, with a
 deadline after which it exits anyway. It answers the stop signals the launcher answers: the
 ranks run in a session of their own (a remote rank 0 under sshd), so what nohup left ignored is
-passed down (LAUNCHER_IGNORED_ENV), not inherited."""
+passed down (LAUNCHER_IGNORED_ENV), not inherited. One noted while the ranks loaded is answered
+as serving begins (it was never acted on: serve ran on)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from batchsim.server.distributed.rank import (
     follow_launchers_word,
     peers_lost,
 )
+from batchsim.server.platform.signals import held
 
 GRACE_S = 10.0  # beyond the drain timeout: stopping the listener, telling the followers to stop
 
@@ -46,4 +48,7 @@ def install(server: Any, drain_timeout_s: float) -> asyncio.Event:
 
     for sig in (signal.SIGTERM, *follow_launchers_word()):  # the others set ignored
         loop.add_signal_handler(sig, on_signal, sig)
+    noted, held[:] = list(held), []  # while the ranks loaded (interrupts.hold): answered now
+    for name in noted:
+        on_signal(signal.Signals[name])
     return stop

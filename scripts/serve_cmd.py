@@ -154,6 +154,10 @@ def _serve(args: argparse.Namespace, cfg, session) -> dict:
             stop = stop_signals.install(server, options.drain_timeout_s)
         return await serve(server, args.host, args.port, announce, stop)
 
+    if not (args.ranks > 1 or args.hostfile):  # rank 0 answers its noted ones in install
+        from batchsim.server.platform.signals import stop_if_swallowed
+
+        stop_if_swallowed()  # a Ctrl-C Python swallowed while the model loaded: not served on
     totals = asyncio.run(main())
     err.print(f"batchsim serve: stopped; {totals['requests']}")
     return {"command": "serve", "model": session.ref.name, **totals}

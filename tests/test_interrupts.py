@@ -274,6 +274,20 @@ sys.exit(cli.main(sys.argv[1:]))
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_stop_signal_python_swallowed_while_serve_loaded_stops_it(tiny, batchsim_home, sig):
+    """Noted (held) but never answered: serve listened and served on, as if never asked."""
+    script = _SWALLOWED_WHILE_LOADING.replace("batchsim.server.engine.run_path",
+                                              "batchsim.server.http.app")
+    proc = subprocess.run([sys.executable, "-c", script, "serve", "--model", "tiny", "--port",
+                           "0"], check=False, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "BATCHSIM_HOME": str(batchsim_home),
+                               "SENT_SIGNAL": sig})
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert proc.stderr.endswith("batchsim serve: interrupted\n"), proc.stderr[-2000:]
+    assert "listening" not in proc.stderr and "Exception ignored" not in proc.stderr
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_ctrl_c_that_python_swallowed_while_the_run_loaded_still_stops_it(batchsim_home,
                                                                           tmp_path, sig):
     """h8: a Ctrl-C between the parser and the run's handlers, raised where Python only prints

@@ -23,25 +23,19 @@ def not_ignored(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> tuple[sig
     return tuple(sig for sig in signals if signal.getsignal(sig) is not signal.SIG_IGN)
 
 
-def launcher_answers(ignored: str | None) -> tuple[signal.Signals, ...]:
+def follow_launcher(ignored: str | None) -> tuple[signal.Signals, ...]:
     """A rank's stop signals: SIGTERM always, the others unless its launcher ignored them
-    (`ignored`: their names, "SIGHUP,..."; None, without the launcher's word: unless this
-    process does). A remote rank starts from sshd's dispositions, not its nohup launcher's."""
+    (`ignored`: their names, "SIGHUP,..."; None, without the launcher's word: unless this process
+    does); each one it does not answer is set ignored here, as the launcher has it: a remote rank
+    starts from sshd's dispositions (SIGHUP, SIGINT: default, fatal), not its nohup launcher's, so
+    one left alone killed the rank undrained, without its records."""
     names = ignored.split(",") if ignored is not None else [
         s.name for s in STOP_SIGNALS if s not in not_ignored()]
-    return tuple(s for s in STOP_SIGNALS if s == signal.SIGTERM or s.name not in names)
-
-
-def follow_launcher(ignored: str | None, signals: tuple[signal.Signals, ...] = STOP_SIGNALS
-                    ) -> tuple[signal.Signals, ...]:
-    """Of `signals`, those the launcher answers (launcher_answers); each other one is set ignored
-    here, as the launcher has it: a remote rank starts from sshd's dispositions (SIGHUP, SIGINT:
-    default, fatal), so one left alone killed the rank undrained, without its records."""
-    answered = launcher_answers(ignored)
-    for sig in signals:
+    answered = tuple(s for s in STOP_SIGNALS if s == signal.SIGTERM or s.name not in names)
+    for sig in STOP_SIGNALS:
         if sig not in answered:
             signal.signal(sig, signal.SIG_IGN)
-    return tuple(sig for sig in signals if sig in answered)
+    return answered
 
 
 def leave_closed_terminal(signum: int) -> None:

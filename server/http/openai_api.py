@@ -222,7 +222,7 @@ def _chat_prompt(body: dict[str, Any], tokenizer: Any, max_bytes: int) -> list[i
     variables = get(body, "chat_template_kwargs", {})
     check(body, "chat_template_kwargs", isinstance(variables, dict),
           "an object of the chat template's variables (such as {\"enable_thinking\": false})")
-    if refused := sorted(variables.keys() & _not_template_variables(tokenizer)):
+    if variables and (refused := sorted(variables.keys() & _not_template_variables(tokenizer))):
         raise APIError(400, f"chat_template_kwargs: {', '.join(refused)[:200]} not a template "
                        "variable here (apply_chat_template's argument, the messages, a special "
                        "token or a template helper)", param="chat_template_kwargs")

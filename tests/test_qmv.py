@@ -26,7 +26,8 @@ from batchsim.server.published.sim import MacModel, row_cost
 
 
 @pytest.mark.parametrize("chip,family", [("M1", "g13g"), ("M1 Ultra", "g13d"), ("M3 Pro", "g15s"),
-                                         ("M4 Max", "g16c"), ("M5 Max", "g17c"), ("A17", "")])
+                                         ("M1 Max", "g13c"), ("M2 Max", "g14s"), ("M4 Max", "g16s"),
+                                         ("M5 Max", "g17s"), ("A17", "")])
 def test_gpu_family_of_chip(chip, family):
     assert gpu_family(chip) == family
 

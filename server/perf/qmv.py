@@ -23,7 +23,9 @@ prefill's (plain qmm) at the accelerators' (DeviceProfile.shader_flops_share pri
 MLX 0.30.0-0.31.1 ran qmm_nax for every M5 qmm; no published M5 row ran those versions.
 
 The GPU family is MLX's `get_architecture()` suffix: generation 13 (M1) to 17 (M5), size g (base),
-s (Pro), c (Max), d (Ultra)."""
+s (Pro, and Max from the M2 on), c (the M1 Max alone), d (Ultra): Apple's names report an M2 Max
+as applegpu_g14s, M4 Max g16s (ml-explore/mlx#3885, 2026-07-24) and M5 Max g17s (ml-explore/mlx
+#3837, 2026-08-05); the M1 Max is the one 'c' part (CPU_SUBTYPE_APPLEGPU_G13C, Asahi's g13c)."""
 
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ from functools import lru_cache
 from batchsim.server.models.arch import QUANT_GROUP_SIZE
 
 GENERATION_OF_CHIP = {"M1": 13, "M2": 14, "M3": 15, "M4": 16, "M5": 17}
-SIZE_OF_TIER = {"": "g", "Pro": "s", "Max": "c", "Ultra": "d"}
+SIZE_OF_TIER = {"": "g", "Pro": "s", "Max": "s", "Ultra": "d"}
+M1_MAX_SIZE = "c"  # the M1 Max alone: its own die (T6001), not the Pro's
 # get_qmv_batch_limit's thresholds by the MLX release that has them: (generation at least, Ultra or
 # not) -> limits for matrices with both dims <= 2048, both <= 4096, and larger; the first matching
 # line applies. ml-explore/mlx e7838d5 (#3791, 2026-08-08, first in v0.32.1) raised M5's and set
@@ -84,7 +87,8 @@ def gpu_family(chip: str) -> str:
     m = re.fullmatch(r"(M\d)(?: (Pro|Max|Ultra))?", chip.strip())
     if not m or m.group(1) not in GENERATION_OF_CHIP:
         return ""
-    return f"g{GENERATION_OF_CHIP[m.group(1)]}{SIZE_OF_TIER[m.group(2) or '']}"
+    size = M1_MAX_SIZE if m.group(0) == "M1 Max" else SIZE_OF_TIER[m.group(2) or ""]
+    return f"g{GENERATION_OF_CHIP[m.group(1)]}{size}"
 
 
 def qmv_row_limit(family: str, k: int, n: int, mlx: str = "") -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import threading
 from types import SimpleNamespace
 
 from batchsim.scripts import progress
@@ -54,3 +55,18 @@ def test_a_label_with_brackets_is_printed_as_it_is(monkeypatch):
     rich markup (a MarkupError traceback when the progress line started)."""
     line = _run(monkeypatch, 200, [(_engine(5, 1.0, 1, 0), _plan(1, 0.1))], label="w[/x]-sim")
     assert "w[/x]-sim" in line, line
+
+
+def _refresh_threads() -> int:
+    return sum(type(t).__name__ == "_RefreshThread" for t in threading.enumerate())
+
+
+def test_the_line_is_redrawn_on_a_terminal_only(monkeypatch):
+    """Not a terminal (a file, a pipe: `--json 2>log`): no refresh thread waking 10 times a second
+    to build a line nobody sees (rich prints it once, at the end); a terminal keeps it live."""
+    for terminal in (False, True):
+        console = Console(file=io.StringIO(), width=120, force_terminal=terminal)
+        monkeypatch.setattr(progress, "err", console)
+        with progress.RunProgress(10, "run"):
+            assert _refresh_threads() == terminal, terminal
+        assert "0/10" in console.file.getvalue()

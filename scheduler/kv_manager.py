@@ -13,6 +13,7 @@ from batchsim.scheduler.plan import CacheOps, PrefillChunk
 from batchsim.scheduler.pool_geometry import (
     EMPTY_PAGED_POOL,
     EMPTY_POOL,
+    KV_STEP,
     PAGE_TOKENS,
     PoolGeometry,
     next_geometry,
@@ -21,6 +22,8 @@ from batchsim.scheduler.pool_geometry import (
 )
 from batchsim.scheduler.prefix_cache import PrefixCache, prompt_block_hashes
 from batchsim.scheduler.request import Request
+
+GEOMETRIES_KEPT = 1 << 12  # geometry_for's remembered answers (for one pool)
 
 
 class KVAccountError(AssertionError):
@@ -48,6 +51,9 @@ class KVManager:
         self.prefix = (PrefixCache(PAGE_TOKENS * cache.full_token_bytes, shared=paged)
                        if prefix_cache else None)
         self.shared = self.prefix if paged and prefix_cache else None
+        # geometry_for's answers for the pool _geometries_of: (rows, KV steps, bytes) -> geometry
+        self._geometries: dict[tuple[int, int, int], PoolGeometry | None] = {}
+        self._geometries_of: PoolGeometry | None = None
 
     @property
     def private_bytes(self) -> int:
@@ -114,9 +120,19 @@ class KVManager:
         if self.paged:
             return next_paged_geometry(self.pool, num_rows, max_len, need_blocks, self.row_step,
                                        self.max_rows, max_bytes, self.cache)
-        return next_geometry(
-            self.pool, num_rows, max_len, self.row_step, self.max_rows, max_bytes, self.cache,
-        )
+        # next_geometry reads max_len only rounded up to its KV_STEP capacity, and the pool: its
+        # answers for this pool are remembered (a simulated plan asks a few times, most often
+        # what an earlier plan asked).
+        key = (num_rows, -(-max_len // KV_STEP) if max_len > 1 else 1, max_bytes)
+        known = self._geometries
+        if self._geometries_of is not self.pool or len(known) >= GEOMETRIES_KEPT:
+            known.clear()
+            self._geometries_of = self.pool
+        elif key in known:
+            return known[key]
+        geom = known[key] = next_geometry(self.pool, num_rows, max_len, self.row_step,
+                                          self.max_rows, max_bytes, self.cache)
+        return geom
 
     def private_bytes_after(self, request_id: int, chunk_start: int, computed_tokens: int) -> int:
         """Extra bytes a private cache needs after a chunk [chunk_start, computed_tokens)

@@ -12,7 +12,7 @@ from batchsim.scheduler.pool_geometry import KV_STEP, PoolGeometry, round_up
 from batchsim.scheduler.request import RequestStatus
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.executors.fake_executor import FakeExecutor
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.drivers import config, drive, make_request, random_arrivals, step_limits
@@ -255,3 +255,25 @@ def test_scheduler_step_costs_under_a_millisecond_at_batch_64():
         assert len(plan.decode_ids) == 64
     times.sort()
     assert times[len(times) // 2] < 1e-3, f"median {times[len(times) // 2] * 1e6:.0f} us"
+
+
+@settings(max_examples=EXAMPLES // 5, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 40), st.integers(0, 3 * KV_STEP),
+                          st.integers(0, 48 * KV_STEP * KVT)), min_size=1, max_size=40))
+@example([(True, 8, 100, KVT << 20), (False, 4, 100, KVT << 20), (True, 32, 100, KVT << 20),
+          (False, 4, 100, KVT << 20)])  # 4 rows keep a pool of 8, not one of 32
+def test_geometry_for_answers_as_next_geometry_for_the_pool_it_holds(queries):
+    """KVManager.geometry_for remembers its answers per pool: each is next_geometry's for the
+    pool held at the time (the same object when it keeps it), through pool changes."""
+    from batchsim.scheduler.kv_bytes import CacheLayout
+    from batchsim.scheduler.kv_manager import KVManager
+    from batchsim.scheduler.pool_geometry import next_geometry
+
+    cache = CacheLayout.dense(KVT)
+    kv = KVManager(48 * KV_STEP * KVT, cache, row_step=8, max_rows=32)
+    for commit, rows, max_len, max_bytes in queries:
+        got = kv.geometry_for(rows, max_len, max_bytes)
+        want = next_geometry(kv.pool, rows, max_len, 8, 32, max_bytes, cache)
+        assert got == want and (got is kv.pool) == (want is kv.pool)
+        if commit and got is not None:
+            kv.commit(got, set(), {}, 0)

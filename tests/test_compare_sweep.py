@@ -11,6 +11,7 @@ import pytest
 from batchsim.scripts.cli import main
 from batchsim.server.perf import sweep_limits as sweep_math
 
+from tests.cli_calls import last_json
 from tests.sim_records import sweep_step
 
 GIB = 1 << 30
@@ -21,7 +22,7 @@ TINY_KV_F32 = 2 * 2 * 2 * 16 * 4  # 512
 
 def cli_json(capsys, argv: list[str]) -> dict:
     assert main(argv) == 0
-    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    return last_json(capsys.readouterr().out)
 
 
 # -- arithmetic --------------------------------------------------------------------------------
@@ -285,7 +286,7 @@ def test_sweep_png_names_its_weights_as_size_does(tmp_path, capsys):
                      "llama-3.2-1b", "--quantize", "4", "--batches", "1,2", "--out",
                      str(tmp_path), "--runs-dir", str(tmp_path / "runs"), "--no-timeline",
                      "--no-progress", "--json"]) == 0
-    png = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["png"]
+    png = last_json(capsys.readouterr().out)["png"]
     assert Path(png).name.startswith("sweep-llama-3.2-1b-q4-")
 
 

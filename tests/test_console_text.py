@@ -4,14 +4,13 @@ under `runs[old]` was printed as `runs/...`, a path that is not there."""
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.cli_calls import SIM, _main
+from tests.cli_calls import SIM, _main, last_json
 
 
 def _unwrapped(text: str) -> str:
@@ -23,7 +22,7 @@ def test_a_run_directory_with_brackets_is_printed_as_it_is(capsys, tmp_path, nam
     rc, out, err = _main(["run", *SIM, "--num-prompts", "2", "--out", str(tmp_path / name)],
                          capsys)
     assert rc == 0 and "Traceback" not in err, err
-    run_dir = json.loads(out.splitlines()[-1])["run_dir"]
+    run_dir = last_json(out)["run_dir"]
     assert f"rundirectory:{run_dir}" in _unwrapped(out), out
     assert Path(run_dir).parent == tmp_path / name and (Path(run_dir) / "summary.json").is_file()
 
@@ -31,7 +30,7 @@ def test_a_run_directory_with_brackets_is_printed_as_it_is(capsys, tmp_path, nam
 def _a_run(capsys, tmp_path) -> Path:
     rc, out, err = _main(["run", *SIM, "--num-prompts", "2", "--out", str(tmp_path / "a")], capsys)
     assert rc == 0, err
-    return Path(json.loads(out.splitlines()[-1])["run_dir"])
+    return Path(last_json(out)["run_dir"])
 
 
 def test_report_notes_and_paths_with_brackets_are_printed_as_they_are(capsys, tmp_path):
@@ -76,7 +75,7 @@ def test_compare_and_sweep_print_a_workload_name_with_brackets_as_it_is(capsys, 
     rc, out, err = _main([*command, "--workload", str(workload), "--no-timeline",
                           "--out", str(tmp_path / "runs")], capsys)
     assert rc == 0 and "Traceback" not in err, err
-    assert "w[/x]" in out + err and json.loads(out.splitlines()[-1])
+    assert "w[/x]" in out + err and last_json(out)
 
 
 def test_no_command_prints_rich_markup():

@@ -6,9 +6,10 @@ with the load average."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 from pathlib import Path
+
+from tests.cli_calls import last_json
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_step_cost.py"
 
@@ -20,7 +21,7 @@ def test_executor_decode_step_has_the_bare_loops_graph(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["decode_step_cost.py", "--model", "tiny", "--batch", "1,4",
                                       "--steps", "1", "--windows", "1", "--modes", "bare,executor"])
     bench.main()
-    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    doc = last_json(capsys.readouterr().out)
     for row in doc["rows"]:
         assert row["executor_extra_ops"] == {}, row["batch"]
         assert row["executor"]["graph_ops"] == row["bare"]["graph_ops"] > 0

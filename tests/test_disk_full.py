@@ -18,6 +18,7 @@ from pathlib import Path
 from batchsim.server.results.metrics import StepRecord
 from batchsim.server.results.run_files import STEPS, RecordStream
 
+from tests.cli_calls import last_json
 from tests.sim_records import records
 
 GUARD_S = 120
@@ -53,7 +54,7 @@ def test_a_disk_full_mid_run_keeps_the_records_and_a_summary_that_says_why(tiny,
                     "--request-rate", "50", "--input-len", "16", "--output-len", "8",
                     "--no-progress", "--out", str(tmp_path))
     assert_one_line_error(proc, "batchsim run: cannot write", "File too large", "run stopped")
-    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    last = last_json(proc.stdout)
     assert last["interrupted"] is True and "File too large" in last["interrupt_reason"]
     run_dir = Path(last["run_dir"])
     saved = json.loads((run_dir / "summary.json").read_text())

@@ -16,6 +16,8 @@ from batchsim.configs import ConfigError
 from batchsim.server.distributed import ring_log
 from batchsim.server.results.metrics import output_tokens_sha256
 
+from tests.cli_calls import last_json
+
 ARGS = ["run", "--model", "tiny", "--request-rate", "inf", "--num-prompts", "6", "--input-len",
         "uniform:8:40", "--output-len", "uniform:4:12", "--max-num-seqs", "4", "--no-progress"]
 HANG_GUARD_S = 120  # a hang fails the test instead of the suite
@@ -42,7 +44,7 @@ def test_two_ranks_decode_the_same_tokens_as_one(tiny, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     # Nothing of the run outlives it but MLX's compiled-kernel cache ($TMPDIR/mlx), kept on purpose
     assert [p.name for p in (tmp_path / "tmp").iterdir() if p.name != "mlx"] == []
-    two = json.loads(proc.stdout.strip().splitlines()[-1])
+    two = last_json(proc.stdout)
     assert two["ranks"] == 2 and two["completed"] == 6
     assert two["total_output_tokens"] == one["total_output_tokens"]
     assert two["output_tokens_sha256"] == one["output_tokens_sha256"]
@@ -61,7 +63,7 @@ def test_a_dead_rank_ends_the_run_with_a_clear_error_and_valid_records(tiny, tmp
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert "rank 1 died" in last, proc.stderr[-2000:]
-    error = json.loads(proc.stdout.strip().splitlines()[-1])["error"]
+    error = last_json(proc.stdout)["error"]
     assert error.startswith("rank 1 died")
     # Rank 0 kept what ran (it left no summary.json and an empty requests.jsonl before).
     (run_dir,) = tmp_path.iterdir()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -22,6 +21,7 @@ from batchsim.server.distributed import launch, stop_signals
 from batchsim.server.distributed.rank import LAUNCHER_IGNORED_ENV, STATUS_DIR_ENV
 
 from tests import dispositions
+from tests.cli_calls import last_json
 from tests.drivers import WatchesServeStderr
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,7 +107,7 @@ def test_two_rank_server_answers_as_one_and_stops_every_rank(tiny):
             assert two.complete(prompt) == one.complete(prompt)
         rc, out = two.stop()
         assert rc == 0, "".join(two.stderr)[-2000:]
-        summary = json.loads(out.strip().splitlines()[-1])
+        summary = last_json(out)
         assert summary["ranks"] == 2 and summary["requests"] == {"finished": 2}
         alive = [pid for pid in ranks if pid in _processes()]
         assert alive == [], f"left running after SIGTERM: {alive}"
@@ -228,7 +228,7 @@ def test_rank0_keeps_serving_through_a_sighup_a_nohup_launcher_ignored(tiny):
         assert two.complete(PROMPTS[0])["usage"]["completion_tokens"] == 6
         rc, out = two.stop()
         assert rc == 0, "".join(two.stderr)[-2000:]
-        assert json.loads(out.strip().splitlines()[-1])["requests"] == {"finished": 1}
+        assert last_json(out)["requests"] == {"finished": 1}
     finally:  # on a failure: kill what is left (mlx.launch runs in a session of its own)
         for pid in (_descendants(two.proc.pid) if two.proc.poll() is None else []) + [two.proc.pid]:
             with contextlib.suppress(ProcessLookupError):

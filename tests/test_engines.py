@@ -21,6 +21,7 @@ from batchsim.server.perf.engines import (
 from batchsim.server.perf.gpu_fit import load_fit, mac_profile
 from batchsim.server.perf.stepcost import StepCost
 
+from tests.cli_calls import last_json
 from tests.engine_profiles import bare_mac, host_engine
 from tests.sim_profile import PROFILE
 
@@ -99,7 +100,6 @@ def test_size_and_sweep_price_the_engine_named_and_say_so(tmp_path, capsys):
     simulated sweep measures at the same context, and a serving engine's per-token host cost
     slows both; every row names its engine."""
     import argparse
-    import json
 
     from batchsim.scripts import size
     from batchsim.scripts.cli import main
@@ -112,7 +112,7 @@ def test_size_and_sweep_price_the_engine_named_and_say_so(tmp_path, capsys):
         stdout = capsys.readouterr().out
         # the table's title names the engine, the profile and the 4-bit weights
         assert f"(float16, 4-bit weights) on sim (M4 Max 40c, engine {engine})" in stdout
-        return json.loads(stdout.strip().splitlines()[-1])["rows"][0]
+        return last_json(stdout)["rows"][0]
 
     def predict(engine: str) -> dict:
         parser = argparse.ArgumentParser()
@@ -134,7 +134,6 @@ def test_size_and_sweep_price_the_engine_named_and_say_so(tmp_path, capsys):
     assert host_s == pytest.approx((prior.host_step_us + prior.host_token_us) * 1e-6, rel=0.05)
 
 def test_run_config_takes_an_engine_and_a_simulated_run_names_it(tmp_path, capsys):
-    import json
 
     from batchsim.scripts.cli import main
     from batchsim.server.engine.run_config import RunConfig
@@ -148,7 +147,7 @@ def test_run_config_takes_an_engine_and_a_simulated_run_names_it(tmp_path, capsy
                      "--num-prompts", "8", "--request-rate", "inf", "--input-len", "64",
                      "--output-len", "32", "--no-progress", "--out", str(tmp_path)]) == 0
         captured = capsys.readouterr()
-        summary = json.loads(captured.out.strip().splitlines()[-1])
+        summary = last_json(captured.out)
         assert summary["engine"] == engine
         assert f"on sim (M4 Max, engine {engine}), workload" in captured.err  # the header line
         rates[engine] = summary["output_throughput"]
@@ -193,7 +192,6 @@ def test_a_simulated_run_puts_an_engines_request_cost_in_ttft(tmp_path, capsys, 
 
 
 def test_compare_names_the_engine_it_simulated(tmp_path, capsys):
-    import json
 
     from batchsim.scripts.cli import main
 
@@ -207,7 +205,7 @@ def test_compare_names_the_engine_it_simulated(tmp_path, capsys):
     assert ("(float16, 4-bit weights) on sim (M4 Max, engine mlx-lm-generate), workload"
             in captured.out)
     assert "on sim (M4 Max, engine mlx-lm-generate), workload" in captured.err  # the opening line
-    result = json.loads(captured.out.strip().splitlines()[-1])
+    result = last_json(captured.out)
     assert result["batch1"]["engine"] == result["batched"]["engine"] == "mlx-lm-generate"
 
 

@@ -16,6 +16,8 @@ from batchsim.server.perf.devices import SHIPPED_DIR, load_profile
 from batchsim.server.perf.layer_cost import expected_experts
 from batchsim.server.perf.stepcost import StepCost
 
+from tests.cli_calls import last_json
+
 PROFILE = load_profile(SHIPPED_DIR / "linux-x86_64-openblas-2core.yaml")
 
 
@@ -124,7 +126,6 @@ def test_family_matrices_validate_on_models_calibration_does_not_use(matrix, fam
 
 def test_validate_skips_a_model_the_real_executor_cannot_serve_yet(monkeypatch, capsys, tmp_path,
                                                                    batchsim_home):
-    import json
 
     from batchsim.scripts import validate
     from batchsim.scripts.cli import main
@@ -146,5 +147,5 @@ def test_validate_skips_a_model_the_real_executor_cannot_serve_yet(monkeypatch, 
     captured = capsys.readouterr()
     assert "tiny-sliding is not runnable yet" in captured.err
     assert "1 cases are skipped" in captured.err
-    doc = json.loads(captured.out.strip().splitlines()[-1])
+    doc = last_json(captured.out)
     assert doc["skipped"] == "not runnable yet: NotImplementedError: sliding" and doc["cases"] == []

@@ -20,6 +20,8 @@ from batchsim.server.perf.stepcost import StepCost
 from batchsim.workloads.lengths import parse_length
 from batchsim.workloads.spec import WorkloadSpec
 
+from tests.cli_calls import last_json
+
 PROFILE = load_profile(SHIPPED_DIR / "linux-x86_64-openblas-2core.yaml")
 FAMILIES = ["tiny-sliding", "tiny-hybrid", "tiny-mla"]
 
@@ -104,7 +106,6 @@ def test_validate_skips_a_model_the_session_refuses_as_not_yet_runnable(
         monkeypatch, capsys, tmp_path, batchsim_home, message, skipped):
     """A session that refuses the model as 'not yet' supported: validate skips its cases with one
     line and a `skipped` document; any other refusal stays a one-line error."""
-    import json
 
     from batchsim.configs import ConfigError
     from batchsim.scripts.cli import main
@@ -124,5 +125,5 @@ def test_validate_skips_a_model_the_session_refuses_as_not_yet_runnable(
         return
     assert rc == 0 and "tiny-sliding is not runnable yet" in captured.err
     assert "3 cases are skipped" in captured.err
-    doc = json.loads(captured.out.strip().splitlines()[-1])
+    doc = last_json(captured.out)
     assert doc == {"model": "tiny-sliding", "skipped": f"not runnable yet: {message}", "cases": []}

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from batchsim.configs import ConfigError
 
+from tests.cli_calls import last_json
+
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, FFN = 4, 2, 16, 64, 128
 
 
@@ -164,7 +166,7 @@ def test_models_import_command_writes_a_loadable_directory(tmp_path, capsys):
     src = _write_gguf(tmp_path / "t.gguf", _hf_weights(mx, vocab=262))
     out = tmp_path / "imported"
     assert main(["models", "import", str(src), "--out", str(out), "--form", "dense", "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    doc = last_json(capsys.readouterr().out)
     assert doc["path"] == str(out) and doc["form"] == "dense"
     assert json.loads((out / "batchsim.json").read_text())["weights"] == "real"
     assert main(["models", "import", str(tmp_path / "nope.gguf")]) == 2

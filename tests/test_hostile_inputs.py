@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.cli_calls import SIM, _main, _one_line
+from tests.cli_calls import SIM, _main, _one_line, last_json
 
 
 def _alias_bomb(levels: int = 12) -> str:
@@ -117,7 +117,6 @@ def test_shipped_yaml_reads_with_libyaml_to_the_pure_python_values():
 def test_the_config_of_a_run_stopped_before_its_model_loaded_runs_again(capsys, tmp_path):
     """Such a run writes config.yaml without `resolved:` and `env:`; it was read as a run config
     with an unknown key 'config'."""
-    import json
 
     from batchsim.server.engine.run_config import RunConfig, with_run_overrides
     from batchsim.server.engine.run_dir import write_config
@@ -128,7 +127,7 @@ def test_the_config_of_a_run_stopped_before_its_model_loaded_runs_again(capsys, 
     rc, out, err = _main(["run", str(tmp_path / "config.yaml"), "--no-progress", "--no-timeline",
                           "--out", str(tmp_path / "b"), "--json"], capsys)
     assert rc == 0, err
-    assert json.loads(out.splitlines()[-1])["completed"] == 3
+    assert last_json(out)["completed"] == 3
 
 
 @pytest.mark.parametrize("name, text", [
@@ -140,14 +139,13 @@ def test_the_config_of_a_run_stopped_before_its_model_loaded_runs_again(capsys, 
 def test_a_trace_saved_with_a_byte_order_mark_replays(capsys, tmp_path, name, text):
     """Excel and Notepad save UTF-8 with a BOM: the CSV was refused for a missing TIMESTAMP column
     ("found: \\ufeffTIMESTAMP"), the JSONL for an "Unexpected UTF-8 BOM" on line 1."""
-    import json
 
     trace = tmp_path / name
     trace.write_text(text, encoding="utf-8-sig")
     rc, out, err = _main(["run", *SIM, "--trace", str(trace), "--no-timeline", "--out",
                           str(tmp_path), "--json"], capsys)
     assert rc == 0, err
-    assert json.loads(out.splitlines()[-1])["completed"] == 2
+    assert last_json(out)["completed"] == 2
 
 
 @pytest.mark.parametrize("text, says", [

@@ -11,6 +11,7 @@ import json
 import httpx
 import pytest
 
+from tests.cli_calls import last_json
 from tests.serve_process import AUTH, KEY, ServerProcess
 
 MAX_TOKENS = 3000  # what a request that is never aborted generates (ignore_eos)
@@ -32,7 +33,7 @@ def srv(batchsim_home):
     yield s
     assert s.stop() == 0, "".join(s.stderr)
     assert "Traceback" not in "".join(s.stderr), "".join(s.stderr)
-    totals = json.loads(s.proc.stdout.read().strip().splitlines()[-1])
+    totals = last_json(s.proc.stdout.read())
     # every request these tests aborted was a client's that left, with some tokens generated
     assert totals["client_gone"] == totals["requests"]["aborted"] >= 1
     assert totals["aborted_generation_tokens"] >= totals["client_gone"]

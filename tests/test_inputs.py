@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_calls import SIM, _batchsim, _main, _one_line
+from tests.cli_calls import SIM, _batchsim, _main, _one_line, last_json
 
 NOT_NUMBERS = {"str", "str_list", "Path", "length"}  # `length` has its own test below
 
@@ -117,7 +117,7 @@ def test_far_future_arrivals_and_an_overflowing_rate_are_refused(tmp_path):
         assert f"; use {use} (--num-prompts)" in line, line
     workload.write_text("num_prompts: 3\nrequest_rate: 2.5e-9\n")  # the last at 8e8 s: runs
     proc = _batchsim("run", *SIM, str(workload), "--out", str(tmp_path), "--json")
-    assert json.loads(proc.stdout.splitlines()[-1])["completed"] == 3, proc.stderr[-2000:]
+    assert last_json(proc.stdout)["completed"] == 3, proc.stderr[-2000:]
     proc = _batchsim("run", *SIM, "--request-rate", "1e-308", "--out", str(tmp_path))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "Warning" not in proc.stderr
     assert "request_rate 1e-308: the last arrivals fall beyond" in proc.stderr.splitlines()[-1]
@@ -135,13 +135,13 @@ def test_a_run_whose_last_arrival_is_at_the_limit_reports_unchanged(tmp_path):
         out = tmp_path / f"runs{n}"
         proc = _batchsim("run", *SIM, *extra, "--out", str(out), "--json")
         assert proc.returncode == 0, proc.stderr[-2000:]
-        ran = json.loads(proc.stdout.splitlines()[-1])
+        ran = last_json(proc.stdout)
         assert ran["completed"] == 2 and ran["duration"] > 1e9
         (run_dir,) = out.iterdir()
         written = (run_dir / "summary.json").read_text()
         proc = _batchsim("report", str(run_dir), "--json")
         assert proc.returncode == 0 and "skipped" not in proc.stderr, proc.stderr[-2000:]
-        assert json.loads(proc.stdout.splitlines()[-1])["completed"] == 2
+        assert last_json(proc.stdout)["completed"] == 2
         assert (run_dir / "summary.json").read_text() == written
 
 
@@ -241,7 +241,7 @@ def test_size_at_80_columns_keeps_its_answer_columns(capsys, tmp_path, monkeypat
 def test_a_run_that_served_nothing_exits_3_with_the_reason(capsys, tmp_path):
     rc, out, err = _main(["run", *SIM, "--memory-gb", "4.5", "--input-len", "8000",
                           "--num-prompts", "3", "--out", str(tmp_path)], capsys)
-    assert rc == 3 and json.loads(out.splitlines()[-1])["completed"] == 0
+    assert rc == 3 and last_json(out)["completed"] == 0
     line = _one_line(err)
     assert "served nothing: 3 of 3 requests rejected" in line and "exceeds the KV budget" in line
 
@@ -278,7 +278,7 @@ def test_ramp_from_the_command_line_and_chat_refuses_ignore_eos(capsys, tmp_path
     assert (w.arrival, w.request_rate, w.ramp_end_rate) == ("ramp", 1.0, 8.0)
     rc, out, err = _main(["run", *SIM, "--request-rate", "1", "--ramp-end-rate", "8",
                           "--num-prompts", "6", "--out", str(tmp_path), "--json"], capsys)
-    assert rc == 0 and json.loads(out.splitlines()[-1])["completed"] == 6, err
+    assert rc == 0 and last_json(out)["completed"] == 6, err
     rc, _, err = _main(["run", "--workload", "chat", "--ignore-eos", "--executor", "fake",
                         "--out", str(tmp_path)], capsys)
     assert rc == 2 and "--ignore-eos: the chat workload honours EOS" in _one_line(err)
@@ -288,11 +288,11 @@ def test_a_run_directory_config_runs_again(capsys, tmp_path):
     rc, out, err = _main(["run", *SIM, "--num-prompts", "5", "--seed", "4", "--out",
                           str(tmp_path / "a"), "--json"], capsys)
     assert rc == 0, err
-    first = json.loads(out.splitlines()[-1])
+    first = last_json(out)
     rc, out, err = _main(["run", str(Path(first["run_dir"]) / "config.yaml"), "--no-progress",
                           "--out", str(tmp_path / "b"), "--json"], capsys)
     assert rc == 0, err
-    again = json.loads(out.splitlines()[-1])
+    again = last_json(out)
     assert again["total_output_tokens"] == first["total_output_tokens"]
     assert again["mean_ttft_ms"] == first["mean_ttft_ms"] and again["workload"] == first["workload"]
 

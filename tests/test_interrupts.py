@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from batchsim.server.results.metrics import RequestRecord
 
+from tests.cli_calls import last_json
 from tests.sim_records import file_bytes, records
 
 # A process that runs the CLI after `patch` (Python) wrapped one of its functions.
@@ -107,7 +108,7 @@ def finished_interrupted(proc: subprocess.Popen) -> tuple[dict, list[RequestReco
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr
-    last = json.loads(stdout.strip().splitlines()[-1])
+    last = last_json(stdout)
     run_dir = Path(last["run_dir"])
     saved = json.loads((run_dir / "summary.json").read_text())
     assert last["interrupted"] is True and saved["interrupted"] is True
@@ -212,7 +213,7 @@ def test_after_sigkill_the_lines_are_valid_and_report_rebuilds_the_summary(batch
                             capture_output=True, check=False, text=True, env=env, timeout=120)
     assert report.returncode == 0, report.stderr[-3000:]
     assert "never finished" in report.stderr
-    summary = json.loads(report.stdout.strip().splitlines()[-1])
+    summary = last_json(report.stdout)
     assert summary == json.loads((run_dir / "summary.json").read_text())
     assert summary["interrupted"] is True and summary["model"] == "tiny"
     assert summary["completed"] == sum(r.status == "finished" for r in reqs)

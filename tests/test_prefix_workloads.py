@@ -29,7 +29,7 @@ from batchsim.workloads.requests import (
 from batchsim.workloads.spec import TraceSpec, WorkloadSpec, builtin_workload, workload_from_dict
 from batchsim.workloads.traces import read_trace
 
-from tests.cli_calls import cli_exit_code
+from tests.cli_calls import cli_exit_code, last_json
 
 VOCAB = 1000
 
@@ -163,7 +163,7 @@ def test_compare_prefix_cache_runs_the_workload_off_then_on(capsys, tmp_path):
             "--out", str(tmp_path), "--runs-dir", str(tmp_path / "runs"), "--no-timeline",
             "--json"]
     assert main(argv) == 0
-    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    res = last_json(capsys.readouterr().out)
     off, on = res["cache_off"], res["cache_on"]
     assert res["versus"] == "prefix-cache" and off["workload"] == "shared-prompt"
     assert off["max_num_seqs"] == on["max_num_seqs"] == res["batch"]

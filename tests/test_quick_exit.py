@@ -4,11 +4,12 @@ for as usual."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.cli_calls import last_json
 
 PROBE = """
 import atexit, sys, threading, time
@@ -55,7 +56,7 @@ def test_only_a_simulated_run_exits_without_teardown(tmp_path, monkeypatch, caps
            "--quantize", "4", "--num-prompts", "4", "--no-progress", "--no-timeline"]
     monkeypatch.setattr(sys, "argv", ["batchsim", "run", *sim, "--out", str(tmp_path)])
     assert cli.main() == 0 and quick == [0]
-    run_dir = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["run_dir"]
+    run_dir = last_json(capsys.readouterr().out)["run_dir"]
     monkeypatch.setattr(sys, "argv", ["batchsim", "report", run_dir])
     assert cli.main() == 0 and quick == [0]  # a report of that run (executor sim) exits as usual
 
@@ -75,7 +76,7 @@ def test_a_pipe_reader_gets_the_whole_json_line_and_the_picture_is_there(tmp_pat
         assert proc.wait(timeout=120) == 0  # ended before a byte was read
         out = proc.stdout.read().decode()
     assert len(out) < 32_768, "near the pipe's 64 KiB: read it while the program runs"
-    summary = json.loads(out.splitlines()[-1])
+    summary = last_json(out)
     assert out.endswith("}\n") and summary["completed"] == 300
     png = summary["timeline_png"]
     assert png and Path(png).read_bytes().startswith(b"\x89PNG")

@@ -25,6 +25,7 @@ from batchsim.server.distributed.rank import (
     follow_launchers_word,
 )
 
+from tests.cli_calls import last_json
 from tests.drivers import WatchesServeStderr
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc")
@@ -124,7 +125,7 @@ def test_a_signalled_launcher_ends_the_run_interrupted_and_leaves_no_process(tin
         rc, out, err = ranks.finish()
         assert rc == EXIT_INTERRUPTED, err[-3000:]  # as a 1-rank run stopped so
         assert "Traceback" not in err and "Error" not in err, err[-3000:]
-        last = json.loads(out.strip().splitlines()[-1])
+        last = last_json(out)
         assert last["interrupted"] is True and last["ranks"] == 2 and last["completed"] < 400
         saved = json.loads(Path(last["run_dir"], "summary.json").read_text())
         assert saved["interrupted"] is True and saved["completed"] == last["completed"]
@@ -145,7 +146,7 @@ def test_a_signal_while_the_ranks_join_still_ends_the_run_interrupted(tiny, tmp_
         rc, out, err = ranks.finish()
         assert rc == EXIT_INTERRUPTED and "ring backend" not in err, err[-3000:]
         assert out.strip(), f"no summary: {err[-3000:]}"
-        last = json.loads(out.strip().splitlines()[-1])
+        last = last_json(out)
         assert last["interrupted"] is True and last["completed"] == 0
         ranks.assert_none_left()
     finally:
@@ -259,7 +260,7 @@ def test_sighup_to_a_serving_launcher_drains_and_stops_every_rank(tiny):
         os.kill(ranks.proc.pid, signal.SIGHUP)
         rc, out, err = ranks.finish()
         assert rc == 0, err[-3000:]
-        assert json.loads(out.strip().splitlines()[-1])["ranks"] == 2
+        assert last_json(out)["ranks"] == 2
         ranks.assert_none_left()
     finally:
         ranks.cleanup()

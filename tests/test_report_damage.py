@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_calls import _main
+from tests.cli_calls import _main, last_json
 from tests.sim_records import copy_run, finished_sim_run
 
 
@@ -80,7 +80,7 @@ def test_report_reads_a_corrupted_run_directory_with_warnings(finished_run, tmp_
     rc, out, err = _main(["report", str(run_dir), "--json"], capsys)
     assert rc == 0 and "Traceback" not in err and "Warning" not in err, err
     assert says in err, err
-    assert json.loads(out.splitlines()[-1])["completed"] == completed
+    assert last_json(out)["completed"] == completed
 
 
 def _damage(run_dir: Path, rng) -> None:
@@ -132,7 +132,7 @@ def test_report_on_a_finished_run_gives_its_summary_back_exactly(finished_run, t
     summary["peak_rss_bytes"] = 123_456_789  # as a real run records it (the records cannot)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     rc, out, _ = _main(["report", str(run_dir), "--json"], capsys)
-    assert rc == 0 and json.loads(out.splitlines()[-1]) == summary
+    assert rc == 0 and last_json(out) == summary
     assert json.loads((run_dir / "summary.json").read_text()) == summary
 
 
@@ -147,7 +147,7 @@ def test_report_prints_a_summary_whose_peak_memory_bytes_is_damaged(finished_run
     (run_dir / "summary.json").write_text(json.dumps({**summary, "peak_memory_bytes": damaged}))
     rc, out, err = _main(["report", str(run_dir), "--json"], capsys)
     assert rc == 0 and "Traceback" not in err, err
-    rebuilt = json.loads(out.splitlines()[-1])
+    rebuilt = last_json(out)
     assert rebuilt["peak_memory_bytes"] == summary["peak_memory_bytes"]  # from its GB
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cli_calls import SIM, _main, _one_line
+from tests.cli_calls import SIM, _main, _one_line, last_json
 from tests.sim_records import copy_run, finished_sim_run
 
 
@@ -23,7 +23,7 @@ def _run_dir_config(capsys, out: Path) -> tuple[Path, dict]:
     rc, stdout, err = _main(["run", *SIM, "--num-prompts", "3", "--no-timeline", "--out",
                              str(out), "--json"], capsys)
     assert rc == 0, err
-    path = Path(json.loads(stdout.splitlines()[-1])["run_dir"]) / "config.yaml"
+    path = Path(last_json(stdout)["run_dir"]) / "config.yaml"
     return path, yaml.safe_load(path.read_text())
 
 
@@ -38,7 +38,7 @@ def test_an_edit_of_a_run_directorys_config_workload_runs(capsys, tmp_path):
     rc, out, err = _main(["run", str(edited), "--no-timeline", "--out", str(tmp_path / "b"),
                           "--json"], capsys)
     assert rc == 0, err
-    assert json.loads(out.splitlines()[-1])["completed"] == 7
+    assert last_json(out)["completed"] == 7
 
 
 def test_an_older_run_directory_with_two_differing_workloads_is_one_line(capsys, tmp_path):
@@ -50,7 +50,7 @@ def test_an_older_run_directory_with_two_differing_workloads_is_one_line(capsys,
     path.write_text(yaml.safe_dump(old, sort_keys=False))
     rc, out, err = _main(["run", str(path), "--no-timeline", "--out", str(tmp_path / "b"),
                           "--json"], capsys)
-    assert rc == 0 and json.loads(out.splitlines()[-1])["completed"] == 3, err
+    assert rc == 0 and last_json(out)["completed"] == 3, err
     old["workload"]["num_prompts"] = 7
     path.write_text(yaml.safe_dump(old, sort_keys=False))
     rc, _, err = _main(["run", str(path), "--out", str(tmp_path / "c")], capsys)
@@ -72,7 +72,7 @@ def test_report_reads_config_yaml_through_the_one_loader(finished_run, tmp_path,
     rc, out, err = _main(["report", str(run_dir), "--json"], capsys)
     assert rc == 0 and "Traceback" not in err, err
     assert "config.yaml: not a run's config (its aliases expand to more than" in err, err
-    assert json.loads(out.splitlines()[-1])["env"] is None
+    assert last_json(out)["env"] is None
 
 
 def test_a_name_too_long_without_a_file_name_says_no_length():

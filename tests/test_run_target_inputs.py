@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_calls import _batchsim, _main, _one_line
+from tests.cli_calls import _batchsim, _main, _one_line, last_json
 
 
 @contextlib.contextmanager
@@ -83,7 +83,7 @@ def test_ctrl_c_on_a_run_against_a_server_that_never_answers_is_an_interruption(
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
-    last = json.loads(out.strip().splitlines()[-1])
+    last = last_json(out)
     assert last["interrupted"] is True and last["interrupt_reason"] == sig.name
     saved = json.loads(Path(last["run_dir"], "summary.json").read_text())
     assert saved["interrupt_reason"] == sig.name

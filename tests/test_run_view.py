@@ -13,6 +13,7 @@ from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 from rich.console import Console
 
+from tests.cli_calls import last_json
 from tests.sim_records import sim_config
 
 
@@ -54,14 +55,13 @@ def test_the_goodput_row_says_its_slos_in_words():
 def test_a_sweep_on_an_emulated_budget_says_what_the_device_itself_holds(tmp_path, capsys):
     """`batchsim sweep`'s default budget is sized for 12 sequences: its 'analytic limit 12' read
     as this machine's limit; the note gives the device's own budget and its limit."""
-    import json
 
     from batchsim.scripts.cli import main
 
     assert main(["sweep", "--executor", "fake", "--batches", "1", "--no-progress", "--no-timeline",
                  "--out", str(tmp_path), "--runs-dir", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    result = json.loads(printed.strip().splitlines()[-1])
+    result = last_json(printed)
     assert result["device_analytic_max_batch"] > result["analytic_overrun_batch"] == 12
     said = " ".join(printed.split())
     assert (f"holds {result['device_analytic_max_batch']} sequences of these lengths" in said

@@ -16,7 +16,7 @@ from batchsim.server.perf.gpu_fit import load_fit, mac_profile
 from batchsim.server.perf.spec_acceptance import Acceptance, curve_points, parse_rates
 from batchsim.server.perf.stepcost import StepCost
 
-from tests.cli_calls import cli_exit_code
+from tests.cli_calls import cli_exit_code, last_json
 from tests.drivers import config, drive, make_request
 
 
@@ -110,7 +110,7 @@ def test_simulated_draft_model_runs_and_refuses_another_vocabulary(tmp_path, cap
             "--out", str(tmp_path), "--no-progress", "--no-timeline", "--spec-method", "draft",
             "--spec-tokens", "2", "--acceptance", "0.6", "--draft-model"]
     assert cli_exit_code([*argv, "llama-3.2-1b"]) == 0
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])[
+    assert last_json(capsys.readouterr().out)[
         "spec_decode_num_drafts"] > 0
     for draft, message in (("qwen3-0.6b", "must share the tokenizer"),
                            ("tiny-sliding", "sliding-attention layers")):
@@ -228,7 +228,7 @@ def test_a_simulated_run_speculates_from_a_real_runs_rates(tmp_path, capsys):
             "--no-timeline", "--spec-method", "ngram", "--spec-tokens", "2",
             "--acceptance-from", str(src)]
     assert cli_exit_code(argv) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    summary = last_json(capsys.readouterr().out)
     assert summary["spec_decode_num_drafts"] > 0
     assert summary["spec_decode_per_position_acceptance_rates"][0] == pytest.approx(0.7, abs=0.2)
     assert summary["completed"] == 4 and summary["kv_account_mismatches"] == 0
@@ -259,7 +259,7 @@ def _sweep(capsys, tmp_path, *extra: str) -> dict:
                  "--no-timeline",
                  "--prompt-len", "64", "--output-len", "17", "--out", str(tmp_path),
                  "--runs-dir", str(tmp_path / "runs"), *extra]) == 0
-    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    return last_json(capsys.readouterr().out)
 
 
 def test_sweep_spec_tokens_finds_where_speculation_stops_paying(capsys, tmp_path):

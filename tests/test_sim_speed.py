@@ -4,9 +4,10 @@ sim_speedup and wall_s per request count (simulated seconds over the engine's wa
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 from pathlib import Path
+
+from tests.cli_calls import last_json
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "sim_speed.py"
 
@@ -17,7 +18,7 @@ def test_sim_speed_prints_speedup_and_wall_time_per_request_count(monkeypatch, c
     spec.loader.exec_module(bench)
     monkeypatch.setattr(sys, "argv", ["sim_speed.py", "--counts", "20,40"])
     bench.main()
-    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    doc = last_json(capsys.readouterr().out)
     for count in ("20", "40"):
         assert doc["wall_s"][count] > 0 and doc["cpu_s"][count] > 0
         assert doc["total_s"][count] >= doc["wall_s"][count]
@@ -50,7 +51,7 @@ def test_loop_only_counts_the_loop_less_its_writing(monkeypatch, capsys):
     bench._loop_only(20)
     names = [f.__name__ for f in calls]
     assert names[0] == "_loop" and names.count("on_finish") == 20
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["plans"] > 0
+    assert last_json(capsys.readouterr().out)["plans"] > 0
 
 
 class _Spy:

@@ -19,7 +19,7 @@ from batchsim.server.perf import macs, size_limits
 GIB = 1 << 30
 KV_8B_FP16 = 2 * 32 * 8 * 128 * 2  # llama-3.1-8b: K and V x layers x kv_heads x head_dim x fp16
 
-from tests.cli_calls import run_size
+from tests.cli_calls import last_json, run_size
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +295,7 @@ def test_size_predicts_the_simulated_sweep_at_batch_1(tmp_path, capsys, model, q
     assert main(["sweep", "--executor", "sim", "--device-profile", mac, "--model", model, *quant,
                  "--batches", "1", "--prompt-len", str(prompt), "--output-len", str(output),
                  "--no-progress", "--out", str(tmp_path), "--runs-dir", str(tmp_path)]) == 0
-    swept = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"][0]
+    swept = last_json(capsys.readouterr().out)["rows"][0]
     context = mean_decode_width(prompt, output)
     assert context == int(context)
     summary = run_size(tmp_path, "--model", model, *quant, "--mac", mac,

@@ -5,13 +5,14 @@ refuses to report runs whose BLAS is unknown while an optimized one is installed
 from __future__ import annotations
 
 import importlib.util
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from batchsim.server.platform import blas
+
+from tests.cli_calls import last_json
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "spec_decode.py"
 ARGV = ["--model", "tiny", "--draft-model", "tiny", "--drafters", "serial", "--batch", "1",
@@ -52,7 +53,7 @@ def test_env_check_refuses_unknown_blas_only_when_an_optimized_one_is_installed(
 def test_benchmark_runs_on_the_preloaded_blas_and_refuses_when_mlx_came_first():
     ok = _run("plain")
     assert ok.returncode == 0, ok.stderr[-2000:]
-    env = json.loads(ok.stdout.strip().splitlines()[-1])["env"]
+    env = last_json(ok.stdout)["env"]
     assert env["blas"] in ("openblas", "mkl"), env["blas_note"]
     late = _run("mlx-first")
     assert late.returncode != 0

@@ -5,10 +5,10 @@ scheduler's KV account: 'cannot unpack non-iterable NoneType object')."""
 
 from __future__ import annotations
 
-import json
-
 from batchsim.scheduler import step_budget
 from batchsim.scripts.cli import main
+
+from tests.cli_calls import last_json
 
 
 def test_drafts_at_the_budget_with_paged_prefix_blocks_finish_every_request(tmp_path, capsys,
@@ -27,7 +27,7 @@ def test_drafts_at_the_budget_with_paged_prefix_blocks_finish_every_request(tmp_
                "--num-prompts", "40", "--request-rate", "inf", "--memory-gb", "2.6",
                "--spec-method", "ngram", "--spec-tokens", "3", "--acceptance", "0.5",
                "--no-progress", "--no-timeline", "--json", "--out", str(tmp_path)])
-    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    summary = last_json(capsys.readouterr().out)
     assert rc == 0 and summary["completed"] == 40 and summary["kv_account_mismatches"] == 0
     assert summary["spec_decode_num_drafts"] > 0
     # the cache keeps what fits beside the pool without its drafted blocks counted twice (they

@@ -14,6 +14,7 @@ from batchsim.scheduler.spec_budget import step_spec_tokens
 from batchsim.server.executors.mlx_executor import MLXExecutor
 from batchsim.server.executors.speculative import NgramDrafter, ngram_proposal
 
+from tests.cli_calls import last_json
 from tests.drivers import config, drive, make_request
 
 
@@ -238,7 +239,6 @@ def test_spec_counts_are_vllms():
 
 
 def test_run_summary_reports_speculation(batchsim_home, tmp_path, capsys):
-    import json
 
     from batchsim.scripts.cli import main
 
@@ -247,7 +247,7 @@ def test_run_summary_reports_speculation(batchsim_home, tmp_path, capsys):
     sums = []
     for extra in ([], ["--spec-method", "ngram", "--spec-tokens", "4", "--spec-policy", "fixed"]):
         assert main([*argv, *extra]) == 0
-        sums.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+        sums.append(last_json(capsys.readouterr().out))
     plain, spec = sums
     assert spec["output_tokens_sha256"] == plain["output_tokens_sha256"]
     assert spec["kv_account_mismatches"] == 0 and "spec_decode_num_drafts" not in plain
@@ -259,7 +259,6 @@ def test_run_summary_reports_speculation(batchsim_home, tmp_path, capsys):
 
 
 def test_bench_decode_speculates_in_its_continuous_runs(batchsim_home, tmp_path, capsys):
-    import json
 
     from batchsim.scripts.cli import main
 
@@ -269,7 +268,7 @@ def test_bench_decode_speculates_in_its_continuous_runs(batchsim_home, tmp_path,
     assert main(argv) == 2  # the flags speculate in --continuous runs only
     assert "--continuous" in capsys.readouterr().err
     assert main([*argv, "--continuous", "2"]) == 0
-    (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["continuous"]
+    (row,) = last_json(capsys.readouterr().out)["continuous"]
     assert (row["spec_method"], row["spec_tokens"]) == ("ngram", 2) and row["executor_tok_s"] > 0
 
 

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.cli_calls import last_json
+
 # Modules a simulated run does without (each costs its import on every run): the summary's versions
 # come from dist-info names, its percentiles from request_arrays.order_stats (np.percentile's
 # np.unique imports numpy.ma).
@@ -30,7 +32,7 @@ print(json.dumps([rc, sorted(m for m in sys.modules if m.startswith("batchsim.sc
 def test_a_simulated_run_imports_its_command_alone_and_no_matplotlib(tmp_path, extra):
     done = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path), json.dumps(extra), *UNUSED],
                           capture_output=True, text=True, timeout=120, check=True)
-    rc, commands, matplotlib, unused = json.loads(done.stdout.splitlines()[-1])
+    rc, commands, matplotlib, unused = last_json(done.stdout)
     summary = json.loads(done.stdout.splitlines()[-2])
     assert rc == 0 and summary["completed"] == 3
     assert summary["timeline_png"].endswith("timeline.png")  # drawn, by the child

@@ -16,6 +16,7 @@ from batchsim.server.engine.session import open_session
 from batchsim.server.results import timeline_draw
 from batchsim.server.results.timeline_draw import DrawingProcess
 
+from tests.cli_calls import last_json
 from tests.sim_records import sim_config
 
 
@@ -126,7 +127,7 @@ def test_only_a_simulated_run_starts_a_drawing_child(executor, batchsim_home, tm
              if executor == "sim" else ["--model", "tiny"])
     assert main(["run", "--executor", executor, *model, "--num-prompts", "4", "--input-len", "16",
                  "--output-len", "8", "--no-progress", "--out", str(tmp_path)]) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    summary = last_json(capsys.readouterr().out)
     assert len(started) == (executor == "sim")  # a measured run decodes with no child beside it
     assert summary["timeline_png"] and os.path.exists(summary["timeline_png"])
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import math
 import random
+import types
 
 import numpy as np
 from batchsim.server.results import request_arrays
@@ -111,3 +112,43 @@ def test_peaks_and_batch_view_match_the_records_one_at_a_time():
         assert s["prompt_tps"] == 16 * sum(x.num_prefill_tokens > 0 for x in steps) / sum(
             x.duration_s for x in steps if x.num_prefill_tokens > 0)
         assert s["peak_kv_bytes"] == max(x.kv_bytes for x in steps)
+
+
+def _runs_and_records(rng: random.Random, ends: list[float], n: int):
+    """Requests' token runs over `ends` (preempted: several runs; speculative: one step repeated)
+    and their records, whose token_times_s are ends[first:end] run after run, as a recorder's."""
+    ran, records = [], []
+    for i in range(n):
+        runs, step = [], rng.randrange(len(ends))
+        for _ in range(rng.randint(1, 3)):
+            end = min(len(ends), step + rng.randint(0, 5))
+            runs += [[step, end]] * rng.choice([1, 1, 2])
+            step = min(len(ends) - 1, end + rng.randint(0, 3))
+        times = tuple(t for first, end in runs for t in ends[first:end])
+        ran.append(types.SimpleNamespace(token_runs=runs))
+        status = "finished" if times else "unfinished"
+        records.append(RequestRecord(i, status, 0.0, None, times, None, 4, len(times)))
+    return ran, records
+
+
+def test_step_token_times_are_the_records_times_and_sorted():
+    """Gathered from the token runs: the records' own arrays (token_times) and np.sort's, byte for
+    byte, on a clock with ties, a clock that goes back (np.sort's way) and a run past the last
+    step (the records' way)."""
+    rng = random.Random(3)
+    for trial in range(200):
+        ends = sorted(rng.choice([1.0, 2.5, rng.random() * 100]) for _ in range(rng.randint(1, 30)))
+        if trial % 7 == 1:
+            ends.reverse()
+        ran, records = _runs_and_records(rng, ends, rng.randint(1, 12))
+        if trial % 11 == 2:
+            ran[0].token_runs.append([len(ends), len(ends) + 2])  # nothing recorded there
+        times, owner, ranked = request_arrays.step_token_times(ends, ran, records)
+        want_times, want_owner = request_arrays.token_times(records)
+        assert times.tobytes() == want_times.tobytes() and times.dtype == want_times.dtype
+        assert owner.tobytes() == want_owner.tobytes() and owner.dtype == want_owner.dtype
+        assert ranked.tobytes() == np.sort(want_times).tobytes()
+        done = [r for r in records if r.status == "finished"]
+        if done:  # the summary from them is the one from the records
+            assert summarize(records, [], duration_s=9.0, token_times_s=(times, owner, ranked)) \
+                == summarize(records, [], duration_s=9.0)

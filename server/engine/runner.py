@@ -247,7 +247,7 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
     wall -= stream.writing_s if stream else 0.0
     rec = run.recorder
     records, steps = rec.request_records(), rec.steps
-    times = request_arrays.token_times(records)  # once: for the summary and the picture
+    times = request_arrays.step_token_times(rec.step_end_s, rec.requests.values(), records)
     col = request_arrays.step_columns(steps, PANEL_INTS)  # once too
     draw = run_dir is not None and bool(timeline) and not (stream and stream.error)
     if draw and run_dir is not None and drawing is not None:  # drawn while this goes on

@@ -344,21 +344,21 @@ def summarize(
     weight_bytes: int | None = None,
     peak_memory_bytes: int | None = None,
     peak_rss_bytes: int | None = None,
-    token_times_s: tuple[np.ndarray, np.ndarray] | None = None,
+    token_times_s: tuple[np.ndarray, ...] | None = None,
     step_columns: dict[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """One run's summary. `duration_s` is the benchmark duration (vLLM: start until the last request
     ends); every throughput divides by it, and is 0 when it is 0. `request_goodput` is None unless
     SLOs are given, as in vLLM's JSON. `token_times_s`: request_arrays.token_times(requests) (times
-    in s, their requests' indices), `step_columns`: request_arrays.step_columns(steps, ...) with
-    its STEP_INTS at least, if the caller has them."""
+    in s, their requests' indices; and the times sorted: step_token_times'), `step_columns`:
+    request_arrays.step_columns(steps, ...) with its STEP_INTS at least, if the caller has them."""
     slo = parse_goodput([f"{k}:{v}" for k, v in goodput_slo_ms.items()]) if goodput_slo_ms else None
     done = [r for r in requests if r.status == "finished"]
-    all_times, all_owner = token_times_s or request_arrays.token_times(requests)
+    all_times, all_owner, *ranked = token_times_s or request_arrays.token_times(requests)
     finished = np.array([r.status == "finished" for r in requests], dtype=bool)
     mine = finished[all_owner]
     times, owner = all_times[mine], all_owner[mine]  # the completed requests' tokens
-    all_sorted = np.sort(all_times)
+    all_sorted = ranked[0] if ranked else np.sort(all_times)
     lat = request_arrays.latencies_s(done)  # queue: arrival to first scheduled
     statuses = collections.Counter(r.status for r in requests)
     total_in = sum(r.num_prompt_tokens for r in done)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from operator import attrgetter, itemgetter
 from typing import Any
 
@@ -19,6 +19,34 @@ def token_times(requests: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
     times = np.fromiter(itertools.chain.from_iterable(r.token_times_s for r in requests),
                         np.float64, int(counts.sum()))
     return times, np.repeat(np.arange(len(requests)), counts)
+
+
+def step_token_times(step_end_s: Sequence[float], ran: Iterable[Any], requests: Sequence[Any]
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """token_times(requests)'s two arrays, and the times sorted, from where the tokens came: the
+    token_runs of each of `ran` (Requests, in `requests`' order), [first, end) ranges of steps
+    whose end times are `step_end_s` (a recorder's: a record's token_times_s is
+    step_end_s[first:end] run after run).
+    Gathered by index, not float by float (an hour's million token times: 41 -> 6 ms), sorted by
+    counting tokens per step where step_end_s never decreases (a run's clock). A run reaching
+    outside step_end_s: from `requests`, and np.sort."""
+    token_runs = [r.token_runs for r in ran]
+    per_request = np.fromiter(map(len, token_runs), np.int64, len(token_runs))
+    bounds = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(token_runs)),
+                         np.int64, 2 * int(per_request.sum())).reshape(-1, 2)
+    ends = np.asarray(step_end_s, dtype=np.float64)
+    first, lengths = bounds[:, 0], bounds[:, 1] - bounds[:, 0]
+    if ((first < 0) | (lengths < 0) | (bounds[:, 1] > len(ends))).any():
+        times, owner = token_times(requests)
+        return times, owner, np.sort(times)
+    starts = np.cumsum(lengths) - lengths  # where each run's tokens begin among all the tokens
+    step = np.arange(int(lengths.sum()))
+    step += np.repeat(first - starts, lengths)  # in place: a million-long array made once
+    times = ends[step]
+    owner = np.repeat(np.repeat(np.arange(len(token_runs)), per_request), lengths)
+    if not (ends[1:] >= ends[:-1]).all():  # NaN fails it too
+        return times, owner, np.sort(times)
+    return times, owner, np.repeat(ends, np.bincount(step, minlength=len(ends)))
 
 
 def itls(times: np.ndarray, owner: np.ndarray) -> np.ndarray:

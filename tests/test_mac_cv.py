@@ -154,6 +154,10 @@ def test_fit_macs_reports_cv_by_source_and_chip(monkeypatch, rows):
     assert [r["id"] for r in cv["rows"]] == [r.id for r in few]
     assert all(r["before_tok_s"] > 0 and r["after_tok_s"] > 0
                and r["leave_one_source_out_tok_s"] > 0 for r in cv["rows"])
+    # the batch-1-only fit's held-out predictions too: its summary under `before` is theirs
+    for fold in ("leave_one_source_out", "leave_one_chip_out"):
+        before = [r[f"before_{fold}_tok_s"] for r in cv["rows"]]
+        assert mac_cv.report(few, before)["b1"] == cv["before"][fold]["b1"]
 
 
 def test_two_die_terms_apply_to_ultra_chips_only(catalog):

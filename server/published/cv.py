@@ -182,7 +182,8 @@ def _errors(cv: dict[str, Any]) -> dict[str, float]:
 def validate(rows: Sequence[Any], catalog: macs.Catalog, before: GpuFit,
              prefill: Sequence[DecodeRow], fitted_on: str) -> tuple[MacModel, dict[str, Any]]:
     """(the fit on every row with its held-out errors, `cv`): each fold's report for this fit and
-    (under `before`) for the batch-1-only fit that shipped before, and every row's predictions.
+    (under `before`) for the batch-1-only fit that shipped before, and every row's predictions
+    (held out: both fits', so the two can be compared row by row).
     `prefill`: the reference set's prefill rows (mlx_fit.prefill_rows); each fold fits on its
     own."""
     start = MacModel(before)
@@ -190,7 +191,7 @@ def validate(rows: Sequence[Any], catalog: macs.Catalog, before: GpuFit,
     after = fitter(rows, catalog)  # what every fold runs, on every row: its errors are its own
     keep = [explained(r, start) for r in rows]
     cv, held, used = cross_validate(rows, catalog, fitter, keep)
-    old_cv, _, _ = cross_validate(rows, catalog, legacy_fitter(prefill), keep)
+    old_cv, old_held, _ = cross_validate(rows, catalog, legacy_fitter(prefill), keep)
     table = []
     for i, r in enumerate(rows):
         entry = {"id": r.id, "src": r.src, "engine": r.engine, "chip": r.chip, "model": r.model,
@@ -200,6 +201,7 @@ def validate(rows: Sequence[Any], catalog: macs.Catalog, before: GpuFit,
                  "before_tok_s": predict_tok_s(r, catalog, start),
                  "after_tok_s": predict_tok_s(r, catalog, after)}
         entry |= {f"{fold}_tok_s": held[fold][i] for fold in FOLDS}
+        entry |= {f"before_{fold}_tok_s": old_held[fold][i] for fold in FOLDS}
         entry |= {f"{fold}_engine_prior": used[fold][i] for fold in FOLDS}
         table.append(entry)
     fit = dataclasses.replace(after.fit, errors=_errors(cv), fitted_on=fitted_on,

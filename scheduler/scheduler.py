@@ -56,7 +56,8 @@ class Scheduler:
         # The last step's sampled rows (indices into sampled_ids) whose request was gone when its
         # output came (aborted mid-step): they emitted nothing.
         self.dropped_rows: tuple[int, ...] = ()
-        self._pending_free: list[int] = []
+        # Finished, aborted or preempted requests whose KV the next plan frees.
+        self.releasing: list[int] = []
         # The last plan and its decode rows' requests (update_from_output's simulated fast path).
         self._planned: StepPlan | None = None
         self._planned_rows: list[Request] = []
@@ -103,18 +104,18 @@ class Scheduler:
             self.waiting.remove(request)
         else:
             self.running.remove(request)
-            self._pending_free.append(request_id)
+            self.releasing.append(request_id)
         request.status = ABORTED
         request.finish_reason = "abort"
         return request
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._pending_free)
+        return bool(self.waiting or self.running or self.releasing)
 
     # -- planning ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        free_ids = self._pending_free
-        self._pending_free = []
+        free_ids = self.releasing
+        self.releasing = []
         for rid in free_ids:
             self.kv.release(rid)
         planned = decode_plan(self.lazy, self.running, self.waiting, self.kv, self.config,
@@ -383,7 +384,7 @@ class Scheduler:
         r.finish_reason = reason
         self.running.remove(r)
         del self.requests[r.request_id]
-        self._pending_free.append(r.request_id)
+        self.releasing.append(r.request_id)
 
     # -- integrity -----------------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -394,6 +395,6 @@ class Scheduler:
         for r in self.waiting:
             if r.num_computed_tokens or self.kv.holds(r.request_id):
                 raise KVAccountError(f"waiting request {r.request_id} holds KV")
-        self.kv.check(computed, releasing=set(self._pending_free))
+        self.kv.check(computed, releasing=set(self.releasing))
         if len(self.running) > self.config.max_num_seqs:
             raise KVAccountError(f"{len(self.running)} running > max_num_seqs")

@@ -52,7 +52,7 @@ class Engine:
         # Every request and step by default; a server passes a bounded one.
         self.recorder = recorder if recorder is not None else RunRecorder()
         # sorted open-loop arrivals bound simulated lookahead
-        self._arrivals = list(arrival_times_s)
+        self.arrivals_s = list(arrival_times_s)
         self._arrivals_past = 0  # arrivals at or before the clock (it only moves forward)
         self._on_step = on_step
         # "raise": an executor failure ends the run (batchsim run). "abort": the running requests
@@ -236,7 +236,7 @@ class Engine:
     def next_arrival(self, now: float) -> float:
         """The first open-loop arrival after `now` (inf: none), which a simulated plan's time
         stops at."""
-        arrivals, i = self._arrivals, self._arrivals_past
+        arrivals, i = self.arrivals_s, self._arrivals_past
         n = len(arrivals)
         while i < n and arrivals[i] <= now:  # bisect_right from where the last one was: the clock
             i += 1  # passes a few arrivals a plan, cheaper stepped over than bisected

@@ -20,6 +20,7 @@ from batchsim.server.engine import clock
 from batchsim.server.engine.engine import Engine
 
 MIN_GAP_S = 1e-8  # distinct arrivals closer: asyncio may fire the later one early (1 ns)
+INF = float("inf")
 FAST_PATH_MAX_S = 2.0**22  # this loop only; beyond, the clock's step (2 ulp) nears MIN_GAP_S
 
 
@@ -40,6 +41,7 @@ class VirtualRun:
     def __init__(self, engine: Engine, arrivals_s: Sequence[float],
                  issue: Callable[[int], bool], on_finish: Callable[[Request], None]) -> None:
         assert replays_exactly(arrivals_s) and engine.virtual_time
+        assert engine.arrivals_s == list(arrivals_s)  # the loop bounds plans by these
         self.engine = engine
         self.now_s = 0.0  # the virtual clock
         self._arrivals_s = arrivals_s
@@ -67,20 +69,22 @@ class VirtualRun:
     def _loop(self, engine: Engine, scheduler: Scheduler) -> None:
         late = False  # arrivals asyncio fires after the next plan is priced (_wait)
         # Bound once: each is called every plan (25,000 plans in a simulated hour).
-        has_work, schedule = scheduler.has_work, scheduler.schedule
-        finish_step, advance_to = engine.finish_step, self._advance_to
-        # engine.simulate, without its frame
-        execute, next_arrival = engine.executor.execute, engine.next_arrival
+        schedule, finish_step, advance_to = scheduler.schedule, engine.finish_step, self._advance_to
+        execute = engine.executor.execute  # engine.simulate, without its frame
         arrivals, num_arrivals = self._arrivals_s, len(self._arrivals_s)
+        waiting, running = scheduler.waiting, scheduler.running  # has_work(), without its frame
+        past = 0  # arrivals at or before the clock (engine.next_arrival's, without its frame)
         while not (self._stopping or engine.stopping):
-            if not has_work():
-                if self._next >= len(self._arrivals_s):
+            if not (waiting or running or scheduler.releasing):
+                if self._next >= num_arrivals:
                     return
                 late = self._wait()
                 continue
             plan = schedule()
             start = self.now_s
-            result = execute(plan, next_arrival(start) - start)
+            while past < num_arrivals and arrivals[past] <= start:
+                past += 1  # the plan is timed up to the first arrival after it starts
+            result = execute(plan, (arrivals[past] if past < num_arrivals else INF) - start)
             if late:
                 late = False
                 while self._due():

@@ -13,7 +13,7 @@ LOCAL = str(Path(__file__).resolve().parents[1] / "configs/devices"
             / "linux-x86_64-openblas-2core.yaml")
 
 
-def _summary(executor: str, *flags: str) -> dict:
+def _summary(executor: str, *flags: str, out_dir: Path | None = None) -> dict:
     from batchsim.scripts.cli import build_parser
     from batchsim.scripts.run_args import config_from_args
     from batchsim.server.engine.runner import run_workload
@@ -24,7 +24,7 @@ def _summary(executor: str, *flags: str) -> dict:
         "--device-profile", LOCAL, "--num-prompts", "12", "--request-rate", "inf",
         "--input-len", "128", "--output-len", "4", "--max-num-seqs", "4", *flags])
     cfg = config_from_args(args)
-    return run_workload(open_session(cfg), cfg.workload, out_dir=None, label=executor,
+    return run_workload(open_session(cfg), cfg.workload, out_dir=out_dir, label=executor,
                         timeline=False).summary
 
 
@@ -39,6 +39,16 @@ def test_sim_and_real_agree_on_peak_kv_with_the_prefix_cache(batchsim_home, layo
     assert real["peak_kv_bytes"] == sim["peak_kv_bytes"] > 0
     if layout == "padded":  # paged: the sim predicts the prompt blocks a real run holds
         assert sim["peak_kv_bytes"] == sim["peak_kv_held_bytes"]  # as its prefill ends
+    else:  # which its pool does not model: every byte held still counts them
+        assert sim["peak_kv_held_bytes"] == sim["peak_kv_bytes"] > sim["peak_kv_bytes_measured"]
+
+
+def test_a_rebuilt_paged_sim_summary_keeps_held_at_least_running(batchsim_home, tmp_path):
+    from batchsim.server.results.rebuild import rebuild_summary
+
+    ran = _summary("sim", "--kv-layout", "paged", out_dir=tmp_path)
+    rebuilt, _ = rebuild_summary(Path(ran["run_dir"]), timeline=False)
+    assert rebuilt["peak_kv_held_bytes"] == ran["peak_kv_held_bytes"] >= rebuilt["peak_kv_bytes"]
 
 
 @pytest.mark.parametrize("flags", [("--prefix-cache", "off"), ("--kv-layout", "paged",

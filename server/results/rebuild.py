@@ -38,7 +38,8 @@ NOT_KEPT = "summary rebuilt but not kept"  # the note's words: summary.json cann
 # statistics (a finished_s of 1e308: the square in np.std).
 INT64_MAX = 2**63 - 1  # an int field's largest value: the summary reads them as np.int64
 _FROM_THE_RUN = ("duration", "peak_memory_bytes", "peak_memory", "peak_memory_source",
-                 "peak_rss_bytes", "peak_kv_bytes")  # the running requests' (the scheduler's)
+                 "peak_rss_bytes", "peak_kv_bytes",  # the running requests' (the scheduler's)
+                 "peak_kv_held_bytes")  # at least that (the records': the plans' peak)
 
 
 def rebuild_summary(run_dir: Path, timeline: bool = True) -> tuple[dict[str, Any], list[str]]:

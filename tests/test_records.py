@@ -63,6 +63,7 @@ def test_requests_put_in_arrival_order_in_chunks_of_any_size(tmp_path, monkeypat
     """requests.jsonl, streamed in finish order, is rewritten in arrival order a chunk at a time
     (a line per chunk, or several lines and a chunk cut between two)."""
     monkeypatch.setattr(run_files, "WRITE_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 0.0)  # nothing held: completion order
     session = open_session(sim_config())
     outcome = run_workload(session, session.config.workload, out_dir=tmp_path, label="c",
                            timeline=False)

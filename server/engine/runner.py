@@ -31,7 +31,7 @@ from batchsim.server.engine.run_dir import (
 )
 from batchsim.server.engine.session import Session
 from batchsim.server.engine.virtual_run import VirtualRun, replays_exactly
-from batchsim.server.results import request_arrays, run_files
+from batchsim.server.results import request_arrays
 from batchsim.server.results.jsonio import new_run_dir
 from batchsim.server.results.metrics import (
     RequestRecord,
@@ -170,7 +170,7 @@ class _Run:
 
         # In real time the engine may idle between steps: records still reach the disk.
         flusher = None if self.virtual or self.stream is None else asyncio.create_task(
-            _flush_every(self.stream, run_files.FLUSH_EVERY_S))
+            _flush_when_due(self.stream))
         try:
             with self.interrupts.answered_by(stop_sending):
                 if self.interrupted:  # it came while the run was being set up
@@ -188,10 +188,9 @@ class _Run:
         return self.engine.now()
 
 
-async def _flush_every(stream: RecordStream, period_s: float) -> None:
+async def _flush_when_due(stream: RecordStream) -> None:
     while True:
-        await asyncio.sleep(period_s)
-        stream.flush()
+        await asyncio.sleep(stream.flush_if_due())
 
 
 def run_workload(

@@ -31,11 +31,14 @@ class RunRecorder:
         self._stream = stream  # the run directory's files, appended as the run goes
         self._final: dict[int, RequestRecord] = {}  # records of requests that left the engine
         self._times_text = TokenTimesText(self.step_end_s)
+        self._arrivals = None if stream is None else stream.arrivals  # ids, in arrival order
         if stream is not None:  # step lines' start and end times are step end times too
             stream.step_lines.end_texts = self._times_text
 
     def on_arrival(self, request: Request) -> None:
         self.requests[request.request_id] = request
+        if self._arrivals is not None:
+            self._arrivals.append(request.request_id)
 
     def on_step(
         self, plan: StepPlan, result: StepResult, start_s: float, ends_s: Sequence[float],

@@ -1,10 +1,13 @@
 """A run directory's records on disk while the run goes: steps and requests appended as they
-complete, so an interrupted or killed run leaves what it measured. At a clean finish requests.jsonl
-is rewritten in arrival order (the order a finished run has always had), atomically."""
+complete, so an interrupted or killed run leaves what it measured. requests.jsonl goes in arrival
+order (the order a finished run has always had) while requests finish within a flush period of
+it (a simulated run); else at a clean finish it is rewritten in arrival order, atomically."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import json
 import mmap
 import os
@@ -44,6 +47,10 @@ def when_not_flushing(answer: Callable[[], None]) -> bool:
     return False
 
 
+# A request's record as it waits: the record, its token times' text, request_known's texts.
+_Entry = tuple[RequestRecord, "str | None", "tuple[object, object] | None"]
+
+
 class WriteFailed(OSError):
     """A run's file could not be written (a full disk, a file size limit): one line saying which."""
 
@@ -74,10 +81,17 @@ class RecordStream:
         self.error: WriteFailed | None = None
         self._on_error = on_error
         self._steps: list[StepRecord] = []
-        self._requests: list[tuple[RequestRecord, str | None, tuple[object, object] | None]] = []
-        self._spans: dict[int, tuple[int, int]] = {}  # request id -> (offset, length) in the file
-        self._request_bytes = 0
-        self._last_flush_s = time.monotonic()
+        self._requests: list[_Entry] = []  # to write at the next flush
+        # Arrival order, streamed: the recorder appends each request's id as it arrives; a record
+        # that finishes before an earlier arrival has left is held (with the time it was held)
+        # until that one leaves, but never past a flush period: one held longer is written in
+        # completion order, the stream stops holding, and close() rewrites the file in order.
+        self.arrivals: collections.deque[int] = collections.deque()
+        self._held: dict[int, tuple[_Entry, float]] = {}
+        self._in_order = True
+        self._written_ids: list[int] = []  # requests.jsonl's records, in the file's order
+        self._lengths: list[int] = []  # and their lines' lengths in bytes
+        self._due_s = time.monotonic() + FLUSH_EVERY_S  # the next flush (time.monotonic)
         self.step_lines = StepLines()  # the recorder hands it the step end times' texts
         self.writing_s = 0.0  # wall time spent encoding and writing records (perf_counter)
         # A run abandoned from another thread (a rank's watchdog) closes the stream while the
@@ -87,16 +101,37 @@ class RecordStream:
 
     def add_step(self, step: StepRecord) -> None:
         self._steps.append(step)
-        if time.monotonic() - self._last_flush_s >= FLUSH_EVERY_S:
+        if time.monotonic() >= self._due_s:
             self.flush()
 
     def add_request(self, record: RequestRecord, token_times_text: str | None = None,
                     known: tuple[object, object] | None = None) -> None:
         """`token_times_text`: the record's token times as json_lines.TokenTimesText writes them
         (None: encoded with the record); `known`: json_lines.request_known's texts."""
-        self._requests.append((record, token_times_text, known))
+        entry, arrivals = (record, token_times_text, known), self.arrivals
+        if not (arrivals and self._in_order):
+            self._requests.append(entry)
+        elif arrivals[0] != record.request_id:  # an earlier arrival has not left yet
+            self._held[record.request_id] = (entry, time.monotonic())
+        else:
+            arrivals.popleft()
+            self._requests.append(entry)
+            held = self._held
+            while held and arrivals:  # those it held back (pop: a watchdog's last flush may
+                waiting = held.pop(arrivals[0], None)  # take them meanwhile)
+                if waiting is None:
+                    break
+                arrivals.popleft()
+                self._requests.append(waiting[0])
 
-    def flush(self) -> None:
+    def flush_if_due(self) -> float:
+        """A flush if one is due (a flusher's, between steps); the seconds to the next one."""
+        if time.monotonic() >= self._due_s:
+            self.flush()
+        return max(0.0, self._due_s - time.monotonic())
+
+    def flush(self, *, final: bool = False) -> None:
+        """Write what waits; `final`: the held records too (the last flush)."""
         main = threading.current_thread() is threading.main_thread()
         with self._lock:
             if self._files[STEPS].closed or self in _in_flush:
@@ -104,7 +139,7 @@ class RecordStream:
             if main:
                 _in_flush.append(self)
             try:
-                self._flush()
+                self._flush(final)
             finally:
                 if main:
                     _in_flush.remove(self)
@@ -112,20 +147,30 @@ class RecordStream:
         for answer in answers:
             answer()
 
-    def _flush(self) -> None:
+    def _flush(self, final: bool) -> None:
         t0 = time.perf_counter()
         if self._steps:
             self._write(STEPS, list(map(self.step_lines, self._steps)))
             self._steps.clear()
+        now, held = time.monotonic(), self._held
+        self._due_s = now + FLUSH_EVERY_S
+        if not self._in_order:
+            self.arrivals.clear()  # the recorder's, unread
+        elif held:
+            _, oldest_s = next(iter(held.values()))  # held in completion order: the oldest
+            if final or now - oldest_s >= FLUSH_EVERY_S:  # no longer: in completion order
+                self._requests += [entry for entry, _ in list(held.values())]  # atomic
+                held.clear()
+                self._in_order = False
+            else:
+                self._due_s = oldest_s + FLUSH_EVERY_S
         if self._requests:
-            lines = [request_line(r, text, known) for r, text, known in self._requests]
+            requests = self._requests
+            lines = list(itertools.starmap(request_line, requests))
             if self._write(REQUESTS, lines):
-                # JSON is ASCII: characters are bytes
-                for (r, _, _), line in zip(self._requests, lines):
-                    self._spans[r.request_id] = (self._request_bytes, len(line))
-                    self._request_bytes += len(line)
-            self._requests.clear()
-        self._last_flush_s = time.monotonic()
+                self._written_ids += [r.request_id for r, _, _ in requests]
+                self._lengths += map(len, lines)  # JSON is ASCII: characters are bytes
+            requests.clear()
         self.writing_s += time.perf_counter() - t0
 
     def _write(self, name: str, lines: list[str]) -> bool:
@@ -151,9 +196,9 @@ class RecordStream:
             self._on_error(error)
 
     def close_unfinished(self) -> None:
-        """The run failed: what was recorded stays as streamed (completion order)."""
+        """The run failed: what was recorded stays as streamed (held records: after the rest)."""
         with self._lock:
-            self.flush()
+            self.flush(final=True)
             for f in self._files.values():
                 f.close()
 
@@ -161,7 +206,7 @@ class RecordStream:
         """The run is over: `records` are every request in arrival order. requests.jsonl becomes
         exactly those rows in that order; rows already written are copied, not encoded again."""
         self.close_unfinished()
-        if self.error is not None or [r.request_id for r in records] == list(self._spans):
+        if self.error is not None or [r.request_id for r in records] == self._written_ids:
             return  # streamed complete and in order, or no room to write them again
         path = self.run_dir / REQUESTS
         try:  # the streamed file stays, in completion order, if this fails
@@ -170,12 +215,14 @@ class RecordStream:
             self._failed(exc)
 
     def _write_in_order(self, path: Path, out: BinaryIO, records: Sequence[RequestRecord]) -> None:
+        ends = itertools.accumulate(self._lengths)  # request id -> (offset, length) in the file
+        spans = {i: (end - n, n) for i, n, end in zip(self._written_ids, self._lengths, ends)}
         with path.open("rb") as f:
-            written = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self._spans else None
+            written = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if spans else None
             lines: list[bytes] = []
             size = 0
             for r in records:  # written a few MB at a time: one write per line costs 10x
-                span = self._spans.get(r.request_id)
+                span = spans.get(r.request_id)
                 if written is None or span is None:
                     lines.append((dumps(r.to_json()) + "\n").encode())
                 else:

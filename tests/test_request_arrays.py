@@ -11,6 +11,7 @@ import types
 import numpy as np
 from batchsim.server.results import request_arrays
 from batchsim.server.results.metrics import RequestRecord, StepRecord, summarize
+from batchsim.server.results.timeline import output_rate
 
 
 def _records(seed: int, n: int) -> list[RequestRecord]:
@@ -132,9 +133,9 @@ def _runs_and_records(rng: random.Random, ends: list[float], n: int):
 
 
 def test_step_token_times_are_the_records_times_and_sorted():
-    """Gathered from the token runs: the records' own arrays (token_times) and np.sort's, byte for
-    byte, on a clock with ties, a clock that goes back (np.sort's way) and a run past the last
-    step (the records' way)."""
+    """Gathered from the token runs: the records' own arrays (token_times), and the sorted_counts
+    of np.sort's, byte for byte, on a clock with ties, a clock that goes back (np.sort's way) and
+    a run past the last step (the records' way); the output rate binned from those counts."""
     rng = random.Random(3)
     for trial in range(200):
         ends = sorted(rng.choice([1.0, 2.5, rng.random() * 100]) for _ in range(rng.randint(1, 30)))
@@ -147,7 +148,11 @@ def test_step_token_times_are_the_records_times_and_sorted():
         want_times, want_owner = request_arrays.token_times(records)
         assert times.tobytes() == want_times.tobytes() and times.dtype == want_times.dtype
         assert owner.tobytes() == want_owner.tobytes() and owner.dtype == want_owner.dtype
-        assert ranked.tobytes() == np.sort(want_times).tobytes()
+        for got, want in zip(ranked, request_arrays.sorted_counts(np.sort(want_times))):
+            assert got.tobytes() == want.tobytes() and got.dtype == want.dtype
+        end_s = max(ends) * rng.choice([0.5, 1.0])  # tokens past the last bin: left out alike
+        for got, want in zip(output_rate(ranked, end_s), output_rate(want_times, end_s)):
+            assert np.array_equal(got, want) and np.asarray(got).dtype == np.asarray(want).dtype
         done = [r for r in records if r.status == "finished"]
         if done:  # the summary from them is the one from the records
             assert summarize(records, [], duration_s=9.0, token_times_s=(times, owner, ranked)) \

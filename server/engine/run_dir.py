@@ -75,7 +75,8 @@ def draw_run_timeline(run_dir: Path, records: list[RequestRecord], steps: list[S
 
 
 def run_timeline_panels(records: list[RequestRecord], steps: list[StepRecord],
-                        session: Session, spec: WorkloadSpec, token_times_s: np.ndarray,
+                        session: Session, spec: WorkloadSpec,
+                        token_times_s: np.ndarray | tuple[np.ndarray, np.ndarray],
                         col: dict[str, np.ndarray] | None = None) -> Panels:
     """What the run's timeline.png shows (for a drawing process)."""
     return timeline_panels(records, steps, *_timeline_limits_title(records, session, spec),

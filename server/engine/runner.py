@@ -251,7 +251,7 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
     draw = run_dir is not None and bool(timeline) and not (stream and stream.error)
     if draw and run_dir is not None and drawing is not None:  # drawn while this goes on
         drawing.send(run_dir / TIMELINE, lambda: run_timeline_panels(
-            records, steps, session, spec, times[0], col), len(steps))
+            records, steps, session, spec, times[2], col), len(steps))
     cfg = session.config
     summary = summarize(
         records, steps, duration_s=duration, percentiles=cfg.percentiles,

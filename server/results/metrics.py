@@ -244,12 +244,12 @@ def _num_good(done: Sequence[RequestRecord], slo_ms: Mapping[str, float]) -> int
     return good
 
 
-def _peaks(arrival_s: np.ndarray, e2el_s: np.ndarray, sorted_times_s: np.ndarray
+def _peaks(arrival_s: np.ndarray, e2el_s: np.ndarray, times: tuple[np.ndarray, np.ndarray]
            ) -> dict[str, float | int]:
     """vLLM's peaks over 1 s buckets counted from the first completed request's arrival: the most
     output tokens emitted in a bucket, and the most requests active (arrived, not yet ended) at some
     moment of a bucket, which can exceed the true peak concurrency. Either maximum may come from a
-    different bucket. Completed requests only (their arrivals, E2ELs and sorted token times)."""
+    different bucket. Completed requests only (arrivals, E2ELs, token times' sorted_counts)."""
     if not len(arrival_s):
         return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
     t0 = arrival_s.min()
@@ -258,8 +258,7 @@ def _peaks(arrival_s: np.ndarray, e2el_s: np.ndarray, sorted_times_s: np.ndarray
     # Only the occupied buckets are counted: a run may span 2e9 simulated s (jsonio.MAX_CLOCK_S).
     # Whole seconds as floats: a time past int64's range (a row 1e20 s out) is no invalid cast.
     # Per distinct token time (a step's tokens share one), weighted by its tokens.
-    values, counts = request_arrays.sorted_counts(sorted_times_s)
-    buckets = np.trunc(values - t0)
+    buckets, counts = np.trunc(times[0] - t0), times[1]
     kept = (buckets >= 0) & (buckets <= n - 1)  # n - 1: a float (1e20 + 1 is not)
     buckets, counts = buckets[kept], counts[kept]
     if buckets.size and n <= 4 * counts.sum():  # a count per second of the run: as cheap
@@ -282,11 +281,11 @@ def _peaks(arrival_s: np.ndarray, e2el_s: np.ndarray, sorted_times_s: np.ndarray
 
 
 def _batch_view(
-    requests: Sequence[RequestRecord], token_times: np.ndarray, steps: Sequence[StepRecord],
-    kv_budget_bytes: int | None, weight_bytes: int | None, peak_memory_bytes: int | None,
-    col: dict[str, np.ndarray] | None = None,
+    requests: Sequence[RequestRecord], token_times: tuple[np.ndarray, ...],
+    steps: Sequence[StepRecord], kv_budget_bytes: int | None, weight_bytes: int | None,
+    peak_memory_bytes: int | None, col: dict[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
-    """`token_times`: every request's token times, finished or not, sorted."""
+    """`token_times`: every request's token times, finished or not, as sorted_counts'."""
     col = col or request_arrays.step_columns(steps)
     decoding, num_steps = col["batch_size"] > 0, col["num_steps"]
     decode_steps = int(num_steps[decoding].sum())
@@ -294,7 +293,7 @@ def _batch_view(
     # Python's sum, step by step, as over the records (the same float)
     prompt_time_s = sum(durations_s[col["num_prefill_tokens"] > 0].tolist())
     # A step with both prefill and decode counts in both times (they share the forward pass).
-    emits = request_arrays.emits_tokens(token_times, col["start_s"], col["end_s"])
+    emits = request_arrays.emits_tokens(token_times[0], col["start_s"], col["end_s"])
     gen_time_s = sum(durations_s[decoding | emits].tolist())
     prompt_tokens = int((col["num_prefill_tokens"] * num_steps).sum())
     peak_kv = int(col["kv_bytes"].max()) if steps else 0
@@ -325,8 +324,8 @@ def _batch_view(
         # of the steps that prefilled, or that decoded or sampled a token.
         "prompt_tokens": prompt_tokens,
         "prompt_tps": _rate(prompt_tokens, prompt_time_s),
-        "generation_tokens": len(token_times),
-        "generation_tps": _rate(len(token_times), gen_time_s),
+        "generation_tokens": (generated := int(token_times[1].sum())),
+        "generation_tps": _rate(generated, gen_time_s),
         "peak_memory_bytes": peak,
         "peak_memory": None if peak is None else peak / _GB,  # in GB (1e9): mlx-lm's, kept
         "peak_memory_source": source,  # "measured" | "weights+kv" (an estimate) | None
@@ -350,7 +349,7 @@ def summarize(
     """One run's summary. `duration_s` is the benchmark duration (vLLM: start until the last request
     ends); every throughput divides by it, and is 0 when it is 0. `request_goodput` is None unless
     SLOs are given, as in vLLM's JSON. `token_times_s`: request_arrays.token_times(requests) (times
-    in s, their requests' indices; and the times sorted: step_token_times'), `step_columns`:
+    in s, their requests' indices; and their sorted_counts: step_token_times'), `step_columns`:
     request_arrays.step_columns(steps, ...) with its STEP_INTS at least, if the caller has them."""
     slo = parse_goodput([f"{k}:{v}" for k, v in goodput_slo_ms.items()]) if goodput_slo_ms else None
     done = [r for r in requests if r.status == "finished"]
@@ -358,7 +357,7 @@ def summarize(
     finished = np.array([r.status == "finished" for r in requests], dtype=bool)
     mine = finished[all_owner]
     times, owner = all_times[mine], all_owner[mine]  # the completed requests' tokens
-    all_sorted = ranked[0] if ranked else np.sort(all_times)
+    every = ranked[0] if ranked else request_arrays.sorted_counts(np.sort(all_times))
     lat = request_arrays.latencies_s(done)  # queue: arrival to first scheduled
     statuses = collections.Counter(r.status for r in requests)
     total_in = sum(r.num_prompt_tokens for r in done)
@@ -375,7 +374,8 @@ def summarize(
         "goodput_slo_ms": slo,
         "output_throughput": _rate(total_out, duration_s),
         "total_token_throughput": _rate(total_in + total_out, duration_s),
-        **_peaks(lat["arrival"], lat["e2el"], all_sorted if mine.all() else np.sort(times)),
+        **_peaks(lat["arrival"], lat["e2el"],
+                 every if mine.all() else request_arrays.sorted_counts(np.sort(times))),
     }
     latencies_s = {"ttft": lat["ttft"], "tpot": lat["tpot"],
                    "itl": request_arrays.itls(times, owner),  # pooled over requests, as vLLM
@@ -385,7 +385,7 @@ def summarize(
     out.update(_output_lengths(done, percentiles))
     if "p99_queue_ms" not in out:  # always reported, whatever the percentiles
         out["p99_queue_ms"] = request_arrays.order_stats(latencies_s["queue"], (99,))[1][0] * _MS
-    out.update(_batch_view(requests, all_sorted, steps, kv_budget_bytes, weight_bytes,
+    out.update(_batch_view(requests, every, steps, kv_budget_bytes, weight_bytes,
                            peak_memory_bytes, step_columns))
     out["peak_rss_bytes"] = peak_rss_bytes  # the process's peak resident memory (real compute)
     return out

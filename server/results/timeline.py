@@ -131,15 +131,17 @@ class _Series:
         return out[self._filled]
 
 
-def output_rate(times_s: np.ndarray, end_s: float, step_s: float = 0.0
-                ) -> tuple[np.ndarray, np.ndarray, float]:
-    """Output tokens per second (`times_s`: every token's time) in bins of 1 s (a wider 1-2-5
-    width on long runs or for steps over half a second (`step_s`: their median), narrower on runs
-    under 20 s): bin centers, rates and the bin width."""
+def output_rate(times_s: np.ndarray | tuple[np.ndarray, np.ndarray], end_s: float,
+                step_s: float = 0.0) -> tuple[np.ndarray, np.ndarray, float]:
+    """Output tokens per second (`times_s`: every token's time, or request_arrays.sorted_counts of
+    them: a step's tokens binned at once) in bins of 1 s (a wider 1-2-5 width on long runs or for
+    steps over half a second (`step_s`: their median), narrower on runs under 20 s): bin centers,
+    rates and the bin width."""
     width_s = bin_width_s(max(end_s / MAX_POINTS if end_s > MAX_POINTS else min(1.0, end_s / 20),
                               2 * step_s))  # steps longer than a bin would alias
     edges = np.arange(0.0, end_s + width_s, width_s)
-    counts, _ = np.histogram(times_s, edges)
+    times_s, each = times_s if isinstance(times_s, tuple) else (times_s, None)
+    counts, _ = np.histogram(times_s, edges, weights=each)  # integer weights: integer counts
     return (edges[:-1] + edges[1:]) / 2, counts / width_s, width_s
 
 
@@ -164,10 +166,11 @@ class Panels:
 
 
 def timeline_panels(requests: Sequence[RequestRecord], steps: Sequence[StepRecord],
-                    limits: Limits, title: str, token_times_s: np.ndarray | None = None,
+                    limits: Limits, title: str,
+                    token_times_s: np.ndarray | tuple[np.ndarray, np.ndarray] | None = None,
                     col: dict[str, np.ndarray] | None = None) -> Panels:
-    """The run's timeline, ready to draw (`token_times_s`: request_arrays.token_times's, `col`:
-    the steps' PANEL_INTS columns, if the caller has them)."""
+    """The run's timeline, ready to draw (`token_times_s`: request_arrays.token_times's times or
+    their sorted_counts, `col`: the steps' PANEL_INTS columns, if the caller has them)."""
     if not steps:
         return Panels(title, limits)
     col = col or request_arrays.step_columns(steps, PANEL_INTS)

@@ -6,6 +6,7 @@ function; mid-run signals come from outside, once steps.jsonl has lines."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
@@ -307,3 +308,40 @@ def test_ctrl_c_that_python_swallowed_while_the_run_loaded_still_stops_it(batchs
     saved = json.loads((run_dir / "summary.json").read_text())
     assert saved["interrupted"] is True and saved["interrupt_reason"] == sig
     assert saved["completed"] < 300
+
+
+# What a run creates (directories; files opened to write) and whether SIGTERM then had Python's
+# default action (the signal ends the process, exit -15, as in Python's own start: ~0.05 s).
+_CREATES = """
+import builtins, io, os, signal, sys
+sys.argv[0] = "batchsim"  # as the console script starts it
+made = []
+def noted(real, writes):
+    def make(path, *args, **kwargs):
+        if not isinstance(path, int) and writes(args, kwargs):  # not an fd (os.fdopen)
+            made.append((os.fspath(path), signal.getsignal(signal.SIGTERM) is signal.SIG_DFL))
+        return real(path, *args, **kwargs)
+    return make
+mode = lambda args, kwargs: set(args[0] if args else kwargs.get("mode", "r")) & set("wax+")
+flags = lambda args, kwargs: args[0] & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+os.mkdir = noted(os.mkdir, lambda args, kwargs: True)
+builtins.open, io.open, os.open = noted(builtins.open, mode), noted(io.open, mode), noted(
+    os.open, flags)
+from batchsim.scripts import cli
+code = cli.main(sys.argv[1:])
+sys.stderr.write(repr(made) + "\\n")
+sys.exit(code)
+"""
+
+
+def test_a_run_creates_nothing_while_sigterm_would_kill_it(batchsim_home, tmp_path):
+    """README (exit codes): a SIGTERM or SIGHUP in Python's own start, before cli.py answers the
+    stop signals, ends `batchsim run` with the signal and nothing written: nothing can be yet."""
+    proc = subprocess.run([sys.executable, "-c", _CREATES, "run", *FAKE, "--num-prompts", "2",
+                           "--no-progress", "--out", str(tmp_path)], check=False,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "BATCHSIM_HOME": str(batchsim_home)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    made = ast.literal_eval(proc.stderr.strip().splitlines()[-1])
+    assert any(path.startswith(str(tmp_path)) for path, _ in made)  # the run directory's
+    assert [path for path, killed in made if killed] == []

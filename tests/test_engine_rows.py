@@ -259,6 +259,10 @@ def test_an_engine_batches_an_architecture_from_the_version_that_did():
     assert "qwen3_moe" not in mlxcel.at_version("0.7.0-beta.1").serial_model_types
     assert "qwen2" in mlxcel.at_version("0.7.0-beta.1").serial_model_types
     assert mlxcel.at_version(None) is mlxcel
+    # mlx_lm.server merged qwen3_next's MambaCache wrongly until PR #842 (v0.30.6)
+    server = load_engine("mlx-lm-server")
+    assert "qwen3_next" in server.at_version("0.30.5").serial_model_types
+    assert "qwen3_next" not in server.at_version("0.31.3").serial_model_types
 
 
 def test_each_top_p_sampler_is_priced_by_its_own_code_at_the_version_run():

@@ -132,7 +132,7 @@ def _runs_and_records(rng: random.Random, ends: list[float], n: int):
     return ran, records
 
 
-def test_step_token_times_are_the_records_times_and_sorted():
+def test_run_tokens_are_the_records_times_and_sorted_counts():
     """Gathered from the token runs: the records' own arrays (token_times), and the sorted_counts
     of np.sort's, byte for byte, on a clock with ties, a clock that goes back (np.sort's way) and
     a run past the last step (the records' way); the output rate binned from those counts."""
@@ -144,7 +144,10 @@ def test_step_token_times_are_the_records_times_and_sorted():
         ran, records = _runs_and_records(rng, ends, rng.randint(1, 12))
         if trial % 11 == 2:
             ran[0].token_runs.append([len(ends), len(ends) + 2])  # nothing recorded there
-        times, owner, ranked = request_arrays.step_token_times(ends, ran, records)
+        tokens = request_arrays.RunTokens(ends, ran, records)
+        counts = tokens.counts()  # first: before times, from the runs alone
+        times, owner, ranked = tokens.times()
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(counts, ranked))
         want_times, want_owner = request_arrays.token_times(records)
         assert times.tobytes() == want_times.tobytes() and times.dtype == want_times.dtype
         assert owner.tobytes() == want_owner.tobytes() and owner.dtype == want_owner.dtype

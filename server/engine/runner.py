@@ -246,19 +246,19 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
     wall -= stream.writing_s if stream else 0.0
     rec = run.recorder
     records, steps = rec.request_records(), rec.steps
-    times = request_arrays.step_token_times(rec.step_end_s, rec.requests.values(), records)
-    col = request_arrays.step_columns(steps, PANEL_INTS)  # once too
+    tokens = request_arrays.RunTokens(rec.step_end_s, rec.requests.values(), records)
+    col = request_arrays.step_columns(steps, PANEL_INTS)  # once: for the summary and the picture
     draw = run_dir is not None and bool(timeline) and not (stream and stream.error)
     if draw and run_dir is not None and drawing is not None:  # drawn while this goes on
         drawing.send(run_dir / TIMELINE, lambda: run_timeline_panels(
-            records, steps, session, spec, times[2], col), len(steps))
+            records, steps, session, spec, tokens.counts(), col), len(steps))
     cfg = session.config
     summary = summarize(
         records, steps, duration_s=duration, percentiles=cfg.percentiles,
         goodput_slo_ms=cfg.goodput, kv_budget_bytes=session.kv_budget_bytes,
         weight_bytes=session.weight_bytes, peak_memory_bytes=_peak_memory(session),
         peak_rss_bytes=peak_resident_bytes() if session.executor.caps.real_compute else None,
-        token_times_s=times, step_columns=col,
+        token_times_s=tokens.times(), step_columns=col,
     )
     plans = len(steps)
     summary.update({

@@ -349,7 +349,7 @@ def summarize(
     """One run's summary. `duration_s` is the benchmark duration (vLLM: start until the last request
     ends); every throughput divides by it, and is 0 when it is 0. `request_goodput` is None unless
     SLOs are given, as in vLLM's JSON. `token_times_s`: request_arrays.token_times(requests) (times
-    in s, their requests' indices; and their sorted_counts: step_token_times'), `step_columns`:
+    in s, their requests' indices; and their sorted_counts: RunTokens.times'), `step_columns`:
     request_arrays.step_columns(steps, ...) with its STEP_INTS at least, if the caller has them."""
     slo = parse_goodput([f"{k}:{v}" for k, v in goodput_slo_ms.items()]) if goodput_slo_ms else None
     done = [r for r in requests if r.status == "finished"]

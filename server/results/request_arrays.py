@@ -21,34 +21,55 @@ def token_times(requests: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
     return times, np.repeat(np.arange(len(requests)), counts)
 
 
-def step_token_times(step_end_s: Sequence[float], ran: Iterable[Any], requests: Sequence[Any]
-                     ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
-    """token_times(requests)'s two arrays and the times' sorted_counts, from where they came: the
-    token_runs of each of `ran` (Requests, in `requests`' order), [first, end) ranges of steps
-    whose end times are `step_end_s` (a recorder's: a record's token_times_s is
-    step_end_s[first:end] run after run).
-    Gathered by index, not float by float (an hour's million token times: 41 -> 6 ms); counted
-    per step, not sorted, where step_end_s never decreases (a run's clock). A run reaching outside
-    step_end_s: from `requests`, and np.sort."""
-    token_runs = [r.token_runs for r in ran]
-    per_request = np.fromiter(map(len, token_runs), np.int64, len(token_runs))
-    bounds = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(token_runs)),
-                         np.int64, 2 * int(per_request.sum())).reshape(-1, 2)
-    ends = np.asarray(step_end_s, dtype=np.float64)
-    first, lengths = bounds[:, 0], bounds[:, 1] - bounds[:, 0]
-    if ((first < 0) | (lengths < 0) | (bounds[:, 1] > len(ends))).any():
-        times, owner = token_times(requests)
-        return times, owner, sorted_counts(np.sort(times))
-    starts = np.cumsum(lengths) - lengths  # where each run's tokens begin among all the tokens
-    step = np.arange(int(lengths.sum()))
-    step += np.repeat(first - starts, lengths)  # in place: a million-long array made once
-    times = ends[step]
-    owner = np.repeat(np.repeat(np.arange(len(token_runs)), per_request), lengths)
-    if not (ends[1:] >= ends[:-1]).all():  # NaN fails it too
-        return times, owner, sorted_counts(np.sort(times))
-    per_step = np.bincount(step, minlength=len(ends))
-    held = np.flatnonzero(per_step)
-    return times, owner, sorted_counts(ends[held], per_step[held])
+class RunTokens:
+    """A run's token times from where they came: the token_runs of each of `ran` (Requests, in
+    `requests`' order), [first, end) ranges of steps whose end times are `step_end_s` (a
+    recorder's: a record's token_times_s is step_end_s[first:end] run after run). Gathered by
+    index, not float by float from the records, and counted per step, not sorted, where
+    step_end_s never decreases (a run's clock; else np.sort). A run reaching outside step_end_s:
+    from `requests`' token_times_s, and np.sort."""
+
+    def __init__(self, step_end_s: Sequence[float], ran: Iterable[Any], requests: Sequence[Any]
+                 ) -> None:
+        runs = [r.token_runs for r in ran]
+        self._per_request = np.fromiter(map(len, runs), np.int64, len(runs))
+        bounds = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(runs)),
+                             np.int64, 2 * int(self._per_request.sum())).reshape(-1, 2)
+        self._first, self._end = bounds[:, 0], bounds[:, 1]
+        self._ends_s = np.asarray(step_end_s, dtype=np.float64)
+        self._requests = requests
+        self._inside = not ((self._first < 0) | (self._end < self._first)
+                            | (self._end > len(self._ends_s))).any()
+        ends = self._ends_s
+        self._clocked = self._inside and bool((ends[1:] >= ends[:-1]).all())  # NaN fails it
+        self._times: tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]] | None = None
+
+    def counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """sorted_counts of every token time: a run's clock adds up its runs per step (36,000
+        steps), not its million tokens."""
+        if not self._clocked:
+            return self.times()[2]
+        n = len(self._ends_s) + 1
+        per_step = np.cumsum(np.bincount(self._first, minlength=n)
+                             - np.bincount(self._end, minlength=n))[:-1]
+        held = np.flatnonzero(per_step)
+        return sorted_counts(self._ends_s[held], per_step[held])
+
+    def times(self) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
+        """token_times(requests)'s two arrays, and counts()."""
+        if self._times is None:
+            times, owner = self._gathered() if self._inside else token_times(self._requests)
+            ranked = self.counts() if self._clocked else sorted_counts(np.sort(times))
+            self._times = (times, owner, ranked)
+        return self._times
+
+    def _gathered(self) -> tuple[np.ndarray, np.ndarray]:
+        lengths = self._end - self._first
+        starts = np.cumsum(lengths) - lengths  # where each run's tokens begin among all tokens
+        step = np.arange(int(lengths.sum()))
+        step += np.repeat(self._first - starts, lengths)  # in place: a million-long array once
+        owner = np.repeat(np.repeat(np.arange(len(self._per_request)), self._per_request), lengths)
+        return self._ends_s[step], owner
 
 
 def itls(times: np.ndarray, owner: np.ndarray) -> np.ndarray:

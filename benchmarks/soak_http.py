@@ -26,6 +26,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from batchsim.server.executors.prefix_blocks import BLOCK_BOOKKEEPING_BYTES
 from batchsim.server.http.prometheus import parse as parse_metrics
 from batchsim.workloads.client.sse import SSEParser
 
@@ -56,8 +57,8 @@ class Soak:
         self.statuses: collections.Counter[str] = collections.Counter()
         self.unexpected: list[str] = []
         self.rss: list[tuple[float, int, int]] = []  # (elapsed s, requests sent, RSS bytes)
-        # (requests sent, MLX active, MLX cache, prefix cache) bytes
-        self.mlx: list[tuple[int, float, float, float]] = []
+        # (requests sent, MLX active, MLX cache, prefix cache bytes, prefix cache blocks)
+        self.mlx: list[tuple[int, float, float, float, float]] = []
         self.sent = 0
         self.completed, self.completed_tokens = 0, 0  # streams read to [DONE], their tokens
 
@@ -109,7 +110,8 @@ class Soak:
             async with http.get(f"{self.url}/metrics") as resp:
                 m = parse_metrics(await resp.text())
             self.mlx.append((self.sent, m["batchsim_mlx_active_bytes"],
-                             m["batchsim_mlx_cache_bytes"], m["batchsim_prefix_cache_bytes"]))
+                             m["batchsim_mlx_cache_bytes"], m["batchsim_prefix_cache_bytes"],
+                             m["batchsim_prefix_cache_blocks"]))
             await asyncio.sleep(0.5)
 
     async def run(self) -> float:
@@ -147,11 +149,12 @@ def rss_report(samples: list[tuple[float, int, int]], warmup_requests: int) -> d
             "rss_slope_mb_per_min": float(slope) * 60 / 2**20, "rss_samples": len(samples)}
 
 
-def mlx_report(samples: list[tuple[int, float, float, float]], end: dict[str, float],
+def mlx_report(samples: list[tuple[int, float, float, float, float]], end: dict[str, float],
                warmup_requests: int) -> dict:
     """MLX's active memory and buffer cache after warm-up and at the end: RSS growth that is
     cache (freed buffers kept for reuse, bounded by MLX's cache limit) is not a leak; nor are
-    the prefix cache's blocks (bounded by the KV budget, evicted when a request needs room)."""
+    the prefix cache's blocks (bounded by the KV budget, evicted when a request needs room), nor
+    their bookkeeping (at most BLOCK_BOOKKEEPING_BYTES a block beside the bytes MLX counts)."""
     after = [s for s in samples if s[0] >= warmup_requests] or samples
     return {"mlx_active_after_warmup_mb": after[0][1] / 2**20,
             "mlx_active_end_mb": end["batchsim_mlx_active_bytes"] / 2**20,
@@ -159,16 +162,20 @@ def mlx_report(samples: list[tuple[int, float, float, float]], end: dict[str, fl
             "mlx_cache_end_mb": end["batchsim_mlx_cache_bytes"] / 2**20,
             "mlx_peak_mb": end["batchsim_mlx_peak_bytes"] / 2**20,
             "prefix_cache_after_warmup_mb": after[0][3] / 2**20,
-            "prefix_cache_end_mb": end["batchsim_prefix_cache_bytes"] / 2**20}
+            "prefix_cache_end_mb": end["batchsim_prefix_cache_bytes"] / 2**20,
+            "prefix_blocks_after_warmup": after[0][4],
+            "prefix_blocks_end": end["batchsim_prefix_cache_blocks"]}
 
 
 def rss_growth_net(result: dict) -> float:
-    """RSS growth from warm-up to the end less the growth of the two caches mlx_report names
-    (what the pass rule judges)."""
+    """RSS growth from warm-up to the end less the growth of the two caches mlx_report names and
+    the prefix blocks' bookkeeping bound (what the pass rule judges)."""
     grown_mb = result["rss_end_mb"] - result["rss_after_warmup_mb"]
     cached_mb = sum(result[f"{c}_end_mb"] - result[f"{c}_after_warmup_mb"]
                     for c in ("prefix_cache", "mlx_cache"))
-    return (grown_mb - cached_mb) / result["rss_after_warmup_mb"]
+    blocks = result["prefix_blocks_end"] - result["prefix_blocks_after_warmup"]
+    return (grown_mb - cached_mb - blocks * BLOCK_BOOKKEEPING_BYTES / 2**20) / result[
+        "rss_after_warmup_mb"]
 
 
 def token_account(soak: Soak, m: dict[str, float]) -> dict:

@@ -159,8 +159,9 @@ def test_stop_string_finishes_the_request_in_the_scheduler(srv):
     assert delta['batchsim_requests_total{status="aborted"}'] == 0
     assert delta["batchsim_generation_tokens_total"] == 2 * n
     # what stays held is the prompt's cached blocks
-    cached = after["batchsim_prefix_cache_bytes"]
+    cached, blocks = after["batchsim_prefix_cache_bytes"], after["batchsim_prefix_cache_blocks"]
     assert after["batchsim_kv_bytes"] == after["batchsim_kv_bytes_measured"] == cached
+    assert blocks > 0 and cached % blocks == 0  # as many blocks as it holds, of equal bytes
 
 
 def test_concurrent_requests_share_decode_steps(srv):

@@ -9,6 +9,9 @@ Full-attention and MLA layers only (the scheduler reuses nothing else).
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import mlx.core as mx
 from batchsim.scheduler.plan import CacheOps
 from batchsim.scheduler.pool_geometry import KV_STEP, PAGE_TOKENS, round_up
@@ -38,15 +41,27 @@ def _grown(a: mx.array, tokens: int) -> mx.array:
     return mx.concatenate([a, mx.zeros((b, h, tokens, d), a.dtype)], axis=2)
 
 
+# What a cached block costs at most beside its KV bytes, which MLX's memory counts leave out: its
+# array's descriptor and Python object, malloc's headers, the caches' index entries (~0.96 KiB
+# measured with one array a block: tests/test_prefix_block_memory.py; the HTTP soak counts it).
+BLOCK_BOOKKEEPING_BYTES = 1024
+
+
 class PrefixBlocks:
+    """Each cached block is one flat MLX array of every layer's K and V (`layout`: their shapes,
+    the same for every block): an array costs ~600 bytes beside its data, so 2 x layers arrays a
+    block (3.2 KiB beside each of the tiny model's 8 KiB blocks) grew RSS past the cache's
+    bytes."""
+
     def __init__(self) -> None:
-        self.blocks: dict[int, list[tuple[mx.array, mx.array]]] = {}  # hash -> per layer (K, V)
+        self.blocks: dict[int, mx.array] = {}  # hash -> the block, flat
+        self.layout: list[tuple[int, ...]] = []  # shapes of K, V of layer 0, K, V of layer 1 ...
         self.nbytes = 0
 
     def evict(self, ops: CacheOps | None) -> None:
         if ops is not None:
             for h in ops.evict:
-                self.nbytes -= sum(k.nbytes + v.nbytes for k, v in self.blocks.pop(h))
+                self.nbytes -= self.blocks.pop(h).nbytes
 
     def store(self, ops: CacheOps | None, caches: dict[int, list]) -> None:
         """Copy each stored block out of its request's prefill cache (request id -> layers)."""
@@ -55,19 +70,22 @@ class PrefixBlocks:
         new = []
         for rid, i, h in ops.store:
             a, b = i * PAGE_TOKENS, (i + 1) * PAGE_TOKENS
-            layers = [(mx.contiguous(c.keys[..., a:b, :]), mx.contiguous(c.values[..., a:b, :]))
-                      for c in caches[rid]]
-            self.blocks[h] = layers
-            self.nbytes += sum(k.nbytes + v.nbytes for k, v in layers)
-            new.append(layers)
+            parts = [x[..., a:b, :] for c in caches[rid] for x in (c.keys, c.values)]
+            if len({x.dtype for x in parts}) != 1:
+                raise RuntimeError("a prefix block's layers differ in dtype")
+            self.layout = [x.shape for x in parts]
+            block = self.blocks[h] = mx.concatenate([x.reshape(-1) for x in parts])
+            self.nbytes += block.nbytes
+            new.append(block)
         mx.eval(new)
 
     def prefill_cache(self, hashes: tuple[int, ...]) -> list[AlignedKVCache]:
         """Per layer, a prefill cache holding these blocks' tokens, in round_up(tokens, KV_STEP)."""
-        layers = [(mx.concatenate([self.blocks[h][layer][0] for h in hashes], axis=2),
-                   mx.concatenate([self.blocks[h][layer][1] for h in hashes], axis=2))
-                  for layer in range(len(self.blocks[hashes[0]]))]
-        return _prefill_caches(layers)
+        blocks = [self.blocks[h] for h in hashes]
+        ends = list(itertools.accumulate(math.prod(shape) for shape in self.layout))
+        parts = [mx.concatenate([b[end - math.prod(shape):end].reshape(shape) for b in blocks],
+                                axis=2) for shape, end in zip(self.layout, ends)]
+        return _prefill_caches(list(zip(parts[::2], parts[1::2])))
 
     def shared_blocks(self, hashes: tuple[int, ...]) -> list[int]:
         """Pool blocks a row joining with this hit references: none (the padded layout copies)."""

@@ -179,7 +179,9 @@ def _prefix_cache_lines(scheduler: Scheduler) -> list[str]:
                      "Of those, tokens the prefix cache held.",
                      [f"batchsim_prefix_cache_hits_total {scheduler.num_hit_tokens}"]),
             *_metric("batchsim_prefix_cache_bytes", "gauge", "KV bytes of cached prompt blocks.",
-                     [f"batchsim_prefix_cache_bytes {prefix.nbytes if prefix else 0}"])]
+                     [f"batchsim_prefix_cache_bytes {prefix.nbytes if prefix else 0}"]),
+            *_metric("batchsim_prefix_cache_blocks", "gauge", "Cached prompt blocks.",
+                     [f"batchsim_prefix_cache_blocks {len(prefix.blocks) if prefix else 0}"])]
 
 
 def _counters(rec: ServerRecorder, scheduler: Scheduler) -> list[tuple[str, str, int]]:

@@ -221,10 +221,10 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
     if run_dir is not None:
         write_config(run_dir, session.config, spec, session)
         stream = RecordStream(run_dir, on_error=lambda exc: interrupts.stop(str(exc)))
-    run = _Run(session, spec, on_step, stream, interrupts)
-    wall0 = time.perf_counter()
-    interrupts.abandon = functools.partial(_abandon, run, run_dir, wall0)
-    with _long_lived_heap():
+    with _long_lived_heap():  # the workload's requests too (18,000: 26 collections went over)
+        run = _Run(session, spec, on_step, stream, interrupts)
+        wall0 = time.perf_counter()
+        interrupts.abandon = functools.partial(_abandon, run, run_dir, wall0)
         try:
             with _kept_on_error(run, run_dir, wall0):
                 duration = run.drive()

@@ -31,7 +31,7 @@ from batchsim.workloads.spec import TraceSpec, WorkloadSpec
 from batchsim.workloads.traces import read_trace, scale_length
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)  # not frozen: a run builds one per request, 4x faster so
 class RequestSpec:
     index: int  # 0..n-1 in arrival order
     arrival_s: float  # offset from the run's start (0.0 for closed loop: the driver issues them)

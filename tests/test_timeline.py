@@ -272,3 +272,25 @@ def test_a_finished_run_reads_its_steps_as_columns_once(tmp_path, monkeypatch):
         outcome = run_workload(session, session.config.workload, out_dir=tmp_path, label="t",
                                timeline=drawing)
     assert outcome.summary["timeline_png"] and len(calls) == 1, calls
+
+
+def test_binned_extremes_are_those_of_every_step_in_the_bin():
+    """A long run's bins: min and max per bin bin by bin (steps in time order) are the values
+    ufunc.at gives, and steps out of order (records rebuilt from a damaged file) still bin."""
+    rng = np.random.default_rng(7)
+    n = timeline.MAX_POINTS * 7
+    for ordered in (True, False):
+        ends = np.cumsum(rng.exponential(1.0, n)) if ordered else rng.random(n) * n
+        steps = [StepRecord(i, float(e) - 0.5, float(e), 1, int(rng.integers(0, 33)), 0, 0,
+                            int(rng.integers(0, 40)), int(rng.integers(0, 900)),
+                            int(rng.integers(0, 2**40)), None, 1, 1, int(rng.integers(0, 2)))
+                 for i, e in enumerate(ends)]
+        series = timeline._Series(steps)
+        assert series.binned and (series._starts is not None) == ordered
+        for name in ("running", "waiting", "batch", "kv"):
+            values = series._cols[name]
+            for how, ufunc, start in (("max", np.maximum, -np.inf), ("min", np.minimum, np.inf)):
+                want = np.full(timeline.MAX_POINTS, start)
+                ufunc.at(want, series._bin, values)
+                got = series.get(name, how)
+                assert got.tobytes() == want[series._filled].tobytes(), (ordered, name, how)

@@ -114,6 +114,9 @@ class _Series:
             self._bin = np.clip(np.searchsorted(edges, self.t, side="right") - 1, 0, MAX_POINTS - 1)
             self._filled = np.bincount(self._bin, minlength=MAX_POINTS) > 0
             self.x = ((edges[:-1] + edges[1:]) / 2)[self._filled]
+            # Where each filled bin's steps begin, if the steps come in time order (a run's do).
+            ordered = (self._bin[1:] >= self._bin[:-1]).all()
+            self._starts = np.flatnonzero(np.diff(self._bin, prepend=-1)) if ordered else None
         else:
             self.x = self.t
 
@@ -126,8 +129,11 @@ class _Series:
         if how == "mean":
             n = np.bincount(self._bin, minlength=MAX_POINTS)
             return (np.bincount(self._bin, v, MAX_POINTS) / np.maximum(n, 1))[self._filled]
+        extreme = np.maximum if how == "max" else np.minimum
+        if self._starts is not None:  # bin by bin: ufunc.at took 0.9 ms a call, in the drawing
+            return extreme.reduceat(v, self._starts)  # child, after the run: the same values
         out = np.full(MAX_POINTS, -np.inf if how == "max" else np.inf)
-        (np.maximum if how == "max" else np.minimum).at(out, self._bin, v)
+        extreme.at(out, self._bin, v)
         return out[self._filled]
 
 

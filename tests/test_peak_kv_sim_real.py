@@ -41,6 +41,10 @@ def test_sim_and_real_agree_on_peak_kv_with_the_prefix_cache(batchsim_home, layo
         assert sim["peak_kv_bytes"] == sim["peak_kv_held_bytes"]  # as its prefill ends
     else:  # which its pool does not model: every byte held still counts them
         assert sim["peak_kv_held_bytes"] == sim["peak_kv_bytes"] > sim["peak_kv_bytes_measured"]
+    # the simulator's peak memory: its estimate, weights and every KV byte held
+    assert sim["peak_memory_source"] == "weights+kv"
+    assert sim["peak_memory_bytes"] == sim["weight_bytes"] + sim["peak_kv_held_bytes"]
+    assert sim["peak_memory"] == sim["peak_memory_bytes"] / 1e9
 
 
 def test_a_rebuilt_paged_sim_summary_keeps_held_at_least_running(batchsim_home, tmp_path):

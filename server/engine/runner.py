@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 from batchsim.scheduler.request import Request, SamplingParams
-from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.engine import clock
 from batchsim.server.engine.engine import Engine
 from batchsim.server.engine.interrupts import Interrupts
+from batchsim.server.engine.kv_summary import kv_summary
 from batchsim.server.engine.memory import peak_resident_bytes
 from batchsim.server.engine.run_dir import (
     draw_run_timeline,
@@ -274,7 +274,7 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
         "kv_account_mismatches": rec.kv_account_mismatches,
         "mean_arrival_lateness_ms": 1e3 * float(np.mean(run.lateness_s)) if run.lateness_s else 0.0,
         "interrupted": run.interrupted,
-        **prefix_cache_summary(run.engine.scheduler, summary["peak_kv_held_bytes"]),
+        **kv_summary(run.engine.scheduler, summary),
     })
     if cfg.spec_method != "none":
         summary.update({"spec_method": cfg.spec_method, "spec_tokens": cfg.scheduler.spec_tokens,
@@ -315,16 +315,6 @@ def _drawn_unless_stopped(drawing: DrawingProcess, interrupts: Interrupts,
         if interrupts.count != count_at_end:  # it came while the run was summarized
             stopped.set()
         return noted(drawing.result(stopped.is_set))
-
-
-def prefix_cache_summary(scheduler: Scheduler, held_bytes: int) -> dict[str, Any]:
-    """A summary's prefix-cache keys (admission counts, vLLM's way); KV held >= running."""
-    queries, hits, kv = scheduler.num_query_tokens, scheduler.num_hit_tokens, scheduler.kv
-    return {"prefix_cache": kv.prefix is not None, "peak_kv_bytes": kv.peak_running_bytes,
-            "peak_kv_held_bytes": max(held_bytes, kv.peak_running_bytes),
-            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
-            "cached_prompt_tokens": hits, "prefilled_prompt_tokens": queries - hits,
-            "peak_prefix_cache_bytes": getattr(kv.prefix, "peak_bytes", 0)}
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ DRAW_WAIT_PER_STEP_S = 1e-4  # and per step of the run (its panels pickled, read
 POLL_S = 0.05  # how often that wait looks for a signal's answer (a signal alone cannot end it)
 PRE_TICKS = 12  # tick objects a drawing process makes ahead per axis (a draw makes more if needed)
 HEADROOM = 1.08  # y-axes reach a little past the tallest line (a line on the frame is hidden)
+GRID_ALPHA = 0.3  # every axis's gridlines, twins included
 
 
 def draw_panels(path: Path, panels: Panels, canvas: tuple | None = None) -> Path:
@@ -47,8 +48,8 @@ def draw_panels(path: Path, panels: Panels, canvas: tuple | None = None) -> Path
 
 def _canvas(ahead: bool = False) -> tuple:
     """The timeline's figure and its four empty panels; `ahead`: with the first two panels'
-    right-hand axes and PRE_TICKS tick objects on every axis made now (a fifth of a draw's work,
-    the same picture: a drawing process makes them while the run runs)."""
+    right-hand axes, every axis's grid and PRE_TICKS tick objects on every axis made now (a
+    fifth of a draw's work, the same picture: a drawing process makes them while the run runs)."""
     fig = figure(figsize=(11, 10))
     axes = fig.subplots(4, 1, sharex=True)
     fig.subplots_adjust(left=0.07, right=0.92, top=0.895, bottom=0.06, hspace=0.28)
@@ -56,6 +57,7 @@ def _canvas(ahead: bool = False) -> tuple:
         return fig, axes, None
     twins = (axes[0].twinx(), axes[1].twinx())
     for ax in (*axes, *twins):
+        ax.grid(alpha=GRID_ALPHA)  # before the ticks: each is made with it, not restyled
         ax.xaxis.get_major_ticks(PRE_TICKS)
         ax.yaxis.get_major_ticks(PRE_TICKS)
     return fig, axes, twins
@@ -83,7 +85,8 @@ def _figure(panels: Panels, canvas: tuple | None = None):
            if series.binned else f"{num_steps} step records")
     fig.suptitle(f"{title}\n{how}", fontsize=10)
     for ax in fig.axes:  # twins included
-        ax.grid(alpha=0.3)
+        if canvas is None:  # else gridded ahead
+            ax.grid(alpha=GRID_ALPHA)
         ax.set_ylim(0, max(ax.get_ylim()[1], 1e-9) * (1.0 if ax is axes[3] else HEADROOM))
     return fig
 

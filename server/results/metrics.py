@@ -355,8 +355,8 @@ def summarize(
     done = [r for r in requests if r.status == "finished"]
     all_times, all_owner, *ranked = token_times_s or request_arrays.token_times(requests)
     finished = np.array([r.status == "finished" for r in requests], dtype=bool)
-    mine = finished[all_owner]
-    times, owner = all_times[mine], all_owner[mine]  # the completed requests' tokens
+    mine = None if finished.all() else finished[all_owner]  # None: every token (no copies)
+    times, owner = (all_times, all_owner) if mine is None else (all_times[mine], all_owner[mine])
     every = ranked[0] if ranked else request_arrays.sorted_counts(np.sort(all_times))
     lat = request_arrays.latencies_s(done)  # queue: arrival to first scheduled
     statuses = collections.Counter(r.status for r in requests)
@@ -375,7 +375,7 @@ def summarize(
         "output_throughput": _rate(total_out, duration_s),
         "total_token_throughput": _rate(total_in + total_out, duration_s),
         **_peaks(lat["arrival"], lat["e2el"],
-                 every if mine.all() else request_arrays.sorted_counts(np.sort(times))),
+                 every if mine is None else request_arrays.sorted_counts(np.sort(times))),
     }
     latencies_s = {"ttft": lat["ttft"], "tpot": lat["tpot"],
                    "itl": request_arrays.itls(times, owner),  # pooled over requests, as vLLM

@@ -2,7 +2,8 @@
 so its counters are kept as (value - base) plus one shared count of the decode steps applied
 (`steps`), and written back to the Request only when it leaves this set (settle). The per-plan
 cost then hardly grows with the rows: the widest and longest row are kept, the next finish is a
-heap's top, and only the plan's positions are built row by row (a list comprehension).
+heap's top, and a plan's positions are built row by row only when read (Positions: a simulated
+executor reads the joining rows' alone, the records none).
 
 The rows are always the prefix running[:len(ids)] of the scheduler's running list, each simulated
 (no token ids) and in every decode step since it joined; anything else (a preemption, an abort, a
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import operator
+from collections.abc import Iterator, Sequence
 
 from batchsim.scheduler.request import RUNNING, Request
 
@@ -93,16 +95,14 @@ class LazyRows:
         if not n:
             return (tuple([r.request_id for r in decodes]),
                     tuple([r.num_computed_tokens for r in decodes]))
-        s = self.steps  # positions(), without its frame (every plan)
-        positions = [c + s for c in self.computed0]
         if len(decodes) == n:
             ids = self.id_tuple
             if ids is None:
                 ids = self.id_tuple = tuple(self.ids)
-            return ids, tuple(positions)
+            return ids, Positions(self.computed0.copy(), self.steps, ())
         tail = decodes[n:]  # rows joining (most plans: none or one)
-        positions.extend(map(COMPUTED, tail))
-        return (*self.ids, *map(REQUEST_ID, tail)), tuple(positions)
+        return ((*self.ids, *map(REQUEST_ID, tail)),
+                Positions(self.computed0.copy(), self.steps, tuple(map(COMPUTED, tail))))
 
     def computed(self) -> dict[int, int]:
         """request id -> num_computed_tokens, without writing them back."""
@@ -152,3 +152,48 @@ class LazyRows:
             r.num_computed_tokens += d
             r.num_output_tokens += d
             r.token_runs[-1][1] += d  # its run went on through every step since
+
+
+class Positions(Sequence):
+    """A plan's decode_positions when its first rows are lazy rows: their positions (computed0
+    plus the steps, as of the plan) then the other rows' (`tail`), made into a tuple when first
+    read whole. Its first `pooled` rows decoded in the last step, so they are in the executor's
+    pool (a simulated executor looks for joining rows after them). Equal to the tuple, and
+    pickled as one."""
+
+    __slots__ = ("_computed0", "_steps", "_tail", "_values", "pooled")
+
+    def __init__(self, computed0: list[int], steps: int, tail: tuple[int, ...]) -> None:
+        self._computed0, self._steps, self._tail = computed0, steps, tail
+        self.pooled = len(computed0)
+        self._values: tuple[int, ...] | None = None
+
+    def values(self) -> tuple[int, ...]:
+        if self._values is None:
+            s = self._steps
+            self._values = (*[c + s for c in self._computed0], *self._tail)
+        return self._values
+
+    def __getitem__(self, i):  # a row's position without the tuple (a joining row's)
+        if isinstance(i, int) and 0 <= i:
+            n = self.pooled
+            return self._computed0[i] + self._steps if i < n else self._tail[i - n]
+        return self.values()[i]
+
+    def __len__(self) -> int:
+        return self.pooled + len(self._tail)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.values())
+
+    def __eq__(self, other: object) -> bool:
+        return self.values() == (other.values() if isinstance(other, Positions) else other)
+
+    def __hash__(self) -> int:
+        return hash(self.values())
+
+    def __repr__(self) -> str:
+        return repr(self.values())
+
+    def __reduce__(self) -> tuple:
+        return tuple, (self.values(),)

@@ -6,12 +6,18 @@ plans, finishes and request counters either way, at the end and when settled par
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import random
 
 import pytest
 from batchsim.scheduler import scheduler as scheduler_module
+from batchsim.scheduler.lazy_rows import Positions
 from batchsim.scheduler.scheduler import Scheduler
+from batchsim.server.engine.run_config import RunConfig
+from batchsim.server.engine.runner import run_workload
+from batchsim.server.engine.session import open_session
 from batchsim.server.executors.fake_executor import FakeExecutor
+from batchsim.server.executors.sim_executor import SimExecutor
 
 from tests.drivers import config, make_request
 
@@ -117,3 +123,35 @@ def test_plans_carry_their_decode_width(seed):
     assert any(p.decode_ids for p in plans)
     assert [p.decode_width for p in plans] == [
         max(p.decode_positions) + 1 if p.decode_ids else 0 for p in plans]
+
+
+def test_positions_are_the_tuple_they_stand_for():
+    p = Positions([5, 7], 3, (9,))
+    assert p == (8, 10, 9) and (8, 10, 9) == p and p != (8, 10) and hash(p) == hash((8, 10, 9))
+    assert (p[0], p[1], p[2], p[-1], p[0:2], len(p), max(p), p.pooled) == (8, 10, 9, 9, (8, 10),
+                                                                              3, 10, 2)
+    assert type(pickle.loads(pickle.dumps(p))) is tuple and repr(p) == "(8, 10, 9)"
+
+
+def test_the_simulated_executor_joins_rows_without_making_positions_whole(monkeypatch, tmp_path):
+    """The hour's workload, shortened: its plans carry lazy rows' positions (Positions), and the
+    simulated executor finds the rows that join after the pooled ones, never building a whole
+    tuple of positions (the records read none)."""
+    made, whole, joins = [], [], []
+    init, values, join = Positions.__init__, Positions.values, SimExecutor._join
+
+    def checked_join(ex: SimExecutor, plan) -> float:  # the rows it skips are in the pool
+        positions = plan.decode_positions
+        joins.append(type(positions) is Positions)
+        assert ex.layout.in_pool.issuperset(plan.decode_ids[:getattr(positions, "pooled", 0)])
+        return join(ex, plan)
+
+    monkeypatch.setattr(SimExecutor, "_join", checked_join)
+    monkeypatch.setattr(Positions, "__init__", lambda p, *a: made.append(1) or init(p, *a))
+    monkeypatch.setattr(Positions, "values", lambda p: whole.append(1) or values(p))
+    base = RunConfig(model="llama-3.1-8b", executor="sim", device_profile="M2 Ultra", quantize=4)
+    workload = dataclasses.replace(base.workload, num_prompts=200, request_rate=5.0, seed=3)
+    session = open_session(dataclasses.replace(base, workload=workload))
+    outcome = run_workload(session, workload, out_dir=tmp_path, label="positions",
+                           timeline=False)
+    assert len(made) > outcome.summary["num_plans"] // 2 and not whole and sum(joins) > 100

@@ -1,6 +1,7 @@
-"""Record lines written the fast way (steps.jsonl from a template, requests.jsonl with token times
-written once per step end) are byte for byte what `dumps(to_json())` writes, for ordinary records
-and for the values the fast way must hand back (None, non-finite floats, bools, numpy scalars)."""
+"""Record lines written the fast way (steps.jsonl from a template, a batch at once; requests.jsonl
+with token times written once per step end, from a template per status and finish reason) are
+byte for byte what `dumps(to_json())` writes, for ordinary records and for the values the fast
+way must hand back (None, non-finite floats, bools, numpy scalars, strings json escapes)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,8 @@ import math
 import random
 
 import numpy as np
-from batchsim.server.results.json_lines import (
-    StepLines,
-    TokenTimesText,
-    request_known,
-    request_line,
-)
+from batchsim.server.results import json_lines
+from batchsim.server.results.json_lines import TokenTimesText, request_line, step_line, step_lines
 from batchsim.server.results.jsonio import dumps
 from batchsim.server.results.metrics import RequestRecord, StepRecord
 
@@ -35,14 +32,19 @@ def _step(rng: random.Random, **changes) -> StepRecord:
 
 
 def test_step_lines_match_dumps():
-    rng, line = random.Random(0), StepLines()
-    steps = [_step(rng) for _ in range(300)] + [
-        _step(rng, kv_bytes_measured=None, compute_s=None),
-        _step(rng, compute_s=math.inf), _step(rng, compute_s=math.nan),
-        _step(rng, kv_bytes=np.int64(7)), _step(rng, compute_s=np.float64(0.1)),
-        _step(rng, num_preemptions=True)]
-    for step in steps:
-        assert line(step) == dumps(step.to_json()) + "\n"
+    rng = random.Random(0)
+    steps = [_step(rng) for _ in range(300)]
+    odd = [_step(rng, kv_bytes_measured=None, compute_s=None),
+           _step(rng, compute_s=math.inf), _step(rng, compute_s=math.nan),
+           _step(rng, kv_bytes=np.int64(7)), _step(rng, compute_s=np.float64(0.1)),
+           _step(rng, num_preemptions=True), _step(rng, start_s=-0.0, end_s=0.0)]
+    for step in steps + odd:
+        assert step_line(step) == dumps(step.to_json()) + "\n"
+    assert step_lines(steps) == "".join(dumps(s.to_json()) + "\n" for s in steps)
+    for step in odd:  # one odd value in a batch: the batch line by line
+        batch = [*steps[:5], step, *steps[5:9]]
+        assert step_lines(batch) == "".join(dumps(s.to_json()) + "\n" for s in batch)
+    assert step_lines([]) == ""
 
 
 def _request(ends: list, runs: list[list[int]], **changes) -> RequestRecord:
@@ -70,7 +72,8 @@ def test_request_lines_match_dumps():
     odd = [_request(ends, runs, finish_reason='says "token_times_s":[] itself'),
            _request(ends, runs, arrival_s=math.nan), _request(ends, runs, first_scheduled_s=None),
            *(_request(ends, runs, finish_reason=why)
-             for why in ("caf\u00e9", "a\\b", "tab\there\x7f", "", "100% of {x} %s")),
+             for why in ("caf\u00e9", "a\\b", "tab\there\x7f", "", "100% of {x} %s", "%",
+                         "info", "nan-ish", "stop")),
            _request(ends, runs, request_id=np.int64(7)), _request(ends, runs, num_preemptions=True),
            _request(ends, runs, arrival_s=-0.0), _request(ends, runs, arrival_s=np.float64(0.1)),
            _request(ends, runs, finished_s=math.inf), _request(ends, runs, finished_s=None)]
@@ -86,47 +89,51 @@ def test_request_lines_match_dumps():
         assert request_line(record, text) == dumps(record.to_json()) + "\n"
 
 
-def test_end_texts_only_for_equal_nonzero_floats():
-    ends = [0.5, -0.0, 2.0, 3, math.nan, 1 / 3]
-    texts = TokenTimesText(ends)
-    assert texts.texts_of(0.5, 0, 1 / 3, 5) == ("0.5", repr(1 / 3))
-    assert texts.texts_of(0.0, 1, 2.5, 2) == (0.0, 2.5)  # 0.0 equals -0.0 (other text); unequal
-    assert texts.texts_of(3.0, 3, math.inf, 4) == (3.0, math.inf)  # an int end; not the end
-    nan, half = math.nan, np.float64(0.5)
-    assert texts.texts_of(nan, 4, half, 0) == (nan, half)  # nan equals nothing; not a float
-    assert texts.texts_of(0.5, -1, 0.5, 6) == (0.5, 0.5)  # no such end
-    assert texts.texts_of(None, 0, "null", 0) == (None, "null")
+def test_request_templates_are_kept_for_a_few_reasons_and_made_for_the_rest(monkeypatch):
+    monkeypatch.setattr(json_lines, "_templates", {})
+    monkeypatch.setattr(json_lines, "MAX_TEMPLATES", 2)
+    ends = [0.25, 0.5, 0.75]
+    text = TokenTimesText(ends)([[0, 3]])
+    for why in ("length", "stop", "abort", "length", "refused: 123 bytes"):
+        record = _request(ends, [[0, 3]], finish_reason=why)
+        assert request_line(record, text) == dumps(record.to_json()) + "\n"
+    assert list(json_lines._templates) == [("finished", "length"), ("finished", "stop")]
 
 
-def test_step_lines_with_end_texts_match_dumps():
+def test_known_texts_are_the_nonzero_finite_float_ends():
+    ends = [0.5, -0.0, 0.0, 2.0, 3, math.inf, math.nan, 1 / 3]
+    assert TokenTimesText(ends[:5]).known() == {}  # an int among them: none known
+    texts = TokenTimesText([0.5, -0.0, 0.0, 2.0, math.inf, math.nan, 1 / 3])
+    assert texts.known() == {0.5: "0.5", 2.0: "2.0", 1 / 3: repr(1 / 3)}
+    assert texts([[0, 5]]) is None and texts([[6, 7]]) == repr(1 / 3)  # inf: the ordinary way
+
+
+def test_step_lines_with_known_texts_match_dumps():
     """start_s and end_s written from the step ends' texts where they equal them, else their own
-    way: the line is unchanged either way."""
+    way (an int equal to one, -0.0 beside 0.0): the lines are unchanged either way."""
     rng = random.Random(2)
-    ends = [-0.0, 0.0, *sorted(rng.choice(ODD_FLOATS) + rng.random() for _ in range(400)), 7e308,
-            math.inf]
-    line = StepLines(TokenTimesText(ends))
+    ends = [-0.0, 0.0, *sorted(rng.choice(ODD_FLOATS) + rng.random() for _ in range(400)), 7e308]
+    known = TokenTimesText(ends).known()
     steps = []
     for i in range(1, len(ends)):
         n = rng.randrange(1, 3)
         end = ends[min(i + n - 1, len(ends) - 1)] if rng.random() < 0.9 else ends[i - 1] * 1.5
         steps.append(_step(rng, step_index=i, num_steps=n, start_s=ends[i - 1], end_s=end))
-    steps += [_step(rng, step_index=0), _step(rng, step_index=3, num_steps=9),
-              _step(rng, step_index=3, compute_s=None, kv_bytes_measured=None)]
-    for step in steps:
-        assert line(step) == dumps(step.to_json()) + "\n"
+    assert step_lines(steps, known) == "".join(dumps(s.to_json()) + "\n" for s in steps)
+    odd = [_step(rng, start_s=-0.0, end_s=0.0), _step(rng, start_s=0.0, end_s=ends[5]),
+           _step(rng, start_s=2, end_s=7e308), _step(rng, compute_s=None)]
+    for step in odd:
+        batch = [*steps[:3], step, *steps[3:5]]
+        assert step_lines(batch, known) == "".join(dumps(s.to_json()) + "\n" for s in batch)
 
 
 def test_request_lines_with_known_texts_match_dumps():
-    ends = [0.25, 0.5, 0.75, 1.0, 1.25]
+    ends = [0.25, 0.5, 0.75, 1.0, 1.25, -0.0]
     texts = TokenTimesText(ends)
     runs = [[2, 4]]  # first scheduled at the end of step 1, finished at step 3's
-    record = _request(ends, runs, first_scheduled_s=0.5, finished_s=1.0)
-    known = request_known(record, runs, texts)
-    assert known == ("0.5", "1.0")
-    assert request_line(record, texts(runs), known) == dumps(record.to_json()) + "\n"
-    for changes in ({"first_scheduled_s": 0.4}, {"finished_s": None}, {"finished_s": 1.5},
-                    {"first_scheduled_s": None, "finish_reason": "a\\b"}):
-        odd = _request(ends, runs, **changes)
-        line = request_line(odd, texts(runs), request_known(odd, runs, texts))
-        assert line == dumps(odd.to_json()) + "\n"
-    assert request_known(record, [], texts) is None
+    for changes in ({}, {"first_scheduled_s": 0.4}, {"finished_s": None}, {"finished_s": 1.5},
+                    {"first_scheduled_s": None, "finish_reason": "a\\b"},
+                    {"first_scheduled_s": 0.0, "finished_s": -0.0}, {"finished_s": 1}):
+        record = _request(ends, runs, **{"first_scheduled_s": 0.5, "finished_s": 1.0, **changes})
+        line = request_line(record, texts(runs), texts.known())
+        assert line == dumps(record.to_json()) + "\n"

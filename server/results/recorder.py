@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from batchsim.scheduler.plan import StepPlan, StepResult
 from batchsim.scheduler.request import Request, RequestStatus
 from batchsim.scheduler.scheduler import Scheduler
-from batchsim.server.results.json_lines import TokenTimesText, request_known
+from batchsim.server.results.json_lines import TokenTimesText
 from batchsim.server.results.metrics import RequestRecord, StepRecord
 from batchsim.server.results.run_files import RecordStream
 from batchsim.server.results.spec_metrics import SpecCounts
@@ -32,8 +32,8 @@ class RunRecorder:
         self._final: dict[int, RequestRecord] = {}  # records of requests that left the engine
         self._times_text = TokenTimesText(self.step_end_s)
         self._arrivals = None if stream is None else stream.arrivals  # ids, in arrival order
-        if stream is not None:  # step lines' start and end times are step end times too
-            stream.step_lines.end_texts = self._times_text
+        if stream is not None:  # its lines take the step end times' texts from here
+            stream.end_texts = self._times_text
 
     def on_arrival(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -85,13 +85,15 @@ class RunRecorder:
         t0 = time.perf_counter()
         record = self.record(request)
         self._final[request.request_id] = record
-        runs, end_texts = request.token_runs, self._times_text
-        self._stream.add_request(record, end_texts(runs), request_known(record, runs, end_texts))
+        self._stream.add_request(record, self._times_text(request.token_runs))
         self._stream.writing_s += time.perf_counter() - t0
 
     def token_times(self, request: Request) -> tuple[float, ...]:
         ends = self.step_end_s
         runs = request.token_runs
+        if len(runs) == 1:  # most requests: never preempted
+            (first, end), = runs
+            return tuple(ends[first:end])
         return tuple(itertools.chain.from_iterable(ends[first:end] for first, end in runs))
 
     def request_records(self) -> list[RequestRecord]:

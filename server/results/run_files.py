@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from batchsim.configs import file_kind
-from batchsim.server.results.json_lines import StepLines, request_line
+from batchsim.server.results.json_lines import TokenTimesText, request_line, step_lines
 from batchsim.server.results.jsonio import dumps
 from batchsim.server.results.metrics import RequestRecord, StepRecord
 
@@ -47,8 +47,8 @@ def when_not_flushing(answer: Callable[[], None]) -> bool:
     return False
 
 
-# A request's record as it waits: the record, its token times' text, request_known's texts.
-_Entry = tuple[RequestRecord, "str | None", "tuple[object, object] | None"]
+# A request's record as it waits, and its token times' text.
+_Entry = tuple[RequestRecord, "str | None"]
 
 
 class WriteFailed(OSError):
@@ -92,7 +92,7 @@ class RecordStream:
         self._written_ids: list[int] = []  # requests.jsonl's records, in the file's order
         self._lengths: list[int] = []  # and their lines' lengths in bytes
         self._due_s = time.monotonic() + FLUSH_EVERY_S  # the next flush (time.monotonic)
-        self.step_lines = StepLines()  # the recorder hands it the step end times' texts
+        self.end_texts: TokenTimesText | None = None  # the recorder's: step ends written once
         self.writing_s = 0.0  # wall time spent encoding and writing records (perf_counter)
         # A run abandoned from another thread (a rank's watchdog) closes the stream while the
         # run's loop may flush it: one writer at a time, and nothing written once closed.
@@ -104,11 +104,10 @@ class RecordStream:
         if time.monotonic() >= self._due_s:
             self.flush()
 
-    def add_request(self, record: RequestRecord, token_times_text: str | None = None,
-                    known: tuple[object, object] | None = None) -> None:
+    def add_request(self, record: RequestRecord, token_times_text: str | None = None) -> None:
         """`token_times_text`: the record's token times as json_lines.TokenTimesText writes them
-        (None: encoded with the record); `known`: json_lines.request_known's texts."""
-        entry, arrivals = (record, token_times_text, known), self.arrivals
+        (None: encoded with the record)."""
+        entry, arrivals = (record, token_times_text), self.arrivals
         if not (arrivals and self._in_order):
             self._requests.append(entry)
         elif arrivals[0] != record.request_id:  # an earlier arrival has not left yet
@@ -130,8 +129,7 @@ class RecordStream:
             self.flush()
         return max(0.0, self._due_s - time.monotonic())
 
-    def flush(self, *, final: bool = False) -> None:
-        """Write what waits; `final`: the held records too (the last flush)."""
+    def flush(self) -> None:
         main = threading.current_thread() is threading.main_thread()
         with self._lock:
             if self._files[STEPS].closed or self in _in_flush:
@@ -139,7 +137,7 @@ class RecordStream:
             if main:
                 _in_flush.append(self)
             try:
-                self._flush(final)
+                self._flush()
             finally:
                 if main:
                     _in_flush.remove(self)
@@ -147,10 +145,11 @@ class RecordStream:
         for answer in answers:
             answer()
 
-    def _flush(self, final: bool) -> None:
+    def _flush(self) -> None:
         t0 = time.perf_counter()
+        known = {} if self.end_texts is None else self.end_texts.known()
         if self._steps:
-            self._write(STEPS, list(map(self.step_lines, self._steps)))
+            self._write(STEPS, [step_lines(self._steps, known)])
             self._steps.clear()
         now, held = time.monotonic(), self._held
         self._due_s = now + FLUSH_EVERY_S
@@ -158,20 +157,24 @@ class RecordStream:
             self.arrivals.clear()  # the recorder's, unread
         elif held:
             _, oldest_s = next(iter(held.values()))  # held in completion order: the oldest
-            if final or now - oldest_s >= FLUSH_EVERY_S:  # no longer: in completion order
-                self._requests += [entry for entry, _ in list(held.values())]  # atomic
-                held.clear()
-                self._in_order = False
+            if now - oldest_s >= FLUSH_EVERY_S:
+                self._stop_holding()
             else:
                 self._due_s = oldest_s + FLUSH_EVERY_S
         if self._requests:
             requests = self._requests
-            lines = list(itertools.starmap(request_line, requests))
+            lines = [request_line(r, text, known) for r, text in requests]
             if self._write(REQUESTS, lines):
-                self._written_ids += [r.request_id for r, _, _ in requests]
+                self._written_ids += [r.request_id for r, _ in requests]
                 self._lengths += map(len, lines)  # JSON is ASCII: characters are bytes
             requests.clear()
         self.writing_s += time.perf_counter() - t0
+
+    def _stop_holding(self) -> None:
+        """The held records go with the next write, in completion order, and no more are held."""
+        self._requests += [entry for entry, _ in list(self._held.values())]  # list(): atomic
+        self._held.clear()
+        self._in_order = False
 
     def _write(self, name: str, lines: list[str]) -> bool:
         """Whether `lines` reached the file whole (after a failure nothing is written)."""
@@ -198,7 +201,9 @@ class RecordStream:
     def close_unfinished(self) -> None:
         """The run failed: what was recorded stays as streamed (held records: after the rest)."""
         with self._lock:
-            self.flush(final=True)
+            if self._held:
+                self._stop_holding()
+            self.flush()
             for f in self._files.values():
                 f.close()
 

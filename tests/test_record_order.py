@@ -125,3 +125,42 @@ def test_a_flusher_between_steps_flushes_when_due_and_says_when_next(tmp_path, c
     clock.now_s = 1.6 * period_s
     stream.flush_if_due()
     assert _ids(tmp_path / run_files.REQUESTS) == [2]
+
+
+def test_records_added_while_a_flush_writes_go_out_with_the_next(tmp_path):
+    """r1 finding 1: a watchdog thread's flush writes (a syscall: the GIL is free) while the loop
+    adds a record; the record must neither be counted as written nor dropped (deterministic: the
+    add happens inside the write)."""
+    stream = run_files.RecordStream(tmp_path)
+    records = [request_record(i, float(i), float(i)) for i in range(4)]
+    write, once = stream._write, {run_files.STEPS, run_files.REQUESTS}
+
+    def adding_while_writing(name, lines):
+        done = write(name, lines)
+        if name in once:
+            once.discard(name)
+            if name == run_files.STEPS:
+                stream.add_step(step_record(1, 1.0, running=1, waiting=0))
+            else:
+                stream.add_request(records[1])
+        return done
+
+    stream._write = adding_while_writing
+    stream.add_step(step_record(0, 0.0, running=1, waiting=0))
+    stream.add_request(records[0])
+    stream.flush()
+    stream._write = write
+    stream.add_request(records[2])
+    stream.add_request(records[3])
+    stream.close(records)
+    assert _ids(tmp_path / run_files.REQUESTS) == [0, 1, 2, 3]
+    assert len((tmp_path / run_files.STEPS).read_text().splitlines()) == 2
+
+
+def test_a_closed_stream_has_no_flush_due(tmp_path, clock):
+    """r1 finding 5: once closed (a watchdog's abandon), flush_if_due must not answer 0 s, or the
+    runner's flusher spins on sleep(0) and takes the GIL from the thread keeping the records."""
+    stream = run_files.RecordStream(tmp_path)
+    stream.close_unfinished()
+    clock.now_s = 10 * run_files.FLUSH_EVERY_S
+    assert stream.flush_if_due() == float("inf")

@@ -90,7 +90,7 @@ class RecordStream:
         self._held: dict[int, tuple[_Entry, float]] = {}
         self._in_order = True
         self._written_ids: list[int] = []  # requests.jsonl's records, in the file's order
-        self._lengths: list[int] = []  # and their lines' lengths in bytes
+        self._line_bytes: list[int] = []  # and their lines' lengths
         self._due_s = time.monotonic() + FLUSH_EVERY_S  # the next flush (time.monotonic)
         self.end_texts: TokenTimesText | None = None  # the recorder's: step ends written once
         self.writing_s = 0.0  # wall time spent encoding and writing records (perf_counter)
@@ -148,9 +148,11 @@ class RecordStream:
     def _flush(self) -> None:
         t0 = time.perf_counter()
         known = {} if self.end_texts is None else self.end_texts.known()
-        if self._steps:
-            self._write(STEPS, [step_lines(self._steps, known)])
-            self._steps.clear()
+        # Taken before the write (a syscall: the GIL is free), so a record the loop adds
+        # meanwhile, while a watchdog's thread flushes, waits for the next flush.
+        steps, self._steps = self._steps, []
+        if steps:
+            self._write(STEPS, [step_lines(steps, known)])
         now, held = time.monotonic(), self._held
         self._due_s = now + FLUSH_EVERY_S
         if not self._in_order:
@@ -161,13 +163,12 @@ class RecordStream:
                 self._stop_holding()
             else:
                 self._due_s = oldest_s + FLUSH_EVERY_S
-        if self._requests:
-            requests = self._requests
+        requests, self._requests = self._requests, []  # ids and lines from this one batch
+        if requests:
             lines = [request_line(r, text, known) for r, text in requests]
             if self._write(REQUESTS, lines):
                 self._written_ids += [r.request_id for r, _ in requests]
-                self._lengths += map(len, lines)  # JSON is ASCII: characters are bytes
-            requests.clear()
+                self._line_bytes += map(len, lines)  # JSON is ASCII: characters are bytes
         self.writing_s += time.perf_counter() - t0
 
     def _stop_holding(self) -> None:
@@ -206,6 +207,7 @@ class RecordStream:
             self.flush()
             for f in self._files.values():
                 f.close()
+            self._due_s = float("inf")  # none due: a flusher waits until cancelled, not spins
 
     def close(self, records: Sequence[RequestRecord]) -> None:
         """The run is over: `records` are every request in arrival order. requests.jsonl becomes
@@ -220,8 +222,8 @@ class RecordStream:
             self._failed(exc)
 
     def _write_in_order(self, path: Path, out: BinaryIO, records: Sequence[RequestRecord]) -> None:
-        ends = itertools.accumulate(self._lengths)  # request id -> (offset, length) in the file
-        spans = {i: (end - n, n) for i, n, end in zip(self._written_ids, self._lengths, ends)}
+        ends = itertools.accumulate(self._line_bytes)  # request id -> (offset, length) in the file
+        spans = {i: (end - n, n) for i, n, end in zip(self._written_ids, self._line_bytes, ends)}
         with path.open("rb") as f:
             written = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if spans else None
             lines: list[bytes] = []

@@ -81,7 +81,7 @@ class SimExecutor:
             t += self._resize(pool)
         # The rows of the last plan that joined (the scheduler hands the same tuple while its
         # rows stay), all in the pool unless one left since.
-        if decode_ids is not self._joined and not layout.in_pool.issuperset(decode_ids):
+        if decode_ids is not self._joined:
             t += self._join(plan)
         self._joined = decode_ids
         sampled = decode_ids  # who sampled a token: the decode rows, then sampling prefills
@@ -227,12 +227,18 @@ class SimExecutor:
             change.new_bytes - change.kept_bytes) / 2
 
     def _join(self, plan: StepPlan) -> float:
-        """The plan's decode rows not yet in the pool join it, in the plan's order."""
+        """The plan's decode rows not yet in the pool join it, in the plan's order (0.0: none)."""
         layout, ids, positions = self.layout, plan.decode_ids, plan.decode_positions
         in_pool = layout.in_pool
         t = 0.0
-        # Rows that decoded in the last step are in the pool: those before Positions.pooled.
-        first = positions.pooled if type(positions) is Positions else 0
+        # Rows that decoded in the last step are in the pool: those before Positions.pooled. The
+        # others: asked in C first (most plans: all in the pool).
+        if type(positions) is Positions:
+            first = positions.pooled
+        elif in_pool.issuperset(ids):
+            return t
+        else:
+            first = 0
         for i in range(first, len(ids)):  # faster than a sorted set difference below ~500 rows
             rid = ids[i]
             if rid in in_pool:

@@ -74,14 +74,15 @@ class Blocks(Protocol):
 # rate below 1024 keys (s / d parts then run the one-pass sdpa_vector: the same work per score,
 # fewer threadgroups), and for every row of a batch (linear in rows, as the grid gives each its own
 # work; mlx#3837: 2 query tokens cost 2.2x one on the M1 Ultra; no published batched row at long
-# context on these chips scores it). Not priced: other chips (no measurement: their K/V bytes alone,
-# as before), MLX before v0.30.4 (the older two-pass kernel, 32 blocks on d parts only) or after
-# v0.32.1 (later releases ship #4077's gqa-8 kernel that reads K/V once per KV head, and a two-pass
-# kernel prefetching 4 keys: the installed 0.32.4's sdpa_vector.h), quantized K/V (mlx-lm's
-# quantized SDPA: matmuls), MLA, more than 32 query heads per KV head (MLX falls back to matmuls). A
-# profile with no mlx_version is read as v0.32.1 (qmv.mlx_release: the newest known), so a catalog
-# M5 is priced by this rate. The paged layout gathers its rows, then runs the same kernel
-# (PAGED_READ_RATIO applies on top).
+# context on these chips scores it; gpt-oss-20b at 16K on an M5 Max 40c 48 GB: batch 1 136.5 -> 96.8
+# tok/s, its max batch 66 606 -> 215, `batchsim size`). Not priced: other chips (no measurement:
+# their K/V bytes alone, as before), MLX before v0.30.4 (the older two-pass kernel, 32 blocks on d
+# parts only) or after v0.32.1 (later releases ship #4077's gqa-8 kernel that reads K/V once per KV
+# head, and a two-pass kernel prefetching 4 keys: the installed 0.32.4's sdpa_vector.h), quantized
+# K/V (mlx-lm's quantized SDPA: matmuls), MLA, more than 32 query heads per KV head (MLX falls back
+# to matmuls). A profile with no mlx_version is read as v0.32.1 (qmv.mlx_release: the newest known),
+# so a catalog M5 is priced by this rate. The paged layout gathers its rows, then runs the same
+# kernel (PAGED_READ_RATIO applies on top).
 SDPA_VECTOR_SCORE_NS = {"g17s": (0.31, (64, 128)), "g13d": (0.72, (256,))}  # ns, head dims
 SDPA_VECTOR_RELEASES = ((0, 30, 4, 0), (0, 32, 1, 0))  # the kernel measured: first, last release
 SDPA_VECTOR_MAX_GQA = 32  # query heads per KV head it takes (query tokens x gqa <= 32)

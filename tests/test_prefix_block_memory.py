@@ -6,6 +6,7 @@ soak counts); and a hit's prefill cache holds exactly the stored tokens."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -61,9 +62,10 @@ def test_a_hit_prefill_cache_holds_the_stored_tokens_of_every_layer():
 
 # Every byte a cached block costs beside the KV bytes MLX counts, the Python objects included
 # (PYTHONMALLOC=malloc: they come from malloc too): the scheduler's index, then the executor's
-# copies of 32 prompts of BLOCKS blocks each.
+# copies of 32 prompts of BLOCKS blocks each; in PrefixBlocks' one array a block, and in the
+# 2 x layers arrays a block it had before 005d11d (SplitBlocks), in the same process.
 _BLOCK_COST = """
-import ctypes, sys
+import ctypes, json, sys
 import mlx.core as mx
 from batchsim.scheduler.pool_geometry import PAGE_TOKENS
 from batchsim.scheduler.prefix_cache import PrefixCache, token_block_hashes
@@ -101,9 +103,21 @@ def store(index, blocks, rids):
     counted = mx.get_active_memory() - active
     assert counted == n * index.block_bytes, counted
     return (in_use() - used - counted) / n
-index, blocks = PrefixCache(LAYERS * 2 * HEADS * PAGE_TOKENS * DIM * 4), PrefixBlocks()
-store(index, blocks, [0])  # MLX's buffer cache and the first arrays' allocations
-print(store(index, blocks, range(1, 33)))
+class SplitBlocks:
+    def __init__(self):
+        self.blocks = {{}}
+    def store(self, ops, caches):
+        a = lambda i: slice(i * PAGE_TOKENS, (i + 1) * PAGE_TOKENS)
+        for rid, i, h in ops.store:
+            self.blocks[h] = [(mx.contiguous(c.keys[..., a(i), :]),
+                               mx.contiguous(c.values[..., a(i), :])) for c in caches[rid]]
+        mx.eval(list(self.blocks.values()))
+costs = []
+for make, first in ((PrefixBlocks, 0), (SplitBlocks, 100)):
+    index, blocks = PrefixCache(LAYERS * 2 * HEADS * PAGE_TOKENS * DIM * 4), make()
+    store(index, blocks, [first])  # MLX's buffer cache and the first arrays' allocations
+    costs.append(store(index, blocks, range(first + 1, first + 33)))
+print(json.dumps(costs))
 """
 
 
@@ -113,5 +127,45 @@ def test_a_cached_block_costs_under_the_bookkeeping_bound_beside_its_bytes():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           check=False, timeout=120, env={**os.environ, "PYTHONMALLOC": "malloc"})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    # Measured ~0.96 KiB; 2 x LAYERS arrays a block cost ~3.2 KiB beside each 8 KiB block.
-    assert float(proc.stdout) < BLOCK_BOOKKEEPING_BYTES, proc.stdout
+    one, split = json.loads(proc.stdout)
+    # Measured 953 B against 3,095 B (CPython 3.11.7, glibc, MLX 0.32.4; r1 had 959-960 B alone):
+    # one array a block saves the fixed cost of 2 x LAYERS - 1 arrays, whatever the versions.
+    assert one < split / 2, proc.stdout
+    # The soak's allowance: a 6% margin over what these versions measure (re-measure on others).
+    assert one < BLOCK_BOOKKEEPING_BYTES, proc.stdout
+
+
+def _layers(dtypes: list[tuple[mx.Dtype, mx.Dtype]], dim: int = DIM) -> list[KVCache]:
+    caches = []
+    for layer, (k_dtype, v_dtype) in enumerate(dtypes):
+        c = KVCache()
+        shape = (1, HEADS, PAGE_TOKENS, dim)
+        c.keys = mx.random.normal(shape, key=mx.random.key(2 * layer)).astype(k_dtype)
+        c.values = mx.random.normal(shape, key=mx.random.key(2 * layer + 1)).astype(v_dtype)
+        c.offset = PAGE_TOKENS
+        caches.append(c)
+    return caches
+
+
+def test_k_and_v_of_different_dtypes_come_back_exact_in_their_own():
+    """r1 finding 6: before 005d11d each part was its own array, so mixed dtypes worked."""
+    blocks = PrefixBlocks()
+    dtypes = [(mx.float16, mx.bfloat16), (mx.float32, mx.float16)]
+    caches = _layers(dtypes)
+    blocks.store(CacheOps((), ((0, 0, 7),)), {0: caches})
+    got = blocks.prefill_cache((7,))
+    for c, want in zip(got, caches):
+        for name in ("keys", "values"):
+            a, b = getattr(c, name)[..., :c.offset, :], getattr(want, name)
+            assert a.dtype == b.dtype and mx.array_equal(a, b).item()
+
+
+def test_a_block_of_another_layout_is_refused_not_mis_sliced():
+    """r1 finding 6: one layout slices every block (prefill_cache)."""
+    blocks = PrefixBlocks()
+    blocks.store(CacheOps((), ((0, 0, 7),)), {0: _layers([(mx.float32, mx.float32)] * LAYERS)})
+    wider = _layers([(mx.float32, mx.float32)] * LAYERS, dim=2 * DIM)
+    with pytest.raises(RuntimeError, match="differ from the cached blocks"):
+        blocks.store(CacheOps((), ((1, 0, 8),)), {1: wider})
+    blocks.clear()  # no blocks: any layout again
+    blocks.store(CacheOps((), ((1, 0, 8),)), {1: wider})

@@ -42,20 +42,22 @@ def _grown(a: mx.array, tokens: int) -> mx.array:
 
 
 # What a cached block costs at most beside its KV bytes, which MLX's memory counts leave out: its
-# array's descriptor and Python object, malloc's headers, the caches' index entries (~0.96 KiB
-# measured with one array a block: tests/test_prefix_block_memory.py; the HTTP soak counts it).
+# array's descriptor and Python object, malloc's headers, the caches' index entries (960 bytes
+# measured with one array a block, CPython 3.11, glibc, MLX 0.32: a 6% margin that holds for those
+# versions only, tests/test_prefix_block_memory.py; the HTTP soak counts it).
 BLOCK_BOOKKEEPING_BYTES = 1024
 
 
 class PrefixBlocks:
-    """Each cached block is one flat MLX array of every layer's K and V (`layout`: their shapes,
-    the same for every block): an array costs ~600 bytes beside its data, so 2 x layers arrays a
-    block (3.2 KiB beside each of the tiny model's 8 KiB blocks) grew RSS past the cache's
-    bytes."""
+    """Each cached block is one flat MLX array of every layer's K and V (`layout`: their shapes
+    and dtypes, the same for every block, checked; K and V of different float dtypes are held in
+    the one that holds each exactly, as concatenate promotes: f16 and bf16 in f32, cast back on
+    read): an array costs ~600 bytes beside its data, so 2 x layers arrays a block (3.2 KiB beside
+    each of the tiny model's 8 KiB blocks) grew RSS past the cache's bytes."""
 
     def __init__(self) -> None:
         self.blocks: dict[int, mx.array] = {}  # hash -> the block, flat
-        self.layout: list[tuple[int, ...]] = []  # shapes of K, V of layer 0, K, V of layer 1 ...
+        self.layout: list[tuple[tuple[int, ...], mx.Dtype]] = []  # K, V of layer 0, 1 ...
         self.nbytes = 0
 
     def evict(self, ops: CacheOps | None) -> None:
@@ -71,9 +73,7 @@ class PrefixBlocks:
         for rid, i, h in ops.store:
             a, b = i * PAGE_TOKENS, (i + 1) * PAGE_TOKENS
             parts = [x[..., a:b, :] for c in caches[rid] for x in (c.keys, c.values)]
-            if len({x.dtype for x in parts}) != 1:
-                raise RuntimeError("a prefix block's layers differ in dtype")
-            self.layout = [x.shape for x in parts]
+            self._check_layout([(x.shape, x.dtype) for x in parts])
             block = self.blocks[h] = mx.concatenate([x.reshape(-1) for x in parts])
             self.nbytes += block.nbytes
             new.append(block)
@@ -82,10 +82,19 @@ class PrefixBlocks:
     def prefill_cache(self, hashes: tuple[int, ...]) -> list[AlignedKVCache]:
         """Per layer, a prefill cache holding these blocks' tokens, in round_up(tokens, KV_STEP)."""
         blocks = [self.blocks[h] for h in hashes]
-        ends = list(itertools.accumulate(math.prod(shape) for shape in self.layout))
+        ends = list(itertools.accumulate(math.prod(shape) for shape, _ in self.layout))
         parts = [mx.concatenate([b[end - math.prod(shape):end].reshape(shape) for b in blocks],
-                                axis=2) for shape, end in zip(self.layout, ends)]
+                                axis=2).astype(dtype)
+                 for (shape, dtype), end in zip(self.layout, ends)]
         return _prefill_caches(list(zip(parts[::2], parts[1::2])))
+
+    def _check_layout(self, layout: list[tuple[tuple[int, ...], mx.Dtype]]) -> None:
+        """One layout for every block: prefill_cache slices each block by it."""
+        if not self.layout:
+            self.layout = layout
+        elif layout != self.layout:
+            raise RuntimeError(f"a prefix block's K/V shapes or dtypes {layout} differ from the "
+                               f"cached blocks' {self.layout}")
 
     def shared_blocks(self, hashes: tuple[int, ...]) -> list[int]:
         """Pool blocks a row joining with this hit references: none (the padded layout copies)."""
@@ -93,6 +102,7 @@ class PrefixBlocks:
 
     def clear(self) -> None:
         self.blocks.clear()
+        self.layout = []
         self.nbytes = 0
 
 

@@ -13,9 +13,9 @@ from batchsim.scheduler.plan import CacheOps, PrefillChunk
 from batchsim.scheduler.pool_geometry import (
     EMPTY_PAGED_POOL,
     EMPTY_POOL,
-    KV_STEP,
     PAGE_TOKENS,
     PoolGeometry,
+    kv_steps,
     next_geometry,
     next_paged_geometry,
     row_blocks,
@@ -120,10 +120,10 @@ class KVManager:
         if self.paged:
             return next_paged_geometry(self.pool, num_rows, max_len, need_blocks, self.row_step,
                                        self.max_rows, max_bytes, self.cache)
-        # next_geometry reads max_len only rounded up to its KV_STEP capacity, and the pool: its
-        # answers for this pool are remembered (a simulated plan asks a few times, most often
-        # what an earlier plan asked).
-        key = (num_rows, -(-max_len // KV_STEP) if max_len > 1 else 1, max_bytes)
+        # next_geometry reads max_len only as kv_steps(max_len), and the pool: its answers for
+        # this pool are remembered (a simulated plan asks a few times, most often what an
+        # earlier plan asked).
+        key = (num_rows, kv_steps(max_len), max_bytes)
         known = self._geometries
         if self._geometries_of is not self.pool or len(known) >= GEOMETRIES_KEPT:
             known.clear()

@@ -25,6 +25,12 @@ def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
+def kv_steps(max_len: int) -> int:
+    """KV_STEPs a padded pool row holds for rows of at most `max_len` tokens (at least one): all
+    next_geometry reads of max_len (kv_manager's memo keys on it)."""
+    return -(-max_len // KV_STEP) if max_len > 1 else 1
+
+
 def round_down(x: int, multiple: int) -> int:
     return x // multiple * multiple
 
@@ -96,7 +102,7 @@ def next_geometry(
     """
     if num_seqs == 0:
         return EMPTY_POOL if max_bytes >= 0 else None
-    need_cap = -(-max_len // KV_STEP) * KV_STEP if max_len > 1 else KV_STEP  # round_up, inlined
+    need_cap = kv_steps(max_len) * KV_STEP
     rows, cap = current[0], current[1]
     # rows_for(n) >= n, so a pool under n + 2 row steps is never shrunk (skips the call).
     if rows < num_seqs or (rows >= num_seqs + 2 * row_step

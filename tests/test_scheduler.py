@@ -277,3 +277,18 @@ def test_geometry_for_answers_as_next_geometry_for_the_pool_it_holds(queries):
         assert got == want and (got is kv.pool) == (want is kv.pool)
         if commit and got is not None:
             kv.commit(got, set(), {}, 0)
+
+
+def test_next_geometry_reads_max_len_only_as_kv_steps():
+    """geometry_for's memo keys on kv_steps(max_len): next_geometry must read no more of it."""
+    from batchsim.scheduler.kv_bytes import CacheLayout
+    from batchsim.scheduler.pool_geometry import EMPTY_POOL, kv_steps, next_geometry
+
+    cache = CacheLayout.dense(KVT)
+    for pool in (EMPTY_POOL, PoolGeometry(8, 2 * KV_STEP)):
+        for max_len in range(-1, 3 * KV_STEP + 2):
+            top = kv_steps(max_len) * KV_STEP  # the longest max_len of the same key
+            for max_bytes in (8 * 3 * KV_STEP * KVT, KV_STEP * KVT):
+                got = next_geometry(pool, 4, max_len, 8, 32, max_bytes, cache)
+                assert got == next_geometry(pool, 4, top, 8, 32, max_bytes, cache), max_len
+                assert got is None or got.capacity_tokens >= top

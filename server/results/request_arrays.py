@@ -141,16 +141,16 @@ def order_stats(values: Any, percentiles: Sequence[float]) -> tuple[float, list[
     return float(median), ranks.tolist()
 
 
-def sorted_counts(sorted_times: np.ndarray, each: np.ndarray | None = None
+def sorted_counts(sorted_times: np.ndarray, counts: np.ndarray | None = None
                   ) -> tuple[np.ndarray, np.ndarray]:
     """The distinct values of a sorted array and how often each occurs (a step's tokens share its
-    end time: an hour's million token times are 36,000 values); `each`: how often each of
+    end time: an hour's million token times are 36,000 values); `counts`: how often each of
     `sorted_times` occurs, if they are so counted already."""
     if not len(sorted_times):
         return sorted_times, np.zeros(0, np.int64)
     first = np.flatnonzero(np.concatenate(([True], sorted_times[1:] != sorted_times[:-1])))
-    if each is not None:
-        return sorted_times[first], np.add.reduceat(each, first)
+    if counts is not None:
+        return sorted_times[first], np.add.reduceat(counts, first)
     return sorted_times[first], np.diff(np.append(first, len(sorted_times)))
 
 

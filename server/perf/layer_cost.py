@@ -7,7 +7,8 @@ integer work (bytes, scores, FLOPs) of a group is summed before it becomes secon
 Per layer, a decode step of B rows padded to `width` cached tokens reads:
 - linear layers: every non-routed matrix once (attention projections, router, shared experts);
   routed experts: the expected distinct experts E(1 - (1 - k/E)^B), each streamed once and
-  multiplying the B*k/D tokens routed to it, or on a calibrated device each (token, expert) pair
+  multiplying the B*k/D tokens routed to it, where MLX runs one mat-vec per (token, expert) pair
+  (gather_qmv) each pair past its expert's first a qmv row, or on a calibrated device each pair
   at its measured cost (`experts_s`);
 - attention: full and MLA layers `width` tokens, sliding layers min(width, W), linear-attention
   layers their fixed state, read and written every step; MLA adds the absorbed attention's FLOPs;
@@ -47,6 +48,7 @@ class Blocks(Protocol):
     act_bytes: int
     kv_bits: int | None
     paged: bool  # the paged KV layout: full and MLA layers' decode reads gather blocks
+    quantize_bits: int | None
 
     def linear_parts(self, m: int, k: int, n: int) -> tuple[float, float, float]: ...
     def matrix_s(self, m: int, k: int, n: int) -> float: ...
@@ -89,15 +91,22 @@ SDPA_VECTOR_MAX_GQA = 32  # query heads per KV head it takes (query tokens x gqa
 # Assumed: a gathered expert matmul (mlx's gather_qmm) reaches half the dense GEMM rate per FLOP
 # (small per-expert tiles, index gathers). Only compute-bound (large-batch) steps feel it.
 GATHER_MATMUL_EFFICIENCY = 0.5
-# How MLX runs routed experts (mlx-lm switch_layers.py SwitchGLU; ml-explore/mlx
-# mlx/backend/metal/quantized.cpp GatherQMM::eval_gpu): SwitchGLU gives every (token, expert)
-# pair its own one-row matrix (M = 1) and sorts the pairs by expert once B*k >= 64. A pair count P
-# over E experts runs gather_qmm_rhs (one grouped matmul per expert) only where
-# P >= 16, the pairs are sorted and P / E >= 4 (8 in some MLX copies; qwen3-30b-a3b's
-# 128 experts top-8 from B = 64 tokens, gpt-oss-20b's 32 top-4 from B = 32); below, gather_qmv
-# runs one mat-vec per pair, its grid (M, N/8, P) streaming the pair's expert. Decode steps are
-# priced as that: each pair's mat-vec, distinct experts' bytes once (a repeat read of an expert
-# assumed to hit the cache: sorted pairs run back to back, unsorted ones at small P together).
+# How MLX runs routed experts (mlx-lm switch_layers.py SwitchGLU, mlx-swift-lm SwitchLayers.swift
+# SwitchGLU: both `indices.size >= 64`; ml-explore/mlx mlx/backend/metal/quantized.cpp
+# GatherQMM::eval_gpu): SwitchGLU gives every (token, expert) pair its own one-row matrix (M = 1)
+# and sorts the pairs by expert from SORT_PAIRS on. P pairs over E experts run gather_qmm_rhs (one
+# grouped matmul per expert) only where P >= 16, the pairs are sorted and P / E >= 8
+# (ml-explore/mlx#2078 and #2082, first in v0.25.0) or >= 4 (#2609, v0.29.2; before v0.25.0 no
+# such kernel): qwen3-30b-a3b's 128 experts top-8 from B = 64 tokens, gpt-oss-20b's 32 top-4 from
+# B = 32, qwen3-next-80b-a3b's 512 top-10 from B = 205. Otherwise gather_qmv runs one mat-vec per
+# pair (grid (M, N/8, P)): each pair dequantizes and multiplies its expert's whole matrix, sorted
+# or not. Priced as that: distinct experts' bytes once (a repeat read of an expert assumed to hit
+# the cache: sorted pairs run back to back, unsorted ones at small P together), and under
+# gather_qmv each pair past its expert's first a qmv row at the profile's quantized_gemv_row_gflops
+# (as a dense qmv's rows past the first: StepCost.linear_parts), in the step's gemv_rows_s.
+SORT_PAIRS = 64
+GATHER_RHS_MIN_PAIRS = 16
+GATHER_RHS_PAIRS_PER_EXPERT = (((0, 29, 2, 0), 4), ((0, 25, 0, 0), 8))  # (MLX since, P / E)
 # Assumed: the gated-delta update touches each recurrent-state element ~6 times per token.
 LINEAR_FLOPS_PER_STATE_ELEMENT = 6
 # Measured on the CPU only: one full-attention layer's decode read in the paged layout (mx.take
@@ -128,6 +137,16 @@ def roofline_split(moved_s: float, flops_s: float, overlapped: bool) -> tuple[fl
     if overlapped:
         return (moved_s, 0.0) if moved_s >= flops_s else (0.0, flops_s)
     return moved_s, flops_s
+
+
+def runs_gather_qmv(pairs: int, experts: int, mlx: str = "") -> bool:
+    """Whether MLX `mlx` ('': the newest) runs `pairs` routed (token, expert) pairs over `experts`
+    as gather_qmv (a mat-vec per pair), not gather_qmm_rhs (a grouped matmul per expert)."""
+    if pairs < max(SORT_PAIRS, GATHER_RHS_MIN_PAIRS):
+        return True
+    release = mlx_release(mlx)
+    per = next((p for since, p in GATHER_RHS_PAIRS_PER_EXPERT if release >= since), None)
+    return per is None or pairs // experts < per
 
 
 def expected_experts(experts: int, top_k: int, tokens: int) -> float:
@@ -161,6 +180,7 @@ class LayerCost:
             for mat in layer.mats:
                 if mat.routed:
                     per[2] += self.routed_s(mat, layer, m)
+                    per[3] += self.repeat_pairs_s(mat, layer, m)
                     continue
                 w, f, g = self.cost.linear_parts(m, mat.in_dim, mat.out_dim)
                 per[0] += mat.count * w
@@ -175,7 +195,8 @@ class LayerCost:
         (StepCost.matrix_s per matrix; the routed experts' stacks as in `_linear_split_s`)."""
         total = 0.0
         for layer, count in self.layers.items():
-            per = sum(self.routed_s(mat, layer, m) if mat.routed
+            per = sum(self.routed_s(mat, layer, m) + self.repeat_pairs_s(mat, layer, m)
+                      if mat.routed
                       else mat.count * self.cost.matrix_s(m, mat.in_dim, mat.out_dim)
                       for mat in layer.mats)
             total += per * count
@@ -208,6 +229,19 @@ class LayerCost:
         if self.cost.gemm is not None:
             return distinct * (moved_s + flops_s)
         return distinct * max(moved_s, flops_s)
+
+    def repeat_pairs_s(self, mat: Mat, layer: Layer, m: int) -> float:
+        """The qmv rows of one routed matrix stack's pairs past their experts' first, where MLX
+        runs the m*k pairs as gather_qmv (a catalog Mac's quantized weights; one token's top_k
+        experts are distinct; a calibrated device's per-pair cost has them)."""
+        ffn, cost = layer.ffn, self.cost
+        rate_gflops = cost.profile.quantized_gemv_row_gflops
+        pairs = m * ffn.top_k
+        if (m <= 1 or cost.cal is not None or not cost.quantize_bits or not rate_gflops
+                or not runs_gather_qmv(pairs, ffn.experts, cost.profile.mlx_version)):
+            return 0.0
+        repeats = pairs - expected_experts(ffn.experts, ffn.top_k, m)
+        return repeats * 2 * mat.in_dim * mat.out_dim / (rate_gflops * 1e9)
 
     def _head_split(self, rows: int) -> tuple[float, float, float]:
         if not rows:

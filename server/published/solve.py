@@ -122,15 +122,15 @@ def _lsq(a: np.ndarray, rhs: np.ndarray, keep: list[int], shrink: Shrink) -> np.
     return theta
 
 
-def fit_at(a: np.ndarray, cols: list[str]) -> tuple[float, np.ndarray]:
-    """(Huber loss, theta) of a @ theta = 1 within each column's bounds: the worst violator is held
-    at its bound and the rest refitted, until none is out."""
-    free = [j for j in range(len(cols)) if np.any(a[:, j] > 0)]
-    shrink = _shrink(a, cols, free)  # row: (a device product) not shrunk
-    held: dict[int, float] = {}
+def bounded(a: np.ndarray, target: np.ndarray, cols: list[str], free: list[int],
+            lsq: Callable[[np.ndarray, np.ndarray, list[int]], np.ndarray]) -> np.ndarray:
+    """theta of lsq(a, rhs, columns) (a @ theta = target over the free columns) within each
+    column's bounds: the worst violator is held at its bound and the rest refitted, until none is
+    out."""
+    free, held = list(free), {}
     while True:
-        rhs = 1.0 - sum((a[:, j] * v for j, v in held.items()), np.zeros(a.shape[0]))
-        theta = _lsq(a, rhs, free, shrink)
+        rhs = target - sum((a[:, j] * v for j, v in held.items()), np.zeros(a.shape[0]))
+        theta = lsq(a, rhs, free)
         out = {j: min(max(theta[j], lo), hi) for j in free
                for lo, hi in [_bounds(cols[j])] if not lo <= theta[j] <= hi}
         if not out:
@@ -140,4 +140,13 @@ def fit_at(a: np.ndarray, cols: list[str]) -> tuple[float, np.ndarray]:
         free.remove(j)
     for j, v in held.items():
         theta[j] = v
+    return theta
+
+
+def fit_at(a: np.ndarray, cols: list[str]) -> tuple[float, np.ndarray]:
+    """(Huber loss, theta) of a @ theta = 1 within each column's bounds (bounded)."""
+    free = [j for j in range(len(cols)) if np.any(a[:, j] > 0)]
+    shrink = _shrink(a, cols, free)  # row: (a device product) not shrunk
+    theta = bounded(a, np.ones(a.shape[0]), cols, free,
+                    lambda a, rhs, keep: _lsq(a, rhs, keep, shrink))
     return huber_loss(np.abs(a @ theta - 1.0), HUBER_DELTA), theta

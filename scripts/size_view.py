@@ -168,9 +168,7 @@ def print_parts(rows: list[dict], meta: dict) -> None:
                     keep=["Mac", "batch", "total ms", "tok/s"]))  # the sum before its parts
     out.print("weights: linear layers streaming their weights; matmul: their arithmetic (a "
               "Mac's one-row step: the larger of the two; several rows: both); attention: K/V "
-              "reads, or on an M5 Pro/Max or M1 Ultra under MLX 0.30.4-0.32.1 MLX's vector "
-              "kernel's work per (query head, key) where larger; draft: the drafter (a draft "
-              "model's K forwards, else n-gram lookups; row "
+              "reads; draft: the drafter (a draft model's K forwards, else n-gram lookups; row "
               "'1, K=k': a verify step at batch 1, tok/s with its acceptance); "
               "elementwise: norms, activations, logits; fixed: per layer and forward pass (a Mac's "
               "fitted kernel dispatch and sync); step overhead: per engine step (zero on a catalog "

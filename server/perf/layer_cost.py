@@ -12,10 +12,8 @@ Per layer, a decode step of B rows padded to `width` cached tokens reads:
   at its measured cost (`experts_s`);
 - attention: full and MLA layers `width` tokens, sliding layers min(width, W), linear-attention
   layers their fixed state, read and written every step; MLA adds the absorbed attention's FLOPs;
-  where MLX's vector kernel is measured (chip and release: SDPA_VECTOR_SCORE_NS), the larger of
-  the K/V read and the kernel's work per (query head, key); in the paged layout, full and MLA
-  layers' read costs PAGED_READ_RATIO times the padded read (the gather of each row's blocks, as
-  measured).
+  in the paged layout, full and MLA layers' read costs PAGED_READ_RATIO times the padded read
+  (the gather of each row's blocks, as measured).
 Assumptions (no Metal here to fit them) are the named constants below."""
 
 from __future__ import annotations
@@ -57,37 +55,6 @@ class Blocks(Protocol):
     def weight_stream_s(self, k: int, n: int) -> float: ...
 
 
-# MLX's decode attention (mx.fast.scaled_dot_product_attention over one query token: sdpa_vector.h's
-# sdpa_vector_2pass_1, ml-explore/mlx 1935ab445 #3023, first in v0.30.4, unchanged in kind to
-# v0.32.1) runs a grid of (KV heads, batch, blocks) threadgroups, each a simdgroup per query head of
-# its KV head; every simdgroup streams its block's keys and values and reduces a score per key
-# (simd_sum, two exps, a rescale of its output), so a step does fixed work per (query head, cached
-# key) whatever the K/V bytes, and no row shares another's work or K/V (its own threadgroups; the
-# blocks per row do not depend on the batch). The step pays the larger of its K/V stream and its
-# scores at the chip's measured rate. Measured per score, bf16/fp16, one query token, score-bound
-# cells (time well over the K/V bytes at the chip's peak): M5 Max 40c (applegpu_g17s), 32 query
-# heads, D 128, 32768 keys: 0.307 / 0.326 / 0.351 ms at 1 / 2 / 4 KV heads (0.29 / 0.31 / 0.33 ns;
-# mlx#3837, comment of 2026-08-05); M5 Pro (g17s), 32K keys, 32q/4kv D128 at 190 GB/s (0.34 ns) and
-# gpt-oss-20b's 64q/8kv D64 at 119 GB/s (0.27 ns; mlx#4076): their median 0.31 ns on g17s; M1 Ultra
-# (g13d), mlx 0.32.0, 32q/4kv D256, 100000 keys: 2.2-2.4 ms (0.72 ns, 3.8x its bytes at its 680
-# GB/s; mlx#3837's description). Priced only at the head dims measured on each chip (g17s: 64 and
-# 128, within 20% of each other; g13d: 256): the work per score grows with D (D/32 elements a lane
-# for q.k and again for V), so other head dims keep their bytes. Assumed, not measured: the same
-# rate below 1024 keys (s / d parts then run the one-pass sdpa_vector: the same work per score,
-# fewer threadgroups), and for every row of a batch (linear in rows, as the grid gives each its own
-# work; mlx#3837: 2 query tokens cost 2.2x one on the M1 Ultra; no published batched row at long
-# context on these chips scores it; gpt-oss-20b at 16K on an M5 Max 40c 48 GB: batch 1 136.5 -> 96.8
-# tok/s, its max batch 66 606 -> 215, `batchsim size`). Not priced: other chips (no measurement:
-# their K/V bytes alone, as before), MLX before v0.30.4 (the older two-pass kernel, 32 blocks on d
-# parts only) or after v0.32.1 (later releases ship #4077's gqa-8 kernel that reads K/V once per KV
-# head, and a two-pass kernel prefetching 4 keys: the installed 0.32.4's sdpa_vector.h), quantized
-# K/V (mlx-lm's quantized SDPA: matmuls), MLA, more than 32 query heads per KV head (MLX falls back
-# to matmuls). A profile with no mlx_version is read as v0.32.1 (qmv.mlx_release: the newest known),
-# so a catalog M5 is priced by this rate. The paged layout gathers its rows, then runs the same
-# kernel (PAGED_READ_RATIO applies on top).
-SDPA_VECTOR_SCORE_NS = {"g17s": (0.31, (64, 128)), "g13d": (0.72, (256,))}  # ns, head dims
-SDPA_VECTOR_RELEASES = ((0, 30, 4, 0), (0, 32, 1, 0))  # the kernel measured: first, last release
-SDPA_VECTOR_MAX_GQA = 32  # query heads per KV head it takes (query tokens x gqa <= 32)
 # Assumed: a gathered expert matmul (mlx's gather_qmm) reaches half the dense GEMM rate per FLOP
 # (small per-expert tiles, index gathers). Only compute-bound (large-batch) steps feel it.
 GATHER_MATMUL_EFFICIENCY = 0.5
@@ -262,7 +229,7 @@ class LayerCost:
         kv_bits = self.cost.kv_bits
         nbytes = count * batch * att.token_bytes(self.cost.act_bytes, kv_bits)
         scores = count * batch * self.spec.num_heads
-        seconds = self._kv_read_s(nbytes, scores, scores * self._score_s(att))
+        seconds = self._kv_read_s(nbytes, scores)
         if kv_bits is not None:  # dequantize what was read (an assumption, not measured)
             elements = count * batch * att.heads * (att.k_dim + att.v_dim)
             seconds += elements * KV_DEQUANT_OPS_PER_ELEMENT / self._flops_per_s
@@ -312,33 +279,12 @@ class LayerCost:
         flops = count * tokens * att.state_elems * LINEAR_FLOPS_PER_STATE_ELEMENT
         return max(self.cost.bytes_s(nbytes), flops / self._flops_per_s)
 
-    def _kv_read_s(self, nbytes: int, scores: int, scores_s: float = 0.0) -> float:
-        """Decode attention's K/V read: on a calibrated device its fitted costs per byte and per
-        score, else its K/V stream or MLX's vector kernel's `scores_s` where larger."""
+    def _kv_read_s(self, nbytes: int, scores: int) -> float:
         cal = self.cost.cal
         if cal is not None:
             return (nbytes * cal.attention_decode_ns_per_byte
                     + scores * cal.attention_decode_ns_per_score) * 1e-9
-        return max(nbytes / self.cost.profile.kv_bytes_per_s, scores_s)
-
-    def _score_s(self, att: Attention) -> float:
-        """Seconds MLX's vector kernel takes per (query head, cached key) of `att` on this
-        profile (SDPA_VECTOR_SCORE_NS); 0 where it is not measured or not run."""
-        rate_ns, head_dims = self._chip_rate
-        if (self.cost.kv_bits is not None or att.kind == "mla" or att.k_dim != att.v_dim
-                or att.k_dim not in head_dims
-                or self.spec.num_heads > SDPA_VECTOR_MAX_GQA * att.heads):
-            return 0.0
-        return rate_ns * 1e-9
-
-    @cached_property
-    def _chip_rate(self) -> tuple[float, tuple[int, ...]]:
-        """(ns per score, head dims measured) on this profile's chip and MLX release."""
-        profile = self.cost.profile
-        first, last = SDPA_VECTOR_RELEASES
-        if not first <= mlx_release(profile.mlx_version) <= last:
-            return 0.0, ()
-        return SDPA_VECTOR_SCORE_NS.get(profile.gpu_family, (0.0, ()))
+        return nbytes / self.cost.profile.kv_bytes_per_s
 
     @property
     def _flops_per_s(self) -> float:

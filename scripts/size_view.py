@@ -12,6 +12,7 @@ from batchsim.scheduler.pool_geometry import KV_STEP, PAGE_TOKENS
 from batchsim.scripts.common import fmt, gib, out, pyplot, save_figure, table
 from batchsim.server.models.spec import ModelSpec
 from batchsim.server.perf.engines import load_engine
+from batchsim.server.perf.layer_cost import gather_rhs_batch
 from batchsim.server.perf.profile import KV_DEQUANT_OPS_PER_ELEMENT
 from batchsim.server.perf.size_limits import MAX_BATCH_CAP
 from batchsim.server.perf.stepcost import StepTime
@@ -101,6 +102,7 @@ def _notes(rows: list[dict], meta: dict, what: str, spec: ModelSpec) -> list[str
                      f"layers' KV is capped at their window, linear-attention state is fixed); "
                      f"padded max batch = budget over B x that at the longest. MoE decode reads "
                      f"the expected distinct experts under uniform routing (an upper bound).")
+    notes += _gate_note(rows, meta, spec)
     if meta["kv_bits"]:
         notes.append(f"KV {meta['kv_bits']}-bit: mlx-lm's QuantizedKVCache (packed K/V + a scale "
                      f"and a bias per 64 elements); decode attention reads those bytes plus an "
@@ -127,6 +129,16 @@ def _notes(rows: list[dict], meta: dict, what: str, spec: ModelSpec) -> list[str
                      + (f"; with iogpu.wired_limit_mb raised: {', '.join(raised)}." if raised
                         else ", nor with iogpu.wired_limit_mb raised."))
     return notes
+
+
+def _gate_note(rows: list[dict], meta: dict, spec: ModelSpec) -> list[str]:
+    """Where a row's max or best batch reaches MLX's grouped expert matmul (gather_qmm_rhs)."""
+    gate = gather_rhs_batch(spec) if meta["quantize_bits"] else None
+    if gate is None or not any(max(r["max_batch"], r["best_batch"] or 0) >= gate for r in rows):
+        return []
+    return [(f"MoE from batch {gate}: MLX runs each expert's pairs as one grouped matmul "
+             f"(gather_qmm_rhs), not a mat-vec per (token, expert) pair, and the predicted step "
+             f"drops there; no published decode row reaches it (unvalidated).")]
 
 
 def _best_note(rows: list[dict]) -> list[str]:
@@ -173,9 +185,12 @@ def print_parts(rows: list[dict], meta: dict) -> None:
               "elementwise: norms, activations, logits; fixed: per layer and forward pass (a Mac's "
               "fitted kernel dispatch and sync); step overhead: per engine step (zero on a catalog "
               "Mac); copy: KV pool copies (none in steady decode); experts: MoE routed experts "
-              "(the distinct experts the batch routes to); attention rows: attention's fixed cost "
-              "per row; token ops: elementwise kernels' per token; sampling: per row; host step / "
-              f"host token: the engine's ({meta['engine']}) host work. Zero parts are not shown.")
+              "(the distinct experts the batch routes to); gemv rows: quantized layers' rows past "
+              "the first that MLX runs as qmv, and MoE (token, expert) pairs past their "
+              "expert's first below the grouped-matmul gate; attention rows: attention's fixed "
+              "cost per row; token ops: elementwise kernels' per token; sampling: per row; host "
+              f"step / host token: the engine's ({meta['engine']}) host work. Zero parts are not "
+              "shown.")
 
 
 def _held_out(errors: dict) -> str:

@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from batchsim.scripts.size_view import _gate_note
+from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf.batch_gain import catalog_cost
-from batchsim.server.perf.layer_cost import expected_experts, runs_gather_qmv
+from batchsim.server.perf.layer_cost import expected_experts, gather_rhs_batch, runs_gather_qmv
 from batchsim.server.perf.stepcost import StepCost
 
 
@@ -44,6 +46,25 @@ def test_gate_follows_mlx_versions():
     assert runs_gather_qmv(128, 32, "0.28.0")
 
 
+def test_gate_needs_sorted_pairs_and_the_kernel():
+    # 60 pairs over 8 experts (7 an expert) stay unsorted below SwitchGLU's 64: gather_qmv.
+    assert runs_gather_qmv(60, 8) and not runs_gather_qmv(64, 8)
+    assert runs_gather_qmv(4096, 128, "0.24.2")  # no gather_qmm_rhs before v0.25.0
+    assert not runs_gather_qmv(4096, 128, "0.25.0")  # 32 an expert: past the 8 gate
+    # A 0.29.2 dev build predates the release: the 8 gate (4 pairs an expert still gather_qmv).
+    assert runs_gather_qmv(512, 128, "0.29.2.dev") and not runs_gather_qmv(1024, 128, "0.29.2.dev")
+
+
+def test_repeat_rows_pinned_by_hand():
+    # qwen3-30b-a3b (48 MoE layers, 128 experts top 8, 2048 -> 768 -> 2048 experts) at B = 8, qmv
+    # rows at 1000 GFLOP/s: 64 pairs - 128 (1 - (120/128)^8) = 51.6199 distinct = 12.3801 repeats,
+    # each 2 (2 * 2048 * 768 + 768 * 2048) = 9437184 FLOPs a layer: 12.3801 * 9437184 * 48 / 1e12 s.
+    cost = catalog_cost("qwen3-30b-a3b")
+    cost = StepCost(cost.spec, dataclasses.replace(cost.profile, quantized_gemv_row_gflops=1000.0),
+                    "float16", 4)
+    assert _routed_rows_s(cost, 8) * 1e3 == pytest.approx(5.6080, abs=5e-4)
+
+
 @pytest.mark.parametrize("batch", [2, 4, 8, 63])
 def test_repeated_pairs_pay_qmv_rows_below_the_gate(batch):
     cost = catalog_cost("qwen3-30b-a3b")
@@ -65,10 +86,24 @@ def test_one_token_and_the_grouped_matmul_pay_none():
 def test_decode_step_carries_the_rows_in_its_qmv_term():
     cost = catalog_cost("qwen3-30b-a3b")
     one, four = cost.decode_time(1, 512), cost.decode_time(4, 512)
-    dense = catalog_cost("qwen3-30b-a3b")
-    dense_rows_s = sum(n * sum(dense.linear_parts(4, m.in_dim, m.out_dim)[2]
+    dense_rows_s = sum(n * sum(cost.linear_parts(4, m.in_dim, m.out_dim)[2]
                                for m in lay.mats if not m.routed)
-                       for lay, n in dense.layers.layers.items())
-    dense_rows_s += dense.linear_parts(4, cost.spec.hidden_size, cost.spec.vocab_size)[2]
+                       for lay, n in cost.layers.layers.items())
+    dense_rows_s += cost.linear_parts(4, cost.spec.hidden_size, cost.spec.vocab_size)[2]
     assert four.gemv_rows_s == pytest.approx(dense_rows_s + _repeat_rows_s(cost, 4))
     assert one.gemv_rows_s == 0
+
+
+def test_size_notes_a_max_batch_across_the_gate():
+    # 128 top-8 from 64 tokens (4 an expert), 32 top-4 from 32, 512 top-10 from 205 (MLX 0.32);
+    # qwen3-30b-a3b on MLX 0.29.1: 8 an expert, from 128 tokens.
+    gates = {m: gather_rhs_batch(zoo_spec(m)) for m in
+             ("qwen3-30b-a3b", "gpt-oss-20b", "qwen3-next-80b-a3b", "llama-3.1-8b")}
+    assert gates == {"qwen3-30b-a3b": 64, "gpt-oss-20b": 32, "qwen3-next-80b-a3b": 205,
+                     "llama-3.1-8b": None}
+    assert gather_rhs_batch(zoo_spec("qwen3-30b-a3b"), "0.29.1") == 128
+    spec, meta = zoo_spec("qwen3-30b-a3b"), {"quantize_bits": 4}
+    below, across = {"max_batch": 63, "best_batch": 63}, {"max_batch": 106, "best_batch": 64}
+    assert _gate_note([below], meta, spec) == []
+    assert "MoE from batch 64" in _gate_note([below, across], meta, spec)[0]
+    assert _gate_note([across], {"quantize_bits": None}, spec) == []

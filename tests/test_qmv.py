@@ -87,7 +87,8 @@ def test_qmv_rows_cost_their_arithmetic_at_its_own_rate():
     one, eight = cost.decode_time(1, 512), cost.decode_time(8, 512)
     assert one.gemv_rows_s == 0 and eight.matmul_s == 0 and eight.gemv_rows_s > 0
     flops = 2 * 8 * cost.spec.num_params  # about: every weight multiplied once per row
-    assert eight.gemv_rows_s == pytest.approx(7 / 8 * flops / (cost._qmv_gflops * 1e9), rel=0.1)
+    rate = cost.profile.quantized_gemv_row_gflops * 1e9
+    assert eight.gemv_rows_s == pytest.approx(7 / 8 * flops / rate, rel=0.1)
     assert cost.decode_time(16, 512).gemv_rows_s < eight.gemv_rows_s  # 16 rows: qmm again
     as_gemm = StepCost(cost.spec, dataclasses.replace(cost.profile, quantized_gemv_row_gflops=0),
                        "float16", 4, engine=cost.engine)
@@ -107,7 +108,7 @@ def test_qmv_rows_overlap_the_weight_stream_in_one_kernel():
     assert runs_qmv_wide(cost.profile.gpu_family, cost.profile.mlx_version)
     assert runs_qmv(cost.profile.gpu_family, 5, k, n)
     moved_s = cost.linear_parts(1, k, n)[0]
-    row_s = 2 * k * n / (cost._qmv_gflops * 1e9)
+    row_s = 2 * k * n / (cost.profile.quantized_gemv_row_gflops * 1e9)
     fit = [m for m in range(2, QMV_WIDE_TILE_ROWS + 1) if m * row_s <= moved_s]
     over = [m for m in range(2, QMV_WIDE_TILE_ROWS + 1) if m * row_s > moved_s]
     assert fit and over  # both sides within one tile for this layer on this chip
@@ -144,7 +145,7 @@ def test_plain_qmv_adds_every_row_past_the_first():
     old = StepCost(cost.spec, dataclasses.replace(cost.profile, mlx_version="0.31.2"), "float16",
                    4, engine=cost.engine)
     k, n = 4096, 14336
-    row_s = 2 * k * n / (cost._qmv_gflops * 1e9)
+    row_s = 2 * k * n / (cost.profile.quantized_gemv_row_gflops * 1e9)
     assert old.linear_parts(1, k, n)[2] == 0
     for m in (2, 4, 8):
         moved_s, _, rows_s = old.linear_parts(m, k, n)

@@ -53,13 +53,17 @@ class Blocks(Protocol):
     def linear_terms(self, m: float, k: int, n: int) -> tuple[float, float]: ...
     def bytes_s(self, nbytes: float) -> float: ...
     def weight_stream_s(self, k: int, n: int) -> float: ...
+    def qmv_rows_s(self, rows: float, k: int, n: int) -> float: ...
 
 
 # Assumed: a gathered expert matmul (mlx's gather_qmm) reaches half the dense GEMM rate per FLOP
 # (small per-expert tiles, index gathers). Only compute-bound (large-batch) steps feel it.
 GATHER_MATMUL_EFFICIENCY = 0.5
 # How MLX runs routed experts (mlx-lm switch_layers.py SwitchGLU, mlx-swift-lm SwitchLayers.swift
-# SwitchGLU: both `indices.size >= 64`; ml-explore/mlx mlx/backend/metal/quantized.cpp
+# SwitchGLU: both `indices.size >= 64`, mlx-swift-lm's from 2.30.3 (51723b33; `> 64` before: 64
+# pairs stay unsorted, as no published row's, so one gate for both; an engine that never sorts
+# never reaches gather_qmm_rhs, which runs_gather_qmv does not ask); ml-explore/mlx
+# mlx/backend/metal/quantized.cpp
 # GatherQMM::eval_gpu): SwitchGLU gives every (token, expert) pair its own one-row matrix (M = 1)
 # and sorts the pairs by expert from SORT_PAIRS on. P pairs over E experts run gather_qmm_rhs (one
 # grouped matmul per expert) only where P >= 16, the pairs are sorted and P / E >= 8
@@ -71,6 +75,9 @@ GATHER_MATMUL_EFFICIENCY = 0.5
 # the cache: sorted pairs run back to back, unsorted ones at small P together), and under
 # gather_qmv each pair past its expert's first a qmv row at the profile's quantized_gemv_row_gflops
 # (as a dense qmv's rows past the first: StepCost.linear_parts), in the step's gemv_rows_s.
+# '0.29.2.dev' takes the 8 gate, though #2609 landed in its dev cycle (its only rows are B = 1: no
+# effect). Unvalidated at the gate: no published decode
+# row reaches it, and the step drops there (`size` notes it; README "Mixture of experts").
 SORT_PAIRS = 64
 GATHER_RHS_MIN_PAIRS = 16
 GATHER_RHS_PAIRS_PER_EXPERT = (((0, 29, 2, 0), 4), ((0, 25, 0, 0), 8))  # (MLX since, P / E)
@@ -114,6 +121,15 @@ def runs_gather_qmv(pairs: int, experts: int, mlx: str = "") -> bool:
     release = mlx_release(mlx)
     per = next((p for since, p in GATHER_RHS_PAIRS_PER_EXPERT if release >= since), None)
     return per is None or pairs // experts < per
+
+
+def gather_rhs_batch(spec: ModelSpec, mlx: str = "", cap: int = 4096) -> int | None:
+    """The first decode batch (tokens) up to `cap` whose routed pairs MLX `mlx` runs as
+    gather_qmm_rhs, where the priced step drops (None: a dense model, or past `cap`)."""
+    ffn = next((lay.ffn for lay in spec.arch.layers if lay.ffn.kind == "moe"), None)
+    return None if ffn is None else next(
+        (b for b in range(2, cap + 1) if not runs_gather_qmv(b * ffn.top_k, ffn.experts, mlx)),
+        None)
 
 
 def expected_experts(experts: int, top_k: int, tokens: int) -> float:
@@ -197,18 +213,22 @@ class LayerCost:
             return distinct * (moved_s + flops_s)
         return distinct * max(moved_s, flops_s)
 
-    def repeat_pairs_s(self, mat: Mat, layer: Layer, m: int) -> float:
-        """The qmv rows of one routed matrix stack's pairs past their experts' first, where MLX
-        runs the m*k pairs as gather_qmv (a catalog Mac's quantized weights; one token's top_k
-        experts are distinct; a calibrated device's per-pair cost has them)."""
+    def repeat_pairs(self, layer: Layer, m: int) -> float:
+        """The (token, expert) pairs of m tokens past their experts' first that MLX runs as
+        gather_qmv rows (0 where it does not, or where they are not priced apart: one token's
+        top_k experts are distinct; a calibrated device's per-pair cost has them; float
+        weights; no fitted qmv row rate)."""
         ffn, cost = layer.ffn, self.cost
-        rate_gflops = cost.profile.quantized_gemv_row_gflops
         pairs = m * ffn.top_k
-        if (m <= 1 or cost.cal is not None or not cost.quantize_bits or not rate_gflops
+        if (m <= 1 or cost.cal is not None or not cost.qmv_rows_s(1, 1, 1)
                 or not runs_gather_qmv(pairs, ffn.experts, cost.profile.mlx_version)):
             return 0.0
-        repeats = pairs - expected_experts(ffn.experts, ffn.top_k, m)
-        return repeats * 2 * mat.in_dim * mat.out_dim / (rate_gflops * 1e9)
+        return pairs - expected_experts(ffn.experts, ffn.top_k, m)
+
+    def repeat_pairs_s(self, mat: Mat, layer: Layer, m: int) -> float:
+        """The qmv rows of one routed matrix stack's repeat pairs (StepCost.qmv_rows_s)."""
+        repeats = self.repeat_pairs(layer, m)
+        return self.cost.qmv_rows_s(repeats, mat.in_dim, mat.out_dim) if repeats else 0.0
 
     def _head_split(self, rows: int) -> tuple[float, float, float]:
         if not rows:

@@ -155,10 +155,10 @@ class StepCost:
             weights_ns, flops_ns = self.gemm.terms_ns(m, k, n)
             return weights_ns * 1e-9, flops_ns * 1e-9, 0.0
         moved_s, flops_s = self._roofline_terms(m, k, n)
-        if self._qmv_gflops:
+        rows_s = self.qmv_rows_s(m, k, n)
+        if rows_s:
             family = self.profile.gpu_family
             if runs_qmv(family, m, k, n, self.profile.mlx_version):
-                rows_s = 2 * m * k * n / (self._qmv_gflops * 1e9)
                 return qmv_parts(family, self.profile.mlx_version, moved_s, rows_s, m)
             if m > 1:  # qmm: its tiles' padded rows, off the Neural Accelerators at shader rate
                 nax = on_neural_accelerators(family, m, k, n)
@@ -166,10 +166,10 @@ class StepCost:
                 flops_s /= 1.0 if nax else self.profile.shader_flops_share
         return (*roofline_split(moved_s, flops_s, overlapped=m <= 1), 0.0)
 
-    @cached_property
-    def _qmv_gflops(self) -> float:
-        """qmv's arithmetic rate over several rows (0: not priced apart; float weights)."""
-        return self.profile.quantized_gemv_row_gflops if self.quantize_bits else 0.0
+    def qmv_rows_s(self, rows: float, k: int, n: int) -> float:
+        """qmv's arithmetic over `rows` rows at its rate (0: not priced apart: float weights)."""
+        gflops = self.profile.quantized_gemv_row_gflops if self.quantize_bits else 0.0
+        return 2 * rows * k * n / (gflops * 1e9) if gflops else 0.0
 
     def linear_layers_s(self, m: int) -> float:
         """Every linear layer of a forward over m rows, routed experts included, not the lm head."""

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from batchsim.scheduler.pool_geometry import block_slack
-from batchsim.server.executors.prefix_blocks import BLOCK_BOOKKEEPING_BYTES
+from batchsim.scheduler.prefix_cache import BLOCK_BOOKKEEPING_BYTES
 from batchsim.server.http.prometheus import parse as parse_metrics
 from batchsim.workloads.client.sse import SSEParser
 

@@ -15,6 +15,13 @@ from batchsim.scheduler.request import Request
 
 ROOT_HASH = 0  # the parent of a prompt's first block
 
+# What a cached block costs at most beside its KV bytes, which MLX's memory counts leave out
+# (executors/prefix_blocks.py's one array a block and this index): the array's descriptor and
+# Python object, malloc's headers, the index entries (960 bytes measured, CPython 3.11, glibc,
+# MLX 0.32: a 6% margin that holds for those versions only, tests/test_prefix_block_memory.py;
+# the HTTP soak counts it). Here, not beside the arrays: benchmarks read it without loading MLX.
+BLOCK_BOOKKEEPING_BYTES = 1024
+
 
 def _block_hash(parent: int, key: object) -> int:
     # repr of ints, strs and tuples of them is the same in every process

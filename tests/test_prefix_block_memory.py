@@ -15,7 +15,8 @@ import mlx.core as mx
 import pytest
 from batchsim.scheduler.plan import CacheOps
 from batchsim.scheduler.pool_geometry import PAGE_TOKENS
-from batchsim.server.executors.prefix_blocks import BLOCK_BOOKKEEPING_BYTES, PrefixBlocks
+from batchsim.scheduler.prefix_cache import BLOCK_BOOKKEEPING_BYTES
+from batchsim.server.executors.prefix_blocks import PrefixBlocks
 from mlx_lm.models.cache import KVCache
 
 LAYERS, HEADS, DIM = 2, 2, 16  # the tiny model's

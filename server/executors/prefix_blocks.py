@@ -41,13 +41,6 @@ def _grown(a: mx.array, tokens: int) -> mx.array:
     return mx.concatenate([a, mx.zeros((b, h, tokens, d), a.dtype)], axis=2)
 
 
-# What a cached block costs at most beside its KV bytes, which MLX's memory counts leave out: its
-# array's descriptor and Python object, malloc's headers, the caches' index entries (960 bytes
-# measured with one array a block, CPython 3.11, glibc, MLX 0.32: a 6% margin that holds for those
-# versions only, tests/test_prefix_block_memory.py; the HTTP soak counts it).
-BLOCK_BOOKKEEPING_BYTES = 1024
-
-
 class PrefixBlocks:
     """Each cached block is one flat MLX array of every layer's K and V (`layout`: their shapes
     and dtypes, the same for every block, checked; K and V of different float dtypes are held in

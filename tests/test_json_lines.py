@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 
 import numpy as np
 from batchsim.server.results import json_lines
@@ -89,12 +90,14 @@ def test_request_lines_match_dumps():
         assert request_line(record, text) == dumps(record.to_json()) + "\n"
 
 
-def test_request_templates_are_kept_for_a_few_reasons_and_made_for_the_rest(monkeypatch):
+def test_request_templates_start_over_when_full(monkeypatch):
+    """A long process's one-off reasons fill the cache: it starts over, so a common reason seen
+    after them is kept too (review r4 item 3: it was made again for every line)."""
     monkeypatch.setattr(json_lines, "_templates", {})
     monkeypatch.setattr(json_lines, "MAX_TEMPLATES", 2)
     ends = [0.25, 0.5, 0.75]
     text = TokenTimesText(ends)([[0, 3]])
-    for why in ("length", "stop", "abort", "length", "refused: 123 bytes"):
+    for why in ("refused: 123 bytes", "refused: 456 bytes", "length", "length", "stop"):
         record = _request(ends, [[0, 3]], finish_reason=why)
         assert request_line(record, text) == dumps(record.to_json()) + "\n"
     assert list(json_lines._templates) == [("finished", "length"), ("finished", "stop")]
@@ -137,3 +140,45 @@ def test_request_lines_with_known_texts_match_dumps():
         record = _request(ends, runs, **{"first_scheduled_s": 0.5, "finished_s": 1.0, **changes})
         line = request_line(record, texts(runs), texts.known())
         assert line == dumps(record.to_json()) + "\n"
+
+
+def test_known_texts_keep_the_latest_ends_only(monkeypatch):
+    """known() holds the latest step ends, not one entry per step of the run (review r4 item 7);
+    a value no longer known is written the same (its repr)."""
+    monkeypatch.setattr(json_lines, "MAX_KNOWN_ENDS", 100, raising=False)
+    ends: list[float] = []
+    texts = TokenTimesText(ends)
+    for i in range(1, 1001):
+        ends.append(i / 7)
+        if i % 30 == 0:
+            assert len(texts.known()) < 130
+    assert ends[-1] in texts.known() and ends[0] not in texts.known()
+    record = _request(ends, [[0, 1000]], first_scheduled_s=ends[0])
+    line = request_line(record, texts([[0, 1000]]), texts.known())
+    assert line == dumps(record.to_json()) + "\n"
+
+
+class _EndsTakenMidway(list):
+    """Step ends whose first slice lets another thread's known() run to its end meanwhile (a
+    watchdog's flush while the loop writes a request's token times)."""
+
+    texts: TokenTimesText
+
+    def __getitem__(self, index):
+        taken = super().__getitem__(index)
+        if isinstance(index, slice) and not hasattr(self, "other"):
+            self.other = threading.Thread(target=self.texts.known)
+            self.other.start()
+            self.other.join(timeout=0.5)  # with the lock it waits for this extend instead
+        return taken
+
+
+def test_token_times_extend_once_under_a_flush_thread():
+    """Review r4 item 2: both threads took the same new ends, so the texts were extended twice
+    and stopped lining up with the step indices."""
+    ends = _EndsTakenMidway([0.25, 0.5, 0.75])
+    texts = ends.texts = TokenTimesText(ends)
+    assert texts([[1, 3]]) == "0.5,0.75"
+    ends.other.join()
+    ends.append(1.0)
+    assert texts([[2, 4]]) == "0.75,1.0" and len(texts._texts) == 4

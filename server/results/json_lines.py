@@ -11,6 +11,7 @@ import itertools
 import math
 import operator
 import re
+import threading
 from collections.abc import Mapping, Sequence
 
 from batchsim.server.results.jsonio import dumps
@@ -19,7 +20,24 @@ from batchsim.server.results.metrics import DERIVED_MS_KEYS, RequestRecord, Step
 _NUMBERS = frozenset({int, float})  # str() of these is their JSON (float: the shortest repr)
 _NUMBERS_OR_NONE = _NUMBERS | {type(None)}
 _STEP_FIELDS = tuple(f.name for f in dataclasses.fields(StepRecord))
-assert not any("inf" in n or "nan" in n for n in _STEP_FIELDS)  # lines are checked for these
+
+
+def _non_finite_in(text: str) -> bool:
+    """Whether `text` may hold str() of a non-finite float ("inf", "-inf", "nan"): a record's
+    template text, or the text of float values (a float's repr has an "n" only in those)."""
+    return "inf" in text or "nan" in text
+
+
+def run_items(items: Sequence, runs: Sequence[Sequence[int]]) -> Sequence:
+    """items[a:b] for each [a, b) of `runs`, in one sequence (a slice for one run: most
+    requests, never preempted)."""
+    if len(runs) == 1:
+        (a, b), = runs
+        return items[a:b]
+    return list(itertools.chain.from_iterable(items[a:b] for a, b in runs))
+
+
+assert not any(map(_non_finite_in, _STEP_FIELDS))  # lines are checked for these
 _STEP_VALUES = operator.attrgetter(*_STEP_FIELDS)
 _STEP_TEMPLATE = "{" + ",".join(f'"{n}":%s' for n in _STEP_FIELDS) + "}\n"
 _KNOWN_STEP_AT = (_STEP_FIELDS.index("start_s"), _STEP_FIELDS.index("end_s"))  # step ends, most
@@ -56,7 +74,7 @@ def step_line(step: StepRecord) -> str:
             return dumps(step.to_json()) + "\n"
         values = tuple(["null" if v is None else v for v in values])
     line = _STEP_TEMPLATE % values
-    if "inf" in line or "nan" in line:  # str() of a non-finite float
+    if _non_finite_in(line):
         return dumps(step.to_json()) + "\n"
     return line
 
@@ -65,22 +83,22 @@ class TokenTimesText:
     """The JSON text of a request's token times, which are step end times (the recorder's growing
     list) over [first, end) runs of step indices. Each end time is written once (json writes a
     float as float.__repr__ does); None where one is not a finite float (the caller writes it the
-    ordinary way). `known()`: the end times' texts by value, for other values equal to one."""
+    ordinary way). `known()`: the end times' texts by value, for other values equal to one: the
+    latest MAX_KNOWN_ENDS or more (a miss writes the value's repr, the same text). A watchdog
+    thread's flush calls known() while the loop calls the text: the lock extends each end once."""
 
     def __init__(self, step_end_s: list[float]) -> None:
         self._ends = step_end_s
         self._texts: list[str | None] = []  # by step index, made as the ends come
         self._known: dict[float, str] = {}  # by value: nonzero floats (-0.0 == 0.0, other text)
+        self._lock = threading.Lock()
 
     def __call__(self, runs: Sequence[Sequence[int]]) -> str | None:
         texts = self._texts
         if len(texts) < len(self._ends):
             self._extend()
         try:
-            if len(runs) == 1:  # most requests: never preempted
-                (a, b), = runs
-                return ",".join(texts[a:b])
-            return ",".join(itertools.chain.from_iterable(texts[a:b] for a, b in runs))
+            return ",".join(run_items(texts, runs))
         except TypeError:
             return None
 
@@ -90,25 +108,32 @@ class TokenTimesText:
         return self._known
 
     def _extend(self) -> None:
-        texts, known, new = self._texts, self._known, self._ends[len(self._texts):]
+        with self._lock:
+            self._extend_texts(self._ends[len(self._texts):])
+
+    def _extend_texts(self, new: list[float]) -> None:
+        texts, known = self._texts, self._known
+        if len(known) >= MAX_KNOWN_ENDS:  # a long run's: the latest ends only
+            known.clear()
         try:
             made = list(map(float.__repr__, new))
         except TypeError:  # an int or another type: its own lines go the ordinary way
             texts.extend(float.__repr__(t) if type(t) is float and math.isfinite(t) else None
                          for t in new)
             return
-        if "n" not in "".join(made):  # no inf, no nan
+        if not _non_finite_in("".join(made)):
             known.update(zip(new, made))
         else:  # their requests' lines go the ordinary way
-            made = [None if "n" in t else t for t in made]  # type: ignore[misc]
+            made = [None if _non_finite_in(t) else t for t in made]  # type: ignore[misc]
             known.update((t, m) for t, m in zip(new, made) if m is not None)
         texts.extend(made)
         known.pop(0.0, None)
 
 
+MAX_KNOWN_ENDS = 4096  # step ends' texts kept by value (a flush's records' are mostly recent)
 _NO_TIMES = '"token_times_s":[]'
 _REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
-assert not any("inf" in n or "nan" in n for n in (*_REQUEST_FIELDS, *DERIVED_MS_KEYS))
+assert not any(map(_non_finite_in, (*_REQUEST_FIELDS, *DERIVED_MS_KEYS)))
 _TEXT_FIELDS = ("status", "finish_reason")  # strings: in the template (a few distinct ones)
 _NUMBER_FIELDS = tuple(n for n in _REQUEST_FIELDS if n not in (*_TEXT_FIELDS, "token_times_s"))
 _NUMBER_VALUES = operator.attrgetter(*_NUMBER_FIELDS)
@@ -118,7 +143,7 @@ _AS_IS = re.compile(r'[ !#-\[\]-~]*')  # printable ASCII but " and \: json write
 # (status, finish_reason) -> the templates before and after the token times ((None, None): one
 # json escapes, or with "inf" or "nan" in it, which the line's check would take for a number)
 _templates: dict[tuple[object, object], tuple[str, str] | tuple[None, None]] = {}
-MAX_TEMPLATES = 256  # kept; a run's rarer reasons (a refusal's sizes in its text) made each time
+MAX_TEMPLATES = 256  # then start over: a long process's one-off reasons (a refusal's sizes)
 
 
 def request_line(record: RequestRecord, token_times_text: str | None,
@@ -138,8 +163,8 @@ def request_line(record: RequestRecord, token_times_text: str | None,
         if type(last) is float:
             texts[_TIMES_AT] = known.get(last, last)
         head, tail = before % tuple(texts[:_TIMES_AT]), after % tuple(texts[_TIMES_AT:])
-        if "inf" not in head and "nan" not in head and "inf" not in tail and "nan" not in tail:
-            return f"{head}{token_times_text}{tail}"  # no str() of a non-finite float in it
+        if not _non_finite_in(head + tail):
+            return f"{head}{token_times_text}{tail}"
     row = record.to_json()
     row["token_times_s"] = []
     line = dumps(row)  # keys and strings come escaped: the empty list's text is found only once
@@ -148,15 +173,16 @@ def request_line(record: RequestRecord, token_times_text: str | None,
 
 def _request_templates(strings: tuple[object, object]) -> tuple[str, str] | tuple[None, None]:
     texts = {n: _json_text(v) for n, v in zip(_TEXT_FIELDS, strings)}
-    if any(t is None or "inf" in t or "nan" in t for t in texts.values()):
+    if any(t is None or _non_finite_in(t) for t in texts.values()):
         made: tuple[str, str] | tuple[None, None] = (None, None)
     else:
         names = (*_REQUEST_FIELDS, *DERIVED_MS_KEYS)
         line = "{" + ",".join(f'"{n}":{texts.get(n, "%s")}' for n in names) + "}\n"
         before, after = line.split('"token_times_s":%s')
         made = (before + '"token_times_s":[', "]" + after)
-    if len(_templates) < MAX_TEMPLATES:
-        _templates[strings] = made
+    if len(_templates) >= MAX_TEMPLATES:
+        _templates.clear()
+    _templates[strings] = made
     return made
 
 

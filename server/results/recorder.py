@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Sequence
 
 from batchsim.scheduler.plan import StepPlan, StepResult
 from batchsim.scheduler.request import Request, RequestStatus
 from batchsim.scheduler.scheduler import Scheduler
-from batchsim.server.results.json_lines import TokenTimesText
+from batchsim.server.results.json_lines import TokenTimesText, run_items
 from batchsim.server.results.metrics import RequestRecord, StepRecord
 from batchsim.server.results.run_files import RecordStream
 from batchsim.server.results.spec_metrics import SpecCounts
@@ -89,12 +88,7 @@ class RunRecorder:
         self._stream.writing_s += time.perf_counter() - t0
 
     def token_times(self, request: Request) -> tuple[float, ...]:
-        ends = self.step_end_s
-        runs = request.token_runs
-        if len(runs) == 1:  # most requests: never preempted
-            (first, end), = runs
-            return tuple(ends[first:end])
-        return tuple(itertools.chain.from_iterable(ends[first:end] for first, end in runs))
+        return tuple(run_items(self.step_end_s, request.token_runs))
 
     def request_records(self) -> list[RequestRecord]:
         final = self._final

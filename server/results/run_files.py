@@ -163,11 +163,14 @@ class RecordStream:
                 self._stop_holding()
             else:
                 self._due_s = oldest_s + FLUSH_EVERY_S
-        requests, self._requests = self._requests, []  # ids and lines from this one batch
-        if requests:
-            lines = [request_line(r, text, known) for r, text in requests]
+        requests, self._requests = self._requests, []
+        if requests:  # ids and lines in one pass, before the write (the GIL is free there)
+            ids, lines = [], []
+            for r, text in requests:
+                ids.append(r.request_id)
+                lines.append(request_line(r, text, known))
             if self._write(REQUESTS, lines):
-                self._written_ids += [r.request_id for r, _ in requests]
+                self._written_ids += ids
                 self._line_bytes += map(len, lines)  # JSON is ASCII: characters are bytes
         self.writing_s += time.perf_counter() - t0
 

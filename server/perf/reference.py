@@ -182,6 +182,10 @@ class PublishedRow(WeightFormat):
     # Where the source prints no figure equal to tok_s: the arithmetic that gives it from numbers
     # its quote prints ('4 * 256 / 5.432'), checked on load; None: the quote prints tok_s.
     derived: str | None = None
+    # True: the source's scheduler admits the rows one decode step apart and its figure times
+    # every decode step, so its window ramps up and down through 1..batch rows
+    # (server.published.sim.stagger_steps); a decode-only row only.
+    staggered: bool = False
 
     def __post_init__(self) -> None:
         check_weights(self.weights)
@@ -197,6 +201,8 @@ class PublishedRow(WeightFormat):
         if any(n is not None and n < 1 for n in (self.prompt_tokens, self.generated_tokens)):
             raise ValueError(f"prompt_tokens {self.prompt_tokens} and generated_tokens "
                              f"{self.generated_tokens}: positive where published")
+        if self.staggered and not self.decode_only:
+            raise ValueError("staggered: a decode-only row (a run with prefill simulates arrivals)")
         if self.batch == 1 and self.measures == "aggregate":
             raise ValueError("a batch-1 row measures per_request")
         if not self.quote.strip():

@@ -39,6 +39,8 @@ from batchsim.server.published.sim import (
     priced,
     row_cost,
     run_steps,
+    stagger_steps,
+    tokens,
 )
 from batchsim.server.published.solve import TIMES, fit_at
 
@@ -119,12 +121,15 @@ def basis(row: Any, catalog: macs.Catalog, unit: MacModel, layers: float,
     return Basis(plain, experts, fmt, measured_s(row))
 
 
-def _rows_past_first(row: Any, catalog: macs.Catalog, model: MacModel) -> int:
+def _rows_past_first(row: Any, catalog: macs.Catalog, model: MacModel) -> float:
     """Decode rows past the first of each batched forward in what the row's seconds count (an
     engine running the rows one at a time, or one graph each: none)."""
     cost = row_cost(row, catalog, model)
     if cost.serial or cost.row_graphs or not cost.engine.attention_loop:
         return 0
+    if row.decode_only and row.staggered:  # per step as measured_s counts them (decode_step)
+        out = tokens(row)[1]
+        return sum((n - 1) * k for n, k in stagger_steps(row.batch, out)) / out
     if row.decode_only:
         return row.batch - 1
     return sum(max(s.decode_rows - 1, 0) * s.num_steps for s in run_steps(row, catalog, model))

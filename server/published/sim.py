@@ -106,6 +106,29 @@ def model_spec(model: str) -> ModelSpec:
     return zoo_spec(model)
 
 
+def stagger_steps(batch: int, out: int) -> tuple[tuple[int, int], ...]:
+    """(rows decoding, steps) of a run whose `batch` rows join the decode one step apart and
+    each decode `out` tokens: request i decodes steps i .. i + out - 1, so out + batch - 1 steps
+    ramp up and down through 1..batch rows (batch 4, 128 tokens: 1, 2, 3, 125 x 4, 3, 2, 1)."""
+    counts: dict[int, int] = {}
+    for s in range(out + batch - 1):
+        rows = min(s, batch - 1) - max(0, s - out + 1) + 1
+        counts[rows] = counts.get(rows, 0) + 1
+    return tuple(sorted(counts.items()))
+
+
+def decode_step(row: Any, cost: StepCost) -> StepTime:
+    """A decode-only row's seconds per step as measured_s counts them (its timed window over the
+    tokens each request decodes): the step at the row's batch, or, a staggered row, every step of
+    its ramp (stagger_steps) over the tokens one request decodes."""
+    width = context_tokens(row)
+    if not row.staggered:
+        return cost.step_time(row.batch, width)
+    out = tokens(row)[1]
+    parts = [cost.step_time(rows, width).times(n) for rows, n in stagger_steps(row.batch, out)]
+    return sum(parts[1:], parts[0]).times(1.0 / out)
+
+
 def row_cost(row: Any, catalog: macs.Catalog, model: MacModel) -> StepCost:
     mac = row_mac(catalog, row.chip, row.gpu_cores)
     profile = mac_profile(mac, model.fit, row.quantize_bits)
@@ -138,7 +161,7 @@ def predict_tok_s(row: Any, catalog: macs.Catalog, model: MacModel) -> float:
         return 1.0 / sum(w / predict_tok_s(r, catalog, model) for w, r in mixed(row))
     cost = row_cost(row, catalog, model)
     if row.decode_only:
-        per_stream = 1.0 / cost.step_time(row.batch, context_tokens(row)).total_s
+        per_stream = 1.0 / decode_step(row, cost).total_s
     else:
         records = measured_records(row, _run(row, cost).requests)
         gen = tokens(row)[1]
@@ -252,7 +275,7 @@ def priced(row: Any, catalog: macs.Catalog, model: MacModel) -> Priced:
         return Priced(*(sum((p[k].times(w) for w, p in parts), zero) for k in (0, 1)))
     cost = row_cost(row, catalog, model)
     if row.decode_only:
-        return Priced(cost.step_time(row.batch, context_tokens(row)), zero)
+        return Priced(decode_step(row, cost), zero)
     decode, prefill, steps = zero, zero, 0
     for s in run_steps(row, catalog, model):
         prefill = _add_prefills(prefill, cost, s)

@@ -13,7 +13,12 @@ import pytest
 from batchsim.scripts.size_view import _gate_note
 from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf.batch_gain import catalog_cost
-from batchsim.server.perf.layer_cost import expected_experts, gather_rhs_batch, runs_gather_qmv
+from batchsim.server.perf.layer_cost import (
+    GATHER_MATMUL_EFFICIENCY,
+    expected_experts,
+    gather_rhs_batch,
+    runs_gather_qmv,
+)
 from batchsim.server.perf.stepcost import StepCost
 
 
@@ -107,3 +112,20 @@ def test_size_notes_a_max_batch_across_the_gate():
     assert _gate_note([below], meta, spec) == []
     assert "MoE from batch 64" in _gate_note([below, across], meta, spec)[0]
     assert _gate_note([across], {"quantize_bits": None}, spec) == []
+
+
+@pytest.mark.parametrize("model, batch", [("qwen3-30b-a3b", 63), ("gpt-oss-20b", 31)])
+def test_repeat_flops_are_counted_once(model, batch):
+    # Just below the gate the m*k/D rows' FLOPs at half the GEMM rate outweigh an expert's bytes
+    # (r3 finding 3); the repeats' FLOPs are repeat_pairs_s's qmv rows, so routed_s keeps one row's
+    # FLOPs an expert and the experts' bytes bind.
+    cost = catalog_cost(model)
+    layer = next(lay for lay in cost.spec.arch.layers if lay.ffn.kind == "moe")
+    ffn, mats = layer.ffn, [mat for mat in layer.mats if mat.routed]
+    distinct = expected_experts(ffn.experts, ffn.top_k, batch)
+    eff = cost.profile.expert_bandwidth_efficiency
+    for mat in mats:
+        moved_s, flops_s = cost.linear_terms(batch * ffn.top_k / distinct, mat.in_dim, mat.out_dim)
+        assert flops_s / GATHER_MATMUL_EFFICIENCY > moved_s / eff  # all rows' FLOPs would bind
+        assert cost.layers.routed_s(mat, layer, batch) == pytest.approx(distinct * moved_s / eff)
+        assert cost.layers.repeat_pairs_s(mat, layer, batch) > 0

@@ -74,9 +74,9 @@ GATHER_MATMUL_EFFICIENCY = 0.5
 # or not. Priced as that: distinct experts' bytes once (a repeat read of an expert assumed to hit
 # the cache: sorted pairs run back to back, unsorted ones at small P together), and under
 # gather_qmv each pair past its expert's first a qmv row at the profile's quantized_gemv_row_gflops
-# (as a dense qmv's rows past the first: StepCost.linear_parts), in the step's gemv_rows_s.
-# '0.29.2.dev' takes the 8 gate, though #2609 landed in its dev cycle (its only rows are B = 1: no
-# effect). Unvalidated at the gate: no published decode
+# (as a dense qmv's rows past the first: StepCost.linear_parts), in the step's gemv_rows_s (its
+# expert's FLOPs in routed_s one row's). '0.29.2.dev' takes the 8 gate, though #2609 landed in
+# its dev cycle (its only rows are B = 1: no effect). Unvalidated at the gate: no published decode
 # row reaches it, and the step drops there (`size` notes it; README "Mixture of experts").
 SORT_PAIRS = 64
 GATHER_RHS_MIN_PAIRS = 16
@@ -195,8 +195,8 @@ class LayerCost:
         weights once (at the profile's expert_bandwidth_efficiency of the achievable rate), and the
         m*k (token, expert) pairs' gathered mat-vecs. A calibrated device prices each pair at its
         measured cost (expert_cost.py: what mlx-lm's SwitchGLU takes per pair and per routed
-        multiply-add); otherwise each expert multiplies its m*k/D tokens at
-        GATHER_MATMUL_EFFICIENCY of the GEMM rate."""
+        multiply-add); otherwise each expert moves its m*k/D tokens and multiplies them (one under
+        gather_qmv: repeat_pairs_s has the rest) at GATHER_MATMUL_EFFICIENCY of the GEMM rate."""
         ffn = layer.ffn
         distinct = expected_experts(ffn.experts, ffn.top_k, m)
         cal = self.cost.cal
@@ -207,6 +207,8 @@ class LayerCost:
             return (distinct * moved_s / self.cost.profile.expert_bandwidth_efficiency
                     + m * ffn.top_k * per_pair_ns * 1e-9)
         moved_s, flops_s = self.cost.linear_terms(m * ffn.top_k / distinct, mat.in_dim, mat.out_dim)
+        if self.repeat_pairs(layer, m):  # gather_qmv: the FLOPs of the pairs past an expert's
+            flops_s = self.cost.linear_terms(1.0, mat.in_dim, mat.out_dim)[1]  # first: qmv rows
         moved_s /= self.cost.profile.expert_bandwidth_efficiency
         flops_s /= GATHER_MATMUL_EFFICIENCY
         if self.cost.gemm is not None:

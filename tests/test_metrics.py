@@ -10,6 +10,7 @@ import warnings
 import pytest
 from batchsim.configs import ConfigError
 from batchsim.scripts.report import summary_table
+from batchsim.server.results import request_arrays
 from batchsim.server.results.metrics import (
     RequestRecord,
     StepRecord,
@@ -246,3 +247,14 @@ def test_peaks_count_a_request_past_int64_seconds():
         warnings.simplefilter("error")
         s = summarize(far, [], duration_s=1e20)
     assert s["max_output_tokens_per_s"] == 3.0
+
+
+def test_unfinished_requests_without_tokens_reuse_every_tokens_counts(monkeypatch):
+    """A rejected request owns no tokens: the finished requests' tokens are every token, sorted
+    and counted once (review r4 item 4: twice, with two masked copies), same summary."""
+    calls = []
+    counts = request_arrays.sorted_counts
+    monkeypatch.setattr(request_arrays, "sorted_counts", lambda *a: calls.append(1) or counts(*a))
+    kept = [r for r in REQUESTS if r.status != "aborted"]  # rejected: no tokens
+    summary = summarize(kept, STEPS, duration_s=3.0)
+    assert len(calls) == 1 and summary["num_rejected"] == 1 and summary["completed"] == 3

@@ -355,7 +355,7 @@ def summarize(
     done = [r for r in requests if r.status == "finished"]
     all_times, all_owner, *ranked = token_times_s or request_arrays.token_times(requests)
     finished = np.array([r.status == "finished" for r in requests], dtype=bool)
-    mine = None if finished.all() else finished[all_owner]  # None: every token (no copies)
+    mine = None if finished.all() or (m := finished[all_owner]).all() else m  # None: every token
     times, owner = (all_times, all_owner) if mine is None else (all_times[mine], all_owner[mine])
     every = ranked[0] if ranked else request_arrays.sorted_counts(np.sort(all_times))
     lat = request_arrays.latencies_s(done)  # queue: arrival to first scheduled

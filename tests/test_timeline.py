@@ -180,7 +180,8 @@ def test_the_timeline_title_and_the_console_name_a_run_through_one_formatter():
 def test_a_canvas_made_ahead_draws_the_same_picture(tmp_path):
     """The drawing process makes the right-hand axes and their tick objects while the run runs
     (a fifth of the draw): pixel for pixel the picture drawn from nothing, binned or per step,
-    and with no steps (drawn without right-hand axes)."""
+    and with no steps (drawn without right-hand axes); a canvas made plain too (review r4 item 5:
+    it lost its grid)."""
     from PIL import Image
 
     for n in (3000, 100, 0):
@@ -193,6 +194,8 @@ def test_a_canvas_made_ahead_draws_the_same_picture(tmp_path):
         ahead = timeline_draw.draw_panels(tmp_path / f"ahead{n}.png", panels,
                                           timeline_draw._canvas(ahead=True))
         assert np.array_equal(np.asarray(Image.open(plain)), np.asarray(Image.open(ahead))), n
+        made = timeline_draw.draw_panels(tmp_path / f"made{n}.png", panels, timeline_draw._canvas())
+        assert np.array_equal(np.asarray(Image.open(plain)), np.asarray(Image.open(made))), n
 
 
 def test_a_picture_the_disk_cut_short_is_not_left_torn(tmp_path):

@@ -46,32 +46,42 @@ def draw_panels(path: Path, panels: Panels, canvas: tuple | None = None) -> Path
                        fast=panels.series is not None)
 
 
-def _canvas(ahead: bool = False) -> tuple:
-    """The timeline's figure and its four empty panels; `ahead`: with the first two panels'
-    right-hand axes, every axis's grid and PRE_TICKS tick objects on every axis made now (a
-    fifth of a draw's work, the same picture: a drawing process makes them while the run runs)."""
+def _canvas(ahead: bool = False, grid: bool = True) -> tuple:
+    """The timeline's figure and its four empty panels, gridded unless not `grid`; `ahead`: with
+    the first two panels' right-hand axes (gridded) and PRE_TICKS tick objects on every axis made
+    now (a fifth of a draw's work, the same picture: a drawing process makes them while the run
+    runs)."""
     fig = figure(figsize=(11, 10))
     axes = fig.subplots(4, 1, sharex=True)
     fig.subplots_adjust(left=0.07, right=0.92, top=0.895, bottom=0.06, hspace=0.28)
+    for ax in axes if grid else ():
+        ax.grid(alpha=GRID_ALPHA)  # before the ticks: each is made with it, not restyled
     if not ahead:
         return fig, axes, None
-    twins = (axes[0].twinx(), axes[1].twinx())
+    twins = _twins(axes)
     for ax in (*axes, *twins):
-        ax.grid(alpha=GRID_ALPHA)  # before the ticks: each is made with it, not restyled
         ax.xaxis.get_major_ticks(PRE_TICKS)
         ax.yaxis.get_major_ticks(PRE_TICKS)
     return fig, axes, twins
 
 
+def _twins(axes) -> tuple:
+    """The first two panels' right-hand axes, sharing x, gridded."""
+    twins = (axes[0].twinx(), axes[1].twinx())
+    for twin in twins:
+        twin.grid(alpha=GRID_ALPHA)
+    return twins
+
+
 def _figure(panels: Panels, canvas: tuple | None = None):
     series, limits, title = panels.series, panels.limits, panels.title
     if series is None or panels.rate is None:
-        fig, axes, _ = _canvas()  # no right-hand axes
+        fig, axes, _ = _canvas(grid=False)  # no right-hand axes, no grid
         axes[0].text(0.5, 0.5, "no steps recorded", ha="center", transform=axes[0].transAxes)
         fig.suptitle(title)
         return fig
     fig, axes, twins = canvas or _canvas()
-    twins = twins or (axes[0].twinx(), axes[1].twinx())  # right-hand axes sharing x
+    twins = twins or _twins(axes)
     _requests_panel(axes[0], series, limits.max_num_seqs, twins[0])
     _batch_panel(axes[1], series, twins[1])
     _kv_panel(axes[2], series, panels.overrun_s, limits)
@@ -85,8 +95,6 @@ def _figure(panels: Panels, canvas: tuple | None = None):
            if series.binned else f"{num_steps} step records")
     fig.suptitle(f"{title}\n{how}", fontsize=10)
     for ax in fig.axes:  # twins included
-        if canvas is None:  # else gridded ahead
-            ax.grid(alpha=GRID_ALPHA)
         ax.set_ylim(0, max(ax.get_ylim()[1], 1e-9) * (1.0 if ax is axes[3] else HEADROOM))
     return fig
 

@@ -70,22 +70,31 @@ def loop_instructions(count: int) -> dict:
     file, run under callgrind with --loop-only, enters the loop through operator.call and each
     writing of records inside it through a context's run, and callgrind counts from entering the
     first to leaving it, except from entering the second to leaving it (--toggle-collect)."""
+    argv = [__file__, "--loop-only", str(count)]
+    totals, proc = callgrind(["_operator_call", "context_run"], argv,
+                             f"callgrind run of {count} requests")
+    plans = json.loads(proc.stdout.strip().splitlines()[-1])["plans"]
+    return {"loop_instructions": totals, "instructions_per_plan": round(totals / max(1, plans))}
+
+
+def callgrind(toggles: list[str], argv: list[str], what: str,
+              env: dict[str, str] | None = None) -> tuple[int, subprocess.CompletedProcess]:
+    """(instructions callgrind counts inside the `toggles` functions while Python runs `argv`,
+    the process); an exit naming `what` where valgrind is missing or nothing was counted."""
     valgrind = shutil.which("valgrind")
     if valgrind is None:
-        raise SystemExit("sim_speed: --instructions needs valgrind (apt-get install valgrind)")
+        raise SystemExit("benchmarks: instruction counts need valgrind (apt-get install valgrind)")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
         proc = subprocess.run(
-            [valgrind, "--tool=callgrind", "--toggle-collect=_operator_call",
-             "--toggle-collect=context_run", f"--callgrind-out-file={out}", sys.executable,
-             __file__, "--loop-only", str(count)],
-            capture_output=True, text=True, check=False)
+            [valgrind, "--tool=callgrind", *[f"--toggle-collect={t}" for t in toggles],
+             f"--callgrind-out-file={out}", sys.executable, *argv],
+            capture_output=True, text=True, check=False, env=env)
         totals = callgrind_totals(out.read_text()) if out.exists() else 0
     if proc.returncode != 0 or not totals:
         why = (proc.stderr.strip().splitlines() or ["nothing counted"])[-1]
-        raise SystemExit(f"sim_speed: callgrind run of {count} requests failed: {why}")
-    plans = json.loads(proc.stdout.strip().splitlines()[-1])["plans"]
-    return {"loop_instructions": totals, "instructions_per_plan": round(totals / max(1, plans))}
+        raise SystemExit(f"{Path(argv[0]).stem}: {what} failed: {why}")
+    return totals, proc
 
 
 def callgrind_totals(text: str) -> int:

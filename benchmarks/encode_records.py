@@ -1,0 +1,118 @@
+"""The cost of encoding a run's records as RecordStream writes them (json_lines: steps a batch at
+a time, each request's token-times text, request lines), reproducibly (review r4 item 9: c42be83's
+callgrind figures came from a script outside the repository). It reads a run directory's
+steps.jsonl and requests.jsonl back into records, replays them in flushes of --steps-a-flush
+steps (each request after its last token's step, in file order), checks the text it makes is the
+files' bytes, and prints the best wall time of --repeat, or with --instructions the instructions
+of the encoding alone under valgrind's callgrind (deterministic):
+
+    batchsim run --executor sim --device-profile "M2 Ultra" --quantize 4 --model llama-3.1-8b \\
+        --request-rate 5 --num-prompts 18000 --seed 3 --no-timeline --out /tmp/hour
+    python benchmarks/encode_records.py /tmp/hour/<run> --instructions
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import operator
+import os
+import time
+from pathlib import Path
+
+from batchsim.server.results.json_lines import TokenTimesText, request_line, step_lines
+from batchsim.server.results.metrics import RequestRecord, StepRecord
+
+STEPS_A_FLUSH = 256  # a simulated run's steps between two 0.5-s flushes are of this order
+
+
+def load(run_dir: Path) -> tuple[list[StepRecord], list[RequestRecord]]:
+    def rows(name: str) -> list[dict]:
+        return [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+
+    return ([StepRecord.from_json(r) for r in rows("steps.jsonl")],
+            [RequestRecord.from_json(r) for r in rows("requests.jsonl")])
+
+
+def _runs(indices: list[int]) -> list[list[int]]:
+    """[first, end) runs of consecutive step indices."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] += 1
+        else:
+            runs.append([i, i + 1])
+    return runs
+
+
+def replay_inputs(steps: list[StepRecord], requests: list[RequestRecord]) -> tuple:
+    """(every step end time in order, each request's token runs over them, each step's number
+    of end times: the recorder's step_end_s as each step extends it)."""
+    ends = sorted({t for r in requests for t in r.token_times_s} | {s.end_s for s in steps})
+    index = {t: i for i, t in enumerate(ends)}
+    runs = [_runs([index[t] for t in r.token_times_s]) for r in requests]
+    upto = [index[s.end_s] + 1 for s in steps]
+    return ends, runs, upto
+
+
+def encode(steps, requests, ends, runs, upto, steps_a_flush: int) -> tuple[str, str]:
+    """steps.jsonl's and requests.jsonl's text, flush by flush."""
+    grown: list[float] = []
+    texts, step_out, request_out, next_request = TokenTimesText(grown), [], [], 0
+    for at in range(0, len(steps), steps_a_flush):
+        batch = steps[at:at + steps_a_flush]
+        grown.extend(ends[len(grown):upto[at + len(batch) - 1]])
+        known = texts.known()
+        step_out.append(step_lines(batch, known))
+        while next_request < len(requests) and all(
+                b <= len(grown) for _, b in runs[next_request]):
+            r_runs = runs[next_request]
+            request_out.append(request_line(requests[next_request], texts(r_runs), known))
+            next_request += 1
+    grown.extend(ends[len(grown):])
+    known = texts.known()
+    request_out += [request_line(r, texts(rr), known) for r, rr in
+                    zip(requests[next_request:], runs[next_request:])]
+    return "".join(step_out), "".join(request_out)
+
+
+def instructions(run_dir: Path, steps_a_flush: int) -> int:
+    """This file under callgrind, counting only inside operator.call (the encoding)."""
+    from sim_speed import callgrind  # imports the engine: only here
+
+    argv = [__file__, str(run_dir), "--steps-a-flush", str(steps_a_flush)]
+    env = {**os.environ, "PYTHONHASHSEED": "0"}  # str hashes move dicts' probes: counts too
+    return callgrind(["_operator_call"], argv, "the callgrind run", env)[0]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", type=Path, help="a run directory (steps.jsonl, requests.jsonl)")
+    p.add_argument("--steps-a-flush", type=int, default=STEPS_A_FLUSH)
+    p.add_argument("--repeat", type=int, default=1, help="encodings timed; the fastest is kept")
+    p.add_argument("--instructions", action="store_true", help="callgrind's count instead")
+    args = p.parse_args()
+    if args.steps_a_flush < 1:
+        p.error("--steps-a-flush must be at least 1")
+    if not (args.run_dir / "steps.jsonl").is_file():
+        p.error(f"{args.run_dir}: no steps.jsonl (give a run directory, not its parent)")
+    steps, requests = load(args.run_dir)
+    if args.instructions:
+        ir = instructions(args.run_dir, args.steps_a_flush)
+        print(f"{len(steps)} steps, {len(requests)} requests: {ir:,} instructions (callgrind)")
+        return
+    inputs = replay_inputs(steps, requests)
+    best_s = float("inf")
+    for _ in range(max(1, args.repeat)):
+        t0 = time.perf_counter()
+        made = operator.call(encode, steps, requests, *inputs, args.steps_a_flush)
+        best_s = min(best_s, time.perf_counter() - t0)
+    for text, name in zip(made, ("steps.jsonl", "requests.jsonl")):
+        if text != (args.run_dir / name).read_text():
+            raise SystemExit(f"encode_records: the encoded {name} differs from the file")
+    print(f"{len(steps)} steps, {len(requests)} requests: {best_s:.3f} s (best of "
+          f"{max(1, args.repeat)}), the same bytes as the files")
+
+
+if __name__ == "__main__":
+    main()

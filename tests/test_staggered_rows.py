@@ -50,3 +50,12 @@ def test_a_staggered_row_is_priced_over_its_ramp():
 def test_only_a_decode_only_row_is_staggered():
     with pytest.raises(ValueError, match="staggered"):
         dataclasses.replace(_row(), decode_only=False)
+
+
+def test_only_a_batched_aggregate_row_is_staggered():
+    """A ramp of rows joining one step apart has nothing to ramp at batch 1, and its arithmetic
+    (tokens of every row over the ramp's steps) is an aggregate's (r5)."""
+    with pytest.raises(ValueError, match="batch > 1"):
+        dataclasses.replace(_row(), measures="per_request")
+    with pytest.raises(ValueError, match="batch > 1"):
+        dataclasses.replace(_row(), batch=1, measures="per_request")

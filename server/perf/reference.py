@@ -201,8 +201,10 @@ class PublishedRow(WeightFormat):
         if any(n is not None and n < 1 for n in (self.prompt_tokens, self.generated_tokens)):
             raise ValueError(f"prompt_tokens {self.prompt_tokens} and generated_tokens "
                              f"{self.generated_tokens}: positive where published")
-        if self.staggered and not self.decode_only:
-            raise ValueError("staggered: a decode-only row (a run with prefill simulates arrivals)")
+        if self.staggered and not (self.decode_only and self.measures == "aggregate"
+                                   and self.batch > 1):
+            raise ValueError("staggered: a decode-only aggregate row of batch > 1 (rows joining "
+                             "one step apart; a run with prefill simulates arrivals)")
         if self.batch == 1 and self.measures == "aggregate":
             raise ValueError("a batch-1 row measures per_request")
         if not self.quote.strip():

@@ -83,8 +83,9 @@ class TokenTimesText:
     """The JSON text of a request's token times, which are step end times (the recorder's growing
     list) over [first, end) runs of step indices. Each end time is written once (json writes a
     float as float.__repr__ does); None where one is not a finite float (the caller writes it the
-    ordinary way). `known()`: the end times' texts by value, for other values equal to one: the
-    latest MAX_KNOWN_ENDS or more (a miss writes the value's repr, the same text). A watchdog
+    ordinary way). `known()`: the end times' texts by value, for other values equal to one: those
+    made since it was last cleared (at MAX_KNOWN_ENDS: a miss writes the value's repr, the same
+    text). A watchdog
     thread's flush calls known() while the loop calls the text: the lock extends each end once."""
 
     def __init__(self, step_end_s: list[float]) -> None:

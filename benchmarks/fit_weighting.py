@@ -41,33 +41,15 @@ VARIANTS = ("rows", "src_keep_target", "src_vote", "target_equal", "gainrows", "
 _NOW: dict = {"w": None, "T": None}  # the fit in progress: its row weights and transform
 
 
-def _lsq(a, rhs, keep, shrink):
-    """solve._lsq with the row weights in each IRLS round."""
-    scale = np.linalg.norm(a, axis=0)
-    scale[scale == 0] = 1.0
-    an = a[:, keep] / scale[keep]
-    pull, v, means = solve._pull(scale, keep, shrink)
-    ridge = np.diag(shrink.zero[keep]) + pull
-    theta, w = np.zeros(a.shape[1]), np.ones(a.shape[0])
-    for _ in range(mac_fit.IRLS_ROUNDS):
-        lhs = an * (w * np.sqrt(_NOW["w"]))[:, None]
-        sol = np.linalg.solve(lhs.T @ lhs + ridge,
-                              lhs.T @ (rhs * w * np.sqrt(_NOW["w"])) + v.T @ means(theta))
-        theta[:] = 0.0
-        theta[keep] = sol / scale[keep]
-        w = mac_fit.huber_weights(np.abs(a @ theta - rhs), solve.HUBER_DELTA)
-    return theta
-
-
 def fit_at(a0, cols):
     """solve.fit_at on T @ a0 = T @ 1, its loss weighted (shrinkage read off a0)."""
     t_mat = _NOW["T"] if _NOW["T"] is not None else np.eye(a0.shape[0])
     a, target = t_mat @ a0, t_mat @ np.ones(a0.shape[0])
     free = [j for j in range(len(cols)) if np.any(a0[:, j] > 0)]
     shrink = solve._shrink(a0, cols, free)
-    theta = solve.bounded(a, target, cols, free, lambda a, rhs, keep: _lsq(a, rhs, keep, shrink))
-    r, d = np.abs(a @ theta - target), mac_fit.HUBER_DELTA
-    return float((_NOW["w"] * np.where(r > d, d * (2 * r - d), r * r)).sum()), theta
+    theta = solve.bounded(a, target, cols, free, lambda a, rhs, keep: solve._lsq(
+        a, rhs, keep, shrink, np.sqrt(_NOW["w"])))
+    return mac_fit.huber_loss(np.abs(a @ theta - target), mac_fit.HUBER_DELTA, _NOW["w"]), theta
 
 
 def weights(rows, how: str) -> np.ndarray:

@@ -90,9 +90,11 @@ def huber_weights(r: np.ndarray, delta: float) -> np.ndarray:
     return np.sqrt(np.where(r > delta, delta / np.maximum(r, 1e-12), 1.0))
 
 
-def huber_loss(r: np.ndarray, delta: float) -> float:
-    """Huber's loss, times 2 (r^2 within `delta`, then linear), summed over the residuals `r`."""
-    return float(np.where(r > delta, delta * (2 * r - delta), r * r).sum())
+def huber_loss(r: np.ndarray, delta: float, weights: np.ndarray | None = None) -> float:
+    """Huber's loss, times 2 (r^2 within `delta`, then linear), summed over the residuals `r`
+    (each times its weight, where `weights` are given)."""
+    each = np.where(r > delta, delta * (2 * r - delta), r * r)
+    return float((each if weights is None else weights * each).sum())
 
 
 def _solve(a: np.ndarray, keep: list[int]) -> np.ndarray:

@@ -104,9 +104,11 @@ def _pull(scale: np.ndarray, keep: list[int], shrink: Shrink
     return (v.T * weight) @ v, v, means
 
 
-def _lsq(a: np.ndarray, rhs: np.ndarray, keep: list[int], shrink: Shrink) -> np.ndarray:
+def _lsq(a: np.ndarray, rhs: np.ndarray, keep: list[int], shrink: Shrink,
+         row_scale: np.ndarray | None = None) -> np.ndarray:
     """Huber-weighted least squares of a @ theta = rhs over the kept columns (others zero),
-    penalised by `shrink` (each kind's mean taken from the round before)."""
+    penalised by `shrink` (each kind's mean taken from the round before); `row_scale` multiplies
+    each row's IRLS weight (the square root of a row weight: benchmarks/fit_weighting.py)."""
     scale = np.linalg.norm(a, axis=0)
     scale[scale == 0] = 1.0
     an = a[:, keep] / scale[keep]
@@ -114,8 +116,9 @@ def _lsq(a: np.ndarray, rhs: np.ndarray, keep: list[int], shrink: Shrink) -> np.
     ridge = np.diag(shrink.zero[keep]) + pull
     theta, w = np.zeros(a.shape[1]), np.ones(a.shape[0])
     for _ in range(IRLS_ROUNDS):
-        lhs = an * w[:, None]  # the normal equations: a small square system
-        sol = np.linalg.solve(lhs.T @ lhs + ridge, lhs.T @ (rhs * w) + v.T @ means(theta))
+        rw = w if row_scale is None else w * row_scale
+        lhs = an * rw[:, None]  # the normal equations: a small square system
+        sol = np.linalg.solve(lhs.T @ lhs + ridge, lhs.T @ (rhs * rw) + v.T @ means(theta))
         theta[:] = 0.0
         theta[keep] = sol / scale[keep]
         w = huber_weights(np.abs(a @ theta - rhs), HUBER_DELTA)  # solve's (nested sets it)

@@ -93,7 +93,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=300)
     args = p.parse_args()
     os.environ.setdefault("BATCHSIM_HOME", "/tmp/bshome")
-    proc, url = start_server(argparse.Namespace(model=args.model, max_queue=512))
+    proc, url = start_server(args.model, max_queue=512)
     try:
         import httpx
 

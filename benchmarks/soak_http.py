@@ -32,11 +32,13 @@ from batchsim.server.http.prometheus import parse as parse_metrics
 from batchsim.workloads.client.sse import SSEParser
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "batchsim.scripts.cli", "serve", "--model",
-           args.model, "--port", "0",
-           "--max-queue", str(args.max_queue), "--prefix-cache", args.prefix_cache,
-           "--kv-layout", args.kv_layout]
+def start_server(model: str, max_queue: int, prefix_cache: str | None = None,
+                 kv_layout: str | None = None) -> tuple[subprocess.Popen, str]:
+    """`batchsim serve` on a free loopback port (serve's own defaults where None), and its URL."""
+    cmd = [sys.executable, "-m", "batchsim.scripts.cli", "serve", "--model", model, "--port", "0",
+           "--max-queue", str(max_queue)]
+    for flag, value in (("--prefix-cache", prefix_cache), ("--kv-layout", kv_layout)):
+        cmd += [flag, value] if value is not None else []
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     for line in proc.stderr:
@@ -218,7 +220,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     os.environ.setdefault("BATCHSIM_HOME", "/tmp/bshome")
-    proc, url = start_server(args)
+    proc, url = start_server(args.model, args.max_queue, args.prefix_cache, args.kv_layout)
     try:
         soak = Soak(args, url, proc.pid)
         elapsed = asyncio.run(soak.run())

@@ -150,7 +150,7 @@ class _Run:
             recorder.on_finish(request)  # refused: it leaves at once
             return False
 
-        run = VirtualRun(engine, self.arrivals_s, issue, recorder.on_finish)
+        run = VirtualRun(engine, issue, recorder.on_finish)
         with self.interrupts.answered_by(run.stop), _uncollected():
             if self.interrupted:  # it came while the run was being set up
                 run.stop()

@@ -34,17 +34,17 @@ def replays_exactly(arrivals_s: Sequence[float]) -> bool:
 
 
 class VirtualRun:
-    """Drives `engine` (a simulated executor's) through requests arriving at `arrivals_s`, in
-    order. `issue(i)` makes request i and gives it to the engine (engine.admit): whether it was
-    queued (False: refused, finished at once). `on_finish` gets every request that leaves."""
+    """Drives `engine` (a simulated executor's) through requests arriving at its `arrivals_s`
+    (sorted: request i arrives at the i-th). `issue(i)` makes request i and gives it to the engine
+    (engine.admit): whether it was queued (False: refused, finished at once). `on_finish` gets
+    every request that leaves."""
 
-    def __init__(self, engine: Engine, arrivals_s: Sequence[float],
-                 issue: Callable[[int], bool], on_finish: Callable[[Request], None]) -> None:
-        assert replays_exactly(arrivals_s) and engine.virtual_time
-        assert engine.arrivals_s == list(arrivals_s)  # the loop bounds plans by these
+    def __init__(self, engine: Engine, issue: Callable[[int], bool],
+                 on_finish: Callable[[Request], None]) -> None:
+        assert replays_exactly(engine.arrivals_s) and engine.virtual_time
         self.engine = engine
         self.now_s = 0.0  # the virtual clock
-        self._arrivals_s = arrivals_s
+        self._arrivals_s = engine.arrivals_s
         self._issue = issue
         self._on_finish = on_finish
         self._next = 0  # the next request to issue

@@ -46,7 +46,6 @@ class Blocks(Protocol):
     act_bytes: int
     kv_bits: int | None
     paged: bool  # the paged KV layout: full and MLA layers' decode reads gather blocks
-    quantize_bits: int | None
 
     def linear_parts(self, m: int, k: int, n: int) -> tuple[float, float, float]: ...
     def matrix_s(self, m: int, k: int, n: int) -> float: ...

@@ -109,12 +109,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     catalog, rows = macs.load_catalog(), list(load_published().rows)
     prefill = mac_fit.prefill_rows(load_reference())
-    keep = [published_fit.explained(r, MacModel(load_fit())) for r in rows]
+    start = MacModel(load_fit())
+    keep = [published_fit.explained(r, start) for r in rows]
     out: dict = {"rows": len(rows), "machine": f"{platform.machine()} {os.cpu_count()} cores"}
     for how in args.variants:
-        fit = fitter(how, prefill)
-        for fold, key in cv.FOLDS.items():
-            rep = cv.report(rows, cv.held_out(rows, catalog, key, fit), keep)
+        reports = cv.cross_validate(rows, catalog, fitter(how, prefill), keep)[0]
+        for fold, rep in reports.items():
             out[f"{how} {fold}"] = {"all": {k: rep[k] for k in cv.KINDS},
                                     "explained": rep["explained_only"]}
     print(json.dumps(out))

@@ -46,10 +46,10 @@ def _after_start(before: object) -> object:
 def _stop_signals_while_starting() -> dict[signal.Signals, object]:
     """The stop signals answered by _interrupted_while_starting, with the handler each had. Not
     in a rank of `--ranks` (mlx.launch's MLX_RANK): rank.joined answers its own."""
-    stops = (signal.SIGINT,) if "MLX_RANK" in os.environ else (
-        signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    return {sig: signal.signal(sig, _interrupted_while_starting) for sig in stops
-            if signal.getsignal(sig) is not signal.SIG_IGN}  # nohup, `cmd &`
+    from batchsim.server.platform.signals import STOP_SIGNALS, not_ignored  # the stdlib's only
+
+    stops = not_ignored((signal.SIGINT,) if "MLX_RANK" in os.environ else STOP_SIGNALS)
+    return {sig: signal.signal(sig, _interrupted_while_starting) for sig in stops}
 
 
 # The program itself only (the console script, or -m): a test importing this keeps its Ctrl-C.

@@ -43,17 +43,20 @@ class RunTokens:
         ends = self._ends_s
         self._clocked = self._inside and bool((ends[1:] >= ends[:-1]).all())  # NaN fails it
         self._times: tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]] | None = None
+        self._counts: tuple[np.ndarray, np.ndarray] | None = None
 
     def counts(self) -> tuple[np.ndarray, np.ndarray]:
         """sorted_counts of every token time: a run's clock adds up its runs per step (36,000
-        steps), not its million tokens."""
+        steps), not its million tokens. Made once (the picture's panels, then times())."""
         if not self._clocked:
             return self.times()[2]
-        n = len(self._ends_s) + 1
-        per_step = np.cumsum(np.bincount(self._first, minlength=n)
-                             - np.bincount(self._end, minlength=n))[:-1]
-        held = np.flatnonzero(per_step)
-        return sorted_counts(self._ends_s[held], per_step[held])
+        if self._counts is None:
+            n = len(self._ends_s) + 1
+            per_step = np.cumsum(np.bincount(self._first, minlength=n)
+                                 - np.bincount(self._end, minlength=n))[:-1]
+            held = np.flatnonzero(per_step)
+            self._counts = sorted_counts(self._ends_s[held], per_step[held])
+        return self._counts
 
     def times(self) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
         """token_times(requests)'s two arrays, and counts()."""

@@ -38,25 +38,31 @@ def run_items(items: Sequence, runs: Sequence[Sequence[int]]) -> Sequence:
 
 
 assert not any(map(_non_finite_in, _STEP_FIELDS))  # lines are checked for these
-_STEP_VALUES = operator.attrgetter(*_STEP_FIELDS)
+STEP_VALUES = operator.attrgetter(*_STEP_FIELDS)
 _STEP_TEMPLATE = "{" + ",".join(f'"{n}":%s' for n in _STEP_FIELDS) + "}\n"
 _KNOWN_STEP_AT = (_STEP_FIELDS.index("start_s"), _STEP_FIELDS.index("end_s"))  # step ends, most
 _NONE_KNOWN: Mapping[float, str] = {}
 
 
 def step_lines(steps: Sequence[StepRecord], known: Mapping[float, str] = _NONE_KNOWN) -> str:
-    """steps.jsonl's lines of `steps`: every value of the batch put in one template at once when
-    all are ints and finite floats (no Python per step), else line by line. `known`: texts of
-    nonzero floats (TokenTimesText.known: the step ends), for start_s and end_s."""
-    values = list(itertools.chain.from_iterable(map(_STEP_VALUES, steps)))
+    """steps.jsonl's lines of `steps`; `known` as step_row_lines takes it."""
+    return step_row_lines(list(map(STEP_VALUES, steps)), known)
+
+
+def step_row_lines(rows: Sequence[tuple], known: Mapping[float, str] = _NONE_KNOWN) -> str:
+    """steps.jsonl's lines of steps given as rows (STEP_VALUES of each): every value of the batch
+    put in one template at once when all are ints and finite floats (no Python per step), else
+    line by line. `known`: texts of nonzero floats (TokenTimesText.known: the step ends), for
+    start_s and end_s."""
+    values = list(itertools.chain.from_iterable(rows))
     if not (set(map(type, values)) <= _NUMBERS and _finite(values)):
-        return "".join(map(step_line, steps))
+        return "".join(step_line(StepRecord(*row)) for row in rows)
     n = len(_STEP_FIELDS)
     for at in _KNOWN_STEP_AT:
         column = values[at::n]
         if set(map(type, column)) == {float}:  # an int equal to a float key is not its text
             values[at::n] = list(map(known.get, column, column))
-    return (_STEP_TEMPLATE * len(steps)) % tuple(values)
+    return (_STEP_TEMPLATE * len(rows)) % tuple(values)
 
 
 def _finite(values: list) -> bool:
@@ -67,7 +73,7 @@ def _finite(values: list) -> bool:
 
 
 def step_line(step: StepRecord) -> str:
-    values = _STEP_VALUES(step)
+    values = STEP_VALUES(step)
     types = set(map(type, values))
     if not types <= _NUMBERS:
         if not types <= _NUMBERS_OR_NONE:

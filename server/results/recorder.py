@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from batchsim.scheduler.plan import StepPlan, StepResult
 from batchsim.scheduler.request import Request, RequestStatus
 from batchsim.scheduler.scheduler import Scheduler
-from batchsim.server.results.json_lines import TokenTimesText, run_items
+from batchsim.server.results.json_lines import run_items
 from batchsim.server.results.metrics import RequestRecord, StepRecord
 from batchsim.server.results.run_files import RecordStream
 from batchsim.server.results.spec_metrics import SpecCounts
@@ -29,10 +29,9 @@ class RunRecorder:
         self._preemptions_seen = 0
         self._stream = stream  # the run directory's files, appended as the run goes
         self._final: dict[int, RequestRecord] = {}  # records of requests that left the engine
-        self._times_text = TokenTimesText(self.step_end_s)
         self._arrivals = None if stream is None else stream.arrivals  # ids, in arrival order
-        if stream is not None:  # its lines take the step end times' texts from here
-            stream.end_texts = self._times_text
+        if stream is not None:  # its records' token runs index these
+            stream.follow_ends(self.step_end_s)
 
     def on_arrival(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -84,7 +83,7 @@ class RunRecorder:
         t0 = time.perf_counter()
         record = self.record(request)
         self._final[request.request_id] = record
-        self._stream.add_request(record, self._times_text(request.token_runs))
+        self._stream.add_request(record, request.token_runs)
         self._stream.writing_s += time.perf_counter() - t0
 
     def token_times(self, request: Request) -> tuple[float, ...]:

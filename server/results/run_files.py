@@ -21,12 +21,17 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from batchsim.configs import file_kind
-from batchsim.server.results.json_lines import TokenTimesText, request_line, step_lines
 from batchsim.server.results.jsonio import dumps
 from batchsim.server.results.metrics import RequestRecord, StepRecord
+from batchsim.server.results.record_writer import (
+    REQUESTS,
+    STEPS,
+    Entry,
+    RecordWriter,
+    WriteFailed,
+    step_rows_of,
+)
 
-REQUESTS = "requests.jsonl"
-STEPS = "steps.jsonl"
 CONFIG = "config.yaml"
 SUMMARY = "summary.json"
 FLUSH_EVERY_S = 0.5  # wall time between writes: what a killed run can lose at most
@@ -47,21 +52,7 @@ def when_not_flushing(answer: Callable[[], None]) -> bool:
     return False
 
 
-# A request's record as it waits, and its token times' text.
-_Entry = tuple[RequestRecord, "str | None"]
-
-
-class WriteFailed(OSError):
-    """A run's file could not be written (a full disk, a file size limit): one line saying which."""
-
-    def __init__(self, path: Path, exc: OSError):
-        super().__init__(exc.errno, f"cannot write {path}: {exc.strerror or exc}")
-
-    def __str__(self) -> str:
-        return str(self.strerror)
-
-
-class RecordStream:
+class RecordStream(RecordWriter):
     """steps.jsonl and requests.jsonl of one run, appended. Records wait in memory and are
     encoded and written in batches, each file's batch in one write, at most every FLUSH_EVERY_S
     (no fsync: a killed process's writes survive; a crashed kernel's need not). The first failed
@@ -70,29 +61,24 @@ class RecordStream:
 
     def __init__(self, run_dir: Path,
                  on_error: Callable[[WriteFailed], None] | None = None) -> None:
-        self.run_dir = run_dir
-        self._files = {}
+        files = {}
         for name in (STEPS, REQUESTS):
             try:
-                self._files[name] = (run_dir / name).open("wb", buffering=0)
+                files[name] = (run_dir / name).open("wb", buffering=0)
             except OSError as exc:
                 raise WriteFailed(run_dir / name, exc) from None
-        self._sizes = dict.fromkeys(self._files, 0)  # bytes of whole records in each file
-        self.error: WriteFailed | None = None
+        super().__init__(run_dir, files)
         self._on_error = on_error
         self._steps: list[StepRecord] = []
-        self._requests: list[_Entry] = []  # to write at the next flush
+        self._requests: list[Entry] = []  # to write at the next flush
         # Arrival order, streamed: the recorder appends each request's id as it arrives; a record
         # that finishes before an earlier arrival has left is held (with the time it was held)
         # until that one leaves, but never past a flush period: one held longer is written in
         # completion order, the stream stops holding, and close() rewrites the file in order.
         self.arrivals: collections.deque[int] = collections.deque()
-        self._held: dict[int, tuple[_Entry, float]] = {}
+        self._held: dict[int, tuple[Entry, float]] = {}
         self._in_order = True
-        self._written_ids: list[int] = []  # requests.jsonl's records, in the file's order
-        self._line_bytes: list[int] = []  # and their lines' lengths
         self._due_s = time.monotonic() + FLUSH_EVERY_S  # the next flush (time.monotonic)
-        self.end_texts: TokenTimesText | None = None  # the recorder's: step ends written once
         self.writing_s = 0.0  # wall time spent encoding and writing records (perf_counter)
         # A run abandoned from another thread (a rank's watchdog) closes the stream while the
         # run's loop may flush it: one writer at a time, and nothing written once closed.
@@ -104,10 +90,11 @@ class RecordStream:
         if time.monotonic() >= self._due_s:
             self.flush()
 
-    def add_request(self, record: RequestRecord, token_times_text: str | None = None) -> None:
-        """`token_times_text`: the record's token times as json_lines.TokenTimesText writes them
-        (None: encoded with the record)."""
-        entry, arrivals = (record, token_times_text), self.arrivals
+    def add_request(self, record: RequestRecord,
+                    token_runs: Sequence[Sequence[int]] | None = None) -> None:
+        """`token_runs`: the record's token times as [first, end) runs of indices into the step
+        end times the stream follows (follow_ends; None: encoded from the record's own)."""
+        entry, arrivals = (record, token_runs), self.arrivals
         if not (arrivals and self._in_order):
             self._requests.append(entry)
         elif arrivals[0] != record.request_id:  # an earlier arrival has not left yet
@@ -147,12 +134,9 @@ class RecordStream:
 
     def _flush(self) -> None:
         t0 = time.perf_counter()
-        known = {} if self.end_texts is None else self.end_texts.known()
         # Taken before the write (a syscall: the GIL is free), so a record the loop adds
         # meanwhile, while a watchdog's thread flushes, waits for the next flush.
         steps, self._steps = self._steps, []
-        if steps:
-            self._write(STEPS, [step_lines(steps, known)])
         now, held = time.monotonic(), self._held
         self._due_s = now + FLUSH_EVERY_S
         if not self._in_order:
@@ -164,14 +148,7 @@ class RecordStream:
             else:
                 self._due_s = oldest_s + FLUSH_EVERY_S
         requests, self._requests = self._requests, []
-        if requests:  # ids and lines in one pass, before the write (the GIL is free there)
-            ids, lines = [], []
-            for r, text in requests:
-                ids.append(r.request_id)
-                lines.append(request_line(r, text, known))
-            if self._write(REQUESTS, lines):
-                self._written_ids += ids
-                self._line_bytes += map(len, lines)  # JSON is ASCII: characters are bytes
+        self.write_batch(step_rows_of(steps), requests)
         self.writing_s += time.perf_counter() - t0
 
     def _stop_holding(self) -> None:
@@ -179,23 +156,6 @@ class RecordStream:
         self._requests += [entry for entry, _ in list(self._held.values())]  # list(): atomic
         self._held.clear()
         self._in_order = False
-
-    def _write(self, name: str, lines: list[str]) -> bool:
-        """Whether `lines` reached the file whole (after a failure nothing is written)."""
-        if self.error is not None:
-            return False
-        f, data, done = self._files[name], "".join(lines).encode(), 0
-        try:
-            while done < len(data):
-                done += f.write(data[done:])  # an unbuffered write may be short
-        except OSError as exc:
-            self._sizes[name] += data.rfind(b"\n", 0, done) + 1  # the whole records that fit
-            with contextlib.suppress(OSError):
-                os.ftruncate(f.fileno(), self._sizes[name])  # no torn last line
-            self._failed(WriteFailed(self.run_dir / name, exc))
-            return False
-        self._sizes[name] += len(data)
-        return True
 
     def _failed(self, error: WriteFailed) -> None:
         self.error = error

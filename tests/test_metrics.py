@@ -153,6 +153,19 @@ def test_peak_memory_sources():
     assert unknown["peak_memory"] is None and unknown["peak_memory_source"] is None
 
 
+def test_running_peak_kv_sets_held_and_estimated_peak():
+    # The steps' KV peaks at 2600 bytes; a scheduler's running peak above it is every byte held
+    # and the estimate's KV, one below it (a paged pool's view) leaves the steps' held bytes.
+    above = summarize(REQUESTS, STEPS, duration_s=3.0, weight_bytes=10**9,
+                      running_peak_kv_bytes=4000)
+    assert above["peak_kv_bytes"] == above["peak_kv_held_bytes"] == 4000
+    assert above["peak_memory_bytes"] == 10**9 + 4000 and above["peak_memory"] == approx(1.000004)
+    below = summarize(REQUESTS, STEPS, duration_s=3.0, weight_bytes=10**9,
+                      running_peak_kv_bytes=1000)
+    assert (below["peak_kv_bytes"], below["peak_kv_held_bytes"]) == (1000, 2600)
+    assert below["peak_memory_bytes"] == 10**9 + 2600
+
+
 def test_percentile_key_naming():
     s = summarize(REQUESTS, STEPS, duration_s=3.0, percentiles=(25, 99.9, 99.0))
     assert percentile_label(99.9) == "99.9" and percentile_label(99.0) == "99"

@@ -259,7 +259,7 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
         weight_bytes=session.weight_bytes, peak_memory_bytes=_peak_memory(session),
         peak_rss_bytes=peak_resident_bytes() if session.executor.caps.real_compute else None,
         token_times_s=tokens.times(), step_columns=col,
-    )
+        running_peak_kv_bytes=run.engine.scheduler.kv.peak_running_bytes)
     plans = len(steps)
     summary.update({
         "model": session.ref.name, "dtype": session.dtype,
@@ -274,7 +274,7 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
         "kv_account_mismatches": rec.kv_account_mismatches,
         "mean_arrival_lateness_ms": 1e3 * float(np.mean(run.lateness_s)) if run.lateness_s else 0.0,
         "interrupted": run.interrupted,
-        **kv_summary(run.engine.scheduler, summary),
+        **kv_summary(run.engine.scheduler),
     })
     if cfg.spec_method != "none":
         summary.update({"spec_method": cfg.spec_method, "spec_tokens": cfg.scheduler.spec_tokens,

@@ -88,8 +88,7 @@ class RequestRecord:
     @property
     def itls_s(self) -> tuple[float, ...]:
         """Gaps between consecutive tokens; a preemption shows up as one long gap."""
-        t = self.token_times_s
-        return tuple(b - a for a, b in itertools.pairwise(t))
+        return tuple(b - a for a, b in itertools.pairwise(self.token_times_s))
 
     @property
     def queue_s(self) -> float | None:
@@ -284,6 +283,7 @@ def _batch_view(
     requests: Sequence[RequestRecord], token_times: tuple[np.ndarray, ...],
     steps: Sequence[StepRecord], kv_budget_bytes: int | None, weight_bytes: int | None,
     peak_memory_bytes: int | None, col: dict[str, np.ndarray] | None = None,
+    running_peak_kv_bytes: int | None = None,
 ) -> dict[str, Any]:
     """`token_times`: every request's token times, finished or not, as sorted_counts'."""
     col = col or request_arrays.step_columns(steps)
@@ -296,14 +296,13 @@ def _batch_view(
     emits = request_arrays.emits_tokens(token_times[0], col["start_s"], col["end_s"])
     gen_time_s = sum(durations_s[decoding | emits].tolist())
     prompt_tokens = int((col["num_prefill_tokens"] * num_steps).sum())
-    peak_kv = int(col["kv_bytes"].max()) if steps else 0
+    steps_kv = int(col["kv_bytes"].max()) if steps else 0
+    peak_kv = steps_kv if running_peak_kv_bytes is None else running_peak_kv_bytes
+    held = max(steps_kv, peak_kv)  # every KV byte held is at least either (a paged run's rows)
     measured = [s.kv_bytes_measured for s in steps if s.kv_bytes_measured is not None]
-    if peak_memory_bytes is not None:
-        peak, source = peak_memory_bytes, "measured"
-    elif weight_bytes is not None:
-        peak, source = weight_bytes + peak_kv, "weights+kv"
-    else:
-        peak, source = None, None
+    peak, source = ((peak_memory_bytes, "measured") if peak_memory_bytes is not None
+                    else (weight_bytes + held, "weights+kv") if weight_bytes is not None
+                    else (None, None))  # weights+kv: an estimate, weights and every KV byte
     return {
         # Mean requests per decode forward pass, over the steps that decoded (a record with
         # num_steps > 1 counts that many times).
@@ -315,7 +314,7 @@ def _batch_view(
         "num_preemptions": int(col["num_preemptions"].sum()) if steps
         else sum(r.num_preemptions for r in requests),
         "peak_kv_bytes": peak_kv,  # a run's: its running requests' (KVManager.peak_running_bytes)
-        "peak_kv_held_bytes": peak_kv,  # every KV byte held, the prefix cache's included
+        "peak_kv_held_bytes": held,  # every KV byte held, the prefix cache's included
         "peak_kv_bytes_measured": max(measured) if measured else None,
         "kv_budget_bytes": kv_budget_bytes,
         "weight_bytes": weight_bytes,
@@ -345,6 +344,7 @@ def summarize(
     peak_rss_bytes: int | None = None,
     token_times_s: tuple[np.ndarray, ...] | None = None,
     step_columns: dict[str, np.ndarray] | None = None,
+    running_peak_kv_bytes: int | None = None,  # KVManager.peak_running_bytes (None: the steps')
 ) -> dict[str, Any]:
     """One run's summary. `duration_s` is the benchmark duration (vLLM: start until the last request
     ends); every throughput divides by it, and is 0 when it is 0. `request_goodput` is None unless
@@ -386,7 +386,7 @@ def summarize(
     if "p99_queue_ms" not in out:  # always reported, whatever the percentiles
         out["p99_queue_ms"] = request_arrays.order_stats(latencies_s["queue"], (99,))[1][0] * _MS
     out.update(_batch_view(requests, every, steps, kv_budget_bytes, weight_bytes,
-                           peak_memory_bytes, step_columns))
+                           peak_memory_bytes, step_columns, running_peak_kv_bytes))
     out["peak_rss_bytes"] = peak_rss_bytes  # the process's peak resident memory (real compute)
     return out
 

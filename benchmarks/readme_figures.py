@@ -121,7 +121,7 @@ def per_mac(tmp: Path) -> list[str]:
 
 
 def engines(tmp: Path) -> list[str]:
-    """compare's batching gain by engine (README: 'Per-row terms, serving engines')."""
+    """compare's batching gain by engine (README: 'Serving engines')."""
     lines = []
     for engine in ("batchsim", "mlx-lm-generate"):
         args = ["compare", "--executor", "sim", "--device-profile", "M4 Max", "--model",
@@ -248,7 +248,7 @@ def moe(tmp: Path) -> list[str]:
 
 
 def trust(tmp: Path) -> list[str]:
-    """The trust table's held-out errors ('How far to trust it'), now and before; worst rows."""
+    """The trust table's held-out errors ('How far to trust the Mac predictions'); worst rows."""
     cv = fit_macs(tmp)["cv"]
     lines = []
     for label, folds in (("now", cv), ("before (batch-1-only fit)", cv["before"])):

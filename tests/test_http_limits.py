@@ -263,3 +263,51 @@ def test_a_large_prompt_does_not_stall_other_streams(tiny):
     asyncio.run(main())
     assert gated.received_while_encoding is not None
     assert gated.received_while_encoding >= gated.need
+
+
+class CountingTokenizer:
+    """The tiny model's tokenizer, counting the reads of what serve needs from it once."""
+
+    def __init__(self, inner):
+        self.inner, self.reads = inner, {"all_special_ids": 0, "special_tokens_map": 0}
+
+    def __getattr__(self, name):
+        if name in self.reads:
+            self.reads[name] += 1
+        return getattr(self.inner, name)
+
+
+def test_serve_reads_special_ids_and_template_names_once_per_tokenizer(tiny):
+    """The chat template's reserved names and the special ids were read again for every request
+    (chat_template_kwargs, skip_special_tokens); now once, when the server starts."""
+    import aiohttp
+    from batchsim.scheduler.scheduler import Scheduler
+    from batchsim.server.executors.fake_executor import FakeExecutor
+    from batchsim.server.http.app import Server, serve
+    from batchsim.server.http.options import ServeOptions
+
+    from tests.drivers import config
+
+    counting = CountingTokenizer(tiny[2])
+    vocab = counting.vocab_size
+    options = ServeOptions("tiny", max_body_bytes=1 << 20, max_prompt_bytes=1 << 16,
+                           max_model_len=4096, vocab_size=vocab, drain_timeout_s=0.1)
+    server = Server(Scheduler(config(max_model_len=4096)), FakeExecutor(vocab_size=vocab),
+                    counting, options)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "chat_template_kwargs": {"enable_thinking": False}, "skip_special_tokens": True}
+
+    async def main() -> list[int]:
+        stop, url = asyncio.Event(), asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(serve(server, "127.0.0.1", 0, url.set_result, stop))
+        base, statuses = await url, []
+        async with aiohttp.ClientSession() as http:
+            for _ in range(3):
+                async with http.post(f"{base}/v1/chat/completions", json=body) as r:
+                    statuses.append(r.status)
+        stop.set()
+        await task
+        return statuses
+
+    assert asyncio.run(main()) == [200, 200, 200]
+    assert counting.reads == {"all_special_ids": 1, "special_tokens_map": 1}

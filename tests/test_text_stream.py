@@ -62,7 +62,7 @@ def test_generation_reads_every_queued_token_of_a_finished_request():
     params = GenerationParams("completion", (5,), 3, request.sampling, (), False, False)
 
     async def read() -> tuple[list[str], str | None]:
-        gen = Generation(Engine(), request, params, Tokenizer())
+        gen = Generation(Engine(), request, params, Tokenizer(), frozenset())
         parts = []
         while not gen.done:
             parts.append(await gen.next())
@@ -95,7 +95,8 @@ def test_skip_special_tokens_drops_their_text_and_spaces_between_them_is_refused
     def text(body: dict) -> str:
         params = parse_generation(body, "completion", Tokenizer(), 1000, 10_000)
         request = Request(1, 1, SamplingParams(max_tokens=4), 0.0, [5])
-        gen = Generation(Engine(), request, params, Tokenizer())
+        special = frozenset(Tokenizer().all_special_ids)
+        gen = Generation(Engine(), request, params, Tokenizer(), special)
         gen.text.feed([ord(c) for c in "<a>b"])
         return gen.text.finish()
 

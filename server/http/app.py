@@ -53,6 +53,9 @@ class Server:
         self.tokenizer = tokenizer
         self.options = options
         self.eos_ids = frozenset(getattr(tokenizer, "eos_token_ids", None) or ())
+        # Read once, not per request (a tokenizer's all_special_ids is worked out on each read)
+        self.reserved_names = api.template_reserved_names(tokenizer)
+        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
         self.inflight: set[int] = set()
         self.draining = False
         self._hurry = False  # a second signal: abort now instead of waiting out the drain
@@ -159,7 +162,7 @@ class Server:
         body = api.parse_json_object(raw)
         api.check_model(body, self.options.served_model_name)
         return api.parse_generation(body, kind, self.tokenizer, self.options.vocab_size,
-                                    self.options.prompt_bytes_limit)
+                                    self.options.prompt_bytes_limit, self.reserved_names)
 
     # -- routes --------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -203,7 +206,7 @@ class Server:
         loop = asyncio.get_running_loop()
         params = await loop.run_in_executor(self.parser_thread, self._parse, raw, kind)
         request = self._admit(params)
-        gen = Generation(self.engine, request, params, self.tokenizer)
+        gen = Generation(self.engine, request, params, self.tokenizer, self.special_ids)
         rid = request.request_id
         self.inflight.add(rid)
         try:

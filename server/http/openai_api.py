@@ -64,9 +64,11 @@ def check_model(body: dict[str, Any], served_name: str) -> None:
 
 
 def parse_generation(body: dict[str, Any], kind: Kind, tokenizer: Any, vocab_size: int,
-                     max_prompt_bytes: int) -> GenerationParams:
+                     max_prompt_bytes: int, reserved_names: frozenset[str] | None = None
+                     ) -> GenerationParams:
     """Check every field batchsim honours or refuses; unknown fields are ignored, as OpenAI's
-    clients send extras (user, ...). Tokenizes the prompt: call it off the event loop."""
+    clients send extras (user, ...). Tokenizes the prompt: call it off the event loop.
+    `reserved_names`: template_reserved_names(tokenizer), if the caller keeps it (else read)."""
     _check_unsupported(body, kind)
     stream = get(body, "stream", False)
     check(body, "stream", isinstance(stream, bool), "a boolean")
@@ -79,7 +81,7 @@ def parse_generation(body: dict[str, Any], kind: Kind, tokenizer: Any, vocab_siz
           "an integer >= 1")
     sampling = parse_sampling(body, vocab_size)
     if kind == "chat":
-        prompt_ids = _chat_prompt(body, tokenizer, max_prompt_bytes)
+        prompt_ids = _chat_prompt(body, tokenizer, max_prompt_bytes, reserved_names)
     else:
         prompt_ids = _completion_prompt(body, tokenizer, max_prompt_bytes)
     if not prompt_ids:
@@ -144,7 +146,8 @@ _CHANGES_OUTPUT: dict[str, tuple[Any, ...]] = {
 _TEMPLATE_OWN = frozenset(("messages", "raise_exception", "strftime_now"))
 
 
-def _not_template_variables(tokenizer: Any) -> frozenset[str]:
+def template_reserved_names(tokenizer: Any) -> frozenset[str]:
+    """The names chat_template_kwargs may not take (read once per tokenizer: Server's)."""
     special = getattr(tokenizer, "special_tokens_map", None) or {}
     named = set(_TEMPLATE_OWN) | {*special}
     # mlx-lm's wrapper passes its **kwargs on to its HF tokenizer's apply_chat_template
@@ -213,7 +216,8 @@ def _completion_prompt(body: dict[str, Any], tokenizer: Any, max_bytes: int) -> 
                    param="prompt")
 
 
-def _chat_prompt(body: dict[str, Any], tokenizer: Any, max_bytes: int) -> list[int]:
+def _chat_prompt(body: dict[str, Any], tokenizer: Any, max_bytes: int,
+                 reserved_names: frozenset[str] | None) -> list[int]:
     messages = body.get("messages")
     check(body, "messages", isinstance(messages, list) and bool(messages),
            "a non-empty list of messages")
@@ -222,7 +226,8 @@ def _chat_prompt(body: dict[str, Any], tokenizer: Any, max_bytes: int) -> list[i
     variables = get(body, "chat_template_kwargs", {})
     check(body, "chat_template_kwargs", isinstance(variables, dict),
           "an object of the chat template's variables (such as {\"enable_thinking\": false})")
-    if variables and (refused := sorted(variables.keys() & _not_template_variables(tokenizer))):
+    reserved = (reserved_names or template_reserved_names(tokenizer)) if variables else frozenset()
+    if variables and (refused := sorted(variables.keys() & reserved)):
         raise APIError(400, f"chat_template_kwargs: {', '.join(refused)[:200]} not a template "
                        "variable here (apply_chat_template's argument, the messages, a special "
                        "token or a template helper)", param="chat_template_kwargs")

@@ -78,10 +78,12 @@ class TextStream:
 class Generation:
     """One request's tokens turned into text deltas, stop strings applied."""
 
-    def __init__(self, engine: Engine, request: Request, params: GenerationParams, tokenizer: Any):
+    def __init__(self, engine: Engine, request: Request, params: GenerationParams, tokenizer: Any,
+                 special_ids: frozenset[int]):
+        """`special_ids`: the tokenizer's all_special_ids, read once (skip_special_tokens)."""
         skip = frozenset() if request.sampling.ignore_eos else request.eos_token_ids
         if params.skip_special_tokens:
-            skip = skip | frozenset(tokenizer.all_special_ids)
+            skip = skip | special_ids
         self.engine = engine
         self.request = request
         self.text = TextStream(tokenizer.detokenizer, params.stop, skip)

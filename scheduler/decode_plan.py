@@ -63,8 +63,7 @@ def decode_plan(lazy: LazyRows, running: list[Request], waiting: deque[Request],
         new_requests = ()
         kv_bytes = kv.commit(geom, ids, {}, 0)  # the joining rows' prefill caches end
     cache_ops, prefix = None, kv.prefix
-    if prefix is not None and (prefills or prefix.pending) and not (
-            prefix.stores_nothing(prefills, requests)):  # (Scheduler._step_plan)
+    if prefix is not None and prefix.has_ops(prefills, requests):  # (Scheduler._step_plan)
         cache_ops, kv_bytes = kv.cache_ops(kv_bytes, list(prefills), requests)
     positions = lazy.columns(decodes)
     steps = 1 if prefills else lookahead_steps(decodes, geom, width, cfg.max_lookahead_steps,

@@ -51,9 +51,8 @@ class KVManager:
         self.prefix = (PrefixCache(PAGE_TOKENS * cache.full_token_bytes, shared=paged)
                        if prefix_cache else None)
         self.shared = self.prefix if paged and prefix_cache else None
-        # geometry_for's answers for the pool _geometries_of: (rows, KV steps, bytes) -> geometry
+        # geometry_for's answers for the pool: (rows, KV steps, bytes) -> geometry
         self._geometries: dict[tuple[int, int, int], PoolGeometry | None] = {}
-        self._geometries_of: PoolGeometry | None = None
 
     @property
     def private_bytes(self) -> int:
@@ -121,17 +120,16 @@ class KVManager:
             return next_paged_geometry(self.pool, num_rows, max_len, need_blocks, self.row_step,
                                        self.max_rows, max_bytes, self.cache)
         # next_geometry reads max_len only as kv_steps(max_len), and the pool: its answers for
-        # this pool are remembered (a simulated plan asks a few times, most often what an
-        # earlier plan asked).
+        # this pool (commit forgets them when it changes) are remembered (a simulated plan asks a
+        # few times, most often what an earlier plan asked).
         key = (num_rows, kv_steps(max_len), max_bytes)
         known = self._geometries
-        if self._geometries_of is not self.pool or len(known) >= GEOMETRIES_KEPT:
-            known.clear()
-            self._geometries_of = self.pool
-        elif key in known:
-            return known[key]
-        geom = known[key] = next_geometry(self.pool, num_rows, max_len, self.row_step,
-                                          self.max_rows, max_bytes, self.cache)
+        geom = known.get(key, known)  # (known itself: not asked yet; None is an answer)
+        if geom is known:
+            if len(known) >= GEOMETRIES_KEPT:
+                known.clear()
+            geom = known[key] = next_geometry(self.pool, num_rows, max_len, self.row_step,
+                                              self.max_rows, max_bytes, self.cache)
         return geom
 
     def private_bytes_after(self, request_id: int, chunk_start: int, computed_tokens: int) -> int:
@@ -155,6 +153,7 @@ class KVManager:
         if pool is not self.pool:  # the geometry rarely changes: priced once per change
             self.pool = pool
             self.pool_bytes = self.cache.pool_bytes(pool)
+            self._geometries.clear()  # geometry_for's answers were for the old pool
         running = self.pool_bytes + private_bytes
         if self.paged:
             running -= ((pool.blocks or 0) - need_blocks) * self.cache.block_bytes
@@ -163,9 +162,10 @@ class KVManager:
         self.pool_members = pool_members
         self.private = private
         self._private_bytes = private_bytes
+        held = self.pool_bytes + private_bytes  # kv_bytes, without its frame: no copies held
         if self.shared is None and self.prefix is not None and self.prefix.blocks:
-            self.prefix.fit(self.budget_bytes - self.pool_bytes - private_bytes)
-        held = self.kv_bytes
+            self.prefix.fit(self.budget_bytes - held)
+            held = self.kv_bytes  # with the copies the cache kept
         if held > self.budget_bytes:
             raise KVAccountError(f"plan holds {held} KV bytes > budget {self.budget_bytes}")
         return held

@@ -215,17 +215,21 @@ class PrefixCache:
             if hashes and end > c.start // PAGE_TOKENS:
                 self.store(c.request_id, c.start // PAGE_TOKENS, hashes[:end], room_bytes)
 
-    def stores_nothing(self, chunks: list[PrefillChunk], requests: dict[int, Request]) -> bool:
-        """Whether store_chunks(chunks) and take_ops would change nothing and give no ops: copied
-        blocks (padded: only store_chunks adds blocks, and take_ops keeps peak_bytes up with
-        them), no pins, nothing pending, and no chunk of a request with block hashes (a
-        simulated workload without shared segments: every step)."""
-        if self.shared or self._pins or self.pending:
-            return False
+    def has_ops(self, chunks: Sequence[PrefillChunk], requests: dict[int, Request]) -> bool:
+        """Whether a plan with these prefill chunks goes through store_chunks and take_ops: False
+        when they would change nothing and give no ops (padded: only store_chunks adds blocks, and
+        take_ops keeps peak_bytes up with them): nothing pending, and, with chunks, no pins and no
+        chunk of a request with block hashes (a simulated workload without shared segments: every
+        step). One call a plan, the pending test inline (a property's frame costs more)."""
+        pending = self._evicted or self._stored or self._shares
+        if not chunks:
+            return bool(pending)
+        if pending or self.shared or self._pins:
+            return True
         for c in chunks:
             if requests[c.request_id].block_hashes:
-                return False
-        return True
+                return True
+        return False
 
     def cache_chunks(self, chunks: list[PrefillChunk], requests: dict[int, Request]) -> None:
         """Shared: the full prompt blocks these chunks complete that are not cached become cached

@@ -244,8 +244,7 @@ class Scheduler:
                    new_requests: list[NewRequest]) -> StepPlan:
         kv_bytes = budget.commit(self.requests)
         cache_ops, prefix = None, self.kv.prefix
-        if prefix is not None and (budget.prefills or prefix.pending) and not (
-                prefix.stores_nothing(budget.prefills, self.requests)):  # (most simulated plans)
+        if prefix is not None and prefix.has_ops(budget.prefills, self.requests):
             cache_ops, kv_bytes = self.kv.cache_ops(kv_bytes, budget.prefills, self.requests)
         decodes = budget.pool if budget.decode_step else []
         prefills = budget.prefills

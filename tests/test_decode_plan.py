@@ -5,7 +5,7 @@ waiting), a budget tight enough to preempt (the fast path hands the plan back) a
 that evicts (chat sessions in a tight budget: the plans themselves, with their cache ops); and the
 fast path does make a good share of the plans, never for a real executor's, speculative or paged
 run (it needs lazy simulated rows). Likewise a plan's prefix-cache ops skipped when they would do
-nothing (PrefixCache.stores_nothing)."""
+nothing (PrefixCache.has_ops)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,8 @@ def test_prefix_cache_ops_are_skipped_only_when_they_do_nothing(workload, tmp_pa
         m.setattr(prefix_cache.PrefixCache, "take_ops", counted)
         skipping = _records(cfg, tmp_path / "skip")
     with monkeypatch.context() as m:
-        m.setattr(prefix_cache.PrefixCache, "stores_nothing", lambda *_args: False)
+        m.setattr(prefix_cache.PrefixCache, "has_ops",  # every plan with chunks takes the ops
+                  lambda self, chunks, _requests: bool(chunks) or self.pending)
         general = _records(cfg, tmp_path / "general")
     assert skipping == general
     assert (taken[0] == 0) == (workload == "default")

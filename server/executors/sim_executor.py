@@ -57,8 +57,8 @@ class SimExecutor:
         self._joined: tuple[int, ...] = ()  # the last plan's decode_ids (execute)
 
     def execute(self, plan: StepPlan, max_elapsed_s: float = float("inf")) -> StepResult:
-        (step_index, free_ids, new_requests, prefills, decode_ids, _, pool, _, _, spec, ops,
-         _) = plan  # unpacked once: this runs every plan
+        (step_index, free_ids, new_requests, prefills, decode_ids, positions, pool, _, _, spec,
+         ops, _) = plan  # unpacked once: this runs every plan
         layout = self.layout
         t = self.overhead_s
         if free_ids:
@@ -80,8 +80,10 @@ class SimExecutor:
         if pool is not layout.geometry and pool != layout.geometry:
             t += self._resize(pool)
         # The rows of the last plan that joined (the scheduler hands the same tuple while its
-        # rows stay), all in the pool unless one left since.
-        if decode_ids is not self._joined:
+        # rows stay), all in the pool unless one left since; Positions' first `pooled` rows
+        # decoded in the last step (most plans: all of them, and no _join frame).
+        if decode_ids is not self._joined and (type(positions) is not Positions
+                                               or positions.pooled < len(decode_ids)):
             t += self._join(plan)
         self._joined = decode_ids
         sampled = decode_ids  # who sampled a token: the decode rows, then sampling prefills

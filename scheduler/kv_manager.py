@@ -13,9 +13,9 @@ from batchsim.scheduler.plan import CacheOps, PrefillChunk
 from batchsim.scheduler.pool_geometry import (
     EMPTY_PAGED_POOL,
     EMPTY_POOL,
+    KV_STEP,
     PAGE_TOKENS,
     PoolGeometry,
-    kv_steps,
     next_geometry,
     next_paged_geometry,
     row_blocks,
@@ -119,10 +119,11 @@ class KVManager:
         if self.paged:
             return next_paged_geometry(self.pool, num_rows, max_len, need_blocks, self.row_step,
                                        self.max_rows, max_bytes, self.cache)
-        # next_geometry reads max_len only as kv_steps(max_len), and the pool: its answers for
-        # this pool (commit forgets them when it changes) are remembered (a simulated plan asks a
-        # few times, most often what an earlier plan asked).
-        key = (num_rows, kv_steps(max_len), max_bytes)
+        # next_geometry reads max_len only as kv_steps(max_len), a function of
+        # (max_len - 1) // KV_STEP (the key: no frame), and the pool: its answers for this pool
+        # (commit forgets them when it changes) are remembered (a simulated plan asks a few
+        # times, most often what an earlier plan asked).
+        key = (num_rows, (max_len - 1) // KV_STEP, max_bytes)
         known = self._geometries
         geom = known.get(key, known)  # (known itself: not asked yet; None is an answer)
         if geom is known:

@@ -99,10 +99,10 @@ class LazyRows:
             ids = self.id_tuple
             if ids is None:
                 ids = self.id_tuple = tuple(self.ids)
-            return ids, Positions(self.computed0.copy(), self.steps, ())
+            return ids, positions(self.computed0.copy(), self.steps, ())
         tail = decodes[n:]  # rows joining (most plans: none or one)
         return ((*self.ids, *map(REQUEST_ID, tail)),
-                Positions(self.computed0.copy(), self.steps, tuple(map(COMPUTED, tail))))
+                positions(self.computed0.copy(), self.steps, tuple(map(COMPUTED, tail))))
 
     def computed(self) -> dict[int, int]:
         """request id -> num_computed_tokens, without writing them back."""
@@ -158,30 +158,25 @@ class Positions(Sequence):
     """A plan's decode_positions when its first rows are lazy rows: their positions (computed0
     plus the steps, as of the plan) then the other rows' (`tail`), made into a tuple when first
     read whole. Its first `pooled` rows decoded in the last step, so they are in the executor's
-    pool (a simulated executor looks for joining rows after them). Equal to the tuple, and
-    pickled as one."""
+    pool (a simulated executor joins the `tail` rows after them). Equal to the tuple, and
+    pickled as one. Made by positions()."""
 
-    __slots__ = ("_computed0", "_steps", "_tail", "_values", "pooled")
-
-    def __init__(self, computed0: list[int], steps: int, tail: tuple[int, ...]) -> None:
-        self._computed0, self._steps, self._tail = computed0, steps, tail
-        self.pooled = len(computed0)
-        self._values: tuple[int, ...] | None = None
+    __slots__ = ("_computed0", "_steps", "_values", "pooled", "tail")
 
     def values(self) -> tuple[int, ...]:
         if self._values is None:
             s = self._steps
-            self._values = (*[c + s for c in self._computed0], *self._tail)
+            self._values = (*[c + s for c in self._computed0], *self.tail)
         return self._values
 
-    def __getitem__(self, i):  # a row's position without the tuple (a joining row's)
+    def __getitem__(self, i):  # a row's position without the tuple
         if isinstance(i, int) and 0 <= i:
             n = self.pooled
-            return self._computed0[i] + self._steps if i < n else self._tail[i - n]
+            return self._computed0[i] + self._steps if i < n else self.tail[i - n]
         return self.values()[i]
 
     def __len__(self) -> int:
-        return self.pooled + len(self._tail)
+        return self.pooled + len(self.tail)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.values())
@@ -197,3 +192,13 @@ class Positions(Sequence):
 
     def __reduce__(self) -> tuple:
         return tuple, (self.values(),)
+
+
+def positions(computed0: list[int], steps: int, tail: tuple[int, ...],
+              new=object.__new__) -> Positions:
+    """Positions of rows whose num_computed_tokens are computed0's plus `steps`, then `tail`'s
+    (its fields set here, without a type call's __init__ frame: one is made a plan)."""
+    p = new(Positions)
+    p._computed0, p._steps, p.tail, p.pooled, p._values = (computed0, steps, tail,
+                                                           len(computed0), None)
+    return p

@@ -27,7 +27,8 @@ def round_up(x: int, multiple: int) -> int:
 
 def kv_steps(max_len: int) -> int:
     """KV_STEPs a padded pool row holds for rows of at most `max_len` tokens (at least one): all
-    next_geometry reads of max_len (kv_manager's memo keys on it)."""
+    next_geometry reads of max_len (kv_manager's memo keys on (max_len - 1) // KV_STEP, which
+    determines it)."""
     return -(-max_len // KV_STEP) if max_len > 1 else 1
 
 

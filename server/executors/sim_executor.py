@@ -199,16 +199,13 @@ class SimExecutor:
         self._private_bytes += held - self.private.get(request_id, 0)
         self.private[request_id] = held
 
-    def _drop_private(self, request_id: int) -> None:
-        self._private_bytes -= self.private.pop(request_id, 0)
-
     # -- the pool's copies, as pool_rows lays them out for the real DecodePool ------------------
     def _free(self, free_ids: tuple[int, ...]) -> float:
         if self.spec is not None:
             self.spec.forget(free_ids)
         if self.private:
             private = self.private
-            for rid in free_ids:  # _drop_private, without a frame per id
+            for rid in free_ids:  # their prefill caches end
                 self._private_bytes -= private.pop(rid, 0)
         if self._shared:
             for rid in free_ids:
@@ -231,23 +228,19 @@ class SimExecutor:
     def _join(self, plan: StepPlan) -> float:
         """The plan's decode rows not yet in the pool join it, in the plan's order (0.0: none)."""
         layout, ids, positions = self.layout, plan.decode_ids, plan.decode_positions
-        in_pool = layout.in_pool
+        in_pool, private = layout.in_pool, self.private
         t = 0.0
-        # Rows that decoded in the last step are in the pool: those before Positions.pooled. The
-        # others: asked in C first (most plans: all in the pool).
+        # Rows that decoded in the last step are in the pool: those before Positions.pooled, the
+        # others are its tail. Otherwise asked in C first (most plans: all in the pool).
         if type(positions) is Positions:
-            first = positions.pooled
+            ids, positions = ids[positions.pooled:], positions.tail
         elif in_pool.issuperset(ids):
             return t
-        else:
-            first = 0
-        for i in range(first, len(ids)):  # faster than a sorted set difference below ~500 rows
-            rid = ids[i]
+        for rid, pos in zip(ids, positions):  # faster than a sorted set difference (< ~500 rows)
             if rid in in_pool:
                 continue
-            pos = positions[i]
             layout.join(rid, pos)
-            self._drop_private(rid)
+            self._private_bytes -= private.pop(rid, 0)  # its prefill cache ends
             shared = self._shared.pop(rid, 0) * self.block_bytes  # referenced, not copied
             t += self.cost.copy_s(self.cache.seq_bytes(pos) - shared)
         return t

@@ -218,22 +218,18 @@ class StepBudget:
         returns the bytes it holds."""
         kv = self.kv  # paged: the blocks the rows hold (KVManager.peak_running_bytes)
         if kv.shared is not None:
-            self._fit_shared_cache(requests)
-            held = self.blocks + self._draft_blocks() + self._plain_prompt_blocks(requests)
+            plain = self._fit_shared_cache(requests)
+            held = self.blocks + self._draft_blocks() + plain
         else:
             held = self.blocks + self._draft_blocks() if kv.paged else 0
         return kv.commit(self.geom, self.in_pool, self.private, self.private_bytes, held)
 
-    def _plain_prompt_blocks(self, requests: dict[int, Request]) -> int:
+    @staticmethod
+    def _plain_prompt_blocks(r: Request) -> int:
         """Paged, caching: the full prompt blocks a request without block hashes (a simulated
         plain prompt) would hold beside its prefill cache the step that prefill ends, as a real
         run's every prompt does (_hold_prefilled): its running KV, not its pool's."""
-        n = 0
-        for c in self.prefills:
-            r = requests[c.request_id]
-            if c.sample and not prompt_block_hashes(r):
-                n += r.num_prompt_tokens // PAGE_TOKENS
-        return n
+        return 0 if prompt_block_hashes(r) else r.num_prompt_tokens // PAGE_TOKENS
 
     def _hold_prefilled(self, r: Request) -> None:
         """Paged: a request whose prefill ended holds the cached run of its prompt blocks, which
@@ -250,23 +246,26 @@ class StepBudget:
             else:
                 self.geom = geom
 
-    def _fit_shared_cache(self, requests: dict[int, Request]) -> None:
+    def _fit_shared_cache(self, requests: dict[int, Request]) -> int:
         """Paged: rows joining this step give the cache their full prompt blocks (no copy, the
         same blocks), this step's chunks the blocks they complete (copies), and the pool holds the
         cache's unreferenced blocks beside what it needs, evicting the least recently used of
-        those that do not fit."""
+        those that do not fit. Returns the plain prompts' blocks (_plain_prompt_blocks)."""
         kv, prefix = self.kv, self.kv.shared
         for r in self.pool:
             if r.request_id not in kv.pool_members and r.block_hashes:
                 prefix.adopt(r.request_id, r.block_hashes)
+        plain = 0
         if self.prefills:
             prefix.cache_chunks(self.prefills, requests)
             for c in self.prefills:
-                if c.sample:
-                    self._hold_prefilled(requests[c.request_id])
+                if c.sample:  # one walk: the prefills that end hold their blocks, plain or not
+                    r = requests[c.request_id]
+                    self._hold_prefilled(r)
+                    plain += self._plain_prompt_blocks(r)
         free = prefix.num_unreferenced
         if not free:
-            return
+            return plain
         need = self.blocks
         self.blocks = need + free
         geom = self.geometry()
@@ -287,3 +286,4 @@ class StepBudget:
                 geom = self.geometry()
         self.blocks = need
         self.geom = geom
+        return plain

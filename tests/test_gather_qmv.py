@@ -39,7 +39,8 @@ def _repeat_rows_s(cost: StepCost, batch: int) -> float:
 
 def _routed_rows_s(cost: StepCost, batch: int) -> float:
     layer, mats = _moe(cost)
-    return sum(cost.layers.repeat_pairs_s(m, layer, batch) for m in mats) * cost.layers.moe_layers
+    return sum(cost.layers.routed_parts_s(m, layer, batch)[1]
+               for m in mats) * cost.layers.moe_layers
 
 
 def test_gate_follows_mlx_versions():
@@ -117,8 +118,8 @@ def test_size_notes_a_max_batch_across_the_gate():
 @pytest.mark.parametrize("model, batch", [("qwen3-30b-a3b", 63), ("gpt-oss-20b", 31)])
 def test_repeat_flops_are_counted_once(model, batch):
     # Just below the gate the m*k/D rows' FLOPs at half the GEMM rate outweigh an expert's bytes
-    # (r3 finding 3); the repeats' FLOPs are repeat_pairs_s's qmv rows, so routed_s keeps one row's
-    # FLOPs an expert and the experts' bytes bind.
+    # (r3 finding 3); the repeats' FLOPs are their qmv rows (routed_parts_s's repeats_s), so the
+    # experts keep one row's FLOPs an expert and the experts' bytes bind.
     cost = catalog_cost(model)
     layer = next(lay for lay in cost.spec.arch.layers if lay.ffn.kind == "moe")
     ffn, mats = layer.ffn, [mat for mat in layer.mats if mat.routed]
@@ -127,5 +128,6 @@ def test_repeat_flops_are_counted_once(model, batch):
     for mat in mats:
         moved_s, flops_s = cost.linear_terms(batch * ffn.top_k / distinct, mat.in_dim, mat.out_dim)
         assert flops_s / GATHER_MATMUL_EFFICIENCY > moved_s / eff  # all rows' FLOPs would bind
-        assert cost.layers.routed_s(mat, layer, batch) == pytest.approx(distinct * moved_s / eff)
-        assert cost.layers.repeat_pairs_s(mat, layer, batch) > 0
+        experts_s, repeats_s = cost.layers.routed_parts_s(mat, layer, batch)
+        assert experts_s == pytest.approx(distinct * moved_s / eff)
+        assert repeats_s > 0

@@ -51,6 +51,7 @@ class PrefixBlocks:
     def __init__(self) -> None:
         self.blocks: dict[int, mx.array] = {}  # hash -> the block, flat
         self.layout: list[tuple[tuple[int, ...], mx.Dtype]] = []  # K, V of layer 0, 1 ...
+        self.spans: list[slice] = []  # where each of them lies in a flat block (with the layout)
         self.nbytes = 0
 
     def evict(self, ops: CacheOps | None) -> None:
@@ -75,16 +76,16 @@ class PrefixBlocks:
     def prefill_cache(self, hashes: tuple[int, ...]) -> list[AlignedKVCache]:
         """Per layer, a prefill cache holding these blocks' tokens, in round_up(tokens, KV_STEP)."""
         blocks = [self.blocks[h] for h in hashes]
-        ends = list(itertools.accumulate(math.prod(shape) for shape, _ in self.layout))
-        parts = [mx.concatenate([b[end - math.prod(shape):end].reshape(shape) for b in blocks],
-                                axis=2).astype(dtype)
-                 for (shape, dtype), end in zip(self.layout, ends)]
+        parts = [mx.concatenate([b[span].reshape(shape) for b in blocks], axis=2).astype(dtype)
+                 for (shape, dtype), span in zip(self.layout, self.spans)]
         return _prefill_caches(list(zip(parts[::2], parts[1::2])))
 
     def _check_layout(self, layout: list[tuple[tuple[int, ...], mx.Dtype]]) -> None:
         """One layout for every block: prefill_cache slices each block by it."""
         if not self.layout:
-            self.layout = layout
+            sizes = [math.prod(shape) for shape, _ in layout]
+            ends = list(itertools.accumulate(sizes))
+            self.layout, self.spans = layout, [slice(e - n, e) for n, e in zip(sizes, ends)]
         elif layout != self.layout:
             raise RuntimeError(f"a prefix block's K/V shapes or dtypes {layout} differ from the "
                                f"cached blocks' {self.layout}")
@@ -95,7 +96,7 @@ class PrefixBlocks:
 
     def clear(self) -> None:
         self.blocks.clear()
-        self.layout = []
+        self.layout, self.spans = [], []
         self.nbytes = 0
 
 

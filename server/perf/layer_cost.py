@@ -74,7 +74,7 @@ GATHER_MATMUL_EFFICIENCY = 0.5
 # the cache: sorted pairs run back to back, unsorted ones at small P together), and under
 # gather_qmv each pair past its expert's first a qmv row at the profile's quantized_gemv_row_gflops
 # (as a dense qmv's rows past the first: StepCost.linear_parts), in the step's gemv_rows_s (its
-# expert's FLOPs in routed_s one row's). '0.29.2.dev' takes the 8 gate, though #2609 landed in
+# expert's FLOPs in _experts_s one row's). '0.29.2.dev' takes the 8 gate, though #2609 landed in
 # its dev cycle (its only rows are B = 1: no effect). Unvalidated at the gate: no published decode
 # row reaches it, and the step drops there (`size` notes it; README "Mixture of experts").
 SORT_PAIRS = 64
@@ -161,8 +161,9 @@ class LayerCost:
             per = [0, 0, 0, 0]
             for mat in layer.mats:
                 if mat.routed:
-                    per[2] += self.routed_s(mat, layer, m)
-                    per[3] += self.repeat_pairs_s(mat, layer, m)
+                    experts_s, repeats_s = self.routed_parts_s(mat, layer, m)
+                    per[2] += experts_s
+                    per[3] += repeats_s
                     continue
                 w, f, g = self.cost.linear_parts(m, mat.in_dim, mat.out_dim)
                 per[0] += mat.count * w
@@ -177,7 +178,7 @@ class LayerCost:
         (StepCost.matrix_s per matrix; the routed experts' stacks as in `_linear_split_s`)."""
         total = 0.0
         for layer, count in self.layers.items():
-            per = sum(self.routed_s(mat, layer, m) + self.repeat_pairs_s(mat, layer, m)
+            per = sum(sum(self.routed_parts_s(mat, layer, m))  # experts_s + repeats_s
                       if mat.routed
                       else mat.count * self.cost.matrix_s(m, mat.in_dim, mat.out_dim)
                       for mat in layer.mats)
@@ -189,13 +190,21 @@ class LayerCost:
         """Layers with routed experts."""
         return sum(n for layer, n in self.layers.items() if any(m.routed for m in layer.mats))
 
-    def routed_s(self, mat: Mat, layer: Layer, m: int) -> float:
-        """One routed-expert matrix stack over m tokens: D distinct experts, each streaming its
-        weights once (at the profile's expert_bandwidth_efficiency of the achievable rate), and the
-        m*k (token, expert) pairs' gathered mat-vecs. A calibrated device prices each pair at its
-        measured cost (expert_cost.py: what mlx-lm's SwitchGLU takes per pair and per routed
-        multiply-add); otherwise each expert moves its m*k/D tokens and multiplies them (one under
-        gather_qmv: repeat_pairs_s has the rest) at GATHER_MATMUL_EFFICIENCY of the GEMM rate."""
+    def routed_parts_s(self, mat: Mat, layer: Layer, m: int) -> tuple[float, float]:
+        """One routed-expert matrix stack over m tokens: (experts_s, repeats_s), the experts' and
+        the qmv rows of their repeat pairs (StepCost.qmv_rows_s), the pairs counted once."""
+        repeats = self.repeat_pairs(layer, m)
+        repeats_s = self.cost.qmv_rows_s(repeats, mat.in_dim, mat.out_dim) if repeats else 0.0
+        return self._experts_s(mat, layer, m, repeats), repeats_s
+
+    def _experts_s(self, mat: Mat, layer: Layer, m: int, repeats: float) -> float:
+        """D distinct experts, each streaming its weights once (at the profile's
+        expert_bandwidth_efficiency of the achievable rate), and the m*k (token, expert) pairs'
+        gathered mat-vecs. A calibrated device prices each pair at its measured cost
+        (expert_cost.py: what mlx-lm's SwitchGLU takes per pair and per routed multiply-add);
+        otherwise each expert moves its m*k/D tokens and multiplies them (one under gather_qmv,
+        `repeats` > 0: the repeats' qmv rows have the rest) at GATHER_MATMUL_EFFICIENCY of the
+        GEMM rate."""
         ffn = layer.ffn
         distinct = expected_experts(ffn.experts, ffn.top_k, m)
         cal = self.cost.cal
@@ -206,7 +215,7 @@ class LayerCost:
             return (distinct * moved_s / self.cost.profile.expert_bandwidth_efficiency
                     + m * ffn.top_k * per_pair_ns * 1e-9)
         moved_s, flops_s = self.cost.linear_terms(m * ffn.top_k / distinct, mat.in_dim, mat.out_dim)
-        if self.repeat_pairs(layer, m):  # gather_qmv: the FLOPs of the pairs past an expert's
+        if repeats:  # gather_qmv: the FLOPs of the pairs past an expert's
             flops_s = self.cost.linear_terms(1.0, mat.in_dim, mat.out_dim)[1]  # first: qmv rows
         moved_s /= self.cost.profile.expert_bandwidth_efficiency
         flops_s /= GATHER_MATMUL_EFFICIENCY
@@ -225,11 +234,6 @@ class LayerCost:
                 or not runs_gather_qmv(pairs, ffn.experts, cost.profile.mlx_version)):
             return 0.0
         return pairs - expected_experts(ffn.experts, ffn.top_k, m)
-
-    def repeat_pairs_s(self, mat: Mat, layer: Layer, m: int) -> float:
-        """The qmv rows of one routed matrix stack's repeat pairs (StepCost.qmv_rows_s)."""
-        repeats = self.repeat_pairs(layer, m)
-        return self.cost.qmv_rows_s(repeats, mat.in_dim, mat.out_dim) if repeats else 0.0
 
     def _head_split(self, rows: int) -> tuple[float, float, float]:
         if not rows:

@@ -22,16 +22,18 @@ from pathlib import Path
 
 from batchsim.server.results.json_lines import TokenTimesText, request_line, step_lines
 from batchsim.server.results.metrics import RequestRecord, StepRecord
+from batchsim.server.results.record_writer import REQUESTS, STEPS
 
 STEPS_A_FLUSH = 256  # a simulated run's steps between two 0.5-s flushes are of this order
+FILES = (STEPS, REQUESTS)
 
 
 def load(run_dir: Path) -> tuple[list[StepRecord], list[RequestRecord]]:
     def rows(name: str) -> list[dict]:
         return [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
 
-    return ([StepRecord.from_json(r) for r in rows("steps.jsonl")],
-            [RequestRecord.from_json(r) for r in rows("requests.jsonl")])
+    return ([StepRecord.from_json(r) for r in rows(STEPS)],
+            [RequestRecord.from_json(r) for r in rows(REQUESTS)])
 
 
 def _runs(indices: list[int]) -> list[list[int]]:
@@ -94,20 +96,21 @@ def main() -> None:
     args = p.parse_args()
     if args.steps_a_flush < 1:
         p.error("--steps-a-flush must be at least 1")
-    if not (args.run_dir / "steps.jsonl").is_file():
-        p.error(f"{args.run_dir}: no steps.jsonl (give a run directory, not its parent)")
-    steps, requests = load(args.run_dir)
-    if args.instructions:
+    if not (args.run_dir / STEPS).is_file():
+        p.error(f"{args.run_dir}: no {STEPS} (give a run directory, not its parent)")
+    if args.instructions:  # the run is parsed in callgrind's child, not here as well
         ir = instructions(args.run_dir, args.steps_a_flush)
-        print(f"{len(steps)} steps, {len(requests)} requests: {ir:,} instructions (callgrind)")
+        num_steps, num_requests = ((args.run_dir / n).read_bytes().count(b"\n") for n in FILES)
+        print(f"{num_steps} steps, {num_requests} requests: {ir:,} instructions (callgrind)")
         return
+    steps, requests = load(args.run_dir)
     inputs = replay_inputs(steps, requests)
     best_s = float("inf")
     for _ in range(max(1, args.repeat)):
         t0 = time.perf_counter()
         made = operator.call(encode, steps, requests, *inputs, args.steps_a_flush)
         best_s = min(best_s, time.perf_counter() - t0)
-    for text, name in zip(made, ("steps.jsonl", "requests.jsonl")):
+    for text, name in zip(made, FILES):
         if text != (args.run_dir / name).read_text():
             raise SystemExit(f"encode_records: the encoded {name} differs from the file")
     print(f"{len(steps)} steps, {len(requests)} requests: {best_s:.3f} s (best of "

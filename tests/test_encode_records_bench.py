@@ -36,3 +36,22 @@ def test_a_replayed_run_encodes_to_its_files(max_input, tmp_path, capsys):
         made = bench.encode(steps, requests, *inputs, steps_a_flush)
         assert made == ((run_dir / "steps.jsonl").read_text(),
                         (run_dir / "requests.jsonl").read_text())
+
+
+def test_instructions_mode_leaves_the_parsing_to_callgrinds_child(tmp_path, monkeypatch, capsys):
+    """--instructions parsed the run here too (only to print its counts) before callgrind's child
+    parsed it again; the counts are the files' lines."""
+    spec = importlib.util.spec_from_file_location("encode_records", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    (tmp_path / "steps.jsonl").write_text("{}\n" * 3)
+    (tmp_path / "requests.jsonl").write_text("{}\n" * 2)
+
+    def parsed(run_dir):
+        raise AssertionError("the run was parsed outside callgrind")
+
+    monkeypatch.setattr(bench, "load", parsed)
+    monkeypatch.setattr(bench, "instructions", lambda run_dir, steps_a_flush: 1234)
+    monkeypatch.setattr("sys.argv", ["encode_records.py", str(tmp_path), "--instructions"])
+    bench.main()
+    assert capsys.readouterr().out == "3 steps, 2 requests: 1,234 instructions (callgrind)\n"

@@ -45,9 +45,8 @@ def _version(pkg: str) -> str | None:
             break
         except OSError:  # gone, or unreadable: importlib skips it too
             continue
-        found = [d[:-len(".dist-info")].split("-", 1) for d in listed
-                 if d.endswith(".dist-info") and _normalized(d.split("-", 1)[0]) == name]
-        if _egg_info(listed, name):
+        found, egg = _info_dirs(listed, name)
+        if egg:
             break
         if len(found) == 1 and len(found[0]) == 2:
             return found[0][1]
@@ -61,11 +60,21 @@ def _version(pkg: str) -> str | None:
         return None
 
 
-def _egg_info(listed: list[str], name: str) -> bool:
-    """Whether a directory's names hold `name`'s NAME[-VERSION...].egg-info (setup.py develop's,
-    older installs')."""
-    return any(d.endswith(".egg-info") and _normalized(d[:-len(".egg-info")].split("-", 1)[0])
-               == name for d in listed)
+def _info_dirs(listed: list[str], name: str) -> tuple[list[list[str]], bool]:
+    """In one pass over a directory's names: `name`'s NAME-VERSION.dist-info ones, each split
+    [NAME, VERSION], and whether it has a NAME[-VERSION...].egg-info (setup.py develop's, older
+    installs')."""
+    found, egg = [], False
+    for d in listed:
+        if d.endswith((".dist-info", ".egg-info")):
+            stem, _, kind = d.rpartition(".")
+            parts = stem.split("-", 1)
+            if _normalized(parts[0]) == name:
+                if kind == "egg-info":
+                    egg = True
+                else:
+                    found.append(parts)
+    return found, egg
 
 
 def _normalized(name: str) -> str:

@@ -1,0 +1,45 @@
+"""The batchsim program loads its modules without the collector going over what they make (it
+lives to the end), and turns it back on, over none of that, for the command's own work."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+PROBE = """
+import argparse, gc, json, sys
+sys.argv = ["batchsim", "probe"]
+collections = lambda: sum(s["collections"] for s in gc.get_stats())
+before = collections()
+from batchsim.scripts import cli
+loading = {"collections": collections() - before, "enabled": gc.isenabled()}
+
+def parser(only=None):
+    p = argparse.ArgumentParser(prog="batchsim")
+    p.add_argument("command")
+    p.set_defaults(_run=lambda args: {"loading": loading, "enabled": gc.isenabled(),
+                                      "frozen": gc.get_freeze_count()})
+    return p
+
+cli.build_parser = parser
+sys.exit(cli.main())
+"""
+
+
+def test_no_collection_while_the_program_loads_and_the_collector_back_for_the_command():
+    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    # The few are the standard library's, before cli's first line (55-75 with numpy, rich, yaml).
+    assert seen["loading"]["collections"] < 10 and seen["loading"]["enabled"] is False
+    assert seen["enabled"] is True  # the command's work is collected as usual
+    assert seen["frozen"] > 10_000  # what loading made is not gone over again
+
+
+def test_a_module_importing_the_cli_keeps_its_collector():
+    probe = "import gc; import batchsim.scripts.cli; print(gc.isenabled(), gc.get_freeze_count())"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.stdout.split() == ["True", "0"], done.stderr

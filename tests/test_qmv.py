@@ -12,6 +12,7 @@ from batchsim.server.perf.qmv import (
     QMV_WIDE_TILE_ROWS,
     gpu_family,
     has_neural_accelerators,
+    on_neural_accelerators,
     qmm_rows,
     qmv_parts,
     qmv_row_limit,
@@ -218,3 +219,25 @@ def test_qmm_nax_tiles_64_rows_past_32():
     """qmm_nax's bm: 32 rows when one block covers M, else 64 (an M5's prefill chunk)."""
     assert [qmm_rows("g17c", m, nax=True) for m in (13, 32, 33, 65)] == [32, 32, 64, 128]
     assert qmm_rows("g17c", 65) == 96
+
+
+@pytest.mark.parametrize("mlx, lm_head_nax, layer_nax", [
+    ("0.29.3", False, False),  # before the Neural Accelerator kernels: every qmm on the shaders
+    ("0.31.1", True, True),  # qmm_nax for every qmm: no split-K yet
+    ("0.31.2", True, False),  # split-K qmm (shader) for the 32-row layer, qmm_nax for the lm head
+    ("", True, False),
+])
+def test_an_m5_runs_qmm_on_the_neural_accelerators_from_mlx_0_30(mlx, lm_head_nax, layer_nax):
+    """ml-explore/mlx 54f1cc6 (#2772, first in v0.30.0) added qmm_nax; 38ad257 (#3120, v0.31.2)
+    split-K qmm, which runs on the shader ALUs. The published M5 rows of MLX 0.29.3 (mlxlm-m5-*)
+    had no accelerator kernel: their 32-row lm head multiplies at the shader rate."""
+    assert on_neural_accelerators("g17g", 32, 3072, 128256, mlx) is lm_head_nax
+    assert on_neural_accelerators("g17g", 32, 1024, 3072, mlx) is layer_nax
+    assert not on_neural_accelerators("g16s", 512, 4096, 4096, mlx)
+    m5 = catalog_cost("llama-3.2-3b", "M5 10c")
+    old, new = (StepCost(m5.spec, dataclasses.replace(m5.profile, mlx_version=v), "float16", 4,
+                         engine=m5.engine) for v in ("0.29.3", "0.31.2"))
+    share = m5.profile.shader_flops_share
+    assert share < 1
+    assert old.linear_parts(32, 3072, 128256)[1] == pytest.approx(
+        new.linear_parts(32, 3072, 128256)[1] / share)

@@ -20,7 +20,10 @@ multiply on the shader ALUs, except on an M5 GPU (generation 17, macOS 26.2+: `i
 where plain qmm is `qmm_nax`, on the Neural Accelerators, in 64-row tiles past 32 rows. So a decode
 step's layers over a few dozen rows (split-K) run at the shader rate even on an M5, and a long
 prefill's (plain qmm) at the accelerators' (DeviceProfile.shader_flops_share prices the difference).
-MLX 0.30.0-0.31.1 ran qmm_nax for every M5 qmm; no published M5 row ran those versions.
+The accelerators' kernels came in MLX 0.30.0 (ml-explore/mlx 54f1cc6, #2772, 2025-11-19: qmm_nax,
+gather_qmm_nax, steel GEMM and attention, behind is_nax_available and macOS 26.2): an older MLX
+runs every qmm on the shader ALUs, an M5's too (the published M5 rows of MLX 0.29.3). MLX
+0.30.0-0.31.1 ran qmm_nax for every M5 qmm (no split-K yet).
 
 The GPU family is MLX's `get_architecture()` suffix: generation 13 (M1) to 17 (M5), size g (base),
 s (Pro, and Max from the M2 on), c (the M1 Max alone), d (Ultra): Apple's names report an M2 Max
@@ -152,6 +155,8 @@ def qmv_parts(family: str, mlx: str, moved_s: float, rows_s: float,
 QMM_TILE_ROWS = 32  # qmm's (and split-K qmm's) bm: the rows each threadgroup's tile multiplies
 NAX_TILE_ROWS = 64  # qmm_nax's bm past one 32-row block
 NAX_GENERATION = 17  # is_nax_available: architecture generation 17 on (18 for 'p' parts)
+NAX_SINCE = (0, 30, 0, 0)  # the first MLX with Neural Accelerator kernels (54f1cc6, #2772)
+SPLITK_SINCE = (0, 31, 2, 0)  # the first MLX with split-K qmm (38ad257, #3120, 2026-03-20)
 SPLITK_TARGET_GROUPS = 512  # qmm_splitk's target threadgroups
 
 
@@ -171,10 +176,14 @@ def split_k(m: int, k: int, n: int) -> int:
     return split
 
 
-def on_neural_accelerators(family: str, m: int, k: int, n: int) -> bool:
-    """Whether a quantized layer over m rows (qmm: m at least the qmv limit) multiplies on the
-    Neural Accelerators: an M5 family running plain qmm (split-K not taken)."""
-    return has_neural_accelerators(family) and split_k(m, k, n) <= 1
+def on_neural_accelerators(family: str, m: int, k: int, n: int, mlx: str = "") -> bool:
+    """Whether MLX `mlx` ('': the newest) multiplies a quantized layer over m rows (qmm: m at least
+    the qmv limit) on the Neural Accelerators: an M5 family on MLX 0.30.0 or later, running plain
+    qmm (split-K, from 0.31.2, not taken)."""
+    release = mlx_release(mlx)
+    if not has_neural_accelerators(family) or release < NAX_SINCE:
+        return False
+    return release < SPLITK_SINCE or split_k(m, k, n) <= 1
 
 
 def qmm_rows(family: str, m: int, nax: bool = False) -> int:

@@ -161,7 +161,7 @@ class StepCost:
             if runs_qmv(family, m, k, n, self.profile.mlx_version):
                 return qmv_parts(family, self.profile.mlx_version, moved_s, rows_s, m)
             if m > 1:  # qmm: its tiles' padded rows, off the Neural Accelerators at shader rate
-                nax = on_neural_accelerators(family, m, k, n)
+                nax = on_neural_accelerators(family, m, k, n, self.profile.mlx_version)
                 flops_s *= qmm_rows(family, m, nax) / m
                 flops_s /= 1.0 if nax else self.profile.shader_flops_share
         return (*roofline_split(moved_s, flops_s, overlapped=m <= 1), 0.0)

@@ -34,7 +34,7 @@ def decode_plan(lazy: LazyRows, running: list[Request], waiting: deque[Request],
         return None
     s = lazy.steps  # widest_longest(), without its frame
     width, longest = lazy.max_computed0 + s + 1, lazy.max_tokens0 + s
-    ids = lazy.id_set.copy()
+    ids = lazy.id_set  # the pool's ids: the lazy rows' (commit holds this set: LazyRows.id_set)
     if len(running) > n:  # rows that join the pool this step (Scheduler._split_running)
         for r in running[n:]:
             c, tokens = r.num_computed_tokens, r.num_prompt_tokens + r.num_output_tokens
@@ -44,7 +44,7 @@ def decode_plan(lazy: LazyRows, running: list[Request], waiting: deque[Request],
                 longest = tokens
             if c + 1 > width:  # noqa: PLR1730
                 width = c + 1
-        ids.update(map(REQUEST_ID, running[n:]))
+        ids = ids.union(map(REQUEST_ID, running[n:]))
     if kv.private and not ids.issuperset(kv.private):  # a prefill cache stays private
         return None
     geom = kv.geometry_for(len(running), width, cfg.kv_budget_bytes)  # StepBudget.fit_pool

@@ -32,7 +32,11 @@ class LazyRows:
         self.rows: list[Request] = []  # the rows, in running order
         self.ids: list[int] = []  # their request ids
         # tuple(ids) (None: not made since the rows changed) and set(ids), kept with them: a
-        # plan's decode_ids and its pool's ids, without a pass over the rows
+        # plan's decode_ids and its pool's ids, without a pass over the rows. A plan where no
+        # row joins hands id_set itself to the KV manager as its pool members (decode_plan: no
+        # copy a plan), so it changes only as they would: a row that joins is added after a plan
+        # that copied it (the joining rows made a new set), a finished row is discarded (the
+        # next plan releases it: the same), and settle replaces it rather than clearing it.
         self.id_tuple: tuple[int, ...] | None = None
         self.id_set: set[int] = set()
         # num_computed_tokens - steps (the Request's own counter is as of `steps` then: the
@@ -142,7 +146,8 @@ class LazyRows:
         for i in range(len(self.rows)):
             self._settle_row(i)
         self.id_tuple = None
-        for column in (self.rows, self.ids, self.computed0, self.tokens0, self.ends, self.id_set):
+        self.id_set = set()  # a new one: the KV manager may hold the old one (see __init__)
+        for column in (self.rows, self.ids, self.computed0, self.tokens0, self.ends):
             column.clear()
 
     def _settle_row(self, i: int) -> None:

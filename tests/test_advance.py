@@ -156,3 +156,25 @@ def test_the_simulated_executor_joins_rows_without_making_positions_whole(monkey
     outcome = run_workload(session, workload, out_dir=tmp_path, label="positions",
                            timeline=False)
     assert len(made) > outcome.summary["num_plans"] // 2 and not whole and sum(joins) > 100
+
+
+def test_the_pool_members_a_plan_shares_with_the_lazy_rows_survive_them():
+    """A plan in which no row joins hands the lazy rows' id set itself to the KV manager as its
+    pool members (decode_plan, no copy): an abort between steps (settling the lazy rows) must
+    leave the rows still running held, and a finished row leaves the members as its release
+    would."""
+    sched = Scheduler(config(max_num_seqs=4, kv_bytes_per_token=512, max_lookahead_steps=1))
+    ex = FakeExecutor(step_s=1.0)
+    for rid in range(4):
+        sched.add_request(make_request(rid, 8, 5 + 10 * rid))
+    shared, gone = 0, None
+    for _ in range(12):
+        plan = sched.schedule()
+        shared += sched.kv.pool_members is sched.lazy.id_set
+        done = sched.update_from_output(plan, ex.execute(plan)._replace(token_ids=None))
+        assert not sched.kv.pool_members & {r.request_id for r in done}
+        if gone is None and sched.kv.pool_members is sched.lazy.id_set:
+            gone = sched.running[1]
+            sched.abort(gone.request_id)  # settles the lazy rows
+        sched.check_integrity()  # every running row with KV is held, nothing else
+    assert shared > 1 and gone is not None and gone.finish_reason == "abort"

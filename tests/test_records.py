@@ -29,6 +29,9 @@ SHIPPED = Path(__file__).parent.parent / "configs" / "devices" / "linux-x86_64-o
 def test_records_stream_during_the_run_and_end_as_a_finished_run_always_had_them(
         tmp_path, monkeypatch):
     monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 0.0)  # every step goes out as it completes
+    # No writer process can start: written here, each flush on disk when it returns (a writer
+    # process writes them a little later: test_record_process.py).
+    monkeypatch.setattr(sys, "executable", "")
     session = open_session(sim_config())
     seen = []
 

@@ -220,7 +220,8 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
     stream = None
     if run_dir is not None:
         write_config(run_dir, session.config, spec, session)
-        stream = RecordStream(run_dir, on_error=lambda exc: interrupts.stop(str(exc)))
+        stream = RecordStream(run_dir, on_error=lambda exc: interrupts.stop(str(exc)),
+                              writer_process=True)  # encoded and written on another core
     with _long_lived_heap():  # the workload's requests too (18,000: 26 collections went over)
         run = _Run(session, spec, on_step, stream, interrupts)
         wall0 = time.perf_counter()
@@ -229,6 +230,8 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
             with _kept_on_error(run, run_dir, wall0):
                 duration = run.drive()
                 wall = time.perf_counter() - wall0
+                if stream is not None:  # the last records: written while the run is summarized
+                    stream.flush()
         finally:
             interrupts.abandon = None
         gc.freeze()  # what the run kept: the summary and timeline.png do not go over it again

@@ -35,6 +35,15 @@ class WriteFailed(OSError):
     def __str__(self) -> str:
         return str(self.strerror)
 
+    def __reduce__(self) -> tuple:
+        return _write_failed, (self.errno, self.strerror)  # as a writer process answers it
+
+
+def _write_failed(number: int | None, message: str) -> WriteFailed:
+    error = WriteFailed.__new__(WriteFailed)
+    OSError.__init__(error, number, message)
+    return error
+
 
 class RecordWriter:
     """Writes batches of records to a run's files (opened, unbuffered, by the caller). The first
@@ -89,6 +98,10 @@ class RecordWriter:
 
     def _failed(self, error: WriteFailed) -> None:
         self.error = error
+
+    def written(self) -> tuple[list[int], list[int]]:
+        """requests.jsonl's records in the file's order: their ids, their lines' lengths."""
+        return self._written_ids, self._line_bytes
 
 
 def step_rows_of(steps: Sequence) -> list[tuple]:

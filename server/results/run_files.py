@@ -23,6 +23,7 @@ from typing import Any, BinaryIO
 from batchsim.configs import file_kind
 from batchsim.server.results.jsonio import dumps
 from batchsim.server.results.metrics import RequestRecord, StepRecord
+from batchsim.server.results.record_process import WriterProcess, batch_message
 from batchsim.server.results.record_writer import (
     REQUESTS,
     STEPS,
@@ -57,10 +58,15 @@ class RecordStream(RecordWriter):
     encoded and written in batches, each file's batch in one write, at most every FLUSH_EVERY_S
     (no fsync: a killed process's writes survive; a crashed kernel's need not). The first failed
     write (any OSError: ENOSPC, EFBIG, EIO) cuts its file back to the last whole record, sets
-    `error`, calls `on_error` (the run stops), and the stream writes nothing more."""
+    `error`, calls `on_error` (the run stops), and the stream writes nothing more.
+    `writer_process`: a writer process (record_process.py) encodes and writes them on another
+    core, each flush sending it the batch; its failed write reaches `error` and `on_error` at the
+    next flush or at close (a flush period or more late: the run goes on meanwhile); close waits
+    for its last answer. A killed run's writer writes every batch that reached it. Where none
+    can start, or the files were replaced before the first flush, they are written here."""
 
-    def __init__(self, run_dir: Path,
-                 on_error: Callable[[WriteFailed], None] | None = None) -> None:
+    def __init__(self, run_dir: Path, on_error: Callable[[WriteFailed], None] | None = None,
+                 writer_process: bool = False) -> None:
         files = {}
         for name in (STEPS, REQUESTS):
             try:
@@ -69,6 +75,9 @@ class RecordStream(RecordWriter):
                 raise WriteFailed(run_dir / name, exc) from None
         super().__init__(run_dir, files)
         self._on_error = on_error
+        self._child = _started(run_dir, files) if writer_process else None
+        self._opened: dict | None = dict(files)  # the files the child writes; None: checked
+        self._ends_sent = 0  # step end times the child has been sent
         self._steps: list[StepRecord] = []
         self._requests: list[Entry] = []  # to write at the next flush
         # Arrival order, streamed: the recorder appends each request's id as it arrives; a record
@@ -148,8 +157,43 @@ class RecordStream(RecordWriter):
             else:
                 self._due_s = oldest_s + FLUSH_EVERY_S
         requests, self._requests = self._requests, []
-        self.write_batch(step_rows_of(steps), requests)
+        if self._child_writes():
+            self._send(step_rows_of(steps), requests)
+        else:
+            self.write_batch(step_rows_of(steps), requests)
         self.writing_s += time.perf_counter() - t0
+
+    def _child_writes(self) -> bool:
+        """Whether the writer process writes the records: it started, and at the first flush the
+        files were still the ones it was given (else it has been sent nothing, and ends)."""
+        if self._opened is not None:
+            if self._files != self._opened:
+                self._finish_child()
+            self._opened = None
+        return self._child is not None
+
+    def _send(self, step_rows: list[tuple], requests: list[Entry]) -> None:
+        """To the writer process (its failed write is seen here at the next flush or close: a
+        flush period or more after it, the run going on meanwhile); nothing after a failure."""
+        if self.error is None and self._child is not None and self._child.error is not None:
+            self._failed(self._child.error)
+        if self.error is not None or not (step_rows or requests):
+            return
+        ends = self.ends
+        upto = len(ends)  # after the requests were taken: every end their runs index
+        self._child.send(batch_message(step_rows, requests, ends[self._ends_sent:upto]))
+        self._ends_sent = upto
+
+    def _finish_child(self) -> None:
+        """The writer process's last answer awaited: what it wrote, or why it failed."""
+        child, self._child = self._child, None
+        if child is None:
+            return
+        child.finish()
+        if child.written is not None:
+            self._written_ids, self._line_bytes = child.written
+        if child.error is not None and self.error is None:
+            self._failed(child.error)
 
     def _stop_holding(self) -> None:
         """The held records go with the next write, in completion order, and no more are held."""
@@ -168,6 +212,7 @@ class RecordStream(RecordWriter):
             if self._held:
                 self._stop_holding()
             self.flush()
+            self._finish_child()
             for f in self._files.values():
                 f.close()
             self._due_s = float("inf")  # none due: a flusher waits until cancelled, not spins
@@ -204,6 +249,14 @@ class RecordStream(RecordWriter):
             out.write(b"".join(lines))
             if written is not None:
                 written.close()
+
+
+def _started(run_dir: Path, files: dict[str, BinaryIO]) -> WriterProcess | None:
+    """A writer process for `files`, or None where none can start (they are written here)."""
+    try:
+        return WriterProcess(run_dir, files)
+    except OSError:  # no such program (sys.executable None or gone), no processes left
+        return None
 
 
 def replace_atomically(path: Path, data: bytes) -> None:

@@ -23,7 +23,14 @@ from batchsim.server.perf.stepcost import StepCost
 
 
 def _moe(cost: StepCost):
-    (layer,) = {lay for lay in cost.spec.arch.layers if lay.ffn.kind == "moe"}
+    """The model's one distinct MoE layer (qwen3-30b-a3b's) and its routed matrices."""
+    assert len({lay for lay in cost.spec.arch.layers if lay.ffn.kind == "moe"}) == 1
+    return _first_moe(cost)
+
+
+def _first_moe(cost: StepCost):
+    """The first MoE layer (gpt-oss has two: sliding and full attention) and its routed mats."""
+    layer = next(lay for lay in cost.spec.arch.layers if lay.ffn.kind == "moe")
     return layer, [mat for mat in layer.mats if mat.routed]
 
 
@@ -115,19 +122,39 @@ def test_size_notes_a_max_batch_across_the_gate():
     assert _gate_note([across], {"quantize_bits": None}, spec) == []
 
 
+def _rows_flops_bind(model: str) -> StepCost:
+    """The test's own rates, none of the shipped fit's (a refit could flip which term binds):
+    4-bit weights streamed at 400 GB/s, the experts' at that full rate, qmv rows at 1 TFLOP/s,
+    and the 4-bit GEMM's arithmetic where one row's FLOPs of the first routed matrix take half
+    its bytes' time over GATHER_MATMUL_EFFICIENCY."""
+    catalog = catalog_cost(model)
+    mats = _first_moe(catalog)[1]
+    own = dataclasses.replace(catalog.profile, quantized_gemv_gbs={4: 400.0},
+                              quantized_gemm_gflops={4: 1000.0}, expert_bandwidth_efficiency=1.0,
+                              quantized_gemv_row_gflops=1000.0, calibration=None)
+    moved_s, flops_s = StepCost(catalog.spec, own, "float16", 4).linear_terms(
+        1.0, mats[0].in_dim, mats[0].out_dim)
+    gflops = 1000.0 * (flops_s / GATHER_MATMUL_EFFICIENCY) / (moved_s / 2)
+    own = dataclasses.replace(own, quantized_gemm_gflops={4: gflops})
+    return StepCost(catalog.spec, own, "float16", 4)
+
+
 @pytest.mark.parametrize("model, batch", [("qwen3-30b-a3b", 63), ("gpt-oss-20b", 31)])
 def test_repeat_flops_are_counted_once(model, batch):
     # Just below the gate the m*k/D rows' FLOPs at half the GEMM rate outweigh an expert's bytes
-    # (r3 finding 3); the repeats' FLOPs are their qmv rows (routed_parts_s's repeats_s), so the
-    # experts keep one row's FLOPs an expert and the experts' bytes bind.
-    cost = catalog_cost(model)
-    layer = next(lay for lay in cost.spec.arch.layers if lay.ffn.kind == "moe")
-    ffn, mats = layer.ffn, [mat for mat in layer.mats if mat.routed]
+    # (r3 finding 3: here by the test's own rates); the repeats' FLOPs are their qmv rows
+    # (routed_parts_s's repeats_s), so the experts keep one row's FLOPs an expert and the
+    # experts' bytes bind.
+    cost = _rows_flops_bind(model)
+    layer, mats = _first_moe(cost)
+    ffn = layer.ffn
     distinct = expected_experts(ffn.experts, ffn.top_k, batch)
     eff = cost.profile.expert_bandwidth_efficiency
     for mat in mats:
         moved_s, flops_s = cost.linear_terms(batch * ffn.top_k / distinct, mat.in_dim, mat.out_dim)
         assert flops_s / GATHER_MATMUL_EFFICIENCY > moved_s / eff  # all rows' FLOPs would bind
+        one_s = cost.linear_terms(1.0, mat.in_dim, mat.out_dim)[1] / GATHER_MATMUL_EFFICIENCY
+        assert one_s < moved_s / eff  # one row's do not
         experts_s, repeats_s = cost.layers.routed_parts_s(mat, layer, batch)
         assert experts_s == pytest.approx(distinct * moved_s / eff)
         assert repeats_s > 0

@@ -47,15 +47,19 @@ def admissions(kv: KVManager, cfg: SchedulerConfig, waiting: deque[Request], row
                                                     and prompt_block_hashes(r)):
             return None  # joins the pool (add_row), or reuses cached blocks (first_chunk)
         left = budget_bytes - private_bytes  # StepBudget.chunk from 0, fit, geometry
-        n, tighter = chunk_fit(kv, r.request_id, 0, tokens, step, tokens_left,
-                               left - cache.pool_bytes(geom),
-                               lambda need, left=left: kv.geometry_for(rows, width, left - need))
+        pool_bytes = kv.pool_bytes if geom is kv.pool else cache.pool_bytes(geom)
+        n, tighter, held = chunk_fit(kv, r.request_id, 0, tokens, step, tokens_left,
+                                     left - pool_bytes,
+                                     lambda need, left=left: kv.geometry_for(rows, width,
+                                                                             left - need))
         if tighter is not None:
             geom = tighter
         if n <= 0:
             break
-        private[r.request_id] = p = cache.private(0, n)  # StepBudget.add_chunk
-        private_bytes += p.kv_bytes
+        # StepBudget.add_chunk's cache.private(0, n): no cache before (nothing computed), so its
+        # growth is what it holds
+        private[r.request_id] = made(PrivateCache, (0, n, held))
+        private_bytes += held
         tokens_left -= n
         chunks.append((r, n))
         rows_later, len_later = rows_later + 1, n_later

@@ -11,22 +11,22 @@ from batchsim.scheduler.pool_geometry import KV_STEP, PoolGeometry, round_down
 
 def chunk_fit(kv: KVManager, request_id: int, computed: int, gap: int, step_tokens: int,
               tokens_left: int, free_bytes: int, tighter: Callable[[int], PoolGeometry | None]
-              ) -> tuple[int, PoolGeometry | None]:
+              ) -> tuple[int, PoolGeometry | None, int]:
     """The largest prefill chunk toward `gap` tokens after `computed` within `step_tokens` (the
     prefill step) and `tokens_left` whose cache growth fits: in `free_bytes`, else in a tighter
     pool (`tighter(need_bytes)`: the pool's spare rows and capacity dropped, None: none), else
-    whole KV steps fewer; with that pool (None: the pool as it was). (0, None): none fits. Only a
-    request's final chunk may end off a KV_STEP boundary (`computed` is unaligned after a
-    prefix-cache hit)."""
+    whole KV steps fewer; with that pool (None: the pool as it was) and that growth in bytes
+    (KVManager.private_bytes_after). (0, None, 0): none fits. Only a request's final chunk may
+    end off a KV_STEP boundary (`computed` is unaligned after a prefix-cache hit)."""
     n = min(step_tokens, gap, tokens_left)
     if n != gap:
         n = round_down(computed + n, KV_STEP) - computed
     while n > 0:
         need = kv.private_bytes_after(request_id, computed, computed + n)
         if need <= free_bytes:
-            return n, None
+            return n, None, need
         geom = tighter(need)
         if geom is not None:
-            return n, geom
+            return n, geom, need
         n = round_down(computed + n - 1, KV_STEP) - computed
-    return 0, None
+    return 0, None, 0

@@ -123,3 +123,16 @@ def test_a_repeated_id_and_a_source_without_url_are_refused(tmp_path):
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(ConfigError, match="has no URL"):
         load_published(path)
+
+
+def test_a_server_row_faster_than_the_library_it_wraps_is_marked(published):
+    """mlx-inference-server runs mlx-lm's stream_generate: where the source's server figure beats
+    its own direct-library figure for the model (the 0.5B Long run, "-4% (faster!)"), its figures
+    contradict each other and that model's server rows are marked unexplained; the others are
+    kept (h5, issue 34)."""
+    rows = published.by_src("mlx_inference_server")
+    direct = {r.model: r.tok_s for r in rows if r.engine == "mlx-library"}
+    server = [r for r in rows if r.engine == "mlx-inference-server"]
+    faster = {r.model for r in server if r.tok_s > direct[r.model]}
+    assert faster == {"qwen2.5-0.5b"}
+    assert {r.id for r in server if r.unexplained} == {r.id for r in server if r.model in faster}

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from batchsim.scheduler.request import Request, SamplingParams
 from batchsim.server.engine import clock
+from batchsim.server.engine.collector import long_lived_heap, uncollected
 from batchsim.server.engine.engine import Engine
 from batchsim.server.engine.interrupts import Interrupts
 from batchsim.server.engine.kv_summary import kv_summary
@@ -151,7 +152,7 @@ class _Run:
             return False
 
         run = VirtualRun(engine, issue, recorder.on_finish)
-        with self.interrupts.answered_by(run.stop), _uncollected():
+        with self.interrupts.answered_by(run.stop), uncollected():
             if self.interrupted:  # it came while the run was being set up
                 run.stop()
             duration = run.run()
@@ -222,7 +223,7 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
         write_config(run_dir, session.config, spec, session)
         stream = RecordStream(run_dir, on_error=lambda exc: interrupts.stop(str(exc)),
                               writer_process=True)  # encoded and written on another core
-    with _long_lived_heap():  # the workload's requests too (18,000: 26 collections went over)
+    with long_lived_heap():  # the workload's requests too (18,000: 26 collections went over)
         run = _Run(session, spec, on_step, stream, interrupts)
         wall0 = time.perf_counter()
         interrupts.abandon = functools.partial(_abandon, run, run_dir, wall0)
@@ -350,38 +351,6 @@ def _abandon(run: _Run, run_dir: Path | None, wall0: float, reason: str) -> None
     run.interrupts.received = run.interrupts.received or reason
     _finish(run, run_dir, run.engine.now(), time.perf_counter() - wall0, False)
     run.interrupts.abandoned_in = str(run_dir) if run_dir else None
-
-
-@contextlib.contextmanager
-def _long_lived_heap():
-    """A run keeps what it allocates (requests, step records) to the end, so the collector's
-    passes over the growing heap find little to free: 170 collections, 0.15 s of a simulated
-    hour's 3 s. Freeze what exists (the loaded model, imports); collect the young generation
-    rarely (a simulated loop collects nothing: virtual_run.py); unfreeze when the run is over."""
-    threshold = gc.get_threshold()
-    gc.freeze()
-    gc.set_threshold(max(threshold[0], 20_000), *threshold[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*threshold)
-        gc.unfreeze()
-
-
-@contextlib.contextmanager
-def _uncollected():
-    """The collector off while a simulated loop runs: the loop makes no reference cycles, and what
-    it keeps (requests, step records) lives to the end of the run, so the collector's passes would
-    find nothing. Then that is frozen (not gone over when the collector is back on: the run's
-    _long_lived_heap unfreezes it when the run is over)."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()
-        if collecting:
-            gc.enable()
 
 
 def _peak_memory(session: Session) -> int | None:

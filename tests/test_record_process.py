@@ -4,7 +4,9 @@ can start, and kept when the run's process is killed while the writer lags behin
 
 from __future__ import annotations
 
+import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -34,7 +36,10 @@ def _run(out: Path) -> Path:
 def test_the_writer_process_writes_the_records_here_written_where_none_starts(tmp_path,
                                                                               monkeypatch):
     """A run's records come from the writer process; where none can start (its program gone:
-    sys.executable empty), the run writes the same bytes itself."""
+    sys.executable empty), the run writes the same bytes itself. A flush at every step: the
+    writer starts at the first (and requests.jsonl, held no longer, is rewritten in arrival
+    order at the end from what the writer answered it wrote)."""
+    monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 0.0)
     started = []
     start = record_process.WriterProcess.__init__
 
@@ -75,7 +80,7 @@ def _wait(until, what: str) -> object:
     deadline = time.monotonic() + GUARD_S
     while not (value := until()):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+        time.sleep(0.01)
     return value
 
 
@@ -87,11 +92,17 @@ def _gone(pid: int) -> bool:
     return state in ("Z", "X")
 
 
+# `batchsim` flushing every 10 ms: the writer process starts at the first flush that falls due.
+_OFTEN = ("import sys; from batchsim.server.results import run_files; "
+          "run_files.FLUSH_EVERY_S = 0.01; from batchsim.scripts.cli import main; "
+          "sys.exit(main(sys.argv[1:]))")
+
+
 def test_a_killed_run_leaves_every_record_it_sent_to_a_lagging_writer(tmp_path, batchsim_home):
-    """SIGKILL of the run's process while its writer process is stopped (it has written nothing):
-    once the writer goes on, it writes every record it was sent, the same bytes as a run that
-    was not killed (a run written in its own process leaves only what it wrote before)."""
-    argv = [sys.executable, "-m", "batchsim.scripts.cli", "run", *SIM, "--num-prompts", "20",
+    """SIGKILL of the run's process while its writer process is stopped: once the writer goes
+    on, it writes every record it was sent, the same bytes as a run that was not killed (a run
+    written in its own process leaves only what it wrote before it was killed)."""
+    argv = [sys.executable, "-c", _OFTEN, "run", *SIM, "--num-prompts", "20",
             "--request-rate", "20", "--output-len", "40", "--seed", "5", "--no-timeline"]
     env = {**os.environ, "BATCHSIM_HOME": str(batchsim_home)}
     whole = subprocess.run([*argv, "--out", str(tmp_path / "whole")], env=env, check=True,
@@ -113,7 +124,7 @@ def test_a_killed_run_leaves_every_record_it_sent_to_a_lagging_writer(tmp_path, 
 
         _wait(settled, "the run to send its records")
         (run_dir,) = (tmp_path / "killed").iterdir()
-        assert _files(run_dir) == (b"", b"")  # nothing written yet: the writer is stopped
+        at_kill = _files(run_dir)  # the writer stopped while it started: little or nothing
         run.kill()
         run.wait(GUARD_S)
         os.kill(writer, signal.SIGCONT)
@@ -122,3 +133,33 @@ def test_a_killed_run_leaves_every_record_it_sent_to_a_lagging_writer(tmp_path, 
         run.kill()
         run.wait(GUARD_S)
     assert _files(run_dir) == _files(expected) and all(_files(run_dir))
+    assert len(at_kill[0]) < len(_files(run_dir)[0])  # written after the run was killed
+
+
+def _file_limit(limit_bytes: int):
+    def preexec() -> None:  # as test_disk_full: a write past the limit fails with EFBIG
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+    return preexec
+
+
+def test_the_writers_failed_write_stops_the_run_with_one_line(tmp_path, batchsim_home):
+    """The file size limit reached in the writer process (it inherits the run's): its answer
+    stops the run at a later flush; whole records stay, the summary says why, one line."""
+    limit = 20_000
+    argv = [sys.executable, "-c", _OFTEN, "run", *SIM, "--num-prompts", "400",
+            "--request-rate", "50", "--output-len", "40", "--no-timeline", "--out", str(tmp_path)]
+    proc = subprocess.run(argv, env={**os.environ, "BATCHSIM_HOME": str(batchsim_home)},
+                          capture_output=True, check=False, text=True, timeout=GUARD_S,
+                          preexec_fn=_file_limit(limit))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "cannot write" in last and "File too large" in last, proc.stderr[-3000:]
+    (run_dir,) = tmp_path.iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["interrupted"] and "File too large" in summary["interrupt_reason"]
+    for name in (run_files.STEPS, run_files.REQUESTS):
+        text = (run_dir / name).read_text()
+        assert len(text) <= limit and (not text or text.endswith("\n"))
+        assert all(json.loads(line) for line in text.splitlines())
+    assert summary["num_plans"] > len((run_dir / run_files.STEPS).read_text().splitlines())

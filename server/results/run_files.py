@@ -75,8 +75,10 @@ class RecordStream(RecordWriter):
                 raise WriteFailed(run_dir / name, exc) from None
         super().__init__(run_dir, files)
         self._on_error = on_error
-        self._child = _started(run_dir, files) if writer_process else None
-        self._opened: dict | None = dict(files)  # the files the child writes; None: checked
+        self._child: WriterProcess | None = None
+        # The files a writer process is to write (None: not wanted, or started): it starts at the
+        # first flush that falls due, so a run that ends before one never waits for it to start.
+        self._for_child = dict(files) if writer_process else None
         self._ends_sent = 0  # step end times the child has been sent
         self._steps: list[StepRecord] = []
         self._requests: list[Entry] = []  # to write at the next flush
@@ -97,7 +99,7 @@ class RecordStream(RecordWriter):
     def add_step(self, step: StepRecord) -> None:
         self._steps.append(step)
         if time.monotonic() >= self._due_s:
-            self.flush()
+            self._flush_due()
 
     def add_request(self, record: RequestRecord,
                     token_runs: Sequence[Sequence[int]] | None = None) -> None:
@@ -122,8 +124,17 @@ class RecordStream(RecordWriter):
     def flush_if_due(self) -> float:
         """A flush if one is due (a flusher's, between steps); the seconds to the next one."""
         if time.monotonic() >= self._due_s:
-            self.flush()
+            self._flush_due()
         return max(0.0, self._due_s - time.monotonic())
+
+    def _flush_due(self) -> None:
+        """A flush the period made due: the first starts the writer process, if one is wanted,
+        nothing was written yet, and the files are still the ones opened (not replaced)."""
+        with self._lock:  # not while a watchdog's thread flushes
+            files, self._for_child = self._for_child, None
+            if files is not None and files == self._files and not self._files[STEPS].closed:
+                self._child = _started(self.run_dir, files)
+        self.flush()
 
     def flush(self) -> None:
         main = threading.current_thread() is threading.main_thread()
@@ -157,20 +168,12 @@ class RecordStream(RecordWriter):
             else:
                 self._due_s = oldest_s + FLUSH_EVERY_S
         requests, self._requests = self._requests, []
-        if self._child_writes():
+        if self._child is not None:
             self._send(step_rows_of(steps), requests)
         else:
+            self._for_child = None  # written here: from now on, all of it
             self.write_batch(step_rows_of(steps), requests)
         self.writing_s += time.perf_counter() - t0
-
-    def _child_writes(self) -> bool:
-        """Whether the writer process writes the records: it started, and at the first flush the
-        files were still the ones it was given (else it has been sent nothing, and ends)."""
-        if self._opened is not None:
-            if self._files != self._opened:
-                self._finish_child()
-            self._opened = None
-        return self._child is not None
 
     def _send(self, step_rows: list[tuple], requests: list[Entry]) -> None:
         """To the writer process (its failed write is seen here at the next flush or close: a

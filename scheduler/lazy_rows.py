@@ -44,7 +44,8 @@ class LazyRows:
         self.computed0: list[int] = []
         self.tokens0: list[int] = []  # num_tokens (prompt + output) - steps
         self.max_computed0 = self.max_tokens0 = 0  # their largest (kept, not searched per plan)
-        # A heap of (`steps` at which a row reaches its max_tokens, request id, row).
+        # A heap of (`steps` at which a row reaches its max_tokens, request id, row): its top
+        # less `steps`, the decode steps until the first row does (lookahead.py reads it).
         self.ends: list[tuple[int, int, Request]] = []
 
     def add(self, r: Request) -> None:
@@ -83,10 +84,6 @@ class LazyRows:
         s = self.steps
         return self.max_computed0 + s, self.max_tokens0 + s
 
-    def steps_left(self) -> int:
-        """Decode steps until the first row reaches its max_tokens (they are not empty)."""
-        return self.ends[0][0] - self.steps
-
     def positions(self) -> list[int]:
         """Every row's num_computed_tokens, in order."""
         s = self.steps
@@ -103,10 +100,10 @@ class LazyRows:
             ids = self.id_tuple
             if ids is None:
                 ids = self.id_tuple = tuple(self.ids)
-            return ids, positions(self.computed0.copy(), self.steps, ())
+            return ids, make_positions(self.computed0.copy(), self.steps, ())
         tail = decodes[n:]  # rows joining (most plans: none or one)
         return ((*self.ids, *map(REQUEST_ID, tail)),
-                positions(self.computed0.copy(), self.steps, tuple(map(COMPUTED, tail))))
+                make_positions(self.computed0.copy(), self.steps, tuple(map(COMPUTED, tail))))
 
     def computed(self) -> dict[int, int]:
         """request id -> num_computed_tokens, without writing them back."""
@@ -164,7 +161,7 @@ class Positions(Sequence):
     plus the steps, as of the plan) then the other rows' (`tail`), made into a tuple when first
     read whole. Its first `pooled` rows decoded in the last step, so they are in the executor's
     pool (a simulated executor joins the `tail` rows after them). Equal to the tuple, and
-    pickled as one. Made by positions()."""
+    pickled as one. Made by make_positions()."""
 
     __slots__ = ("_computed0", "_steps", "_values", "pooled", "tail")
 
@@ -199,7 +196,7 @@ class Positions(Sequence):
         return tuple, (self.values(),)
 
 
-def positions(computed0: list[int], steps: int, tail: tuple[int, ...],
+def make_positions(computed0: list[int], steps: int, tail: tuple[int, ...],
               new=object.__new__) -> Positions:
     """Positions of rows whose num_computed_tokens are computed0's plus `steps`, then `tail`'s
     (its fields set here, without a type call's __init__ frame: one is made a plan)."""

@@ -21,7 +21,7 @@ def lookahead_steps(decodes: list[Request], geom: PoolGeometry, width: int, limi
         steps = min(steps, _paged_steps(decodes, geom.blocks - kv.blocks_beside(decodes)))
     n = len(lazy.rows)
     if n:  # simulated rows (no token ids): only their length stops them
-        steps = min(steps, lazy.steps_left())
+        steps = min(steps, lazy.ends[0][0] - lazy.steps)  # until the first reaches max_tokens
         decodes = decodes[n:]
     for r in decodes:  # a plain loop: comprehensions cost a frame each in Python 3.11
         sampling = r.sampling

@@ -69,7 +69,7 @@ class VirtualRun:
     def _loop(self, engine: Engine, scheduler: Scheduler) -> None:
         late = False  # arrivals asyncio fires after the next plan is priced (_wait)
         # Bound once: each is called every plan (25,000 plans in a simulated hour).
-        schedule, finish_step, advance_to = scheduler.schedule, engine.finish_step, self._advance_to
+        schedule, finish_step = scheduler.schedule, engine.finish_step
         execute = engine.executor.execute  # engine.simulate, without its frame
         arrivals, num_arrivals = self._arrivals_s, len(self._arrivals_s)
         waiting, running = scheduler.waiting, scheduler.running  # has_work(), without its frame
@@ -90,8 +90,9 @@ class VirtualRun:
                 while self._due():
                     self._fire()
             end_s = start + max(sum(result.step_durations_s), 0.0)  # its elapsed_s
-            if self._next < num_arrivals and arrivals[self._next] <= end_s:
-                advance_to(end_s)  # (a plan without an arrival in it: no frame)
+            while self._next < num_arrivals and arrivals[self._next] <= end_s:
+                self.now_s = max(self.now_s, arrivals[self._next])  # each at its own time
+                self._fire()  # (the clock to the plan's end: here, without a frame)
             self.now_s = end_s
             finished = finish_step(plan, result, start)
             if finished:
@@ -116,14 +117,6 @@ class VirtualRun:
         while not woke and self._due():
             woke = self._fire()
         return self._due()
-
-    def _advance_to(self, end_s: float) -> None:
-        """The clock to the plan's end; arrivals due by then fire at their own times."""
-        arrivals, n = self._arrivals_s, len(self._arrivals_s)
-        while self._next < n and arrivals[self._next] <= end_s:
-            self.now_s = max(self.now_s, arrivals[self._next])
-            self._fire()
-        self.now_s = end_s
 
     def _due(self) -> bool:
         """The next arrival's timer is due now (within the clock's resolution)."""

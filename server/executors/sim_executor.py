@@ -11,7 +11,7 @@ from __future__ import annotations
 from batchsim.scheduler import prefill_groups
 from batchsim.scheduler.kv_bytes import CacheLayout
 from batchsim.scheduler.lazy_rows import Positions
-from batchsim.scheduler.plan import CacheOps, StepPlan, StepResult, made
+from batchsim.scheduler.plan import CacheOps, PrefillChunk, StepPlan, StepResult, made
 from batchsim.scheduler.pool_geometry import PAGE_TOKENS, PoolGeometry
 from batchsim.server.executors.base import ExecutorCaps
 from batchsim.server.executors.pool_rows import NO_MOVES, PoolLayout
@@ -63,7 +63,7 @@ class SimExecutor:
         t = self.overhead_s
         if free_ids:
             t += self._free(free_ids)
-        for new in new_requests:  # an empty prefill cache (_set_private(id, 0, 0): 0 bytes)
+        for new in new_requests:  # an empty prefill cache (private_bytes(0, 0): 0 bytes)
             self._private_bytes -= self.private.get(new.request_id, 0)
             self.private[new.request_id] = 0
             if new.cached_hashes:  # cached blocks copied into its prefill cache
@@ -88,17 +88,7 @@ class SimExecutor:
         self._joined = decode_ids
         sampled = decode_ids  # who sampled a token: the decode rows, then sampling prefills
         if prefills:
-            sampling: list[int] = []
-            for group in ((prefills,) if len(prefills) == 1  # alone: its own group
-                          else prefill_groups.groups(prefills)):  # as the MLX executor runs them
-                started = 0  # rows sampling their request's first token
-                for rid, start, n, sample, fresh in group:  # PrefillChunk: fields cost a call
-                    self._set_private(rid, start, start + n)
-                    if sample:
-                        sampling.append(rid)
-                        started += fresh
-                _, start, n, sample, _ = group[0]
-                t += self._prefill_forward_s(n, start, sample, len(group), started)
+            t, sampling = self._prefill(prefills, t)
             sampled = (*sampled, *sampling)
         if spec:
             return self._verify(plan, t, sampled)
@@ -107,6 +97,32 @@ class SimExecutor:
             self._decode(plan, durations, max_elapsed_s)
         return made(StepResult, (step_index, sampled, None, tuple(durations), self.kv_bytes(),
                                  None, None))
+
+    def _prefill(self, prefills: tuple[PrefillChunk, ...], t: float) -> tuple[float, list[int]]:
+        """The plan's prefill chunks in groups, as the MLX executor runs them (one forward a
+        group): `t` (the step's time so far) plus each group's, added in order, and the rows
+        sampling a token, in order. Each chunk's private cache grows to
+        CacheLayout.private_bytes; a group's price is remembered (one frame a chunk fewer: most
+        plans that prefill have one chunk)."""
+        sampling = []
+        private, cache, prices = self.private, self.cache, self._prefill_s
+        for group in ((prefills,) if len(prefills) == 1  # alone: its own group
+                      else prefill_groups.groups(prefills)):
+            started = 0  # rows sampling their request's first token
+            for rid, start, n, sample, fresh in group:  # PrefillChunk: fields cost a call
+                held = cache.private_bytes(start, start + n)
+                self._private_bytes += held - private.get(rid, 0)
+                private[rid] = held
+                if sample:
+                    sampling.append(rid)
+                    started += fresh
+            _, start, n, sample, _ = group[0]
+            key = (n, start, sample, len(group), started)  # prefill_forward_s's arguments
+            s = prices.get(key)
+            if s is None:
+                s = _remember(prices, key, self.cost.prefill_forward_s(*key))
+            t += s
+        return t, sampling
 
     def _verify(self, plan: StepPlan, t: float, sampled: tuple[int, ...]) -> StepResult:
         """One verify step: accepted drafts drawn, then every row's last token and drafts in one
@@ -163,15 +179,6 @@ class SimExecutor:
             durations.append(d)
             elapsed += d
 
-    def _prefill_forward_s(self, n: int, start: int, sample: bool, rows: int,
-                           started: int) -> float:
-        key = (n, start, sample, rows, started)
-        s = self._prefill_s.get(key)
-        if s is None:
-            s = _remember(self._prefill_s, key,
-                          self.cost.prefill_forward_s(n, start, sample, rows, started))
-        return s
-
     def _decode_forward_s(self, rows: int, width: int) -> float:
         key = (rows, width)
         s = self._decode_s.get(key)
@@ -193,11 +200,6 @@ class SimExecutor:
 
     def kv_bytes(self) -> int:
         return self._pool_bytes + self._private_bytes + self._cached_bytes
-
-    def _set_private(self, request_id: int, chunk_start: int, computed_tokens: int) -> None:
-        held = self.cache.private_bytes(chunk_start, computed_tokens)
-        self._private_bytes += held - self.private.get(request_id, 0)
-        self.private[request_id] = held
 
     # -- the pool's copies, as pool_rows lays them out for the real DecodePool ------------------
     def _free(self, free_ids: tuple[int, ...]) -> float:

@@ -25,6 +25,7 @@ from batchsim.server.results.plots import pyplot, save_figure  # noqa: F401
 from batchsim.server.results.timeline import executor_label  # noqa: F401 (re-exported)
 from batchsim.workloads.lengths import LengthSpec
 from rich.console import Console
+from rich.segment import Segments
 from rich.table import Table
 
 # Tables and notes for people go to stdout before the closing JSON line; progress goes to stderr.
@@ -43,6 +44,15 @@ def _width(stream) -> int | None:
 # style= (or a rich Text), never in the text (tests/test_console_text.py checks the sources).
 out = Console(width=_width(sys.stdout), emoji=False, markup=False)
 err = Console(stderr=True, width=_width(sys.stderr), emoji=False, markup=False)
+
+
+
+def laid_out(renderable: Any) -> Segments:
+    """`renderable` rendered for `out` now, as out.print renders it (its options): printing the
+    result later copies the segments, the same text."""
+    options = out.options.update(justify=None, overflow=None, height=None, no_wrap=None,
+                                 markup=None, highlight=None)
+    return Segments(list(out.render(renderable, options)))
 
 
 # Exit codes (the README's commands section and `batchsim --help` list them).

@@ -66,3 +66,67 @@ def test_a_sweep_on_an_emulated_budget_says_what_the_device_itself_holds(tmp_pat
     said = " ".join(printed.split())
     assert (f"holds {result['device_analytic_max_batch']} sequences of these lengths" in said
             and "The budget is emulated (--limit-batch 12" in said), said
+
+
+def _print_console(monkeypatch) -> io.StringIO:
+    """`out` (the summary table's console) on a terminal of 100 columns, colors on: a buffer."""
+    from batchsim.scripts import common
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=100, force_terminal=True, color_system="truecolor")
+    monkeypatch.setattr(common, "out", console)
+    monkeypatch.setattr(run_view, "out", console)
+    return buf
+
+
+def test_the_table_laid_out_while_the_picture_is_drawn_prints_as_it_would_have(monkeypatch):
+    from batchsim.scripts import report
+
+    session = open_session(sim_config(n=6))
+    summary = run_workload(session, session.config.workload, out_dir=None, label="t").summary
+    # the numbers, as on_summary has them: the picture, run directory and environment come after
+    numbers = {k: v for k, v in summary.items() if k not in ("timeline_png", "run_dir", "env")}
+    after = {"timeline_png": "t.png", "run_dir": "r", "env": {}}
+    buf = _print_console(monkeypatch)
+    run_view.print_summary({**numbers, **after})  # laid out when printed, as before
+    direct = buf.getvalue()
+    laid = []
+    monkeypatch.setattr(report, "summary_table", lambda s: laid.append(s) or summary_table(s))
+    for changed in ({}, {"completed": summary["completed"] - 1, "interrupted": True}):
+        view = run_view.ConsoleView(progress=False)
+        view.summarized(numbers)
+        buf.seek(0), buf.truncate()
+        view.finished({**numbers, **changed, **after})
+        if not changed:  # the table laid out ahead, printed after the picture: the same text
+            assert len(laid) == 1 and buf.getvalue() == direct
+    # a summary that changed meanwhile (a signal while the picture was awaited) is laid out anew
+    assert len(laid) == 3 and laid[2]["completed"] == summary["completed"] - 1
+    assert f"{summary['completed'] - 1}" in buf.getvalue() and "interrupted:" in buf.getvalue()
+
+
+def test_the_view_lays_out_the_summary_before_the_picture_is_awaited(tmp_path):
+    from batchsim.server.engine.run_path import run_config
+    from batchsim.server.results.timeline_draw import DrawingProcess
+
+    events = []
+
+    class Drawing(DrawingProcess):  # draws here (no child), noting when it is awaited
+        def __init__(self) -> None:
+            super().__init__()
+            self._child.kill(), self._child.wait()
+            self._child = None
+
+        def result(self, stop=bool):
+            events.append("awaited")
+            return super().result(stop)
+
+    class View(run_view.ConsoleView):
+        def summarized(self, summary):
+            events.append(("summarized", "timeline_png" in summary, summary["completed"]))
+
+        def finished(self, summary):
+            events.append(("finished", summary["timeline_png"] is not None))
+
+    with Drawing() as drawing:
+        run_config(sim_config(n=6), tmp_path, View(progress=False), timeline=drawing)
+    assert events == [("summarized", False, 6), "awaited", ("finished", True)]

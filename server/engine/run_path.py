@@ -35,6 +35,10 @@ class RunView(Protocol):
                  label: str) -> contextlib.AbstractContextManager[StepHook | None]:
         """Entered around the workload; gives the hook called after every step (or None)."""
 
+    def summarized(self, summary: dict[str, Any]) -> None:
+        """The summary's numbers are made; its picture may still be drawn (what is shown of the
+        numbers can be laid out meanwhile; `finished` still comes, with the final summary)."""
+
     def finished(self, summary: dict[str, Any]) -> None:
         """The summary is made (and written, where the disk allowed)."""
 
@@ -47,6 +51,9 @@ class QuietView:
 
     def progress(self, total: int, label: str) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
+
+    def summarized(self, summary: dict[str, Any]) -> None:
+        pass
 
     def finished(self, summary: dict[str, Any]) -> None:
         pass
@@ -118,7 +125,8 @@ def _run_opened(session: Session, run_dir: Path, label: str, stop: Interrupts, v
         view.opened(session)
         with view.progress(spec.num_prompts, label) as on_step:
             outcome = run_workload(session, spec, out_dir=None, label=label, on_step=on_step,
-                                   run_dir=run_dir, interrupts=stop, timeline=timeline)
+                                   run_dir=run_dir, interrupts=stop, timeline=timeline,
+                                   on_summary=view.summarized)
         view.finished(outcome.summary)
         if outcome.records_error:  # a full disk: the run stopped, what it wrote is kept
             raise RecordsLost(outcome.records_error, outcome.summary)

@@ -198,13 +198,15 @@ def run_workload(
     session: Session, spec: WorkloadSpec, *, out_dir: Path | None, label: str,
     on_step: Callable | None = None, run_dir: Path | None = None,
     interrupts: Interrupts | None = None, timeline: bool | DrawingProcess = True,
+    on_summary: Callable[[dict[str, Any]], None] | None = None,
 ) -> RunOutcome:
     """Run `spec` and record it in `run_dir` (else a new directory under `out_dir`, else
     nowhere): config.yaml first, steps and requests as they complete, summary.json last. A signal
     `interrupts` handles stops the sending; what was sent is finished or cut off, and recorded.
     Without `interrupts`, Ctrl-C does that (SIGTERM stays the caller's). `timeline`: draw
     timeline.png in the run directory from its records (the summary's timeline_png); a
-    DrawingProcess (the caller's to close) draws it while the run is summarized."""
+    DrawingProcess (the caller's to close) draws it while the run is summarized. `on_summary`:
+    called with the summary once its numbers are made, before timeline.png is awaited."""
     if run_dir is None and out_dir is not None:
         run_dir = new_run_dir(out_dir, label)
     with contextlib.ExitStack() as stack:
@@ -212,12 +214,14 @@ def run_workload(
             interrupts = stack.enter_context(Interrupts((signal.SIGINT,)))
         stack.enter_context(interrupts.answered_by())  # outside the sending: noted, not raised
         drawing = timeline if isinstance(timeline, DrawingProcess) and run_dir else None
-        return _run_recorded(session, spec, on_step, run_dir, interrupts, timeline, drawing)
+        return _run_recorded(session, spec, on_step, run_dir, interrupts, timeline, drawing,
+                             on_summary)
 
 
 def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None,
                   run_dir: Path | None, interrupts: Interrupts, timeline: bool | DrawingProcess,
-                  drawing: DrawingProcess | None) -> RunOutcome:
+                  drawing: DrawingProcess | None,
+                  on_summary: Callable[[dict[str, Any]], None] | None) -> RunOutcome:
     stream = None
     if run_dir is not None:
         write_config(run_dir, session.config, spec, session)
@@ -236,14 +240,15 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
         finally:
             interrupts.abandon = None
         gc.freeze()  # what the run kept: the summary and timeline.png do not go over it again
-        return _finish(run, run_dir, duration, wall, timeline, drawing)
+        return _finish(run, run_dir, duration, wall, timeline, drawing, on_summary)
 
 
 def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
-            timeline: bool | DrawingProcess, drawing: DrawingProcess | None = None
-            ) -> RunOutcome:
+            timeline: bool | DrawingProcess, drawing: DrawingProcess | None = None,
+            on_summary: Callable[[dict[str, Any]], None] | None = None) -> RunOutcome:
     """Summarize `run` (`duration` on its clock, `wall` s), close its records, write summary
-    (timeline.png: drawn by `drawing` meanwhile, else here after the records are closed)."""
+    (timeline.png: drawn by `drawing` meanwhile, else here after the records are closed;
+    `on_summary` given the summary before it is awaited)."""
     session, spec, stream, interrupts = run.session, run.spec, run.stream, run.interrupts
     count_at_end = interrupts.count  # a signal from here on ends the wait for the drawing child
     # The engine's time, as before records streamed: writing them is not the run's work.
@@ -264,22 +269,7 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
         peak_rss_bytes=peak_resident_bytes() if session.executor.caps.real_compute else None,
         token_times_s=tokens.times(), step_columns=col,
         running_peak_kv_bytes=run.engine.scheduler.kv.peak_running_bytes)
-    plans = len(steps)
-    summary.update({
-        "model": session.ref.name, "dtype": session.dtype,
-        "quantize_bits": session.ref.quantize_bits,
-        "executor": cfg.executor, "engine": cfg.engine, "workload": spec.name,
-        "kv_layout": cfg.kv_layout,
-        "max_num_seqs": cfg.scheduler.max_num_seqs,
-        "memory_budget_bytes": session.memory_budget_bytes,
-        "budget_source": session.budget_source, "num_steps": run.engine.scheduler.num_steps,
-        "num_plans": plans, "wall_s": wall,
-        "mean_plan_wall_ms": 1e3 * wall / plans if plans else 0.0,
-        "kv_account_mismatches": rec.kv_account_mismatches,
-        "mean_arrival_lateness_ms": 1e3 * float(np.mean(run.lateness_s)) if run.lateness_s else 0.0,
-        "interrupted": run.interrupted,
-        **kv_summary(run.engine.scheduler),
-    })
+    summary.update(_what_ran(run, wall))
     if cfg.spec_method != "none":
         summary.update({"spec_method": cfg.spec_method, "spec_tokens": cfg.scheduler.spec_tokens,
                         "spec_policy": cfg.scheduler.spec_policy, **rec.spec.summary()})
@@ -290,6 +280,8 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
         summary["sim_speedup"] = duration / wall if wall > 0 else float("inf")
     if stream is not None:
         stream.close(records)  # requests.jsonl in arrival order, as a finished run has it
+    if on_summary is not None:  # while the drawing process draws
+        on_summary(summary)
     if draw and run_dir is not None and not (stream and stream.error):  # no room for it
         summary["timeline_png"] = _timeline_png(run, run_dir, drawing, count_at_end, records)
     summary["interrupted"] = run.interrupted  # a signal may have come while records were written
@@ -299,6 +291,26 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
     summary["env"] = session.environment()
     error = write_summary_noting_failures(run_dir, summary, stream.error if stream else None)
     return RunOutcome(summary, records, steps, run_dir, run.interrupted, error)
+
+
+def _what_ran(run: _Run, wall: float) -> dict[str, Any]:
+    """The summary's account of what ran (model, executor, scheduler, plans, `wall` s, KV)."""
+    session, cfg, plans = run.session, run.session.config, len(run.recorder.steps)
+    return {
+        "model": session.ref.name, "dtype": session.dtype,
+        "quantize_bits": session.ref.quantize_bits,
+        "executor": cfg.executor, "engine": cfg.engine, "workload": run.spec.name,
+        "kv_layout": cfg.kv_layout,
+        "max_num_seqs": cfg.scheduler.max_num_seqs,
+        "memory_budget_bytes": session.memory_budget_bytes,
+        "budget_source": session.budget_source, "num_steps": run.engine.scheduler.num_steps,
+        "num_plans": plans, "wall_s": wall,
+        "mean_plan_wall_ms": 1e3 * wall / plans if plans else 0.0,
+        "kv_account_mismatches": run.recorder.kv_account_mismatches,
+        "mean_arrival_lateness_ms": 1e3 * float(np.mean(run.lateness_s)) if run.lateness_s else 0.0,
+        "interrupted": run.interrupted,
+        **kv_summary(run.engine.scheduler),
+    }
 
 
 def _timeline_png(run: _Run, run_dir: Path, drawing: DrawingProcess | None, count_at_end: int,

@@ -163,3 +163,33 @@ def test_the_writers_failed_write_stops_the_run_with_one_line(tmp_path, batchsim
         assert len(text) <= limit and (not text or text.endswith("\n"))
         assert all(json.loads(line) for line in text.splitlines())
     assert summary["num_plans"] > len((run_dir / run_files.STEPS).read_text().splitlines())
+
+
+def _writer(tmp_path: Path) -> tuple[record_process.WriterProcess, dict]:
+    files = {n: (tmp_path / n).open("wb", buffering=0) for n in (run_files.STEPS,
+                                                                  run_files.REQUESTS)}
+    return record_process.WriterProcess(tmp_path, files), files
+
+
+def test_a_writer_that_does_not_answer_in_time_is_killed_and_said_so(tmp_path):
+    writer, _ = _writer(tmp_path)
+    os.kill(writer._child.pid, signal.SIGSTOP)
+    writer.finish(wait_s=0.5)
+    assert writer.written is None and writer._child.returncode == -signal.SIGKILL
+    assert str(writer.error).endswith("the records' writer process did not answer in 0.5 s")
+
+
+def test_a_writer_that_dies_is_a_write_error_with_its_exit(tmp_path):
+    writer, _ = _writer(tmp_path)
+    os.kill(writer._child.pid, signal.SIGKILL)
+    writer.finish()
+    assert writer.written is None and str(writer.error).startswith(
+        f"cannot write {tmp_path}: the records' writer process exited -9: ")
+
+
+def test_a_message_the_writer_cannot_read_is_a_write_error(tmp_path):
+    writer, _ = _writer(tmp_path)
+    writer.send(b"not a pickle of records")
+    writer.finish()
+    assert writer.written is not None and writer.error is not None
+    assert "the records' writer process could not read a message" in str(writer.error)

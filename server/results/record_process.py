@@ -104,7 +104,8 @@ class WriterProcess:
         self._queue.put(None)
         self._threads[1].join(wait_s)
         child = self._child
-        if child.poll() is None and self._threads[1].is_alive():
+        late = child.poll() is None and self._threads[1].is_alive()
+        if late:
             child.kill()
         child.wait()
         for thread in self._threads:
@@ -115,8 +116,7 @@ class WriterProcess:
                 stream.close()
         if self.written is None and self.error is None:
             last = (err.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
-            why = (f"the records' writer process did not answer in {wait_s:g} s"
-                   if child.returncode == -signal.SIGKILL else
+            why = (f"the records' writer process did not answer in {wait_s:g} s" if late else
                    f"the records' writer process exited {child.returncode}: {last}")
             self.error = WriteFailed(self.run_dir, OSError(errno.EIO, why))
 
@@ -143,8 +143,9 @@ class _ChildWriter(RecordWriter):
 
 
 def _serve(run_dir: str, steps_fd: str, requests_fd: str) -> int:
-    """The child: write each message read from stdin until its end (a message cut short by a
-    killed run is dropped whole), then answer the written requests' ids and line lengths."""
+    """The child: write each message read from stdin until its end, then answer the written
+    requests' ids and line lengths. A message it cannot read (cut short: the run was killed, no
+    one hears the answer) ends the writing: answered as a failed write."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the run ends the records: its pipe's end
     files = {STEPS: os.fdopen(int(steps_fd), "wb", buffering=0),
              REQUESTS: os.fdopen(int(requests_fd), "wb", buffering=0)}
@@ -153,7 +154,11 @@ def _serve(run_dir: str, steps_fd: str, requests_fd: str) -> int:
     while True:
         try:
             step_rows, requests, new_ends = pickle.load(sys.stdin.buffer)  # from its parent
-        except (EOFError, pickle.UnpicklingError):
+        except EOFError:
+            break
+        except Exception as exc:  # noqa: BLE001 -- pickle raises many kinds: say which, stop
+            writer._failed(WriteFailed(writer.run_dir, OSError(errno.EIO, (
+                f"the records' writer process could not read a message ({exc})"))))
             break
         ends += new_ends
         writer.write_batch(step_rows, [

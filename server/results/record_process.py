@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
 
+from batchsim.server.platform.child import start_code
 from batchsim.server.results.json_lines import run_items
 from batchsim.server.results.metrics import RequestRecord
 from batchsim.server.results.record_writer import (
@@ -37,9 +38,7 @@ TIMES_AT = _FIELDS.index("token_times_s")
 REQUEST_VALUES = operator.attrgetter(*(n for n in _FIELDS if n != "token_times_s"))
 FINISH_WAIT_S = 120.0  # close()'s wait for the child's last answer (its backlog under load)
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
-# As timeline_draw's child: -c puts '' first on the path (the working directory), taken out.
-_START_CHILD = ("import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; import runpy; "
-                f"runpy.run_module({__name__!r}, run_name='__main__')")
+_START_CHILD = start_code(__name__)
 
 
 def batch_message(step_rows: list[tuple], requests: Sequence[Entry],

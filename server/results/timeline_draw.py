@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+from batchsim.server.platform.child import start_code
 from batchsim.server.results.metrics import RequestRecord, StepRecord
 from batchsim.server.results.plots import figure, save_figure
 from batchsim.server.results.timeline import (
@@ -194,12 +195,7 @@ def _kv_panel(ax, series: _Series, overrun_s: float | None, limits: Limits) -> N
     ax.set_ylabel("KV (GiB)")
 
 
-# `-m` put the working directory first on the child's path, where a numpy.py or matplotlib/ of
-# the user's ran in it (the console script's parent never imports from there); -c puts '' there,
-# taken out (PYTHONSAFEPATH would do it from 3.11 only). The working directory stays: run
-# directories may be relative paths.
-_START_CHILD = ("import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; import runpy; "
-                f"runpy.run_module({__name__!r}, run_name='__main__')")
+_START_CHILD = start_code(__name__)
 
 
 class DrawingProcess:

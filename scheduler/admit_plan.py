@@ -43,9 +43,11 @@ def admissions(kv: KVManager, cfg: SchedulerConfig, waiting: deque[Request], row
         n_later = tokens + 1 if tokens >= len_later else len_later  # as _admit_waiting
         if kv.geometry_for(rows_later + 1, n_later, budget_bytes) is None:
             break
-        if tokens == 1 or r.num_computed_tokens or (prefix is not None
-                                                    and prompt_block_hashes(r)):
-            return None  # joins the pool (add_row), or reuses cached blocks (first_chunk)
+        if tokens == 1 or r.num_computed_tokens or prefix is not None and (
+                r.block_hashes or r.block_hashes is None and prompt_block_hashes(r)):
+            # joins the pool (add_row), or reuses cached blocks (first_chunk; the hashes worked
+            # out only when not yet kept on the request: most heads, without a frame)
+            return None
         left = budget_bytes - private_bytes  # StepBudget.chunk from 0, fit, geometry
         pool_bytes = kv.pool_bytes if geom is kv.pool else cache.pool_bytes(geom)
         n, tighter, held = chunk_fit(kv, r.request_id, 0, tokens, step, tokens_left,

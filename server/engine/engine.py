@@ -183,9 +183,10 @@ class Engine:
     def finish_step(self, plan: StepPlan, result: StepResult, start: float) -> list[Request]:
         """The step is done: the scheduler takes its result, the recorder its record; the
         requests it finished (their finish times are stamped by the caller)."""
-        finished = self.scheduler.update_from_output(plan, result)
-        if self.scheduler.cut_drafts:  # records and metrics count the drafts it kept
-            result = cut_drafts(result, self.scheduler.cut_drafts)
+        scheduler = self.scheduler
+        finished = scheduler.update_from_output(plan, result)
+        if scheduler.cut_drafts:  # records and metrics count the drafts it kept
+            result = cut_drafts(result, scheduler.cut_drafts)
         # The step's record (here, not in a method of its own: a frame fewer a plan).
         if self._thread is None:
             durations = result.step_durations_s
@@ -195,10 +196,10 @@ class Engine:
             # what a client sees: the loop's time when the step's tokens are out
             ends = [self.now()]
         for new in plan.new_requests:
-            r = self.scheduler.requests.get(new.request_id)
+            r = scheduler.requests.get(new.request_id)
             if r is not None and r.first_scheduled_s is None:
                 r.first_scheduled_s = start
-        self.recorder.on_step(plan, result, start, ends, self.scheduler)
+        self.recorder.on_step(plan, result, start, ends, scheduler)
         if self._streams and result.token_ids is not None:
             self._send_tokens(result)
         if self._on_step is not None:

@@ -168,4 +168,8 @@ def _serve(run_dir: str, steps_fd: str, requests_fd: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_serve(*sys.argv[1:4]))
+    code = _serve(*sys.argv[1:4])
+    # Answered: gone at once (the run's close waits for this process's end, not for the
+    # interpreter's teardown; the files are written: nothing is buffered here).
+    sys.stderr.flush()
+    os._exit(code)

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 from batchsim.server.results import record_process, run_files
@@ -98,6 +99,7 @@ _OFTEN = ("import sys; from batchsim.server.results import run_files; "
           "sys.exit(main(sys.argv[1:]))")
 
 
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="finds processes through /proc")
 def test_a_killed_run_leaves_every_record_it_sent_to_a_lagging_writer(tmp_path, batchsim_home):
     """SIGKILL of the run's process while its writer process is stopped: once the writer goes
     on, it writes every record it was sent, the same bytes as a run that was not killed (a run

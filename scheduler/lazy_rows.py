@@ -20,6 +20,7 @@ from batchsim.scheduler.request import RUNNING, Request
 
 # A request's id and its computed tokens, read in C (map over a few rows: no comprehension frame)
 REQUEST_ID = operator.attrgetter("request_id")
+_new = object.__new__
 COMPUTED = operator.attrgetter("num_computed_tokens")
 
 
@@ -96,14 +97,18 @@ class LazyRows:
         if not n:
             return (tuple([r.request_id for r in decodes]),
                     tuple([r.num_computed_tokens for r in decodes]))
+        # Positions' fields set here, without a type call's __init__ frame (one is made a plan)
+        p = _new(Positions)
+        p._computed0, p._steps, p._values, p.pooled = self.computed0.copy(), self.steps, None, n
         if len(decodes) == n:
             ids = self.id_tuple
             if ids is None:
                 ids = self.id_tuple = tuple(self.ids)
-            return ids, make_positions(self.computed0.copy(), self.steps, ())
+            p.tail = ()
+            return ids, p
         tail = decodes[n:]  # rows joining (most plans: none or one)
-        return ((*self.ids, *map(REQUEST_ID, tail)),
-                make_positions(self.computed0.copy(), self.steps, tuple(map(COMPUTED, tail))))
+        p.tail = tuple(map(COMPUTED, tail))
+        return (*self.ids, *map(REQUEST_ID, tail)), p
 
     def computed(self) -> dict[int, int]:
         """request id -> num_computed_tokens, without writing them back."""
@@ -161,7 +166,7 @@ class Positions(Sequence):
     plus the steps, as of the plan) then the other rows' (`tail`), made into a tuple when first
     read whole. Its first `pooled` rows decoded in the last step, so they are in the executor's
     pool (a simulated executor joins the `tail` rows after them). Equal to the tuple, and
-    pickled as one. Made by make_positions()."""
+    pickled as one. Made by LazyRows.columns."""
 
     __slots__ = ("_computed0", "_steps", "_values", "pooled", "tail")
 
@@ -195,12 +200,3 @@ class Positions(Sequence):
     def __reduce__(self) -> tuple:
         return tuple, (self.values(),)
 
-
-def make_positions(computed0: list[int], steps: int, tail: tuple[int, ...],
-              new=object.__new__) -> Positions:
-    """Positions of rows whose num_computed_tokens are computed0's plus `steps`, then `tail`'s
-    (its fields set here, without a type call's __init__ frame: one is made a plan)."""
-    p = new(Positions)
-    p._computed0, p._steps, p.tail, p.pooled, p._values = (computed0, steps, tail,
-                                                           len(computed0), None)
-    return p

@@ -45,12 +45,10 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the newest is preempted first
         self.requests: dict[int, Request] = {}  # waiting or running
         self.num_steps = 0  # steps executed so far; token_runs index into this count
-        self.num_preemptions = 0
-        self.num_rejected = 0
+        self.num_preemptions = self.num_rejected = 0
         # Tokens admitted requests had to compute (prompt, or prompt + output after a
         # preemption), and those the prefix cache held (vLLM's prefix-cache queries and hits).
-        self.num_query_tokens = 0
-        self.num_hit_tokens = 0
+        self.num_query_tokens = self.num_hit_tokens = 0
         # The last step's rows whose accepted drafts a stop cut: request id -> drafts kept.
         self.cut_drafts: dict[int, int] = {}
         # The last step's sampled rows (indices into sampled_ids) whose request was gone when its
@@ -65,16 +63,20 @@ class Scheduler:
         # without drafts only (paged blocks and drafts read every row's counters).
         self.lazy = LazyRows()
         self._lazy_ok = config.kv_layout != "paged" and not config.spec_tokens
+        self._admissible: set[int] = set()  # totals rejection_reason passed (it reads no more)
 
     # -- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> bool:
         """Queue a request, or reject it (REJECTED, why in finish_reason): it can never run."""
-        reason = self.rejection_reason(request)
-        if reason is not None:
-            request.status = RequestStatus.REJECTED
-            request.finish_reason = reason
-            self.num_rejected += 1
-            return False
+        total = request.num_prompt_tokens + request.sampling.max_tokens
+        if total not in self._admissible:  # (most arrivals: a total seen before, no frames)
+            reason = self.rejection_reason(request)
+            if reason is not None:
+                request.status = RequestStatus.REJECTED
+                request.finish_reason = reason
+                self.num_rejected += 1
+                return False
+            self._admissible.add(total)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id} is already queued or running")
         request.status = WAITING
@@ -293,8 +295,7 @@ class Scheduler:
         step = self.num_steps
         end = step + k
         token_ids, accepted = result.token_ids, result.accepted_ids
-        self.cut_drafts = {}
-        self.dropped_rows = ()
+        self.cut_drafts, self.dropped_rows = {}, ()
         sampled = result.sampled_ids
         first = self._advance_simulated(plan, result, step, k, finished)
         if first:  # simulated decode rows: counters only (advance.py, lazy_rows.py)

@@ -10,9 +10,8 @@ import pickle
 import random
 
 import pytest
-from batchsim.scheduler import lazy_rows
 from batchsim.scheduler import scheduler as scheduler_module
-from batchsim.scheduler.lazy_rows import Positions, make_positions
+from batchsim.scheduler.lazy_rows import LazyRows, Positions
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.engine.runner import run_workload
@@ -127,7 +126,14 @@ def test_plans_carry_their_decode_width(seed):
 
 
 def test_positions_are_the_tuple_they_stand_for():
-    p = make_positions([5, 7], 3, (9,))
+    lazy, rows = LazyRows(), [make_request(rid, 8, 50) for rid in range(3)]
+    for r, computed in zip(rows, (5, 7, 9)):
+        r.num_computed_tokens = computed
+    lazy.add(rows[0])
+    lazy.add(rows[1])
+    assert lazy.advance(3) == []  # two lazy rows, three steps on; the third joins
+    ids, p = lazy.columns(rows)
+    assert type(p) is Positions and ids == (0, 1, 2)
     assert p == (8, 10, 9) and (8, 10, 9) == p and p != (8, 10) and hash(p) == hash((8, 10, 9))
     assert (p[0], p[1], p[2], p[-1], p[0:2], len(p), max(p), p.pooled) == (8, 10, 9, 9, (8, 10),
                                                                               3, 10, 2)
@@ -139,7 +145,11 @@ def test_the_simulated_executor_joins_rows_without_making_positions_whole(monkey
     simulated executor finds the rows that join after the pooled ones, never building a whole
     tuple of positions (the records read none)."""
     made, whole, joins = [], [], []
-    make, values, join = lazy_rows.make_positions, Positions.values, SimExecutor._join
+    execute, values, join = SimExecutor.execute, Positions.values, SimExecutor._join
+
+    def checked_execute(ex: SimExecutor, plan, *args):  # the plans that carry Positions
+        made.append(type(plan.decode_positions) is Positions)
+        return execute(ex, plan, *args)
 
     def checked_join(ex: SimExecutor, plan) -> float:  # the rows it skips are in the pool
         positions = plan.decode_positions
@@ -148,14 +158,14 @@ def test_the_simulated_executor_joins_rows_without_making_positions_whole(monkey
         return join(ex, plan)
 
     monkeypatch.setattr(SimExecutor, "_join", checked_join)
-    monkeypatch.setattr(lazy_rows, "make_positions", lambda *a: made.append(1) or make(*a))
+    monkeypatch.setattr(SimExecutor, "execute", checked_execute)
     monkeypatch.setattr(Positions, "values", lambda p: whole.append(1) or values(p))
     base = RunConfig(model="llama-3.1-8b", executor="sim", device_profile="M2 Ultra", quantize=4)
     workload = dataclasses.replace(base.workload, num_prompts=200, request_rate=5.0, seed=3)
     session = open_session(dataclasses.replace(base, workload=workload))
     outcome = run_workload(session, workload, out_dir=tmp_path, label="positions",
                            timeline=False)
-    assert len(made) > outcome.summary["num_plans"] // 2 and not whole and sum(joins) > 100
+    assert sum(made) > outcome.summary["num_plans"] // 2 and not whole and sum(joins) > 100
 
 
 def test_the_pool_members_a_plan_shares_with_the_lazy_rows_survive_them():

@@ -69,6 +69,21 @@ def test_rejects_what_can_never_fit():
     assert too_long.status is RequestStatus.REJECTED and s.num_rejected == 2
 
 
+def test_rejection_is_worked_out_once_per_admissible_total(monkeypatch):
+    """add_request remembers the prompt + max_tokens totals rejection_reason passed (it reads no
+    more): a request of a total seen before is queued without asking again; a rejected total is
+    asked, and rejected, every time."""
+    s = Scheduler(config(kv_budget_bytes=KVT * 512, max_model_len=2048))
+    asked = []
+    reason = Scheduler.rejection_reason
+    monkeypatch.setattr(Scheduler, "rejection_reason",
+                        lambda self, r: asked.append(r.request_id) or reason(self, r))
+    sizes = [(400, 100), (300, 200), (600, 10), (500, 110), (2000, 100), (450, 60)]
+    results = [s.add_request(make_request(rid, *size)) for rid, size in enumerate(sizes)]
+    assert results == [True, True, False, False, False, True]
+    assert asked == [0, 2, 3, 4, 5] and s.num_rejected == 3
+
+
 def test_newest_request_is_preempted_and_recomputed():
     # Budget for 3 KV steps of tokens: two 200-token requests grow past 256 and collide.
     s = Scheduler(config(kv_budget_bytes=KVT * 3 * KV_STEP, max_num_seqs=2, row_step=1))

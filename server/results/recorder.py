@@ -94,16 +94,15 @@ class RunRecorder:
         return [final.get(r.request_id) or self.record(r) for r in self.requests.values()]
 
     def record(self, r: Request) -> RequestRecord:
-        status = _STATUS_NAMES.get(r.status, "unfinished")
-        return RequestRecord(
-            request_id=r.request_id,
-            status=status,
-            arrival_s=r.arrival_s,
-            first_scheduled_s=r.first_scheduled_s,
-            token_times_s=self.token_times(r),
-            finished_s=r.finished_s,
-            num_prompt_tokens=r.num_prompt_tokens,
-            num_output_tokens=r.num_output_tokens,
-            num_preemptions=r.num_preemptions,
-            finish_reason=r.finish_reason,
+        return RequestRecord(  # positional, in field order: one a request (keywords cost 30%)
+            r.request_id,
+            _STATUS_NAMES.get(r.status, "unfinished"),
+            r.arrival_s,
+            r.first_scheduled_s,
+            self.token_times(r),
+            r.finished_s,
+            r.num_prompt_tokens,
+            r.num_output_tokens,
+            r.num_preemptions,
+            r.finish_reason,
         )

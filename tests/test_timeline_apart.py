@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -173,3 +174,44 @@ def test_the_child_leaves_no_temporary_config_directory(tmp_path, monkeypatch):
     apart = _run(tmp_path, "apart", "apart")
     assert apart.summary["timeline_png"] == str(apart.run_dir / "timeline.png")
     assert not list(tmp.glob("matplotlib-*"))
+
+
+WARMED = """
+import sys
+from pathlib import Path
+from batchsim.server.engine.runner import run_workload
+from batchsim.server.engine.session import open_session
+from batchsim.server.engine.run_dir import run_timeline_panels
+from batchsim.server.results import timeline_draw
+from matplotlib import font_manager
+from matplotlib.figure import Figure
+from tests.sim_records import sim_config
+
+session = open_session(sim_config(n=30))
+out = run_workload(session, session.config.workload, out_dir=None, label="w")
+panels = run_timeline_panels(out.requests, out.steps, session, session.config.workload, None)
+canvas = timeline_draw._canvas(ahead=True)  # as the child makes them while the run runs
+saved, savefig = [], Figure.savefig
+
+def noted(fig, *args, **kwargs):
+    saved.append(tuple(map(float, fig.get_size_inches())))
+    return savefig(fig, *args, **kwargs)
+
+Figure.savefig = noted
+timeline_draw._warm()
+warmed = list(saved)
+loaded, fonts = set(sys.modules), font_manager._get_font.cache_info().misses
+timeline_draw.draw_panels(Path(sys.argv[1]), panels, canvas)
+print(warmed, sorted(set(sys.modules) - loaded), font_manager._get_font.cache_info().misses - fonts)
+"""
+
+
+def test_the_warm_up_is_a_small_picture_that_leaves_the_timeline_nothing_to_load(tmp_path):
+    """The drawing child warms up while the run runs, on the core the run's writer process uses
+    too: a picture of one square inch (it drew a whole timeline to memory, 0.2 s of CPU), after
+    which the timeline loads no module and no font (what the warm-up is for)."""
+    done = subprocess.run([sys.executable, "-c", WARMED, str(tmp_path / "t.png")],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "[(1.0, 1.0)] [] 0"
+    assert (tmp_path / "t.png").stat().st_size > 10_000

@@ -313,12 +313,15 @@ def _reply(out: bytes, err: bytes, returncode: int | None) -> tuple[str | None, 
 
 
 def _warm() -> None:
-    """matplotlib's modules, Agg, fonts and caches loaded: a small timeline drawn to memory."""
-    steps = [StepRecord(i, float(i), i + 1.0, 1, 1, 1, 1, 1, 1, 1, None, 1, 1, i % 2)
-             for i in range(4)]
-    requests = [RequestRecord(0, "finished", 0.0, 0.0, (1.0, 2.0), 2.0, 1, 2)]
-    panels = timeline_panels(requests, steps, Limits(2, 1, 1), "warm")
-    _figure(panels).savefig(io.BytesIO(), format="png", dpi=DPI)
+    """What a first picture loads once (the Agg renderer, PIL's PNG writer and its plugins, the
+    font) loaded by a picture of one square inch: the timeline is drawn as fast after it as after
+    a whole timeline drawn to memory, which took 0.2 s of CPU from the run's writer process."""
+    fig = figure(figsize=(1, 1))
+    ax = fig.subplots()
+    ax.plot([0, 1], [0, 1], label="warm")
+    ax.legend(fontsize=8, frameon=False)
+    ax.set_title("warm", fontsize=9)
+    fig.savefig(io.BytesIO(), format="png", dpi=DPI)
 
 
 def _serve() -> int:

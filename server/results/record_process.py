@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import operator
 import os
 import pickle
@@ -36,6 +37,7 @@ from batchsim.server.results.record_writer import (
 _FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
 TIMES_AT = _FIELDS.index("token_times_s")
 REQUEST_VALUES = operator.attrgetter(*(n for n in _FIELDS if n != "token_times_s"))
+PIPE_BYTES = 1 << 20  # the pipe to the writer (Linux's default limit for a user: 1 MiB)
 FINISH_WAIT_S = 120.0  # close()'s wait for the child's last answer (its backlog under load)
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 _START_CHILD = start_code(__name__)
@@ -62,6 +64,9 @@ class WriterProcess:
             [sys.executable or "", "-c", _START_CHILD, str(run_dir), *map(str, fds)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             pass_fds=fds, start_new_session=True)
+        if hasattr(fcntl, "F_SETPIPE_SZ"):  # Linux: a lagging writer's backlog waits in the pipe
+            with contextlib.suppress(OSError):  # (a killed run's queue is lost), up to the limit
+                fcntl.fcntl(self._child.stdin.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         self.run_dir = run_dir
         self.error: WriteFailed | None = None
         self.written: tuple[list[int], list[int]] | None = None  # (ids, line bytes): finished

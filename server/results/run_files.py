@@ -35,7 +35,7 @@ from batchsim.server.results.record_writer import (
 
 CONFIG = "config.yaml"
 SUMMARY = "summary.json"
-FLUSH_EVERY_S = 0.5  # wall time between writes: what a killed run can lose at most
+FLUSH_EVERY_S = 0.5  # wall time between writes: what a killed run can lose (and the writer's lag)
 WRITE_CHUNK_BYTES = 4 << 20  # requests.jsonl put in arrival order at the end: written in chunks
 TEMP_RANDOM_BYTES = 4  # a temp file's random part: `.NAME.` then twice as many hex digits
 _in_flush: list[RecordStream] = []  # the main thread's streams mid-flush, innermost last
@@ -59,11 +59,13 @@ class RecordStream(RecordWriter):
     (no fsync: a killed process's writes survive; a crashed kernel's need not). The first failed
     write (any OSError: ENOSPC, EFBIG, EIO) cuts its file back to the last whole record, sets
     `error`, calls `on_error` (the run stops), and the stream writes nothing more.
-    `writer_process`: a writer process (record_process.py) encodes and writes them on another
-    core, each flush sending it the batch; its failed write reaches `error` and `on_error` at the
-    next flush or at close (a flush period or more late: the run goes on meanwhile); close waits
-    for its last answer. A killed run's writer writes every batch that reached it. Where none
-    can start, or the files were replaced before the first flush, they are written here."""
+    `writer_process`: from the first flush the period makes due, a writer process
+    (record_process.py) encodes and writes them on another core, each flush sending it the batch;
+    its failed write reaches `error` and `on_error` at the next flush or at close (a flush period
+    or more late: the run goes on meanwhile); close waits for its last answer. A killed run's
+    writer writes every batch that reached its pipe (those still queued behind a lagging writer
+    are lost with the run). Where none can start, a flush came sooner, or the files were replaced,
+    they are written here."""
 
     def __init__(self, run_dir: Path, on_error: Callable[[WriteFailed], None] | None = None,
                  writer_process: bool = False) -> None:

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Mapping, Sequence
 
 from batchsim.server.results.jsonio import dumps
-from batchsim.server.results.metrics import DERIVED_MS_KEYS, RequestRecord, StepRecord
+from batchsim.server.results.records import DERIVED_MS_KEYS, RequestRecord, StepRecord
 
 _NUMBERS = frozenset({int, float})  # str() of these is their JSON (float: the shortest repr)
 _NUMBERS_OR_NONE = _NUMBERS | {type(None)}

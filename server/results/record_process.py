@@ -23,7 +23,6 @@ from typing import BinaryIO
 
 from batchsim.server.platform.child import start_code
 from batchsim.server.results.json_lines import run_items
-from batchsim.server.results.metrics import RequestRecord
 from batchsim.server.results.record_writer import (
     REQUESTS,
     STEPS,
@@ -31,6 +30,7 @@ from batchsim.server.results.record_writer import (
     RecordWriter,
     WriteFailed,
 )
+from batchsim.server.results.records import RequestRecord
 
 # A request's values less its token times (sent with its token runs instead), in RequestRecord's
 # field order: the times go back in at TIMES_AT.

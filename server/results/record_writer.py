@@ -17,7 +17,7 @@ from batchsim.server.results.json_lines import (
     request_line,
     step_row_lines,
 )
-from batchsim.server.results.metrics import RequestRecord
+from batchsim.server.results.records import RequestRecord
 
 REQUESTS = "requests.jsonl"
 STEPS = "steps.jsonl"

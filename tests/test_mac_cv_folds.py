@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 from batchsim.scripts import fit_macs
 from batchsim.server.perf import gpu_fit, mac_fit, macs
-from batchsim.server.perf.reference import load_published, load_reference
+from batchsim.server.perf.reference import load_published, load_reference, row_mac
 from batchsim.server.published import cv as mac_cv
 from batchsim.server.published import sim as ps
 from batchsim.server.published.sim import MacModel
@@ -145,3 +145,27 @@ def test_a_peak_estimated_from_a_held_out_source_never_reaches_its_fold(monkeypa
         if a["chip"] == "M5 Max":
             for fold in ("leave_one_source_out_tok_s", "leave_one_chip_out_tok_s"):
                 assert a[fold] == b[fold], (a["id"], fold)
+
+
+def test_a_fold_without_mlxcel_keeps_the_m5_neural_accelerators(catalog):
+    """The M5 FP16 peaks are estimated from mlxcel_m5max_batch's TTFT; a fold holding that source
+    out prices the chips at their FP16 peak from no published row (configs/macs.yaml: the Neural
+    Accelerators' 4x the FP32 peak), qmv at its share of the FP32 peak. Its M5 Max prefill (467
+    tokens of Llama-3.1-8B 4-bit, TTFT 173.1 ms measured) then runs faster than the FP32 shader
+    peak could multiply it; at FP16 = FP32 (the fold before) it took 0.92 s."""
+    pub = load_published()
+    train = [r for r in pub.rows if r.src != "mlxcel_m5max_batch"]
+    fold = mac_cv.fold_catalog(catalog, train, {r.src for r in pub.rows})
+    for full, held in zip(catalog.chips, fold.chips, strict=True):
+        if "mlxcel_m5max_batch" not in full.src:
+            assert held == full
+            continue
+        assert held.fp16_tflops == full.fp16_unfitted_tflops == pytest.approx(
+            4 * full.fp32_tflops, rel=1e-3)
+        assert held.qmv_tflops == full.fp32_tflops and full.qmv_tflops is None
+    row = next(r for r in pub.by_src("mlxcel_m5max_batch")
+               if r.model == "llama-3.1-8b" and r.batch == 1 and not r.decode_only)
+    prefill_s = ps.priced(row, fold, MacModel(gpu_fit.load_fit())).prefill.total_s
+    layers_flops = 2 * sum(lay.params for lay in ps.model_spec(row.model).arch.layers)
+    fp32_tflops = row_mac(fold, row.chip, row.gpu_cores).fp32_tflops
+    assert prefill_s < layers_flops * row.prompt_tokens / (fp32_tflops * 1e12)

@@ -172,12 +172,14 @@ def mac_profile(mac: Mac, fit: GpuFit, quantize_bits: int | None,
     fp16_tflops = profile.tflops("float16")
     family = gpu_family(mac.chip)
     # An M5's FP16 peak is its Neural Accelerators': split-K qmm multiplies at the shader FP32 rate.
-    # qmv's fitted rate stays a share of the FP16 peak, though qmv runs on the shader ALUs (float
-    # accumulators): priced off fp32_tflops (branch h7/qmv-shader-m5-peak, 271 rows) the share is
-    # 0.39, 0.25 without the M5 batched rows, which want ~0.7 of an M5's FP32 peak (mlx_swift_lm_42:
-    # M5 B=2 costs nothing over B=1), and LOCO batched / gain went 17.0 / 15.0 -> 22.7 / 21.8%. No
-    # cited mechanism prices that: the FP16 peak fitted on mlxcel's TTFT (macs.yaml) stands in.
+    # qmv's fitted rate stays a share of the FP16 peak (Mac.qmv_tflops: of another, where set),
+    # though qmv runs on the shader ALUs (float accumulators): priced off fp32_tflops (branch
+    # h7/qmv-shader-m5-peak, 271 rows; again at 8ecd4ea with the accelerators at 4x FP32: LOCO
+    # batched / gain 17.1 / 15.1 -> 21.5 / 20.0%) the share is 0.39, 0.25 without the M5 batched
+    # rows, which want ~0.7 of an M5's FP32 peak (mlx_swift_lm_42: M5 B=2 costs nothing over B=1).
+    # No cited mechanism prices that: the FP16 peak fitted on mlxcel's TTFT (macs.yaml) stands in.
     shader = min(1.0, mac.fp32_tflops / fp16_tflops) if has_neural_accelerators(family) else 1.0
+    qmv_tflops = mac.qmv_tflops or fp16_tflops
     host = mac.cpu_speed ** -fit.cpu_exponent  # CPU-side dispatch: by the CPU's generation
     layer_us = fit.layer_overhead_us * host + (fit.ultra_layer_us if ultra else 0.0)
     return dataclasses.replace(
@@ -192,7 +194,7 @@ def mac_profile(mac: Mac, fit: GpuFit, quantize_bits: int | None,
         quantized_gemm_gflops={b: e * fp16_tflops * 1e3
                                for b, e in fit.quantized_gemm_efficiency.items()},
         gpu_family=family, shader_flops_share=shader,
-        quantized_gemv_row_gflops=_gemv_row_gflops(fit, fp16_tflops, mac.chip))
+        quantized_gemv_row_gflops=_gemv_row_gflops(fit, qmv_tflops, mac.chip))
 
 
 ULTRA_M3_GENERATION = 15  # Ultras of GPU generation 15 (M3) on: no Ultra qmv slowdown
@@ -208,10 +210,10 @@ def ultra_qmv_term(chip: str) -> str:
         ULTRA_QMV_TERMS[0]
 
 
-def _gemv_row_gflops(fit: GpuFit, fp16_tflops: float, chip: str) -> float:
+def _gemv_row_gflops(fit: GpuFit, peak_tflops: float, chip: str) -> float:
     """qmv's arithmetic rate over several rows (0: not fitted), an M1/M2 Ultra's slowdown added."""
     if not fit.quantized_gemv_row_efficiency:
         return 0.0
     term = ultra_qmv_term(chip)
     slowdown = 1.0 / fit.quantized_gemv_row_efficiency + (getattr(fit, term) if term else 0.0)
-    return fp16_tflops * 1e3 / slowdown
+    return peak_tflops * 1e3 / slowdown

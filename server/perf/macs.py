@@ -36,6 +36,13 @@ class Mac:
     # Its CPU generation's single-core score over the reference generation's (configs/macs.yaml
     # cpu_single_core; set by the catalog).
     cpu_speed: float = 1.0
+    # An FP16 peak estimated from published rows (fp16_tflops citing their source) has this one from
+    # sources that are no published row (configs/macs.yaml: an M5's Neural Accelerators); a fold
+    # without those rows prices the chip with it (server.published.cv.fold_catalog).
+    fp16_unfitted_tflops: float | None = None
+    # The peak MLX's qmv rate over several rows is a share of (server.perf.gpu_fit; None: the FP16
+    # peak): such a fold's M5, the FP32 (qmv multiplies in float on the shader ALUs).
+    qmv_tflops: float | None = None
 
     @property
     def label(self) -> str:

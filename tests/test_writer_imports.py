@@ -1,5 +1,6 @@
 """The records' writer process starts light: it shares the run's second core with the drawing child
-and a run's close waits for its start-up, so it imports no numpy (records.py, not metrics.py)."""
+and a run's close waits for its start-up, so it imports no numpy (records.py, not metrics.py) and
+no yaml (json_text.py, not jsonio.py, whose ConfigError comes with the config loader)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _child_imports(run_dir) -> set[str]:
             if line.startswith("import time:")}
 
 
-def test_the_writer_process_imports_no_numpy(tmp_path):
+def test_the_writer_process_imports_neither_numpy_nor_yaml(tmp_path):
     imported = _child_imports(tmp_path)
     assert "batchsim.server.results.record_writer" in imported  # the import times are its own
-    assert not {m for m in imported if m.partition(".")[0] == "numpy"}
+    assert not {m for m in imported if m.partition(".")[0] in ("numpy", "yaml")}

@@ -14,7 +14,7 @@ import re
 import threading
 from collections.abc import Mapping, Sequence
 
-from batchsim.server.results.jsonio import dumps
+from batchsim.server.results.json_text import dumps
 from batchsim.server.results.records import DERIVED_MS_KEYS, RequestRecord, StepRecord
 
 _NUMBERS = frozenset({int, float})  # str() of these is their JSON (float: the shortest repr)

@@ -1,10 +1,8 @@
-"""JSON for results: non-finite floats and numpy scalars made portable; JSONL writers."""
+"""JSON for results: JSONL writers and run directories (the text itself: json_text.py)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import re
 import tempfile
 import time
@@ -13,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from batchsim.configs import ConfigError
+from batchsim.server.results.json_text import dumps, jsonable
 
 # A label is one path component: a model given as a path (`--model /m/x`) nested run
 # directories under /m; control characters and over-long names fail in mkdir.
@@ -28,22 +27,6 @@ MAX_ARRIVAL_S = 1e9
 MAX_CLOCK_S = 2 * MAX_ARRIVAL_S
 
 
-def jsonable(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        if all(type(v) is float or type(v) is int for v in obj) and all(map(math.isfinite, obj)):
-            return obj  # long numeric lists (token times) need no walk
-        return [jsonable(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
-        return obj.item()
-    return obj
-
-
 def from_jsonable_float(value: Any) -> Any:
     """jsonable's inverse for a non-finite float: 'inf' and '-inf' are floats again (an infinite
     request rate in config.yaml: 'all at once'); anything else as it is."""
@@ -57,16 +40,6 @@ def yamlable(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [yamlable(v) for v in obj]
     return jsonable(obj)
-
-
-_ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode  # built once
-
-
-def dumps(obj: Any) -> str:
-    try:  # the common case: plain, finite data needs no walk (millions of token times)
-        return _ENCODE(obj)
-    except (ValueError, TypeError):
-        return json.dumps(jsonable(obj), separators=(",", ":"))
 
 
 def append_jsonl(path: Path, rows: Iterable[dict]) -> Path:

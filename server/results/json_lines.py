@@ -1,4 +1,4 @@
-"""Record lines, byte for byte as `jsonio.dumps(record.to_json())` writes them, made cheaply.
+"""Record lines, byte for byte as `json_text.dumps(record.to_json())` writes them, made cheaply.
 steps.jsonl: a %-template over the record's values, without a dict per step (a simulated hour
 writes 30,000 of them). requests.jsonl: the token times, most of each line and each shared by a
 whole batch, written once per step end time. A value the fast way cannot write exactly as JSON (a

@@ -1,4 +1,4 @@
-"""A run's records (metrics.RequestRecord, StepRecord) as arrays, for its summary: a simulated hour
+"""A run's records (records.RequestRecord, StepRecord) as arrays, for its summary: a simulated hour
 has 18,000 requests, 26,000 step records and a million token times, too many to go over one
 property at a time."""
 

@@ -15,9 +15,10 @@ Candidates (VARIANTS):
 - b1only: the shipped model fitted on the batch-1 rows alone (terms only batched rows set stay at
   the seed's: qmv over rows priced as a GEMM, no per-row dispatch).
 
-The fit's least squares is solve.fit_at's, with row weights in its IRLS and its Huber loss, and the
-rows replaced by T @ rows (T: the gain transform). Prints one JSON line: per variant and fold the
-{b1, batched, gain} summaries, all rows and explained only. About 1-2 CPU-minutes a variant:
+The fit's least squares is solve.fit_at's, given each variant's row weights (in its IRLS and its
+Huber loss) and rows replaced by T @ rows (T: the gain transform). Prints one JSON line: per
+variant and fold the {b1, batched, gain} summaries, all rows and explained only. About 1-2
+CPU-minutes a variant:
     nice .venv/bin/python benchmarks/fit_weighting.py rows both > weighting.json
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import platform
@@ -38,18 +40,6 @@ from batchsim.server.published import fit as published_fit
 from batchsim.server.published.sim import MacModel
 
 VARIANTS = ("rows", "src_keep_target", "src_vote", "target_equal", "gainrows", "both", "b1only")
-_NOW: dict = {"w": None, "T": None}  # the fit in progress: its row weights and transform
-
-
-def fit_at(a0, cols):
-    """solve.fit_at on T @ a0 = T @ 1, its loss weighted (shrinkage read off a0)."""
-    t_mat = _NOW["T"] if _NOW["T"] is not None else np.eye(a0.shape[0])
-    a, target = t_mat @ a0, t_mat @ np.ones(a0.shape[0])
-    free = [j for j in range(len(cols)) if np.any(a0[:, j] > 0)]
-    shrink = solve._shrink(a0, cols, free)
-    theta = solve.bounded(a, target, cols, free, lambda a, rhs, keep: solve._lsq(
-        a, rhs, keep, shrink, np.sqrt(_NOW["w"])))
-    return mac_fit.huber_loss(np.abs(a @ theta - target), mac_fit.HUBER_DELTA, _NOW["w"]), theta
 
 
 def weights(rows, how: str) -> np.ndarray:
@@ -93,8 +83,8 @@ def fitter(how: str, prefill) -> cv.Fitter:
         start = seed(train, catalog)
         train = [r for r in train if r.batch == 1] if how == "b1only" else list(train)
         kept = [r for r in train if published_fit.explained(r, start)]
-        _NOW.update(w=weights(kept, how), T=transform(kept, how))
-        saved, published_fit.fit_at = published_fit.fit_at, fit_at
+        saved, published_fit.fit_at = published_fit.fit_at, functools.partial(
+            solve.fit_at, transform=transform(kept, how), row_weights=weights(kept, how))
         try:
             return published_fit.fit_published(train, catalog, start)
         finally:

@@ -339,3 +339,19 @@ def test_the_fit_picks_a_cpu_exponent_from_m1_to_m5_rows(rows, catalog):
     few = _few(rows, {"mlxcel_m1ultra_tests", "mlxcel_m5max_tests", "mlx_lm_benchmarks"})
     start = MacModel(gpu_fit.load_fit())
     assert published_fit.fit_published(few, catalog, start).fit.cpu_exponent > 0
+
+
+def test_fit_at_takes_the_weighting_benchmarks_row_weights_and_transform():
+    """solve.fit_at's variants (benchmarks/fit_weighting.py fitted with its own copy of it): the
+    identity transform and unit weights are the shipped fit to the bit; weight on rows pulls the
+    fit towards them, away from the others."""
+    import numpy as np
+
+    a = np.random.default_rng(0).uniform(0.1, 1.0, (8, 4))
+    cols = ["layer_s", "forward_s", "step:mlx-lm-server", "token:mlx-lm-server"]
+    loss, theta = solve.fit_at(a, cols)
+    same_loss, same = solve.fit_at(a, cols, np.eye(8), np.ones(8))
+    assert same_loss == loss and (same == theta).all()
+    heavy = solve.fit_at(a, cols, row_weights=np.r_[np.full(4, 5.0), np.ones(4)])[1]
+    before, after = (np.abs(a @ t - 1.0) for t in (theta, heavy))
+    assert after[:4].sum() < before[:4].sum() and after[4:].sum() > before[4:].sum()

@@ -146,10 +146,17 @@ def bounded(a: np.ndarray, target: np.ndarray, cols: list[str], free: list[int],
     return theta
 
 
-def fit_at(a: np.ndarray, cols: list[str]) -> tuple[float, np.ndarray]:
-    """(Huber loss, theta) of a @ theta = 1 within each column's bounds (bounded)."""
+def fit_at(a: np.ndarray, cols: list[str], transform: np.ndarray | None = None,
+           row_weights: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+    """(Huber loss, theta) of a @ theta = 1 within each column's bounds (bounded). Weighing
+    variants (benchmarks/fit_weighting.py): `transform` T fits T @ a @ theta = T @ 1 instead (the
+    shrinkage still read off a), `row_weights` weigh each fitted row in the IRLS and the loss."""
     free = [j for j in range(len(cols)) if np.any(a[:, j] > 0)]
     shrink = _shrink(a, cols, free)  # row: (a device product) not shrunk
-    theta = bounded(a, np.ones(a.shape[0]), cols, free,
-                    lambda a, rhs, keep: _lsq(a, rhs, keep, shrink))
-    return huber_loss(np.abs(a @ theta - 1.0), HUBER_DELTA), theta
+    target = np.ones(a.shape[0])
+    if transform is not None:
+        a, target = transform @ a, transform @ target
+    row_scale = None if row_weights is None else np.sqrt(row_weights)
+    theta = bounded(a, target, cols, free,
+                    lambda a, rhs, keep: _lsq(a, rhs, keep, shrink, row_scale))
+    return huber_loss(np.abs(a @ theta - target), HUBER_DELTA, row_weights), theta

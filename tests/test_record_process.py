@@ -19,7 +19,7 @@ from batchsim.server.engine.session import open_session
 from batchsim.server.results import record_process, run_files
 
 from tests.cli_calls import SIM
-from tests.sim_records import sim_config
+from tests.sim_records import sim_config, step_record
 
 GUARD_S = 120.0
 
@@ -77,9 +77,11 @@ def _written_bytes(pid: int) -> int:
     return int(io["wchar"])
 
 
-def _wait(until, what: str) -> object:
+def _wait(until, what: str, run: subprocess.Popen | None = None) -> object:
+    """`until()`'s first true value; fails at once if `run` ended meanwhile."""
     deadline = time.monotonic() + GUARD_S
     while not (value := until()):
+        assert run is None or run.poll() is None, f"the run ended before {what}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
     return value
@@ -93,9 +95,10 @@ def _gone(pid: int) -> bool:
     return state in ("Z", "X")
 
 
-# `batchsim` flushing every 10 ms: the writer process starts at the first flush that falls due.
+# `batchsim` flushing at every step: the writer process starts at the first (a period, even
+# 10 ms, may not fall due in a short run on a fast machine: then none starts).
 _OFTEN = ("import sys; from batchsim.server.results import run_files; "
-          "run_files.FLUSH_EVERY_S = 0.01; from batchsim.scripts.cli import main; "
+          "run_files.FLUSH_EVERY_S = 0.0; from batchsim.scripts.cli import main; "
           "sys.exit(main(sys.argv[1:]))")
 
 
@@ -114,7 +117,7 @@ def test_a_killed_run_leaves_every_record_it_sent_to_a_lagging_writer(tmp_path, 
     run = subprocess.Popen([*argv, "--out", str(tmp_path / "killed")], env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        writer = _wait(lambda: _writer_of(run.pid), "the writer process")
+        writer = _wait(lambda: _writer_of(run.pid), "the writer process", run)
         os.kill(writer, signal.SIGSTOP)
         seen = [_written_bytes(run.pid), time.monotonic()]
 
@@ -181,17 +184,51 @@ def test_a_writer_that_does_not_answer_in_time_is_killed_and_said_so(tmp_path):
     assert str(writer.error).endswith("the records' writer process did not answer in 0.5 s")
 
 
-def test_a_writer_that_dies_is_a_write_error_with_its_exit(tmp_path):
+def test_a_writer_that_dies_is_a_write_error_saying_how(tmp_path):
     writer, _ = _writer(tmp_path)
     os.kill(writer._child.pid, signal.SIGKILL)
     writer.finish()
-    assert writer.written is None and str(writer.error).startswith(
-        f"cannot write {tmp_path}: the records' writer process exited -9: ")
+    assert writer.written is None and writer.lost and str(writer.error) == (
+        f"cannot write {tmp_path}: the records' writer process was killed (SIGKILL)")
+
+
+def _one_batch(writer: record_process.WriterProcess, i: int) -> None:
+    """A batch of one step sent, written and answered."""
+    writer.send(run_files.step_rows_of([step_record(i, float(i), 1, 0)]), [], [])
+    deadline = time.monotonic() + 10.0
+    while writer.unwritten:
+        assert writer._child.poll() is None, f"the writer ended: {writer.error}"
+        assert time.monotonic() < deadline, "no answer in 10 s"
+        time.sleep(0.005)
+
+
+def test_a_service_stop_signal_leaves_the_writer_to_end_at_its_pipe_end(tmp_path):
+    """SIGTERM and SIGHUP to the whole service (systemd stop, pkill): the run's process answers
+    them and ends the records; its writer writes on until the pipe's end."""
+    writer, _ = _writer(tmp_path)
+    _one_batch(writer, 0)  # the writer is up: its signals set
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        os.kill(writer._child.pid, number)
+    _one_batch(writer, 1)
+    writer.finish()
+    assert writer.error is None and writer._child.returncode == 0
+    assert (tmp_path / run_files.STEPS).read_text().count("\n") == 2
+
+
+def test_a_writer_with_much_to_say_on_stderr_is_not_blocked_and_its_last_line_kept(
+        tmp_path, monkeypatch):
+    """Over a pipe's 64 KiB on stderr: the child would block on it until finish's kill."""
+    monkeypatch.setattr(record_process, "_START_CHILD", (
+        "import sys; sys.stderr.write('warning\\n' * 30000 + 'the last line\\n'); sys.exit(3)"))
+    writer, _ = _writer(tmp_path)
+    writer.finish(wait_s=5.0)
+    assert str(writer.error) == (
+        f"cannot write {tmp_path}: the records' writer process exited 3: the last line")
 
 
 def test_a_message_the_writer_cannot_read_is_a_write_error(tmp_path):
     writer, _ = _writer(tmp_path)
-    writer.send(b"not a pickle of records")
+    writer._queue.put(b"not a pickle of records")  # as send() would put a bad message
     writer.finish()
     assert writer.written is not None and writer.error is not None
     assert "the records' writer process could not read a message" in str(writer.error)

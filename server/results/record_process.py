@@ -1,10 +1,12 @@
 """A run's records encoded and written on another core: a writer process, started with the run,
 is sent each flush's records (step rows, request values with their token runs, the new step end
-times) through a pipe and writes them with a RecordWriter, as the run's own process would. A
-killed run leaves the records it sent: the child reads to the end of the pipe, writes, exits."""
+times) through a pipe and writes them with a RecordWriter, as the run's own process would,
+answering each batch it wrote. A killed run leaves the records it sent: the child reads to the
+end of the pipe, writes, exits. A killed child leaves the run its unanswered batches to write."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import errno
@@ -16,6 +18,7 @@ import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,7 +41,11 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
 TIMES_AT = _FIELDS.index("token_times_s")
 REQUEST_VALUES = operator.attrgetter(*(n for n in _FIELDS if n != "token_times_s"))
 PIPE_BYTES = 1 << 20  # the pipe to the writer (Linux's default limit for a user: 1 MiB)
-FINISH_WAIT_S = 120.0  # close()'s wait for the child's last answer (its backlog under load)
+# close()'s wait for the child's last answer (its backlog under load; then it is killed and the
+# run writes what it did not): at most half a rank's KEEP_RECORDS_S (30 s), so that a watchdog's
+# abandon keeps its records and summary before that rank exits unkept (test_writer_lost).
+FINISH_WAIT_S = 15.0
+STDERR_TAIL_BYTES = 4096  # the child's stderr read for its last line (a file: never fills)
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 _START_CHILD = start_code(__name__)
 
@@ -53,16 +60,20 @@ def batch_message(step_rows: list[tuple], requests: Sequence[Entry],
 
 class WriterProcess:
     """The main side: the child started on the files' descriptors (OSError if it cannot start),
-    `send` queues a message that a thread writes (a slow child never blocks the run's loop), a
-    thread reads the answers: `error`, the first failed write (seen a flush or more after it
-    happened), and at `finish` the written requests' ids and line lengths."""
+    `send` queues a batch that a thread writes to it (a slow child never blocks the run's loop),
+    a thread reads the answers: each batch written (`written_ids`, `line_bytes`, `sizes`; the
+    batch leaves `unwritten`), `error`, the first failed write (seen a flush or more after it
+    happened), and at `finish` the end (`written`). A child that ends without its last answer
+    (killed) sets `error` (how it ended) and `lost`, unless a failed write came first: then the
+    files' whole records are `sizes`, and `unwritten` holds the batches the run is to write."""
 
     def __init__(self, run_dir: Path, files: dict[str, BinaryIO]) -> None:
         fds = [files[name].fileno() for name in (STEPS, REQUESTS)]
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 -- closed by finish()
         # Its own session: Ctrl-C at the terminal stops the run, which then sends its last records.
         self._child = subprocess.Popen(
             [sys.executable or "", "-c", _START_CHILD, str(run_dir), *map(str, fds)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
             pass_fds=fds, start_new_session=True)
         if hasattr(fcntl, "F_SETPIPE_SZ"):  # Linux: a lagging writer's backlog waits in the pipe
             with contextlib.suppress(OSError):  # (a killed run's queue is lost), up to the limit
@@ -70,14 +81,24 @@ class WriterProcess:
         self.run_dir = run_dir
         self.error: WriteFailed | None = None
         self.written: tuple[list[int], list[int]] | None = None  # (ids, line bytes): finished
+        self.written_ids: list[int] = []  # requests.jsonl's records so far, in the file's order
+        self.line_bytes: list[int] = []
+        self.sizes = dict.fromkeys((STEPS, REQUESTS), 0)  # whole records' bytes in each file
+        self.unwritten: collections.deque[tuple[list[tuple], Sequence[Entry]]] = (
+            collections.deque())  # sent, not yet answered
+        self.lost = False
+        self._late_s: float | None = None  # finish's wait, when the child did not answer in it
         self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._threads = [threading.Thread(target=target, daemon=True)
                          for target in (self._send_all, self._read_all)]
         for thread in self._threads:
             thread.start()
 
-    def send(self, message: bytes) -> None:
-        self._queue.put(message)
+    def send(self, step_rows: list[tuple], requests: Sequence[Entry],
+             new_ends: Sequence[float]) -> None:
+        self.unwritten.append((step_rows, requests))  # the run's to write if the child is lost
+        if not self.lost:
+            self._queue.put(batch_message(step_rows, requests, new_ends))
 
     def _send_all(self) -> None:
         stdin = self._child.stdin
@@ -96,33 +117,49 @@ class WriterProcess:
             try:
                 kind, value = pickle.load(out)  # the answers of the process this one started
             except (EOFError, pickle.UnpicklingError, OSError, ValueError):
-                return
-            if kind == "failed":
+                break
+            if kind == "wrote":
+                ids, lengths, self.sizes = value
+                self.written_ids += ids
+                self.line_bytes += lengths
+                self.unwritten.popleft()
+            elif kind == "failed":
                 self.error = self.error or value
             else:
                 self.written = value
+                return
+        self.lost = self.error is None  # before `error`: the run reads them in that order
+        why = f"the records' writer process {self._how_it_ended()}"
+        self.error = self.error or WriteFailed(self.run_dir, OSError(errno.EIO, why))
 
-    def finish(self, wait_s: float = FINISH_WAIT_S) -> None:
-        """No more records: wait for the child's last answer (at most `wait_s`; then it is
-        killed). A child that ended without answering sets `error`."""
+    def _how_it_ended(self) -> str:
+        if self._late_s is not None:
+            return f"did not answer in {self._late_s:g} s"
+        code = self._child.wait()  # its answers' end: it is gone, or going
+        if code < 0:
+            with contextlib.suppress(ValueError):
+                return f"was killed ({signal.Signals(-code).name})"
+            return f"was killed (signal {-code})"
+        self._stderr.seek(0, os.SEEK_END)
+        self._stderr.seek(max(0, self._stderr.tell() - STDERR_TAIL_BYTES))
+        lines = self._stderr.read().decode(errors="replace").strip().splitlines()
+        return f"exited {code}: {(lines or ['no message'])[-1][:200]}"
+
+    def finish(self, wait_s: float | None = None) -> None:
+        """No more records: wait for the child's last answer (at most `wait_s`, FINISH_WAIT_S
+        by default; then it is killed). A child that ended without answering sets `error`."""
+        wait_s = FINISH_WAIT_S if wait_s is None else wait_s
         self._queue.put(None)
         self._threads[1].join(wait_s)
-        child = self._child
-        late = child.poll() is None and self._threads[1].is_alive()
-        if late:
-            child.kill()
-        child.wait()
+        if self._threads[1].is_alive():
+            self._late_s = wait_s  # before the kill: the reader says so
+            self._child.kill()
+        self._child.wait()
         for thread in self._threads:
             thread.join()
-        err = child.stderr.read() if child.stderr else b""
-        for stream in (child.stdout, child.stderr):
+        for stream in (self._child.stdout, self._stderr):
             if stream is not None:
                 stream.close()
-        if self.written is None and self.error is None:
-            last = (err.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
-            why = (f"the records' writer process did not answer in {wait_s:g} s" if late else
-                   f"the records' writer process exited {child.returncode}: {last}")
-            self.error = WriteFailed(self.run_dir, OSError(errno.EIO, why))
 
 
 def _record(values: tuple, times: Sequence[float]) -> RequestRecord:
@@ -145,12 +182,22 @@ class _ChildWriter(RecordWriter):
         super()._failed(error)
         self.answer("failed", error)
 
+    def write_answered(self, step_rows: list[tuple], requests: list[Entry]) -> None:
+        """A batch written and, unless it failed, answered: its requests' ids and line lengths,
+        and the files' sizes after it."""
+        before = len(self._written_ids)
+        self.write_batch(step_rows, requests)
+        if self.error is None:
+            self.answer("wrote", (self._written_ids[before:], self._line_bytes[before:],
+                                  dict(self._sizes)))
+
 
 def _serve(run_dir: str, steps_fd: str, requests_fd: str) -> int:
     """The child: write each message read from stdin until its end, then answer the written
     requests' ids and line lengths. A message it cannot read (cut short: the run was killed, no
     one hears the answer) ends the writing: answered as a failed write."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the run ends the records: its pipe's end
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a whole service stopped:
+        signal.signal(number, signal.SIG_IGN)  # the run ends the records (its pipe's end)
     files = {STEPS: os.fdopen(int(steps_fd), "wb", buffering=0),
              REQUESTS: os.fdopen(int(requests_fd), "wb", buffering=0)}
     writer = _ChildWriter(Path(run_dir), files, sys.stdout.buffer)
@@ -165,7 +212,7 @@ def _serve(run_dir: str, steps_fd: str, requests_fd: str) -> int:
                 f"the records' writer process could not read a message ({exc})"))))
             break
         ends += new_ends
-        writer.write_batch(step_rows, [
+        writer.write_answered(step_rows, [
             (_record(values, run_items(ends, runs) if times is None else times), runs)
             for values, runs, times in requests])
     writer.answer("written", writer.written())

@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 from batchsim.configs import file_kind
 from batchsim.server.results.jsonio import dumps
 from batchsim.server.results.metrics import RequestRecord, StepRecord
-from batchsim.server.results.record_process import WriterProcess, batch_message
+from batchsim.server.results.record_process import WriterProcess
 from batchsim.server.results.record_writer import (
     REQUESTS,
     STEPS,
@@ -35,7 +35,7 @@ from batchsim.server.results.record_writer import (
 
 CONFIG = "config.yaml"
 SUMMARY = "summary.json"
-FLUSH_EVERY_S = 0.5  # wall time between writes: what a killed run can lose (and the writer's lag)
+FLUSH_EVERY_S = 0.5  # wall time between writes (a killed run loses those and any still queued)
 WRITE_CHUNK_BYTES = 4 << 20  # requests.jsonl put in arrival order at the end: written in chunks
 TEMP_RANDOM_BYTES = 4  # a temp file's random part: `.NAME.` then twice as many hex digits
 _in_flush: list[RecordStream] = []  # the main thread's streams mid-flush, innermost last
@@ -61,11 +61,12 @@ class RecordStream(RecordWriter):
     `error`, calls `on_error` (the run stops), and the stream writes nothing more.
     `writer_process`: from the first flush the period makes due, a writer process
     (record_process.py) encodes and writes them on another core, each flush sending it the batch;
-    its failed write reaches `error` and `on_error` at the next flush or at close (a flush period
-    or more late: the run goes on meanwhile); close waits for its last answer. A killed run's
-    writer writes every batch that reached its pipe (those still queued behind a lagging writer
-    are lost with the run). Where none can start, a flush came sooner, or the files were replaced,
-    they are written here."""
+    its failed write, or its end without a last answer (killed), reaches `error` and `on_error`
+    at the next flush or at close (a flush period or more late: the run goes on meanwhile); close
+    waits for its last answer, and writes here the batches a killed one did not write. A killed
+    run's writer writes every batch that reached its pipe (those still queued behind a lagging
+    writer are lost with the run). Where none can start, a flush came sooner, or the files were
+    replaced, they are written here."""
 
     def __init__(self, run_dir: Path, on_error: Callable[[WriteFailed], None] | None = None,
                  writer_process: bool = False) -> None:
@@ -178,15 +179,17 @@ class RecordStream(RecordWriter):
         self.writing_s += time.perf_counter() - t0
 
     def _send(self, step_rows: list[tuple], requests: list[Entry]) -> None:
-        """To the writer process (its failed write is seen here at the next flush or close: a
-        flush period or more after it, the run going on meanwhile); nothing after a failure."""
-        if self.error is None and self._child is not None and self._child.error is not None:
-            self._failed(self._child.error)
-        if self.error is not None or not (step_rows or requests):
+        """To the writer process (its failed write or its end is seen here at the next flush or
+        close: a flush period or more after it, the run going on meanwhile); nothing after a
+        failure, but kept for close after the child's end (`lost`)."""
+        child = self._child
+        if self.error is None and child.error is not None:
+            self._failed(child.error)
+        if (self.error is not None and not child.lost) or not (step_rows or requests):
             return
         ends = self.ends
         upto = len(ends)  # after the requests were taken: every end their runs index
-        self._child.send(batch_message(step_rows, requests, ends[self._ends_sent:upto]))
+        child.send(step_rows, requests, ends[self._ends_sent:upto])
         self._ends_sent = upto
 
     def _finish_child(self) -> None:
@@ -195,10 +198,27 @@ class RecordStream(RecordWriter):
         if child is None:
             return
         child.finish()
-        if child.written is not None:
-            self._written_ids, self._line_bytes = child.written
         if child.error is not None and self.error is None:
             self._failed(child.error)
+        if child.lost:
+            self._write_unwritten(child)
+        elif child.written is not None:
+            self._written_ids, self._line_bytes = child.written
+
+    def _write_unwritten(self, child: WriterProcess) -> None:
+        """A writer process that ended without its last answer (killed): each file cut back to
+        what it answered as written (no torn line), and the batches it did not write written
+        here (its error stays the run's: the run stopped)."""
+        self._written_ids, self._line_bytes = child.written_ids, child.line_bytes
+        stopped, self.error = self.error, None
+        for name, f in self._files.items():
+            self._sizes[name] = child.sizes[name]
+            with contextlib.suppress(OSError):
+                os.ftruncate(f.fileno(), child.sizes[name])
+            f.seek(child.sizes[name])  # the child's offset, shared: past what it wrote
+        for step_rows, requests in child.unwritten:
+            self.write_batch(step_rows, requests)
+        self.error = stopped or self.error
 
     def _stop_holding(self) -> None:
         """The held records go with the next write, in completion order, and no more are held."""
@@ -208,8 +228,9 @@ class RecordStream(RecordWriter):
 
     def _failed(self, error: WriteFailed) -> None:
         self.error = error
-        if self._on_error is not None:
-            self._on_error(error)
+        on_error, self._on_error = self._on_error, None  # once: the run stops once
+        if on_error is not None:
+            on_error(error)
 
     def close_unfinished(self) -> None:
         """The run failed: what was recorded stays as streamed (held records: after the rest)."""

@@ -1,0 +1,142 @@
+"""A RecordStream's writer process lost mid-run (killed from outside, or hung at close): the
+run stops at the next flush with a write error saying how the writer ended, and at close the
+batches it never wrote are written in the run's own process, each file cut back to what the
+writer answered first (no torn line). Also: when the writer process starts (8664ed6)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from batchsim.server.distributed import rank
+from batchsim.server.results import record_process, run_files
+
+from tests.sim_records import request_record, step_record
+
+DEADLINE_S = 10.0  # a loaded machine's pauses: a passing test waits milliseconds
+
+
+def _until(done, what: str, wait_s: float = DEADLINE_S) -> None:
+    deadline = time.monotonic() + wait_s
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def _add(stream: run_files.RecordStream, i: int) -> None:
+    stream.add_request(request_record(i, float(i), float(i)))
+    stream.add_step(step_record(i, float(i), 1, 0))  # a flush at each step (FLUSH_EVERY_S 0)
+
+
+def _files(run_dir: Path) -> tuple[bytes, bytes]:
+    return tuple((run_dir / n).read_bytes() for n in (run_files.STEPS, run_files.REQUESTS))
+
+
+def _in_process(run_dir: Path, n: int) -> tuple[bytes, bytes]:
+    """The same records written in the run's own process."""
+    run_dir.mkdir()
+    stream = run_files.RecordStream(run_dir)
+    for i in range(n):
+        _add(stream, i)
+    stream.close([request_record(i, float(i), float(i)) for i in range(n)])
+    return _files(run_dir)
+
+
+def _with_writer(run_dir: Path, errors: list) -> tuple[run_files.RecordStream,
+                                                         record_process.WriterProcess]:
+    """A stream whose writer process has written (and answered) its first 3 batches."""
+    run_dir.mkdir()
+    stream = run_files.RecordStream(run_dir, on_error=errors.append, writer_process=True)
+    for i in range(3):
+        _add(stream, i)
+    child = stream._child
+    assert child is not None
+    _until(lambda: all(f.count(b"\n") == 3 for f in _files(run_dir)), "the writer's writes")
+    _until(lambda: not getattr(child, "unwritten", ()), "the writer's answers")
+    return stream, child
+
+
+def test_a_writer_killed_mid_run_stops_it_at_the_next_flush_and_nothing_is_lost(tmp_path,
+                                                                                monkeypatch):
+    monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 0.0)
+    errors: list[OSError] = []
+    stream, child = _with_writer(tmp_path / "run", errors)
+    os.kill(child._child.pid, signal.SIGKILL)
+    _until(lambda: child._child.poll() is not None, "the writer's end")
+    _until(lambda: child.error is not None, "the end seen", wait_s=2.0)
+    with (tmp_path / "run" / run_files.REQUESTS).open("ab") as f:
+        f.write(b'{"request_id": 3, "sta')  # as a writer killed mid-write leaves it
+    _add(stream, 3)
+    assert [str(e) for e in errors] == [
+        f"cannot write {tmp_path / 'run'}: the records' writer process was killed (SIGKILL)"]
+    for i in range(4, 8):  # the run's last steps while it stops
+        _add(stream, i)
+    stream.close([request_record(i, float(i), float(i)) for i in range(8)])
+    assert len(errors) == 1 and stream.error is errors[0]
+    assert _files(tmp_path / "run") == _in_process(tmp_path / "here", 8)
+
+
+def test_a_writer_that_does_not_answer_at_close_is_killed_and_its_batches_written_here(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 0.0)
+    monkeypatch.setattr(record_process, "FINISH_WAIT_S", 0.5)
+    errors: list[OSError] = []
+    stream, child = _with_writer(tmp_path / "run", errors)
+    os.kill(child._child.pid, signal.SIGSTOP)
+    backstop = threading.Timer(5.0, os.kill, (child._child.pid, signal.SIGKILL))
+    backstop.start()  # a close that waits longer than it should fails in seconds, not minutes
+    for i in range(3, 6):
+        _add(stream, i)
+    try:
+        stream.close([request_record(i, float(i), float(i)) for i in range(6)])
+    finally:
+        backstop.cancel()
+    assert [str(e).rsplit(": ", 1)[1] for e in errors] == [
+        "the records' writer process did not answer in 0.5 s"]
+    assert _files(tmp_path / "run") == _in_process(tmp_path / "here", 6)
+
+
+def test_the_close_wait_for_the_writer_ends_before_a_rank_exits_unkept():
+    """A watchdog's abandon closes the stream; rank 0 exits unkept KEEP_RECORDS_S after it
+    began keeping records: the writer's answer (or its kill and the rest written here) first."""
+    assert record_process.FINISH_WAIT_S <= rank.KEEP_RECORDS_S / 2  # the rest: the summary
+
+
+def _counting_starts(monkeypatch) -> list[Path]:
+    started: list[Path] = []
+    start = run_files._started
+
+    def counted(run_dir, files):
+        started.append(run_dir)
+        return start(run_dir, files)
+
+    monkeypatch.setattr(run_files, "_started", counted)
+    return started
+
+
+def test_a_run_that_ends_before_its_first_due_flush_starts_no_writer(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 60.0)
+    started = _counting_starts(monkeypatch)
+    stream = run_files.RecordStream(tmp_path, writer_process=True)
+    _add(stream, 0)
+    stream.close([request_record(0, 0.0, 0.0)])
+    assert started == [] and all(_files(tmp_path))
+
+
+def test_a_stream_that_flushed_here_first_keeps_writing_here(tmp_path, monkeypatch):
+    """A flush before the first due one (the post-loop flush, a watchdog's) writes in-process,
+    and so does every later one: one writer for each file."""
+    monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 60.0)
+    started = _counting_starts(monkeypatch)
+    stream = run_files.RecordStream(tmp_path, writer_process=True)
+    _add(stream, 0)
+    stream.flush()
+    monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 0.0)
+    stream._due_s = 0.0
+    _add(stream, 1)
+    assert started == [] and stream._child is None
+    assert (tmp_path / run_files.STEPS).read_bytes().count(b"\n") == 2
+    stream.close([request_record(i, float(i), float(i)) for i in range(2)])

@@ -141,6 +141,37 @@ def test_a_killed_run_leaves_every_record_it_sent_to_a_lagging_writer(tmp_path, 
     assert len(at_kill[0]) < len(_files(run_dir)[0])  # written after the run was killed
 
 
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="finds processes through /proc")
+def test_a_writer_killed_mid_run_stops_the_run_with_one_line_and_loses_no_record(
+        tmp_path, batchsim_home):
+    """SIGKILL of the writer process while the run goes (the run held still meanwhile): the
+    run stops at its next flush, says how the writer ended, and every plan and request it
+    recorded is in whole lines (the writer's unwritten batches written by the run itself)."""
+    argv = [sys.executable, "-c", _OFTEN, "run", *SIM, "--num-prompts", "20000",
+            "--request-rate", "50", "--output-len", "40", "--no-timeline", "--out", str(tmp_path)]
+    run = subprocess.Popen(argv, env={**os.environ, "BATCHSIM_HOME": str(batchsim_home)},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        writer = _wait(lambda: _writer_of(run.pid), "the writer process", run)
+        os.kill(run.pid, signal.SIGSTOP)
+        os.kill(writer, signal.SIGKILL)
+        os.kill(run.pid, signal.SIGCONT)
+        err = run.communicate(timeout=GUARD_S)[1]
+    finally:
+        run.kill()
+        run.wait(GUARD_S)
+    assert run.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert "the records' writer process was killed (SIGKILL) (the run stopped" in (
+        err.strip().splitlines()[-1])
+    (run_dir,) = tmp_path.iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["interrupted"] and summary["num_unfinished"] > 0  # stopped early
+    lines = [(run_dir / n).read_bytes() for n in (run_files.STEPS, run_files.REQUESTS)]
+    assert all(b.endswith(b"\n") for b in lines)
+    assert lines[0].count(b"\n") == summary["num_plans"]
+    assert lines[1].count(b"\n") == summary["completed"] + summary["failed"]
+
+
 def _file_limit(limit_bytes: int):
     def preexec() -> None:  # as test_disk_full: a write past the limit fails with EFBIG
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

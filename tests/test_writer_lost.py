@@ -35,13 +35,19 @@ def _files(run_dir: Path) -> tuple[bytes, bytes]:
     return tuple((run_dir / n).read_bytes() for n in (run_files.STEPS, run_files.REQUESTS))
 
 
+def _closed(n: int) -> list:
+    """The run's records at close: `n` finished, and an unfinished one never streamed."""
+    return [request_record(i, float(i), float(i)) for i in range(n)] + [
+        request_record(n, float(n), None)]
+
+
 def _in_process(run_dir: Path, n: int) -> tuple[bytes, bytes]:
     """The same records written in the run's own process."""
     run_dir.mkdir()
     stream = run_files.RecordStream(run_dir)
     for i in range(n):
         _add(stream, i)
-    stream.close([request_record(i, float(i), float(i)) for i in range(n)])
+    stream.close(_closed(n))
     return _files(run_dir)
 
 
@@ -74,7 +80,7 @@ def test_a_writer_killed_mid_run_stops_it_at_the_next_flush_and_nothing_is_lost(
         f"cannot write {tmp_path / 'run'}: the records' writer process was killed (SIGKILL)"]
     for i in range(4, 8):  # the run's last steps while it stops
         _add(stream, i)
-    stream.close([request_record(i, float(i), float(i)) for i in range(8)])
+    stream.close(_closed(8))
     assert len(errors) == 1 and stream.error is errors[0]
     assert _files(tmp_path / "run") == _in_process(tmp_path / "here", 8)
 
@@ -91,7 +97,7 @@ def test_a_writer_that_does_not_answer_at_close_is_killed_and_its_batches_writte
     for i in range(3, 6):
         _add(stream, i)
     try:
-        stream.close([request_record(i, float(i), float(i)) for i in range(6)])
+        stream.close(_closed(6))
     finally:
         backstop.cancel()
     assert [str(e).rsplit(": ", 1)[1] for e in errors] == [

@@ -83,6 +83,7 @@ class RecordStream(RecordWriter):
         # first flush that falls due, so a run that ends before one never waits for it to start.
         self._for_child = dict(files) if writer_process else None
         self._ends_sent = 0  # step end times the child has been sent
+        self._writable = False  # after `error`: the writer process's end, its batches kept
         self._steps: list[StepRecord] = []
         self._requests: list[Entry] = []  # to write at the next flush
         # Arrival order, streamed: the recorder appends each request's id as it arrives; a record
@@ -218,6 +219,7 @@ class RecordStream(RecordWriter):
             f.seek(child.sizes[name])  # the child's offset, shared: past what it wrote
         for step_rows, requests in child.unwritten:
             self.write_batch(step_rows, requests)
+        self._writable = self.error is None  # close() writes the rest (the unfinished) too
         self.error = stopped or self.error
 
     def _stop_holding(self) -> None:
@@ -247,7 +249,8 @@ class RecordStream(RecordWriter):
         """The run is over: `records` are every request in arrival order. requests.jsonl becomes
         exactly those rows in that order; rows already written are copied, not encoded again."""
         self.close_unfinished()
-        if self.error is not None or [r.request_id for r in records] == self._written_ids:
+        if (self.error is not None and not self._writable) or (
+                [r.request_id for r in records] == self._written_ids):
             return  # streamed complete and in order, or no room to write them again
         path = self.run_dir / REQUESTS
         try:  # the streamed file stays, in completion order, if this fails

@@ -150,9 +150,10 @@ def test_a_peak_estimated_from_a_held_out_source_never_reaches_its_fold(monkeypa
 def test_a_fold_without_mlxcel_keeps_the_m5_neural_accelerators(catalog):
     """The M5 FP16 peaks are estimated from mlxcel_m5max_batch's TTFT; a fold holding that source
     out prices the chips at their FP16 peak from no published row (configs/macs.yaml: the Neural
-    Accelerators' 4x the FP32 peak), qmv at its share of the FP32 peak. Its M5 Max prefill (467
-    tokens of Llama-3.1-8B 4-bit, TTFT 173.1 ms measured) then runs faster than the FP32 shader
-    peak could multiply it; at FP16 = FP32 (the fold before) it took 0.92 s."""
+    Accelerators' 4x the FP32 peak), and nothing else differs: qmv's rate is the shipped code's
+    share of that FP16 peak (r3 #1: the fold had moved qmv onto the FP32 peak). Its M5 Max
+    prefill (467 tokens of Llama-3.1-8B 4-bit, TTFT 173.1 ms measured) then runs faster than the
+    FP32 shader peak could multiply it; at FP16 = FP32 (the fold before) it took 0.92 s."""
     pub = load_published()
     train = [r for r in pub.rows if r.src != "mlxcel_m5max_batch"]
     fold = mac_cv.fold_catalog(catalog, train, {r.src for r in pub.rows})
@@ -162,7 +163,11 @@ def test_a_fold_without_mlxcel_keeps_the_m5_neural_accelerators(catalog):
             continue
         assert held.fp16_tflops == full.fp16_unfitted_tflops == pytest.approx(
             4 * full.fp32_tflops, rel=1e-3)
-        assert held.qmv_tflops == full.fp32_tflops and full.qmv_tflops is None
+        assert dataclasses.replace(held, fp16_tflops=full.fp16_tflops) == full
+        fit = gpu_fit.load_fit()
+        shares = [gpu_fit.mac_profile(m, fit, 4).quantized_gemv_row_gflops / m.fp16_tflops
+                  for m in (full, held)]
+        assert shares[0] == pytest.approx(shares[1], rel=1e-12)
     row = next(r for r in pub.by_src("mlxcel_m5max_batch")
                if r.model == "llama-3.1-8b" and r.batch == 1 and not r.decode_only)
     prefill_s = ps.priced(row, fold, MacModel(gpu_fit.load_fit())).prefill.total_s

@@ -223,7 +223,11 @@ def test_qmm_nax_tiles_64_rows_past_32():
 
 @pytest.mark.parametrize("mlx, lm_head_nax, layer_nax", [
     ("0.29.3", False, False),  # before the Neural Accelerator kernels: every qmm on the shaders
+    ("0.29.9", False, False),
+    ("0.30.0.dev", False, False),  # a build before 0.30.0 (mlx_release: (0, 30, 0, -1))
+    ("0.30.0", True, True),  # the first release with qmm_nax
     ("0.31.1", True, True),  # qmm_nax for every qmm: no split-K yet
+    ("0.31.2.dev", True, True),  # a build before split-K
     ("0.31.2", True, False),  # split-K qmm (shader) for the 32-row layer, qmm_nax for the lm head
     ("", True, False),
 ])

@@ -172,14 +172,13 @@ def mac_profile(mac: Mac, fit: GpuFit, quantize_bits: int | None,
     fp16_tflops = profile.tflops("float16")
     family = gpu_family(mac.chip)
     # An M5's FP16 peak is its Neural Accelerators': split-K qmm multiplies at the shader FP32 rate.
-    # qmv's fitted rate stays a share of the FP16 peak (Mac.qmv_tflops: of another, where set),
+    # qmv's fitted rate stays a share of the FP16 peak (a CV fold's prior too: cv.fold_catalog),
     # though qmv runs on the shader ALUs (float accumulators): priced off fp32_tflops (branch
     # h7/qmv-shader-m5-peak, 271 rows; again at 8ecd4ea with the accelerators at 4x FP32: LOCO
     # batched / gain 17.1 / 15.1 -> 21.5 / 20.0%) the share is 0.39, 0.25 without the M5 batched
     # rows, which want ~0.7 of an M5's FP32 peak (mlx_swift_lm_42: M5 B=2 costs nothing over B=1).
     # No cited mechanism prices that: the FP16 peak fitted on mlxcel's TTFT (macs.yaml) stands in.
     shader = min(1.0, mac.fp32_tflops / fp16_tflops) if has_neural_accelerators(family) else 1.0
-    qmv_tflops = mac.qmv_tflops or fp16_tflops
     host = mac.cpu_speed ** -fit.cpu_exponent  # CPU-side dispatch: by the CPU's generation
     layer_us = fit.layer_overhead_us * host + (fit.ultra_layer_us if ultra else 0.0)
     return dataclasses.replace(
@@ -194,7 +193,7 @@ def mac_profile(mac: Mac, fit: GpuFit, quantize_bits: int | None,
         quantized_gemm_gflops={b: e * fp16_tflops * 1e3
                                for b, e in fit.quantized_gemm_efficiency.items()},
         gpu_family=family, shader_flops_share=shader,
-        quantized_gemv_row_gflops=_gemv_row_gflops(fit, qmv_tflops, mac.chip))
+        quantized_gemv_row_gflops=_gemv_row_gflops(fit, fp16_tflops, mac.chip))
 
 
 ULTRA_M3_GENERATION = 15  # Ultras of GPU generation 15 (M3) on: no Ultra qmv slowdown

@@ -13,9 +13,15 @@ from typing import Any
 
 from batchsim.configs import CONFIG_DIR, ConfigError, from_dict, load_yaml
 from batchsim.server.perf.profile import DeviceProfile
+from batchsim.server.perf.qmv import gpu_family, has_neural_accelerators
 
 CATALOG_PATH = CONFIG_DIR / "macs.yaml"
 GIB = 1 << 30  # Apple sells RAM in binary gigabytes: a "16 GB" Mac has 16 GiB
+# An M5 GPU core's Neural Accelerators multiply FP16 matrices at ~1024 FLOP a cycle, 4x its 128 FP32
+# lanes' 256 (configs/macs.yaml tzakharko_na: A19 matrix FP16 7500 vs SIMD FP32 1880 GFLOPS,
+# iso-clock, a peak without data movement); Apple's "over 4x the peak GPU compute for AI compared
+# to M4" (apple_m5) is consistent with it as a floor. The prior for an M5's FP16 peak.
+NAX_FP16_PER_FP32 = 4.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,17 +42,21 @@ class Mac:
     # Its CPU generation's single-core score over the reference generation's (configs/macs.yaml
     # cpu_single_core; set by the catalog).
     cpu_speed: float = 1.0
-    # An FP16 peak estimated from published rows (fp16_tflops citing their source) has this one from
-    # sources that are no published row (configs/macs.yaml: an M5's Neural Accelerators); a fold
-    # without those rows prices the chip with it (server.published.cv.fold_catalog).
-    fp16_unfitted_tflops: float | None = None
-    # The peak MLX's qmv rate over several rows is a share of (server.perf.gpu_fit; None: the FP16
-    # peak): such a fold's M5, the FP32 (qmv multiplies in float on the shader ALUs).
-    qmv_tflops: float | None = None
 
     @property
     def label(self) -> str:
         return f"{self.chip} {self.gpu_cores}c"
+
+    @property
+    def fp16_unfitted_tflops(self) -> float | None:
+        """Its FP16 peak from no published row: NAX_FP16_PER_FP32 x its FP32 peak on a GPU with
+        Neural Accelerators (an M5), else the FP32 peak (M1-M4 run FP16 at the FP32 rate). A fold
+        without the rows an estimated fp16_tflops came from prices the chip with it
+        (server.published.cv.fold_catalog)."""
+        if self.fp32_tflops is None:
+            return None
+        nax = has_neural_accelerators(gpu_family(self.chip))
+        return self.fp32_tflops * (NAX_FP16_PER_FP32 if nax else 1.0)
 
     @property
     def compute_known(self) -> bool:

@@ -90,13 +90,12 @@ def report(rows: Sequence[Any], predicted: Sequence[float],
 def fold_catalog(catalog: macs.Catalog, train: Sequence[Any], sources: set[str]) -> macs.Catalog:
     """The catalog as a fold may use it. A chip figure estimated from published rows (a chip citing
     one of `sources`, the published set's: the M5 FP16 peaks, from mlxcel_m5max_batch's TTFT) is
-    withheld from a fold without that source's rows: its FP16 peak there is the one from no
-    published row (an M5's Neural Accelerators', 4x its FP32 peak: configs/macs.yaml), else the
-    FP32 peak (the M1-M4 rule), and qmv's rate a share of the FP32 peak (qmv multiplies in float on
-    the shader ALUs)."""
+    withheld from a fold without that source's rows: its FP16 peak there is its unfitted prior
+    (Mac.fp16_unfitted_tflops: an M5's Neural Accelerators at macs.NAX_FP16_PER_FP32 x its FP32
+    peak; M1-M4, the FP32 peak). Nothing else differs: every rate derived from the FP16 peak (qmv's
+    share of it included) comes from the same code as the shipped model's (gpu_fit.mac_profile)."""
     have = {r.src for r in train}
-    chips = tuple(dataclasses.replace(m, fp16_tflops=m.fp16_unfitted_tflops or m.fp32_tflops,
-                                      qmv_tflops=m.fp32_tflops)
+    chips = tuple(dataclasses.replace(m, fp16_tflops=m.fp16_unfitted_tflops)
                   if (set(m.src) & sources) - have else m for m in catalog.chips)
     return dataclasses.replace(catalog, chips=chips)
 

@@ -51,7 +51,8 @@ class KVManager:
         self.prefix = (PrefixCache(PAGE_TOKENS * cache.full_token_bytes, shared=paged)
                        if prefix_cache else None)
         self.shared = self.prefix if paged and prefix_cache else None
-        # geometry_for's answers for the pool: (rows, KV steps, bytes) -> geometry
+        # geometry_for's answers for the pool: (rows, (max_len - 1) // KV_STEP, bytes) -> geometry
+        # (the middle is kv_steps(max_len) - 1 for max_len >= 1, and -1 at max_len 0)
         self._geometries: dict[tuple[int, int, int], PoolGeometry | None] = {}
 
     @property

@@ -170,21 +170,33 @@ def test_the_simulated_executor_joins_rows_without_making_positions_whole(monkey
 
 def test_the_pool_members_a_plan_shares_with_the_lazy_rows_survive_them():
     """A plan in which no row joins hands the lazy rows' id set itself to the KV manager as its
-    pool members (decode_plan, no copy): an abort between steps (settling the lazy rows) must
-    leave the rows still running held, and a finished row leaves the members as its release
-    would."""
+    pool members (decode_plan, no copy; a plan where rows join hands it a new set): an abort
+    between steps (settling the lazy rows) must leave the rows still running held, and every
+    finished or aborted row is freed by the next plan (in its free_ids, no KV held after it),
+    on plans of either kind. The account is checked after every step."""
     sched = Scheduler(config(max_num_seqs=4, kv_bytes_per_token=512, max_lookahead_steps=1))
     ex = FakeExecutor(step_s=1.0)
-    for rid in range(4):
-        sched.add_request(make_request(rid, 8, 5 + 10 * rid))
-    shared, gone = 0, None
-    for _ in range(12):
+    arrivals = {0: range(4), 3: [4], 6: [5], 9: [6]}  # the later ones join as rows finish
+    shared = joined = 0
+    gone, releasing = None, set()
+    for step in range(40):
+        for rid in arrivals.get(step, ()):
+            sched.add_request(make_request(rid, 8, 5 + 10 * (rid % 4)))
         plan = sched.schedule()
-        shared += sched.kv.pool_members is sched.lazy.id_set
+        assert releasing <= set(plan.free_ids), (releasing, plan.free_ids)
+        assert not any(sched.kv.holds(rid) for rid in releasing)  # freed by its release step
+        if sched.kv.pool_members is sched.lazy.id_set:
+            shared += 1
+        elif sched.lazy.rows and len(plan.decode_ids) > len(sched.lazy.rows):
+            joined += 1  # rows join: the members are a new set, finished rows in it till freed
         done = sched.update_from_output(plan, ex.execute(plan)._replace(token_ids=None))
-        assert not sched.kv.pool_members & {r.request_id for r in done}
-        if gone is None and sched.kv.pool_members is sched.lazy.id_set:
+        releasing = {r.request_id for r in done}
+        if gone is None and sched.kv.pool_members is sched.lazy.id_set and sched.running[1:]:
             gone = sched.running[1]
             sched.abort(gone.request_id)  # settles the lazy rows
+            releasing.add(gone.request_id)
         sched.check_integrity()  # every running row with KV is held, nothing else
-    assert shared > 1 and gone is not None and gone.finish_reason == "abort"
+        if not sched.has_work():
+            break
+    assert shared > 1 and joined > 0 and gone is not None and gone.finish_reason == "abort"
+    assert not sched.has_work() and not sched.kv.pool_members

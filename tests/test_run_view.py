@@ -130,3 +130,19 @@ def test_the_view_lays_out_the_summary_before_the_picture_is_awaited(tmp_path):
     with Drawing() as drawing:
         run_config(sim_config(n=6), tmp_path, View(progress=False), timeline=drawing)
     assert events == [("summarized", False, 6), "awaited", ("finished", True)]
+
+
+def test_a_failing_summary_hook_costs_neither_summary_json_nor_the_picture(tmp_path, caplog):
+    """on_summary (the table laid out ahead) runs before summary.json is written: its failure
+    lost summary.json and timeline.png (review r4 item 3); now one line, and both are there."""
+    session = open_session(sim_config(n=6))
+
+    def broken(summary):
+        raise ValueError("no table")
+
+    outcome = run_workload(session, session.config.workload, out_dir=tmp_path, label="t",
+                           on_summary=broken)
+    assert (outcome.run_dir / "summary.json").is_file()
+    assert outcome.summary["timeline_png"] and (outcome.run_dir / "timeline.png").is_file()
+    assert [r.getMessage() for r in caplog.records if r.name == "batchsim"] == [
+        "the summary's early look failed: ValueError: no table"]

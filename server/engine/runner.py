@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import logging
 import signal
 import threading
 import time
@@ -281,7 +282,7 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
     if stream is not None:
         stream.close(records)  # requests.jsonl in arrival order, as a finished run has it
     if on_summary is not None:  # while the drawing process draws
-        on_summary(summary)
+        _tell(on_summary, summary)
     if draw and run_dir is not None and not (stream and stream.error):  # no room for it
         summary["timeline_png"] = _timeline_png(run, run_dir, drawing, count_at_end, records)
     summary["interrupted"] = run.interrupted  # a signal may have come while records were written
@@ -291,6 +292,16 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
     summary["env"] = session.environment()
     error = write_summary_noting_failures(run_dir, summary, stream.error if stream else None)
     return RunOutcome(summary, records, steps, run_dir, run.interrupted, error)
+
+
+def _tell(on_summary: Callable[[dict[str, Any]], None], summary: dict[str, Any]) -> None:
+    """The caller's hook (a table laid out ahead) cannot cost the run summary.json or
+    timeline.png: its failure is one line, and the caller's view lays the table out as before."""
+    try:
+        on_summary(summary)
+    except Exception as exc:  # noqa: BLE001 - any failure of the hook; the records come first
+        logging.getLogger("batchsim").warning("the summary's early look failed: %s: %s",
+                                              type(exc).__name__, exc)
 
 
 def _what_ran(run: _Run, wall: float) -> dict[str, Any]:

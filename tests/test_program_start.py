@@ -43,3 +43,15 @@ def test_a_module_importing_the_cli_keeps_its_collector():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=120, check=False)
     assert done.stdout.split() == ["True", "0"], done.stderr
+
+
+def test_a_users_script_named_cli_py_importing_the_cli_keeps_its_collector(tmp_path):
+    """The program was told by its file's name: a user's cli.py importing this (for GROUPS or
+    build_parser) ran with the collector off for good and no Ctrl-C (review r4 item 1)."""
+    script = tmp_path / "cli.py"
+    script.write_text("import gc, signal\nfrom batchsim.scripts import cli\n"
+                      "print(gc.isenabled(), gc.get_freeze_count(), cli._PROGRAM,\n"
+                      "      signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, check=False, cwd=tmp_path)
+    assert done.stdout.split() == ["True", "0", "False", "True"], done.stderr

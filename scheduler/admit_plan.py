@@ -50,7 +50,7 @@ def admissions(kv: KVManager, cfg: SchedulerConfig, waiting: deque[Request], row
             return None
         left = budget_bytes - private_bytes  # StepBudget.chunk from 0, fit, geometry
         pool_bytes = kv.pool_bytes if geom is kv.pool else cache.pool_bytes(geom)
-        n, tighter, held = chunk_fit(kv, r.request_id, 0, tokens, step, tokens_left,
+        n, tighter, growth_bytes = chunk_fit(kv, r.request_id, 0, tokens, step, tokens_left,
                                      left - pool_bytes,
                                      lambda need, left=left: kv.geometry_for(rows, width,
                                                                              left - need))
@@ -60,8 +60,8 @@ def admissions(kv: KVManager, cfg: SchedulerConfig, waiting: deque[Request], row
             break
         # StepBudget.add_chunk's cache.private(0, n): no cache before (nothing computed), so its
         # growth is what it holds
-        private[r.request_id] = made(PrivateCache, (0, n, held))
-        private_bytes += held
+        private[r.request_id] = made(PrivateCache, (0, n, growth_bytes))
+        private_bytes += growth_bytes
         tokens_left -= n
         chunks.append((r, n))
         rows_later, len_later = rows_later + 1, n_later

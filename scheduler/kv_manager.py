@@ -51,6 +51,8 @@ class KVManager:
         self.prefix = (PrefixCache(PAGE_TOKENS * cache.full_token_bytes, shared=paged)
                        if prefix_cache else None)
         self.shared = self.prefix if paged and prefix_cache else None
+        # Padded: the cache's blocks are copies held beside the pool (kv_bytes counts them).
+        self.copies = self.prefix if prefix_cache and not paged else None
         # geometry_for's answers for the pool: (rows, (max_len - 1) // KV_STEP, bytes) -> geometry
         # (the middle is kv_steps(max_len) - 1 for max_len >= 1, and -1 at max_len 0)
         self._geometries: dict[tuple[int, int, int], PoolGeometry | None] = {}
@@ -61,10 +63,12 @@ class KVManager:
 
     @property
     def kv_bytes(self) -> int:
-        held = self.pool_bytes + self._private_bytes
-        if self.prefix is not None and self.shared is None:
-            return held + self.prefix.nbytes  # padded: copies beside the pool
-        return held
+        """KV held: the pool, the private caches and, padded, the prefix cache's copies beside
+        them (commit and cache_ops read this rule, not a sum of their own)."""
+        held_bytes, copies = self.pool_bytes + self._private_bytes, self.copies
+        if copies is not None and copies.blocks:  # (none: no nbytes frame, every commit)
+            return held_bytes + copies.nbytes
+        return held_bytes
 
     def holds(self, request_id: int) -> bool:
         return request_id in self.pool_members or request_id in self.private
@@ -164,23 +168,22 @@ class KVManager:
         self.pool_members = pool_members
         self.private = private
         self._private_bytes = private_bytes
-        held = self.pool_bytes + private_bytes  # kv_bytes, without its frame: no copies held
-        if self.shared is None and self.prefix is not None and self.prefix.blocks:
-            self.prefix.fit(self.budget_bytes - held)
-            held = self.kv_bytes  # with the copies the cache kept
-        if held > self.budget_bytes:
-            raise KVAccountError(f"plan holds {held} KV bytes > budget {self.budget_bytes}")
-        return held
+        copies = self.copies
+        if copies is not None and copies.blocks:  # they keep what the plan leaves
+            copies.fit(self.budget_bytes - self.kv_bytes + copies.nbytes)
+        held_bytes = self.kv_bytes
+        if held_bytes > self.budget_bytes:
+            raise KVAccountError(f"plan holds {held_bytes} KV bytes > budget {self.budget_bytes}")
+        return held_bytes
 
     def cache_ops(self, kv_bytes: int, prefills: list[PrefillChunk], requests: dict[int, Request]
                   ) -> tuple[CacheOps | None, int]:
         """The prefix cache keeps the blocks a plan's chunks complete in what the plan's committed
         `kv_bytes` leave: its ops for the plan, and the plan's KV bytes after them."""
-        prefix = self.prefix
-        copies = self.shared is None  # padded: the cache's blocks are held beside the pool
-        held = kv_bytes - prefix.nbytes if copies else kv_bytes  # pool and private caches
-        prefix.store_chunks(prefills, requests, self.budget_bytes - held)
-        return prefix.take_ops(), held + prefix.nbytes if copies else held
+        prefix, copies = self.prefix, self.copies is not None  # (kv_bytes counts copies)
+        held_bytes = kv_bytes - prefix.nbytes if copies else kv_bytes  # pool and private caches
+        prefix.store_chunks(prefills, requests, self.budget_bytes - held_bytes)
+        return prefix.take_ops(), held_bytes + prefix.nbytes if copies else held_bytes
 
     def check(self, computed_tokens: dict[int, int], releasing: set[int] = frozenset()) -> None:
         """Integrity: geometry covers the members, private caches match their tokens, budget holds.
@@ -211,9 +214,9 @@ class KVManager:
 
     def _check_blocks(self, computed_tokens: dict[int, int], releasing: set[int]) -> None:
         members = self.pool_members - releasing
-        held = sum(self.own_blocks(rid, computed_tokens[rid]) for rid in members)
+        held_blocks = sum(self.own_blocks(rid, computed_tokens[rid]) for rid in members)
         if self.shared is not None:
-            held += len(self.shared.blocks)
+            held_blocks += len(self.shared.blocks)
             refs: dict[int, int] = {}
             for rid, hashes in self.shared.held.items():
                 if rid not in computed_tokens and rid not in releasing:
@@ -223,8 +226,9 @@ class KVManager:
             if any(h not in self.shared.blocks for h in refs) or any(
                     self.shared.refs.get(h, 0) < n for h, n in refs.items()):
                 raise KVAccountError("a request holds a cached block the cache does not count")
-        if held > (self.pool.blocks or 0):
-            raise KVAccountError(f"pool rows hold {held} blocks > the pool's {self.pool.blocks}")
+        if held_blocks > (self.pool.blocks or 0):
+            raise KVAccountError(f"pool rows hold {held_blocks} blocks > the pool's "
+                                 f"{self.pool.blocks}")
 
     def _check_private(self, rid: int, p: PrivateCache, computed_tokens: dict[int, int]) -> None:
         if rid not in computed_tokens:

@@ -219,10 +219,10 @@ class StepBudget:
         kv = self.kv  # paged: the blocks the rows hold (KVManager.peak_running_bytes)
         if kv.shared is not None:
             plain = self._fit_shared_cache(requests)
-            held = self.blocks + self._draft_blocks() + plain
+            held_blocks = self.blocks + self._draft_blocks() + plain
         else:
-            held = self.blocks + self._draft_blocks() if kv.paged else 0
-        return kv.commit(self.geom, self.in_pool, self.private, self.private_bytes, held)
+            held_blocks = self.blocks + self._draft_blocks() if kv.paged else 0
+        return kv.commit(self.geom, self.in_pool, self.private, self.private_bytes, held_blocks)
 
     @staticmethod
     def _plain_prompt_blocks(r: Request) -> int:

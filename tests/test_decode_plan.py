@@ -85,9 +85,10 @@ def test_prefix_cache_ops_are_skipped_only_when_they_do_nothing(workload, tmp_pa
     with monkeypatch.context() as m:
         m.setattr(prefix_cache.PrefixCache, "take_ops", counted)
         skipping = _records(cfg, tmp_path / "skip")
+    has_ops = prefix_cache.PrefixCache.has_ops  # (pending's and take_ops' test: no chunks)
     with monkeypatch.context() as m:
         m.setattr(prefix_cache.PrefixCache, "has_ops",  # every plan with chunks takes the ops
-                  lambda self, chunks, _requests: bool(chunks) or self.pending)
+                  lambda self, chunks, requests: bool(chunks) or has_ops(self, (), requests))
         general = _records(cfg, tmp_path / "general")
     assert skipping == general
     assert (taken[0] == 0) == (workload == "default")

@@ -38,9 +38,9 @@ class SimExecutor:
         # token).
         self.cache = cache or CacheLayout.dense(self.kvt)
         self.layout = PoolLayout(self.cache, paged)  # the real pool's rows, in its order
-        # request id -> bytes its private prefill cache holds (as mlx-lm allocates)
+        # request id -> bytes its private prefill cache holds (as mlx-lm allocates); kv_bytes
+        # sums them (in C: a few caches, no frame), so each change is one dict write
         self.private: dict[int, int] = {}
-        self._private_bytes = 0  # their sum
         self._pool_bytes = 0  # what the pool's geometry holds (set when it changes)
         self.block_bytes = PAGE_TOKENS * self.cache.full_token_bytes  # one prefix-cache block
         self._cached_bytes = 0  # prefix-cache blocks held beside the pool (padded: copies)
@@ -64,7 +64,6 @@ class SimExecutor:
         if free_ids:
             t += self._free(free_ids)
         for new in new_requests:  # an empty prefill cache (private_bytes(0, 0): 0 bytes)
-            self._private_bytes -= self.private.get(new.request_id, 0)
             self.private[new.request_id] = 0
             if new.cached_hashes:  # cached blocks copied into its prefill cache
                 t += self.cost.copy_s(len(new.cached_hashes) * self.block_bytes)
@@ -110,9 +109,7 @@ class SimExecutor:
                       else prefill_groups.groups(prefills)):
             started = 0  # rows sampling their request's first token
             for rid, start, n, sample, fresh in group:  # PrefillChunk: fields cost a call
-                held = cache.private_bytes(start, start + n)
-                self._private_bytes += held - private.get(rid, 0)
-                private[rid] = held
+                private[rid] = cache.private_bytes(start, start + n)
                 if sample:
                     sampling.append(rid)
                     started += fresh
@@ -193,13 +190,13 @@ class SimExecutor:
         if self.spec is not None:
             self.spec.forget(self.layout.row_ids)
         self.layout.clear()
-        self.private, self._private_bytes, self._pool_bytes = {}, 0, 0
+        self.private, self._pool_bytes = {}, 0
         self._cached_bytes = 0
         self._shared = {}
         self._joined = ()
 
     def kv_bytes(self) -> int:
-        return self._pool_bytes + self._private_bytes + self._cached_bytes
+        return self._pool_bytes + sum(self.private.values()) + self._cached_bytes
 
     # -- the pool's copies, as pool_rows lays them out for the real DecodePool ------------------
     def _free(self, free_ids: tuple[int, ...]) -> float:
@@ -208,7 +205,7 @@ class SimExecutor:
         if self.private:
             private = self.private
             for rid in free_ids:  # their prefill caches end
-                self._private_bytes -= private.pop(rid, 0)
+                private.pop(rid, None)
         if self._shared:
             for rid in free_ids:
                 self._shared.pop(rid, None)
@@ -242,7 +239,7 @@ class SimExecutor:
             if rid in in_pool:
                 continue
             layout.join(rid, pos)
-            self._private_bytes -= private.pop(rid, 0)  # its prefill cache ends
+            private.pop(rid, None)  # its prefill cache ends
             shared = self._shared.pop(rid, 0) * self.block_bytes  # referenced, not copied
             t += self.cost.copy_s(self.cache.seq_bytes(pos) - shared)
         return t

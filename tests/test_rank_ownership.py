@@ -60,16 +60,19 @@ class Ranks(WatchesServeStderr):
         while not self.processes(rank=0) and time.monotonic() < deadline:
             time.sleep(0.02)
 
-    def processes(self, rank: int | None = None) -> list[int]:
-        """Live processes of this run (launcher, mlx.launch, ranks); a zombie has no environ."""
+    def processes(self, rank: int | None = None, writers: bool = False) -> list[int]:
+        """Live processes of this run (launcher, mlx.launch, ranks; a zombie has no environ);
+        `rank`: that rank's; `writers`: rank 0's records' writer process too (same environment)."""
         want = f"{MARK}={self.mark}".encode()
         found = []
         for environ in Path("/proc").glob("[0-9]*/environ"):
             try:
                 env = environ.read_bytes().split(b"\0")
+                writer = b"record_process" in (environ.parent / "cmdline").read_bytes()
             except OSError:
                 continue
-            if want in env and (rank is None or f"MLX_RANK={rank}".encode() in env):
+            if (want in env and (writers or not writer)
+                    and (rank is None or f"MLX_RANK={rank}".encode() in env)):
                 found.append(int(environ.parent.name))
         return found
 
@@ -82,12 +85,12 @@ class Ranks(WatchesServeStderr):
 
     def assert_none_left(self) -> None:
         deadline = time.monotonic() + GONE_S
-        while self.processes() and time.monotonic() < deadline:
+        while self.processes(writers=True) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert self.processes() == [], f"left running: {self.processes()}"
+        assert self.processes(writers=True) == [], f"left: {self.processes(writers=True)}"
 
     def cleanup(self) -> None:
-        for pid in self.processes():
+        for pid in self.processes(writers=True):
             try:
                 os.kill(pid, signal.SIGCONT)
                 os.kill(pid, signal.SIGKILL)

@@ -21,9 +21,14 @@ where plain qmm is `qmm_nax`, on the Neural Accelerators, in 64-row tiles past 3
 step's layers over a few dozen rows (split-K) run at the shader rate even on an M5, and a long
 prefill's (plain qmm) at the accelerators' (DeviceProfile.shader_flops_share prices the difference).
 The accelerators' kernels came in MLX 0.30.0 (ml-explore/mlx 54f1cc6, #2772, 2025-11-19: qmm_nax,
-gather_qmm_nax, steel GEMM and attention, behind is_nax_available and macOS 26.2): an older MLX
-runs every qmm on the shader ALUs, an M5's too (the published M5 rows of MLX 0.29.3). MLX
-0.30.0-0.31.1 ran qmm_nax for every M5 qmm (no split-K yet).
+gather_qmm_nax, gather_qmm_rhs_nax, steel GEMM and attention, behind is_nax_available): an older
+MLX runs every qmm on the shader ALUs, an M5's too (the published M5 rows of MLX 0.29.3). MLX
+0.30.0-0.31.1 ran qmm_nax for every M5 qmm (no split-K yet). They also need an MLX built with
+them (MLX_ENABLE_NAX: Metal 4, the macOS 26.2 SDK) running on macOS 26.2 or later; neither is
+modelled (an M5 is taken to run them). Only dense qmm is gated by MLX version here
+(on_neural_accelerators, NAX_SINCE): routed experts (gather_qmm_rhs) and float GEMM / attention
+on an M5 are priced at its FP16 (accelerators') peak whatever the MLX (review r3 #6, left open:
+the published M5 rows of MLX 0.29.3 are dense 4-bit, their qmm gated, their attention not).
 
 The GPU family is MLX's `get_architecture()` suffix: generation 13 (M1) to 17 (M5), size g (base),
 s (Pro, and Max from the M2 on), c (the M1 Max alone), d (Ultra): Apple's names report an M2 Max

@@ -277,9 +277,9 @@ class CountingTokenizer:
         return getattr(self.inner, name)
 
 
-def test_serve_reads_special_ids_and_template_names_once_per_tokenizer(tiny):
-    """The chat template's reserved names and the special ids were read again for every request
-    (chat_template_kwargs, skip_special_tokens); now once, when the server starts."""
+def _answers(tokenizer, body: dict, times: int = 1) -> list[tuple[int, dict | None]]:
+    """(status, error body) of `times` chat requests `body` to a server (fake executor) on
+    `tokenizer`."""
     import aiohttp
     from batchsim.scheduler.scheduler import Scheduler
     from batchsim.server.executors.fake_executor import FakeExecutor
@@ -288,26 +288,53 @@ def test_serve_reads_special_ids_and_template_names_once_per_tokenizer(tiny):
 
     from tests.drivers import config
 
-    counting = CountingTokenizer(tiny[2])
-    vocab = counting.vocab_size
+    vocab = tokenizer.vocab_size
     options = ServeOptions("tiny", max_body_bytes=1 << 20, max_prompt_bytes=1 << 16,
                            max_model_len=4096, vocab_size=vocab, drain_timeout_s=0.1)
     server = Server(Scheduler(config(max_model_len=4096)), FakeExecutor(vocab_size=vocab),
-                    counting, options)
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-            "chat_template_kwargs": {"enable_thinking": False}, "skip_special_tokens": True}
+                    tokenizer, options)
 
-    async def main() -> list[int]:
+    async def main() -> list[tuple[int, dict | None]]:
         stop, url = asyncio.Event(), asyncio.get_running_loop().create_future()
         task = asyncio.create_task(serve(server, "127.0.0.1", 0, url.set_result, stop))
-        base, statuses = await url, []
+        base, answers = await url, []
         async with aiohttp.ClientSession() as http:
-            for _ in range(3):
+            for _ in range(times):
                 async with http.post(f"{base}/v1/chat/completions", json=body) as r:
-                    statuses.append(r.status)
+                    answers.append((r.status, await r.json() if r.status != 200 else None))
         stop.set()
         await task
-        return statuses
+        return answers
 
-    assert asyncio.run(main()) == [200, 200, 200]
+    return asyncio.run(main())
+
+
+def test_serve_reads_special_ids_and_template_names_once_per_tokenizer(tiny):
+    """The chat template's reserved names and the special ids were read again for every request
+    (chat_template_kwargs, skip_special_tokens); now once, when the server starts."""
+    counting = CountingTokenizer(tiny[2])
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "chat_template_kwargs": {"enable_thinking": False}, "skip_special_tokens": True}
+    assert _answers(counting, body, times=3) == [(200, None)] * 3
     assert counting.reads == {"all_special_ids": 1, "special_tokens_map": 1}
+
+
+class NoSpecialIds:
+    """The tiny model's tokenizer without all_special_ids (a tokenizer mlx-lm's wrapper is not)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        if name == "all_special_ids":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def test_skip_special_tokens_on_a_tokenizer_naming_no_special_ids_is_a_400_naming_it(tiny):
+    """It was a 200 that kept the special tokens' text the client asked to drop (review r4)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    [(status, error)] = _answers(NoSpecialIds(tiny[2]), {**body, "skip_special_tokens": True})
+    assert status == 400 and error["error"]["param"] == "skip_special_tokens", error
+    assert error["error"]["message"].startswith("skip_special_tokens: "), error
+    assert _answers(NoSpecialIds(tiny[2]), body) == [(200, None)]  # not asked: as before

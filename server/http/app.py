@@ -33,6 +33,7 @@ from batchsim.server.http.options import ServeOptions
 from batchsim.server.http.prometheus import CONTENT_TYPE, ServerRecorder, mlx_memory_gauges, render
 from batchsim.server.http.protocol import Runner
 from batchsim.server.http.text_stream import Generation
+from batchsim.server.models.tokenizer import special_token_ids
 from batchsim.server.platform.signals import leave_closed_terminal, not_ignored
 
 _ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error",
@@ -55,7 +56,7 @@ class Server:
         self.eos_ids = frozenset(getattr(tokenizer, "eos_token_ids", None) or ())
         # Read once, not per request (a tokenizer's all_special_ids is worked out on each read)
         self.reserved_names = api.template_reserved_names(tokenizer)
-        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
+        self.special_ids = special_token_ids(tokenizer)  # None: skip_special_tokens refused
         self.inflight: set[int] = set()
         self.draining = False
         self._hurry = False  # a second signal: abort now instead of waiting out the drain
@@ -161,8 +162,13 @@ class Server:
         """On the parser thread: JSON, fields and the tokenized prompt."""
         body = api.parse_json_object(raw)
         api.check_model(body, self.options.served_model_name)
-        return api.parse_generation(body, kind, self.tokenizer, self.options.vocab_size,
-                                    self.options.prompt_bytes_limit, self.reserved_names)
+        params = api.parse_generation(body, kind, self.tokenizer, self.options.vocab_size,
+                                      self.options.prompt_bytes_limit, self.reserved_names)
+        if params.skip_special_tokens and self.special_ids is None:
+            raise APIError(400, "skip_special_tokens: this model's tokenizer does not name its "
+                           "special tokens (no all_special_ids); send false or leave it out",
+                           param="skip_special_tokens")
+        return params
 
     # -- routes --------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -206,7 +212,8 @@ class Server:
         loop = asyncio.get_running_loop()
         params = await loop.run_in_executor(self.parser_thread, self._parse, raw, kind)
         request = self._admit(params)
-        gen = Generation(self.engine, request, params, self.tokenizer, self.special_ids)
+        gen = Generation(self.engine, request, params, self.tokenizer,
+                         self.special_ids or frozenset())
         rid = request.request_id
         self.inflight.add(rid)
         try:

@@ -14,6 +14,13 @@ CHAT_TEMPLATE = (
 )
 
 
+def special_token_ids(tokenizer: object) -> frozenset[int] | None:
+    """The tokenizer's special token ids (all_special_ids, worked out on each read: read once),
+    or None where it names none (no such attribute, or no tokenizer)."""
+    ids = getattr(tokenizer, "all_special_ids", None)
+    return None if ids is None else frozenset(ids)
+
+
 def _special_tokens(vocab_size: int, bos_id: int, eos_id: int) -> dict[int, str]:
     specials = {eos_id: "<|endoftext|>"}
     if bos_id != eos_id:

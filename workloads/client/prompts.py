@@ -11,6 +11,7 @@ from typing import Any
 
 from batchsim.configs import ConfigError
 from batchsim.server.engine.run_config import RunConfig
+from batchsim.server.models.tokenizer import special_token_ids
 from batchsim.workloads.requests import RequestSpec, request_token_ids
 
 _WORDS = ["time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part",
@@ -27,7 +28,7 @@ class PromptMaker:
         self.seed = seed
         self.local_path = local_path  # the model directory, as mlx_lm.server names its model
         self.vocab_size = vocab_size or (len(tokenizer) if tokenizer is not None else 0)
-        self._special = set(getattr(tokenizer, "all_special_ids", None) or ())
+        self._special = special_token_ids(tokenizer) or frozenset()
 
     def describe(self) -> str:
         if self.tokenizer is not None:

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from batchsim.server.results.json_lines import TokenTimesText, request_line, step_lines
-from batchsim.server.results.metrics import RequestRecord, StepRecord
 from batchsim.server.results.record_writer import REQUESTS, STEPS
+from batchsim.server.results.records import RequestRecord, StepRecord
 
 STEPS_A_FLUSH = 256  # a simulated run's steps between two 0.5-s flushes are of this order
 FILES = (STEPS, REQUESTS)

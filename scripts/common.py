@@ -14,10 +14,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from batchsim.configs import type_hints
+from batchsim.server.results.json_text import dumps, jsonable  # noqa: F401 (re-exported)
 from batchsim.server.results.jsonio import (  # noqa: F401 (re-exported for the commands)
     append_jsonl,
-    dumps,
-    jsonable,
     timestamp,
     write_jsonl,
 )

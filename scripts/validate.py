@@ -239,7 +239,7 @@ def _earlier_validation(path: Path, model: str, cases: list[dict]) -> dict:
     cases by name, its repeats and the device its real runs ran on."""
     import json
 
-    from batchsim.server.results.jsonio import jsonable
+    from batchsim.server.results.json_text import jsonable
 
     try:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -24,7 +24,7 @@ Completed: R0, R1, R2. The run lasts 3.0 s (the last completion).
 
 from __future__ import annotations
 
-from batchsim.server.results.metrics import RequestRecord, StepRecord
+from batchsim.server.results.records import RequestRecord, StepRecord
 
 
 def req(rid, status, arrival, sched, tokens, finished, prompt, preemptions=0) -> RequestRecord:

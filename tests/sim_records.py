@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from batchsim.server.engine.run_config import RunConfig
-from batchsim.server.results.metrics import RequestRecord, StepRecord
+from batchsim.server.results.records import RequestRecord, StepRecord
 from batchsim.workloads.lengths import LengthSpec
 from batchsim.workloads.spec import WorkloadSpec
 

@@ -111,7 +111,7 @@ def test_a_request_that_arrived_during_a_step_is_no_memory_wait():
 def test_later_prefill_chunks_are_no_admissions():
     """Chunked prefill: step 1 prefills the second chunks of the two requests step 0 admitted;
     counted as two admissions of the two waiting, the waits memory caused went unseen."""
-    from batchsim.server.results.metrics import RequestRecord
+    from batchsim.server.results.records import RequestRecord
 
     steps = [sweep_step(0, 0, 384, 2, 2), sweep_step(1, 0, 384, 2, 2), sweep_step(2, 2, 0, 2, 2)]
     requests = [RequestRecord(i, "unfinished", 0.0, 0.0 if i < 2 else None, (), None, 1000, 0)

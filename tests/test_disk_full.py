@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from batchsim.server.results.metrics import StepRecord
+from batchsim.server.results.records import StepRecord
 from batchsim.server.results.run_files import STEPS, RecordStream
 
 from tests.cli_calls import last_json

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from batchsim.server.results.metrics import RequestRecord
+from batchsim.server.results.records import RequestRecord
 
 from tests.cli_calls import last_json
 from tests.sim_records import file_bytes, records

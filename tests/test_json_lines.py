@@ -12,8 +12,8 @@ import threading
 import numpy as np
 from batchsim.server.results import json_lines
 from batchsim.server.results.json_lines import TokenTimesText, request_line, step_line, step_lines
-from batchsim.server.results.jsonio import dumps
-from batchsim.server.results.metrics import RequestRecord, StepRecord
+from batchsim.server.results.json_text import dumps
+from batchsim.server.results.records import RequestRecord, StepRecord
 
 ODD_FLOATS = [0.0, -0.0, 1e-7, 1e16, 123456789.125, 1 / 3, 5e-324, 1.7976931348623157e308]
 

@@ -11,13 +11,8 @@ import pytest
 from batchsim.configs import ConfigError
 from batchsim.scripts.report import summary_table
 from batchsim.server.results import request_arrays
-from batchsim.server.results.metrics import (
-    RequestRecord,
-    StepRecord,
-    parse_goodput,
-    percentile_label,
-    summarize,
-)
+from batchsim.server.results.metrics import parse_goodput, percentile_label, summarize
+from batchsim.server.results.records import RequestRecord, StepRecord
 from rich.console import Console
 
 from tests.metrics_schedule import REQUESTS, STEPS, req, step

@@ -13,7 +13,7 @@ import pytest
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 from batchsim.server.results import run_files
-from batchsim.server.results.jsonio import dumps
+from batchsim.server.results.json_text import dumps
 
 from tests.sim_records import request_record, sim_config, step_record
 

@@ -17,7 +17,7 @@ from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 from batchsim.server.results import rebuild, run_files
-from batchsim.server.results.jsonio import dumps
+from batchsim.server.results.json_text import dumps
 from batchsim.workloads.lengths import LengthSpec
 from batchsim.workloads.spec import WorkloadSpec
 

@@ -10,7 +10,8 @@ import types
 
 import numpy as np
 from batchsim.server.results import request_arrays
-from batchsim.server.results.metrics import RequestRecord, StepRecord, summarize
+from batchsim.server.results.metrics import summarize
+from batchsim.server.results.records import RequestRecord, StepRecord
 from batchsim.server.results.timeline import output_rate
 
 

@@ -132,7 +132,7 @@ def test_the_sweep_and_the_timeline_count_admissions_alike():
     the timeline, by none in the sweep. One count now, of exact step starts."""
     from batchsim.server.perf import sweep_limits
     from batchsim.server.results import timeline
-    from batchsim.server.results.metrics import RequestRecord
+    from batchsim.server.results.records import RequestRecord
 
     from tests.sim_records import sweep_step
 

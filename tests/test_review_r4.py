@@ -67,7 +67,7 @@ def test_a_preempted_requests_return_with_a_seat_free_is_no_memory_wait():
     and returns at step 2 with seats free; its first_scheduled_s stays 0.0, so counted from the
     requests step 2 admitted nobody while one waited: a memory wait. num_admitted says 1."""
     from batchsim.server.perf.sweep_limits import memory_wait_steps
-    from batchsim.server.results.metrics import RequestRecord
+    from batchsim.server.results.records import RequestRecord
     from batchsim.server.results.timeline import admitted_per_step
 
     from tests.sim_records import sweep_step

@@ -10,7 +10,7 @@ import numpy as np
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 from batchsim.server.results import rebuild, request_arrays, timeline, timeline_draw
-from batchsim.server.results.metrics import RequestRecord, StepRecord
+from batchsim.server.results.records import RequestRecord, StepRecord
 from batchsim.server.results.timeline import Limits, overrun_index
 
 from tests.sim_records import request_record, sim_config, step_record

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 from batchsim.server.results import run_files
-from batchsim.server.results.jsonio import jsonable
-from batchsim.server.results.metrics import RequestRecord, StepRecord, summarize
+from batchsim.server.results.json_text import jsonable
+from batchsim.server.results.metrics import summarize
+from batchsim.server.results.records import RequestRecord, StepRecord
 from batchsim.server.results.run_files import RecordStream
 from batchsim.server.results.timeline import (
     Limits,

@@ -35,13 +35,9 @@ from batchsim.server.engine.session import Session
 from batchsim.server.engine.virtual_run import VirtualRun, replays_exactly
 from batchsim.server.results import request_arrays
 from batchsim.server.results.jsonio import new_run_dir
-from batchsim.server.results.metrics import (
-    RequestRecord,
-    StepRecord,
-    output_tokens_sha256,
-    summarize,
-)
+from batchsim.server.results.metrics import output_tokens_sha256, summarize
 from batchsim.server.results.recorder import RunRecorder
+from batchsim.server.results.records import RequestRecord, StepRecord
 from batchsim.server.results.run_files import RecordStream
 from batchsim.server.results.timeline import PANEL_INTS, TIMELINE
 from batchsim.server.results.timeline_draw import DrawingProcess

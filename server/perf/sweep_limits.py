@@ -11,7 +11,7 @@ from typing import Any
 
 from batchsim.scheduler.kv_bytes import CacheLayout
 from batchsim.scheduler.pool_geometry import KV_STEP, padded_batch_bytes, round_up
-from batchsim.server.results.metrics import RequestRecord, StepRecord
+from batchsim.server.results.records import RequestRecord, StepRecord
 from batchsim.server.results.timeline import admitted_per_step
 
 

@@ -10,10 +10,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+_INFINITIES = ("inf", "-inf")  # how jsonable spells float("inf"), float("-inf"); read back below
+
 
 def jsonable(obj: Any) -> Any:
     if isinstance(obj, float) and not math.isfinite(obj):
-        return None if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+        return None if math.isnan(obj) else _INFINITIES[obj < 0]
     if isinstance(obj, dict):
         return {str(k): jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -25,6 +27,12 @@ def jsonable(obj: Any) -> Any:
     if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
         return obj.item()
     return obj
+
+
+def from_jsonable_float(value: Any) -> Any:
+    """jsonable's inverse for a non-finite float: 'inf' and '-inf' are floats again (an infinite
+    request rate in config.yaml: 'all at once'); anything else as it is."""
+    return float(value) if value in _INFINITIES else value
 
 
 _ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode  # built once

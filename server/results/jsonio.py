@@ -27,12 +27,6 @@ MAX_ARRIVAL_S = 1e9
 MAX_CLOCK_S = 2 * MAX_ARRIVAL_S
 
 
-def from_jsonable_float(value: Any) -> Any:
-    """jsonable's inverse for a non-finite float: 'inf' and '-inf' are floats again (an infinite
-    request rate in config.yaml: 'all at once'); anything else as it is."""
-    return float(value) if value in ("inf", "-inf") else value
-
-
 def yamlable(obj: Any) -> Any:
     """Like jsonable but keeps mapping keys as they are (YAML has integer keys)."""
     if isinstance(obj, dict):

@@ -12,13 +12,10 @@ from typing import Any
 
 from batchsim.configs import ConfigError, load_yaml
 from batchsim.server.platform.signals import stop_if_swallowed
-from batchsim.server.results.jsonio import MAX_CLOCK_S, jsonable
-from batchsim.server.results.metrics import (
-    RequestRecord,
-    StepRecord,
-    peak_memory_bytes,
-    summarize,
-)
+from batchsim.server.results.json_text import jsonable
+from batchsim.server.results.jsonio import MAX_CLOCK_S
+from batchsim.server.results.metrics import peak_memory_bytes, summarize
+from batchsim.server.results.records import RequestRecord, StepRecord
 from batchsim.server.results.run_files import (
     CONFIG,
     REQUESTS,

@@ -9,7 +9,7 @@ from batchsim.scheduler.plan import StepPlan, StepResult
 from batchsim.scheduler.request import Request, RequestStatus
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.server.results.json_lines import run_items
-from batchsim.server.results.metrics import RequestRecord, StepRecord
+from batchsim.server.results.records import RequestRecord, StepRecord
 from batchsim.server.results.run_files import RecordStream
 from batchsim.server.results.spec_metrics import SpecCounts
 

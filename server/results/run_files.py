@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from batchsim.configs import file_kind
-from batchsim.server.results.jsonio import dumps
-from batchsim.server.results.metrics import RequestRecord, StepRecord
+from batchsim.server.results.json_text import dumps
 from batchsim.server.results.record_process import WriterProcess
 from batchsim.server.results.record_writer import (
     REQUESTS,
@@ -32,6 +31,7 @@ from batchsim.server.results.record_writer import (
     WriteFailed,
     step_rows_of,
 )
+from batchsim.server.results.records import RequestRecord, StepRecord
 
 CONFIG = "config.yaml"
 SUMMARY = "summary.json"

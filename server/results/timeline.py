@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 from batchsim.scheduler.pool_geometry import KV_STEP
 from batchsim.server.results import request_arrays
-from batchsim.server.results.jsonio import from_jsonable_float
-from batchsim.server.results.metrics import RequestRecord, StepRecord
+from batchsim.server.results.json_text import from_jsonable_float
+from batchsim.server.results.records import RequestRecord, StepRecord
 
 TIMELINE = "timeline.png"
 MAX_POINTS = 600  # bins across the run when it has more steps than this

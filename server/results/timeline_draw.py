@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 from batchsim.server.platform.child import start_code
-from batchsim.server.results.metrics import RequestRecord, StepRecord
 from batchsim.server.results.plots import figure, save_figure
+from batchsim.server.results.records import RequestRecord, StepRecord
 from batchsim.server.results.timeline import (
     MAX_POINTS,
     TIMELINE,

@@ -26,8 +26,10 @@ import numpy as np
 import yaml
 from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.http.prometheus import parse as parse_metrics
-from batchsim.server.results.jsonio import jsonable, new_run_dir, write_jsonl
-from batchsim.server.results.metrics import RequestRecord, distribution, summarize
+from batchsim.server.results.json_text import jsonable
+from batchsim.server.results.jsonio import new_run_dir, write_jsonl
+from batchsim.server.results.metrics import distribution, summarize
+from batchsim.server.results.records import RequestRecord
 from batchsim.workloads.chat import prompt_text
 from batchsim.workloads.client.prompts import PromptMaker
 from batchsim.workloads.client.stream import Endpoint, Outcome, endpoint, send

@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 import aiohttp
-from batchsim.server.results.metrics import RequestRecord
+from batchsim.server.results.records import RequestRecord
 from batchsim.workloads.client.sse import SSEParser
 from batchsim.workloads.requests import RequestSpec
 

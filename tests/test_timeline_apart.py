@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -176,21 +177,18 @@ def test_the_child_leaves_no_temporary_config_directory(tmp_path, monkeypatch):
     assert not list(tmp.glob("matplotlib-*"))
 
 
+# The drawing child's own order (timeline_draw._serve): the canvas made, the warm-up, then the
+# panels unpickled, as made by another process (here the test's), then drawn. Nothing else is
+# loaded first: no run in this process (it loaded more modules than the child has).
 WARMED = """
-import sys
+import pickle, sys
 from pathlib import Path
-from batchsim.server.engine.runner import run_workload
-from batchsim.server.engine.session import open_session
-from batchsim.server.engine.run_dir import run_timeline_panels
 from batchsim.server.results import timeline_draw
+
+canvas = timeline_draw._canvas(ahead=True)
 from matplotlib import font_manager
 from matplotlib.figure import Figure
-from tests.sim_records import sim_config
 
-session = open_session(sim_config(n=30))
-out = run_workload(session, session.config.workload, out_dir=None, label="w")
-panels = run_timeline_panels(out.requests, out.steps, session, session.config.workload, None)
-canvas = timeline_draw._canvas(ahead=True)  # as the child makes them while the run runs
 saved, savefig = [], Figure.savefig
 
 def noted(fig, *args, **kwargs):
@@ -200,8 +198,9 @@ def noted(fig, *args, **kwargs):
 Figure.savefig = noted
 timeline_draw._warm()
 warmed = list(saved)
+path, panels = pickle.loads(Path(sys.argv[1]).read_bytes())
 loaded, fonts = set(sys.modules), font_manager._get_font.cache_info().misses
-timeline_draw.draw_panels(Path(sys.argv[1]), panels, canvas)
+timeline_draw.draw_panels(path, panels, canvas)
 print(warmed, sorted(set(sys.modules) - loaded), font_manager._get_font.cache_info().misses - fonts)
 """
 
@@ -210,7 +209,14 @@ def test_the_warm_up_is_a_small_picture_that_leaves_the_timeline_nothing_to_load
     """The drawing child warms up while the run runs, on the core the run's writer process uses
     too: a picture of one square inch (it drew a whole timeline to memory, 0.2 s of CPU), after
     which the timeline loads no module and no font (what the warm-up is for)."""
-    done = subprocess.run([sys.executable, "-c", WARMED, str(tmp_path / "t.png")],
+    from batchsim.server.engine.run_dir import run_timeline_panels
+
+    session = open_session(sim_config(n=30))
+    out = run_workload(session, session.config.workload, out_dir=None, label="w")
+    panels = run_timeline_panels(out.requests, out.steps, session, session.config.workload, None)
+    sent = tmp_path / "panels.pickle"  # as DrawingProcess.send pickles them for the child
+    sent.write_bytes(pickle.dumps((tmp_path / "t.png", panels), protocol=pickle.HIGHEST_PROTOCOL))
+    done = subprocess.run([sys.executable, "-c", WARMED, str(sent)],
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[0] == "[(1.0, 1.0)] [] 0"

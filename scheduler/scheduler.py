@@ -28,9 +28,8 @@ from batchsim.scheduler.request import (
     Request,
     RequestStatus,
     stop_reason,
-    stop_string,
 )
-from batchsim.scheduler.spec_budget import row_spec_tokens, until_stop
+from batchsim.scheduler.spec_budget import kept_tokens, row_spec_tokens
 from batchsim.scheduler.step_budget import StepBudget
 
 
@@ -45,10 +44,12 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the newest is preempted first
         self.requests: dict[int, Request] = {}  # waiting or running
         self.num_steps = 0  # steps executed so far; token_runs index into this count
-        self.num_preemptions = self.num_rejected = 0
+        self.num_preemptions = 0
+        self.num_rejected = 0
         # Tokens admitted requests had to compute (prompt, or prompt + output after a
         # preemption), and those the prefix cache held (vLLM's prefix-cache queries and hits).
-        self.num_query_tokens = self.num_hit_tokens = 0
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
         # The last step's rows whose accepted drafts a stop cut: request id -> drafts kept.
         self.cut_drafts: dict[int, int] = {}
         # The last step's sampled rows (indices into sampled_ids) whose request was gone when its
@@ -295,7 +296,8 @@ class Scheduler:
         step = self.num_steps
         end = step + k
         token_ids, accepted = result.token_ids, result.accepted_ids
-        self.cut_drafts, self.dropped_rows = {}, ()
+        self.cut_drafts = {}
+        self.dropped_rows = ()
         sampled = result.sampled_ids
         first = self._advance_simulated(plan, result, step, k, finished)
         if first:  # simulated decode rows: counters only (advance.py, lazy_rows.py)
@@ -310,8 +312,9 @@ class Scheduler:
             n = k  # tokens this row emitted: one per step, or accepted drafts and one (k is 1)
             new = reason = None
             if token_ids is not None:
-                new, reason = self._kept(r, [token_ids[s][i] for s in range(k)],
-                                         accepted[i] if accepted is not None else ())
+                new, reason = kept_tokens(r, [token_ids[s][i] for s in range(k)],
+                                          accepted[i] if accepted is not None else (),
+                                          self.cut_drafts)
                 n = len(new)
             elif accepted is not None:  # simulated drafts: only their count
                 n += len(accepted[i])
@@ -365,19 +368,6 @@ class Scheduler:
         """Write the lazily advanced rows' counters back to their requests (for whoever reads a
         running request's counters from outside: the end of a run, tests)."""
         self.lazy.settle()
-
-    def _kept(self, r: Request, new: list[int], drafts: tuple[int, ...]
-              ) -> tuple[list[int], str | None]:
-        """A row's tokens this step (its accepted drafts first) cut after the first that ends it,
-        and a stop string's reason; rows whose drafts were cut go in cut_drafts."""
-        reason = None
-        if drafts:
-            new = until_stop(r, [*drafts, *new])
-        if r.stop_checker is not None:  # asked first: it sees every token
-            new, reason = stop_string(r, new)
-        if len(new) <= len(drafts):
-            self.cut_drafts[r.request_id] = len(new)
-        return new, reason
 
     def _finish(self, r: Request, reason: str) -> None:
         r.status = ABORTED if reason == "error" else FINISHED

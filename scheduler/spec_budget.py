@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Literal
 
 from batchsim.scheduler.plan import StepResult
-from batchsim.scheduler.request import Request
+from batchsim.scheduler.request import Request, stop_string
 
 SpecPolicy = Literal["shrink", "fixed"]
 SPEC_POLICIES: tuple[str, ...] = ("shrink", "fixed")
@@ -50,6 +50,21 @@ def until_stop(request: Request, new: list[int]) -> list[int]:
         if t in stops:
             return new[: j + 1]
     return new
+
+
+def kept_tokens(r: Request, new: list[int], drafts: tuple[int, ...], cut: dict[int, int]
+                ) -> tuple[list[int], str | None]:
+    """A row's tokens this step (its accepted drafts first) cut after the first that ends it,
+    and a stop string's reason; a row whose drafts were cut goes in `cut` (request id -> drafts
+    kept: Scheduler.cut_drafts)."""
+    reason = None
+    if drafts:
+        new = until_stop(r, [*drafts, *new])
+    if r.stop_checker is not None:  # asked first: it sees every token
+        new, reason = stop_string(r, new)
+    if len(new) <= len(drafts):
+        cut[r.request_id] = len(new)
+    return new, reason
 
 
 def cut_drafts(result: StepResult, kept: dict[int, int]) -> StepResult:

@@ -199,4 +199,3 @@ class Positions(Sequence):
 
     def __reduce__(self) -> tuple:
         return tuple, (self.values(),)
-

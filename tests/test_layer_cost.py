@@ -12,7 +12,8 @@ from batchsim.scheduler.plan import PrefillChunk
 from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf.batch_gain import batching_curve, catalog_cost
 from batchsim.server.perf.layer_cost import expected_experts, paged_read_ratio
-from batchsim.server.perf.stepcost import StepCost, StepTime, weight_bytes_per_element
+from batchsim.server.perf.stepcost import StepCost, StepTime
+from batchsim.server.perf.weight_bytes import weight_bytes_per_element
 
 from tests.sim_profile import PROFILE
 

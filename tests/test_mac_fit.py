@@ -14,7 +14,8 @@ from batchsim.scripts import fit_macs, size
 from batchsim.server.models.spec import zoo_spec
 from batchsim.server.perf import devices, gpu_fit, mac_fit, mac_report, macs
 from batchsim.server.perf.reference import load_published, load_reference
-from batchsim.server.perf.stepcost import StepCost, matrix_weight_bytes
+from batchsim.server.perf.stepcost import StepCost
+from batchsim.server.perf.weight_bytes import matrix_weight_bytes
 from batchsim.server.published import cv as mac_cv
 
 GIB = 1 << 30

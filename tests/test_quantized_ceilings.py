@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 from batchsim.server.models.spec import zoo_spec
-from batchsim.server.perf.stepcost import StepCost, matrix_weight_bytes
+from batchsim.server.perf.stepcost import StepCost
+from batchsim.server.perf.weight_bytes import matrix_weight_bytes
 
 from tests.engine_profiles import bare_mac
 from tests.sim_profile import PROFILE

@@ -20,7 +20,6 @@ from functools import cached_property, lru_cache
 from typing import Protocol
 
 from batchsim.scheduler import prefill_groups
-from batchsim.server.models.arch import QUANT_GROUP_SIZE, quantized_matrix_bytes
 from batchsim.server.models.spec import ModelSpec, dtype_bytes
 from batchsim.server.perf.cluster import Cluster
 from batchsim.server.perf.engines import EngineProfile, load_engine
@@ -29,6 +28,11 @@ from batchsim.server.perf.layer_cost import LayerCost, roofline_split
 from batchsim.server.perf.profile import Calibration, DeviceProfile, compute_dtype
 from batchsim.server.perf.qmv import on_neural_accelerators, qmm_rows, qmv_parts, runs_qmv
 from batchsim.server.perf.step_time import StepTime
+from batchsim.server.perf.weight_bytes import (
+    matrix_weight_bytes,
+    quantized_ceilings,
+    weight_format,
+)
 
 
 class Chunk(Protocol):
@@ -38,33 +42,6 @@ class Chunk(Protocol):
     start: int
     sample: bool
     fresh: bool  # its request has no token yet (False: a recompute): host_request_us is paid
-
-
-def weight_format(dtype: str, quantize_bits: int | None) -> str:
-    return f"q{quantize_bits}" if quantize_bits else dtype
-
-
-def matrix_weight_bytes(fmt: str, k: int, n: int) -> int:
-    """Bytes of one (k -> n) weight matrix as stored: ModelSpec.weight_bytes's own formula (a
-    quantized matrix's fp16 scales and biases per 64 inputs; an input dim 64 does not divide stays
-    float16)."""
-    if fmt.startswith("q"):
-        return quantized_matrix_bytes(n, k, int(fmt[1:]))
-    return k * n * dtype_bytes(fmt)
-
-
-def weight_bytes_per_element(fmt: str) -> float:
-    """Bytes per weight of a matrix whose input dim the quantization group divides."""
-    return matrix_weight_bytes(fmt, QUANT_GROUP_SIZE, 1) / QUANT_GROUP_SIZE
-
-
-def quantized_ceilings(profile: DeviceProfile,
-                       quantize_bits: int | None) -> tuple[float | None, float | None]:
-    """(bytes/s of a quantized GEMV, FLOP/s of a quantized GEMM) the profile has for this weight
-    format (measured rates: no efficiency applied); None where it has none."""
-    gemv = profile.quantized_gemv_gbs.get(quantize_bits) if quantize_bits else None
-    gemm = profile.quantized_gemm_gflops.get(quantize_bits) if quantize_bits else None
-    return (gemv * 1e9 if gemv else None), (gemm * 1e9 if gemm else None)
 
 
 class StepCost:

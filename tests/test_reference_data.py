@@ -144,4 +144,42 @@ def test_a_server_row_is_marked_for_beating_its_library_only_at_equal_length(pub
     assert all(r.unexplained for r in equal)
     unequal_only = {key(r) for r in other - equal}
     assert not [r.id for r in b1 if kinds[r.engine] == "server" and key(r) in unequal_only
-                and r.unexplained]
+                and r.unexplained and PER_RUN not in r.unexplained]
+
+
+PER_RUN, PER_RUN_BOUND = "per-run cost", 0.10  # the mlxlib 0.5B mark's reason and its bound
+
+
+def _per_token_s(b1):
+    """Per setup (source, Mac, model, weights), the time a token takes where one engine ran it at
+    two lengths, prefill included, prompt unchanged: time = per-run cost + tokens x per token."""
+    runs: dict = {}
+    for r in b1:
+        runs.setdefault((r.src, r.chip, r.gpu_cores, r.model, r.weights, r.engine, r.prompt_tokens),
+                        {})[r.generated_tokens] = r.generated_tokens / r.tok_s
+    out = {}
+    for k, by_n in runs.items():
+        if len(by_n) == 2:
+            (n1, t1), (n2, t2) = sorted(by_n.items())
+            out[k[:5]] = (t2 - t1) / (n2 - n1)
+    return out
+
+
+def test_a_per_run_cost_over_a_tenth_of_the_run_is_marked_in_every_source(published):
+    """The model has no per-run term (set-up, prompt). Where a source's two lengths of one setup
+    give its per-token time, every batch-1 run of that setup (any engine) whose time left over is
+    more than the 10% of the run that the mlxlib 0.5B mark states is marked for that cost, and no
+    run under it is (f2 #3: mlx_inference_server's 0.5B Medium and Long, 7B and 14B Medium)."""
+    b1 = [r for r in published.rows if r.batch == 1 and r.measures == "per_request"
+          and not r.decode_only and r.generated_tokens]
+    per_token_s = _per_token_s(b1)
+    setup = lambda r: (r.src, r.chip, r.gpu_cores, r.model, r.weights)
+    judged = [r for r in b1 if setup(r) in per_token_s]
+    over, under = set(), set()
+    for r in judged:
+        run_s = r.generated_tokens / r.tok_s
+        cost_s = run_s - r.generated_tokens * per_token_s[setup(r)]
+        (over if cost_s > PER_RUN_BOUND * run_s else under).add(r.id)
+    assert len(over) >= 5 and len(under) >= 3  # the rule has rows on both sides
+    marked = {r.id for r in judged if PER_RUN in r.unexplained}
+    assert marked == over

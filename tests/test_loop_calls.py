@@ -32,7 +32,8 @@ LOCAL = Path(__file__).parent.parent / "configs" / "devices" / "linux-x86_64-ope
 # 74.18 (36,867 calls, 497 plans) after 1299da2..282396f (has_ops, geometry_for's key,
 # Positions made inline, _join, admissions' pricing, _prefill, _advance_to, steps_left); 72.26
 # (35,915) after f541dfb (add_request's admissible totals). The M2 Ultra's: 80.86, then 78.92
-# (559 plans since 1e29cc2's refit; fd6f282's fit: 77.62, 571 plans).
+# (559 plans at 1e29cc2's refit, since undone by 4dd6226); fd6f282's fit: 77.62, 571 plans; 78.51
+# (45,145 calls, 575 plans) at 1670efa's refit (the per-run cost marks).
 MAX_CALLS_PER_PLAN = 74.4  # 72.26 x 1.03
 # The hour's own profile prices through the fitted Mac terms, which the local one never reaches
 # (review r5 item 2): 90.1 a plan at 6e31016 (the fit of 200dc30); a refit moves it by up to 0.8,

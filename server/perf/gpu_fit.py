@@ -209,10 +209,10 @@ def ultra_qmv_term(chip: str) -> str:
         ULTRA_QMV_TERMS[0]
 
 
-def _gemv_row_gflops(fit: GpuFit, peak_tflops: float, chip: str) -> float:
+def _gemv_row_gflops(fit: GpuFit, fp16_tflops: float, chip: str) -> float:
     """qmv's arithmetic rate over several rows (0: not fitted), an M1/M2 Ultra's slowdown added."""
     if not fit.quantized_gemv_row_efficiency:
         return 0.0
     term = ultra_qmv_term(chip)
     slowdown = 1.0 / fit.quantized_gemv_row_efficiency + (getattr(fit, term) if term else 0.0)
-    return peak_tflops * 1e3 / slowdown
+    return fp16_tflops * 1e3 / slowdown

@@ -1,15 +1,19 @@
 """Run records for tests: a small simulated run's config (`sim_config`), such a run finished on
 disk (`finished_sim_run`) and copied to edit (`copy_run`), a run directory's
-records read back line by line (`records`), and hand-made records (`step_record`,
+records read back line by line (`records`) or whole (`the_files`), a wait for a condition
+(`wait_until`), and hand-made records (`step_record`,
 `request_record`, `sweep_step`) for the code that reads them."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import time
 from pathlib import Path
 
 from batchsim.server.engine.run_config import RunConfig
+from batchsim.server.results.record_writer import REQUESTS, STEPS
 from batchsim.server.results.records import RequestRecord, StepRecord
 from batchsim.workloads.lengths import LengthSpec
 from batchsim.workloads.spec import WorkloadSpec
@@ -41,6 +45,22 @@ def copy_run(run_dir: Path, tmp_path: Path) -> Path:
 def file_bytes(path: Path) -> bytes:
     """The file's bytes, or none while it is not yet there."""
     return path.read_bytes() if path.exists() else b""
+
+
+def the_files(run_dir: Path) -> tuple[bytes, bytes]:
+    """steps.jsonl's and requests.jsonl's bytes."""
+    return tuple((run_dir / n).read_bytes() for n in (STEPS, REQUESTS))
+
+
+def wait_until(until, what: str, wait_s: float = 10.0, run: subprocess.Popen | None = None):
+    """`until()`'s first true value, polled; fails after `wait_s` (a loaded machine's pauses:
+    a passing test waits milliseconds), or at once if `run` ended meanwhile."""
+    deadline = time.monotonic() + wait_s
+    while not (value := until()):
+        assert run is None or run.poll() is None, f"the run ended before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+    return value
 
 
 def records(run_dir: Path) -> tuple[list[RequestRecord], list[StepRecord]]:

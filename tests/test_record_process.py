@@ -19,13 +19,10 @@ from batchsim.server.engine.session import open_session
 from batchsim.server.results import record_process, run_files
 
 from tests.cli_calls import SIM
-from tests.sim_records import sim_config, step_record
+from tests.sim_records import sim_config, step_record, the_files, wait_until
 
 GUARD_S = 120.0
-
-
-def _files(run_dir: Path) -> tuple[bytes, bytes]:
-    return tuple((run_dir / n).read_bytes() for n in (run_files.STEPS, run_files.REQUESTS))
+_WRITER_CODE = "run_module('batchsim.server.results.record_process'"  # its start code's call
 
 
 def _run(out: Path) -> Path:
@@ -49,10 +46,10 @@ def test_the_writer_process_writes_the_records_here_written_where_none_starts(tm
         started.append(self._child.pid)
 
     monkeypatch.setattr(record_process.WriterProcess, "__init__", noted)
-    by_child = _files(_run(tmp_path / "child"))
+    by_child = the_files(_run(tmp_path / "child"))
     assert len(started) == 1
     monkeypatch.setattr(sys, "executable", "")
-    here = _files(_run(tmp_path / "here"))
+    here = the_files(_run(tmp_path / "here"))
     assert len(started) == 1 and by_child == here and all(by_child)
 
 
@@ -66,9 +63,10 @@ def _processes() -> list[tuple[int, int, str, str]]:
 
 
 def _writer_of(pid: int) -> int | None:
-    """The pid of `pid`'s child running record_process, if one runs."""
+    """The pid of `pid`'s child running the writer's own start code, if one runs (the run's
+    argv names record_process too: a child between its fork and exec, the BLAS probe, shows it)."""
     return next((p for p, parent, _, command in _processes()
-                 if parent == pid and "record_process" in command), None)
+                 if parent == pid and _WRITER_CODE in command), None)
 
 
 def _written_bytes(pid: int) -> int:
@@ -78,13 +76,7 @@ def _written_bytes(pid: int) -> int:
 
 
 def _wait(until, what: str, run: subprocess.Popen | None = None) -> object:
-    """`until()`'s first true value; fails at once if `run` ended meanwhile."""
-    deadline = time.monotonic() + GUARD_S
-    while not (value := until()):
-        assert run is None or run.poll() is None, f"the run ended before {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-    return value
+    return wait_until(until, what, GUARD_S, run)
 
 
 def _gone(pid: int) -> bool:
@@ -100,8 +92,11 @@ _OFTEN = ("import sys; from batchsim.server.results import run_files; "
 
 # The writer process stops itself as it starts (a SIGSTOP from the test could come after a
 # short run's writer has ended): the run sends everything and waits for its answer.
+# Its close waits GUARD_S, not FINISH_WAIT_S: a loaded machine's stall must not let the run kill
+# the stopped writer before the test kills the run.
 _STOPPED = ("from batchsim.server.results import record_process as rp; rp._START_CHILD = "
-            "'import os, signal; os.kill(os.getpid(), signal.SIGSTOP); ' + rp._START_CHILD; ")
+            "'import os, signal; os.kill(os.getpid(), signal.SIGSTOP); ' + rp._START_CHILD; "
+            f"rp.FINISH_WAIT_S = {GUARD_S}; ")
 
 
 @pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="reads write counts in /proc")
@@ -129,9 +124,9 @@ def test_a_killed_run_leaves_every_record_it_sent_to_a_lagging_writer(tmp_path, 
                 seen[:] = [now, time.monotonic()]
             return time.monotonic() - seen[1] > 3.0
 
-        _wait(settled, "the run to send its records")
+        _wait(settled, "the run to send its records", run)
         (run_dir,) = (tmp_path / "killed").iterdir()
-        at_kill = _files(run_dir)  # the writer stopped from its start: nothing written yet
+        at_kill = the_files(run_dir)  # the writer stopped from its start: nothing written yet
         run.kill()
         run.wait(GUARD_S)
         os.kill(writer, signal.SIGCONT)
@@ -139,8 +134,8 @@ def test_a_killed_run_leaves_every_record_it_sent_to_a_lagging_writer(tmp_path, 
     finally:
         run.kill()
         run.wait(GUARD_S)
-    assert _files(run_dir) == _files(expected) and all(_files(run_dir))
-    assert len(at_kill[0]) < len(_files(run_dir)[0])  # written after the run was killed
+    assert the_files(run_dir) == the_files(expected) and all(the_files(run_dir))
+    assert len(at_kill[0]) < len(the_files(run_dir)[0])  # written after the run was killed
 
 
 def test_a_writer_killed_mid_run_stops_the_run_with_one_line_and_loses_no_record(

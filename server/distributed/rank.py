@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from batchsim.configs import ConfigError
 from batchsim.server.engine.interrupts import Interrupts
 from batchsim.server.platform.signals import follow_launcher
-from batchsim.server.results import run_files
+from batchsim.server.results import record_process, run_files
 
 if TYPE_CHECKING:
     from batchsim.server.distributed.executor import LeaderExecutor
@@ -286,6 +286,7 @@ def _start_keeping(status: _Status) -> float:
     the launcher; the seconds left until the deadline."""
     if status.keep_until is None:
         status.keep_until = time.monotonic() + KEEP_RECORDS_S
+        record_process.keep_until_s = status.keep_until  # the writer's close wait: within it
         with contextlib.suppress(OSError):
             status.path.with_suffix(KEEPING_SUFFIX).touch()
     return max(0.0, status.keep_until - time.monotonic())

@@ -1,8 +1,9 @@
-"""A run's records encoded and written on another core: a writer process, started with the run,
-is sent each flush's records (step rows, request values with their token runs, the new step end
-times) through a pipe and writes them with a RecordWriter, as the run's own process would,
-answering each batch it wrote. A killed run leaves the records it sent: the child reads to the
-end of the pipe, writes, exits. A killed child leaves the run its unanswered batches to write."""
+"""A run's records encoded and written on another core: a writer process, started at the run's
+first due flush (run_files.RecordStream), is sent each flush's records (step rows, request
+values with their token runs, the new step end times) through a pipe and writes them with a
+RecordWriter, as the run's own process would, answering each batch it wrote. A killed run leaves
+the records it sent: the child reads to the end of the pipe, writes, exits. A killed child
+leaves the run its unanswered batches to write."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
@@ -42,9 +44,12 @@ TIMES_AT = _FIELDS.index("token_times_s")
 REQUEST_VALUES = operator.attrgetter(*(n for n in _FIELDS if n != "token_times_s"))
 PIPE_BYTES = 1 << 20  # the pipe to the writer (Linux's default limit for a user: 1 MiB)
 # close()'s wait for the child's last answer (its backlog under load; then it is killed and the
-# run writes what it did not): at most half a rank's KEEP_RECORDS_S (30 s), so that a watchdog's
-# abandon keeps its records and summary before that rank exits unkept (test_writer_lost).
+# run writes what it did not): at most half a rank's KEEP_RECORDS_S (30 s), and at most half the
+# time left before `keep_until_s` once a rank keeps its records (distributed/rank.py sets it), so
+# that the rest (the batches written here, the rewrite, the summary) ends before the rank exits
+# unkept (test_writer_lost).
 FINISH_WAIT_S = 15.0
+keep_until_s: float | None = None  # time.monotonic(): when this process stops keeping records
 STDERR_TAIL_BYTES = 4096  # the child's stderr read for its last line (a file: never fills)
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 _START_CHILD = start_code(__name__)
@@ -61,11 +66,12 @@ def batch_message(step_rows: list[tuple], requests: Sequence[Entry],
 class WriterProcess:
     """The main side: the child started on the files' descriptors (OSError if it cannot start),
     `send` queues a batch that a thread writes to it (a slow child never blocks the run's loop),
-    a thread reads the answers: each batch written (`written_ids`, `line_bytes`, `sizes`; the
-    batch leaves `unwritten`), `error`, the first failed write (seen a flush or more after it
+    a thread reads the answers: each batch written (`written_ids`, `line_bytes`, `file_bytes`;
+    the batch leaves `unwritten`), `error`, the first failed write (seen a flush or more after it
     happened), and at `finish` the end (`written`). A child that ends without its last answer
-    (killed) sets `error` (how it ended) and `lost`, unless a failed write came first: then the
-    files' whole records are `sizes`, and `unwritten` holds the batches the run is to write."""
+    (killed, or late at finish) sets `how_ended`, `error` (saying it) and, unless a failed write
+    came first, `lost`: the files' whole records are then `file_bytes`, and `unwritten` holds the
+    batches the run is to write itself."""
 
     def __init__(self, run_dir: Path, files: dict[str, BinaryIO]) -> None:
         fds = [files[name].fileno() for name in (STEPS, REQUESTS)]
@@ -83,7 +89,8 @@ class WriterProcess:
         self.written: tuple[list[int], list[int]] | None = None  # (ids, line bytes): finished
         self.written_ids: list[int] = []  # requests.jsonl's records so far, in the file's order
         self.line_bytes: list[int] = []
-        self.sizes = dict.fromkeys((STEPS, REQUESTS), 0)  # whole records' bytes in each file
+        self.file_bytes = dict.fromkeys((STEPS, REQUESTS), 0)  # whole records in each file
+        self.how_ended = ""  # a child ended without its last answer: killed, or late
         self.unwritten: collections.deque[tuple[list[tuple], Sequence[Entry]]] = (
             collections.deque())  # sent, not yet answered
         self.lost = False
@@ -119,7 +126,7 @@ class WriterProcess:
             except (EOFError, pickle.UnpicklingError, OSError, ValueError):
                 break
             if kind == "wrote":
-                ids, lengths, self.sizes = value
+                ids, lengths, self.file_bytes = value
                 self.written_ids += ids
                 self.line_bytes += lengths
                 self.unwritten.popleft()
@@ -129,8 +136,8 @@ class WriterProcess:
                 self.written = value
                 return
         self.lost = self.error is None  # before `error`: the run reads them in that order
-        why = f"the records' writer process {self._how_it_ended()}"
-        self.error = self.error or WriteFailed(self.run_dir, OSError(errno.EIO, why))
+        self.how_ended = f"the records' writer process {self._how_it_ended()}"
+        self.error = self.error or WriteFailed(self.run_dir, OSError(errno.EIO, self.how_ended))
 
     def _how_it_ended(self) -> str:
         if self._late_s is not None:
@@ -146,9 +153,9 @@ class WriterProcess:
         return f"exited {code}: {(lines or ['no message'])[-1][:200]}"
 
     def finish(self, wait_s: float | None = None) -> None:
-        """No more records: wait for the child's last answer (at most `wait_s`, FINISH_WAIT_S
-        by default; then it is killed). A child that ended without answering sets `error`."""
-        wait_s = FINISH_WAIT_S if wait_s is None else wait_s
+        """No more records: wait for the child's last answer (at most `wait_s`, by default
+        close_wait_s(); then it is killed). A child that ended without answering sets `error`."""
+        wait_s = close_wait_s() if wait_s is None else wait_s
         self._queue.put(None)
         self._threads[1].join(wait_s)
         if self._threads[1].is_alive():
@@ -160,6 +167,13 @@ class WriterProcess:
         for stream in (self._child.stdout, self._stderr):
             if stream is not None:
                 stream.close()
+
+
+def close_wait_s() -> float:
+    """finish()'s wait: FINISH_WAIT_S, or half the time left to keep records if less."""
+    if keep_until_s is None:
+        return FINISH_WAIT_S
+    return round(min(FINISH_WAIT_S, max(0.0, keep_until_s - time.monotonic()) / 2), 3)
 
 
 def _record(values: tuple, times: Sequence[float]) -> RequestRecord:

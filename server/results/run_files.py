@@ -9,6 +9,7 @@ import collections
 import contextlib
 import itertools
 import json
+import logging
 import mmap
 import os
 import re
@@ -94,7 +95,9 @@ class RecordStream(RecordWriter):
         self._held: dict[int, tuple[Entry, float]] = {}
         self._in_order = True
         self._due_s = time.monotonic() + FLUSH_EVERY_S  # the next flush (time.monotonic)
-        self.writing_s = 0.0  # wall time spent encoding and writing records (perf_counter)
+        # Wall time the run's flushes spent encoding and writing records (perf_counter), taken
+        # out of the run's wall time before close: close's own writes and waits are not in it.
+        self.writing_s = 0.0
         # A run abandoned from another thread (a rank's watchdog) closes the stream while the
         # run's loop may flush it: one writer at a time, and nothing written once closed.
         self._lock = threading.RLock()
@@ -199,27 +202,32 @@ class RecordStream(RecordWriter):
         if child is None:
             return
         child.finish()
-        if child.error is not None and self.error is None:
-            self._failed(child.error)
         if child.lost:
             self._write_unwritten(child)
+        elif child.error is not None and self.error is None:
+            self._failed(child.error)
         elif child.written is not None:
             self._written_ids, self._line_bytes = child.written
 
     def _write_unwritten(self, child: WriterProcess) -> None:
         """A writer process that ended without its last answer (killed): each file cut back to
         what it answered as written (no torn line), and the batches it did not write written
-        here (its error stays the run's: the run stopped)."""
+        here. Its end seen at a flush stopped the run: that error stays. Seen only now (the
+        run's loop went on to its end) and every batch written here: a warning, no error."""
         self._written_ids, self._line_bytes = child.written_ids, child.line_bytes
         stopped, self.error = self.error, None
         for name, f in self._files.items():
-            self._sizes[name] = child.sizes[name]
+            self._sizes[name] = child.file_bytes[name]
             with contextlib.suppress(OSError):
-                os.ftruncate(f.fileno(), child.sizes[name])
-            f.seek(child.sizes[name])  # the child's offset, shared: past what it wrote
+                os.ftruncate(f.fileno(), child.file_bytes[name])
+            f.seek(child.file_bytes[name])  # the child's offset, shared: past what it wrote
         for step_rows, requests in child.unwritten:
-            self.write_batch(step_rows, requests)
+            self.write_batch(step_rows, requests)  # a failed write: _failed, the run stops
         self._writable = self.error is None  # close() writes the rest (the unfinished) too
+        if stopped is None and self.error is None:
+            logging.getLogger("batchsim").warning(
+                "%s: %s; its last %d batches were written by the run", self.run_dir,
+                child.how_ended, len(child.unwritten))
         self.error = stopped or self.error
 
     def _stop_holding(self) -> None:

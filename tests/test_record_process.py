@@ -168,6 +168,24 @@ def test_a_writer_killed_mid_run_stops_the_run_with_one_line_and_loses_no_record
     assert lines[1].count(b"\n") == summary["completed"] + summary["failed"]
 
 
+def test_a_writer_late_at_close_is_one_warning_and_the_run_finished(tmp_path, batchsim_home):
+    """The writer stopped from its start and late at close (0.5 s): the run writes its batches
+    itself. Its loop had ended and every record is written: rc 0, not interrupted, one warning."""
+    argv = [sys.executable, "-c", _STOPPED + "rp.FINISH_WAIT_S = 0.5; " + _OFTEN, "run", *SIM,
+            "--num-prompts", "20", "--request-rate", "20", "--output-len", "40", "--seed", "5",
+            "--no-timeline", "--out", str(tmp_path)]
+    proc = subprocess.run(argv, env={**os.environ, "BATCHSIM_HOME": str(batchsim_home)},
+                          capture_output=True, check=False, text=True, timeout=GUARD_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = tmp_path.iterdir()
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"{run_dir}: the records' writer process did not answer in 0.5 s; its last ")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert not summary["interrupted"] and summary["num_unfinished"] == 0
+    steps, requests = the_files(run_dir)
+    assert steps.count(b"\n") == summary["num_plans"] and requests.count(b"\n") == 20
+
+
 def _file_limit(limit_bytes: int):
     def preexec() -> None:  # as test_disk_full: a write past the limit fails with EFBIG
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

@@ -11,12 +11,22 @@ from batchsim.server.platform import blas
 
 blas.preload()  # before anything imports mlx, as the CLI does
 
+from batchsim.server.results import record_process
+
 from tests.backend import dtype_for
 from tests.dispositions import answer_inherited_stop_signals
 
 
 def pytest_configure(config: pytest.Config) -> None:
     answer_inherited_stop_signals()
+
+
+@pytest.fixture(autouse=True)
+def _no_rank_keep_deadline(monkeypatch) -> None:
+    """A rank's _start_keeping sets record_process.keep_until_s (test_rank_keeping calls it here,
+    in pytest's process): each test starts without it, or once it passed every later writer
+    process would be killed at close without a wait."""
+    monkeypatch.setattr(record_process, "keep_until_s", None)
 
 
 @pytest.fixture(scope="session")

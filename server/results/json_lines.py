@@ -6,7 +6,6 @@ bool, a non-finite float, a numpy scalar) sends its record the ordinary way."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import operator
@@ -15,11 +14,16 @@ import threading
 from collections.abc import Mapping, Sequence
 
 from batchsim.server.results.json_text import dumps
-from batchsim.server.results.records import DERIVED_MS_KEYS, RequestRecord, StepRecord
+from batchsim.server.results.records import (
+    DERIVED_MS_KEYS,
+    RequestRecord,
+    StepRecord,
+    field_names,
+)
 
 _NUMBERS = frozenset({int, float})  # str() of these is their JSON (float: the shortest repr)
 _NUMBERS_OR_NONE = _NUMBERS | {type(None)}
-_STEP_FIELDS = tuple(f.name for f in dataclasses.fields(StepRecord))
+_STEP_FIELDS = field_names(StepRecord)
 
 
 def _non_finite_in(text: str) -> bool:
@@ -46,7 +50,12 @@ _NONE_KNOWN: Mapping[float, str] = {}
 
 def step_lines(steps: Sequence[StepRecord], known: Mapping[float, str] = _NONE_KNOWN) -> str:
     """steps.jsonl's lines of `steps`; `known` as step_row_lines takes it."""
-    return step_row_lines(list(map(STEP_VALUES, steps)), known)
+    return step_row_lines(step_rows_of(steps), known)
+
+
+def step_rows_of(steps: Sequence[StepRecord]) -> list[tuple]:
+    """The steps' rows (STEP_VALUES of each), as step_row_lines and RecordWriter take them."""
+    return list(map(STEP_VALUES, steps))
 
 
 def step_row_lines(rows: Sequence[tuple], known: Mapping[float, str] = _NONE_KNOWN) -> str:
@@ -91,8 +100,9 @@ class TokenTimesText:
     float as float.__repr__ does); None where one is not a finite float (the caller writes it the
     ordinary way). `known()`: the end times' texts by value, for other values equal to one: those
     made since it was last cleared (at MAX_KNOWN_ENDS: a miss writes the value's repr, the same
-    text). A watchdog
-    thread's flush calls known() while the loop calls the text: the lock extends each end once."""
+    text). Its callers (RecordWriter.write_batch, under RecordStream's lock, or the single-threaded
+    writer process) already serialize it; the lock keeps each end extended once should two threads
+    ever call it (tests/test_json_lines.py holds it to that)."""
 
     def __init__(self, step_end_s: list[float]) -> None:
         self._ends = step_end_s
@@ -139,7 +149,7 @@ class TokenTimesText:
 
 MAX_KNOWN_ENDS = 4096  # step ends' texts kept by value (a flush's records' are mostly recent)
 _NO_TIMES = '"token_times_s":[]'
-_REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
+_REQUEST_FIELDS = field_names(RequestRecord)
 assert not any(map(_non_finite_in, (*_REQUEST_FIELDS, *DERIVED_MS_KEYS)))
 _TEXT_FIELDS = ("status", "finish_reason")  # strings: in the template (a few distinct ones)
 _NUMBER_FIELDS = tuple(n for n in _REQUEST_FIELDS if n not in (*_TEXT_FIELDS, "token_times_s"))

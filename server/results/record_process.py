@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import errno
 import fcntl
 import operator
@@ -35,11 +34,11 @@ from batchsim.server.results.record_writer import (
     RecordWriter,
     WriteFailed,
 )
-from batchsim.server.results.records import RequestRecord
+from batchsim.server.results.records import RequestRecord, field_names
 
 # A request's values less its token times (sent with its token runs instead), in RequestRecord's
 # field order: the times go back in at TIMES_AT.
-_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
+_FIELDS = field_names(RequestRecord)
 TIMES_AT = _FIELDS.index("token_times_s")
 REQUEST_VALUES = operator.attrgetter(*(n for n in _FIELDS if n != "token_times_s"))
 PIPE_BYTES = 1 << 20  # the pipe to the writer (Linux's default limit for a user: 1 MiB)

@@ -11,12 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from batchsim.server.results.json_lines import (
-    STEP_VALUES,
-    TokenTimesText,
-    request_line,
-    step_row_lines,
-)
+from batchsim.server.results.json_lines import TokenTimesText, request_line, step_row_lines
 from batchsim.server.results.records import RequestRecord
 
 REQUESTS = "requests.jsonl"
@@ -102,8 +97,3 @@ class RecordWriter:
     def written(self) -> tuple[list[int], list[int]]:
         """requests.jsonl's records in the file's order: their ids, their lines' lengths."""
         return self._written_ids, self._line_bytes
-
-
-def step_rows_of(steps: Sequence) -> list[tuple]:
-    """The steps' rows as write_batch takes them."""
-    return list(map(STEP_VALUES, steps))

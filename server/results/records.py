@@ -75,7 +75,7 @@ class RequestRecord:
                      for v in (self.ttft_s, self.tpot_s, self.e2el_s, self.queue_s))
 
     def to_json(self) -> dict[str, Any]:
-        row = {name: getattr(self, name) for name in _field_names(type(self))}
+        row = {name: getattr(self, name) for name in field_names(type(self))}
         row["token_times_s"] = list(self.token_times_s)
         row.update(zip(DERIVED_MS_KEYS, self.derived_ms()))
         return row  # ITLs are the differences of token_times_s (not stored twice)
@@ -123,7 +123,7 @@ class StepRecord:
         return self.end_s - self.start_s
 
     def to_json(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _field_names(type(self))}
+        return {name: getattr(self, name) for name in field_names(type(self))}
 
     @classmethod
     def from_json(cls, row: Mapping[str, Any]) -> StepRecord:
@@ -131,7 +131,7 @@ class StepRecord:
 
 
 @functools.cache
-def _field_names(cls: type) -> tuple[str, ...]:
+def field_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls))  # once: runs write a row per step
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from batchsim.configs import file_kind
+from batchsim.server.results.json_lines import step_rows_of
 from batchsim.server.results.json_text import dumps
 from batchsim.server.results.record_process import WriterProcess
 from batchsim.server.results.record_writer import (
@@ -30,7 +31,6 @@ from batchsim.server.results.record_writer import (
     Entry,
     RecordWriter,
     WriteFailed,
-    step_rows_of,
 )
 from batchsim.server.results.records import RequestRecord, StepRecord
 
@@ -175,11 +175,12 @@ class RecordStream(RecordWriter):
             else:
                 self._due_s = oldest_s + FLUSH_EVERY_S
         requests, self._requests = self._requests, []
+        rows = step_rows_of(steps)
         if self._child is not None:
-            self._send(step_rows_of(steps), requests)
+            self._send(rows, requests)
         else:
             self._for_child = None  # written here: from now on, all of it
-            self.write_batch(step_rows_of(steps), requests)
+            self.write_batch(rows, requests)
         self.writing_s += time.perf_counter() - t0
 
     def _send(self, step_rows: list[tuple], requests: list[Entry]) -> None:

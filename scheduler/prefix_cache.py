@@ -92,11 +92,6 @@ class PrefixCache:
         """Cached blocks nobody references: evictable."""
         return len(self.blocks) - len(self.refs)
 
-    @property
-    def pending(self) -> bool:
-        """Evictions or stores the next plan must carry (has_ops' test, which it keeps inline)."""
-        return self.has_ops((), {})
-
     def match(self, hashes: tuple[int, ...], num_tokens: int) -> int:
         """Blocks of the longest cached prefix a request of `num_tokens` to compute may reuse:
         whole blocks, leaving at least its last two tokens to prefill (the last is sampled from)."""
@@ -220,7 +215,7 @@ class PrefixCache:
         when they would change nothing and give no ops (padded: only store_chunks adds blocks, and
         take_ops keeps peak_bytes up with them): nothing pending, and, with chunks, no pins and no
         chunk of a request with block hashes (a simulated workload without shared segments: every
-        step). One call a plan, and the one source of `pending` (a property's frame costs more)."""
+        step). One call a plan, and the one test of pending cache ops."""
         pending = self._evicted or self._stored or self._shares
         if not chunks:
             return bool(pending)
@@ -278,7 +273,7 @@ class PrefixCache:
             self.unpin(self._pins)
             self._pins = []
         self.peak_bytes = max(self.peak_bytes, self.nbytes)
-        if not self.has_ops((), {}):  # nothing pending (one frame, not pending's two)
+        if not self.has_ops((), {}):  # nothing pending (one frame)
             return None
         ops = CacheOps(tuple(self._evicted), tuple(self._stored), tuple(self._shares))
         self._evicted, self._stored, self._shares = [], [], []

@@ -103,7 +103,7 @@ def _plans(cfg: RunConfig, out: Path, monkeypatch, fast: bool) -> tuple[list, li
 
 def test_fast_plans_that_evict_cached_blocks_are_the_general_paths_plans(tmp_path, monkeypatch):
     """Chat sessions in 1.2 GiB: committing a fast plan's geometry evicts prefix-cache blocks, so
-    the plan carries cache ops (decode_plan's kv.prefix.pending branch)."""
+    the plan carries cache ops (decode_plan's kv.prefix.has_ops branch)."""
     spec = dataclasses.replace(builtin_workload("chat-sessions"), num_prompts=150, seed=3)
     cfg = RunConfig(model="llama-3.2-1b", executor="sim", device_profile="M2 Max", quantize=4,
                     workload=spec, memory_gb=1.2)

@@ -45,7 +45,6 @@ out = Console(width=_width(sys.stdout), emoji=False, markup=False)
 err = Console(stderr=True, width=_width(sys.stderr), emoji=False, markup=False)
 
 
-
 def laid_out(renderable: Any) -> Segments:
     """`renderable` rendered for `out` now, as out.print renders it (its options): printing the
     result later copies the segments, the same text."""

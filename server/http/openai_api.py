@@ -226,12 +226,13 @@ def _chat_prompt(body: dict[str, Any], tokenizer: Any, max_bytes: int,
     variables = get(body, "chat_template_kwargs", {})
     check(body, "chat_template_kwargs", isinstance(variables, dict),
           "an object of the chat template's variables (such as {\"enable_thinking\": false})")
-    reserved = frozenset() if not variables else (
-        template_reserved_names(tokenizer) if reserved_names is None else reserved_names)
-    if variables and (refused := sorted(variables.keys() & reserved)):
-        raise APIError(400, f"chat_template_kwargs: {', '.join(refused)[:200]} not a template "
-                       "variable here (apply_chat_template's argument, the messages, a special "
-                       "token or a template helper)", param="chat_template_kwargs")
+    if variables:
+        reserved = (template_reserved_names(tokenizer) if reserved_names is None
+                    else reserved_names)
+        if refused := sorted(variables.keys() & reserved):
+            raise APIError(400, f"chat_template_kwargs: {', '.join(refused)[:200]} not a template "
+                           "variable here (apply_chat_template's argument, the messages, a special "
+                           "token or a template helper)", param="chat_template_kwargs")
     try:
         ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, **variables)
     except Exception as exc:  # noqa: BLE001 - a template may refuse a role order

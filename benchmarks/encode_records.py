@@ -1,10 +1,10 @@
-"""The cost of encoding a run's records as RecordStream writes them (json_lines: steps a batch at
-a time, each request's token-times text, request lines), reproducibly (review r4 item 9: c42be83's
-callgrind figures came from a script outside the repository). It reads a run directory's
-steps.jsonl and requests.jsonl back into records, replays them in flushes of --steps-a-flush
-steps (each request after its last token's step, in file order), checks the text it makes is the
-files' bytes, and prints the best wall time of --repeat, or with --instructions the instructions
-of the encoding alone under valgrind's callgrind (deterministic):
+"""The cost of encoding a run's records as RecordStream writes them (RecordWriter.write_batch:
+steps a batch at a time, each request's token-times text, request lines), reproducibly (review
+r4 item 9: c42be83's callgrind figures came from a script outside the repository). It reads a run
+directory's steps.jsonl and requests.jsonl back into records, replays them in flushes of
+--steps-a-flush steps (each request after its last token's step, in file order), checks the text it
+makes is the files' bytes, and prints the best wall time of --repeat, or with --instructions the
+instructions of the encoding alone under valgrind's callgrind (deterministic):
 
     batchsim run --executor sim --device-profile "M2 Ultra" --quantize 4 --model llama-3.1-8b \\
         --request-rate 5 --num-prompts 18000 --seed 3 --no-timeline --out /tmp/hour
@@ -14,14 +14,15 @@ of the encoding alone under valgrind's callgrind (deterministic):
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import operator
 import os
 import time
 from pathlib import Path
 
-from batchsim.server.results.json_lines import TokenTimesText, request_line, step_lines
-from batchsim.server.results.record_writer import REQUESTS, STEPS
+from batchsim.server.results.json_lines import step_rows_of
+from batchsim.server.results.record_writer import REQUESTS, STEPS, RecordWriter
 from batchsim.server.results.records import RequestRecord, StepRecord
 
 STEPS_A_FLUSH = 256  # a simulated run's steps between two 0.5-s flushes are of this order
@@ -58,24 +59,26 @@ def replay_inputs(steps: list[StepRecord], requests: list[RequestRecord]) -> tup
 
 
 def encode(steps, requests, ends, runs, upto, steps_a_flush: int) -> tuple[str, str]:
-    """steps.jsonl's and requests.jsonl's text, flush by flush."""
-    grown: list[float] = []
-    texts, step_out, request_out, next_request = TokenTimesText(grown), [], [], 0
+    """steps.jsonl's and requests.jsonl's text, flush by flush, as RecordStream makes it: each
+    flush's step rows and the requests whose token runs its ends cover through
+    RecordWriter.write_batch, into files in memory."""
+    files = {name: io.BytesIO() for name in FILES}
+    writer, grown, next_request = RecordWriter(Path("."), files), [], 0
+    writer.follow_ends(grown)
     for at in range(0, len(steps), steps_a_flush):
         batch = steps[at:at + steps_a_flush]
         grown.extend(ends[len(grown):upto[at + len(batch) - 1]])
-        known = texts.known()
-        step_out.append(step_lines(batch, known))
+        first = next_request
         while next_request < len(requests) and all(
                 b <= len(grown) for _, b in runs[next_request]):
-            r_runs = runs[next_request]
-            request_out.append(request_line(requests[next_request], texts(r_runs), known))
             next_request += 1
+        writer.write_batch(step_rows_of(batch), list(zip(requests[first:next_request],
+                                                         runs[first:next_request])))
     grown.extend(ends[len(grown):])
-    known = texts.known()
-    request_out += [request_line(r, texts(rr), known) for r, rr in
-                    zip(requests[next_request:], runs[next_request:])]
-    return "".join(step_out), "".join(request_out)
+    writer.write_batch([], list(zip(requests[next_request:], runs[next_request:])))
+    if writer.error is not None:
+        raise SystemExit(f"encode_records: {writer.error}")
+    return tuple(files[name].getvalue().decode() for name in FILES)
 
 
 def instructions(run_dir: Path, steps_a_flush: int) -> int:

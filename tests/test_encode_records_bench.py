@@ -1,7 +1,7 @@
 """benchmarks/encode_records.py (review r4 item 9: c42be83's encoding figures came from a script
-outside the repository) replays a run directory's records through json_lines, flush by flush,
-and makes the files' bytes again: preempted requests (several token runs) and rejected ones
-(none) included."""
+outside the repository) replays a run directory's records through RecordWriter.write_batch (the
+writer's own code, not a copy of it), flush by flush, and makes the files' bytes again: preempted
+requests (several token runs) and rejected ones (none) included."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 from batchsim.scripts.cli import main
+from batchsim.server.results.record_writer import RecordWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "encode_records.py"
 
 
 @pytest.mark.parametrize("max_input", [6000, 20000])  # 3 preemptions; 16 refusals
-def test_a_replayed_run_encodes_to_its_files(max_input, tmp_path, capsys):
+def test_a_replayed_run_encodes_to_its_files(max_input, tmp_path, capsys, monkeypatch):
     rc = main(["run", "--executor", "sim", "--model", "llama-3.2-1b", "--quantize", "4",
                "--device-profile", "M2 Max", "--memory-gb", "1.1", "--input-len",
                f"uniform:16:{max_input}", "--output-len", "uniform:1:160", "--num-prompts", "80",
@@ -32,10 +33,16 @@ def test_a_replayed_run_encodes_to_its_files(max_input, tmp_path, capsys):
     inputs = bench.replay_inputs(steps, requests)
     many = {len(runs) for runs in inputs[1]}
     assert (max(many) > 1) if max_input == 6000 else (0 in many)  # preempted; refused
+    batches = []
+    write_batch = RecordWriter.write_batch
+    monkeypatch.setattr(RecordWriter, "write_batch", lambda writer, rows, entries: (
+        batches.append(len(rows)), write_batch(writer, rows, entries))[1])
     for steps_a_flush in (1, 7, 10**6):
+        batches.clear()
         made = bench.encode(steps, requests, *inputs, steps_a_flush)
         assert made == ((run_dir / "steps.jsonl").read_text(),
                         (run_dir / "requests.jsonl").read_text())
+        assert sum(batches) == len(steps)  # every step through the writer's own batching
 
 
 def test_instructions_mode_leaves_the_parsing_to_callgrinds_child(tmp_path, monkeypatch, capsys):

@@ -158,3 +158,25 @@ def test_repeat_flops_are_counted_once(model, batch):
         experts_s, repeats_s = cost.layers.routed_parts_s(mat, layer, batch)
         assert experts_s == pytest.approx(distinct * moved_s / eff)
         assert repeats_s > 0
+
+
+@pytest.mark.parametrize("unpriced", ["no row rate", "float weights"])
+def test_pairs_keep_their_flops_where_qmv_rows_are_not_priced(unpriced):
+    # No qmv row rate, or float weights (qmv_rows_s prices nothing): the repeat pairs are not
+    # priced apart, so the experts keep every pair's FLOPs (which bind here), none dropped.
+    cost = _rows_flops_bind("qwen3-30b-a3b")
+    if unpriced == "no row rate":
+        profile = dataclasses.replace(cost.profile, quantized_gemv_row_gflops=0.0)
+        cost = StepCost(cost.spec, profile, "float16", 4)
+    else:
+        cost = StepCost(cost.spec, cost.profile, "float16", None)
+    layer, mats = _first_moe(cost)
+    ffn, batch = layer.ffn, 63
+    distinct = expected_experts(ffn.experts, ffn.top_k, batch)
+    for mat in mats:
+        moved_s, flops_s = cost.linear_terms(batch * ffn.top_k / distinct, mat.in_dim, mat.out_dim)
+        experts_s, repeats_s = cost.layers.routed_parts_s(mat, layer, batch)
+        assert repeats_s == 0
+        want_s = max(moved_s / cost.profile.expert_bandwidth_efficiency,
+                     flops_s / GATHER_MATMUL_EFFICIENCY)
+        assert experts_s == pytest.approx(distinct * want_s)

@@ -192,10 +192,12 @@ class LayerCost:
 
     def routed_parts_s(self, mat: Mat, layer: Layer, m: int) -> tuple[float, float]:
         """One routed-expert matrix stack over m tokens: (experts_s, repeats_s), the experts' and
-        the qmv rows of their repeat pairs (StepCost.qmv_rows_s), the pairs counted once."""
+        the qmv rows of their repeat pairs (StepCost.qmv_rows_s), the pairs counted once. Rows it
+        prices at 0 (float weights, no fitted qmv row rate) are not priced apart: _experts_s
+        keeps all the pairs' FLOPs (as StepCost.linear_parts does with its rows)."""
         repeats = self.repeat_pairs(layer, m)
         repeats_s = self.cost.qmv_rows_s(repeats, mat.in_dim, mat.out_dim) if repeats else 0.0
-        return self._experts_s(mat, layer, m, repeats), repeats_s
+        return self._experts_s(mat, layer, m, repeats if repeats_s else 0.0), repeats_s
 
     def _experts_s(self, mat: Mat, layer: Layer, m: int, repeats: float) -> float:
         """D distinct experts, each streaming its weights once (at the profile's
@@ -226,11 +228,10 @@ class LayerCost:
     def repeat_pairs(self, layer: Layer, m: int) -> float:
         """The (token, expert) pairs of m tokens past their experts' first that MLX runs as
         gather_qmv rows (0 where it does not, or where they are not priced apart: one token's
-        top_k experts are distinct; a calibrated device's per-pair cost has them; float
-        weights; no fitted qmv row rate)."""
+        top_k experts are distinct; a calibrated device's per-pair cost has them)."""
         ffn, cost = layer.ffn, self.cost
         pairs = m * ffn.top_k
-        if (m <= 1 or cost.cal is not None or not cost.qmv_rows_s(1, 1, 1)
+        if (m <= 1 or cost.cal is not None
                 or not runs_gather_qmv(pairs, ffn.experts, cost.profile.mlx_version)):
             return 0.0
         return pairs - expected_experts(ffn.experts, ffn.top_k, m)

@@ -1,6 +1,7 @@
-"""Reruns the README's figures that move with the shipped Mac fit (configs/reference/mlx-fit.yaml)
-and prints them as the README quotes them, each with its command, so a refit is followed by one
-command instead of a hunt through the README:
+"""Reruns the figures of README.md and docs/*.md that move with the shipped Mac fit
+(configs/reference/mlx-fit.yaml) and prints them as those pages quote them, each with its command
+and the page that quotes it, so a refit is followed by one command instead of a hunt through the
+pages:
 
     .venv/bin/python benchmarks/readme_figures.py [--only NAME,...]  (--help lists the names)
 
@@ -74,7 +75,7 @@ def fit_macs(tmp: Path) -> dict:
 
 
 def fit_terms(_: Path) -> list[str]:
-    """The terms the README's 'Per-Mac GPU step' paragraph quotes."""
+    """The terms the 'Per-Mac GPU step' paragraph quotes (docs/simulator.md)."""
     f = yaml.safe_load(FIT.read_text())
     bw, err = f["bandwidth_efficiency"], {k: 100 * v for k, v in f["errors"].items()}
     return [
@@ -100,7 +101,7 @@ def fit_terms(_: Path) -> list[str]:
 
 
 def per_mac(tmp: Path) -> list[str]:
-    """'Per Mac': the smallest and largest max batch, and a best batch below the max."""
+    """'Per Mac' (README.md): the smallest and largest max batch, a best batch below the max."""
     args = ["size", *Q4_8B, "--context", "4096"]
     rows = batchsim(args, tmp)["rows"]
     fits = [r for r in rows if r["max_batch_padded"]]
@@ -111,7 +112,7 @@ def per_mac(tmp: Path) -> list[str]:
               f"({big['max_batch_padded_raised']} raised) on a {big['memory_gb']:g} GB "
               f"{big['label']}")]
     below = [r for r in rows if r["best_batch"] and r["best_batch"] < r["max_batch_padded"]]
-    quoted = [r for r in rows if r["label"] == "M4 10c" and r["memory_gb"] == 32]  # README's
+    quoted = [r for r in rows if r["label"] == "M4 10c" and r["memory_gb"] == 32]  # README.md's
     for r in quoted + sorted(below, key=lambda r: r["decode_tok_s_max_batch"]
                              / r["decode_tok_s_best"])[:2]:
         lines.append(f"{r['label']} {r['memory_gb']:g} GB: {r['decode_tok_s_max_batch']:.1f} "
@@ -121,7 +122,7 @@ def per_mac(tmp: Path) -> list[str]:
 
 
 def engines(tmp: Path) -> list[str]:
-    """compare's batching gain by engine (README: 'Serving engines')."""
+    """compare's batching gain by engine (docs/simulator.md: 'Serving engines')."""
     lines = []
     for engine in ("batchsim", "mlx-lm-generate"):
         args = ["compare", "--executor", "sim", "--device-profile", "M4 Max", "--model",
@@ -132,7 +133,8 @@ def engines(tmp: Path) -> list[str]:
 
 
 def m5(tmp: Path) -> list[str]:
-    """M5 Max vs M4 Max at the max batch (context 128), and the M5 prefill the peak came from."""
+    """M5 Max vs M4 Max at the max batch (context 128), the M5 prefill the peak came from
+    (docs/simulator.md: 'M5')."""
     lines = []
     for mac in ("M5 Max", "M4 Max"):
         args = ["size", *Q4_8B, "--mac", mac, "--context", "128"]
@@ -149,7 +151,7 @@ def m5(tmp: Path) -> list[str]:
 
 
 def spec(tmp: Path) -> list[str]:
-    """The per-Mac K=4 n-gram table (README: 'Per Mac, K = 4, acceptance as measured here')."""
+    """The per-Mac K=4 n-gram table (docs/measured.md: 'Per Mac, K = 4, ...')."""
     by_model = {}
     for model in ("llama-3.1-8b", "qwen3-30b-a3b"):
         args = ["size", "--model", model, "--quantize", "4", "--spec-tokens", "4",
@@ -183,7 +185,7 @@ def spec(tmp: Path) -> list[str]:
 
 
 def draft(tmp: Path) -> list[str]:
-    """A 1B draft model vs n-gram lookup at acceptance 0.8 (README: 'A draft model instead')."""
+    """A 1B draft model vs n-gram lookup at acceptance 0.8 (docs/measured.md)."""
     lines = []
     for mac in ("M2 Ultra 76c", "M4 Max 40c", "M5 Max 40c"):
         for drafter in ([], ["--draft-model", "llama-3.2-1b"]):
@@ -197,7 +199,7 @@ def draft(tmp: Path) -> list[str]:
 
 
 def spec_run(tmp: Path) -> list[str]:
-    """The simulated n-gram run at 0.1 and 20 req/s (README: 'Example: run --executor sim')."""
+    """The simulated n-gram run at 0.1 and 20 req/s (docs/how-it-works.md: 'Example')."""
     ngram = ["--spec-method", "ngram", "--spec-tokens", "4", "--acceptance",
              "0.55,0.37,0.28,0.23"]
     cases = [("0.1", "100", []), ("0.1", "100", [*ngram, "--draft-share", "0.085"]),
@@ -216,7 +218,7 @@ def spec_run(tmp: Path) -> list[str]:
 
 
 def prefix(tmp: Path) -> list[str]:
-    """compare --prefix-cache on the two sharing workloads (README: 'How it works')."""
+    """compare --prefix-cache on the two sharing workloads (docs/how-it-works.md)."""
     lines = []
     for workload in ("shared-prompt", "chat-sessions"):
         args = ["compare", "--prefix-cache", "--workload", workload, "--executor", "sim",
@@ -232,7 +234,7 @@ def prefix(tmp: Path) -> list[str]:
 
 
 def moe(tmp: Path) -> list[str]:
-    """fit-macs' after_tok_s for the MoE rows the README quotes, and every batched MoE row."""
+    """fit-macs' after_tok_s for the MoE rows docs/models.md quotes, and every batched MoE row."""
     rows = fit_macs(tmp)["cv"]["rows"]
     quoted = ("mlxlm-m4max-qwen3-30b-a3b-q4-b1-2k", "llmfit-m2pro-gpt-oss-20b-q4-b1")
     batched = [r for r in rows if r["batch"] > 1 and any(
@@ -248,7 +250,8 @@ def moe(tmp: Path) -> list[str]:
 
 
 def trust(tmp: Path) -> list[str]:
-    """The trust table's held-out errors ('How far to trust the Mac predictions'); worst rows."""
+    """The trust table's held-out errors (README.md: 'Mac predictions'); worst rows
+    (docs/simulator.md: 'Where it stands')."""
     cv = fit_macs(tmp)["cv"]
     lines = []
     for label, folds in (("now", cv), ("before (batch-1-only fit)", cv["before"])):
@@ -268,7 +271,7 @@ def trust(tmp: Path) -> list[str]:
 
 
 def cluster(tmp: Path) -> list[str]:
-    """size --macs N on a 512 GB M3 Ultra 80c (README: 'Simulated and sized')."""
+    """size --macs N on a 512 GB M3 Ultra 80c (docs/distributed.md: 'Simulated and sized')."""
     lines = []
     for model in ("llama-3.1-70b", "deepseek-v3", "qwen3-235b-a22b"):
         tok_s = []
@@ -288,7 +291,7 @@ def cluster(tmp: Path) -> list[str]:
 
 
 def hour(tmp: Path) -> list[str]:
-    """The simulated hour at 32, 64 and 128 seats."""
+    """The simulated hour at 32, 64 and 128 seats (README.md: 'The simulated hour')."""
     lines = []
     for seats in (32, 64, 128):
         args = ["run", "--executor", "sim", "--device-profile", "M2 Ultra", *Q4_8B,
@@ -307,7 +310,7 @@ def hour(tmp: Path) -> list[str]:
 
 
 def cliff(_: Path) -> list[str]:
-    """The decode step each side of the qmv batch limit (README: 'Known wrong shape')."""
+    """The decode step each side of the qmv batch limit (docs/simulator.md: 'Known wrong shape')."""
     from batchsim.server.perf.batch_gain import catalog_cost  # pricing only: no matmul runs
 
     lines = []

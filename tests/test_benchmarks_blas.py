@@ -1,7 +1,7 @@
 """Every benchmark that imports mlx when loaded chooses MLX's BLAS first (blas.preload(), as the
 CLI does): mlx imported earlier keeps its bundled reference BLAS, and the benchmark's float32
-matmuls then run ~30x slower than under batchsim (README: the paged-read ratios and the draft
-paragraph's figures were measured so)."""
+matmuls then run ~30x slower than under batchsim (docs/how-it-works.md: the paged-read ratios and
+the draft paragraph's figures were measured so)."""
 
 from __future__ import annotations
 

@@ -82,7 +82,7 @@ def test_a_draft_models_rows_stay_held_and_priced_in_steps_that_draft_nothing(tm
                                                                                  batchsim_home):
     # --spec-policy shrink verifies no drafts above 32 rows (K = 0), yet the real drafter's pool
     # mirrors the target's geometry every step (DraftModelDrafter.resize): it holds a row per
-    # sequence, so the account prices them there too (README: why they are not released).
+    # sequence, so the account prices them there too (docs/how-it-works.md: why not released).
     argv = ["run", "--model", "tiny", "--dtype", "float32", "--num-prompts", "40",
             "--request-rate", "inf", "--input-len", "16", "--output-len", "6", "--max-num-seqs",
             "40", "--seed", "3", "--no-progress", "--no-timeline", "--spec-tokens", "2",

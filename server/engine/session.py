@@ -83,7 +83,7 @@ class Session:
     @property
     def prefix_cache_supported(self) -> bool:
         """Cached blocks are reused for full-attention and MLA layers at full precision only
-        (README: prefix caching)."""
+        (docs/how-it-works.md: prefix caching)."""
         layout = self.cache_layout
         return (layout is None or layout.all_full) and self.config.kv_bits is None
 

@@ -1,6 +1,6 @@
 """The sampling fields of an OpenAI request, checked in vLLM's ranges into SamplingParams. Each is
 applied per row by the executor's sampler (server/executors/sampler.py) or refused with a 400
-naming it; the README's "Request fields" table lists them with their defaults."""
+naming it; docs/serve-api.md's "Request fields" table lists them with their defaults."""
 
 from __future__ import annotations
 

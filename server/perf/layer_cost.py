@@ -76,7 +76,7 @@ GATHER_MATMUL_EFFICIENCY = 0.5
 # (as a dense qmv's rows past the first: StepCost.linear_parts), in the step's gemv_rows_s (its
 # expert's FLOPs in _experts_s one row's). '0.29.2.dev' takes the 8 gate, though #2609 landed in
 # its dev cycle (its only rows are B = 1: no effect). Unvalidated at the gate: no published decode
-# row reaches it, and the step drops there (`size` notes it; README "Mixture of experts").
+# row reaches it, and the step drops there (`size` notes it; docs/models.md, MoE).
 SORT_PAIRS = 64
 GATHER_RHS_MIN_PAIRS = 16
 GATHER_RHS_PAIRS_PER_EXPERT = (((0, 29, 2, 0), 4), ((0, 25, 0, 0), 8))  # (MLX since, P / E)

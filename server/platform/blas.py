@@ -19,9 +19,9 @@ loading. A user-set OPENBLAS_CORETYPE is left alone.
 OpenBLAS's worker threads spin after each threaded call (2^28 cycles by default, a tenth of a
 second) before they sleep, and MLX runs its ops on a thread of its own: on a 2-core machine the
 spinning worker took the core MLX's thread needed, and a 4-layer MoE model decoded at batch 1
-1.2-1.7x slower than with the workers asleep right after each call (README: "BLAS matters as much
-as batching"). batchsim sets OPENBLAS_THREAD_TIMEOUT=4 (2^4 cycles, the least OpenBLAS takes)
-unless it is set already.
+1.2-1.7x slower than with the workers asleep right after each call
+(docs/measured.md: "BLAS matters as much as batching"). batchsim sets OPENBLAS_THREAD_TIMEOUT=4
+(2^4 cycles, the least OpenBLAS takes) unless it is set already.
 """
 
 from __future__ import annotations

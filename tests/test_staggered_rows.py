@@ -27,6 +27,7 @@ def test_the_ramp_has_the_window_calls_the_source_printed(batch, calls):
     steps = sim.stagger_steps(batch, 128)
     assert sum(n for _, n in steps) == 128 + batch - 1
     assert sum(rows * n for rows, n in steps) == batch * 128  # every row its 128 tokens
+    assert sum((rows - 1) * n for rows, n in steps) == (batch - 1) * 127  # fit.py's closed form
     assert sum(n for rows, n in steps if rows < batch) + 1 == calls
     assert sim.stagger_steps(4, 128) == ((1, 2), (2, 2), (3, 2), (4, 125))
 

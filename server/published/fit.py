@@ -39,7 +39,6 @@ from batchsim.server.published.sim import (
     priced,
     row_cost,
     run_steps,
-    stagger_steps,
     tokens,
 )
 from batchsim.server.published.solve import TIMES, fit_at
@@ -127,9 +126,9 @@ def _rows_past_first(row: Any, catalog: macs.Catalog, model: MacModel) -> float:
     cost = row_cost(row, catalog, model)
     if cost.serial or cost.row_graphs or not cost.engine.attention_loop:
         return 0
-    if row.decode_only and row.staggered:  # per step as measured_s counts them (decode_step)
-        out = tokens(row)[1]
-        return sum((n - 1) * k for n, k in stagger_steps(row.batch, out)) / out
+    if row.decode_only and row.staggered:  # per step as measured_s counts them (decode_step):
+        out = tokens(row)[1]  # the ramp's batch * out rows over out + batch - 1 steps
+        return (row.batch - 1) * (out - 1) / out
     if row.decode_only:
         return row.batch - 1
     return sum(max(s.decode_rows - 1, 0) * s.num_steps for s in run_steps(row, catalog, model))

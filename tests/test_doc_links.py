@@ -80,6 +80,21 @@ def test_every_relative_link_resolves():
     assert broken_links(ROOT) == []
 
 
+def _linked_pages(page: Path) -> set[Path]:
+    """The markdown files a page links to."""
+    targets = (t.partition("#")[0] for line in _prose(page.read_text()) for t in LINK.findall(line))
+    return {(page.parent / t).resolve() for t in targets if t.endswith(".md")}
+
+
+def test_readme_starts_with_the_two_commands_and_lists_every_docs_page():
+    """The front page opens with setup-and-run and setup-and-test; its Contents reach docs/."""
+    assert (ROOT / "README.md").read_text().splitlines()[:6] == [
+        "# batchsim", "", "```", "scripts/setup.sh && .venv/bin/batchsim run",
+        "scripts/setup.sh --test && .venv/bin/ruff check && .venv/bin/python -m pytest", "```"]
+    unlisted = set(doc_files(ROOT)[1:]) - _linked_pages(ROOT / "README.md")
+    assert not unlisted, f"docs pages README.md does not link: {sorted(p.name for p in unlisted)}"
+
+
 def test_a_broken_link_or_anchor_is_found(tmp_path):
     """In a copy: a link to a missing file, and one to a missing heading, are both reported."""
     shutil.copy(ROOT / "README.md", tmp_path / "README.md")

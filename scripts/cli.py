@@ -27,6 +27,9 @@ def _interrupted_while_starting(signum: int, frame: object) -> None:
     with contextlib.suppress(OSError):  # SIGHUP: the terminal may be gone (EIO)
         sys.stderr.write(f"batchsim: interrupted while starting{name}\n")
         sys.stderr.flush()
+    drawing = sys.modules.get("batchsim.server.results.drawing_start")
+    if drawing is not None:  # its child, if started, goes too: os._exit runs no atexit
+        drawing.end_early()
     os._exit(130)  # EXIT_INTERRUPTED, before common (which defines it) is loaded
 
 
@@ -92,8 +95,11 @@ if _PROGRAM:  # OpenBLAS's kernel question (blas.preload's) asked while the modu
     # 0.18-0.24 s of kernel time so, 0.02 s without. The user's own setting wins.
     os.environ.setdefault("NUMPY_MADVISE_HUGEPAGE", "0")
     from batchsim.server.platform import blas as _blas
+    from batchsim.server.results import drawing_start as _drawing
 
     _blas.start_probe()
+    if _drawing.wanted_early(sys.argv[1:]):  # matplotlib imported meanwhile, on the other core
+        _drawing.start_early()
 
 from batchsim.scripts.common import (  # after the handler; no mlx: blas.preload() comes first
     EXIT_CODES_HELP,

@@ -28,6 +28,7 @@ from batchsim.scripts.run_view import ConsoleView, print_summary, warn_profile_m
 from batchsim.scripts.spec_args import add_spec_args
 from batchsim.scripts.workload_args import add_workload_args
 from batchsim.server.engine.run_config import RunConfig
+from batchsim.server.results.drawing_start import end_early
 
 if TYPE_CHECKING:
     from batchsim.server.results.timeline_draw import DrawingProcess
@@ -66,6 +67,11 @@ def run(args: argparse.Namespace) -> dict:
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(str(exc)) from None
+    # A simulated run's timeline.png by a child process: it imports matplotlib while the run
+    # opens and runs. A measured run's is drawn after it: nothing else runs while it decodes.
+    apart = not args.no_timeline and cfg.executor == "sim"
+    if cfg.target or not apart:
+        end_early()  # the child the program started for a picture this run does not draw apart
     if args.ranks > 1 or args.hostfile:
         return _run_ranks(args, cfg)
     if cfg.target:
@@ -78,9 +84,6 @@ def run(args: argparse.Namespace) -> dict:
         return summary
     from batchsim.server.results.timeline_draw import DrawingProcess
 
-    # A simulated run's timeline.png by a child process: it imports matplotlib while the run
-    # opens and runs. A measured run's is drawn after it: nothing else runs while it decodes.
-    apart = not args.no_timeline and cfg.executor == "sim"
     with DrawingProcess() if apart else contextlib.nullcontext(not args.no_timeline) as drawing:
         summary = _run_here(cfg, args, drawing)
     if summary["completed"] == 0 and not summary.get("interrupted"):

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
-from batchsim.server.platform.child import start_code
+from batchsim.server.results import drawing_start
 from batchsim.server.results.plots import figure, save_figure
 from batchsim.server.results.records import RequestRecord, StepRecord
 from batchsim.server.results.timeline import (
@@ -195,7 +195,7 @@ def _kv_panel(ax, series: _Series, overrun_s: float | None, limits: Limits) -> N
     ax.set_ylabel("KV (GiB)")
 
 
-_START_CHILD = start_code(__name__)
+_START_CHILD = drawing_start.START_CHILD  # this module run as __main__ (tests wrap it)
 
 
 class DrawingProcess:
@@ -209,12 +209,9 @@ class DrawingProcess:
         self._job: tuple[Path, Panels] | None = None
         self._talk: threading.Thread | None = None
         self.wait_s = DRAW_WAIT_S
-        try:  # its own session: Ctrl-C at the terminal stops the run, which then draws
-            self._child: subprocess.Popen | None = subprocess.Popen(
-                [sys.executable or "", "-c", _START_CHILD], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-        except OSError:  # no such program: sys.executable None ("") or gone
-            self._child = None
+        # The one the program started at its start (drawing_start.start_early), else a new one.
+        self._child: subprocess.Popen | None = (drawing_start.adopt()
+                                                or drawing_start.start(_START_CHILD))
 
     def send(self, path: Path, make_panels: Callable[[], Panels], num_steps: int = 0) -> None:
         """Draw the panels `make_panels` gives at `path` (in the child, while this process goes

@@ -1,0 +1,69 @@
+"""The drawing child's start (timeline_draw.DrawingProcess's), light enough for the program's
+first lines: `batchsim run --executor sim` starts it before its own modules load (scripts/cli.py:
+matplotlib's import, 0.4-0.5 s of CPU, then begins on the other core about 0.1 s sooner), and
+the run's DrawingProcess adopts it. One not adopted (the run refused its input, or needs no
+picture from it) is killed: when the run decides so, at the program's exit, or at a stop signal
+while the program starts."""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import subprocess
+import sys
+
+from batchsim.server.platform.child import start_code
+
+DRAWING_MODULE = "batchsim.server.results.timeline_draw"
+START_CHILD = start_code(DRAWING_MODULE)
+# Flags after which the run draws no timeline apart (or says only its help): no early child.
+_NOT_APART = frozenset({"--no-timeline", "--target", "--ranks", "--hostfile", "-h", "--help"})
+_early: subprocess.Popen | None = None
+
+
+def start(code: str = START_CHILD) -> subprocess.Popen | None:
+    """A drawing child running `code`, or None where none can start (no such program:
+    sys.executable None or gone). Its own session: Ctrl-C at the terminal stops the run, which
+    then draws."""
+    try:
+        return subprocess.Popen([sys.executable or "", "-c", code], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+    except OSError:
+        return None
+
+
+def wanted_early(argv: list[str]) -> bool:
+    """Whether the command line `argv` (less the program's name) is a simulated run that draws
+    its timeline apart: `run` with `--executor sim` named, none of _NOT_APART."""
+    sim = "--executor=sim" in argv or ("--executor", "sim") in itertools.pairwise(argv)
+    return argv[:1] == ["run"] and sim and not any(
+        arg.split("=", 1)[0] in _NOT_APART for arg in argv)
+
+
+def start_early() -> None:
+    """Start the drawing child now; killed at exit unless a run adopts it."""
+    global _early
+    _early = start()
+    if _early is not None:
+        atexit.register(end_early)
+
+
+def adopt() -> subprocess.Popen | None:
+    """The child start_early started (now the caller's), or None."""
+    global _early
+    child, _early = _early, None
+    return child
+
+
+def end_early() -> None:
+    """The child start_early started, not adopted: killed (it has loaded nothing the run needs)
+    and waited for, its pipes closed."""
+    child = adopt()
+    if child is None:
+        return
+    child.kill()
+    child.wait()
+    for stream in (child.stdin, child.stdout, child.stderr):
+        if stream is not None:
+            stream.close()

@@ -1,0 +1,102 @@
+"""`batchsim run --executor sim`'s drawing child started at the program's first lines, before its
+modules load (drawing_start.start_early): the run adopts it (no second child), and a run that
+refuses its input, a run that draws no picture apart, or a stop signal while the program starts
+kills it at once (no child left importing matplotlib after the program)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from batchsim.server.results.drawing_start import wanted_early
+
+# The program as the console script starts it, each drawing child it starts noted in $NOTED:
+# its pid and whether the run's modules had loaded then.
+PROGRAM = """
+import json, os, subprocess, sys
+noted, popen = os.environ["NOTED"], subprocess.Popen.__init__
+def init(self, args, *a, **k):
+    popen(self, args, *a, **k)
+    if "timeline_draw" in " ".join(map(str, args)):
+        with open(noted, "a") as f:
+            f.write(json.dumps([self.pid, "batchsim.scripts.common" in sys.modules]) + "\\n")
+subprocess.Popen.__init__ = init
+{patch}
+sys.argv[0] = "batchsim"
+from batchsim.scripts import cli
+sys.exit(cli.main())
+"""
+SIM = ["run", "--executor", "sim", "--device-profile", "M2 Max", "--model", "llama-3.2-1b",
+       "--quantize", "4", "--num-prompts", "20", "--no-progress"]
+# A stop signal as the program loads its commands (as test_interrupts' _WHILE_STARTING).
+SIGNALLED = """
+import importlib, signal
+load = importlib.import_module
+def signalled(name, *args):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return load(name, *args)
+importlib.import_module = signalled
+"""
+
+
+def _program(home, tmp_path, argv: list[str], patch: str = "") -> tuple:
+    noted = tmp_path / "noted.jsonl"
+    env = {**os.environ, "BATCHSIM_HOME": str(home), "NOTED": str(noted)}
+    done = subprocess.run([sys.executable, "-c", PROGRAM.format(patch=patch), *argv],
+                          capture_output=True, text=True, timeout=300, check=False, env=env)
+    children = [json.loads(line) for line in noted.read_text().splitlines()] if (
+        noted.exists()) else []
+    return done, children
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_simulated_run_draws_with_the_child_started_before_its_modules(batchsim_home,
+                                                                         tmp_path):
+    done, children = _program(batchsim_home, tmp_path, [*SIM, "--out", str(tmp_path / "o")])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(children) == 1 and children[0][1] is False  # one child, started before them
+    png = json.loads(done.stdout.splitlines()[-1])["timeline_png"]
+    assert png and os.path.getsize(png) > 10_000
+    assert _gone(children[0][0])
+
+
+@pytest.mark.parametrize("bad", [["--model", "no-such-model"], ["--num-prompts", "-3"],
+                                 ["--no-such-flag"]])
+def test_a_run_that_refuses_its_input_leaves_no_drawing_child(batchsim_home, tmp_path, bad):
+    done, children = _program(batchsim_home, tmp_path, [*SIM, *bad, "--out", str(tmp_path)])
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert len(children) == 1 and children[0][1] is False
+    assert _gone(children[0][0])  # killed before the program ended, not left to import
+
+
+def test_a_stop_signal_while_starting_leaves_no_drawing_child(batchsim_home, tmp_path):
+    done, children = _program(batchsim_home, tmp_path, [*SIM, "--out", str(tmp_path)],
+                              patch=SIGNALLED)
+    assert done.returncode == 130 and done.stderr == (
+        "batchsim: interrupted while starting (SIGTERM)\n")
+    assert len(children) == 1 and _gone(children[0][0])
+
+
+@pytest.mark.parametrize(("argv", "wanted"), [
+    (["run", "--executor", "sim"], True),
+    (["run", "--model", "x", "--executor=sim"], True),
+    (["run", "--executor", "fake"], False),  # a measured run draws after it, nothing beside
+    (["run"], False),  # sim only from a config file: started later, by the run
+    (["sweep", "--executor", "sim"], False),
+    (["run", "--executor", "sim", "--no-timeline"], False),
+    (["run", "--executor", "sim", "--target=http://127.0.0.1:1/v1"], False),
+    (["run", "--executor", "sim", "--ranks", "2"], False),
+    (["run", "--executor", "sim", "--help"], False),
+])
+def test_which_command_lines_start_the_child_early(argv, wanted):
+    assert wanted_early(argv) is wanted

@@ -125,15 +125,15 @@ def _lsq(a: np.ndarray, rhs: np.ndarray, keep: list[int], shrink: Shrink,
     return theta
 
 
-def bounded(a: np.ndarray, target: np.ndarray, cols: list[str], free: list[int],
-            lsq: Callable[[np.ndarray, np.ndarray, list[int]], np.ndarray]) -> np.ndarray:
-    """theta of lsq(a, rhs, columns) (a @ theta = target over the free columns) within each
-    column's bounds: the worst violator is held at its bound and the rest refitted, until none is
-    out."""
+def _bounded(a: np.ndarray, target: np.ndarray, cols: list[str], free: list[int], shrink: Shrink,
+             row_scale: np.ndarray | None) -> np.ndarray:
+    """fit_at's theta (_lsq of a @ theta = target over the free columns) within each column's
+    bounds: the worst violator is held at its bound and the rest refitted, until none is out. Its
+    own function (fit_at its one caller) only to keep fit_at short."""
     free, held = list(free), {}
     while True:
         rhs = target - sum((a[:, j] * v for j, v in held.items()), np.zeros(a.shape[0]))
-        theta = lsq(a, rhs, free)
+        theta = _lsq(a, rhs, free, shrink, row_scale)
         out = {j: min(max(theta[j], lo), hi) for j in free
                for lo, hi in [_bounds(cols[j])] if not lo <= theta[j] <= hi}
         if not out:
@@ -148,7 +148,7 @@ def bounded(a: np.ndarray, target: np.ndarray, cols: list[str], free: list[int],
 
 def fit_at(a: np.ndarray, cols: list[str], transform: np.ndarray | None = None,
            row_weights: np.ndarray | None = None) -> tuple[float, np.ndarray]:
-    """(Huber loss, theta) of a @ theta = 1 within each column's bounds (bounded). Weighing
+    """(Huber loss, theta) of a @ theta = 1 within each column's bounds (_bounded). Weighing
     variants (benchmarks/fit_weighting.py): `transform` T fits T @ a @ theta = T @ 1 instead (the
     shrinkage still read off a), `row_weights` weigh each fitted row in the IRLS and the loss."""
     free = [j for j in range(len(cols)) if np.any(a[:, j] > 0)]
@@ -157,6 +157,5 @@ def fit_at(a: np.ndarray, cols: list[str], transform: np.ndarray | None = None,
     if transform is not None:
         a, target = transform @ a, transform @ target
     row_scale = None if row_weights is None else np.sqrt(row_weights)
-    theta = bounded(a, target, cols, free,
-                    lambda a, rhs, keep: _lsq(a, rhs, keep, shrink, row_scale))
+    theta = _bounded(a, target, cols, free, shrink, row_scale)
     return huber_loss(np.abs(a @ theta - target), HUBER_DELTA, row_weights), theta

@@ -19,6 +19,7 @@ from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 from batchsim.server.engine.virtual_run import VirtualRun
+from batchsim.server.executors.sim_executor import SimExecutor
 from batchsim.server.results.recorder import RunRecorder
 from batchsim.server.results.run_files import RecordStream
 
@@ -84,3 +85,31 @@ def test_the_simulated_loop_makes_few_python_calls_a_plan(monkeypatch, tmp_path,
     per_plan = calls / plans
     assert per_plan <= budget, (
         f"{per_plan:.1f} Python calls a plan in the simulated loop (budget {budget})")
+
+
+@pytest.mark.parametrize("changes", [{"kv_layout": "paged"},
+                                     {"spec_method": "ngram", "spec_acceptance": (0.7, 0.5)}],
+                         ids=["paged", "speculative"])
+def test_a_plan_enters_join_only_when_a_row_joins(monkeypatch, tmp_path, changes):
+    """Paged and speculative plans come from the scheduler's general path (a new decode_ids
+    tuple, plain positions every plan): execute asks in C whether a row is missing from the pool
+    rather than entering _join (a frame) on every such plan to find none (about half of them)."""
+    joins = []
+    join = SimExecutor._join
+
+    def counted(executor: SimExecutor, plan) -> float:
+        before = len(executor.layout.in_pool)
+        seconds = join(executor, plan)
+        joins.append(len(executor.layout.in_pool) - before)
+        return seconds
+
+    monkeypatch.setattr(SimExecutor, "_join", counted)
+    base = RunConfig(model="llama-3.1-8b", executor="sim", device_profile="M2 Ultra", quantize=4)
+    if "spec_method" in changes:  # K drafted a row, with the method (checked together)
+        changes = {**changes, "scheduler": dataclasses.replace(base.scheduler, spec_tokens=2)}
+    base = dataclasses.replace(base, **changes)
+    workload = dataclasses.replace(base.workload, num_prompts=100, request_rate=5.0, seed=3)
+    session = open_session(dataclasses.replace(base, workload=workload))
+    run_workload(session, session.config.workload, out_dir=tmp_path, label="joins",
+                 timeline=False)
+    assert joins and min(joins) > 0  # every _join joined a row

@@ -80,9 +80,11 @@ class SimExecutor:
             t += self._resize(pool)
         # The rows of the last plan that joined (the scheduler hands the same tuple while its
         # rows stay), all in the pool unless one left since; Positions' first `pooled` rows
-        # decoded in the last step (most plans: all of them, and no _join frame).
-        if decode_ids is not self._joined and (type(positions) is not Positions
-                                               or positions.pooled < len(decode_ids)):
+        # decoded in the last step (most plans: all of them, and no _join frame); other plans'
+        # rows (paged, speculative: the scheduler's general path) asked in C.
+        if decode_ids is not self._joined and (
+                positions.pooled < len(decode_ids) if type(positions) is Positions
+                else not layout.in_pool.issuperset(decode_ids)):
             t += self._join(plan)
         self._joined = decode_ids
         sampled = decode_ids  # who sampled a token: the decode rows, then sampling prefills
@@ -225,16 +227,15 @@ class SimExecutor:
             change.new_bytes - change.kept_bytes) / 2
 
     def _join(self, plan: StepPlan) -> float:
-        """The plan's decode rows not yet in the pool join it, in the plan's order (0.0: none)."""
+        """The plan's decode rows not yet in the pool (execute: some are) join it, in the plan's
+        order."""
         layout, ids, positions = self.layout, plan.decode_ids, plan.decode_positions
         in_pool, private = layout.in_pool, self.private
         t = 0.0
         # Rows that decoded in the last step are in the pool: those before Positions.pooled, the
-        # others are its tail. Otherwise asked in C first (most plans: all in the pool).
+        # others are its tail.
         if type(positions) is Positions:
             ids, positions = ids[positions.pooled:], positions.tail
-        elif in_pool.issuperset(ids):
-            return t
         for rid, pos in zip(ids, positions):  # faster than a sorted set difference (< ~500 rows)
             if rid in in_pool:
                 continue

@@ -6,7 +6,9 @@ heap's top, and a plan's positions are built row by row only when read (Position
 executor reads the joining rows' alone, the records none).
 
 The rows are always the prefix running[:len(ids)] of the scheduler's running list, each simulated
-(no token ids) and in every decode step since it joined; anything else (a preemption, an abort, a
+(no token ids) and in every decode step since it joined (a row joins after its first decode, or
+when its prefill sampled its first token: join_ready, saving the next plan its row-by-row pass,
+issue 37); anything else (a preemption, an abort, a
 plan that is not a simulated decode of them all) settles them first. The scheduler's general path
 is the reference (tests/test_advance.py holds the two equal)."""
 
@@ -25,8 +27,8 @@ COMPUTED = operator.attrgetter("num_computed_tokens")
 
 
 class LazyRows:
-    __slots__ = ("computed0", "ends", "id_set", "id_tuple", "ids", "max_computed0", "max_tokens0",
-                 "rows", "steps", "tokens0")
+    __slots__ = ("computed0", "ends", "fresh", "id_set", "id_tuple", "ids", "max_computed0",
+                 "max_tokens0", "rows", "steps", "tokens0")
 
     def __init__(self) -> None:
         self.steps = 0  # decode steps applied lazily so far (only differences matter)
@@ -48,6 +50,9 @@ class LazyRows:
         # A heap of (`steps` at which a row reaches its max_tokens, request id, row): its top
         # less `steps`, the decode steps until the first row does (lookahead.py reads it).
         self.ends: list[tuple[int, int, Request]] = []
+        # The last rows that joined when their prefill ended (join_ready), before their first
+        # decode: not yet in the executor's pool (Positions.pooled stops short of them).
+        self.fresh = 0
 
     def add(self, r: Request) -> None:
         """A decode row whose counters are up to date joins (at the end of the prefix)."""
@@ -79,6 +84,23 @@ class LazyRows:
                 return
             self.add(r)
 
+    def join_ready(self, running: list[Request], end: int) -> None:
+        """The running rows after the prefix whose prefill ended with a token sampled in the step
+        that ends at step `end` (decode-ready, simulated) join now, before their first decode
+        (fresh), rather than through the next plan's decode rows (absorb). The scheduler calls
+        this after a simulated step under a policy that decodes every decode-ready row next."""
+        i, live = len(self.rows), RUNNING
+        for r in running[i:]:
+            runs = r.token_runs
+            if (r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens != 1
+                    or r.status is not live or r.prompt_token_ids is not None or not runs
+                    or runs[-1][1] != end):
+                return
+            if i == len(self.rows):  # a new set: the KV manager may hold this one as its pool
+                self.id_set = self.id_set.copy()  # members (see __init__)
+            self.add(r)
+            self.fresh += 1
+
     def widest_longest(self) -> tuple[int, int]:
         """The largest num_computed_tokens and the largest num_tokens among the rows (they are
         not empty): one call a plan."""
@@ -99,16 +121,17 @@ class LazyRows:
                     tuple([r.num_computed_tokens for r in decodes]))
         # Positions' fields set here, without a type call's __init__ frame (one is made a plan)
         p = _new(Positions)
-        p._computed0, p._steps, p._values, p.pooled = self.computed0.copy(), self.steps, None, n
-        if len(decodes) == n:
-            ids = self.id_tuple
-            if ids is None:
-                ids = self.id_tuple = tuple(self.ids)
-            p.tail = ()
-            return ids, p
-        tail = decodes[n:]  # rows joining (most plans: none or one)
-        p.tail = tuple(map(COMPUTED, tail))
-        return (*self.ids, *map(REQUEST_ID, tail)), p
+        pooled = n - self.fresh  # the fresh rows' Requests are up to date: read as the others'
+        p._computed0, p._steps, p._values = self.computed0[:pooled], self.steps, None
+        p.pooled = pooled
+        # rows joining (most plans: none or one): the fresh ones, then any after the lazy rows
+        p.tail = () if len(decodes) == pooled else tuple(map(COMPUTED, decodes[pooled:]))
+        if len(decodes) > n:
+            return (*self.ids, *map(REQUEST_ID, decodes[n:])), p
+        ids = self.id_tuple
+        if ids is None:
+            ids = self.id_tuple = tuple(self.ids)
+        return ids, p
 
     def computed(self) -> dict[int, int]:
         """request id -> num_computed_tokens, without writing them back."""
@@ -118,6 +141,7 @@ class LazyRows:
         """Every row decoded k more steps; the rows that reached max_tokens leave, settled, in
         order (still to be finished)."""
         s = self.steps = self.steps + k
+        self.fresh = 0  # every row decoded: all in the executor's pool
         ends = self.ends
         if not ends or ends[0][0] > s:
             return []
@@ -147,7 +171,7 @@ class LazyRows:
         """Write every row's counters back and empty the set."""
         for i in range(len(self.rows)):
             self._settle_row(i)
-        self.id_tuple = None
+        self.id_tuple, self.fresh = None, 0
         self.id_set = set()  # a new one: the KV manager may hold the old one (see __init__)
         for column in (self.rows, self.ids, self.computed0, self.tokens0, self.ends):
             column.clear()

@@ -64,6 +64,9 @@ class Scheduler:
         # without drafts only (paged blocks and drafts read every row's counters).
         self.lazy = LazyRows()
         self._lazy_ok = config.kv_layout != "paged" and not config.spec_tokens
+        # Rows whose prefill ends join them at once (LazyRows.join_ready): every decode-ready
+        # row decodes in the next plan, as it does unless a plan may only prefill.
+        self._join_ready = self._lazy_ok and config.policy != "prefill-first"
         self._admissible: set[int] = set()  # totals rejection_reason passed (it reads no more)
 
     # -- requests in and out -------------------------------------------------------------------
@@ -338,6 +341,8 @@ class Scheduler:
             if reason is not None:
                 self._finish(r, reason)
                 finished.append(r)
+        if sampled and self._join_ready and token_ids is None and accepted is None:
+            self.lazy.join_ready(self.running, end)  # prefills that sampled: they decode next
         self.num_steps += k
         return finished
 

@@ -79,11 +79,11 @@ def _run(seed: int, fast: bool, stop_at: int | None = None) -> tuple[list, list,
 @pytest.mark.parametrize("seed", range(32))
 def test_fast_path_matches_the_general_path(seed, monkeypatch):
     calls = []
-    fast_advance = scheduler_module.advance_decoded
-    monkeypatch.setattr(scheduler_module, "advance_decoded",
-                        lambda *a: calls.append(1) or fast_advance(*a))
+    fast = Scheduler._advance_simulated
+    monkeypatch.setattr(Scheduler, "_advance_simulated",
+                        lambda *a: calls.append(fast(*a)) or calls[-1])
     assert _run(seed, fast=True) == _run(seed, fast=False)
-    assert calls  # the fast path ran
+    assert any(calls)  # the fast path ran
 
 
 @pytest.mark.parametrize("seed", range(32))
@@ -95,12 +95,20 @@ def test_lazy_rows_settle_to_the_general_paths_counters(seed):
 
 
 def test_lazy_rows_carry_the_decoding_rows(monkeypatch):
-    """Padded, without drafts: a row is advanced row by row once (its first decode step), then
-    lazily; the plans' positions and the finishes stay the general path's."""
-    eager_rows = []
-    fast_advance = scheduler_module.advance_decoded
+    """Padded, without drafts: a row joins the lazy rows when its prefill ends, before its first
+    decode step (LazyRows.join_ready), and is never advanced row by row; the plans' positions and
+    the finishes stay the general path's."""
+    eager_rows, fresh = [], []
+    fast_advance, join_ready = scheduler_module.advance_decoded, LazyRows.join_ready
     monkeypatch.setattr(scheduler_module, "advance_decoded",
                         lambda rows, *a: eager_rows.append(len(rows)) or fast_advance(rows, *a))
+
+    def counted(lazy: LazyRows, *args) -> None:
+        before = len(lazy.rows)
+        join_ready(lazy, *args)
+        fresh.append(len(lazy.rows) - before)
+
+    monkeypatch.setattr(LazyRows, "join_ready", counted)
     sched, ex = Scheduler(config(max_num_seqs=8)), FakeExecutor(step_s=1.0)
     requests = [make_request(rid, 10 + rid, 40 + 3 * rid) for rid in range(8)]
     for r in requests:
@@ -110,7 +118,7 @@ def test_lazy_rows_carry_the_decoding_rows(monkeypatch):
         plan = sched.schedule()
         sched.update_from_output(plan, ex.execute(plan)._replace(token_ids=None))
         plans += 1
-    assert plans > 40 and sum(eager_rows) == 8
+    assert plans > 40 and sum(eager_rows) == 0 and sum(fresh) == 8
     assert [r.num_output_tokens for r in requests] == [40 + 3 * rid for rid in range(8)]
     assert [r.token_runs for r in requests] == [[[0, 40 + 3 * rid]] for rid in range(8)]
 
@@ -138,6 +146,31 @@ def test_positions_are_the_tuple_they_stand_for():
     assert (p[0], p[1], p[2], p[-1], p[0:2], len(p), max(p), p.pooled) == (8, 10, 9, 9, (8, 10),
                                                                               3, 10, 2)
     assert type(pickle.loads(pickle.dumps(p))) is tuple and repr(p) == "(8, 10, 9)"
+
+
+def test_a_row_that_joins_when_its_prefill_ends_is_not_pooled_till_it_decodes():
+    """A row joins the lazy rows once its prefill sampled its first token (join_ready), before
+    it decodes: a plan's Positions counts it after the pooled rows (the simulated executor
+    joins it to its pool), at its Request's position; the step that decodes every row pools it.
+    A row whose last token came earlier, or that is still prefilling, does not join."""
+    from batchsim.scheduler.request import RUNNING
+
+    lazy, rows = LazyRows(), [make_request(rid, 8, 50) for rid in range(4)]
+    for r, computed in zip(rows, (5, 7, 8, 8)):
+        r.num_computed_tokens, r.status = computed, RUNNING
+    lazy.add(rows[0])
+    lazy.add(rows[1])
+    assert lazy.advance(3) == []
+    rows[2].num_output_tokens, rows[2].token_runs = 1, [[4, 5]]  # its prefill sampled at step 4
+    rows[3].num_output_tokens, rows[3].token_runs = 1, [[2, 3]]  # not in the step ending at 5
+    lazy.join_ready(rows, 5)
+    ids, p = lazy.columns(rows[:3])
+    assert (lazy.fresh, ids, p, p.pooled, p.tail) == (1, (0, 1, 2), (8, 10, 8), 2, (8,))
+    assert lazy.advance(1) == []
+    ids, p = lazy.columns(rows[:3])
+    assert (lazy.fresh, ids, p, p.pooled, p.tail) == (0, (0, 1, 2), (9, 11, 9), 3, ())
+    lazy.join_ready(rows, 6)  # rows[3]'s last token ended at step 3
+    assert len(lazy.rows) == 3
 
 
 def test_the_simulated_executor_joins_rows_without_making_positions_whole(monkeypatch, tmp_path):
@@ -169,8 +202,9 @@ def test_the_simulated_executor_joins_rows_without_making_positions_whole(monkey
 
 
 def test_the_pool_members_a_plan_shares_with_the_lazy_rows_survive_them():
-    """A plan in which no row joins hands the lazy rows' id set itself to the KV manager as its
-    pool members (decode_plan, no copy; a plan where rows join hands it a new set): an abort
+    """A decode plan hands the lazy rows' id set itself to the KV manager as its pool members
+    (decode_plan, no copy; rows that join the lazy rows make a new set first, or their plan
+    hands the manager one: LazyRows.join_ready, absorb): an abort
     between steps (settling the lazy rows) must leave the rows still running held, and every
     finished or aborted row is freed by the next plan (in its free_ids, no KV held after it),
     on plans of either kind. The account is checked after every step."""
@@ -187,8 +221,8 @@ def test_the_pool_members_a_plan_shares_with_the_lazy_rows_survive_them():
         assert not any(sched.kv.holds(rid) for rid in releasing)  # freed by its release step
         if sched.kv.pool_members is sched.lazy.id_set:
             shared += 1
-        elif sched.lazy.rows and len(plan.decode_ids) > len(sched.lazy.rows):
-            joined += 1  # rows join: the members are a new set, finished rows in it till freed
+        if sched.lazy.fresh:  # rows joined when their prefill ended: the members a new set,
+            joined += 1  # finished rows in it till freed
         done = sched.update_from_output(plan, ex.execute(plan)._replace(token_ids=None))
         releasing = {r.request_id for r in done}
         if gone is None and sched.kv.pool_members is sched.lazy.id_set and sched.running[1:]:

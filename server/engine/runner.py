@@ -225,6 +225,8 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
         stream = RecordStream(run_dir, on_error=lambda exc: interrupts.stop(str(exc)),
                               writer_process=True)  # encoded and written on another core
     with long_lived_heap():  # the workload's requests too (18,000: 26 collections went over)
+        if stream is not None and session.executor.caps.virtual_time:
+            stream.start_writer()  # a simulated run: its import overlaps the run's set-up, loop
         run = _Run(session, spec, on_step, stream, interrupts)
         wall0 = time.perf_counter()
         interrupts.abandon = functools.partial(_abandon, run, run_dir, wall0)

@@ -151,6 +151,11 @@ class WriterProcess:
         lines = self._stderr.read().decode(errors="replace").strip().splitlines()
         return f"exited {code}: {(lines or ['no message'])[-1][:200]}"
 
+    def end_unused(self) -> None:
+        """Killed before it was sent anything (the run writes its files): gone at once."""
+        self._child.kill()
+        self.finish()
+
     def finish(self, wait_s: float | None = None) -> None:
         """No more records: wait for the child's last answer (at most `wait_s`, by default
         close_wait_s(); then it is killed). A child that ended without answering sets `error`."""

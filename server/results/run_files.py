@@ -60,8 +60,8 @@ class RecordStream(RecordWriter):
     (no fsync: a killed process's writes survive; a crashed kernel's need not). The first failed
     write (any OSError: ENOSPC, EFBIG, EIO) cuts its file back to the last whole record, sets
     `error`, calls `on_error` (the run stops), and the stream writes nothing more.
-    `writer_process`: from the first flush the period makes due, a writer process
-    (record_process.py) encodes and writes them on another core, each flush sending it the batch;
+    `writer_process`: from the first flush the period makes due, a writer process (started
+    then or by start_writer) encodes and writes them on another core, each flush sending it one;
     its failed write, or its end without a last answer (killed), reaches `error` and `on_error`
     at the next flush or at close (a flush period or more late: the run goes on meanwhile); close
     waits for its last answer, and writes here the batches a killed one did not write. A killed
@@ -80,6 +80,7 @@ class RecordStream(RecordWriter):
         super().__init__(run_dir, files)
         self._on_error = on_error
         self._child: WriterProcess | None = None
+        self._child_due = False  # a due flush came: the writer process (if any) is sent records
         # The files a writer process is to write (None: not wanted, or started): it starts at the
         # first flush that falls due, so a run that ends before one never waits for it to start.
         self._for_child = dict(files) if writer_process else None
@@ -135,13 +136,21 @@ class RecordStream(RecordWriter):
         return max(0.0, self._due_s - time.monotonic())
 
     def _flush_due(self) -> None:
-        """A flush the period made due: the first starts the writer process, if one is wanted,
-        nothing was written yet, and the files are still the ones opened (not replaced)."""
+        """A flush the period made due: from the first, the writer process (started now if not
+        yet, and if start_writer could) is sent each flush's records."""
+        self.start_writer()
+        self._child_due = True
+        self.flush()
+
+    def start_writer(self) -> None:
+        """The writer process started now (at the first due flush, or sooner: a simulated run's
+        start, its import on another core while the loop runs), if one is wanted, nothing was
+        written yet, and the files are still the ones opened (not replaced). Until a due flush,
+        a flush (the run ended sooner: never waited for) ends it unused and writes here."""
         with self._lock:  # not while a watchdog's thread flushes
             files, self._for_child = self._for_child, None
             if files is not None and files == self._files and not self._files[STEPS].closed:
                 self._child = _started(self.run_dir, files)
-        self.flush()
 
     def flush(self) -> None:
         main = threading.current_thread() is threading.main_thread()
@@ -176,6 +185,9 @@ class RecordStream(RecordWriter):
                 self._due_s = oldest_s + FLUSH_EVERY_S
         requests, self._requests = self._requests, []
         rows = step_rows_of(steps)
+        if self._child is not None and not self._child_due:  # started early, not yet due
+            self._child, unused = None, self._child
+            unused.end_unused()
         if self._child is not None:
             self._send(rows, requests)
         else:

@@ -1,0 +1,71 @@
+"""A simulated run's records writer started at the run's start (RecordStream.start_writer), not at
+its first due flush: its import overlaps the loop, the first due flush sends it the records, and
+a run that ends before that flush never waits for it (it is killed unused; written here)."""
+
+from __future__ import annotations
+
+import time
+
+from batchsim.server.engine.runner import run_workload
+from batchsim.server.engine.session import open_session
+from batchsim.server.results import record_process, run_files
+
+from tests.sim_records import request_record, sim_config, step_record, the_files
+
+SLOW_START = "import time; time.sleep(30); "  # a writer process that takes long to start
+
+
+def _started(monkeypatch) -> list:
+    started, start = [], run_files._started
+
+    def counted(run_dir, files):
+        started.append(start(run_dir, files))
+        return started[-1]
+
+    monkeypatch.setattr(run_files, "_started", counted)
+    return started
+
+
+def _add(stream: run_files.RecordStream, i: int) -> None:
+    stream.add_request(request_record(i, float(i), float(i)))
+    stream.add_step(step_record(i, float(i), 1, 0))
+
+
+def test_a_simulated_run_starts_its_writer_before_its_first_due_flush(tmp_path, monkeypatch):
+    """sim_config(n=30) runs in well under FLUSH_EVERY_S: no due flush, yet a writer started
+    (and, never sent a record, ended: the records are written here, as a stream's without one)."""
+    started = _started(monkeypatch)
+    session = open_session(sim_config(n=30))
+    out = run_workload(session, session.config.workload, out_dir=tmp_path, label="t")
+    assert len(started) == 1 and started[0]._child.poll() is not None
+    assert out.summary["completed"] == 30 and out.records_error is None
+    assert the_files(out.run_dir)[1].count(b"\n") == 30
+
+
+def test_the_early_writer_is_the_one_the_first_due_flush_sends_to(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 60.0)
+    started = _started(monkeypatch)
+    stream = run_files.RecordStream(tmp_path, writer_process=True)
+    stream.start_writer()
+    _add(stream, 0)
+    stream._due_s = 0.0  # the period over: the next step's flush is due
+    _add(stream, 1)
+    assert len(started) == 1 and stream._child is started[0]
+    stream.close([request_record(i, float(i), float(i)) for i in range(2)])
+    assert started[0]._child.returncode == 0  # it wrote them and exited
+    assert [f.count(b"\n") for f in the_files(tmp_path)] == [2, 2]
+
+
+def test_a_run_that_ends_before_its_first_due_flush_never_waits_for_the_early_writer(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 60.0)
+    monkeypatch.setattr(record_process, "_START_CHILD", SLOW_START + record_process._START_CHILD)
+    started = _started(monkeypatch)
+    stream = run_files.RecordStream(tmp_path, writer_process=True)
+    stream.start_writer()
+    _add(stream, 0)
+    t0 = time.monotonic()
+    stream.close([request_record(0, 0.0, 0.0)])
+    assert time.monotonic() - t0 < 5.0  # not the writer's 30 s start
+    assert started[0]._child.returncode is not None and stream.error is None
+    assert [f.count(b"\n") for f in the_files(tmp_path)] == [1, 1]

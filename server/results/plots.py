@@ -28,12 +28,15 @@ def figure(**kwargs):
     return Figure(**kwargs)
 
 
-def save_figure(fig, path: Path, dpi: int = 110, tight: bool = True, fast: bool = False) -> Path:
+def save_figure(fig, path: Path, dpi: int = 110, tight: bool = True, fast: bool = False,
+                make_dir: bool = True) -> Path:
     """`tight`: fit the margins to the labels (costs a draw); else the figure's own margins.
-    `fast`: light PNG compression (line plots still compress well)."""
+    `fast`: light PNG compression (line plots still compress well). `make_dir`: make the
+    directory if missing (else its absence is an OSError: a run directory removed mid-run)."""
     if tight:
         fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if make_dir:
+        path.parent.mkdir(parents=True, exist_ok=True)
     image = io.BytesIO()  # whole or not at all: a full disk or a kill left a torn PNG
     fig.savefig(image, format=path.suffix[1:] or None, dpi=dpi,
                 **({"pil_kwargs": {"compress_level": 1}} if fast else {}))

@@ -42,9 +42,9 @@ GRID_ALPHA = 0.3  # every axis's gridlines, twins included
 
 def draw_panels(path: Path, panels: Panels, canvas: tuple | None = None) -> Path:
     """Write the run's timeline PNG at `path` (four panels sharing the time axis), on `canvas`
-    if one was made for it."""
+    if one was made for it. The run directory is not made again: removed, it stays so."""
     return save_figure(_figure(panels, canvas), path, dpi=DPI, tight=False,
-                       fast=panels.series is not None)
+                       fast=panels.series is not None, make_dir=False)
 
 
 def _canvas(ahead: bool = False, grid: bool = True) -> tuple:

@@ -50,10 +50,11 @@ def admissions(kv: KVManager, cfg: SchedulerConfig, waiting: deque[Request], row
             return None
         left = budget_bytes - private_bytes  # StepBudget.chunk from 0, fit, geometry
         pool_bytes = kv.pool_bytes if geom is kv.pool else cache.pool_bytes(geom)
-        n, tighter, growth_bytes = chunk_fit(kv, r.request_id, 0, tokens, step, tokens_left,
-                                     left - pool_bytes,
-                                     lambda need, left=left: kv.geometry_for(rows, width,
-                                                                             left - need))
+        # nothing computed: no private cache held before (StepBudget.add_chunk's cache.private)
+        n, tighter, growth_bytes = chunk_fit(cache, 0, 0, tokens, step, tokens_left,
+                                             left - pool_bytes,
+                                             lambda need, left=left: kv.geometry_for(rows, width,
+                                                                                     left - need))
         if tighter is not None:
             geom = tighter
         if n <= 0:

@@ -138,13 +138,6 @@ class KVManager:
                                               self.max_rows, max_bytes, self.cache)
         return geom
 
-    def private_bytes_after(self, request_id: int, chunk_start: int, computed_tokens: int) -> int:
-        """Extra bytes a private cache needs after a chunk [chunk_start, computed_tokens)
-        (negative: a sliding window's cache shrinks)."""
-        old = self.private.get(request_id)
-        new = self.cache.private_bytes(chunk_start, computed_tokens)
-        return new - old.kv_bytes if old is not None else new
-
     def commit(
         self,
         pool: PoolGeometry,

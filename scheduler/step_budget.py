@@ -134,9 +134,10 @@ class StepBudget:
         """The largest prefill chunk toward `gap` tokens that fits this step's tokens and memory
         (dropping the pool's spare rows and capacity first, then whole KV steps of the chunk)."""
         free_bytes = self.budget_bytes - self.cache.pool_bytes(self.geom) - self.private_bytes
-        n, tighter, _ = chunk_fit(self.kv, request.request_id, request.num_computed_tokens, gap,
-                               self.prefill_step_size, self.tokens_left, free_bytes,
-                               self.geometry)
+        held = self.kv.private.get(request.request_id)
+        n, tighter, _ = chunk_fit(self.cache, held.kv_bytes if held is not None else 0,
+                                  request.num_computed_tokens, gap, self.prefill_step_size,
+                                  self.tokens_left, free_bytes, self.geometry)
         if tighter is not None:
             self.geom = tighter
         return n

@@ -157,9 +157,11 @@ def test_a_writer_killed_mid_run_stops_the_run_with_one_line_and_loses_no_record
         run.kill()
         run.wait(GUARD_S)
     assert run.returncode == 1 and "Traceback" not in err, err[-3000:]
-    assert "the records' writer process was killed (SIGKILL) (the run stopped" in (
-        err.strip().splitlines()[-1])
     (run_dir,) = tmp_path.iterdir()
+    assert err.strip().splitlines()[-1] == (  # what happened, and what is kept: nothing lost
+        "batchsim run: the records' writer process was killed (SIGKILL) mid-run (the run stopped; "
+        f"every record until then is in {run_dir}, the writer's unwritten ones written by the "
+        "run)")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["interrupted"] and summary["num_unfinished"] > 0  # stopped early
     lines = [(run_dir / n).read_bytes() for n in (run_files.STEPS, run_files.REQUESTS)]

@@ -65,7 +65,8 @@ def write_summary_noting_failures(run_dir: Path | None, summary: dict[str, Any],
             problems.append(str(exc))
     if not problems:
         return None
-    kept = ("the records written before are kept" if run_dir is None or run_dir.is_dir() else
+    kept = (getattr(error, "kept", run_files.WriteFailed.kept)
+            if run_dir is None or run_dir.is_dir() else
             "its directory was removed: its records are gone")
     return f"{'; '.join(problems)} (the run stopped; {kept})"
 

@@ -22,7 +22,10 @@ Entry = tuple[RequestRecord, "Sequence[Sequence[int]] | None"]
 
 
 class WriteFailed(OSError):
-    """A run's file could not be written (a full disk, a file size limit): one line saying which."""
+    """A run's file could not be written (a full disk, a file size limit): one line saying which.
+    `kept`: what the run's last line says of its records after it."""
+
+    kept = "the records written before are kept"
 
     def __init__(self, path: Path, exc: OSError):
         super().__init__(exc.errno, f"cannot write {path}: {exc.strerror or exc}")

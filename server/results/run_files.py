@@ -31,6 +31,7 @@ from batchsim.server.results.record_writer import (
     Entry,
     RecordWriter,
     WriteFailed,
+    _write_failed,
 )
 from batchsim.server.results.records import RequestRecord, StepRecord
 
@@ -241,6 +242,10 @@ class RecordStream(RecordWriter):
             logging.getLogger("batchsim").warning(
                 "%s: %s; its last %d batches were written by the run", self.run_dir,
                 child.how_ended, len(child.unwritten))
+        elif self.error is None:  # stopped, and nothing lost: say what happened, what is kept
+            stopped = _write_failed(stopped.errno, f"{child.how_ended} mid-run")
+            stopped.kept = (f"every record until then is in {self.run_dir}, the writer's "
+                            "unwritten ones written by the run")
         self.error = stopped or self.error
 
     def _stop_holding(self) -> None:

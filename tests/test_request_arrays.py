@@ -142,6 +142,10 @@ def test_run_tokens_are_the_records_times_and_sorted_counts():
         ends = sorted(rng.choice([1.0, 2.5, rng.random() * 100]) for _ in range(rng.randint(1, 30)))
         if trial % 7 == 1:
             ends.reverse()
+        if trial % 5 == 3 and len(ends) > 1:  # the last step an ulp before the one before it
+            ends[-1] = math.nextafter(ends[-2], -math.inf)
+        if trial % 13 == 4:  # a clock at -0.0 (np.sort's, with 0.0) or below zero
+            ends[rng.randrange(len(ends))] = rng.choice([-0.0, 0.0, -1.0])
         ran, records = _runs_and_records(rng, ends, rng.randint(1, 12))
         if trial % 11 == 2:
             ran[0].token_runs.append([len(ends), len(ends) + 2])  # nothing recorded there
@@ -161,3 +165,17 @@ def test_run_tokens_are_the_records_times_and_sorted_counts():
         if done:  # the summary from them is the one from the records
             assert summarize(records, [], duration_s=9.0, token_times_s=(times, owner, ranked)) \
                 == summarize(records, [], duration_s=9.0)
+
+
+def test_a_clock_that_goes_back_is_counted_per_step_not_per_token():
+    """The simulated hour's last step ends an ulp before the one before it: its token times'
+    sorted_counts are still counted per step (the steps sorted), not by sorting every token
+    time (a million: 30 ms of the hour's summary), and are np.sort's."""
+    ends = [0.5 * i for i in range(1, 60)]
+    ends[-1] = math.nextafter(ends[-2], -math.inf)
+    ran, records = _runs_and_records(random.Random(5), ends, 40)
+    tokens = request_arrays.RunTokens(ends, ran, records)
+    counts = tokens.counts()
+    assert tokens._times is None  # nothing gathered token by token
+    want = request_arrays.sorted_counts(np.sort(request_arrays.token_times(records)[0]))
+    assert all(a.tobytes() == b.tobytes() and a.dtype == b.dtype for a, b in zip(counts, want))

@@ -25,9 +25,11 @@ class RunTokens:
     """A run's token times from where they came: the token_runs of each of `ran` (Requests, in
     `requests`' order), [first, end) ranges of steps whose end times are `step_end_s` (a
     recorder's: a record's token_times_s is step_end_s[first:end] run after run). Gathered by
-    index, not float by float from the records, and counted per step, not sorted, where
-    step_end_s never decreases (a run's clock; else np.sort). A run reaching outside step_end_s:
-    from `requests`' token_times_s, and np.sort."""
+    index, not float by float from the records, and counted per step, not sorted token by token:
+    where step_end_s goes back (the simulated hour's last step ends an ulp before the one
+    before it), its 36,000 steps are sorted, not its million tokens. A run reaching outside
+    step_end_s, or a step ending at NaN or below zero: from `requests`' token_times_s, and
+    np.sort."""
 
     def __init__(self, step_end_s: Sequence[float], ran: Iterable[Any], requests: Sequence[Any]
                  ) -> None:
@@ -41,28 +43,34 @@ class RunTokens:
         self._inside = not ((self._first < 0) | (self._end < self._first)
                             | (self._end > len(self._ends_s))).any()
         ends = self._ends_s
-        self._clocked = self._inside and bool((ends[1:] >= ends[:-1]).all())  # NaN fails it
+        # Per step, the same floats and counts as np.sort's (NaN: one a token; -0.0: np.sort's)
+        self._per_step = self._inside and not (np.isnan(ends) | np.signbit(ends)).any()
+        self._clocked = self._per_step and bool((ends[1:] >= ends[:-1]).all())
         self._times: tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]] | None = None
         self._counts: tuple[np.ndarray, np.ndarray] | None = None
 
     def counts(self) -> tuple[np.ndarray, np.ndarray]:
         """sorted_counts of every token time: a run's clock adds up its runs per step (36,000
         steps), not its million tokens. Made once (the picture's panels, then times())."""
-        if not self._clocked:
+        if not self._per_step:
             return self.times()[2]
         if self._counts is None:
             n = len(self._ends_s) + 1
             per_step = np.cumsum(np.bincount(self._first, minlength=n)
                                  - np.bincount(self._end, minlength=n))[:-1]
             held = np.flatnonzero(per_step)
-            self._counts = sorted_counts(self._ends_s[held], per_step[held])
+            ends_s, counts = self._ends_s[held], per_step[held]
+            if not self._clocked:  # a clock that went back: its steps in order of their ends
+                order = np.argsort(ends_s, kind="stable")
+                ends_s, counts = ends_s[order], counts[order]
+            self._counts = sorted_counts(ends_s, counts)
         return self._counts
 
     def times(self) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
         """token_times(requests)'s two arrays, and counts()."""
         if self._times is None:
             times, owner = self._gathered() if self._inside else token_times(self._requests)
-            ranked = self.counts() if self._clocked else sorted_counts(np.sort(times))
+            ranked = self.counts() if self._per_step else sorted_counts(np.sort(times))
             self._times = (times, owner, ranked)
         return self._times
 

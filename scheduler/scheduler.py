@@ -285,7 +285,9 @@ class Scheduler:
     # -- results -------------------------------------------------------------------------------
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Advance counters by what ran; return the requests that finished."""
-        k = len(result.step_durations_s)
+        # unpacked once (a named tuple's field read is an unspecialized attribute load)
+        _, sampled, token_ids, durations, _, accepted, _ = result
+        k = len(durations)
         if k != 1 and (k > plan.num_steps or plan.prefills):
             raise ValueError(f"executor ran {k} steps of a plan allowing {plan.num_steps}")
         requests, running = self.requests, RUNNING
@@ -298,11 +300,10 @@ class Scheduler:
         finished: list[Request] = []
         step = self.num_steps
         end = step + k
-        token_ids, accepted = result.token_ids, result.accepted_ids
         self.cut_drafts = {}
         self.dropped_rows = ()
-        sampled = result.sampled_ids
-        first = self._advance_simulated(plan, result, step, k, finished)
+        first = (self._advance_simulated(plan, sampled, step, k, finished)
+                 if token_ids is None and accepted is None and plan is self._planned else 0)
         if first:  # simulated decode rows: counters only (advance.py, lazy_rows.py)
             sampled = sampled[first:]
         else:  # the general path reads and writes every row's counters
@@ -346,16 +347,13 @@ class Scheduler:
         self.num_steps += k
         return finished
 
-    def _advance_simulated(self, plan: StepPlan, result: StepResult, step: int, k: int,
+    def _advance_simulated(self, plan: StepPlan, sampled: tuple[int, ...], step: int, k: int,
                            finished: list[Request]) -> int:
-        """A simulated plan's decode rows, when its result has no token ids and sampled them first
-        as planned, decoded k steps from `step`: the lazy ones by one count, the rest row by row
-        (then joining the lazy ones where they can). How many rows (0: none, or the general
-        path's to advance)."""
-        if (plan is not self._planned or result.token_ids is not None
-                or result.accepted_ids is not None):
-            return 0
-        ids, sampled, rows = plan.decode_ids, result.sampled_ids, self._planned_rows
+        """The last plan made (`plan`)'s decode rows, when its result has no token ids nor drafts
+        (the caller asks) and sampled them first (`sampled`) as planned, decoded k steps from
+        `step`: the lazy ones by one count, the rest row by row (then joining the lazy ones where
+        they can). How many rows (0: none, or the general path's to advance)."""
+        ids, rows = plan.decode_ids, self._planned_rows
         if not rows or (sampled is not ids and sampled[:len(ids)] != ids):
             return 0
         n = len(self.lazy.rows)

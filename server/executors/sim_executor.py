@@ -57,8 +57,8 @@ class SimExecutor:
         self._joined: tuple[int, ...] = ()  # the last plan's decode_ids (execute)
 
     def execute(self, plan: StepPlan, max_elapsed_s: float = float("inf")) -> StepResult:
-        (step_index, free_ids, new_requests, prefills, decode_ids, positions, pool, _, _, spec,
-         ops, _) = plan  # unpacked once: this runs every plan
+        (step_index, free_ids, new_requests, prefills, decode_ids, positions, pool, _, steps,
+         spec, ops, width) = plan  # unpacked once: this runs every plan
         layout = self.layout
         t = self.overhead_s
         if free_ids:
@@ -95,7 +95,8 @@ class SimExecutor:
             return self._verify(plan, t, sampled)
         durations = [t]
         if decode_ids:
-            self._decode(plan, durations, max_elapsed_s)
+            self._decode(len(decode_ids), width or max(positions) + 1, steps, durations,
+                         max_elapsed_s)
         return made(StepResult, (step_index, sampled, None, tuple(durations), self.kv_bytes(),
                                  None, None))
 
@@ -151,14 +152,15 @@ class SimExecutor:
         chunks = {c.request_id for c in plan.prefills}
         return self.cost.copy_s(sum([rid in chunks for rid, _, _ in ops.store]) * self.block_bytes)
 
-    def _decode(self, plan: StepPlan, durations: list[float], max_elapsed_s: float) -> None:
-        """The plan's decode steps, each reading one more token: the first is added to this step's
-        other work, the rest follow until one would start after an arrival (then: replan)."""
-        rows, width = len(plan.decode_ids), plan.decode_width or max(plan.decode_positions) + 1
+    def _decode(self, rows: int, width: int, num_steps: int, durations: list[float],
+                max_elapsed_s: float) -> None:
+        """A plan's decode steps (`rows` rows `width` tokens wide in the first, up to `num_steps`),
+        each reading one more token: the first is added to this step's other work, the rest
+        follow until one would start after an arrival (then: replan)."""
         if self.per_step_decode:  # windows and fixed states do not grow linearly with the width
             durations[0] += self._decode_forward_s(rows, width)
             elapsed, overhead_s = durations[0], self.overhead_s
-            for w in range(width + 1, width + plan.num_steps):
+            for w in range(width + 1, width + num_steps):
                 if elapsed >= max_elapsed_s:
                     break
                 d = overhead_s + self._decode_forward_s(rows, w)
@@ -171,7 +173,7 @@ class SimExecutor:
         base, per_width = parts
         durations[0] += base + per_width * width
         elapsed, base_s = durations[0], base + self.overhead_s
-        for w in range(width + 1, width + plan.num_steps):
+        for w in range(width + 1, width + num_steps):
             if elapsed >= max_elapsed_s:
                 break
             d = base_s + per_width * w

@@ -43,32 +43,36 @@ class RunRecorder:
         scheduler: Scheduler,
     ) -> None:
         self.step_end_s.extend(ends_s)
-        if result.kv_bytes != plan.kv_bytes:
+        # unpacked once (a named tuple's field read is an unspecialized attribute load): per plan
+        step_index, _, new_requests, prefills, decode_ids, _, pool, kv_bytes, _, _, _, _ = plan
+        _, _, _, durations, kv_bytes_measured, _, drafted = result
+        if kv_bytes_measured != kv_bytes:
             self.kv_account_mismatches += 1
-        if result.num_drafted is not None:
+        if drafted is not None:
             self.spec.add(result)
-        prefills = plan.prefills  # most plans have none or one chunk: their tokens without a list
+        # most plans have none or one chunk: their tokens without a list
         prefill_tokens = (prefills[0].num_tokens if len(prefills) == 1
                           else sum([c.num_tokens for c in prefills]) if prefills else 0)
         preempted = scheduler.num_preemptions - self._preemptions_seen
         self._preemptions_seen = scheduler.num_preemptions
+        rows, capacity_tokens, _ = pool
         step = StepRecord(  # positional, in field order: one is built per plan
-            plan.step_index,
+            step_index,
             start_s,
             ends_s[-1],
             len(ends_s),
-            len(plan.decode_ids),
+            len(decode_ids),
             prefill_tokens,
             len(prefills),
             len(scheduler.running),
             len(scheduler.waiting),
-            plan.kv_bytes,
-            result.kv_bytes,
-            plan.pool.rows,
-            plan.pool.capacity_tokens,
+            kv_bytes,
+            kv_bytes_measured,
+            rows,
+            capacity_tokens,
             preempted,
-            sum(result.step_durations_s),  # result.elapsed_s, without the property's frame
-            len(plan.new_requests),
+            sum(durations),  # result.elapsed_s, without the property's frame
+            len(new_requests),
         )
         self.steps.append(step)
         if self._stream is not None:

@@ -3,12 +3,15 @@ processes: what a hostile user or machine does to them mid-run, and what must ho
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.cli_calls import SIM
 from tests.sim_records import wait_until
@@ -61,3 +64,65 @@ def test_a_run_directory_removed_mid_run_is_not_made_again_nor_called_a_success(
     last = _one_line_error(run, err)
     assert "No such file or directory" in last and "its records are gone" in last, last
     assert not run_dir.exists()
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command's name: [state, parent's pid, ...] ([]: gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _gone(pid: int) -> bool:
+    return _stat(pid)[:1] in ([], ["Z"], ["X"])
+
+
+def _children(pid: int) -> dict[str, int]:
+    """`pid`'s writer and drawing children: {"record_process": pid, "timeline_draw": pid}."""
+    kids = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            command = (proc / "cmdline").read_bytes().decode(errors="replace")
+            for module in ("record_process", "timeline_draw"):
+                if f"results.{module}'" in command and _stat(int(proc.name))[1:2] == [str(pid)]:
+                    kids[module] = int(proc.name)
+    return kids
+
+
+def _children_started(pid: int, out: Path) -> dict[str, int] | None:
+    """`pid`'s two children once past their first lines (a child stopped before them cannot be
+    resumed): the writer has written records, the drawing child has loaded numpy."""
+    kids = _children(pid)
+    if len(kids) < 2 or not _recording(out):
+        return None
+    with contextlib.suppress(OSError):
+        if "numpy" in Path(f"/proc/{kids['timeline_draw']}/maps").read_text():
+            return kids
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG: Linux only")
+def test_children_stopped_when_the_run_is_killed_go_on_and_end(tmp_path, batchsim_home):
+    """SIGSTOP to both children, then SIGKILL to the run: each child is resumed (the kernel's
+    SIGCONT at its parent's death), reads its pipe to the end and exits, the writer having
+    written every record it was sent. Before, both stayed stopped for good."""
+    run = _run(tmp_path / "out", batchsim_home, "--num-prompts", "20000")
+    kids: dict[str, int] = {}
+    try:
+        kids = wait_until(lambda: _children_started(run.pid, tmp_path / "out"),
+                          "both children past their start", GUARD_S, run)
+        for pid in kids.values():
+            os.kill(pid, signal.SIGSTOP)
+        run.kill()
+        run.wait(GUARD_S)
+        wait_until(lambda: all(map(_gone, kids.values())), "the children's end", 30.0)
+    finally:
+        run.kill()
+        run.wait(GUARD_S)
+        for pid in kids.values():  # the test's own children's children: none left stopped
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    (run_dir,) = (tmp_path / "out").iterdir()
+    for name in ("steps.jsonl", "requests.jsonl"):
+        assert (run_dir / name).read_bytes().endswith(b"\n") or not (run_dir / name).stat().st_size

@@ -33,6 +33,7 @@ from batchsim.server.results.record_writer import (
     Entry,
     RecordWriter,
     WriteFailed,
+    writer_lost,
 )
 from batchsim.server.results.records import RequestRecord, field_names
 
@@ -136,7 +137,7 @@ class WriterProcess:
                 return
         self.lost = self.error is None  # before `error`: the run reads them in that order
         self.how_ended = f"the records' writer process {self._how_it_ended()}"
-        self.error = self.error or WriteFailed(self.run_dir, OSError(errno.EIO, self.how_ended))
+        self.error = self.error or writer_lost(self.run_dir, self.how_ended)
 
     def _how_it_ended(self) -> str:
         if self._late_s is not None:

@@ -6,6 +6,7 @@ RecordStream is one), or in a writer process that the stream sends its batches t
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +41,15 @@ class WriteFailed(OSError):
 def _write_failed(number: int | None, message: str) -> WriteFailed:
     error = WriteFailed.__new__(WriteFailed)
     OSError.__init__(error, number, message)
+    return error
+
+
+def writer_lost(run_dir: Path, how_ended: str) -> WriteFailed:
+    """A writer process that ended without its last answer: the run stops and writes the batches
+    it left itself (RecordStream._write_unwritten: a failed write there is the error instead)."""
+    error = _write_failed(errno.EIO, how_ended)
+    error.kept = (f"every record until then is in {run_dir}, the writer's unwritten ones "
+                  "written by the run")
     return error
 
 

@@ -31,7 +31,6 @@ from batchsim.server.results.record_writer import (
     Entry,
     RecordWriter,
     WriteFailed,
-    _write_failed,
 )
 from batchsim.server.results.records import RequestRecord, StepRecord
 
@@ -226,8 +225,8 @@ class RecordStream(RecordWriter):
     def _write_unwritten(self, child: WriterProcess) -> None:
         """A writer process that ended without its last answer (killed): each file cut back to
         what it answered as written (no torn line), and the batches it did not write written
-        here. Its end seen at a flush stopped the run: that error stays. Seen only now (the
-        run's loop went on to its end) and every batch written here: a warning, no error."""
+        here. Its end seen at a flush stopped the run: that error stays, unless a write here
+        fails. Seen only now (the loop went on to its end), every batch written: a warning."""
         self._written_ids, self._line_bytes = child.written_ids, child.line_bytes
         stopped, self.error = self.error, None
         for name, f in self._files.items():
@@ -242,11 +241,7 @@ class RecordStream(RecordWriter):
             logging.getLogger("batchsim").warning(
                 "%s: %s; its last %d batches were written by the run", self.run_dir,
                 child.how_ended, len(child.unwritten))
-        elif self.error is None:  # stopped, and nothing lost: say what happened, what is kept
-            stopped = _write_failed(stopped.errno, f"{child.how_ended} mid-run")
-            stopped.kept = (f"every record until then is in {self.run_dir}, the writer's "
-                            "unwritten ones written by the run")
-        self.error = stopped or self.error
+        self.error = self.error or stopped  # a failed write here: records before it are kept
 
     def _stop_holding(self) -> None:
         """The held records go with the next write, in completion order, and no more are held."""

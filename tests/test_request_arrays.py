@@ -161,10 +161,16 @@ def test_run_tokens_are_the_records_times_and_sorted_counts():
         end_s = max(ends) * rng.choice([0.5, 1.0])  # tokens past the last bin: left out alike
         for got, want in zip(output_rate(ranked, end_s), output_rate(want_times, end_s)):
             assert np.array_equal(got, want) and np.asarray(got).dtype == np.asarray(want).dtype
+        itls = request_arrays.RunTokens(ends, ran, records).itls()
+        want_itls = request_arrays.itls(want_times, want_owner)
+        assert itls.tobytes() == want_itls.tobytes() and itls.dtype == want_itls.dtype
         done = [r for r in records if r.status == "finished"]
         if done:  # the summary from them is the one from the records
+            want = summarize(records, [], duration_s=9.0)
             assert summarize(records, [], duration_s=9.0, token_times_s=(times, owner, ranked)) \
-                == summarize(records, [], duration_s=9.0)
+                == want
+            assert summarize(records, [], duration_s=9.0, run_tokens=request_arrays.RunTokens(
+                ends, ran, records)) == want
 
 
 def test_a_clock_that_goes_back_is_counted_per_step_not_per_token():
@@ -179,3 +185,20 @@ def test_a_clock_that_goes_back_is_counted_per_step_not_per_token():
     assert tokens._times is None  # nothing gathered token by token
     want = request_arrays.sorted_counts(np.sort(request_arrays.token_times(records)[0]))
     assert all(a.tobytes() == b.tobytes() and a.dtype == b.dtype for a, b in zip(counts, want))
+
+
+def test_a_finished_runs_summary_takes_its_itls_from_the_steps_not_the_token_times():
+    """Every request finished: the summary's ITLs are RunTokens.itls (the steps' end-to-end
+    gaps, and one across a request's runs), its counts RunTokens.counts: the million token
+    times and their owners are not gathered (20-30 ms of the simulated hour's summary), and the
+    summary is the records' own."""
+    rng = random.Random(8)
+    ends = sorted(rng.random() * 50 for _ in range(40))
+    ran, records = _runs_and_records(rng, ends, 30)
+    kept = [i for i, r in enumerate(records) if r.status == "finished"]
+    ran, records = [ran[i] for i in kept], [records[i] for i in kept]
+    assert any(len(r.token_runs) > 1 for r in ran)  # a gap across runs is among them
+    tokens = request_arrays.RunTokens(ends, ran, records)
+    assert summarize(records, [], duration_s=9.0, run_tokens=tokens) \
+        == summarize(records, [], duration_s=9.0)
+    assert tokens._times is None

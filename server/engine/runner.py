@@ -266,7 +266,7 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
         goodput_slo_ms=cfg.goodput, kv_budget_bytes=session.kv_budget_bytes,
         weight_bytes=session.weight_bytes, peak_memory_bytes=_peak_memory(session),
         peak_rss_bytes=peak_resident_bytes() if session.executor.caps.real_compute else None,
-        token_times_s=tokens.times(), step_columns=col,
+        run_tokens=tokens, step_columns=col,
         running_peak_kv_bytes=run.engine.scheduler.kv.peak_running_bytes)
     summary.update(_what_ran(run, wall))
     if cfg.spec_method != "none":

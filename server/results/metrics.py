@@ -206,21 +206,24 @@ def summarize(
     peak_memory_bytes: int | None = None,
     peak_rss_bytes: int | None = None,
     token_times_s: tuple[np.ndarray, ...] | None = None,
+    run_tokens: request_arrays.RunTokens | None = None,
     step_columns: dict[str, np.ndarray] | None = None,
     running_peak_kv_bytes: int | None = None,  # KVManager.peak_running_bytes (None: the steps')
 ) -> dict[str, Any]:
     """One run's summary. `duration_s` is the benchmark duration (vLLM: start until the last request
     ends); every throughput divides by it, and is 0 when it is 0. `request_goodput` is None unless
     SLOs are given, as in vLLM's JSON. `token_times_s`: request_arrays.token_times(requests) (times
-    in s, their requests' indices; and their sorted_counts: RunTokens.times'), `step_columns`:
-    request_arrays.step_columns(steps, ...) with its STEP_INTS at least, if the caller has them."""
+    in s, their requests' indices; and their sorted_counts: RunTokens.times'), or `run_tokens`
+    (the RunTokens of `requests`: every request finished, its counts and ITLs without the token
+    times), `step_columns`: request_arrays.step_columns(steps, ...) with its STEP_INTS at least,
+    if the caller has them."""
     slo = parse_goodput([f"{k}:{v}" for k, v in goodput_slo_ms.items()]) if goodput_slo_ms else None
     done = [r for r in requests if r.status == "finished"]
-    all_times, all_owner, *ranked = token_times_s or request_arrays.token_times(requests)
-    finished = np.array([r.status == "finished" for r in requests], dtype=bool)
-    mine = None if finished.all() or (m := finished[all_owner]).all() else m  # None: every token
-    times, owner = (all_times, all_owner) if mine is None else (all_times[mine], all_owner[mine])
-    every = ranked[0] if ranked else request_arrays.sorted_counts(np.sort(all_times))
+    if run_tokens is not None and len(done) == len(requests):
+        every, itl, mine = run_tokens.counts(), run_tokens.itls(), None
+    else:
+        every, itl, mine = _finished_tokens(requests, (run_tokens.times() if run_tokens else
+                                                       token_times_s))
     lat = request_arrays.latencies_s(done)  # queue: arrival to first scheduled
     statuses = collections.Counter(r.status for r in requests)
     total_in = sum(r.num_prompt_tokens for r in done)
@@ -237,11 +240,10 @@ def summarize(
         "goodput_slo_ms": slo,
         "output_throughput": _rate(total_out, duration_s),
         "total_token_throughput": _rate(total_in + total_out, duration_s),
-        **_peaks(lat["arrival"], lat["e2el"],
-                 every if mine is None else request_arrays.sorted_counts(np.sort(times))),
+        **_peaks(lat["arrival"], lat["e2el"], every if mine is None else mine),
     }
     latencies_s = {"ttft": lat["ttft"], "tpot": lat["tpot"],
-                   "itl": request_arrays.itls(times, owner),  # pooled over requests, as vLLM
+                   "itl": itl,  # pooled over requests, as vLLM
                    "e2el": lat["e2el"], "queue": lat["queue"]}
     for name, values in latencies_s.items():
         out.update(distribution(name, values, percentiles))  # type: ignore[arg-type]
@@ -252,6 +254,20 @@ def summarize(
                            peak_memory_bytes, step_columns, running_peak_kv_bytes))
     out["peak_rss_bytes"] = peak_rss_bytes  # the process's peak resident memory (real compute)
     return out
+
+
+def _finished_tokens(requests: Sequence[RequestRecord], token_times_s: tuple[np.ndarray, ...] | None
+                     ) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray,
+                                tuple[np.ndarray, np.ndarray] | None]:
+    """Every token time's sorted_counts, the finished requests' ITLs, and their token times'
+    sorted_counts (None: every token is a finished request's)."""
+    all_times, all_owner, *ranked = token_times_s or request_arrays.token_times(requests)
+    finished = np.array([r.status == "finished" for r in requests], dtype=bool)
+    mine = None if finished.all() or (m := finished[all_owner]).all() else m  # None: every token
+    times, owner = (all_times, all_owner) if mine is None else (all_times[mine], all_owner[mine])
+    every = ranked[0] if ranked else request_arrays.sorted_counts(np.sort(all_times))
+    return every, request_arrays.itls(times, owner), (
+        None if mine is None else request_arrays.sorted_counts(np.sort(times)))
 
 
 def output_tokens_sha256(output_ids: Mapping[int, Sequence[int]]) -> str:

@@ -74,6 +74,26 @@ class RunTokens:
             self._times = (times, owner, ranked)
         return self._times
 
+    def itls(self) -> np.ndarray:
+        """itls(*times()[:2]), the same floats in the same order, without the million token
+        times and their owners: within a run, the gaps between its steps' ends (np.diff of
+        step_end_s); between two runs of one request, its tokens' gap across them."""
+        if not self._inside:
+            return itls(*self.times()[:2])
+        kept = self._end > self._first  # a run without tokens has no gap
+        first, end = self._first[kept], self._end[kept]
+        owner = np.repeat(np.arange(len(self._per_request)), self._per_request)[kept]
+        joined = np.flatnonzero(owner[1:] == owner[:-1])  # runs i and i + 1: one request's
+        sizes = end - first - 1
+        sizes[joined] += 1  # and the gap to its next run, last
+        starts = np.cumsum(sizes) - sizes
+        at = np.arange(int(sizes.sum()))
+        at += np.repeat(first - starts, sizes)  # in place: a million-long array once
+        gaps = np.append(np.diff(self._ends_s), 0.0)[at]
+        last = starts[joined] + sizes[joined] - 1
+        gaps[last] = self._ends_s[first[joined + 1]] - self._ends_s[end[joined] - 1]
+        return gaps
+
     def _gathered(self) -> tuple[np.ndarray, np.ndarray]:
         lengths = self._end - self._first
         starts = np.cumsum(lengths) - lengths  # where each run's tokens begin among all tokens

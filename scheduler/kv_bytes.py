@@ -125,19 +125,8 @@ class CacheLayout:
     def alone_bytes(self, total_tokens: int) -> int:
         """The most one request of `total_tokens` may need with nothing else running: its pool row
         at full length, or its private cache after a last KV_STEP chunk (sliding layers hold the
-        chunk plus W - 1). A request over the budget here can never run. Asked per arrival:
-        remembered by length (at most the context's)."""
-        known = self._alone_bytes
-        b = known.get(total_tokens)
-        if b is None:
-            b = known[total_tokens] = self._alone_bytes_of(total_tokens)
-        return b
-
-    @functools.cached_property
-    def _alone_bytes(self) -> dict[int, int]:
-        return {}
-
-    def _alone_bytes_of(self, total_tokens: int) -> int:
+        chunk plus W - 1). A request over the budget here can never run. Not remembered here:
+        Scheduler.add_request remembers the totals that passed (asked once per total)."""
         capacity = -(-total_tokens // KV_STEP) * KV_STEP
         chunk = min(KV_STEP, total_tokens)
         return max(self.seq_bytes(capacity), self.private_bytes(total_tokens - chunk, total_tokens))

@@ -56,9 +56,25 @@ def _stop_signals_while_starting() -> dict[signal.Signals, object]:
 
 
 # The program itself only: this file run (`python -m batchsim.scripts.cli`, mlx.launch's ranks)
-# or the console script `batchsim`. A test, or a user's script (one named cli.py too), importing
-# this keeps its Ctrl-C and its collector.
-_PROGRAM = __name__ == "__main__" or Path(sys.argv[0]).name == "batchsim"
+# or the console script `batchsim`, or a copy of it under another name. A test, or a user's
+# script (one named cli.py too), importing this keeps its Ctrl-C and its collector.
+CONSOLE_SCRIPT_MAX_BYTES = 1024  # pip's and uv's: some 250 bytes that import main and exit by it
+
+
+def _a_console_script(path: str | None) -> bool:
+    """Whether `path` (the __main__ module's file) is a console script of main, whatever its
+    name: a few lines that import main and exit with what it returns."""
+    try:
+        with open(path or "", "rb") as f:
+            text = f.read(CONSOLE_SCRIPT_MAX_BYTES + 1)
+    except OSError:
+        return False
+    return (len(text) <= CONSOLE_SCRIPT_MAX_BYTES and b"sys.exit(main())" in text
+            and f"from {__name__} import main".encode() in text)
+
+
+_PROGRAM = (__name__ == "__main__" or Path(sys.argv[0]).name == "batchsim"
+            or _a_console_script(getattr(sys.modules.get("__main__"), "__file__", None)))
 _BEFORE_START = (_stop_signals_while_starting()
                  if _PROGRAM and threading.current_thread() is threading.main_thread() else {})
 

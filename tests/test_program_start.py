@@ -4,8 +4,13 @@ lives to the end), and turns it back on, over none of that, for the command's ow
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 PROBE = """
 import argparse, gc, json, sys
@@ -55,3 +60,30 @@ def test_a_users_script_named_cli_py_importing_the_cli_keeps_its_collector(tmp_p
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=120, check=False, cwd=tmp_path)
     assert done.stdout.split() == ["True", "0", "False", "True"], done.stderr
+
+
+def test_a_console_script_copied_under_another_name_is_the_program(tmp_path):
+    """The program was told by argv[0]'s name being `batchsim`: a copy of the console script
+    under another name (an alias, a second install's) loaded with the collector on and no
+    Ctrl-C answer while starting; the script's own text says it is the program."""
+    script = Path(sys.executable).parent / "batchsim"  # the console script pip installed
+    if not script.is_file():
+        pytest.skip("no batchsim console script beside this Python")
+    renamed = tmp_path / "bsim"
+    shutil.copy2(script, renamed)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(  # reports what the program's start decided
+        "import atexit, sys\n"
+        "cli = lambda: sys.modules['batchsim.scripts.cli']\n"
+        "atexit.register(lambda: print('program:', cli()._PROGRAM))\n")
+    for program in (script, renamed):
+        done = subprocess.run([str(program), "--help"], capture_output=True, text=True,
+                              timeout=120, check=False, env={**os.environ, "PYTHONPATH": str(hook)})
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines()[-1] == "program: True", program.name
+    lookalike = tmp_path / "mine.py"  # a user's script that only imports main: not the program
+    lookalike.write_text("import sys\nfrom batchsim.scripts.cli import main\nprint(main)\n")
+    done = subprocess.run([sys.executable, str(lookalike)], capture_output=True, text=True,
+                          timeout=120, check=False, env={**os.environ, "PYTHONPATH": str(hook)})
+    assert done.stdout.splitlines()[-1] == "program: False", done.stderr

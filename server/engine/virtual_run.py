@@ -58,7 +58,7 @@ class VirtualRun:
         """Until every request has left the engine (or a stop); the simulated duration."""
         engine = self.engine
         scheduler = engine.scheduler
-        # now_s read by a C callable (engine.now() runs at every arrival and finish): no frame
+        # now_s read by a C callable (engine.now() runs at every arrival): no frame
         engine.start_clock(functools.partial(getattr, self, "now_s"))
         try:
             self._loop(engine, scheduler)
@@ -94,11 +94,10 @@ class VirtualRun:
                 self.now_s = max(self.now_s, arrivals[self._next])  # each at its own time
                 self._fire()  # (the clock to the plan's end: here, without a frame)
             self.now_s = end_s
-            finished = finish_step(plan, result, start)
-            if finished:
-                engine.stamp_finished(finished)
-                for r in finished:
-                    self._on_finish(r)
+            for r in finish_step(plan, result, start):
+                if r.finished_s is None:  # engine.stamp_finished, without its frames (engine.now()
+                    r.finished_s = end_s  # is the clock less its start, 0.0: run's start_clock)
+                self._on_finish(r)
 
     def _wait(self) -> bool:
         """The engine is idle: the clock jumps to the next arrival as the virtual loop's does,

@@ -15,7 +15,8 @@ def bare_mac(label: str = "M4 Max 40c", quantize_bits: int | None = 4):
     ceilings unset (each test sets the one it checks)."""
     mac, _ = macs.load_catalog().variant(label)
     fit = dataclasses.replace(load_fit(), attention_row_us=0.0, kv_bandwidth_efficiency=0.0,
-                              token_layer_us=0.0, sampling_row_us=0.0, quantized_gemm_efficiency={})
+                              token_layer_us=0.0, sampling_row_us=0.0, quantized_gemm_efficiency={},
+                              top_p_slowdown=0.0)
     return mac_profile(mac, fit, quantize_bits)
 
 

@@ -217,6 +217,33 @@ def test_a_top_p_sampler_sorts_every_sampled_rows_vocabulary_batched_or_not():
         host_engine(top_p=0.0)
 
 
+def test_a_top_p_samplers_bytes_are_their_own_part_at_their_own_rate():
+    """MLX's merge sort is no streaming kernel (GpuFit.top_p_slowdown): the sampler's passes are
+    StepTime.top_p_s, their bytes at the peak bandwidth times the fit's slowdown (0: at the
+    elementwise rate, as before), and nothing else in the step moves."""
+    spec = zoo_spec("qwen3-0.6b")
+    plain = bare_mac("M5 Max 40c")
+    slowed = dataclasses.replace(plain, top_p_slowdown=4.0)
+    peak = plain.bandwidth_gbs * 1e9
+    row_bytes = spec.vocab_size * 172  # mlx-lm's passes over a row of 2-byte logits
+    cost = {(mac.top_p_slowdown, p): StepCost(spec, mac, "float16", 4,
+                                              engine=host_engine(top_p=p))
+            for mac in (plain, slowed) for p in (None, 0.95)}
+    for rows in (1, 32):
+        t = {k: c.decode_time(rows, 256) for k, c in cost.items()}
+        assert t[0.0, None].top_p_s == t[4.0, None].top_p_s == 0.0
+        assert t[0.0, 0.95].top_p_s == pytest.approx(rows * row_bytes / plain.bytes_per_s)
+        assert t[4.0, 0.95].top_p_s == pytest.approx(rows * row_bytes * 4.0 / peak)
+        for k in ((0.0, 0.95), (4.0, 0.95)):  # the rest of the step as without a sampler
+            assert t[k].total_s - t[k].top_p_s == pytest.approx(t[k[0], None].total_s)
+            assert cost[k].decode_forward_s(rows, 256) == pytest.approx(t[k].total_s)
+    chunk = cost[4.0, 0.95].prefill_time(128, 0, True)  # a chunk that samples: one row's
+    assert chunk.top_p_s == pytest.approx(row_bytes * 4.0 / peak)
+    assert cost[4.0, 0.95].prefill_time(128, 0, False).top_p_s == 0.0
+    assert cost[4.0, 0.95].prefill_forward_s(128, 0, True) == pytest.approx(chunk.total_s)
+    assert load_fit().top_p_slowdown >= 1.0  # fitted (published.fit's "top_p" column)
+
+
 def test_a_row_sampled_with_top_p_is_priced_with_its_harness_top_p():
     from batchsim.server.perf.reference import load_published
     from batchsim.server.published.sim import MacModel

@@ -86,6 +86,15 @@ class GpuFit:
     # Only M1 Ultra rows are batched among M1/M2 Ultras: with the M1 Ultra held out (leave one
     # chip out) its term has no rows, and those rows are over-predicted.
     ultra_gemv_row_slowdown: float = 0.0
+    # A top-p sampler's passes over a sampled row's logits (engines.top_p_bytes_per_logit: MLX's
+    # argsort, then gathers, a scan and a scatter) take this many times their bytes' time at the
+    # peak bandwidth, fitted in [1, 30] (published.solve); 0: priced as elementwise bytes. MLX's
+    # Metal sort is no streaming kernel: each merge pass stages its tiles in threadgroup memory and
+    # binary-searches merge partitions between barriers (mlx/backend/metal/kernels/sort.h,
+    # mb_block_merge, v0.32.0), and its own benchmark (ml-explore/mlx PR 1831) sorts a
+    # (1024, 1024) float32 array in 1.51 ms on an M2: 8.4 MB read and written, over 18x its time at
+    # the M2's 100 GB/s, and no M2 has less.
+    top_p_slowdown: float = 0.0
     # The fixed costs per layer and per forward pass are MLX encoding each kernel's dispatch on the
     # CPU while the GPU runs the last ones: they scale as (1 / Mac.cpu_speed) ** cpu_exponent, its
     # CPU generation's single-core score relative to the reference one (configs/macs.yaml
@@ -105,9 +114,9 @@ class GpuFit:
                              "efficiencies must be in [0, 1]")
         if min(self.attention_row_us, self.token_layer_us, self.sampling_row_us,
                self.ultra_layer_us, self.ultra_bandwidth_slowdown, self.ultra_moe_layer_us,
-               self.ultra_gemv_row_slowdown, self.cpu_exponent) < 0:
-            raise ValueError("attention_row_us, token_layer_us, sampling_row_us, the Ultra terms "
-                             "and cpu_exponent must be >= 0")
+               self.ultra_gemv_row_slowdown, self.cpu_exponent, self.top_p_slowdown) < 0:
+            raise ValueError("attention_row_us, token_layer_us, sampling_row_us, the Ultra terms, "
+                             "cpu_exponent and top_p_slowdown must be >= 0")
 
     def summary(self) -> str:
         eff = ", ".join(f"{f} {v:.2f}" for f, v in self.bandwidth_efficiency.items())
@@ -122,6 +131,7 @@ class GpuFit:
                  (self.token_layer_us, "{:.3f} us/token/layer"),
                  (self.sampling_row_us, "sampling {:.1f} us/row"),
                  (self.kv_bandwidth_efficiency, "K/V reads {:.2f}"),
+                 (self.top_p_slowdown, "top-p sampler bytes x{:.2f} peak time"),
                  (self.ultra_layer_us, "Ultra +{:.1f} us/layer"),
                  (self.ultra_moe_layer_us, "Ultra +{:.1f} us/MoE layer")]
         shown = [form.format(v) for v, form in terms if v]
@@ -189,6 +199,7 @@ def mac_profile(mac: Mac, fit: GpuFit, quantize_bits: int | None,
         fitted_on=f"{fit.fitted_on} ({fit.summary()})",
         attention_row_s=fit.attention_row_us * 1e-6, token_layer_s=fit.token_layer_us * 1e-6,
         sampling_row_s=fit.sampling_row_us * host * 1e-6, host_scale=host,
+        top_p_slowdown=fit.top_p_slowdown,
         kv_bandwidth_efficiency=fit.kv_bandwidth_efficiency,
         quantized_gemm_gflops={b: e * fp16_tflops * 1e3
                                for b, e in fit.quantized_gemm_efficiency.items()},

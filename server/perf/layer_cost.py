@@ -329,9 +329,13 @@ class LayerCost:
             width = (f.intermediate if f.kind == "dense"
                      else f.top_k * f.expert_intermediate + f.shared_intermediate)
             per_row += count * (6 * s.hidden_size + 3 * width + attn + f.experts)
-        logit_bytes = 4 + self.cost.engine.sampler_bytes_per_logit(s.vocab_size,
-                                                                   self.cost.act_dtype)
-        return m * per_row * self.cost.act_bytes + (m * s.vocab_size * logit_bytes if logits else 0)
+        return m * per_row * self.cost.act_bytes + (m * s.vocab_size * 4 + self.sampler_bytes(m)
+                                                    if logits else 0)
+
+    def sampler_bytes(self, m: int) -> float:
+        """What of elementwise_bytes(m, logits=True) is the engine's top-p sampler's passes."""
+        return m * self.spec.vocab_size * self.cost.engine.sampler_bytes_per_logit(
+            self.spec.vocab_size, self.cost.act_dtype)
 
     # -- whole passes: (weights_s, matmul_s, experts_s, attention_s, gemv_rows_s) --------------
     def decode(self, batch: int, width: int) -> tuple[float, float, float, float, float]:

@@ -160,7 +160,17 @@ class StepCost:
         return self.layers.elementwise_bytes(m, logits)
 
     def _elementwise_s(self, m: int, logits: bool) -> float:
-        return self.bytes_s(self.elementwise_bytes(m, logits))
+        """Elementwise bytes' seconds, the top-p sampler's passes apart (top_p_s)."""
+        top_p = self.layers.sampler_bytes(m) if logits else 0.0
+        return self.bytes_s(self.elementwise_bytes(m, logits) - top_p)
+
+    def top_p_s(self, m: int) -> float:
+        """The top-p sampler's passes over m rows' logits (StepTime.top_p_s): a calibrated
+        device's elementwise rate, else the profile's top-p rate."""
+        nbytes = self.layers.sampler_bytes(m)
+        if not nbytes or self.cal is not None:
+            return self.bytes_s(nbytes)
+        return nbytes / self.profile.top_p_bytes_per_s
 
     def weight_stream_s(self, k: int, n: int) -> float:
         """Seconds to stream one (k -> n) weight matrix from memory at the achievable bandwidth
@@ -256,7 +266,7 @@ class StepCost:
             return batch * base, batch * per_width
         base = (self.linear_layers_s(batch) + self.lm_head_s(batch)
                 + self._elementwise_s(batch, logits=True) + self._graphs_fixed_s(batch))
-        base += sum(self._row_parts(batch, batch, batch).values())
+        base += sum(self._row_parts(batch, batch, batch).values()) + self.top_p_s(batch)
         return base, (self.layers.per_width_s(batch) if self.layers.linear_in_width else 0.0)
 
     def _graphs_fixed_s(self, batch: int) -> float:
@@ -286,7 +296,8 @@ class StepCost:
         if sample:  # one row's lm head and logits (summed as before, for byte-identical runs)
             t += (self.lm_head_s(1) + self._elementwise_s(1, logits=True)
                   - self._elementwise_s(1, False))
-        return t + sum(self._row_parts(0, n, int(sample), int(sample)).values())
+        return (t + sum(self._row_parts(0, n, int(sample), int(sample)).values())
+                + (self.top_p_s(1) if sample else 0.0))
 
     def prefill_forward_s(self, n: int, start: int, sample: bool, rows: int = 1,
                           started: int | None = None) -> float:
@@ -321,7 +332,8 @@ class StepCost:
         weights_s, matmul_s, experts_s, attention_s, gemv_s = self.layers.decode(batch, width)
         return StepTime(weights_s, matmul_s, attention_s, self._elementwise_s(batch, logits=True),
                         self._graphs_fixed_s(batch), 0.0, experts_s=experts_s,
-                        gemv_rows_s=gemv_s, **self._row_parts(batch, batch, batch))
+                        gemv_rows_s=gemv_s, top_p_s=self.top_p_s(batch),
+                        **self._row_parts(batch, batch, batch))
 
     def prefill_time(self, n: int, start: int, sample: bool, rows: int = 1,
                      started: int | None = None) -> StepTime:
@@ -340,6 +352,7 @@ class StepCost:
                                 + (self._sampled_logits_s() if sample else 0.0))
         return StepTime(weights_s, matmul_s, attention_s, elementwise_s, self._fixed_s(), 0.0,
                         experts_s=experts_s, gemv_rows_s=gemv_s,
+                        top_p_s=rows * self.top_p_s(1) if sample else 0.0,
                         **self._row_parts(0, rows * n, *(rows if sample else 0,) * 2))
 
     def step_time(self, decode_rows: int = 0, width: int = 0, prefills: Iterable[Chunk] = (),

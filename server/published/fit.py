@@ -3,11 +3,12 @@
 prefill, each priced by simulating what its source ran (server.published.sim).
 
 A row's predicted seconds are StepCost's parts, each linear in one unknown: bytes at the peak
-bandwidth times 1 / efficiency (the weights' by format; decode K/V reads their own; routed experts'
-also over g, their fraction), FLOPs at the peak compute times 1 / efficiency (float, 4-bit, 8-bit
-matmuls), fixed time per layer and per forward pass, sampling per sampled row (only rows whose
-engine calls its sampler per row carry it: EngineProfile.sampler, a row's `sampler`), and each
-engine's host time per step and per generated token (and an attention loop's per-row dispatches).
+bandwidth times 1 / efficiency (the weights' by format; decode K/V reads their own; a top-p
+sampler's passes their own; routed experts' also over g, their fraction), FLOPs at the peak compute
+times 1 / efficiency (float, 4-bit, 8-bit matmuls), fixed time per layer and per forward pass,
+sampling per sampled row (only rows whose engine calls its sampler per row carry it:
+EngineProfile.sampler, a row's `sampler`), and each engine's host time per step and per generated
+token (and an attention loop's per-row dispatches).
 No per-row attention kernel cost on a catalog Mac: MLX's decode attention is one kernel over every
 row (attention_row_us stays 0; the one source that wanted it, mlx_lm_1540, calls its sampler once
 per row). For each g on a grid that is a least-squares problem on relative error (robust: Huber
@@ -43,7 +44,8 @@ from batchsim.server.published.sim import (
 )
 from batchsim.server.published.solve import TIMES, fit_at
 
-DEVICE = (*FORMATS, "kv", "c_float", "c_q8", "c_q4", "layer_s", "forward_s", "sampling_row_s",
+DEVICE = (*FORMATS, "kv", "top_p", "c_float", "c_q8", "c_q4", "layer_s", "forward_s",
+          "sampling_row_s",
           "ultra_layer_s", "ultra_bytes", "ultra_moe_layer_s", "c_qmv", *ULTRA_QMV_TERMS)
 ROUNDS = 3  # refits with the parts recomputed under the last fit
 # GpuFit.cpu_exponent's candidates (the least loss wins) and the columns it scales per row.
@@ -67,6 +69,7 @@ def _unit(model: MacModel, rows: Sequence[Any]) -> MacModel:
                               sampling_row_us=UNIT_US, ultra_layer_us=0.0,
                               ultra_bandwidth_slowdown=0.0, ultra_moe_layer_us=0.0,
                               quantized_gemv_row_efficiency=1.0, cpu_exponent=0.0,
+                              top_p_slowdown=1.0,
                               **dict.fromkeys(ULTRA_QMV_TERMS, 0.0))
     engines = {e: dataclasses.replace(model.engine(e), host_step_us=UNIT_US, host_token_us=UNIT_US,
                                       row_dispatch_forwards=0.0)
@@ -97,6 +100,7 @@ def basis(row: Any, catalog: macs.Catalog, unit: MacModel, layers: float,
         fmt: eff * (d.weights_s + d.elementwise_s + d.copy_s + f.weights_s + f.elementwise_s
                     + f.copy_s),
         "kv": (fit.kv_bandwidth_efficiency or eff) * d.attention_s,
+        "top_p": d.top_p_s + f.top_p_s,  # at the peak bandwidth (the unit fit's slowdown 1)
         "c_float": ce * f.attention_s,
         f"c_{fmt}": cq * (d.matmul_s + f.matmul_s + f.experts_s),
         "layer_s": d.fixed_s + f.fixed_s,
@@ -196,6 +200,7 @@ def _to_model(theta: dict[str, float], g: float, start: MacModel, fitted_on: str
         quantized_gemm_efficiency={**s.quantized_gemm_efficiency, **quant},
         expert_bandwidth_efficiency=g, fitted_on=fitted_on,
         quantized_gemv_row_efficiency=rate("c_qmv", s.quantized_gemv_row_efficiency),
+        top_p_slowdown=theta.get("top_p", 0.0),
         **{term: theta.get(term, 0.0) for term in ULTRA_QMV_TERMS},
         ultra_bandwidth_slowdown=theta.get("ultra_bytes", 0.0),
         **{name: 1e6 * theta.get(col, 0.0) for col, name in TIMES.items()})

@@ -126,3 +126,30 @@ def test_children_stopped_when_the_run_is_killed_go_on_and_end(tmp_path, batchsi
     (run_dir,) = (tmp_path / "out").iterdir()
     for name in ("steps.jsonl", "requests.jsonl"):
         assert (run_dir / name).read_bytes().endswith(b"\n") or not (run_dir / name).stat().st_size
+
+
+def _with_executable(program: str) -> str:
+    """_OFTEN's code run with sys.executable `program` (a frozen app's, a wrapper's)."""
+    return f"import sys; sys.executable = {program!r}; " + _OFTEN
+
+
+@pytest.mark.parametrize("program", ["/bin/false", "/bin/cat"])
+def test_a_sys_executable_that_runs_no_writer_leaves_the_run_its_records(tmp_path,
+                                                                         batchsim_home, program):
+    """sys.executable a program that is no Python running batchsim (a frozen app's, a
+    wrapper's): the writer 'child' ends at once without a word, and the run writes its records
+    itself, the same bytes as a run whose writer worked, exit 0, one warning. Before, every
+    simulated run past its first flush stopped there: exit 1, most records never made."""
+    argv = ["run", *SIM, "--request-rate", "50", "--output-len", "40", "--num-prompts", "3000",
+            "--seed", "4", "--no-timeline"]
+    env = {**os.environ, "BATCHSIM_HOME": str(batchsim_home)}
+    files = []
+    for name, code in (("usual", _OFTEN), ("odd", _with_executable(program))):
+        proc = subprocess.run([sys.executable, "-c", code, *argv, "--out", str(tmp_path / name)],
+                              env=env, capture_output=True, check=False, text=True,
+                              timeout=GUARD_S)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        (run_dir,) = (tmp_path / name).iterdir()
+        files.append([(run_dir / n).read_bytes() for n in ("steps.jsonl", "requests.jsonl")])
+    assert files[0] == files[1] and all(files[0])
+    assert "the records' writer process exited" in proc.stderr, proc.stderr[-3000:]

@@ -94,6 +94,7 @@ class WriterProcess:
         self.unwritten: collections.deque[tuple[list[tuple], Sequence[Entry]]] = (
             collections.deque())  # sent, not yet answered
         self.lost = False
+        self._heard = False  # an answer came: it runs as the writer
         self._late_s: float | None = None  # finish's wait, when the child did not answer in it
         self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._threads = [threading.Thread(target=target, daemon=True)
@@ -125,6 +126,7 @@ class WriterProcess:
                 kind, value = pickle.load(out)  # the answers of the process this one started
             except (EOFError, pickle.UnpicklingError, OSError, ValueError):
                 break
+            self._heard = True
             if kind == "wrote":
                 ids, lengths, self.file_bytes = value
                 self.written_ids += ids
@@ -156,6 +158,12 @@ class WriterProcess:
         """Killed before it was sent anything (the run writes its files): gone at once."""
         self._child.kill()
         self.finish()
+
+    def never_ran(self) -> bool:
+        """Ended on its own (no signal) before any answer: no writer ever ran (sys.executable no
+        Python that runs batchsim: a frozen app's, a wrapper's); the run writes the records."""
+        return (self.error is not None and self.lost and not self._heard
+                and (self._child.returncode or 0) >= 0)
 
     def finish(self, wait_s: float | None = None) -> None:
         """No more records: wait for the child's last answer (at most `wait_s`, by default

@@ -188,6 +188,8 @@ class RecordStream(RecordWriter):
         if self._child is not None and not self._child_due:  # started early, not yet due
             self._child, unused = None, self._child
             unused.end_unused()
+        if self._child is not None and self._child.never_ran():  # written here from now on
+            self._finish_child()
         if self._child is not None:
             self._send(rows, requests)
         else:

@@ -40,6 +40,8 @@ def test_order_stats_are_numpys_median_and_percentiles_exactly():
         median, ranks = request_arrays.order_stats(values, percentiles)
         assert median == float(np.median(values))
         assert ranks == [float(np.percentile(values, p)) for p in percentiles]
+        counted = request_arrays.sorted_counts(np.sort(values))  # read by rank, not sorted
+        assert request_arrays.order_stats(None, percentiles, counted) == (median, ranks)
     assert request_arrays.order_stats((), [50, 99]) == (0.0, [0.0, 0.0])  # vLLM's np.mean(x or 0)
     median, ranks = request_arrays.order_stats([math.nan, 1.0], [50])  # NaN: as numpy's
     assert math.isnan(median) and math.isnan(ranks[0])
@@ -164,6 +166,10 @@ def test_run_tokens_are_the_records_times_and_sorted_counts():
         itls = request_arrays.RunTokens(ends, ran, records).itls()
         want_itls = request_arrays.itls(want_times, want_owner)
         assert itls.tobytes() == want_itls.tobytes() and itls.dtype == want_itls.dtype
+        counted = request_arrays.RunTokens(ends, ran, records).itl_counts()
+        if counted is not None:  # per step: np.sort's sorted_counts of the ITLs, byte for byte
+            for got, want in zip(counted, request_arrays.sorted_counts(np.sort(want_itls))):
+                assert got.tobytes() == want.tobytes() and got.dtype == want.dtype
         done = [r for r in records if r.status == "finished"]
         if done:  # the summary from them is the one from the records
             want = summarize(records, [], duration_s=9.0)

@@ -65,13 +65,15 @@ def _rate(count: float, duration_s: float) -> float:
 
 
 def distribution(
-    name: str, values_s: Sequence[float] | np.ndarray, percentiles: Sequence[float]
+    name: str, values_s: Sequence[float] | np.ndarray, percentiles: Sequence[float],
+    counted: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> dict[str, float]:
-    """mean/median/std (population) and linear-interpolated percentiles, in ms, as vLLM."""
+    """mean/median/std (population) and linear-interpolated percentiles, in ms, as vLLM
+    (`counted`: the values' sorted_counts, if the caller has them: order_stats')."""
     # One array for the sums, one sorted copy for the order statistics (a simulated hour has a
     # million ITLs).
     x: Any = np.asarray(values_s, dtype=np.float64) if len(values_s) else 0  # vLLM: np.mean(x or 0)
-    median, ranks = request_arrays.order_stats(x if len(values_s) else (), percentiles)
+    median, ranks = request_arrays.order_stats(x if len(values_s) else (), percentiles, counted)
     out = {
         f"mean_{name}_ms": float(np.mean(x)) * _MS,
         f"median_{name}_ms": median * _MS,
@@ -219,8 +221,10 @@ def summarize(
     if the caller has them."""
     slo = parse_goodput([f"{k}:{v}" for k, v in goodput_slo_ms.items()]) if goodput_slo_ms else None
     done = [r for r in requests if r.status == "finished"]
+    itl_counts = None
     if run_tokens is not None and len(done) == len(requests):
         every, itl, mine = run_tokens.counts(), run_tokens.itls(), None
+        itl_counts = run_tokens.itl_counts()
     else:
         every, itl, mine = _finished_tokens(requests, (run_tokens.times() if run_tokens else
                                                        token_times_s))
@@ -246,7 +250,8 @@ def summarize(
                    "itl": itl,  # pooled over requests, as vLLM
                    "e2el": lat["e2el"], "queue": lat["queue"]}
     for name, values in latencies_s.items():
-        out.update(distribution(name, values, percentiles))  # type: ignore[arg-type]
+        out.update(distribution(name, values, percentiles,  # type: ignore[arg-type]
+                                itl_counts if name == "itl" else None))
     out.update(_output_lengths(done, percentiles))
     if "p99_queue_ms" not in out:  # always reported, whatever the percentiles
         out["p99_queue_ms"] = request_arrays.order_stats(latencies_s["queue"], (99,))[1][0] * _MS

@@ -48,6 +48,7 @@ class RunTokens:
         self._clocked = self._per_step and bool((ends[1:] >= ends[:-1]).all())
         self._times: tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]] | None = None
         self._counts: tuple[np.ndarray, np.ndarray] | None = None
+        self._with_tokens: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def counts(self) -> tuple[np.ndarray, np.ndarray]:
         """sorted_counts of every token time: a run's clock adds up its runs per step (36,000
@@ -61,7 +62,7 @@ class RunTokens:
             held = np.flatnonzero(per_step)
             ends_s, counts = self._ends_s[held], per_step[held]
             if not self._clocked:  # a clock that went back: its steps in order of their ends
-                order = np.argsort(ends_s, kind="stable")
+                order = np.argsort(ends_s)  # equal ends: equal bits (no -0.0)
                 ends_s, counts = ends_s[order], counts[order]
             self._counts = sorted_counts(ends_s, counts)
         return self._counts
@@ -80,19 +81,44 @@ class RunTokens:
         step_end_s); between two runs of one request, its tokens' gap across them."""
         if not self._inside:
             return itls(*self.times()[:2])
-        kept = self._end > self._first  # a run without tokens has no gap
-        first, end = self._first[kept], self._end[kept]
-        owner = np.repeat(np.arange(len(self._per_request)), self._per_request)[kept]
-        joined = np.flatnonzero(owner[1:] == owner[:-1])  # runs i and i + 1: one request's
+        first, end, joined = self._runs_with_tokens()
         sizes = end - first - 1
         sizes[joined] += 1  # and the gap to its next run, last
         starts = np.cumsum(sizes) - sizes
         at = np.arange(int(sizes.sum()))
         at += np.repeat(first - starts, sizes)  # in place: a million-long array once
         gaps = np.append(np.diff(self._ends_s), 0.0)[at]
-        last = starts[joined] + sizes[joined] - 1
-        gaps[last] = self._ends_s[first[joined + 1]] - self._ends_s[end[joined] - 1]
+        gaps[starts[joined] + sizes[joined] - 1] = self._across(first, end, joined)
         return gaps
+
+    def itl_counts(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """sorted_counts(np.sort(itls())), counted per step (the runs holding it and the next)
+        with the gaps across runs, not sorted gap by gap; None where times() sorts its tokens."""
+        if not self._per_step:
+            return None
+        first, end, joined = self._runs_with_tokens()
+        n = len(self._ends_s)
+        held_on = np.cumsum(np.bincount(first, minlength=n)
+                            - np.bincount(end - 1, minlength=n))[:n - 1]  # steps s and s + 1
+        step = np.flatnonzero(held_on)
+        gaps = np.concatenate((np.diff(self._ends_s)[step], self._across(first, end, joined)))
+        counts = np.concatenate((held_on[step], np.ones(len(joined), np.int64)))
+        order = np.argsort(gaps)  # equal gaps are equal bits (no -0.0): any order
+        return sorted_counts(gaps[order], counts[order])
+
+    def _runs_with_tokens(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The runs' first and end steps, those without tokens left out, and the runs i whose
+        request's next run is i + 1 (made once: itls(), then itl_counts())."""
+        if self._with_tokens is None:
+            kept = self._end > self._first
+            owner = np.repeat(np.arange(len(self._per_request)), self._per_request)[kept]
+            self._with_tokens = (self._first[kept], self._end[kept],
+                                 np.flatnonzero(owner[1:] == owner[:-1]))
+        return self._with_tokens
+
+    def _across(self, first: np.ndarray, end: np.ndarray, joined: np.ndarray) -> np.ndarray:
+        """The gaps from each joined run's last token to its request's next run's first."""
+        return self._ends_s[first[joined + 1]] - self._ends_s[end[joined] - 1]
 
     def _gathered(self) -> tuple[np.ndarray, np.ndarray]:
         lengths = self._end - self._first
@@ -144,7 +170,8 @@ def step_columns(steps: Sequence[Any], ints: Sequence[str] = STEP_INTS) -> dict[
     return cols
 
 
-def order_stats(values: Any, percentiles: Sequence[float]) -> tuple[float, list[float]]:
+def order_stats(values: Any, percentiles: Sequence[float],
+                counted: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[float, list[float]]:
     """np.median(values) and np.percentile(values, p) for each p (its default, linear method):
     the same floats, by numpy's own operations, from one sorted copy (an hour's million ITLs:
     numpy partitioned a fresh copy per call, and its percentile's np.unique imported numpy.ma,
@@ -152,12 +179,20 @@ def order_stats(values: Any, percentiles: Sequence[float]) -> tuple[float, list[
     np.mean(x or 0)). The same floats for float64 or integer `values` and each p within 0..100
     (callers validate them: run_config, rebuild); elsewhere it differs from numpy: float32 values
     (numpy computes in float32: ~1e-8), p outside 0..100 (numpy raises, this clamps), a NaN p
-    (IndexError), and the sign of a 0.0 between -0.0 and 0.0."""
-    ranked = np.sort(np.asarray(values)) if len(values) else np.zeros(1)
-    n = len(ranked)
-    if np.isnan(ranked[-1]):  # a NaN sorts last: numpy's answers are NaN
+    (IndexError), and the sign of a 0.0 between -0.0 and 0.0. `counted`: `values`' sorted_counts
+    (no NaN among them), to read the ranks from instead of sorting `values`."""
+    if counted is not None and len(counted[0]):
+        distinct, past = counted[0], np.cumsum(counted[1])  # the rank past each value's last
+        n = int(past[-1])
+
+        def ranked(at: Any) -> Any:
+            return distinct[np.searchsorted(past, np.asarray(at) % n, side="right")]
+    else:
+        array = np.sort(np.asarray(values)) if len(values) else np.zeros(1)
+        n, ranked = len(array), array.__getitem__
+    if np.isnan(ranked(n - 1)):  # a NaN sorts last: numpy's answers are NaN
         return math.nan, [math.nan] * len(percentiles)
-    median = np.mean(ranked[(n - 1) // 2:n // 2 + 1])  # the middle one, or two averaged
+    median = np.mean(ranked(np.arange((n - 1) // 2, n // 2 + 1)))  # the middle one, or two
     virtual = (n - 1) * np.true_divide(np.asanyarray(list(percentiles)), 100)
     below = np.floor(virtual)
     above = below + 1
@@ -165,7 +200,7 @@ def order_stats(values: Any, percentiles: Sequence[float]) -> tuple[float, list[
     below[virtual < 0], above[virtual < 0] = 0, 0
     below, above = below.astype(np.intp), above.astype(np.intp)
     gamma = virtual - below
-    a, b = ranked[below], ranked[above]
+    a, b = ranked(below), ranked(above)
     diff = b - a
     ranks = np.add(a, diff * gamma)  # numpy's _lerp: from the nearer end
     np.subtract(b, diff * (1 - gamma), out=ranks, where=gamma >= 0.5, casting="unsafe")

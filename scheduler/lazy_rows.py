@@ -137,9 +137,10 @@ class LazyRows:
         """request id -> num_computed_tokens, without writing them back."""
         return dict(zip(self.ids, self.positions()))
 
-    def advance(self, k: int) -> list[Request]:
+    def advance(self, k: int, running: list[Request]) -> list[Request]:
         """Every row decoded k more steps; the rows that reached max_tokens leave, settled, in
-        order (still to be finished)."""
+        order (still to be finished), and leave `running` (the scheduler's, which the rows are
+        the prefix of: the same index, no search among the requests)."""
         s = self.steps = self.steps + k
         self.fresh = 0  # every row decoded: all in the executor's pool
         ends = self.ends
@@ -148,7 +149,7 @@ class LazyRows:
         rows, ids, computed0, tokens0 = self.rows, self.ids, self.computed0, self.tokens0
         done = []
         while ends and ends[0][0] <= s:
-            done.append(rows.index(heapq.heappop(ends)[2]))
+            done.append(ids.index(heapq.heappop(ends)[1]))  # ints compare faster than rows
         if len(done) > 1:
             done.sort()
         reached = list(map(rows.__getitem__, done))
@@ -160,7 +161,7 @@ class LazyRows:
             self.id_set.discard(ids[i])
             widest |= computed0[i] == c_max
             longest |= tokens0[i] == n_max
-            del rows[i], ids[i], computed0[i], tokens0[i]
+            del rows[i], ids[i], computed0[i], tokens0[i], running[i]
         if rows and widest:
             self.max_computed0 = max(computed0)
         if rows and longest:

@@ -357,10 +357,10 @@ class Scheduler:
         if not rows or (sampled is not ids and sampled[:len(ids)] != ids):
             return 0
         n = len(self.lazy.rows)
-        reached = self.lazy.advance(k)
-        if len(rows) > n:
-            reached += advance_decoded(rows[n:], step, k)
-        for r in reached:
+        for r in self.lazy.advance(k, self.running):  # (out of running already)
+            self._finish(r, "length", listed=False)
+            finished.append(r)
+        for r in advance_decoded(rows[n:], step, k) if len(rows) > n else ():
             self._finish(r, "length")
             finished.append(r)
         if len(rows) > n and self._lazy_ok:  # after the finishes: running is the lazy prefix
@@ -372,10 +372,12 @@ class Scheduler:
         running request's counters from outside: the end of a run, tests)."""
         self.lazy.settle()
 
-    def _finish(self, r: Request, reason: str) -> None:
+    def _finish(self, r: Request, reason: str, listed: bool = True) -> None:
+        """`r` leaves (still in `running` unless not `listed`); the next plan frees its KV."""
         r.status = ABORTED if reason == "error" else FINISHED
         r.finish_reason = reason
-        self.running.remove(r)
+        if listed:
+            self.running.remove(r)
         del self.requests[r.request_id]
         self.releasing.append(r.request_id)
 

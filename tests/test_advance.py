@@ -139,7 +139,7 @@ def test_positions_are_the_tuple_they_stand_for():
         r.num_computed_tokens = computed
     lazy.add(rows[0])
     lazy.add(rows[1])
-    assert lazy.advance(3) == []  # two lazy rows, three steps on; the third joins
+    assert lazy.advance(3, rows) == []  # two lazy rows, three steps on; the third joins
     ids, p = lazy.columns(rows)
     assert type(p) is Positions and ids == (0, 1, 2)
     assert p == (8, 10, 9) and (8, 10, 9) == p and p != (8, 10) and hash(p) == hash((8, 10, 9))
@@ -160,13 +160,13 @@ def test_a_row_that_joins_when_its_prefill_ends_is_not_pooled_till_it_decodes():
         r.num_computed_tokens, r.status = computed, RUNNING
     lazy.add(rows[0])
     lazy.add(rows[1])
-    assert lazy.advance(3) == []
+    assert lazy.advance(3, rows) == []
     rows[2].num_output_tokens, rows[2].token_runs = 1, [[4, 5]]  # its prefill sampled at step 4
     rows[3].num_output_tokens, rows[3].token_runs = 1, [[2, 3]]  # not in the step ending at 5
     lazy.join_ready(rows, 5)
     ids, p = lazy.columns(rows[:3])
     assert (lazy.fresh, ids, p, p.pooled, p.tail) == (1, (0, 1, 2), (8, 10, 8), 2, (8,))
-    assert lazy.advance(1) == []
+    assert lazy.advance(1, rows) == []
     ids, p = lazy.columns(rows[:3])
     assert (lazy.fresh, ids, p, p.pooled, p.tail) == (0, (0, 1, 2), (9, 11, 9), 3, ())
     lazy.join_ready(rows, 6)  # rows[3]'s last token ended at step 3

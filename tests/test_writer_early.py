@@ -10,7 +10,7 @@ from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 from batchsim.server.results import record_process, run_files
 
-from tests.sim_records import request_record, sim_config, step_record, the_files
+from tests.sim_records import request_record, sim_config, step_record, the_files, wait_until
 
 SLOW_START = "import time; time.sleep(30); "  # a writer process that takes long to start
 
@@ -69,3 +69,19 @@ def test_a_run_that_ends_before_its_first_due_flush_never_waits_for_the_early_wr
     assert time.monotonic() - t0 < 5.0  # not the writer's 30 s start
     assert started[0]._child.returncode is not None and stream.error is None
     assert [f.count(b"\n") for f in the_files(tmp_path)] == [1, 1]
+
+
+def test_a_writer_process_is_sent_a_batch_every_writer_period_after_its_first(tmp_path,
+                                                                               monkeypatch):
+    """FLUSH_EVERY_S (60 s here) until the first due flush; from then on, WRITER_FLUSH_EVERY_S
+    (0 here: each step) between the batches the writer process is sent."""
+    monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 60.0)
+    monkeypatch.setattr(run_files, "WRITER_FLUSH_EVERY_S", 0.0)
+    stream = run_files.RecordStream(tmp_path, writer_process=True)
+    _add(stream, 0)
+    assert stream._child is None  # not due yet
+    stream._due_s = 0.0
+    for i in range(1, 4):
+        _add(stream, i)
+    wait_until(lambda: the_files(tmp_path)[0].count(b"\n") == 4, "each step written")
+    stream.close([request_record(i, float(i), float(i)) for i in range(4)])

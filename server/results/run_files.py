@@ -37,6 +37,8 @@ from batchsim.server.results.records import RequestRecord, StepRecord
 CONFIG = "config.yaml"
 SUMMARY = "summary.json"
 FLUSH_EVERY_S = 0.5  # wall time between writes (a killed run loses those and any still queued)
+WRITER_FLUSH_EVERY_S = 0.1  # to a writer process, once sent its first: smaller batches (less
+# to allocate and encode at once, in both processes), the last encoded sooner after the run
 WRITE_CHUNK_BYTES = 4 << 20  # requests.jsonl put in arrival order at the end: written in chunks
 TEMP_RANDOM_BYTES = 4  # a temp file's random part: `.NAME.` then twice as many hex digits
 _in_flush: list[RecordStream] = []  # the main thread's streams mid-flush, innermost last
@@ -55,19 +57,19 @@ def when_not_flushing(answer: Callable[[], None]) -> bool:
 
 
 class RecordStream(RecordWriter):
-    """steps.jsonl and requests.jsonl of one run, appended. Records wait in memory and are
-    encoded and written in batches, each file's batch in one write, at most every FLUSH_EVERY_S
-    (no fsync: a killed process's writes survive; a crashed kernel's need not). The first failed
-    write (any OSError: ENOSPC, EFBIG, EIO) cuts its file back to the last whole record, sets
-    `error`, calls `on_error` (the run stops), and the stream writes nothing more.
-    `writer_process`: from the first flush the period makes due, a writer process (started
-    then or by start_writer) encodes and writes them on another core, each flush sending it one;
-    its failed write, or its end without a last answer (killed), reaches `error` and `on_error`
-    at the next flush or at close (a flush period or more late: the run goes on meanwhile); close
-    waits for its last answer, and writes here the batches a killed one did not write. A killed
-    run's writer writes every batch that reached its pipe (those still queued behind a lagging
-    writer are lost with the run). Where none can start, a flush came sooner, or the files were
-    replaced, they are written here."""
+    """steps.jsonl and requests.jsonl of one run, appended. Records wait in memory and are encoded
+    and written in batches, each file's batch in one write, at most every FLUSH_EVERY_S
+    (WRITER_FLUSH_EVERY_S to a writer process; no fsync: a killed process's writes survive; a
+    crashed kernel's need not). The first failed write (any OSError: ENOSPC, EFBIG, EIO) cuts its
+    file back to the last whole record, sets `error`, calls `on_error` (the run stops), and the
+    stream writes nothing more. `writer_process`: from the first flush the period makes due, a
+    writer process (started then or by start_writer) encodes and writes them on another core, each
+    flush sending it one; its failed write, or its end without a last answer (killed), reaches
+    `error` and `on_error` at the next flush or at close (a flush period or more late: the run goes
+    on meanwhile); close waits for its last answer, and writes here the batches a killed one did
+    not write. A killed run's writer writes every batch that reached its pipe (those still queued
+    behind a lagging writer are lost with the run). Where none can start, a flush came sooner, or
+    the files were replaced, they are written here."""
 
     def __init__(self, run_dir: Path, on_error: Callable[[WriteFailed], None] | None = None,
                  writer_process: bool = False) -> None:
@@ -136,17 +138,15 @@ class RecordStream(RecordWriter):
         return max(0.0, self._due_s - time.monotonic())
 
     def _flush_due(self) -> None:
-        """A flush the period made due: from the first, the writer process (started now if not
-        yet, and if start_writer could) is sent each flush's records."""
+        """A flush the period made due: from the first, each is sent to a writer process."""
         self.start_writer()
         self._child_due = True
         self.flush()
 
     def start_writer(self) -> None:
-        """The writer process started now (at the first due flush, or sooner: a simulated run's
-        start, its import on another core while the loop runs), if one is wanted, nothing was
-        written yet, and the files are still the ones opened (not replaced). Until a due flush,
-        a flush (the run ended sooner: never waited for) ends it unused and writes here."""
+        """The writer process started now (at the first due flush, or at a simulated run's start:
+        its import on another core meanwhile) if wanted, nothing was written yet, and the files
+        are the ones opened. Before a due flush, a flush ends it unused (never waited for)."""
         with self._lock:  # not while a watchdog's thread flushes
             files, self._for_child = self._for_child, None
             if files is not None and files == self._files and not self._files[STEPS].closed:
@@ -174,7 +174,8 @@ class RecordStream(RecordWriter):
         # meanwhile, while a watchdog's thread flushes, waits for the next flush.
         steps, self._steps = self._steps, []
         now, held = time.monotonic(), self._held
-        self._due_s = now + FLUSH_EVERY_S
+        self._due_s = now + (FLUSH_EVERY_S if self._child is None or not self._child_due else
+                             min(FLUSH_EVERY_S, WRITER_FLUSH_EVERY_S))
         if not self._in_order:
             self.arrivals.clear()  # the recorder's, unread
         elif held:
@@ -182,7 +183,7 @@ class RecordStream(RecordWriter):
             if now - oldest_s >= FLUSH_EVERY_S:
                 self._stop_holding()
             else:
-                self._due_s = oldest_s + FLUSH_EVERY_S
+                self._due_s = min(self._due_s, oldest_s + FLUSH_EVERY_S)
         requests, self._requests = self._requests, []
         rows = step_rows_of(steps)
         if self._child is not None and not self._child_due:  # started early, not yet due

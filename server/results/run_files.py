@@ -37,8 +37,7 @@ from batchsim.server.results.records import RequestRecord, StepRecord
 CONFIG = "config.yaml"
 SUMMARY = "summary.json"
 FLUSH_EVERY_S = 0.5  # wall time between writes (a killed run loses those and any still queued)
-WRITER_FLUSH_EVERY_S = 0.1  # to a writer process, once sent its first: smaller batches (less
-# to allocate and encode at once, in both processes), the last encoded sooner after the run
+WRITER_FLUSH_EVERY_S = 0.1  # to a writer process after its first batch: smaller ones cost less
 WRITE_CHUNK_BYTES = 4 << 20  # requests.jsonl put in arrival order at the end: written in chunks
 TEMP_RANDOM_BYTES = 4  # a temp file's random part: `.NAME.` then twice as many hex digits
 _in_flush: list[RecordStream] = []  # the main thread's streams mid-flush, innermost last
@@ -144,9 +143,8 @@ class RecordStream(RecordWriter):
         self.flush()
 
     def start_writer(self) -> None:
-        """The writer process started now (at the first due flush, or at a simulated run's start:
-        its import on another core meanwhile) if wanted, nothing was written yet, and the files
-        are the ones opened. Before a due flush, a flush ends it unused (never waited for)."""
+        """The writer process started now (first due flush, or a simulated run's start) if wanted,
+        nothing written yet, files the ones opened; a flush before a due one ends it unused."""
         with self._lock:  # not while a watchdog's thread flushes
             files, self._for_child = self._for_child, None
             if files is not None and files == self._files and not self._files[STEPS].closed:

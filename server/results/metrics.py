@@ -12,6 +12,7 @@ import collections
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -87,14 +88,15 @@ def distribution(
 def _output_lengths(done: Sequence[RequestRecord], percentiles: Sequence[float]) -> dict[str, Any]:
     """Output tokens per completed request (mean, median, percentiles, max) and why requests ended
     ("stop": EOS or a stop string, "length": max_tokens): natural lengths when EOS is honoured."""
-    x: Any = [r.num_output_tokens for r in done] or 0
-    median, ranks = request_arrays.order_stats(x or (), percentiles)
-    out: dict[str, Any] = {"mean_output_tokens": float(np.mean(x)),
+    # One array (np.mean, order_stats and np.max each made one from a list)
+    x: Any = np.fromiter(map(attrgetter("num_output_tokens"), done), np.int64, len(done))
+    median, ranks = request_arrays.order_stats(x, percentiles)
+    out: dict[str, Any] = {"mean_output_tokens": float(np.mean(x if len(x) else 0)),
                            "median_output_tokens": median}
     for p, v in zip(percentiles, ranks):
         out[f"p{percentile_label(p)}_output_tokens"] = v
-    out["max_output_tokens"] = int(np.max(x))
-    reasons = collections.Counter(str(r.finish_reason) for r in done)
+    out["max_output_tokens"] = int(np.max(x if len(x) else 0))
+    reasons = collections.Counter(map(str, map(attrgetter("finish_reason"), done)))
     out["finish_reasons"] = {k: reasons[k] for k in sorted(reasons)}
     return out
 
@@ -229,9 +231,9 @@ def summarize(
         every, itl, mine = _finished_tokens(requests, (run_tokens.times() if run_tokens else
                                                        token_times_s))
     lat = request_arrays.latencies_s(done)  # queue: arrival to first scheduled
-    statuses = collections.Counter(r.status for r in requests)
-    total_in = sum(r.num_prompt_tokens for r in done)
-    total_out = sum(r.num_output_tokens for r in done)
+    statuses = collections.Counter(map(attrgetter("status"), requests))  # no generator's frames
+    total_in = sum(map(attrgetter("num_prompt_tokens"), done))
+    total_out = sum(map(attrgetter("num_output_tokens"), done))
     out: dict[str, Any] = {
         "duration": duration_s,
         "completed": len(done),

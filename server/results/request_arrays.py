@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Sequence
-from operator import attrgetter, itemgetter
+from operator import attrgetter, is_not, itemgetter
 from typing import Any
 
 import numpy as np
@@ -154,7 +154,9 @@ def latencies_s(done: Sequence[Any]) -> dict[str, np.ndarray]:
 
 def _where_given(values: list[float | None]) -> tuple[np.ndarray, np.ndarray]:
     """Which values are not None, and the values (None: NaN)."""
-    given = np.fromiter((v is not None for v in values), bool, len(values))
+    given = np.fromiter(map(is_not, values, itertools.repeat(None)), bool, len(values))
+    if given.all():  # floats (or ints) alone: fromiter's float() of each, np.array's own
+        return given, np.fromiter(values, np.float64, len(values))
     return given, np.array(values, dtype=np.float64)
 
 

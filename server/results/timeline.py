@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -77,8 +78,11 @@ def admitted_per_step(steps: Sequence[StepRecord], requests: Sequence[RequestRec
     records written before it, those the step first ran (first_scheduled_s is its start; a
     preempted request's return is missed). The prefill count is no measure of it under chunked
     prefill: a prompt's later chunks prefill requests admitted steps before."""
-    if steps and all(s.num_admitted is not None for s in steps):
-        return np.array([s.num_admitted for s in steps], dtype=np.int64)
+    if steps:
+        try:  # one pass (None, in older records, fails it)
+            return np.fromiter(map(attrgetter("num_admitted"), steps), np.int64, len(steps))
+        except TypeError:
+            pass
     if starts is None:
         starts = np.array([s.start_s for s in steps])
     firsts = np.fromiter((r.first_scheduled_s for r in requests

@@ -87,6 +87,32 @@ def test_a_stop_signal_while_starting_leaves_no_drawing_child(batchsim_home, tmp
     assert len(children) == 1 and _gone(children[0][0])
 
 
+# end_early noted with whether the run had written its records yet (steps.jsonl under --out).
+NOTED_END = """
+from pathlib import Path
+from batchsim.server.results import drawing_start
+end = drawing_start.end_early
+def noted_end():
+    out = Path(sys.argv[sys.argv.index("--out") + 1])
+    with open(noted, "a") as f:
+        f.write(json.dumps(["end_early", len(list(out.rglob("steps.jsonl")))]) + "\\n")
+    end()
+drawing_start.end_early = noted_end
+"""
+
+
+def test_a_run_that_draws_no_picture_apart_kills_the_child_before_it_runs(batchsim_home,
+                                                                         tmp_path):
+    """--no-timel (argparse's abbreviation of --no-timeline) is not a flag the program's first
+    lines know: the child starts, and the run kills it once its config says no picture."""
+    done, children = _program(batchsim_home, tmp_path, [*SIM, "--no-timel", "--out",
+                                                        str(tmp_path / "o")], patch=NOTED_END)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert children[0][1] is False and children[1] == ["end_early", 0]  # before any record
+    assert _gone(children[0][0])
+    assert not json.loads(done.stdout.splitlines()[-1]).get("timeline_png")
+
+
 @pytest.mark.parametrize(("argv", "wanted"), [
     (["run", "--executor", "sim"], True),
     (["run", "--model", "x", "--executor=sim"], True),

@@ -153,3 +153,21 @@ def test_a_sys_executable_that_runs_no_writer_leaves_the_run_its_records(tmp_pat
         files.append([(run_dir / n).read_bytes() for n in ("steps.jsonl", "requests.jsonl")])
     assert files[0] == files[1] and all(files[0])
     assert "the records' writer process exited" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_banner_on_the_childrens_stdout_does_not_cost_their_answers(tmp_path, batchsim_home):
+    """A sitecustomize that prints a banner (no newline after it) as every Python starts, the
+    children's included: their answers still read (the writer's after its start mark, the
+    picture's on the last line). Before, both were read as garbage: the writer's batches were
+    written again by the run after a warning, and the picture drawn again in the run."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("print('welcome to this machine', end='')\n")
+    env = {**os.environ, "BATCHSIM_HOME": str(batchsim_home), "PYTHONPATH": str(site)}
+    proc = subprocess.run([sys.executable, "-c", _OFTEN, "run", *SIM, "--request-rate", "50",
+                           "--num-prompts", "2000", "--out", str(tmp_path / "out")],
+                          env=env, capture_output=True, check=False, text=True, timeout=GUARD_S)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "writer process" not in proc.stderr and "drawn here" not in proc.stderr, proc.stderr
+    (run_dir,) = (tmp_path / "out").iterdir()
+    assert (run_dir / "timeline.png").stat().st_size and (run_dir / "steps.jsonl").stat().st_size

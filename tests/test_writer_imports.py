@@ -28,7 +28,8 @@ def _child_imports(run_dir) -> set[str]:
         for f in files:
             f.close()
     assert done.returncode == 0, done.stderr.decode()[-2000:]
-    assert pickle.loads(done.stdout) == ("written", ([], []))  # it ran to its answer
+    answer = done.stdout.removeprefix(record_process.START_MARK)
+    assert pickle.loads(answer) == ("written", ([], []))  # it ran to its answer
     return {line.rpartition("|")[2].strip() for line in done.stderr.decode().splitlines()
             if line.startswith("import time:")}
 

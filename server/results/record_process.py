@@ -50,6 +50,9 @@ PIPE_BYTES = 1 << 20  # the pipe to the writer (Linux's default limit for a user
 # unkept (test_writer_lost).
 FINISH_WAIT_S = 15.0
 keep_until_s: float | None = None  # time.monotonic(): when this process stops keeping records
+# The child's first bytes on stdout, its answers after: what Python printed there before them (a
+# sitecustomize's banner) is skipped.
+START_MARK = b"\nbatchsim records' writer\n"
 STDERR_TAIL_BYTES = 4096  # the child's stderr read for its last line (a file: never fills)
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 _START_CHILD = start_code(__name__)
@@ -121,7 +124,8 @@ class WriterProcess:
     def _read_all(self) -> None:
         out = self._child.stdout
         assert out is not None
-        while True:
+        listening = _past_mark(out)  # (what Python printed there before: skipped)
+        while listening:
             try:
                 kind, value = pickle.load(out)  # the answers of the process this one started
             except (EOFError, pickle.UnpicklingError, OSError, ValueError):
@@ -182,6 +186,17 @@ class WriterProcess:
                 stream.close()
 
 
+def _past_mark(out: BinaryIO) -> bool:
+    """`out` read past START_MARK (False: it ended first)."""
+    seen = b""
+    while seen != START_MARK:
+        byte = out.read(1)
+        if not byte:
+            return False
+        seen = (seen + byte)[-len(START_MARK):]
+    return True
+
+
 def close_wait_s() -> float:
     """finish()'s wait: FINISH_WAIT_S, or half the time left to keep records if less."""
     if keep_until_s is None:
@@ -228,6 +243,8 @@ def _serve(run_dir: str, steps_fd: str, requests_fd: str) -> int:
     files = {STEPS: os.fdopen(int(steps_fd), "wb", buffering=0),
              REQUESTS: os.fdopen(int(requests_fd), "wb", buffering=0)}
     writer = _ChildWriter(Path(run_dir), files, sys.stdout.buffer)
+    with contextlib.suppress(OSError):  # the run's process gone: the files still count
+        writer.answers.write(START_MARK)
     ends = writer.ends
     while True:
         try:

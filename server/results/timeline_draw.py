@@ -300,9 +300,10 @@ _CHILD_FAILED = "the drawing process exited"
 
 
 def _reply(out: bytes, err: bytes, returncode: int | None) -> tuple[str | None, str | None]:
-    """The child's answer, or why it gave none (its last line on stderr)."""
+    """The child's answer (its last line on stdout: a sitecustomize's banner may come first),
+    or why it gave none (its last line on stderr)."""
     try:
-        path, why = json.loads(out)
+        path, why = json.loads(out.rsplit(b"\n", 1)[-1])
         return path, why
     except (ValueError, TypeError):
         last = (err.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
@@ -332,7 +333,8 @@ def _serve() -> int:
     if not blob:
         return 0
     path, panels = pickle.loads(blob)  # from the parent process that started this one
-    json.dump(list(drawn(lambda: draw_panels(path, panels, canvas))), sys.stdout)
+    answer = json.dumps(drawn(lambda: draw_panels(path, panels, canvas)))
+    sys.stdout.write(f"\n{answer}")  # a line of its own
     return 0
 
 

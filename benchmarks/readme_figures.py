@@ -86,7 +86,8 @@ def fit_terms(_: Path) -> list[str]:
          f"per forward; two-die Ultra +{f['ultra_layer_us']:.1f} us per layer, "
          f"+{f['ultra_moe_layer_us']:.0f} us per MoE layer, bandwidth slowdown "
          f"{f.get('ultra_bandwidth_slowdown', 0):.2f}"),
-        (f"sampling {f['sampling_row_us']:.0f} us per sampled row (per_row engines); "
+        (f"sampling {f['sampling_row_us']:.0f} us per sampled row (per_row engines); top-p "
+         f"sampler bytes {f.get('top_p_slowdown', 0):.2f}x their peak-bandwidth time; "
          f"attention_row_us {f['attention_row_us']:.0f}; 4-bit GEMM "
          f"{f['quantized_gemm_efficiency'][4]:.2f} of FP16 peak; compute "
          f"{f['compute_efficiency']:.2f}"),

@@ -32,6 +32,8 @@ from batchsim.scheduler.request import (
 from batchsim.scheduler.spec_budget import kept_tokens, row_spec_tokens
 from batchsim.scheduler.step_budget import StepBudget
 
+_NO_IDS: frozenset[int] = frozenset()
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
@@ -285,26 +287,26 @@ class Scheduler:
     # -- results -------------------------------------------------------------------------------
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Advance counters by what ran; return the requests that finished."""
-        # unpacked once (a named tuple's field read is an unspecialized attribute load)
-        _, sampled, token_ids, durations, _, accepted, _ = result
-        k = len(durations)
-        if k != 1 and (k > plan.num_steps or plan.prefills):
+        _, sampled, token_ids, durations, _, accepted, _ = result  # unpacked once: field reads
+        k, prefills = len(durations), plan.prefills  # of a named tuple are slow (unspecialized)
+        if k != 1 and (k > plan.num_steps or prefills):
             raise ValueError(f"executor ran {k} steps of a plan allowing {plan.num_steps}")
-        requests, running = self.requests, RUNNING
-        prefill_ids = set()
-        for chunk in plan.prefills:
+        requests, running, finished = self.requests, RUNNING, []
+        prefill_ids = set() if prefills else _NO_IDS  # (most plans: no set made)
+        for chunk in prefills:
             r = requests.get(chunk.request_id)
             if r is not None and r.status is running:
                 r.num_computed_tokens += chunk.num_tokens
                 prefill_ids.add(chunk.request_id)
-        finished: list[Request] = []
         step = self.num_steps
-        end = step + k
-        self.cut_drafts = {}
+        end = self.num_steps = step + k  # (nothing below reads it)
+        self.cut_drafts = self.cut_drafts and {}  # a new one only after cuts (most plans: none)
         self.dropped_rows = ()
         first = (self._advance_simulated(plan, sampled, step, k, finished)
                  if token_ids is None and accepted is None and plan is self._planned else 0)
         if first:  # simulated decode rows: counters only (advance.py, lazy_rows.py)
+            if first == len(sampled):  # no other row sampled (most plans): nothing more to do
+                return finished
             sampled = sampled[first:]
         else:  # the general path reads and writes every row's counters
             self.lazy.settle()
@@ -316,9 +318,7 @@ class Scheduler:
             n = k  # tokens this row emitted: one per step, or accepted drafts and one (k is 1)
             new = reason = None
             if token_ids is not None:
-                new, reason = kept_tokens(r, [token_ids[s][i] for s in range(k)],
-                                          accepted[i] if accepted is not None else (),
-                                          self.cut_drafts)
+                new, reason = self._kept(r, i, k, token_ids, accepted)
                 n = len(new)
             elif accepted is not None:  # simulated drafts: only their count
                 n += len(accepted[i])
@@ -344,8 +344,13 @@ class Scheduler:
                 finished.append(r)
         if sampled and self._join_ready and token_ids is None and accepted is None:
             self.lazy.join_ready(self.running, end)  # prefills that sampled: they decode next
-        self.num_steps += k
         return finished
+
+    def _kept(self, r: Request, i: int, k: int, token_ids: tuple[tuple[int, ...], ...],
+              accepted: tuple[tuple[int, ...], ...] | None) -> tuple[list[int], str | None]:
+        """Row i's tokens of a step with token ids (kept_tokens: a stop cuts its drafts)."""
+        return kept_tokens(r, [token_ids[s][i] for s in range(k)],
+                           accepted[i] if accepted is not None else (), self.cut_drafts)
 
     def _advance_simulated(self, plan: StepPlan, sampled: tuple[int, ...], step: int, k: int,
                            finished: list[Request]) -> int:
@@ -373,10 +378,9 @@ class Scheduler:
         self.lazy.settle()
 
     def _finish(self, r: Request, reason: str, listed: bool = True) -> None:
-        """`r` leaves (still in `running` unless not `listed`); the next plan frees its KV."""
         r.status = ABORTED if reason == "error" else FINISHED
         r.finish_reason = reason
-        if listed:
+        if listed:  # still in running (LazyRows.advance takes its finished rows out itself)
             self.running.remove(r)
         del self.requests[r.request_id]
         self.releasing.append(r.request_id)

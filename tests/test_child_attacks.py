@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -171,3 +172,52 @@ def test_a_banner_on_the_childrens_stdout_does_not_cost_their_answers(tmp_path, 
     assert "writer process" not in proc.stderr and "drawn here" not in proc.stderr, proc.stderr
     (run_dir,) = (tmp_path / "out").iterdir()
     assert (run_dir / "timeline.png").stat().st_size and (run_dir / "steps.jsonl").stat().st_size
+
+
+# The writer stops itself as it starts, and the run's close would wait a minute for it.
+_STOPPED_WRITER = ("from batchsim.server.results import record_process as rp; rp._START_CHILD = "
+                   "'import os, signal; os.kill(os.getpid(), signal.SIGSTOP); ' + "
+                   f"rp._START_CHILD; rp.FINISH_WAIT_S = {GUARD_S / 2}; ")
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = _stat(pid)
+    return int(fields[11]) + int(fields[12]) if len(fields) > 12 else -1  # utime + stime
+
+
+def test_a_signal_while_the_run_awaits_its_writer_ends_the_wait(tmp_path, batchsim_home):
+    """The run over, its close awaiting a writer that does not answer (stopped): Ctrl-C ends
+    the wait at once, the writer killed, and the run writes the batches itself (the same
+    records as a run whose writer worked), exit 130. Before, the signal was noted and the run
+    went on waiting (FINISH_WAIT_S, 15 s; here a minute)."""
+    argv = ["run", *SIM, "--request-rate", "50", "--output-len", "40", "--num-prompts", "300",
+            "--seed", "6", "--no-timeline"]
+    env = {**os.environ, "BATCHSIM_HOME": str(batchsim_home)}
+    subprocess.run([sys.executable, "-c", _OFTEN, *argv, "--out", str(tmp_path / "whole")],
+                   env=env, capture_output=True, check=True, timeout=GUARD_S)
+    run = subprocess.Popen([sys.executable, "-c", _STOPPED_WRITER + _OFTEN, *argv, "--out",
+                            str(tmp_path / "cut")], env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        seen = [-2, -1]  # the run's CPU time twice, 0.5 s apart: equal once it only waits
+
+        def waiting() -> bool:
+            seen[:] = [seen[1], _cpu_ticks(run.pid)]
+            time.sleep(0.5)
+            return seen[0] == seen[1] and "record_process" in _children(run.pid)
+
+        wait_until(waiting, "the run to wait for its writer", GUARD_S / 4, run)
+        run.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        err = run.communicate(timeout=GUARD_S)[1]
+        waited_s = time.monotonic() - start
+    finally:
+        run.kill()
+        run.wait(GUARD_S)
+    assert run.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert waited_s < GUARD_S / 4, (waited_s, err[-3000:])
+    assert "did not answer in" in err, err[-3000:]
+    (whole,) = (tmp_path / "whole").iterdir()
+    (cut,) = (tmp_path / "cut").iterdir()
+    for name in ("steps.jsonl", "requests.jsonl"):
+        assert (cut / name).read_bytes() == (whole / name).read_bytes()

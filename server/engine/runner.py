@@ -33,7 +33,7 @@ from batchsim.server.engine.run_dir import (
 )
 from batchsim.server.engine.session import Session
 from batchsim.server.engine.virtual_run import VirtualRun, replays_exactly
-from batchsim.server.results import request_arrays
+from batchsim.server.results import record_process, request_arrays
 from batchsim.server.results.jsonio import new_run_dir
 from batchsim.server.results.metrics import output_tokens_sha256, summarize
 from batchsim.server.results.recorder import RunRecorder
@@ -277,8 +277,9 @@ def _finish(run: _Run, run_dir: Path | None, duration: float, wall: float,
             {rid: r.output_token_ids for rid, r in rec.requests.items()})
     if run.virtual:
         summary["sim_speedup"] = duration / wall if wall > 0 else float("inf")
-    if stream is not None:
-        stream.close(records)  # requests.jsonl in arrival order, as a finished run has it
+    if stream is not None:  # a signal meanwhile ends the wait for the writer process
+        with interrupts.answered_by(record_process.stop_waiting):
+            stream.close(records)  # requests.jsonl in arrival order, as a finished run has it
     if on_summary is not None:  # while the drawing process draws
         _tell(on_summary, summary)
     if draw and run_dir is not None and not (stream and stream.error):  # no room for it

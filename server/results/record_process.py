@@ -55,6 +55,7 @@ keep_until_s: float | None = None  # time.monotonic(): when this process stops k
 START_MARK = b"\nbatchsim records' writer\n"
 STDERR_TAIL_BYTES = 4096  # the child's stderr read for its last line (a file: never fills)
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
+_awaited: dict[WriterProcess, float] = {}  # writers finish() awaits now: since (time.monotonic)
 _START_CHILD = start_code(__name__)
 
 
@@ -174,7 +175,9 @@ class WriterProcess:
         close_wait_s(); then it is killed). A child that ended without answering sets `error`."""
         wait_s = close_wait_s() if wait_s is None else wait_s
         self._queue.put(None)
+        _awaited[self] = time.monotonic()
         self._threads[1].join(wait_s)
+        _awaited.pop(self, None)
         if self._threads[1].is_alive():
             self._late_s = wait_s  # before the kill: the reader says so
             self._child.kill()
@@ -195,6 +198,15 @@ def _past_mark(out: BinaryIO) -> bool:
             return False
         seen = (seen + byte)[-len(START_MARK):]
     return True
+
+
+def stop_waiting() -> None:
+    """A signal while a run's close awaits its writer's last answer (a signal handler's: a
+    second Ctrl-C, a SIGTERM): each writer awaited is killed now, and the run writes the batches
+    it did not answer."""
+    for writer, since_s in list(_awaited.items()):
+        writer._late_s = round(time.monotonic() - since_s, 1)  # before the kill: the reader says so
+        writer._child.kill()
 
 
 def close_wait_s() -> float:

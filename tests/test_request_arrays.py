@@ -208,3 +208,19 @@ def test_a_finished_runs_summary_takes_its_itls_from_the_steps_not_the_token_tim
     assert summarize(records, [], duration_s=9.0, run_tokens=tokens) \
         == summarize(records, [], duration_s=9.0)
     assert tokens._times is None
+
+
+def test_std_overwriting_is_numpys_std_bit_for_bit():
+    """The ITLs' std with the array itself for the deviations: np.std's float exactly (sums
+    of every length around numpy's pairwise blocks, spans, ties, a NaN or an infinity)."""
+    rng = np.random.default_rng(4)
+    for trial in range(300):
+        n = int(rng.integers(1, 3000)) if trial % 100 else 1_100_000
+        values = [rng.random(n), rng.standard_normal(n) * 10.0 ** rng.integers(-8, 9),
+                  np.round(rng.random(n), 3) * 1e6][trial % 3]
+        if trial % 37 == 5:
+            values[rng.integers(n)] = [math.nan, math.inf, -math.inf][trial % 3]
+        with np.errstate(invalid="ignore"):
+            want = np.float64(np.std(values))
+            got = np.float64(request_arrays.std_overwriting(values.copy()))
+        assert got.tobytes() == want.tobytes()

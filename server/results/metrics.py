@@ -67,10 +67,11 @@ def _rate(count: float, duration_s: float) -> float:
 
 def distribution(
     name: str, values_s: Sequence[float] | np.ndarray, percentiles: Sequence[float],
-    counted: tuple[np.ndarray, np.ndarray] | None = None,
+    counted: tuple[np.ndarray, np.ndarray] | None = None, overwrite: bool = False,
 ) -> dict[str, float]:
     """mean/median/std (population) and linear-interpolated percentiles, in ms, as vLLM
-    (`counted`: the values' sorted_counts, if the caller has them: order_stats')."""
+    (`counted`: the values' sorted_counts, if the caller has them: order_stats'; `overwrite`:
+    `values_s`, a float64 array the caller no longer needs, holds the std's deviations)."""
     # One array for the sums, one sorted copy for the order statistics (a simulated hour has a
     # million ITLs).
     x: Any = np.asarray(values_s, dtype=np.float64) if len(values_s) else 0  # vLLM: np.mean(x or 0)
@@ -78,7 +79,8 @@ def distribution(
     out = {
         f"mean_{name}_ms": float(np.mean(x)) * _MS,
         f"median_{name}_ms": median * _MS,
-        f"std_{name}_ms": float(np.std(x)) * _MS,
+        f"std_{name}_ms": (request_arrays.std_overwriting(x) if overwrite and len(values_s)
+                           else float(np.std(x))) * _MS,
     }
     for p, v in zip(percentiles, ranks):
         out[f"p{percentile_label(p)}_{name}_ms"] = v * _MS
@@ -253,7 +255,7 @@ def summarize(
                    "e2el": lat["e2el"], "queue": lat["queue"]}
     for name, values in latencies_s.items():
         out.update(distribution(name, values, percentiles,  # type: ignore[arg-type]
-                                itl_counts if name == "itl" else None))
+                                itl_counts if name == "itl" else None, name == "itl"))
     out.update(_output_lengths(done, percentiles))
     if "p99_queue_ms" not in out:  # always reported, whatever the percentiles
         out["p99_queue_ms"] = request_arrays.order_stats(latencies_s["queue"], (99,))[1][0] * _MS

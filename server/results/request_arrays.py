@@ -212,6 +212,18 @@ def order_stats(values: Any, percentiles: Sequence[float],
     return float(median), ranks.tolist()
 
 
+def std_overwriting(x: np.ndarray) -> float:
+    """float(np.std(x)) for a float64 array, by numpy's own operations (its _var: the sum over
+    the count, the deviations squared and summed, over the count, the root), with `x` itself
+    overwritten by the deviations: a million ITLs make no second 9 MB array (its page faults:
+    more than the arithmetic). tests/test_request_arrays.py holds it to np.std's bits."""
+    mean = np.add.reduce(x, axis=None, keepdims=True)
+    np.true_divide(mean, np.intp(x.size), out=mean, casting="unsafe")
+    np.subtract(x, mean, out=x)
+    np.square(x, out=x)
+    return float(np.sqrt(np.add.reduce(x, axis=None) / np.intp(x.size)))
+
+
 def sorted_counts(sorted_times: np.ndarray, counts: np.ndarray | None = None
                   ) -> tuple[np.ndarray, np.ndarray]:
     """The distinct values of a sorted array and how often each occurs (a step's tokens share its

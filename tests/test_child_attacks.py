@@ -63,7 +63,7 @@ def test_a_run_directory_removed_mid_run_is_not_made_again_nor_called_a_success(
         run.kill()
         run.wait(GUARD_S)
     last = _one_line_error(run, err)
-    assert "No such file or directory" in last and "its records are gone" in last, last
+    assert "No such file or directory" in last and "its records went with it" in last, last
     assert not run_dir.exists()
 
 

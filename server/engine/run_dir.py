@@ -67,7 +67,7 @@ def write_summary_noting_failures(run_dir: Path | None, summary: dict[str, Any],
         return None
     kept = (getattr(error, "kept", run_files.WriteFailed.kept)
             if run_dir is None or run_dir.is_dir() else
-            "its directory was removed: its records are gone")
+            "its directory was removed or moved: its records went with it")
     return f"{'; '.join(problems)} (the run stopped; {kept})"
 
 

@@ -271,14 +271,14 @@ class RecordStream(RecordWriter):
         """The run is over: `records` are every request in arrival order. requests.jsonl becomes
         exactly those rows in that order; rows already written are copied, not encoded again."""
         self.close_unfinished()
-        if (self.error is not None and not self._writable) or (
-                [r.request_id for r in records] == self._written_ids):
+        ids = [r.request_id for r in records]
+        if (self.error is not None and not self._writable) or ids == self._written_ids:
             return  # streamed complete and in order, or no room to write them again
         path = self.run_dir / REQUESTS
         try:  # the streamed file stays, in completion order, if this fails
             write_atomically(path, lambda out: self._write_in_order(path, out, records))
         except WriteFailed as exc:
-            self._failed(exc)
+            self._rewrite_failed(exc, ids)
 
     def _write_in_order(self, path: Path, out: BinaryIO, records: Sequence[RequestRecord]) -> None:
         ends = itertools.accumulate(self._line_bytes)  # request id -> (offset, length) in the file

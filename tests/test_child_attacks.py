@@ -258,3 +258,18 @@ def test_no_room_to_put_whole_records_in_arrival_order_is_a_warning(tmp_path, mo
     stream.add_request(records[0])
     stream.close(records)  # 2 and 3 were never written: lost with the rewrite
     assert len(errors) == 1 and "No space left on device" in str(stream.error)
+
+
+def test_a_backend_named_in_mplbackend_that_cannot_load_costs_no_picture(tmp_path,
+                                                                        batchsim_home):
+    """MPLBACKEND left by a notebook's terminal (module://matplotlib_inline..., a package this
+    environment lacks): batchsim writes files on Agg whatever it names. Before, matplotlib's
+    import failed on it in the drawing child and again in the run: 'timeline.png: not drawn'."""
+    env = {**os.environ, "BATCHSIM_HOME": str(batchsim_home),
+           "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
+    proc = subprocess.run([sys.executable, "-m", "batchsim.scripts.cli", "run", *SIM,
+                           "--num-prompts", "20", "--out", str(tmp_path)], env=env,
+                          capture_output=True, check=False, text=True, timeout=GUARD_S)
+    assert proc.returncode == 0 and "not drawn" not in proc.stderr, proc.stderr[-3000:]
+    (run_dir,) = tmp_path.iterdir()
+    assert (run_dir / "timeline.png").read_bytes().startswith(b"\x89PNG")

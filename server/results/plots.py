@@ -4,14 +4,23 @@ the file-only Agg backend, imported on first use."""
 from __future__ import annotations
 
 import io
+import os
 import sys
 from pathlib import Path
 
 from batchsim.server.results.run_files import replace_atomically
 
 
+def _agg_only() -> None:
+    """Before matplotlib's import: the Agg backend, whatever MPLBACKEND names (matplotlib's
+    import fails on one it cannot load: a notebook terminal's module://matplotlib_inline...)."""
+    if "matplotlib" not in sys.modules:
+        os.environ["MPLBACKEND"] = "agg"
+
+
 def pyplot():
     """matplotlib.pyplot on the file-only Agg backend (no display needed), imported on first use."""
+    _agg_only()
     import matplotlib
 
     matplotlib.use("Agg")
@@ -23,6 +32,7 @@ def pyplot():
 def figure(**kwargs):
     """A matplotlib Figure outside pyplot (less to import, nothing to close): for PNGs written
     at the end of every run."""
+    _agg_only()
     from matplotlib.figure import Figure
 
     return Figure(**kwargs)

@@ -166,6 +166,16 @@ def test_run_tokens_are_the_records_times_and_sorted_counts():
         itls = request_arrays.RunTokens(ends, ran, records).itls()
         want_itls = request_arrays.itls(want_times, want_owner)
         assert itls.tobytes() == want_itls.tobytes() and itls.dtype == want_itls.dtype
+        first_last = request_arrays.RunTokens(ends, ran, records).first_last_s()
+        if first_last is not None:  # every request has a token: its record's first and last
+            for got, index in zip(first_last, (0, -1)):
+                want = np.array([r.token_times_s[index] for r in records], dtype=np.float64)
+                assert got.tobytes() == want.tobytes()
+            got_lat, want_lat = request_arrays.latencies_s(records, first_last), \
+                request_arrays.latencies_s(records)
+            assert all(got_lat[k].tobytes() == want_lat[k].tobytes() for k in want_lat)
+        else:
+            assert not all(r.token_times_s for r in records) or trial % 11 == 2
         counted = request_arrays.RunTokens(ends, ran, records).itl_counts()
         if counted is not None:  # per step: np.sort's sorted_counts of the ITLs, byte for byte
             for got, want in zip(counted, request_arrays.sorted_counts(np.sort(want_itls))):

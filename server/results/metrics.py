@@ -225,14 +225,9 @@ def summarize(
     if the caller has them."""
     slo = parse_goodput([f"{k}:{v}" for k, v in goodput_slo_ms.items()]) if goodput_slo_ms else None
     done = [r for r in requests if r.status == "finished"]
-    itl_counts = None
-    if run_tokens is not None and len(done) == len(requests):
-        every, itl, mine = run_tokens.counts(), run_tokens.itls(), None
-        itl_counts = run_tokens.itl_counts()
-    else:
-        every, itl, mine = _finished_tokens(requests, (run_tokens.times() if run_tokens else
-                                                       token_times_s))
-    lat = request_arrays.latencies_s(done)  # queue: arrival to first scheduled
+    every, itl, mine, itl_counts, first_last_s = _token_arrays(
+        requests, len(done) == len(requests), run_tokens, token_times_s)
+    lat = request_arrays.latencies_s(done, first_last_s)  # queue: arrival to first scheduled
     statuses = collections.Counter(map(attrgetter("status"), requests))  # no generator's frames
     total_in = sum(map(attrgetter("num_prompt_tokens"), done))
     total_out = sum(map(attrgetter("num_output_tokens"), done))
@@ -263,6 +258,18 @@ def summarize(
                            peak_memory_bytes, step_columns, running_peak_kv_bytes))
     out["peak_rss_bytes"] = peak_rss_bytes  # the process's peak resident memory (real compute)
     return out
+
+
+def _token_arrays(requests: Sequence[RequestRecord], all_finished: bool,
+                  run_tokens: request_arrays.RunTokens | None,
+                  token_times_s: tuple[np.ndarray, ...] | None) -> tuple[Any, ...]:
+    """_finished_tokens' three, then the ITLs' sorted_counts and the requests' first and last
+    token times where the run's RunTokens give them (every request finished), else None."""
+    if run_tokens is not None and all_finished:
+        return (run_tokens.counts(), run_tokens.itls(), None, run_tokens.itl_counts(),
+                run_tokens.first_last_s())
+    return (*_finished_tokens(requests, run_tokens.times() if run_tokens else token_times_s),
+            None, None)
 
 
 def _finished_tokens(requests: Sequence[RequestRecord], token_times_s: tuple[np.ndarray, ...] | None

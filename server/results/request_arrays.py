@@ -109,6 +109,21 @@ class RunTokens:
         order = np.argsort(gaps)  # equal gaps are equal bits (no -0.0): any order
         return sorted_counts(gaps[order], counts[order])
 
+    def first_last_s(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Each request's first and last token times (its record's token_times_s[0] and [-1]),
+        from the steps' ends, not read from 18,000 tuples; None unless every request has a
+        token inside step_end_s."""
+        if not self._inside:
+            return None
+        first, end, joined = self._runs_with_tokens()
+        begins = np.ones(len(first), dtype=bool)
+        begins[joined + 1] = False  # a request's runs with tokens: from one joined to none before
+        starts = np.flatnonzero(begins)
+        if len(starts) != len(self._per_request):  # a request without a token
+            return None
+        lasts = np.append(starts[1:], len(first)) - 1
+        return self._ends_s[first[starts]], self._ends_s[end[lasts] - 1]
+
     def _runs_with_tokens(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The runs' first and end steps, those without tokens left out, and the runs i whose
         request's next run is i + 1 (made once: itls(), then itl_counts())."""
@@ -137,19 +152,22 @@ def itls(times: np.ndarray, owner: np.ndarray) -> np.ndarray:
     return np.diff(times)[owner[1:] == owner[:-1]]
 
 
-def latencies_s(done: Sequence[Any]) -> dict[str, np.ndarray]:
+def latencies_s(done: Sequence[Any], first_last_s: tuple[np.ndarray, np.ndarray] | None = None
+                ) -> dict[str, np.ndarray]:
     """Completed requests' ttft_s, tpot_s, e2el_s and queue_s (each where it is not None), and
     arrival_s, in request order: the floats RequestRecord's properties give, by the same
-    operations."""
+    operations (`first_last_s`: their first and last token times, RunTokens.first_last_s')."""
     n = len(done)
     arrival = np.fromiter(map(attrgetter("arrival_s"), done), np.float64, n)
-    times = list(map(attrgetter("token_times_s"), done))  # a completed request has a token
+    if first_last_s is None:
+        times = list(map(attrgetter("token_times_s"), done))  # a completed request has a token
+        first_last_s = (np.fromiter(map(itemgetter(0), times), np.float64, n),
+                        np.fromiter(map(itemgetter(-1), times), np.float64, n))
     ended, finished = _where_given(list(map(attrgetter("finished_s"), done)))
     scheduled, first_scheduled = _where_given(list(map(attrgetter("first_scheduled_s"), done)))
     tokens = np.fromiter(map(attrgetter("num_output_tokens"), done), np.int64, n)
-    ttft = np.fromiter(map(itemgetter(0), times), np.float64, n) - arrival
-    e2el = np.where(ended, finished, np.fromiter(map(itemgetter(-1), times), np.float64, n))
-    e2el = e2el - arrival
+    ttft = first_last_s[0] - arrival
+    e2el = np.where(ended, finished, first_last_s[1]) - arrival
     many = tokens >= 2  # tpot: None below 2 tokens
     return {"ttft": ttft, "tpot": (e2el[many] - ttft[many]) / (tokens[many] - 1), "e2el": e2el,
             "queue": (first_scheduled - arrival)[scheduled], "arrival": arrival}

@@ -4,8 +4,11 @@ a run that ends before that flush never waits for it (it is killed unused; writt
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
+import pytest
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 from batchsim.server.results import record_process, run_files
@@ -85,3 +88,22 @@ def test_a_writer_process_is_sent_a_batch_every_writer_period_after_its_first(tm
         _add(stream, i)
     wait_until(lambda: the_files(tmp_path)[0].count(b"\n") == 4, "each step written")
     stream.close([request_record(i, float(i), float(i)) for i in range(4)])
+
+
+def test_a_failed_set_up_ends_the_early_writer_and_closes_the_files(tmp_path, monkeypatch):
+    """The writer starts before the run's set-up (_Run): a set-up that raises (here the
+    scheduler's) leaves no writer process running and no file of the run open."""
+    started = _started(monkeypatch)
+    session = open_session(sim_config(n=30))
+
+    def no_scheduler():
+        raise RuntimeError("no scheduler")
+
+    monkeypatch.setattr(session, "new_scheduler", no_scheduler)
+    with pytest.raises(RuntimeError, match="no scheduler"):
+        run_workload(session, session.config.workload, out_dir=tmp_path, label="t")
+    assert len(started) == 1 and started[0]._child.returncode == -signal.SIGKILL
+    run_dir = next(tmp_path.iterdir())
+    opened = {os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+              if os.path.exists(f"/proc/self/fd/{fd}")}
+    assert not opened & {str((run_dir / n).resolve()) for n in ("steps.jsonl", "requests.jsonl")}

@@ -227,7 +227,12 @@ def _run_recorded(session: Session, spec: WorkloadSpec, on_step: Callable | None
     with long_lived_heap():  # the workload's requests too (18,000: 26 collections went over)
         if stream is not None and session.executor.caps.virtual_time:
             stream.start_writer()  # a simulated run: its import overlaps the run's set-up, loop
-        run = _Run(session, spec, on_step, stream, interrupts)
+        try:
+            run = _Run(session, spec, on_step, stream, interrupts)
+        except BaseException:  # a failed set-up: the files closed, the unused writer ended
+            if stream is not None:
+                stream.close_unfinished()
+            raise
         wall0 = time.perf_counter()
         interrupts.abandon = functools.partial(_abandon, run, run_dir, wall0)
         try:

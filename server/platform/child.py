@@ -32,3 +32,21 @@ def resume_when_orphaned() -> None:
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGCONT))
+
+
+def how_it_ended(code: int | None, stderr: bytes) -> str:
+    """How a child process ended, for a message: 'was killed (SIGTERM)', or 'exited 1: ' and
+    the last line of its `stderr` (None: its end unknown)."""
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed ({signal.Signals(-code).name})"
+        return f"was killed (signal {-code})"
+    lines = stderr.decode(errors="replace").strip().splitlines()
+    return f"exited {code}: {(lines or ['no message'])[-1][:200]}"
+
+
+def ignore_stop_signals() -> None:
+    """SIGINT, SIGTERM, SIGHUP ignored: a whole service stopped (systemd signals every process
+    of its group) ends a child through its run (its pipe's end), which it then answers."""
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, signal.SIG_IGN)

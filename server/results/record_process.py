@@ -15,7 +15,6 @@ import operator
 import os
 import pickle
 import queue
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from batchsim.server.platform.child import start_code
+from batchsim.server.platform.child import how_it_ended, ignore_stop_signals, start_code
 from batchsim.server.results.json_lines import run_items
 from batchsim.server.results.record_writer import (
     REQUESTS,
@@ -150,14 +149,9 @@ class WriterProcess:
         if self._late_s is not None:
             return f"did not answer in {self._late_s:g} s"
         code = self._child.wait()  # its answers' end: it is gone, or going
-        if code < 0:
-            with contextlib.suppress(ValueError):
-                return f"was killed ({signal.Signals(-code).name})"
-            return f"was killed (signal {-code})"
         self._stderr.seek(0, os.SEEK_END)
         self._stderr.seek(max(0, self._stderr.tell() - STDERR_TAIL_BYTES))
-        lines = self._stderr.read().decode(errors="replace").strip().splitlines()
-        return f"exited {code}: {(lines or ['no message'])[-1][:200]}"
+        return how_it_ended(code, self._stderr.read())
 
     def end_unused(self) -> None:
         """Killed before it was sent anything (the run writes its files): gone at once."""
@@ -250,8 +244,7 @@ def _serve(run_dir: str, steps_fd: str, requests_fd: str) -> int:
     """The child: write each message read from stdin until its end, then answer the written
     requests' ids and line lengths. A message it cannot read (cut short: the run was killed, no
     one hears the answer) ends the writing: answered as a failed write."""
-    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a whole service stopped:
-        signal.signal(number, signal.SIG_IGN)  # the run ends the records (its pipe's end)
+    ignore_stop_signals()  # the run ends the records (its pipe's end)
     files = {STEPS: os.fdopen(int(steps_fd), "wb", buffering=0),
              REQUESTS: os.fdopen(int(requests_fd), "wb", buffering=0)}
     writer = _ChildWriter(Path(run_dir), files, sys.stdout.buffer)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+from batchsim.server.platform.child import how_it_ended, ignore_stop_signals
 from batchsim.server.results import drawing_start
 from batchsim.server.results.plots import figure, save_figure
 from batchsim.server.results.records import RequestRecord, StepRecord
@@ -251,7 +252,8 @@ class DrawingProcess:
                        f"the drawing process did not answer in {self.wait_s:.1f} s")
                 return None, f"{TIMELINE}: not drawn ({why}; stopped)"
         reply = self._reply or (None, f"{TIMELINE}: not drawn (nothing was sent to draw)")
-        if reply[0] is None and self._job is not None and reply[1] and _CHILD_FAILED in reply[1]:
+        if reply[0] is None and self._job is not None and (reply[1] or "").startswith(
+                _CHILD_FAILED):
             path, panels = self._job  # the child failed before drawing: drawn here instead
             here = drawn(lambda: draw_panels(path, panels))
             return here[0], reply[1].replace("not drawn", "drawn here", 1) if here[0] else here[1]
@@ -296,7 +298,7 @@ class DrawingProcess:
         self.close()
 
 
-_CHILD_FAILED = "the drawing process exited"
+_CHILD_FAILED = f"{TIMELINE}: not drawn (the drawing process "  # it ended without an answer
 
 
 def _reply(out: bytes, err: bytes, returncode: int | None) -> tuple[str | None, str | None]:
@@ -306,8 +308,7 @@ def _reply(out: bytes, err: bytes, returncode: int | None) -> tuple[str | None, 
         path, why = json.loads(out.rsplit(b"\n", 1)[-1])
         return path, why
     except (ValueError, TypeError):
-        last = (err.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
-        return None, f"{TIMELINE}: not drawn ({_CHILD_FAILED} {returncode}: {last})"
+        return None, f"{_CHILD_FAILED}{how_it_ended(returncode, err)})"
 
 
 def _warm() -> None:
@@ -326,6 +327,7 @@ def _serve() -> int:
     """The child: warm up while the run runs (a short run sends first: no time to), then draw
     the (path, panels) read from stdin; stdout: [path, why]. Nothing sent (the run failed or was
     not drawn): exit."""
+    ignore_stop_signals()  # a service stopped: the run stops, sends its panels, awaits them
     canvas = _canvas(ahead=True)  # matplotlib imported, the figure made while the run runs
     if not select.select([sys.stdin], [], [], 0)[0]:  # the panels not sent yet: time to warm up
         _warm()

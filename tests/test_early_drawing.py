@@ -9,9 +9,13 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
+from batchsim.server.results import drawing_start
 from batchsim.server.results.drawing_start import wanted_early
+
+from tests.sim_records import wait_until
 
 # The program as the console script starts it, each drawing child it starts noted in $NOTED:
 # its pid and whether the run's modules had loaded then.
@@ -85,6 +89,42 @@ def test_a_stop_signal_while_starting_leaves_no_drawing_child(batchsim_home, tmp
     assert done.returncode == 130 and done.stderr == (
         "batchsim: interrupted while starting (SIGTERM)\n")
     assert len(children) == 1 and _gone(children[0][0])
+
+
+def _unwritable_home(monkeypatch, tmp_path):
+    """HOME not writable (matplotlib then makes its config directory in the temp directory), the
+    temp directory tmp_path/tmp: returned."""
+    monkeypatch.setenv("HOME", "/proc/nonexistent")
+    for name in ("MPLCONFIGDIR", "XDG_CONFIG_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    return tmp
+
+
+def test_a_child_killed_while_importing_matplotlib_leaves_no_temp_directory(tmp_path,
+                                                                            monkeypatch):
+    """Killed after matplotlib made its config directory (matplotlib-XXXX: its exit functions,
+    which a kill skips, would remove it), as a refused run kills it: nothing left."""
+    tmp = _unwritable_home(monkeypatch, tmp_path)
+    tempfile.tempdir = None  # read TMPDIR again
+    try:
+        drawing_start.start_early()
+        wait_until(lambda: list(tmp.rglob("matplotlib-*")), "matplotlib's config directory",
+                   wait_s=120)
+        drawing_start.end_early()
+    finally:
+        tempfile.tempdir = None
+    assert list(tmp.iterdir()) == []
+
+
+def test_a_drawn_run_leaves_no_temp_directory(batchsim_home, tmp_path, monkeypatch):
+    tmp = _unwritable_home(monkeypatch, tmp_path)
+    done, children = _program(batchsim_home, tmp_path, [*SIM, "--out", str(tmp_path / "o")])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1])["timeline_png"]
+    assert len(children) == 1 and list(tmp.iterdir()) == []
 
 
 # end_early noted with whether the run had written its records yet (steps.jsonl under --out).

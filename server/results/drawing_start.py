@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 from batchsim.server.platform.child import start_code
 
@@ -18,19 +21,54 @@ DRAWING_MODULE = "batchsim.server.results.timeline_draw"
 START_CHILD = start_code(DRAWING_MODULE)
 # Flags after which the run draws no timeline apart (or says only its help): no early child.
 _NOT_APART = frozenset({"--no-timeline", "--target", "--ranks", "--hostfile", "-h", "--help"})
+# The child's TMPDIR, a directory of batchsim's (named in the child's environment under OWN_TMP):
+# where HOME is not writable, matplotlib makes its config directory there (matplotlib-XXXX),
+# which only its exit functions remove; a child killed mid-import leaves it to ended() here.
+OWN_TMP = "BATCHSIM_DRAWING_TMPDIR"
 _early: subprocess.Popen | None = None
+_tmp_dirs: dict[subprocess.Popen, str] = {}  # each child's own TMPDIR
 
 
 def start(code: str = START_CHILD) -> subprocess.Popen | None:
     """A drawing child running `code`, or None where none can start (no such program:
     sys.executable None or gone). Its own session: Ctrl-C at the terminal stops the run, which
-    then draws."""
+    then draws. Its own TMPDIR (OWN_TMP): removed as it exits, or by ended()."""
+    tmp = _new_tmp()
+    env = None if tmp is None else {**os.environ, "TMPDIR": tmp, OWN_TMP: tmp}
     try:
-        return subprocess.Popen([sys.executable or "", "-c", code], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True)
+        child = subprocess.Popen([sys.executable or "", "-c", code], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 start_new_session=True, env=env)
+    except OSError:
+        remove_tmp(tmp)
+        return None
+    if tmp is not None:
+        _tmp_dirs[child] = tmp
+    return child
+
+
+def _new_tmp() -> str | None:
+    """A new directory in the user's temp directory, or None (none writable: the child's is
+    the user's)."""
+    try:
+        return tempfile.mkdtemp(prefix="batchsim-drawing-")
     except OSError:
         return None
+
+
+def remove_tmp(tmp: str | None) -> None:
+    """`tmp` (a child's own TMPDIR, or None) removed with what is in it."""
+    if tmp:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ended(child: subprocess.Popen) -> None:
+    """A drawing child, ending or killed: waited for, its pipes closed, its TMPDIR removed."""
+    child.wait()
+    for stream in (child.stdin, child.stdout, child.stderr):
+        if stream is not None and not stream.closed:
+            stream.close()
+    remove_tmp(_tmp_dirs.pop(child, None))
 
 
 def wanted_early(argv: list[str]) -> bool:
@@ -63,7 +101,4 @@ def end_early() -> None:
     if child is None:
         return
     child.kill()
-    child.wait()
-    for stream in (child.stdin, child.stdout, child.stderr):
-        if stream is not None:
-            stream.close()
+    ended(child)

@@ -286,10 +286,7 @@ class DrawingProcess:
         else:
             self._talk.join(self.wait_s)
             self._end_child()
-        child.wait()
-        for stream in (child.stdin, child.stdout, child.stderr):
-            if stream is not None and not stream.closed:
-                stream.close()
+        drawing_start.ended(child)
 
     def __enter__(self) -> DrawingProcess:
         return self
@@ -345,8 +342,9 @@ if __name__ == "__main__":
     # Answered: gone at once. The interpreter's teardown (matplotlib's objects and modules freed,
     # 0.5 s at load 9) would hold the parent's wait for this process after the picture is done.
     # Its exit functions still run (matplotlib's removes the temporary config directory it made
-    # where HOME is not writable), and both streams are flushed.
+    # where HOME is not writable), and both streams are flushed; its own TMPDIR goes too.
     atexit._run_exitfuncs()
+    drawing_start.remove_tmp(os.environ.get(drawing_start.OWN_TMP))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

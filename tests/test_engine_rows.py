@@ -225,7 +225,7 @@ def test_a_top_p_samplers_bytes_are_their_own_part_at_their_own_rate():
     plain = bare_mac("M5 Max 40c")
     slowed = dataclasses.replace(plain, top_p_slowdown=4.0)
     peak = plain.bandwidth_gbs * 1e9
-    row_bytes = spec.vocab_size * 172  # mlx-lm's passes over a row of 2-byte logits
+    row_bytes = spec.vocab_size * top_p_bytes_per_logit(spec.vocab_size, "float16")
     cost = {(mac.top_p_slowdown, p): StepCost(spec, mac, "float16", 4,
                                               engine=host_engine(top_p=p))
             for mac in (plain, slowed) for p in (None, 0.95)}
@@ -242,6 +242,21 @@ def test_a_top_p_samplers_bytes_are_their_own_part_at_their_own_rate():
     assert cost[4.0, 0.95].prefill_time(128, 0, False).top_p_s == 0.0
     assert cost[4.0, 0.95].prefill_forward_s(128, 0, True) == pytest.approx(chunk.total_s)
     assert load_fit().top_p_slowdown >= 1.0  # fitted (published.fit's "top_p" column)
+
+
+def test_a_calibrated_device_prices_a_top_p_samplers_bytes_at_its_measured_rate():
+    """A calibrated device measured its own elementwise rate: StepCost.top_p_s prices the
+    sampler's bytes there, not at a fitted top_p_slowdown it also carries."""
+    from tests.sim_profile import PROFILE
+
+    spec = zoo_spec("smollm2-135m")
+    slowed = dataclasses.replace(PROFILE, top_p_slowdown=4.0)
+    cost = StepCost(spec, slowed, "float32", None, engine=host_engine(top_p=0.95))
+    row_bytes = spec.vocab_size * top_p_bytes_per_logit(spec.vocab_size, "float32")
+    ns_per_byte = PROFILE.calibration.elementwise_ns_per_byte
+    for rows in (1, 8):
+        assert cost.decode_time(rows, 64).top_p_s == pytest.approx(
+            rows * row_bytes * ns_per_byte * 1e-9)
 
 
 def test_a_row_sampled_with_top_p_is_priced_with_its_harness_top_p():

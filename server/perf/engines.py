@@ -217,8 +217,7 @@ def top_p_bytes_per_logit(vocab: int, dtype: str,
     whose logits are `dtype` (mlx-lm samples the model's dtype: generate.py at a790972,
     line 540, `logprobs = logits - logsumexp(logits)` with no cast, and its heads return the
     activation dtype): MLX's argsort of the row and the sampler's other passes. Their time is
-    StepTime.top_p_s: these bytes at the peak bandwidth times GpuFit.top_p_slowdown (a merge
-    pass's threadgroups also wait on each other, not only on memory)."""
+    StepTime.top_p_s (StepCost.top_p_s, GpuFit.top_p_slowdown)."""
     value_bytes = dtype_bytes(dtype)
     work = 4 if dtype in code.casts else value_bytes
     cast = value_bytes + work if dtype in code.casts else 0

@@ -88,12 +88,20 @@ class GpuFit:
     ultra_gemv_row_slowdown: float = 0.0
     # A top-p sampler's passes over a sampled row's logits (engines.top_p_bytes_per_logit: MLX's
     # argsort, then gathers, a scan and a scatter) take this many times their bytes' time at the
-    # peak bandwidth, fitted in [1, 30] (published.solve); 0: priced as elementwise bytes. MLX's
-    # Metal sort is no streaming kernel: each merge pass stages its tiles in threadgroup memory and
-    # binary-searches merge partitions between barriers (mlx/backend/metal/kernels/sort.h,
-    # mb_block_merge, v0.32.0), and its own benchmark (ml-explore/mlx PR 1831) sorts a
-    # (1024, 1024) float32 array in 1.51 ms on an M2: 8.4 MB read and written, over 18x its time at
-    # the M2's 100 GB/s, and no M2 has less.
+    # peak bandwidth (StepTime.top_p_s), fitted from 1 up to qmv's cap (published.solve) on the
+    # rows whose source states a top_p (only published rows: no shipped engine sets one); 0: no
+    # fitted rate (StepCost.top_p_s prices them as elementwise bytes). One factor blended over
+    # three sampler codes (mlx-lm's apply_top_p, Rapid-MLX's fused one, which has no scatter, and
+    # ekryski's mlx-swift-lm TopPSampler) and over all of a row's bytes, the sort's (100 of
+    # mlx-lm's 172 B per float16 logit of a 151,936-token row) and the elementwise and gather
+    # passes' alike: not the sort's own rate. Why a sort pays more than its bytes: a row of more
+    # than 2048 values takes MLX's multi-block sort, each merge pass mb_block_partition, then
+    # mb_block_merge staging tiles in threadgroup memory between barriers (mlx/backend/metal/
+    # sort.cpp multi_block_sort, kernels/sort.h, v0.32.0). MLX's own timings (ml-explore/mlx PR
+    # 1831, "benchmarks on M2", dtype not stated) are of its single-block sort (a 1024-value row
+    # is one 256 x 4 block): (1024, 1024) 1.51 ms and (4096, 1024) 4.54 ms over a floor of about
+    # 0.46 ms a call ((160,) 0.467, (1024, 4) 0.457); the 3072 rows between them take 3.03 ms for
+    # about 25 MB read and written as float32, about 12x their time at 100 GB/s (no M2 has less).
     top_p_slowdown: float = 0.0
     # The fixed costs per layer and per forward pass are MLX encoding each kernel's dispatch on the
     # CPU while the GPU runs the last ones: they scale as (1 / Mac.cpu_speed) ** cpu_exponent, its

@@ -140,8 +140,7 @@ class DeviceProfile:
     kv_bandwidth_efficiency: float = 0.0
     token_layer_s: float = 0.0
     sampling_row_s: float = 0.0
-    # A top-p sampler's bytes (StepTime.top_p_s) take this many times their time at the peak
-    # bandwidth (0: priced as elementwise bytes, at bandwidth_efficiency).
+    # GpuFit.top_p_slowdown: a top-p sampler's bytes over their time at the peak bandwidth.
     top_p_slowdown: float = 0.0
     # Apple GPU family ('g13d': server.perf.qmv) and the arithmetic rate of MLX's quantized
     # matrix-vector kernel over several rows (each row dequantizes and multiplies every weight):
@@ -180,12 +179,6 @@ class DeviceProfile:
     @property
     def bytes_per_s(self) -> float:
         return self.bandwidth_gbs * 1e9 * self.bandwidth_efficiency
-
-    @property
-    def top_p_bytes_per_s(self) -> float:
-        if not self.top_p_slowdown:
-            return self.bytes_per_s
-        return self.bandwidth_gbs * 1e9 / self.top_p_slowdown
 
     @property
     def kv_bytes_per_s(self) -> float:

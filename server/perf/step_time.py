@@ -35,8 +35,8 @@ class StepTime:
     draft_s: float = 0.0
     # The serving engine's host work per request started (its first token's prefill chunk).
     host_request_s: float = 0.0
-    # A top-p sampler's passes over its rows' logits (MLX's argsort and the gathers, scan and
-    # scatter around it: engines.top_p_bytes_per_logit) at their own rate (GpuFit.top_p_slowdown).
+    # A top-p sampler's passes over its rows' logits (engines.top_p_bytes_per_logit) at their own
+    # rate (StepCost.top_p_s, GpuFit.top_p_slowdown).
     top_p_s: float = 0.0
 
     @property

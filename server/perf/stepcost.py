@@ -165,12 +165,13 @@ class StepCost:
         return self.bytes_s(self.elementwise_bytes(m, logits) - top_p)
 
     def top_p_s(self, m: int) -> float:
-        """The top-p sampler's passes over m rows' logits (StepTime.top_p_s): a calibrated
-        device's elementwise rate, else the profile's top-p rate."""
-        nbytes = self.layers.sampler_bytes(m)
-        if not nbytes or self.cal is not None:
+        """The top-p sampler's passes over m rows' logits (StepTime.top_p_s): their bytes at the
+        peak bandwidth times the profile's top_p_slowdown; as elementwise bytes (bytes_s) on a
+        calibrated device or where no slowdown is fitted (0)."""
+        nbytes, slowdown = self.layers.sampler_bytes(m), self.profile.top_p_slowdown
+        if not nbytes or not slowdown or self.cal is not None:
             return self.bytes_s(nbytes)
-        return nbytes / self.profile.top_p_bytes_per_s
+        return nbytes / (self.profile.bandwidth_gbs * 1e9 / slowdown)
 
     def weight_stream_s(self, k: int, n: int) -> float:
         """Seconds to stream one (k -> n) weight matrix from memory at the achievable bandwidth

@@ -218,6 +218,8 @@ def test_a_finished_runs_summary_takes_its_itls_from_the_steps_not_the_token_tim
     assert summarize(records, [], duration_s=9.0, run_tokens=tokens) \
         == summarize(records, [], duration_s=9.0)
     assert tokens._times is None
+    none = request_arrays.RunTokens([], [], [])  # a run stopped before any request came
+    assert summarize([], [], duration_s=0.0, run_tokens=none) == summarize([], [], duration_s=0.0)
 
 
 def test_std_overwriting_is_numpys_std_bit_for_bit():

@@ -119,7 +119,7 @@ class RunTokens:
         begins = np.ones(len(first), dtype=bool)
         begins[joined + 1] = False  # a request's runs with tokens: from one joined to none before
         starts = np.flatnonzero(begins)
-        if len(starts) != len(self._per_request):  # a request without a token
+        if not len(starts) or len(starts) != len(self._per_request):  # a request without a token
             return None
         lasts = np.append(starts[1:], len(first)) - 1
         return self._ends_s[first[starts]], self._ends_s[end[lasts] - 1]

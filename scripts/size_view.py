@@ -189,8 +189,10 @@ def print_parts(rows: list[dict], meta: dict) -> None:
               "the first that MLX runs as qmv, and MoE (token, expert) pairs past their "
               "expert's first below the grouped-matmul gate; attention rows: attention's fixed "
               "cost per row; token ops: elementwise kernels' per token; sampling: per row; host "
-              f"step / host token: the engine's ({meta['engine']}) host work. Zero parts are not "
-              "shown.")
+              f"step / host token: the engine's ({meta['engine']}) host work"
+              + ("; top p: its top-p sampler's passes over each sampled row's logits (MLX's "
+                 "argsort, gathers, a scan and a scatter), their bytes at the fit's top-p rate"
+                 if "top_p_s" in shown else "") + ". Zero parts are not shown.")
 
 
 def _held_out(errors: dict) -> str:

@@ -324,6 +324,20 @@ def test_explain_shows_the_parts_of_the_predicted_step(tmp_path, capsys):
     assert not {"parts", "parts_b1"} & set(plain["rows"][0])  # keys unchanged without --explain
 
 
+def test_explain_says_what_a_top_p_part_is_where_one_shows(capsys):
+    from batchsim.scripts.size_view import PARTS, print_parts
+
+    meta = {"spec_tokens": 0, "engine": "e", "context": "512", "context_mean_tokens": 512.0}
+    for top_p_s in (2e-4, 0.0):
+        parts = {**dict.fromkeys(PARTS, 0.0), "weights_s": 1e-3, "top_p_s": top_p_s,
+                 "total_s": 1e-3 + top_p_s}
+        print_parts([{"label": "M5 Max 40c", "memory_gb": 48, "max_batch": 8, "parts_b1": parts,
+                      "parts": parts}], meta)
+        printed = " ".join(capsys.readouterr().out.split())
+        assert ("top p ms" in printed) == ("top p: its top-p sampler's" in printed) == (
+            top_p_s > 0)
+
+
 NON_DENSE = ("qwen3-30b-a3b", "gpt-oss-20b", "gpt-oss-120b", "gemma-3-27b", "qwen3-next-80b-a3b",
              "deepseek-v3", "tiny-moe", "tiny-sliding", "tiny-hybrid", "tiny-mla")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -89,6 +90,44 @@ def test_a_stop_signal_while_starting_leaves_no_drawing_child(batchsim_home, tmp
     assert done.returncode == 130 and done.stderr == (
         "batchsim: interrupted while starting (SIGTERM)\n")
     assert len(children) == 1 and _gone(children[0][0])
+
+
+# SIGTERM as the drawing child's Popen returns, before start_early has noted the child.
+SIGNALLED_AT_FORK = """
+import signal
+forked = subprocess.Popen.__init__
+def signalled(self, args, *a, **k):
+    forked(self, args, *a, **k)
+    if "timeline_draw" in " ".join(map(str, args)):
+        os.kill(os.getpid(), signal.SIGTERM)
+subprocess.Popen.__init__ = signalled
+"""
+
+
+def test_a_stop_signal_as_the_child_starts_leaves_no_drawing_child(batchsim_home, tmp_path):
+    done, children = _program(batchsim_home, tmp_path, [*SIM, "--out", str(tmp_path)],
+                              patch=SIGNALLED_AT_FORK)
+    assert done.returncode == 130 and done.stderr == (
+        "batchsim: interrupted while starting (SIGTERM)\n")
+    assert len(children) == 1 and _gone(children[0][0])  # killed, not orphaned
+
+
+def test_the_early_child_has_its_stop_signals_unblocked():
+    """start_early blocks them while it starts the child, which inherits the mask."""
+    drawing_start.start_early()
+    try:
+        status = f"/proc/{drawing_start._early.pid}/status"
+        wait_until(lambda: _mask(status, "SigIgn") & 1 << (signal.SIGTERM - 1),
+                   "the child's own signal handling", wait_s=120)  # ignore_stop_signals
+        assert _mask(status, "SigBlk") == 0
+    finally:
+        drawing_start.end_early()
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()  # this thread's, as before
+
+
+def _mask(status: str, field: str) -> int:
+    with open(status) as f:
+        return int(next(line for line in f if line.startswith(field)).split()[1], 16)
 
 
 def _unwritable_home(monkeypatch, tmp_path):

@@ -7,6 +7,8 @@ import contextlib
 import signal
 import sys
 
+from batchsim.server.platform.signals import STOP_SIGNALS
+
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -16,9 +18,15 @@ def start_code(module: str) -> str:
     script's parent never imports from there); -c puts '' there, taken out (PYTHONSAFEPATH would
     do it from 3.11 only). The working directory stays: run directories may be relative paths."""
     return ("import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; "
-            "from batchsim.server.platform.child import resume_when_orphaned; "
-            "resume_when_orphaned(); import runpy; "
+            "from batchsim.server.platform.child import resume_when_orphaned, unblock_stops; "
+            "unblock_stops(); resume_when_orphaned(); import runpy; "
             f"runpy.run_module({module!r}, run_name='__main__')")
+
+
+def unblock_stops() -> None:
+    """The stop signals unblocked: a child inherits its parent's signal mask, and the drawing
+    child starts while they are blocked (drawing_start.start_early)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def resume_when_orphaned() -> None:
@@ -48,5 +56,5 @@ def how_it_ended(code: int | None, stderr: bytes) -> str:
 def ignore_stop_signals() -> None:
     """SIGINT, SIGTERM, SIGHUP ignored: a whole service stopped (systemd signals every process
     of its group) ends a child through its run (its pipe's end), which it then answers."""
-    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for number in STOP_SIGNALS:
         signal.signal(number, signal.SIG_IGN)

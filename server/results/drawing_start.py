@@ -11,11 +11,13 @@ import atexit
 import itertools
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 
 from batchsim.server.platform.child import start_code
+from batchsim.server.platform.signals import STOP_SIGNALS
 
 DRAWING_MODULE = "batchsim.server.results.timeline_draw"
 START_CHILD = start_code(DRAWING_MODULE)
@@ -80,11 +82,17 @@ def wanted_early(argv: list[str]) -> bool:
 
 
 def start_early() -> None:
-    """Start the drawing child now; killed at exit unless a run adopts it."""
+    """Start the drawing child now; killed at exit unless a run adopts it. The stop signals wait
+    until it is `_early` and registered (the program's only thread blocks them): their handler
+    (scripts/cli.py) ends `_early`, and one that came after the fork, before, left it orphaned."""
     global _early
-    _early = start()
-    if _early is not None:
-        atexit.register(end_early)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        _early = start()
+        if _early is not None:
+            atexit.register(end_early)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # one that came is answered now
 
 
 def adopt() -> subprocess.Popen | None:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from batchsim.server.results import run_files, timeline_draw
+from batchsim.server.results import rebuild, run_files, timeline_draw
 from batchsim.server.results.record_writer import WriteFailed
 
 from tests.cli_calls import SIM
@@ -297,3 +297,26 @@ def test_a_service_stop_signals_the_drawing_child_too_and_it_still_draws(tmp_pat
     assert (run_dir / "timeline.png").read_bytes().startswith(b"\x89PNG")
     assert timeline_draw._reply(b"", b"", -signal.SIGKILL) == (None, (
         "timeline.png: not drawn (the drawing process was killed (SIGKILL))"))
+
+
+def test_report_on_a_run_still_going_replaces_neither_its_summary_nor_its_picture(
+        tmp_path, monkeypatch):
+    """`batchsim report` on a run directory while its run still goes: the run writes its
+    summary.json (and timeline.png) while the report reads the records. The report writes
+    neither over them (it did: its summary, 'interrupted' with the records it had read, 11255
+    of 18000, replaced the finished run's), and says why."""
+    (tmp_path / "steps.jsonl").write_text("")
+    (tmp_path / "requests.jsonl").write_text("")
+    finished = {"interrupted": False, "completed": 18000}
+    read = rebuild._records
+
+    def the_run_finishes_meanwhile(path, cls, notes):
+        (tmp_path / "timeline.png").write_bytes(b"\x89PNG the run's")
+        (tmp_path / "summary.json").write_text(json.dumps(finished))
+        return read(path, cls, notes)
+
+    monkeypatch.setattr(rebuild, "_records", the_run_finishes_meanwhile)
+    _, notes = rebuild.rebuild_summary(tmp_path)
+    assert json.loads((tmp_path / "summary.json").read_text()) == finished
+    assert (tmp_path / "timeline.png").read_bytes() == b"\x89PNG the run's"
+    assert any("changed while read" in note for note in notes), notes

@@ -26,7 +26,7 @@ from batchsim.server.results.run_files import (
     read_rows,
     write_summary,
 )
-from batchsim.server.results.timeline import Limits, run_title, timeline_title
+from batchsim.server.results.timeline import TIMELINE, Limits, run_title, timeline_title
 from batchsim.server.results.timeline_draw import write_timeline
 
 NOT_KEPT = "summary rebuilt but not kept"  # the note's words: summary.json cannot be written
@@ -47,6 +47,7 @@ def rebuild_summary(run_dir: Path, timeline: bool = True) -> tuple[dict[str, Any
     if not (run_dir / REQUESTS).is_file() and not (run_dir / STEPS).is_file():
         raise ConfigError(f"{run_dir}: not a run directory (no {REQUESTS} or {STEPS})")
     notes: list[str] = []
+    seen = _files_now(run_dir)  # a run still going changes them while this reads
     if left := leftover_temps(run_dir):
         notes.append(f"{', '.join(left)}: temp file(s) a killed write left (or one under way): "
                      "not records, not read; safe to delete once nothing writes here")
@@ -79,16 +80,45 @@ def rebuild_summary(run_dir: Path, timeline: bool = True) -> tuple[dict[str, Any
                      f"{len(requests)} requests recorded" + (f" of {expected}" if expected else "")
                      + "; requests still in flight left no record)")
     stop_if_swallowed()  # a Ctrl-C Python swallowed while reading: nothing drawn or written
+    if _changed(run_dir, seen, notes, _WATCHED + (TIMELINE,)):  # the run's own files win
+        return {**summary, "timeline_png": old.get("timeline_png")}, notes
     if timeline:
         summary["timeline_png"] = _timeline(run_dir, requests, steps, config, old, notes)
     else:
         summary.setdefault("timeline_png", None)
     stop_if_swallowed()  # ... while drawing: the summary as it was
+    if _changed(run_dir, seen, notes, _WATCHED):  # (timeline.png: this one's, just drawn)
+        return summary, notes
     try:
         write_summary(run_dir, jsonable(summary))
     except OSError as exc:  # a read-only run directory (an archive): the summary is still given
         notes.append(f"{NOT_KEPT}: {exc}")  # WriteFailed's own line: path and reason, once
     return summary, notes
+
+
+_WATCHED = (SUMMARY, STEPS, REQUESTS)  # what a run still going writes (and timeline.png)
+
+
+def _files_now(run_dir: Path) -> dict[str, tuple[int, int, int] | None]:
+    """Each of a run's files (_WATCHED and timeline.png): (inode, size, mtime) or None."""
+    files: dict[str, tuple[int, int, int] | None] = {}
+    for name in (*_WATCHED, TIMELINE):
+        try:
+            st = (run_dir / name).stat()
+            files[name] = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            files[name] = None
+    return files
+
+
+def _changed(run_dir: Path, seen: dict, notes: list[str], names: tuple[str, ...]) -> bool:
+    """Whether any of `names` changed since `seen` (a run still writes here): noted."""
+    now = _files_now(run_dir)
+    if all(now[name] == seen[name] for name in names):
+        return False
+    notes.append(f"{run_dir}: its files changed while read (a run still going?): the summary "
+                 "above is from what was read; nothing written")
+    return True
 
 
 def _timeline(run_dir: Path, requests: list[RequestRecord], steps: list[StepRecord],

@@ -183,3 +183,18 @@ def test_a_fold_without_mlxcel_keeps_the_m5_neural_accelerators(catalog):
     shipped_s = ps.priced(row, catalog, fit).prefill.total_s
     prior_tflops = full.fp16_unfitted_tflops
     assert prefill_s == pytest.approx(shipped_s * full.fp16_tflops / prior_tflops, rel=0.1)
+
+
+def test_a_fold_fits_the_top_p_rate_only_from_rows_that_state_top_p(catalog):
+    """published.fit's "top_p" column (GpuFit.top_p_slowdown): a fold with no row whose source
+    states a top_p leaves it 0 (StepCost.top_p_s then prices the bytes as elementwise), and one
+    with mlx_lm_1540's top_p 0.95 rows fits it from 1 up to its cap."""
+    from batchsim.server.published.solve import MAX_SLOWDOWN
+
+    rows = load_published().rows
+    fitter = mac_cv.published_fitter(mac_fit.prefill_rows(load_reference()))
+    greedy = [r for r in rows if r.src == "mlx_lm_benchmarks"]
+    assert greedy and all(r.top_p is None for r in greedy)
+    assert fitter(greedy, catalog).fit.top_p_slowdown == 0.0
+    sampled = greedy + [r for r in rows if r.src == "mlx_lm_1540"]
+    assert 1.0 <= fitter(sampled, catalog).fit.top_p_slowdown <= MAX_SLOWDOWN["qmv"]

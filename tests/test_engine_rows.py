@@ -218,9 +218,9 @@ def test_a_top_p_sampler_sorts_every_sampled_rows_vocabulary_batched_or_not():
 
 
 def test_a_top_p_samplers_bytes_are_their_own_part_at_their_own_rate():
-    """MLX's merge sort is no streaming kernel (GpuFit.top_p_slowdown): the sampler's passes are
-    StepTime.top_p_s, their bytes at the peak bandwidth times the fit's slowdown (0: at the
-    elementwise rate, as before), and nothing else in the step moves."""
+    """A top-p sampler's passes are StepTime.top_p_s, their bytes at the peak bandwidth times the
+    fit's slowdown (GpuFit.top_p_slowdown; 0: at the elementwise rate, as before), and nothing
+    else in the step moves."""
     spec = zoo_spec("qwen3-0.6b")
     plain = bare_mac("M5 Max 40c")
     slowed = dataclasses.replace(plain, top_p_slowdown=4.0)

@@ -320,3 +320,4 @@ def test_report_on_a_run_still_going_replaces_neither_its_summary_nor_its_pictur
     assert json.loads((tmp_path / "summary.json").read_text()) == finished
     assert (tmp_path / "timeline.png").read_bytes() == b"\x89PNG the run's"
     assert any("changed while read" in note for note in notes), notes
+    assert not any("not a JSON object" in note for note in notes), notes  # none when read

@@ -74,7 +74,7 @@ def rebuild_summary(run_dir: Path, timeline: bool = True) -> tuple[dict[str, Any
     else:
         summary.update(_from_config(config, steps, run_dir))
         expected = _workload(config).get("num_prompts")
-        why = (f"{SUMMARY}: not a JSON object" if (run_dir / SUMMARY).is_file()  # said "no"
+        why = (f"{SUMMARY}: not a JSON object" if seen[SUMMARY] is not None  # when read
                else f"no {SUMMARY}: the run never finished")
         notes.append(f"{why}; marked interrupted ("
                      f"{len(requests)} requests recorded" + (f" of {expected}" if expected else "")

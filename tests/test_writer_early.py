@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
-from batchsim.server.results import record_process, run_files
+from batchsim.server.results import record_process, run_files, writer_side
 
 from tests.sim_records import request_record, sim_config, step_record, the_files, wait_until
 
@@ -19,13 +20,13 @@ SLOW_START = "import time; time.sleep(30); "  # a writer process that takes long
 
 
 def _started(monkeypatch) -> list:
-    started, start = [], run_files._started
+    started, start = [], writer_side._started
 
     def counted(run_dir, files):
         started.append(start(run_dir, files))
         return started[-1]
 
-    monkeypatch.setattr(run_files, "_started", counted)
+    monkeypatch.setattr(writer_side, "_started", counted)
     return started
 
 
@@ -45,11 +46,8 @@ def test_a_simulated_run_starts_its_writer_before_its_first_due_flush(tmp_path, 
     assert the_files(out.run_dir)[1].count(b"\n") == 30
 
 
-def test_the_early_writer_is_the_one_the_first_due_flush_sends_to(tmp_path, monkeypatch):
-    monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 60.0)
-    started = _started(monkeypatch)
-    stream = run_files.RecordStream(tmp_path, writer_process=True)
-    stream.start_writer()
+def _sent_to_the_writer(stream: run_files.RecordStream, started: list, tmp_path) -> None:
+    """Two steps, the second's flush due: the writer started is the one sent them, and wrote."""
     _add(stream, 0)
     stream._due_s = 0.0  # the period over: the next step's flush is due
     _add(stream, 1)
@@ -57,6 +55,14 @@ def test_the_early_writer_is_the_one_the_first_due_flush_sends_to(tmp_path, monk
     stream.close([request_record(i, float(i), float(i)) for i in range(2)])
     assert started[0]._child.returncode == 0  # it wrote them and exited
     assert [f.count(b"\n") for f in the_files(tmp_path)] == [2, 2]
+
+
+def test_the_early_writer_is_the_one_the_first_due_flush_sends_to(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 60.0)
+    started = _started(monkeypatch)
+    stream = run_files.RecordStream(tmp_path, writer_process=True)
+    stream.start_writer()
+    _sent_to_the_writer(stream, started, tmp_path)
 
 
 def test_a_run_that_ends_before_its_first_due_flush_never_waits_for_the_early_writer(
@@ -107,3 +113,22 @@ def test_a_failed_set_up_ends_the_early_writer_and_closes_the_files(tmp_path, mo
     opened = {os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
               if os.path.exists(f"/proc/self/fd/{fd}")}
     assert not opened & {str((run_dir / n).resolve()) for n in ("steps.jsonl", "requests.jsonl")}
+
+
+def test_a_flush_from_another_thread_as_the_writer_starts_keeps_the_writer(tmp_path, monkeypatch):
+    """Another thread's flush (a rank's ring log, a watchdog's) between the first due flush's
+    start of the writer and that flush: the writer is due already, sent the records, not ended
+    as an unused one (its records then written here)."""
+    monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 60.0)
+    started = _started(monkeypatch)
+    stream = run_files.RecordStream(tmp_path, writer_process=True)
+    start = stream.start_writer
+
+    def start_then_flush_elsewhere(*args, **kwargs):
+        start(*args, **kwargs)
+        other = threading.Thread(target=stream.flush)
+        other.start()
+        other.join()
+
+    monkeypatch.setattr(stream, "start_writer", start_then_flush_elsewhere)
+    _sent_to_the_writer(stream, started, tmp_path)

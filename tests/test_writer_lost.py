@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from batchsim.server.distributed import rank
-from batchsim.server.results import record_process, run_files
+from batchsim.server.results import record_process, run_files, writer_side
 
 from tests.sim_records import request_record, step_record, the_files, wait_until
 
@@ -125,13 +125,13 @@ def test_the_close_wait_for_the_writer_ends_before_a_rank_exits_unkept(tmp_path,
 
 def _counting_starts(monkeypatch) -> list[Path]:
     started: list[Path] = []
-    start = run_files._started
+    start = writer_side._started
 
     def counted(run_dir, files):
         started.append(run_dir)
         return start(run_dir, files)
 
-    monkeypatch.setattr(run_files, "_started", counted)
+    monkeypatch.setattr(writer_side, "_started", counted)
     return started
 
 

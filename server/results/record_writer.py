@@ -47,7 +47,7 @@ def _write_failed(number: int | None, message: str) -> WriteFailed:
 
 def writer_lost(run_dir: Path, how_ended: str) -> WriteFailed:
     """A writer process that ended without its last answer: the run stops and writes the batches
-    it left itself (RecordStream._write_unwritten: a failed write there is the error instead)."""
+    it left itself (WriterSide._write_unwritten: a failed write there is the error instead)."""
     error = _write_failed(errno.EIO, how_ended)
     error.kept = (f"every record until then is in {run_dir}, the writer's unwritten ones "
                   "written by the run")

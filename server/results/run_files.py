@@ -9,7 +9,6 @@ import collections
 import contextlib
 import itertools
 import json
-import logging
 import mmap
 import os
 import re
@@ -24,15 +23,14 @@ from typing import Any, BinaryIO
 from batchsim.configs import file_kind
 from batchsim.server.results.json_lines import step_rows_of
 from batchsim.server.results.json_text import dumps
-from batchsim.server.results.record_process import WriterProcess
 from batchsim.server.results.record_writer import (
     REQUESTS,
     STEPS,
     Entry,
-    RecordWriter,
     WriteFailed,
 )
 from batchsim.server.results.records import RequestRecord, StepRecord
+from batchsim.server.results.writer_side import WriterSide
 
 CONFIG = "config.yaml"
 SUMMARY = "summary.json"
@@ -55,20 +53,13 @@ def when_not_flushing(answer: Callable[[], None]) -> bool:
     return False
 
 
-class RecordStream(RecordWriter):
+class RecordStream(WriterSide):
     """steps.jsonl and requests.jsonl of one run, appended. Records wait in memory and are encoded
     and written in batches, each file's batch in one write, at most every FLUSH_EVERY_S
     (WRITER_FLUSH_EVERY_S to a writer process; no fsync: a killed process's writes survive; a
     crashed kernel's need not). The first failed write (any OSError: ENOSPC, EFBIG, EIO) cuts its
     file back to the last whole record, sets `error`, calls `on_error` (the run stops), and the
-    stream writes nothing more. `writer_process`: from the first flush the period makes due, a
-    writer process (started then or by start_writer) encodes and writes them on another core, each
-    flush sending it one; its failed write, or its end without a last answer (killed), reaches
-    `error` and `on_error` at the next flush or at close (a flush period or more late: the run goes
-    on meanwhile); close waits for its last answer, and writes here the batches a killed one did
-    not write. A killed run's writer writes every batch that reached its pipe (those still queued
-    behind a lagging writer are lost with the run). Where none can start, a flush came sooner, or
-    the files were replaced, they are written here."""
+    stream writes nothing more. `writer_process`: written by a writer process (WriterSide)."""
 
     def __init__(self, run_dir: Path, on_error: Callable[[WriteFailed], None] | None = None,
                  writer_process: bool = False) -> None:
@@ -78,15 +69,8 @@ class RecordStream(RecordWriter):
                 files[name] = (run_dir / name).open("wb", buffering=0)
             except OSError as exc:
                 raise WriteFailed(run_dir / name, exc) from None
-        super().__init__(run_dir, files)
+        super().__init__(run_dir, files, writer_process)
         self._on_error = on_error
-        self._child: WriterProcess | None = None
-        self._child_due = False  # a due flush came: the writer process (if any) is sent records
-        # The files a writer process is to write (None: not wanted, or started): it starts at the
-        # first flush that falls due, so a run that ends before one never waits for it to start.
-        self._for_child = dict(files) if writer_process else None
-        self._ends_sent = 0  # step end times the child has been sent
-        self._writable = False  # after `error`: the writer process's end, its batches kept
         self._steps: list[StepRecord] = []
         self._requests: list[Entry] = []  # to write at the next flush
         # Arrival order, streamed: the recorder appends each request's id as it arrives; a record
@@ -138,17 +122,8 @@ class RecordStream(RecordWriter):
 
     def _flush_due(self) -> None:
         """A flush the period made due: from the first, each is sent to a writer process."""
-        self.start_writer()
-        self._child_due = True
+        self.start_writer(due=True)
         self.flush()
-
-    def start_writer(self) -> None:
-        """The writer process started now (first due flush, or a simulated run's start) if wanted,
-        nothing written yet, files the ones opened; a flush before a due one ends it unused."""
-        with self._lock:  # not while a watchdog's thread flushes
-            files, self._for_child = self._for_child, None
-            if files is not None and files == self._files and not self._files[STEPS].closed:
-                self._child = _started(self.run_dir, files)
 
     def flush(self) -> None:
         main = threading.current_thread() is threading.main_thread()
@@ -184,65 +159,9 @@ class RecordStream(RecordWriter):
                 self._due_s = min(self._due_s, oldest_s + FLUSH_EVERY_S)
         requests, self._requests = self._requests, []
         rows = step_rows_of(steps)
-        if self._child is not None and not self._child_due:  # started early, not yet due
-            self._child, unused = None, self._child
-            unused.end_unused()
-        if self._child is not None and self._child.never_ran():  # written here from now on
-            self._finish_child()
-        if self._child is not None:
-            self._send(rows, requests)
-        else:
-            self._for_child = None  # written here: from now on, all of it
+        if not self._sent(rows, requests):
             self.write_batch(rows, requests)
         self.writing_s += time.perf_counter() - t0
-
-    def _send(self, step_rows: list[tuple], requests: list[Entry]) -> None:
-        """To the writer process (its failed write or its end is seen here at the next flush or
-        close: a flush period or more after it, the run going on meanwhile); nothing after a
-        failure, but kept for close after the child's end (`lost`)."""
-        child = self._child
-        if self.error is None and child.error is not None:
-            self._failed(child.error)
-        if (self.error is not None and not child.lost) or not (step_rows or requests):
-            return
-        ends = self.ends
-        upto = len(ends)  # after the requests were taken: every end their runs index
-        child.send(step_rows, requests, ends[self._ends_sent:upto])
-        self._ends_sent = upto
-
-    def _finish_child(self) -> None:
-        """The writer process's last answer awaited: what it wrote, or why it failed."""
-        child, self._child = self._child, None
-        if child is None:
-            return
-        child.finish()
-        if child.lost:
-            self._write_unwritten(child)
-        elif child.error is not None and self.error is None:
-            self._failed(child.error)
-        elif child.written is not None:
-            self._written_ids, self._line_bytes = child.written
-
-    def _write_unwritten(self, child: WriterProcess) -> None:
-        """A writer process that ended without its last answer (killed): each file cut back to
-        what it answered as written (no torn line), and the batches it did not write written
-        here. Its end seen at a flush stopped the run: that error stays, unless a write here
-        fails. Seen only now (the loop went on to its end), every batch written: a warning."""
-        self._written_ids, self._line_bytes = child.written_ids, child.line_bytes
-        stopped, self.error = self.error, None
-        for name, f in self._files.items():
-            self._sizes[name] = child.file_bytes[name]
-            with contextlib.suppress(OSError):
-                os.ftruncate(f.fileno(), child.file_bytes[name])
-            f.seek(child.file_bytes[name])  # the child's offset, shared: past what it wrote
-        for step_rows, requests in child.unwritten:
-            self.write_batch(step_rows, requests)  # a failed write: _failed, the run stops
-        self._writable = self.error is None  # close() writes the rest (the unfinished) too
-        if stopped is None and self.error is None:
-            logging.getLogger("batchsim").warning(
-                "%s: %s; its last %d batches were written by the run", self.run_dir,
-                child.how_ended, len(child.unwritten))
-        self.error = self.error or stopped  # a failed write here: records before it are kept
 
     def _stop_holding(self) -> None:
         """The held records go with the next write, in completion order, and no more are held."""
@@ -300,14 +219,6 @@ class RecordStream(RecordWriter):
             out.write(b"".join(lines))
             if written is not None:
                 written.close()
-
-
-def _started(run_dir: Path, files: dict[str, BinaryIO]) -> WriterProcess | None:
-    """A writer process for `files`, or None where none can start (they are written here)."""
-    try:
-        return WriterProcess(run_dir, files)
-    except OSError:  # no such program (sys.executable None or gone), no processes left
-        return None
 
 
 def replace_atomically(path: Path, data: bytes) -> None:

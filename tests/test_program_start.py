@@ -63,9 +63,10 @@ def test_a_users_script_named_cli_py_importing_the_cli_keeps_its_collector(tmp_p
 
 
 def test_a_console_script_copied_under_another_name_is_the_program(tmp_path):
-    """The program was told by argv[0]'s name being `batchsim`: a copy of the console script
-    under another name (an alias, a second install's) loaded with the collector on and no
-    Ctrl-C answer while starting; the script's own text says it is the program."""
+    """The program was told by argv[0]'s name being `batchsim`: the console script under another
+    name (a copy, a symlink, a second install's; a shell alias keeps argv[0] `batchsim`) loaded
+    with the collector on and no Ctrl-C answer while starting; the script's own text says it is
+    the program."""
     script = Path(sys.executable).parent / "batchsim"  # the console script pip installed
     if not script.is_file():
         pytest.skip("no batchsim console script beside this Python")

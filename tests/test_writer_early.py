@@ -36,12 +36,14 @@ def _add(stream: run_files.RecordStream, i: int) -> None:
 
 
 def test_a_simulated_run_starts_its_writer_before_its_first_due_flush(tmp_path, monkeypatch):
-    """sim_config(n=30) runs in well under FLUSH_EVERY_S: no due flush, yet a writer started
-    (and, never sent a record, ended: the records are written here, as a stream's without one)."""
+    """sim_config(n=30) runs in well under FLUSH_EVERY_S (60 s here): no due flush, yet a writer
+    started (and, never sent a record, killed unused: the records are written here, as a stream's
+    without one; a writer that was sent them would exit 0)."""
+    monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 60.0)
     started = _started(monkeypatch)
     session = open_session(sim_config(n=30))
     out = run_workload(session, session.config.workload, out_dir=tmp_path, label="t")
-    assert len(started) == 1 and started[0]._child.poll() is not None
+    assert len(started) == 1 and started[0]._child.returncode == -signal.SIGKILL
     assert out.summary["completed"] == 30 and out.records_error is None
     assert the_files(out.run_dir)[1].count(b"\n") == 30
 

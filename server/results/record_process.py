@@ -159,8 +159,9 @@ class WriterProcess:
         self.finish()
 
     def never_ran(self) -> bool:
-        """Ended on its own (no signal) before any answer: no writer ever ran (sys.executable no
-        Python that runs batchsim: a frozen app's, a wrapper's); the run writes the records."""
+        """Ended without a signal before any answer: sys.executable no Python that runs batchsim
+        (a frozen app's, a wrapper's), or a writer that failed (exit 1) before its first answer;
+        either way the run writes the records."""
         return (self.error is not None and self.lost and not self._heard
                 and (self._child.returncode or 0) >= 0)
 

@@ -34,7 +34,10 @@ _tmp_dirs: dict[subprocess.Popen, str] = {}  # each child's own TMPDIR
 def start(code: str = START_CHILD) -> subprocess.Popen | None:
     """A drawing child running `code`, or None where none can start (no such program:
     sys.executable None or gone). Its own session: Ctrl-C at the terminal stops the run, which
-    then draws. Its own TMPDIR (OWN_TMP): removed as it exits, or by ended()."""
+    then draws. Its own TMPDIR (OWN_TMP): removed as it exits, or by ended(). Started early,
+    it lacks the OPENBLAS_CORETYPE and OPENBLAS_THREAD_TIMEOUT that blas.preload sets later: no
+    matter, drawing does no BLAS work to speak of (the simulated hour's timeline drawn: its
+    OpenBLAS worker thread's CPU time unchanged, no threaded call to spin after)."""
     tmp = _new_tmp()
     env = None if tmp is None else {**os.environ, "TMPDIR": tmp, OWN_TMP: tmp}
     try:

@@ -183,8 +183,6 @@ def test_run_tokens_are_the_records_times_and_sorted_counts():
         done = [r for r in records if r.status == "finished"]
         if done:  # the summary from them is the one from the records
             want = summarize(records, [], duration_s=9.0)
-            assert summarize(records, [], duration_s=9.0, token_times_s=(times, owner, ranked)) \
-                == want
             assert summarize(records, [], duration_s=9.0, run_tokens=request_arrays.RunTokens(
                 ends, ran, records)) == want
 

@@ -211,22 +211,19 @@ def summarize(
     weight_bytes: int | None = None,
     peak_memory_bytes: int | None = None,
     peak_rss_bytes: int | None = None,
-    token_times_s: tuple[np.ndarray, ...] | None = None,
     run_tokens: request_arrays.RunTokens | None = None,
     step_columns: dict[str, np.ndarray] | None = None,
     running_peak_kv_bytes: int | None = None,  # KVManager.peak_running_bytes (None: the steps')
 ) -> dict[str, Any]:
     """One run's summary. `duration_s` is the benchmark duration (vLLM: start until the last request
     ends); every throughput divides by it, and is 0 when it is 0. `request_goodput` is None unless
-    SLOs are given, as in vLLM's JSON. `token_times_s`: request_arrays.token_times(requests) (times
-    in s, their requests' indices; and their sorted_counts: RunTokens.times'), or `run_tokens`
-    (the RunTokens of `requests`: every request finished, its counts and ITLs without the token
-    times), `step_columns`: request_arrays.step_columns(steps, ...) with its STEP_INTS at least,
-    if the caller has them."""
+    SLOs are given, as in vLLM's JSON. `run_tokens`: the RunTokens of `requests` (every request
+    finished: its counts and ITLs without the token times), `step_columns`:
+    request_arrays.step_columns(steps, ...) with its STEP_INTS at least, if the caller has them."""
     slo = parse_goodput([f"{k}:{v}" for k, v in goodput_slo_ms.items()]) if goodput_slo_ms else None
     done = [r for r in requests if r.status == "finished"]
     every, itl, mine, itl_counts, first_last_s = _token_arrays(
-        requests, len(done) == len(requests), run_tokens, token_times_s)
+        requests, len(done) == len(requests), run_tokens)
     lat = request_arrays.latencies_s(done, first_last_s)  # queue: arrival to first scheduled
     statuses = collections.Counter(map(attrgetter("status"), requests))  # no generator's frames
     total_in = sum(map(attrgetter("num_prompt_tokens"), done))
@@ -261,14 +258,13 @@ def summarize(
 
 
 def _token_arrays(requests: Sequence[RequestRecord], all_finished: bool,
-                  run_tokens: request_arrays.RunTokens | None,
-                  token_times_s: tuple[np.ndarray, ...] | None) -> tuple[Any, ...]:
+                  run_tokens: request_arrays.RunTokens | None) -> tuple[Any, ...]:
     """_finished_tokens' three, then the ITLs' sorted_counts and the requests' first and last
     token times where the run's RunTokens give them (every request finished), else None."""
     if run_tokens is not None and all_finished:
         return (run_tokens.counts(), run_tokens.itls(), None, run_tokens.itl_counts(),
                 run_tokens.first_last_s())
-    return (*_finished_tokens(requests, run_tokens.times() if run_tokens else token_times_s),
+    return (*_finished_tokens(requests, run_tokens.times() if run_tokens else None),
             None, None)
 
 

@@ -186,6 +186,11 @@ class DeviceProfile:
         efficiency = self.kv_bandwidth_efficiency or self.bandwidth_efficiency
         return self.bandwidth_gbs * 1e9 * efficiency
 
+    @property
+    def top_p_bytes_per_s(self) -> float:
+        """A top-p sampler's pass rate: the peak bandwidth over top_p_slowdown (set: not 0)."""
+        return self.bandwidth_gbs * 1e9 / self.top_p_slowdown
+
     def flops_per_s(self, dtype: str) -> float:
         return self.tflops(dtype) * 1e12 * self.compute_efficiency
 

@@ -171,7 +171,7 @@ class StepCost:
         nbytes, slowdown = self.layers.sampler_bytes(m), self.profile.top_p_slowdown
         if not nbytes or not slowdown or self.cal is not None:
             return self.bytes_s(nbytes)
-        return nbytes / (self.profile.bandwidth_gbs * 1e9 / slowdown)
+        return nbytes / self.profile.top_p_bytes_per_s
 
     def weight_stream_s(self, k: int, n: int) -> float:
         """Seconds to stream one (k -> n) weight matrix from memory at the achievable bandwidth

@@ -1,8 +1,9 @@
 """Run records for tests: a small simulated run's config (`sim_config`), such a run finished on
 disk (`finished_sim_run`) and copied to edit (`copy_run`), a run directory's
 records read back line by line (`records`) or whole (`the_files`), a wait for a condition
-(`wait_until`), and hand-made records (`step_record`,
-`request_record`, `sweep_step`) for the code that reads them."""
+(`wait_until`), hand-made records (`step_record`, `request_record`, `sweep_step`) for the code
+that reads them, a stream sent one of each (`add_to`), and its writer processes counted as they
+start (`counting_starts`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 from batchsim.server.engine.run_config import RunConfig
+from batchsim.server.results import run_files, writer_side
 from batchsim.server.results.record_writer import REQUESTS, STEPS
 from batchsim.server.results.records import RequestRecord, StepRecord
 from batchsim.workloads.lengths import LengthSpec
@@ -89,3 +91,21 @@ def sweep_step(i: int, batch: int, prefill: int, running: int, waiting: int) -> 
     """A 0.1 s step with 192-token prefill chunks and no KV bytes, as the sweep's limits read it."""
     return StepRecord(i, i * 0.1, i * 0.1 + 0.1, 1, batch, prefill, prefill // 192, running,
                       waiting, 0, None, 0, 0, 0)
+
+
+def add_to(stream: run_files.RecordStream, i: int) -> None:
+    """Request `i` (finished) and step `i`: a flush each step where FLUSH_EVERY_S is 0."""
+    stream.add_request(request_record(i, float(i), float(i)))
+    stream.add_step(step_record(i, float(i), 1, 0))
+
+
+def counting_starts(monkeypatch) -> list:
+    """Each writer process writer_side._started starts from now on (the WriterProcess), in order."""
+    started, start = [], writer_side._started
+
+    def counted(run_dir, files):
+        started.append(start(run_dir, files))
+        return started[-1]
+
+    monkeypatch.setattr(writer_side, "_started", counted)
+    return started

@@ -12,27 +12,18 @@ import time
 import pytest
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
-from batchsim.server.results import record_process, run_files, writer_side
+from batchsim.server.results import record_process, run_files
 
-from tests.sim_records import request_record, sim_config, step_record, the_files, wait_until
+from tests.sim_records import (
+    add_to,
+    counting_starts,
+    request_record,
+    sim_config,
+    the_files,
+    wait_until,
+)
 
 SLOW_START = "import time; time.sleep(30); "  # a writer process that takes long to start
-
-
-def _started(monkeypatch) -> list:
-    started, start = [], writer_side._started
-
-    def counted(run_dir, files):
-        started.append(start(run_dir, files))
-        return started[-1]
-
-    monkeypatch.setattr(writer_side, "_started", counted)
-    return started
-
-
-def _add(stream: run_files.RecordStream, i: int) -> None:
-    stream.add_request(request_record(i, float(i), float(i)))
-    stream.add_step(step_record(i, float(i), 1, 0))
 
 
 def test_a_simulated_run_starts_its_writer_before_its_first_due_flush(tmp_path, monkeypatch):
@@ -40,7 +31,7 @@ def test_a_simulated_run_starts_its_writer_before_its_first_due_flush(tmp_path, 
     started (and, never sent a record, killed unused: the records are written here, as a stream's
     without one; a writer that was sent them would exit 0)."""
     monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 60.0)
-    started = _started(monkeypatch)
+    started = counting_starts(monkeypatch)
     session = open_session(sim_config(n=30))
     out = run_workload(session, session.config.workload, out_dir=tmp_path, label="t")
     assert len(started) == 1 and started[0]._child.returncode == -signal.SIGKILL
@@ -50,9 +41,9 @@ def test_a_simulated_run_starts_its_writer_before_its_first_due_flush(tmp_path, 
 
 def _sent_to_the_writer(stream: run_files.RecordStream, started: list, tmp_path) -> None:
     """Two steps, the second's flush due: the writer started is the one sent them, and wrote."""
-    _add(stream, 0)
+    add_to(stream, 0)
     stream._due_s = 0.0  # the period over: the next step's flush is due
-    _add(stream, 1)
+    add_to(stream, 1)
     assert len(started) == 1 and stream._child is started[0]
     stream.close([request_record(i, float(i), float(i)) for i in range(2)])
     assert started[0]._child.returncode == 0  # it wrote them and exited
@@ -61,7 +52,7 @@ def _sent_to_the_writer(stream: run_files.RecordStream, started: list, tmp_path)
 
 def test_the_early_writer_is_the_one_the_first_due_flush_sends_to(tmp_path, monkeypatch):
     monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 60.0)
-    started = _started(monkeypatch)
+    started = counting_starts(monkeypatch)
     stream = run_files.RecordStream(tmp_path, writer_process=True)
     stream.start_writer()
     _sent_to_the_writer(stream, started, tmp_path)
@@ -71,10 +62,10 @@ def test_a_run_that_ends_before_its_first_due_flush_never_waits_for_the_early_wr
         tmp_path, monkeypatch):
     monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 60.0)
     monkeypatch.setattr(record_process, "_START_CHILD", SLOW_START + record_process._START_CHILD)
-    started = _started(monkeypatch)
+    started = counting_starts(monkeypatch)
     stream = run_files.RecordStream(tmp_path, writer_process=True)
     stream.start_writer()
-    _add(stream, 0)
+    add_to(stream, 0)
     t0 = time.monotonic()
     stream.close([request_record(0, 0.0, 0.0)])
     assert time.monotonic() - t0 < 5.0  # not the writer's 30 s start
@@ -89,11 +80,11 @@ def test_a_writer_process_is_sent_a_batch_every_writer_period_after_its_first(tm
     monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 60.0)
     monkeypatch.setattr(run_files, "WRITER_FLUSH_EVERY_S", 0.0)
     stream = run_files.RecordStream(tmp_path, writer_process=True)
-    _add(stream, 0)
+    add_to(stream, 0)
     assert stream._child is None  # not due yet
     stream._due_s = 0.0
     for i in range(1, 4):
-        _add(stream, i)
+        add_to(stream, i)
     wait_until(lambda: the_files(tmp_path)[0].count(b"\n") == 4, "each step written")
     stream.close([request_record(i, float(i), float(i)) for i in range(4)])
 
@@ -101,7 +92,7 @@ def test_a_writer_process_is_sent_a_batch_every_writer_period_after_its_first(tm
 def test_a_failed_set_up_ends_the_early_writer_and_closes_the_files(tmp_path, monkeypatch):
     """The writer starts before the run's set-up (_Run): a set-up that raises (here the
     scheduler's) leaves no writer process running and no file of the run open."""
-    started = _started(monkeypatch)
+    started = counting_starts(monkeypatch)
     session = open_session(sim_config(n=30))
 
     def no_scheduler():
@@ -122,7 +113,7 @@ def test_a_flush_from_another_thread_as_the_writer_starts_keeps_the_writer(tmp_p
     start of the writer and that flush: the writer is due already, sent the records, not ended
     as an unused one (its records then written here)."""
     monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 60.0)
-    started = _started(monkeypatch)
+    started = counting_starts(monkeypatch)
     stream = run_files.RecordStream(tmp_path, writer_process=True)
     start = stream.start_writer
 

@@ -12,14 +12,9 @@ import time
 from pathlib import Path
 
 from batchsim.server.distributed import rank
-from batchsim.server.results import record_process, run_files, writer_side
+from batchsim.server.results import record_process, run_files
 
-from tests.sim_records import request_record, step_record, the_files, wait_until
-
-
-def _add(stream: run_files.RecordStream, i: int) -> None:
-    stream.add_request(request_record(i, float(i), float(i)))
-    stream.add_step(step_record(i, float(i), 1, 0))  # a flush at each step (FLUSH_EVERY_S 0)
+from tests.sim_records import add_to, counting_starts, request_record, the_files, wait_until
 
 
 def _closed(n: int) -> list:
@@ -33,7 +28,7 @@ def _in_process(run_dir: Path, n: int) -> tuple[bytes, bytes]:
     run_dir.mkdir()
     stream = run_files.RecordStream(run_dir)
     for i in range(n):
-        _add(stream, i)
+        add_to(stream, i)
     stream.close(_closed(n))
     return the_files(run_dir)
 
@@ -44,7 +39,7 @@ def _with_writer(run_dir: Path, errors: list) -> tuple[run_files.RecordStream,
     run_dir.mkdir()
     stream = run_files.RecordStream(run_dir, on_error=errors.append, writer_process=True)
     for i in range(3):
-        _add(stream, i)
+        add_to(stream, i)
     child = stream._child
     assert child is not None
     wait_until(lambda: all(f.count(b"\n") == 3 for f in the_files(run_dir)),
@@ -63,10 +58,10 @@ def test_a_writer_killed_mid_run_stops_it_at_the_next_flush_and_nothing_is_lost(
     wait_until(lambda: child.error is not None, "the end seen", wait_s=2.0)
     with (tmp_path / "run" / run_files.REQUESTS).open("ab") as f:
         f.write(b'{"request_id": 3, "sta')  # as a writer killed mid-write leaves it
-    _add(stream, 3)
+    add_to(stream, 3)
     assert [str(e) for e in errors] == ["the records' writer process was killed (SIGKILL)"]
     for i in range(4, 8):  # the run's last steps while it stops
-        _add(stream, i)
+        add_to(stream, i)
     stream.close(_closed(8))
     assert len(errors) == 1 and stream.error is errors[0]
     assert stream.error.kept == (  # every batch written here: the run's last line says so
@@ -87,7 +82,7 @@ def test_a_writer_that_does_not_answer_at_close_is_killed_and_its_batches_writte
     backstop = threading.Timer(5.0, os.kill, (child._child.pid, signal.SIGKILL))
     backstop.start()  # a close that waits longer than it should fails in seconds, not minutes
     for i in range(3, 6):
-        _add(stream, i)
+        add_to(stream, i)
     try:
         stream.close(_closed(6))
     finally:
@@ -123,23 +118,11 @@ def test_the_close_wait_for_the_writer_ends_before_a_rank_exits_unkept(tmp_path,
     assert time.monotonic() - t0 < 1.0 and "did not answer in 0." in str(writer.error)
 
 
-def _counting_starts(monkeypatch) -> list[Path]:
-    started: list[Path] = []
-    start = writer_side._started
-
-    def counted(run_dir, files):
-        started.append(run_dir)
-        return start(run_dir, files)
-
-    monkeypatch.setattr(writer_side, "_started", counted)
-    return started
-
-
 def test_a_run_that_ends_before_its_first_due_flush_starts_no_writer(tmp_path, monkeypatch):
     monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 60.0)
-    started = _counting_starts(monkeypatch)
+    started = counting_starts(monkeypatch)
     stream = run_files.RecordStream(tmp_path, writer_process=True)
-    _add(stream, 0)
+    add_to(stream, 0)
     stream.close([request_record(0, 0.0, 0.0)])
     assert started == [] and all(the_files(tmp_path))
 
@@ -148,13 +131,13 @@ def test_a_stream_that_flushed_here_first_keeps_writing_here(tmp_path, monkeypat
     """A flush before the first due one (the post-loop flush, a watchdog's) writes in-process,
     and so does every later one: one writer for each file."""
     monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 60.0)
-    started = _counting_starts(monkeypatch)
+    started = counting_starts(monkeypatch)
     stream = run_files.RecordStream(tmp_path, writer_process=True)
-    _add(stream, 0)
+    add_to(stream, 0)
     stream.flush()
     monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 0.0)
     stream._due_s = 0.0
-    _add(stream, 1)
+    add_to(stream, 1)
     assert started == [] and stream._child is None
     assert (tmp_path / run_files.STEPS).read_bytes().count(b"\n") == 2
     stream.close([request_record(i, float(i), float(i)) for i in range(2)])

@@ -125,6 +125,24 @@ def test_the_early_child_has_its_stop_signals_unblocked():
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()  # this thread's, as before
 
 
+# A SIGTERM that came while the child was started with the stop signals blocked (start_early's
+# window, or a service stop then): pending as its start code unblocks them.
+PENDING_SIGTERM = ("import os, signal; signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM]);"
+                   " os.kill(os.getpid(), signal.SIGTERM); ")
+
+
+def test_a_stop_signal_pending_as_the_child_starts_leaves_it_running():
+    """Its start code ignores the stop signals before it unblocks them (and before its module's
+    imports): the child goes on to its end (nothing sent: exit 0), not killed by SIGTERM."""
+    child = drawing_start.start(PENDING_SIGTERM + drawing_start.START_CHILD)
+    assert child is not None
+    child.stdin.close()  # nothing sent
+    code = child.wait(timeout=120)
+    stderr = child.stderr.read()
+    drawing_start.ended(child)
+    assert code == 0, stderr[-2000:]
+
+
 def _mask(status: str, field: str) -> int:
     with open(status) as f:
         return int(next(line for line in f if line.startswith(field)).split()[1], 16)

@@ -16,10 +16,13 @@ def start_code(module: str) -> str:
     """The -c code that runs `module` as __main__. `-m` would put the working directory first on
     the child's path, where a numpy.py or matplotlib/ of the user's would run in it (the console
     script's parent never imports from there); -c puts '' there, taken out (PYTHONSAFEPATH would
-    do it from 3.11 only). The working directory stays: run directories may be relative paths."""
+    do it from 3.11 only). The working directory stays: run directories may be relative paths.
+    The stop signals are ignored before they are unblocked (one pending then is dropped) and
+    before the module's imports: a service stop while the child starts leaves it running."""
     return ("import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; "
-            "from batchsim.server.platform.child import resume_when_orphaned, unblock_stops; "
-            "unblock_stops(); resume_when_orphaned(); import runpy; "
+            "from batchsim.server.platform.child import ignore_stop_signals, "
+            "resume_when_orphaned, unblock_stops; "
+            "ignore_stop_signals(); unblock_stops(); resume_when_orphaned(); import runpy; "
             f"runpy.run_module({module!r}, run_name='__main__')")
 
 

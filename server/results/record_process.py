@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from batchsim.server.platform.child import how_it_ended, ignore_stop_signals, start_code
+from batchsim.server.platform.child import how_it_ended, start_code
 from batchsim.server.results.json_lines import run_items
 from batchsim.server.results.record_writer import (
     REQUESTS,
@@ -245,7 +245,6 @@ def _serve(run_dir: str, steps_fd: str, requests_fd: str) -> int:
     """The child: write each message read from stdin until its end, then answer the written
     requests' ids and line lengths. A message it cannot read (cut short: the run was killed, no
     one hears the answer) ends the writing: answered as a failed write."""
-    ignore_stop_signals()  # the run ends the records (its pipe's end)
     files = {STEPS: os.fdopen(int(steps_fd), "wb", buffering=0),
              REQUESTS: os.fdopen(int(requests_fd), "wb", buffering=0)}
     writer = _ChildWriter(Path(run_dir), files, sys.stdout.buffer)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
-from batchsim.server.platform.child import how_it_ended, ignore_stop_signals
+from batchsim.server.platform.child import how_it_ended
 from batchsim.server.results import drawing_start
 from batchsim.server.results.plots import figure, save_figure
 from batchsim.server.results.records import RequestRecord, StepRecord
@@ -324,7 +324,6 @@ def _serve() -> int:
     """The child: warm up while the run runs (a short run sends first: no time to), then draw
     the (path, panels) read from stdin; stdout: [path, why]. Nothing sent (the run failed or was
     not drawn): exit."""
-    ignore_stop_signals()  # a service stopped: the run stops, sends its panels, awaits them
     canvas = _canvas(ahead=True)  # matplotlib imported, the figure made while the run runs
     if not select.select([sys.stdin], [], [], 0)[0]:  # the panels not sent yet: time to warm up
         _warm()

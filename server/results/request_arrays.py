@@ -4,6 +4,7 @@ property at a time."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Sequence
@@ -48,7 +49,7 @@ class RunTokens:
         self._clocked = self._per_step and bool((ends[1:] >= ends[:-1]).all())
         self._times: tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]] | None = None
         self._counts: tuple[np.ndarray, np.ndarray] | None = None
-        self._with_tokens: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._with_tokens: tuple[np.ndarray, ...] | None = None
 
     def counts(self) -> tuple[np.ndarray, np.ndarray]:
         """sorted_counts of every token time: a run's clock adds up its runs per step (36,000
@@ -56,9 +57,7 @@ class RunTokens:
         if not self._per_step:
             return self.times()[2]
         if self._counts is None:
-            n = len(self._ends_s) + 1
-            per_step = np.cumsum(np.bincount(self._first, minlength=n)
-                                 - np.bincount(self._end, minlength=n))[:-1]
+            per_step = _covering(self._first, self._end, len(self._ends_s) + 1)[:-1]
             held = np.flatnonzero(per_step)
             ends_s, counts = self._ends_s[held], per_step[held]
             if not self._clocked:  # a clock that went back: its steps in order of their ends
@@ -81,17 +80,12 @@ class RunTokens:
         step_end_s); between two runs of one request, its tokens' gap across them."""
         if not self._inside:
             return itls(*self.times()[:2])
-        first, end, joined = self._runs_with_tokens()
+        first, end, joined, step_gaps, across = self._runs_with_tokens()
         sizes = end - first - 1
         sizes[joined] += 1  # and the gap to its next run, last
-        starts = np.cumsum(sizes) - sizes
-        total = int(sizes.sum())
-        # 32-bit steps where they fit: half the fresh memory (its page faults: 1-2 ms a 9 MB array)
-        index = np.int32 if max(total, len(self._ends_s)) < 2**31 else np.int64
-        at = np.arange(total, dtype=index)
-        at += np.repeat((first - starts).astype(index), sizes)  # in place: one array made
-        gaps = np.append(np.diff(self._ends_s), 0.0)[at]
-        gaps[starts[joined] + sizes[joined] - 1] = self._across(first, end, joined)
+        at, starts = _spans(first, sizes, len(self._ends_s))
+        gaps = step_gaps[at]
+        gaps[starts[joined] + sizes[joined] - 1] = across
         return gaps
 
     def itl_counts(self) -> tuple[np.ndarray, np.ndarray] | None:
@@ -99,12 +93,11 @@ class RunTokens:
         with the gaps across runs, not sorted gap by gap; None where times() sorts its tokens."""
         if not self._per_step:
             return None
-        first, end, joined = self._runs_with_tokens()
+        first, end, joined, step_gaps, across = self._runs_with_tokens()
         n = len(self._ends_s)
-        held_on = np.cumsum(np.bincount(first, minlength=n)
-                            - np.bincount(end - 1, minlength=n))[:n - 1]  # steps s and s + 1
+        held_on = _covering(first, end - 1, n)[:n - 1]  # the runs holding steps s and s + 1
         step = np.flatnonzero(held_on)
-        gaps = np.concatenate((np.diff(self._ends_s)[step], self._across(first, end, joined)))
+        gaps = np.concatenate((step_gaps[step], across))
         counts = np.concatenate((held_on[step], np.ones(len(joined), np.int64)))
         order = np.argsort(gaps)  # equal gaps are equal bits (no -0.0): any order
         return sorted_counts(gaps[order], counts[order])
@@ -115,7 +108,7 @@ class RunTokens:
         token inside step_end_s."""
         if not self._inside:
             return None
-        first, end, joined = self._runs_with_tokens()
+        first, end, joined = self._runs_with_tokens()[:3]
         begins = np.ones(len(first), dtype=bool)
         begins[joined + 1] = False  # a request's runs with tokens: from one joined to none before
         starts = np.flatnonzero(begins)
@@ -124,27 +117,45 @@ class RunTokens:
         lasts = np.append(starts[1:], len(first)) - 1
         return self._ends_s[first[starts]], self._ends_s[end[lasts] - 1]
 
-    def _runs_with_tokens(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The runs' first and end steps, those without tokens left out, and the runs i whose
-        request's next run is i + 1 (made once: itls(), then itl_counts())."""
+    def _runs_with_tokens(self) -> tuple[np.ndarray, ...]:
+        """The runs' first and end steps, those without tokens left out; the runs i whose
+        request's next run is i + 1; each step's gap to the next (np.diff of step_end_s, then
+        0.0); and the gaps from each such run's last token to its request's next run's first
+        (made once: itls(), then itl_counts())."""
         if self._with_tokens is None:
             kept = self._end > self._first
-            owner = np.repeat(np.arange(len(self._per_request)), self._per_request)[kept]
-            self._with_tokens = (self._first[kept], self._end[kept],
-                                 np.flatnonzero(owner[1:] == owner[:-1]))
+            first, end, owner = self._first[kept], self._end[kept], self._run_owner[kept]
+            joined = np.flatnonzero(owner[1:] == owner[:-1])
+            across = self._ends_s[first[joined + 1]] - self._ends_s[end[joined] - 1]
+            self._with_tokens = (first, end, joined, np.append(np.diff(self._ends_s), 0.0), across)
         return self._with_tokens
 
-    def _across(self, first: np.ndarray, end: np.ndarray, joined: np.ndarray) -> np.ndarray:
-        """The gaps from each joined run's last token to its request's next run's first."""
-        return self._ends_s[first[joined + 1]] - self._ends_s[end[joined] - 1]
+    @functools.cached_property
+    def _run_owner(self) -> np.ndarray:
+        """Which request (by position) each run belongs to."""
+        return np.repeat(np.arange(len(self._per_request)), self._per_request)
 
     def _gathered(self) -> tuple[np.ndarray, np.ndarray]:
         lengths = self._end - self._first
-        starts = np.cumsum(lengths) - lengths  # where each run's tokens begin among all tokens
-        step = np.arange(int(lengths.sum()))
-        step += np.repeat(self._first - starts, lengths)  # in place: a million-long array once
-        owner = np.repeat(np.repeat(np.arange(len(self._per_request)), self._per_request), lengths)
-        return self._ends_s[step], owner
+        step, _ = _spans(self._first, lengths, len(self._ends_s))
+        return self._ends_s[step], np.repeat(self._run_owner, lengths)
+
+
+def _spans(first: np.ndarray, sizes: np.ndarray, num_steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """The steps first[i], first[i] + 1, ... (sizes[i] of them), run after run, and where each
+    run's steps begin among them. 32-bit steps where they fit: half the fresh memory (its page
+    faults: 1-2 ms a 9 MB array)."""
+    starts = np.cumsum(sizes) - sizes
+    total = int(sizes.sum())
+    index = np.int32 if max(total, num_steps) < 2**31 else np.int64
+    at = np.arange(total, dtype=index)
+    at += np.repeat((first - starts).astype(index), sizes)  # in place: one array made
+    return at, starts
+
+
+def _covering(first: np.ndarray, stops: np.ndarray, n: int) -> np.ndarray:
+    """For each of n steps, how many [first, stop) ranges cover it."""
+    return np.cumsum(np.bincount(first, minlength=n) - np.bincount(stops, minlength=n))
 
 
 def itls(times: np.ndarray, owner: np.ndarray) -> np.ndarray:

@@ -264,18 +264,21 @@ def _token_arrays(requests: Sequence[RequestRecord], all_finished: bool,
     if run_tokens is not None and all_finished:
         return (run_tokens.counts(), run_tokens.itls(), None, run_tokens.itl_counts(),
                 run_tokens.first_last_s())
-    return (*_finished_tokens(requests, run_tokens.times() if run_tokens else None),
+    return (*_finished_tokens(requests, run_tokens.times() if run_tokens else None, all_finished),
             None, None)
 
 
-def _finished_tokens(requests: Sequence[RequestRecord], token_times_s: tuple[np.ndarray, ...] | None
+def _finished_tokens(requests: Sequence[RequestRecord],
+                     token_times_s: tuple[np.ndarray, ...] | None, all_finished: bool
                      ) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray,
                                 tuple[np.ndarray, np.ndarray] | None]:
     """Every token time's sorted_counts, the finished requests' ITLs, and their token times'
-    sorted_counts (None: every token is a finished request's)."""
+    sorted_counts (None: every token is a finished request's, as where `all_finished`)."""
     all_times, all_owner, *ranked = token_times_s or request_arrays.token_times(requests)
-    finished = np.array([r.status == "finished" for r in requests], dtype=bool)
-    mine = None if finished.all() or (m := finished[all_owner]).all() else m  # None: every token
+    mine = None  # None: every token
+    if not all_finished:
+        finished = np.array([r.status == "finished" for r in requests], dtype=bool)
+        mine = None if (m := finished[all_owner]).all() else m
     times, owner = (all_times, all_owner) if mine is None else (all_times[mine], all_owner[mine])
     every = ranked[0] if ranked else request_arrays.sorted_counts(np.sort(all_times))
     return every, request_arrays.itls(times, owner), (

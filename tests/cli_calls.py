@@ -1,8 +1,10 @@
 """The CLI as the tests call it: in-process (`cli_exit_code`; `_main`, with pytest's capsys) or
 as a child process (`_batchsim`; `batchsim` fails on a non-zero exit), the simulated run's flags
 (SIM), a command's one-line error (`_one_line`), the JSON on its last stdout line (`last_json`,
-`cli_summary`), each flag's help text (`flag_helps`), `size` in-process (`run_size`) and a
-draft-model sweep's argv."""
+`cli_summary`), each flag's help text (`flag_helps`), `size` in-process (`run_size`), a
+draft-model sweep's argv, and `batchsim` run as code that flushes at every step (`OFTEN`), its
+writer process stopped as it starts (`stopped_writer`), and whether a process has ended (`gone`;
+Linux's /proc)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,34 @@ from pathlib import Path
 
 SIM = ["--executor", "sim", "--model", "llama-3.1-8b", "--quantize", "4", "--device-profile",
        "M2 Ultra", "--no-progress"]
+
+# `batchsim` flushing at every step: the writer process starts at the first (a period, even
+# 10 ms, may not fall due in a short run on a fast machine: then none starts).
+OFTEN = ("import sys; from batchsim.server.results import run_files; "
+         "run_files.FLUSH_EVERY_S = 0.0; from batchsim.scripts.cli import main; "
+         "sys.exit(main(sys.argv[1:]))")
+
+
+def stopped_writer(wait_s: float) -> str:
+    """Code to put before OFTEN: the writer process stops itself as it starts (a SIGSTOP from a
+    test could come after a short run's writer has ended), and the run's close waits `wait_s`
+    (FINISH_WAIT_S) for its answer."""
+    return ("from batchsim.server.results import record_process as rp; rp._START_CHILD = "
+            "'import os, signal; os.kill(os.getpid(), signal.SIGSTOP); ' + rp._START_CHILD; "
+            f"rp.FINISH_WAIT_S = {wait_s}; ")
+
+
+def proc_stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command's name: [state, parent's pid, ...] ([]: gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def gone(pid: int) -> bool:
+    """Process `pid` has ended: no such process, or a zombie (dead, not yet reaped)."""
+    return proc_stat(pid)[:1] in ([], ["Z"], ["X"])
 
 
 def cli_exit_code(argv: list[str]) -> int:

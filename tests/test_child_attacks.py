@@ -19,18 +19,12 @@ import pytest
 from batchsim.server.results import rebuild, run_files, timeline_draw
 from batchsim.server.results.record_writer import WriteFailed
 
-from tests.cli_calls import SIM
+from tests.cli_calls import OFTEN, SIM, gone, proc_stat, stopped_writer
 from tests.sim_records import request_record, wait_until
 
 GUARD_S = 120.0
-# `batchsim` flushing at every step: its writer process starts at the first flush.
-_OFTEN = ("import sys; from batchsim.server.results import run_files; "
-          "run_files.FLUSH_EVERY_S = 0.0; from batchsim.scripts.cli import main; "
-          "sys.exit(main(sys.argv[1:]))")
-
-
 def _run(out: Path, home: Path, *args: str) -> subprocess.Popen:
-    argv = [sys.executable, "-c", _OFTEN, "run", *SIM, "--request-rate", "50", "--output-len",
+    argv = [sys.executable, "-c", OFTEN, "run", *SIM, "--request-rate", "50", "--output-len",
             "40", *args, "--out", str(out)]
     return subprocess.Popen(argv, env={**os.environ, "BATCHSIM_HOME": str(home)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -72,18 +66,6 @@ def test_a_run_directory_removed_mid_run_is_not_made_again_nor_called_a_success(
     assert not run_dir.exists()
 
 
-def _stat(pid: int) -> list[str]:
-    """/proc/PID/stat's fields after the command's name: [state, parent's pid, ...] ([]: gone)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return []
-
-
-def _gone(pid: int) -> bool:
-    return _stat(pid)[:1] in ([], ["Z"], ["X"])
-
-
 def _children(pid: int) -> dict[str, int]:
     """`pid`'s writer and drawing children: {"record_process": pid, "timeline_draw": pid}."""
     kids = {}
@@ -91,7 +73,7 @@ def _children(pid: int) -> dict[str, int]:
         with contextlib.suppress(OSError):
             command = (proc / "cmdline").read_bytes().decode(errors="replace")
             for module in ("record_process", "timeline_draw"):
-                if f"results.{module}'" in command and _stat(int(proc.name))[1:2] == [str(pid)]:
+                if f"results.{module}'" in command and proc_stat(int(proc.name))[1:2] == [str(pid)]:
                     kids[module] = int(proc.name)
     return kids
 
@@ -122,7 +104,7 @@ def test_children_stopped_when_the_run_is_killed_go_on_and_end(tmp_path, batchsi
             os.kill(pid, signal.SIGSTOP)
         run.kill()
         run.wait(GUARD_S)
-        wait_until(lambda: all(map(_gone, kids.values())), "the children's end", 30.0)
+        wait_until(lambda: all(map(gone, kids.values())), "the children's end", 30.0)
     finally:
         run.kill()
         run.wait(GUARD_S)
@@ -135,8 +117,8 @@ def test_children_stopped_when_the_run_is_killed_go_on_and_end(tmp_path, batchsi
 
 
 def _with_executable(program: str) -> str:
-    """_OFTEN's code run with sys.executable `program` (a frozen app's, a wrapper's)."""
-    return f"import sys; sys.executable = {program!r}; " + _OFTEN
+    """OFTEN's code run with sys.executable `program` (a frozen app's, a wrapper's)."""
+    return f"import sys; sys.executable = {program!r}; " + OFTEN
 
 
 @pytest.mark.parametrize("program", ["/bin/false", "/bin/cat"])
@@ -150,7 +132,7 @@ def test_a_sys_executable_that_runs_no_writer_leaves_the_run_its_records(tmp_pat
             "--seed", "4", "--no-timeline"]
     env = {**os.environ, "BATCHSIM_HOME": str(batchsim_home)}
     files = []
-    for name, code in (("usual", _OFTEN), ("odd", _with_executable(program))):
+    for name, code in (("usual", OFTEN), ("odd", _with_executable(program))):
         proc = subprocess.run([sys.executable, "-c", code, *argv, "--out", str(tmp_path / name)],
                               env=env, capture_output=True, check=False, text=True,
                               timeout=GUARD_S)
@@ -170,7 +152,7 @@ def test_a_banner_on_the_childrens_stdout_does_not_cost_their_answers(tmp_path, 
     site.mkdir()
     (site / "sitecustomize.py").write_text("print('welcome to this machine', end='')\n")
     env = {**os.environ, "BATCHSIM_HOME": str(batchsim_home), "PYTHONPATH": str(site)}
-    proc = subprocess.run([sys.executable, "-c", _OFTEN, "run", *SIM, "--request-rate", "50",
+    proc = subprocess.run([sys.executable, "-c", OFTEN, "run", *SIM, "--request-rate", "50",
                            "--num-prompts", "2000", "--out", str(tmp_path / "out")],
                           env=env, capture_output=True, check=False, text=True, timeout=GUARD_S)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -180,13 +162,11 @@ def test_a_banner_on_the_childrens_stdout_does_not_cost_their_answers(tmp_path, 
 
 
 # The writer stops itself as it starts, and the run's close would wait a minute for it.
-_STOPPED_WRITER = ("from batchsim.server.results import record_process as rp; rp._START_CHILD = "
-                   "'import os, signal; os.kill(os.getpid(), signal.SIGSTOP); ' + "
-                   f"rp._START_CHILD; rp.FINISH_WAIT_S = {GUARD_S / 2}; ")
+_STOPPED_WRITER = stopped_writer(GUARD_S / 2)
 
 
 def _cpu_ticks(pid: int) -> int:
-    fields = _stat(pid)
+    fields = proc_stat(pid)
     return int(fields[11]) + int(fields[12]) if len(fields) > 12 else -1  # utime + stime
 
 
@@ -198,9 +178,9 @@ def test_a_signal_while_the_run_awaits_its_writer_ends_the_wait(tmp_path, batchs
     argv = ["run", *SIM, "--request-rate", "50", "--output-len", "40", "--num-prompts", "300",
             "--seed", "6", "--no-timeline"]
     env = {**os.environ, "BATCHSIM_HOME": str(batchsim_home)}
-    subprocess.run([sys.executable, "-c", _OFTEN, *argv, "--out", str(tmp_path / "whole")],
+    subprocess.run([sys.executable, "-c", OFTEN, *argv, "--out", str(tmp_path / "whole")],
                    env=env, capture_output=True, check=True, timeout=GUARD_S)
-    run = subprocess.Popen([sys.executable, "-c", _STOPPED_WRITER + _OFTEN, *argv, "--out",
+    run = subprocess.Popen([sys.executable, "-c", _STOPPED_WRITER + OFTEN, *argv, "--out",
                             str(tmp_path / "cut")], env=env, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True)
     try:

@@ -18,7 +18,7 @@ from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
 from batchsim.server.results import record_process, run_files
 
-from tests.cli_calls import SIM
+from tests.cli_calls import OFTEN, SIM, gone, stopped_writer
 from tests.sim_records import sim_config, step_record, the_files, wait_until
 
 GUARD_S = 120.0
@@ -79,24 +79,10 @@ def _wait(until, what: str, run: subprocess.Popen | None = None) -> object:
     return wait_until(until, what, GUARD_S, run)
 
 
-def _gone(pid: int) -> bool:
-    return all(p != pid or state.startswith(("Z", "X")) for p, _, state, _ in _processes())
-
-
-# `batchsim` flushing at every step: the writer process starts at the first (a period, even
-# 10 ms, may not fall due in a short run on a fast machine: then none starts).
-_OFTEN = ("import sys; from batchsim.server.results import run_files; "
-          "run_files.FLUSH_EVERY_S = 0.0; from batchsim.scripts.cli import main; "
-          "sys.exit(main(sys.argv[1:]))")
-
-
-# The writer process stops itself as it starts (a SIGSTOP from the test could come after a
-# short run's writer has ended): the run sends everything and waits for its answer.
-# Its close waits GUARD_S, not FINISH_WAIT_S: a loaded machine's stall must not let the run kill
-# the stopped writer before the test kills the run.
-_STOPPED = ("from batchsim.server.results import record_process as rp; rp._START_CHILD = "
-            "'import os, signal; os.kill(os.getpid(), signal.SIGSTOP); ' + rp._START_CHILD; "
-            f"rp.FINISH_WAIT_S = {GUARD_S}; ")
+# The writer process stops itself as it starts: the run sends everything and waits for its
+# answer. Its close waits GUARD_S, not FINISH_WAIT_S: a loaded machine's stall must not let the
+# run kill the stopped writer before the test kills the run.
+_STOPPED = stopped_writer(GUARD_S)
 
 
 @pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="reads write counts in /proc")
@@ -104,14 +90,14 @@ def test_a_killed_run_leaves_every_record_it_sent_to_a_lagging_writer(tmp_path, 
     """SIGKILL of the run's process while its writer process is stopped: once the writer goes
     on, it writes every record it was sent, the same bytes as a run that was not killed (a run
     written in its own process leaves only what it wrote before it was killed)."""
-    argv = [sys.executable, "-c", _OFTEN, "run", *SIM, "--num-prompts", "20",
+    argv = [sys.executable, "-c", OFTEN, "run", *SIM, "--num-prompts", "20",
             "--request-rate", "20", "--output-len", "40", "--seed", "5", "--no-timeline"]
     env = {**os.environ, "BATCHSIM_HOME": str(batchsim_home)}
     whole = subprocess.run([*argv, "--out", str(tmp_path / "whole")], env=env, check=True,
                            capture_output=True, timeout=GUARD_S)
     assert whole.returncode == 0
     (expected,) = (tmp_path / "whole").iterdir()
-    argv[2] = _STOPPED + _OFTEN
+    argv[2] = _STOPPED + OFTEN
     run = subprocess.Popen([*argv, "--out", str(tmp_path / "killed")], env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -130,7 +116,7 @@ def test_a_killed_run_leaves_every_record_it_sent_to_a_lagging_writer(tmp_path, 
         run.kill()
         run.wait(GUARD_S)
         os.kill(writer, signal.SIGCONT)
-        _wait(lambda: _gone(writer), "the writer process to finish")
+        _wait(lambda: gone(writer), "the writer process to finish")
     finally:
         run.kill()
         run.wait(GUARD_S)
@@ -143,7 +129,7 @@ def test_a_writer_killed_mid_run_stops_the_run_with_one_line_and_loses_no_record
     """SIGKILL of the writer process while the run goes (the run held still meanwhile): the
     run stops at its next flush, says how the writer ended, and every plan and request it
     recorded is in whole lines (the writer's unwritten batches written by the run itself)."""
-    argv = [sys.executable, "-c", _OFTEN, "run", *SIM, "--num-prompts", "20000",
+    argv = [sys.executable, "-c", OFTEN, "run", *SIM, "--num-prompts", "20000",
             "--request-rate", "50", "--output-len", "40", "--no-timeline", "--out", str(tmp_path)]
     run = subprocess.Popen(argv, env={**os.environ, "BATCHSIM_HOME": str(batchsim_home)},
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -172,7 +158,7 @@ def test_a_writer_killed_mid_run_stops_the_run_with_one_line_and_loses_no_record
 def test_a_writer_late_at_close_is_one_warning_and_the_run_finished(tmp_path, batchsim_home):
     """The writer stopped from its start and late at close (0.5 s): the run writes its batches
     itself. Its loop had ended and every record is written: rc 0, not interrupted, one warning."""
-    argv = [sys.executable, "-c", _STOPPED + "rp.FINISH_WAIT_S = 0.5; " + _OFTEN, "run", *SIM,
+    argv = [sys.executable, "-c", stopped_writer(0.5) + OFTEN, "run", *SIM,
             "--num-prompts", "20", "--request-rate", "20", "--output-len", "40", "--seed", "5",
             "--no-timeline", "--out", str(tmp_path)]
     proc = subprocess.run(argv, env={**os.environ, "BATCHSIM_HOME": str(batchsim_home)},
@@ -198,7 +184,7 @@ def test_the_writers_failed_write_stops_the_run_with_one_line(tmp_path, batchsim
     """The file size limit reached in the writer process (it inherits the run's): its answer
     stops the run at a later flush; whole records stay, the summary says why, one line."""
     limit = 20_000
-    argv = [sys.executable, "-c", _OFTEN, "run", *SIM, "--num-prompts", "400",
+    argv = [sys.executable, "-c", OFTEN, "run", *SIM, "--num-prompts", "400",
             "--request-rate", "50", "--output-len", "40", "--no-timeline", "--out", str(tmp_path)]
     proc = subprocess.run(argv, env={**os.environ, "BATCHSIM_HOME": str(batchsim_home)},
                           capture_output=True, check=False, text=True, timeout=GUARD_S,

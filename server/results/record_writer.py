@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -87,15 +86,6 @@ class RecordWriter:
             if self._write(REQUESTS, lines):
                 self._written_ids += ids
                 self._line_bytes += map(len, lines)  # JSON is ASCII: characters are bytes
-
-    def _rewrite_failed(self, error: WriteFailed, ids: Sequence[int]) -> None:
-        """requests.jsonl's rewrite in the order `ids` failed: a warning where every record is
-        in the file already (only its order is not that one), else a failed write (lost)."""
-        if sorted(ids) != sorted(self._written_ids):
-            self._failed(error)
-        else:
-            logging.getLogger("batchsim").warning(
-                "%s (%s kept whole, in the order written)", error, REQUESTS)
 
     def _write(self, name: str, lines: list[str]) -> bool:
         """Whether `lines` reached the file whole (after a failure nothing is written)."""

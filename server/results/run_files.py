@@ -9,6 +9,7 @@ import collections
 import contextlib
 import itertools
 import json
+import logging
 import mmap
 import os
 import re
@@ -198,6 +199,15 @@ class RecordStream(WriterSide):
             write_atomically(path, lambda out: self._write_in_order(path, out, records))
         except WriteFailed as exc:
             self._rewrite_failed(exc, ids)
+
+    def _rewrite_failed(self, error: WriteFailed, ids: Sequence[int]) -> None:
+        """requests.jsonl's rewrite in the order `ids` failed: a warning where every record is
+        in the file already (only its order is not that one), else a failed write (lost)."""
+        if sorted(ids) != sorted(self._written_ids):
+            self._failed(error)
+        else:
+            logging.getLogger("batchsim").warning(
+                "%s (%s kept whole, in the order written)", error, REQUESTS)
 
     def _write_in_order(self, path: Path, out: BinaryIO, records: Sequence[RequestRecord]) -> None:
         ends = itertools.accumulate(self._line_bytes)  # request id -> (offset, length) in the file

@@ -121,26 +121,37 @@ def _with_executable(program: str) -> str:
     return f"import sys; sys.executable = {program!r}; " + OFTEN
 
 
+_EXECUTABLE_ARGV = ["run", *SIM, "--request-rate", "50", "--output-len", "40", "--num-prompts",
+                   "3000", "--seed", "4", "--no-timeline"]
+
+
+def _records_of(code: str, out: Path, home: Path) -> tuple[list[bytes], str]:
+    """steps.jsonl's and requests.jsonl's bytes of `python -c CODE run ... --out OUT` (it must
+    exit 0, with no traceback), and its stderr."""
+    proc = subprocess.run([sys.executable, "-c", code, *_EXECUTABLE_ARGV, "--out", str(out)],
+                          env={**os.environ, "BATCHSIM_HOME": str(home)}, capture_output=True,
+                          check=False, text=True, timeout=GUARD_S)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (run_dir,) = out.iterdir()
+    return [(run_dir / n).read_bytes() for n in ("steps.jsonl", "requests.jsonl")], proc.stderr
+
+
+@pytest.fixture(scope="module")
+def usual_records(tmp_path_factory, batchsim_home) -> list[bytes]:
+    """The records of the run below with a working writer: made once for every program."""
+    return _records_of(OFTEN, tmp_path_factory.mktemp("usual"), batchsim_home)[0]
+
+
 @pytest.mark.parametrize("program", ["/bin/false", "/bin/cat"])
-def test_a_sys_executable_that_runs_no_writer_leaves_the_run_its_records(tmp_path,
-                                                                         batchsim_home, program):
+def test_a_sys_executable_that_runs_no_writer_leaves_the_run_its_records(
+        tmp_path, batchsim_home, usual_records, program):
     """sys.executable a program that is no Python running batchsim (a frozen app's, a
     wrapper's): the writer 'child' ends at once without a word, and the run writes its records
     itself, the same bytes as a run whose writer worked, exit 0, one warning. Before, every
     simulated run past its first flush stopped there: exit 1, most records never made."""
-    argv = ["run", *SIM, "--request-rate", "50", "--output-len", "40", "--num-prompts", "3000",
-            "--seed", "4", "--no-timeline"]
-    env = {**os.environ, "BATCHSIM_HOME": str(batchsim_home)}
-    files = []
-    for name, code in (("usual", OFTEN), ("odd", _with_executable(program))):
-        proc = subprocess.run([sys.executable, "-c", code, *argv, "--out", str(tmp_path / name)],
-                              env=env, capture_output=True, check=False, text=True,
-                              timeout=GUARD_S)
-        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-        (run_dir,) = (tmp_path / name).iterdir()
-        files.append([(run_dir / n).read_bytes() for n in ("steps.jsonl", "requests.jsonl")])
-    assert files[0] == files[1] and all(files[0])
-    assert "the records' writer process exited" in proc.stderr, proc.stderr[-3000:]
+    odd, err = _records_of(_with_executable(program), tmp_path / "odd", batchsim_home)
+    assert usual_records == odd and all(usual_records)
+    assert "the records' writer process exited" in err, err[-3000:]
 
 
 def test_a_banner_on_the_childrens_stdout_does_not_cost_their_answers(tmp_path, batchsim_home):

@@ -172,8 +172,12 @@ def test_a_banner_on_the_childrens_stdout_does_not_cost_their_answers(tmp_path, 
     assert (run_dir / "timeline.png").stat().st_size and (run_dir / "steps.jsonl").stat().st_size
 
 
-# The writer stops itself as it starts, and the run's close would wait a minute for it.
-_STOPPED_WRITER = stopped_writer(GUARD_S / 2)
+def _stopped_writer(marker: Path) -> str:
+    """The writer stops itself as it starts, and the run's close would wait a minute for it;
+    `marker` is made as that close starts to wait (WriterProcess.finish), none before."""
+    return stopped_writer(GUARD_S / 2) + (
+        "_finish = rp.WriterProcess.finish; rp.WriterProcess.finish = lambda self, *a, **k: "
+        f"(open({str(marker)!r}, 'w').close(), _finish(self, *a, **k))[1]; ")
 
 
 def _cpu_ticks(pid: int) -> int:
@@ -191,16 +195,18 @@ def test_a_signal_while_the_run_awaits_its_writer_ends_the_wait(tmp_path, batchs
     env = {**os.environ, "BATCHSIM_HOME": str(batchsim_home)}
     subprocess.run([sys.executable, "-c", OFTEN, *argv, "--out", str(tmp_path / "whole")],
                    env=env, capture_output=True, check=True, timeout=GUARD_S)
-    run = subprocess.Popen([sys.executable, "-c", _STOPPED_WRITER + OFTEN, *argv, "--out",
-                            str(tmp_path / "cut")], env=env, stdout=subprocess.DEVNULL,
+    marker = tmp_path / "awaits-its-writer"
+    run = subprocess.Popen([sys.executable, "-c", _stopped_writer(marker) + OFTEN, *argv,
+                            "--out", str(tmp_path / "cut")], env=env, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True)
     try:
         seen = [-2, -1]  # the run's CPU time twice, 0.5 s apart: equal once it only waits
 
-        def waiting() -> bool:
+        def waiting() -> bool:  # in its close's wait (marked), not a run starved of CPU mid-run
             seen[:] = [seen[1], _cpu_ticks(run.pid)]
             time.sleep(0.5)
-            return seen[0] == seen[1] and "record_process" in _children(run.pid)
+            return (seen[0] == seen[1] and marker.exists()
+                    and "record_process" in _children(run.pid))
 
         wait_until(waiting, "the run to wait for its writer", GUARD_S / 4, run)
         run.send_signal(signal.SIGINT)

@@ -174,14 +174,18 @@ class WriterProcess:
         self._threads[1].join(wait_s)
         _awaited.pop(self, None)
         if self._threads[1].is_alive():
-            self._late_s = wait_s  # before the kill: the reader says so
-            self._child.kill()
+            self._give_up(wait_s)
         self._child.wait()
         for thread in self._threads:
             thread.join()
         for stream in (self._child.stdout, self._stderr):
             if stream is not None:
                 stream.close()
+
+    def _give_up(self, late_s: float) -> None:
+        """The child killed, not answered in `late_s`: its reader then says it was late."""
+        self._late_s = late_s  # before the kill: the reader says so
+        self._child.kill()
 
 
 def _past_mark(out: BinaryIO) -> bool:
@@ -200,8 +204,7 @@ def stop_waiting() -> None:
     second Ctrl-C, a SIGTERM): each writer awaited is killed now, and the run writes the batches
     it did not answer."""
     for writer, since_s in list(_awaited.items()):
-        writer._late_s = round(time.monotonic() - since_s, 1)  # before the kill: the reader says so
-        writer._child.kill()
+        writer._give_up(round(time.monotonic() - since_s, 1))
 
 
 def close_wait_s() -> float:

@@ -319,8 +319,8 @@ class LayerCost:
     # -- elementwise ---------------------------------------------------------------------------
     def elementwise_bytes(self, m: int, logits: bool) -> float:
         """Norms, RoPE, activations and residuals of every layer (the FFN width being the active
-        one: top_k experts plus shared; plus the router's scores) and the logits (float32, and
-        the engine's sampler's passes over them)."""
+        one: top_k experts plus shared; plus the router's scores) and the logits (float32; the
+        engine's sampler's passes over them are sampler_bytes)."""
         s = self.spec
         attn = 2 * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         per_row = 0
@@ -329,11 +329,11 @@ class LayerCost:
             width = (f.intermediate if f.kind == "dense"
                      else f.top_k * f.expert_intermediate + f.shared_intermediate)
             per_row += count * (6 * s.hidden_size + 3 * width + attn + f.experts)
-        return m * per_row * self.cost.act_bytes + (m * s.vocab_size * 4 + self.sampler_bytes(m)
-                                                    if logits else 0)
+        return m * per_row * self.cost.act_bytes + (m * s.vocab_size * 4 if logits else 0)
 
     def sampler_bytes(self, m: int) -> float:
-        """What of elementwise_bytes(m, logits=True) is the engine's top-p sampler's passes."""
+        """The engine's top-p sampler's passes over m rows' logits (StepCost.top_p_s), beyond
+        elementwise_bytes(m, logits=True); StepCost.elementwise_bytes adds them."""
         return m * self.spec.vocab_size * self.cost.engine.sampler_bytes_per_logit(
             self.spec.vocab_size, self.cost.act_dtype)
 

@@ -157,12 +157,13 @@ class StepCost:
 
     # -- everything else in a forward pass -----------------------------------------------------
     def elementwise_bytes(self, m: int, logits: bool) -> float:
-        return self.layers.elementwise_bytes(m, logits)
+        """Elementwise bytes of a forward over m rows, the top-p sampler's passes included."""
+        return self.layers.elementwise_bytes(m, logits) + (
+            self.layers.sampler_bytes(m) if logits else 0.0)
 
     def _elementwise_s(self, m: int, logits: bool) -> float:
         """Elementwise bytes' seconds, the top-p sampler's passes apart (top_p_s)."""
-        top_p = self.layers.sampler_bytes(m) if logits else 0.0
-        return self.bytes_s(self.elementwise_bytes(m, logits) - top_p)
+        return self.bytes_s(self.layers.elementwise_bytes(m, logits))
 
     def top_p_s(self, m: int) -> float:
         """The top-p sampler's passes over m rows' logits (StepTime.top_p_s): their bytes at the

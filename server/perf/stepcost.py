@@ -248,7 +248,7 @@ class StepCost:
                                                  + self._row_loop_s)
         return {"attention_rows_s": attention_s, "token_ops_s": tokens * token,
                 "sampling_s": sampled * sample, "host_token_s": sampled * host,
-                "host_request_s": started * request}
+                "host_request_s": started * request, "top_p_s": self.top_p_s(sampled)}
 
     def _row_attention_s(self, attention_s: float) -> float:
         """Attention's fixed kernel cost of a decode row past the first (a one-row forward's is in
@@ -268,7 +268,7 @@ class StepCost:
             return batch * base, batch * per_width
         base = (self.linear_layers_s(batch) + self.lm_head_s(batch)
                 + self._elementwise_s(batch, logits=True) + self._graphs_fixed_s(batch))
-        base += sum(self._row_parts(batch, batch, batch).values()) + self.top_p_s(batch)
+        base += sum(self._row_parts(batch, batch, batch).values())
         return base, (self.layers.per_width_s(batch) if self.layers.linear_in_width else 0.0)
 
     def _graphs_fixed_s(self, batch: int) -> float:
@@ -298,8 +298,7 @@ class StepCost:
         if sample:  # one row's lm head and logits (summed as before, for byte-identical runs)
             t += (self.lm_head_s(1) + self._elementwise_s(1, logits=True)
                   - self._elementwise_s(1, False))
-        return (t + sum(self._row_parts(0, n, int(sample), int(sample)).values())
-                + (self.top_p_s(1) if sample else 0.0))
+        return t + sum(self._row_parts(0, n, int(sample), int(sample)).values())
 
     def prefill_forward_s(self, n: int, start: int, sample: bool, rows: int = 1,
                           started: int | None = None) -> float:
@@ -334,8 +333,7 @@ class StepCost:
         weights_s, matmul_s, experts_s, attention_s, gemv_s = self.layers.decode(batch, width)
         return StepTime(weights_s, matmul_s, attention_s, self._elementwise_s(batch, logits=True),
                         self._graphs_fixed_s(batch), 0.0, experts_s=experts_s,
-                        gemv_rows_s=gemv_s, top_p_s=self.top_p_s(batch),
-                        **self._row_parts(batch, batch, batch))
+                        gemv_rows_s=gemv_s, **self._row_parts(batch, batch, batch))
 
     def prefill_time(self, n: int, start: int, sample: bool, rows: int = 1,
                      started: int | None = None) -> StepTime:
@@ -354,7 +352,6 @@ class StepCost:
                                 + (self._sampled_logits_s() if sample else 0.0))
         return StepTime(weights_s, matmul_s, attention_s, elementwise_s, self._fixed_s(), 0.0,
                         experts_s=experts_s, gemv_rows_s=gemv_s,
-                        top_p_s=rows * self.top_p_s(1) if sample else 0.0,
                         **self._row_parts(0, rows * n, *(rows if sample else 0,) * 2))
 
     def step_time(self, decode_rows: int = 0, width: int = 0, prefills: Iterable[Chunk] = (),

@@ -113,6 +113,7 @@ if _PROGRAM:  # OpenBLAS's kernel question (blas.preload's) asked while the modu
     from batchsim.server.platform import blas as _blas
     from batchsim.server.results import drawing_start as _drawing
 
+    _blas.quiet_openblas_workers()  # before numpy's OpenBLAS loads (common, the drawing child)
     _blas.start_probe()
     if _drawing.wanted_early(sys.argv[1:]):  # matplotlib imported meanwhile, on the other core
         _drawing.start_early()

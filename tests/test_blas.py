@@ -134,3 +134,38 @@ def test_start_probe_and_preload_ask_by_one_rule(monkeypatch, asks):
     asked.clear()
     assert blas._fix_openblas_coretype(["/no/libopenblas.so.0"]) == ""
     assert asked == (["/no/libopenblas.so.0"] if asks else [])
+
+
+def _numpy_openblas() -> str | None:
+    """numpy's own OpenBLAS (its wheels bundle one on Linux), or None."""
+    import glob
+
+    import numpy
+
+    libs = os.path.join(os.path.dirname(os.path.dirname(numpy.__file__)), "numpy.libs")
+    found = glob.glob(os.path.join(libs, "libscipy_openblas*.so"))
+    return found[0] if found else None
+
+
+@pytest.mark.skipif(_numpy_openblas() is None, reason="numpy bundles no OpenBLAS here")
+def test_the_program_quiets_numpys_openblas_workers_before_numpy_loads(monkeypatch):
+    """numpy's own OpenBLAS loads with the program's first modules, before blas.preload: its
+    worker spun 0.1 s of CPU after the import (main process and drawing child each) until the
+    program set OPENBLAS_THREAD_TIMEOUT at its start."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT",
+                                                            "GOTO_THREAD_TIMEOUT")}
+    code = ("import sys, ctypes; sys.argv = ['batchsim', '--help']; import batchsim.scripts.cli; "
+            "import numpy; print(ctypes.CDLL(LIB).openblas_thread_timeout())"
+            ).replace("LIB", repr(_numpy_openblas()))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert int(out.stdout.split()[-1]) == int(blas.THREAD_TIMEOUT)
+    for name in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT"):
+        monkeypatch.setenv(name, "12")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(blas, "_timeout_set_here", False)
+    note = blas.quiet_openblas_workers()
+    assert note and blas.quiet_openblas_workers() == note  # preload's note, whoever set it first
+    monkeypatch.setattr(blas, "_timeout_set_here", False)
+    monkeypatch.setenv("OPENBLAS_THREAD_TIMEOUT", "12")  # the user's: kept, no note
+    assert blas.quiet_openblas_workers() == "" and os.environ["OPENBLAS_THREAD_TIMEOUT"] == "12"

@@ -209,12 +209,20 @@ def _fix_openblas_coretype(paths: list[str]) -> str:
 THREAD_TIMEOUT = "4"  # OPENBLAS_THREAD_TIMEOUT: workers sleep 2^4 cycles after a call
 
 
-def _quiet_openblas_workers() -> str:
-    """Sets OPENBLAS_THREAD_TIMEOUT (read when OpenBLAS loads) unless the user did; returns a
-    note."""
-    if os.environ.get("OPENBLAS_THREAD_TIMEOUT") or os.environ.get("GOTO_THREAD_TIMEOUT"):
+_timeout_set_here = False  # quiet_openblas_workers set OPENBLAS_THREAD_TIMEOUT (not the user)
+
+
+def quiet_openblas_workers() -> str:
+    """Sets OPENBLAS_THREAD_TIMEOUT (read when an OpenBLAS loads) unless the user did; returns a
+    note (the same on every call). The program calls it at its start, before numpy loads its own
+    OpenBLAS: that one's worker spun 0.1 s of CPU after numpy's import (main process and
+    drawing child each), with batchsim's setting 0.01-0.03 s; children inherit it."""
+    global _timeout_set_here
+    if not _timeout_set_here and (os.environ.get("OPENBLAS_THREAD_TIMEOUT")
+                                  or os.environ.get("GOTO_THREAD_TIMEOUT")):
         return ""
     os.environ["OPENBLAS_THREAD_TIMEOUT"] = THREAD_TIMEOUT
+    _timeout_set_here = True
     return f"; OPENBLAS_THREAD_TIMEOUT={THREAD_TIMEOUT} (workers sleep after each call)"
 
 
@@ -222,7 +230,7 @@ def _load_openblas(note: str) -> BlasChoice | None:
     """The system OpenBLAS, its kernels and worker threads set up before it loads (the listed
     paths first: the linker's search, which runs ldconfig, only when none of them loads)."""
     listed = _listed_openblas_paths()
-    note += _fix_openblas_coretype(listed or _openblas_paths()) + _quiet_openblas_workers()
+    note += _fix_openblas_coretype(listed or _openblas_paths()) + quiet_openblas_workers()
     choice = _load("openblas", listed, note)
     return choice or _load("openblas", _openblas_paths()[len(listed):], note)
 

@@ -35,9 +35,9 @@ def start(code: str = START_CHILD) -> subprocess.Popen | None:
     """A drawing child running `code`, or None where none can start (no such program:
     sys.executable None or gone). Its own session: Ctrl-C at the terminal stops the run, which
     then draws. Its own TMPDIR (OWN_TMP): removed as it exits, or by ended(). Started early,
-    it lacks the OPENBLAS_CORETYPE and OPENBLAS_THREAD_TIMEOUT that blas.preload sets later: no
-    matter, drawing does no BLAS work to speak of (the simulated hour's timeline drawn: its
-    OpenBLAS worker thread's CPU time unchanged, no threaded call to spin after)."""
+    it lacks the OPENBLAS_CORETYPE that blas.preload sets later: no matter, drawing does no BLAS
+    work to speak of; it has the OPENBLAS_THREAD_TIMEOUT the program set first (numpy's OpenBLAS
+    worker spun 0.1 s of its CPU after numpy's import without it)."""
     tmp = _new_tmp()
     env = None if tmp is None else {**os.environ, "TMPDIR": tmp, OWN_TMP: tmp}
     try:

@@ -31,6 +31,7 @@ def test_a_simulated_run_starts_its_writer_before_its_first_due_flush(tmp_path, 
     started (and, never sent a record, killed unused: the records are written here, as a stream's
     without one; a writer that was sent them would exit 0)."""
     monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 60.0)
+    monkeypatch.setattr(run_files, "EARLY_WRITER_FIRST_FLUSH_S", 60.0)
     started = counting_starts(monkeypatch)
     session = open_session(sim_config(n=30))
     out = run_workload(session, session.config.workload, out_dir=tmp_path, label="t")
@@ -125,3 +126,26 @@ def test_a_flush_from_another_thread_as_the_writer_starts_keeps_the_writer(tmp_p
 
     monkeypatch.setattr(stream, "start_writer", start_then_flush_elsewhere)
     _sent_to_the_writer(stream, started, tmp_path)
+
+
+def test_an_early_writer_is_sent_its_first_batch_sooner_than_a_flush_period(tmp_path,
+                                                                           monkeypatch):
+    """Started at the run's start, the writer's first batch is due EARLY_WRITER_FIRST_FLUSH_S in
+    (not FLUSH_EVERY_S: half the simulated hour at once); a stream without one keeps the period."""
+    monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 60.0)
+    monkeypatch.setattr(run_files, "EARLY_WRITER_FIRST_FLUSH_S", 0.05)
+    started = counting_starts(monkeypatch)
+    stream = run_files.RecordStream(tmp_path, writer_process=True)
+    before = time.monotonic()
+    stream.start_writer()
+    assert stream._due_s <= before + 0.05 + 1.0 < before + 60.0
+    add_to(stream, 0)
+    wait_until(lambda: time.monotonic() >= stream._due_s, "the first batch due")
+    add_to(stream, 1)  # its flush is due: sent to the writer started early
+    assert len(started) == 1 and stream._child is started[0] and stream._child_due
+    stream.close([request_record(i, float(i), float(i)) for i in range(2)])
+    assert [f.count(b"\n") for f in the_files(tmp_path)] == [2, 2]
+    (tmp_path / "x").mkdir()
+    plain = run_files.RecordStream(tmp_path / "x", writer_process=True)
+    assert plain._due_s > time.monotonic() + 30.0  # no writer started early: the period
+    plain.close([])

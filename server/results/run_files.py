@@ -37,6 +37,10 @@ CONFIG = "config.yaml"
 SUMMARY = "summary.json"
 FLUSH_EVERY_S = 0.5  # wall time between writes (a killed run loses those and any still queued)
 WRITER_FLUSH_EVERY_S = 0.1  # to a writer process after its first batch: smaller ones cost less
+# A writer started at the run's start (start_writer): its first batch this long into the run, not
+# FLUSH_EVERY_S. At 0.5 s the simulated hour handed it half its records at once (17,000 steps),
+# whose encoding (0.3 s) fell at the loop's end, where the drawing child needs that core.
+EARLY_WRITER_FIRST_FLUSH_S = 0.3
 WRITE_CHUNK_BYTES = 4 << 20  # requests.jsonl put in arrival order at the end: written in chunks
 TEMP_RANDOM_BYTES = 4  # a temp file's random part: `.NAME.` then twice as many hex digits
 _in_flush: list[RecordStream] = []  # the main thread's streams mid-flush, innermost last
@@ -89,6 +93,11 @@ class RecordStream(WriterSide):
         # run's loop may flush it: one writer at a time, and nothing written once closed.
         self._lock = threading.RLock()
         self.deferred: list[Callable[[], None]] = []  # when_not_flushing: after this flush
+
+    def start_writer(self, due: bool = False) -> None:
+        super().start_writer(due)
+        if self._child is not None and not due:  # started early: its first batch sooner
+            self._due_s = min(self._due_s, time.monotonic() + EARLY_WRITER_FIRST_FLUSH_S)
 
     def add_step(self, step: StepRecord) -> None:
         self._steps.append(step)

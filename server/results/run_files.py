@@ -36,7 +36,7 @@ from batchsim.server.results.writer_side import WriterSide
 CONFIG = "config.yaml"
 SUMMARY = "summary.json"
 FLUSH_EVERY_S = 0.5  # wall time between writes (a killed run loses those and any still queued)
-WRITER_FLUSH_EVERY_S = 0.1  # to a writer process after its first batch: smaller ones cost less
+WRITER_FLUSH_EVERY_S = 0.05  # to a writer process after its first batch: smaller ones cost less
 # A writer started at the run's start (start_writer): its first batch this long into the run, not
 # FLUSH_EVERY_S. At 0.5 s the simulated hour handed it half its records at once (17,000 steps),
 # whose encoding (0.3 s) fell at the loop's end, where the drawing child needs that core.

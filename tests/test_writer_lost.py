@@ -94,6 +94,29 @@ def test_a_writer_that_does_not_answer_at_close_is_killed_and_its_batches_writte
     assert the_files(tmp_path / "run") == _in_process(tmp_path / "here", 6)
 
 
+def test_a_writer_lost_after_answering_every_batch_says_so_not_last_0_batches(
+        tmp_path, monkeypatch, caplog):
+    """Stopped after it had answered each batch it was sent, the writer misses only its last
+    answer at close: killed, nothing to write here, and the warning says it wrote every batch
+    (it read "its last 0 batches were written by the run")."""
+    monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 0.0)
+    monkeypatch.setattr(record_process, "FINISH_WAIT_S", 0.5)
+    errors: list[OSError] = []
+    stream, child = _with_writer(tmp_path / "run", errors)  # every batch answered
+    os.kill(child._child.pid, signal.SIGSTOP)
+    backstop = threading.Timer(5.0, os.kill, (child._child.pid, signal.SIGKILL))
+    backstop.start()
+    try:
+        stream.close(_closed(3))
+    finally:
+        backstop.cancel()
+    assert errors == [] and stream.error is None
+    assert [r.getMessage() for r in caplog.records if r.name == "batchsim"] == [
+        f"{tmp_path / 'run'}: the records' writer process did not answer in 0.5 s; it had "
+        + "written every batch it was sent"]
+    assert the_files(tmp_path / "run") == _in_process(tmp_path / "here", 3)
+
+
 def test_the_close_wait_for_the_writer_ends_before_a_rank_exits_unkept(tmp_path, monkeypatch):
     """A watchdog's abandon closes the stream; rank 0 exits unkept KEEP_RECORDS_S after it
     began keeping records: the writer's answer (or its kill) within half the time left, so the

@@ -106,9 +106,16 @@ class WriterSide(RecordWriter):
         self._writable = self.error is None  # close() writes the rest (the unfinished) too
         if stopped is None and self.error is None:
             logging.getLogger("batchsim").warning(
-                "%s: %s; its last %d batches were written by the run", self.run_dir,
-                child.how_ended, len(child.unwritten))
+                "%s: %s; %s", self.run_dir, child.how_ended, _rest(len(child.unwritten)))
         self.error = self.error or stopped  # a failed write here: records before it are kept
+
+
+def _rest(unwritten: int) -> str:
+    """Who wrote a lost writer's last batches, for the run's warning."""
+    if unwritten == 0:
+        return "it had written every batch it was sent"
+    return ("its last batch was written by the run" if unwritten == 1 else
+            f"its last {unwritten} batches were written by the run")
 
 
 def _started(run_dir: Path, files: dict[str, BinaryIO]) -> WriterProcess | None:

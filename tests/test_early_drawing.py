@@ -16,6 +16,7 @@ import pytest
 from batchsim.server.results import drawing_start
 from batchsim.server.results.drawing_start import wanted_early
 
+from tests.cli_calls import gone
 from tests.sim_records import wait_until
 
 # The program as the console script starts it, each drawing child it starts noted in $NOTED:
@@ -57,14 +58,6 @@ def _program(home, tmp_path, argv: list[str], patch: str = "") -> tuple:
     return done, children
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 def test_a_simulated_run_draws_with_the_child_started_before_its_modules(batchsim_home,
                                                                          tmp_path):
     done, children = _program(batchsim_home, tmp_path, [*SIM, "--out", str(tmp_path / "o")])
@@ -72,7 +65,7 @@ def test_a_simulated_run_draws_with_the_child_started_before_its_modules(batchsi
     assert len(children) == 1 and children[0][1] is False  # one child, started before them
     png = json.loads(done.stdout.splitlines()[-1])["timeline_png"]
     assert png and os.path.getsize(png) > 10_000
-    assert _gone(children[0][0])
+    assert gone(children[0][0])
 
 
 @pytest.mark.parametrize("bad", [["--model", "no-such-model"], ["--num-prompts", "-3"],
@@ -81,7 +74,7 @@ def test_a_run_that_refuses_its_input_leaves_no_drawing_child(batchsim_home, tmp
     done, children = _program(batchsim_home, tmp_path, [*SIM, *bad, "--out", str(tmp_path)])
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert len(children) == 1 and children[0][1] is False
-    assert _gone(children[0][0])  # killed before the program ended, not left to import
+    assert gone(children[0][0])  # killed before the program ended, not left to import
 
 
 def test_a_stop_signal_while_starting_leaves_no_drawing_child(batchsim_home, tmp_path):
@@ -89,7 +82,7 @@ def test_a_stop_signal_while_starting_leaves_no_drawing_child(batchsim_home, tmp
                               patch=SIGNALLED)
     assert done.returncode == 130 and done.stderr == (
         "batchsim: interrupted while starting (SIGTERM)\n")
-    assert len(children) == 1 and _gone(children[0][0])
+    assert len(children) == 1 and gone(children[0][0])
 
 
 # SIGTERM as the drawing child's Popen returns, before start_early has noted the child.
@@ -109,7 +102,7 @@ def test_a_stop_signal_as_the_child_starts_leaves_no_drawing_child(batchsim_home
                               patch=SIGNALLED_AT_FORK)
     assert done.returncode == 130 and done.stderr == (
         "batchsim: interrupted while starting (SIGTERM)\n")
-    assert len(children) == 1 and _gone(children[0][0])  # killed, not orphaned
+    assert len(children) == 1 and gone(children[0][0])  # killed, not orphaned
 
 
 def test_the_early_child_has_its_stop_signals_unblocked():
@@ -206,7 +199,7 @@ def test_a_run_that_draws_no_picture_apart_kills_the_child_before_it_runs(batchs
                                                         str(tmp_path / "o")], patch=NOTED_END)
     assert done.returncode == 0, done.stderr[-2000:]
     assert children[0][1] is False and children[1] == ["end_early", 0]  # before any record
-    assert _gone(children[0][0])
+    assert gone(children[0][0])
     assert not json.loads(done.stdout.splitlines()[-1]).get("timeline_png")
 
 

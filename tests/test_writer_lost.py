@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from batchsim.server.distributed import rank
 from batchsim.server.results import record_process, run_files
 
@@ -70,10 +71,15 @@ def test_a_writer_killed_mid_run_stops_it_at_the_next_flush_and_nothing_is_lost(
     assert the_files(tmp_path / "run") == _in_process(tmp_path / "here", 8)
 
 
+@pytest.mark.parametrize("more, said", [
+    (3, "its last 3 batches were written by the run"),
+    (1, "its last batch was written by the run"),
+    (0, "it had written every batch it was sent")])  # it read "its last 0 batches were ..."
 def test_a_writer_that_does_not_answer_at_close_is_killed_and_its_batches_written_here(
-        tmp_path, monkeypatch, caplog):
+        tmp_path, monkeypatch, caplog, more, said):
     """The run's loop had ended and every record is written here: one warning, no error (the
-    run is not failed nor interrupted)."""
+    run is not failed nor interrupted), saying what the writer left (`more` batches sent after
+    it stopped answering)."""
     monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 0.0)
     monkeypatch.setattr(record_process, "FINISH_WAIT_S", 0.5)
     errors: list[OSError] = []
@@ -81,40 +87,16 @@ def test_a_writer_that_does_not_answer_at_close_is_killed_and_its_batches_writte
     os.kill(child._child.pid, signal.SIGSTOP)
     backstop = threading.Timer(5.0, os.kill, (child._child.pid, signal.SIGKILL))
     backstop.start()  # a close that waits longer than it should fails in seconds, not minutes
-    for i in range(3, 6):
+    for i in range(3, 3 + more):
         add_to(stream, i)
     try:
-        stream.close(_closed(6))
+        stream.close(_closed(3 + more))
     finally:
         backstop.cancel()
     assert errors == [] and stream.error is None
     assert [r.getMessage() for r in caplog.records if r.name == "batchsim"] == [
-        f"{tmp_path / 'run'}: the records' writer process did not answer in 0.5 s; its last 3 "
-        + "batches were written by the run"]
-    assert the_files(tmp_path / "run") == _in_process(tmp_path / "here", 6)
-
-
-def test_a_writer_lost_after_answering_every_batch_says_so_not_last_0_batches(
-        tmp_path, monkeypatch, caplog):
-    """Stopped after it had answered each batch it was sent, the writer misses only its last
-    answer at close: killed, nothing to write here, and the warning says it wrote every batch
-    (it read "its last 0 batches were written by the run")."""
-    monkeypatch.setattr(run_files, "FLUSH_EVERY_S", 0.0)
-    monkeypatch.setattr(record_process, "FINISH_WAIT_S", 0.5)
-    errors: list[OSError] = []
-    stream, child = _with_writer(tmp_path / "run", errors)  # every batch answered
-    os.kill(child._child.pid, signal.SIGSTOP)
-    backstop = threading.Timer(5.0, os.kill, (child._child.pid, signal.SIGKILL))
-    backstop.start()
-    try:
-        stream.close(_closed(3))
-    finally:
-        backstop.cancel()
-    assert errors == [] and stream.error is None
-    assert [r.getMessage() for r in caplog.records if r.name == "batchsim"] == [
-        f"{tmp_path / 'run'}: the records' writer process did not answer in 0.5 s; it had "
-        + "written every batch it was sent"]
-    assert the_files(tmp_path / "run") == _in_process(tmp_path / "here", 3)
+        f"{tmp_path / 'run'}: the records' writer process did not answer in 0.5 s; {said}"]
+    assert the_files(tmp_path / "run") == _in_process(tmp_path / "here", 3 + more)
 
 
 def test_the_close_wait_for_the_writer_ends_before_a_rank_exits_unkept(tmp_path, monkeypatch):

@@ -12,10 +12,12 @@ import json
 import math
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from batchsim.server.engine import clock, runner, virtual_run
+from batchsim.server.engine import runner, virtual_clock, virtual_run
 from batchsim.server.engine.run_config import RunConfig
 from batchsim.server.engine.runner import run_workload
 from batchsim.server.engine.session import open_session
@@ -107,13 +109,13 @@ def test_an_instant_s_arrivals_after_a_wait_that_lands_short(tmp_path, monkeypat
     short of `when` now and then (forced here on every wait, in both paths): asyncio then issues
     that instant's arrivals one per turn, before the engine wakes while each is refused, after
     its next plan is priced once one was queued. The plain loop does the same."""
-    landed = clock.waited_s
+    landed = virtual_clock.waited_s
 
     def short(now_s, timeout_s, capped_at_s):
         at_s = landed(now_s, timeout_s, capped_at_s)
         return math.nextafter(at_s, 0.0) if timeout_s > 0 else at_s
 
-    monkeypatch.setattr(clock, "waited_s", short)
+    monkeypatch.setattr(virtual_clock, "waited_s", short)  # both paths land by it
     trace = tmp_path / "instants.jsonl"
     rows = [row for t_ms in (0.0, 500.0, 1250.0, 3000.0) for row in _group(t_ms)]
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -262,3 +264,30 @@ def test_the_workloads_requests_are_built_without_the_collectors_passes(tmp_path
     run_workload(open_session(_config(spec)), spec, out_dir=tmp_path, label="gc3",
                  timeline=False)
     assert made == [0] and gc.get_threshold() == threshold
+
+
+def test_the_virtual_clock_waits_at_most_what_asyncio_waits():
+    """virtual_clock holds asyncio's longest wait without loading asyncio: the two must agree, or
+    the plain loop and the event loop land an idle wait of over a day at different times."""
+    import asyncio
+
+    assert asyncio.base_events.MAXIMUM_SELECT_TIMEOUT == virtual_clock.MAX_WAIT_S
+
+
+def test_a_simulated_open_loop_run_never_loads_asyncio(tmp_path):
+    """The plain loop needs no event loop, so the program does not load asyncio (about 25 ms of the
+    simulated hour's start): a module on this path that imports it again fails this."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('asyncio loaded:', 'asyncio' in sys.modules))\n")
+    command = [sys.executable, "-m", "batchsim.scripts.cli", "run", "--executor", "sim",
+               "--device-profile", "M2 Max", "--model", "llama-3.2-1b", "--num-prompts", "20",
+               "--request-rate", "8", "--no-progress", "--out", str(tmp_path / "runs")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False,
+                          env={**os.environ, "PYTHONPATH": str(hook)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "asyncio loaded: False"
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert (run_dir / "timeline.png").is_file()  # the whole run, its picture too

@@ -10,22 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import math
 import selectors
 from collections.abc import Callable
 
-MAX_WAIT_S = asyncio.base_events.MAXIMUM_SELECT_TIMEOUT  # asyncio's longest wait for a timer
-
-
-def resolution_s(now_s: float) -> float:
-    """The virtual loop's clock resolution at `now_s`: a timer due before now + this fires now."""
-    return max(1e-9, 2 * math.ulp(now_s))
-
-
-def waited_s(now_s: float, timeout_s: float, capped_at_s: float | None) -> float:
-    """Where the virtual clock lands after a wait of `timeout_s` (asyncio's, up to the first
-    timer); `capped_at_s`: that timer, when asyncio capped the wait at MAX_WAIT_S."""
-    return max(now_s + max(timeout_s, 0.0), capped_at_s or 0.0)
+from batchsim.server.engine import virtual_clock
+from batchsim.server.engine.virtual_clock import MAX_WAIT_S
 
 
 class SimulationStalled(RuntimeError):
@@ -51,7 +40,7 @@ class _VirtualSelector(selectors.DefaultSelector):
             raise SimulationStalled("simulated event loop has no pending timer or ready callback")
         # asyncio caps a wait at a day: jump to the timer itself (1e12 s away: not 1e7 turns).
         due_s = self.next_timer_s() if timeout >= MAX_WAIT_S else None
-        self.now_s = waited_s(self.now_s, timeout, due_s)
+        self.now_s = virtual_clock.waited_s(self.now_s, timeout, due_s)
         return []
 
 
@@ -76,7 +65,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         """asyncio fires a timer once `when < time() + resolution`. Far into virtual time (very low
         rates, long trace gaps) 1 ns is below a float's spacing, and a timer due exactly now would
         never fire: the loop would spin at timeout 0. So: at least two float steps of the clock."""
-        return resolution_s(self._virtual.now_s)
+        return virtual_clock.resolution_s(self._virtual.now_s)
 
     @_clock_resolution.setter
     def _clock_resolution(self, value: float) -> None:  # asyncio assigns the OS clock's; ours wins

@@ -4,21 +4,24 @@ the simulated one advances a virtual clock."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from batchsim.scheduler.plan import StepPlan, StepResult
 from batchsim.scheduler.request import Request
 from batchsim.scheduler.scheduler import Scheduler
 from batchsim.scheduler.spec_budget import cut_drafts
-from batchsim.server.engine import clock
 from batchsim.server.executors.base import Executor, ExecutorLost
 from batchsim.server.platform import env
 from batchsim.server.results.recorder import RunRecorder
+
+# asyncio is loaded by the methods that use an event loop: a simulated open-loop run
+# (virtual_run.py) has none and never loads it (25 ms of its start).
+if TYPE_CHECKING:
+    import asyncio
 
 StepHook = Callable[["Engine", StepPlan, StepResult], None]
 
@@ -62,7 +65,7 @@ class Engine:
         self._t0 = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._time: Callable[[], float] = time.monotonic  # the clock now() reads (start_clock)
-        self._wake = asyncio.Event()
+        self._wake: asyncio.Event | None = None  # made by the loop (run), set by what wakes it
         self._done: dict[int, asyncio.Future] = {}
         self.stopping = False  # set by stop() (an attribute: the simulated loop reads it a plan)
         self._thread = (None if self.virtual_time
@@ -78,6 +81,8 @@ class Engine:
         """Time starts now, on the running loop's clock, or on `time_s` (a loop-less simulation's
         virtual clock: server/engine/virtual_run.py)."""
         if time_s is None:
+            import asyncio
+
             self._loop = asyncio.get_running_loop()
             time_s = self._loop.time
         self._time = time_s
@@ -86,10 +91,12 @@ class Engine:
     # -- requests ------------------------------------------------------------------------------
     def add(self, request: Request) -> asyncio.Future:
         """Queue a request; the future resolves with it once finished, rejected or aborted."""
+        import asyncio
+
         fut = asyncio.get_running_loop().create_future()
         if self.admit(request):
             self._done[request.request_id] = fut
-            self._wake.set()
+            self._wake_up()
         else:
             fut.set_result(request)
         return fut
@@ -105,6 +112,8 @@ class Engine:
     def stream(self, request: Request) -> asyncio.Queue:
         """Queue a request and get its tokens as they come: lists of new token ids, then the
         finished Request itself (finished, rejected or aborted)."""
+        import asyncio
+
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = queue
         self._stream_requests[request.request_id] = request
@@ -123,11 +132,16 @@ class Engine:
         if request is not None:
             request.finished_s = self.now()
             self._resolve([request])
-            self._wake.set()
+            self._wake_up()
 
     def stop(self) -> None:
         self.stopping = True
-        self._wake.set()
+        self._wake_up()
+
+    def _wake_up(self) -> None:
+        """The loop, waiting for work, looks again (before it runs, it looks first anyway)."""
+        if self._wake is not None:
+            self._wake.set()
 
     # -- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -145,6 +159,11 @@ class Engine:
             self.scheduler.settle()
 
     async def _loop_steps(self) -> None:
+        import asyncio
+
+        from batchsim.server.engine import clock
+
+        self._wake = asyncio.Event()
         # The virtual loop moves its clock in place when nothing else is due (most plans), and
         # runs a finished request's callbacks without a turn when they wake no task.
         advance = getattr(self._loop, "advance", None)

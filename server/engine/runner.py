@@ -3,7 +3,6 @@ per-request and per-step JSONL, and the summary."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -18,7 +17,6 @@ from typing import Any
 
 import numpy as np
 from batchsim.scheduler.request import Request, SamplingParams
-from batchsim.server.engine import clock
 from batchsim.server.engine.collector import long_lived_heap, uncollected
 from batchsim.server.engine.engine import Engine
 from batchsim.server.engine.interrupts import Interrupts
@@ -41,7 +39,6 @@ from batchsim.server.results.records import RequestRecord, StepRecord
 from batchsim.server.results.run_files import RecordStream
 from batchsim.server.results.timeline import PANEL_INTS, TIMELINE
 from batchsim.server.results.timeline_draw import DrawingProcess
-from batchsim.workloads.driver import drive
 from batchsim.workloads.requests import (
     RequestSpec,
     build_requests,
@@ -119,15 +116,6 @@ class _Run:
         """A signal came before the summary was made (the run may have stopped early)."""
         return self.interrupts.received is not None
 
-    def submit(self, rs: RequestSpec) -> asyncio.Future:
-        fut = self.engine.add(self.make_request(rs))  # the request is queued as it is issued
-        fut.add_done_callback(self._left_engine)
-        return fut
-
-    def _left_engine(self, fut: asyncio.Future) -> None:
-        if not fut.cancelled() and fut.exception() is None:  # cancelled: cut off by a stop
-            self.recorder.on_finish(fut.result())
-
     def drive(self) -> float:
         """Send the workload through the engine; the run's duration on its clock. A simulated
         open-loop run without limits on issuing goes without asyncio (VirtualRun: the same
@@ -136,7 +124,9 @@ class _Run:
         if (self.virtual and self.open_loop and spec.max_request_rate is None
                 and not spec.max_concurrency and replays_exactly(self.arrivals_s)):
             return self._run_plain()
-        return clock.run(self.main(), virtual=self.virtual)
+        from batchsim.server.engine.event_loop_run import run_on_event_loop
+
+        return run_on_event_loop(self)
 
     def _run_plain(self) -> float:
         requests, engine, recorder = self.requests, self.engine, self.recorder
@@ -155,40 +145,6 @@ class _Run:
             duration = run.run()
         engine.close()
         return duration
-
-    async def main(self) -> float:
-        self.engine.start_clock()
-        engine_task = asyncio.create_task(self.engine.run())
-        driver = asyncio.create_task(drive(self.spec, self.requests, self.submit))
-        loop = asyncio.get_running_loop()
-
-        def stop_sending() -> None:  # from a signal handler: the loop's thread-safe door
-            with contextlib.suppress(RuntimeError):  # the loop is closing: nothing left to stop
-                loop.call_soon_threadsafe(driver.cancel)
-
-        # In real time the engine may idle between steps: records still reach the disk.
-        flusher = None if self.virtual or self.stream is None else asyncio.create_task(
-            _flush_when_due(self.stream))
-        try:
-            with self.interrupts.answered_by(stop_sending):
-                if self.interrupted:  # it came while the run was being set up
-                    driver.cancel()
-                await driver
-        except asyncio.CancelledError:
-            if not self.interrupted:
-                raise
-        finally:
-            if flusher is not None:
-                flusher.cancel()
-            self.engine.stop()
-            await engine_task
-            self.engine.close()
-        return self.engine.now()
-
-
-async def _flush_when_due(stream: RecordStream) -> None:
-    while True:
-        await asyncio.sleep(stream.flush_if_due())
 
 
 def run_workload(

@@ -16,8 +16,9 @@ from collections.abc import Callable, Sequence
 
 from batchsim.scheduler.request import Request
 from batchsim.scheduler.scheduler import Scheduler
-from batchsim.server.engine import clock
+from batchsim.server.engine import virtual_clock
 from batchsim.server.engine.engine import Engine
+from batchsim.server.engine.virtual_clock import MAX_WAIT_S
 
 MIN_GAP_S = 1e-8  # distinct arrivals closer: asyncio may fire the later one early (1 ns)
 INF = float("inf")
@@ -107,9 +108,9 @@ class VirtualRun:
         when = self._arrivals_s[self._next]
         now = self.now_s
         while True:  # asyncio's turns until the timer is due (one, below FAST_PATH_MAX_S)
-            timeout = min(max(0, when - now), clock.MAX_WAIT_S)
-            now = clock.waited_s(now, timeout, when if timeout >= clock.MAX_WAIT_S else None)
-            if when < now + clock.resolution_s(now):
+            timeout = min(max(0, when - now), MAX_WAIT_S)
+            now = virtual_clock.waited_s(now, timeout, when if timeout >= MAX_WAIT_S else None)
+            if when < now + virtual_clock.resolution_s(now):
                 break
         self.now_s = now
         woke = self._fire()
@@ -120,7 +121,8 @@ class VirtualRun:
     def _due(self) -> bool:
         """The next arrival's timer is due now (within the clock's resolution)."""
         i, now = self._next, self.now_s
-        return i < len(self._arrivals_s) and self._arrivals_s[i] < now + clock.resolution_s(now)
+        return (i < len(self._arrivals_s)
+                and self._arrivals_s[i] < now + virtual_clock.resolution_s(now))
 
     def _fire(self) -> bool:
         """The driver's timer callback: the next request, then every one due by now; whether

@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from batchsim.server.results.png import figure_png
 from batchsim.server.results.run_files import replace_atomically
 
 
@@ -41,16 +42,19 @@ def figure(**kwargs):
 def save_figure(fig, path: Path, dpi: int = 110, tight: bool = True, fast: bool = False,
                 make_dir: bool = True) -> Path:
     """`tight`: fit the margins to the labels (costs a draw); else the figure's own margins.
-    `fast`: light PNG compression (line plots still compress well). `make_dir`: make the
-    directory if missing (else its absence is an OSError: a run directory removed mid-run)."""
+    `fast`: a PNG unfiltered and lightly compressed (png.py: line plots still compress well).
+    `make_dir`: make the directory if missing (else its absence is an OSError: a run directory
+    removed mid-run). Written whole or not at all: a full disk or a kill left a torn PNG."""
     if tight:
         fig.tight_layout()
     if make_dir:
         path.parent.mkdir(parents=True, exist_ok=True)
-    image = io.BytesIO()  # whole or not at all: a full disk or a kill left a torn PNG
-    fig.savefig(image, format=path.suffix[1:] or None, dpi=dpi,
-                **({"pil_kwargs": {"compress_level": 1}} if fast else {}))
-    replace_atomically(path, image.getvalue())
+    if fast and path.suffix == ".png":
+        replace_atomically(path, figure_png(fig, dpi))
+    else:
+        image = io.BytesIO()
+        fig.savefig(image, format=path.suffix[1:] or None, dpi=dpi)
+        replace_atomically(path, image.getvalue())
     if "matplotlib.pyplot" in sys.modules:  # pyplot keeps its figures until closed
         sys.modules["matplotlib.pyplot"].close(fig)
     return path

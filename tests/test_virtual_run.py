@@ -275,7 +275,7 @@ def test_the_virtual_clock_waits_at_most_what_asyncio_waits():
 
 
 def test_a_simulated_open_loop_run_never_loads_asyncio(tmp_path):
-    """The plain loop needs no event loop, so the program does not load asyncio (about 25 ms of the
+    """The plain loop needs no event loop, so the program does not load asyncio (about 20 ms of the
     simulated hour's start): a module on this path that imports it again fails this."""
     hook = tmp_path / "hook"
     hook.mkdir()

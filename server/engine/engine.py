@@ -19,7 +19,7 @@ from batchsim.server.platform import env
 from batchsim.server.results.recorder import RunRecorder
 
 # asyncio is loaded by the methods that use an event loop: a simulated open-loop run
-# (virtual_run.py) has none and never loads it (25 ms of its start).
+# (virtual_run.py) has none and never loads it (about 20 ms of its start).
 if TYPE_CHECKING:
     import asyncio
 

@@ -1,6 +1,6 @@
 """How the virtual clock moves, as asyncio's loop moves it (clock.py's VirtualTimeLoop) and as the
 plain simulated loop does the same without one (virtual_run.py). No asyncio here: a simulated
-open-loop run never loads it (25 ms of the simulated hour's start)."""
+open-loop run never loads it (about 20 ms of the simulated hour's start)."""
 
 from __future__ import annotations
 
